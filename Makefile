@@ -1,0 +1,32 @@
+# Two commands that work on a fresh machine: `make demo` (the main job) and `make test`.
+# Both create/update the virtualenv .venv and install what they need.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU machines of this project have torch 2.13.0 (CPU build) on disk; elsewhere any torch >= 2.6 works.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast lint clean
+
+$(STAMP): setup.py Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[all-cpu]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m megatron_trace.cli.demo_quant
+
+test: $(STAMP)
+	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests
+
+test-fast: $(STAMP)
+	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -m "not slow" tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check megatron_trace tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""Command-line entry points (the only place in the package that prints)."""

@@ -1,0 +1,180 @@
+"""``TraceConfig``: the one frozen, validated, serialisable description of a TRACE setup.
+
+It flows from the Megatron launch flags, Hydra or Python to every consumer; nothing reads
+environment variables. Layers are numbered from 0 (Megatron's ``layer_number`` minus 1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from .formats import FORMATS, Quantizer
+from .formats.mxfp4 import SCALE_RULES
+from .formats.rounding import ROUNDINGS
+
+CONFIG_VERSION = 1
+
+ACTIVATION_SITES = ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v")
+"""Sites whose rows the rollout records: FC1 input (per token), FC2 input (per token and expert), K, V."""
+SITES = (*ACTIVATION_SITES, "weights")
+LAYER_POLICIES = ("none", "all", "last_k", "fraction", "explicit", "budget")
+CACHE_MODES = ("compact", "full")
+AMAX_GRANULARITIES = ("per_row", "per_tensor")
+FALLBACKS = ("rne", "fail")
+KERNELS = ("auto", "reference", "triton")
+
+
+def _choice(name: str, value: Any, valid: tuple) -> None:
+    if value not in valid:
+        raise ValueError(f"TraceConfig.{name}={value!r} is not one of {valid}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceConfig:
+    """Every numeric and policy choice of TRACE. See the README for each field."""
+
+    enabled: bool = True
+    format: str = "nvfp4"
+    mxfp4_scale_rule: str = "floor"
+    sites: tuple[str, ...] = SITES
+    activation_amax: str = "per_row"
+    guided_sites: tuple[str, ...] = ACTIVATION_SITES
+    guided_layers: str = "fraction"
+    guided_last_k: int = 0
+    guided_fraction: float = 0.5
+    guided_layer_list: tuple[int, ...] = ()
+    budget_bytes_per_token: float = 0.0
+    cache_mode: str = "compact"
+    cache_budget_mb: float = 4096.0
+    cache_dir: str = ""
+    rounding: str = "rne"
+    ste_clip: bool = False
+    fallback: str = "rne"
+    min_coverage: float = 0.0
+    routing_replay: bool = True
+    kernel: str = "auto"
+    version: int = CONFIG_VERSION
+
+    def __post_init__(self):
+        # Hydra/OmegaConf hand lists; normalise to tuples so the config stays hashable-ish.
+        for name in ("sites", "guided_sites", "guided_layer_list"):
+            object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.version != CONFIG_VERSION:
+            raise ValueError(f"TraceConfig.version={self.version} is not supported (this build reads {CONFIG_VERSION})")
+        _choice("format", self.format, FORMATS)
+        _choice("mxfp4_scale_rule", self.mxfp4_scale_rule, SCALE_RULES)
+        for s in self.sites:
+            _choice("sites[]", s, SITES)
+        for s in self.guided_sites:
+            _choice("guided_sites[]", s, ACTIVATION_SITES)
+            if s not in self.sites:
+                raise ValueError(f"TraceConfig.guided_sites has {s!r}, which is not a quantized site {self.sites}")
+        _choice("activation_amax", self.activation_amax, AMAX_GRANULARITIES)  # ignored by MXFP4 (no global amax)
+        _choice("guided_layers", self.guided_layers, LAYER_POLICIES)
+        _choice("cache_mode", self.cache_mode, CACHE_MODES)
+        _choice("rounding", self.rounding, ROUNDINGS)
+        _choice("fallback", self.fallback, FALLBACKS)
+        _choice("kernel", self.kernel, KERNELS)
+        if self.guided_last_k < 0:
+            raise ValueError(f"TraceConfig.guided_last_k={self.guided_last_k} must be >= 0")
+        if not 0.0 <= self.guided_fraction <= 1.0:
+            raise ValueError(f"TraceConfig.guided_fraction={self.guided_fraction} must be in [0, 1]")
+        if any(i < 0 for i in self.guided_layer_list):
+            raise ValueError(f"TraceConfig.guided_layer_list={self.guided_layer_list} has a negative layer")
+        if self.guided_layers == "explicit" and not self.guided_layer_list:
+            raise ValueError("TraceConfig.guided_layers='explicit' needs a non-empty guided_layer_list")
+        if self.guided_layers == "last_k" and self.guided_last_k == 0:
+            raise ValueError("TraceConfig.guided_layers='last_k' needs guided_last_k >= 1")
+        if self.budget_bytes_per_token < 0:
+            raise ValueError(f"TraceConfig.budget_bytes_per_token={self.budget_bytes_per_token} must be >= 0")
+        if self.guided_layers == "budget" and self.budget_bytes_per_token <= 0:
+            raise ValueError("TraceConfig.guided_layers='budget' needs budget_bytes_per_token > 0")
+        if self.cache_budget_mb < 0:
+            raise ValueError(f"TraceConfig.cache_budget_mb={self.cache_budget_mb} must be >= 0")
+        if not 0.0 <= self.min_coverage <= 1.0:
+            raise ValueError(f"TraceConfig.min_coverage={self.min_coverage} must be in [0, 1]")
+
+    # ---- quantizers -------------------------------------------------------------------------
+    def weight_quantizer(self) -> Quantizer:
+        """Weights: per-tensor global amax, RNE (deterministic, identical on both sides)."""
+        return Quantizer(fmt=self.format, scale_rule=self.mxfp4_scale_rule, ste_clip=self.ste_clip)
+
+    def activation_quantizer(self) -> Quantizer:
+        """Activations and KV: per-row (or per-tensor) amax, the trainer's own rounding where unguided."""
+        per_row = self.format == "nvfp4" and self.activation_amax == "per_row"
+        return Quantizer(
+            fmt=self.format, per_row=per_row, scale_rule=self.mxfp4_scale_rule,
+            rounding=self.rounding, ste_clip=self.ste_clip,
+        )
+
+    def quantizes(self, site: str) -> bool:
+        _choice("site", site, SITES)
+        return self.enabled and site in self.sites
+
+    # ---- serialisation ----------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) }
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TraceConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown TraceConfig field(s) {sorted(unknown)}; valid: {sorted(known)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> TraceConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def register_hydra(group: str = "trace", name: str = "default") -> None:
+    """Register ``TraceConfig`` as a Hydra structured config (``examples`` extra)."""
+    try:
+        from hydra.core.config_store import ConfigStore
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("Hydra is not installed: pip install 'megatron_trace[examples]'") from e
+    ConfigStore.instance().store(group=group, name=name, node=_HydraTraceConfig)
+
+
+@dataclass
+class _HydraTraceConfig:
+    """Mutable mirror of TraceConfig for OmegaConf (which needs lists, not tuples)."""
+
+    enabled: bool = True
+    format: str = "nvfp4"
+    mxfp4_scale_rule: str = "floor"
+    sites: list[str] = field(default_factory=lambda: list(SITES))
+    activation_amax: str = "per_row"
+    guided_sites: list[str] = field(default_factory=lambda: list(ACTIVATION_SITES))
+    guided_layers: str = "fraction"
+    guided_last_k: int = 0
+    guided_fraction: float = 0.5
+    guided_layer_list: list[int] = field(default_factory=list)
+    budget_bytes_per_token: float = 0.0
+    cache_mode: str = "compact"
+    cache_budget_mb: float = 4096.0
+    cache_dir: str = ""
+    rounding: str = "rne"
+    ste_clip: bool = False
+    fallback: str = "rne"
+    min_coverage: float = 0.0
+    routing_replay: bool = True
+    kernel: str = "auto"
+    version: int = CONFIG_VERSION
+
+
+def from_hydra(node) -> TraceConfig:
+    """Build a validated TraceConfig from a Hydra/OmegaConf node (or a plain dict)."""
+    try:
+        from omegaconf import OmegaConf
+
+        d = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    except ImportError:
+        d = dict(node)
+    return TraceConfig.from_dict(d)

@@ -1,0 +1,103 @@
+"""NVFP4: E2M1 elements in 1x16 blocks along K, E4M3 block scales, FP32 global amax (DESIGN.md §3).
+
+  S_enc = 448 * 6 / amax_global               (1.0 where amax_global == 0)
+  sf    = e4m3_rn_sat(S_enc * amax_block / 6)  (saturates at 448)
+  q     = rne_e2m1(x * S_enc / fp32(sf))       (0 where sf == 0: all-zero or underflowing block)
+  x_hat = q * fp32(sf) / S_enc
+
+``global_amax`` granularity: per tensor (weights; the default), per row (``per_row=True``:
+one amax per token row, batch-invariant) or given (static/calibrated: a float or a float32
+tensor of shape [] or [..., 1]). ModelOpt checkpoints store the reciprocal encode scale
+``amax / (6 * 448)`` as ``weight_scale_2`` / ``input_scale``: see ``decode_scale_from_amax``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import block
+from .constants import E2M1_MAX, E4M3_MAX, NVFP4_BLOCK
+from .tensor import FP4Tensor, GuidanceMismatchError
+
+NVFP4Tensor = FP4Tensor
+"""An FP4Tensor with ``fmt == "nvfp4"``: codes, block_scales (float8_e4m3fn), global_amax."""
+
+_ENC_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688
+
+
+def encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
+    """S_enc = 448 * 6 / amax (fp32), 1.0 where amax == 0."""
+    g = global_amax.float()
+    return torch.where(g > 0, _ENC_NUMERATOR / torch.where(g > 0, g, 1.0), 1.0)
+
+
+def decode_scale_from_amax(global_amax: torch.Tensor) -> torch.Tensor:
+    """ModelOpt's ``weight_scale_2`` / ``input_scale`` convention: amax / (6 * 448)."""
+    return global_amax.float() / _ENC_NUMERATOR
+
+
+class NVFP4Format:
+    """Scale policy of NVFP4 (used by the generic block quantizer)."""
+
+    name = "nvfp4"
+    block_size = NVFP4_BLOCK
+    scale_dtype = torch.float8_e4m3fn
+
+    def global_amax(self, x: torch.Tensor, *, global_amax=None, per_row: bool = False) -> torch.Tensor:
+        if global_amax is not None:
+            if per_row:
+                raise ValueError("give either global_amax (static) or per_row=True, not both")
+            g = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
+            self.check_global_amax(g, x)
+            if not bool(torch.isfinite(g).all()) or bool((g <= 0).any()):
+                raise ValueError(f"a given global_amax must be finite and > 0, got {g.flatten()[:4].tolist()}")
+            return g
+        a = x.detach().float().abs()
+        return a.amax(-1, keepdim=True) if per_row else a.amax()
+
+    def check_global_amax(self, g, x: torch.Tensor) -> None:
+        if g is None or not isinstance(g, torch.Tensor):
+            raise GuidanceMismatchError(f"NVFP4 needs a float32 global_amax tensor, got {type(g).__name__}")
+        if g.dim() and tuple(g.shape) != (*x.shape[:-1], 1):
+            raise GuidanceMismatchError(
+                f"global_amax shape {tuple(g.shape)} must be [] (per tensor) or {(*x.shape[:-1], 1)} (per row)"
+            )
+
+    def block_scales(self, xb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        s_enc = encode_scale(g)  # [] or [..., 1]
+        v = s_enc * xb.abs().amax(-1) / E2M1_MAX
+        return v.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+
+    def scale_values(self, xb: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        sf = scales.float().unsqueeze(-1)  # [..., nb, 1]
+        s_enc = encode_scale(g)
+        s_enc = s_enc.unsqueeze(-1) if s_enc.dim() else s_enc
+        ok = sf > 0
+        return torch.where(ok, xb * s_enc / torch.where(ok, sf, 1.0), 0.0)
+
+    def unscale(self, q: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        s_enc = encode_scale(g)
+        s_enc = s_enc.unsqueeze(-1) if s_enc.dim() else s_enc
+        return q * scales.float().unsqueeze(-1) / s_enc
+
+
+FORMAT = NVFP4Format()
+
+
+def quantize(
+    x: torch.Tensor,
+    *,
+    global_amax: float | torch.Tensor | None = None,
+    per_row: bool = False,
+    rounding: str = "rne",
+    generator: torch.Generator | None = None,
+) -> FP4Tensor:
+    """Quantize ``x`` [..., K] to NVFP4 (K padded to a multiple of 16 internally)."""
+    return block.quantize_with_z(
+        FORMAT, x, global_amax=global_amax, per_row=per_row, rounding=rounding, generator=generator
+    )[0]
+
+
+def guided_quantize(x: torch.Tensor, guidance) -> FP4Tensor:
+    """Guided rounding toward a rollout record (FullGuidance or CompactGuidance), using its scales."""
+    return block.guided_quantize_with_z(FORMAT, x, guidance)[0]

@@ -1,0 +1,94 @@
+"""Storage classes: a block-scaled FP4 tensor and the two guidance records derived from it.
+
+Shapes (``K`` = last dim of the original tensor, ``Kp`` = K padded up to the block size ``B``):
+  codes          uint8 [..., Kp/2]   packed E2M1, element 2i in the low nibble
+  mantissa_bits  uint8 [..., Kp/8]   packed, element 8i+j in bit j (compact guidance)
+  block_scales   [..., Kp/B]         float8_e4m3fn (NVFP4) or float8_e8m0fnu (MXFP4)
+  global_amax    float32, [] (per tensor) or [..., 1] (per row); None for MXFP4
+Padding elements are zero and get zero codes; ``shape`` keeps the unpadded shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import e2m1
+
+
+class GuidanceMismatchError(ValueError):
+    """A guidance record does not fit the tensor it is applied to (shape, format, dtype)."""
+
+
+class NonFiniteError(ValueError):
+    """A tensor to quantize holds NaN or Inf."""
+
+
+@dataclass(frozen=True)
+class _Blocked:
+    block_scales: torch.Tensor
+    global_amax: torch.Tensor | None
+    shape: tuple[int, ...]
+    fmt: str
+
+    @property
+    def padded_k(self) -> int:
+        return self.block_scales.shape[-1] * self.block_size
+
+    @property
+    def block_size(self) -> int:
+        from .registry import get_format
+
+        return get_format(self.fmt).block_size
+
+
+@dataclass(frozen=True)
+class FullGuidance(_Blocked):
+    """The rollout's full outcome: packed codes + scales (4 bits per element)."""
+
+    codes: torch.Tensor = None  # type: ignore[assignment]
+
+    def unpacked_codes(self) -> torch.Tensor:
+        return e2m1.unpack(self.codes)
+
+
+@dataclass(frozen=True)
+class CompactGuidance(_Blocked):
+    """The rollout's compact outcome: packed mantissa bits + scales (1 bit per element)."""
+
+    mantissa_bits: torch.Tensor = None  # type: ignore[assignment]
+
+    def unpacked_bits(self) -> torch.Tensor:
+        return e2m1.unpack_bits(self.mantissa_bits)
+
+
+@dataclass(frozen=True)
+class FP4Tensor(_Blocked):
+    """A block-scaled FP4 tensor (NVFP4 or MXFP4). See the module docstring for shapes."""
+
+    codes: torch.Tensor = None  # type: ignore[assignment]
+
+    def unpacked_codes(self) -> torch.Tensor:
+        """Codes one per uint8, [..., Kp]."""
+        return e2m1.unpack(self.codes)
+
+    def values(self) -> torch.Tensor:
+        """E2M1 grid values (before scaling), float32 [..., K] (padding trimmed)."""
+        return e2m1.decode(self.unpacked_codes())[..., : self.shape[-1]]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decoded values in ``dtype``, original shape. Computed in fp32 then cast once."""
+        from .registry import get_format
+
+        fmt = get_format(self.fmt)
+        q = e2m1.decode(self.unpacked_codes()).unflatten(-1, (-1, fmt.block_size))
+        out = fmt.unscale(q, self.block_scales, self.global_amax).flatten(-2)
+        return out[..., : self.shape[-1]].to(dtype)
+
+    def guidance(self, compact: bool) -> FullGuidance | CompactGuidance:
+        """The record a rollout keeps: mantissa bits (compact) or codes (full), plus scales."""
+        common = dict(block_scales=self.block_scales, global_amax=self.global_amax, shape=self.shape, fmt=self.fmt)
+        if compact:
+            return CompactGuidance(mantissa_bits=e2m1.pack_bits(e2m1.mantissa_bit(self.unpacked_codes())), **common)
+        return FullGuidance(codes=self.codes, **common)

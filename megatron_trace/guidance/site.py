@@ -1,0 +1,69 @@
+"""The contract between rollout, guidance cache and trainer: guidance for one (layer, site).
+
+Everything speaks ``SiteGuidance`` laid out batch-major over the sequences of a batch
+(``B`` sequences, ``S`` positions each, prompt + response, padded):
+
+  site            record.shape            valid      expert_ids
+  expert_fc1_in   [B, S, hidden]          [B, S]     -
+  expert_fc2_in   [B, S, topk, ffn]       [B, S, k]  [B, S, topk] (int64; the rollout's choices)
+  kv_k, kv_v      [B, S, kv_heads, hd]    [B, S]     -
+
+``record`` is a ``FullGuidance`` or ``CompactGuidance`` of that shape (NVFP4 ``global_amax``
+is per row: [..., 1]). Rows where ``valid`` is False carry zeros and are not used: the
+trainer falls back to its own rounding there and counts the reason. Consumers (the Megatron
+plugin) map these rows onto their own layout (e.g. Megatron's [S, B] token order).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from ..formats import CompactGuidance, FullGuidance
+
+SiteKey = tuple[int, str]
+"""(layer id from 0, site name): guidance is keyed by module identity, never by list position."""
+
+
+@dataclass(frozen=True)
+class SiteGuidance:
+    record: FullGuidance | CompactGuidance
+    valid: torch.Tensor
+    expert_ids: torch.Tensor | None = None
+
+    def __post_init__(self):
+        lead = tuple(self.record.shape[:-1]) if self.expert_ids is not None else tuple(self.record.shape[:2])
+        if self.expert_ids is not None and tuple(self.expert_ids.shape) != lead:
+            raise ValueError(f"expert_ids shape {tuple(self.expert_ids.shape)} != record rows {lead}")
+        if self.valid.dtype != torch.bool or tuple(self.valid.shape) != lead:
+            raise ValueError(f"valid must be bool of shape {lead}, got {self.valid.dtype} {tuple(self.valid.shape)}")
+
+    @property
+    def compact(self) -> bool:
+        return isinstance(self.record, CompactGuidance)
+
+
+@dataclass
+class FallbackCounter:
+    """Counts guided rows used and rows that fell back, by reason (logged every step)."""
+
+    used: int = 0
+    fallback: Counter = field(default_factory=Counter)
+
+    def add(self, used: int, reason_counts: dict[str, int] | None = None) -> None:
+        self.used += int(used)
+        for k, v in (reason_counts or {}).items():
+            if v:
+                self.fallback[k] += int(v)
+
+    @property
+    def coverage(self) -> float:
+        total = self.used + sum(self.fallback.values())
+        return self.used / total if total else 1.0
+
+    def as_dict(self, prefix: str = "guidance") -> dict[str, float]:
+        d = {f"{prefix}/coverage": self.coverage, f"{prefix}/rows_used": float(self.used)}
+        d.update({f"{prefix}/fallback_{k}": float(v) for k, v in sorted(self.fallback.items())})
+        return d

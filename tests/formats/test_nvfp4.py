@@ -1,0 +1,167 @@
+import numpy as np
+import pytest
+import torch
+
+from megatron_trace.formats import FP4Tensor, NonFiniteError, e2m1, nvfp4
+
+from ._independent import E4M3, e4m3_rn_sat, nvfp4 as nvfp4_independent
+
+
+def test_e4m3_cast_matches_independent_rounding():
+    g = torch.Generator().manual_seed(0)
+    v = torch.cat([torch.rand(20000, generator=g) * 500, torch.rand(5000, generator=g) * 0.02,
+                   torch.tensor(E4M3[1:], dtype=torch.float32), torch.tensor((E4M3[1:] + E4M3[:-1]) / 2, dtype=torch.float32)])
+    # NVFP4 block scales use torch's float8 cast after a clamp at 448: check it against the brute force
+    ours = v.clamp(max=448).to(torch.float8_e4m3fn).float().numpy()
+    assert np.array_equal(ours, e4m3_rn_sat(v.numpy()))
+
+
+def test_block_and_global_scale_hand_computed():
+    # one row of 16: amax_block = 3.0, global amax (per tensor) = 3.0
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1], x[0, 2] = 3.0, -1.0, 0.3
+    q = nvfp4.quantize(x)
+    assert q.global_amax.item() == 3.0
+    # S_enc = 2688 / 3 = 896; sf = e4m3(896 * 3 / 6) = e4m3(448) = 448
+    assert q.block_scales.float().item() == 448.0
+    # z = x * 896 / 448 = 2x -> 6, -2, 0.6 -> codes 6 (0b0111), -2 (0b1100), 0.5 (0b0001)
+    codes = q.unpacked_codes()[0]
+    assert codes[:3].tolist() == [0b0111, 0b1100, 0b0001]
+    assert q.dequantize()[0, :3].tolist() == [3.0, -1.0, 0.25]
+
+
+def test_block_scale_rounds_to_e4m3():
+    # global amax 10 (second block); block amax 1: sf = e4m3(268.8 * 1 / 6) = e4m3(44.8) = 44
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1.0
+    x[0, 16] = 10.0
+    q = nvfp4.quantize(x)
+    s_enc = np.float32(2688.0) / np.float32(10.0)
+    expected = e4m3_rn_sat(np.array([s_enc * np.float32(1.0) / np.float32(6.0)], dtype=np.float32))[0]
+    assert q.block_scales.float()[0, 0].item() == expected == 44.0
+    # z = 1 * 268.8 / 44 = 6.109 -> saturates to 6; x_hat = 6 * 44 / 268.8
+    assert q.values()[0, 0].item() == 6.0
+    assert q.dequantize()[0, 0].item() == pytest.approx(6 * 44 / 268.8, rel=1e-6)
+
+
+def test_matches_independent_per_row():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 128, generator=g) * torch.logspace(-3, 3, 64).unsqueeze(1)
+    q = nvfp4.quantize(x, per_row=True)
+    codes, sf = nvfp4_independent(x.numpy(), q.global_amax.numpy())
+    assert np.array_equal(q.unpacked_codes().numpy(), codes)
+    assert np.array_equal(q.block_scales.float().numpy(), sf)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_input_dtypes_agree_with_fp32_of_same_values(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(8, 48, generator=g) * 5).to(dtype)
+    a, b = nvfp4.quantize(x, per_row=True), nvfp4.quantize(x.float(), per_row=True)
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
+    assert a.dequantize(dtype).dtype == dtype
+
+
+def test_zero_block_zero_scale_zero_codes_no_nan():
+    x = torch.zeros(3, 32)
+    x[1, 20] = 2.0  # second row: first block zero, second not
+    q = nvfp4.quantize(x, per_row=True)
+    assert q.block_scales.float()[0].tolist() == [0.0, 0.0]
+    assert q.block_scales.float()[1, 0].item() == 0.0
+    assert not torch.isnan(q.dequantize()).any()
+    assert torch.equal(q.dequantize()[0], torch.zeros(32))
+    assert q.unpacked_codes()[0].eq(0).all()
+
+
+def test_subnormal_and_huge_inputs():
+    x = torch.tensor([[1e-40, -1e-39, 3e38, -3e38] + [0.0] * 12])
+    q = nvfp4.quantize(x, per_row=True)
+    d = q.dequantize()
+    assert torch.isfinite(d).all()
+    assert d[0, 2].item() == pytest.approx(3e38, rel=0.01)
+    assert d[0, 0].item() == 0.0  # far below the block's resolution
+
+
+def test_underflowing_block_scale_gives_zero_codes():
+    # block amax so small relative to the global amax that sf rounds to 0 in e4m3
+    x = torch.zeros(1, 32)
+    x[0, 0] = 1e-9
+    x[0, 16] = 1e3
+    q = nvfp4.quantize(x)
+    assert q.block_scales.float()[0, 0].item() == 0.0
+    assert q.unpacked_codes()[0, :16].eq(0).all()
+
+
+def test_odd_shape_pads_and_trims():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 21, generator=g)
+    q = nvfp4.quantize(x, per_row=True)
+    assert q.codes.shape == (3, 5, 16) and q.block_scales.shape == (3, 5, 2) and q.global_amax.shape == (3, 5, 1)
+    assert q.shape == (3, 5, 21) and q.dequantize().shape == (3, 5, 21)
+    padded = torch.nn.functional.pad(x, (0, 11))
+    qp = nvfp4.quantize(padded, per_row=True)
+    assert torch.equal(qp.codes, q.codes)
+
+
+def test_non_contiguous_input():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(32, 64, generator=g)
+    xt = x.t()
+    assert not xt.is_contiguous()
+    assert torch.equal(nvfp4.quantize(xt, per_row=True).codes, nvfp4.quantize(xt.contiguous(), per_row=True).codes)
+
+
+def test_global_amax_granularities():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, generator=g)
+    assert nvfp4.quantize(x).global_amax.shape == ()
+    assert nvfp4.quantize(x, per_row=True).global_amax.shape == (4, 1)
+    static = nvfp4.quantize(x, global_amax=10.0)
+    assert static.global_amax.item() == 10.0
+    # per-row amax is batch-invariant: a row quantizes the same alone or in a batch
+    assert torch.equal(nvfp4.quantize(x[1:2], per_row=True).codes, nvfp4.quantize(x, per_row=True).codes[1:2])
+
+
+def test_static_amax_smaller_than_data_saturates_scales():
+    x = torch.full((1, 16), 100.0)
+    q = nvfp4.quantize(x, global_amax=1.0)
+    assert q.block_scales.float().item() == 448.0
+    assert q.values().eq(6.0).all()
+
+
+def test_modelopt_decode_scale_convention():
+    amax = torch.tensor(2688.0)
+    assert nvfp4.decode_scale_from_amax(amax).item() == 1.0
+    assert nvfp4.encode_scale(amax).item() == 1.0
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_raises(bad):
+    x = torch.zeros(2, 16)
+    x[1, 3] = bad
+    with pytest.raises(NonFiniteError, match=r"1 NaN/Inf value\(s\) \(first at index \(1, 3\)\)"):
+        nvfp4.quantize(x)
+
+
+def test_bad_inputs_raise_clearly():
+    with pytest.raises(TypeError, match="dtype=torch.int64"):
+        nvfp4.quantize(torch.zeros(2, 16, dtype=torch.int64))
+    with pytest.raises(ValueError, match="non-empty last dim"):
+        nvfp4.quantize(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        nvfp4.quantize(torch.ones(2, 16), global_amax=0.0)
+    with pytest.raises(ValueError, match="not both"):
+        nvfp4.quantize(torch.ones(2, 16), global_amax=1.0, per_row=True)
+    with pytest.raises(ValueError, match="rounding='up'"):
+        nvfp4.quantize(torch.ones(2, 16), rounding="up")
+
+
+def test_dequantize_is_grid_times_scales():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 32, generator=g)
+    q = nvfp4.quantize(x, per_row=True)
+    vals = e2m1.decode(q.unpacked_codes()).view(6, 2, 16)
+    s_enc = 2688.0 / q.global_amax
+    expected = (vals * q.block_scales.float().unsqueeze(-1) / s_enc.unsqueeze(-1)).view(6, 32)
+    assert torch.equal(q.dequantize(), expected)
+    assert isinstance(q, FP4Tensor) and q.fmt == "nvfp4"

@@ -1,0 +1,101 @@
+import json
+
+import pytest
+
+from megatron_trace.config import ACTIVATION_SITES, SITES, TraceConfig, from_hydra, register_hydra
+from megatron_trace.guidance import guided_layers
+
+
+def test_defaults_and_round_trip():
+    c = TraceConfig()
+    assert c.format == "nvfp4" and c.cache_mode == "compact" and c.guided_layers == "fraction"
+    d = json.loads(json.dumps(c.to_dict()))
+    assert TraceConfig.from_dict(d) == c
+    assert d["version"] == 1
+
+
+def test_frozen_and_keyword_only():
+    c = TraceConfig()
+    with pytest.raises(AttributeError):
+        c.format = "mxfp4"
+    with pytest.raises(TypeError):
+        TraceConfig("nvfp4")
+
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"format": "int4"}, r"TraceConfig.format='int4' is not one of \('nvfp4', 'mxfp4'\)"),
+        ({"sites": ("expert_fc1_in", "attn")}, r"sites\[\]='attn'"),
+        ({"guided_sites": ("kv_k",), "sites": ("expert_fc1_in",)}, "not a quantized site"),
+        ({"guided_layers": "middle"}, "guided_layers='middle'"),
+        ({"guided_layers": "last_k"}, "needs guided_last_k >= 1"),
+        ({"guided_layers": "explicit"}, "non-empty guided_layer_list"),
+        ({"guided_fraction": 1.5}, r"must be in \[0, 1\]"),
+        ({"budget_bytes_per_token": -1}, "must be >= 0"),
+        ({"cache_budget_mb": -1}, "cache_budget_mb=-1 must be >= 0"),
+        ({"cache_mode": "bits"}, "cache_mode='bits'"),
+        ({"mxfp4_scale_rule": "round"}, "mxfp4_scale_rule='round'"),
+        ({"version": 99}, "version=99 is not supported"),
+        ({"fallback": "ignore"}, "fallback='ignore'"),
+    ],
+)
+def test_invalid_values_name_field_and_valid_choices(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TraceConfig(**kw)
+
+
+def test_from_dict_rejects_unknown_fields():
+    with pytest.raises(ValueError, match=r"unknown TraceConfig field\(s\) \['fromat'\]"):
+        TraceConfig.from_dict({"fromat": "nvfp4"})
+
+
+def test_quantizers_follow_config():
+    c = TraceConfig(format="mxfp4", mxfp4_scale_rule="ceil")
+    assert c.weight_quantizer().fmt == "mxfp4" and c.activation_quantizer().scale_rule == "ceil"
+    assert not c.activation_quantizer().per_row  # MXFP4 has no global amax
+    assert TraceConfig().activation_quantizer().per_row and not TraceConfig().weight_quantizer().per_row
+    assert TraceConfig(activation_amax="per_tensor").activation_quantizer().per_row is False
+    assert TraceConfig(enabled=False).quantizes("weights") is False
+    assert set(SITES) - set(ACTIVATION_SITES) == {"weights"}
+
+
+@pytest.mark.parametrize(
+    "kw,n,expected",
+    [
+        ({}, 8, (4, 5, 6, 7)),
+        ({"guided_fraction": 0.25}, 40, tuple(range(30, 40))),
+        ({"guided_layers": "none"}, 8, ()),
+        ({"guided_layers": "all"}, 3, (0, 1, 2)),
+        ({"guided_layers": "last_k", "guided_last_k": 2}, 8, (6, 7)),
+        ({"guided_layers": "explicit", "guided_layer_list": (5, 1, 5)}, 8, (1, 5)),
+        ({"enabled": False}, 8, ()),
+    ],
+)
+def test_guided_layer_policies(kw, n, expected):
+    assert guided_layers(TraceConfig(**kw), n) == expected
+
+
+def test_guided_layers_beyond_model_fail():
+    with pytest.raises(ValueError, match=r"layer\(s\) \[9\] beyond num_layers=8"):
+        guided_layers(TraceConfig(guided_layers="explicit", guided_layer_list=(1, 9)), 8)
+    with pytest.raises(ValueError, match="guided_last_k=9 exceeds num_layers=8"):
+        guided_layers(TraceConfig(guided_layers="last_k", guided_last_k=9), 8)
+
+
+def test_hydra_structured_config_and_overrides():
+    pytest.importorskip("hydra")
+    from hydra import compose, initialize_config_dir
+
+    register_hydra()
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        open(f"{d}/main.yaml", "w").write("defaults:\n  - trace: default\n  - _self_\n")
+        with initialize_config_dir(config_dir=d, version_base=None):
+            cfg = compose("main", overrides=["trace.cache_mode=full", "trace.guided_layer_list=[1,2]",
+                                             "trace.guided_layers=explicit"])
+    c = from_hydra(cfg.trace)
+    assert c.cache_mode == "full" and c.guided_layer_list == (1, 2)
+    with pytest.raises(ValueError, match="format='fp3'"):
+        from_hydra({**c.to_dict(), "format": "fp3"})
