@@ -1,0 +1,143 @@
+"""Plan the guidance cache of a large run before having the GPUs.
+
+  python -m megatron_trace.plan --hf-config config.json --trajectories 4096 --response-len 8192 \\
+      --layer-policy all --layer-policy fraction=0.5 --layer-policy last_k=10 [--json]
+
+Reads an HF MoE ``config.json`` (Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3 key names; see
+``guidance.model_dims`` for what is counted) and prints, for full vs compact records and each
+layer policy: guidance bytes per token, bytes per RL step (trajectories x (prompt + response)
+tokens), host memory (bytes per step x steps in flight) and the time to sync one step at the
+given link bandwidth (gigabits per second, one link, no overlap).
+
+Layer policies: ``none``, ``all``, ``last_k=N``, ``fraction=F`` (deepest ceil(F x layers)),
+``explicit=I,J,...``, ``budget=BYTES_PER_TOKEN`` (needs ``--mismatch-profile``, a JSON list of
+per-layer mismatch rates).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ..config import ACTIVATION_SITES, CACHE_MODES, TraceConfig
+from ..formats import FORMATS
+from ..guidance.accounting import AMAX_MODES
+from ..guidance.model_dims import ModelDims
+from ..guidance.planner import RLSettings, plan_row
+
+DEFAULT_POLICIES = ("all", "fraction=0.5", "fraction=0.25", "fraction=0.125")
+
+
+def policy_kwargs(policy: str) -> dict:
+    """TraceConfig fields of a ``--layer-policy`` string."""
+    name, _, arg = policy.partition("=")
+    try:
+        if name in ("none", "all") and not arg:
+            return {"guided_layers": name}
+        if name == "last_k":
+            return {"guided_layers": "last_k", "guided_last_k": int(arg)}
+        if name == "fraction":
+            return {"guided_layers": "fraction", "guided_fraction": float(arg)}
+        if name == "explicit":
+            return {"guided_layers": "explicit", "guided_layer_list": tuple(int(i) for i in arg.split(","))}
+        if name == "budget":
+            return {"guided_layers": "budget", "budget_bytes_per_token": float(arg)}
+    except ValueError as e:
+        raise ValueError(f"--layer-policy {policy!r}: bad argument ({e})") from e
+    raise ValueError(
+        f"--layer-policy {policy!r} is not one of none, all, last_k=N, fraction=F, explicit=I,J,..., budget=BYTES"
+    )
+
+
+def build_rows(dims: ModelDims, rl: RLSettings, *, policies, modes, fmt, amax, sites, profile=None) -> list[dict]:
+    rows = []
+    for policy in policies:
+        for mode in modes:
+            cfg = TraceConfig(format=fmt, activation_amax=amax, guided_sites=tuple(sites), cache_mode=mode,
+                              **policy_kwargs(policy))
+            kw = {"mismatch_profile": profile} if cfg.guided_layers == "budget" else {}
+            rows.append(plan_row(dims, cfg, rl, policy, **kw))
+    return rows
+
+
+def human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "Ki", "Mi", "Gi", "Ti", "Pi"):
+        if abs(n) < 1024 or prefix == "Pi":
+            return f"{n:.1f} {prefix}{unit}" if prefix else f"{n:.0f} {unit}"
+        n /= 1024
+    raise AssertionError  # unreachable
+
+
+def seconds(s: float) -> str:
+    return f"{s:.2f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+def format_table(dims: ModelDims, rl: RLSettings, rows: list[dict]) -> str:
+    kv = f"{dims.kv_heads}x{dims.head_dim}" + ("" if dims.kv_v else " (MLA latent, K only)")
+    lines = [
+        f"model {dims.name or '?'}: {dims.num_layers} layers ({len(dims.moe_layers)} MoE, "
+        f"{len(dims.kv_layers)} with KV),"
+        f" hidden {dims.hidden}, expert ffn {dims.moe_ffn}, top-{dims.topk}, KV rows {kv}",
+        f"step: {rl.trajectories} trajectories x ({rl.prompt_len} + {rl.response_len}) tokens = "
+        f"{rl.tokens_per_step:,} tokens; link {rl.bandwidth_gbps:g} Gbit/s; {rl.steps_in_flight} step(s) in flight",
+        "",
+    ]
+    head = ("policy", "mode", "layers", "bytes/token", "bytes/step", "host memory", "sync time")
+    table = [head] + [
+        (r["policy"], r["mode"], str(r["num_layers"]), human(r["bytes_per_token"]), human(r["bytes_per_step"]),
+         human(r["host_bytes"]), seconds(r["sync_seconds"]))
+        for r in rows
+    ]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    for j, row in enumerate(table):
+        lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_trace.plan", description=__doc__.split("\n\n")[0])
+    p.add_argument("--hf-config", required=True, type=Path, help="HF config.json of an MoE model")
+    p.add_argument("--trajectories", type=int, default=4096, help="trajectories (sequences) per RL step")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per trajectory")
+    p.add_argument("--response-len", type=int, default=8192, help="response tokens per trajectory")
+    p.add_argument("--bandwidth-gbps", type=float, default=400.0, help="rollout->trainer link, gigabits/s")
+    p.add_argument("--steps-in-flight", type=int, default=1, help="steps held on the host at once (async RL)")
+    p.add_argument("--format", choices=FORMATS, default="nvfp4")
+    p.add_argument("--amax", choices=AMAX_MODES, default="per_row", help="NVFP4 activation global amax")
+    p.add_argument("--sites", default=",".join(ACTIVATION_SITES), help="comma list of guided sites")
+    p.add_argument("--modes", default="full,compact", help=f"comma list of {CACHE_MODES}")
+    p.add_argument("--layer-policy", action="append", dest="policies", help=f"repeatable; default {DEFAULT_POLICIES}")
+    p.add_argument("--mismatch-profile", type=Path, help="JSON list of per-layer mismatch rates (budget policy)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        dims = ModelDims.from_hf_config(args.hf_config)
+        rl = RLSettings(args.trajectories, args.prompt_len, args.response_len, args.bandwidth_gbps,
+                        args.steps_in_flight)
+        profile = json.loads(args.mismatch_profile.read_text()) if args.mismatch_profile else None
+        if isinstance(profile, dict):
+            profile = {int(k): v for k, v in profile.items()}
+        rows = build_rows(
+            dims, rl, policies=args.policies or DEFAULT_POLICIES, modes=[m for m in args.modes.split(",") if m],
+            fmt=args.format, amax=args.amax, sites=[s for s in args.sites.split(",") if s], profile=profile,
+        )
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"model": dims.__dict__, "rl": rl.__dict__, "rows": rows}, indent=1, default=list))
+    else:
+        print(format_table(dims, rl, rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

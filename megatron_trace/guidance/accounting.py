@@ -1,0 +1,94 @@
+"""Byte accounting of guidance records: exactly what ``SiteRecord`` stores, computed analytically.
+
+One row of ``k`` elements, ``kp = ceil(k / block) * block`` (K padded to the block size):
+
+  payload   kp / 8 bytes (compact: 1 mantissa bit per element) or kp / 2 (full: 4-bit codes)
+  scales    kp / block bytes (one E4M3 / E8M0 byte per block)
+  amax      4 bytes (NVFP4 with a per-row fp32 global amax; 0 per row for per-tensor or MXFP4)
+
+Per element NVFP4 is 1 + 8/16 = 1.5 bits (compact) vs 4 + 8/16 = 4.5 bits (full): ratio 1/3,
+plus the per-row amax. Only the guidance itself is counted: the ``valid`` mask and the FC2
+``expert_ids`` (routing replay data the trainer already has) are side data, see ``side_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ..config import ACTIVATION_SITES, TraceConfig
+from ..formats import get_format
+from .model_dims import ModelDims
+from .site import SiteKey
+
+AMAX_MODES = ("per_row", "per_tensor")
+
+
+def row_bytes(k: int, *, fmt: str = "nvfp4", compact: bool = True, amax: str = "per_row") -> int:
+    """Bytes one guidance row of ``k`` elements occupies."""
+    if k < 1:
+        raise ValueError(f"row length k={k} must be >= 1")
+    if amax not in AMAX_MODES:
+        raise ValueError(f"amax={amax!r} is not one of {AMAX_MODES}")
+    block = get_format(fmt).block_size
+    kp = -(-k // block) * block
+    payload = kp // 8 if compact else kp // 2
+    amax_bytes = 4 if fmt == "nvfp4" and amax == "per_row" else 0
+    return payload + kp // block + amax_bytes
+
+
+def site_bytes_per_token(dims: ModelDims, layer: int, site: str, **fmt_kw) -> int:
+    """Guidance bytes per token of one (layer, site); 0 where the layer has no such site."""
+    if not dims.has_site(layer, site):
+        return 0
+    rows, k = dims.site_rows(site)
+    return rows * row_bytes(k, **fmt_kw)
+
+
+def breakdown(dims: ModelDims, sites: Iterable[str], layers: Iterable[int], **fmt_kw) -> dict[SiteKey, int]:
+    """Bytes per token for every (layer, site) that exists. ``fmt_kw``: fmt, compact, amax."""
+    out: dict[SiteKey, int] = {}
+    for layer in layers:
+        if not 0 <= layer < dims.num_layers:
+            raise ValueError(f"layer={layer} outside 0..{dims.num_layers - 1}")
+        for site in sites:
+            n = site_bytes_per_token(dims, layer, site, **fmt_kw)
+            if n:
+                out[(layer, site)] = n
+    return out
+
+
+def bytes_per_token(dims: ModelDims, sites: Iterable[str], layers: Iterable[int], **fmt_kw) -> int:
+    """Total guidance bytes per token over the selected sites and layers."""
+    return sum(breakdown(dims, tuple(sites), layers, **fmt_kw).values())
+
+
+def totals(per_key: dict[SiteKey, int], tokens: int = 1) -> dict[str, dict]:
+    """Sums of a ``breakdown`` by site and by layer, times ``tokens``."""
+    by_site: dict[str, int] = {}
+    by_layer: dict[int, int] = {}
+    for (layer, site), n in per_key.items():
+        by_site[site] = by_site.get(site, 0) + n * tokens
+        by_layer[layer] = by_layer.get(layer, 0) + n * tokens
+    return {"by_site": by_site, "by_layer": by_layer, "total": sum(by_site.values())}
+
+
+def bytes_per_layer(dims: ModelDims, sites: Iterable[str], **fmt_kw) -> dict[int, int]:
+    """Bytes per token each layer would cost if guided (input of the budget policy)."""
+    sites = tuple(sites)
+    return {i: sum(site_bytes_per_token(dims, i, s, **fmt_kw) for s in sites) for i in range(dims.num_layers)}
+
+
+def config_fmt_kw(config: TraceConfig) -> dict:
+    """The ``fmt``/``compact``/``amax`` keywords that a TraceConfig implies."""
+    return dict(fmt=config.format, compact=config.cache_mode == "compact", amax=config.activation_amax)
+
+
+def side_bytes(dims: ModelDims, layer: int, site: str, *, expert_id_bytes: int = 8) -> int:
+    """Per-token side data of a site record: ``valid`` (1 byte/row) and FC2 expert ids."""
+    if site not in ACTIVATION_SITES:
+        raise ValueError(f"site={site!r} is not one of {ACTIVATION_SITES}")
+    if not dims.has_site(layer, site):
+        return 0
+    rows, _ = dims.site_rows(site)
+    valid = rows if site == "expert_fc2_in" else 1  # valid is [S] for FC1/KV, [S, topk] for FC2
+    return valid + (rows * expert_id_bytes if site == "expert_fc2_in" else 0)

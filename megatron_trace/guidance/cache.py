@@ -1,0 +1,197 @@
+"""Bounded host cache of guidance records between rollout and trainer, spilling to disk.
+
+Rollout side: ``put(step, samples)`` flattens a rollout batch into a preallocated device staging
+buffer and copies it to pinned host memory on a side CUDA stream (``non_blocking``; ``get``
+waits on the copy's event). On CPU the flat buffer is written on the host directly. Samples that
+do not fit under ``budget_bytes`` of host memory go to one safetensors shard per ``put`` (one
+rollout batch) in ``cache_dir`` (see ``shards``: atomic, checked on load).
+
+Trainer side: ``get(step, sample_ids)`` returns only the samples a micro-batch needs (loading
+just those from a shard), ``None`` for samples the step does not have (the trainer then falls
+back and counts ``missing``). ``drop(step)`` frees a consumed step; ``invalidate(step)`` removes
+an interrupted step so none of its partial data is used. Samples returned from host memory are
+views of the step's buffer (kept alive by the views after ``drop``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..config import TraceConfig
+from .records import SampleGuidance
+from .serial import FlatPlan, plan_flat, unflatten_one, write_flat
+from .shards import load_samples, remove_stale_tmp, shard_index, write_shard
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Chunk:
+    """The in-memory part of one ``put``: a host buffer and where each sample sits in it."""
+
+    buf: torch.Tensor
+    metas: dict[int, dict]
+    event: object = None  # torch.cuda.Event of the device -> host copy, None on CPU
+
+
+@dataclass
+class _Step:
+    chunks: list[_Chunk] = field(default_factory=list)
+    shards: list[tuple[Path, dict[int, dict]]] = field(default_factory=list)  # (path, sample_id -> meta)
+    sample_ids: set[int] = field(default_factory=set)
+
+
+class _HostStager:
+    """Flat bytes of a batch -> host. CUDA: device staging buffer + async copy to pinned memory."""
+
+    def __init__(self):
+        self.staging: torch.Tensor | None = None
+        self.stream = None
+        self.last_event = None
+
+    def to_host(self, plan: FlatPlan) -> tuple[torch.Tensor, object]:
+        dev = plan.device
+        if dev.type != "cuda":
+            host = torch.empty(plan.total, dtype=torch.uint8)
+            write_flat(plan, host)
+            return host, None
+        cur = torch.cuda.current_stream(dev)
+        if self.last_event is not None:
+            cur.wait_event(self.last_event)  # the previous copy has finished reading the staging buffer
+        if self.staging is None or self.staging.device != dev or self.staging.numel() < plan.total:
+            size = max(plan.total, 2 * (0 if self.staging is None else self.staging.numel()))
+            logger.info("guidance staging buffer: %.1f MiB on %s", size / 2**20, dev)
+            self.staging = torch.empty(size, dtype=torch.uint8, device=dev)
+            self.stream = torch.cuda.Stream(dev)
+        write_flat(plan, self.staging)
+        host = torch.empty(plan.total, dtype=torch.uint8, pin_memory=True)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            host.copy_(self.staging[: plan.total], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        self.last_event = event
+        return host, event
+
+
+class GuidanceCache:
+    """Host cache of ``SampleGuidance`` per RL step under a byte budget, spilling to ``cache_dir``."""
+
+    def __init__(self, budget_bytes: int, cache_dir: str | Path | None = None):
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
+        self.budget_bytes = int(budget_bytes)
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        if self.cache_dir is not None:
+            self.cache_dir.mkdir(parents=True, exist_ok=True)
+            remove_stale_tmp(self.cache_dir)
+        self._steps: dict[int, _Step] = {}
+        self._stager = _HostStager()
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
+        self.disk_bytes = 0
+
+    @classmethod
+    def from_config(cls, config: TraceConfig) -> GuidanceCache:
+        return cls(int(config.cache_budget_mb * 2**20), config.cache_dir or None)
+
+    @property
+    def steps(self) -> list[int]:
+        return sorted(self._steps)
+
+    def stats(self, prefix: str = "cache") -> dict[str, float]:
+        return {
+            f"{prefix}/host_bytes": float(self.host_bytes),
+            f"{prefix}/peak_host_bytes": float(self.peak_host_bytes),
+            f"{prefix}/disk_bytes": float(self.disk_bytes),
+            f"{prefix}/steps": float(len(self._steps)),
+        }
+
+    # ---- rollout side -----------------------------------------------------------------------
+    def put(self, step: int, samples: Sequence[SampleGuidance]) -> None:
+        """Store one rollout batch of ``step``; may be called several times per step."""
+        st = self._steps.setdefault(int(step), _Step())
+        ids = [s.sample_id for s in samples]
+        dup = sorted((set(ids) & st.sample_ids) | {i for i in ids if ids.count(i) > 1})
+        if dup:
+            raise ValueError(f"step {step} already has sample id(s) {dup}")
+        plan = plan_flat(samples)
+        n_mem = self._fit_in_memory(plan)
+        if n_mem:
+            mem = FlatPlan(plan.metas[:n_mem], plan.parts[:n_mem], sum(m["nbytes"] for m in plan.metas[:n_mem]))
+            host, event = self._stager.to_host(mem)
+            st.chunks.append(_Chunk(host, {m["sample_id"]: m for m in mem.metas}, event))
+            self._account(mem.total)
+        if n_mem < len(samples):
+            self._spill(step, st, samples[n_mem:])
+        st.sample_ids.update(ids)
+
+    def _fit_in_memory(self, plan: FlatPlan) -> int:
+        """How many leading samples of ``plan`` fit under the budget."""
+        free, n = self.budget_bytes - self.host_bytes, 0
+        for m in plan.metas:
+            if m["nbytes"] > free:
+                break
+            free -= m["nbytes"]
+            n += 1
+        return n
+
+    def _spill(self, step: int, st: _Step, samples: Sequence[SampleGuidance]) -> None:
+        if self.cache_dir is None:
+            raise RuntimeError(
+                f"guidance for step {step} exceeds the host budget of {self.budget_bytes} bytes and no cache_dir "
+                "is set: set TraceConfig.cache_dir (spill to disk) or raise cache_budget_mb"
+            )
+        path = self.cache_dir / f"guidance_step{step:08d}_part{len(st.shards):04d}.safetensors"
+        size = write_shard(path, samples, step=step)
+        st.shards.append((path, shard_index(path)))
+        self.disk_bytes += size
+        logger.info("guidance step %d: spilled %d samples (%.1f MiB) to %s", step, len(samples), size / 2**20, path)
+
+    def _account(self, delta: int) -> None:
+        self.host_bytes += delta
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+
+    # ---- trainer side -----------------------------------------------------------------------
+    def get(self, step: int, sample_ids: Sequence[int]) -> list[SampleGuidance | None]:
+        """The samples ``sample_ids`` of ``step`` (None where absent). Unknown step: KeyError."""
+        st = self._steps.get(int(step))
+        if st is None:
+            raise KeyError(f"guidance cache has no step {step} (steps held: {self.steps})")
+        found: dict[int, SampleGuidance] = {}
+        want = set(sample_ids)
+        for chunk in st.chunks:
+            hit = want & chunk.metas.keys()
+            if hit and chunk.event is not None:
+                chunk.event.synchronize()
+            for sid in hit:
+                m = chunk.metas[sid]
+                found[sid] = unflatten_one(m, chunk.buf[m["offset"] : m["offset"] + m["nbytes"]])
+        for path, index in st.shards:
+            hit = [sid for sid in sample_ids if sid in index and sid not in found]
+            if hit:
+                found.update(load_samples(path, hit, index))
+        return [found.get(sid) for sid in sample_ids]
+
+    def drop(self, step: int) -> None:
+        """Free everything held for ``step`` (memory and shards). Unknown steps are ignored."""
+        st = self._steps.pop(int(step), None)
+        if st is None:
+            return
+        for chunk in st.chunks:
+            self.host_bytes -= chunk.buf.numel()
+        for path, _ in st.shards:
+            if path.exists():
+                self.disk_bytes -= path.stat().st_size
+                path.unlink()
+
+    def invalidate(self, step: int) -> None:
+        """Discard an interrupted step's partial data; a later ``put`` can redo it."""
+        if int(step) in self._steps:
+            logger.warning("guidance step %d invalidated: its records are discarded", step)
+        self.drop(step)

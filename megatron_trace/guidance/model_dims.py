@@ -1,0 +1,139 @@
+"""The few shapes of an MoE model that guidance sizes depend on, read from a Hugging Face config.
+
+Per token and layer, the rows each activation site records (``rows x row length``):
+
+  expert_fc1_in   1 x hidden                      (quantized once before dispatch)
+  expert_fc2_in   topk x moe_ffn                  (one row per selected expert)
+  kv_k, kv_v      kv_heads x head_dim each        (layers with a KV cache only)
+
+Layers without routed experts (DeepSeek's ``first_k_dense_replace``, Qwen3-MoE's
+``mlp_only_layers`` / ``decoder_sparse_step``) have no expert sites; linear-attention layers of
+hybrid models (Qwen3.5 / Qwen3-Next ``layer_types`` or ``full_attention_interval``) have no KV
+site. Multi-token-prediction layers (``num_nextn_predict_layers``) are not counted.
+
+MLA (DeepSeek-V3, ``kv_lora_rank`` present): the KV cache holds one compressed row per token,
+the latent ``c_kv`` (``kv_lora_rank``) concatenated with the shared RoPE key
+(``qk_rope_head_dim``), as SGLang/FlashMLA store it. We count it as ``kv_k`` with 1 row of
+``kv_lora_rank + qk_rope_head_dim`` elements; ``kv_v`` has no rows (V is decoded from the latent).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import ACTIVATION_SITES
+
+_EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in")
+_KV_SITES = ("kv_k", "kv_v")
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Shapes behind guidance sizes. Layers are numbered from 0."""
+
+    num_layers: int
+    hidden: int
+    moe_ffn: int
+    topk: int
+    kv_heads: int
+    head_dim: int
+    moe_layers: tuple[int, ...]
+    kv_layers: tuple[int, ...]
+    kv_v: bool = True
+    num_experts: int = 0
+    name: str = ""
+
+    def __post_init__(self):
+        for f in ("num_layers", "hidden", "moe_ffn", "topk", "kv_heads", "head_dim"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"ModelDims.{f}={getattr(self, f)} must be >= 1")
+        for f in ("moe_layers", "kv_layers"):
+            bad = [i for i in getattr(self, f) if not 0 <= i < self.num_layers]
+            if bad:
+                raise ValueError(f"ModelDims.{f} has layer(s) {bad} outside 0..{self.num_layers - 1}")
+
+    def site_rows(self, site: str) -> tuple[int, int]:
+        """(rows per token, elements per row) of ``site`` at a layer that has it."""
+        if site == "expert_fc1_in":
+            return 1, self.hidden
+        if site == "expert_fc2_in":
+            return self.topk, self.moe_ffn
+        if site == "kv_k" or (site == "kv_v" and self.kv_v):
+            return self.kv_heads, self.head_dim
+        if site == "kv_v":
+            return 0, self.head_dim
+        raise ValueError(f"site={site!r} is not one of {ACTIVATION_SITES}")
+
+    def has_site(self, layer: int, site: str) -> bool:
+        if site in _EXPERT_SITES:
+            return layer in self.moe_layers
+        if site in _KV_SITES:
+            return layer in self.kv_layers and self.site_rows(site)[0] > 0
+        raise ValueError(f"site={site!r} is not one of {ACTIVATION_SITES}")
+
+    @classmethod
+    def from_hf_config(cls, cfg: Mapping | str | Path) -> ModelDims:
+        """Read a Qwen3-MoE / Qwen3.5-MoE / DeepSeek-V3 style ``config.json`` (dict or path)."""
+        if not isinstance(cfg, Mapping):
+            cfg = json.loads(Path(cfg).read_text())
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:
+            cfg = cfg["text_config"]  # multimodal wrappers (Qwen3.5) keep the LM under text_config
+        return _dims_from_mapping(cfg)
+
+
+def _need(cfg: Mapping, *names: str) -> int:
+    for n in names:
+        if cfg.get(n) is not None:
+            return int(cfg[n])
+    raise ValueError(f"HF config has none of {names}; is it an MoE decoder config? keys: {sorted(cfg)[:40]}")
+
+
+def _moe_layers(cfg: Mapping, num_layers: int) -> tuple[int, ...]:
+    if "first_k_dense_replace" in cfg or "n_routed_experts" in cfg:  # DeepSeek rule
+        first = int(cfg.get("first_k_dense_replace", 0) or 0)
+        freq = int(cfg.get("moe_layer_freq", 1) or 1)
+        return tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
+    dense = set(cfg.get("mlp_only_layers") or ())  # Qwen3-MoE rule
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+
+
+def _kv_layers(cfg: Mapping, num_layers: int) -> tuple[int, ...]:
+    types = cfg.get("layer_types")
+    if types:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
+        return tuple(i for i, t in enumerate(types) if t != "linear_attention")
+    interval = cfg.get("full_attention_interval")
+    if interval:
+        return tuple(i for i in range(num_layers) if (i + 1) % int(interval) == 0)
+    return tuple(range(num_layers))
+
+
+def _dims_from_mapping(cfg: Mapping) -> ModelDims:
+    num_layers = _need(cfg, "num_hidden_layers")
+    hidden = _need(cfg, "hidden_size")
+    num_experts = _need(cfg, "num_experts", "n_routed_experts")
+    if cfg.get("kv_lora_rank"):  # MLA: one latent row per token (see module docstring)
+        kv_heads, head_dim, kv_v = 1, int(cfg["kv_lora_rank"]) + _need(cfg, "qk_rope_head_dim"), False
+    else:
+        heads = _need(cfg, "num_attention_heads")
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        kv_v = True
+    return ModelDims(
+        num_layers=num_layers,
+        hidden=hidden,
+        moe_ffn=_need(cfg, "moe_intermediate_size"),
+        topk=_need(cfg, "num_experts_per_tok"),
+        kv_heads=kv_heads,
+        head_dim=head_dim,
+        moe_layers=_moe_layers(cfg, num_layers),
+        kv_layers=_kv_layers(cfg, num_layers),
+        kv_v=kv_v,
+        num_experts=num_experts,
+        name=str(cfg.get("_name_or_path") or cfg.get("model_type") or ""),
+    )

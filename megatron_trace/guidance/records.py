@@ -1,0 +1,319 @@
+"""Per-sample guidance records: cut from a rollout batch, checked and re-assembled for a trainer batch.
+
+Layout choice: a sample's ``SiteRecord`` keeps only the sample's *tokens* (positions where the
+rollout's attention mask is set, in order; padding dropped), so records are independent of the
+padding side and batch shape of either engine. Rows are token positions (FC1, KV) or
+(token position, k-th selected expert) (FC2, with the rollout's ``expert_ids``). The rollout's
+own ``valid`` mask is kept per row (e.g. rows it could not record).
+
+Every sample carries the policy ``version`` that generated it and a ``token_hash`` of its token
+ids. ``assemble`` accepts a record only for the sample it was computed on (same hash) and the
+version the trainer recorded for that sample; async RL trains on older samples with their own
+(older) guidance, see ``staleness_stats``. Anything else is rejected and counted by reason:
+``missing`` (no record), ``token_hash``, ``version``, ``shape`` (row layout or format differs
+from the batch), ``not_recorded`` (the rollout marked the row invalid).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..formats import CompactGuidance, FullGuidance
+from .site import FallbackCounter, SiteGuidance, SiteKey
+
+logger = logging.getLogger(__name__)
+
+Record = FullGuidance | CompactGuidance
+
+
+def payload_of(record: Record) -> torch.Tensor:
+    """Packed codes (full) or packed mantissa bits (compact)."""
+    return record.mantissa_bits if isinstance(record, CompactGuidance) else record.codes
+
+
+def with_tensors(record: Record, payload, block_scales, global_amax, shape) -> Record:
+    """A record of the same kind and format with new tensors and shape."""
+    field = "mantissa_bits" if isinstance(record, CompactGuidance) else "codes"
+    kw = {field: payload}
+    return type(record)(block_scales=block_scales, global_amax=global_amax, shape=tuple(shape), fmt=record.fmt, **kw)
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    """Guidance of one sample at one (layer, site): ``record.shape`` [L, ...], L = sample tokens."""
+
+    record: Record
+    valid: torch.Tensor  # bool [L] (FC1, KV) or [L, topk] (FC2)
+    expert_ids: torch.Tensor | None = None  # int64 [L, topk] (FC2)
+
+    def __post_init__(self):
+        lead = tuple(self.record.shape[:-1]) if self.expert_ids is not None else tuple(self.record.shape[:1])
+        if self.expert_ids is not None and tuple(self.expert_ids.shape) != lead:
+            raise ValueError(f"expert_ids shape {tuple(self.expert_ids.shape)} != record rows {lead}")
+        if self.valid.dtype != torch.bool or tuple(self.valid.shape) != lead:
+            raise ValueError(f"valid must be bool of shape {lead}, got {self.valid.dtype} {tuple(self.valid.shape)}")
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.record.shape[0])
+
+    @property
+    def compact(self) -> bool:
+        return isinstance(self.record, CompactGuidance)
+
+    def guidance_nbytes(self) -> int:
+        """Bytes of the guidance proper (payload + scales + amax): what ``accounting`` predicts."""
+        r = self.record
+        amax = 0 if r.global_amax is None else r.global_amax.nbytes
+        return payload_of(r).nbytes + r.block_scales.nbytes + amax
+
+    def nbytes(self) -> int:
+        """All bytes held, side data (valid, expert_ids) included."""
+        ids = 0 if self.expert_ids is None else self.expert_ids.nbytes
+        return self.guidance_nbytes() + self.valid.nbytes + ids
+
+    def to(self, device, non_blocking: bool = False) -> SiteRecord:
+        """A copy on ``device`` (same bits)."""
+        r = self.record
+
+        def mv(t):
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        rec = with_tensors(r, mv(payload_of(r)), mv(r.block_scales), mv(r.global_amax), r.shape)
+        return SiteRecord(rec, mv(self.valid), mv(self.expert_ids))
+
+    def layout(self) -> tuple:
+        """What must agree between samples assembled into one batch (everything but L)."""
+        r = self.record
+        return (type(r).__name__, r.fmt, tuple(r.shape[1:]), tuple(self.valid.shape[1:]), self.expert_ids is not None)
+
+
+@dataclass(frozen=True)
+class SampleGuidance:
+    """All guidance of one sequence (prompt + response) of a rollout batch."""
+
+    sample_id: int
+    version: int
+    token_hash: str
+    num_tokens: int
+    sites: dict[SiteKey, SiteRecord]
+
+    def guidance_nbytes(self) -> int:
+        return sum(r.guidance_nbytes() for r in self.sites.values())
+
+    def nbytes(self) -> int:
+        return sum(r.nbytes() for r in self.sites.values())
+
+    def to(self, device, non_blocking: bool = False) -> SampleGuidance:
+        """A copy with every record on ``device``."""
+        sites = {k: r.to(device, non_blocking) for k, r in self.sites.items()}
+        return SampleGuidance(self.sample_id, self.version, self.token_hash, self.num_tokens, sites)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor (copied to host if needed)."""
+    t = t.detach().contiguous().cpu()
+    return ctypes.string_at(t.data_ptr(), t.nbytes) if t.nbytes else b""
+
+
+def token_hash(token_ids: torch.Tensor) -> str:
+    """blake2b-128 (hex) over the int64 little-endian bytes of a 1-D token id sequence."""
+    return hashlib.blake2b(tensor_bytes(token_ids.to(torch.int64)), digest_size=16).hexdigest()
+
+
+def token_mask(token_ids: torch.Tensor, *, attention_mask=None, lengths=None) -> torch.Tensor:
+    """bool [B, S]: which positions hold tokens. Give ``attention_mask`` [B, S] or ``lengths`` [B]
+    (right padding); neither means every position is a token."""
+    if token_ids.dim() != 2:
+        raise ValueError(f"token_ids must be [B, S], got shape {tuple(token_ids.shape)}")
+    if attention_mask is not None and lengths is not None:
+        raise ValueError("give attention_mask or lengths, not both")
+    B, S = token_ids.shape
+    if attention_mask is not None:
+        if tuple(attention_mask.shape) != (B, S):
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != token_ids shape {(B, S)}")
+        return attention_mask.to(device=token_ids.device).bool()
+    if lengths is not None:
+        lengths = torch.as_tensor(lengths, device=token_ids.device).long()
+        if tuple(lengths.shape) != (B,) or bool((lengths < 0).any()) or bool((lengths > S).any()):
+            raise ValueError(f"lengths must be [B={B}] with values in 0..{S}, got {lengths.tolist()}")
+        return torch.arange(S, device=token_ids.device)[None, :] < lengths[:, None]
+    return torch.ones(B, S, dtype=torch.bool, device=token_ids.device)
+
+
+def _per_row(value, B: int, what: str) -> list[int]:
+    if isinstance(value, int):
+        return [value] * B
+    vals = [int(v) for v in value]
+    if len(vals) != B:
+        raise ValueError(f"{what} has {len(vals)} entries for a batch of {B}")
+    return vals
+
+
+def _cut(sg: SiteGuidance, b: int, pos: torch.Tensor) -> SiteRecord:
+    """Rows of batch row ``b`` at token positions ``pos`` [L] (copies: the batch can be freed)."""
+    r = sg.record
+    amax = r.global_amax
+    if amax is not None:
+        amax = amax.clone() if amax.dim() == 0 else amax[b].index_select(0, pos)
+    rec = with_tensors(
+        r, payload_of(r)[b].index_select(0, pos), r.block_scales[b].index_select(0, pos), amax,
+        (pos.numel(), *r.shape[2:]),
+    )
+    ids = None if sg.expert_ids is None else sg.expert_ids[b].index_select(0, pos)
+    return SiteRecord(rec, sg.valid[b].index_select(0, pos), ids)
+
+
+def split_batch(
+    batch: Mapping[SiteKey, SiteGuidance],
+    token_ids: torch.Tensor,
+    *,
+    version: int | Sequence[int],
+    attention_mask: torch.Tensor | None = None,
+    lengths=None,
+    sample_ids: Sequence[int] | None = None,
+) -> list[SampleGuidance]:
+    """Cut batch-major rollout guidance into one ``SampleGuidance`` per sequence (batch row)."""
+    mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
+    B, S = mask.shape
+    for key, sg in batch.items():
+        if tuple(sg.record.shape[:2]) != (B, S):
+            raise ValueError(f"guidance {key} has rows {tuple(sg.record.shape[:2])}, token_ids {(B, S)}")
+    versions = _per_row(version, B, "version")
+    ids = list(range(B)) if sample_ids is None else [int(i) for i in sample_ids]
+    if len(ids) != B or len(set(ids)) != B:
+        raise ValueError(f"sample_ids must be {B} distinct ids, got {ids}")
+    out = []
+    for b in range(B):
+        pos = mask[b].nonzero().squeeze(1)  # [L]
+        sites = {key: _cut(sg, b, pos) for key, sg in batch.items()}
+        out.append(SampleGuidance(ids[b], versions[b], token_hash(token_ids[b, pos]), int(pos.numel()), sites))
+    return out
+
+
+def _row_status(samples, token_ids, mask, versions) -> list[str]:
+    status = []
+    for b, s in enumerate(samples):
+        if s is None:
+            status.append("missing")
+        elif s.token_hash != token_hash(token_ids[b, mask[b]]):
+            status.append("token_hash")
+        elif s.version != versions[b]:
+            status.append("version")
+        else:
+            status.append("ok")
+    return status
+
+
+def assemble(
+    samples: Sequence[SampleGuidance | None],
+    token_ids: torch.Tensor,
+    *,
+    versions: int | Sequence[int],
+    counter: FallbackCounter,
+    attention_mask: torch.Tensor | None = None,
+    lengths=None,
+    keys: Sequence[SiteKey] | None = None,
+) -> dict[SiteKey, SiteGuidance]:
+    """Batch-major guidance for a trainer micro-batch: ``samples[b]`` belongs to row ``b``.
+
+    ``versions[b]`` is the policy version that generated the sample of row ``b`` (as the trainer
+    recorded it). Records that don't match are zero rows with ``valid=False``, counted in
+    ``counter`` by reason. A key no sample has is left out (the trainer falls back there).
+    """
+    mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
+    B = mask.shape[0]
+    if len(samples) != B:
+        raise ValueError(f"{len(samples)} samples for a batch of {B} rows")
+    status = _row_status(samples, token_ids, mask, _per_row(versions, B, "versions"))
+    if keys is None:
+        keys = sorted({k for s in samples if s is not None for k in s.sites})
+    tokens = mask.sum(1).tolist()
+    out = {}
+    for key in keys:
+        recs = [s.sites.get(key) if s is not None else None for s in samples]
+        sg = _assemble_site(key, recs, status, mask, tokens, counter)
+        if sg is not None:
+            out[key] = sg
+    bad = Counter(s for s in status if s != "ok")
+    if bad:
+        logger.info("guidance rejected for %d of %d samples: %s", sum(bad.values()), B, dict(bad))
+    return out
+
+
+def _assemble_site(key, recs, status, mask, tokens, counter) -> SiteGuidance | None:
+    layouts = Counter(r.layout() for r in recs if r is not None)
+    if not layouts:
+        counter.add(0, {"missing": sum(tokens)})
+        return None
+    layout = layouts.most_common(1)[0][0]
+    t = next(r for r in recs if r is not None and r.layout() == layout)
+    rows_per_token = int(torch.tensor(t.valid.shape[1:]).prod().item())
+    buf = _empty_like_batch(t, mask)
+    for b, rec in enumerate(recs):
+        reason = status[b] if status[b] != "ok" else ("missing" if rec is None else None)
+        if reason is None and (rec.layout() != layout or rec.num_tokens != tokens[b]):
+            reason = "shape"
+        if reason is not None:
+            counter.add(0, {reason: tokens[b] * rows_per_token})
+            continue
+        _fill(buf, b, mask[b].nonzero().squeeze(1), rec)
+        used = int(rec.valid.sum())
+        counter.add(used, {"not_recorded": rec.valid.numel() - used})
+    record = with_tensors(
+        t.record, buf["payload"], buf["scales"].view(t.record.block_scales.dtype), buf["amax"],
+        (*mask.shape, *t.record.shape[1:]),
+    )
+    return SiteGuidance(record, buf["valid"], buf["ids"])
+
+
+def _empty_like_batch(t: SiteRecord, mask: torch.Tensor) -> dict:
+    """Zero tensors [B, S, ...] shaped like template record ``t``'s rows."""
+    B, S = mask.shape
+    dev = mask.device
+    r = t.record
+
+    def z(x, dtype=None):
+        return torch.zeros((B, S, *x.shape[1:]), dtype=dtype or x.dtype, device=dev)
+
+    amax = None
+    if r.global_amax is not None:
+        amax = torch.zeros((B, S, *r.block_scales.shape[1:-1], 1), dtype=torch.float32, device=dev)
+    return dict(
+        payload=z(payload_of(r)), scales=z(r.block_scales, torch.uint8), amax=amax, valid=z(t.valid),
+        ids=None if t.expert_ids is None else z(t.expert_ids),
+    )
+
+
+def _fill(buf: dict, b: int, pos: torch.Tensor, rec: SiteRecord) -> None:
+    dev = pos.device
+    r = rec.record
+    buf["payload"][b].index_copy_(0, pos, payload_of(r).to(dev))
+    buf["scales"][b].index_copy_(0, pos, r.block_scales.view(torch.uint8).to(dev))
+    if buf["amax"] is not None:
+        g = r.global_amax.to(device=dev, dtype=torch.float32)
+        g = g.expand(buf["amax"][b, : pos.numel()].shape) if g.dim() == 0 else g  # per tensor -> per row
+        buf["amax"][b].index_copy_(0, pos, g.contiguous())
+    buf["valid"][b].index_copy_(0, pos, rec.valid.to(dev))
+    if buf["ids"] is not None:
+        buf["ids"][b].index_copy_(0, pos, rec.expert_ids.to(dev))
+
+
+def staleness_stats(trainer_version: int, sample_versions: Sequence[int], prefix: str = "guidance") -> dict:
+    """Distribution of ``trainer_version - sample_version`` over the samples of a step."""
+    st = [int(trainer_version) - int(v) for v in sample_versions]
+    if any(s < 0 for s in st):
+        raise ValueError(f"sample versions {list(sample_versions)} newer than trainer version {trainer_version}")
+    if not st:
+        return {f"{prefix}/staleness_mean": 0.0, f"{prefix}/staleness_max": 0.0}
+    d = {f"{prefix}/staleness_mean": sum(st) / len(st), f"{prefix}/staleness_max": float(max(st))}
+    for s, n in sorted(Counter(st).items()):
+        d[f"{prefix}/staleness_frac_{s}"] = n / len(st)
+    return d

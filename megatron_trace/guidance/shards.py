@@ -1,0 +1,172 @@
+"""Guidance shards on disk: one safetensors file per rollout batch, written atomically, checked on load.
+
+A shard holds the named tensors of several samples (``"{sample_id}/{layer}/{site}/{field}"``,
+see ``serial``) and, in the safetensors metadata, the sample metas with a blake2b checksum each
+and the total data length. Writing goes to a temp file in the same directory, is fsynced, then
+``os.replace``d into place, so a crash leaves either the old state or a complete shard (plus a
+stray ``*.tmp*`` file that ``remove_stale_tmp`` deletes). On load the file length is checked
+against its own header and each loaded sample against its checksum: a truncated or half-written
+shard raises ``ShardError`` naming the file, never returns partial data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import struct
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import torch
+
+from .records import SampleGuidance, tensor_bytes
+from .serial import sample_from_tensors, sample_to_tensors
+
+logger = logging.getLogger(__name__)
+
+MAGIC = "megatron_trace.guidance_shard"
+SHARD_VERSION = "1"
+
+
+class ShardError(ValueError):
+    """A guidance shard on disk is truncated, corrupt or not a guidance shard."""
+
+
+def _safetensors():
+    try:
+        import safetensors.torch as st
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("spilling guidance to disk needs safetensors: pip install 'megatron_trace[hf]'") from e
+    return st
+
+
+def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
+    """blake2b-128 over (name, dtype, shape, bytes) of each tensor in name order."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name]
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def write_shard(path: Path, samples: Sequence[SampleGuidance], *, step: int) -> int:
+    """Write ``samples`` to ``path`` atomically; returns the file size in bytes."""
+    st = _safetensors()
+    path = Path(path)
+    tensors, metas = {}, []
+    for s in samples:
+        t, meta = sample_to_tensors(s)
+        t = {name: x.detach().cpu().contiguous().clone() for name, x in t.items()}  # no shared storage
+        meta["checksum"] = tensors_checksum(t)
+        metas.append(meta)
+        tensors.update({f"{s.sample_id}/{name}": x for name, x in t.items()})
+    data_nbytes = sum(x.nbytes for x in tensors.values())
+    metadata = {"format": MAGIC, "shard_version": SHARD_VERSION, "step": str(step),
+                "data_nbytes": str(data_nbytes), "samples": json.dumps(metas)}
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        st.save_file(tensors, str(tmp), metadata=metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    _fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def read_header(path: Path) -> tuple[dict, dict]:
+    """(safetensors header without metadata, our metadata); checks length and magic."""
+    path = Path(path)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise ShardError(f"guidance shard {path} is truncated: {size} bytes, no header")
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            raise ShardError(f"guidance shard {path} is truncated: header needs {8 + n} bytes, file has {size}")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise ShardError(f"guidance shard {path} has a corrupt header: {e}") from e
+    meta = header.pop("__metadata__", None) or {}
+    if meta.get("format") != MAGIC:
+        raise ShardError(f"{path} is not a guidance shard (metadata format={meta.get('format')!r}, want {MAGIC!r})")
+    data_end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    want = 8 + n + data_end
+    if size != want or int(meta.get("data_nbytes", -1)) != data_end:
+        raise ShardError(
+            f"guidance shard {path} is truncated or half-written: {size} bytes on disk, header says {want} "
+            f"(data {data_end} bytes, metadata data_nbytes={meta.get('data_nbytes')}); re-generate this step"
+        )
+    return header, meta
+
+
+def shard_index(path: Path) -> dict[int, dict]:
+    """sample_id -> meta (with checksum) of a shard, after the length checks."""
+    _, meta = read_header(path)
+    try:
+        return {int(m["sample_id"]): m for m in json.loads(meta["samples"])}
+    except (KeyError, ValueError, TypeError) as e:
+        raise ShardError(f"guidance shard {path} has corrupt sample metadata: {e}") from e
+
+
+def load_samples(
+    path: Path, sample_ids: Iterable[int], index: dict[int, dict] | None = None
+) -> dict[int, SampleGuidance]:
+    """Load only ``sample_ids`` from a shard (others are not read), each checked against its checksum."""
+    st = _safetensors()
+    path = Path(path)
+    index = shard_index(path) if index is None else index
+    sample_ids = list(sample_ids)
+    absent = [i for i in sample_ids if i not in index]
+    if absent:
+        raise KeyError(f"guidance shard {path} has no sample(s) {absent}")
+    read_header(path)  # the file may have changed since the index was taken
+    out = {}
+    try:
+        with st.safe_open(str(path), framework="pt") as f:
+            by_sample: dict[str, list[str]] = {}
+            for k in f.keys():
+                by_sample.setdefault(k.split("/", 1)[0], []).append(k)
+            for sid in sample_ids:
+                meta = index[sid]
+                names = by_sample.get(str(sid), [])
+                tensors = {k.split("/", 1)[1]: f.get_tensor(k) for k in names}
+                if tensors_checksum(tensors) != meta["checksum"]:
+                    raise ShardError(f"guidance shard {path}: sample {sid} fails its checksum (corrupt data)")
+                out[sid] = sample_from_tensors(meta, tensors)
+    except ShardError:
+        raise
+    except Exception as e:  # safetensors raises its own error types for damaged files
+        raise ShardError(f"guidance shard {path} cannot be read: {type(e).__name__}: {e}") from e
+    return out
+
+
+def remove_stale_tmp(cache_dir: Path, pattern: str = "*.safetensors.tmp*") -> int:
+    """Delete temp files a crashed writer left behind; returns how many."""
+    n = 0
+    for p in Path(cache_dir).glob(pattern):
+        p.unlink(missing_ok=True)
+        n += 1
+    if n:
+        logger.warning("removed %d half-written guidance shard temp file(s) in %s", n, cache_dir)
+    return n

@@ -1,0 +1,122 @@
+"""Synthetic verifiable tasks for the embedded RL demo, with a character tokenizer we own.
+
+Two tasks (fixed-length answers, exact-match reward):
+  add:     "042+917=" -> "0959"   (3-digit addition, zero padded)
+  reverse: "31415>"   -> "51413"  (reverse a 5-digit string)
+A noisy-label SFT set (a share of wrong labels: carries dropped / one swapped pair) gives a warm start
+with non-trivial but improvable reward, so RL has something to show (reference/RL_DEMO_PROBE.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class CharTokenizer:
+    """Characters ``0-9 + = >`` plus PAD (0), BOS, EOS."""
+
+    SPECIALS = ("<pad>", "<bos>", "<eos>")
+    CHARS = "0123456789+=>"
+
+    def __init__(self):
+        self.itos = list(self.SPECIALS) + list(self.CHARS)
+        self.stoi = {s: i for i, s in enumerate(self.itos)}
+        self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.itos)
+
+    def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
+        bad = sorted({c for c in text if c not in self.stoi})
+        if bad:
+            raise ValueError(f"characters {bad} are not in the vocabulary {self.CHARS!r}")
+        ids = [self.stoi[c] for c in text]
+        return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
+
+    def decode(self, ids) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i == self.eos_id:
+                break
+            if i >= len(self.SPECIALS):
+                out.append(self.itos[i])
+        return "".join(out)
+
+
+@dataclass(frozen=True)
+class Problem:
+    prompt: str
+    answer: str
+
+
+class Task:
+    name: str
+    answer_len: int
+
+    def sample(self, g: torch.Generator) -> Problem:
+        raise NotImplementedError
+
+    def noisy_answer(self, p: Problem, g: torch.Generator) -> str:
+        raise NotImplementedError
+
+    def reward(self, p: Problem, response: str) -> float:
+        """1.0 for an exact answer, else 0.0."""
+        return float(response == p.answer)
+
+
+def _digits(g: torch.Generator, n: int) -> str:
+    return "".join(str(int(d)) for d in torch.randint(0, 10, (n,), generator=g))
+
+
+class AdditionTask(Task):
+    name, answer_len = "add", 4
+
+    def sample(self, g):
+        a, b = int(_digits(g, 3)), int(_digits(g, 3))
+        return Problem(f"{a:03d}+{b:03d}=", f"{a + b:04d}")
+
+    def noisy_answer(self, p, g):
+        a, b = p.prompt[:3], p.prompt[4:7]
+        no_carry = "".join(str((int(x) + int(y)) % 10) for x, y in zip(a, b))
+        return "0" + no_carry
+
+
+class ReverseTask(Task):
+    name, answer_len = "reverse", 5
+
+    def sample(self, g):
+        s = _digits(g, 5)
+        return Problem(f"{s}>", s[::-1])
+
+    def noisy_answer(self, p, g):
+        r = list(p.answer)
+        i = int(torch.randint(0, 4, (1,), generator=g))
+        r[i], r[i + 1] = r[i + 1], r[i]
+        return "".join(r)
+
+
+TASKS = {"add": AdditionTask, "reverse": ReverseTask}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"task={name!r} is not one of {sorted(TASKS)}")
+    return TASKS[name]()
+
+
+def sft_batch(task: Task, tok: CharTokenizer, n: int, g: torch.Generator, noise: float):
+    """Token ids [n, L] (BOS prompt answer EOS) and a loss mask over the answer + EOS positions."""
+    seqs, masks = [], []
+    for _ in range(n):
+        p = task.sample(g)
+        wrong = float(torch.rand((), generator=g)) < noise
+        ans = task.noisy_answer(p, g) if wrong else p.answer
+        prompt = tok.encode(p.prompt, bos=True)
+        full = prompt + tok.encode(ans, eos=True)
+        seqs.append(full)
+        masks.append([0] * len(prompt) + [1] * (len(full) - len(prompt)))
+    return torch.tensor(seqs), torch.tensor(masks, dtype=torch.bool)

@@ -1,0 +1,116 @@
+"""Worker processes of the sync tests (module level so torch.multiprocessing spawn can import them)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+
+from megatron_trace.guidance.records import split_batch
+from megatron_trace.guidance.sync import GuidanceSync, GuidanceSyncError
+
+from ._data import assert_samples_equal, make_batch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rollout_samples(B: int):
+    """The same samples in every process (seeded), so receivers can check what arrived."""
+    out = []
+    for part, fmt in enumerate(("nvfp4", "mxfp4")):
+        batch, _, tok, mask = make_batch(B=B, seed=11 + part, fmt=fmt, compact=bool(part))
+        ids = [1000 * part + i for i in range(B)]
+        out += split_batch(batch, tok, version=4 + part, attention_mask=mask, sample_ids=ids)
+    return out
+
+
+def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
+    result = Path(outdir) / f"rank{rank}.txt"
+    try:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60))
+        try:  # validated before the collective new_group: every rank raises, nobody hangs
+            GuidanceSync(0, [world])
+            raise AssertionError("a trainer rank outside the world was accepted")
+        except ValueError as e:
+            assert "missing peer" in str(e), str(e)
+        timeout = timedelta(seconds=3 if scenario == "missing_sender" else 60)
+        sync = GuidanceSync(0, list(range(1, world)), timeout=timeout)
+        samples = rollout_samples(B=5)
+        if scenario == "missing_sender":
+            msg = _missing_sender(rank, sync)
+        elif scenario in ("corrupt", "bad_magic"):
+            msg = _tampered(rank, sync, samples, scenario)
+        else:
+            msg = _transfer(rank, world, sync, samples, scenario)
+        result.write_text(msg)
+    except Exception:  # reported to the parent test
+        result.write_text("FAIL\n" + traceback.format_exc())
+    finally:
+        if dist.is_initialized() and scenario != "missing_sender":
+            dist.destroy_process_group()
+
+
+def _expected(samples, world: int, scenario: str, rank: int):
+    if scenario == "mapping":  # odd sample ids -> last trainer rank, even -> rank 1
+        return [s for s in samples if (world - 1 if s.sample_id % 2 else 1) == rank]
+    return [s for i, s in enumerate(samples) if 1 + i % (world - 1) == rank]
+
+
+def _transfer(rank, world, sync, samples, scenario) -> str:
+    if rank == 0:
+        mapping = None
+        if scenario == "mapping":
+            mapping = {s.sample_id: (world - 1 if s.sample_id % 2 else 1) for s in samples}
+        sent = sync.send(samples, mapping)
+        return f"OK sent {sorted(sent.items())}"
+    got = sync.receive()
+    want = _expected(samples, world, scenario, rank)
+    assert [s.sample_id for s in got] == [s.sample_id for s in want], ([s.sample_id for s in got], rank)
+    for a, b in zip(got, want):
+        assert_samples_equal(a, b)
+    return f"OK received {[s.sample_id for s in got]}"
+
+
+def _missing_sender(rank, sync) -> str:
+    if rank == 0:
+        time.sleep(5)  # alive but never sends: the trainer must time out with a clear error
+        return "OK idle"
+    t0 = time.monotonic()
+    try:
+        sync.receive()
+    except GuidanceSyncError as e:
+        assert "rollout rank 0" in str(e) and "missing" in str(e), str(e)
+        return f"OK timed out after {time.monotonic() - t0:.1f}s"
+    return "FAIL receive returned without a sender"
+
+
+def _tampered(rank, sync, samples, scenario) -> str:
+    """The sender corrupts one payload byte (after checksums) or the size message: nothing applied."""
+    if rank == 0:
+        msgs = sync.encode(samples)
+        if scenario == "corrupt":
+            msgs[2][len(msgs[2]) // 2] ^= 0x10
+        else:
+            msgs[0][0] = 12345
+            msgs = msgs[:1]
+        for t in msgs:
+            dist.send(t, dst=1, group=sync.group)
+        return "OK sent tampered"
+    try:
+        got = sync.receive()
+    except GuidanceSyncError as e:
+        want = "checksum" if scenario == "corrupt" else "bad size message"
+        assert want in str(e), str(e)
+        return f"OK rejected: {want}"
+    return f"FAIL accepted {len(got)} tampered samples"

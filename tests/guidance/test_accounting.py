@@ -1,0 +1,96 @@
+from pathlib import Path
+
+import pytest
+
+from megatron_trace.guidance.accounting import (
+    breakdown,
+    bytes_per_layer,
+    bytes_per_token,
+    row_bytes,
+    side_bytes,
+    site_bytes_per_token,
+    totals,
+)
+from megatron_trace.guidance.model_dims import ModelDims
+from megatron_trace.guidance.records import split_batch
+
+from ._data import DIMS, SITES, make_batch
+
+DATA = Path(__file__).parent.parent / "data"
+TEST_DIMS = ModelDims(
+    num_layers=3, hidden=DIMS["hidden"], moe_ffn=DIMS["ffn"], topk=DIMS["topk"], kv_heads=DIMS["kv_heads"],
+    head_dim=DIMS["head_dim"], moe_layers=(0, 1, 2), kv_layers=(0, 1, 2),
+)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "full"])
+def test_bytes_per_token_equals_measured_record_bytes(fmt, compact):
+    """Analytic bytes/token x tokens == nbytes of real records (payload + scales + amax)."""
+    batch, _, tok, mask = make_batch(fmt=fmt, compact=compact, layers=(0, 2))
+    samples = split_batch(batch, tok, version=0, attention_mask=mask)
+    kw = dict(fmt=fmt, compact=compact, amax="per_row")
+    per_site = breakdown(TEST_DIMS, SITES, (0, 2), **kw)
+    for s in samples:
+        for key, rec in s.sites.items():
+            assert rec.guidance_nbytes() == per_site[key] * s.num_tokens, key
+            side = side_bytes(TEST_DIMS, *key)
+            assert rec.nbytes() - rec.guidance_nbytes() == side * s.num_tokens, key
+        assert s.guidance_nbytes() == bytes_per_token(TEST_DIMS, SITES, (0, 2), **kw) * s.num_tokens
+
+
+def test_row_bytes_formula():
+    # NVFP4 K=2048: compact 256 + 128 + 4; full 1024 + 128 + 4. MXFP4 K=2048: blocks of 32.
+    assert row_bytes(2048, compact=True) == 388 and row_bytes(2048, compact=False) == 1156
+    assert row_bytes(2048, fmt="mxfp4", compact=True) == 256 + 64
+    assert row_bytes(2048, fmt="mxfp4", compact=False) == 1024 + 64
+    assert row_bytes(20, compact=True) == 32 // 8 + 2 + 4  # padded to 32
+    with pytest.raises(ValueError, match="amax"):
+        row_bytes(16, amax="per_block")
+
+
+@pytest.mark.parametrize("k", [16, 64, 512, 2048, 7168])
+def test_compact_is_one_third_of_full_per_element(k):
+    """(1 + 8/16) / (4 + 8/16) = 1/3 per element; the per-row amax is the same 4 bytes in both."""
+    c = row_bytes(k, compact=True, amax="per_tensor")
+    f = row_bytes(k, compact=False, amax="per_tensor")
+    assert 3 * c == f
+    assert row_bytes(k, compact=True) - c == row_bytes(k, compact=False) - f == 4
+
+
+def test_sites_absent_from_dense_and_linear_attention_layers():
+    dims = ModelDims.from_hf_config(DATA / "deepseek_v3_config.json")
+    assert dims.moe_layers == tuple(range(3, 61)) and dims.kv_layers == tuple(range(61))
+    assert site_bytes_per_token(dims, 0, "expert_fc1_in") == 0 < site_bytes_per_token(dims, 3, "expert_fc1_in")
+    assert dims.site_rows("kv_k") == (1, 576) and site_bytes_per_token(dims, 0, "kv_v") == 0  # MLA latent
+    q35 = ModelDims.from_hf_config(DATA / "qwen3_5_35b_a3b_like_config.json")
+    assert q35.kv_layers == tuple(range(3, 40, 4))
+    per_layer = bytes_per_layer(q35, ["kv_k", "kv_v"], compact=False)
+    assert [i for i, n in per_layer.items() if n] == list(range(3, 40, 4))
+
+
+def test_hf_configs_parse():
+    q30 = ModelDims.from_hf_config(DATA / "qwen3_30b_a3b_config.json")
+    assert (q30.num_layers, q30.hidden, q30.moe_ffn, q30.topk, q30.kv_heads, q30.head_dim, q30.num_experts) == (
+        48, 2048, 768, 8, 4, 128, 128)
+    q235 = ModelDims.from_hf_config(DATA / "qwen3_235b_a22b_config.json")
+    assert (q235.num_layers, q235.hidden, q235.moe_ffn, q235.kv_heads) == (94, 4096, 1536, 4)
+    ds = ModelDims.from_hf_config(DATA / "deepseek_v3_config.json")
+    assert (ds.num_layers, ds.hidden, ds.moe_ffn, ds.topk, ds.num_experts) == (61, 7168, 2048, 8, 256)
+
+
+def test_hf_config_errors_name_the_problem():
+    with pytest.raises(ValueError, match="num_experts"):
+        ModelDims.from_hf_config({"num_hidden_layers": 2, "hidden_size": 8, "moe_intermediate_size": 4})
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelDims.from_hf_config({"num_hidden_layers": 2, "hidden_size": 8, "moe_intermediate_size": 4,
+                                  "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 2,
+                                  "layer_types": ["full_attention"]})
+
+
+def test_totals_by_site_and_layer():
+    per_key = breakdown(TEST_DIMS, SITES, (0, 2), compact=True)
+    t = totals(per_key, tokens=10)
+    assert t["total"] == 10 * bytes_per_token(TEST_DIMS, SITES, (0, 2), compact=True)
+    assert sum(t["by_layer"].values()) == t["total"] and set(t["by_layer"]) == {0, 2}
+    assert t["by_site"]["expert_fc1_in"] == 10 * 2 * row_bytes(DIMS["hidden"])

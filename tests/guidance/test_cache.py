@@ -1,0 +1,168 @@
+import os
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.guidance.cache import GuidanceCache
+from megatron_trace.guidance.records import split_batch
+from megatron_trace.guidance.serial import plan_flat
+from megatron_trace.guidance.shards import ShardError, load_samples, read_header, shard_index, write_shard
+
+from ._data import assert_samples_equal, make_batch
+
+
+def _step_samples(step, B=4, **kw):
+    batch, _, tok, mask = make_batch(B=B, seed=step, **kw)
+    return split_batch(batch, tok, version=step, attention_mask=mask, sample_ids=[100 * step + i for i in range(B)])
+
+
+def _size(samples):
+    return plan_flat(samples).total
+
+
+def test_in_memory_get_returns_identical_samples():
+    cache = GuidanceCache(budget_bytes=10**9)
+    samples = _step_samples(1)
+    cache.put(1, samples)
+    got = cache.get(1, [103, 101, 999])
+    assert got[2] is None
+    assert_samples_equal(got[0], samples[3])
+    assert_samples_equal(got[1], samples[1])
+    assert cache.host_bytes == _size(samples) == cache.peak_host_bytes and cache.disk_bytes == 0
+
+
+@pytest.mark.parametrize("fmt,compact", [("nvfp4", True), ("mxfp4", False)])
+def test_spill_and_reload_under_tiny_budget_loses_nothing(tmp_path, fmt, compact):
+    steps = {s: _step_samples(s, fmt=fmt, compact=compact) for s in (1, 2, 3)}
+    one = _size(steps[1][:1])
+    cache = GuidanceCache(budget_bytes=int(2.5 * one), cache_dir=tmp_path)
+    for s, samples in steps.items():
+        cache.put(s, samples)
+    assert cache.peak_host_bytes <= cache.budget_bytes
+    assert cache.disk_bytes > 0 and len(list(tmp_path.glob("*.safetensors"))) >= 2
+    for s, samples in steps.items():  # micro-batches of 2, in a scrambled order
+        ids = [x.sample_id for x in samples]
+        for mb in (ids[2:0:-1], [ids[3], ids[0]]):
+            for got, sid in zip(cache.get(s, mb), mb):
+                assert_samples_equal(got, next(x for x in samples if x.sample_id == sid))
+    for s in steps:
+        cache.drop(s)
+    assert cache.host_bytes == 0 and cache.disk_bytes == 0 and not list(tmp_path.iterdir())
+    assert cache.stats()["cache/peak_host_bytes"] == cache.peak_host_bytes > 0
+
+
+def test_budget_zero_spills_everything_and_several_puts_per_step(tmp_path):
+    cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    a, b = _step_samples(7)[:2], _step_samples(7)[2:]
+    cache.put(7, a)
+    cache.put(7, b)
+    assert cache.peak_host_bytes == 0 and len(list(tmp_path.glob("guidance_step00000007_part*"))) == 2
+    for got, want in zip(cache.get(7, [s.sample_id for s in a + b]), a + b):
+        assert_samples_equal(got, want)
+    with pytest.raises(ValueError, match="already has sample"):
+        cache.put(7, a[:1])
+
+
+def test_over_budget_without_cache_dir_is_a_clear_error():
+    cache = GuidanceCache(budget_bytes=10)
+    with pytest.raises(RuntimeError, match="cache_dir"):
+        cache.put(0, _step_samples(0))
+
+
+def test_unknown_step_and_invalidate(tmp_path):
+    cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    cache.put(3, _step_samples(3))
+    with pytest.raises(KeyError, match=r"no step 4 \(steps held: \[3\]\)"):
+        cache.get(4, [0])
+    cache.invalidate(3)
+    assert cache.steps == [] and not list(tmp_path.iterdir())
+    with pytest.raises(KeyError):
+        cache.get(3, [300])
+    cache.put(3, _step_samples(3))  # the step can be redone
+    assert cache.get(3, [300])[0] is not None
+
+
+def test_from_config(tmp_path):
+    cache = GuidanceCache.from_config(TraceConfig(cache_budget_mb=1.5, cache_dir=str(tmp_path / "c")))
+    assert cache.budget_bytes == 1.5 * 2**20 and (tmp_path / "c").is_dir()
+
+
+# ---- shards: crash safety ----------------------------------------------------------------------
+def _shard(tmp_path):
+    samples = _step_samples(2)
+    path = tmp_path / "guidance_step00000002_part0000.safetensors"
+    size = write_shard(path, samples, step=2)
+    assert size == path.stat().st_size and not list(tmp_path.glob("*.tmp*"))
+    return path, samples
+
+
+@pytest.mark.parametrize("keep", [0, 5, 100, -1], ids=["empty", "in-length", "in-header", "last-byte"])
+def test_truncated_shard_is_rejected(tmp_path, keep):
+    path, samples = _shard(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[:keep] if keep >= 0 else data[:-1])
+    with pytest.raises(ShardError, match="truncated|corrupt header"):
+        load_samples(path, [s.sample_id for s in samples])
+
+
+def test_shard_truncated_after_put_is_rejected_by_get(tmp_path):
+    cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    samples = _step_samples(5)
+    cache.put(5, samples)
+    (path,) = tmp_path.glob("*.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 10)  # a half-written data region
+    with pytest.raises(ShardError, match=f"{path.name} is truncated or half-written"):
+        cache.get(5, [500])
+
+
+def test_corrupt_shard_bytes_fail_the_checksum(tmp_path):
+    path, samples = _shard(tmp_path)
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # inside the last tensor's data
+    path.write_bytes(bytes(data))
+    index = shard_index(path)
+    with pytest.raises(ShardError, match="checksum"):
+        load_samples(path, list(index), index)
+
+
+def test_loads_only_requested_samples(tmp_path):
+    path, samples = _shard(tmp_path)
+    got = load_samples(path, [samples[2].sample_id])
+    assert list(got) == [samples[2].sample_id]
+    assert_samples_equal(got[samples[2].sample_id], samples[2])
+    header, meta = read_header(path)
+    assert meta["step"] == "2" and all(k.split("/")[0].isdigit() for k in header)
+    with pytest.raises(KeyError, match="no sample"):
+        load_samples(path, [12345])
+
+
+def test_not_a_guidance_shard(tmp_path):
+    from safetensors.torch import save_file
+
+    p = tmp_path / "other.safetensors"
+    save_file({"w": torch.zeros(4)}, str(p))
+    with pytest.raises(ShardError, match="not a guidance shard"):
+        shard_index(p)
+
+
+def test_stale_temp_files_are_removed_on_start(tmp_path):
+    stale = tmp_path / f"guidance_step00000001_part0000.safetensors.tmp{os.getpid()}"
+    stale.write_bytes(b"half")
+    GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    assert not stale.exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device staging + pinned host copy)")
+def test_cuda_staging_to_pinned_host():
+    samples = _step_samples(1)
+    dev = [s.to("cuda") for s in samples]
+    cache = GuidanceCache(budget_bytes=10**9)
+    cache.put(1, dev[:2])
+    cache.put(1, dev[2:])
+    chunk = cache._steps[1].chunks[0]
+    assert chunk.buf.is_pinned() and chunk.event is not None
+    for got, want in zip(cache.get(1, [s.sample_id for s in samples]), samples):
+        assert_samples_equal(got, want)

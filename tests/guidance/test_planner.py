@@ -1,0 +1,170 @@
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_trace.cli import plan
+from megatron_trace.config import TraceConfig
+from megatron_trace.guidance.accounting import bytes_per_layer, bytes_per_token
+from megatron_trace.guidance.model_dims import ModelDims
+from megatron_trace.guidance.planner import RLSettings, budget_layers, plan_row
+from megatron_trace.guidance.selection import guided_layers
+
+DATA = Path(__file__).parent.parent / "data"
+Q35 = DATA / "qwen3_5_35b_a3b_like_config.json"
+KIB = 1024
+
+
+# ---- fixed policies ----------------------------------------------------------------------------
+@pytest.mark.parametrize("kw,want", [
+    (dict(guided_layers="none"), ()),
+    (dict(guided_layers="all"), tuple(range(8))),
+    (dict(guided_layers="last_k", guided_last_k=3), (5, 6, 7)),
+    (dict(guided_layers="fraction", guided_fraction=0.5), (4, 5, 6, 7)),
+    (dict(guided_layers="fraction", guided_fraction=0.3), (5, 6, 7)),  # ceil(2.4) = 3 deepest
+    (dict(guided_layers="explicit", guided_layer_list=(6, 1, 1)), (1, 6)),
+    (dict(enabled=False), ()),
+], ids=["none", "all", "last_k", "fraction-half", "fraction-ceil", "explicit", "disabled"])
+def test_fixed_policies(kw, want):
+    assert guided_layers(TraceConfig(**kw), 8) == want
+
+
+# ---- budget policy -----------------------------------------------------------------------------
+def test_budget_picks_most_mismatch_per_byte():
+    cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=300)
+    profile = [0.0, 0.1, 0.5, 0.2, 0.9]
+    cost = [100, 100, 100, 50, 300]
+    # densities: 1:0.001 2:0.005 3:0.004 4:0.003 -> 2 (100), 3 (150), 4 no (450 > 300), 1 (250)
+    assert guided_layers(cfg, 5, mismatch_profile=profile, bytes_per_layer=cost) == (1, 2, 3)
+    assert budget_layers(cfg, 5, mismatch_profile=dict(enumerate(profile)), bytes_per_layer=100) == (2, 3, 4)
+
+
+def test_budget_ties_prefer_deeper_layers():
+    cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=200)
+    assert budget_layers(cfg, 6, mismatch_profile=[1.0] * 6, bytes_per_layer=100) == (4, 5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.lists(st.tuples(st.floats(0, 1), st.integers(1, 5000)), min_size=1, max_size=40),
+    budget=st.floats(1, 60_000),
+)
+def test_budget_never_exceeds(data, budget):
+    profile, cost = [p for p, _ in data], [c for _, c in data]
+    cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=budget)
+    layers = budget_layers(cfg, len(data), mismatch_profile=profile, bytes_per_layer=cost)
+    assert sum(cost[i] for i in layers) <= budget
+    assert all(profile[i] > 0 for i in layers)
+    # maximal: nothing left out with mismatch > 0 would still fit
+    used = sum(cost[i] for i in layers)
+    assert all(used + cost[i] > budget for i in range(len(data)) if i not in layers and profile[i] > 0)
+
+
+def test_budget_errors_are_clear():
+    cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=100)
+    with pytest.raises(ValueError, match="mismatch_profile for each of the 4 layers"):
+        guided_layers(cfg, 4)
+    with pytest.raises(ValueError, match="3 entries, expected num_layers=4"):
+        budget_layers(cfg, 4, mismatch_profile=[0.1] * 3, bytes_per_layer=10)
+    with pytest.raises(ValueError, match=r"missing \[3\]"):
+        budget_layers(cfg, 4, mismatch_profile={0: 1, 1: 1, 2: 1}, bytes_per_layer=10)
+    with pytest.raises(ValueError, match="finite"):
+        budget_layers(cfg, 2, mismatch_profile=[float("nan"), 0.1], bytes_per_layer=10)
+    with pytest.raises(ValueError, match="bytes_per_layer"):
+        budget_layers(cfg, 2, mismatch_profile=[0.1, 0.1])
+
+
+def test_budget_with_real_layer_bytes_of_a_hybrid_model():
+    dims = ModelDims.from_hf_config(Q35)
+    cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=4000, cache_mode="compact")
+    cost = bytes_per_layer(dims, cfg.guided_sites, compact=True)
+    profile = [0.01 * (i + 1) for i in range(40)]  # mismatch grows with depth
+    layers = budget_layers(cfg, 40, mismatch_profile=profile, bytes_per_layer=cost)
+    assert bytes_per_token(dims, cfg.guided_sites, layers, compact=True) <= 4000
+    assert layers and max(layers) == 38  # the deepest MoE-only layer is cheapest per mismatch
+
+
+# ---- planner numbers vs the paper (Qwen3.5-35B-A3B: ~50 KB full, ~7.5 KB compact last 20) --------
+def _bpt(sites, layers, compact, amax="per_row"):
+    dims = ModelDims.from_hf_config(Q35)
+    return bytes_per_token(dims, sites, layers, fmt="nvfp4", compact=compact, amax=amax)
+
+
+def test_paper_full_50kb_is_fc1_plus_kv_all_layers():
+    """~45 KB activations = FC1 rows (2048 x 4.5 bit x 40 layers); ~5.6 KB KV = 10 full-attention
+    layers x 2 heads x 256 x 2 (K, V) x 4.5 bit; FC2 input is not in the paper's figure."""
+    assert _bpt(["expert_fc1_in"], range(40), False, "per_tensor") == 45 * KIB
+    assert _bpt(["kv_k", "kv_v"], range(40), False, "per_tensor") == 5760  # 5.6 KiB
+    full = _bpt(["expert_fc1_in", "kv_k", "kv_v"], range(40), False)
+    assert full == 52160 and abs(full / (50 * KIB) - 1) < 0.02  # with 4-byte per-row amax
+
+
+def test_paper_compact_7_5kb_is_fc1_last_20_layers():
+    assert _bpt(["expert_fc1_in"], range(20, 40), True, "per_tensor") == 7.5 * KIB
+    compact = _bpt(["expert_fc1_in"], range(20, 40), True)
+    assert compact == 7760 and abs(compact / (7.5 * KIB) - 1) < 0.04
+    # with KV too: 8800 B; full / compact at the same sites = exactly 6x (3x bits, 2x layers) w/o amax
+    assert _bpt(["expert_fc1_in", "kv_k", "kv_v"], range(20, 40), True) == 8800
+    assert _bpt(["expert_fc1_in", "kv_k", "kv_v"], range(40), False, "per_tensor") == 6 * _bpt(
+        ["expert_fc1_in", "kv_k", "kv_v"], range(20, 40), True, "per_tensor")
+
+
+def test_all_four_sites_are_much_larger_than_the_paper_figure():
+    """FC2 input = top-8 rows of 512 per token per layer: 2x the FC1 bytes; all four sites ~142 KiB."""
+    sites = ["expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v"]
+    assert _bpt(sites, range(40), False) == 145600
+    assert _bpt(sites, range(20, 40), True) == 20 * (388 + 8 * (96 + 4)) + 5 * 2 * 2 * (48 + 4)
+
+
+def test_paper_51tb_per_step():
+    """4096 trajectories x 256K tokens x 51840 B (FC1+KV, full, per-tensor amax) ~ 51 TB."""
+    dims = ModelDims.from_hf_config(Q35)
+    cfg = TraceConfig(guided_layers="all", cache_mode="full", activation_amax="per_tensor",
+                      guided_sites=("expert_fc1_in", "kv_k", "kv_v"))
+    row = plan_row(dims, cfg, RLSettings(trajectories=4096, prompt_len=0, response_len=256 * 1024), "all")
+    assert row["bytes_per_token"] == 51840
+    assert abs(row["bytes_per_step"] / 2**40 - 50.6) < 0.1  # TiB
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def test_cli_table(capsys):
+    assert plan.main(["--hf-config", str(Q35), "--layer-policy", "all", "--layer-policy", "last_k=20"]) == 0
+    out = capsys.readouterr().out
+    assert "40 layers (40 MoE, 10 with KV)" in out
+    lines = [ln for ln in out.splitlines() if ln.startswith(("all ", "last_k=20"))]
+    assert len(lines) == 4 and "142.2 KiB" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "qwen3_235b_a22b", "deepseek_v3", "qwen3_5_35b_a3b_like"])
+def test_cli_json_matches_library(capsys, name):
+    cfg_path = DATA / f"{name}_config.json"
+    assert plan.main(["--hf-config", str(cfg_path), "--json", "--trajectories", "8", "--response-len", "100"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    dims = ModelDims.from_hf_config(cfg_path)
+    assert len(res["rows"]) == 2 * len(plan.DEFAULT_POLICIES)
+    for row in res["rows"]:
+        want = bytes_per_token(dims, ["expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v"], row["layers"],
+                               compact=row["mode"] == "compact")
+        assert row["bytes_per_token"] == want
+        assert row["bytes_per_step"] == want * 8 * (1024 + 100)
+        assert row["sync_seconds"] == pytest.approx(row["bytes_per_step"] * 8 / 400e9)
+
+
+def test_cli_budget_policy(tmp_path, capsys):
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps([0.01 * i for i in range(40)]))
+    rc = plan.main(["--hf-config", str(Q35), "--json", "--layer-policy", "budget=20000", "--mismatch-profile",
+                    str(prof), "--modes", "compact"])
+    assert rc == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert 0 < row["bytes_per_token"] <= 20000
+
+
+def test_cli_errors(capsys):
+    assert plan.main(["--hf-config", str(Q35), "--layer-policy", "deepest"]) == 2
+    assert "not one of none, all" in capsys.readouterr().err
+    assert plan.main(["--hf-config", str(Q35), "--layer-policy", "budget=100"]) == 2
+    assert "mismatch_profile" in capsys.readouterr().err
+    assert plan.main(["--hf-config", "/nonexistent/config.json"]) == 2

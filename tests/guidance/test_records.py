@@ -1,0 +1,258 @@
+import pytest
+import torch
+
+from megatron_trace.formats import block, e2m1, mxfp4, nvfp4
+from megatron_trace.formats.mxfp4 import MXFP4Format
+from megatron_trace.guidance.records import (
+    SampleGuidance,
+    assemble,
+    payload_of,
+    split_batch,
+    staleness_stats,
+    token_hash,
+)
+from megatron_trace.guidance.serial import (
+    RecordFormatError,
+    add_checksums,
+    flatten,
+    sample_from_tensors,
+    sample_to_tensors,
+    unflatten,
+)
+from megatron_trace.guidance.site import FallbackCounter
+
+from ._data import assert_samples_equal, make_batch
+
+FORMATS = [("nvfp4", True), ("nvfp4", False), ("mxfp4", True), ("mxfp4", False)]
+IDS = ["nvfp4-compact", "nvfp4-full", "mxfp4-compact", "mxfp4-full"]
+
+
+def _samples(fmt="nvfp4", compact=True, **kw):
+    batch, acts, tok, mask = make_batch(fmt=fmt, compact=compact, **kw)
+    ids = [10, 11, 12][: tok.shape[0]]
+    return split_batch(batch, tok, version=5, attention_mask=mask, sample_ids=ids), batch, tok, mask
+
+
+@pytest.mark.parametrize("fmt,compact", FORMATS, ids=IDS)
+def test_named_tensor_round_trip_bit_exact(fmt, compact):
+    samples, *_ = _samples(fmt, compact)
+    for s in samples:
+        tensors, meta = sample_to_tensors(s)
+        scales = [t for k, t in tensors.items() if k.endswith("/scales")]
+        assert all(t.dtype == torch.uint8 for t in scales)
+        back = sample_from_tensors(meta, {k: t.clone() for k, t in tensors.items()})
+        assert_samples_equal(s, back)
+
+
+@pytest.mark.parametrize("fmt,compact", FORMATS, ids=IDS)
+def test_flat_round_trip_bit_exact(fmt, compact):
+    samples, *_ = _samples(fmt, compact)
+    metas, buf = flatten(samples)
+    add_checksums(metas, buf)
+    back = unflatten(metas, buf.clone(), verify=True)
+    for a, b in zip(samples, back):
+        assert_samples_equal(a, b)
+
+
+def test_flat_checksum_detects_corruption():
+    samples, *_ = _samples()
+    metas, buf = flatten(samples)
+    add_checksums(metas, buf)
+    bad = buf.clone()
+    bad[metas[1]["offset"] + 3] ^= 1
+    with pytest.raises(RecordFormatError, match="checksum"):
+        unflatten(metas, bad, verify=True)
+    with pytest.raises(RecordFormatError, match="bytes"):
+        unflatten(metas, buf[:-1])
+
+
+@pytest.mark.parametrize("left_pad", [False, True], ids=["right-pad", "left-pad"])
+@pytest.mark.parametrize("fmt,compact", FORMATS, ids=IDS)
+def test_split_then_assemble_restores_batch_rows(fmt, compact, left_pad):
+    batch, _, tok, mask = make_batch(fmt=fmt, compact=compact, left_pad=left_pad)
+    samples = split_batch(batch, tok, version=1, attention_mask=mask)
+    assert [s.num_tokens for s in samples] == mask.sum(1).tolist()
+    counter = FallbackCounter()
+    out = assemble(samples, tok, versions=1, counter=counter, attention_mask=mask)
+    assert out.keys() == batch.keys()
+    for key, sg in batch.items():
+        o = out[key]
+        m = mask  # rows of tokens: identical bits; padding rows zero and invalid
+        assert torch.equal(payload_of(o.record)[m], payload_of(sg.record)[m])
+        assert torch.equal(o.record.block_scales.view(torch.uint8)[m], sg.record.block_scales.view(torch.uint8)[m])
+        if fmt == "nvfp4":
+            assert torch.equal(o.record.global_amax[m].view(torch.int32), sg.record.global_amax[m].view(torch.int32))
+        assert torch.equal(o.valid, sg.valid)
+        assert not payload_of(o.record)[~m].any()
+        if sg.expert_ids is not None:
+            assert torch.equal(o.expert_ids[m], sg.expert_ids[m])
+        assert o.record.shape == sg.record.shape and o.record.fmt == fmt
+    assert counter.coverage == 1.0 and not counter.fallback
+
+
+def test_trainer_padding_differs_from_rollout():
+    """Rollout left-padded to S=9, trainer right-padded to S=12: same tokens, same guidance rows."""
+    batch, _, tok, mask = make_batch(left_pad=True)
+    samples = split_batch(batch, tok, version=0, attention_mask=mask)
+    L = mask.sum(1)
+    t_tok = torch.zeros(3, 12, dtype=tok.dtype)
+    for b in range(3):
+        t_tok[b, : L[b]] = tok[b, mask[b]]
+    counter = FallbackCounter()
+    out = assemble(samples, t_tok, versions=0, counter=counter, lengths=L)
+    key = (2, "expert_fc1_in")
+    for b in range(3):
+        assert torch.equal(payload_of(out[key].record)[b, : L[b]], payload_of(batch[key].record)[b, mask[b]])
+    assert counter.coverage == 1.0
+
+
+def _bracket_check(fmt, compact):
+    """Trainer activations near the rollout's: guided codes == rollout codes wherever the rollout
+    code is in the trainer's bracket, and RNE alone mismatches at some of those elements."""
+    batch, acts, tok, mask = make_batch(fmt=fmt, compact=compact, sites=("expert_fc1_in", "expert_fc2_in"))
+    samples = split_batch(batch, tok, version=2, attention_mask=mask)
+    metas, buf = flatten(samples)
+    received = unflatten(metas, buf)
+    out = assemble(received, tok, versions=2, counter=FallbackCounter(), attention_mask=mask)
+    g = torch.Generator().manual_seed(1)
+    mod, form = (nvfp4, nvfp4.FORMAT) if fmt == "nvfp4" else (mxfp4, MXFP4Format())
+    adjacent_flips = 0
+    for key, sg in out.items():
+        x_roll = acts[key]
+        x_train = x_roll * (1 + 0.03 * torch.randn(x_roll.shape, generator=g))
+        q_roll = (nvfp4.quantize(x_roll, per_row=True) if fmt == "nvfp4" else mxfp4.quantize(x_roll)).values()
+        if not compact:  # the record's own codes are the rollout's codes
+            assert torch.equal(e2m1.decode(batch[key].record.unpacked_codes())[..., : x_roll.shape[-1]], q_roll)
+        guided = mod.guided_quantize(x_train, sg.record).values()
+        _, z = block.guided_quantize_with_z(form, x_train, sg.record)  # z with the rollout's scales
+        lo, hi = e2m1.bracket(z.flatten(-2)[..., : x_roll.shape[-1]])
+        inside = ((q_roll == lo) | (q_roll == hi)) & sg.valid[..., None].expand_as(x_roll)
+        assert torch.equal(guided[inside], q_roll[inside])
+        grid = q_roll
+        rne = (nvfp4.quantize(x_train, per_row=True) if fmt == "nvfp4" else mxfp4.quantize(x_train)).values()
+        adjacent_flips += int(((rne != grid) & inside).sum())
+    assert adjacent_flips > 0
+
+
+@pytest.mark.parametrize("fmt,compact", FORMATS, ids=IDS)
+def test_reconstructed_guidance_reproduces_rollout_codes(fmt, compact):
+    _bracket_check(fmt, compact)
+
+
+def test_rejects_wrong_token_hash_version_and_missing():
+    batch, _, tok, mask = make_batch(B=4, lengths=[9, 8, 7, 9])
+    samples = split_batch(batch, tok, version=[3, 3, 2, 3], attention_mask=mask)
+    tok2 = tok.clone()
+    tok2[1, 0] += 1  # sample 1: a different sequence
+    counter = FallbackCounter()
+    out = assemble([samples[0], samples[1], samples[2], None], tok2, versions=[3, 3, 3, 3], counter=counter,
+                   attention_mask=mask)
+    n_keys = len(batch)
+    fc2_rows = 3  # topk
+    per_tok = {"expert_fc2_in": fc2_rows}
+    rows = lambda b: sum(mask[b].sum().item() * per_tok.get(k[1], 1) for k in batch)  # noqa: E731
+    assert counter.fallback["token_hash"] == rows(1)
+    assert counter.fallback["version"] == rows(2)  # generated by version 2, trainer recorded 3
+    assert counter.fallback["missing"] == rows(3)
+    assert counter.used == rows(0)
+    for sg in out.values():
+        assert sg.valid[0][mask[0]].all() and not sg.valid[1:].any()
+    assert len(out) == n_keys
+
+
+def test_rejects_shape_mismatch_and_counts_unrecorded_rows():
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 9], sites=("expert_fc1_in",), layers=(0,))
+    samples = split_batch(batch, tok, version=0, attention_mask=mask)
+    other, _, _, _ = make_batch(B=2, lengths=[9, 9], sites=("expert_fc1_in",), layers=(0,), compact=False)
+    wrong = split_batch(other, tok, version=0, attention_mask=mask)[1]  # full record among compact ones
+    counter = FallbackCounter()
+    assemble([samples[0], wrong, samples[0]], torch.cat([tok, tok[:1]]), versions=0, counter=counter)
+    assert counter.fallback["shape"] == 9 and counter.used == 18
+    # a row the rollout did not record (valid False) is counted, not used
+    key = (0, "expert_fc1_in")
+    v = batch[key].valid.clone()
+    v[0, 4] = False
+    from megatron_trace.guidance.site import SiteGuidance
+
+    samples = split_batch({key: SiteGuidance(batch[key].record, v)}, tok, version=0)
+    counter = FallbackCounter()
+    out = assemble(samples, tok, versions=0, counter=counter)
+    assert counter.fallback["not_recorded"] == 1 and not out[key].valid[0, 4]
+
+
+def test_missing_key_everywhere_is_omitted_and_counted():
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 9], layers=(0,), sites=("expert_fc1_in",))
+    samples = split_batch(batch, tok, version=0, attention_mask=mask)
+    counter = FallbackCounter()
+    out = assemble(samples, tok, versions=0, counter=counter, keys=[(0, "expert_fc1_in"), (5, "kv_k")])
+    assert list(out) == [(0, "expert_fc1_in")]
+    assert counter.fallback["missing"] == 18
+
+
+def test_per_tensor_amax_expands_to_rows():
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    q = nvfp4.quantize(x)  # per-tensor amax []
+    from megatron_trace.guidance.site import SiteGuidance
+
+    tok = torch.arange(10).view(2, 5)
+    key = (0, "expert_fc1_in")
+    samples = split_batch({key: SiteGuidance(q.guidance(True), torch.ones(2, 5, dtype=torch.bool))}, tok, version=0)
+    assert samples[0].sites[key].record.global_amax.dim() == 0
+    out = assemble(samples, tok, versions=0, counter=FallbackCounter())
+    rec = out[key].record
+    assert rec.global_amax.shape == (2, 5, 1)
+    assert torch.equal(nvfp4.guided_quantize(x, rec).codes, nvfp4.guided_quantize(x, q.guidance(True)).codes)
+
+
+def test_bad_inputs_raise_clear_errors():
+    batch, _, tok, mask = make_batch()
+    with pytest.raises(ValueError, match="sample_ids"):
+        split_batch(batch, tok, version=0, sample_ids=[1, 1, 2])
+    with pytest.raises(ValueError, match="rows"):
+        split_batch(batch, tok[:, :5], version=0)
+    with pytest.raises(ValueError, match="lengths"):
+        split_batch(batch, tok, version=0, lengths=[1, 2, 99])
+    with pytest.raises(ValueError, match="samples for a batch"):
+        assemble([None], tok, versions=0, counter=FallbackCounter())
+
+
+def test_token_hash_is_content_hash():
+    a = torch.tensor([1, 2, 3])
+    assert token_hash(a) == token_hash(a.to(torch.int32)) != token_hash(torch.tensor([1, 2, 4]))
+    assert token_hash(a) != token_hash(torch.tensor([1, 2, 3, 0]))
+
+
+def test_staleness_stats():
+    d = staleness_stats(7, [7, 6, 6, 4])
+    assert d["guidance/staleness_max"] == 3 and d["guidance/staleness_mean"] == 1.25
+    assert d["guidance/staleness_frac_1"] == 0.5 and d["guidance/staleness_frac_0"] == 0.25
+    with pytest.raises(ValueError, match="newer"):
+        staleness_stats(3, [4])
+
+
+def test_async_sample_with_old_version_is_accepted():
+    """Async RL: a sample generated by policy v3, trained at v5, carries v3 guidance: accepted."""
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 9])
+    samples = split_batch(batch, tok, version=3, attention_mask=mask)
+    counter = FallbackCounter()
+    assemble(samples, tok, versions=[3, 3], counter=counter, attention_mask=mask)
+    assert counter.coverage == 1.0
+    assert staleness_stats(5, [s.version for s in samples])["guidance/staleness_max"] == 2
+
+
+def test_sample_guidance_nbytes_sums_sites():
+    samples, *_ = _samples()
+    s: SampleGuidance = samples[0]
+    assert s.nbytes() == sum(r.nbytes() for r in s.sites.values()) > s.guidance_nbytes() > 0
+
+
+def test_zero_length_sample_round_trips():
+    batch, _, tok, mask = make_batch(B=3, lengths=[9, 0, 4])
+    samples = split_batch(batch, tok, version=0, attention_mask=mask)
+    assert [s.num_tokens for s in samples] == [9, 0, 4]
+    metas, buf = flatten(samples)
+    for a, b in zip(samples, unflatten(metas, buf)):
+        assert_samples_equal(a, b)
+    counter = FallbackCounter()
+    assemble(samples, tok, versions=0, counter=counter, attention_mask=mask)
+    assert counter.coverage == 1.0 and counter.used == 13 * 2 * (3 + 3)  # 2 layers x (fc1, kv_k, kv_v, 3 fc2 rows)

@@ -1,0 +1,76 @@
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_trace.guidance.sync import GuidanceSync, assign_destinations
+
+from ._dist import free_port, rollout_samples, worker
+
+
+def _run(world: int, scenario: str, tmp_path, timeout: float = 120) -> dict[int, str]:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world, port, scenario, str(tmp_path))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    out = {}
+    for r in range(world):
+        f = tmp_path / f"rank{r}.txt"
+        out[r] = f.read_text() if f.exists() else f"FAIL no result (exit code {procs[r].exitcode})"
+    bad = {r: m for r, m in out.items() if not m.startswith("OK")}
+    assert not bad, bad
+    return out
+
+
+def test_one_rollout_one_trainer_records_identical(tmp_path):
+    out = _run(2, "round_robin", tmp_path)
+    assert out[1] == f"OK received {[s.sample_id for s in rollout_samples(5)]}"
+
+
+def test_two_trainers_get_the_round_robin_split(tmp_path):
+    out = _run(3, "round_robin", tmp_path)
+    ids = [s.sample_id for s in rollout_samples(5)]
+    assert out[1] == f"OK received {ids[0::2]}" and out[2] == f"OK received {ids[1::2]}"
+
+
+def test_two_trainers_with_a_user_mapping(tmp_path):
+    out = _run(3, "mapping", tmp_path)
+    ids = [s.sample_id for s in rollout_samples(5)]
+    assert out[1] == f"OK received {[i for i in ids if i % 2 == 0]}"
+    assert out[2] == f"OK received {[i for i in ids if i % 2 == 1]}"
+
+
+def test_missing_sender_times_out_with_a_clear_error(tmp_path):
+    out = _run(2, "missing_sender", tmp_path)
+    assert out[1].startswith("OK timed out")
+
+
+@pytest.mark.parametrize("scenario", ["corrupt", "bad_magic"])
+def test_tampered_transfer_is_rejected_whole(tmp_path, scenario):
+    out = _run(2, scenario, tmp_path)
+    assert out[1].startswith("OK rejected")
+
+
+def test_assign_destinations_validates():
+    samples = rollout_samples(2)
+    per = assign_destinations(samples, [1, 2, 3])
+    assert [len(v) for v in per.values()] == [2, 1, 1]
+    with pytest.raises(ValueError, match="not a trainer rank"):
+        assign_destinations(samples, [1, 2], lambda sid: 7)
+    with pytest.raises(ValueError, match="no rank for sample"):
+        assign_destinations(samples, [1], {})
+
+
+def test_needs_initialised_distributed():
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        GuidanceSync(0, [1], timeout=timedelta(seconds=1))

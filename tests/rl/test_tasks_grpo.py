@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from megatron_trace.rl.grpo import group_advantages, policy_loss
+from megatron_trace.rl.tasks import CharTokenizer, get_task, sft_batch
+
+
+def test_tokenizer_round_trip_and_errors():
+    tok = CharTokenizer()
+    ids = tok.encode("042+917=", bos=True)
+    assert ids[0] == tok.bos_id and tok.decode(ids) == "042+917="
+    assert tok.decode(tok.encode("0959", eos=True) + [5, 6]) == "0959"  # stops at EOS
+    with pytest.raises(ValueError, match=r"\['a'\] are not in the vocabulary"):
+        tok.encode("1a")
+
+
+@pytest.mark.parametrize("name", ["add", "reverse"])
+def test_tasks_answers_and_rewards(name):
+    task, g = get_task(name), torch.Generator().manual_seed(0)
+    for _ in range(50):
+        p = task.sample(g)
+        assert len(p.answer) == task.answer_len
+        assert task.reward(p, p.answer) == 1.0 and task.reward(p, p.answer[:-1]) == 0.0
+        if name == "add":
+            a, b = int(p.prompt[:3]), int(p.prompt[4:7])
+            assert int(p.answer) == a + b
+        else:
+            assert p.answer == p.prompt[:-1][::-1]
+    with pytest.raises(ValueError, match="task='mul'"):
+        get_task("mul")
+
+
+def test_noisy_sft_batch_shares_and_masks():
+    tok, task, g = CharTokenizer(), get_task("add"), torch.Generator().manual_seed(1)
+    ids, mask = sft_batch(task, tok, 400, g, noise=0.6)
+    assert ids.shape == (400, 1 + 8 + 4 + 1) and mask.sum(1).eq(5).all()
+    wrong = sum(tok.decode(r[9:]) != f"{int(tok.decode(r[1:4])) + int(tok.decode(r[5:8])):04d}" for r in ids)
+    assert 0.4 < wrong / 400 < 0.7  # 60% noisy labels, minus those where no carry happens
+
+
+def test_group_advantages():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    a = group_advantages(r, 4)
+    assert torch.allclose(a[:4], torch.tensor([1.0, -1.0, -1.0, 1.0]), atol=1e-5)
+    assert torch.equal(a[4:], torch.zeros(4))
+    with pytest.raises(ValueError, match="multiple of group_size=3"):
+        group_advantages(r, 3)
+
+
+def test_policy_loss_ppo_clip_and_tis():
+    logp_old = torch.log(torch.tensor([[0.5, 0.5]]))
+    logp = (logp_old + torch.tensor([[0.5, 0.0]])).requires_grad_()
+    adv = torch.tensor([1.0])
+    mask = torch.tensor([[True, True]])
+    loss, stats = policy_loss(logp, logp_old, logp_old, adv, mask, clip_eps=0.2, tis_cap=None)
+    # token 0: ratio e^0.5 > 1.2 -> clipped at 1.2 ; token 1: ratio 1
+    assert loss.item() == pytest.approx(-(1.2 + 1.0) / 2)
+    assert stats["rl/clip_frac"] == 0.5
+    loss.backward()
+    assert logp.grad[0, 0].item() == 0.0 and logp.grad[0, 1].item() == pytest.approx(-0.5)
+    # TIS: rollout much less likely than the trainer -> weight capped at 5
+    lr = logp_old - 3.0
+    loss_tis, _ = policy_loss(logp_old.clone(), logp_old, lr, adv, mask, tis_cap=5.0)
+    assert loss_tis.item() == pytest.approx(-5.0)

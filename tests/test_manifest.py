@@ -1,0 +1,39 @@
+import pytest
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.manifest import QuantRecipe, RecipeMismatchError, check_module_sets
+
+MODS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+
+
+def _recipe(**kw):
+    return QuantRecipe.from_config(TraceConfig(**kw), guided_layers=(1,), quantized_modules=MODS)
+
+
+def test_json_round_trip():
+    r = _recipe()
+    assert QuantRecipe.from_json(r.to_json()) == r
+    assert r.block_size == 16 and r.scale_dtype == "float8_e4m3fn" and r.e4m3_max == 448.0
+
+
+@pytest.mark.parametrize(
+    "kw,field",
+    [({"format": "mxfp4"}, "format"), ({"activation_amax": "per_tensor"}, "activation_amax"),
+     ({"cache_mode": "full"}, "cache_mode"), ({"rounding": "stochastic"}, "trainer_rounding")],
+)
+def test_flipping_one_setting_names_the_field(kw, field):
+    with pytest.raises(RecipeMismatchError, match=f"{field}: trainer="):
+        _recipe().check_matches(_recipe(**kw))
+
+
+def test_weight_version_checked_unless_ignored():
+    a, b = _recipe(), _recipe().with_weight_version(3)
+    with pytest.raises(RecipeMismatchError, match="weight_version: trainer=0 rollout=3"):
+        a.check_matches(b)
+    a.check_matches(b, ignore=("weight_version",))
+
+
+def test_module_audit():
+    check_module_sets(set(MODS), list(MODS))
+    with pytest.raises(RecipeMismatchError, match=r"only in rollout \['model.layers.2.mlp.experts'\]"):
+        check_module_sets(MODS, (*MODS, "model.layers.2.mlp.experts"))
