@@ -6,6 +6,8 @@ PY := $(VENV)/bin/python
 # CPU machines of this project have torch 2.13.0 (CPU build) on disk; elsewhere any torch >= 2.6 works.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# SGLang 0.5.10 pins torch 2.9.1; its Python registries import beside torch 2.14.1 in a separate venv.
+SGLANG_VENV ?= .venv-sglang
 
 .PHONY: demo test test-fast lint clean
 
@@ -21,6 +23,8 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	bash tests/sglang/setup_venv.sh $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 
 test-fast: $(STAMP)
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -m "not slow" tests
@@ -29,4 +33,4 @@ lint: $(STAMP)
 	$(PY) -m ruff check megatron_trace tests benchmarks
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(SGLANG_VENV) build *.egg-info

@@ -1,7 +1,7 @@
 from setuptools import find_packages, setup
 
 EXTRAS = {
-    "megatron": ["megatron-core==0.16.1", "einops"],
+    "megatron": ["megatron-core==0.16.1", "einops", "mbridge==0.15.1"],
     "hf": ["transformers>=5.24,<6", "safetensors>=0.4"],
     "examples": ["hydra-core>=1.3", "omegaconf>=2.3", "matplotlib>=3.7", "tqdm>=4.60", "tensorboard>=2.14"],
     "sglang": ["sglang==0.5.10.post1"],
@@ -18,7 +18,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_trace", "megatron_trace.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.6"],
+    install_requires=["torch>=2.6", "safetensors>=0.4"],
     extras_require=EXTRAS,
     entry_points={"console_scripts": ["trace-demo-quant=megatron_trace.cli.demo_quant:main"]},
 )

@@ -1,0 +1,129 @@
+"""Megatron-Core ``TransformerConfig`` and ``GPTModel`` for a HF Qwen3-MoE config.
+
+Router settings reproduce Qwen3-MoE exactly (QWEN3MOE_FACTS.md): softmax scores, top-k; with
+``norm_topk_prob=True`` top-k runs on the logits and the softmax over the k (== softmax, top-k,
+renormalise: ``moe_router_pre_softmax=False``), with ``norm_topk_prob=False`` softmax over all
+experts first (``pre_softmax=True``). Load balancing defaults to "none" (inference / RL with
+routing replay). Fusions that need TE/Apex are off; the layer spec is Megatron's local spec
+(``SequentialMLP`` experts), the one the TRACE plugin keeps name-compatible.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def check_supported(hf_config) -> None:
+    """Raise for Qwen3-MoE variants this bridge does not map (dense layers, RoPE scaling, ...)."""
+    if getattr(hf_config, "model_type", None) != "qwen3_moe":
+        raise ValueError(f"model_type={getattr(hf_config, 'model_type', None)!r}: this bridge maps 'qwen3_moe' only")
+    if list(getattr(hf_config, "mlp_only_layers", []) or []) or getattr(hf_config, "decoder_sparse_step", 1) != 1:
+        raise NotImplementedError("dense (mlp_only_layers / decoder_sparse_step != 1) layers are not mapped yet")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default":
+        raise NotImplementedError(f"rope_type={rope.get('rope_type')!r}: only the default RoPE is mapped")
+    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False):
+        raise NotImplementedError("sliding-window attention is not mapped")
+
+
+def rope_theta(hf_config) -> float:
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if "rope_theta" in rope:  # transformers >= 5
+        return float(rope["rope_theta"])
+    return float(hf_config.rope_theta)
+
+
+def transformer_config_from_hf(
+    hf_config,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    tensor_parallel: int = 1,
+    expert_parallel: int = 1,
+    load_balancing: str = "none",
+    **overrides,
+):
+    """The TransformerConfig of a Qwen3-MoE HF config; ``overrides`` win over every default."""
+    from megatron.core.transformer import TransformerConfig
+
+    check_supported(hf_config)
+    c = hf_config
+    kw = dict(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads,
+        kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        ffn_hidden_size=c.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=c.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(c, "attention_bias", False)),
+        rotary_interleaved=False,
+        attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
+        hidden_dropout=0.0,
+        init_method_std=getattr(c, "initializer_range", 0.02),
+        # MoE
+        num_moe_experts=c.num_experts,
+        moe_ffn_hidden_size=c.moe_intermediate_size,
+        moe_router_topk=c.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not c.norm_topk_prob,
+        moe_router_load_balancing_type=load_balancing,
+        moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0)) if load_balancing != "none" else 0.0,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        # precision and parallelism
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        tensor_model_parallel_size=tensor_parallel,
+        expert_model_parallel_size=expert_parallel,
+        sequence_parallel=tensor_parallel > 1,
+        variable_seq_lengths=True,
+        # fusions that need TE / Apex / CUDA
+        persist_layer_norm=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=True,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def gpt_model_kwargs(hf_config) -> dict:
+    """GPTModel arguments besides the config and the spec."""
+    return dict(
+        vocab_size=hf_config.vocab_size,
+        max_sequence_length=hf_config.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=rope_theta(hf_config),
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+    )
+
+
+def local_layer_spec(hf_config):
+    """Megatron's local (no-TE) layer spec with routed experts (``SequentialMLP``)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(
+        num_experts=hf_config.num_experts, moe_grouped_gemm=False, qk_layernorm=True, normalization="RMSNorm"
+    )
+
+
+def build_gpt_model(hf_config, config=None, *, spec=None, pre_process: bool = True, post_process: bool = True,
+                    **config_kw):
+    """A randomly initialised Megatron ``GPTModel`` for ``hf_config`` (Megatron parallel state must be set up)."""
+    from megatron.core.models.gpt import GPTModel
+
+    config = config if config is not None else transformer_config_from_hf(hf_config, **config_kw)
+    return GPTModel(config=config, transformer_layer_spec=spec if spec is not None else local_layer_spec(hf_config),
+                    pre_process=pre_process, post_process=post_process, **gpt_model_kwargs(hf_config))

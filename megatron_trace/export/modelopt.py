@@ -1,0 +1,218 @@
+"""Export a trained policy as a ModelOpt-style NVFP4 checkpoint (SGLang/vLLM/TRT-LLM ``modelopt_fp4``).
+
+Routed-expert Linear modules are stored quantized; everything else stays BF16 and is listed in
+``exclude_modules``. Per quantized Linear ``<prefix>`` (e.g. ``model.layers.0.mlp.experts.3.gate_proj``),
+as SGLang 0.5.10's ``ModelOptFp4LinearMethod`` / ``ModelOptNvFp4FusedMoEMethod`` load them:
+
+  <prefix>.weight          uint8 [N, K/2]           packed E2M1, element 2i in the low nibble
+  <prefix>.weight_scale    float8_e4m3fn [N, K/16]  block scales (linear layout, not swizzled)
+  <prefix>.weight_scale_2  float32 []               decode scale  = weight amax / (6 * 448)
+  <prefix>.input_scale     float32 []               static activation decode scale = act amax / (6 * 448)
+
+``hf_quant_config.json``: ``{"producer": ..., "quantization": {"quant_algo": "NVFP4", "group_size": 16,
+"kv_cache_quant_algo": null, "exclude_modules": [...]}}``. With ``trace_extras=True`` each quantized
+Linear also gets ``<prefix>.weight_global_amax`` (float32 [], the exact amax: ``weight_scale_2 * 2688``
+does not always round-trip in fp32) which the TRACE SGLang method loads and stock loaders ignore.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from ..formats import NVFP4_BLOCK, FP4Tensor
+from ..formats.nvfp4 import decode_scale_from_amax
+from ..rollout.hf_weights import parse_expert_name
+
+logger = logging.getLogger(__name__)
+
+QUANT_CONFIG_FILE = "hf_quant_config.json"
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+PRODUCER = {"name": "megatron_trace", "version": "0.1.0"}
+
+
+def modelopt_linear_tensors(prefix: str, q: FP4Tensor, input_amax: float | torch.Tensor,
+                            *, trace_extras: bool = False) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one NVFP4 Linear ``prefix`` from its FP4 weight [N, K]."""
+    if q.fmt != "nvfp4":
+        raise ValueError(f"{prefix}: ModelOpt NVFP4 export needs fmt='nvfp4', got {q.fmt!r}")
+    if q.codes.dim() != 2:
+        raise ValueError(f"{prefix}: expected a 2-D weight [N, K], got shape {q.shape}")
+    if q.shape[-1] % NVFP4_BLOCK:
+        raise ValueError(f"{prefix}: K={q.shape[-1]} must be a multiple of {NVFP4_BLOCK} for ModelOpt NVFP4")
+    if q.global_amax is None or q.global_amax.dim() != 0:
+        raise ValueError(f"{prefix}: ModelOpt stores one weight_scale_2 per Linear: the FP4 weight needs a per-tensor "
+                         f"global_amax (shape []), got {None if q.global_amax is None else tuple(q.global_amax.shape)}")
+    a = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
+    if not bool(torch.isfinite(a)) or float(a) <= 0:
+        raise ValueError(f"{prefix}: input_amax={float(a)} must be finite and > 0 (the static activation amax)")
+    out = {
+        f"{prefix}.weight": q.codes.contiguous(),
+        f"{prefix}.weight_scale": q.block_scales.contiguous(),
+        f"{prefix}.weight_scale_2": decode_scale_from_amax(q.global_amax).reshape(()).clone(),
+        f"{prefix}.input_scale": decode_scale_from_amax(a).reshape(()).clone(),
+    }
+    if trace_extras:
+        out[f"{prefix}.weight_global_amax"] = q.global_amax.float().reshape(()).clone()
+    return out
+
+
+def fp4_from_modelopt(tensors: Mapping[str, torch.Tensor], prefix: str, k: int | None = None) -> FP4Tensor:
+    """Read one quantized Linear back as an ``FP4Tensor`` (amax exact when ``weight_global_amax`` is there)."""
+    codes = tensors[f"{prefix}.weight"]
+    amax = tensors.get(f"{prefix}.weight_global_amax")
+    if amax is None:
+        amax = tensors[f"{prefix}.weight_scale_2"].float() * (6.0 * 448.0)
+    return FP4Tensor(codes=codes, block_scales=tensors[f"{prefix}.weight_scale"], global_amax=amax.float().reshape(()),
+                     shape=(codes.shape[0], k if k is not None else codes.shape[1] * 2), fmt="nvfp4")
+
+
+def _expert_prefix(name: str) -> str:
+    return name.removesuffix(".weight")
+
+
+def exclude_modules_of(bf16_names: Iterable[str]) -> list[str]:
+    """Module names of the BF16 Linear weights (2-D ``*.weight`` outside the routed experts), sorted."""
+    return sorted({n.removesuffix(".weight") for n in bf16_names if n.endswith(".weight")})
+
+
+def build_modelopt_state(
+    named: Iterable[tuple[str, torch.Tensor | FP4Tensor]],
+    input_amax: Mapping[str, float] | float,
+    *,
+    trace_extras: bool = False,
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Checkpoint tensors and ``exclude_modules`` from HF-named weights.
+
+    Routed-expert weights must be ``FP4Tensor`` (e.g. ``bridge.fp4_stream``: gate/up halves sharing one
+    amax), everything else a tensor (stored in ``dtype`` if floating). ``input_amax``: the static
+    activation amax per expert Linear prefix (``model.layers.L.mlp.experts.E.gate_proj``) or one float
+    for all (e.g. the largest per-row amax the rollout recorded).
+    """
+    state: dict[str, torch.Tensor] = {}
+    bf16_2d: list[str] = []
+    for name, value in named:
+        parsed = parse_expert_name(name)
+        if parsed is None:
+            if isinstance(value, FP4Tensor):
+                raise ValueError(f"{name!r}: only routed-expert weights are exported as NVFP4 (got an FP4Tensor)")
+            t = value.detach()
+            state[name] = t.to(dtype) if t.is_floating_point() else t
+            if t.dim() == 2:
+                bf16_2d.append(name)
+            continue
+        if not isinstance(value, FP4Tensor):
+            raise TypeError(f"{name!r}: routed-expert weights must be FP4Tensor (quantize with "
+                            f"TraceConfig.weight_quantizer()), got {type(value).__name__}")
+        prefix = _expert_prefix(name)
+        if isinstance(input_amax, Mapping):
+            if prefix not in input_amax:
+                raise KeyError(f"no input_amax for {prefix!r}: give the static activation amax of every expert "
+                               f"Linear (or one float for all)")
+            a = input_amax[prefix]
+        else:
+            a = input_amax
+        state.update(modelopt_linear_tensors(prefix, value, a, trace_extras=trace_extras))
+    return state, exclude_modules_of(bf16_2d)
+
+
+def quant_config_dict(exclude_modules: list[str], *, kv_cache_quant_algo: str | None = None,
+                      trace_config: dict | None = None) -> dict:
+    """The ``hf_quant_config.json`` content (ModelOpt's nested format)."""
+    q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": kv_cache_quant_algo, "group_size": NVFP4_BLOCK,
+         "exclude_modules": list(exclude_modules)}
+    d = {"producer": dict(PRODUCER), "quantization": q}
+    if trace_config is not None:
+        d["trace"] = dict(trace_config)  # read by the TRACE SGLang method; ignored by ModelOpt loaders
+    return d
+
+
+def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards, cur, size = [], {}, 0
+    for name in sorted(state):
+        t = state[name]
+        n = t.numel() * t.element_size()
+        if cur and size + n > max_shard_bytes:
+            shards.append(cur)
+            cur, size = {}, 0
+        cur[name] = t
+        size += n
+    if cur:
+        shards.append(cur)
+    return shards
+
+
+def save_modelopt_checkpoint(
+    out_dir: str | os.PathLike,
+    named: Iterable[tuple[str, torch.Tensor | FP4Tensor]],
+    hf_config: dict,
+    input_amax: Mapping[str, float] | float,
+    *,
+    trace_extras: bool = False,
+    trace_config: dict | None = None,
+    max_shard_bytes: int = 4 << 30,
+) -> dict:
+    """Write ``config.json``, ``hf_quant_config.json`` and safetensors shard(s); returns the quant config."""
+    from safetensors.torch import save_file
+
+    if "quantization_config" in hf_config:
+        raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")
+    state, exclude = build_modelopt_state(named, input_amax, trace_extras=trace_extras)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    qcfg = quant_config_dict(exclude, trace_config=trace_config)
+    with open(os.path.join(out_dir, QUANT_CONFIG_FILE), "w") as f:
+        json.dump(qcfg, f, indent=2)
+    shards = _shards(state, max_shard_bytes)
+    meta = {"format": "pt", "producer": "megatron_trace"}
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(out_dir, WEIGHTS_FILE), metadata=meta)
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(out_dir, fname), metadata=meta)
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    logger.info("exported ModelOpt NVFP4 checkpoint to %s: %d tensors in %d shard(s), %d BF16 modules excluded",
+                out_dir, len(state), len(shards), len(exclude))
+    return qcfg
+
+
+def load_modelopt_state(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint written by ``save_modelopt_checkpoint`` (single or sharded)."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(ckpt_dir, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = [WEIGHTS_FILE]
+    state = {}
+    for fname in files:
+        state.update(load_file(os.path.join(ckpt_dir, fname)))
+    return state
+
+
+def fc1_from_modelopt(state: Mapping[str, torch.Tensor], layer: int, expert: int) -> FP4Tensor:
+    """An expert's fc1 [2F, H] (= [gate; up]) read back from the checkpoint."""
+    from ..rollout.hf_weights import join_fc1
+
+    p = f"model.layers.{layer}.mlp.experts.{expert}"
+    return join_fc1(fp4_from_modelopt(state, f"{p}.gate_proj"), fp4_from_modelopt(state, f"{p}.up_proj"))
+
+
+__all__ = [
+    "build_modelopt_state", "exclude_modules_of", "fc1_from_modelopt", "fp4_from_modelopt", "load_modelopt_state",
+    "modelopt_linear_tensors", "quant_config_dict", "save_modelopt_checkpoint",
+]

@@ -1,0 +1,162 @@
+"""The rollout backend protocol and its typed inputs/outputs.
+
+A backend samples responses for token-id prompts and returns, besides the tokens, what the
+trainer needs to stay on the rollout's numerical path: the log-probs of the sampled tokens,
+the expert choices of every MoE layer (routing replay) and the guidance records of the
+selected (layer, site) pairs (TRACE). Shapes are batch-major and right-padded:
+
+  tokens          int64 [B, S]          prompt then response, then ``pad_token_id``
+  prompt_lens     int64 [B]
+  response_lens   int64 [B]             sampled tokens, the stop token included
+  response_mask   bool  [B, S]          True on response tokens
+  logprobs        float32 [B, S]        ``logprobs[b, t] = log mu(tokens[b, t] | tokens[b, :t])`` on
+                                        response tokens, 0 elsewhere
+  routing[layer]  int64 [B, S, topk]    experts chosen for the token at position t (as input)
+  guidance[(layer, site)]  SiteGuidance (layout in ``megatron_trace.guidance.site``)
+
+Layer ids count from 0. ``S = max(prompt_lens + response_lens)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ..formats import FP4Tensor
+from ..guidance.site import SiteGuidance, SiteKey
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """How to sample. ``temperature == 0`` is greedy; ``top_p`` keeps the smallest set of
+    most likely tokens whose probability reaches ``top_p``. Generation of a sequence ends after
+    a token in ``stop_token_ids`` (kept in the response) or after ``max_new_tokens`` tokens.
+    ``seed`` makes sampling reproducible (None: fresh randomness)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"SamplingParams.temperature={t!r} must be a finite number >= 0 (0 = greedy)")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p={p!r} must be in (0, 1]")
+        n = self.max_new_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens={n!r} must be an int >= 1")
+        bad = [s for s in self.stop_token_ids if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids has invalid id(s) {bad}: ids are ints >= 0")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise ValueError(f"SamplingParams.seed={self.seed!r} must be an int or None")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raise if a stop token id is outside ``[0, vocab_size)``."""
+        bad = [s for s in self.stop_token_ids if s >= vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
+    """Raise a clear error unless ``prompts`` is a non-empty list of non-empty token-id lists."""
+    if not isinstance(prompts, Sequence) or isinstance(prompts, str | bytes) or len(prompts) == 0:
+        raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if not isinstance(p, Sequence) or len(p) == 0:
+            raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r}")
+        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompts[{i}] has token id(s) {bad[:5]} outside [0, {vocab_size})")
+
+
+@dataclass
+class RolloutBatch:
+    """The result of one ``generate`` call (shapes in the module docstring)."""
+
+    tokens: torch.Tensor
+    prompt_lens: torch.Tensor
+    response_lens: torch.Tensor
+    response_mask: torch.Tensor
+    logprobs: torch.Tensor
+    routing: dict[int, torch.Tensor] = field(default_factory=dict)
+    guidance: dict[SiteKey, SiteGuidance] = field(default_factory=dict)
+    policy_version: int = 0
+    pad_token_id: int = 0
+    finish_reasons: tuple[str, ...] = ()
+    """Per sequence: "stop" (a stop token was sampled) or "length" (max_new_tokens reached)."""
+
+    def __post_init__(self):
+        b, s = self.tokens.shape
+        for name in ("response_mask", "logprobs"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (b, s):
+                raise ValueError(f"RolloutBatch.{name} shape {tuple(t.shape)} != tokens shape {(b, s)}")
+        for name in ("prompt_lens", "response_lens"):
+            if tuple(getattr(self, name).shape) != (b,):
+                raise ValueError(f"RolloutBatch.{name} must have shape ({b},)")
+        for layer, r in self.routing.items():
+            if r.dim() != 3 or tuple(r.shape[:2]) != (b, s):
+                raise ValueError(f"RolloutBatch.routing[{layer}] shape {tuple(r.shape)} is not [{b}, {s}, topk]")
+
+    @property
+    def batch_size(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """Prompt + response length per sequence, int64 [B]."""
+        return self.prompt_lens + self.response_lens
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """bool [B, S]: True on prompt and response tokens, False on padding."""
+        pos = torch.arange(self.tokens.shape[1], device=self.tokens.device)
+        return pos.unsqueeze(0) < self.seq_lens.unsqueeze(1)
+
+    def responses(self) -> list[list[int]]:
+        """The sampled token ids of each sequence (stop token included)."""
+        out = []
+        for b in range(self.batch_size):
+            p, r = int(self.prompt_lens[b]), int(self.response_lens[b])
+            out.append(self.tokens[b, p : p + r].tolist())
+        return out
+
+
+WeightValue = torch.Tensor | FP4Tensor
+"""A BF16 (or any float) tensor, or packed NVFP4/MXFP4 codes + scales of a routed-expert weight."""
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """What the RL driver needs from a rollout engine."""
+
+    policy_version: int
+    """Version of the weights in use; returned with every batch (async staleness control)."""
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
+        """Sample one response per prompt (token ids in, token ids out)."""
+        ...
+
+    def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None) -> None:
+        """Copy weights named as in the HF checkpoint into the engine, in place.
+
+        ``FP4Tensor`` values are accepted for routed-expert weights in FP4 mode and are used as
+        they are (no re-quantization). ``version`` sets ``policy_version`` (default: +1).
+        """
+        ...

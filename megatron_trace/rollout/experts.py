@@ -1,0 +1,140 @@
+"""Routed experts of the transformers rollout: W4A4 FP4 emulation, routing and guidance capture.
+
+The experts forward is registered with transformers' ``ExpertsInterface`` under
+``EXPERTS_IMPLEMENTATION`` (no class is patched). It runs only inside a ``RolloutNumerics``
+context (set by ``HFRolloutBackend``), which says what to quantize and where to record.
+
+Numerics (emulation: dequantize, then GEMM in the model dtype):
+  expert_fc1_in  one row per token, quantized before the tokens are routed to the experts
+  expert_fc2_in  one row per (token, selected expert), in the router's top-k slot order
+  weights        each expert's fc1 (= [gate; up], Megatron's ``linear_fc1``) and fc2 matrix with
+                 ``TraceConfig.weight_quantizer()`` (per-matrix amax, 1x16 blocks along K); the
+                 HF parameters hold the dequantized values, ``ExpertWeightStore`` the codes.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from transformers.integrations.moe import ExpertsInterface
+
+from ..formats import FP4Tensor, Quantizer
+from .fp4_moe import w4a4_experts_forward
+from .recorder import GuidanceRecorder
+
+EXPERTS_IMPLEMENTATION = "megatron_trace_rollout"
+FC1, FC2 = "fc1", "fc2"
+
+
+@dataclass
+class RolloutNumerics:
+    """What the experts forward and the FP4 KV cache need while the model runs."""
+
+    layer_of: dict[int, int]
+    """id(experts module) -> layer id (from 0)."""
+    activation_quantizer: Quantizer | None = None
+    quantize_fc1: bool = False
+    quantize_fc2: bool = False
+    recorder: GuidanceRecorder | None = None
+
+
+_ACTIVE: contextvars.ContextVar[RolloutNumerics | None] = contextvars.ContextVar("rollout_numerics", default=None)
+
+
+@contextmanager
+def active_numerics(numerics: RolloutNumerics) -> Iterator[RolloutNumerics]:
+    token = _ACTIVE.set(numerics)
+    try:
+        yield numerics
+    finally:
+        _ACTIVE.reset(token)
+
+
+def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k] -> [T, H].
+
+    The arithmetic is ``fp4_moe.w4a4_experts_forward`` (shared with the SGLang backend) on the
+    module's (dequantized) weights; this wrapper adds the routing and guidance recording.
+    """
+    num = _ACTIVE.get()
+    if num is None:
+        raise RuntimeError(
+            f"experts_implementation={EXPERTS_IMPLEMENTATION!r} runs only inside an active RolloutNumerics "
+            "(HFRolloutBackend.generate or HFRolloutBackend.forward_context())"
+        )
+    layer = num.layer_of[id(self)]
+    res = w4a4_experts_forward(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+        activation_quantizer=num.activation_quantizer, quantize_fc1=num.quantize_fc1,
+        quantize_fc2=num.quantize_fc2, apply_gate=self._apply_gate,
+    )
+    rec = num.recorder
+    if rec is not None:
+        rec.add_routing(layer, top_k_index)
+        if res.fc1_in is not None:
+            rec.add_rows(layer, "expert_fc1_in", res.fc1_in)
+        if res.fc2_in is not None:
+            rec.add_rows(layer, "expert_fc2_in", res.fc2_in)
+    return res.out
+
+
+ExpertsInterface.register(EXPERTS_IMPLEMENTATION, rollout_experts_forward)
+
+
+class ExpertWeightStore:
+    """The rollout's FP4 routed-expert weights: one ``FP4Tensor`` per (layer, expert, fc1|fc2).
+
+    fc1 is [2*ffn, hidden] (gate rows then up rows), fc2 is [hidden, ffn]. Whenever an entry
+    changes, its dequantized values (model dtype) are written into the HF parameter slice that
+    the experts forward reads.
+    """
+
+    def __init__(self, quantizer: Quantizer):
+        self.quantizer = quantizer
+        self._w: dict[tuple[int, int, str], FP4Tensor] = {}
+
+    @staticmethod
+    def _param_slice(experts, expert: int, which: str) -> torch.Tensor:
+        return (experts.gate_up_proj if which == FC1 else experts.down_proj)[expert]
+
+    def quantize_from_params(self, experts, layer: int, expert: int, which: str) -> None:
+        """Quantize the current parameter values (model dtype) and replace them by the decoded values."""
+        w = self._param_slice(experts, expert, which)
+        self.set(experts, layer, expert, which, self.quantizer.quantize(w.detach()))
+
+    def set(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
+        param = self._param_slice(experts, expert, which)
+        if tuple(q.shape) != tuple(param.shape):
+            raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which} has shape {q.shape}, "
+                             f"the model expects {tuple(param.shape)}")
+        if q.fmt != self.quantizer.fmt:
+            raise ValueError(f"FP4 weight format {q.fmt!r} != the rollout's weight format {self.quantizer.fmt!r}")
+        with torch.no_grad():
+            param.copy_(q.dequantize(param.dtype))
+        self._w[(layer, expert, which)] = q
+
+    def get(self, layer: int, expert: int, which: str) -> FP4Tensor:
+        try:
+            return self._w[(layer, expert, which)]
+        except KeyError:
+            raise KeyError(f"no FP4 weight for layer={layer} expert={expert} {which!r} (valid: fc1, fc2 of routed "
+                           "experts, FP4 mode with the 'weights' site)") from None
+
+    def __len__(self) -> int:
+        return len(self._w)
+
+    def nbytes(self) -> int:
+        """Bytes of the stored codes, block scales and global amaxes."""
+        return sum(fp4_nbytes(q) for q in self._w.values())
+
+
+def fp4_nbytes(q: FP4Tensor) -> int:
+    """Bytes of an FP4 tensor's payload: packed codes + block scales + global amax."""
+    n = q.codes.numel() * q.codes.element_size() + q.block_scales.numel() * q.block_scales.element_size()
+    if q.global_amax is not None:
+        n += q.global_amax.numel() * q.global_amax.element_size()
+    return n

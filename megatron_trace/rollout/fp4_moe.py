@@ -1,0 +1,173 @@
+"""The W4A4-emulated routed-expert computation shared by every rollout backend (one function).
+
+``w4a4_experts_forward`` is the numerics of the hf backend's experts forward
+(``rollout.experts.rollout_experts_forward``), written as a pure function so that SGLang's TRACE
+MoE method (``rollout.sglang.quant``) runs the very same operations in the same order:
+
+  1. expert_fc1_in: quantize the [T, H] hidden rows once (activation quantizer, RNE), dequantize
+     in fp32, cast once to the model dtype;
+  2. sort the (token, slot) pairs by expert (stable), fc1 GEMM per expert in the model dtype
+     against the dequantized [2F, H] weight ([gate; up], Megatron's ``linear_fc1``);
+  3. gate: ``act(gate) * up`` in the model dtype;
+  4. expert_fc2_in: quantize the [T, k, F] rows (one per token and slot), dequantize;
+  5. fc2 GEMM per expert, weight by the router's top-k weights, sum over k in the model dtype.
+
+Weights are given either dequantized ([E, N, K] in the model dtype, as the hf backend stores them)
+or packed (``PackedExperts``: codes + block scales + exact global amax, as SGLang stores them);
+packed experts are dequantized per expert with ``FP4Tensor.dequantize`` (fp32, cast once), so both
+give the same values bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import FP4Tensor, Quantizer
+
+
+@dataclass(frozen=True)
+class PackedExperts:
+    """FP4 weights of ``E`` experts for one matrix kind, as an engine stores them.
+
+    codes         uint8 [E, N, Kp/2]     packed E2M1 (element 2i in the low nibble)
+    block_scales  [E, N, Kp/B]           float8_e4m3fn (nvfp4) / float8_e8m0fnu (mxfp4)
+    global_amax   float32 [E] (one per expert matrix) or [E, N] (one per output row); None for mxfp4
+    k             the unpadded K (input features)
+    """
+
+    codes: torch.Tensor
+    block_scales: torch.Tensor
+    global_amax: torch.Tensor | None
+    k: int
+    fmt: str = "nvfp4"
+
+    def __post_init__(self):
+        e, n = self.codes.shape[:2]
+        if self.codes.dtype != torch.uint8 or self.codes.dim() != 3:
+            raise ValueError(f"PackedExperts.codes must be uint8 [E, N, K/2], got {self.codes.dtype} "
+                             f"{tuple(self.codes.shape)}")
+        if tuple(self.block_scales.shape[:2]) != (e, n):
+            raise ValueError(f"PackedExperts.block_scales shape {tuple(self.block_scales.shape)} does not start "
+                             f"with (E, N) = {(e, n)}")
+        g = self.global_amax
+        if g is not None and tuple(g.shape) not in ((e,), (e, n)):
+            raise ValueError(f"PackedExperts.global_amax shape {tuple(g.shape)} must be ({e},) or ({e}, {n})")
+
+    @property
+    def num_experts(self) -> int:
+        return self.codes.shape[0]
+
+    def expert(self, e: int) -> FP4Tensor:
+        """Expert ``e``'s matrix as an ``FP4Tensor`` [N, K]."""
+        g = self.global_amax
+        if g is not None:
+            g = g[e] if g.dim() == 1 else g[e].unsqueeze(-1)  # [] or [N, 1]
+        n = self.codes.shape[1]
+        return FP4Tensor(codes=self.codes[e], block_scales=self.block_scales[e], global_amax=g,
+                         shape=(n, self.k), fmt=self.fmt)
+
+    @classmethod
+    def stack(cls, tensors: list[FP4Tensor]) -> PackedExperts:
+        """Stack per-expert ``FP4Tensor`` [N, K] (all with a per-tensor or all with a per-row amax)."""
+        if not tensors:
+            raise ValueError("PackedExperts.stack needs at least one FP4Tensor")
+        first = tensors[0]
+        bad = [i for i, t in enumerate(tensors) if t.shape != first.shape or t.fmt != first.fmt]
+        if bad:
+            raise ValueError(f"experts {bad} differ in shape/format from expert 0 {first.shape} {first.fmt}")
+        amax = None
+        if first.global_amax is not None:
+            amax = torch.stack([t.global_amax.reshape(-1) if t.global_amax.dim() else t.global_amax
+                                for t in tensors]).float()
+        return cls(codes=torch.stack([t.codes for t in tensors]),
+                   block_scales=torch.stack([t.block_scales.view(torch.uint8) for t in tensors]).view(
+                       first.block_scales.dtype),
+                   global_amax=amax, k=first.shape[-1], fmt=first.fmt)
+
+
+Weights = torch.Tensor | PackedExperts
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[.., 2F] -> [.., F]: ``silu(gate) * up`` in the input dtype (transformers' default gate)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def expert_matrix(w: Weights, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert ``e``'s [N, K] matrix in ``dtype`` (dequantized fp32 -> ``dtype`` when packed)."""
+    if isinstance(w, PackedExperts):
+        return w.expert(e).dequantize(dtype)
+    return w[e].to(dtype)
+
+
+def _grouped_linear(x: torch.Tensor, w: Weights, counts: list[int]) -> torch.Tensor:
+    """x [N, in] sorted by expert, counts per expert -> [N, out] (one GEMM per expert, in x.dtype)."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        if n:
+            outs.append(F.linear(x[start : start + n], expert_matrix(w, e, x.dtype)))
+            start += n
+    if not outs:
+        n_out = w.codes.shape[1] if isinstance(w, PackedExperts) else w.shape[1]
+        return x.new_zeros(0, n_out)
+    return torch.cat(outs, 0)
+
+
+@dataclass
+class ExpertsOutput:
+    out: torch.Tensor
+    """[T, H] in the hidden dtype."""
+    fc1_in: FP4Tensor | None = None
+    """expert_fc1_in rows [T, H] as quantized (None when the site is not quantized)."""
+    fc2_in: FP4Tensor | None = None
+    """expert_fc2_in rows [T, k, F] as quantized, slots in the router's top-k order."""
+
+
+def w4a4_experts_forward(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    fc1: Weights,
+    fc2: Weights,
+    *,
+    activation_quantizer: Quantizer | None,
+    quantize_fc1: bool = True,
+    quantize_fc2: bool = True,
+    apply_gate: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+) -> ExpertsOutput:
+    """hidden [T, H], top_k_index int [T, k], top_k_weights [T, k]; fc1 [E, 2F, H], fc2 [E, H, F].
+
+    Returns the weighted expert output [T, H] and the quantized activation rows (for guidance).
+    """
+    tokens, k = top_k_index.shape
+    num_experts = fc1.num_experts if isinstance(fc1, PackedExperts) else fc1.shape[0]
+    if tokens and (int(top_k_index.min()) < 0 or int(top_k_index.max()) >= num_experts):
+        raise ValueError(f"top_k_index holds expert ids outside [0, {num_experts}): "
+                         f"min {int(top_k_index.min())}, max {int(top_k_index.max())}")
+    if (quantize_fc1 or quantize_fc2) and activation_quantizer is None:
+        raise ValueError("quantize_fc1/quantize_fc2 need an activation_quantizer")
+    x = hidden  # [T, H]
+    q1 = q2 = None
+    if quantize_fc1:
+        q1 = activation_quantizer.quantize(x)
+        x = q1.dequantize(x.dtype)
+    flat = top_k_index.reshape(-1)  # [T*k]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    h = _grouped_linear(x[order // k], fc1, counts)  # [T*k, 2F] sorted by expert
+    h = apply_gate(h)  # [T*k, F]
+    act = torch.empty_like(h)
+    act[order] = h  # (token, slot) order
+    if quantize_fc2:
+        q2 = activation_quantizer.quantize(act.view(tokens, k, -1))  # rows: (token, slot)
+        act = q2.dequantize(act.dtype).view(tokens * k, -1)
+    y = _grouped_linear(act[order], fc2, counts)  # [T*k, H]
+    out = torch.empty_like(y)
+    out[order] = y
+    out = out.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(out.dtype)
+    return ExpertsOutput(out.sum(1).to(hidden.dtype), q1, q2)

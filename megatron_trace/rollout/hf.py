@@ -1,0 +1,312 @@
+"""``hf``: the embedded rollout backend, a transformers Qwen3-MoE causal LM (CPU or GPU).
+
+Modes: ``"bf16"`` (no quantization: the model in its dtype) and ``"fp4"`` (TRACE rollout
+numerics: routed experts W4A4 with ``TraceConfig.weight_quantizer()`` /
+``activation_quantizer()`` at ``expert_fc1_in`` and ``expert_fc2_in``, and an FP4 KV cache;
+each as enabled by ``TraceConfig.sites``). In FP4 mode the backend records guidance at the
+selected (layer, site) pairs for prompt and response positions; in both modes it records
+every MoE layer's expert choices. Log-probs come from the same forward that sampled.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from contextlib import contextmanager
+
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.cache_utils import Cache, DynamicCache
+
+from ..config import TraceConfig
+from ..formats import FP4Tensor
+from ..guidance.selection import guided_layers
+from ..guidance.site import SiteKey
+from .base import RolloutBatch, SamplingParams, WeightValue, check_prompts
+from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
+from .hf_weights import join_fc1, parse_expert_name
+from .kv_cache import FP4KVCache
+from .recorder import GuidanceRecorder
+from .sampling import sample_tokens
+
+logger = logging.getLogger(__name__)
+
+MODES = ("bf16", "fp4")
+
+
+def _load_model(source, dtype, device, attn_implementation) -> PreTrainedModel:
+    if isinstance(source, PreTrainedModel):
+        return source.to(device=device, dtype=dtype)
+    if isinstance(source, Qwen3MoeConfig):
+        model = Qwen3MoeForCausalLM(copy.deepcopy(source))
+        model.set_attn_implementation(attn_implementation)
+        return model.to(device=device, dtype=dtype)
+    if isinstance(source, str | os.PathLike):
+        return AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation, experts_implementation=EXPERTS_IMPLEMENTATION
+        ).to(device)
+    raise TypeError(f"model must be a checkpoint dir, a Qwen3MoeConfig or a PreTrainedModel, "
+                    f"got {type(source).__name__}")
+
+
+def _routed_experts(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
+    """Layer id -> fused experts module (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F])."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} is not a decoder-only causal LM with model.layers")
+    experts = {i: layer.mlp.experts for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")}
+    bad = [i for i, m in experts.items() if not (hasattr(m, "gate_up_proj") and hasattr(m, "down_proj"))]
+    if not experts or bad:
+        raise TypeError(f"{type(model).__name__}: the hf backend needs Qwen3-MoE style fused routed experts "
+                        f"(gate_up_proj, down_proj) in its MoE layers")
+    return experts
+
+
+class HFRolloutBackend:
+    """A ``RolloutBackend`` over a transformers Qwen3-MoE model.
+
+    model: HF checkpoint directory, ``Qwen3MoeConfig`` (random init) or a loaded model (the
+        backend takes it over: FP4 mode overwrites expert weights with their decoded values).
+    mode: "bf16" (no quantization) or "fp4" (the sites of ``trace_config``).
+    guided_layer_ids: layers that record guidance (default: ``guided_layers(trace_config, L)``).
+    All returned tensors live on ``device``.
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike | Qwen3MoeConfig | PreTrainedModel,
+        *,
+        mode: str = "fp4",
+        trace_config: TraceConfig | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        attn_implementation: str = "sdpa",
+        guided_layer_ids: Sequence[int] | None = None,
+    ):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        if dtype not in (torch.bfloat16, torch.float32, torch.float16):
+            raise ValueError(f"dtype={dtype} must be torch.bfloat16, torch.float16 or torch.float32")
+        self.mode = mode
+        self.config = trace_config if trace_config is not None else TraceConfig()
+        self.device = torch.device(device)
+        self.model = _load_model(model, dtype, self.device, attn_implementation).eval()
+        self.model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        self.hf_config = self.model.config
+        self.num_layers = self.hf_config.num_hidden_layers
+        self.vocab_size = self.hf_config.vocab_size
+        pad = self.hf_config.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None and 0 <= pad < self.vocab_size else 0
+        self.policy_version = 0
+        self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
+        self._experts = _routed_experts(self.model)
+        self._layer_of = {id(m): i for i, m in self._experts.items()}
+        self.weight_store: ExpertWeightStore | None = None
+        if self._quantizes("weights"):
+            self.weight_store = ExpertWeightStore(self.config.weight_quantizer())
+            self._quantize_experts({(layer, e, w) for layer, m in self._experts.items()
+                                    for e in range(m.num_experts) for w in (FC1, FC2)})
+        self.set_guided_layers(guided_layer_ids)
+
+    # ---- configuration ------------------------------------------------------------------------
+    def _quantizes(self, site: str) -> bool:
+        return self.mode == "fp4" and self.config.quantizes(site)
+
+    def set_guided_layers(self, layer_ids: Sequence[int] | None = None) -> None:
+        """Choose the layers that record guidance (None: the TraceConfig policy)."""
+        if layer_ids is None:
+            layer_ids = guided_layers(self.config, self.num_layers) if self.mode == "fp4" else ()
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"guided layer id(s) {bad} outside 0..{self.num_layers - 1}")
+        sites = [s for s in self.config.guided_sites if self._quantizes(s)]
+        self.guided_sites: set[SiteKey] = {
+            (layer, s) for layer in layer_ids for s in sites if s.startswith("kv_") or layer in self._experts
+        }
+
+    def _numerics(self, recorder: GuidanceRecorder | None) -> RolloutNumerics:
+        q = self._quantizes
+        return RolloutNumerics(
+            layer_of=self._layer_of,
+            activation_quantizer=self.config.activation_quantizer(),
+            quantize_fc1=q("expert_fc1_in"), quantize_fc2=q("expert_fc2_in"), recorder=recorder,
+        )
+
+    def new_cache(self, recorder: GuidanceRecorder | None = None) -> Cache:
+        """An ``FP4KVCache`` when K or V is quantized, else a ``DynamicCache``."""
+        qk, qv = self._quantizes("kv_k"), self._quantizes("kv_v")
+        if not (qk or qv):
+            return DynamicCache(config=self.hf_config)
+        return FP4KVCache(self.num_layers, self.config.activation_quantizer(), quantize_k=qk, quantize_v=qv,
+                          recorder=recorder)
+
+    def cache_kwargs(self, cache: Cache) -> dict:
+        """The model's keyword for a cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+        return {self._cache_kw: cache}
+
+    @contextmanager
+    def forward_context(self, recorder: GuidanceRecorder | None = None):
+        """Run ``self.model`` directly with the rollout numerics (experts; pass ``new_cache()`` for KV)."""
+        with torch.no_grad(), active_numerics(self._numerics(recorder)):
+            yield self.model
+
+    # ---- generation ---------------------------------------------------------------------------
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
+        check_prompts(prompts, self.vocab_size)
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+        sampling.check_vocab(self.vocab_size)
+        prompts = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts]
+        b, dev = len(prompts), self.device
+        plens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        width = int(plens.max())
+        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
+        for i, p in enumerate(prompts):  # left-pad internally
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        ids, attn = ids.to(dev), (torch.arange(width).unsqueeze(0) >= (width - plens).unsqueeze(1)).to(dev)
+        gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.seed is not None else None
+        stop = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
+        recorder = GuidanceRecorder(b, self.guided_sites, compact=self.config.cache_mode == "compact")
+        cache = self.new_cache(recorder)
+        with self.forward_context(recorder):
+            steps = self._decode(ids, attn, sampling, gen, stop, cache, recorder)
+        return self._assemble(ids, plens, steps, recorder)
+
+    def _step(self, tokens, attn, pos, cache, recorder, valid):
+        out = self.model(input_ids=tokens, attention_mask=attn.long(), position_ids=pos, use_cache=True,
+                         logits_to_keep=1, **self.cache_kwargs(cache))
+        recorder.end_step(valid)
+        return out.logits[:, -1]
+
+    def _decode(self, ids, attn, sampling, gen, stop, cache, recorder):
+        """Prefill, then one token per step. Returns tokens, logprobs, alive (each [B, n]) and done [B]."""
+        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+        logits = self._step(ids, attn, pos, cache, recorder, attn)
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        toks, lps, alives = [], [], []
+        for i in range(sampling.max_new_tokens):
+            tok, lp = sample_tokens(logits, sampling, gen)
+            alive = ~done  # rows whose token at this step belongs to the response
+            toks.append(torch.where(alive, tok, self.pad_token_id))
+            lps.append(torch.where(alive, lp, 0.0))
+            alives.append(alive)
+            done = done | (alive & torch.isin(tok, stop))
+            last = i == sampling.max_new_tokens - 1 or bool(done.all())
+            # feed the sampled token (after the last sample too, so every position has routing/guidance)
+            attn = torch.cat([attn, alive.unsqueeze(1)], 1)
+            pos = pos[:, -1:] + 1
+            logits = self._step(toks[-1].unsqueeze(1), attn, pos, cache, recorder, alive.unsqueeze(1))
+            if last:
+                break
+        return torch.stack(toks, 1), torch.stack(lps, 1), torch.stack(alives, 1), done
+
+    def _assemble(self, ids, plens, steps, recorder) -> RolloutBatch:
+        """Internal left-padded columns -> right-padded output (see the RolloutBatch docstring)."""
+        toks, lps, alive, done = steps
+        dev, (b, width) = self.device, ids.shape
+        plens = plens.to(dev)
+        rlens = alive.sum(1)
+        seq = int((plens + rlens).max())
+        pos = torch.arange(seq, device=dev).unsqueeze(0)  # [1, S]
+        internal = torch.cat([ids, toks], 1)  # [B, width + n]
+        index = (pos + (width - plens).unsqueeze(1)).clamp(max=internal.shape[1] - 1)  # [B, S]
+        valid = pos < (plens + rlens).unsqueeze(1)
+        resp = valid & (pos >= plens.unsqueeze(1))
+        tokens = torch.where(valid, internal.gather(1, index), self.pad_token_id)
+        lp_internal = torch.cat([torch.zeros(b, width, device=dev), lps.float()], 1)
+        logprobs = torch.where(resp, lp_internal.gather(1, index), 0.0)
+        routing, guidance = recorder.finish(index, valid)
+        reasons = tuple("stop" if bool(d) else "length" for d in done)
+        return RolloutBatch(tokens=tokens, prompt_lens=plens, response_lens=rlens, response_mask=resp,
+                            logprobs=logprobs, routing=routing, guidance=guidance,
+                            policy_version=self.policy_version, pad_token_id=self.pad_token_id,
+                            finish_reasons=reasons)
+
+    # ---- weights ------------------------------------------------------------------------------
+    def expert_weight_fp4(self, layer: int, expert: int, which: str) -> FP4Tensor:
+        """The rollout's stored FP4 weight of a routed expert (``which``: "fc1" = [gate; up], "fc2")."""
+        if self.weight_store is None:
+            raise RuntimeError(f"no FP4 expert weights: mode={self.mode!r}, sites={self.config.sites}")
+        return self.weight_store.get(layer, expert, which)
+
+    def _quantize_experts(self, keys: Iterable[tuple[int, int, str]]) -> None:
+        for layer, e, which in sorted(keys):
+            self.weight_store.quantize_from_params(self._experts[layer], layer, e, which)
+
+    def _expert_slot(self, name: str, layer: int, expert: int) -> torch.nn.Module:
+        m = self._experts.get(layer)
+        if m is None or not 0 <= expert < m.num_experts:
+            raise KeyError(f"{name!r}: layer {layer} has no routed expert {expert} "
+                           f"(MoE layers {sorted(self._experts)}, experts 0..{self.hf_config.num_experts - 1})")
+        return m
+
+    def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None) -> None:
+        """Copy HF-checkpoint-named weights in place (see ``RolloutBackend.update_weights``).
+
+        In FP4 mode a BF16 fc1 update must carry both gate_proj and up_proj of an expert (they
+        are quantized as one matrix); FP4 values must come as gate/up pairs sharing one amax.
+        Everything is validated before anything is copied.
+        """
+        weights = list(weights)
+        state = self.model.state_dict(keep_vars=True)
+        dense, halves, fp4 = [], {}, {}
+        for name, value in weights:
+            parsed = parse_expert_name(name)
+            if parsed is None:
+                if isinstance(value, FP4Tensor):
+                    raise ValueError(f"{name!r}: FP4 weights are accepted for routed experts only")
+                if name not in state:
+                    raise KeyError(f"{name!r} is not a weight of this model (expected HF checkpoint names, "
+                                   f"e.g. 'model.embed_tokens.weight')")
+                dense.append((state[name], value, name))
+                continue
+            layer, e, proj = parsed
+            m = self._expert_slot(name, layer, e)
+            ffn = m.down_proj.shape[-1]
+            if isinstance(value, FP4Tensor):
+                if self.weight_store is None:
+                    raise ValueError(f"{name!r}: FP4 weights need mode='fp4' with the 'weights' site")
+                fp4.setdefault((layer, e), {})[proj] = value
+                continue
+            target = m.down_proj[e] if proj == "down_proj" else m.gate_up_proj[e, :ffn] if proj == "gate_proj" \
+                else m.gate_up_proj[e, ffn:]
+            dense.append((target, value, name))
+            halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
+        self._check_shapes(dense)
+        requant = self._check_pairs(halves, fp4)
+        with torch.no_grad():
+            for target, value, _ in dense:
+                target.copy_(value.to(target.device))
+            if self.weight_store is not None:
+                self._quantize_experts(requant)
+                for (layer, e), parts in fp4.items():
+                    m = self._experts[layer]
+                    if "gate_proj" in parts:
+                        self.weight_store.set(m, layer, e, FC1, join_fc1(parts["gate_proj"], parts["up_proj"]))
+                    if "down_proj" in parts:
+                        self.weight_store.set(m, layer, e, FC2, parts["down_proj"])
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        logger.debug("update_weights: %d tensors, version %d", len(weights), self.policy_version)
+
+    @staticmethod
+    def _check_shapes(dense) -> None:
+        for target, value, name in dense:
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{name!r}: expected a torch.Tensor or FP4Tensor, got {type(value).__name__}")
+            if tuple(value.shape) != tuple(target.shape):
+                raise ValueError(f"{name!r}: shape {tuple(value.shape)} != the model's {tuple(target.shape)}")
+
+    def _check_pairs(self, halves, fp4) -> set[tuple[int, int, str]]:
+        if self.weight_store is None:
+            return set()
+        for (layer, e, which), got in halves.items():
+            if which == FC1 and got != {"gate_proj", "up_proj"}:
+                raise ValueError(f"layer {layer} expert {e}: FP4 mode needs gate_proj and up_proj together "
+                                 f"(one quantized fc1 matrix), got only {sorted(got)}")
+        for (layer, e), parts in fp4.items():
+            if ("gate_proj" in parts) != ("up_proj" in parts):
+                raise ValueError(f"layer {layer} expert {e}: FP4 fc1 needs gate_proj and up_proj together")
+        return set(halves)

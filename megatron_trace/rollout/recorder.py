@@ -1,0 +1,120 @@
+"""Collects what a rollout did, step by step, and lays it out batch-major for the trainer.
+
+During generation every forward call (the prefill, then one decode step per token) adds,
+per MoE layer, the expert choices and, per selected (layer, site), the quantized rows as a
+guidance record. ``finish`` concatenates the steps along the sequence and re-indexes them from
+the internal left-padded layout to the right-padded ``RolloutBatch`` layout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from ..formats import CompactGuidance, FP4Tensor, FullGuidance
+from ..guidance.site import SiteGuidance, SiteKey
+
+Record = FullGuidance | CompactGuidance
+_PAYLOAD = {FullGuidance: "codes", CompactGuidance: "mantissa_bits"}
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    # float8 tensors lack gather/where on CPU: move them around as their bytes
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e8m0fnu) else t
+
+
+def map_record(rec: Record, fn: Callable[[torch.Tensor], torch.Tensor], shape: tuple[int, ...]) -> Record:
+    """Apply ``fn`` to every tensor of ``rec`` (leading dims only) and set its ``shape``."""
+    payload = _PAYLOAD[type(rec)]
+    scales = fn(_as_bytes(rec.block_scales)).view(rec.block_scales.dtype)
+    amax = None if rec.global_amax is None else fn(rec.global_amax)
+    return dataclasses.replace(
+        rec, block_scales=scales, global_amax=amax, shape=tuple(shape), **{payload: fn(getattr(rec, payload))}
+    )
+
+
+def cat_records(recs: list[Record], dim: int) -> Record:
+    """Concatenate records along a leading ``dim``."""
+    first = recs[0]
+    payload = _PAYLOAD[type(first)]
+    shape = list(first.shape)
+    shape[dim] = sum(r.shape[dim] for r in recs)
+    scales = torch.cat([_as_bytes(r.block_scales) for r in recs], dim).view(first.block_scales.dtype)
+    amax = None if first.global_amax is None else torch.cat([r.global_amax for r in recs], dim)
+    data = torch.cat([getattr(r, payload) for r in recs], dim)
+    return dataclasses.replace(first, block_scales=scales, global_amax=amax, shape=tuple(shape), **{payload: data})
+
+
+def take_positions(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``t`` [B, T, ...] -> [B, S, ...] at positions ``index`` [B, S]; zeros where ``valid`` is False."""
+    b, s = index.shape
+    rest = t.shape[2:]
+    idx = index.reshape(b, s, *([1] * len(rest))).expand(b, s, *rest)
+    out = t.gather(1, idx)
+    keep = valid.reshape(b, s, *([1] * len(rest)))
+    return torch.where(keep, out, torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+class GuidanceRecorder:
+    """Step-wise store of routing choices and guidance records for one ``generate`` call."""
+
+    def __init__(self, batch_size: int, sites: set[SiteKey], compact: bool):
+        self.batch_size = batch_size
+        self.sites = set(sites)
+        self.compact = compact
+        self._records: dict[SiteKey, list[Record]] = {key: [] for key in self.sites}
+        self._routing: dict[int, list[torch.Tensor]] = {}
+        self._valid: list[torch.Tensor] = []
+
+    def wants(self, layer: int, site: str) -> bool:
+        return (layer, site) in self.sites
+
+    def _rows_to_batch(self, t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(self.batch_size, -1, *t.shape[1:])  # [B*t, ...] -> [B, t, ...]
+
+    def add_routing(self, layer: int, top_k_index: torch.Tensor) -> None:
+        """``top_k_index`` int [B*t, topk] of this step."""
+        self._routing.setdefault(layer, []).append(self._rows_to_batch(top_k_index.long()))
+
+    def add_rows(self, layer: int, site: str, q: FP4Tensor) -> None:
+        """Quantized rows with leading dim ``B*t`` (token-major), e.g. [B*t, hidden]."""
+        if not self.wants(layer, site):
+            return
+        shape = (self.batch_size, q.shape[0] // self.batch_size, *q.shape[1:])
+        self._records[(layer, site)].append(map_record(q.guidance(compact=self.compact), self._rows_to_batch, shape))
+
+    def add_batch_major(self, layer: int, site: str, rec_fn: Callable[[bool], Record]) -> None:
+        """A record already laid out [B, t, ...] (built lazily: only when the site is wanted)."""
+        if self.wants(layer, site):
+            self._records[(layer, site)].append(rec_fn(self.compact))
+
+    def end_step(self, valid: torch.Tensor) -> None:
+        """bool [B, t]: which of this step's input positions hold real tokens."""
+        self._valid.append(valid.bool())
+
+    @property
+    def recorded_positions(self) -> int:
+        return sum(v.shape[1] for v in self._valid)
+
+    def finish(self, index: torch.Tensor, valid: torch.Tensor
+               ) -> tuple[dict[int, torch.Tensor], dict[SiteKey, SiteGuidance]]:
+        """Re-index to the output layout: ``index`` [B, S] internal positions, ``valid`` [B, S]."""
+        n = self.recorded_positions
+        ok = valid & (index < n) & take_positions(torch.cat(self._valid, 1), index.clamp(max=n - 1), valid)
+        idx = index.clamp(max=n - 1)
+        routing = {layer: take_positions(torch.cat(chunks, 1), idx, ok) for layer, chunks in self._routing.items()}
+        guidance = {}
+        for (layer, site), chunks in self._records.items():
+            if not chunks:
+                continue
+            rec = cat_records(chunks, 1)
+            out_shape = (*idx.shape, *rec.shape[2:])
+            rec = map_record(rec, lambda t: take_positions(t, idx, ok), out_shape)
+            if site == "expert_fc2_in":
+                ids = routing[layer]
+                guidance[(layer, site)] = SiteGuidance(rec, ok.unsqueeze(-1).expand_as(ids).clone(), ids)
+            else:
+                guidance[(layer, site)] = SiteGuidance(rec, ok.clone())
+        return routing, guidance

@@ -1,0 +1,37 @@
+"""Token sampling with temperature and top-p, returning the log-probs of the sampled tokens.
+
+Log-probs are those of the temperature-scaled distribution ``log_softmax(logits / T)`` before
+top-p truncation (what a trainer recomputes from its own logits divided by the same T); with
+greedy decoding (T = 0) they are ``log_softmax(logits)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .base import SamplingParams
+
+
+def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches ``top_p`` ([B, V])."""
+    if top_p >= 1.0:
+        return probs
+    sorted_p, idx = probs.sort(dim=-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass strictly before each token
+    sorted_p = torch.where(before < top_p, sorted_p, torch.zeros((), dtype=probs.dtype, device=probs.device))
+    return torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+
+
+def sample_tokens(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (tokens int64 [B], logprobs float32 [B])."""
+    logits = logits.float()
+    if params.greedy:
+        logp = torch.log_softmax(logits, dim=-1)
+        tokens = logits.argmax(dim=-1)
+    else:
+        logp = torch.log_softmax(logits / params.temperature, dim=-1)
+        probs = top_p_filter(logp.exp(), params.top_p)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -1,0 +1,137 @@
+"""Guidance rows as bytes: what one forward records per token, and its assembly per request.
+
+A site's rows for one token (``expert_fc1_in``: one row [hidden]; ``expert_fc2_in``: ``topk`` rows
+[topk, ffn]) are encoded as one uint8 vector ``payload | block scales | global amax`` (payload =
+packed codes in full mode, packed mantissa bits in compact mode; amax float32 per row, absent for
+MXFP4). Bytes travel from the SGLang scheduler to the backend inside the request's ``meta_info``
+(``customized_info``) and are decoded here into the ``SiteGuidance`` contract.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...formats import CompactGuidance, FP4Tensor, FullGuidance
+from ...formats.registry import get_format
+from ...guidance.site import SiteGuidance, SiteKey
+
+Record = FullGuidance | CompactGuidance
+
+
+@dataclass(frozen=True)
+class SiteSpec:
+    """Layout of one (layer, site)'s rows for one token: ``row_shape`` e.g. (hidden,) or (topk, ffn)."""
+
+    layer: int
+    site: str
+    row_shape: tuple[int, ...]
+    fmt: str = "nvfp4"
+    compact: bool = True
+
+    @property
+    def key(self) -> SiteKey:
+        return (self.layer, self.site)
+
+    @property
+    def wire_key(self) -> str:
+        return f"{self.layer}:{self.site}"
+
+    def _parts(self) -> tuple[int, int, int]:
+        """(payload, scale, amax) bytes per token."""
+        block = get_format(self.fmt).block_size
+        lead = 1
+        for d in self.row_shape[:-1]:
+            lead *= d
+        kp = -(-self.row_shape[-1] // block) * block
+        payload = kp // 8 if self.compact else kp // 2
+        amax = 4 if self.fmt == "nvfp4" else 0
+        return lead * payload, lead * (kp // block), lead * amax
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self._parts())
+
+
+def _bytes(t: torch.Tensor, tokens: int) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8).reshape(tokens, -1)
+
+
+def encode_rows(q: FP4Tensor, spec: SiteSpec) -> torch.Tensor:
+    """A quantized tensor [T, *row_shape] -> uint8 [T, spec.nbytes] (compact or full, per ``spec``)."""
+    if tuple(q.shape[1:]) != spec.row_shape or q.fmt != spec.fmt:
+        raise ValueError(f"{spec.key}: rows {q.fmt} {tuple(q.shape)} do not match the spec {spec.fmt} "
+                         f"[T, {', '.join(map(str, spec.row_shape))}]")
+    rec = q.guidance(compact=spec.compact)
+    tokens = q.shape[0]
+    payload = rec.mantissa_bits if spec.compact else rec.codes
+    parts = [_bytes(payload, tokens), _bytes(rec.block_scales, tokens)]
+    if spec.fmt == "nvfp4":
+        g = rec.global_amax.float()
+        g = g.expand(*q.codes.shape[:-1], 1) if g.dim() == 0 else g  # per-tensor amax stored per row
+        parts.append(_bytes(g, tokens))
+    return torch.cat(parts, dim=1)
+
+
+def decode_rows(buf: torch.Tensor, spec: SiteSpec) -> Record:
+    """uint8 [N, spec.nbytes] -> a record of shape [N, *row_shape]."""
+    if buf.dtype != torch.uint8 or buf.dim() != 2 or buf.shape[1] != spec.nbytes:
+        raise ValueError(f"{spec.key}: expected uint8 [N, {spec.nbytes}], got {buf.dtype} {tuple(buf.shape)}")
+    n = buf.shape[0]
+    pay, sc, am = spec._parts()
+    lead = spec.row_shape[:-1]
+    fmt = get_format(spec.fmt)
+    payload = buf[:, :pay].reshape(n, *lead, -1).contiguous()
+    scales = buf[:, pay : pay + sc].reshape(n, *lead, -1).contiguous().view(fmt.scale_dtype)
+    amax = buf[:, pay + sc :].contiguous().view(torch.float32).reshape(n, *lead, 1) if am else None
+    common = dict(block_scales=scales, global_amax=amax, shape=(n, *spec.row_shape), fmt=spec.fmt)
+    return CompactGuidance(mantissa_bits=payload, **common) if spec.compact else FullGuidance(codes=payload, **common)
+
+
+def _zeros_record(spec: SiteSpec, b: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.zeros(b, s, spec.nbytes, dtype=torch.uint8), torch.zeros(b, s, dtype=torch.bool)
+
+
+def assemble(per_request: list[list[dict]], specs: list[SiteSpec], seq_len: int,
+             routing: dict[int, torch.Tensor] | None = None) -> dict[SiteKey, SiteGuidance]:
+    """Per request, the step payloads ``{"start": pos, "n": rows, "sites": {wire_key: bytes}}`` ->
+    batch-major ``SiteGuidance`` [B, seq_len, ...]. Positions never recorded (prefix-cache hits,
+    the last sampled token) are invalid. ``routing[layer]`` int64 [B, S, topk] gives expert_fc2_in's
+    expert ids (required for that site)."""
+    b = len(per_request)
+    out: dict[SiteKey, SiteGuidance] = {}
+    for spec in specs:
+        data, valid = _zeros_record(spec, b, seq_len)
+        for i, steps in enumerate(per_request):
+            for step in steps:
+                raw = step["sites"].get(spec.wire_key)
+                if raw is None:
+                    continue
+                start, n = int(step["start"]), int(step["n"])
+                rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n, spec.nbytes)
+                stop = min(start + n, seq_len)
+                if stop > start:
+                    data[i, start:stop] = rows[: stop - start]
+                    valid[i, start:stop] = True
+        rec = decode_rows(data.reshape(b * seq_len, -1), spec)
+        rec = _reshape_record(rec, (b, seq_len, *spec.row_shape))
+        if spec.site == "expert_fc2_in":
+            if routing is None or spec.layer not in routing:
+                raise ValueError(f"expert_fc2_in of layer {spec.layer} needs the routing (return_routed_experts)")
+            ids = routing[spec.layer]
+            out[spec.key] = SiteGuidance(rec, valid.unsqueeze(-1).expand_as(ids).clone(), ids)
+        else:
+            out[spec.key] = SiteGuidance(rec, valid)
+    return out
+
+
+def _reshape_record(rec: Record, shape: tuple[int, ...]) -> Record:
+    import dataclasses
+
+    lead = shape[:-1]
+    f = lambda t: t.reshape(*lead, t.shape[-1])  # noqa: E731
+    payload = "mantissa_bits" if isinstance(rec, CompactGuidance) else "codes"
+    amax = None if rec.global_amax is None else f(rec.global_amax)
+    return dataclasses.replace(rec, block_scales=f(rec.block_scales.view(torch.uint8)).view(rec.block_scales.dtype),
+                               global_amax=amax, shape=shape, **{payload: f(getattr(rec, payload))})

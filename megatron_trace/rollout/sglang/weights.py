@@ -1,0 +1,125 @@
+"""Weight sync into a running SGLang engine: HF names, BF16 or packed NVFP4 experts.
+
+``engine_tensors`` turns the bridge's stream (HF name -> tensor | FP4Tensor) into the tensors SGLang's
+model ``load_weights`` understands: an FP4 routed-expert Linear becomes its ModelOpt tensors
+(``weight`` uint8, ``weight_scale`` e4m3, ``weight_scale_2`` f32) plus the exact
+``weight_global_amax``. They are sent either in-process (``update_weights_from_tensor`` with
+``load_format=WEIGHT_LOADER``, i.e. ``load_and_postprocess``) or over an NCCL group created like
+slime's (``WeightsUpdateGroup``: trainer rank 0 + the engine's TP ranks; ``update_weights_from_distributed``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+
+import torch
+
+from ...formats import FP4Tensor
+from ...formats.nvfp4 import decode_scale_from_amax
+from ..hf_weights import parse_expert_name
+
+logger = logging.getLogger(__name__)
+
+
+def engine_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]],
+                   dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
+    """HF-named values -> (name, tensor) pairs for SGLang's ``load_weights`` (no input_scale: kept as loaded)."""
+    out = []
+    for name, value in named:
+        if not isinstance(value, FP4Tensor):
+            t = value.detach()
+            out.append((name, t.to(dtype) if t.is_floating_point() else t))
+            continue
+        if parse_expert_name(name) is None:
+            raise ValueError(f"{name!r}: FP4 values are accepted for routed-expert weights only")
+        if value.fmt != "nvfp4" or value.global_amax is None or value.global_amax.dim() != 0:
+            raise ValueError(f"{name!r}: expected NVFP4 with a per-tensor global amax, got {value.fmt} "
+                             f"amax shape {None if value.global_amax is None else tuple(value.global_amax.shape)}")
+        p = name.removesuffix(".weight")
+        out += [(f"{p}.weight", value.codes), (f"{p}.weight_scale", value.block_scales),
+                (f"{p}.weight_scale_2", decode_scale_from_amax(value.global_amax).reshape(())),
+                (f"{p}.weight_global_amax", value.global_amax.float().reshape(()))]
+    return out
+
+
+def load_and_postprocess(model: torch.nn.Module, named_tensors) -> None:
+    """``--custom-weight-loader`` entry: ``model.load_weights`` then re-run the post-processing of
+    TRACE modules whose method derives tensors from the raw weights (native NVFP4 path), in place."""
+    model.load_weights(named_tensors)
+    n = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if getattr(method, "native", False) and hasattr(method, "quant_config"):
+            method.process_weights_after_loading(module)
+            n += 1
+    logger.info("TRACE weight load: %d tensors, %d modules post-processed", len(named_tensors), n)
+
+
+def _new_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+               backend: str, timeout: timedelta):
+    """The same rendezvous SGLang's ``init_custom_process_group`` does (tcp store, PrefixStore(group_name))."""
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    store = c10d.PrefixStore(group_name, store)
+    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
+                                           group_name=group_name, timeout=timeout)
+    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class WeightsUpdateGroup:
+    """Trainer-side end of the weight-update group (rank 0; the engine's TP ranks are 1..tp)."""
+
+    def __init__(self, engine, *, master_address: str, master_port: int, tp_size: int = 1,
+                 group_name: str = "trace_weights", backend: str = "nccl", timeout_s: float = 600.0):
+        self.engine, self.group_name = engine, group_name
+        self.timeout = timedelta(seconds=timeout_s)
+        world = 1 + tp_size
+        t = _call_async(engine.init_weights_update_group, master_address=master_address, master_port=master_port,
+                        rank_offset=1, world_size=world, group_name=group_name, backend=backend)
+        self.group = _new_group(master_address, master_port, 0, world, group_name, backend, self.timeout)
+        _join(t, self.timeout, "init_weights_update_group")
+
+    def send(self, named: list[tuple[str, torch.Tensor]], *, flush_cache: bool = True) -> None:
+        """Broadcast ``named`` (from ``engine_tensors``, on this rank's device) into the engine, in order."""
+        names = [n for n, _ in named]
+        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in named]
+        shapes = [list(t.shape) for _, t in named]
+        t = _call_async(self.engine.update_weights_from_distributed, names=names, dtypes=dtypes, shapes=shapes,
+                        group_name=self.group_name, flush_cache=flush_cache)
+        for _, tensor in named:
+            torch.distributed.broadcast(tensor.contiguous(), src=0, group=self.group)
+        _join(t, self.timeout, "update_weights_from_distributed")
+
+
+def _call_async(fn, **kw) -> tuple[threading.Thread, dict]:
+    box: dict = {}
+
+    def run():
+        try:
+            box["result"] = fn(**kw)
+        except BaseException as e:  # re-raised in _join
+            box["error"] = e
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, box
+
+
+def _join(t, timeout: timedelta, what: str):
+    th, box = t
+    th.join(timeout.total_seconds())
+    if th.is_alive():
+        raise TimeoutError(f"engine.{what} did not finish within {timeout.total_seconds():.0f} s")
+    if "error" in box:
+        raise box["error"]
+    result = box.get("result")
+    if isinstance(result, tuple) and result and result[0] is False:
+        raise RuntimeError(f"engine.{what} failed: {result[1] if len(result) > 1 else result}")
+    return result

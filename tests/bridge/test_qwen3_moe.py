@@ -1,0 +1,150 @@
+"""Megatron GPTModel <-> HF Qwen3-MoE (world size 1; EP=2 in test_expert_parallel.py)."""
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from megatron_trace.bridge.config import transformer_config_from_hf
+from megatron_trace.bridge.sync import sync_weights
+from megatron_trace.config import TraceConfig
+from megatron_trace.rollout import HFRolloutBackend
+
+from ..rollout._tiny import save_tiny_checkpoint, tiny_config
+from ._megatron_cpu import megatron_logits
+
+pytestmark = pytest.mark.usefixtures("megatron_world1")
+
+
+def _disk(path):
+    with safe_open(f"{path}/model.safetensors", "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["norm_topk", "no_norm_topk"])
+def ckpt(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "hf"
+    return save_tiny_checkpoint(path, tiny_config(norm_topk_prob=request.param), seed=3)
+
+
+def _bridge(path, dtype=torch.float32):
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge
+
+    return Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=dtype)
+
+
+def test_transformer_config_router_settings():
+    c = transformer_config_from_hf(tiny_config(norm_topk_prob=True), dtype=torch.float32)
+    assert (c.moe_router_score_function, c.moe_router_pre_softmax, c.moe_router_topk) == ("softmax", False, 2)
+    assert c.moe_router_load_balancing_type == "none" and c.moe_aux_loss_coeff == 0.0
+    assert (c.num_query_groups, c.kv_channels, c.moe_ffn_hidden_size, c.num_moe_experts) == (2, 16, 32, 8)
+    assert c.qk_layernorm and c.gated_linear_unit and c.normalization == "RMSNorm" and not c.add_bias_linear
+    assert transformer_config_from_hf(tiny_config(norm_topk_prob=False)).moe_router_pre_softmax
+    c = transformer_config_from_hf(tiny_config(), load_balancing="aux_loss", expert_parallel=2)
+    assert c.moe_aux_loss_coeff > 0 and c.expert_model_parallel_size == 2
+    with pytest.raises(NotImplementedError, match="dense"):
+        transformer_config_from_hf(tiny_config(mlp_only_layers=[0]))
+
+
+def test_hf_checkpoint_gives_transformers_logits(ckpt):
+    from megatron_trace.bridge import load_hf_checkpoint
+
+    bridge = _bridge(ckpt)
+    model = bridge.build_model().eval()
+    stats = load_hf_checkpoint(model, ckpt, bridge)
+    disk = _disk(ckpt)
+    assert stats.tensors == len(disk) and stats.bytes == sum(t.numel() * t.element_size() for t in disk.values())
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 128, (3, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    got = megatron_logits(model, tokens)
+    assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_name_and_layout_map(ckpt):
+    """Every Megatron tensor equals its independently assembled HF counterpart."""
+    from megatron_trace.bridge import load_hf_checkpoint
+
+    bridge = _bridge(ckpt)
+    model = bridge.build_model()
+    stats = load_hf_checkpoint(model, ckpt, bridge, memory_efficient=True)  # one tensor at a time
+    disk, cfg = _disk(ckpt), tiny_config()
+    assert stats.tensors == len(disk) and set(bridge.local_hf_names(model)) == set(disk)
+    kv, hd, h = cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size
+    expected = {"embedding.word_embeddings.weight": disk["model.embed_tokens.weight"],
+                "output_layer.weight": disk["lm_head.weight"],
+                "decoder.final_layernorm.weight": disk["model.norm.weight"]}
+    for L in range(cfg.num_hidden_layers):
+        hf, mg = f"model.layers.{L}.", f"decoder.layers.{L}."
+        q, k, v = (disk[hf + f"self_attn.{n}_proj.weight"] for n in "qkv")
+        expected.update({
+            mg + "input_layernorm.weight": disk[hf + "input_layernorm.weight"],
+            mg + "pre_mlp_layernorm.weight": disk[hf + "post_attention_layernorm.weight"],
+            mg + "self_attention.linear_qkv.weight": torch.cat(
+                [q.view(kv, -1, h), k.view(kv, hd, h), v.view(kv, hd, h)], 1).reshape(-1, h),
+            mg + "self_attention.q_layernorm.weight": disk[hf + "self_attn.q_norm.weight"],
+            mg + "self_attention.k_layernorm.weight": disk[hf + "self_attn.k_norm.weight"],
+            mg + "self_attention.linear_proj.weight": disk[hf + "self_attn.o_proj.weight"],
+            mg + "mlp.router.weight": disk[hf + "mlp.gate.weight"],
+        })
+        for e in range(cfg.num_experts):
+            x = f"{hf}mlp.experts.{e}."
+            expected[f"{mg}mlp.experts.local_experts.{e}.linear_fc1.weight"] = torch.cat(
+                [disk[x + "gate_proj.weight"], disk[x + "up_proj.weight"]])
+            expected[f"{mg}mlp.experts.local_experts.{e}.linear_fc2.weight"] = disk[x + "down_proj.weight"]
+    state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
+    assert state.keys() == expected.keys()
+    bad = [k for k in state if not torch.equal(state[k], expected[k])]
+    assert not bad
+
+
+def test_megatron_hf_megatron_round_trip_is_bit_exact(tmp_path):
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint, save_hf_checkpoint
+
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.bfloat16)
+    torch.manual_seed(7)
+    src = bridge.build_model()
+    names = [n for n, _ in export_hf_weights(src, bridge)]
+    assert len(names) == len(set(names)) and "model.layers.2.mlp.experts.7.up_proj.weight" in names
+    save_hf_checkpoint(src, tmp_path / "hf", bridge)
+    dst = bridge.build_model()
+    load_hf_checkpoint(dst, tmp_path / "hf", bridge)
+    a, b = src.state_dict(), dst.state_dict()
+    keys = [k for k in a if "_extra_state" not in k]
+    assert all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in keys)
+    assert a["decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"].dtype == torch.bfloat16
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.num_experts == 8
+
+
+def test_missing_checkpoint_dir_is_a_clear_error(tmp_path):
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.float32)
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_hf_checkpoint(bridge.build_model(), tmp_path, bridge)
+
+
+def test_rollout_expert_codes_equal_trainer_fake_quant_codes():
+    """BF16 sync from Megatron: the rollout's stored codes == weight_quantizer() of Megatron's weights."""
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights
+
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.bfloat16)
+    torch.manual_seed(3)
+    trainer = bridge.build_model()
+    rollout = HFRolloutBackend(tiny_config(), mode="fp4", dtype=torch.bfloat16)
+    sync_weights(rollout, export_hf_weights(trainer, bridge), fmt="bf16")
+    wq = TraceConfig().weight_quantizer()
+    for L, layer in enumerate(trainer.decoder.layers):
+        for e, expert in enumerate(layer.mlp.experts.local_experts):
+            for which, w in (("fc1", expert.linear_fc1.weight), ("fc2", expert.linear_fc2.weight)):
+                want, got = wq.quantize(w.detach()), rollout.expert_weight_fp4(L, e, which)
+                assert torch.equal(got.codes, want.codes), (L, e, which)
+                assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+                assert torch.equal(got.global_amax, want.global_amax)
+                # and the rollout computes with exactly the trainer's fake-quantized weight
+                deq = rollout.model.model.layers[L].mlp.experts
+                deq = deq.gate_up_proj[e] if which == "fc1" else deq.down_proj[e]
+                assert torch.equal(deq, wq.fake_quantize(w.detach()))

@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from megatron_trace.bridge.sync import fp4_stream, sync_byte_counts, sync_weights
+from megatron_trace.config import TraceConfig
+from megatron_trace.formats import FP4Tensor
+from megatron_trace.rollout import HFRolloutBackend, SamplingParams
+from megatron_trace.rollout.hf_weights import checkpoint_tensors
+
+from ..rollout._tiny import tiny_config, tiny_model
+
+WQ = TraceConfig().weight_quantizer()
+CFG = tiny_config()
+E_NUMEL = CFG.num_hidden_layers * CFG.num_experts * 3 * CFG.moe_intermediate_size * CFG.hidden_size
+
+
+def _trainer_weights():
+    """What a bf16 trainer exports: HF checkpoint names, bf16 tensors (new policy)."""
+    return list(checkpoint_tensors(tiny_model(seed=1, dtype=torch.bfloat16)))
+
+
+def _rollout():
+    return HFRolloutBackend(tiny_model(seed=0), mode="fp4", dtype=torch.bfloat16)
+
+
+def test_fp4_sync_equals_bf16_sync_then_rollout_quantization():
+    weights = _trainer_weights()
+    via_bf16, via_fp4 = _rollout(), _rollout()
+    s16 = sync_weights(via_bf16, weights, fmt="bf16", version=3)
+    s4 = sync_weights(via_fp4, weights, fmt="fp4", quantizer=WQ, version=3)
+    assert via_bf16.policy_version == via_fp4.policy_version == 3
+    for layer in range(CFG.num_hidden_layers):
+        for e in range(CFG.num_experts):
+            for which in ("fc1", "fc2"):
+                a, b = via_bf16.expert_weight_fp4(layer, e, which), via_fp4.expert_weight_fp4(layer, e, which)
+                assert torch.equal(a.codes, b.codes) and torch.equal(a.global_amax, b.global_amax)
+                assert torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
+    sa, sb = via_bf16.model.state_dict(), via_fp4.model.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    p = SamplingParams(max_new_tokens=6, seed=4)
+    ra, rb = via_bf16.generate([[3, 4, 5], [9]], p), via_fp4.generate([[3, 4, 5], [9]], p)
+    assert torch.equal(ra.tokens, rb.tokens) and torch.equal(ra.logprobs, rb.logprobs)
+    # bytes moved: experts 16 bits vs 4 + 8/16 bits per element (+ one fp32 amax per shipped matrix)
+    assert s16.bytes_experts == 2 * E_NUMEL
+    n_mats = CFG.num_hidden_layers * CFG.num_experts * 3
+    assert s4.bytes_experts == E_NUMEL // 2 + E_NUMEL // 16 + 4 * n_mats
+    assert s4.bytes_other == s16.bytes_other and s4.tensors == s16.tensors
+    assert 3.4 < s16.bytes_experts / s4.bytes_experts < 3.56
+
+
+def test_byte_counts_without_syncing():
+    counts = sync_byte_counts(_trainer_weights(), WQ)
+    assert counts["bf16"].bytes_experts == 2 * E_NUMEL
+    assert counts["fp4"].bytes_total < counts["bf16"].bytes_total
+    d = counts["fp4"].as_dict()
+    assert d["sync/fp4/bytes_total"] == counts["fp4"].bytes_total
+
+
+def test_fp4_stream_quantizes_fc1_as_one_matrix():
+    w = dict(_trainer_weights())
+    out = dict(fp4_stream(w.items(), WQ))
+    p = "model.layers.1.mlp.experts.2."
+    gate, up = out[p + "gate_proj.weight"], out[p + "up_proj.weight"]
+    assert isinstance(gate, FP4Tensor) and torch.equal(gate.global_amax, up.global_amax)
+    whole = WQ.quantize(torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]]))
+    assert torch.equal(torch.cat([gate.codes, up.codes]), whole.codes)
+    assert out["model.norm.weight"].dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="partner"):
+        list(fp4_stream([(p + "gate_proj.weight", w[p + "gate_proj.weight"])], WQ))
+    with pytest.raises(ValueError, match="quantizer"):
+        sync_weights(_rollout(), [], fmt="fp4")

@@ -1,0 +1,150 @@
+"""ModelOpt NVFP4 export: file layout, dtypes, values against the formats reference, round trip."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from megatron_trace.bridge.sync import fp4_stream
+from megatron_trace.config import TraceConfig
+from megatron_trace.export import (
+    build_modelopt_state,
+    fc1_from_modelopt,
+    fp4_from_modelopt,
+    load_modelopt_state,
+    modelopt_linear_tensors,
+    save_modelopt_checkpoint,
+)
+from megatron_trace.formats import nvfp4
+
+from ._tiny import EXPERTS, FFN, HIDDEN, LAYERS, tiny_hf_config, tiny_named_weights
+
+QUANT = TraceConfig().weight_quantizer()
+E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float32)
+
+
+def _independent_decode(packed: torch.Tensor) -> torch.Tensor:
+    """Packed bytes -> signed E2M1 values, written without megatron_trace.formats."""
+    lo, hi = packed & 0xF, packed >> 4
+    codes = torch.stack((lo, hi), -1).reshape(*packed.shape[:-1], -1).long()
+    mag = E2M1[codes & 7]
+    return torch.where(codes >= 8, -mag, mag)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    out = tmp_path_factory.mktemp("modelopt")
+    named = list(fp4_stream(tiny_named_weights(), QUANT))
+    qcfg = save_modelopt_checkpoint(out, named, tiny_hf_config(), input_amax=3.5, trace_extras=True,
+                                    trace_config=TraceConfig().to_dict())
+    return out, qcfg, load_file(os.path.join(out, "model.safetensors"))
+
+
+def test_files_and_quant_config(ckpt):
+    out, qcfg, _ = ckpt
+    assert sorted(os.listdir(out)) == ["config.json", "hf_quant_config.json", "model.safetensors"]
+    on_disk = json.load(open(os.path.join(out, "hf_quant_config.json")))
+    assert on_disk == qcfg
+    q = on_disk["quantization"]
+    assert q["quant_algo"] == "NVFP4" and q["group_size"] == 16 and q["kv_cache_quant_algo"] is None
+    ex = set(q["exclude_modules"])
+    assert {"lm_head", "model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.gate"} <= ex
+    assert not [m for m in ex if ".experts." in m]
+    assert "quantization_config" not in json.load(open(os.path.join(out, "config.json")))
+
+
+def test_names_shapes_dtypes(ckpt):
+    _, _, st = ckpt
+    for layer in range(LAYERS):
+        for e in range(EXPERTS):
+            for proj, (n, k) in {"gate_proj": (FFN, HIDDEN), "up_proj": (FFN, HIDDEN),
+                                 "down_proj": (HIDDEN, FFN)}.items():
+                p = f"model.layers.{layer}.mlp.experts.{e}.{proj}"
+                assert st[f"{p}.weight"].dtype == torch.uint8 and st[f"{p}.weight"].shape == (n, k // 2)
+                assert st[f"{p}.weight_scale"].dtype == torch.float8_e4m3fn
+                assert st[f"{p}.weight_scale"].shape == (n, k // 16)
+                for s in ("weight_scale_2", "input_scale", "weight_global_amax"):
+                    assert st[f"{p}.{s}"].dtype == torch.float32 and st[f"{p}.{s}"].shape == ()
+                assert f"{p}.weight" in st and f"model.layers.{layer}.mlp.experts.{e}.{proj}.bias" not in st
+    assert st["model.layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+    assert st["model.norm.weight"].dtype == torch.bfloat16
+
+
+def test_values_match_reference(ckpt):
+    _, _, st = ckpt
+    weights = dict(tiny_named_weights())
+    for e in range(EXPERTS):
+        p = f"model.layers.1.mlp.experts.{e}"
+        fc1 = torch.cat([weights[f"{p}.gate_proj.weight"], weights[f"{p}.up_proj.weight"]])  # one matrix, one amax
+        ref = nvfp4.quantize(fc1)
+        amax = fc1.float().abs().amax()
+        for proj, rows in (("gate_proj", slice(0, FFN)), ("up_proj", slice(FFN, 2 * FFN))):
+            assert torch.equal(st[f"{p}.{proj}.weight"], ref.codes[rows])
+            scales = st[f"{p}.{proj}.weight_scale"].view(torch.uint8)
+            assert torch.equal(scales, ref.block_scales[rows].view(torch.uint8))
+            assert torch.equal(st[f"{p}.{proj}.weight_scale_2"], amax / 2688.0)  # ModelOpt: amax / (6 * 448)
+            assert torch.equal(st[f"{p}.{proj}.weight_global_amax"], amax)
+            assert torch.equal(st[f"{p}.{proj}.input_scale"], torch.tensor(3.5) / 2688.0)
+            # the engine's dequant (codes * block scale * weight_scale_2) approximates the trainer's fake-quant
+            sf = st[f"{p}.{proj}.weight_scale"].float().repeat_interleave(16, -1)
+            engine = _independent_decode(st[f"{p}.{proj}.weight"]) * sf * st[f"{p}.{proj}.weight_scale_2"]
+            torch.testing.assert_close(engine, ref.dequantize()[rows], rtol=2e-7, atol=1e-9)
+            # the exact reference decode: codes * sf / (2688 / amax)
+            exact = _independent_decode(st[f"{p}.{proj}.weight"]) * sf / (2688.0 / amax)
+            assert torch.equal(exact, ref.dequantize()[rows])
+
+
+def test_round_trip_bit_exact_with_trainer_fake_quant(ckpt):
+    out, _, _ = ckpt
+    state = load_modelopt_state(out)
+    weights = dict(tiny_named_weights())
+    for e in range(EXPERTS):
+        p = f"model.layers.0.mlp.experts.{e}"
+        fc1 = torch.cat([weights[f"{p}.gate_proj.weight"], weights[f"{p}.up_proj.weight"]])
+        back = fc1_from_modelopt(state, 0, e)
+        assert torch.equal(back.dequantize(torch.bfloat16), QUANT.fake_quantize(fc1))
+        down = fp4_from_modelopt(state, f"{p}.down_proj")
+        assert torch.equal(down.dequantize(torch.bfloat16), QUANT.fake_quantize(weights[f"{p}.down_proj.weight"]))
+
+
+def test_without_extras_codes_exact_amax_derived(tmp_path):
+    named = list(fp4_stream(tiny_named_weights(1), QUANT))
+    state, _ = build_modelopt_state(named, input_amax=1.0)
+    assert not [k for k in state if k.endswith("weight_global_amax")]
+    q = fp4_from_modelopt(state, "model.layers.0.mlp.experts.0.down_proj")
+    ref = nvfp4.quantize(dict(tiny_named_weights(1))["model.layers.0.mlp.experts.0.down_proj.weight"])
+    assert torch.equal(q.codes, ref.codes)
+    torch.testing.assert_close(q.dequantize(), ref.dequantize(), rtol=2e-7, atol=0)
+
+
+def test_sharded_round_trip(tmp_path):
+    named = list(fp4_stream(tiny_named_weights(), QUANT))
+    save_modelopt_checkpoint(tmp_path, named, tiny_hf_config(), input_amax=2.0, max_shard_bytes=4096)
+    files = sorted(os.listdir(tmp_path))
+    assert "model.safetensors.index.json" in files and len([f for f in files if f.endswith(".safetensors")]) > 1
+    single, _ = build_modelopt_state(named, input_amax=2.0)
+    state = load_modelopt_state(tmp_path)
+    assert state.keys() == single.keys()
+    assert all(torch.equal(state[k].view(torch.uint8) if state[k].dtype == torch.float8_e4m3fn else state[k],
+                           single[k].view(torch.uint8) if single[k].dtype == torch.float8_e4m3fn else single[k])
+               for k in state)
+
+
+def test_errors_name_the_problem():
+    w = torch.randn(16, 32)
+    with pytest.raises(ValueError, match="per-tensor"):
+        modelopt_linear_tensors("x", nvfp4.quantize(w, per_row=True), 1.0)
+    with pytest.raises(ValueError, match="input_amax"):
+        modelopt_linear_tensors("x", nvfp4.quantize(w), 0.0)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        modelopt_linear_tensors("x", nvfp4.quantize(torch.randn(16, 24)), 1.0)
+    named = [("model.layers.0.mlp.experts.0.down_proj.weight", w)]
+    with pytest.raises(TypeError, match="FP4Tensor"):
+        build_modelopt_state(named, 1.0)
+    named = [("model.layers.0.mlp.experts.0.down_proj.weight", nvfp4.quantize(w))]
+    with pytest.raises(KeyError, match="experts.0.down_proj"):
+        build_modelopt_state(named, {})
+    with pytest.raises(ValueError, match="quantization_config"):
+        save_modelopt_checkpoint("/nonexistent", named, {"quantization_config": {}}, 1.0)

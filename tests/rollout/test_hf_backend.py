@@ -1,0 +1,183 @@
+import pytest
+import torch
+
+from megatron_trace.config import ACTIVATION_SITES, TraceConfig
+from megatron_trace.formats import CompactGuidance, FullGuidance
+from megatron_trace.metrics import quant_counts
+from megatron_trace.rollout import HFRolloutBackend, RolloutBackend, SamplingParams
+from megatron_trace.rollout.hf_weights import checkpoint_tensors
+from megatron_trace.rollout.recorder import GuidanceRecorder
+
+from ._tiny import tiny_config, tiny_model
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [40]]
+FULL_ALL = TraceConfig(guided_layers="all", cache_mode="full")
+
+
+def backend(mode="fp4", config=FULL_ALL, dtype=torch.float32, seed=0, **kw):
+    return HFRolloutBackend(tiny_model(seed=seed), mode=mode, trace_config=config, dtype=dtype, **kw)
+
+
+@pytest.fixture(scope="module")
+def fp4():
+    return backend()
+
+
+def full_forward(be, batch, temperature=1.0, recorder=None):
+    """Re-forward the rollout's tokens with the rollout numerics (FP4 KV included) -> logprobs [B, S]."""
+    with be.forward_context(recorder) as model:
+        logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask.long(), use_cache=True,
+                       **be.cache_kwargs(be.new_cache(recorder))).logits.float()
+    if recorder is not None:
+        recorder.end_step(batch.attention_mask)
+    logp = torch.log_softmax(logits / (temperature or 1.0), -1)[:, :-1]
+    out = torch.zeros(batch.tokens.shape, device=batch.tokens.device)
+    out[:, 1:] = logp.gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    return torch.where(batch.response_mask, out, 0.0)
+
+
+def test_is_a_rollout_backend(fp4):
+    assert isinstance(fp4, RolloutBackend)
+
+
+def test_batch_layout(fp4):
+    out = fp4.generate(PROMPTS, SamplingParams(max_new_tokens=5, seed=3))
+    b, s = out.tokens.shape
+    assert out.response_lens.tolist() == [5, 5, 5] and out.finish_reasons == ("length",) * 3
+    assert s == max(len(p) for p in PROMPTS) + 5
+    for i, p in enumerate(PROMPTS):
+        assert out.tokens[i, : len(p)].tolist() == p
+        assert out.tokens[i, len(p) + 5:].eq(fp4.pad_token_id).all()
+        assert out.response_mask[i].nonzero().squeeze(1).tolist() == list(range(len(p), len(p) + 5))
+    assert (out.logprobs[out.response_mask] < 0).all() and (out.logprobs[~out.response_mask] == 0).all()
+    assert set(out.routing) == {0, 1, 2}
+    assert set(out.guidance) == {(layer, s) for layer in range(3) for s in ACTIVATION_SITES}
+    attn = out.attention_mask
+    fc1, fc2, kv = out.guidance[(1, "expert_fc1_in")], out.guidance[(1, "expert_fc2_in")], out.guidance[(1, "kv_k")]
+    assert isinstance(fc1.record, FullGuidance)
+    assert fc1.record.shape == (b, s, 64) and fc2.record.shape == (b, s, 2, 32) and kv.record.shape == (b, s, 2, 16)
+    assert torch.equal(fc1.valid, attn) and torch.equal(kv.valid, attn)
+    assert torch.equal(fc2.valid, attn[..., None].expand(-1, -1, 2))
+    assert torch.equal(fc2.expert_ids, out.routing[1])
+    assert (fc1.record.codes[~attn] == 0).all() and (fc1.record.global_amax[~attn] == 0).all()
+
+
+def test_seed_makes_sampling_reproducible(fp4):
+    p = SamplingParams(max_new_tokens=6, seed=11)
+    a, b = fp4.generate(PROMPTS, p), fp4.generate(PROMPTS, p)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+    assert all(torch.equal(a.routing[k], b.routing[k]) for k in a.routing)
+    key = (2, "expert_fc2_in")
+    assert torch.equal(a.guidance[key].record.codes, b.guidance[key].record.codes)
+    c = fp4.generate(PROMPTS, SamplingParams(max_new_tokens=6, seed=12))
+    assert not torch.equal(a.tokens, c.tokens)
+
+
+def test_stop_tokens_and_max_tokens(fp4):
+    stop = tuple(range(0, 128, 4))  # a quarter of the vocabulary: most sequences stop early
+    out = fp4.generate(PROMPTS * 4, SamplingParams(max_new_tokens=12, stop_token_ids=stop, seed=0))
+    assert "stop" in out.finish_reasons
+    for resp, reason in zip(out.responses(), out.finish_reasons):
+        assert 1 <= len(resp) <= 12
+        assert all(t not in stop for t in resp[:-1])
+        assert (resp[-1] in stop) == (reason == "stop")
+        assert reason == "stop" or len(resp) == 12
+
+
+@pytest.mark.parametrize("prompts, sampling, err", [
+    ([[1, 2]], SamplingParams(stop_token_ids=(500,)), ValueError),
+    ([], SamplingParams(), ValueError),
+    ([[1], []], SamplingParams(), ValueError),
+    ([[1, 999]], SamplingParams(), ValueError),
+    ([[1, 2]], {"temperature": 1.0}, TypeError),
+])
+def test_generate_rejects_bad_input(fp4, prompts, sampling, err):
+    with pytest.raises(err):
+        fp4.generate(prompts, sampling)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_are_those_of_the_sampling_forward(fp4, temperature):
+    out = fp4.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=temperature, seed=5))
+    recorder = GuidanceRecorder(out.batch_size, fp4.guided_sites, compact=False)
+    ref = full_forward(fp4, out, temperature, recorder)
+    m = out.response_mask
+    assert torch.allclose(out.logprobs[m], ref[m], atol=1e-4)
+    # what the rollout recorded position by position == what a full forward over its tokens records
+    pos = torch.arange(out.tokens.shape[1]).expand_as(out.tokens)
+    routing, guidance = recorder.finish(pos, out.attention_mask)
+    for key, site in out.guidance.items():
+        c = quant_counts(guidance[key].record, site.record, rows=site.valid)
+        assert c.mismatched <= 0.01 * c.elements, key
+    for layer, r in out.routing.items():
+        assert (routing[layer] == r)[out.attention_mask].float().mean() > 0.99
+
+
+def test_left_padding_does_not_change_results():
+    be = backend(mode="fp4")
+    p = SamplingParams(max_new_tokens=6, temperature=0)
+    batch = be.generate(PROMPTS, p)
+    for i, prompt in enumerate(PROMPTS):
+        alone = be.generate([prompt], p)
+        assert alone.responses()[0] == batch.responses()[i]
+        m = alone.response_mask[0]
+        assert torch.allclose(alone.logprobs[0][m], batch.logprobs[i][batch.response_mask[i]], atol=1e-4)
+
+
+def test_guided_layer_and_site_selection():
+    cfg = TraceConfig(guided_layers="last_k", guided_last_k=1, guided_sites=("expert_fc2_in",), cache_mode="compact")
+    be = backend(config=cfg)
+    out = be.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0))
+    assert set(out.guidance) == {(2, "expert_fc2_in")}
+    assert isinstance(out.guidance[(2, "expert_fc2_in")].record, CompactGuidance)
+    be.set_guided_layers([0, 1])
+    assert be.guided_sites == {(0, "expert_fc2_in"), (1, "expert_fc2_in")}
+    with pytest.raises(ValueError, match="outside"):
+        be.set_guided_layers([3])
+    bf16 = backend(mode="bf16")
+    out = bf16.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0))
+    assert out.guidance == {} and set(out.routing) == {0, 1, 2}
+    with pytest.raises(ValueError, match="mode"):
+        HFRolloutBackend(tiny_config(), mode="int8")
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4"])
+def test_runs_in_bfloat16(mode):
+    be = backend(mode=mode, dtype=torch.bfloat16)
+    out = be.generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=0))
+    assert torch.isfinite(out.logprobs).all() and out.response_lens.tolist() == [4, 4, 4]
+    assert be.model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_expert_weights_are_the_weight_quantizers_codes():
+    src = dict(checkpoint_tensors(tiny_model(seed=0)))
+    be = backend(seed=0)
+    wq = TraceConfig().weight_quantizer()
+    for layer in range(3):
+        for e in (0, 5):
+            p = f"model.layers.{layer}.mlp.experts.{e}."
+            want1 = wq.quantize(torch.cat([src[p + "gate_proj.weight"], src[p + "up_proj.weight"]]))
+            want2 = wq.quantize(src[p + "down_proj.weight"])
+            for want, which in ((want1, "fc1"), (want2, "fc2")):
+                got = be.expert_weight_fp4(layer, e, which)
+                assert torch.equal(got.codes, want.codes)
+                assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+                assert torch.equal(got.global_amax, want.global_amax)
+    m = be.model.model.layers[1].mlp.experts
+    assert torch.equal(m.gate_up_proj[5], be.expert_weight_fp4(1, 5, "fc1").dequantize(torch.float32))
+
+
+def test_loads_a_checkpoint_directory_and_rejects_other_models(tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from ._tiny import save_tiny_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", seed=0)
+    p = SamplingParams(max_new_tokens=4, seed=0)
+    a = HFRolloutBackend(path, mode="fp4", dtype=torch.float32).generate(PROMPTS, p)
+    b = backend(config=TraceConfig(), seed=0).generate(PROMPTS, p)
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.logprobs, b.logprobs)
+    dense = Qwen3ForCausalLM(Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=8))
+    with pytest.raises(TypeError, match="routed experts"):
+        HFRolloutBackend(dense, mode="bf16")

@@ -1,0 +1,81 @@
+import pytest
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.formats import e2m1
+from megatron_trace.rollout import HFRolloutBackend, SamplingParams
+from megatron_trace.rollout.kv_cache import FP4KVCache
+
+from ._tiny import tiny_model
+
+PROMPTS = [[3, 4, 5, 6], [7, 8]]
+
+
+class FakeQuantKV(DynamicLayer):
+    """Independent reference: a plain cache layer that fake-quantizes K/V before storing them."""
+
+    def __init__(self, quantizer):
+        super().__init__()
+        self.quantizer = quantizer
+        self.codes_k = None
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        q = self.quantizer.quantize(key_states)
+        self.codes_k = q.unpacked_codes()  # [B, heads, S, hd]
+        return super().update(q.dequantize(key_states.dtype), self.quantizer.fake_quantize(value_states))
+
+
+def full_forward_fake_quant_kv(be, batch):
+    """One full-sequence forward over the rollout's tokens with fake-quantized K/V -> logprobs, layers."""
+    layers = [FakeQuantKV(be.config.activation_quantizer()) for _ in range(be.num_layers)]
+    with be.forward_context() as model:
+        logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask.long(), use_cache=True,
+                       **be.cache_kwargs(Cache(layers=layers))).logits
+    logp = torch.log_softmax(logits.float(), -1)[:, :-1].gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+    return torch.cat([torch.zeros(batch.batch_size, 1), logp], 1), layers
+
+
+@pytest.mark.parametrize("sites", [("kv_k", "kv_v"), ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v", "weights")])
+def test_fp4_kv_decode_equals_full_forward_with_fake_quantized_kv(sites):
+    cfg = TraceConfig(sites=sites, guided_sites=("kv_k", "kv_v"), guided_layers="all", cache_mode="full")
+    be = HFRolloutBackend(tiny_model(seed=1), mode="fp4", trace_config=cfg, dtype=torch.float32)
+    out = be.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=2))
+    ref, layers = full_forward_fake_quant_kv(be, out)
+    m = out.response_mask
+    assert torch.allclose(out.logprobs[m], ref[m], atol=1e-4)
+    # the K codes the cache stored (recorded as kv_k guidance) are those of the fake-quant reference
+    rec = out.guidance[(1, "kv_k")]
+    got = e2m1.decode(rec.record.unpacked_codes())[rec.valid]  # [N, heads, hd]
+    want = e2m1.decode(layers[1].codes_k.transpose(1, 2))[rec.valid]
+    assert (got != want).float().mean() < 0.01
+    # and the FP4 cache does change the numerics compared with an unquantized rollout
+    bf16 = HFRolloutBackend(tiny_model(seed=1), mode="bf16", dtype=torch.float32)
+    plain = bf16.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=2))
+    same = plain.tokens.shape == out.tokens.shape and torch.equal(plain.tokens, out.tokens)
+    assert not same or (plain.logprobs[m] - out.logprobs[m]).abs().max() > 1e-3
+
+
+def test_cache_stores_packed_fp4_and_counts_bytes():
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(2, q)
+    k = torch.randn(2, 3, 5, 32)  # [B, kv_heads, T, head_dim]
+    keys, values = cache.update(k, -k, 0)
+    assert torch.equal(keys, q.fake_quantize(k)) and keys.shape == k.shape
+    keys, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)
+    assert keys.shape == (2, 3, 6, 32) and cache.get_seq_length(0) == 6
+    layer = cache.layers[0]
+    assert all(c.codes.dtype == torch.uint8 for c in layer._rows["kv_k"].chunks)
+    rows = 2 * 3 * 6
+    per_row = 32 // 2 + 32 // 16 + 4  # packed codes + E4M3 block scales + fp32 row amax
+    assert layer.nbytes() == 2 * rows * per_row
+    with pytest.raises(NotImplementedError):
+        layer.crop(-1)
+
+
+def test_unquantized_side_is_kept_in_model_dtype():
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(1, q, quantize_k=True, quantize_v=False)
+    k = torch.randn(1, 2, 4, 16)
+    keys, values = cache.update(k, k, 0)
+    assert torch.equal(values, k) and not torch.equal(keys, k)

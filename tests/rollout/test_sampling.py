@@ -1,0 +1,33 @@
+import torch
+
+from megatron_trace.rollout.base import SamplingParams
+from megatron_trace.rollout.sampling import sample_tokens, top_p_filter
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    probs = torch.tensor([[0.2, 0.5, 0.3]])
+    assert torch.equal(top_p_filter(probs, 0.6), torch.tensor([[0.0, 0.5, 0.3]]))
+    assert torch.equal(top_p_filter(probs, 0.5), torch.tensor([[0.0, 0.5, 0.0]]))  # 0.5 alone reaches 0.5
+    assert torch.equal(top_p_filter(probs, 1.0), probs)
+
+
+def test_greedy_and_tiny_top_p_pick_argmax_with_untruncated_logprobs():
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+    for params in (SamplingParams(temperature=0), SamplingParams(top_p=1e-6, seed=0)):
+        tok, lp = sample_tokens(logits, params, torch.Generator().manual_seed(0))
+        assert tok.tolist() == [1, 0]
+        assert torch.allclose(lp, torch.log_softmax(logits, -1)[[0, 1], [1, 0]])
+
+
+def test_temperature_scales_the_logprob():
+    logits = torch.randn(4, 11, generator=torch.Generator().manual_seed(1))
+    params = SamplingParams(temperature=0.5)
+    tok, lp = sample_tokens(logits, params, torch.Generator().manual_seed(0))
+    assert torch.allclose(lp, torch.log_softmax(logits / 0.5, -1).gather(1, tok[:, None]).squeeze(1))
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.7, 0.2, 0.1]])).expand(4000, 3)
+    tok, _ = sample_tokens(logits, SamplingParams(), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=3).float() / tok.numel()
+    assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)

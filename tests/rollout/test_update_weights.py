@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.rollout import HFRolloutBackend
+from megatron_trace.rollout.hf_weights import checkpoint_tensors, join_fc1, split_fc1
+
+from ._tiny import tiny_model
+
+
+def _backend(mode="fp4", seed=0):
+    return HFRolloutBackend(tiny_model(seed=seed), mode=mode, dtype=torch.float32)
+
+
+def test_bf16_update_copies_in_place_and_bumps_version():
+    be = _backend(mode="bf16")
+    new = dict(checkpoint_tensors(tiny_model(seed=1)))
+    ptrs = {n: p.data_ptr() for n, p in be.model.named_parameters()}
+    be.update_weights(new.items())
+    assert be.policy_version == 1
+    assert {n: p.data_ptr() for n, p in be.model.named_parameters()} == ptrs
+    got = dict(checkpoint_tensors(be.model))
+    assert got.keys() == new.keys() and all(torch.equal(got[k], new[k]) for k in new)
+    be.update_weights([], version=7)
+    assert be.policy_version == 7
+
+
+def test_fp4_bf16_update_requantizes_touched_experts():
+    be = _backend()
+    new = dict(checkpoint_tensors(tiny_model(seed=1)))
+    p = "model.layers.2.mlp.experts.3."
+    be.update_weights([(p + "gate_proj.weight", new[p + "gate_proj.weight"]),
+                       (p + "up_proj.weight", new[p + "up_proj.weight"])])
+    fc1 = torch.cat([new[p + "gate_proj.weight"], new[p + "up_proj.weight"]])
+    want = TraceConfig().weight_quantizer().quantize(fc1)
+    assert torch.equal(be.expert_weight_fp4(2, 3, "fc1").codes, want.codes)
+    assert torch.equal(be.model.model.layers[2].mlp.experts.gate_up_proj[3], want.dequantize())
+
+
+def test_fc1_split_join_round_trip():
+    q = TraceConfig().weight_quantizer().quantize(torch.randn(64, 48))
+    gate, up = split_fc1(q)
+    assert gate.shape == (32, 48) and torch.equal(join_fc1(gate, up).codes, q.codes)
+    assert torch.equal(join_fc1(gate, up).dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("case, err, match", [
+    ("unknown", KeyError, "not a weight"),
+    ("shape", ValueError, "shape"),
+    ("fp4_dense", ValueError, "routed experts only"),
+    ("half_fc1", ValueError, "gate_proj and up_proj together"),
+    ("bad_expert", KeyError, "no routed expert 8"),
+    ("fp4_in_bf16_mode", ValueError, "mode='fp4'"),
+])
+def test_update_weights_rejects_bad_input_before_copying(case, err, match):
+    be = _backend(mode="bf16" if case == "fp4_in_bf16_mode" else "fp4")
+    before = {k: v.clone() for k, v in be.model.state_dict().items()}
+    q = TraceConfig().weight_quantizer().quantize(torch.randn(32, 64))
+    good = ("model.norm.weight", torch.zeros(64))
+    bad = {
+        "unknown": ("model.layers.0.mlp.shared_expert.weight", torch.zeros(1)),
+        "shape": ("model.norm.weight", torch.zeros(63)),
+        "fp4_dense": ("model.norm.weight", q),
+        "half_fc1": ("model.layers.0.mlp.experts.1.up_proj.weight", torch.zeros(32, 64)),
+        "bad_expert": ("model.layers.0.mlp.experts.8.up_proj.weight", torch.zeros(32, 64)),
+        "fp4_in_bf16_mode": ("model.layers.0.mlp.experts.1.down_proj.weight", q),
+    }[case]
+    with pytest.raises(err, match=match):
+        be.update_weights([good, bad])
+    after = be.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and be.policy_version == 0

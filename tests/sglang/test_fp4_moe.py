@@ -1,0 +1,53 @@
+"""The shared W4A4 experts function: packed == dequantized weights, == the hf backend's experts forward."""
+
+import torch
+
+from megatron_trace.rollout.fp4_moe import PackedExperts, w4a4_experts_forward
+
+from ._common import CFG, tiny_experts, tiny_inputs
+
+
+def _packed(w):
+    q = CFG.weight_quantizer()
+    return PackedExperts.stack([q.quantize(w[e]) for e in range(w.shape[0])])
+
+
+def test_packed_equals_dequantized_weights():
+    fc1, fc2 = tiny_experts()
+    p1, p2 = _packed(fc1), _packed(fc2)
+    d1 = torch.stack([CFG.weight_quantizer().fake_quantize(w) for w in fc1])
+    d2 = torch.stack([CFG.weight_quantizer().fake_quantize(w) for w in fc2])
+    hidden, ids, w = tiny_inputs()
+    aq = CFG.activation_quantizer()
+    a = w4a4_experts_forward(hidden, ids, w, p1, p2, activation_quantizer=aq)
+    b = w4a4_experts_forward(hidden, ids, w, d1, d2, activation_quantizer=aq)
+    assert torch.equal(a.out, b.out)
+    assert torch.equal(a.fc1_in.codes, b.fc1_in.codes) and a.fc2_in.shape == (hidden.shape[0], ids.shape[1], 16)
+
+
+def test_matches_hf_backend_experts_forward():
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from megatron_trace.rollout.experts import RolloutNumerics, active_numerics, rollout_experts_forward
+    from megatron_trace.rollout.recorder import GuidanceRecorder
+
+    fc1, fc2 = tiny_experts()
+    cfg = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2)
+    m = Qwen3MoeExperts(cfg).to(torch.bfloat16)
+    q = CFG.weight_quantizer()
+    with torch.no_grad():
+        for e in range(4):
+            m.gate_up_proj[e].copy_(q.quantize(fc1[e]).dequantize(torch.bfloat16))
+            m.down_proj[e].copy_(q.quantize(fc2[e]).dequantize(torch.bfloat16))
+    hidden, ids, w = tiny_inputs()
+    rec = GuidanceRecorder(1, {(0, "expert_fc1_in"), (0, "expert_fc2_in")}, compact=False)
+    num = RolloutNumerics(layer_of={id(m): 0}, activation_quantizer=CFG.activation_quantizer(),
+                          quantize_fc1=True, quantize_fc2=True, recorder=rec)
+    with torch.no_grad(), active_numerics(num):
+        ref = rollout_experts_forward(m, hidden, ids, w)
+    ours = w4a4_experts_forward(hidden, ids, w, _packed(fc1), _packed(fc2),
+                                activation_quantizer=CFG.activation_quantizer())
+    assert torch.equal(ours.out, ref)
+    (fc1_rec,) = rec._records[(0, "expert_fc1_in")]
+    assert torch.equal(fc1_rec.codes[0], ours.fc1_in.codes)
