@@ -6,6 +6,7 @@ EXTRAS = {
     "examples": ["hydra-core>=1.3", "omegaconf>=2.3", "matplotlib>=3.7", "tqdm>=4.60", "tensorboard>=2.14"],
     "sglang": ["sglang==0.5.10.post1"],
     "te": ["transformer-engine[pytorch]"],
+    "gpu": ["triton>=3.1"],
     "dev": ["pytest>=8", "pytest-xdist>=3", "pytest-timeout>=2", "hypothesis>=6", "ruff>=0.5", "numpy>=1.24"],
 }
 EXTRAS["all-cpu"] = sorted({r for k in ("megatron", "hf", "examples", "dev") for r in EXTRAS[k]})

@@ -65,7 +65,7 @@ def quantize_with_z(fmt, x, *, global_amax=None, per_row=False, rounding="rne", 
     return _build(fmt, codes, scales, g, x.shape), z
 
 
-def _check_guidance(fmt, x: torch.Tensor, guidance) -> None:
+def check_guidance(fmt, x: torch.Tensor, guidance) -> None:
     if not isinstance(guidance, FullGuidance | CompactGuidance):
         raise TypeError(f"guidance must be FullGuidance or CompactGuidance, got {type(guidance).__name__}")
     if guidance.fmt != fmt.name:
@@ -91,7 +91,7 @@ def _check_guidance(fmt, x: torch.Tensor, guidance) -> None:
 def guided_quantize_with_z(fmt, x, guidance):
     """Guided rounding (DESIGN.md §2) with the rollout's scales; also returns ``z``."""
     check_input(x)
-    _check_guidance(fmt, x, guidance)
+    check_guidance(fmt, x, guidance)
     xb = to_blocks(x, fmt.block_size)
     z = fmt.scale_values(xb, guidance.block_scales, guidance.global_amax)
     if isinstance(guidance, FullGuidance):

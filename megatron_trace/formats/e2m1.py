@@ -104,7 +104,7 @@ def pack(codes: torch.Tensor) -> torch.Tensor:
     check_codes(codes)
     if codes.shape[-1] % 2:
         raise ValueError(f"pack needs an even last dim, got shape {tuple(codes.shape)}")
-    c = codes.reshape(*codes.shape[:-1], -1, 2)
+    c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)
 
 
@@ -112,14 +112,14 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
     """Packed bytes [..., K/2] -> unpacked codes [..., K]."""
     check_codes(packed)
     out = torch.stack((packed & 0xF, packed >> 4), dim=-1)
-    return out.reshape(*packed.shape[:-1], -1)
+    return out.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """0/1 uint8 [..., K] (K % 8 == 0) -> bytes [..., K/8]; element 8i+j is bit j of byte i."""
     if bits.shape[-1] % 8:
         raise ValueError(f"pack_bits needs a last dim divisible by 8, got shape {tuple(bits.shape)}")
-    b = bits.to(torch.uint8).reshape(*bits.shape[:-1], -1, 8)
+    b = bits.to(torch.uint8).reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8)
     weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=bits.device)
     return (b * weights).sum(-1, dtype=torch.uint8)
 
@@ -128,7 +128,7 @@ def unpack_bits(packed: torch.Tensor) -> torch.Tensor:
     """Bytes [..., K/8] -> 0/1 uint8 [..., K]."""
     check_codes(packed)
     shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], -1)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], 8 * packed.shape[-1])
 
 
 def to_float4_x2(packed: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ class MXFP4Format:
             _, ex = torch.frexp(amax)  # amax = m * 2**ex, m in [0.5, 1)
             e = ex - 1 - E2M1_EMAX
         else:
-            m, ex = torch.frexp(amax / E2M1_MAX)
+            m, ex = torch.frexp(amax / torch.full_like(amax, E2M1_MAX))  # one IEEE division
             e = torch.where(m == 0.5, ex - 1, ex)
         e = torch.where(amax > 0, e, E8M0_MIN_EXP).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
         return (e + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)

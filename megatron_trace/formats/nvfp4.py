@@ -25,15 +25,22 @@ NVFP4Tensor = FP4Tensor
 _ENC_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688
 
 
+def _div(a: torch.Tensor, b: float) -> torch.Tensor:
+    """IEEE fp32 ``a / b`` for a constant ``b``. (``tensor / python_float`` may become a reciprocal multiply
+    on CUDA and ``python_float / tensor`` is ``reciprocal(t) * float`` in torch: two roundings.)"""
+    return a / torch.full_like(a, b)
+
+
 def encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = 448 * 6 / amax (fp32), 1.0 where amax == 0."""
+    """S_enc = 448 * 6 / amax (one IEEE fp32 division), 1.0 where amax == 0."""
     g = global_amax.float()
-    return torch.where(g > 0, _ENC_NUMERATOR / torch.where(g > 0, g, 1.0), 1.0)
+    safe = torch.where(g > 0, g, 1.0)
+    return torch.where(g > 0, torch.full_like(safe, _ENC_NUMERATOR) / safe, 1.0)
 
 
 def decode_scale_from_amax(global_amax: torch.Tensor) -> torch.Tensor:
     """ModelOpt's ``weight_scale_2`` / ``input_scale`` convention: amax / (6 * 448)."""
-    return global_amax.float() / _ENC_NUMERATOR
+    return _div(global_amax.float(), _ENC_NUMERATOR)
 
 
 class NVFP4Format:
@@ -65,7 +72,7 @@ class NVFP4Format:
 
     def block_scales(self, xb: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         s_enc = encode_scale(g)  # [] or [..., 1]
-        v = s_enc * xb.abs().amax(-1) / E2M1_MAX
+        v = _div(s_enc * xb.abs().amax(-1), E2M1_MAX)
         return v.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
 
     def scale_values(self, xb: torch.Tensor, scales: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,9 @@ def megatron_world1():
     """A single-rank gloo world with Megatron's parallel state (TP=EP=1) and the CPU shims."""
     if dist.is_initialized():
         pytest.skip("a torch.distributed process group is already initialised in this process")
-    with pytest.MonkeyPatch.context() as mp:
-        apply_cpu_shims(mp)
-        init_megatron(0, 1, free_port())
-        try:
-            yield
-        finally:
-            shutdown_megatron()
+    apply_cpu_shims()
+    init_megatron(0, 1, free_port())
+    try:
+        yield
+    finally:
+        shutdown_megatron()

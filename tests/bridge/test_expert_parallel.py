@@ -28,8 +28,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
     from ._megatron_cpu import apply_cpu_shims, init_megatron, megatron_logits, shutdown_megatron
 
     torch.set_num_threads(1)
-    patch = pytest.MonkeyPatch()
-    apply_cpu_shims(patch)
+    apply_cpu_shims()
     init_megatron(rank, WORLD, port, ep=WORLD)
     try:
         bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)

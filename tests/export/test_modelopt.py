@@ -92,7 +92,7 @@ def test_values_match_reference(ckpt):
             engine = _independent_decode(st[f"{p}.{proj}.weight"]) * sf * st[f"{p}.{proj}.weight_scale_2"]
             torch.testing.assert_close(engine, ref.dequantize()[rows], rtol=2e-7, atol=1e-9)
             # the exact reference decode: codes * sf / (2688 / amax)
-            exact = _independent_decode(st[f"{p}.{proj}.weight"]) * sf / (2688.0 / amax)
+            exact = _independent_decode(st[f"{p}.{proj}.weight"]) * sf / (torch.full_like(amax, 2688.0) / amax)
             assert torch.equal(exact, ref.dequantize()[rows])
 
 

@@ -161,7 +161,23 @@ def test_dequantize_is_grid_times_scales():
     x = torch.randn(6, 32, generator=g)
     q = nvfp4.quantize(x, per_row=True)
     vals = e2m1.decode(q.unpacked_codes()).view(6, 2, 16)
-    s_enc = 2688.0 / q.global_amax
+    s_enc = torch.full_like(q.global_amax, 2688.0) / q.global_amax
     expected = (vals * q.block_scales.float().unsqueeze(-1) / s_enc.unsqueeze(-1)).view(6, 32)
     assert torch.equal(q.dequantize(), expected)
     assert isinstance(q, FP4Tensor) and q.fmt == "nvfp4"
+
+
+def test_encode_scale_is_one_ieee_division():
+    g = torch.Generator().manual_seed(9)
+    amax = torch.rand(100000, generator=g) * 1000 + 1e-3
+    expected = np.float32(2688.0) / amax.numpy()  # numpy: one correctly rounded fp32 division
+    assert np.array_equal(nvfp4.encode_scale(amax).numpy(), expected)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_zero_rows(compact):
+    # an expert-parallel rank can receive no tokens: empty inputs work end to end
+    x = torch.zeros(0, 48, dtype=torch.bfloat16)
+    q = nvfp4.quantize(x, per_row=True)
+    assert q.codes.shape == (0, 24) and q.block_scales.shape == (0, 3) and q.dequantize().shape == (0, 48)
+    assert nvfp4.guided_quantize(x, q.guidance(compact=compact)).codes.shape == (0, 24)

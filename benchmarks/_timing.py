@@ -1,0 +1,43 @@
+"""Timing helpers for the GPU benchmarks: CUDA-event medians after warm-up, and the copy ceiling."""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+
+def median_ms(fn, *, warmup: int = 5, reps: int = 30) -> float:
+    """Median over ``reps`` CUDA-event timings of ``fn()`` after ``warmup`` calls (L2 flushed between)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    return times[len(times) // 2]
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), reps=20)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def machine() -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+        "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
+    }

@@ -1,0 +1,122 @@
+"""FP4-weight grouped GEMM (Triton, W4A16) vs bf16 ``torch._grouped_mm`` at MoE decode shapes.
+
+All experts get the same number of tokens (1..256). Prints one JSON line: per shape and tokens per
+expert, the bf16 time, the best FP4 time over the candidate configs (and which), the speedup, and
+the weight-read rate as a fraction of the copy bandwidth measured in the same run. Usage:
+    python benchmarks/bench_moe_gemm.py [--shapes qwen3_fc1,qwen3_fc2,dsv3_fc1] [--tokens 1,4,16,64,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from _timing import copy_bandwidth, machine, median_ms
+
+from megatron_trace.formats import Quantizer
+from megatron_trace.kernels import dequant_triton, fused, moe_triton
+
+SHAPES = {  # name: (experts, K, N) as in torch._grouped_mm's mat_b [E, K, N]
+    "qwen3_fc1": (128, 2048, 1536),
+    "qwen3_fc2": (128, 768, 2048),
+    "dsv3_fc1": (256, 7168, 4096),
+}
+SMALL = [(64, 256, 16, 4, 1), (64, 128, 16, 4, 3), (128, 128, 16, 8, 1), (128, 256, 16, 8, 1), (64, 256, 16, 4, 2)]
+MID = [(64, 256, 32, 4, 1), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
+LARGE = [(128, 64, 128, 8, 3), (128, 128, 128, 8, 3), (128, 64, 256, 8, 3)]
+
+
+def candidates(tpe: int):
+    c = []
+    if tpe <= 32:
+        c += SMALL
+    if 8 <= tpe <= 128:
+        c += MID
+    if tpe >= 64:
+        c += LARGE
+    return c
+
+
+def bf16_baseline(w_nk):
+    """(fn(x, offs), layout): torch._grouped_mm with mat_b [E, K, N], a transposed view of w [E, N, K] if accepted."""
+    e, _, k = w_nk.shape
+    x = torch.randn(e, k, device="cuda", dtype=torch.bfloat16)
+    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32)
+    try:
+        torch._grouped_mm(x, w_nk.transpose(-2, -1), offs=offs)
+        return (lambda xx, oo: torch._grouped_mm(xx, w_nk.transpose(-2, -1), offs=oo)), "mat_b K-contiguous view"
+    except RuntimeError:
+        w_kn = w_nk.transpose(-2, -1).contiguous()
+        return (lambda xx, oo: torch._grouped_mm(xx, w_kn, offs=oo)), "mat_b N-contiguous"
+
+
+def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
+    torch.manual_seed(0)
+    w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02)  # [E, N, K]
+    quant = {f: fused.quantize(w, Quantizer(f), check_finite=False)[0] for f in fmts}
+    bf16_grouped, layout = bf16_baseline(w)
+    deq_mm = {f: bf16_baseline(dequant_triton.dequantize(wq, torch.bfloat16))[0] for f, wq in quant.items()}
+    rows = []
+    for tpe in tokens:
+        t = tpe * e
+        x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+        offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * tpe
+        ms_bf16 = median_ms(lambda x=x, offs=offs: bf16_grouped(x, offs))
+        for fmt, wq in quant.items():
+            wbytes = wq.codes.numel() + wq.block_scales.numel()
+            default, default_asm = moe_triton.pick_config(tpe, k)
+            cands = [default] + [c for c in (candidates(tpe) if sweep and fmt == "nvfp4" else []) if c != default]
+            timings = {}
+            for cfg in cands:
+                for asm in (False, True):
+                    timings[str(cfg) + ("-ptx" if asm else "")] = median_ms(
+                        lambda c=cfg, a=asm, x=x, wq=wq, offs=offs: moe_triton.grouped_mm(x, wq, offs, config=c,
+                                                                                      deq_asm=a))
+            default = str(default) + ("-ptx" if default_asm else "")
+            best = min(timings, key=timings.get)
+            ms = timings[best]
+            y = moe_triton.grouped_mm(x, wq, offs)
+            ref = deq_mm[fmt](x, offs)
+            rel = float((y.float() - ref.float()).norm() / ref.float().norm())
+            row = {"shape": name, "E_K_N": [e, k, n], "tok_per_expert": tpe, "fmt": fmt, "bf16_layout": layout,
+                   "bf16_us": round(ms_bf16 * 1e3, 1), "fp4_us": round(ms * 1e3, 1),
+                   "fp4_default_us": round(timings[default] * 1e3, 1), "best_config": best,
+                   "speedup": round(ms_bf16 / ms, 2), "speedup_default": round(ms_bf16 / timings[default], 2),
+                   "fp4_weight_frac_copy": round(wbytes / (ms * 1e-3) / bw, 3),
+                   "bf16_weight_frac_copy": round(2 * w.numel() / (ms_bf16 * 1e-3) / bw, 3),
+                   "rel_err_vs_bf16_dequant": round(rel, 5),
+                   "all_us": {kk: round(v * 1e3, 1) for kk, v in timings.items()}}
+            rows.append(row)
+            print(f"{name:10s} tpe={tpe:4d} {fmt}: bf16 {row['bf16_us']:8.1f} us  fp4 {row['fp4_us']:8.1f} us "
+                  f"(default {row['fp4_default_us']:8.1f})  x{row['speedup']:5.2f}  "
+                  f"fp4 w-read {row['fp4_weight_frac_copy']:.2f} of copy  best {best}  err {rel:.1e}",
+                  file=sys.stderr)
+    return rows
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="qwen3_fc1,qwen3_fc2,dsv3_fc1")
+    p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
+    p.add_argument("--big-tokens", default="1,4,16,64,256", help="tokens per expert for dsv3_fc1")
+    p.add_argument("--fmts", default="nvfp4,mxfp4")
+    p.add_argument("--no-sweep", action="store_true")
+    args = p.parse_args(argv)
+    bw = copy_bandwidth()
+    tokens = [int(v) for v in args.tokens.split(",")]
+    rows = []
+    for name in args.shapes.split(","):
+        e, k, n = SHAPES[name]
+        fmts = args.fmts.split(",") if name != "dsv3_fc1" else ["nvfp4"]
+        toks = [int(v) for v in args.big_tokens.split(",")] if name == "dsv3_fc1" else tokens
+        rows += run_shape(name, e, k, n, toks, bw, fmts, not args.no_sweep)
+        torch.cuda.empty_cache()
+    res = {"bench": "moe_gemm", "copy_TBps": round(bw / 1e12, 3), "machine": machine(), "results": rows}
+    print(json.dumps(res))
+    return res
+
+
+if __name__ == "__main__":
+    main()

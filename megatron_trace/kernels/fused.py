@@ -1,0 +1,143 @@
+"""Host side of the Triton quantize kernel: RNE quantize (+ fused compact record), guided quantize,
+fused fake-quant forward with its STE backward. Needs Triton and CUDA tensors; ``ops`` dispatches here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import block as ref_block
+from ..formats.nvfp4 import FORMAT as NVFP4_FORMAT
+from ..formats.quantizer import Quantizer
+from ..formats.registry import get_format
+from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
+from . import quant_triton as qk
+
+
+def check_x(x: torch.Tensor, what: str = "x") -> None:
+    """The reference's input checks, except the NaN/Inf scan (the kernel counts those)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in ref_block.FLOAT_DTYPES:
+        raise TypeError(f"{what}.dtype={x.dtype} is not one of {ref_block.FLOAT_DTYPES}")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{what} needs at least one dim with a non-empty last dim, got shape {tuple(x.shape)}")
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x as [M, K] with unit stride along K (a copy only when needed)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
+
+
+def _raise_if_bad(err: torch.Tensor | None, x: torch.Tensor) -> None:
+    if err is not None and int(err.item()) > 0:
+        ref_block.check_input(x)  # raises the reference's NonFiniteError (with the first bad index)
+
+
+def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err):
+    """(g_mode, g tensor or None, g as stored in the FP4Tensor or None) for an own-scale quantize."""
+    if quantizer.fmt != "nvfp4":
+        get_format("mxfp4").global_amax(x, global_amax=global_amax, per_row=False)  # raises if given
+        return qk.G_NONE, None, None
+    if global_amax is not None:
+        g = NVFP4_FORMAT.global_amax(x, global_amax=global_amax, per_row=quantizer.per_row)
+        return (qk.G_SCALAR if g.dim() == 0 else qk.G_ROW_GIVEN), g.reshape(-1).contiguous(), g
+    if quantizer.per_row:
+        return qk.G_ROW_COMPUTE, None, None
+    g = qk.absmax(x2d, err)
+    return qk.G_SCALAR, g.reshape(1), g
+
+
+def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False, write_codes: bool = True,
+             deq_dtype=None, want_mask: bool = False, check_finite: bool = True):
+    """RNE quantize with the quantizer's own scales.
+
+    Returns (FP4Tensor or None when not ``write_codes``, CompactGuidance or None, raw outputs by name).
+    """
+    check_x(x)
+    x2d = rows_of(x)
+    err = torch.zeros(1, dtype=torch.int32, device=x.device) if check_finite else None
+    g_mode, g, g_store = _global_amax(x2d, quantizer, global_amax, x, err)
+    fmt = quantizer.format
+    out = qk.run_quant(
+        x2d, fmt=qk.fmt_id(quantizer.fmt, quantizer.scale_rule), block=fmt.block_size, mode=qk.RNE, g_mode=g_mode,
+        g=g, write_codes=write_codes, write_scales=write_codes, write_bits=record, deq_dtype=deq_dtype,
+        write_mask=want_mask,
+        err=None if g_mode == qk.G_SCALAR and global_amax is None else err,
+    )
+    _raise_if_bad(err, x)
+    lead = tuple(x.shape[:-1])
+    if g_mode == qk.G_ROW_COMPUTE:
+        g_store = out["g"].reshape(*lead, 1)
+    if not write_codes:
+        return None, None, out
+    t = FP4Tensor(
+        codes=out["codes"].reshape(*lead, -1), block_scales=out["scales"].reshape(*lead, -1).view(fmt.scale_dtype),
+        global_amax=g_store, shape=tuple(x.shape), fmt=quantizer.fmt,
+    )
+    rec = None
+    if record:
+        rec = CompactGuidance(mantissa_bits=out["bits"].reshape(*lead, -1), block_scales=t.block_scales,
+                              global_amax=t.global_amax, shape=t.shape, fmt=t.fmt)
+    return t, rec, out
+
+
+def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: bool = False,
+           check_finite: bool = True):
+    """Guided quantize toward ``guidance`` with its scales. Returns (FP4Tensor | None, outputs)."""
+    check_x(x)
+    fmt = get_format(getattr(guidance, "fmt", "nvfp4"))
+    ref_block.check_guidance(fmt, x, guidance)
+    x2d = rows_of(x)
+    dev = x.device
+    m = x2d.shape[0]
+    full = isinstance(guidance, FullGuidance)
+    payload = guidance.codes if full else guidance.mantissa_bits
+    scales = guidance.block_scales.to(dev, non_blocking=True).view(torch.uint8).reshape(m, -1).contiguous()
+    g_mode, g = qk.G_NONE, None
+    if guidance.global_amax is not None:
+        ga = guidance.global_amax.to(dev, non_blocking=True)
+        g_mode, g = (qk.G_SCALAR if ga.dim() == 0 else qk.G_ROW_GIVEN), ga.float().reshape(-1).contiguous()
+    err = torch.zeros(1, dtype=torch.int32, device=dev) if check_finite else None
+    out = qk.run_quant(
+        x2d, fmt=qk.fmt_id(fmt.name), block=fmt.block_size, mode=qk.GUIDED_FULL if full else qk.GUIDED_COMPACT,
+        g_mode=g_mode, g=g, scales_in=scales, guide=payload.to(dev, non_blocking=True).reshape(m, -1).contiguous(),
+        write_codes=write_codes, write_scales=False, deq_dtype=deq_dtype, write_mask=want_mask, err=err,
+    )
+    _raise_if_bad(err, x)
+    t = None
+    if write_codes:
+        lead = tuple(x.shape[:-1])
+        t = FP4Tensor(codes=out["codes"].reshape(*lead, -1), block_scales=guidance.block_scales,
+                      global_amax=guidance.global_amax, shape=tuple(x.shape), fmt=fmt.name)
+    return t, out
+
+
+def fake_quantize(x, quantizer: Quantizer, *, guidance=None, global_amax=None, check_finite: bool = True):
+    """Quantize-dequantize in one pass (guided if ``guidance``) with the quantizer's STE backward."""
+    return _FakeQuant.apply(x, quantizer, guidance, global_amax, check_finite)
+
+
+class _FakeQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, quantizer: Quantizer, guidance, global_amax, check_finite):
+        xd = x.detach()
+        clip = quantizer.ste_clip
+        if guidance is not None:
+            _, out = guided(xd, guidance, write_codes=False, deq_dtype=x.dtype, want_mask=clip,
+                            check_finite=check_finite)
+        else:
+            _, _, out = quantize(xd, quantizer, global_amax=global_amax, write_codes=False, deq_dtype=x.dtype,
+                                 want_mask=clip, check_finite=check_finite)
+        ctx.ste_clip = clip
+        if clip:
+            ctx.save_for_backward(out["mask"].view(torch.bool).reshape(x.shape))
+        return out["deq"].reshape(x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.ste_clip:
+            (inside,) = ctx.saved_tensors
+            grad = grad * inside.to(grad.dtype)
+        return grad, None, None, None, None

@@ -1,0 +1,76 @@
+"""FP4-weight grouped GEMM for MoE decode (W4A16, and W4A4 emulation): dispatch and torch reference.
+
+Layout (what ``formats`` produces for a stacked expert weight [E, N, K]): packed codes [E, N, K/2],
+block scales [E, N, K/B] along K, NVFP4 global amax [] (per tensor) or [E, N, 1] (per row).
+Tokens are grouped by expert like ``torch._grouped_mm``'s ``offs``: rows ``offs[e-1]:offs[e]`` of x
+(``offs[-1] = 0``) use expert e; rows past ``offs[-1]`` get zeros. ``y = x_e @ W_e^T`` in fp32, cast once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats.tensor import FP4Tensor
+from .dispatch import Kernel, select_kernel
+
+
+def check_grouped_args(x, weight: FP4Tensor, offs: torch.Tensor) -> tuple[int, int, int]:
+    """Validate shapes/dtypes of a grouped FP4 GEMM; returns (E, N, K)."""
+    if not isinstance(weight, FP4Tensor):
+        raise TypeError(f"weight must be an FP4Tensor of shape [E, N, K], got {type(weight).__name__}")
+    if len(weight.shape) != 3:
+        raise ValueError(f"weight.shape={tuple(weight.shape)} must be [experts, N, K]")
+    e, n, k = weight.shape
+    xk = x.shape[-1]
+    if x.dim() != 2 or xk != k:
+        raise ValueError(f"x.shape={tuple(x.shape)} must be [tokens, {k}] for weight.shape={tuple(weight.shape)}")
+    if k % weight.block_size:
+        raise ValueError(f"K={k} must be a multiple of the {weight.fmt} block size {weight.block_size}")
+    g = weight.global_amax
+    if g is not None and g.dim() and tuple(g.shape) != (e, n, 1):
+        raise ValueError(f"weight.global_amax shape {tuple(g.shape)} must be [] or {(e, n, 1)}")
+    if offs.dim() != 1 or offs.numel() != e or offs.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"offs must be int32/int64 of shape [{e}] (cumulative tokens per expert), got "
+                         f"{offs.dtype} {tuple(offs.shape)}")
+    return e, n, k
+
+
+def _dense_x(x) -> torch.Tensor:
+    """Activations as a float tensor: W4A4 emulation dequantizes FP4 activations first."""
+    return x.dequantize(torch.float32) if isinstance(x, FP4Tensor) else x
+
+
+def grouped_mm_reference(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None):
+    """Dequantize the weights, then per expert ``x_e.float() @ W_e.float().T``; cast to ``out_dtype``.
+
+    ``x``: [T, K] float tensor (W4A16) or an FP4Tensor of shape [T, K] (W4A4 emulation).
+    ``out_dtype`` defaults to bf16 for FP4 activations and to x.dtype otherwise.
+    """
+    xd = _dense_x(x)
+    e, n, k = check_grouped_args(xd, weight, offs)
+    out_dtype = out_dtype or (torch.bfloat16 if isinstance(x, FP4Tensor) else x.dtype)
+    w = weight.dequantize(torch.float32)  # [E, N, K]
+    y = torch.zeros(xd.shape[0], n, dtype=torch.float32, device=xd.device)
+    start = 0
+    for ex, end in enumerate(offs.tolist()):
+        if end < start or end > xd.shape[0]:
+            raise ValueError(f"offs must be non-decreasing and <= tokens={xd.shape[0]}, got {offs.tolist()}")
+        y[start:end] = xd[start:end].float() @ w[ex].T
+        start = end
+    return y.to(out_dtype)
+
+
+def fp4_grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+                   kernel: str | Kernel = "auto") -> torch.Tensor:
+    """Grouped ``x_e @ W_e^T`` with FP4 expert weights (see the module docstring for the layout).
+
+    ``x``: bf16/fp16 [T, K] (W4A16) or an FP4Tensor [T, K] (W4A4 emulation: dequantized to bf16 first).
+    The Triton path (CUDA) dequantizes the weights in registers; results match the reference within
+    bf16/accumulation-order tolerance (not bit for bit).
+    """
+    dev = weight.codes.device
+    if select_kernel(kernel, dev) is Kernel.REFERENCE:
+        return grouped_mm_reference(x, weight, offs, out_dtype=out_dtype)
+    from . import moe_triton
+
+    return moe_triton.grouped_mm(x, weight, offs, out_dtype=out_dtype)

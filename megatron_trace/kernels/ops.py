@@ -1,0 +1,93 @@
+"""Public FP4 ops with kernel selection: each runs the Triton twin on CUDA or the ``formats`` reference.
+
+Both paths return the same bits (codes, scales, global amax, dequantized values); the tests check
+that with ``torch.equal``. Triton modules are imported only when a Triton path is chosen.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import e2m1
+from ..formats.quantizer import Quantizer
+from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
+from .dispatch import Kernel, select_kernel
+
+_STOCHASTIC = "stochastic rounding has no Triton path (it draws torch random numbers)"
+
+
+def _own(quantizer: Quantizer, x: torch.Tensor, kernel) -> Kernel:
+    if not isinstance(quantizer, Quantizer):
+        raise TypeError(f"quantizer must be a formats.Quantizer, got {type(quantizer).__name__}")
+    return select_kernel(kernel, x.device, unsupported=_STOCHASTIC if quantizer.rounding != "rne" else None)
+
+
+def quantize(x: torch.Tensor, quantizer: Quantizer, *, global_amax=None, kernel: str | Kernel = "auto",
+             check_finite: bool = True) -> FP4Tensor:
+    """``quantizer.quantize(x, global_amax=...)``; the Triton path is one pass (two for a per-tensor amax).
+
+    ``check_finite=False`` skips the NaN/Inf check (and its host sync) on the Triton path.
+    """
+    if _own(quantizer, x, kernel) is Kernel.REFERENCE:
+        return quantizer.quantize(x, global_amax=global_amax)
+    from . import fused
+
+    return fused.quantize(x, quantizer, global_amax=global_amax, check_finite=check_finite)[0]
+
+
+def quantize_and_record(x: torch.Tensor, quantizer: Quantizer, *, global_amax=None, kernel: str | Kernel = "auto",
+                        check_finite: bool = True) -> tuple[FP4Tensor, CompactGuidance]:
+    """Quantize and emit the compact guidance record (mantissa bits) in the same pass (rollout side)."""
+    if _own(quantizer, x, kernel) is Kernel.REFERENCE:
+        q = quantizer.quantize(x, global_amax=global_amax)
+        return q, q.guidance(compact=True)
+    from . import fused
+
+    q, rec, _ = fused.quantize(x, quantizer, global_amax=global_amax, record=True, check_finite=check_finite)
+    return q, rec
+
+
+def guided_quantize(x: torch.Tensor, guidance: FullGuidance | CompactGuidance, *, kernel: str | Kernel = "auto",
+                    check_finite: bool = True) -> FP4Tensor:
+    """Guided rounding toward a rollout record, with the record's scales (trainer side)."""
+    if select_kernel(kernel, x.device) is Kernel.REFERENCE:
+        return Quantizer(fmt=getattr(guidance, "fmt", "nvfp4")).guided_quantize(x, guidance)
+    from . import fused
+
+    return fused.guided(x, guidance, check_finite=check_finite)[0]
+
+
+def fake_quantize(x: torch.Tensor, quantizer: Quantizer, *, guidance=None, global_amax=None,
+                  kernel: str | Kernel = "auto", check_finite: bool = True) -> torch.Tensor:
+    """``quantizer.fake_quantize``: quantize-dequantize in x.dtype (guided when ``guidance``), STE backward.
+
+    The Triton path reads x once and writes the result (and the STE mask when ``quantizer.ste_clip``).
+    """
+    unsupported = _STOCHASTIC if quantizer.rounding != "rne" and guidance is None else None
+    if select_kernel(kernel, x.device, unsupported=unsupported) is Kernel.REFERENCE:
+        return quantizer.fake_quantize(x, guidance=guidance, global_amax=global_amax)
+    from . import fused
+
+    return fused.fake_quantize(x, quantizer, guidance=guidance, global_amax=global_amax, check_finite=check_finite)
+
+
+def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32, *, kernel: str | Kernel = "auto") -> torch.Tensor:
+    """``t.dequantize(dtype)``."""
+    if select_kernel(kernel, t.codes.device) is Kernel.REFERENCE:
+        return t.dequantize(dtype)
+    from . import dequant_triton as dequant
+
+    return dequant.dequantize(t, dtype)
+
+
+def compact_guidance(record: FP4Tensor | FullGuidance, *, kernel: str | Kernel = "auto") -> CompactGuidance:
+    """The compact record (packed mantissa bits + scales) of a quantized tensor or a full record."""
+    if not isinstance(record, FP4Tensor | FullGuidance):
+        raise TypeError(f"record must be an FP4Tensor or FullGuidance, got {type(record).__name__}")
+    if select_kernel(kernel, record.codes.device) is Kernel.REFERENCE:
+        bits = e2m1.pack_bits(e2m1.mantissa_bit(e2m1.unpack(record.codes)))
+        return CompactGuidance(mantissa_bits=bits, block_scales=record.block_scales,
+                               global_amax=record.global_amax, shape=record.shape, fmt=record.fmt)
+    from . import dequant_triton as dequant
+
+    return dequant.compact(record)

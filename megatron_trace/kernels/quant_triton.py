@@ -1,0 +1,319 @@
+"""Triton quantize kernel: RNE or guided rounding in one pass, with fused outputs.
+
+One kernel covers every quantize path (the mode and the outputs are compile-time switches):
+  MODE 0 (RNE, own scales), 1 (guided full: the record's scales and codes), 2 (guided compact:
+  the record's scales and mantissa bits); outputs packed codes, block scales, packed mantissa
+  bits (the compact guidance), the dequantized tensor (fake-quant forward) and the STE mask.
+Rows are tiles of ``[BLOCK_M, NBT, B]`` (rows x blocks x block elements); a row longer than one
+tile loops over K (a per-row amax then takes a first pass over the row).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import triton_fp4 as f
+
+# Global amax modes.
+G_NONE = tl.constexpr(0)  # MXFP4
+G_SCALAR = tl.constexpr(1)  # one fp32 amax (per tensor, computed by absmax_kernel or given)
+G_ROW_COMPUTE = tl.constexpr(2)  # per-row amax computed here and written to g_ptr
+G_ROW_GIVEN = tl.constexpr(3)  # per-row amax read from g_ptr
+
+# Rounding modes.
+RNE = tl.constexpr(0)
+GUIDED_FULL = tl.constexpr(1)
+GUIDED_COMPACT = tl.constexpr(2)
+
+
+@triton.jit
+def absmax_kernel(x_ptr, n, out_ptr, err_ptr, BLOCK: tl.constexpr, CHECK_FINITE: tl.constexpr):
+    """Partial max|x| of BLOCK elements per program (fp32), and a count of NaN/Inf if asked."""
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    tl.store(out_ptr + pid, tl.max(a, axis=0))
+    if CHECK_FINITE:
+        bad = tl.sum((a == float("inf")).to(tl.int32) + (x != x).to(tl.int32), axis=0)
+        if bad > 0:
+            tl.atomic_add(err_ptr, bad)
+
+
+@triton.jit
+def _load_tile(x_ptr, rows, rmask, stride_xm, k0, K, NBT: tl.constexpr, B: tl.constexpr):
+    """x[rows, k0 : k0 + NBT*B] as fp32 [BM, NBT, B] (zero beyond K) and its column index."""
+    col = k0 + tl.arange(0, NBT)[None, :, None] * B + tl.arange(0, B)[None, None, :]
+    mask = rmask[:, None, None] & (col < K)
+    x = tl.load(x_ptr + rows[:, None, None] * stride_xm + col, mask=mask, other=0.0).to(tl.float32)
+    return x, col
+
+
+@triton.jit
+def _row_amax(x_ptr, rows, rmask, stride_xm, K, num_kt, NBT: tl.constexpr, B: tl.constexpr):
+    """max|x| over each row (fp32 [BM]) by a pass over all K tiles."""
+    g = tl.zeros([rows.shape[0]], tl.float32)
+    for kt in range(num_kt):
+        x, _ = _load_tile(x_ptr, rows, rmask, stride_xm, kt * NBT * B, K, NBT, B)
+        g = tl.maximum(g, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
+    return g
+
+
+@triton.jit
+def _count_bad(x, err_ptr):
+    bad = tl.sum(tl.sum(tl.sum((tl.abs(x) == float("inf")).to(tl.int32) + (x != x).to(tl.int32), 2), 1), 0)
+    if bad > 0:
+        tl.atomic_add(err_ptr, bad)
+
+
+@triton.jit
+def _scales(x, blk, rows, rmask, bmask, s_enc, s_in_ptr, NB, FMT: tl.constexpr, MODE: tl.constexpr):
+    """Block scales [BM, NBT]: (NVFP4 value sf as fp32, stored byte, MXFP4 exponent e as int32)."""
+    s_off = rows[:, None] * NB + blk
+    if MODE == RNE:
+        amax_b = tl.max(tl.abs(x), axis=2)  # [BM, NBT]
+        if FMT == f.NVFP4:
+            sf, byte = f.nvfp4_block_scale(amax_b, s_enc)
+            e = tl.zeros_like(byte).to(tl.int32)
+        else:
+            e = f.mx_exponent(amax_b, FMT)
+            byte = (e + 127).to(tl.uint8)
+            sf = tl.zeros_like(amax_b)
+    else:
+        byte = tl.load(s_in_ptr + s_off, mask=rmask[:, None] & bmask, other=0)
+        if FMT == f.NVFP4:
+            sf = f.e4m3_value(byte)
+            e = tl.zeros_like(byte).to(tl.int32)
+        else:
+            e = byte.to(tl.int32) - 127
+            sf = tl.zeros([rows.shape[0], blk.shape[1]], tl.float32)
+    return sf, byte, e
+
+
+@triton.jit
+def _scale_values(x, sf, e, s_enc, FMT: tl.constexpr, FAST_DIV: tl.constexpr):
+    """``fmt.scale_values``: z = x * s_enc / sf (0 where sf <= 0) or x * 2**-e."""
+    if FMT == f.NVFP4:
+        sf3 = sf[:, :, None]
+        ok = sf3 > 0.0
+        den = tl.where(ok, sf3, 1.0)
+        a = x * s_enc
+        if FAST_DIV:
+            rb = tl.div_rn(tl.full(den.shape, 1.0, tl.float32), den)  # one IEEE division per block
+            q = f.div_fast(a, den, rb)
+            if tl.max(tl.max(tl.max((f.div_needs_slow(a * rb, den) & ok).to(tl.int32), 2), 1), 0) > 0:
+                q = tl.div_rn(a, den)
+        else:
+            q = tl.div_rn(a, den)
+        return tl.where(ok, q, 0.0)
+    else:
+        return x * f.pow2(-e)[:, :, None]
+
+
+@triton.jit
+def _unscale(codes, sf, e, s_enc, FMT: tl.constexpr, FAST_DIV: tl.constexpr):
+    """``fmt.unscale`` of decoded codes: q * sf / s_enc or q * 2**e (fp32)."""
+    q = f.e2m1_decode(codes)
+    if FMT == f.NVFP4:
+        a = q * sf[:, :, None]
+        if FAST_DIV:
+            rb = tl.div_rn(1.0 + tl.zeros_like(s_enc), s_enc)  # per tensor or per row
+            out = f.div_fast(a, s_enc, rb)
+            if tl.max(tl.max(tl.max(f.div_needs_slow(a * rb, s_enc).to(tl.int32), 2), 1), 0) > 0:
+                out = tl.div_rn(a, s_enc)
+        else:
+            out = tl.div_rn(a, s_enc)
+        return out
+    else:
+        return q * f.pow2(e)[:, :, None]
+
+
+@triton.jit
+def _load_guidance(gc_ptr, rows, rmask, bmask, blk, NB, NBT: tl.constexpr, B: tl.constexpr, MODE: tl.constexpr):
+    """The record's codes (MODE 1, unpacked uint8) or mantissa bits (MODE 2, 0/1) as [BM, NBT, B]."""
+    m3 = rmask[:, None, None] & bmask[:, :, None]
+    if MODE == GUIDED_FULL:
+        off = rows[:, None, None] * (NB * B // 2) + blk[:, :, None] * (B // 2) + tl.arange(0, B // 2)[None, None, :]
+        p = tl.load(gc_ptr + off, mask=m3, other=0)
+        return tl.join(p & 15, p >> 4).reshape(rows.shape[0], NBT, B)
+    else:
+        off = rows[:, None, None] * (NB * B // 8) + blk[:, :, None] * (B // 8) + tl.arange(0, B // 8)[None, None, :]
+        p = tl.load(gc_ptr + off, mask=m3, other=0)
+        bits = (p[:, :, :, None] >> tl.arange(0, 8)[None, None, None, :].to(tl.uint8)) & 1
+        return bits.reshape(rows.shape[0], NBT, B)
+
+
+@triton.jit
+def _store_codes(codes, codes_ptr, bits_ptr, rows, rmask, bmask, blk, NB, NBT: tl.constexpr, B: tl.constexpr,
+                 WRITE_CODES: tl.constexpr, WRITE_BITS: tl.constexpr):
+    m3 = rmask[:, None, None] & bmask[:, :, None]
+    BM: tl.constexpr = codes.shape[0]
+    if WRITE_CODES:
+        lo, hi = tl.split(codes.reshape(BM, NBT, B // 2, 2))
+        off = rows[:, None, None] * (NB * B // 2) + blk[:, :, None] * (B // 2) + tl.arange(0, B // 2)[None, None, :]
+        tl.store(codes_ptr + off, lo | (hi << 4), mask=m3)
+    if WRITE_BITS:
+        w = (1 << tl.arange(0, 8)).to(tl.int32)
+        b = tl.sum((codes & 1).to(tl.int32).reshape(BM, NBT, B // 8, 8) * w[None, None, None, :], axis=3)
+        off = rows[:, None, None] * (NB * B // 8) + blk[:, :, None] * (B // 8) + tl.arange(0, B // 8)[None, None, :]
+        tl.store(bits_ptr + off, b.to(tl.uint8), mask=m3)
+
+
+@triton.jit
+def _tile(x, col, kt, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
+          mask_ptr, err_ptr, FMT: tl.constexpr, MODE: tl.constexpr, B: tl.constexpr, NBT: tl.constexpr,
+          WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
+          WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr):
+    """Quantize one [BM, NBT, B] tile of x (fp32) and write the asked outputs."""
+    if CHECK_FINITE:
+        _count_bad(x, err_ptr)
+    blk = kt * NBT + tl.arange(0, NBT)[None, :]  # [1, NBT]
+    bmask = blk < NB
+    sf, byte, e = _scales(x, blk, rows, rmask, bmask, s_b, s_in_ptr, NB, FMT, MODE)
+    z = _scale_values(x, sf, e, s_e, FMT, FAST_DIV)
+    if MODE == RNE:
+        codes = f.e2m1_rne(z)
+    elif MODE == GUIDED_FULL:
+        codes = f.guided_full(z, _load_guidance(gc_ptr, rows, rmask, bmask, blk, NB, NBT, B, MODE))
+    else:
+        codes = f.guided_compact(z, _load_guidance(gc_ptr, rows, rmask, bmask, blk, NB, NBT, B, MODE))
+    _store_codes(codes, codes_ptr, bits_ptr, rows, rmask, bmask, blk, NB, NBT, B, WRITE_CODES, WRITE_BITS)
+    if WRITE_SCALES:
+        tl.store(scales_ptr + rows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
+    emask = rmask[:, None, None] & (col < K)
+    if WRITE_DEQ:
+        out = _unscale(codes, sf, e, s_e, FMT, FAST_DIV)
+        tl.store(deq_ptr + rows[:, None, None] * K + col, f.to_dtype(out, deq_ptr.dtype.element_ty), mask=emask)
+    if WRITE_MASK:
+        tl.store(mask_ptr + rows[:, None, None] * K + col, (tl.abs(z) <= 6.0).to(tl.uint8), mask=emask)
+
+
+@triton.jit
+def quant_kernel(
+    x_ptr, M, K, stride_xm, NB, num_kt,
+    g_ptr, s_in_ptr, gc_ptr,
+    codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr,
+    FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr,
+    BLOCK_M: tl.constexpr, NBT: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
+    WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
+):
+    """Quantize rows of x [M, K] (fp32/bf16/fp16) block by block; see the module docstring."""
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    if SINGLE_TILE:
+        x0, col0 = _load_tile(x_ptr, rows, rmask, stride_xm, 0, K, NBT, B)
+    if G_MODE == G_SCALAR:
+        s_b = f.nvfp4_encode_scale(tl.load(g_ptr))  # scalar S_enc
+        s_e = s_b
+    elif G_MODE == G_NONE:
+        s_b = 1.0
+        s_e = 1.0
+    else:
+        if G_MODE == G_ROW_COMPUTE:
+            if SINGLE_TILE:
+                g1 = tl.max(tl.max(tl.abs(x0), axis=2), axis=1)
+            else:
+                g1 = _row_amax(x_ptr, rows, rmask, stride_xm, K, num_kt, NBT, B)
+            tl.store(g_ptr + rows, g1, mask=rmask)
+        else:
+            g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)
+        s1 = f.nvfp4_encode_scale(g1)  # [BM]
+        s_b = s1[:, None]
+        s_e = s1[:, None, None]
+    if SINGLE_TILE:
+        _tile(x0, col0, 0, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
+              deq_ptr, mask_ptr, err_ptr, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ,
+              WRITE_MASK, CHECK_FINITE, FAST_DIV)
+    else:
+        for kt in range(num_kt):
+            x, col = _load_tile(x_ptr, rows, rmask, stride_xm, kt * NBT * B, K, NBT, B)
+            _tile(x, col, kt, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
+                  deq_ptr, mask_ptr, err_ptr, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
+                  WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------------------------------
+
+TILE = 4096
+"""Elements of x per program tile (rows x padded K); longer rows loop over K in tiles of this size."""
+
+ABSMAX_BLOCK = 8192
+
+FAST_DIV = True
+"""Divide by the per-block scale with a reciprocal + one Markstein step (IEEE division only on rare tiles)."""
+
+
+def fmt_id(fmt: str, scale_rule: str = "floor") -> int:
+    """The kernel's format selector for ``fmt`` (and the MXFP4 scale rule)."""
+    if fmt == "nvfp4":
+        return 0
+    return {"floor": 1, "ceil": 2}[scale_rule]
+
+
+def plan(kp: int, block: int) -> tuple[int, int, int]:
+    """(BLOCK_M, NBT, num_kt) for padded row length ``kp``: one tile per row group or a loop over K."""
+    bk = triton.next_power_of_2(kp)
+    if bk <= TILE:
+        return max(1, TILE // bk), bk // block, 1
+    return 1, TILE // block, triton.cdiv(kp, TILE)
+
+
+def absmax(x2d: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
+    """max|x| over the whole tensor as a 0-d fp32 tensor (a partial max per program, then torch.amax)."""
+    n = x2d.numel()
+    parts = torch.empty(triton.cdiv(n, ABSMAX_BLOCK), dtype=torch.float32, device=x2d.device)
+    dummy = err if err is not None else parts
+    absmax_kernel[(parts.numel(),)](x2d, n, parts, dummy, BLOCK=ABSMAX_BLOCK, CHECK_FINITE=err is not None,
+                                    num_warps=8)
+    return parts.amax()
+
+
+def run_quant(
+    x2d: torch.Tensor, *, fmt: int, block: int, mode: int, g_mode: int, g: torch.Tensor | None = None,
+    scales_in: torch.Tensor | None = None, guide: torch.Tensor | None = None, write_codes: bool = True,
+    write_scales: bool = True, write_bits: bool = False, deq_dtype: torch.dtype | None = None,
+    write_mask: bool = False, err: torch.Tensor | None = None, fast_div: bool | None = None,
+) -> dict[str, torch.Tensor]:
+    """Launch ``quant_kernel`` on x2d [M, K] (unit stride along K). Returns the asked outputs by name.
+
+    ``g``: fp32 amax, 1 element (G_SCALAR) or [M] (G_ROW_GIVEN); G_ROW_COMPUTE returns it as ``"g"``.
+    ``scales_in`` [M, NB] uint8 and ``guide`` (packed codes [M, Kp/2] or bits [M, Kp/8]) for guided modes.
+    """
+    m, k = x2d.shape
+    nb = triton.cdiv(k, block)
+    kp = nb * block
+    dev = x2d.device
+    u8 = torch.uint8
+    spare = torch.empty(1, dtype=u8, device=dev)
+    out = {}
+    if write_codes:
+        out["codes"] = torch.empty((m, kp // 2), dtype=u8, device=dev)
+    if write_scales:
+        out["scales"] = torch.empty((m, nb), dtype=u8, device=dev)
+    if write_bits:
+        out["bits"] = torch.empty((m, kp // 8), dtype=u8, device=dev)
+    if deq_dtype is not None:
+        out["deq"] = torch.empty((m, k), dtype=deq_dtype, device=dev)
+    if write_mask:
+        out["mask"] = torch.empty((m, k), dtype=u8, device=dev)
+    if int(g_mode) == int(G_ROW_COMPUTE):
+        g = out["g"] = torch.empty(m, dtype=torch.float32, device=dev)
+    bm, nbt, num_kt = plan(kp, block)
+    quant_kernel[(triton.cdiv(m, bm),)](
+        x2d, m, k, x2d.stride(0), nb, num_kt,
+        g if g is not None else spare, scales_in if scales_in is not None else spare,
+        guide if guide is not None else spare,
+        out.get("codes", spare), out.get("scales", spare), out.get("bits", spare),
+        out.get("deq", x2d), out.get("mask", spare), err if err is not None else spare,
+        FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt, SINGLE_TILE=num_kt == 1,
+        WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits,
+        WRITE_DEQ=deq_dtype is not None, WRITE_MASK=write_mask, CHECK_FINITE=err is not None,
+        FAST_DIV=FAST_DIV if fast_div is None else fast_div, num_warps=4, enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,210 @@
+"""Triton device functions shared by the FP4 kernels: the bit-exact twins of ``formats`` primitives.
+
+Every function reproduces the reference's fp32 operations in the same order with IEEE rounding
+(``tl.div_rn`` for division, no FMA contraction: launch with ``enable_fp_fusion=False``), and builds
+powers of two and E4M3 values from bit patterns, so results do not depend on the hardware's
+conversion instructions (or on the CPU interpreter's emulation of them).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Formats (constexpr selectors).
+NVFP4 = tl.constexpr(0)
+MXFP4_FLOOR = tl.constexpr(1)
+MXFP4_CEIL = tl.constexpr(2)
+
+
+@triton.jit
+def signbit(v):
+    """signbit of fp32 ``v`` as int1 (-0.0 counts as negative)."""
+    return v.to(tl.int32, bitcast=True) < 0
+
+
+@triton.jit
+def e2m1_rne(z):
+    """``e2m1.encode_rne``: fp32 -> uint8 codes (RNE with the reference's tie table, saturating).
+
+    NaN (only from 0 * inf when S_enc overflows, i.e. a row amax below 2688 / FLT_MAX) gives code 8,
+    as the reference does on x86, whose invalid-operation NaN has the sign bit set.
+    """
+    a = tl.abs(z)
+    idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    idx += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    idx += (a > 5.0).to(tl.int32)
+    neg = signbit(z) | (z != z)
+    return (idx | (neg.to(tl.int32) << 3)).to(tl.uint8)
+
+
+@triton.jit
+def e2m1_mag(idx):
+    """E2M1 magnitude (fp32) of a 3-bit index (int32 0..7), built from its bit pattern."""
+    normal = ((idx + 252) << 22).to(tl.float32, bitcast=True)  # idx >= 2: 2^(e-1) * (1 + m/2)
+    return tl.where(idx >= 2, normal, tl.where(idx == 1, 0.5, 0.0))
+
+
+@triton.jit
+def e2m1_decode(code):
+    """``e2m1.decode``: codes (any int type, 0..15) -> fp32 values; code 8 gives -0.0."""
+    c = code.to(tl.int32)
+    mag_bits = e2m1_mag(c & 7).to(tl.int32, bitcast=True)
+    return (mag_bits | ((c & 8) << 28)).to(tl.float32, bitcast=True)  # sign by bit: -0.0 stays -0.0
+
+
+@triton.jit
+def mag_index(a):
+    """Index (int32 0..7) of an exact E2M1 magnitude ``a`` (``searchsorted`` on the grid)."""
+    idx = (a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+    idx += (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+    return idx + (a >= 6.0).to(tl.int32)
+
+
+@triton.jit
+def encode_value(q, z):
+    """``e2m1.encode_value(q, sign_like=z)``: exact grid values -> codes; zeros take z's sign."""
+    neg = tl.where(q == 0.0, signbit(z), signbit(q))
+    return (mag_index(tl.abs(q)) | (neg.to(tl.int32) << 3)).to(tl.uint8)
+
+
+@triton.jit
+def bracket(z):
+    """``e2m1.bracket``: adjacent signed grid points (lo, hi) around clip(z, -6, 6), fp32 (NaN -> (6, 6))."""
+    zc = tl.where(z != z, 6.0, tl.minimum(tl.maximum(z, -6.0), 6.0))
+    a = tl.abs(zc)
+    lo_i = mag_index(a)  # largest grid magnitude <= a
+    lo_m = e2m1_mag(lo_i)
+    hi_m = tl.where(a > lo_m, e2m1_mag(lo_i + 1), lo_m)
+    neg = zc < 0.0
+    lo = tl.where(neg, -hi_m, lo_m)
+    hi = tl.where(neg, -lo_m, hi_m)
+    return lo, hi
+
+
+@triton.jit
+def guided_full(z, roll_code):
+    """``rounding.guided_full``: the bracket point nearest the rollout code (uint8 codes out)."""
+    lo, hi = bracket(z)
+    q_roll = e2m1_decode(roll_code)
+    q = tl.where(tl.abs(lo - q_roll) <= tl.abs(hi - q_roll), lo, hi)
+    return tl.where(q == q_roll, roll_code.to(tl.uint8), encode_value(q, z))
+
+
+@triton.jit
+def guided_compact(z, bit):
+    """``rounding.guided_compact``: the bracket point whose mantissa bit equals ``bit`` (0/1)."""
+    lo, hi = bracket(z)
+    lo_bit = mag_index(tl.abs(lo)) & 1
+    q = tl.where(lo_bit == bit.to(tl.int32), lo, hi)
+    return encode_value(q, z)
+
+
+@triton.jit
+def pow2(n):
+    """``mxfp4.pow2``: exact fp32 2**n for int32 n (n < -126 gives 2**-127, n = 128 gives inf)."""
+    normal = (tl.maximum(n + 127, 1) << 23).to(tl.float32, bitcast=True)
+    return tl.where(n >= -126, normal, 2.0**-127)
+
+
+@triton.jit
+def e4m3_round(v):
+    """fp32 ``v`` (>= 0, <= 448, or NaN) -> (value as fp32, float8_e4m3fn byte): RNE like torch's cast.
+
+    NaN (inf * 0 when S_enc overflows on an all-zero block) gives 0xFF, the reference's byte on x86.
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    # Normal range (v >= 2^-6): round the fp32 mantissa to 3 bits, ties to even.
+    rb = (bits + 0x7FFFF + ((bits >> 20) & 1)) & ~0xFFFFF
+    r_norm = rb.to(tl.float32, bitcast=True)
+    # Subnormal range: multiples of 2^-9; fp32 addition rounds to nearest even.
+    r_sub = (v + 16384.0) - 16384.0
+    r = tl.where(v >= 0.015625, r_norm, r_sub)
+    rbits = r.to(tl.int32, bitcast=True)
+    byte_norm = (((rbits >> 23) - 120) << 3) | ((rbits >> 20) & 7)
+    byte_sub = (r * 512.0).to(tl.int32)
+    byte = tl.where(r >= 0.015625, byte_norm, byte_sub)
+    nan = v != v
+    return tl.where(nan, v, r), tl.where(nan, 0xFF, byte).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_value(byte):
+    """float8_e4m3fn byte (any int type) -> exact fp32 value (NaN for 0x7F/0xFF)."""
+    b = byte.to(tl.int32) & 0xFF
+    ex = (b >> 3) & 15
+    man = b & 7
+    normal = (((ex + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(ex == 0, man.to(tl.float32) * 0.001953125, normal)
+    mag = tl.where((ex == 15) & (man == 7), float("nan"), mag)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def nvfp4_encode_scale(g):
+    """``nvfp4.encode_scale``: 2688 / g (one IEEE division), 1.0 where g <= 0."""
+    safe = tl.where(g > 0.0, g, 1.0)
+    return tl.where(g > 0.0, tl.div_rn(2688.0 + tl.zeros_like(safe), safe), 1.0)
+
+
+@triton.jit
+def nvfp4_block_scale(amax_b, s_enc):
+    """``NVFP4Format.block_scales``: e4m3(min(s_enc * amax_b / 6, 448)) -> (fp32 value, byte)."""
+    v = tl.div_rn(s_enc * amax_b, 6.0)
+    v = tl.where(v > 448.0, 448.0, v)  # clamp(max=448), NaN kept
+    return e4m3_round(v)
+
+
+@triton.jit
+def mx_exponent(amax_b, FMT: tl.constexpr):
+    """``MXFP4Format.block_scales`` exponent (int32, [-127, 127]) of the block amax, floor or ceil rule."""
+    if FMT == MXFP4_FLOOR:
+        e = ((amax_b.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 129  # floor(log2) - 2; subnormal -> clamp
+    else:
+        t = tl.div_rn(amax_b, 6.0)
+        tb = t.to(tl.int32, bitcast=True)
+        b = (tb >> 23) & 0xFF
+        man = tb & 0x7FFFFF
+        e_norm = b - 127 + (man != 0).to(tl.int32)
+        e_sub = tl.where(man > 0x400000, -126, -127)
+        e = tl.where(b > 0, e_norm, e_sub)
+    e = tl.where(amax_b > 0.0, e, -127)
+    return tl.minimum(tl.maximum(e, -127), 127)
+
+
+@triton.jit
+def to_dtype(v, dtype: tl.constexpr):
+    """fp32 -> ``dtype`` with round-to-nearest-even; bf16 is rounded by bits (the CPU interpreter truncates)."""
+    if dtype == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        r = tl.where(v != v, 0x7FC0, (b + 0x7FFF + ((b >> 16) & 1)) >> 16)  # NaN: the GPU's is 0x7FFFFFFF
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return v.to(dtype)
+
+
+@triton.jit
+def div_fast(a, b, rb):
+    """RN(a / b) from rb = RN(1 / b) by one Markstein correction (3 flops instead of an IEEE division).
+
+    Exact for results in the normal range when b is a normal number whose significand is not all ones;
+    ``div_needs_slow`` flags the rest (the caller then redoes its tile with ``tl.div_rn``).
+    """
+    q0 = a * rb
+    q = tl.fma(rem_of(a, b, q0), rb, q0)
+    return tl.where(q0 == 0.0, q0, q)  # keeps the sign of a zero quotient
+
+
+@triton.jit
+def rem_of(a, b, q0):
+    return tl.fma(-q0, b, a)
+
+
+@triton.jit
+def div_needs_slow(q0, b):
+    """1 where ``div_fast`` may differ from an IEEE division: tiny/huge/non-finite quotient or awkward b."""
+    aq = tl.abs(q0)
+    bad_q = (q0 != 0.0) & ((aq < 1e-30) | (aq > 1e30) | (q0 != q0))
+    bb = b.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    bad_b = (bb < 0x00800000) | (bb >= 0x7F800000) | ((bb & 0x7FFFFF) == 0x7FFFFF)
+    return bad_q | bad_b

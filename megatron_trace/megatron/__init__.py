@@ -1,0 +1,30 @@
+"""Megatron-Core plugin: FP4 QAT routed experts with guided rounding, the KV site, routing replay, flags.
+
+Turn TRACE on by building the model with a TRACE spec (one call), e.g. in a model builder::
+
+    spec = trace_spec(stock_spec, trace_config)          # any stock layer or block spec
+    # or: get_trace_decoder_block_spec(trace_config, transformer_config)
+
+and, per RL step, give the rollout's guidance::
+
+    with trace_guidance(model, StepGuidance(sites=..., routing=...)) as h:
+        ...forward and backward...
+
+Megatron-LM: ``add_trace_args`` (extra_args_provider) + ``trace_config_from_args``; see patches/.
+"""
+
+from .args import add_trace_args, trace_args_from_config, trace_config_from_args, trace_spec_from_args
+from .attention import TraceDotProductAttention, TraceKVCore
+from .context import StepGuidance, TraceStep, find_trace_layers, trace_guidance, trace_record
+from .experts import TraceExpertsCore, TraceSequentialMLP
+from .spec import TraceSpecProvider, get_trace_decoder_block_spec, get_trace_gpt_layer_spec, trace_spec
+from .step import GuidanceCoverageError, GuidanceFallbackError
+from .te import TE_EXTRA_HINT, TraceTEGroupedMLP, TraceWeightFetch
+
+__all__ = [
+    "GuidanceCoverageError", "GuidanceFallbackError", "StepGuidance", "TE_EXTRA_HINT", "TraceDotProductAttention",
+    "TraceExpertsCore", "TraceKVCore", "TraceSequentialMLP", "TraceSpecProvider", "TraceStep", "TraceTEGroupedMLP",
+    "TraceWeightFetch", "add_trace_args", "find_trace_layers", "get_trace_decoder_block_spec",
+    "get_trace_gpt_layer_spec", "trace_args_from_config", "trace_config_from_args", "trace_guidance",
+    "trace_record", "trace_spec", "trace_spec_from_args",
+]

@@ -1,0 +1,163 @@
+"""Megatron-LM launch flags: ``add_trace_args(parser)`` (an ``extra_args_provider``) and
+``trace_config_from_args(args)`` -> ``TraceConfig``.
+
+Every ``--trace-*`` flag defaults to "not given" and then takes the TraceConfig default (or the
+value of ``--trace-config FILE.json``), so ``trace_args_from_config`` round-trips any config.
+``--trace-guided-layers`` takes a policy (none, all, last_k, fraction, budget) or a comma list of
+layer ids (the explicit policy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ..config import ACTIVATION_SITES, CACHE_MODES, FALLBACKS, KERNELS, LAYER_POLICIES, SITES, TraceConfig
+from ..formats import FORMATS
+from ..formats.mxfp4 import SCALE_RULES
+from ..formats.rounding import ROUNDINGS
+from ..guidance.selection import guided_layers
+
+# flag -> TraceConfig field for the flags that map one to one
+_SIMPLE = {
+    "trace_format": "format",
+    "trace_mxfp4_scale_rule": "mxfp4_scale_rule",
+    "trace_activation_amax": "activation_amax",
+    "trace_guided_last_k": "guided_last_k",
+    "trace_guided_fraction": "guided_fraction",
+    "trace_budget_bytes_per_token": "budget_bytes_per_token",
+    "trace_cache_mode": "cache_mode",
+    "trace_cache_budget_mb": "cache_budget_mb",
+    "trace_cache_dir": "cache_dir",
+    "trace_rounding": "rounding",
+    "trace_ste_clip": "ste_clip",
+    "trace_fallback": "fallback",
+    "trace_min_coverage": "min_coverage",
+    "trace_routing_replay": "routing_replay",
+    "trace_kernel": "kernel",
+}
+
+
+def _site_list(valid: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        items = tuple(s.strip() for s in text.split(",") if s.strip())
+        bad = [s for s in items if s not in valid]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown site(s) {bad}; valid: {', '.join(valid)}")
+        return items
+
+    return parse
+
+
+def _layers(text: str):
+    text = text.strip()
+    if text in LAYER_POLICIES and text != "explicit":
+        return text
+    try:
+        ids = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither a policy ({', '.join(p for p in LAYER_POLICIES if p != 'explicit')}) "
+            "nor a comma list of layer ids"
+        ) from None
+    if not ids or any(i < 0 for i in ids):
+        raise argparse.ArgumentTypeError(f"layer ids must be >= 0, got {text!r}")
+    return ids
+
+
+def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the ``--trace-*`` flags (use as Megatron-LM's ``extra_args_provider``)."""
+    g = parser.add_argument_group(title="TRACE (rollout-guided FP4 QAT)")
+    g.add_argument("--trace-fp4", action="store_true", help="Turn TRACE on: FP4 QAT experts + KV site.")
+    g.add_argument("--trace-config", default=None, help="JSON file with a TraceConfig; flags override it.")
+    g.add_argument("--trace-format", choices=FORMATS, default=None)
+    g.add_argument("--trace-mxfp4-scale-rule", choices=SCALE_RULES, default=None)
+    g.add_argument("--trace-sites", type=_site_list(SITES), default=None,
+                   help=f"Comma list of quantized sites ({', '.join(SITES)}).")
+    g.add_argument("--trace-activation-amax", choices=("per_row", "per_tensor"), default=None)
+    g.add_argument("--trace-guided-sites", type=_site_list(ACTIVATION_SITES), default=None)
+    g.add_argument("--trace-guided-layers", type=_layers, default=None,
+                   help="Layer policy (none, all, last_k, fraction, budget) or a comma list of layer ids.")
+    g.add_argument("--trace-guided-last-k", type=int, default=None)
+    g.add_argument("--trace-guided-fraction", type=float, default=None)
+    g.add_argument("--trace-budget-bytes-per-token", type=float, default=None)
+    g.add_argument("--trace-cache-mode", choices=CACHE_MODES, default=None)
+    g.add_argument("--trace-cache-budget-mb", type=float, default=None)
+    g.add_argument("--trace-cache-dir", default=None)
+    g.add_argument("--trace-rounding", choices=ROUNDINGS, default=None)
+    g.add_argument("--trace-ste-clip", action=argparse.BooleanOptionalAction, default=None)
+    g.add_argument("--trace-fallback", choices=FALLBACKS, default=None)
+    g.add_argument("--trace-min-coverage", type=float, default=None)
+    g.add_argument("--trace-routing-replay", action=argparse.BooleanOptionalAction, default=None,
+                   help="Replay the rollout's expert choices (needs --moe-enable-routing-replay).")
+    g.add_argument("--trace-kernel", choices=KERNELS, default=None)
+    return parser
+
+
+def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
+    """The TraceConfig of parsed launch args, checked against the model depth (``args.num_layers``)."""
+    base = {}
+    if getattr(args, "trace_config", None):
+        with open(args.trace_config, encoding="utf-8") as f:
+            base = json.load(f)
+    fields = dict(base)
+    fields["enabled"] = bool(getattr(args, "trace_fp4", False))
+    for flag, name in _SIMPLE.items():
+        if getattr(args, flag, None) is not None:
+            fields[name] = getattr(args, flag)
+    for flag, name in (("trace_sites", "sites"), ("trace_guided_sites", "guided_sites")):
+        if getattr(args, flag, None) is not None:
+            fields[name] = getattr(args, flag)
+    layers = getattr(args, "trace_guided_layers", None)
+    if isinstance(layers, tuple):
+        fields.update(guided_layers="explicit", guided_layer_list=layers)
+    elif layers is not None:
+        fields["guided_layers"] = layers
+    if "guided_sites" not in fields and "sites" in fields:  # guided sites default to the quantized ones
+        fields["guided_sites"] = tuple(s for s in ACTIVATION_SITES if s in fields["sites"])
+    try:
+        cfg = TraceConfig.from_dict(fields)
+    except ValueError as e:
+        raise ValueError(f"invalid --trace-* flags: {e}") from None
+    _check_against_model(cfg, args)
+    return cfg
+
+
+def _check_against_model(cfg: TraceConfig, args) -> None:
+    num_layers = getattr(args, "num_layers", None)
+    if cfg.enabled and num_layers and cfg.guided_layers != "budget":
+        try:
+            guided_layers(cfg, int(num_layers))
+        except ValueError as e:
+            raise ValueError(f"invalid --trace-guided-layers for --num-layers {num_layers}: {e}") from None
+    replay_on = getattr(args, "moe_enable_routing_replay", None)
+    if cfg.enabled and cfg.routing_replay and replay_on is False and getattr(args, "num_experts", None):
+        raise ValueError("--trace-routing-replay (the default) needs Megatron's --moe-enable-routing-replay; "
+                         "add it, or pass --no-trace-routing-replay")
+
+
+def trace_spec_from_args(args: argparse.Namespace, spec):
+    """What a Megatron-LM model builder calls: ``spec`` with TRACE modules when ``--trace-fp4`` is on
+    (the same object otherwise). ``spec`` is any stock layer spec or decoder block spec."""
+    from .spec import trace_spec
+
+    cfg = trace_config_from_args(args)
+    return trace_spec(spec, cfg) if cfg.enabled else spec
+
+
+def trace_args_from_config(cfg: TraceConfig) -> list[str]:
+    """The ``--trace-*`` flags that reproduce ``cfg`` (inverse of ``trace_config_from_args``)."""
+    out = ["--trace-fp4"] if cfg.enabled else []
+    for flag, name in _SIMPLE.items():
+        value = getattr(cfg, name)
+        opt = "--" + flag.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(opt if value else opt.replace("--trace-", "--no-trace-"))
+        else:
+            out += [opt, str(value)]
+    out += ["--trace-sites", ",".join(cfg.sites), "--trace-guided-sites", ",".join(cfg.guided_sites)]
+    if cfg.guided_layers == "explicit":
+        out += ["--trace-guided-layers", ",".join(str(i) for i in cfg.guided_layer_list)]
+    else:
+        out += ["--trace-guided-layers", cfg.guided_layers]
+    return out

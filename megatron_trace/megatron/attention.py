@@ -1,0 +1,114 @@
+"""KV-cache site: K and V fake-quantized per token per KV head, blocks of 16 (NVFP4) along head_dim.
+
+Core attention receives K and V after RoPE, [S, B, kv_heads_local, head_dim] (before GQA
+repetition), i.e. exactly what the rollout's FP4 KV cache stores. ``TraceKVCore`` quantizes them
+(guided on selected layers) and hands them to Megatron's own attention; ``TraceDotProductAttention``
+is the local (unfused) variant, the TE variant lives in ``te.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from ..config import TraceConfig
+from ..formats import FP4Tensor
+from .rows import RowGuidance, map_record
+from .sites import quantize_rows, quantize_rows_recorded
+from .step import INVALID, NOT_GUIDED, SHAPE, CheckedSite, GuidanceFallbackError, StepState, flat_rows, token_rows
+
+KV_SITES = ("kv_k", "kv_v")
+
+
+class KVStep:
+    """TRACE state of one attention layer for one step."""
+
+    def __init__(self, state: StepState, layer: int, sites: dict[str, CheckedSite], tp_rank: int):
+        self.state, self.layer, self.sites, self.tp_rank = state, layer, sites, tp_rank
+
+    def rows(self, site: str, x: torch.Tensor) -> RowGuidance | None:
+        """Guidance for the rows of x [S, B, g, hd] (g local KV heads), counted per token."""
+        st = self.state
+        if site not in st.config.guided_sites:
+            return None
+        S, B, g = x.shape[0], x.shape[1], x.shape[2]
+        count = st.count_mask(slice(0, S), S * B, x.device)
+        n = int(count.sum())
+        if not st.is_guided(self.layer, site):
+            st.count(self.layer, site, 0, {NOT_GUIDED: n})
+            return None
+        c = self.sites[site]
+        if c.sg is None or tuple(c.sg.record.shape[:2]) != (B, S):
+            if c.sg is not None and st.fallback == "fail":
+                got = tuple(c.sg.record.shape[:2])
+                raise GuidanceFallbackError(f"layer {self.layer} {site}: guidance rows {got} != [B, S]={(B, S)}")
+            st.count(self.layer, site, 0, {c.reason or SHAPE: n})
+            return None
+        rec, valid, _ = token_rows(c.sg, slice(0, S), x.device)  # [T, kv_heads, hd], [T]
+        heads = slice(self.tp_rank * g, (self.tp_rank + 1) * g)
+        rec = map_record(rec, lambda t: t[:, heads], (S * B, g, rec.shape[-1]))
+        used = int((valid & count).sum())
+        st.count(self.layer, site, used, {INVALID: n - used})
+        return flat_rows(rec, valid.unsqueeze(1).expand(S * B, g))
+
+
+class TraceKVCore:
+    """Quantizes K and V before Megatron's attention; shared by the local and TE attentions."""
+
+    trace_config: TraceConfig
+    _trace_step = None  # KVStep while a trace_guidance context is open
+
+    def _init_trace(self, trace_config: TraceConfig) -> None:
+        if not isinstance(trace_config, TraceConfig):
+            raise TypeError(f"trace_config must be a TraceConfig, got {type(trace_config).__name__}")
+        self.trace_config = trace_config
+        self._kv_q = trace_config.activation_quantizer()
+
+    def kv_tp_rank(self) -> int:
+        """This rank's index among the tensor-parallel ranks that split the KV heads."""
+        group = getattr(self, "tp_group", None) or getattr(self, "_tp_group", None)  # local / TE attention
+        if group is None:
+            raise ValueError(f"{type(self).__name__} has no tensor-parallel group")
+        return group.rank()
+
+    def quantize_kv(self, site: str, x: torch.Tensor) -> torch.Tensor:
+        """x [S, B, g, hd] -> fake-quantized, one row per (token, KV head)."""
+        if not self.trace_config.quantizes(site):
+            return x
+        step = self._trace_step
+        if step is not None and x.dim() != 4:
+            raise ValueError(f"the KV site under trace_guidance needs K/V as [S, B, heads, head_dim], got "
+                             f"{tuple(x.shape)} (packed sequences are not supported)")
+        rows = step.rows(site, x) if step is not None else None
+        flat = x.reshape(-1, x.shape[-1])
+        if step is not None and step.state.recorder is not None:
+            y, q = quantize_rows_recorded(self._kv_q, flat, rows)
+            step.state.recorder.add_kv(step.layer, site, _reshape(q, x.shape))
+        else:
+            y = quantize_rows(self._kv_q, flat, rows)
+        return y.view(x.shape)
+
+
+def _reshape(q: FP4Tensor, shape) -> FP4Tensor:
+    lead = tuple(shape[:-1])
+    rs = lambda t: t.reshape(*lead, *t.shape[1:])  # noqa: E731
+    amax = None if q.global_amax is None else (q.global_amax if q.global_amax.dim() == 0 else rs(q.global_amax))
+    return FP4Tensor(codes=rs(q.codes), block_scales=rs(q.block_scales), global_amax=amax, shape=tuple(shape),
+                     fmt=q.fmt)
+
+
+class TraceDotProductAttention(TraceKVCore, DotProductAttention):
+    """Megatron's local DotProductAttention with the KV site (``kv_k``, ``kv_v``)."""
+
+    def __init__(self, *args, trace_config: TraceConfig, **kwargs):
+        DotProductAttention.__init__(self, *args, **kwargs)
+        self._init_trace(trace_config)
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        key = self.quantize_kv("kv_k", key)
+        value = self.quantize_kv("kv_v", value)
+        return DotProductAttention.forward(
+            self, query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
+            packed_seq_params=packed_seq_params,
+        )

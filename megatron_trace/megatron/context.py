@@ -1,0 +1,240 @@
+"""The per-step guidance context: what an RL driver sets around a forward (and its backward).
+
+    step = StepGuidance(sites=assembled, routing=routing_by_layer, counter=FallbackCounter())
+    with trace_guidance(model, step) as h:
+        loss = forward_backward(...)
+    log(h.counter.as_dict())
+
+Guidance is keyed by layer id (Megatron ``layer_number - 1``, pipeline offset included) and
+bound to the live modules found by walking the model; MTP layers are skipped. Every rank of an
+expert-parallel group must enter the context for the same step (guided layers move guidance
+rows with collectives). Wrap the backward too when activations are recomputed: the recomputed
+forward then reuses the same records and routing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from ..config import ACTIVATION_SITES, FALLBACKS, TraceConfig
+from ..guidance.selection import guided_layers
+from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
+from .attention import KV_SITES, KVStep, TraceKVCore
+from .experts import TraceExpertsCore
+from .moe_step import FC1, FC2, MoEStep
+from .recording import Recorder
+from .step import GuidanceCoverageError, StepState, check_site
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepGuidance:
+    """Guidance for one trainer micro-batch (batch-major [B, S, ...], see ``guidance/site.py``).
+
+    sites: rollout records per (layer id, site). routing: rollout expert choices per layer id,
+    int64 [B, S, topk] (replayed with Megatron's RouterReplay). counter: where the modules count
+    used rows and fallbacks (pass a fresh one; ``guidance.records.assemble`` counts on its own).
+    token_mask: bool [B, S], positions holding tokens (padding is not counted). fallback and
+    min_coverage override the model's TraceConfig when given.
+    """
+
+    sites: Mapping[SiteKey, SiteGuidance] = field(default_factory=dict)
+    routing: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    counter: FallbackCounter = field(default_factory=FallbackCounter)
+    token_mask: torch.Tensor | None = None
+    fallback: str | None = None
+    min_coverage: float | None = None
+
+    def __post_init__(self):
+        for key in self.sites:
+            if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int) and key[0] >= 0):
+                raise ValueError(f"guidance key {key!r} must be (layer id >= 0, site)")
+            if key[1] not in ACTIVATION_SITES:
+                raise ValueError(f"guidance key {key!r}: site must be one of {ACTIVATION_SITES}")
+        for layer, idx in self.routing.items():
+            if idx.dtype != torch.int64 or idx.dim() != 3:
+                raise ValueError(f"routing[{layer}] must be int64 [B, S, topk], got {idx.dtype} {tuple(idx.shape)}")
+        if self.fallback is not None and self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback={self.fallback!r} is not one of {FALLBACKS}")
+        if self.min_coverage is not None and not 0.0 <= self.min_coverage <= 1.0:
+            raise ValueError(f"min_coverage={self.min_coverage} must be in [0, 1]")
+        if self.token_mask is not None and self.token_mask.dtype != torch.bool:
+            raise ValueError(f"token_mask must be bool [B, S], got {self.token_mask.dtype}")
+
+
+@dataclass
+class TraceLayers:
+    """The TRACE modules of a model by layer id."""
+
+    moe: dict[int, MoELayer]
+    kv: dict[int, torch.nn.Module]
+    config: TraceConfig
+    num_layers: int
+
+
+def find_trace_layers(model) -> TraceLayers:
+    """Walk ``model`` (a module or a list of virtual-pipeline chunks) for TRACE experts and attentions."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    moe, kv, cfgs, num_layers = {}, {}, set(), 0
+    for chunk in chunks:
+        for name, m in chunk.named_modules():
+            if "mtp" in name.split("."):
+                continue  # multi-token-prediction layers reuse decoder layer numbers
+            if isinstance(m, MoELayer) and isinstance(m.experts, TraceExpertsCore):
+                _claim(moe, m.layer_number - 1, m, name)
+                cfgs.add(m.experts.trace_config)
+                num_layers = m.config.num_layers
+            elif isinstance(m, TraceKVCore):
+                _claim(kv, m.layer_number - 1, m, name)
+                cfgs.add(m.trace_config)
+                num_layers = m.config.num_layers
+    if not cfgs:
+        raise ValueError("the model has no TRACE modules: build it with megatron_trace.megatron's spec")
+    if len(cfgs) > 1:
+        raise ValueError(f"the model's TRACE modules disagree on their TraceConfig ({len(cfgs)} different)")
+    return TraceLayers(moe, kv, cfgs.pop(), num_layers)
+
+
+def _claim(d: dict, layer: int, module, name: str) -> None:
+    if layer in d:
+        raise ValueError(f"two TRACE modules claim layer id {layer} ({name}); are MTP layers named differently?")
+    d[layer] = module
+
+
+class TraceStep:
+    """What ``trace_guidance`` yields: the counter, per-site stats and (when recording) the records."""
+
+    def __init__(self, state: StepState, layers: TraceLayers):
+        self.state, self.layers = state, layers
+
+    @property
+    def counter(self) -> FallbackCounter:
+        return self.state.counter
+
+    def stats(self) -> dict:
+        """Rows by (layer, site, reason); reason "used" for guided rows."""
+        return dict(self.state.stats)
+
+    def coverage(self) -> float:
+        """Used rows / rows at guided layers (rows of layers outside the policy excluded)."""
+        return self.state.coverage_at_guided()
+
+    def recorded(self) -> StepGuidance:
+        """The codes the modules used in this step's forward, as guidance (needs ``record=True``)."""
+        rec = self.state.recorder
+        if rec is None:
+            raise ValueError("nothing recorded: enter trace_guidance(..., record=True)")
+        return StepGuidance(sites=dict(rec.sites), routing=dict(rec.routing))
+
+
+@contextmanager
+def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = False,
+                   compact: bool | None = None) -> Iterator[TraceStep]:
+    """Guided rounding (where ``step`` has records), routing replay and optional recording for one step.
+
+    ``step=None`` runs the trainer's own rounding (and records, with ``record=True``). ``compact``
+    chooses the recorded kind (default: the config's cache_mode).
+    """
+    step = step if step is not None else StepGuidance()
+    layers = find_trace_layers(model)
+    cfg = layers.config
+    state = StepState(
+        config=cfg, counter=step.counter, fallback=step.fallback or cfg.fallback,
+        guided_layers=frozenset(guided_layers(cfg, layers.num_layers)), token_mask=step.token_mask,
+        recorder=Recorder(cfg.cache_mode == "compact" if compact is None else compact) if record else None,
+    )
+    _check_keys(step, layers)
+    if any(m.experts._trace_step is not None for m in layers.moe.values()) or any(
+        m._trace_step is not None for m in layers.kv.values()
+    ):
+        raise RuntimeError("trace_guidance contexts do not nest: this model is already inside one")
+    hooks, bound = [], []
+    try:
+        for layer, moe in layers.moe.items():
+            ms = _moe_step(state, step, layer, moe)
+            moe.experts._trace_step = ms
+            bound.append(moe.experts)
+            hooks.append(moe.router.register_forward_pre_hook(ms.router_pre_hook))
+            hooks.append(moe.router.register_forward_hook(ms.router_hook))
+        for layer, attn in layers.kv.items():
+            attn._trace_step = _kv_step(state, step, layer, attn)
+            bound.append(attn)
+        yield TraceStep(state, layers)
+    finally:
+        for h in hooks:
+            h.remove()
+        for m in bound:
+            m._trace_step = None
+        for moe in layers.moe.values():
+            rr = moe.router.router_replay
+            if rr is not None:
+                rr.clear_indices()
+                rr.clear_router_replay_action()
+    _check_coverage(state, step)
+
+
+def trace_record(model, *, compact: bool | None = None):
+    """Run the trainer's own rounding and record it: ``with trace_record(m) as h: ...; h.recorded()``."""
+    return trace_guidance(model, None, record=True, compact=compact)
+
+
+def _check_keys(step: StepGuidance, layers: TraceLayers) -> None:
+    known = set(layers.moe) | set(layers.kv)
+    stray = sorted({k[0] for k in step.sites if k[0] not in known} | {k for k in step.routing if k not in layers.moe})
+    if stray:  # normal under pipeline parallelism: other stages hold these layers
+        logger.debug("guidance for layers this rank does not hold is ignored: %s", stray)
+    if step.routing and not layers.config.routing_replay:
+        logger.warning("routing indices are ignored: TraceConfig.routing_replay=False")
+    elif step.routing:
+        missing = sorted(set(layers.moe) - set(step.routing))
+        if missing:
+            raise ValueError(f"routing indices are missing for MoE layers {missing} (given for {sorted(step.routing)})")
+
+
+def _moe_step(state: StepState, step: StepGuidance, layer: int, moe: MoELayer) -> MoEStep:
+    mcfg, fail = moe.config, state.fallback == "fail"
+    routing = step.routing.get(layer) if state.config.routing_replay else None
+    if routing is not None:
+        if moe.router.router_replay is None:
+            raise ValueError("routing replay needs TransformerConfig.moe_enable_routing_replay=True "
+                             "(Megatron-LM: --moe-enable-routing-replay)")
+        if mcfg.moe_router_fusion:
+            raise ValueError("routing replay does not work with moe_router_fusion=True")
+    if state.recorder is not None and moe.attn_tp_group.size() > 1:
+        raise ValueError("recording needs tensor_model_parallel_size=1")
+    dims = {FC1: (mcfg.hidden_size,), FC2: (mcfg.moe_router_topk, mcfg.moe_ffn_hidden_size)}
+    checked = {
+        s: check_site(step.sites.get((layer, s)), site=s, layer=layer, rows=dims[s], config=state.config,
+                      compact=state.compact, fail=fail and state.is_guided(layer, s))
+        for s in (FC1, FC2)
+    }
+    ms = MoEStep(state, layer, moe, checked[FC1], checked[FC2], routing)
+    if ms.needs_dispatch and (mcfg.moe_expert_capacity_factor is not None or mcfg.moe_router_padding_for_quantization):
+        raise ValueError("guidance rows follow the tokens only in dropless MoE "
+                         "(moe_expert_capacity_factor=None, moe_router_padding_for_quantization=False)")
+    return ms
+
+
+def _kv_step(state: StepState, step: StepGuidance, layer: int, attn) -> KVStep:
+    c = attn.config
+    rows = (c.num_query_groups or c.num_attention_heads, c.kv_channels)
+    checked = {
+        s: check_site(step.sites.get((layer, s)), site=s, layer=layer, rows=rows, config=state.config,
+                      compact=state.compact, fail=state.fallback == "fail" and state.is_guided(layer, s))
+        for s in KV_SITES
+    }
+    return KVStep(state, layer, checked, attn.kv_tp_rank())
+
+
+def _check_coverage(state: StepState, step: StepGuidance) -> None:
+    need = step.min_coverage if step.min_coverage is not None else state.config.min_coverage
+    cov = state.coverage_at_guided()
+    if cov < need:
+        raise GuidanceCoverageError(f"guidance coverage {cov:.4f} at guided sites is below min_coverage={need}")

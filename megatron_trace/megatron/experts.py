@@ -1,0 +1,176 @@
+"""FP4 QAT routed experts with Megatron's expert interface (torch variant; the TE variant is in ``te.py``).
+
+Megatron calls ``experts(permuted_local_hidden_states [N, H], tokens_per_expert [E_local],
+permuted_probs [N])`` with rows sorted by local expert and expects ``(output [N, H], None)``.
+
+Numerics per row, matching the rollout (SGLang / ``rollout.experts``):
+
+  x  = Q(expert_fc1_in row)                 per-row amax: equal to quantizing before dispatch (per-tensor:
+                                            the source rank's pre-dispatch amax travels with the row)
+  h  = act(x @ Qw(W1_e).T)                  W1_e = [gate; up] (Megatron's linear_fc1), GLU or not
+  h  = Q(expert_fc2_in row)                 one row per (token, expert), before the routing weight
+  y  = (h @ Qw(W2_e).T) * prob              the weight is applied after FC2, as the rollout does
+
+``Qw`` fake-quantizes each expert's weight with ``TraceConfig.weight_quantizer()`` (NVFP4 1x16
+blocks along K, per-tensor amax, RNE, straight-through gradient): the rollout's codes exactly.
+Megatron's own experts multiply the routing weight before FC2; without quantization both are equal.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
+
+from ..config import TraceConfig
+from .gemm import grouped_linear
+from .moe_step import FC1, FC2, ExpertRows
+from .sites import quantize_rows, quantize_rows_recorded
+
+_DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
+
+
+def check_expert_config(config) -> None:
+    """Reject Megatron options the TRACE experts do not implement (clear errors at build time)."""
+    problems = []
+    if config.add_bias_linear:
+        problems.append("add_bias_linear=True (use --disable-bias-linear)")
+    if config.moe_apply_probs_on_input:
+        problems.append("moe_apply_probs_on_input=True (the routing weight is applied after FC2)")
+    if (config.expert_tensor_parallel_size or 1) > 1:
+        problems.append(f"expert_tensor_parallel_size={config.expert_tensor_parallel_size} (supported: 1)")
+    if config.fp8 or config.fp4:
+        problems.append("Megatron's own fp8/fp4 recipes (TRACE quantizes the experts itself)")
+    if config.moe_token_dispatcher_type not in _DISPATCHERS:
+        kind = config.moe_token_dispatcher_type
+        problems.append(f"moe_token_dispatcher_type={kind!r} (supported: allgather, alltoall)")
+    if problems:
+        raise ValueError("TRACE experts do not support " + "; ".join(problems))
+
+
+class TraceExpertsCore:
+    """The part of the TRACE experts shared by the torch and TE variants.
+
+    A variant provides ``_fc1(x, tokens_per_expert)`` and ``_fc2(h, tokens_per_expert)`` (GEMMs
+    with fake-quantized weights) and calls ``_init_trace`` after Megatron's constructor.
+    """
+
+    trace_config: TraceConfig
+    _trace_step = None  # MoEStep while a trace_guidance context is open
+
+    def _init_trace(self, trace_config: TraceConfig, pg_collection) -> None:
+        if not isinstance(trace_config, TraceConfig):
+            raise TypeError(f"trace_config must be a TraceConfig, got {type(trace_config).__name__}")
+        check_expert_config(self.config)
+        self.trace_config = trace_config
+        self._trace_pg = pg_collection
+        self._act_q = trace_config.activation_quantizer()
+        self._weight_q = trace_config.weight_quantizer() if trace_config.quantizes("weights") else None
+        self._payload_dispatcher = None
+
+    # ---- numerics -----------------------------------------------------------------------------
+    def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
+        """One expert weight [M, K]: fake-quantized along K (or unchanged if 'weights' is not a site)."""
+        return w if self._weight_q is None else self._weight_q.fake_quantize(w)
+
+    def quantize_weights(self, w: torch.Tensor) -> torch.Tensor:
+        """Stacked expert weights [E, M, K], each with its own per-tensor amax (one quantizer call).
+
+        Bit-identical to ``quantize_weight`` per expert: every row of expert e gets e's amax.
+        """
+        if self._weight_q is None:
+            return w
+        if self._weight_q.fmt != "nvfp4":  # MXFP4 has no global amax: blocks are independent
+            return self._weight_q.fake_quantize(w)
+        amax = w.detach().float().abs().amax(dim=(-2, -1), keepdim=True)  # [E, 1, 1]
+        amax = torch.where(amax > 0, amax, torch.ones_like(amax)).expand(*w.shape[:-1], 1)
+        return self._weight_q.fake_quantize(w, global_amax=amax)
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        if not cfg.gated_linear_unit:
+            return cfg.activation_func(h)
+        x_glu, x_lin = torch.chunk(h, 2, dim=-1)
+        if (val := cfg.activation_func_clamp_value) is not None:
+            x_glu = x_glu.clamp(min=None, max=val)
+            x_lin = x_lin.clamp(min=-val, max=val)
+        return cfg.activation_func(x_glu) * (x_lin + cfg.glu_linear_offset)
+
+    def _site(self, site: str, x: torch.Tensor, rows, amax=None, record: bool = False):
+        if not self.trace_config.quantizes(site):
+            return x, None
+        if record:
+            return quantize_rows_recorded(self._act_q, x, rows, global_amax=amax)
+        return quantize_rows(self._act_q, x, rows, global_amax=amax), None
+
+    def _trace_forward(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor):
+        """x [N, H] rows sorted by local expert, probs [N] -> (y [N, H], None)."""
+        step = self._trace_step
+        rows = step.expert_rows(self, tokens_per_expert) if step is not None else ExpertRows()
+        x, _ = self._site(FC1, x, rows.fc1, amax=rows.fc1_amax)
+        h = self._activation(self._fc1(x, tokens_per_expert))  # [N, F]
+        record = step is not None and step.recording_fc2
+        h, q2 = self._site(FC2, h, rows.fc2, record=record)
+        if record:
+            step.record_fc2(self, q2)
+        y = self._fc2(h, tokens_per_expert)  # [N, H]
+        return (y * probs.unsqueeze(-1)).to(y.dtype), None
+
+    # ---- guidance rows through the layer's own dispatcher class --------------------------------
+    def _dispatcher(self):
+        if self._payload_dispatcher is None:
+            cfg = copy.copy(self.config)
+            # one expert per virtual token; plain torch permutation (works for any dtype)
+            cfg.moe_router_topk = 1
+            cfg.moe_permute_fusion = False
+            cfg.moe_shared_expert_overlap = False
+            ep = self._trace_pg.ep
+            first = ep.rank() * self.num_local_experts
+            local = list(range(first, first + self.num_local_experts))
+            cls = _DISPATCHERS[cfg.moe_token_dispatcher_type]
+            self._payload_dispatcher = cls(self.num_local_experts, local, config=cfg, pg_collection=self._trace_pg)
+        return self._payload_dispatcher
+
+    def dispatch_payload(self, payload: torch.Tensor, experts: torch.Tensor, num_experts: int, probs_dtype):
+        """Virtual tokens (one per (token, expert), ``payload`` uint8 [Nv, C], their expert [Nv]) ->
+        (rows [N, C] in the experts' permuted order, rows per local expert). ``probs_dtype`` is the
+        dtype of the combine path (float32 when rows come back, else uint8: fewer bytes to move)."""
+        d = self._dispatcher()
+        routing = torch.nn.functional.one_hot(experts, num_experts).bool()  # [Nv, E]
+        probs = routing.to(probs_dtype)
+        h, p = d.dispatch_preprocess(payload, routing, probs)
+        h, p = d.token_dispatch(h, p)
+        rows, counts, _ = d.dispatch_postprocess(h, p)
+        return rows, counts
+
+    def combine_payload(self, rows: torch.Tensor) -> torch.Tensor:
+        """The reverse path (float32 rows [N, C] -> [Nv, C] on the virtual tokens' ranks)."""
+        d = self._payload_dispatcher
+        return d.combine_postprocess(d.token_combine(d.combine_preprocess(rows)))
+
+
+class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
+    """Torch variant. Parameters and checkpoints are SequentialMLP's
+    (``local_experts.{i}.linear_fc1.weight`` [2F or F, H], ``...linear_fc2.weight`` [H, F]); the
+    forward runs one grouped GEMM over all local experts (``torch._grouped_mm`` on CUDA)."""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None, *, trace_config: TraceConfig,
+                 gemm_impl: str = "auto"):
+        SequentialMLP.__init__(self, num_local_experts, config, submodules, pg_collection)
+        self._init_trace(trace_config, pg_collection)
+        self.gemm_impl = gemm_impl
+
+    def _stacked(self, name: str) -> torch.Tensor:
+        """[E_local, M, K] fake-quantized weights of ``linear_fc1`` or ``linear_fc2``."""
+        return self.quantize_weights(torch.stack([getattr(e, name).weight for e in self.local_experts]))
+
+    def _fc1(self, x, tokens_per_expert):
+        return grouped_linear(x, self._stacked("linear_fc1").to(x.dtype), tokens_per_expert, self.gemm_impl)
+
+    def _fc2(self, h, tokens_per_expert):
+        return grouped_linear(h, self._stacked("linear_fc2").to(h.dtype), tokens_per_expert, self.gemm_impl)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        return self._trace_forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)

@@ -1,0 +1,50 @@
+"""Grouped GEMM of the routed experts: ``torch._grouped_mm`` on CUDA (bf16), a per-expert loop elsewhere.
+
+Both compute ``y[rows of e] = x[rows of e] @ w[e].T`` for rows sorted by expert. The loop is
+the reference; ``grouped_mm`` is the fast path and is tested against it where torch supports it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GEMM_IMPLS = ("auto", "loop", "grouped_mm")
+
+
+def _counts(tokens_per_expert) -> list[int]:
+    if torch.is_tensor(tokens_per_expert):
+        return [int(c) for c in tokens_per_expert.tolist()]
+    return [int(c) for c in tokens_per_expert]
+
+
+def grouped_linear_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """x [N, K] sorted by expert, w [E, M, K] -> [N, M]. Every expert joins the graph (empty groups too)."""
+    outs = [F.linear(xe, w[e]) for e, xe in enumerate(torch.split(x, counts))]
+    return torch.cat(outs, 0)
+
+
+def grouped_linear_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The same with ``torch._grouped_mm`` (offsets = cumulative row counts, int32)."""
+    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # cuBLAS grouped GEMM: bf16 operands, 16-byte aligned inner dimensions.
+    return (
+        hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
+        and x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0
+    )
+
+
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert, impl: str = "auto") -> torch.Tensor:
+    """x [N, K] rows sorted by expert, w [E, M, K], rows per expert -> [N, M]."""
+    counts = _counts(tokens_per_expert)
+    if len(counts) != w.shape[0] or sum(counts) != x.shape[0]:
+        raise ValueError(f"tokens_per_expert={counts} does not fit x rows {x.shape[0]} and {w.shape[0]} experts")
+    if impl not in GEMM_IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {GEMM_IMPLS}")
+    if impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w)):
+        return grouped_linear_mm(x, w, counts)
+    return grouped_linear_loop(x, w, counts)

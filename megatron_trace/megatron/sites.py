@@ -1,0 +1,124 @@
+"""Quantize the rows of one activation site: guided where a row has a valid record, own rounding elsewhere.
+
+All functions take rows ``x`` [N, K] (blocks along K) and return the fake-quantized rows in
+``x.dtype`` with a straight-through gradient (see ``formats.Quantizer.fake_quantize``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FP4Tensor, Quantizer
+from .rows import RowGuidance, take
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, value):
+        return value
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def straight_through(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` in the forward, identity gradient to ``x`` in the backward."""
+    return _StraightThrough.apply(x, value.detach())
+
+
+def safe_amax(amax: torch.Tensor | None) -> torch.Tensor | None:
+    """A given NVFP4 amax must be > 0; an all-zero row quantizes to zeros with any amax."""
+    return None if amax is None else torch.where(amax > 0, amax, torch.ones_like(amax))
+
+
+def _own_amax(quantizer: Quantizer, x: torch.Tensor, global_amax):
+    """The amax for the own rounding: given, or per tensor over *all* rows (also for a subset of rows)."""
+    if global_amax is None and quantizer.fmt == "nvfp4" and not quantizer.per_row:
+        global_amax = x.detach().float().abs().amax()
+    return safe_amax(global_amax)
+
+
+def _rows_of(amax, index):
+    return amax if amax is None or amax.dim() == 0 else amax.index_select(0, index)
+
+
+def _split(valid: torch.Tensor):
+    return valid.nonzero().squeeze(1), (~valid).nonzero().squeeze(1)
+
+
+def empty_rows(quantizer: Quantizer, x: torch.Tensor) -> FP4Tensor:
+    """The FP4 tensor of zero rows [0, K] (an expert-parallel rank can receive no tokens)."""
+    fmt = quantizer.format
+    kp = -(-x.shape[-1] // fmt.block_size) * fmt.block_size
+    amax = None
+    if quantizer.fmt == "nvfp4":
+        amax = torch.zeros(0, 1, device=x.device) if quantizer.per_row else torch.zeros((), device=x.device)
+    return FP4Tensor(
+        codes=torch.zeros(0, kp // 2, dtype=torch.uint8, device=x.device),
+        block_scales=torch.zeros(0, kp // fmt.block_size, dtype=fmt.scale_dtype, device=x.device),
+        global_amax=amax, shape=(0, x.shape[-1]), fmt=quantizer.fmt,
+    )
+
+
+def quantize_rows(
+    quantizer: Quantizer, x: torch.Tensor, guidance: RowGuidance | None = None, *, global_amax=None
+) -> torch.Tensor:
+    """Fake-quantize rows ``x`` [N, K]; rows with ``guidance.valid`` use the record (guided rounding)."""
+    if x.shape[0] == 0:
+        return x.clone()
+    if guidance is None or not bool(guidance.valid.any()):
+        return quantizer.fake_quantize(x, global_amax=safe_amax(global_amax))
+    amax = _own_amax(quantizer, x, global_amax)
+    g, r = _split(guidance.valid)
+    out = torch.zeros_like(x)
+    yg = quantizer.fake_quantize(x.index_select(0, g), guidance=take(guidance, g).record)
+    out = out.index_copy(0, g, yg)
+    if r.numel():
+        yr = quantizer.fake_quantize(x.index_select(0, r), global_amax=_rows_of(amax, r))
+        out = out.index_copy(0, r, yr)
+    return out
+
+
+def quantize_rows_recorded(
+    quantizer: Quantizer, x: torch.Tensor, guidance: RowGuidance | None = None, *, global_amax=None
+) -> tuple[torch.Tensor, FP4Tensor]:
+    """Like ``quantize_rows`` but also returns the FP4 rows used (for recording).
+
+    The gradient is the plain straight-through identity (``ste_clip`` is not applied here).
+    """
+    xd = x.detach()
+    if x.shape[0] == 0:
+        return x.clone(), empty_rows(quantizer, x)
+    if guidance is None or not bool(guidance.valid.any()):
+        q = quantizer.quantize(xd, global_amax=safe_amax(global_amax))
+    else:
+        amax = _own_amax(quantizer, x, global_amax)
+        g, r = _split(guidance.valid)
+        parts = [(g, quantizer.guided_quantize(xd.index_select(0, g), take(guidance, g).record))]
+        if r.numel():
+            parts.append((r, quantizer.quantize(xd.index_select(0, r), global_amax=_rows_of(amax, r))))
+        q = merge_rows(parts, x.shape)
+    return straight_through(x, q.dequantize(x.dtype)), q
+
+
+def merge_rows(parts: list[tuple[torch.Tensor, FP4Tensor]], shape) -> FP4Tensor:
+    """One FP4Tensor [N, K] from row subsets ``(index, rows)`` that partition 0..N-1."""
+    n = shape[0]
+    first = parts[0][1]
+
+    def merged(get):
+        if get(first) is None:
+            return None
+        rows = [(i, get(p)) for i, p in parts]
+        rows = [(i, t.reshape(1, 1).expand(i.numel(), 1) if t.dim() == 0 else t) for i, t in rows]
+        out = rows[0][1].new_zeros((n, *rows[0][1].shape[1:]))
+        for i, t in rows:
+            out.index_copy_(0, i, t)
+        return out
+
+    scales = merged(lambda p: p.block_scales.view(torch.uint8)).view(first.block_scales.dtype)
+    return FP4Tensor(
+        codes=merged(lambda p: p.codes), block_scales=scales, global_amax=merged(lambda p: p.global_amax),
+        shape=tuple(shape), fmt=first.fmt,
+    )

@@ -1,0 +1,150 @@
+"""Outputs of a demo run: metrics.jsonl (one line per arm and step), summary.md, PNG plots, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+SUMMARY_KEYS = (
+    ("reward", "final reward (last 3 steps)"),
+    ("eval/accuracy", "held-out greedy accuracy"),
+    ("mismatch/logprob_abs_diff", "logprob_abs_diff"),
+    ("mismatch/kl_k3", "kl_k3"),
+    ("mismatch/token_mult_prob_error", "token_mult_prob_error"),
+    ("quant/expert_fc1_in/code_mismatch_rate", "FC1 code mismatch"),
+    ("quant/guided/code_mismatch_rate", "code mismatch at guided sites"),
+    ("cache/bytes_per_token", "guidance bytes/token"),
+    ("time/step_s", "step time (s)"),
+)
+
+
+class MetricsWriter:
+    """Appends one JSON line per (arm, step) and mirrors scalars to TensorBoard when available."""
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        self._tb = {}
+
+    def write(self, arm: str, step: int, metrics: dict) -> None:
+        row = {"arm": arm, "step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        tb = self._writer(arm)
+        if tb is not None:
+            for k, v in row.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    tb.add_scalar(k, v, step)
+
+    def _writer(self, arm: str):
+        if arm not in self._tb:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb[arm] = SummaryWriter(str(self.out_dir / "tb" / arm))
+            except ImportError:  # tensorboard is in the examples extra
+                self._tb[arm] = None
+        return self._tb[arm]
+
+    def close(self) -> None:
+        for w in self._tb.values():
+            if w is not None:
+                w.close()
+
+
+def _clean(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else v
+
+
+def load(path: Path) -> dict[str, list[dict]]:
+    by_arm = defaultdict(list)
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        by_arm[row["arm"]].append(row)
+    return dict(by_arm)
+
+
+def _mean_last(rows: list[dict], key: str, n: int = 1) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), float)]
+    return sum(vals[-n:]) / len(vals[-n:]) if vals else None
+
+
+def summary_rows(by_arm: dict[str, list[dict]]) -> list[list[str]]:
+    header = ["arm"] + [label for _, label in SUMMARY_KEYS]
+    out = [header]
+    for arm, rows in by_arm.items():
+        cells = [arm]
+        for key, _ in SUMMARY_KEYS:
+            n = 3 if key == "reward" else (len(rows) if key.startswith(("mismatch/", "quant/", "time/")) else 1)
+            v = _mean_last(rows, key, n)
+            cells.append("-" if v is None else (f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"))
+        out.append(cells)
+    return out
+
+
+def markdown_table(rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(rows[0]) + " |", "|" + "---|" * len(rows[0])]
+    lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
+    return "\n".join(lines)
+
+
+def plot(by_arm: dict[str, list[dict]], out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    paths = []
+
+    def series(key):
+        return {a: ([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r]) for a, rows in by_arm.items()}
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for arm, (x, y) in series("reward").items():
+        ax.plot(x, y, marker=".", label=arm)
+    ax.set(xlabel="RL step", ylabel="mean sampled reward", title="Reward per step")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "reward.png"))
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key in zip(axes, ("mismatch/logprob_abs_diff", "mismatch/kl_k3")):
+        for arm, (x, y) in series(key).items():
+            ax.plot(x, y, marker=".", label=arm)
+        ax.set(xlabel="RL step", ylabel=key.split("/")[1], yscale="log", title=f"Train-rollout {key.split('/')[1]}")
+    axes[0].legend()
+    paths.append(_save(fig, out_dir / "mismatch.png"))
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    width = 0.4
+    for i, arm in enumerate(a for a in ("fp4_qat", "trace") if a in by_arm):
+        last = by_arm[arm][-1]
+        layers = sorted(int(k.split("layer_")[1].split("/")[0]) for k in last
+                        if k.startswith("quant/expert_fc1_in/layer_") and k.endswith("/code_mismatch_rate"))
+        vals = [last[f"quant/expert_fc1_in/layer_{layer}/code_mismatch_rate"] for layer in layers]
+        ax.bar([layer + (i - 0.5) * width for layer in layers], vals, width=width, label=arm)
+    ax.set(xlabel="layer", ylabel="code mismatch rate", title="FC1-input code mismatch per layer (last step)")
+    ax.legend()
+    paths.append(_save(fig, out_dir / "code_mismatch_per_layer.png"))
+
+    arms = [a for a in ("trace", "trace_full") if a in by_arm]
+    if arms:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.bar(arms, [by_arm[a][-1].get("cache/bytes_per_token", 0.0) for a in arms], color=["C3", "C4"][: len(arms)])
+        ax.set(ylabel="bytes / token", title="Guidance cache per token")
+        paths.append(_save(fig, out_dir / "cache_bytes.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

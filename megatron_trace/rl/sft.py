@@ -1,0 +1,90 @@
+"""The SFT warm-up of the embedded demo: a tiny Qwen3-MoE trained with noisy labels, saved as an HF checkpoint.
+
+RL then starts from that checkpoint directory: the same code path as starting from a real
+pretrained checkpoint (``model.init_from``). The warm-up runs in transformers (fp32, fast on CPU).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from .tasks import CharTokenizer, Task, sft_batch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TinyMoEConfig:
+    """The demo model (Qwen3-MoE architecture)."""
+
+    num_layers: int = 4
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 64
+    max_position_embeddings: int = 64
+
+    def hf_config(self, vocab_size: int, tok: CharTokenizer):
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=2 * self.hidden_size,
+            moe_intermediate_size=self.moe_intermediate_size, num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim, num_experts=self.num_experts, num_experts_per_tok=self.top_k,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            max_position_embeddings=self.max_position_embeddings, rope_theta=10000.0, rms_norm_eps=1e-6,
+            tie_word_embeddings=False, router_aux_loss_coef=0.0, output_router_logits=False,
+            bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    steps: int = 800
+    batch_size: int = 64
+    lr: float = 3e-3
+    label_noise: float = 0.6
+    seed: int = 0
+
+
+def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig,
+                   progress=None) -> Path:
+    """Train (or reuse, when the same settings were trained before) and return the HF checkpoint dir."""
+    from transformers import Qwen3MoeForCausalLM
+
+    out = Path(out_dir)
+    key = {"task": task.name, "model": asdict(model_cfg), "sft": asdict(sft), "version": 1}
+    stamp = out / "sft_settings.json"
+    if stamp.exists() and json.loads(stamp.read_text()) == key and (out / "config.json").exists():
+        logger.info("reusing the SFT checkpoint in %s", out)
+        return out
+    tok = CharTokenizer()
+    torch.manual_seed(sft.seed)
+    model = Qwen3MoeForCausalLM(model_cfg.hf_config(tok.vocab_size, tok)).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.1, 1 - s / sft.steps))
+    g = torch.Generator().manual_seed(sft.seed)
+    for step in range(sft.steps):
+        ids, mask = sft_batch(task, tok, sft.batch_size, g, sft.label_noise)
+        logits = model(input_ids=ids).logits[:, :-1].float()
+        target = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if progress is not None:
+            progress(step, float(loss))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    stamp.write_text(json.dumps(key))
+    return out

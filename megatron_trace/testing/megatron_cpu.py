@@ -1,0 +1,138 @@
+"""Run Megatron-Core 0.16.1 on CPU with gloo: the few shims it needs (tests and the CPU demo only).
+
+Megatron assumes CUDA in a few places (probed in shared/reference/megatron_cpu_probe.py):
+  - CUDA RNG state / manual_seed (model_parallel_cuda_manual_seed, the RNG tracker's fork) -> CPU RNG
+  - ``device=torch.cuda.current_device()`` at ~40 call sites (RoPE, router, buffers) -> "cpu"
+  - ``moe_utils.te_general_gemm`` read unconditionally without Transformer Engine -> None
+  - CUDA streams/events of the alltoall dispatcher -> no-op stand-ins (CPU work is synchronous)
+  - alltoall split sizes must be numpy for all_to_all_single, done for CUDA tensors only -> also CPU
+
+``apply_cpu_shims()`` is explicit and idempotent; no product module calls it. On a GPU nothing
+here is used. Remove a shim when Megatron-Core stops needing it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+
+_APPLIED = False
+
+
+class _CpuEvent:
+    def synchronize(self):
+        pass
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream in the alltoall dispatcher."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args):
+        pass
+
+    def record_event(self, *args):
+        return _CpuEvent()
+
+    def synchronize(self):
+        pass
+
+
+def apply_cpu_shims() -> None:
+    """Route Megatron's CUDA-only calls to CPU equivalents (idempotent; refuses on a CUDA machine)."""
+    global _APPLIED
+    if _APPLIED:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("apply_cpu_shims() is for CPU-only machines; on a GPU Megatron runs unpatched")
+    os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile: slow C++ builds on CPU
+    import megatron.core.tensor_parallel.random as mrandom
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as tdisp
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed, *a, **k: torch.manual_seed(seed)
+    torch.cuda.current_device = lambda: "cpu"
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+    stream = _CpuStream()
+    torch.cuda.Stream = _CpuStream
+    torch.cuda.current_stream = lambda *a, **k: stream
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    original = tdisp.maybe_move_tensor_to_cpu
+
+    def move_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    tdisp.maybe_move_tensor_to_cpu = move_to_cpu
+    _APPLIED = True
+
+
+def allow_torch_norm_with_sequence_parallel() -> None:
+    """TP MoE needs sequence parallelism, which the torch norm refuses (Apex/TE norms accept it): build the
+    torch norm from a copy without the flag and tag its parameters like Megatron does."""
+    import copy
+
+    from megatron.core.transformer import torch_norm
+
+    if getattr(torch_norm.WrappedTorchNorm, "_trace_sp_shim", False):
+        return
+    original = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original(cls, config, *args, **kwargs)
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = original(cls, plain, *args, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = staticmethod(new)
+    torch_norm.WrappedTorchNorm._trace_sp_shim = True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_megatron(rank: int = 0, world_size: int = 1, port: int | None = None, *, ep: int = 1, tp: int = 1,
+                  seed: int = 1234) -> bool:
+    """gloo process group (if none) + Megatron's model-parallel state; returns whether it created the group."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    created = not dist.is_initialized()
+    if created:
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+        os.environ["MASTER_PORT"] = str(port or free_port())
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return created
+
+
+def shutdown_megatron(destroy_group: bool = True) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    parallel_state.destroy_model_parallel()
+    RouterReplay.clear_global_router_replay_instances()
+    if destroy_group and dist.is_initialized():
+        dist.destroy_process_group()

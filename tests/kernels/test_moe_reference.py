@@ -1,0 +1,64 @@
+"""The torch reference of the FP4-weight grouped GEMM (CPU): equals an independent dense computation."""
+
+import pytest
+import torch
+
+from megatron_trace.formats import Quantizer, e2m1
+from megatron_trace.kernels import fp4_grouped_mm, grouped_mm_reference
+
+
+def _dense_weights(wq):
+    """Dequantize by hand from codes and scales (independent of FP4Tensor.dequantize)."""
+    vals = e2m1.decode(e2m1.unpack(wq.codes))  # [E, N, K]
+    b = wq.block_size
+    if wq.fmt == "nvfp4":
+        s_enc = 2688.0 / wq.global_amax.double()
+        scale = wq.block_scales.double().repeat_interleave(b, -1) / s_enc
+    else:
+        scale = torch.pow(2.0, wq.block_scales.view(torch.uint8).double() - 127).repeat_interleave(b, -1)
+    return vals.double() * scale
+
+
+@pytest.mark.parametrize("fmt,per_row", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+def test_reference_matches_masked_dense_product(fmt, per_row):
+    gen = torch.Generator().manual_seed(0)
+    e, n, k = 4, 24, 64
+    wq = Quantizer(fmt, per_row=per_row).quantize(torch.randn(e, n, k, generator=gen))
+    offs = torch.tensor([2, 2, 7, 9], dtype=torch.int32)
+    x = torch.randn(11, k, generator=gen).to(torch.bfloat16)
+    y = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    w = _dense_weights(wq)  # [E, N, K]
+    expert = torch.bucketize(torch.arange(11), offs.long(), right=True)  # row -> expert, E for the tail
+    want = torch.zeros(11, n, dtype=torch.float64)
+    for row in range(9):
+        want[row] = x[row].double() @ w[expert[row]].T
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-4)  # fp32 vs fp64 scale arithmetic
+    assert torch.equal(y[9:], torch.zeros(2, n))  # rows past offs[-1]
+
+
+def test_w4a4_emulation_dequantizes_activations():
+    gen = torch.Generator().manual_seed(1)
+    wq = Quantizer("nvfp4").quantize(torch.randn(2, 16, 32, generator=gen))
+    xq = Quantizer("nvfp4", per_row=True).quantize(torch.randn(5, 32, generator=gen))
+    offs = torch.tensor([3, 5])
+    y = grouped_mm_reference(xq, wq, offs, out_dtype=torch.float32)
+    assert torch.equal(y, grouped_mm_reference(xq.dequantize(), wq, offs, out_dtype=torch.float32))
+    assert torch.equal(fp4_grouped_mm(xq, wq, offs, out_dtype=torch.float32), y)  # auto -> reference on CPU
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("offs_len", "offs must be"), ("x_k", "x.shape"), ("offs_order", "non-decreasing"), ("weight_2d", "experts, N, K"),
+])
+def test_bad_arguments_are_named(bad, match):
+    wq = Quantizer("nvfp4").quantize(torch.randn(2, 8, 32))
+    x, offs = torch.randn(4, 32), torch.tensor([1, 4])
+    if bad == "offs_len":
+        offs = torch.tensor([4])
+    elif bad == "x_k":
+        x = torch.randn(4, 16)
+    elif bad == "offs_order":
+        offs = torch.tensor([3, 1])
+    else:
+        wq = Quantizer("nvfp4").quantize(torch.randn(8, 32))
+    with pytest.raises(ValueError, match=match):
+        grouped_mm_reference(x, wq, offs)

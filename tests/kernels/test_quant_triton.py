@@ -1,0 +1,139 @@
+"""Triton quantize / guided / dequantize kernels are bit-exact twins of the CPU reference (formats).
+
+Each case runs the kernel on the Triton device and the reference on the CPU with the same inputs,
+then compares codes, scales, global amax, mantissa bits and dequantized values bit for bit.
+"""
+
+import pytest
+import torch
+
+from megatron_trace.formats import NonFiniteError, Quantizer
+
+from ._gpu import DEVICE, INTERPRET, assert_same_fp4, edge_rows, needs_triton, random_rows, same_bits
+
+pytestmark = needs_triton
+
+if DEVICE is not None:
+    from megatron_trace.kernels import dequant_triton, fused, quant_triton
+
+
+@pytest.fixture(autouse=True)
+def _ieee_division_in_interpreter(monkeypatch):
+    """The CPU interpreter emulates fma unfused, so the reciprocal + Markstein division is GPU-only."""
+    if INTERPRET:
+        monkeypatch.setattr(quant_triton, "FAST_DIV", False)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+POLICIES = {
+    "nvfp4-tensor": Quantizer("nvfp4"),
+    "nvfp4-row": Quantizer("nvfp4", per_row=True),
+    "mxfp4-floor": Quantizer("mxfp4", scale_rule="floor"),
+    "mxfp4-ceil": Quantizer("mxfp4", scale_rule="ceil"),
+}
+SHAPES = [(4, 40), (2, 3, 64), (1, 33)] if INTERPRET else [(4, 40), (2, 3, 64), (1, 33), (3, 5000), (257, 2048)]
+
+
+def _inputs(shape, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return random_rows(shape, dtype, gen)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_quantize_record_dequantize_bit_exact(shape, policy, dtype):
+    q = POLICIES[policy]
+    x = _inputs(shape, dtype, 0)
+    ref = q.quantize(x)
+    t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
+    assert_same_fp4(t, ref)
+    assert_same_fp4(rec, ref.guidance(compact=True))
+    assert_same_fp4(dequant_triton.compact(t), ref.guidance(compact=True))
+    for out in (torch.float32, torch.bfloat16, torch.float16):
+        assert same_bits(dequant_triton.dequantize(t, out), ref.dequantize(out)), out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_edge_inputs_bit_exact(policy, dtype):
+    q = POLICIES[policy]
+    x = edge_rows(dtype)
+    ref = q.quantize(x)
+    t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
+    assert_same_fp4(t, ref)
+    assert_same_fp4(rec, ref.guidance(compact=True))
+    assert same_bits(dequant_triton.dequantize(t, dtype), ref.dequantize(dtype))
+
+
+@pytest.mark.parametrize("given", ["scalar", "tensor0d", "per-row"])
+def test_given_global_amax(given):
+    x = _inputs((6, 48), torch.bfloat16, 1)
+    amax = {"scalar": 3.5, "tensor0d": torch.tensor(7.25), "per-row": torch.rand(6, 1) * 4 + 0.1}[given]
+    q = Quantizer("nvfp4")
+    ref = q.quantize(x, global_amax=amax)
+    amax_dev = amax.to(DEVICE) if isinstance(amax, torch.Tensor) else amax
+    t, _, _ = fused.quantize(x.to(DEVICE), q, global_amax=amax_dev)
+    assert_same_fp4(t, ref)
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["full", "compact"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_guided_quantize_and_fused_dequant_bit_exact(dtype, policy, compact):
+    q = POLICIES[policy]
+    shape = (3, 5, 64) if INTERPRET else (64, 1000)
+    x_roll = _inputs(shape, dtype, 2)
+    gen = torch.Generator().manual_seed(3)
+    x_train = (x_roll.float() * (1 + 0.05 * torch.randn(shape, generator=gen))).to(dtype)  # train-rollout drift
+    record = q.quantize(x_roll).guidance(compact=compact)
+    ref = q.guided_quantize(x_train, record)
+    rec_dev = _to(record, DEVICE)
+    t, out = fused.guided(x_train.to(DEVICE), rec_dev, deq_dtype=dtype, want_mask=True)
+    assert_same_fp4(t, ref)
+    assert same_bits(out["deq"].reshape(shape), ref.dequantize(dtype))
+
+
+@pytest.mark.parametrize("guided", [False, True], ids=["own", "guided"])
+@pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4-ceil"])
+def test_fake_quantize_forward_and_ste_backward(policy, guided):
+    base = POLICIES[policy]
+    q = Quantizer(base.fmt, per_row=base.per_row, scale_rule=base.scale_rule, ste_clip=True)
+    x = _inputs((8, 96), torch.bfloat16, 4)
+    record = q.quantize(x * 0.9).guidance(compact=True) if guided else None
+    gen = torch.Generator().manual_seed(5)
+    grad = torch.randn(x.shape, generator=gen).to(torch.bfloat16)
+    xr = x.clone().requires_grad_(True)
+    yr = q.fake_quantize(xr, guidance=record)
+    yr.backward(grad)
+    xt = x.to(DEVICE).requires_grad_(True)
+    yt = fused.fake_quantize(xt, q, guidance=_to(record, DEVICE) if guided else None)
+    yt.backward(grad.to(DEVICE))
+    assert same_bits(yt, yr)
+    assert same_bits(xt.grad, xr.grad)
+
+
+def test_non_finite_input_raises_reference_error():
+    x = _inputs((4, 32), torch.float32, 6)
+    x[2, 7] = float("nan")
+    with pytest.raises(NonFiniteError, match="first at index"):
+        fused.quantize(x.to(DEVICE), POLICIES["nvfp4-row"])
+    with pytest.raises(NonFiniteError):
+        fused.quantize(x.to(DEVICE), POLICIES["nvfp4-tensor"])
+
+
+def _to(record, device):
+    if record is None:
+        return None
+    kw = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in record.__dict__.items()}
+    return type(record)(**kw)
+
+
+@pytest.mark.parametrize("policy", ["nvfp4-tensor", "nvfp4-row"])
+def test_ieee_division_path_is_bit_exact_too(policy, monkeypatch):
+    monkeypatch.setattr(quant_triton, "FAST_DIV", False)  # tl.div_rn everywhere instead of reciprocal + Markstein
+    q = POLICIES[policy]
+    x = torch.cat([_inputs((16, 64), torch.float32, 7), edge_rows(torch.float32)])
+    ref = q.quantize(x)
+    t, _, _ = fused.quantize(x.to(DEVICE), q)
+    assert_same_fp4(t, ref)
+    assert same_bits(dequant_triton.dequantize(t, torch.float32), ref.dequantize(torch.float32))

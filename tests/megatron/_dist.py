@@ -1,0 +1,103 @@
+"""Worker of the expert-parallel tests (spawned, one process per rank, gloo)."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import torch
+
+
+def ep_worker(rank: int, world: int, port: int, dispatcher: str, workdir: str) -> None:
+    """EP=world: load the EP=1 weights, run RNE+record and guided+record on batch ``rank``, save results."""
+    try:
+        _run(rank, world, port, dispatcher, workdir)
+    except BaseException:
+        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run(rank, world, port, dispatcher, workdir):
+    import torch.distributed as dist
+
+    from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
+
+    from .harness import (
+        apply_cpu_shims,
+        batch,
+        build_model,
+        destroy_parallel,
+        ep_state_dict,
+        init_parallel,
+        stock_spec,
+        tiny_config,
+    )
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_parallel(ep=world)
+    shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
+    cfg = tiny_config(moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=world)
+    model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]))
+    model.load_state_dict(ep_state_dict(shared["state_dict"], rank, world), strict=True)
+    tokens, pos, mask, _ = batch(seed=rank)
+    out = {}
+    for name, step in (("rne", None), ("guided", StepGuidance(**shared["guidance"][rank]))):
+        with trace_guidance(model, step, record=True, compact=False) as h, torch.no_grad():
+            logits = model(tokens, pos, mask)
+        out[name] = {"logits": logits, "recorded": h.recorded(), "counter": h.counter}
+    torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
+    destroy_parallel()
+    dist.destroy_process_group()
+
+
+def tp_worker(rank: int, world: int, port: int, workdir: str) -> None:
+    """TP=world with sequence parallelism (EP=1): guided forward on batch 0, logits saved."""
+    try:
+        _run_tp(rank, world, port, workdir)
+    except BaseException:
+        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _run_tp(rank, world, port, workdir):
+    import torch.distributed as dist
+
+    from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
+
+    from .harness import (
+        allow_torch_norm_with_sequence_parallel,
+        apply_cpu_shims,
+        batch,
+        build_model,
+        destroy_parallel,
+        init_parallel,
+        stock_spec,
+        tiny_config,
+    )
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    allow_torch_norm_with_sequence_parallel()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_parallel(tp=world)
+    shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
+    cfg = tiny_config(tensor_model_parallel_size=world, sequence_parallel=True, expert_tensor_parallel_size=1)
+    model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]))  # CPU init: TP=1's weights
+    model.eval()
+    tokens, pos, mask, _ = batch(seed=0)
+    out = {}
+    for name, step in (("rne", StepGuidance(routing=shared["guidance"]["routing"])),
+                       ("guided", StepGuidance(**shared["guidance"]))):
+        with trace_guidance(model, step) as h, torch.no_grad():
+            out[name] = {"logits": model(tokens, pos, mask), "counter": h.counter}
+    torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
+    destroy_parallel()
+    dist.destroy_process_group()

@@ -1,0 +1,117 @@
+"""Test-only harness: run Megatron-Core 0.16.1 on CPU (gloo) and build tiny MoE GPT models.
+
+The CPU shims live in ``megatron_trace.testing.megatron_cpu`` (shared with the CPU demo); fixtures and
+spawned workers apply them, product code never patches anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # Megatron's jit_fuser is torch.compile: eager on CPU
+
+import torch  # noqa: E402
+
+from megatron_trace.testing.megatron_cpu import (  # noqa: E402,F401  (re-exported for the tests)
+    allow_torch_norm_with_sequence_parallel,
+    apply_cpu_shims,
+    free_port,
+)
+
+VOCAB, SEQ, HIDDEN, FFN, LAYERS, EXPERTS, TOPK, HEADS, GROUPS = 128, 16, 64, 64, 4, 8, 2, 4, 2
+
+
+def init_parallel(ep: int = 1, tp: int = 1, seed: int = 1234) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+    )
+    model_parallel_cuda_manual_seed(seed)
+
+
+def destroy_parallel() -> None:
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    parallel_state.destroy_model_parallel()
+    RouterReplay.clear_global_router_replay_instances()
+
+
+def tiny_config(**overrides):
+    """4 layers, hidden 64, 8 experts top-2, GQA (4 heads, 2 KV groups of head_dim 16), bf16."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kw = dict(
+        num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, moe_ffn_hidden_size=FFN,
+        num_attention_heads=HEADS, num_query_groups=GROUPS, kv_channels=HIDDEN // HEADS,
+        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_token_dispatcher_type="allgather",
+        moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0, moe_enable_routing_replay=True,
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, normalization="RMSNorm",
+        use_cpu_initialization=True, params_dtype=torch.bfloat16, bf16=True, pipeline_dtype=torch.bfloat16,
+        gradient_accumulation_fusion=False, bias_activation_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, bias_dropout_fusion=False, apply_rope_fusion=False, add_bias_linear=False,
+        hidden_dropout=0.0, attention_dropout=0.0, moe_permute_fusion=False, init_method_std=0.05,
+    )
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def stock_spec(config):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+
+
+def build_model(config, spec, seed: int = 0):
+    """A GPTModel on CPU with deterministic weights (same seed -> same weights for any spec)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                    position_embedding_type="rope")
+
+
+def batch(b: int = 2, s: int = SEQ, seed: int = 0):
+    """(tokens, position_ids, attention_mask, labels) for a causal LM batch."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (b, s), generator=g)
+    pos = torch.arange(s).unsqueeze(0).expand(b, s)
+    mask = torch.tril(torch.ones(1, 1, s, s, dtype=torch.bool)).logical_not()
+    return tokens, pos, mask, torch.roll(tokens, -1, 1)
+
+
+def logits(model, data) -> torch.Tensor:
+    tokens, pos, mask, _ = data
+    with torch.no_grad():
+        return model(tokens, pos, mask)
+
+
+def perturb_non_experts(model, scale: float, seed: int = 1) -> None:
+    """Add relative noise to every non-expert parameter (a rollout engine with slightly different numerics)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                continue
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.add_((noise * scale * p.float().abs().mean()).to(p.dtype))
+
+
+def ep_state_dict(full: dict, ep_rank: int, ep_size: int, num_experts: int = EXPERTS) -> dict:
+    """The state dict of EP rank ``ep_rank`` from an EP=1 state dict (local expert i = global ep_rank*n + i)."""
+    n = num_experts // ep_size
+    out = {}
+    for k, v in full.items():
+        if ".local_experts." not in k:
+            out[k] = v
+            continue
+        head, tail = k.split(".local_experts.")
+        idx, rest = tail.split(".", 1)
+        g = int(idx)
+        if ep_rank * n <= g < (ep_rank + 1) * n:
+            out[f"{head}.local_experts.{g - ep_rank * n}.{rest}"] = v
+    return out

@@ -1,0 +1,77 @@
+"""KV-cache site: K and V fake-quantized per token per KV head (blocks along head_dim) before Megatron's attention."""
+
+import pytest
+import torch
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.formats import Quantizer
+from megatron_trace.guidance.site import FallbackCounter, SiteGuidance
+from megatron_trace.megatron import TraceDotProductAttention
+from megatron_trace.megatron.attention import KVStep
+from megatron_trace.megatron.step import CheckedSite, StepState
+
+from .harness import tiny_config
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+S, B, HEADS, GROUPS, HD = 8, 2, 4, 2, 32
+MASK = torch.tril(torch.ones(1, 1, S, S, dtype=torch.bool)).logical_not()  # True = masked out
+
+
+def _pair(tc):
+    cfg = tiny_config(kv_channels=HD)
+    kw = dict(config=cfg, layer_number=2, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    return DotProductAttention(**kw), TraceDotProductAttention(**kw, trace_config=tc)
+
+
+def _qkv(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(S, B, HEADS, HD, generator=g).bfloat16()
+    k = torch.randn(S, B, GROUPS, HD, generator=g).bfloat16()
+    v = torch.randn(S, B, GROUPS, HD, generator=g).bfloat16()
+    return q, k, v
+
+
+def test_kv_quantized_per_token_per_kv_head():
+    stock, trace = _pair(TraceConfig())
+    q, k, v = _qkv()
+    k[:, :, 1] *= 100  # a loud KV head must not change the other head's scales
+    fq = Quantizer("nvfp4", per_row=True)
+    with torch.no_grad():
+        want = stock(q, fq.quantize(k).dequantize(k.dtype), fq.quantize(v).dequantize(v.dtype), MASK)
+        got = trace(q, k, v, MASK)
+    assert torch.equal(got, want)
+    head0 = fq.quantize(k[:, :, :1]).dequantize(k.dtype)  # head 0 alone
+    assert torch.equal(trace.quantize_kv("kv_k", k)[:, :, :1], head0)
+    assert fq.quantize(k).block_scales.shape == (S, B, GROUPS, HD // 16)  # 16-element blocks along head_dim
+
+
+def test_only_the_configured_sites_are_quantized():
+    stock, trace = _pair(TraceConfig(sites=("kv_v",), guided_sites=("kv_v",)))
+    q, k, v = _qkv(1)
+    fq = Quantizer("nvfp4", per_row=True)
+    with torch.no_grad():
+        assert torch.equal(trace(q, k, v, MASK), stock(q, k, fq.quantize(v).dequantize(v.dtype), MASK))
+
+
+def test_kv_guidance_takes_this_ranks_heads():
+    """Tensor parallelism splits KV heads: rank 1 of 2 uses heads 2..3 of the batch-major record."""
+    tc = TraceConfig(guided_layers="all")
+    g = torch.Generator().manual_seed(2)
+    full = torch.randn(B, S, 4, HD, generator=g)  # [B, S, kv_heads=4, hd]
+    rec = Quantizer("nvfp4", per_row=True).quantize(full).guidance(compact=True)
+    valid = torch.ones(B, S, dtype=torch.bool)
+    valid[1, 3] = False
+    state = StepState(config=tc, counter=FallbackCounter(), fallback="rne", guided_layers=frozenset({0}))
+    step = KVStep(state, 0, {"kv_k": CheckedSite(SiteGuidance(rec, valid), MASK)}, tp_rank=1)
+    local = full[:, :, 2:].transpose(0, 1).contiguous()  # this rank's K [S, B, 2, hd]
+    rows = step.rows("kv_k", local)
+    assert rows.record.shape == (S * B * 2, HD)
+    want = Quantizer("nvfp4", per_row=True).quantize(local.reshape(-1, HD)).guidance(compact=True)
+    assert torch.equal(rows.record.mantissa_bits, want.mantissa_bits)
+    assert torch.equal(rows.record.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+    assert torch.equal(rows.record.global_amax, want.global_amax)
+    assert int((~rows.valid).sum()) == 2  # token (b=1, s=3): both of its local heads
+    assert state.counter.used == S * B - 1 and dict(state.counter.fallback) == {"invalid_row": 1}

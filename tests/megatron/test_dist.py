@@ -1,0 +1,121 @@
+"""Expert parallelism (2 processes, gloo): EP=2 with the allgather and alltoall dispatchers equals EP=1 for the
+same weights and tokens, with and without guidance; FC2 guidance reaches the rank that computes each row."""
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
+
+from ._dist import ep_worker, tp_worker
+from .harness import TOPK, batch, build_model, free_port, perturb_non_experts, stock_spec, tiny_config
+
+pytestmark = [pytest.mark.usefixtures("world1"), pytest.mark.slow]
+
+WORLD = 2
+TC = TraceConfig(guided_layers="last_k", guided_last_k=3)
+
+
+def _record(model, data, step=None):
+    tokens, pos, mask, _ = data
+    with trace_guidance(model, step, record=True, compact=False) as h, torch.no_grad():
+        logits = model(tokens, pos, mask)
+    return {"logits": logits, "recorded": h.recorded(), "counter": h.counter}
+
+
+@pytest.fixture(scope="module")
+def ep1(tmp_path_factory):
+    """EP=1 references for batches 0 and 1, and the files the workers read."""
+    workdir = tmp_path_factory.mktemp("ep")
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TC))
+    rollout = build_model(cfg, trace_spec(stock_spec(cfg), TC))
+    perturb_non_experts(rollout, 0.01)
+    guidance, refs = [], []
+    for rank in range(WORLD):
+        data = batch(seed=rank)
+        roll = _record(rollout, data)["recorded"]
+        guidance.append({"sites": roll.sites, "routing": roll.routing})
+        refs.append({"rne": _record(model, data), "guided": _record(model, data, StepGuidance(**guidance[-1]))})
+    torch.save({"trace_config": TC, "state_dict": model.state_dict(), "guidance": guidance}, workdir / "shared.pt")
+    return workdir, refs
+
+
+def _spawn(target, workdir, *args) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, WORLD, port, *args, str(workdir))) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+    errors = [(workdir / f"error{r}.txt") for r in range(WORLD)]
+    msgs = [e.read_text() for e in errors if e.exists()]
+    assert not msgs and all(p.exitcode == 0 for p in procs), msgs or [p.exitcode for p in procs]
+    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _same_records(a, b):
+    assert sorted(a.sites) == sorted(b.sites)
+    for key in a.sites:
+        ra, rb = a.sites[key], b.sites[key]
+        assert torch.equal(ra.valid, rb.valid), key
+        assert torch.equal(ra.record.codes, rb.record.codes), key
+        assert torch.equal(ra.record.block_scales.view(torch.uint8), rb.record.block_scales.view(torch.uint8)), key
+        assert torch.equal(ra.record.global_amax, rb.record.global_amax), key
+        if ra.expert_ids is not None:
+            assert torch.equal(ra.expert_ids, rb.expert_ids), key
+    assert all(torch.equal(a.routing[k], b.routing[k]) for k in a.routing)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_ep2_equals_ep1(ep1, dispatcher):
+    workdir, refs = ep1
+    for f in workdir.glob("rank*.pt"):
+        os.remove(f)
+    results = _spawn(ep_worker, workdir, dispatcher)
+    for rank, (got, want) in enumerate(zip(results, refs)):
+        for mode in ("rne", "guided"):
+            assert torch.equal(got[mode]["logits"], want[mode]["logits"]), (rank, mode)
+            # the codes each rank used (FC2 rows travel back from the expert's rank to the token's rank)
+            _same_records(got[mode]["recorded"], want[mode]["recorded"])
+            assert got[mode]["counter"].used == want[mode]["counter"].used
+            assert got[mode]["counter"].fallback == want[mode]["counter"].fallback
+        assert got["guided"]["counter"].used > 0
+        assert not torch.equal(got["guided"]["logits"], got["rne"]["logits"])  # guidance changed the forward
+
+
+def test_tensor_and_sequence_parallel_slice_guidance_like_the_tokens(tmp_path):
+    """TP=2 + sequence parallel: each rank takes its sequence shard of the MoE guidance and routing and its KV
+    heads; logits match TP=1 up to the reduction order (a wrong slice would put other tokens' scales here)."""
+    tc = TraceConfig(guided_layers="all")
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), tc))
+    rollout = build_model(cfg, trace_spec(stock_spec(cfg), tc))
+    perturb_non_experts(rollout, 0.01)
+    data = batch(seed=0)
+    roll = _record(rollout, data)["recorded"]
+    guidance = {"sites": roll.sites, "routing": roll.routing}
+    ref = {"rne": _record(model, data, StepGuidance(routing=roll.routing)),
+           "guided": _record(model, data, StepGuidance(**guidance))}
+    torch.save({"trace_config": tc, "guidance": guidance}, tmp_path / "shared.pt")
+    results = _spawn(tp_worker, tmp_path)
+    vocab = ref["rne"]["logits"].shape[-1] // WORLD
+    for rank, got in enumerate(results):
+        errs = {}
+        for mode in ("rne", "guided"):
+            want = ref[mode]["logits"][..., rank * vocab : (rank + 1) * vocab].float()
+            errs[mode] = ((got[mode]["logits"].float() - want).norm() / want.norm()).item()
+        # guided: both runs reproduce the rollout's codes, so they agree at least as well as the RNE runs do
+        assert errs["guided"] < 0.02 and errs["rne"] < 0.1, errs
+        # MoE rows: this rank's sequence shard; KV rows: every token (attention sees the whole sequence)
+        tokens = data[0].numel()
+        assert got["guided"]["counter"].used == 4 * (tokens // WORLD * (1 + TOPK) + 2 * tokens)
+        assert not got["guided"]["counter"].fallback

@@ -1,0 +1,172 @@
+"""TRACE experts: RNE mode equals an independent fake-quant computation; weights, GEMM paths, STE, training."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.formats import Quantizer, nvfp4
+from megatron_trace.megatron import StepGuidance, trace_guidance, trace_record, trace_spec
+from megatron_trace.megatron.gemm import grouped_linear
+
+from .harness import EXPERTS, batch, build_model, stock_spec, tiny_config
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+
+def _model(tc=None, **cfg_kw):
+    cfg = tiny_config(**cfg_kw)
+    return build_model(cfg, trace_spec(stock_spec(cfg), tc or TraceConfig()))
+
+
+def _capture_moe(model, layer, data):
+    """Input [S, B, H] and output of layer ``layer``'s MoELayer in one forward."""
+    seen = {}
+    moe = model.decoder.layers[layer].mlp
+    h = moe.register_forward_hook(lambda m, args, out: seen.update(x=args[0].detach(), y=out[0].detach()))
+    tokens, pos, mask, _ = data
+    with torch.no_grad():
+        model(tokens, pos, mask)
+    h.remove()
+    return seen["x"], seen["y"]
+
+
+def _reference_moe(moe, x, per_row=True):
+    """Independent: quantize each token before routing, loop over experts, combine like Megatron (bf16 adds).
+
+    per_row=False: one amax over the layer's tokens (FC1) and over all its (token, expert) rows (FC2)."""
+    act_q, w_q = Quantizer("nvfp4", per_row=per_row), Quantizer("nvfp4")
+    S, B, H = x.shape
+    tokens = x.reshape(S * B, H)
+    with torch.no_grad():
+        probs, routing = moe.router(x)
+        xq = act_q.quantize(tokens).dequantize(tokens.dtype)  # once per token, before dispatch
+        rows, hs = {}, {}
+        for e in range(EXPERTS):
+            rows[e] = routing[:, e].nonzero().squeeze(1)
+            w1 = w_q.quantize(moe.experts.local_experts[e].linear_fc1.weight).dequantize(tokens.dtype)
+            gate, up = F.linear(xq[rows[e]], w1).chunk(2, dim=-1)
+            hs[e] = F.silu(gate) * up
+        h_all = torch.cat(list(hs.values()))
+        hq = act_q.quantize(h_all).dequantize(h_all.dtype).split([h.shape[0] for h in hs.values()])
+        out = torch.zeros_like(tokens)
+        for e in range(EXPERTS):
+            w2 = w_q.quantize(moe.experts.local_experts[e].linear_fc2.weight).dequantize(tokens.dtype)
+            y = (F.linear(hq[e], w2) * probs[rows[e], e].unsqueeze(-1)).to(tokens.dtype)
+            out.index_add_(0, rows[e], y)
+    return out.view(S, B, H)
+
+
+@pytest.mark.parametrize("layer", [0, 3])
+@pytest.mark.parametrize("amax", ["per_row", "per_tensor"])
+def test_rne_mode_equals_independent_fake_quant(layer, amax):
+    model = _model(TraceConfig(activation_amax=amax, sites=("expert_fc1_in", "expert_fc2_in", "weights"),
+                               guided_sites=("expert_fc1_in", "expert_fc2_in")))
+    x, y = _capture_moe(model, layer, batch())
+    assert torch.equal(y, _reference_moe(model.decoder.layers[layer].mlp, x, per_row=amax == "per_row"))
+
+
+def test_rne_mode_is_not_the_bf16_model():
+    cfg = tiny_config()
+    stock, model = build_model(cfg, stock_spec(cfg)), _model()
+    x, y = _capture_moe(model, 1, batch())
+    with torch.no_grad():
+        y_stock = stock.decoder.layers[1].mlp(x)[0]  # the same input through Megatron's BF16 experts
+    assert not torch.equal(y, y_stock)
+    rel = (y.float() - y_stock.float()).norm() / y_stock.float().norm()
+    assert 0.01 < rel < 0.3  # W4A4 noise, not garbage
+
+
+def test_expert_weights_are_the_rollouts_codes():
+    """Stacked quantization = per-expert NVFP4 (1x16 along K, per-tensor amax, RNE), like the rollout."""
+    experts = _model().decoder.layers[0].mlp.experts
+    w = torch.stack([e.linear_fc1.weight for e in experts.local_experts])  # [E, 2F, H]
+    got = experts.quantize_weights(w)
+    for e in range(EXPERTS):
+        q = nvfp4.quantize(w[e])
+        assert q.global_amax.dim() == 0 and q.block_scales.shape[-1] == w.shape[-1] // 16
+        assert torch.equal(got[e], q.dequantize(w.dtype))
+
+
+def test_mxfp4_experts_run_and_record():
+    model = _model(TraceConfig(format="mxfp4"))
+    with trace_record(model) as h:
+        _capture_moe(model, 0, batch())
+    rec = h.recorded().sites[(0, "expert_fc2_in")].record
+    assert rec.fmt == "mxfp4" and rec.global_amax is None
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+def test_grouped_mm_path_equals_the_loop():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(37, 64, generator=g).bfloat16()
+    w = torch.randn(4, 48, 64, generator=g).bfloat16()
+    counts = [10, 0, 20, 7]
+    loop = grouped_linear(x, w, counts, impl="loop")
+    try:
+        mm = grouped_linear(x, w, counts, impl="grouped_mm")
+    except (RuntimeError, NotImplementedError) as e:  # CPU support depends on the torch build
+        pytest.skip(f"torch._grouped_mm unavailable on CPU: {e}")
+    assert torch.allclose(mm.float(), loop.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_grouped_linear_checks_counts():
+    with pytest.raises(ValueError, match="does not fit"):
+        grouped_linear(torch.zeros(5, 16), torch.zeros(2, 8, 16), [2, 2])
+
+
+def test_gradients_are_straight_through():
+    """d/dW of the experts equals d/d(fake-quantized W) of the same graph built from detached FP4 values."""
+    experts = _model().decoder.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(12, 64, generator=g).bfloat16().requires_grad_()
+    counts = torch.tensor([3, 0, 2, 1, 0, 4, 1, 1])
+    probs = torch.rand(12, generator=g)
+    gy = torch.randn(12, 64, generator=g).bfloat16()
+    y, _ = experts(x, counts, probs)
+    (y.float() * gy.float()).sum().backward()
+
+    act_q, w_q = Quantizer("nvfp4", per_row=True), Quantizer("nvfp4")
+    xq = act_q.quantize(x.detach()).dequantize(x.dtype).requires_grad_()
+    def leaf(w):
+        return w_q.quantize(w.detach()).dequantize(x.dtype).requires_grad_()
+
+    w1 = [leaf(e.linear_fc1.weight) for e in experts.local_experts]
+    w2 = [leaf(e.linear_fc2.weight) for e in experts.local_experts]
+    outs = []
+    for e, xe in enumerate(torch.split(xq, counts.tolist())):
+        gate, up = F.linear(xe, w1[e]).chunk(2, dim=-1)
+        h = F.silu(gate) * up
+        if h.shape[0]:  # (the formats reference does not take empty tensors)
+            h = h + (act_q.quantize(h.detach()).dequantize(h.dtype) - h).detach()  # STE
+        outs.append(F.linear(h, w2[e]))
+    ref = (torch.cat(outs) * probs.unsqueeze(-1)).to(x.dtype)
+    assert torch.equal(y, ref)
+    (ref.float() * gy.float()).sum().backward()
+    assert torch.allclose(x.grad.float(), xq.grad.float(), rtol=1e-2, atol=1e-3)
+    for e, mlp in enumerate(experts.local_experts):
+        assert torch.allclose(mlp.linear_fc1.weight.grad.float(), w1[e].grad.float(), rtol=1e-2, atol=1e-3)
+        assert torch.allclose(mlp.linear_fc2.weight.grad.float(), w2[e].grad.float(), rtol=1e-2, atol=1e-3)
+    assert all(mlp.linear_fc1.weight.grad.abs().sum() > 0 for i, mlp in enumerate(experts.local_experts) if counts[i])
+
+
+def test_a_few_optimizer_steps_lower_the_loss_with_guidance():
+    model = _model(TraceConfig(guided_layers="all"))
+    tokens, pos, mask, labels = batch(seed=5)
+    with trace_record(model) as h, torch.no_grad():
+        model(tokens, pos, mask)
+    step_guidance = h.recorded()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(6):
+        opt.zero_grad()
+        step = StepGuidance(sites=step_guidance.sites, routing=step_guidance.routing)
+        with trace_guidance(model, step) as ctx:
+            loss = model(tokens, pos, mask, labels=labels).float().mean()
+            loss.backward()
+        assert ctx.counter.used > 0
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses
+    grads = [p.grad for n, p in model.named_parameters() if ".experts." in n]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)

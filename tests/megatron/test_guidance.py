@@ -1,0 +1,277 @@
+"""Guided rounding in a Megatron forward: rollout records from a perturbed forward are reproduced exactly at
+guided sites; fallbacks are counted by reason; routing replay uses Megatron's RouterReplay."""
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.formats import Quantizer, e2m1
+from megatron_trace.guidance.site import SiteGuidance
+from megatron_trace.megatron import (
+    GuidanceCoverageError,
+    GuidanceFallbackError,
+    StepGuidance,
+    trace_guidance,
+    trace_spec,
+)
+
+from .harness import EXPERTS, TOPK, batch, build_model, perturb_non_experts, stock_spec, tiny_config
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+SITES = ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v")
+GUIDED = (2, 3)  # last_k = 2 of 4 layers
+T = 2 * 16  # tokens of the default batch
+
+
+def _model(tc, seed=0):
+    cfg = tiny_config()
+    return build_model(cfg, trace_spec(stock_spec(cfg), tc), seed=seed)
+
+
+def _run(model, data, step=None, compact=False):
+    tokens, pos, mask, _ = data
+    with trace_guidance(model, step, record=True, compact=compact) as h, torch.no_grad():
+        model(tokens, pos, mask)
+    return h
+
+
+def _values(sg):
+    return e2m1.decode(e2m1.unpack(sg.record.codes))[..., : sg.record.shape[-1]]
+
+
+def mismatches(a: SiteGuidance, b: SiteGuidance) -> int:
+    """Elements whose codeword differs (decoded values: +0 == -0), over rows valid in both."""
+    both = (a.valid & b.valid).unsqueeze(-1)
+    for _ in range(_values(a).dim() - both.dim()):
+        both = both.unsqueeze(-2)
+    return int(((_values(a) != _values(b)) & both).sum())
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    """The 'rollout': the same experts, non-expert weights perturbed (1%), full records of every site.
+
+    Returns the trainer's config (guidance on the last 2 layers), the batch and the records."""
+    tc = TraceConfig(guided_layers="last_k", guided_last_k=2)
+    model = _model(tc)
+    perturb_non_experts(model, 0.01)
+    data = batch()
+    return tc, data, _run(model, data).recorded()
+
+
+@pytest.mark.parametrize("cache_mode", ["compact", "full"])
+def test_guided_sites_reproduce_the_rollout_codes(rollout, cache_mode):
+    """All layers guided: not a single codeword differs from the rollout's at any site (the trainer's own
+    RNE differs at hundreds of elements per site)."""
+    _, data, roll = rollout
+    trainer = _model(TraceConfig(guided_layers="all", cache_mode=cache_mode))
+    own = _run(trainer, data, StepGuidance(routing=roll.routing)).recorded()  # the trainer's own RNE
+    h = _run(trainer, data, StepGuidance(sites=roll.sites, routing=roll.routing))
+    guided = h.recorded()
+    for layer in range(4):
+        for site in SITES:
+            key = (layer, site)
+            assert mismatches(guided.sites[key], roll.sites[key]) == 0, key
+            scales = guided.sites[key].record.block_scales.view(torch.uint8)
+            assert torch.equal(scales, roll.sites[key].record.block_scales.view(torch.uint8)), key
+            assert mismatches(own.sites[key], roll.sites[key]) > 0, key
+    per_layer = T + T * TOPK + T + T  # fc1, fc2 per (token, expert), kv_k, kv_v
+    assert h.counter.used == 4 * per_layer and not h.counter.fallback
+    assert h.coverage() == 1.0
+
+
+def _site_inputs(model):
+    """Pre-quantization inputs of the FC1 site (MoE input) and the KV sites (core attention K, V)."""
+    seen, hooks = {}, []
+    for i, layer in enumerate(model.decoder.layers):
+        hooks.append(layer.mlp.register_forward_pre_hook(
+            lambda m, a, i=i: seen.__setitem__((i, "expert_fc1_in"), a[0].detach().transpose(0, 1))))
+        hooks.append(layer.self_attention.core_attention.register_forward_pre_hook(
+            lambda m, a, i=i: seen.update({(i, "kv_k"): a[1].detach().transpose(0, 1),
+                                           (i, "kv_v"): a[2].detach().transpose(0, 1)})))
+    return seen, hooks
+
+
+def _outside_bracket(x: torch.Tensor, roll: SiteGuidance) -> torch.Tensor:
+    """bool, per element: the rollout's codeword is not a bracket point of x / (the rollout's scale)."""
+    r = roll.record
+    scale = r.block_scales.float().repeat_interleave(16, -1)[..., : r.shape[-1]] * r.global_amax / 2688.0
+    lo, hi = e2m1.bracket((x.float() / scale).clamp(-6, 6))
+    q = _values(roll)
+    return (q != lo) & (q != hi)
+
+
+def test_policy_guides_only_selected_layers_and_mismatches_are_never_adjacent(rollout):
+    """Last 2 layers guided: there, every codeword the trainer could reach (a bracket point) is the rollout's;
+    layers 0-1 keep the trainer's own RNE and are counted as not guided."""
+    tc, data, roll = rollout
+    trainer = _model(tc)
+    own = _run(trainer, data, StepGuidance(routing=roll.routing)).recorded()
+    seen, hooks = _site_inputs(trainer)
+    h = _run(trainer, data, StepGuidance(sites=roll.sites, routing=roll.routing))
+    for hook in hooks:
+        hook.remove()
+    guided = h.recorded()
+    for layer in range(4):
+        for site in SITES:
+            key = (layer, site)
+            g, r = guided.sites[key], roll.sites[key]
+            if layer not in GUIDED:
+                assert torch.equal(_values(g), _values(own.sites[key])), key
+                continue
+            assert torch.equal(g.record.block_scales.view(torch.uint8), r.record.block_scales.view(torch.uint8))
+            if key in seen:
+                differ = _values(g) != _values(r)
+                assert not bool((differ & ~_outside_bracket(seen[key], r)).any()), key
+    assert mismatches(own.sites[(3, "kv_k")], roll.sites[(3, "kv_k")]) > mismatches(
+        guided.sites[(3, "kv_k")], roll.sites[(3, "kv_k")])
+    per_layer = T + T * TOPK + T + T
+    assert h.counter.used == 2 * per_layer
+    assert dict(h.counter.fallback) == {"not_guided_layer": 2 * per_layer}
+    assert h.coverage() == 1.0 and h.counter.coverage == 0.5
+
+
+def test_missing_and_invalid_rows_fall_back_and_are_counted(rollout):
+    _, data, roll = rollout
+    tc = TraceConfig(guided_layers="all")
+    trainer = _model(tc)
+    sites = dict(roll.sites)
+    del sites[(3, "expert_fc1_in")]
+    kv = sites[(2, "kv_k")]
+    valid = kv.valid.clone()
+    valid[0, :5] = False
+    sites[(2, "kv_k")] = SiteGuidance(kv.record, valid)
+    seen, hooks = _site_inputs(trainer)
+    h = _run(trainer, data, StepGuidance(sites=sites, routing=roll.routing))
+    for hook in hooks:
+        hook.remove()
+    assert h.counter.fallback["missing"] == T
+    assert h.counter.fallback["invalid_row"] == 5
+    assert h.stats()[(3, "expert_fc1_in", "missing")] == T
+    assert h.stats()[(2, "kv_k", "invalid_row")] == 5
+    guided = h.recorded()
+    assert mismatches(guided.sites[(2, "kv_k")], sites[(2, "kv_k")]) == 0  # over the rows still valid
+    own = Quantizer("nvfp4", per_row=True).quantize(seen[(2, "kv_k")][0, :5])  # [5, kv_heads, head_dim]
+    assert torch.equal(_values(guided.sites[(2, "kv_k")])[0, :5], own.values())  # invalid rows: own RNE
+
+
+def test_token_mask_leaves_padding_uncounted(rollout):
+    tc, data, roll = rollout
+    mask = torch.ones(2, 16, dtype=torch.bool)
+    mask[1, 12:] = False
+    h = _run(_model(tc), data, StepGuidance(sites=roll.sites, routing=roll.routing, token_mask=mask))
+    per_token = 1 + TOPK + 1 + 1
+    assert h.counter.used == 2 * per_token * (T - 4)
+
+
+def test_fallback_fail_raises(rollout):
+    tc, data, roll = rollout
+    sites = {k: v for k, v in roll.sites.items() if k != (2, "expert_fc2_in")}
+    with pytest.raises(GuidanceFallbackError, match="layer 2 site 'expert_fc2_in'.*missing"):
+        _run(_model(tc), data, StepGuidance(sites=sites, routing=roll.routing, fallback="fail"))
+
+
+def test_min_coverage_is_enforced(rollout):
+    tc, data, roll = rollout
+    sites = {k: v for k, v in roll.sites.items() if k[0] != 3}
+    with pytest.raises(GuidanceCoverageError, match="below min_coverage=0.9"):
+        _run(_model(tc), data, StepGuidance(sites=sites, routing=roll.routing, min_coverage=0.9))
+
+
+def test_guidance_that_does_not_fit_is_rejected(rollout):
+    tc, data, roll = rollout
+    sites = dict(roll.sites)
+    sites[(2, "expert_fc1_in")] = roll.sites[(2, "kv_k")]  # wrong row dims
+    h = _run(_model(tc), data, StepGuidance(sites=sites, routing=roll.routing))
+    assert h.stats()[(2, "expert_fc1_in", "shape")] == T
+    with pytest.raises(GuidanceFallbackError, match="row dims"):
+        _run(_model(tc), data, StepGuidance(sites=sites, routing=roll.routing, fallback="fail"))
+
+
+def _routing_maps(model):
+    maps, hooks = {}, []
+    for i, layer in enumerate(model.decoder.layers):
+        hooks.append(layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: maps.__setitem__(i, out[1])))
+    return maps, hooks
+
+
+def test_routing_replay_uses_the_rollouts_choices():
+    tc = TraceConfig(guided_layers="none")
+    data = batch()
+    roll = _run(_model(tc, seed=7), data).recorded()  # different router weights: different choices
+    trainer = _model(tc)
+    maps, hooks = _routing_maps(trainer)
+    _run(trainer, data)
+    own = dict(maps)
+    _run(trainer, data, StepGuidance(routing=roll.routing))
+    for h in hooks:
+        h.remove()
+    for layer in range(4):
+        idx = roll.routing[layer].transpose(0, 1).reshape(T, TOPK)  # Megatron token order
+        want = torch.zeros(T, EXPERTS, dtype=torch.bool).scatter(1, idx, True)
+        assert torch.equal(maps[layer], want), layer
+    assert any(not torch.equal(own[i], maps[i]) for i in range(4))
+    assert all(layer.mlp.router.router_replay.router_replay_action is None for layer in trainer.decoder.layers)
+
+
+def test_without_replay_fc2_records_of_other_experts_are_counted():
+    tc = TraceConfig(guided_layers="all", routing_replay=False)
+    data = batch()
+    roll = _run(_model(tc, seed=7), data).recorded()
+    h = _run(_model(tc), data, StepGuidance(sites=roll.sites, routing=roll.routing))
+    n_fc2 = sum(v for (layer, site, r), v in h.stats().items() if site == "expert_fc2_in")
+    assert n_fc2 == 4 * T * TOPK
+    assert h.counter.fallback["expert_mismatch"] > 0
+
+
+def test_routing_must_cover_every_moe_layer(rollout):
+    tc, data, roll = rollout
+    routing = {k: v for k, v in roll.routing.items() if k != 1}
+    with pytest.raises(ValueError, match=r"routing indices are missing for MoE layers \[1\]"):
+        _run(_model(tc), data, StepGuidance(routing=routing))
+
+
+def test_step_guidance_validates_keys():
+    with pytest.raises(ValueError, match="site must be one of"):
+        StepGuidance(sites={(0, "weights"): None})
+    with pytest.raises(ValueError, match="int64"):
+        StepGuidance(routing={0: torch.zeros(1, 2, 2, dtype=torch.int32)})
+    with pytest.raises(ValueError, match="fallback='maybe'"):
+        StepGuidance(fallback="maybe")
+
+
+def test_per_tensor_fc1_equals_quantizing_before_dispatch():
+    """per-tensor amax: the recorded FC1 rows are the pre-dispatch tokens quantized with one amax."""
+    tc = TraceConfig(activation_amax="per_tensor", guided_layers="none")
+    model = _model(tc)
+    data = batch()
+    seen = {}
+    hook = model.decoder.layers[1].mlp.register_forward_pre_hook(lambda m, a: seen.update(x=a[0].detach()))
+    rec = _run(model, data).recorded().sites[(1, "expert_fc1_in")]
+    hook.remove()
+    x = seen["x"].reshape(T, -1)
+    q = Quantizer("nvfp4").quantize(x)  # one amax over all tokens
+    want = e2m1.decode(q.unpacked_codes()).reshape(16, 2, -1).transpose(0, 1)
+    assert torch.equal(_values(rec), want)  # (test_experts checks the experts use these values)
+
+
+def test_contexts_do_not_nest_and_unbind_on_exit(rollout):
+    tc, data, roll = rollout
+    model = _model(tc)
+    with trace_guidance(model):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with trace_guidance(model):
+                pass
+    layers = model.decoder.layers
+    assert all(la.mlp.experts._trace_step is None and la.self_attention.core_attention._trace_step is None
+               for la in layers)
+    assert all(not la.mlp.router._forward_hooks and not la.mlp.router._forward_pre_hooks for la in layers)
+
+
+def test_guidance_for_layers_elsewhere_is_ignored(rollout):
+    """Pipeline stages see guidance for every layer; keys of layers a rank does not hold are skipped."""
+    tc, data, roll = rollout
+    sites = {**roll.sites, (9, "kv_k"): roll.sites[(0, "kv_k")]}
+    h = _run(_model(tc), data, StepGuidance(sites=sites, routing={**roll.routing, 9: roll.routing[0]}))
+    assert h.counter.used > 0

@@ -1,0 +1,103 @@
+"""Spec provider and spec conversion: TRACE disabled is Megatron bit for bit; enabled swaps only experts + attention."""
+
+import pytest
+import torch
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.megatron import (
+    TraceDotProductAttention,
+    TraceSequentialMLP,
+    TraceSpecProvider,
+    get_trace_decoder_block_spec,
+    get_trace_gpt_layer_spec,
+    trace_spec,
+)
+
+from .harness import EXPERTS, batch, build_model, logits, stock_spec, tiny_config
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+
+def test_disabled_returns_megatrons_spec_and_bit_identical_logits():
+    cfg = tiny_config()
+    stock = stock_spec(cfg)
+    off = TraceConfig(enabled=False)
+    assert trace_spec(stock, off) is stock
+    block = get_trace_decoder_block_spec(off, cfg, normalization="RMSNorm")
+    a, b = build_model(cfg, stock), build_model(cfg, block)
+    data = batch()
+    assert torch.equal(logits(a, data), logits(b, data))
+
+
+def test_enabled_changes_only_experts_and_core_attention():
+    cfg = tiny_config()
+    stock, model = build_model(cfg, stock_spec(cfg)), build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig()))
+    sd_a, sd_b = stock.state_dict(), model.state_dict()
+    assert sorted(sd_a) == sorted(sd_b)  # same parameter names: checkpoints and bridges keep working
+    assert all(torch.equal(sd_a[k], sd_b[k]) for k in sd_a if torch.is_tensor(sd_a[k]))  # same init
+    for la, lb in zip(stock.decoder.layers, model.decoder.layers):
+        assert type(lb.mlp) is MoELayer and type(lb.mlp.router) is type(la.mlp.router)
+        assert type(la.mlp.experts) is SequentialMLP and type(lb.mlp.experts) is TraceSequentialMLP
+        assert type(la.self_attention.core_attention) is DotProductAttention
+        assert type(lb.self_attention.core_attention) is TraceDotProductAttention
+        assert type(lb.self_attention.linear_qkv) is type(la.self_attention.linear_qkv)
+
+
+def test_layer_ids_include_megatrons_numbering():
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig()))
+    from megatron_trace.megatron import find_trace_layers
+
+    layers = find_trace_layers(model)
+    assert sorted(layers.moe) == sorted(layers.kv) == [0, 1, 2, 3]
+    assert all(layers.moe[i] is model.decoder.layers[i].mlp for i in range(4))
+
+
+def test_kv_only_config_keeps_megatrons_experts():
+    cfg = tiny_config()
+    tc = TraceConfig(sites=("kv_k", "kv_v"), guided_sites=("kv_k", "kv_v"))
+    layer = trace_spec(stock_spec(cfg), tc).layer_specs[0]
+    assert layer.submodules.mlp.submodules.experts.module is SequentialMLP
+    assert layer.submodules.self_attention.submodules.core_attention.module is TraceDotProductAttention
+
+
+def test_provider_falls_back_for_everything_else():
+    tc = TraceConfig()
+    p, local = TraceSpecProvider(tc), LocalSpecProvider()
+    assert p.column_parallel_linear() is local.column_parallel_linear()
+    assert p.row_parallel_linear() is local.row_parallel_linear()
+    assert p.layer_norm(rms_norm=True) is local.layer_norm(rms_norm=True)
+    assert p.fuse_layernorm_and_linear() is False
+    assert p.core_attention().module is TraceDotProductAttention
+    assert p.core_attention().params["trace_config"] is tc
+    module, sub = p.grouped_mlp_modules(False, False)
+    assert module is TraceSequentialMLP and sub.linear_fc1 is ColumnParallelLinear
+    moe = p.moe_module_spec(num_experts=EXPERTS)
+    assert moe.module is MoELayer and moe.submodules.experts.module is TraceSequentialMLP
+    assert moe.submodules.experts.params == {"trace_config": tc}
+
+
+def test_legacy_grouped_gemm_maps_to_the_sequential_layout():
+    module, sub = TraceSpecProvider(TraceConfig()).experts_module(GroupedMLP, None)
+    assert module is TraceSequentialMLP
+    assert (sub.linear_fc1, sub.linear_fc2) == (ColumnParallelLinear, RowParallelLinear)
+
+
+def test_layer_spec_helper_and_block_spec_share_converted_layers():
+    tc = TraceConfig()
+    layer = get_trace_gpt_layer_spec(tc, num_experts=EXPERTS, normalization="RMSNorm")
+    assert layer.submodules.mlp.submodules.experts.module is TraceSequentialMLP
+    block = get_trace_decoder_block_spec(tc, tiny_config(), normalization="RMSNorm")
+    assert isinstance(block, TransformerBlockSubmodules)
+    assert len({id(s) for s in block.layer_specs}) == 1  # one shared layer spec, converted once
+
+
+def test_bad_spec_type_is_rejected():
+    with pytest.raises(TypeError, match="ModuleSpec or TransformerBlockSubmodules"):
+        trace_spec(object(), TraceConfig())
