@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 # SGLang 0.5.10 pins torch 2.9.1; its Python registries import beside torch 2.14.1 in a separate venv.
 SGLANG_VENV ?= .venv-sglang
 
-.PHONY: demo test test-fast lint clean
+.PHONY: demo demo-quant test test-fast lint clean
 
 $(STAMP): setup.py Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ $(STAMP): setup.py Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
+	TORCHDYNAMO_DISABLE=1 $(PY) examples/rl_demo.py
+
+demo-quant: $(STAMP)
 	$(PY) -m megatron_trace.cli.demo_quant
 
 test: $(STAMP)

@@ -52,6 +52,12 @@ class FullGuidance(_Blocked):
     def unpacked_codes(self) -> torch.Tensor:
         return e2m1.unpack(self.codes)
 
+    def to_compact(self) -> CompactGuidance:
+        """The compact record of the same outcome (mantissa bits of the codes, same scales)."""
+        bits = e2m1.pack_bits(e2m1.mantissa_bit(self.unpacked_codes()))
+        return CompactGuidance(mantissa_bits=bits, block_scales=self.block_scales, global_amax=self.global_amax,
+                               shape=self.shape, fmt=self.fmt)
+
 
 @dataclass(frozen=True)
 class CompactGuidance(_Blocked):

@@ -160,6 +160,7 @@ def _per_row(value, B: int, what: str) -> list[int]:
 def _cut(sg: SiteGuidance, b: int, pos: torch.Tensor) -> SiteRecord:
     """Rows of batch row ``b`` at token positions ``pos`` [L] (copies: the batch can be freed)."""
     r = sg.record
+    pos = pos.to(sg.valid.device)  # token ids may live on another device than the records
     amax = r.global_amax
     if amax is not None:
         amax = amax.clone() if amax.dim() == 0 else amax[b].index_select(0, pos)

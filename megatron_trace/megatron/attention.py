@@ -85,7 +85,7 @@ class TraceKVCore:
             y, q = quantize_rows_recorded(self._kv_q, flat, rows)
             step.state.recorder.add_kv(step.layer, site, _reshape(q, x.shape))
         else:
-            y = quantize_rows(self._kv_q, flat, rows)
+            y = quantize_rows(self._kv_q, flat, rows, kernel=self.trace_config.kernel)
         return y.view(x.shape)
 
 

@@ -25,6 +25,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
 from ..config import TraceConfig
+from ..kernels import fake_quantize
 from .gemm import grouped_linear
 from .moe_step import FC1, FC2, ExpertRows
 from .sites import quantize_rows, quantize_rows_recorded
@@ -68,12 +69,13 @@ class TraceExpertsCore:
         self._trace_pg = pg_collection
         self._act_q = trace_config.activation_quantizer()
         self._weight_q = trace_config.weight_quantizer() if trace_config.quantizes("weights") else None
+        self._kernel = trace_config.kernel  # fake-quant implementation (kernels.select_kernel)
         self._payload_dispatcher = None
 
     # ---- numerics -----------------------------------------------------------------------------
     def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
         """One expert weight [M, K]: fake-quantized along K (or unchanged if 'weights' is not a site)."""
-        return w if self._weight_q is None else self._weight_q.fake_quantize(w)
+        return w if self._weight_q is None else fake_quantize(w, self._weight_q, kernel=self._kernel)
 
     def quantize_weights(self, w: torch.Tensor) -> torch.Tensor:
         """Stacked expert weights [E, M, K], each with its own per-tensor amax (one quantizer call).
@@ -83,10 +85,10 @@ class TraceExpertsCore:
         if self._weight_q is None:
             return w
         if self._weight_q.fmt != "nvfp4":  # MXFP4 has no global amax: blocks are independent
-            return self._weight_q.fake_quantize(w)
+            return fake_quantize(w, self._weight_q, kernel=self._kernel)
         amax = w.detach().float().abs().amax(dim=(-2, -1), keepdim=True)  # [E, 1, 1]
         amax = torch.where(amax > 0, amax, torch.ones_like(amax)).expand(*w.shape[:-1], 1)
-        return self._weight_q.fake_quantize(w, global_amax=amax)
+        return fake_quantize(w, self._weight_q, global_amax=amax, kernel=self._kernel)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -103,7 +105,7 @@ class TraceExpertsCore:
             return x, None
         if record:
             return quantize_rows_recorded(self._act_q, x, rows, global_amax=amax)
-        return quantize_rows(self._act_q, x, rows, global_amax=amax), None
+        return quantize_rows(self._act_q, x, rows, global_amax=amax, kernel=self._kernel), None
 
     def _trace_forward(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor):
         """x [N, H] rows sorted by local expert, probs [N] -> (y [N, H], None)."""

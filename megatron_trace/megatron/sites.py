@@ -2,6 +2,8 @@
 
 All functions take rows ``x`` [N, K] (blocks along K) and return the fake-quantized rows in
 ``x.dtype`` with a straight-through gradient (see ``formats.Quantizer.fake_quantize``).
+``kernel`` (``TraceConfig.kernel``: auto | reference | triton) picks the implementation of the
+fake-quant through ``kernels.fake_quantize`` (bit-identical results; Triton only for CUDA tensors).
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import FP4Tensor, Quantizer
+from ..kernels import fake_quantize
 from .rows import RowGuidance, take
 
 
@@ -62,20 +65,21 @@ def empty_rows(quantizer: Quantizer, x: torch.Tensor) -> FP4Tensor:
 
 
 def quantize_rows(
-    quantizer: Quantizer, x: torch.Tensor, guidance: RowGuidance | None = None, *, global_amax=None
+    quantizer: Quantizer, x: torch.Tensor, guidance: RowGuidance | None = None, *, global_amax=None,
+    kernel: str = "reference",
 ) -> torch.Tensor:
     """Fake-quantize rows ``x`` [N, K]; rows with ``guidance.valid`` use the record (guided rounding)."""
     if x.shape[0] == 0:
         return x.clone()
     if guidance is None or not bool(guidance.valid.any()):
-        return quantizer.fake_quantize(x, global_amax=safe_amax(global_amax))
+        return fake_quantize(x, quantizer, global_amax=safe_amax(global_amax), kernel=kernel)
     amax = _own_amax(quantizer, x, global_amax)
     g, r = _split(guidance.valid)
     out = torch.zeros_like(x)
-    yg = quantizer.fake_quantize(x.index_select(0, g), guidance=take(guidance, g).record)
+    yg = fake_quantize(x.index_select(0, g), quantizer, guidance=take(guidance, g).record, kernel=kernel)
     out = out.index_copy(0, g, yg)
     if r.numel():
-        yr = quantizer.fake_quantize(x.index_select(0, r), global_amax=_rows_of(amax, r))
+        yr = fake_quantize(x.index_select(0, r), quantizer, global_amax=_rows_of(amax, r), kernel=kernel)
         out = out.index_copy(0, r, yr)
     return out
 

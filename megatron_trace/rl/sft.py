@@ -83,7 +83,7 @@ def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sf
         opt.step()
         sched.step()
         if progress is not None:
-            progress(step, float(loss))
+            progress(step, loss.item())
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     stamp.write_text(json.dumps(key))

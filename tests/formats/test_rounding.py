@@ -155,3 +155,9 @@ def test_guided_shape_and_dtype_errors():
         nvfp4.guided_quantize(x, bad)
     with pytest.raises(ValueError, match="mantissa bits shape"):
         rounding.guided_compact(torch.zeros(3), torch.zeros(2, dtype=torch.uint8))
+
+
+def test_full_to_compact_equals_direct_compact():
+    q = nvfp4.quantize(_data(4, 3), per_row=True)
+    a, b = q.guidance(compact=False).to_compact(), q.guidance(compact=True)
+    assert torch.equal(a.mantissa_bits, b.mantissa_bits) and a.shape == b.shape

@@ -1,0 +1,206 @@
+"""Guidance transfer costs: ``guidance.sync`` vs a raw send/recv of the same bytes, and ``guidance.cache`` host
+offload (device staging -> pinned host) vs the measured pinned copy bandwidth.
+
+    python3 benchmarks/bench_guidance_sync.py           # GPU: 64k tokens x 24 layers of Qwen3-30B-A3B FC1 rows
+                                                         # (hidden 2048), compact NVFP4 records
+    python3 benchmarks/bench_guidance_sync.py --smoke   # tiny, CPU
+
+Two processes (rollout rank 0, trainer rank 1) on the one GPU: NCCL is tried first; NCCL refuses two ranks on
+one device, then gloo runs (the JSON says which). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+
+def args_():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for k, v in dict(samples=64, seq=1024, hidden=2048, layers=24, warmup=1, reps=3).items():
+        p.add_argument("--" + k, type=int, default=v)
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args()
+    if a.smoke:
+        a.__dict__.update(samples=4, seq=32, hidden=64, layers=2, warmup=1, reps=2)
+    return a
+
+
+def make_samples(a, device):
+    """Compact NVFP4 FC1 records (per-row amax) of ``a.layers`` layers, one SampleGuidance per sequence."""
+    from megatron_trace.formats import nvfp4
+    from megatron_trace.guidance.records import split_batch
+    from megatron_trace.guidance.site import SiteGuidance
+
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(a.samples, a.seq, a.hidden, generator=g, device=device, dtype=torch.bfloat16)
+    rec = nvfp4.quantize(x, per_row=True).guidance(compact=True)
+    del x
+    valid = torch.ones(a.samples, a.seq, dtype=torch.bool, device=device)
+    batch = {(layer, "expert_fc1_in"): SiteGuidance(rec, valid) for layer in range(a.layers)}
+    tokens = torch.randint(1, 150_000, (a.samples, a.seq), generator=torch.Generator().manual_seed(0)).to(device)
+    return split_batch(batch, tokens, version=7)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device, warmup, reps):
+    times = []
+    for i in range(warmup + reps):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def worker(rank: int, port: int, backend: str, a, out: str) -> None:
+    from megatron_trace.guidance.sync import GuidanceSync
+
+    try:
+        cuda = torch.cuda.is_available()
+        if cuda:
+            torch.cuda.set_device(0)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=90))
+        dev = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+        dist.barrier()
+        samples = make_samples(a, "cuda" if cuda else "cpu") if rank == 0 else None
+        res = {"backend": backend}
+        for verify in (True, False):
+            sync = GuidanceSync(0, [1], backend=backend, verify=verify, timeout=timedelta(seconds=120))
+            got = {}
+            fn = (lambda sync=sync: sync.send(samples)) if rank == 0 else (
+                lambda sync=sync, got=got: got.update(s=sync.receive()))
+            res[f"sync_s_verify_{verify}"] = _timed(fn, dev, a.warmup, a.reps)
+            if rank == 1:
+                res["samples_received"] = len(got["s"])
+        n = torch.zeros(1, dtype=torch.int64, device=dev)
+        if rank == 0:
+            msgs = sync.encode(samples)
+            n[0] = msgs[0][1] + msgs[0][2] + 24  # header + payload + size message
+        dist.broadcast(n, src=0)
+        buf = torch.empty(int(n.item()), dtype=torch.uint8, device=dev)
+        fn = (lambda: dist.send(buf, 1)) if rank == 0 else (lambda: dist.recv(buf, 0))
+        res["raw_s"] = _timed(fn, dev, a.warmup, a.reps)
+        res["bytes"] = int(n.item())
+        if rank == 1:
+            with open(out, "w") as f:
+                json.dump(res, f)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        if rank == 1 or not os.path.exists(out):
+            with open(out + f".err{rank}", "w") as f:
+                f.write(traceback.format_exc())
+
+
+def run_pair(backend: str, a, tmp: str, join_s: float) -> dict:
+    from benchmarks._megatron import free_port
+
+    out = os.path.join(tmp, f"sync_{backend}.json")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, backend, a, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(join_s)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    if os.path.exists(out):
+        with open(out) as f:
+            return json.load(f)
+    errs = [open(out + f".err{r}").read()[-600:] for r in range(2) if os.path.exists(out + f".err{r}")]
+    return {"backend": backend, "error": errs or [f"exit codes {[p.exitcode for p in procs]}"]}
+
+
+def host_offload(a) -> dict:
+    """GuidanceCache.put (device staging + async copy to freshly pinned host memory) vs a plain pinned copy."""
+    from megatron_trace.guidance.cache import GuidanceCache
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    samples = make_samples(a, dev)
+    cache = GuidanceCache(budget_bytes=1 << 40)
+    put = []
+    for i in range(a.warmup + a.reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        cache.put(i, samples)
+        cache.get(i, [samples[0].sample_id])  # waits for the step's copy event
+        if i >= a.warmup:
+            put.append(time.perf_counter() - t0)
+        nbytes = cache.host_bytes
+        cache.drop(i)
+    res = {"bytes": nbytes, "put_s": statistics.median(put)}
+    res["put_GBps"] = nbytes / res["put_s"] / 1e9
+    if cuda:
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
+        t0 = time.perf_counter()
+        pinned = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        res["pinned_alloc_s"] = time.perf_counter() - t0
+        ms = []
+        for i in range(2 + 5):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            pinned.copy_(src, non_blocking=True)
+            e.record()
+            e.synchronize()
+            if i >= 2:
+                ms.append(s.elapsed_time(e))
+        res["pinned_copy_GBps"] = nbytes / (statistics.median(ms) * 1e-3) / 1e9
+        res["put_vs_pinned_copy"] = res["put_GBps"] / res["pinned_copy_GBps"]
+    return res
+
+
+def main():
+    a = args_()
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="bench_sync_")
+    cuda = torch.cuda.is_available()
+    attempts = [run_pair("nccl", a, tmp, 60)] if cuda else []
+    if not attempts or "error" in attempts[-1]:
+        attempts.append(run_pair("gloo", a, tmp, 180))
+    sync = attempts[-1]
+    print(json.dumps(attempts), file=sys.stderr, flush=True)
+    if "error" not in sync:
+        for v in (True, False):
+            sync[f"sync_GBps_verify_{v}"] = sync["bytes"] / sync[f"sync_s_verify_{v}"] / 1e9
+            sync[f"ratio_sync_vs_raw_verify_{v}"] = sync["raw_s"] / sync[f"sync_s_verify_{v}"]
+        sync["raw_GBps"] = sync["bytes"] / sync["raw_s"] / 1e9
+    out = {
+        "bench": "guidance_sync", "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "shape": {k: getattr(a, k) for k in ("samples", "seq", "hidden", "layers")}, "record": "compact nvfp4 FC1",
+        "sync": sync, "tried": [t["backend"] + (" failed: " + t["error"][0][-300:] if "error" in t else " ok")
+                                for t in attempts],
+        "host_offload": host_offload(a),
+    }
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""One training step (forward + backward + AdamW) of a Megatron MoE GPTModel: BF16 vs FP4 QAT vs TRACE guided.
+
+    python3 benchmarks/bench_qat_step.py            # H200: 8 layers, hidden 1024, 32 experts top-4, ffn 512,
+                                                     # seq 1024, batch 8, bf16
+    python3 benchmarks/bench_qat_step.py --smoke    # tiny, runs on CPU (checks the script, times nothing useful)
+
+Variants: bf16_stock (Megatron's local spec: SequentialMLP loop), bf16_grouped (TRACE experts with no site
+quantized: the same grouped GEMM as QAT, isolates the quantization cost), fp4_qat[kernel] (TRACE spec, all
+sites, own RNE), trace_guided[kernel] (records from a perturbed forward, compact, deepest half of the layers,
+routing replay). Medians after warm-up (CUDA events on GPU). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+
+import torch  # noqa: E402
+
+from benchmarks._megatron import gpt, init_world, lm_batch, moe_config, perturb_non_experts, stock_spec  # noqa: E402
+
+
+def args_():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for k, v in dict(layers=8, hidden=1024, experts=32, topk=4, moe_ffn=512, seq=1024, batch=8, heads=16, groups=4,
+                     vocab=32768, warmup=3, reps=10).items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    p.add_argument("--kernels", default="auto,reference", help="TraceConfig.kernel values to time")
+    p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed")
+    a = p.parse_args()
+    if a.smoke:
+        a.__dict__.update(layers=2, hidden=64, experts=4, topk=2, moe_ffn=64, seq=32, batch=2, heads=4, groups=2,
+                          vocab=128, warmup=1, reps=2)
+    return a
+
+
+def median_ms(fn, device: str, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device == "cuda":
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def unquantized_trace_spec(spec):
+    """TRACE experts (grouped GEMM) with no site quantized."""
+    from megatron_trace.config import TraceConfig
+
+    off = TraceConfig(sites=(), guided_sites=())
+    for ls in spec.layer_specs:
+        ex = ls.submodules.mlp.submodules.experts
+        ex.params = {**ex.params, "trace_config": off}
+    return spec
+
+
+def train_step_fn(model, data, step_guidance=None):
+    from megatron_trace.megatron import StepGuidance, trace_guidance
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=data[0].is_cuda)
+    tokens, pos, mask, labels = data
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        if step_guidance is None:
+            model(tokens, pos, mask, labels=labels).float().mean().backward()
+        else:
+            sg = StepGuidance(sites=step_guidance.sites, routing=step_guidance.routing)
+            with trace_guidance(model, sg):
+                model(tokens, pos, mask, labels=labels).float().mean().backward()
+        opt.step()
+
+    return step
+
+
+def guidance_for(model, trace_cfg, cfg, a, device, data):
+    """Compact records of a perturbed copy (the 'rollout'), restricted to the guided layers; all routing."""
+    from megatron_trace.guidance.selection import guided_layers
+    from megatron_trace.megatron import StepGuidance, trace_record, trace_spec
+
+    rollout = gpt(cfg, trace_spec(stock_spec(cfg), trace_cfg), a, device)
+    rollout.load_state_dict(model.state_dict())
+    perturb_non_experts(rollout, 0.01)
+    tokens, pos, mask, _ = data
+    with trace_record(rollout, compact=True) as h, torch.no_grad():
+        rollout(tokens, pos, mask)
+    rec = h.recorded()
+    keep = set(guided_layers(trace_cfg, cfg.num_layers))
+    del rollout
+    return StepGuidance(sites={k: v for k, v in rec.sites.items() if k[0] in keep}, routing=rec.routing), sorted(keep)
+
+
+def main():
+    a = args_()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not a.smoke:
+        raise SystemExit("no CUDA: run with --smoke on CPU")
+    init_world(device)
+    from megatron_trace.config import TraceConfig
+    from megatron_trace.kernels import select_kernel
+    from megatron_trace.megatron import trace_spec
+
+    cfg = moe_config(a, device)
+    data = lm_batch(a, device)
+    variants = {"bf16_stock": (None, False), "bf16_grouped": ("unquantized", False)}
+    for k in a.kernels.split(","):
+        variants[f"fp4_qat[{k}]"] = (TraceConfig(kernel=k), False)
+        variants[f"trace_guided[{k}]"] = (TraceConfig(kernel=k, guided_layers="fraction", guided_fraction=0.5,
+                                                      cache_mode="compact"), True)
+    ms, extra = {}, {}
+    for name, (tc, guided) in variants.items():
+        if tc is None:
+            spec = stock_spec(cfg)
+        elif tc == "unquantized":
+            spec = unquantized_trace_spec(trace_spec(stock_spec(cfg), TraceConfig(sites=("weights",), guided_sites=())))
+        else:
+            spec = trace_spec(stock_spec(cfg), tc)
+        model = gpt(cfg, spec, a, device)
+        sg = None
+        if guided:
+            sg, layers = guidance_for(model, tc, cfg, a, device, data)
+            extra["guided_layers"] = layers
+        ms[name] = median_ms(train_step_fn(model, data, sg), device, a.warmup, a.reps)
+        print(f"{name}: {ms[name]:.2f} ms/step", file=sys.stderr, flush=True)
+        del model, sg
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    base = ms["bf16_stock"]
+    resolved = {k: select_kernel(k, device).value for k in a.kernels.split(",")}
+    out = {
+        "bench": "qat_step", "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
+        "shape": {k: getattr(a, k) for k in ("layers", "hidden", "experts", "topk", "moe_ffn", "seq", "batch",
+                                             "heads", "groups", "vocab")},
+        "warmup": a.warmup, "reps": a.reps, "kernel_resolved": resolved, **extra,
+        "step_ms": {k: round(v, 3) for k, v in ms.items()},
+        "ratio_vs_bf16_stock": {k: round(v / base, 3) for k, v in ms.items()},
+        "ratio_vs_bf16_grouped": {k: round(v / ms["bf16_grouped"], 3) for k, v in ms.items()},
+    }
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

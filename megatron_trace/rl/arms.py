@@ -1,0 +1,39 @@
+"""The five arms compared by the demo (METRICS.md), as TraceConfig variants of one base config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import TraceConfig
+
+ARMS = ("bf16", "fp4_naive", "fp4_qat", "trace", "trace_full")
+
+
+@dataclass(frozen=True)
+class Arm:
+    """name; rollout mode ("bf16"|"fp4"); whether the trainer runs FP4 QAT; its TraceConfig."""
+
+    name: str
+    rollout_mode: str
+    trainer_fp4: bool
+    trace: TraceConfig
+
+    @property
+    def guided(self) -> bool:
+        return self.trainer_fp4 and self.trace.guided_layers != "none"
+
+
+def make_arm(name: str, base: TraceConfig) -> Arm:
+    """bf16: BF16 both sides. fp4_naive: FP4 rollout, BF16 trainer. fp4_qat: FP4 QAT, own RNE.
+    trace: guided QAT with ``base``'s policy (default: compact, deepest half). trace_full: all layers, full codes."""
+    if name == "bf16":
+        return Arm(name, "bf16", False, base.replace(guided_layers="none"))
+    if name == "fp4_naive":
+        return Arm(name, "fp4", False, base.replace(guided_layers="none"))
+    if name == "fp4_qat":
+        return Arm(name, "fp4", True, base.replace(guided_layers="none"))
+    if name == "trace":
+        return Arm(name, "fp4", True, base)
+    if name == "trace_full":
+        return Arm(name, "fp4", True, base.replace(guided_layers="all", cache_mode="full"))
+    raise ValueError(f"arm={name!r} is not one of {ARMS}")

@@ -1,0 +1,212 @@
+"""The GRPO driver: rollout -> reward -> advantages -> Megatron train step (guided) -> weight sync.
+
+It is the reference integration of the plugin (how verl or slime would wire it), kept small:
+one process, the rollout engine (hf backend) beside the Megatron trainer. Per step:
+
+  1. the rollout samples G responses per prompt with FP4 numerics and records, per layer, its
+     expert choices and its FP4 outcome (full codes on every layer: the superset the metrics need);
+  2. the arm keeps what TRACE would ship (its layers; mantissa bits in compact mode), which goes
+     through the guidance cache (split per sample, stored, assembled for the micro-batch: records
+     whose token hash or version does not match are rejected and counted);
+  3. the trainer recomputes log-probs with routing replay and guided rounding, takes one
+     PPO-clip step with the truncated IS correction, and records its own codes for the metrics;
+  4. the new weights go to the rollout (packed FP4 experts for FP4 rollouts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..guidance.records import assemble, split_batch
+from ..guidance.site import FallbackCounter, SiteGuidance
+from ..metrics import mismatch_metrics, quant_counts, quant_metrics
+from ..rollout.base import SamplingParams
+from .arms import Arm
+from .grpo import group_advantages, policy_loss
+from .tasks import CharTokenizer, Task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RLConfig:
+    steps: int = 20
+    prompts_per_step: int = 16
+    group_size: int = 8
+    lr: float = 5e-5
+    clip_eps: float = 0.2
+    tis_cap: float | None = 5.0
+    kl_coef: float = 0.0
+    temperature: float = 1.0
+    routing_replay: bool = True
+    weight_sync: str = "auto"  # auto (fp4 for FP4 rollouts) | bf16 | fp4
+    eval_problems: int = 500
+    quant_metrics_every: int = 1
+    checkpoint_every: int = 0
+    seed: int = 0
+
+
+@dataclass
+class ArmState:
+    step: int = 0
+    version: int = 0
+    history: list = field(default_factory=list)
+
+
+def keep_for_arm(full: dict, arm: Arm, num_layers: int) -> dict:
+    """What TRACE ships for this arm: its guided layers and sites, compact or full."""
+    from ..guidance.selection import guided_layers
+
+    if not arm.guided:
+        return {}
+    layers = set(guided_layers(arm.trace, num_layers))
+    compact = arm.trace.cache_mode == "compact"
+    out = {}
+    for (layer, site), sg in full.items():
+        if layer in layers and site in arm.trace.guided_sites:
+            rec = sg.record.to_compact() if compact else sg.record
+            out[(layer, site)] = SiteGuidance(record=rec, valid=sg.valid, expert_ids=sg.expert_ids)
+    return out
+
+
+class GRPORun:
+    """One arm: a rollout backend, a Megatron policy, the guidance cache and the loop."""
+
+    def __init__(self, arm: Arm, cfg: RLConfig, task: Task, hf_dir: str, *, out_dir: Path, cache_dir: Path):
+        from ..guidance.cache import GuidanceCache
+        from ..rollout.hf import HFRolloutBackend
+        from .trainer import MegatronPolicy
+
+        self.arm, self.cfg, self.task, self.tok = arm, cfg, task, CharTokenizer()
+        self.out_dir = Path(out_dir)
+        record_cfg = arm.trace.replace(guided_layers="all", cache_mode="full")  # the metrics' superset
+        self.rollout = HFRolloutBackend(hf_dir, mode=arm.rollout_mode, trace_config=record_cfg)
+        self.policy = MegatronPolicy(hf_dir, arm.trace, quantized=arm.trainer_fp4, lr=cfg.lr)
+        self.num_layers = self.policy.hf_config.num_hidden_layers
+        self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)
+        self.state = ArmState()
+        self.sync_fmt = ("fp4" if arm.rollout_mode == "fp4" else "bf16") if cfg.weight_sync == "auto" else cfg.weight_sync
+        self._sync_weights()  # the rollout serves exactly the trainer's weights (and FP4 codes)
+
+    # ---- pieces ----------------------------------------------------------------------------
+    def _sync_weights(self) -> dict:
+        from ..bridge import sync_weights
+
+        stats = sync_weights(self.rollout, self.policy.export_hf_weights(), fmt=self.sync_fmt,
+                             quantizer=self.arm.trace.weight_quantizer(), version=self.state.version)
+        return stats.as_dict()
+
+    def _prompts(self, step: int):
+        g = torch.Generator().manual_seed(self.cfg.seed * 100003 + step)
+        problems = [self.task.sample(g) for _ in range(self.cfg.prompts_per_step)]
+        problems = [p for p in problems for _ in range(self.cfg.group_size)]
+        return problems, [self.tok.encode(p.prompt, bos=True) for p in problems]
+
+    def _sampling(self, step: int, temperature: float) -> SamplingParams:
+        return SamplingParams(temperature=temperature, max_new_tokens=self.task.answer_len + 1,
+                              stop_token_ids=(self.tok.eos_id,), seed=self.cfg.seed * 7919 + step)
+
+    def evaluate(self) -> float:
+        """Held-out greedy accuracy with the rollout's numerics (fixed problems, seed 123456)."""
+        g = torch.Generator().manual_seed(123456)
+        problems = [self.task.sample(g) for _ in range(self.cfg.eval_problems)]
+        batch = self.rollout.generate([self.tok.encode(p.prompt, bos=True) for p in problems], self._sampling(0, 0.0))
+        return sum(self.task.reward(p, self.tok.decode(r)) for p, r in zip(problems, batch.responses())) / len(problems)
+
+    def _guidance(self, step: int, batch, full: dict):
+        """Ship the arm's records through the cache and assemble them for the trainer's batch."""
+        from ..megatron import StepGuidance
+
+        keep = keep_for_arm(full, self.arm, self.num_layers)
+        counter = FallbackCounter()
+        mask = batch.attention_mask
+        routing = batch.routing if self.cfg.routing_replay else {}
+        if not keep:
+            return StepGuidance(routing=routing, token_mask=mask), counter, 0.0
+        samples = split_batch(keep, batch.tokens, version=batch.policy_version, attention_mask=mask)
+        self.cache.put(step, samples)
+        got = self.cache.get(step, [s.sample_id for s in samples])
+        sites = assemble(got, batch.tokens, versions=batch.policy_version, counter=counter, attention_mask=mask)
+        tokens = int(mask.sum())
+        bpt = sum(s.guidance_nbytes() for s in samples) / max(tokens, 1)
+        return StepGuidance(sites=sites, routing=routing, token_mask=mask), counter, bpt
+
+    def _quant_metrics(self, recorded, full: dict) -> dict:
+        counts, guided = {}, None
+        guided_keys = set(keep_for_arm(full, self.arm, self.num_layers))
+        for key, sg in recorded.sites.items():
+            if key in full and not sg.compact:
+                c = quant_counts(sg.record, full[key].record, rows=full[key].valid & sg.valid)
+                counts[key] = c
+                if key in guided_keys:
+                    guided = c if guided is None else guided + c
+        out = quant_metrics(counts)
+        if guided is not None:
+            out.update({f"quant/guided/{k}": v for k, v in guided.rates().items()})
+        return out
+
+    # ---- the step ------------------------------------------------------------------------------
+    def step(self) -> dict:
+        from ..megatron import trace_guidance
+
+        step, cfg, t0 = self.state.step, self.cfg, time.perf_counter()
+        problems, prompt_ids = self._prompts(step)
+        batch = self.rollout.generate(prompt_ids, self._sampling(step, cfg.temperature))
+        t_roll = time.perf_counter()
+        rewards = torch.tensor([self.task.reward(p, self.tok.decode(r)) for p, r in zip(problems, batch.responses())])
+        adv = group_advantages(rewards, cfg.group_size)
+        full = batch.guidance
+        sg, counter, bpt = self._guidance(step, batch, full)
+        record = self.arm.trainer_fp4 and cfg.quant_metrics_every and step % cfg.quant_metrics_every == 0
+        self.policy.optimizer.zero_grad()
+        if self.arm.trainer_fp4:
+            ctx = trace_guidance(self.policy.model, sg, record=bool(record), compact=False)
+        else:
+            from .trainer import replay_routing
+
+            ctx = replay_routing(self.policy.model, sg.routing)
+        with ctx as h:
+            logp = self.policy.logprobs(batch.tokens)
+            loss, stats = policy_loss(logp, logp.detach(), batch.logprobs, adv, batch.response_mask,
+                                      clip_eps=cfg.clip_eps, tis_cap=cfg.tis_cap)
+            loss.backward()
+        grad_norm = self.policy.optimizer.step()
+        t_train = time.perf_counter()
+        metrics = {"reward": float(rewards.mean()), "loss": float(loss.detach()), "grad_norm": grad_norm, **stats}
+        metrics.update(mismatch_metrics(logp.detach(), batch.logprobs, batch.response_mask))
+        if self.arm.trainer_fp4:
+            metrics.update(h.counter.as_dict("guidance/trainer"))
+            if record:
+                metrics.update(self._quant_metrics(h.recorded(), full))
+        metrics.update(counter.as_dict("guidance/assembly"))
+        metrics["cache/bytes_per_token"] = bpt
+        self.cache.drop(step)
+        self.state.version += 1
+        metrics.update(self._sync_weights())
+        t_end = time.perf_counter()
+        metrics.update({"time/step_s": t_end - t0, "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll,
+                        "time/sync_s": t_end - t_train, "policy_version": float(self.state.version)})
+        self.state.step += 1
+        return metrics
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def save(self, path: Path) -> None:
+        torch.save({"policy": self.policy.state_dict(), "state": dataclasses.asdict(self.state),
+                    "arm": self.arm.name, "trace": self.arm.trace.to_dict()}, path)
+
+    def load(self, path: Path) -> None:
+        """Resume: weights, optimizer, step and version; the rollout is re-synced, no cached guidance reused."""
+        ck = torch.load(path, weights_only=False)
+        if ck["arm"] != self.arm.name or ck["trace"] != self.arm.trace.to_dict():
+            raise ValueError(f"checkpoint {path} is for arm {ck['arm']!r} with another TraceConfig")
+        self.policy.load_state_dict(ck["policy"])
+        self.state = ArmState(**ck["state"])
+        for step in self.cache.steps:
+            self.cache.invalidate(step)
+        self._sync_weights()

@@ -1,0 +1,126 @@
+"""The trainer side of the demo: a Megatron-Core GPTModel (TRACE spec when the arm quantizes) + AdamW.
+
+Loaded from a HF checkpoint directory through the bridge (the same path as a real pretrained
+checkpoint); bf16 parameters with fp32 master weights in the optimizer, as Megatron's mixed
+precision optimizer does. Megatron's parallel state must be initialised (world size 1 here).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from ..config import TraceConfig
+
+logger = logging.getLogger(__name__)
+
+
+class MasterAdamW:
+    """AdamW on fp32 master copies of (bf16) parameters; the model keeps its own dtype."""
+
+    def __init__(self, params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)):
+        self.params = [p for p in params if p.requires_grad]
+        self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
+        self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, betas=betas)
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, max_grad_norm: float | None = 1.0) -> float:
+        for p, m in zip(self.params, self.master):
+            m.grad = None if p.grad is None else p.grad.float()
+        grads = [m.grad for m in self.master if m.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm)) if max_grad_norm else float(
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        self.opt.step()
+        for p, m in zip(self.params, self.master):
+            p.copy_(m.to(p.dtype))
+        return norm
+
+    def state_dict(self) -> dict:
+        return {"opt": self.opt.state_dict(), "master": [m.detach().clone() for m in self.master]}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        for m, s in zip(self.master, sd["master"]):
+            m.copy_(s)
+        self.opt.load_state_dict(sd["opt"])
+
+
+class MegatronPolicy:
+    """GPTModel + bridge + optimizer. ``quantized``: build with the TRACE spec for ``trace_config``."""
+
+    def __init__(self, hf_dir: str, trace_config: TraceConfig, *, quantized: bool, lr: float,
+                 dtype: torch.dtype = torch.bfloat16):
+        from transformers import AutoConfig
+
+        from ..bridge import Qwen3MoeBridge, build_gpt_model, load_hf_checkpoint, local_layer_spec
+
+        hf_config = AutoConfig.from_pretrained(hf_dir)
+        self.hf_config = hf_config
+        self.bridge = Qwen3MoeBridge(hf_config, dtype=dtype, moe_enable_routing_replay=True)
+        spec = local_layer_spec(hf_config)
+        self.quantized = quantized
+        self.trace_config = trace_config
+        if quantized:
+            from ..megatron import trace_spec
+
+            spec = trace_spec(spec, trace_config)
+        self.model = build_gpt_model(hf_config, self.bridge.config, spec=spec)
+        load_hf_checkpoint(self.model, hf_dir, self.bridge)
+        self.model.to(dtype)  # every parameter in the training dtype, norms included (as Megatron's Float16Module)
+        self.optimizer = MasterAdamW(self.model.parameters(), lr=lr)
+
+    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
+        """log pi(tokens[b, t] | tokens[b, :t]) for t >= 1, float32 [B, S] (0 at t = 0)."""
+        b, s = tokens.shape
+        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=tokens.device).triu(1)  # True = masked
+        logits = self.model(tokens, pos, mask)  # [B, S, V]
+        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        return torch.nn.functional.pad(lp, (1, 0))
+
+    def export_hf_weights(self):
+        from ..bridge import export_hf_weights
+
+        return export_hf_weights(self.model, self.bridge)
+
+    def state_dict(self) -> dict:
+        return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items() if v is not None},
+                "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.model.load_state_dict(sd["model"], strict=False)
+        self.optimizer.load_state_dict(sd["optimizer"])
+
+
+@contextlib.contextmanager
+def replay_routing(model, routing: dict[int, torch.Tensor] | None):
+    """Routing replay for a stock (non-TRACE) Megatron MoE model through Megatron's RouterReplay.
+
+    ``routing[layer]``: int64 [B, S, topk] (the rollout's choices); keyed by the MoE layer's own
+    number (``layer_number - 1``), never by list position. TP = 1 (tokens in Megatron's [S, B] order).
+    """
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    routers = {m.layer_number - 1: m.router for m in model.modules() if isinstance(m, MoELayer)}
+    if routing:
+        missing = sorted(set(routers) - set(routing))
+        if missing:
+            raise ValueError(f"routing indices are missing for MoE layers {missing}")
+        for layer, router in routers.items():
+            idx = routing[layer].transpose(0, 1).reshape(-1, routing[layer].shape[-1])  # [S*B, topk]
+            router.router_replay.set_target_indices(idx)
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+    try:
+        yield
+    finally:
+        for router in routers.values():
+            if router.router_replay is not None:
+                router.router_replay.clear_indices()
+                router.router_replay.clear_router_replay_action()

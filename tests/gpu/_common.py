@@ -1,0 +1,59 @@
+"""GPU-test helpers: the device and world of the tiny Megatron model, and moving guidance between devices.
+
+``MEGATRON_TRACE_GPU_DRYRUN=1`` runs the GPU tests on CPU (gloo, CPU shims) to check their logic where no
+GPU is available; without it they skip on a machine without CUDA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+DRYRUN = os.environ.get("MEGATRON_TRACE_GPU_DRYRUN") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if DRYRUN else None)
+
+
+def megatron_without_te() -> None:
+    """Megatron-Core 0.16.1 reads ``moe_utils.te_general_gemm`` in the router GEMM but defines it only when
+    Transformer Engine imports (NameError without TE, also on GPU): give it the value TE-less code expects."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def move(obj, device):
+    """A copy of a guidance dataclass (SiteGuidance, Full/CompactGuidance) with every tensor on ``device``."""
+    if torch.is_tensor(obj):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj):
+        kw = {f.name: move(getattr(obj, f.name), device) for f in dataclasses.fields(obj)}
+        return type(obj)(**kw)
+    return obj
+
+
+def move_step(step, device):
+    """StepGuidance with its records and routing on ``device``."""
+    from megatron_trace.megatron import StepGuidance
+
+    return StepGuidance(sites={k: move(v, device) for k, v in step.sites.items()},
+                        routing={k: v.to(device) for k, v in step.routing.items()})
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64 (on the CPU)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def perturb_non_experts(model, scale: float, seed: int = 1) -> None:
+    """Relative noise on every non-expert parameter, drawn on the CPU (same noise on any device)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                continue
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.device)
+            p.add_((noise * scale * p.float().abs().mean()).to(p.dtype))

@@ -1,0 +1,231 @@
+"""The tiny Megatron MoE GPTModel with the TRACE spec (torch experts) on CUDA, bf16, Megatron unpatched
+(NCCL world of 1; only ``megatron_without_te``, see _common).
+
+- the grouped GEMM path (``torch._grouped_mm``) runs and equals the per-expert loop within bf16 rounding;
+- logits and MoE outputs equal a CPU reference of the same weights (subprocess, CPU shims, formats reference):
+  the GPU run guided by the CPU run's records reproduces every codeword, so the remaining difference is only
+  GEMM accumulation order; the GPU's own RNE is reported (FP4 code flips make it larger);
+- ``TraceConfig.kernel="triton"`` gives bit-identical logits to the reference fake-quant (own and guided);
+- guided mode with records from a perturbed rollout: code mismatch 0 at every guided site.
+Metrics go to the JSON-lines file ``$MEGATRON_TRACE_METRICS`` when set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ._common import DEVICE, megatron_without_te, move_step, perturb_non_experts, rel_err
+
+if DEVICE is None:
+    pytest.skip("needs CUDA (or MEGATRON_TRACE_GPU_DRYRUN=1 for a CPU dry run)", allow_module_level=True)
+pytest.importorskip("megatron.core", reason="needs megatron-core (pip install megatron-core==0.16.1)")
+
+from megatron_trace.config import TraceConfig  # noqa: E402
+from megatron_trace.formats import e2m1  # noqa: E402
+from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec  # noqa: E402
+from megatron_trace.megatron.gemm import _grouped_mm_ok, grouped_linear  # noqa: E402
+
+from ..megatron.harness import (  # noqa: E402
+    LAYERS,
+    apply_cpu_shims,
+    batch,
+    build_model,
+    destroy_parallel,
+    free_port,
+    init_parallel,
+    stock_spec,
+    tiny_config,
+)
+
+pytestmark = pytest.mark.gpu
+ROOT = Path(__file__).resolve().parents[2]
+SITES = ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v")
+KEYS = [(layer, s) for layer in range(LAYERS) for s in SITES]
+GUIDED_ALL = TraceConfig(guided_layers="all", cache_mode="full")
+
+
+def _metric(name: str, value) -> None:
+    path = os.environ.get("MEGATRON_TRACE_METRICS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": "megatron_gpu", "name": name, "value": value, "device": DEVICE}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def world():
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)
+        megatron_without_te()
+        dist.init_process_group("nccl", rank=0, world_size=1)
+    else:
+        apply_cpu_shims()
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    init_parallel(ep=1)
+    yield
+    destroy_parallel()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def weights(world):
+    """One set of weights (bf16) for every model of this module."""
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), GUIDED_ALL))
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in model.state_dict().items()}  # _extra_state: None
+
+
+def _model(weights, tc: TraceConfig = GUIDED_ALL):
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), tc)).to(DEVICE)
+    model.load_state_dict(weights, strict=True)
+    return model
+
+
+def _data():
+    return [t.to(DEVICE) for t in batch()]
+
+
+def _run(model, data, step=None, record=True):
+    """(logits, MoE outputs per layer, TraceStep)."""
+    tokens, pos, mask, _ = data
+    moe, hooks = {}, []
+    for i, layer in enumerate(model.decoder.layers):
+        hooks.append(layer.mlp.register_forward_hook(lambda m, a, out, i=i: moe.__setitem__(i, out[0].detach())))
+    with trace_guidance(model, step, record=record, compact=False) as h, torch.no_grad():
+        logits = model(tokens, pos, mask)
+    for hook in hooks:
+        hook.remove()
+    return logits, moe, h
+
+
+def _values(sg):
+    return e2m1.decode(e2m1.unpack(sg.record.codes.cpu()))[..., : sg.record.shape[-1]]
+
+
+def mismatches(a, b) -> int:
+    """Elements whose codeword differs (decoded values), over rows valid in both."""
+    both = (a.valid.cpu() & b.valid.cpu()).unsqueeze(-1)
+    va, vb = _values(a), _values(b)
+    while both.dim() < va.dim():
+        both = both.unsqueeze(-2)
+    return int(((va != vb) & both).sum())
+
+
+def test_grouped_mm_runs_and_equals_the_loop(weights):
+    experts = _model(weights).decoder.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(3)
+    counts = torch.tensor([40, 0, 17, 64, 1, 0, 30, 8])  # empty groups included
+    n, hidden = int(counts.sum()), experts.config.hidden_size
+    x = torch.randn(n, hidden, generator=g).to(DEVICE, torch.bfloat16)
+    probs = torch.rand(n, generator=g).to(DEVICE)
+    w1 = experts._stacked("linear_fc1").to(torch.bfloat16)
+    if DEVICE == "cuda":
+        assert _grouped_mm_ok(x, w1)  # "auto" takes torch._grouped_mm here
+    fast = "grouped_mm" if DEVICE == "cuda" else "loop"
+    y_fast = grouped_linear(x, w1, counts, fast)
+    assert torch.equal(grouped_linear(x, w1, counts, "auto"), y_fast)
+    exact = torch.cat([xe.double() @ w1[e].double().T for e, xe in enumerate(torch.split(x, counts.tolist()))])
+    err_gemm = rel_err(y_fast, exact)
+    assert err_gemm < 1e-2
+    with torch.no_grad():
+        experts.gemm_impl = "loop"
+        y_loop, _ = experts(x, counts, probs)
+        experts.gemm_impl = fast
+        y_grouped, _ = experts(x, counts, probs)
+    err = rel_err(y_grouped, y_loop)
+    _metric("grouped_vs_loop_gemm_rel_err_vs_fp64", err_gemm)
+    _metric("experts_grouped_vs_loop_rel_err", err)
+    assert err < 1e-2
+
+
+@pytest.fixture(scope="module")
+def cpu_reference(weights, tmp_path_factory):
+    """The CPU run of the same weights (formats reference, CPU shims, gloo) in a subprocess."""
+    d = tmp_path_factory.mktemp("cpu_ref")
+    torch.save({k: v.cpu() if torch.is_tensor(v) else v for k, v in weights.items()}, d / "state.pt")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "TORCHDYNAMO_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env.pop("MEGATRON_TRACE_GPU_DRYRUN", None)
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu._cpu_reference", str(d / "state.pt"), str(d / "out.pt")],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(d / "out.pt", weights_only=False)
+
+
+def test_guided_by_the_cpu_records_matches_the_cpu_reference(weights, cpu_reference):
+    ref = cpu_reference
+    step = move_step(StepGuidance(sites=ref["sites"], routing=ref["routing"]), DEVICE)
+    logits, moe, h = _run(_model(weights), _data(), step)
+    got = h.recorded()
+    for key in KEYS:
+        assert mismatches(got.sites[key], ref["sites"][key]) == 0, key
+        assert torch.equal(got.sites[key].record.block_scales.view(torch.uint8).cpu(),
+                           ref["sites"][key].record.block_scales.view(torch.uint8)), key
+    assert h.counter.used > 0 and not h.counter.fallback
+    err = rel_err(logits, ref["logits"])
+    err_moe = max(rel_err(moe[i], ref["moe"][i]) for i in range(LAYERS))
+    _metric("guided_logits_rel_err_vs_cpu", err)
+    _metric("guided_moe_out_max_rel_err_vs_cpu", err_moe)
+    assert err < 1e-2 and err_moe < 2e-2
+
+
+def test_own_rne_on_gpu_is_close_to_the_cpu_reference(weights, cpu_reference):
+    """Same routing (replayed), own RNE on both sides: FP4 code flips where bf16 GEMMs differ by an ulp."""
+    ref = cpu_reference
+    step = move_step(StepGuidance(routing=ref["routing"]), DEVICE)
+    logits, moe, h = _run(_model(weights), _data(), step)
+    got = h.recorded()
+    flips = {f"{k[0]}/{k[1]}": mismatches(got.sites[k], ref["sites"][k]) for k in KEYS}
+    n = sum(int(ref["sites"][k].valid.sum()) * ref["sites"][k].record.shape[-1] for k in KEYS)
+    err = rel_err(logits, ref["logits"])
+    _metric("own_rne_logits_rel_err_vs_cpu", err)
+    _metric("own_rne_code_flip_rate_vs_cpu", sum(flips.values()) / n)
+    assert err < 5e-2
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton kernels need CUDA")
+def test_triton_kernel_gives_the_reference_logits_bit_for_bit(weights):
+    data = _data()
+    ref_model = _model(weights, GUIDED_ALL.replace(kernel="reference"))
+    tri_model = _model(weights, GUIDED_ALL.replace(kernel="triton"))
+    ref1, _, _ = _run(ref_model, data, record=False)
+    ref2, _, _ = _run(ref_model, data, record=False)
+    assert torch.equal(ref1, ref2)  # the model itself is deterministic
+    tri, _, _ = _run(tri_model, data, record=False)
+    assert torch.equal(tri, ref1)
+    rollout = _model(weights)
+    perturb_non_experts(rollout, 0.01)
+    step = _run(rollout, data)[2].recorded()
+    g_ref, _, _ = _run(ref_model, data, step, record=False)
+    g_tri, _, _ = _run(tri_model, data, step, record=False)
+    assert torch.equal(g_tri, g_ref)
+    _metric("triton_vs_reference_logits_equal", True)
+
+
+def test_guided_sites_reproduce_a_perturbed_rollout(weights):
+    data = _data()
+    rollout = _model(weights)
+    perturb_non_experts(rollout, 0.01)
+    roll = _run(rollout, data)[2].recorded()
+    trainer = _model(weights)
+    own = _run(trainer, data, StepGuidance(routing=roll.routing))[2].recorded()
+    h = _run(trainer, data, StepGuidance(sites=roll.sites, routing=roll.routing))[2]
+    guided = h.recorded()
+    own_total = 0
+    for key in KEYS:
+        assert mismatches(guided.sites[key], roll.sites[key]) == 0, key
+        own_total += mismatches(own.sites[key], roll.sites[key])
+    assert own_total > 0
+    assert h.coverage() == 1.0 and not h.counter.fallback
+    _metric("perturbed_rollout_guided_mismatches", 0)
+    _metric("perturbed_rollout_own_rne_mismatches", own_total)
