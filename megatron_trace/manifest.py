@@ -3,22 +3,40 @@
 Checked at startup and on every weight sync: a difference is an error naming the field and both
 values (USER_NEEDS.md §3-5: silent recipe drift between trainer and engine). Nothing is read from
 environment variables.
+
+The quantized-module audit (USER_NEEDS.md §5, §14) names modules canonically as in the HF
+checkpoint: ``model.layers.L.mlp.experts`` (routed experts: any of the expert sites or weights)
+and ``model.layers.L.self_attn.kv_cache`` (the FP4 KV cache of layer L). Both sides list what they
+quantize and ``check_module_sets`` requires equal sets; exclude/include patterns use ModelOpt's
+wildcard semantics (``*`` = anything, full match, never substring) and a pattern that matches no
+module is an error (``match_modules``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import TraceConfig
 from .formats import E2M1_MAX, E4M3_MAX, get_format
+from .guidance.selection import guided_layers
 
 MANIFEST_VERSION = 1
 
 
+EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
+KV_SITES = ("kv_k", "kv_v")
+
+
 class RecipeMismatchError(ValueError):
     """Trainer and rollout disagree on a numeric choice."""
+
+
+class ModulePatternError(ValueError):
+    """A module include/exclude pattern matches no module (a silent no-op otherwise)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,3 +124,76 @@ def check_module_sets(trainer: set[str] | tuple, rollout: set[str] | tuple) -> N
             f"quantized module sets differ: only in trainer {sorted(t - r)[:8]} ({len(t - r)}), "
             f"only in rollout {sorted(r - t)[:8]} ({len(r - t)})"
         )
+
+
+def check_recipe(trainer: QuantRecipe, rollout: QuantRecipe, *, what: str = "rollout",
+                 ignore: tuple[str, ...] = ()) -> None:
+    """``trainer.check_matches(rollout)`` with type checks: the one call a backend makes."""
+    for name, r in (("trainer", trainer), (what, rollout)):
+        if not isinstance(r, QuantRecipe):
+            raise TypeError(f"the {name} recipe must be a QuantRecipe, got {type(r).__name__}")
+    trainer.check_matches(rollout, what=what, ignore=ignore)
+
+
+# ---- quantized-module audit --------------------------------------------------------------------
+def experts_name(layer: int) -> str:
+    return f"model.layers.{layer}.mlp.experts"
+
+
+def kv_cache_name(layer: int) -> str:
+    return f"model.layers.{layer}.self_attn.kv_cache"
+
+
+def quantized_module_names(config: TraceConfig, *, moe_layers: Iterable[int],
+                           attention_layers: Iterable[int]) -> tuple[str, ...]:
+    """Canonical names of what ``config`` quantizes in the given MoE and attention layers (sorted)."""
+    names = []
+    if any(config.quantizes(s) for s in EXPERT_SITES):
+        names += [experts_name(i) for i in moe_layers]
+    if any(config.quantizes(s) for s in KV_SITES):
+        names += [kv_cache_name(i) for i in attention_layers]
+    return tuple(sorted(set(names)))
+
+
+def trainer_quantized_modules(layers) -> tuple[str, ...]:
+    """The trainer's list from ``megatron.find_trace_layers(model)`` (its ``moe``, ``kv``, ``config``)."""
+    return quantized_module_names(layers.config, moe_layers=layers.moe, attention_layers=layers.kv)
+
+
+def trainer_recipe(layers, *, weight_version: int = 0) -> QuantRecipe:
+    """The trainer's recipe from ``megatron.find_trace_layers(model)`` (layer policy over its layer count).
+
+    Under pipeline parallelism each stage lists its own layers: gather the lists before comparing."""
+    return QuantRecipe.from_config(layers.config, guided_layers=guided_layers(layers.config, layers.num_layers),
+                                   quantized_modules=trainer_quantized_modules(layers), weight_version=weight_version)
+
+
+@dataclass(frozen=True)
+class ModuleAudit:
+    """What one side quantizes and what it keeps in BF16 (canonical HF module names, sorted)."""
+
+    quantized: tuple[str, ...]
+    bf16: tuple[str, ...]
+
+    def as_dict(self, prefix: str = "audit") -> dict[str, float]:
+        return {f"{prefix}/quantized_modules": float(len(self.quantized)),
+                f"{prefix}/bf16_modules": float(len(self.bf16))}
+
+
+def _glob(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\*", ".*"))
+
+
+def match_modules(names: Iterable[str], patterns: Iterable[str], *, what: str = "exclude") -> set[str]:
+    """Names fully matched by any pattern (``*`` = anything). Raises ``ModulePatternError`` for a
+    pattern that matches none of ``names`` (e.g. a typo or a wrong ``model.`` prefix)."""
+    names = list(names)
+    hit: set[str] = set()
+    for p in patterns:
+        rx = _glob(p)
+        got = {n for n in names if rx.fullmatch(n)}
+        if not got:
+            raise ModulePatternError(f"{what} pattern {p!r} matches none of the {len(names)} modules "
+                                     f"(e.g. {names[:3]}); patterns are full matches with '*' wildcards")
+        hit |= got
+    return hit

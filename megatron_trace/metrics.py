@@ -172,9 +172,41 @@ def quant_metrics(counts: dict[tuple[int, str], QuantCounts], prefix: str = "qua
     return out
 
 
+NOT_GUIDED_REASON = "not_guided_layer"
+"""The fallback reason of rows at layers outside the layer policy (``megatron.step.NOT_GUIDED``)."""
+
+
+def guidance_coverage(counter: FallbackCounter) -> float:
+    """Rows at guided sites that had a valid record / rows at guided sites (1.0 when there are none).
+
+    Rows of layers outside the layer policy are not guided sites and are left out."""
+    fell = sum(v for k, v in counter.fallback.items() if k != NOT_GUIDED_REASON)
+    total = counter.used + fell
+    return counter.used / total if total else 1.0
+
+
 def guided_fallback_rate(counter: FallbackCounter, prefix: str = "quant") -> dict[str, float]:
-    """Fraction of rows at guided sites that had no usable guidance."""
-    return {f"{prefix}/guided_fallback_rate": 1.0 - counter.coverage}
+    """Fraction of rows at guided sites that had no usable guidance (not-guided layers left out)."""
+    return {f"{prefix}/guided_fallback_rate": 1.0 - guidance_coverage(counter)}
+
+
+def guidance_step_metrics(counter: FallbackCounter, stats=None, prefix: str = "guidance") -> dict[str, float]:
+    """THE per-step guidance log: ``{prefix}/coverage`` (at guided sites), ``{prefix}/rows_used``,
+    ``{prefix}/fallback/{reason}`` for every reason (also ``not_guided_layer``), the fallback rate,
+    and, given the plugin's ``TraceStep.stats()`` ``{(layer, site, reason): rows}``, per-site coverage
+    ``{prefix}/coverage/{site}`` (one entry per site seen at a guided layer)."""
+    out = {f"{prefix}/coverage": guidance_coverage(counter), f"{prefix}/rows_used": float(counter.used)}
+    out.update({f"{prefix}/fallback/{k}": float(v) for k, v in sorted(counter.fallback.items())})
+    out.update(guided_fallback_rate(counter))
+    if stats:
+        per_site: dict[str, FallbackCounter] = {}
+        for (_, site, reason), n in stats.items():
+            c = per_site.setdefault(site, FallbackCounter())
+            c.add(n if reason == "used" else 0, None if reason == "used" else {reason: n})
+        for site, c in sorted(per_site.items()):
+            if c.used or any(k != NOT_GUIDED_REASON for k in c.fallback):
+                out[f"{prefix}/coverage/{site}"] = guidance_coverage(c)
+    return out
 
 
 def cache_metrics(bytes_per_token: float, bytes_per_token_full: float | None = None,

@@ -12,13 +12,23 @@ Megatron model — and call ``backend.update_weights`` (in-place copies on the r
         gate and up row halves sharing the amax.
 
 ``sync_byte_counts`` gives the bytes each path moves without syncing.
+
+Robustness (USER_NEEDS.md §9): ``sync_weights`` moves the stream in buckets of at most
+``bucket_bytes`` (a tensor larger than that travels alone) into staging buffers on the engine's
+device, and applies nothing until the whole stream arrived: then one ``update_weights`` call, which
+validates every tensor before copying any. A stream that fails or runs past ``timeout_s`` raises
+``WeightSyncError`` / ``WeightSyncTimeoutError`` and leaves the rollout on its previous complete
+weights and version. The time of each sync is logged and returned (``SyncStats.seconds``). The
+deadline is checked between tensors; a transport that blocks inside one transfer is bounded by its
+own timeout (e.g. the NCCL group's).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +40,16 @@ from ..rollout.hf_weights import expert_name, parse_expert_name, split_fc1
 logger = logging.getLogger(__name__)
 
 SYNC_FORMATS = ("bf16", "fp4")
+DEFAULT_BUCKET_BYTES = 512 << 20  # slime's default bucket (USER_NEEDS.md §9)
+ALIGN = 16
+
+
+class WeightSyncError(RuntimeError):
+    """A weight sync did not complete; the rollout still serves its previous complete weights."""
+
+
+class WeightSyncTimeoutError(WeightSyncError, TimeoutError):
+    """A weight sync ran past its ``timeout_s``; nothing was applied."""
 
 
 def value_nbytes(value: WeightValue) -> int:
@@ -47,6 +67,8 @@ class SyncStats:
     tensors: int = 0
     bytes_experts: int = 0
     bytes_other: int = 0
+    buckets: int = 0
+    seconds: float = 0.0
 
     @property
     def bytes_total(self) -> int:
@@ -62,7 +84,8 @@ class SyncStats:
     def as_dict(self, prefix: str = "sync") -> dict[str, float]:
         p = f"{prefix}/{self.fmt}"
         return {f"{p}/bytes_total": float(self.bytes_total), f"{p}/bytes_experts": float(self.bytes_experts),
-                f"{p}/bytes_other": float(self.bytes_other), f"{p}/tensors": float(self.tensors)}
+                f"{p}/bytes_other": float(self.bytes_other), f"{p}/tensors": float(self.tensors),
+                f"{p}/buckets": float(self.buckets), f"{p}/seconds": self.seconds}
 
 
 def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -111,18 +134,132 @@ def make_stream(named, fmt: str, quantizer: Quantizer | None = None, dtype: torc
     return bf16_stream(named, dtype)
 
 
+# ---- buckets ------------------------------------------------------------------------------------
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _parts(value: WeightValue) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(value, FP4Tensor):
+        parts = [("codes", value.codes), ("block_scales", value.block_scales)]
+        return parts + ([("global_amax", value.global_amax)] if value.global_amax is not None else [])
+    return [("tensor", value)]
+
+
+@dataclass
+class WeightBucket:
+    """Several weights in one flat uint8 buffer (what one transfer moves); ``values()`` views it back."""
+
+    buffer: torch.Tensor
+    entries: list[dict] = field(default_factory=list)
+
+    @classmethod
+    def pack(cls, items: list[tuple[str, WeightValue]], device: torch.device | str = "cpu") -> WeightBucket:
+        layout, off = [], 0
+        for name, value in items:
+            parts = []
+            for key, t in _parts(value):
+                parts.append((key, t.dtype, tuple(t.shape), off))
+                off = _align(off + t.numel() * t.element_size())
+            meta = {"fmt": value.fmt, "shape": tuple(value.shape)} if isinstance(value, FP4Tensor) else {}
+            layout.append({"name": name, "parts": parts, **meta})
+        buf = torch.zeros(off, dtype=torch.uint8, device=device)
+        for (_, value), e in zip(items, layout):
+            for (_, t), (_, _, _, o) in zip(_parts(value), e["parts"]):
+                src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+                buf[o : o + src.numel()].copy_(src)
+        return cls(buf, layout)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def values(self) -> list[tuple[str, WeightValue]]:
+        out = []
+        for e in self.entries:
+            t = {key: self.buffer[o : o + _nbytes(dt, shape)].view(dt).view(shape) for key, dt, shape, o in e["parts"]}
+            if "fmt" in e:
+                out.append((e["name"], FP4Tensor(codes=t["codes"], block_scales=t["block_scales"],
+                                                 global_amax=t.get("global_amax"), shape=e["shape"], fmt=e["fmt"])))
+            else:
+                out.append((e["name"], t["tensor"]))
+        return out
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def iter_buckets(stream: Iterable[tuple[str, WeightValue]], bucket_bytes: int
+                 ) -> Iterator[list[tuple[str, WeightValue]]]:
+    """Group a stream into lists of at most ``bucket_bytes`` wire bytes (an oversized tensor alone)."""
+    _check_bucket_bytes(bucket_bytes)
+    return _buckets(stream, bucket_bytes)
+
+
+def _check_bucket_bytes(bucket_bytes) -> None:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes!r} must be an int >= 1")
+
+
+def _buckets(stream, bucket_bytes: int) -> Iterator[list[tuple[str, WeightValue]]]:
+    bucket, size = [], 0
+    for name, value in stream:
+        n = value_nbytes(value)
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, value))
+        size += n
+    if bucket:
+        yield bucket
+
+
 def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tensor]], *, fmt: str = "bf16",
                  quantizer: Quantizer | None = None, dtype: torch.dtype = torch.bfloat16,
-                 version: int | None = None) -> SyncStats:
-    """Send ``named`` weights to ``backend`` (BF16 or FP4 experts); returns what was moved."""
-    stats = SyncStats(fmt)
-    payload = []
-    for name, value in make_stream(named, fmt, quantizer, dtype):
-        stats.add(name, value)
-        payload.append((name, value))
-    backend.update_weights(payload, version=version)
-    logger.info("weight sync (%s): %d tensors, %.2f MB (experts %.2f MB)", fmt, stats.tensors,
-                stats.bytes_total / 1e6, stats.bytes_experts / 1e6)
+                 version: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 timeout_s: float | None = None, recipe=None,
+                 clock: Callable[[], float] = time.monotonic) -> SyncStats:
+    """Send ``named`` weights to ``backend`` (BF16 or FP4 experts) in buckets; returns what was moved.
+
+    All-or-nothing: buckets are staged on the backend's device and applied by one ``update_weights``
+    after the stream completed within ``timeout_s`` seconds (None: no limit). ``recipe``: the
+    trainer's ``QuantRecipe`` for this version, passed to ``update_weights`` (checked there).
+    """
+    if timeout_s is not None and not timeout_s > 0:
+        raise ValueError(f"timeout_s={timeout_s!r} must be > 0 or None")
+    stats, t0 = SyncStats(fmt), clock()
+    device = getattr(backend, "device", "cpu")
+    staged: list[WeightBucket] = []
+    before = getattr(backend, "policy_version", None)
+
+    def progress() -> str:
+        return (f"after {stats.tensors} tensors ({stats.bytes_total / 1e6:.2f} MB) in {len(staged)} bucket(s); "
+                f"the rollout keeps its previous weights (version {before})")
+
+    def check_deadline() -> None:
+        if timeout_s is not None and clock() - t0 > timeout_s:
+            raise WeightSyncTimeoutError(f"weight sync ({fmt}) exceeded timeout_s={timeout_s} " + progress())
+
+    stream = iter_buckets(make_stream(named, fmt, quantizer, dtype), bucket_bytes)  # bad arguments raise here
+    try:
+        for items in stream:
+            check_deadline()
+            staged.append(WeightBucket.pack(items, device))
+            for name, value in items:
+                stats.add(name, value)
+            check_deadline()
+    except WeightSyncError:
+        raise
+    except Exception as e:
+        raise WeightSyncError(f"weight sync ({fmt}) failed {progress()}: {type(e).__name__}: {e}") from e
+    check_deadline()
+    kw = {"recipe": recipe} if recipe is not None else {}
+    backend.update_weights([v for b in staged for v in b.values()], version=version, **kw)
+    stats.buckets, stats.seconds = len(staged), clock() - t0
+    logger.info("weight sync (%s): %d tensors, %.2f MB (experts %.2f MB) in %d bucket(s), %.3f s, version %s",
+                fmt, stats.tensors, stats.bytes_total / 1e6, stats.bytes_experts / 1e6, stats.buckets, stats.seconds,
+                getattr(backend, "policy_version", None))
     return stats
 
 

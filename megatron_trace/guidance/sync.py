@@ -2,9 +2,15 @@
 
 Like the weight-update group of RL frameworks, guidance travels on its own group (``new_group``
 over the given global ranks, with its own timeout), NCCL on GPU and gloo on CPU; tensors live on
-the backend's device. Per destination, three messages: a small int64 tensor ``[magic, header
-bytes, payload bytes]``, the JSON header (sample metas: shapes, dtypes, versions, token hashes,
-offsets, checksums) as uint8, then one flat uint8 payload with all of that rank's samples.
+the backend's device. Per destination and chunk, three messages: a small int64 tensor ``[magic, header
+bytes, payload bytes, chunks still to come]``, the JSON header (sample metas: shapes, dtypes,
+versions, token hashes, offsets, checksums) as uint8, then one flat uint8 payload with the chunk's
+samples: their guidance records, then their routing (``guidance.routing.SampleRouting``).
+
+Memory (USER_NEEDS.md §7): every sample's guidance *and routing* go to one trainer rank only (never
+broadcast whole), in chunks of at most ``chunk_bytes`` (one sample may exceed it), and the sender
+waits for a chunk before building the next, so its extra memory is one chunk, not the batch.
+``last_stats`` reports bytes, chunks and the peak bytes the transfer buffers held on this rank.
 
 Destinations: each sample goes whole to the data-parallel rank that trains it (a user mapping
 ``sample_id -> rank``, default round-robin over ``dsts`` in send order). FC2 rows travel with
@@ -25,18 +31,85 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .records import SampleGuidance, tensor_bytes
-from .serial import RecordFormatError, add_checksums, flatten, unflatten
+from .routing import SampleRouting, plan_routing, unflatten_routing, write_routing
+from .serial import ALIGN, RecordFormatError, add_checksums, plan_flat, unflatten, write_flat
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x54524143  # "TRAC"
-PROTOCOL = 1
+PROTOCOL = 2
+
+
+@dataclass
+class TransferStats:
+    """One ``send`` or ``receive`` on this rank: payload bytes, messages and the peak transfer memory."""
+
+    samples: int = 0
+    payload_bytes: int = 0
+    chunks: int = 0
+    peak_bytes: int = 0
+    """Most bytes the transfer's own buffers (headers, payloads) held at once on this rank."""
+
+    def as_dict(self, prefix: str = "guidance_sync") -> dict[str, float]:
+        return {f"{prefix}/samples": float(self.samples), f"{prefix}/payload_bytes": float(self.payload_bytes),
+                f"{prefix}/chunks": float(self.chunks), f"{prefix}/peak_bytes": float(self.peak_bytes)}
+
+
+@dataclass
+class GuidanceShard:
+    """What one trainer rank received: its samples' guidance and routing."""
+
+    samples: list[SampleGuidance] = field(default_factory=list)
+    routing: list[SampleRouting] = field(default_factory=list)
+    stats: TransferStats = field(default_factory=TransferStats)
+
+
+@dataclass
+class _Unit:
+    """A sample's guidance and/or routing: what travels to one rank together."""
+
+    sample_id: int
+    guidance: SampleGuidance | None = None
+    routing: SampleRouting | None = None
+
+    def nbytes(self) -> int:
+        return (self.guidance.nbytes() if self.guidance else 0) + (self.routing.nbytes() if self.routing else 0)
+
+
+def _units(samples: Sequence[SampleGuidance], routing: Sequence[SampleRouting]) -> list[_Unit]:
+    units: dict[int, _Unit] = {}
+    for s in samples:
+        if s.sample_id in units:
+            raise ValueError(f"sample {s.sample_id} appears twice in the guidance to send")
+        units[s.sample_id] = _Unit(s.sample_id, guidance=s)
+    for r in routing:
+        u = units.setdefault(r.sample_id, _Unit(r.sample_id))
+        if u.routing is not None:
+            raise ValueError(f"sample {r.sample_id} appears twice in the routing to send")
+        u.routing = r
+    return list(units.values())
+
+
+def chunk_units(units: Sequence[_Unit], chunk_bytes: int | None) -> list[list[_Unit]]:
+    """Consecutive groups of at most ``chunk_bytes`` (None: one group); always >= 1 group."""
+    if chunk_bytes is None:
+        return [list(units)]
+    chunks, cur, size = [], [], 0
+    for u in units:
+        n = u.nbytes()
+        if cur and size + n > chunk_bytes:
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(u)
+        size += n
+    return chunks + [cur] if cur or not chunks else chunks
 
 
 class GuidanceSyncError(RuntimeError):
@@ -93,6 +166,7 @@ class GuidanceSync:
         self.backend = backend
         self.rank = dist.get_rank()
         self.group = dist.new_group(ranks=sorted(ranks), timeout=timeout, backend=backend)
+        self.last_stats: TransferStats | None = None  # of the last send / receive on this rank
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     # ---- rollout side -----------------------------------------------------------------------
@@ -100,57 +174,107 @@ class GuidanceSync:
         self,
         samples: Sequence[SampleGuidance],
         destination: Mapping[int, int] | Callable[[int], int] | None = None,
+        *,
+        routing: Sequence[SampleRouting] = (),
+        chunk_bytes: int | None = None,
     ) -> dict[int, int]:
-        """Send each sample to its trainer rank; returns payload bytes per destination."""
+        """Send each sample (guidance and routing) to its trainer rank; returns payload bytes per destination.
+
+        Destinations are assigned per sample id (samples first, then routing-only ids, in order).
+        ``chunk_bytes``: send each rank's share in chunks of at most this many bytes (None: one).
+        """
         if self.rank != self.src:
             raise RuntimeError(f"send() runs on the rollout rank {self.src}, this is rank {self.rank}")
-        per_dst = assign_destinations(samples, self.dsts, destination)
-        works, keep, sent = [], [], {}
-        for dst, chunk in per_dst.items():
-            msgs = self.encode(chunk)
-            for t in msgs:
-                t = t.to(self.device, non_blocking=True)
-                keep.append(t)
-                works.append((dst, dist.isend(t, dst=dst, group=self.group)))
-            sent[dst] = int(msgs[0][2])
-        for dst, w in works:
-            self._wait(w, f"sending guidance to trainer rank {dst}")
-        logger.info("guidance sync: sent %d samples, %s bytes per rank", len(samples), sent)
+        if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                        or chunk_bytes < 1):
+            raise ValueError(f"chunk_bytes={chunk_bytes!r} must be an int >= 1 or None")
+        per_dst = assign_destinations(_units(samples, routing), self.dsts, destination)
+        stats, sent = TransferStats(samples=len(samples)), {}
+        for dst, units in per_dst.items():
+            sent[dst] = 0
+            chunks = chunk_units(units, chunk_bytes)
+            for i, chunk in enumerate(chunks):
+                msgs = self._encode_units(chunk, len(chunks) - 1 - i)
+                stats.peak_bytes = max(stats.peak_bytes, sum(t.numel() * t.element_size() for t in msgs))
+                works = [dist.isend(t.to(self.device, non_blocking=True), dst=dst, group=self.group) for t in msgs]
+                for w in works:  # one chunk in flight: its buffers are freed before the next is built
+                    self._wait(w, f"sending guidance to trainer rank {dst}")
+                sent[dst] += int(msgs[0][2])
+                stats.chunks += 1
+        stats.payload_bytes = sum(sent.values())
+        self.last_stats = stats
+        logger.info("guidance sync: sent %d samples (%d with routing), %s bytes per rank, %d chunks, peak %d bytes",
+                    len(samples), len(routing), sent, stats.chunks, stats.peak_bytes)
         return sent
 
-    def encode(self, samples: Sequence[SampleGuidance]) -> list[torch.Tensor]:
-        """The host messages for one destination: sizes, header, payload (omitted when empty)."""
-        metas, payload = flatten(samples, device="cpu")
+    def encode(self, samples: Sequence[SampleGuidance], routing: Sequence[SampleRouting] = ()) -> list[torch.Tensor]:
+        """The host messages of one chunk (the last): sizes, header, payload (omitted when empty)."""
+        return self._encode_units(_units(samples, routing), 0)
+
+    def _encode_units(self, units: Sequence[_Unit], chunks_left: int) -> list[torch.Tensor]:
+        guidance = [u.guidance for u in units if u.guidance is not None]
+        routing = [u.routing for u in units if u.routing is not None]
+        plan = plan_flat(guidance)
+        r_metas, r_total = plan_routing(routing)
+        offset = -(-plan.total // ALIGN) * ALIGN if r_total else plan.total
+        payload = torch.zeros(offset + r_total, dtype=torch.uint8)  # one buffer: guidance, then routing
+        write_flat(plan, payload[: plan.total])
+        write_routing(routing, r_metas, payload[offset:])
+        metas = plan.metas
         if self.verify:
-            add_checksums(metas, payload)
-        header = json.dumps({"protocol": PROTOCOL, "samples": metas}).encode()
+            add_checksums(metas, payload[: plan.total])
+        head = {"protocol": PROTOCOL, "samples": metas, "routing": r_metas, "routing_offset": offset}
+        header = json.dumps(head).encode()
         msgs = [
-            torch.tensor([MAGIC, len(header), payload.numel()], dtype=torch.int64),
+            torch.tensor([MAGIC, len(header), payload.numel(), chunks_left], dtype=torch.int64),
             torch.frombuffer(bytearray(header), dtype=torch.uint8),
         ]
         return msgs + [payload] if payload.numel() else msgs
 
     # ---- trainer side -----------------------------------------------------------------------
     def receive(self) -> list[SampleGuidance]:
-        """All samples the rollout rank sent to this rank, after they fully arrived and validated."""
+        """All guidance samples the rollout rank sent to this rank, after they fully arrived and validated."""
+        return self.receive_shard().samples
+
+    def receive_shard(self) -> GuidanceShard:
+        """This rank's guidance and routing (all chunks), after every chunk arrived and validated."""
         if self.rank not in self.dsts:
             raise RuntimeError(f"receive() runs on trainer ranks {self.dsts}, this is rank {self.rank}")
-        sizes = self._recv(torch.empty(3, dtype=torch.int64, device=self.device), "the size message").tolist()
-        if sizes[0] != MAGIC or sizes[1] <= 0 or sizes[2] < 0:
-            raise GuidanceSyncError(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?)")
-        header = self._recv(torch.empty(sizes[1], dtype=torch.uint8, device=self.device), "the header")
-        payload = torch.empty(sizes[2], dtype=torch.uint8, device=self.device)
-        if sizes[2]:
-            payload = self._recv(payload, "the payload")
+        shard, held = GuidanceShard(), 0
+        while True:
+            sizes = self._recv(torch.empty(4, dtype=torch.int64, device=self.device), "the size message").tolist()
+            if sizes[0] != MAGIC or sizes[1] <= 0 or sizes[2] < 0 or sizes[3] < 0:
+                raise GuidanceSyncError(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?)")
+            header = self._recv(torch.empty(sizes[1], dtype=torch.uint8, device=self.device), "the header")
+            payload = torch.empty(sizes[2], dtype=torch.uint8, device=self.device)
+            if sizes[2]:
+                payload = self._recv(payload, "the payload")
+            held += sizes[2]  # received samples are views into their chunk's payload
+            shard.stats.peak_bytes = max(shard.stats.peak_bytes, held + sizes[1])
+            samples, routing = self._decode(header, payload)
+            shard.samples += samples
+            shard.routing += routing
+            shard.stats.chunks += 1
+            shard.stats.payload_bytes += sizes[2]
+            if sizes[3] == 0:
+                break
+        shard.stats.samples = len(shard.samples)
+        self.last_stats = shard.stats
+        return shard
+
+    def _decode(self, header: torch.Tensor, payload: torch.Tensor) -> tuple[list, list]:
         try:
             head = json.loads(tensor_bytes(header).decode())
             if head.get("protocol") != PROTOCOL:
                 raise GuidanceSyncError(f"guidance protocol {head.get('protocol')} != {PROTOCOL}")
-            metas = head["samples"]
+            metas, r_metas, offset = head["samples"], head["routing"], int(head["routing_offset"])
             need = sum(int(m["nbytes"]) for m in metas)
-            if need != payload.numel():
-                raise GuidanceSyncError(f"header describes {need} payload bytes, received {payload.numel()}")
-            return unflatten(metas, payload, verify=self.verify)
+            end = payload.numel() if r_metas else need
+            if not need <= offset <= payload.numel() or end != payload.numel():
+                raise GuidanceSyncError(f"header describes {need} guidance bytes and routing from {offset}, "
+                                        f"received {payload.numel()}")
+            samples = unflatten(metas, payload[:need], verify=self.verify)
+            return samples, unflatten_routing(r_metas, payload[offset:])
         except (ValueError, KeyError, TypeError, RecordFormatError) as e:
             raise GuidanceSyncError(f"guidance from rank {self.src} rejected, nothing applied: {e}") from e
 

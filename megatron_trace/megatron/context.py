@@ -188,6 +188,11 @@ def trace_record(model, *, compact: bool | None = None):
 def _check_keys(step: StepGuidance, layers: TraceLayers) -> None:
     known = set(layers.moe) | set(layers.kv)
     stray = sorted({k[0] for k in step.sites if k[0] not in known} | {k for k in step.routing if k not in layers.moe})
+    outside = [k for k in stray if k >= layers.num_layers]
+    unused = sorted(k for k in step.sites if not layers.config.quantizes(k[1]))
+    if outside or unused:  # keys no rank of this model can use: a producer/consumer mismatch
+        logger.warning("guidance keys that match no TRACE module are ignored: layers %s outside 0..%d, "
+                       "sites not quantized %s", outside, layers.num_layers - 1, unused[:8])
     if stray:  # normal under pipeline parallelism: other stages hold these layers
         logger.debug("guidance for layers this rank does not hold is ignored: %s", stray)
     if step.routing and not layers.config.routing_replay:

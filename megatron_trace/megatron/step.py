@@ -9,6 +9,10 @@ reasons (rows that fell back to the trainer's own rounding):
   shape             the guidance does not fit the layer or the batch (rejected as a whole)
   invalid_row       the record marks the row invalid (not recorded, rejected at assembly)
   expert_mismatch   FC2: the trainer routed the token to an expert the rollout did not choose
+
+Rows are counted once per forward: the recompute pass of Megatron's activation recomputation
+(``recompute_granularity`` full or selective, run inside the backward) reuses the step's
+guidance and routing but is not counted again (``in_recompute``).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core.tensor_parallel.random import is_checkpointing
 
 from ..config import TraceConfig
 from ..formats import CompactGuidance, FullGuidance, e2m1
@@ -31,6 +36,15 @@ MISSING = "missing"
 SHAPE = "shape"
 INVALID = "invalid_row"
 EXPERT_MISMATCH = "expert_mismatch"
+
+
+def in_recompute() -> bool:
+    """True inside the recompute pass of Megatron's activation checkpointing.
+
+    ``tensor_parallel.checkpoint`` runs the checkpointed forward under ``no_grad`` and re-runs it
+    with grad enabled from the backward, both with Megatron's checkpointing flag set.
+    """
+    return is_checkpointing() and torch.is_grad_enabled()
 
 
 class GuidanceFallbackError(ValueError):
@@ -62,6 +76,8 @@ class StepState:
         return self.config.cache_mode == "compact"
 
     def count(self, layer: int, site: str, used: int, reasons: dict[str, int]) -> None:
+        if in_recompute():
+            return  # the same rows were counted (and checked) by the forward
         reasons = {k: int(v) for k, v in reasons.items() if int(v)}
         self.counter.add(int(used), reasons)
         self.stats[(layer, site, "used")] += int(used)

@@ -39,10 +39,14 @@ def init_distributed(device: str) -> None:
 
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from ..testing.megatron_cpu import fix_router_without_te
+
+    fix_router_without_te()
+
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29511")
-        dist.init_process_group("nccl", rank=0, world_size=1)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=0, world_size=1)  # mbridge scatters CPU tensors
     torch.cuda.set_device(0)
     parallel_state.initialize_model_parallel()
     model_parallel_cuda_manual_seed(1234)
@@ -64,7 +68,7 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
         hf_dir = str(init_from)
     else:
         bar = tqdm(total=sft.steps, desc="SFT warm-up", disable=not progress)
-        hf_dir = str(sft_checkpoint(sft_cache or out_dir / "sft", task, model, sft,
+        hf_dir = str(sft_checkpoint(sft_cache or out_dir / "sft", task, model, sft, device=device,
                                     progress=lambda s, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))))
         bar.close()
     init_distributed(device)
@@ -74,7 +78,7 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     for name in arms:
         arm = make_arm(name, trace)
         RouterReplay.clear_global_router_replay_instances()
-        run_ = GRPORun(arm, rl, task, hf_dir, out_dir=out_dir / name, cache_dir=out_dir / "cache" / name)
+        run_ = GRPORun(arm, rl, task, hf_dir, out_dir=out_dir / name, cache_dir=out_dir / "cache" / name, device=device)
         ckpt = out_dir / name / "ckpt.pt"
         ckpt.parent.mkdir(parents=True, exist_ok=True)
         if resume and ckpt.exists():
@@ -92,7 +96,11 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     writer.close()
     by_arm = report.load(writer.path)
     table = report.markdown_table(report.summary_rows(by_arm))
-    plots = report.plot(by_arm, out_dir)
+    try:
+        plots = report.plot(by_arm, out_dir)
+    except ImportError:  # matplotlib is in the examples extra
+        logger.warning("matplotlib is not installed: no plots (pip install 'megatron_trace[examples]')")
+        plots = []
     (out_dir / "summary.md").write_text(
         f"# TRACE demo: {task_name}, {len(arms)} arms, {rl.steps} RL steps\n\n{table}\n\n"
         + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"

@@ -78,7 +78,8 @@ def keep_for_arm(full: dict, arm: Arm, num_layers: int) -> dict:
 class GRPORun:
     """One arm: a rollout backend, a Megatron policy, the guidance cache and the loop."""
 
-    def __init__(self, arm: Arm, cfg: RLConfig, task: Task, hf_dir: str, *, out_dir: Path, cache_dir: Path):
+    def __init__(self, arm: Arm, cfg: RLConfig, task: Task, hf_dir: str, *, out_dir: Path, cache_dir: Path,
+                 device: str = "cpu"):
         from ..guidance.cache import GuidanceCache
         from ..rollout.hf import HFRolloutBackend
         from .trainer import MegatronPolicy
@@ -86,8 +87,8 @@ class GRPORun:
         self.arm, self.cfg, self.task, self.tok = arm, cfg, task, CharTokenizer()
         self.out_dir = Path(out_dir)
         record_cfg = arm.trace.replace(guided_layers="all", cache_mode="full")  # the metrics' superset
-        self.rollout = HFRolloutBackend(hf_dir, mode=arm.rollout_mode, trace_config=record_cfg)
-        self.policy = MegatronPolicy(hf_dir, arm.trace, quantized=arm.trainer_fp4, lr=cfg.lr)
+        self.rollout = HFRolloutBackend(hf_dir, mode=arm.rollout_mode, trace_config=record_cfg, device=device)
+        self.policy = MegatronPolicy(hf_dir, arm.trace, quantized=arm.trainer_fp4, lr=cfg.lr, device=device)
         self.num_layers = self.policy.hf_config.num_hidden_layers
         self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)
         self.state = ArmState()
@@ -130,9 +131,10 @@ class GRPORun:
         if not keep:
             return StepGuidance(routing=routing, token_mask=mask), counter, 0.0
         samples = split_batch(keep, batch.tokens, version=batch.policy_version, attention_mask=mask)
-        self.cache.put(step, samples)
-        got = self.cache.get(step, [s.sample_id for s in samples])
-        sites = assemble(got, batch.tokens, versions=batch.policy_version, counter=counter, attention_mask=mask)
+        self.cache.put(step, samples)  # device -> (pinned) host, spilled to disk beyond the budget
+        got = self.cache.get(step, [s.sample_id for s in samples])  # host records
+        sites = assemble(got, batch.tokens.cpu(), versions=batch.policy_version, counter=counter,
+                         attention_mask=mask.cpu())
         tokens = int(mask.sum())
         bpt = sum(s.guidance_nbytes() for s in samples) / max(tokens, 1)
         return StepGuidance(sites=sites, routing=routing, token_mask=mask), counter, bpt
@@ -159,7 +161,8 @@ class GRPORun:
         problems, prompt_ids = self._prompts(step)
         batch = self.rollout.generate(prompt_ids, self._sampling(step, cfg.temperature))
         t_roll = time.perf_counter()
-        rewards = torch.tensor([self.task.reward(p, self.tok.decode(r)) for p, r in zip(problems, batch.responses())])
+        rewards = torch.tensor([self.task.reward(p, self.tok.decode(r)) for p, r in zip(problems, batch.responses())],
+                               device=batch.tokens.device)
         adv = group_advantages(rewards, cfg.group_size)
         full = batch.guidance
         sg, counter, bpt = self._guidance(step, batch, full)

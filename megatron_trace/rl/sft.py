@@ -57,7 +57,7 @@ class SFTConfig:
 
 
 def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig,
-                   progress=None) -> Path:
+                   progress=None, device: str = "cpu") -> Path:
     """Train (or reuse, when the same settings were trained before) and return the HF checkpoint dir."""
     from transformers import Qwen3MoeForCausalLM
 
@@ -69,12 +69,12 @@ def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sf
         return out
     tok = CharTokenizer()
     torch.manual_seed(sft.seed)
-    model = Qwen3MoeForCausalLM(model_cfg.hf_config(tok.vocab_size, tok)).float().train()
+    model = Qwen3MoeForCausalLM(model_cfg.hf_config(tok.vocab_size, tok)).float().to(device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=sft.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.1, 1 - s / sft.steps))
     g = torch.Generator().manual_seed(sft.seed)
     for step in range(sft.steps):
-        ids, mask = sft_batch(task, tok, sft.batch_size, g, sft.label_noise)
+        ids, mask = (t.to(device) for t in sft_batch(task, tok, sft.batch_size, g, sft.label_noise))
         logits = model(input_ids=ids).logits[:, :-1].float()
         target = ids[:, 1:].masked_fill(~mask[:, 1:], -100)
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
@@ -85,6 +85,6 @@ def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sf
         if progress is not None:
             progress(step, loss.item())
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.cpu().save_pretrained(out)
     stamp.write_text(json.dumps(key))
     return out

@@ -55,7 +55,7 @@ class MegatronPolicy:
     """GPTModel + bridge + optimizer. ``quantized``: build with the TRACE spec for ``trace_config``."""
 
     def __init__(self, hf_dir: str, trace_config: TraceConfig, *, quantized: bool, lr: float,
-                 dtype: torch.dtype = torch.bfloat16):
+                 dtype: torch.dtype = torch.bfloat16, device: str = "cpu"):
         from transformers import AutoConfig
 
         from ..bridge import Qwen3MoeBridge, build_gpt_model, load_hf_checkpoint, local_layer_spec
@@ -72,7 +72,7 @@ class MegatronPolicy:
             spec = trace_spec(spec, trace_config)
         self.model = build_gpt_model(hf_config, self.bridge.config, spec=spec)
         load_hf_checkpoint(self.model, hf_dir, self.bridge)
-        self.model.to(dtype)  # every parameter in the training dtype, norms included (as Megatron's Float16Module)
+        self.model.to(device=device, dtype=dtype)  # all parameters in the training dtype (as Float16Module)
         self.optimizer = MasterAdamW(self.model.parameters(), lr=lr)
 
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -81,6 +81,7 @@ class MegatronPolicy:
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
         mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=tokens.device).triu(1)  # True = masked
         logits = self.model(tokens, pos, mask)  # [B, S, V]
+        tokens = tokens.to(logits.device)
         lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
         return torch.nn.functional.pad(lp, (1, 0))
 

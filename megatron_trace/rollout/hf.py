@@ -6,6 +6,15 @@ numerics: routed experts W4A4 with ``TraceConfig.weight_quantizer()`` /
 each as enabled by ``TraceConfig.sites``). In FP4 mode the backend records guidance at the
 selected (layer, site) pairs for prompt and response positions; in both modes it records
 every MoE layer's expert choices. Log-probs come from the same forward that sampled.
+
+Prefix reuse (``prefix_reuse=True``, GRPO's G samples per prompt): identical prompts of a batch are
+prefilled once; their KV cache rows, routing and guidance records are then copied to every sample
+(per KV slot, so records always describe the K/V the sample decodes with). Nothing outlives a
+``generate`` call, so a weight update never meets a stale prefix.
+
+Quant-recipe manifest: ``recipe()`` is what this backend serves; ``check_recipe(trainer_recipe)`` (or
+``recipe=`` at construction) compares it with the trainer's and, once registered, every
+``update_weights`` must carry the trainer's recipe for the new weight version.
 """
 
 from __future__ import annotations
@@ -25,10 +34,13 @@ from ..config import TraceConfig
 from ..formats import FP4Tensor
 from ..guidance.selection import guided_layers
 from ..guidance.site import SiteKey
+from ..manifest import ModuleAudit, QuantRecipe, RecipeMismatchError, check_recipe
+from .audit import backend_recipe, effective_config, hf_module_audit
 from .base import RolloutBatch, SamplingParams, WeightValue, check_prompts
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .hf_weights import join_fc1, parse_expert_name
 from .kv_cache import FP4KVCache
+from .prefix import PrefixFork, fork_prefill, shared_prompts
 from .recorder import GuidanceRecorder
 from .sampling import sample_tokens
 
@@ -72,6 +84,8 @@ class HFRolloutBackend:
         backend takes it over: FP4 mode overwrites expert weights with their decoded values).
     mode: "bf16" (no quantization) or "fp4" (the sites of ``trace_config``).
     guided_layer_ids: layers that record guidance (default: ``guided_layers(trace_config, L)``).
+    recipe: the trainer's ``QuantRecipe``, checked now and required on every ``update_weights``.
+    prefix_reuse: prefill identical prompts of a batch once (see the module docstring).
     All returned tensors live on ``device``.
     """
 
@@ -85,6 +99,8 @@ class HFRolloutBackend:
         device: str | torch.device = "cpu",
         attn_implementation: str = "sdpa",
         guided_layer_ids: Sequence[int] | None = None,
+        recipe: QuantRecipe | None = None,
+        prefix_reuse: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -110,6 +126,10 @@ class HFRolloutBackend:
             self._quantize_experts({(layer, e, w) for layer, m in self._experts.items()
                                     for e in range(m.num_experts) for w in (FC1, FC2)})
         self.set_guided_layers(guided_layer_ids)
+        self.prefix_reuse = bool(prefix_reuse)
+        self.trainer_recipe: QuantRecipe | None = None
+        if recipe is not None:
+            self.check_recipe(recipe)
 
     # ---- configuration ------------------------------------------------------------------------
     def _quantizes(self, site: str) -> bool:
@@ -126,6 +146,23 @@ class HFRolloutBackend:
         self.guided_sites: set[SiteKey] = {
             (layer, s) for layer in layer_ids for s in sites if s.startswith("kv_") or layer in self._experts
         }
+
+    # ---- manifest -----------------------------------------------------------------------------
+    def module_audit(self) -> ModuleAudit:
+        """The modules this backend quantizes and those it keeps in the model dtype."""
+        return hf_module_audit(self.model, effective_config(self.config, self.mode), moe_layers=self._experts,
+                               num_layers=self.num_layers)
+
+    def recipe(self, weight_version: int | None = None) -> QuantRecipe:
+        """The recipe this backend serves (weight version: ``policy_version`` unless given)."""
+        v = self.policy_version if weight_version is None else weight_version
+        return backend_recipe(effective_config(self.config, self.mode), guided_layers={k[0] for k in self.guided_sites},
+                              audit=self.module_audit(), weight_version=v)
+
+    def check_recipe(self, trainer: QuantRecipe, *, weight_version: int | None = None) -> None:
+        """Raise ``RecipeMismatchError`` naming every field where ``trainer`` differs; then require it on syncs."""
+        check_recipe(trainer, self.recipe(weight_version), what="hf rollout")
+        self.trainer_recipe = trainer
 
     def _numerics(self, recorder: GuidanceRecorder | None) -> RolloutNumerics:
         q = self._quantizes
@@ -169,10 +206,12 @@ class HFRolloutBackend:
         ids, attn = ids.to(dev), (torch.arange(width).unsqueeze(0) >= (width - plens).unsqueeze(1)).to(dev)
         gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.seed is not None else None
         stop = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
-        recorder = GuidanceRecorder(b, self.guided_sites, compact=self.config.cache_mode == "compact")
+        fork = shared_prompts(prompts) if self.prefix_reuse else None
+        rows = b if fork is None else fork.num_unique
+        recorder = GuidanceRecorder(rows, self.guided_sites, compact=self.config.cache_mode == "compact")
         cache = self.new_cache(recorder)
         with self.forward_context(recorder):
-            steps = self._decode(ids, attn, sampling, gen, stop, cache, recorder)
+            steps = self._decode(ids, attn, sampling, gen, stop, cache, recorder, fork)
         return self._assemble(ids, plens, steps, recorder)
 
     def _step(self, tokens, attn, pos, cache, recorder, valid):
@@ -181,10 +220,15 @@ class HFRolloutBackend:
         recorder.end_step(valid)
         return out.logits[:, -1]
 
-    def _decode(self, ids, attn, sampling, gen, stop, cache, recorder):
+    def _decode(self, ids, attn, sampling, gen, stop, cache, recorder, fork: PrefixFork | None = None):
         """Prefill, then one token per step. Returns tokens, logprobs, alive (each [B, n]) and done [B]."""
         pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
-        logits = self._step(ids, attn, pos, cache, recorder, attn)
+        if fork is None:
+            logits = self._step(ids, attn, pos, cache, recorder, attn)
+        else:  # identical prompts: prefill the first of each, then copy its state to every sample
+            first = fork.first.to(ids.device)
+            logits = self._step(ids[first], attn[first], pos[first], cache, recorder, attn[first])
+            logits = fork_prefill(fork, logits, cache, recorder)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         toks, lps, alives = [], [], []
         for i in range(sampling.max_new_tokens):
@@ -243,13 +287,22 @@ class HFRolloutBackend:
                            f"(MoE layers {sorted(self._experts)}, experts 0..{self.hf_config.num_experts - 1})")
         return m
 
-    def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None,
+                       recipe: QuantRecipe | None = None) -> None:
         """Copy HF-checkpoint-named weights in place (see ``RolloutBackend.update_weights``).
 
         In FP4 mode a BF16 fc1 update must carry both gate_proj and up_proj of an expert (they
         are quantized as one matrix); FP4 values must come as gate/up pairs sharing one amax.
-        Everything is validated before anything is copied.
+        ``recipe``: the trainer's recipe for these weights (``weight_version`` = the new version);
+        required once a trainer recipe was registered. Everything is validated before anything is copied.
         """
+        new_version = self.policy_version + 1 if version is None else int(version)
+        if recipe is not None:
+            self.check_recipe(recipe, weight_version=new_version)
+        elif self.trainer_recipe is not None:
+            raise RecipeMismatchError(
+                f"update_weights to version {new_version} without the trainer's recipe: a recipe was registered, so "
+                f"every weight sync must pass recipe=trainer_recipe.with_weight_version({new_version})")
         weights = list(weights)
         state = self.model.state_dict(keep_vars=True)
         dense, halves, fp4 = [], {}, {}
@@ -288,7 +341,7 @@ class HFRolloutBackend:
                         self.weight_store.set(m, layer, e, FC1, join_fc1(parts["gate_proj"], parts["up_proj"]))
                     if "down_proj" in parts:
                         self.weight_store.set(m, layer, e, FC2, parts["down_proj"])
-        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        self.policy_version = new_version
         logger.debug("update_weights: %d tensors, version %d", len(weights), self.policy_version)
 
     @staticmethod

@@ -8,6 +8,8 @@ step sees the same K/V as a full-sequence forward with fake-quantized K/V.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -33,6 +35,20 @@ class _FP4Rows:
 
     def nbytes(self) -> int:
         return sum(fp4_nbytes(q) for q in self.chunks)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (int64 [B']; repeats fork a row)."""
+        self.chunks = [select_rows(q, index) for q in self.chunks]
+
+
+def select_rows(q: FP4Tensor, index: torch.Tensor) -> FP4Tensor:
+    """Rows ``index`` of an FP4 tensor's leading (batch) dim: codes, scales and per-row amax alike."""
+    scales = q.block_scales.view(torch.uint8).index_select(0, index).view(q.block_scales.dtype)
+    amax = q.global_amax
+    if amax is not None and amax.dim():
+        amax = amax.index_select(0, index)
+    return dataclasses.replace(q, codes=q.codes.index_select(0, index), block_scales=scales, global_amax=amax,
+                               shape=(index.numel(), *q.shape[1:]))
 
 
 class FP4KVLayer(DynamicLayer):
@@ -97,10 +113,22 @@ class FP4KVLayer(DynamicLayer):
             total += rows.nbytes() if isinstance(rows, _FP4Rows) else sum(t.numel() * t.element_size() for t in rows)
         return total
 
-    def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError("FP4KVLayer supports prefill + decode only (no crop, beam reorder or batch edits)")
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep (or fork, with repeated indices) batch rows: the prefix reuse of ``generate``."""
+        if not self.is_initialized:
+            return
+        index = torch.as_tensor(indices, dtype=torch.long, device=self.device)
+        for site, rows in self._rows.items():
+            if isinstance(rows, _FP4Rows):
+                rows.select(index)
+            else:
+                self._rows[site] = [t.index_select(0, index) for t in rows]
 
-    crop = batch_repeat_interleave = batch_select_indices = reorder_cache = _unsupported
+    def _unsupported(self, *args, **kwargs):
+        raise NotImplementedError("FP4KVLayer supports prefill + decode and batch_select_indices only "
+                                  "(no crop or beam reorder)")
+
+    crop = batch_repeat_interleave = reorder_cache = _unsupported
 
 
 class FP4KVCache(Cache):

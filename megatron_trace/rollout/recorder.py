@@ -94,6 +94,17 @@ class GuidanceRecorder:
         """bool [B, t]: which of this step's input positions hold real tokens."""
         self._valid.append(valid.bool())
 
+    def select_rows(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (int64 [B']) of everything recorded so far; repeats fork a row
+        (prefix reuse: rows of a shared prompt are computed once, then copied per sample)."""
+        index = index.long()
+        sel = lambda t: t.index_select(0, index.to(t.device)) if t.dim() else t  # noqa: E731
+        for key, chunks in self._records.items():
+            self._records[key] = [map_record(r, sel, (index.numel(), *r.shape[1:])) for r in chunks]
+        self._routing = {layer: [sel(t) for t in chunks] for layer, chunks in self._routing.items()}
+        self._valid = [sel(v) for v in self._valid]
+        self.batch_size = index.numel()
+
     @property
     def recorded_positions(self) -> int:
         return sum(v.shape[1] for v in self._valid)

@@ -52,7 +52,6 @@ def apply_cpu_shims() -> None:
         raise RuntimeError("apply_cpu_shims() is for CPU-only machines; on a GPU Megatron runs unpatched")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # jit_fuser is torch.compile: slow C++ builds on CPU
     import megatron.core.tensor_parallel.random as mrandom
-    import megatron.core.transformer.moe.moe_utils as moe_utils
     import megatron.core.transformer.moe.token_dispatcher as tdisp
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
@@ -60,8 +59,7 @@ def apply_cpu_shims() -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed, *a, **k: torch.manual_seed(seed)
     torch.cuda.current_device = lambda: "cpu"
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    fix_router_without_te()
     stream = _CpuStream()
     torch.cuda.Stream = _CpuStream
     torch.cuda.current_stream = lambda *a, **k: stream
@@ -75,6 +73,15 @@ def apply_cpu_shims() -> None:
 
     tdisp.maybe_move_tensor_to_cpu = move_to_cpu
     _APPLIED = True
+
+
+def fix_router_without_te() -> None:
+    """megatron-core 0.16.1 bug, on GPU too: without Transformer Engine the MoE router reads
+    ``moe_utils.te_general_gemm``, which is only defined when TE imports (NameError). Define it as None."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
 
 
 def allow_torch_norm_with_sequence_parallel() -> None:

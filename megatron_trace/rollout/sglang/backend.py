@@ -10,6 +10,8 @@ import numpy as np
 import torch
 
 from ...config import TraceConfig
+from ...manifest import ModuleAudit, QuantRecipe, RecipeMismatchError, check_recipe
+from ..audit import backend_recipe, sglang_module_audit, without_kv
 from ..base import RolloutBatch, SamplingParams, WeightValue, check_prompts
 from .capture import INFO_KEY
 from .launch import WEIGHT_LOADER, guidance_specs
@@ -35,17 +37,42 @@ def decode_routing(b64: str, seq_len: int, num_layers: int) -> torch.Tensor:
 
 
 class SGLangRolloutBackend:
-    """Rollout through an SGLang Engine started with ``launch.make_engine(**trace_server_args(...))``."""
+    """Rollout through an SGLang Engine started with ``launch.make_engine(**trace_server_args(...))``.
+
+    ``exclude_modules``: the checkpoint's ModelOpt ``exclude_modules`` (None: every non-expert
+    module excluded, as ``export.modelopt`` writes); ``recipe``: the trainer's ``QuantRecipe``,
+    checked now and required on every ``update_weights`` (as in the hf backend).
+    """
 
     def __init__(self, engine, trace_config: TraceConfig, hf_config: dict, *, pad_token_id: int = 0,
-                 weights_group: WeightsUpdateGroup | None = None):
+                 weights_group: WeightsUpdateGroup | None = None, exclude_modules: list[str] | None = None,
+                 recipe: QuantRecipe | None = None):
         self.engine, self.config, self.hf_config = engine, trace_config, hf_config
+        self.exclude_modules = None if exclude_modules is None else list(exclude_modules)
         self.num_layers = int(hf_config["num_hidden_layers"])
         self.vocab_size = int(hf_config["vocab_size"])
         self.specs = guidance_specs(trace_config, hf_config)
         self.pad_token_id = pad_token_id
         self.weights_group = weights_group
         self.policy_version = 0
+        self.trainer_recipe: QuantRecipe | None = None
+        if recipe is not None:
+            self.check_recipe(recipe)
+
+    # ---- manifest -----------------------------------------------------------------------------
+    def module_audit(self) -> ModuleAudit:
+        """What the engine serves in FP4 (experts + any Linear the exclude patterns miss) vs BF16."""
+        return sglang_module_audit(self.config, self.hf_config, self.exclude_modules)
+
+    def recipe(self, weight_version: int | None = None) -> QuantRecipe:
+        """The recipe this engine serves: the TraceConfig without KV sites (its KV cache stays BF16)."""
+        v = self.policy_version if weight_version is None else weight_version
+        return backend_recipe(without_kv(self.config), guided_layers={s.layer for s in self.specs},
+                              audit=self.module_audit(), weight_version=v)
+
+    def check_recipe(self, trainer: QuantRecipe, *, weight_version: int | None = None) -> None:
+        check_recipe(trainer, self.recipe(weight_version), what="sglang rollout")
+        self.trainer_recipe = trainer
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
         check_prompts(prompts, self.vocab_size)
@@ -86,8 +113,15 @@ class SGLangRolloutBackend:
                             policy_version=self.policy_version, pad_token_id=self.pad_token_id,
                             finish_reasons=finish)
 
-    def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None,
+                       recipe: QuantRecipe | None = None) -> None:
         """HF-named BF16 tensors / NVFP4 expert weights -> the engine, in place (NCCL group if given)."""
+        new_version = self.policy_version + 1 if version is None else int(version)
+        if recipe is not None:
+            self.check_recipe(recipe, weight_version=new_version)
+        elif self.trainer_recipe is not None:
+            raise RecipeMismatchError(f"update_weights to version {new_version} without the trainer's recipe "
+                                      f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
         named = engine_tensors(weights)
         if self.weights_group is not None:
             self.weights_group.send(named)
@@ -95,4 +129,4 @@ class SGLangRolloutBackend:
             ok = self.engine.update_weights_from_tensor(named, load_format=WEIGHT_LOADER, flush_cache=True)
             if isinstance(ok, tuple) and ok and ok[0] is False:
                 raise RuntimeError(f"update_weights_from_tensor failed: {ok}")
-        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        self.policy_version = new_version

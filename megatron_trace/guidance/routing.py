@@ -1,0 +1,155 @@
+"""Per-sample routing (the rollout's expert choices, replayed by R3), sharded like the guidance records.
+
+A batch's routing ``{layer: int64 [B, S, topk]}`` is cut into one ``SampleRouting`` per sequence
+(token positions only, expert ids stored as uint8 when there are <= 256 experts: 1 byte per
+(token, layer, slot), prime-rl#2808), travels with that sample's guidance to the one trainer rank
+that trains it (``GuidanceSync.send(..., routing=...)``; never broadcast whole, slime#2384) and is
+re-assembled per micro-batch by ``assemble_routing``. Routing has no per-row fallback (Megatron
+replays whole batches), so a sample whose routing is missing or belongs to other tokens or another
+policy version raises ``RoutingMismatchError`` naming the sample.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .records import token_hash, token_mask
+
+ALIGN = 16
+_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
+_NAMES = {v: k for k, v in _DTYPES.items()}
+
+
+class RoutingMismatchError(ValueError):
+    """Routing that does not belong to the trainer batch's sample (missing, other tokens or version)."""
+
+
+def id_dtype(num_experts: int) -> torch.dtype:
+    """The smallest integer dtype holding expert ids 0..num_experts-1."""
+    if num_experts < 1:
+        raise ValueError(f"num_experts={num_experts} must be >= 1")
+    return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32768 else torch.int32
+
+
+@dataclass(frozen=True)
+class SampleRouting:
+    """Expert choices of one sequence: ``experts[layer]`` [L, topk] over its L tokens."""
+
+    sample_id: int
+    version: int
+    token_hash: str
+    num_tokens: int
+    experts: dict[int, torch.Tensor]
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.experts.values())
+
+
+def split_routing(routing: Mapping[int, torch.Tensor], token_ids: torch.Tensor, *, version: int | Sequence[int],
+                  num_experts: int, attention_mask: torch.Tensor | None = None, lengths=None,
+                  sample_ids: Sequence[int] | None = None) -> list[SampleRouting]:
+    """Cut ``{layer: [B, S, topk]}`` into one compact ``SampleRouting`` per batch row (copies)."""
+    mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
+    B, S = mask.shape
+    dtype = id_dtype(num_experts)
+    for layer, r in routing.items():
+        if r.dim() != 3 or tuple(r.shape[:2]) != (B, S):
+            raise ValueError(f"routing[{layer}] has shape {tuple(r.shape)}, token_ids {(B, S)}: need [B, S, topk]")
+        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= num_experts):
+            raise ValueError(f"routing[{layer}] holds expert ids outside 0..{num_experts - 1}")
+    versions = [int(version)] * B if isinstance(version, int) else [int(v) for v in version]
+    ids = list(range(B)) if sample_ids is None else [int(i) for i in sample_ids]
+    if len(versions) != B or len(ids) != B or len(set(ids)) != B:
+        raise ValueError(f"need {B} versions and {B} distinct sample_ids, got {versions} and {ids}")
+    out = []
+    for b in range(B):
+        pos = mask[b].nonzero().squeeze(1)  # [L]
+        experts = {layer: r[b].index_select(0, pos.to(r.device)).to(dtype) for layer, r in sorted(routing.items())}
+        out.append(SampleRouting(ids[b], versions[b], token_hash(token_ids[b, pos]), int(pos.numel()), experts))
+    return out
+
+
+def assemble_routing(samples: Sequence[SampleRouting | None], token_ids: torch.Tensor, *,
+                     versions: int | Sequence[int], attention_mask: torch.Tensor | None = None,
+                     lengths=None) -> dict[int, torch.Tensor]:
+    """``{layer: int64 [B, S, topk]}`` for a trainer micro-batch (``samples[b]`` is row b; zeros on padding)."""
+    mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)
+    B, S = mask.shape
+    if len(samples) != B:
+        raise ValueError(f"{len(samples)} routing samples for a batch of {B} rows")
+    vers = [int(versions)] * B if isinstance(versions, int) else [int(v) for v in versions]
+    layers = None
+    for b, s in enumerate(samples):
+        problem = _problem(s, token_ids[b, mask[b]], vers[b])
+        if problem is None and layers is not None and set(s.experts) != layers:
+            problem = f"layers {sorted(s.experts)} != {sorted(layers)} of the other samples"
+        if problem is not None:
+            raise RoutingMismatchError(f"routing for batch row {b}: {problem}; routing replay needs every sample")
+        layers = set(s.experts)
+    out = {}
+    for layer in sorted(layers or ()):
+        topk = samples[0].experts[layer].shape[-1]
+        t = torch.zeros(B, S, topk, dtype=torch.int64, device=mask.device)
+        for b, s in enumerate(samples):
+            t[b].index_copy_(0, mask[b].nonzero().squeeze(1), s.experts[layer].to(mask.device, torch.int64))
+        out[layer] = t
+    return out
+
+
+def _problem(s: SampleRouting | None, tokens: torch.Tensor, version: int) -> str | None:
+    if s is None:
+        return "missing"
+    if s.token_hash != token_hash(tokens):
+        return f"sample {s.sample_id} was recorded for other tokens (token_hash)"
+    if s.version != version:
+        return f"sample {s.sample_id} has version {s.version}, the trainer expects {version}"
+    return None
+
+
+# ---- flat form (sync) ---------------------------------------------------------------------------
+def plan_routing(samples: Sequence[SampleRouting]) -> tuple[list[dict], int]:
+    """(metas with each tensor's offset, total bytes) of the flat form of ``samples``."""
+    metas, off = [], 0
+    for s in samples:
+        table = []
+        for layer, t in sorted(s.experts.items()):
+            table.append([layer, _NAMES[t.dtype], list(t.shape), off])
+            off = -(-(off + t.nbytes) // ALIGN) * ALIGN
+        metas.append({"sample_id": s.sample_id, "version": s.version, "token_hash": s.token_hash,
+                      "num_tokens": s.num_tokens, "tensors": table})
+    return metas, off
+
+
+def write_routing(samples: Sequence[SampleRouting], metas: Sequence[dict], out: torch.Tensor) -> None:
+    """Copy ``samples`` into ``out`` (uint8) at the offsets of ``plan_routing``."""
+    for s, m in zip(samples, metas):
+        for (_, _, _, o), (_, t) in zip(m["tensors"], sorted(s.experts.items())):
+            out[o : o + t.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+
+
+def flatten_routing(samples: Sequence[SampleRouting], device=None) -> tuple[list[dict], torch.Tensor]:
+    """(metas, one uint8 buffer) for ``samples``; each tensor 16-byte aligned."""
+    metas, total = plan_routing(samples)
+    buf = torch.zeros(total, dtype=torch.uint8, device=device if device is not None else "cpu")
+    write_routing(samples, metas, buf)
+    return metas, buf
+
+
+def unflatten_routing(metas: Sequence[dict], buf: torch.Tensor) -> list[SampleRouting]:
+    """Inverse of ``flatten_routing`` (views into ``buf``); raises ``ValueError`` on a bad table."""
+    out = []
+    for m in metas:
+        experts = {}
+        for layer, dt, shape, o in m["tensors"]:
+            dtype = _DTYPES[dt]
+            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+            if o < 0 or o % ALIGN or o + n > buf.numel():
+                raise ValueError(f"routing of sample {m.get('sample_id')}: layer {layer} at {o}+{n} outside "
+                                 f"{buf.numel()} bytes")
+            experts[int(layer)] = buf[o : o + n].view(dtype).view(shape)
+        out.append(SampleRouting(int(m["sample_id"]), int(m["version"]), str(m["token_hash"]),
+                                 int(m["num_tokens"]), experts))
+    return out

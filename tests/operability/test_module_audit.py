@@ -1,0 +1,110 @@
+"""Issue 11 item 2: both sides list the modules they quantize (canonical HF names); the sets must be equal;
+patterns that match nothing are errors; dense layers, shared experts, router, embeddings and lm_head are
+reported BF16."""
+
+import pytest
+import torch
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.export.modelopt import exclude_modules_of
+from megatron_trace.manifest import (
+    ModulePatternError,
+    RecipeMismatchError,
+    check_module_sets,
+    check_recipe,
+    match_modules,
+    trainer_quantized_modules,
+    trainer_recipe,
+)
+from megatron_trace.megatron import find_trace_layers, trace_spec
+from megatron_trace.rollout import HFRolloutBackend
+from megatron_trace.rollout.audit import hf_module_audit, qwen3_moe_modules, sglang_module_audit, without_kv
+from megatron_trace.rollout.hf_weights import checkpoint_tensors
+
+from ..megatron.harness import LAYERS, build_model, stock_spec
+from ..megatron.harness import tiny_config as megatron_config
+from ..rollout._tiny import tiny_config, tiny_model
+
+CFG = TraceConfig(guided_layers="last_k", guided_last_k=2)
+
+
+def _hf(config=CFG, **hf_kw):
+    return HFRolloutBackend(tiny_model(tiny_config(num_hidden_layers=LAYERS, **hf_kw)), mode="fp4",
+                            trace_config=config, dtype=torch.float32)
+
+
+def _trainer(config=CFG, **mcfg):
+    cfg = megatron_config(**mcfg)
+    return find_trace_layers(build_model(cfg, trace_spec(stock_spec(cfg), config)))
+
+
+@pytest.mark.usefixtures("world1")
+def test_trainer_and_hf_rollout_quantize_the_same_modules():
+    layers, be = _trainer(), _hf()
+    quant = trainer_quantized_modules(layers)
+    assert quant == be.module_audit().quantized
+    assert quant == tuple(sorted([f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+                                 + [f"model.layers.{i}.self_attn.kv_cache" for i in range(LAYERS)]))
+    check_recipe(trainer_recipe(layers), be.recipe())  # the whole manifest agrees too
+
+
+@pytest.mark.usefixtures("world1")
+def test_a_layer_quantized_on_one_side_only_fires():
+    """The trainer's layer 0 is dense (BF16 MLP), the rollout's is MoE in FP4: the audit names that layer."""
+    layers, be = _trainer(moe_layer_freq=[0, 1, 1, 1]), _hf()
+    with pytest.raises(RecipeMismatchError, match=r"only in rollout \['model.layers.0.mlp.experts'\] \(1\)"):
+        check_module_sets(trainer_quantized_modules(layers), be.module_audit().quantized)
+    with pytest.raises(RecipeMismatchError, match="quantized_modules: trainer="):
+        check_recipe(trainer_recipe(layers), be.recipe())
+    same = _hf(mlp_only_layers=[0])  # a rollout with the same dense layer agrees
+    check_module_sets(trainer_quantized_modules(layers), same.module_audit().quantized)
+
+
+def test_dense_router_embeddings_and_lm_head_are_reported_bf16():
+    audit = _hf(mlp_only_layers=[0]).module_audit()
+    bf16 = set(audit.bf16)
+    assert {"model.embed_tokens", "lm_head", "model.layers.1.mlp.gate", "model.layers.0.mlp.gate_proj",
+            "model.layers.0.mlp.down_proj", "model.layers.2.self_attn.q_proj", "model.norm"} <= bf16
+    assert not any(".experts" in n for n in bf16) and "model.layers.0.mlp.experts" not in audit.quantized
+    assert not bf16 & set(audit.quantized)
+    moe, linear = qwen3_moe_modules(tiny_config(num_hidden_layers=LAYERS, mlp_only_layers=[0]).to_dict())
+    assert moe == (1, 2, 3) and set(linear) == {n for n in bf16 if "norm" not in n}
+
+
+def test_shared_experts_stay_bf16():
+    c = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    audit = hf_module_audit(Qwen2MoeForCausalLM(c), CFG, moe_layers=[1], num_layers=2)
+    assert audit.quantized == ("model.layers.0.self_attn.kv_cache", "model.layers.1.mlp.experts",
+                               "model.layers.1.self_attn.kv_cache")
+    shared = {f"model.layers.1.mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")}
+    assert shared | {"model.layers.1.mlp.shared_expert_gate"} <= set(audit.bf16)
+    moe, linear = qwen3_moe_modules(c.to_dict())
+    assert moe == (1,) and set(linear) == {n for n in audit.bf16 if "norm" not in n}
+
+
+def test_sglang_exclude_patterns_are_audited():
+    """The checkpoint's exclude list decides which Linears SGLang serves in FP4: exported lists agree with the
+    trainer; a list that misses the routers puts them into the quantized set (the audit fires); a pattern with
+    a wrong prefix matches nothing (an error, not a silent no-op)."""
+    cfg, hf = without_kv(CFG), tiny_config(num_hidden_layers=LAYERS)
+    exported = exclude_modules_of(n for n, t in checkpoint_tensors(tiny_model(hf))
+                                  if ".experts." not in n and t.dim() == 2)  # as export.modelopt writes it
+    trainer = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+    check_module_sets(trainer, sglang_module_audit(cfg, hf.to_dict(), exported).quantized)
+    check_module_sets(trainer, sglang_module_audit(cfg, hf.to_dict(), ["model.*", "lm_head"]).quantized)
+    no_router = [p for p in exported if not p.endswith("mlp.gate")]
+    with pytest.raises(RecipeMismatchError, match=r"only in rollout \['model.layers.0.mlp.gate'"):
+        check_module_sets(trainer, sglang_module_audit(cfg, hf.to_dict(), no_router).quantized)
+    with pytest.raises(ModulePatternError, match="'layers.0.mlp.gate' matches none"):
+        sglang_module_audit(cfg, hf.to_dict(), [*exported, "layers.0.mlp.gate"])
+
+
+def test_patterns_are_full_matches_never_substrings():
+    names = ["model.layers.1.mlp.gate", "model.layers.1.mlp.gate_proj", "model.layers.11.mlp.gate"]
+    assert match_modules(names, ["model.layers.1.mlp.gate"]) == {"model.layers.1.mlp.gate"}
+    assert match_modules(names, ["model.layers.*.mlp.gate"]) == {names[0], names[2]}
+    with pytest.raises(ModulePatternError, match="'mlp.gate' matches none of the 3 modules"):
+        match_modules(names, ["mlp.gate"])

@@ -1,0 +1,144 @@
+"""Issue 11 item 1: the rollout backends check the trainer's QuantRecipe at startup and on every weight sync;
+a flipped setting on one side fires with the field's name and nothing is applied."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+import megatron_trace
+from megatron_trace.config import TraceConfig
+from megatron_trace.manifest import QuantRecipe, RecipeMismatchError
+from megatron_trace.rollout import HFRolloutBackend
+from megatron_trace.rollout.audit import without_kv
+from megatron_trace.rollout.hf_weights import checkpoint_tensors
+from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend
+
+from ..rollout._tiny import tiny_config, tiny_model
+
+CFG = TraceConfig(guided_layers="last_k", guided_last_k=2)
+HF = tiny_config()
+MOE = tuple(f"model.layers.{i}.mlp.experts" for i in range(3))
+KV = tuple(f"model.layers.{i}.self_attn.kv_cache" for i in range(3))
+
+
+def trainer_recipe(config=CFG, version=0, modules=MOE + KV, guided=(1, 2)):
+    """What the trainer writes (in the RL job: ``manifest.trainer_recipe(find_trace_layers(model))``)."""
+    return QuantRecipe.from_config(config, guided_layers=guided, quantized_modules=modules, weight_version=version)
+
+
+def _backend(config=CFG, **kw):
+    return HFRolloutBackend(tiny_model(), mode="fp4", trace_config=config, dtype=torch.float32, **kw)
+
+
+def test_hf_backend_serves_the_trainers_recipe():
+    be = _backend(recipe=trainer_recipe())
+    assert be.recipe() == trainer_recipe()
+    assert be.module_audit().quantized == tuple(sorted(MOE + KV))
+
+
+@pytest.mark.parametrize("flip, field", [
+    (dict(format="mxfp4"), "format"),
+    (dict(mxfp4_scale_rule="ceil", format="mxfp4"), "scale_rule"),
+    (dict(activation_amax="per_tensor"), "activation_amax"),
+    (dict(cache_mode="full"), "cache_mode"),
+    (dict(guided_last_k=1), "guided_layers"),
+    ("no_kv", "quantized_modules"),
+])
+def test_startup_check_names_the_flipped_field(flip, field):
+    """Flip one setting on the rollout side only: construction fails naming the field."""
+    config = without_kv(CFG) if flip == "no_kv" else CFG.replace(**flip)
+    with pytest.raises(RecipeMismatchError, match=rf"{field}: trainer="):
+        _backend(config, recipe=trainer_recipe())
+
+
+def test_bf16_rollout_does_not_claim_fp4():
+    be = HFRolloutBackend(tiny_model(), mode="bf16", trace_config=CFG, dtype=torch.float32)
+    r = be.recipe()
+    assert r.sites == () and r.quantized_modules == () and r.guided_layers == ()
+    with pytest.raises(RecipeMismatchError, match="sites: trainer="):
+        be.check_recipe(trainer_recipe())
+
+
+def test_every_weight_sync_checks_the_recipe_and_applies_nothing_on_mismatch():
+    be = _backend(recipe=trainer_recipe())
+    before = {k: v.clone() for k, v in be.model.state_dict().items()}
+    new = list(checkpoint_tensors(tiny_model(seed=1)))
+    with pytest.raises(RecipeMismatchError, match="without the trainer's recipe"):
+        be.update_weights(new)
+    with pytest.raises(RecipeMismatchError, match="weight_version: trainer=5 hf rollout=1"):
+        be.update_weights(new, recipe=trainer_recipe(version=5))  # the trainer says v5, the rollout would set v1
+    with pytest.raises(RecipeMismatchError, match="trainer_rounding"):
+        be.update_weights(new, version=1, recipe=trainer_recipe(CFG.replace(rounding="stochastic"), version=1))
+    after = be.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and be.policy_version == 0
+    be.update_weights(new, recipe=trainer_recipe(version=1))
+    assert be.policy_version == 1 and be.recipe() == trainer_recipe(version=1)
+
+
+def test_sglang_backend_checks_the_recipe_at_startup_and_sync():
+    """The SGLang engine keeps its KV cache in BF16: a trainer quantizing KV is refused, one that does not is
+    accepted; every sync needs the recipe (checked before the engine is touched)."""
+    hf = HF.to_dict()
+    with pytest.raises(RecipeMismatchError, match="sites: trainer=.*kv_k"):
+        SGLangRolloutBackend(None, CFG, hf, recipe=trainer_recipe())
+    cfg = without_kv(CFG)
+    be = SGLangRolloutBackend(None, cfg, hf, recipe=trainer_recipe(cfg, modules=MOE))
+    with pytest.raises(RecipeMismatchError, match="without the trainer's recipe"):
+        be.update_weights([])
+    with pytest.raises(RecipeMismatchError, match="weight_version: trainer=0 sglang rollout=1"):
+        be.update_weights([], recipe=trainer_recipe(cfg, modules=MOE))
+    assert be.policy_version == 0
+
+
+# ---- no numeric setting from the environment -------------------------------------------------------
+ALLOWED = {("testing/megatron_cpu.py", "TORCHDYNAMO_DISABLE")}
+
+
+def _environment_reads(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, variable) of every read of the process environment: os.environ[...] loads, os.environ.get,
+    os.getenv, os.environ.pop/copy/items/keys/values (setdefault and assignments are writes)."""
+    reads = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
+            reads.append((node.lineno, _const(node.slice)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            f = node.func
+            name = _const(node.args[0]) if node.args else "?"
+            if f.attr == "getenv" or (_is_environ(f.value) and f.attr in ("get", "pop", "copy", "items", "keys",
+                                                                           "values")):
+                reads.append((node.lineno, name))
+            elif f.attr == "setdefault" and _is_environ(f.value) and _used_as_value(tree, node):
+                reads.append((node.lineno, name))
+    return sorted(reads)
+
+
+def _is_environ(node) -> bool:
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+        isinstance(node, ast.Name) and node.id == "environ")
+
+
+def _const(node) -> str:
+    return node.value if isinstance(node, ast.Constant) else "?"
+
+
+def _used_as_value(tree, call) -> bool:
+    return not any(isinstance(n, ast.Expr) and n.value is call for n in ast.walk(tree))
+
+
+def test_no_setting_is_read_from_environment_variables():
+    root = Path(megatron_trace.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        for line, var in _environment_reads(ast.parse(path.read_text())):
+            if (rel, var) not in ALLOWED:
+                found.append(f"{rel}:{line} reads {var}")
+    assert not found, found
+
+
+def test_the_environment_scan_fires_on_a_read():
+    src = "import os\nBLOCK = int(os.environ.get('TRACE_BLOCK', '16'))\nX = os.environ['Y']\nos.getenv('Z')\n" \
+          "os.environ.setdefault('A', '1')\nB = os.environ.setdefault('B', '2')\n"
+    assert [v for _, v in _environment_reads(ast.parse(src))] == ["TRACE_BLOCK", "Y", "Z", "B"]

@@ -1,0 +1,96 @@
+"""Issue 11 item 3: A -> B -> A refit is bit-exact with a fresh load of A, in place, with no stale derived
+state; a sentinel compares trainer and rollout log-probs after each sync."""
+
+import pytest
+import torch
+
+from megatron_trace.bridge.sync import fp4_stream, sync_weights
+from megatron_trace.config import TraceConfig
+from megatron_trace.monitor import SentinelCheck, SentinelError
+from megatron_trace.rollout import HFRolloutBackend, SamplingParams
+from megatron_trace.rollout.hf_weights import checkpoint_tensors
+from megatron_trace.rollout.refit import RefitError, refit_self_test
+
+from ..rollout._tiny import tiny_model
+
+CFG = TraceConfig(guided_layers="all", cache_mode="full")
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [5, 6, 7]]
+SAMPLING = SamplingParams(max_new_tokens=4, seed=3)
+
+
+def _weights(seed):
+    return list(checkpoint_tensors(tiny_model(seed=seed)))
+
+
+def _make(cls=HFRolloutBackend, seed=9):
+    return lambda: cls(tiny_model(seed=seed), mode="fp4", trace_config=CFG, dtype=torch.float32)
+
+
+def _fresh_a():
+    """A backend started from checkpoint A (seed 1): the reference of every refit."""
+    return _make(seed=1)()
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp4"])
+def test_refit_a_b_a_is_bit_exact_in_place_and_fresh(wire):
+    a, b = _weights(1), _weights(2)
+    if wire == "fp4":  # packed codes from the trainer, as the FP4 sync sends them
+        a, b = (list(fp4_stream(w, CFG.weight_quantizer(), torch.float32)) for w in (a, b))
+    assert refit_self_test(_make(), a, b, PROMPTS, SAMPLING, fresh_a=_fresh_a())["refit/bit_exact"] == 1.0
+
+
+class StaleStore(HFRolloutBackend):
+    """Reintroduces the verl#7519 bug: refit copies new BF16 weights but keeps the old packed FP4 codes."""
+
+    def _quantize_experts(self, keys):
+        if getattr(self, "_started", False):
+            return  # the parameters got the new values; the packed store is not rebuilt
+        self._started = True
+        super()._quantize_experts(keys)
+
+
+class Reallocating(HFRolloutBackend):
+    """Reintroduces the sglang#28676 class of bug: an update that allocates new storage instead of copying."""
+
+    def update_weights(self, weights, **kw):
+        super().update_weights(weights, **kw)
+        for p in self.model.parameters():
+            p.data = p.data.clone()
+
+
+@pytest.mark.parametrize("cls, match", [(StaleStore, "derived state weight_store"), (Reallocating, "data_ptr")])
+def test_the_self_test_fires_on_reintroduced_refit_bugs(cls, match):
+    with pytest.raises(RefitError, match=match):
+        refit_self_test(_make(cls), _weights(1), _weights(2), PROMPTS, SAMPLING, fresh_a=_fresh_a())
+
+
+def _trainer_logprobs(trainer: HFRolloutBackend):
+    """The trainer's recompute of a rollout batch: one full forward with the same numerics."""
+
+    def fn(batch):
+        with trainer.forward_context() as model:
+            logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask.long(), use_cache=True,
+                           **trainer.cache_kwargs(trainer.new_cache())).logits.float()
+        lp = torch.log_softmax(logits, -1)[:, :-1].gather(-1, batch.tokens[:, 1:, None]).squeeze(-1)
+        out = torch.zeros(batch.tokens.shape)
+        out[:, 1:] = lp
+        return torch.where(batch.response_mask, out, 0.0)
+
+    return fn
+
+
+def test_sentinel_after_sync_logs_and_fires_on_stale_weights(caplog):
+    trainer = HFRolloutBackend(tiny_model(seed=1), mode="fp4", trace_config=CFG, dtype=torch.float32)
+    rollout = HFRolloutBackend(tiny_model(seed=9), mode="fp4", trace_config=CFG, dtype=torch.float32)
+    check = SentinelCheck(prompts=((5, 6, 7), (40, 41)), max_new_tokens=3, max_abs_diff=1e-3)
+    with pytest.raises(SentinelError, match="after the sync to version 0"):  # never synced: stale
+        check.run(rollout, _trainer_logprobs(trainer))
+    sync_weights(rollout, checkpoint_tensors(trainer.model), fmt="fp4", quantizer=CFG.weight_quantizer(),
+                 dtype=torch.float32, version=1)
+    with caplog.at_level("INFO", logger="megatron_trace.monitor"):
+        m = check.run(rollout, _trainer_logprobs(trainer))
+    assert m["sentinel/logprob_abs_diff"] <= 1e-3 and m["sentinel/policy_version"] == 1.0
+    assert "sentinel after sync to version 1" in caplog.text
+    off = SentinelCheck(prompts=check.prompts, max_new_tokens=3)  # no threshold: log and return only
+    stale = HFRolloutBackend(tiny_model(seed=9), mode="fp4", trace_config=CFG, dtype=torch.float32)
+    assert off.run(stale, _trainer_logprobs(trainer))["sentinel/logprob_abs_diff"] > 1e-3

@@ -1,0 +1,123 @@
+"""Issue 11 item 8: bucketed weight sync with a size knob and a per-sync time; a failing or too slow stream
+raises a clear error and leaves the rollout on its previous complete weights (never half-updated)."""
+
+import pytest
+import torch
+
+from megatron_trace.bridge.sync import (
+    WeightBucket,
+    WeightSyncError,
+    WeightSyncTimeoutError,
+    iter_buckets,
+    make_stream,
+    sync_weights,
+    value_nbytes,
+)
+from megatron_trace.config import TraceConfig
+from megatron_trace.rollout import HFRolloutBackend
+from megatron_trace.rollout.hf_weights import checkpoint_tensors
+
+from ..rollout._tiny import tiny_model
+
+WQ = TraceConfig().weight_quantizer()
+
+
+def _rollout():
+    return HFRolloutBackend(tiny_model(seed=0), mode="fp4", dtype=torch.float32)
+
+
+def _new_weights():
+    return list(checkpoint_tensors(tiny_model(seed=1)))
+
+
+def _snapshot(be):
+    store = {k: (q.codes.clone(), q.block_scales.view(torch.uint8).clone(), q.global_amax.clone())
+             for k, q in be.weight_store._w.items()}
+    return {k: v.clone() for k, v in be.model.state_dict().items()}, store, be.policy_version
+
+
+def _assert_unchanged(be, snap):
+    state, store, version = snap
+    now = be.model.state_dict()
+    assert all(torch.equal(state[k], now[k]) for k in state)
+    for k, (codes, scales, amax) in store.items():
+        q = be.weight_store._w[k]
+        assert torch.equal(q.codes, codes) and torch.equal(q.block_scales.view(torch.uint8), scales)
+        assert torch.equal(q.global_amax, amax)
+    assert be.policy_version == version
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_buckets_respect_the_knob_and_give_the_same_weights(fmt):
+    weights = _new_weights()
+    one, many = _rollout(), _rollout()
+    s1 = sync_weights(one, weights, fmt=fmt, quantizer=WQ, dtype=torch.float32, version=1)
+    bucket = 64 << 10
+    sizes = [value_nbytes(v) for _, v in make_stream(weights, fmt, WQ, torch.float32)]
+    s2 = sync_weights(many, weights, fmt=fmt, quantizer=WQ, dtype=torch.float32, version=1, bucket_bytes=bucket)
+    want, size = 0, 0  # buckets of an independent greedy count
+    for n in sizes:
+        if size and size + n > bucket:
+            want, size = want + 1, 0
+        size += n
+    assert (s1.buckets, s2.buckets) == (1, want + 1) and s2.buckets > 3
+    assert s2.as_dict()[f"sync/{fmt}/seconds"] >= 0.0 and s2.bytes_total == s1.bytes_total
+    a, b = one.model.state_dict(), many.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    for k, q in one.weight_store._w.items():
+        assert torch.equal(q.codes, many.weight_store._w[k].codes)
+
+
+def test_bucket_round_trip_is_bit_exact():
+    items = list(make_stream(_new_weights()[:40], "fp4", WQ, torch.float32))
+    buckets = [WeightBucket.pack(b) for b in iter_buckets(items, 10_000)]
+    back = [v for b in buckets for v in b.values()]
+    assert [n for n, _ in back] == [n for n, _ in items]
+    for (_, x), (_, y) in zip(items, back):
+        if isinstance(x, torch.Tensor):
+            assert torch.equal(x, y)
+        else:
+            assert torch.equal(x.codes, y.codes) and torch.equal(x.global_amax, y.global_amax)
+            assert torch.equal(x.block_scales.view(torch.uint8), y.block_scales.view(torch.uint8))
+
+
+def _failing(weights, after: int):
+    for i, item in enumerate(weights):
+        if i == after:
+            raise ConnectionError("trainer rank 3 went away")
+        yield item
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_interrupted_stream_leaves_the_previous_weights(fmt):
+    be = _rollout()
+    snap = _snapshot(be)
+    weights = _new_weights()
+    with pytest.raises(WeightSyncError, match=r"after \d+ tensors .* keeps its previous weights \(version 0\).*"
+                                              r"trainer rank 3 went away"):
+        sync_weights(be, _failing(weights, len(weights) // 2), fmt=fmt, quantizer=WQ, dtype=torch.float32,
+                     bucket_bytes=32 << 10)
+    _assert_unchanged(be, snap)
+
+
+class Clock:
+    """A clock that advances one second per reading (no wall time in the test)."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        self.t += 1.0
+        return self.t
+
+
+def test_timeout_fails_clearly_and_applies_nothing():
+    be = _rollout()
+    snap = _snapshot(be)
+    with pytest.raises(WeightSyncTimeoutError, match=r"exceeded timeout_s=5 after \d+ tensors"):
+        sync_weights(be, _new_weights(), fmt="fp4", quantizer=WQ, dtype=torch.float32, bucket_bytes=32 << 10,
+                     timeout_s=5, clock=Clock())
+    _assert_unchanged(be, snap)
+    stats = sync_weights(be, _new_weights(), fmt="fp4", quantizer=WQ, dtype=torch.float32, timeout_s=5,
+                         clock=Clock())  # one bucket: within the budget
+    assert 0 < stats.seconds <= 5 and be.policy_version == 1
