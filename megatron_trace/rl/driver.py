@@ -25,7 +25,8 @@ import torch
 
 from ..guidance.records import assemble, split_batch
 from ..guidance.site import FallbackCounter, SiteGuidance
-from ..metrics import mismatch_metrics, quant_counts, quant_metrics
+from ..metrics import guidance_step_metrics, quant_counts, quant_metrics
+from ..monitor import SentinelCheck, TrendAlarm, check_mismatch_gate, step_mismatch_metrics
 from ..rollout.base import SamplingParams
 from .arms import Arm
 from .grpo import group_advantages, policy_loss
@@ -50,6 +51,11 @@ class RLConfig:
     quant_metrics_every: int = 1
     checkpoint_every: int = 0
     seed: int = 0
+    max_logprob_abs_diff: float | None = None  # CI gate (slime's check): raise above it; None = off
+    trend_window: int = 10  # mismatch trend alarm over this many steps
+    trend_max_slope: float = 0.01  # logprob_abs_diff rising faster than this per step -> warning
+    sentinel_prompts: int = 4  # after every weight sync, compare this many fixed prompts' log-probs (0 = off)
+    sentinel_max_abs_diff: float | None = None  # raise above it (None: log only)
 
 
 @dataclass
@@ -92,6 +98,13 @@ class GRPORun:
         self.num_layers = self.policy.hf_config.num_hidden_layers
         self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)
         self.state = ArmState()
+        self.trend = TrendAlarm(window=cfg.trend_window, max_slope=cfg.trend_max_slope)
+        self.sentinel = None
+        if cfg.sentinel_prompts:
+            g = torch.Generator().manual_seed(987654)
+            prompts = [self.tok.encode(task.sample(g).prompt, bos=True) for _ in range(cfg.sentinel_prompts)]
+            self.sentinel = SentinelCheck(prompts, max_new_tokens=task.answer_len + 1,
+                                          max_abs_diff=cfg.sentinel_max_abs_diff)
         self.sync_fmt = ("fp4" if arm.rollout_mode == "fp4" else "bf16") if cfg.weight_sync == "auto" else cfg.weight_sync
         self._sync_weights()  # the rollout serves exactly the trainer's weights (and FP4 codes)
 
@@ -153,10 +166,25 @@ class GRPORun:
             out.update({f"quant/guided/{k}": v for k, v in guided.rates().items()})
         return out
 
+    def _trainer_context(self, sg, record: bool = False):
+        """Guided rounding + routing replay (TRACE spec) or routing replay alone (stock spec)."""
+        if self.arm.trainer_fp4:
+            from ..megatron import trace_guidance
+
+            return trace_guidance(self.policy.model, sg, record=record, compact=False)
+        from .trainer import replay_routing
+
+        return replay_routing(self.policy.model, sg.routing)
+
+    def _sentinel_logprobs(self, batch) -> torch.Tensor:
+        from ..megatron import StepGuidance
+
+        sg = StepGuidance(routing=batch.routing if self.cfg.routing_replay else {}, token_mask=batch.attention_mask)
+        with torch.no_grad(), self._trainer_context(sg):
+            return self.policy.logprobs(batch.tokens)
+
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> dict:
-        from ..megatron import trace_guidance
-
         step, cfg, t0 = self.state.step, self.cfg, time.perf_counter()
         problems, prompt_ids = self._prompts(step)
         batch = self.rollout.generate(prompt_ids, self._sampling(step, cfg.temperature))
@@ -168,13 +196,7 @@ class GRPORun:
         sg, counter, bpt = self._guidance(step, batch, full)
         record = self.arm.trainer_fp4 and cfg.quant_metrics_every and step % cfg.quant_metrics_every == 0
         self.policy.optimizer.zero_grad()
-        if self.arm.trainer_fp4:
-            ctx = trace_guidance(self.policy.model, sg, record=bool(record), compact=False)
-        else:
-            from .trainer import replay_routing
-
-            ctx = replay_routing(self.policy.model, sg.routing)
-        with ctx as h:
+        with self._trainer_context(sg, record=bool(record)) as h:
             logp = self.policy.logprobs(batch.tokens)
             loss, stats = policy_loss(logp, logp.detach(), batch.logprobs, adv, batch.response_mask,
                                       clip_eps=cfg.clip_eps, tis_cap=cfg.tis_cap)
@@ -182,9 +204,12 @@ class GRPORun:
         grad_norm = self.policy.optimizer.step()
         t_train = time.perf_counter()
         metrics = {"reward": float(rewards.mean()), "loss": float(loss.detach()), "grad_norm": grad_norm, **stats}
-        metrics.update(mismatch_metrics(logp.detach(), batch.logprobs, batch.response_mask))
+        kv_fp4 = self.arm.rollout_mode == "fp4" and self.arm.trace.quantizes("kv_k")
+        metrics.update(step_mismatch_metrics(logp.detach(), batch.logprobs, batch.response_mask, kv_quantized=kv_fp4,
+                                             topology=None))
+        metrics.update(self.trend.update(metrics, step))
         if self.arm.trainer_fp4:
-            metrics.update(h.counter.as_dict("guidance/trainer"))
+            metrics.update(guidance_step_metrics(h.counter, h.stats(), prefix="guidance/trainer"))
             if record:
                 metrics.update(self._quant_metrics(h.recorded(), full))
         metrics.update(counter.as_dict("guidance/assembly"))
@@ -192,6 +217,9 @@ class GRPORun:
         self.cache.drop(step)
         self.state.version += 1
         metrics.update(self._sync_weights())
+        if self.sentinel is not None:
+            metrics.update(self.sentinel.run(self.rollout, self._sentinel_logprobs))
+        check_mismatch_gate(metrics, cfg.max_logprob_abs_diff)
         t_end = time.perf_counter()
         metrics.update({"time/step_s": t_end - t0, "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll,
                         "time/sync_s": t_end - t_train, "policy_version": float(self.state.version)})

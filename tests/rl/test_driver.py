@@ -93,3 +93,48 @@ def test_resume_reproduces_the_next_step(megatron_cpu, ckpt, tmp_path):
         GRPORun(make_arm("fp4_qat", TraceConfig()), RL, task, ckpt, out_dir=tmp_path,
                 cache_dir=tmp_path / "c2").load(tmp_path / "ck.pt")
     torch.testing.assert_close(torch.tensor(again["policy_version"]), torch.tensor(3.0))
+
+
+def test_mismatch_gate_fails_the_step(megatron_cpu, ckpt, tmp_path):
+    from megatron_trace.monitor import MismatchGateError
+
+    gated = RLConfig(steps=1, prompts_per_step=2, group_size=2, max_logprob_abs_diff=1e-12)
+    r = GRPORun(make_arm("fp4_naive", TraceConfig()), gated, get_task("add"), ckpt, out_dir=tmp_path,
+                cache_dir=tmp_path / "c")
+    with pytest.raises(MismatchGateError, match="logprob_abs_diff"):
+        r.step()
+
+
+def test_resume_invalidates_guidance_of_the_interrupted_step(megatron_cpu, ckpt, tmp_path):
+    from megatron_trace.guidance.records import split_batch
+
+    r = GRPORun(make_arm("trace", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    r.step()
+    r.save(tmp_path / "ck.pt")
+    # the run is interrupted after the rollout of step 1 stored its guidance, before training on it
+    problems, ids = r._prompts(1)
+    batch = r.rollout.generate(ids, r._sampling(1, 1.0))
+    r.cache.put(1, split_batch(keep_for_arm(batch.guidance, r.arm, MODEL.num_layers), batch.tokens,
+                               version=batch.policy_version, attention_mask=batch.attention_mask))
+    assert r.cache.steps == [1]
+    r.load(tmp_path / "ck.pt")
+    assert r.cache.steps == []  # never reused after the restart
+    assert r.state.step == 1 and r.rollout.policy_version == 1
+
+
+@pytest.mark.parametrize("preset", ["floor", "experts_only", "guidance_on_replay_on", "guidance_on_replay_off",
+                                    "guidance_off_replay_on", "guidance_off_replay_off"])
+def test_ablation_presets_compose(preset):
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from megatron_trace.config import from_hydra, register_hydra
+
+    register_hydra()
+    conf = Path(__file__).resolve().parents[2] / "examples" / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose("demo", overrides=[f"+preset={preset}"])
+    assert cfg.run_name == preset and set(cfg.arms) <= set(ARMS)
+    RLConfig(**cfg.rl), from_hydra(cfg.trace)  # both validate
+    assert cfg.rl.routing_replay == ("replay_off" not in preset)
