@@ -142,31 +142,20 @@ def register_hydra(group: str = "trace", name: str = "default") -> None:
     ConfigStore.instance().store(group=group, name=name, node=_HydraTraceConfig)
 
 
-@dataclass
-class _HydraTraceConfig:
-    """Mutable mirror of TraceConfig for OmegaConf (which needs lists, not tuples)."""
+def _hydra_schema():
+    """TraceConfig as a mutable dataclass for OmegaConf (lists instead of tuples), derived from its fields."""
+    out = []
+    for f in dataclasses.fields(TraceConfig):
+        d = f.default
+        if isinstance(d, tuple):
+            item = int if f.name == "guided_layer_list" else str
+            out.append((f.name, list[item], field(default_factory=lambda d=d: list(d))))
+        else:
+            out.append((f.name, type(d), field(default=d)))
+    return dataclasses.make_dataclass("TraceConfigSchema", out)
 
-    enabled: bool = True
-    format: str = "nvfp4"
-    mxfp4_scale_rule: str = "floor"
-    sites: list[str] = field(default_factory=lambda: list(SITES))
-    activation_amax: str = "per_row"
-    guided_sites: list[str] = field(default_factory=lambda: list(ACTIVATION_SITES))
-    guided_layers: str = "fraction"
-    guided_last_k: int = 0
-    guided_fraction: float = 0.5
-    guided_layer_list: list[int] = field(default_factory=list)
-    budget_bytes_per_token: float = 0.0
-    cache_mode: str = "compact"
-    cache_budget_mb: float = 4096.0
-    cache_dir: str = ""
-    rounding: str = "rne"
-    ste_clip: bool = False
-    fallback: str = "rne"
-    min_coverage: float = 0.0
-    routing_replay: bool = True
-    kernel: str = "auto"
-    version: int = CONFIG_VERSION
+
+_HydraTraceConfig = _hydra_schema()
 
 
 def from_hydra(node) -> TraceConfig:

@@ -36,7 +36,9 @@ def guided_layers(config: TraceConfig, num_layers: int, **budget_kw) -> tuple[in
     if policy == "explicit":
         bad = [i for i in config.guided_layer_list if i >= num_layers]
         if bad:
-            raise ValueError(f"guided_layer_list has layer(s) {bad} beyond num_layers={num_layers} (valid 0..{num_layers - 1})")
+            raise ValueError(
+                f"guided_layer_list has layer(s) {bad} beyond num_layers={num_layers} (valid 0..{num_layers - 1})"
+            )
         return tuple(sorted(set(config.guided_layer_list)))
     if policy == "budget":
         from .planner import budget_layers  # written with the guidance cache

@@ -105,7 +105,8 @@ class GRPORun:
             prompts = [self.tok.encode(task.sample(g).prompt, bos=True) for _ in range(cfg.sentinel_prompts)]
             self.sentinel = SentinelCheck(prompts, max_new_tokens=task.answer_len + 1,
                                           max_abs_diff=cfg.sentinel_max_abs_diff)
-        self.sync_fmt = ("fp4" if arm.rollout_mode == "fp4" else "bf16") if cfg.weight_sync == "auto" else cfg.weight_sync
+        auto = "fp4" if arm.rollout_mode == "fp4" else "bf16"
+        self.sync_fmt = auto if cfg.weight_sync == "auto" else cfg.weight_sync
         self._sync_weights()  # the rollout serves exactly the trainer's weights (and FP4 codes)
 
     # ---- pieces ----------------------------------------------------------------------------

@@ -103,7 +103,8 @@ def plot(by_arm: dict[str, list[dict]], out_dir: Path) -> list[Path]:
     paths = []
 
     def series(key):
-        return {a: ([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r]) for a, rows in by_arm.items()}
+        return {a: ([r["step"] for r in rows if key in r], [r[key] for r in rows if key in r])
+                for a, rows in by_arm.items()}
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for arm, (x, y) in series("reward").items():

@@ -51,7 +51,8 @@ def e4m3_rn_sat(v: np.ndarray) -> np.ndarray:
 
 
 def nvfp4(x: np.ndarray, global_amax: np.ndarray):
-    """x float32 [rows, K] (K % 16 == 0); global_amax float32 [rows, 1] -> (codes [rows, K], scales f32 [rows, K/16])."""
+    """x float32 [rows, K] (K % 16 == 0); global_amax float32 [rows, 1]
+    -> (codes [rows, K], scales f32 [rows, K/16])."""
     x = x.astype(np.float32)
     g = global_amax.astype(np.float32)
     s_enc = np.where(g > 0, np.float32(2688.0) / np.where(g > 0, g, 1), np.float32(1.0)).astype(np.float32)

@@ -41,7 +41,8 @@ def test_matches_independent():
         q = mxfp4.quantize(x, scale_rule=rule)
         xb = x.numpy().reshape(32, 3, 32).astype(np.float64)
         amax = np.abs(xb).max(-1)
-        e = np.floor(np.log2(amax)) - 2 if rule == "floor" else np.ceil(np.log2((amax.astype(np.float32) / np.float32(6))))
+        amax6 = amax.astype(np.float32) / np.float32(6)
+        e = np.floor(np.log2(amax)) - 2 if rule == "floor" else np.ceil(np.log2(amax6))
         z = (xb / 2.0 ** e[..., None]).astype(np.float32)
         assert np.array_equal(mxfp4.scale_exponents(q.block_scales).numpy(), e.astype(np.int32))
         assert np.array_equal(q.unpacked_codes().numpy(), e2m1_codes(z).reshape(32, 96))
@@ -68,7 +69,6 @@ def test_odd_k_and_no_global_amax():
     assert q.codes.shape == (3, 32) and q.block_scales.shape == (3, 2) and q.global_amax is None
     assert q.dequantize().shape == (3, 40)
     with pytest.raises(ValueError, match="no global amax"):
-        mxfp4.quantize(torch.randn(3, 40), scale_rule="floor", rounding="rne").__class__  # fine
         mxfp4.MXFP4Format().global_amax(torch.randn(2, 32), per_row=True)
 
 

@@ -4,13 +4,15 @@ import torch
 
 from megatron_trace.formats import FP4Tensor, NonFiniteError, e2m1, nvfp4
 
-from ._independent import E4M3, e4m3_rn_sat, nvfp4 as nvfp4_independent
+from ._independent import E4M3, e4m3_rn_sat
+from ._independent import nvfp4 as nvfp4_independent
 
 
 def test_e4m3_cast_matches_independent_rounding():
     g = torch.Generator().manual_seed(0)
     v = torch.cat([torch.rand(20000, generator=g) * 500, torch.rand(5000, generator=g) * 0.02,
-                   torch.tensor(E4M3[1:], dtype=torch.float32), torch.tensor((E4M3[1:] + E4M3[:-1]) / 2, dtype=torch.float32)])
+                   torch.tensor(E4M3[1:], dtype=torch.float32),
+                   torch.tensor((E4M3[1:] + E4M3[:-1]) / 2, dtype=torch.float32)])
     # NVFP4 block scales use torch's float8 cast after a clamp at 448: check it against the brute force
     ours = v.clamp(max=448).to(torch.float8_e4m3fn).float().numpy()
     assert np.array_equal(ours, e4m3_rn_sat(v.numpy()))
@@ -58,7 +60,8 @@ def test_input_dtypes_agree_with_fp32_of_same_values(dtype):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(8, 48, generator=g) * 5).to(dtype)
     a, b = nvfp4.quantize(x, per_row=True), nvfp4.quantize(x.float(), per_row=True)
-    assert torch.equal(a.codes, b.codes) and torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
+    assert torch.equal(a.codes, b.codes)
+    assert torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
     assert a.dequantize(dtype).dtype == dtype
 
 

@@ -54,7 +54,11 @@ def test_all_arms_run_and_trace_removes_mismatch(megatron_cpu, ckpt, tmp_path):
             assert all(math.isfinite(r[key]) for r in rows), (arm, key)
         assert "eval/accuracy" in rows[-1]
     mean = lambda arm, k: sum(r[k] for r in by_arm[arm]) / len(by_arm[arm])  # noqa: E731
-    assert mean("fp4_naive", "mismatch/logprob_abs_diff") > mean("trace_full", "mismatch/logprob_abs_diff")
+    d = {arm: mean(arm, "mismatch/logprob_abs_diff") for arm in ARMS}
+    # measured on this micro config (CPU, deterministic): naive 4.5e-3 > qat 6.3e-4 > trace 3.1e-4 >= full 2.9e-4,
+    # bf16 floor 3.7e-4; the bounds leave room for other CPUs' float summation orders
+    assert d["fp4_naive"] > d["fp4_qat"] > d["trace_full"], d
+    assert d["trace"] < d["fp4_qat"] and d["trace_full"] < 1.5 * d["bf16"], d
     # full codes on all layers: the trainer reproduces the rollout's codes at every guided site
     assert by_arm["trace_full"][-1]["quant/guided/code_mismatch_rate"] < 1e-3
     assert by_arm["trace"][-1]["cache/bytes_per_token"] < by_arm["trace_full"][-1]["cache/bytes_per_token"]
