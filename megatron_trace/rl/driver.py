@@ -107,14 +107,24 @@ class GRPORun:
                                           max_abs_diff=cfg.sentinel_max_abs_diff)
         auto = "fp4" if arm.rollout_mode == "fp4" else "bf16"
         self.sync_fmt = auto if cfg.weight_sync == "auto" else cfg.weight_sync
+        self.recipe = None
+        if arm.trainer_fp4:  # both sides run FP4: the quant-recipe manifest must agree, now and on every sync
+            from ..manifest import trainer_recipe
+            from ..megatron import find_trace_layers
+
+            self.recipe = trainer_recipe(find_trace_layers(self.policy.model))
+            # the demo's rollout records every layer in full mode (the metrics' superset) on purpose
+            self.rollout.check_recipe(self.recipe, ignore=("guided_layers", "guided_sites", "cache_mode"))
         self._sync_weights()  # the rollout serves exactly the trainer's weights (and FP4 codes)
 
     # ---- pieces ----------------------------------------------------------------------------
     def _sync_weights(self) -> dict:
         from ..bridge import sync_weights
 
+        v = self.state.version
         stats = sync_weights(self.rollout, self.policy.export_hf_weights(), fmt=self.sync_fmt,
-                             quantizer=self.arm.trace.weight_quantizer(), version=self.state.version)
+                             quantizer=self.arm.trace.weight_quantizer(), version=v,
+                             recipe=None if self.recipe is None else self.recipe.with_weight_version(v))
         return stats.as_dict()
 
     def _prompts(self, step: int):

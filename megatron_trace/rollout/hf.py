@@ -128,6 +128,7 @@ class HFRolloutBackend:
         self.set_guided_layers(guided_layer_ids)
         self.prefix_reuse = bool(prefix_reuse)
         self.trainer_recipe: QuantRecipe | None = None
+        self._recipe_ignore: tuple[str, ...] = ()
         if recipe is not None:
             self.check_recipe(recipe)
 
@@ -159,9 +160,15 @@ class HFRolloutBackend:
         return backend_recipe(effective_config(self.config, self.mode), guided_layers={k[0] for k in self.guided_sites},
                               audit=self.module_audit(), weight_version=v)
 
-    def check_recipe(self, trainer: QuantRecipe, *, weight_version: int | None = None) -> None:
-        """Raise ``RecipeMismatchError`` naming every field where ``trainer`` differs; then require it on syncs."""
-        check_recipe(trainer, self.recipe(weight_version), what="hf rollout")
+    def check_recipe(self, trainer: QuantRecipe, *, weight_version: int | None = None,
+                     ignore: tuple[str, ...] | None = None) -> None:
+        """Raise ``RecipeMismatchError`` naming every field where ``trainer`` differs; then require it on syncs.
+
+        ``ignore``: fields allowed to differ (kept for later syncs), e.g. a rollout that deliberately records
+        guidance on more layers than the trainer uses."""
+        if ignore is not None:
+            self._recipe_ignore = tuple(ignore)
+        check_recipe(trainer, self.recipe(weight_version), what="hf rollout", ignore=self._recipe_ignore)
         self.trainer_recipe = trainer
 
     def _numerics(self, recorder: GuidanceRecorder | None) -> RolloutNumerics:

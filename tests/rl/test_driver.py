@@ -142,3 +142,16 @@ def test_ablation_presets_compose(preset):
     assert cfg.run_name == preset and set(cfg.arms) <= set(ARMS)
     RLConfig(**cfg.rl), from_hydra(cfg.trace)  # both validate
     assert cfg.rl.routing_replay == ("replay_off" not in preset)
+
+
+def test_driver_registers_and_checks_the_quant_recipe(megatron_cpu, ckpt, tmp_path):
+    import dataclasses
+
+    from megatron_trace.manifest import RecipeMismatchError
+
+    r = GRPORun(make_arm("trace", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    assert r.rollout.trainer_recipe == r.recipe and r.recipe.format == "nvfp4"
+    with pytest.raises(RecipeMismatchError, match="activation_amax: trainer='per_tensor'"):
+        r.rollout.check_recipe(dataclasses.replace(r.recipe, activation_amax="per_tensor"))
+    assert GRPORun(make_arm("fp4_naive", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path,
+                   cache_dir=tmp_path / "c2").recipe is None  # mixed numerics on purpose: nothing to check
