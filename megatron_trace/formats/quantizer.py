@@ -75,10 +75,16 @@ class _FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.ste_clip:
-            (inside,) = ctx.saved_tensors
-            grad = grad * inside.to(grad.dtype)
-        return grad, None, None, None, None
+        return ste_backward(ctx, grad)
+
+
+def ste_backward(ctx, grad):
+    """The straight-through gradient of a fake-quant function ``f(x, *4 non-tensor args)``: identity, or
+    masked outside the clip range when ``ctx.ste_clip`` (the bool mask is the saved tensor)."""
+    if ctx.ste_clip:
+        (inside,) = ctx.saved_tensors
+        grad = grad * inside.to(grad.dtype)
+    return grad, None, None, None, None
 
 
 def fake_quantize(

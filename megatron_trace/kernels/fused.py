@@ -8,7 +8,7 @@ import torch
 
 from ..formats import block as ref_block
 from ..formats.nvfp4 import FORMAT as NVFP4_FORMAT
-from ..formats.quantizer import Quantizer
+from ..formats.quantizer import Quantizer, ste_backward
 from ..formats.registry import get_format
 from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
 from . import quant_triton as qk
@@ -137,7 +137,4 @@ class _FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.ste_clip:
-            (inside,) = ctx.saved_tensors
-            grad = grad * inside.to(grad.dtype)
-        return grad, None, None, None, None
+        return ste_backward(ctx, grad)
