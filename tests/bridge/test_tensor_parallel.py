@@ -1,0 +1,87 @@
+"""TP=2 (sequence parallel) on two CPU processes: the bridge scatters HF tensors into TP shards and gathers them back."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ..rollout._tiny import save_tiny_checkpoint, tiny_config
+from ._megatron_cpu import free_port
+from .test_expert_parallel import TOKENS, _disk
+
+WORLD = 2
+
+
+def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint
+    from megatron_trace.testing.megatron_cpu import allow_torch_norm_with_sequence_parallel
+
+    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    allow_torch_norm_with_sequence_parallel()  # TP MoE needs SP; the torch norm refuses the flag without Apex/TE
+    init_megatron(rank, WORLD, port, tp=WORLD)
+    try:
+        # experts are not tensor-parallel (ETP=1, as the TRACE plugin requires); attention and the router are
+        bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32, expert_tensor_parallel_size=1)
+        model = bridge.build_model().eval()
+        load_hf_checkpoint(model, ckpt, bridge)
+        qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+        b, s = TOKENS.shape
+        pos = torch.arange(s).unsqueeze(0).expand(b, s)
+        mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+        with torch.no_grad():
+            logits = gather_from_tensor_model_parallel_region(model(TOKENS, pos, mask))  # vocab-parallel -> full
+        disk = _disk(ckpt)
+        exported = {n: t.clone() for n, t in export_hf_weights(model, bridge)}
+        torch.save({
+            "qkv_rows": qkv.shape[0],
+            "logits": logits,
+            "export_exact": exported.keys() == disk.keys() and all(torch.equal(exported[k], disk[k]) for k in disk),
+        }, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        shutdown_megatron()
+
+
+@pytest.fixture(scope="module")
+def tp2_results(tmp_path_factory):  # failures surface in the test (xfail) rather than as a fixture error
+    ckpt = save_tiny_checkpoint(tmp_path_factory.mktemp("tp2") / "hf", tiny_config(), seed=7)
+    out = str(tmp_path_factory.mktemp("tp2_out"))
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, port, ckpt, out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=240)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+    ok = [p.exitcode for p in procs] == [0] * WORLD
+    return ckpt, [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)] if ok else None
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "known gap: mbridge 0.15.1 picks the expert-TP (ETP) path by the TE grouped-expert name "
+    "'.mlp.experts.linear_fc'; with Megatron's local SequentialMLP names ('local_experts.{i}.linear_fc1') it splits "
+    "expert weights across TP and the scatter fails. Needs a local-spec aware load/export in bridge/qwen3_moe.py."))
+def test_tp2_shards_logits_and_export(tp2_results):
+    from transformers import AutoModelForCausalLM
+
+    ckpt, results = tp2_results
+    assert results is not None, "a TP worker failed (see its stderr above)"
+    cfg = tiny_config()
+    full_qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
+    assert all(r["qkv_rows"] == full_qkv_rows // WORLD for r in results)  # each rank holds half of QKV
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(TOKENS).logits
+    for r in results:
+        assert (r["logits"] - ref).abs().max() < 1e-4 * ref.abs().max()
+        assert r["export_exact"]  # TP shards gathered back to the HF tensors bit for bit
