@@ -4,6 +4,7 @@ offload (device staging -> pinned host) vs the measured pinned copy bandwidth.
     python3 benchmarks/bench_guidance_sync.py           # GPU: 64k tokens x 24 layers of Qwen3-30B-A3B FC1 rows
                                                          # (hidden 2048), compact NVFP4 records
     python3 benchmarks/bench_guidance_sync.py --smoke   # tiny, CPU
+    python3 benchmarks/bench_guidance_sync.py --cpu     # 2-core CPU box: 32 x 1024 tokens x 12 layers (~150 MB)
 
 Two processes (rollout rank 0, trainer rank 1) on the one GPU: NCCL is tried first; NCCL refuses two ranks on
 one device, then gloo runs (the JSON says which). Prints one JSON line.
@@ -32,7 +33,10 @@ def args_():
     for k, v in dict(samples=64, seq=1024, hidden=2048, layers=24, warmup=1, reps=3).items():
         p.add_argument("--" + k, type=int, default=v)
     p.add_argument("--smoke", action="store_true")
+    p.add_argument("--cpu", action="store_true", help="a size for a small CPU box (gloo, plain host copy baseline)")
     a = p.parse_args()
+    if a.cpu:
+        a.__dict__.update(samples=32, seq=1024, hidden=2048, layers=12, warmup=3, reps=5)
     if a.smoke:
         a.__dict__.update(samples=4, seq=32, hidden=64, layers=2, warmup=1, reps=2)
     return a
@@ -144,18 +148,37 @@ def host_offload(a) -> dict:
     dev = torch.device("cuda" if cuda else "cpu")
     samples = make_samples(a, dev)
     cache = GuidanceCache(budget_bytes=1 << 40)
-    put = []
+    ids = [s.sample_id for s in samples]
+    put, get = [], []
     for i in range(a.warmup + a.reps):
         _sync(dev)
         t0 = time.perf_counter()
         cache.put(i, samples)
-        cache.get(i, [samples[0].sample_id])  # waits for the step's copy event
+        cache.get(i, ids[:1])  # waits for the step's copy event
+        t1 = time.perf_counter()
+        got = cache.get(i, ids)  # every sample: views of the step's host buffer
+        t2 = time.perf_counter()
         if i >= a.warmup:
-            put.append(time.perf_counter() - t0)
+            put.append(t1 - t0)
+            get.append(t2 - t1)
         nbytes = cache.host_bytes
+        del got
         cache.drop(i)
-    res = {"bytes": nbytes, "put_s": statistics.median(put)}
+    res = {"bytes": nbytes, "put_s": statistics.median(put), "get_all_s": statistics.median(get)}
     res["put_GBps"] = nbytes / res["put_s"] / 1e9
+    if not cuda:  # baselines: one plain copy of the same bytes into a fresh / an already-touched host buffer
+        src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        dst = torch.empty(nbytes, dtype=torch.uint8)
+        for name, fn in (("fresh", lambda: torch.empty(nbytes, dtype=torch.uint8).copy_(src)),
+                         ("reused", lambda: dst.copy_(src))):
+            cp = []
+            for i in range(a.warmup + a.reps):
+                t0 = time.perf_counter()
+                fn()
+                if i >= a.warmup:
+                    cp.append(time.perf_counter() - t0)
+            res[f"plain_copy_{name}_GBps"] = nbytes / statistics.median(cp) / 1e9
+            res[f"put_vs_plain_copy_{name}"] = res["put_GBps"] / res[f"plain_copy_{name}_GBps"]
     if cuda:
         src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=dev)
         t0 = time.perf_counter()
@@ -192,7 +215,7 @@ def main():
             sync[f"ratio_sync_vs_raw_verify_{v}"] = sync["raw_s"] / sync[f"sync_s_verify_{v}"]
         sync["raw_GBps"] = sync["bytes"] / sync["raw_s"] / 1e9
     out = {
-        "bench": "guidance_sync", "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
+        "bench": "guidance_sync", "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke, "cpu": a.cpu,
         "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
         "shape": {k: getattr(a, k) for k in ("samples", "seq", "hidden", "layers")}, "record": "compact nvfp4 FC1",
         "sync": sync, "tried": [t["backend"] + (" failed: " + t["error"][0][-300:] if "error" in t else " ok")

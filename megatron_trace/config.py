@@ -7,6 +7,7 @@ environment variables. Layers are numbered from 0 (Megatron's ``layer_number`` m
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +25,8 @@ CACHE_MODES = ("compact", "full")
 AMAX_GRANULARITIES = ("per_row", "per_tensor")
 FALLBACKS = ("rne", "fail")
 KERNELS = ("auto", "reference", "triton")
+_PATTERN = re.compile(r"[A-Za-z0-9_.*-]+")
+"""Module patterns: canonical HF module names with ``*`` wildcards (ModelOpt semantics, full match)."""
 
 
 def _choice(name: str, value: Any, valid: tuple) -> None:
@@ -55,11 +58,15 @@ class TraceConfig:
     min_coverage: float = 0.0
     routing_replay: bool = True
     kernel: str = "auto"
+    exclude_modules: tuple[str, ...] = ()  # kept BF16; see manifest.py (full-match '*' globs, none may miss)
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
         # Hydra/OmegaConf hand lists; normalise to tuples so the config stays hashable-ish.
-        for name in ("sites", "guided_sites", "guided_layer_list"):
+        if isinstance(self.exclude_modules, str):
+            raise ValueError(f"TraceConfig.exclude_modules={self.exclude_modules!r} must be a list of patterns, "
+                             "not one string")
+        for name in ("sites", "guided_sites", "guided_layer_list", "exclude_modules"):
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.version != CONFIG_VERSION:
             raise ValueError(f"TraceConfig.version={self.version} is not supported (this build reads {CONFIG_VERSION})")
@@ -95,6 +102,10 @@ class TraceConfig:
             raise ValueError(f"TraceConfig.cache_budget_mb={self.cache_budget_mb} must be >= 0")
         if not 0.0 <= self.min_coverage <= 1.0:
             raise ValueError(f"TraceConfig.min_coverage={self.min_coverage} must be in [0, 1]")
+        for p in self.exclude_modules:
+            if not isinstance(p, str) or not _PATTERN.fullmatch(p):
+                raise ValueError(f"TraceConfig.exclude_modules has {p!r}: a pattern is a module name such as "
+                                 "'model.layers.0.mlp.experts' with '*' wildcards (letters, digits, _ - . *)")
 
     # ---- quantizers -------------------------------------------------------------------------
     def weight_quantizer(self) -> Quantizer:

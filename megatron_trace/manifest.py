@@ -10,11 +10,17 @@ and ``model.layers.L.self_attn.kv_cache`` (the FP4 KV cache of layer L). Both si
 quantize and ``check_module_sets`` requires equal sets; exclude/include patterns use ModelOpt's
 wildcard semantics (``*`` = anything, full match, never substring) and a pattern that matches no
 module is an error (``match_modules``).
+
+``TraceConfig.exclude_modules`` keeps routed experts (``model.layers.0.mlp.experts``) or KV caches
+(``model.layers.0.self_attn.kv_cache``) in BF16 on both sides, e.g. boundary layers (NeMo-RL#3426):
+``quantized_module_names`` leaves them out and ``excluded_modules`` (called by each side once it
+knows the whole model) rejects a pattern that matches none of the quantizable modules.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 from collections.abc import Iterable
@@ -144,15 +150,40 @@ def kv_cache_name(layer: int) -> str:
     return f"model.layers.{layer}.self_attn.kv_cache"
 
 
+def _candidates(config: TraceConfig, moe_layers: Iterable[int], attention_layers: Iterable[int], *,
+                quantizes) -> set[str]:
+    names = set()
+    if any(quantizes(s) for s in EXPERT_SITES):
+        names |= {experts_name(i) for i in moe_layers}
+    if any(quantizes(s) for s in KV_SITES):
+        names |= {kv_cache_name(i) for i in attention_layers}
+    return names
+
+
 def quantized_module_names(config: TraceConfig, *, moe_layers: Iterable[int],
                            attention_layers: Iterable[int]) -> tuple[str, ...]:
-    """Canonical names of what ``config`` quantizes in the given MoE and attention layers (sorted)."""
-    names = []
-    if any(config.quantizes(s) for s in EXPERT_SITES):
-        names += [experts_name(i) for i in moe_layers]
-    if any(config.quantizes(s) for s in KV_SITES):
-        names += [kv_cache_name(i) for i in attention_layers]
-    return tuple(sorted(set(names)))
+    """Canonical names of what ``config`` quantizes in the given MoE and attention layers (sorted),
+    ``config.exclude_modules`` left out."""
+    names = _candidates(config, moe_layers, attention_layers, quantizes=config.quantizes)
+    return tuple(sorted(n for n in names if not module_excluded(config, n)))
+
+
+def excluded_modules(config: TraceConfig, *, moe_layers: Iterable[int],
+                     attention_layers: Iterable[int]) -> tuple[str, ...]:
+    """The modules ``config.exclude_modules`` keeps in BF16 among the whole model's quantizable ones
+    (routed experts and KV caches of ``config.sites``, whether or not TRACE is enabled).
+
+    Raises ``ModulePatternError`` naming a pattern that matches none of them (a typo, a missing
+    ``model.`` prefix, a dense layer's experts): a pattern never silently does nothing."""
+    if not config.exclude_modules:
+        return ()
+    names = _candidates(config, moe_layers, attention_layers, quantizes=lambda s: s in config.sites)
+    return tuple(sorted(match_modules(sorted(names), config.exclude_modules, what="TraceConfig.exclude_modules")))
+
+
+def module_excluded(config: TraceConfig, name: str) -> bool:
+    """Whether a canonical module name is fully matched by one of ``config.exclude_modules``."""
+    return any(_glob(p).fullmatch(name) for p in config.exclude_modules)
 
 
 def trainer_quantized_modules(layers) -> tuple[str, ...]:
@@ -180,6 +211,7 @@ class ModuleAudit:
                 f"{prefix}/bf16_modules": float(len(self.bf16))}
 
 
+@functools.cache
 def _glob(pattern: str) -> re.Pattern:
     return re.compile(re.escape(pattern).replace(r"\*", ".*"))
 

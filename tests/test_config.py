@@ -38,6 +38,7 @@ def test_frozen_and_keyword_only():
         ({"mxfp4_scale_rule": "round"}, "mxfp4_scale_rule='round'"),
         ({"version": 99}, "version=99 is not supported"),
         ({"fallback": "ignore"}, "fallback='ignore'"),
+        ({"exclude_modules": ("model.layers.[0]",)}, r"exclude_modules has 'model.layers.\[0\]'"),
     ],
 )
 def test_invalid_values_name_field_and_valid_choices(kw, match):
@@ -94,8 +95,11 @@ def test_hydra_structured_config_and_overrides():
         open(f"{d}/main.yaml", "w").write("defaults:\n  - trace: default\n  - _self_\n")
         with initialize_config_dir(config_dir=d, version_base=None):
             cfg = compose("main", overrides=["trace.cache_mode=full", "trace.guided_layer_list=[1,2]",
-                                             "trace.guided_layers=explicit"])
+                                             "trace.guided_layers=explicit",
+                                             "trace.exclude_modules=[model.layers.0.*,model.layers.7.mlp.experts]"])
     c = from_hydra(cfg.trace)
     assert c.cache_mode == "full" and c.guided_layer_list == (1, 2)
+    assert c.exclude_modules == ("model.layers.0.*", "model.layers.7.mlp.experts")
+    assert TraceConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     with pytest.raises(ValueError, match="format='fp3'"):
         from_hydra({**c.to_dict(), "format": "fp3"})

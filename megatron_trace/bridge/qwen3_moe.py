@@ -10,8 +10,13 @@ assumes the Transformer Engine spec and an older transformers; ``Qwen3MoeBridge`
     ``experts.local_experts.i.linear_fc1.weight`` -> ``experts.linear_fc1.weight{i}``);
   - expert parallelism: EP rank r owns experts [r*E/ep, (r+1)*E/ep) and reads only those;
   - RoPE theta from ``rope_parameters`` (transformers >= 5);
-  - reads are counted (``last_load_stats``) so a rank's I/O can be checked against its shard.
-Tensor parallelism goes through mbridge's TP split/merge but is not tested here yet.
+  - reads are counted (``last_load_stats``) so a rank's I/O can be checked against its shard;
+  - ``load_weights``/``export_weights`` are our own loops: mbridge 0.15.1 picks the expert-TP
+    group by the TE grouped-expert name, which local-spec names never match, so under TP > 1 it
+    would split experts over the attention TP group. Here every parameter is scattered/gathered
+    over the group that shards it (ETP for experts, TP otherwise), reusing mbridge's name/layout
+    maps and its ``_weight_split_across_tp``/``_weight_merge_across_tp``. Pipeline parallelism
+    is not supported (clear error).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from .config import gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
 
@@ -30,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 try:
     from mbridge.core.safetensor_io import SafeTensorIO
+    from mbridge.core.util import unwrap_model
     from mbridge.models.qwen3moe import Qwen3MoEBridge as _MBridgeQwen3MoE
 except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("megatron_trace.bridge needs mbridge: pip install --no-deps mbridge==0.15.1") from e
@@ -107,6 +114,81 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             ret[local] = name
         return ret
 
+    # ---- parallel layout ----------------------------------------------------------------------
+    def _shard_group(self, global_name: str) -> tuple:
+        """(group, size, rank) a parameter is tensor-sharded over: ETP for experts, TP otherwise."""
+        if _TE_EXPERT.match(global_name):
+            return self.mpu.etp_group, self.mpu.etp_size, self.mpu.etp_rank
+        return self.mpu.tp_group, self.mpu.tp_size, self.mpu.tp_rank
+
+    def _require_no_pipeline(self) -> None:
+        if self.mpu.pp_size > 1:
+            raise NotImplementedError(f"Qwen3MoeBridge supports pipeline parallel size 1 only, got {self.mpu.pp_size}")
+
+    def load_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
+        """Fill this rank's parameters from a HF checkpoint; rank 0 of each shard group reads and scatters."""
+        self._require_no_pipeline()
+        self.safetensor_io = self._get_safetensor_io(weights_path)
+        for model in models:
+            self._load_model(unwrap_model(model), memory_efficient)
+
+    def _load_model(self, model, memory_efficient: bool) -> None:
+        params = model.state_dict()
+        plan = [(local, name, self._weight_name_mapping_mcore_to_hf(name), self._shard_group(name))
+                for local, name in self._weight_name_mapping_mcore_local_to_global(model).items()
+                if "_extra_state" not in local]
+        readers = [hf for _, _, hf, (_, _, rank) in plan if rank == 0]
+        cache = {} if memory_efficient else self.safetensor_io.load_some_hf_weight([n for hf in readers for n in hf])
+        for local, name, hf_names, (group, size, rank) in plan:
+            param = params[local]
+            shards = None
+            if rank == 0:
+                hf = [cache.pop(n) if n in cache else self.safetensor_io.load_one_hf_weight(n) for n in hf_names]
+                full = self._weight_to_mcore_format(name, hf)
+                shards = [t.to(param.device, param.dtype).contiguous()
+                          for t in self._weight_split_across_tp(name, full, param, size)]
+            if size == 1:
+                param.copy_(shards[0])
+                continue
+            mine = torch.empty_like(param)
+            dist.scatter(mine, shards, src=dist.get_global_rank(group, 0), group=group)
+            param.copy_(mine)
+
+    def export_weights(self, models: list) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF name, full tensor) for the whole model; every rank must iterate (collectives)."""
+        self._require_no_pipeline()
+        for model in models:
+            model = unwrap_model(model)
+            mapping = self._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+            for local, tensor in _exported_tensors(model):
+                name = mapping[local]
+                if _TE_EXPERT.match(name):
+                    yield from self._export_expert(name, tensor)
+                    continue
+                full = self._gather_shards(name, tensor) if getattr(tensor, "tensor_model_parallel", False) else tensor
+                yield from zip(*self._weight_to_hf_format(name, full))
+
+    def _gather_shards(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        group, size, _ = self._shard_group(name)
+        if size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(size)]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return self._weight_merge_across_tp(name, parts, tensor)
+
+    def _export_expert(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """One local expert's weight -> the same local slot of every EP rank, under global expert ids."""
+        m = _TE_EXPERT.match(name)
+        per_rank = self.config.num_moe_experts // self.mpu.ep_size
+        if self.mpu.ep_size > 1:
+            per_ep_rank = [torch.empty_like(tensor) for _ in range(self.mpu.ep_size)]
+            dist.all_gather(per_ep_rank, tensor.contiguous(), group=self.mpu.ep_group)
+        else:
+            per_ep_rank = [tensor]
+        for ep_rank, shard in enumerate(per_ep_rank):
+            global_name = f"{m.group(1)}{int(m.group(2)) + per_rank * ep_rank}"
+            yield from zip(*self._weight_to_hf_format(global_name, self._gather_shards(global_name, shard)))
+
     # ---- I/O --------------------------------------------------------------------------------
     def _get_safetensor_io(self, weights_path: str):
         self.last_load_stats = LoadStats()
@@ -123,6 +205,16 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         mapping = self._weight_name_mapping_mcore_local_to_global(model)
         return [n for k, v in mapping.items() if "_extra_state" not in k
                 for n in self._weight_name_mapping_mcore_to_hf(v)]
+
+
+def _exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """named_parameters, plus the router's expert_bias (a buffer, so only in the state dict)."""
+    seen = set()
+    for name, param in model.named_parameters():
+        seen.add(name)
+        yield name, param
+    state = model.state_dict()
+    yield from ((k, v) for k, v in state.items() if "expert_bias" in k and "_extra_state" not in k and k not in seen)
 
 
 def _as_list(models) -> list:

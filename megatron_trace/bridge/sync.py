@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -100,12 +100,17 @@ def bf16_stream(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = 
 
 
 def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
-               dtype: torch.dtype = torch.bfloat16) -> Iterator[tuple[str, WeightValue]]:
-    """Routed-expert weights as FP4 (quantized from the values as given), the rest cast to ``dtype``."""
+               dtype: torch.dtype = torch.bfloat16, bf16_layers: Collection[int] = ()
+               ) -> Iterator[tuple[str, WeightValue]]:
+    """Routed-expert weights as FP4 (quantized from the values as given), the rest cast to ``dtype``.
+
+    ``bf16_layers``: layers whose experts stay BF16 (``TraceConfig.exclude_modules``; the rollout's
+    ``bf16_expert_layers``): their expert weights are cast like the rest."""
     pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    bf16_layers = frozenset(bf16_layers)
     for name, value in named:
         parsed = parse_expert_name(name)
-        if parsed is None:
+        if parsed is None or parsed[0] in bf16_layers:
             yield name, _cast(value, dtype)
             continue
         layer, e, proj = parsed
@@ -124,13 +129,14 @@ def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
                          f"{sorted(pending)[:5]}")
 
 
-def make_stream(named, fmt: str, quantizer: Quantizer | None = None, dtype: torch.dtype = torch.bfloat16):
+def make_stream(named, fmt: str, quantizer: Quantizer | None = None, dtype: torch.dtype = torch.bfloat16,
+                bf16_layers: Collection[int] = ()):
     if fmt not in SYNC_FORMATS:
         raise ValueError(f"fmt={fmt!r} is not one of {SYNC_FORMATS}")
     if fmt == "fp4":
         if quantizer is None:
             raise ValueError("fmt='fp4' needs the weight quantizer (TraceConfig.weight_quantizer())")
-        return fp4_stream(named, quantizer, dtype)
+        return fp4_stream(named, quantizer, dtype, bf16_layers)
     return bf16_stream(named, dtype)
 
 
@@ -218,9 +224,10 @@ def _buckets(stream, bucket_bytes: int) -> Iterator[list[tuple[str, WeightValue]
 def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tensor]], *, fmt: str = "bf16",
                  quantizer: Quantizer | None = None, dtype: torch.dtype = torch.bfloat16,
                  version: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 timeout_s: float | None = None, recipe=None,
+                 timeout_s: float | None = None, recipe=None, bf16_layers: Collection[int] = (),
                  clock: Callable[[], float] = time.monotonic) -> SyncStats:
-    """Send ``named`` weights to ``backend`` (BF16 or FP4 experts) in buckets; returns what was moved.
+    """Send ``named`` weights to ``backend`` (BF16 or FP4 experts; ``bf16_layers`` keep BF16 experts) in buckets;
+    returns what was moved.
 
     All-or-nothing: buckets are staged on the backend's device and applied by one ``update_weights``
     after the stream completed within ``timeout_s`` seconds (None: no limit). ``recipe``: the
@@ -241,7 +248,8 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
         if timeout_s is not None and clock() - t0 > timeout_s:
             raise WeightSyncTimeoutError(f"weight sync ({fmt}) exceeded timeout_s={timeout_s} " + progress())
 
-    stream = iter_buckets(make_stream(named, fmt, quantizer, dtype), bucket_bytes)  # bad arguments raise here
+    # bad arguments raise here, before anything is sent
+    stream = iter_buckets(make_stream(named, fmt, quantizer, dtype, bf16_layers), bucket_bytes)
     try:
         for items in stream:
             check_deadline()

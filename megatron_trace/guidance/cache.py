@@ -2,9 +2,10 @@
 
 Rollout side: ``put(step, samples)`` flattens a rollout batch into a preallocated device staging
 buffer and copies it to pinned host memory on a side CUDA stream (``non_blocking``; ``get``
-waits on the copy's event). On CPU the flat buffer is written on the host directly. Samples that
-do not fit under ``budget_bytes`` of host memory go to one safetensors shard per ``put`` (one
-rollout batch) in ``cache_dir`` (see ``shards``: atomic, checked on load).
+waits on the copy's event). On CPU the flat buffer is written on the host directly (a huge-page
+``serial.host_buffer``, one ``memmove`` per tensor). Samples that do not fit under ``budget_bytes``
+of host memory go to one safetensors shard per ``put`` (one rollout batch) in ``cache_dir`` (see
+``shards``: atomic, checked on load).
 
 Trainer side: ``get(step, sample_ids)`` returns only the samples a micro-batch needs (loading
 just those from a shard), ``None`` for samples the step does not have (the trainer then falls
@@ -24,7 +25,7 @@ import torch
 
 from ..config import TraceConfig
 from .records import SampleGuidance
-from .serial import FlatPlan, plan_flat, unflatten_one, write_flat
+from .serial import FlatPlan, host_buffer, plan_flat, unflatten_one, write_flat
 from .shards import load_samples, remove_stale_tmp, shard_index, write_shard
 
 logger = logging.getLogger(__name__)
@@ -57,8 +58,8 @@ class _HostStager:
     def to_host(self, plan: FlatPlan) -> tuple[torch.Tensor, object]:
         dev = plan.device
         if dev.type != "cuda":
-            host = torch.empty(plan.total, dtype=torch.uint8)
-            write_flat(plan, host)
+            host = host_buffer(plan.total)
+            write_flat(plan, host)  # one memmove per tensor
             return host, None
         cur = torch.cuda.current_stream(dev)
         if self.last_event is not None:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from .records import SampleGuidance, tensor_bytes
-from .serial import sample_from_tensors, sample_to_tensors
+from .records import SampleGuidance
+from .serial import host_bytes, sample_from_tensors, sample_to_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,9 @@ def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(tensor_bytes(t))
+        host, view = host_bytes(t)  # in place for host tensors, no bytes copy
+        h.update(view)
+        del view, host
     return h.hexdigest()
 
 

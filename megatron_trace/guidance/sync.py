@@ -18,8 +18,12 @@ their sample too: we leave their expert-parallel routing to the Megatron dispatc
 trainer's MoE layer permutes FC2 guidance rows with the same token dispatch as the activations),
 so no second, expert-owner exchange is needed here.
 
+The payload is written in one pass (``serial.write_flat``) into one buffer on the group's device (a
+huge-page host buffer for gloo); with ``verify`` each sample's span and the routing span carry a
+CRC-32 (``serial.checksum``, read in place), so the cost stays close to the bandwidth of the send.
+
 Nothing is partially applied: ``receive`` returns only after the whole payload arrived and its
-lengths (and, with ``verify``, per-sample checksums) were checked; otherwise it raises
+lengths (and, with ``verify``, per-sample and routing checksums) were checked; otherwise it raises
 ``GuidanceSyncError``. A peer that never sends makes ``receive`` fail after the group timeout
 (gloo) with an error naming the rank; NCCL enforces the timeout through its watchdog.
 ``GuidanceSync`` must be constructed by every process of the default group (``new_group`` is
@@ -39,12 +43,12 @@ import torch.distributed as dist
 
 from .records import SampleGuidance, tensor_bytes
 from .routing import SampleRouting, plan_routing, unflatten_routing, write_routing
-from .serial import ALIGN, RecordFormatError, add_checksums, plan_flat, unflatten, write_flat
+from .serial import ALIGN, RecordFormatError, add_checksums, checksum, host_buffer, plan_flat, unflatten, write_flat
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x54524143  # "TRAC"
-PROTOCOL = 2
+PROTOCOL = 3  # 3: CRC-32 checksums (sample and routing spans); 2: blake2b per sample
 
 
 @dataclass
@@ -194,8 +198,9 @@ class GuidanceSync:
             sent[dst] = 0
             chunks = chunk_units(units, chunk_bytes)
             for i, chunk in enumerate(chunks):
-                msgs = self._encode_units(chunk, len(chunks) - 1 - i)
-                stats.peak_bytes = max(stats.peak_bytes, sum(t.numel() * t.element_size() for t in msgs))
+                msgs, staged = self._encode_units(chunk, len(chunks) - 1 - i, self.device)
+                held = staged + sum(t.numel() * t.element_size() for t in msgs)
+                stats.peak_bytes = max(stats.peak_bytes, held)
                 works = [dist.isend(t.to(self.device, non_blocking=True), dst=dst, group=self.group) for t in msgs]
                 for w in works:  # one chunk in flight: its buffers are freed before the next is built
                     self._wait(w, f"sending guidance to trainer rank {dst}")
@@ -209,27 +214,35 @@ class GuidanceSync:
 
     def encode(self, samples: Sequence[SampleGuidance], routing: Sequence[SampleRouting] = ()) -> list[torch.Tensor]:
         """The host messages of one chunk (the last): sizes, header, payload (omitted when empty)."""
-        return self._encode_units(_units(samples, routing), 0)
+        return self._encode_units(_units(samples, routing), 0, torch.device("cpu"))[0]
 
-    def _encode_units(self, units: Sequence[_Unit], chunks_left: int) -> list[torch.Tensor]:
+    def _encode_units(
+        self, units: Sequence[_Unit], chunks_left: int, device: torch.device
+    ) -> tuple[list[torch.Tensor], int]:
+        """(messages with the payload on ``device``, bytes staged on the samples' device on the way, or 0)."""
         guidance = [u.guidance for u in units if u.guidance is not None]
         routing = [u.routing for u in units if u.routing is not None]
         plan = plan_flat(guidance)
         r_metas, r_total = plan_routing(routing)
         offset = -(-plan.total // ALIGN) * ALIGN if r_total else plan.total
-        payload = torch.zeros(offset + r_total, dtype=torch.uint8)  # one buffer: guidance, then routing
+        # one buffer on the wire device: guidance (one cat + copy if the samples live elsewhere), then routing
+        n = offset + r_total
+        payload = host_buffer(n) if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)
         write_flat(plan, payload[: plan.total])
+        payload[plan.total :].zero_()
         write_routing(routing, r_metas, payload[offset:])
+        staged = plan.total if guidance and plan.device != device else 0  # write_flat's temporary
         metas = plan.metas
+        head = {"protocol": PROTOCOL, "samples": metas, "routing": r_metas, "routing_offset": offset}
         if self.verify:
             add_checksums(metas, payload[: plan.total])
-        head = {"protocol": PROTOCOL, "samples": metas, "routing": r_metas, "routing_offset": offset}
+            head["routing_checksum"] = checksum(payload[offset:])
         header = json.dumps(head).encode()
         msgs = [
             torch.tensor([MAGIC, len(header), payload.numel(), chunks_left], dtype=torch.int64),
             torch.frombuffer(bytearray(header), dtype=torch.uint8),
         ]
-        return msgs + [payload] if payload.numel() else msgs
+        return (msgs + [payload] if payload.numel() else msgs), staged
 
     # ---- trainer side -----------------------------------------------------------------------
     def receive(self) -> list[SampleGuidance]:
@@ -246,7 +259,8 @@ class GuidanceSync:
             if sizes[0] != MAGIC or sizes[1] <= 0 or sizes[2] < 0 or sizes[3] < 0:
                 raise GuidanceSyncError(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?)")
             header = self._recv(torch.empty(sizes[1], dtype=torch.uint8, device=self.device), "the header")
-            payload = torch.empty(sizes[2], dtype=torch.uint8, device=self.device)
+            payload = (host_buffer(sizes[2]) if self.device.type == "cpu"
+                       else torch.empty(sizes[2], dtype=torch.uint8, device=self.device))
             if sizes[2]:
                 payload = self._recv(payload, "the payload")
             held += sizes[2]  # received samples are views into their chunk's payload
@@ -266,7 +280,9 @@ class GuidanceSync:
         try:
             head = json.loads(tensor_bytes(header).decode())
             if head.get("protocol") != PROTOCOL:
-                raise GuidanceSyncError(f"guidance protocol {head.get('protocol')} != {PROTOCOL}")
+                raise GuidanceSyncError(
+                    f"guidance protocol {head.get('protocol')!r} from the rollout rank, this trainer speaks "
+                    f"{PROTOCOL}: run the same megatron_trace version on rollout and trainer ranks")
             metas, r_metas, offset = head["samples"], head["routing"], int(head["routing_offset"])
             need = sum(int(m["nbytes"]) for m in metas)
             end = payload.numel() if r_metas else need
@@ -274,6 +290,9 @@ class GuidanceSync:
                 raise GuidanceSyncError(f"header describes {need} guidance bytes and routing from {offset}, "
                                         f"received {payload.numel()}")
             samples = unflatten(metas, payload[:need], verify=self.verify)
+            want = head.get("routing_checksum")
+            if self.verify and want is not None and checksum(payload[offset:]) != want:
+                raise GuidanceSyncError(f"routing checksum mismatch (corrupt or partial transfer): header says {want}")
             return samples, unflatten_routing(r_metas, payload[offset:])
         except (ValueError, KeyError, TypeError, RecordFormatError) as e:
             raise GuidanceSyncError(f"guidance from rank {self.src} rejected, nothing applied: {e}") from e

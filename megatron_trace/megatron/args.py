@@ -65,6 +65,10 @@ def _layers(text: str):
     return ids
 
 
+def _patterns(text: str) -> tuple[str, ...]:
+    return tuple(s.strip() for s in text.split(",") if s.strip())
+
+
 def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--trace-*`` flags (use as Megatron-LM's ``extra_args_provider``)."""
     g = parser.add_argument_group(title="TRACE (rollout-guided FP4 QAT)")
@@ -91,6 +95,9 @@ def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trace-routing-replay", action=argparse.BooleanOptionalAction, default=None,
                    help="Replay the rollout's expert choices (needs --moe-enable-routing-replay).")
     g.add_argument("--trace-kernel", choices=KERNELS, default=None)
+    g.add_argument("--trace-exclude-modules", type=_patterns, default=None,
+                   help="Comma list of modules kept in BF16 on both sides, HF names with '*' "
+                        "(e.g. 'model.layers.0.mlp.experts,model.layers.0.self_attn.kv_cache').")
     return parser
 
 
@@ -105,7 +112,8 @@ def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
     for flag, name in _SIMPLE.items():
         if getattr(args, flag, None) is not None:
             fields[name] = getattr(args, flag)
-    for flag, name in (("trace_sites", "sites"), ("trace_guided_sites", "guided_sites")):
+    for flag, name in (("trace_sites", "sites"), ("trace_guided_sites", "guided_sites"),
+                       ("trace_exclude_modules", "exclude_modules")):
         if getattr(args, flag, None) is not None:
             fields[name] = getattr(args, flag)
     layers = getattr(args, "trace_guided_layers", None)
@@ -160,4 +168,6 @@ def trace_args_from_config(cfg: TraceConfig) -> list[str]:
         out += ["--trace-guided-layers", ",".join(str(i) for i in cfg.guided_layer_list)]
     else:
         out += ["--trace-guided-layers", cfg.guided_layers]
+    if cfg.exclude_modules:
+        out += ["--trace-exclude-modules", ",".join(cfg.exclude_modules)]
     return out

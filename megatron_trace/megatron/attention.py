@@ -13,6 +13,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from ..config import TraceConfig
 from ..formats import FP4Tensor
+from ..manifest import kv_cache_name, module_excluded
 from .rows import RowGuidance, map_record
 from .sites import quantize_rows, quantize_rows_recorded
 from .step import INVALID, NOT_GUIDED, SHAPE, CheckedSite, GuidanceFallbackError, StepState, flat_rows, token_rows
@@ -63,6 +64,12 @@ class TraceKVCore:
             raise TypeError(f"trace_config must be a TraceConfig, got {type(trace_config).__name__}")
         self.trace_config = trace_config
         self._kv_q = trace_config.activation_quantizer()
+        # layer_number counts from 1 across pipeline stages; exclude_modules keeps this layer's K/V in BF16
+        self._excluded = module_excluded(trace_config, kv_cache_name(self.layer_number - 1))
+
+    def trace_quantizes(self, site: str) -> bool:
+        """Whether this layer quantizes ``site`` (the config, less ``exclude_modules``)."""
+        return not self._excluded and self.trace_config.quantizes(site)
 
     def kv_tp_rank(self) -> int:
         """This rank's index among the tensor-parallel ranks that split the KV heads."""
@@ -73,7 +80,7 @@ class TraceKVCore:
 
     def quantize_kv(self, site: str, x: torch.Tensor) -> torch.Tensor:
         """x [S, B, g, hd] -> fake-quantized, one row per (token, KV head)."""
-        if not self.trace_config.quantizes(site):
+        if not self.trace_quantizes(site):
             return x
         step = self._trace_step
         if step is not None and x.dim() != 4:

@@ -14,6 +14,7 @@ forward then reuses the same records and routing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ..config import ACTIVATION_SITES, FALLBACKS, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
+from ..manifest import excluded_modules
 from .attention import KV_SITES, KVStep, TraceKVCore
 from .experts import TraceExpertsCore
 from .moe_step import FC1, FC2, MoEStep
@@ -80,7 +82,11 @@ class TraceLayers:
 
 
 def find_trace_layers(model) -> TraceLayers:
-    """Walk ``model`` (a module or a list of virtual-pipeline chunks) for TRACE experts and attentions."""
+    """Walk ``model`` (a module or a list of virtual-pipeline chunks) for TRACE experts and attentions.
+
+    Also binds each experts module to its layer id, which applies ``TraceConfig.exclude_modules``
+    (Megatron never tells experts their layer), and raises ``ModulePatternError`` for a pattern that
+    matches none of the model's routed experts / KV caches. Call it once after building the model."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     moe, kv, cfgs, num_layers = {}, {}, set(), 0
     for chunk in chunks:
@@ -99,7 +105,28 @@ def find_trace_layers(model) -> TraceLayers:
         raise ValueError("the model has no TRACE modules: build it with megatron_trace.megatron's spec")
     if len(cfgs) > 1:
         raise ValueError(f"the model's TRACE modules disagree on their TraceConfig ({len(cfgs)} different)")
-    return TraceLayers(moe, kv, cfgs.pop(), num_layers)
+    layers = TraceLayers(moe, kv, cfgs.pop(), num_layers)
+    _apply_exclusions(layers)
+    return layers
+
+
+def _apply_exclusions(layers: TraceLayers) -> None:
+    """Check ``exclude_modules`` against the whole model (all pipeline stages) and tell the experts their layer."""
+    if layers.config.exclude_modules:
+        mcfg = next(iter([*layers.moe.values(), *layers.kv.values()])).config
+        excluded_modules(layers.config, moe_layers=_moe_layer_ids(mcfg), attention_layers=range(layers.num_layers))
+    for layer, m in layers.moe.items():
+        m.experts.bind_trace_layer(layer)
+
+
+def _moe_layer_ids(mcfg) -> list[int]:
+    """MoE layer ids of the whole model from Megatron's ``moe_layer_freq`` (an int N or a 0/1 list)."""
+    if not mcfg.num_moe_experts:
+        return []
+    freq = mcfg.moe_layer_freq
+    if isinstance(freq, int):
+        return [i for i in range(mcfg.num_layers) if i % freq == 0]
+    return [i for i, moe in enumerate(freq) if moe]
 
 
 def _claim(d: dict, layer: int, module, name: str) -> None:
@@ -158,13 +185,13 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
     hooks, bound = [], []
     try:
         for layer, moe in layers.moe.items():
-            ms = _moe_step(state, step, layer, moe)
+            ms = _moe_step(_layer_state(state, moe.experts, (FC1, FC2, "weights")), step, layer, moe)
             moe.experts._trace_step = ms
             bound.append(moe.experts)
             hooks.append(moe.router.register_forward_pre_hook(ms.router_pre_hook))
             hooks.append(moe.router.register_forward_hook(ms.router_hook))
         for layer, attn in layers.kv.items():
-            attn._trace_step = _kv_step(state, step, layer, attn)
+            attn._trace_step = _kv_step(_layer_state(state, attn, KV_SITES), step, layer, attn)
             bound.append(attn)
         yield TraceStep(state, layers)
     finally:
@@ -201,6 +228,17 @@ def _check_keys(step: StepGuidance, layers: TraceLayers) -> None:
         missing = sorted(set(layers.moe) - set(step.routing))
         if missing:
             raise ValueError(f"routing indices are missing for MoE layers {missing} (given for {sorted(step.routing)})")
+
+
+def _layer_state(state: StepState, module, sites: tuple[str, ...]) -> StepState:
+    """``state`` as seen by a layer whose ``sites`` (of ``module``) ``exclude_modules`` keeps in BF16: without
+    them (no guidance counted, checked or recorded there); counter, stats and recorder are shared."""
+    cfg = state.config
+    kept = tuple(s for s in cfg.sites if s not in sites or module.trace_quantizes(s))
+    if kept == cfg.sites:
+        return state
+    return dataclasses.replace(state, config=cfg.replace(
+        sites=kept, guided_sites=tuple(s for s in cfg.guided_sites if s in kept)))
 
 
 def _moe_step(state: StepState, step: StepGuidance, layer: int, moe: MoELayer) -> MoEStep:

@@ -26,6 +26,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 
 from ..config import TraceConfig
 from ..kernels import fake_quantize
+from ..manifest import experts_name, module_excluded
 from .gemm import grouped_linear
 from .moe_step import FC1, FC2, ExpertRows
 from .sites import quantize_rows, quantize_rows_recorded
@@ -60,6 +61,7 @@ class TraceExpertsCore:
 
     trace_config: TraceConfig
     _trace_step = None  # MoEStep while a trace_guidance context is open
+    trace_layer: int | None = None  # layer id, told by find_trace_layers (Megatron never tells the experts)
 
     def _init_trace(self, trace_config: TraceConfig, pg_collection) -> None:
         if not isinstance(trace_config, TraceConfig):
@@ -71,18 +73,37 @@ class TraceExpertsCore:
         self._weight_q = trace_config.weight_quantizer() if trace_config.quantizes("weights") else None
         self._kernel = trace_config.kernel  # fake-quant implementation (kernels.select_kernel)
         self._payload_dispatcher = None
+        self._excluded = False if not trace_config.exclude_modules else None  # None: unknown until bound
+
+    def bind_trace_layer(self, layer: int) -> None:
+        """Set the layer id and apply ``TraceConfig.exclude_modules`` (excluded experts run unquantized)."""
+        self.trace_layer = layer
+        self._excluded = module_excluded(self.trace_config, experts_name(layer))
+        for linear in (getattr(self, "linear_fc1", None), getattr(self, "linear_fc2", None)):
+            if hasattr(linear, "trace_weight_quantizer"):  # TE variant: its linears fetch the weights
+                linear.trace_weight_quantizer = None if self._excluded else self._weight_q
+
+    def trace_quantizes(self, site: str) -> bool:
+        """Whether this layer's experts quantize ``site`` (the config, less ``exclude_modules``)."""
+        if self._excluded is None:
+            raise RuntimeError("TraceConfig.exclude_modules needs the experts' layer ids: call "
+                               "megatron_trace.megatron.find_trace_layers(model) once after building the model "
+                               "(trace_guidance and the module audit do)")
+        return not self._excluded and self.trace_config.quantizes(site)
 
     # ---- numerics -----------------------------------------------------------------------------
     def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
         """One expert weight [M, K]: fake-quantized along K (or unchanged if 'weights' is not a site)."""
-        return w if self._weight_q is None else fake_quantize(w, self._weight_q, kernel=self._kernel)
+        if self._weight_q is None or not self.trace_quantizes("weights"):
+            return w
+        return fake_quantize(w, self._weight_q, kernel=self._kernel)
 
     def quantize_weights(self, w: torch.Tensor) -> torch.Tensor:
         """Stacked expert weights [E, M, K], each with its own per-tensor amax (one quantizer call).
 
         Bit-identical to ``quantize_weight`` per expert: every row of expert e gets e's amax.
         """
-        if self._weight_q is None:
+        if self._weight_q is None or not self.trace_quantizes("weights"):
             return w
         if self._weight_q.fmt != "nvfp4":  # MXFP4 has no global amax: blocks are independent
             return fake_quantize(w, self._weight_q, kernel=self._kernel)
@@ -101,7 +122,7 @@ class TraceExpertsCore:
         return cfg.activation_func(x_glu) * (x_lin + cfg.glu_linear_offset)
 
     def _site(self, site: str, x: torch.Tensor, rows, amax=None, record: bool = False):
-        if not self.trace_config.quantizes(site):
+        if not self.trace_quantizes(site):
             return x, None
         if record:
             return quantize_rows_recorded(self._act_q, x, rows, global_amax=amax)

@@ -99,6 +99,12 @@ class GRPORun:
         self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)
         self.state = ArmState()
         self.trend = TrendAlarm(window=cfg.trend_window, max_slope=cfg.trend_max_slope)
+        from megatron.core import parallel_state as ps
+
+        self.topology = {
+            "tp": ps.get_tensor_model_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+        }
         self.sentinel = None
         if cfg.sentinel_prompts:
             g = torch.Generator().manual_seed(987654)
@@ -124,6 +130,7 @@ class GRPORun:
         v = self.state.version
         stats = sync_weights(self.rollout, self.policy.export_hf_weights(), fmt=self.sync_fmt,
                              quantizer=self.arm.trace.weight_quantizer(), version=v,
+                             bf16_layers=getattr(self.rollout, "bf16_expert_layers", ()),
                              recipe=None if self.recipe is None else self.recipe.with_weight_version(v))
         return stats.as_dict()
 
@@ -234,6 +241,7 @@ class GRPORun:
         t_end = time.perf_counter()
         metrics.update({"time/step_s": t_end - t0, "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll,
                         "time/sync_s": t_end - t_train, "policy_version": float(self.state.version)})
+        metrics.update({f"topology/{k}": float(v) for k, v in self.topology.items()})  # mismatch depends on it
         self.state.step += 1
         return metrics
 

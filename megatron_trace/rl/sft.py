@@ -24,9 +24,9 @@ class TinyMoEConfig:
 
     num_layers: int = 4
     hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    head_dim: int = 16
+    num_attention_heads: int = 2
+    num_key_value_heads: int = 1
+    head_dim: int = 32
     num_experts: int = 8
     top_k: int = 2
     moe_intermediate_size: int = 64

@@ -2,11 +2,14 @@
 
 ``hf_module_audit`` walks a transformers model: routed experts (and the KV cache) that the backend
 quantizes versus every other module with parameters (attention projections, dense MLPs, shared
-experts, router, embeddings, norms, lm_head), which stay in the model dtype. ``qwen3_moe_modules``
-derives the same module names from an HF config alone (for engines whose model lives in another
-process, e.g. SGLang); ``sglang_module_audit`` adds the checkpoint's ``exclude_modules``: a Linear
-the patterns do not exclude is served in FP4 by the TRACE SGLang method, so it lands in the
-quantized list and the set comparison with the trainer fails loudly (verl#7519).
+experts, router, embeddings, norms, lm_head), which stay in the model dtype, as do the experts and
+KV caches named by ``TraceConfig.exclude_modules``. ``qwen3_moe_modules`` derives the same module
+names from an HF config alone (for engines whose model lives in another process, e.g. SGLang);
+``sglang_module_audit`` adds the checkpoint's ``exclude_modules``: a Linear the patterns do not
+exclude is served in FP4 by the TRACE SGLang method, so it lands in the quantized list and the set
+comparison with the trainer fails loudly (verl#7519). The SGLang method does not honour
+``TraceConfig.exclude_modules`` (all routed experts are FP4 there), so its audit lists every routed
+experts module and differs from a trainer that excludes some: the set check fires.
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from ..manifest import (
     ModuleAudit,
     QuantRecipe,
     experts_name,
+    kv_cache_name,
     match_modules,
+    module_excluded,
     quantized_module_names,
 )
 
@@ -39,9 +44,11 @@ def hf_module_audit(model: torch.nn.Module, config: TraceConfig, *, moe_layers: 
     """Quantized vs BF16 modules of a transformers causal LM run with ``config`` (canonical HF names)."""
     quantized = quantized_module_names(config, moe_layers=moe_layers, attention_layers=range(num_layers))
     q = set(quantized)
-    bf16 = sorted(name for name, m in model.named_modules()
-                  if name and next(m.parameters(recurse=False), None) is not None and name not in q)
-    return ModuleAudit(quantized=quantized, bf16=tuple(bf16))
+    bf16 = {name for name, m in model.named_modules()
+            if name and next(m.parameters(recurse=False), None) is not None and name not in q}
+    if any(config.quantizes(s) for s in KV_SITES):  # KV caches kept BF16 by exclude_modules (no module of their own)
+        bf16 |= {n for n in map(kv_cache_name, range(num_layers)) if module_excluded(config, n)}
+    return ModuleAudit(quantized=quantized, bf16=tuple(sorted(bf16)))
 
 
 def _get(cfg, key: str, default=None):

@@ -40,6 +40,8 @@ class RolloutNumerics:
     quantize_fc1: bool = False
     quantize_fc2: bool = False
     recorder: GuidanceRecorder | None = None
+    bf16_layers: frozenset[int] = frozenset()
+    """Layers whose routed experts ``TraceConfig.exclude_modules`` keeps in the model dtype."""
 
 
 _ACTIVE: contextvars.ContextVar[RolloutNumerics | None] = contextvars.ContextVar("rollout_numerics", default=None)
@@ -67,10 +69,11 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
             "(HFRolloutBackend.generate or HFRolloutBackend.forward_context())"
         )
     layer = num.layer_of[id(self)]
+    fp4 = layer not in num.bf16_layers
     res = w4a4_experts_forward(
         hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
-        activation_quantizer=num.activation_quantizer, quantize_fc1=num.quantize_fc1,
-        quantize_fc2=num.quantize_fc2, apply_gate=self._apply_gate,
+        activation_quantizer=num.activation_quantizer, quantize_fc1=num.quantize_fc1 and fp4,
+        quantize_fc2=num.quantize_fc2 and fp4, apply_gate=self._apply_gate,
     )
     rec = num.recorder
     if rec is not None:

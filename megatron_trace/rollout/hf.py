@@ -34,7 +34,15 @@ from ..config import TraceConfig
 from ..formats import FP4Tensor
 from ..guidance.selection import guided_layers
 from ..guidance.site import SiteKey
-from ..manifest import ModuleAudit, QuantRecipe, RecipeMismatchError, check_recipe
+from ..manifest import (
+    ModuleAudit,
+    QuantRecipe,
+    RecipeMismatchError,
+    check_recipe,
+    excluded_modules,
+    experts_name,
+    kv_cache_name,
+)
 from .audit import backend_recipe, effective_config, hf_module_audit
 from .base import RolloutBatch, SamplingParams, WeightValue, check_prompts
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
@@ -85,6 +93,9 @@ class HFRolloutBackend:
     mode: "bf16" (no quantization) or "fp4" (the sites of ``trace_config``).
     guided_layer_ids: layers that record guidance (default: ``guided_layers(trace_config, L)``).
     recipe: the trainer's ``QuantRecipe``, checked now and required on every ``update_weights``.
+    ``trace_config.exclude_modules``: those routed experts (FP4 weights, both activation sites) and KV
+        caches stay in the model dtype and record no guidance; a pattern that matches none of the
+        model's experts/KV caches raises ``ModulePatternError`` here (in BF16 mode too).
     prefix_reuse: prefill identical prompts of a batch once (see the module docstring).
     All returned tensors live on ``device``.
     """
@@ -120,10 +131,14 @@ class HFRolloutBackend:
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._experts = _routed_experts(self.model)
         self._layer_of = {id(m): i for i, m in self._experts.items()}
+        excluded = excluded_modules(self.config, moe_layers=self._experts, attention_layers=range(self.num_layers))
+        self.bf16_expert_layers = frozenset(i for i in self._experts if experts_name(i) in excluded)
+        self.bf16_kv_layers = frozenset(i for i in range(self.num_layers) if kv_cache_name(i) in excluded)
         self.weight_store: ExpertWeightStore | None = None
         if self._quantizes("weights"):
             self.weight_store = ExpertWeightStore(self.config.weight_quantizer())
             self._quantize_experts({(layer, e, w) for layer, m in self._experts.items()
+                                    if layer not in self.bf16_expert_layers
                                     for e in range(m.num_experts) for w in (FC1, FC2)})
         self.set_guided_layers(guided_layer_ids)
         self.prefix_reuse = bool(prefix_reuse)
@@ -136,6 +151,10 @@ class HFRolloutBackend:
     def _quantizes(self, site: str) -> bool:
         return self.mode == "fp4" and self.config.quantizes(site)
 
+    def _bf16_site(self, layer: int, site: str) -> bool:
+        """Whether ``TraceConfig.exclude_modules`` keeps this (layer, site) in the model dtype."""
+        return layer in (self.bf16_kv_layers if site.startswith("kv_") else self.bf16_expert_layers)
+
     def set_guided_layers(self, layer_ids: Sequence[int] | None = None) -> None:
         """Choose the layers that record guidance (None: the TraceConfig policy)."""
         if layer_ids is None:
@@ -144,9 +163,9 @@ class HFRolloutBackend:
         if bad:
             raise ValueError(f"guided layer id(s) {bad} outside 0..{self.num_layers - 1}")
         sites = [s for s in self.config.guided_sites if self._quantizes(s)]
-        self.guided_sites: set[SiteKey] = {
-            (layer, s) for layer in layer_ids for s in sites if s.startswith("kv_") or layer in self._experts
-        }
+        guided = {(layer, s) for layer in layer_ids for s in sites if s.startswith("kv_") or layer in self._experts}
+        self._guided_layer_ids = {k[0] for k in guided}  # the policy's layers (the recipe), exclusions aside
+        self.guided_sites: set[SiteKey] = {k for k in guided if not self._bf16_site(*k)}
 
     # ---- manifest -----------------------------------------------------------------------------
     def module_audit(self) -> ModuleAudit:
@@ -157,7 +176,7 @@ class HFRolloutBackend:
     def recipe(self, weight_version: int | None = None) -> QuantRecipe:
         """The recipe this backend serves (weight version: ``policy_version`` unless given)."""
         v = self.policy_version if weight_version is None else weight_version
-        return backend_recipe(effective_config(self.config, self.mode), guided_layers={k[0] for k in self.guided_sites},
+        return backend_recipe(effective_config(self.config, self.mode), guided_layers=self._guided_layer_ids,
                               audit=self.module_audit(), weight_version=v)
 
     def check_recipe(self, trainer: QuantRecipe, *, weight_version: int | None = None,
@@ -177,6 +196,7 @@ class HFRolloutBackend:
             layer_of=self._layer_of,
             activation_quantizer=self.config.activation_quantizer(),
             quantize_fc1=q("expert_fc1_in"), quantize_fc2=q("expert_fc2_in"), recorder=recorder,
+            bf16_layers=self.bf16_expert_layers,
         )
 
     def new_cache(self, recorder: GuidanceRecorder | None = None) -> Cache:
@@ -185,7 +205,7 @@ class HFRolloutBackend:
         if not (qk or qv):
             return DynamicCache(config=self.hf_config)
         return FP4KVCache(self.num_layers, self.config.activation_quantizer(), quantize_k=qk, quantize_v=qv,
-                          recorder=recorder)
+                          recorder=recorder, bf16_layers=self.bf16_kv_layers)
 
     def cache_kwargs(self, cache: Cache) -> dict:
         """The model's keyword for a cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
@@ -326,6 +346,9 @@ class HFRolloutBackend:
             layer, e, proj = parsed
             m = self._expert_slot(name, layer, e)
             ffn = m.down_proj.shape[-1]
+            if isinstance(value, FP4Tensor) and layer in self.bf16_expert_layers:
+                raise ValueError(f"{name!r}: TraceConfig.exclude_modules keeps {experts_name(layer)!r} in BF16; "
+                                 "send its BF16 weights")
             if isinstance(value, FP4Tensor):
                 if self.weight_store is None:
                     raise ValueError(f"{name!r}: FP4 weights need mode='fp4' with the 'weights' site")
@@ -334,7 +357,8 @@ class HFRolloutBackend:
             target = m.down_proj[e] if proj == "down_proj" else m.gate_up_proj[e, :ffn] if proj == "gate_proj" \
                 else m.gate_up_proj[e, ffn:]
             dense.append((target, value, name))
-            halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
+            if layer not in self.bf16_expert_layers:  # excluded experts are used as they come
+                halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
         self._check_shapes(dense)
         requant = self._check_pairs(halves, fp4)
         with torch.no_grad():

@@ -135,8 +135,10 @@ class FP4KVCache(Cache):
     """A ``transformers`` Cache of ``FP4KVLayer`` (pass as ``cache=`` to the model)."""
 
     def __init__(self, num_layers: int, quantizer: Quantizer, *, quantize_k: bool = True, quantize_v: bool = True,
-                 recorder: GuidanceRecorder | None = None):
-        layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k, quantize_v=quantize_v, recorder=recorder)
+                 recorder: GuidanceRecorder | None = None, bf16_layers: frozenset[int] = frozenset()):
+        """``bf16_layers``: layers whose K and V stay in the model dtype (``TraceConfig.exclude_modules``)."""
+        layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k and i not in bf16_layers,
+                             quantize_v=quantize_v and i not in bf16_layers, recorder=recorder)
                   for i in range(num_layers)]
         super().__init__(layers=layers)
 

@@ -1,4 +1,4 @@
-"""TP=2 (sequence parallel) on two CPU processes: the bridge scatters HF tensors into TP shards and gathers them back."""
+"""TP=2 (sequence parallel) on two CPU processes: the bridge scatters HF tensors into TP shards, gathers them back."""
 
 import os
 
@@ -32,6 +32,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
         model = bridge.build_model().eval()
         load_hf_checkpoint(model, ckpt, bridge)
         qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+        fc1 = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
         b, s = TOKENS.shape
         pos = torch.arange(s).unsqueeze(0).expand(b, s)
         mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
@@ -41,6 +42,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
         exported = {n: t.clone() for n, t in export_hf_weights(model, bridge)}
         torch.save({
             "qkv_rows": qkv.shape[0],
+            "expert_fc1_shape": tuple(fc1.shape),
             "logits": logits,
             "export_exact": exported.keys() == disk.keys() and all(torch.equal(exported[k], disk[k]) for k in disk),
         }, os.path.join(out, f"rank{rank}.pt"))
@@ -49,7 +51,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def tp2_results(tmp_path_factory):  # failures surface in the test (xfail) rather than as a fixture error
+def tp2_results(tmp_path_factory):  # a failed worker surfaces as a test failure, not a fixture error
     ckpt = save_tiny_checkpoint(tmp_path_factory.mktemp("tp2") / "hf", tiny_config(), seed=7)
     out = str(tmp_path_factory.mktemp("tp2_out"))
     ctx = mp.get_context("spawn")
@@ -67,10 +69,6 @@ def tp2_results(tmp_path_factory):  # failures surface in the test (xfail) rathe
     return ckpt, [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)] if ok else None
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "known gap: mbridge 0.15.1 picks the expert-TP (ETP) path by the TE grouped-expert name "
-    "'.mlp.experts.linear_fc'; with Megatron's local SequentialMLP names ('local_experts.{i}.linear_fc1') it splits "
-    "expert weights across TP and the scatter fails. Needs a local-spec aware load/export in bridge/qwen3_moe.py."))
 def test_tp2_shards_logits_and_export(tp2_results):
     from transformers import AutoModelForCausalLM
 
@@ -79,6 +77,8 @@ def test_tp2_shards_logits_and_export(tp2_results):
     cfg = tiny_config()
     full_qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * cfg.head_dim
     assert all(r["qkv_rows"] == full_qkv_rows // WORLD for r in results)  # each rank holds half of QKV
+    expert_fc1 = (2 * cfg.moe_intermediate_size, cfg.hidden_size)  # [gate; up] whole: experts are not TP-split
+    assert all(r["expert_fc1_shape"] == expert_fc1 for r in results)
     hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(TOKENS).logits

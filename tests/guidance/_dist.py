@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import time
@@ -9,9 +10,11 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from megatron_trace.guidance.records import split_batch
+from megatron_trace.guidance.routing import SampleRouting
 from megatron_trace.guidance.sync import GuidanceSync, GuidanceSyncError
 
 from ._data import assert_samples_equal, make_batch
@@ -49,7 +52,7 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None
         samples = rollout_samples(B=5)
         if scenario == "missing_sender":
             msg = _missing_sender(rank, sync)
-        elif scenario in ("corrupt", "bad_magic"):
+        elif scenario in ("corrupt", "corrupt_routing", "bad_magic", "old_protocol"):
             msg = _tampered(rank, sync, samples, scenario)
         else:
             msg = _transfer(rank, world, sync, samples, scenario)
@@ -98,9 +101,19 @@ def _missing_sender(rank, sync) -> str:
 def _tampered(rank, sync, samples, scenario) -> str:
     """The sender corrupts one payload byte (after checksums) or the size message: nothing applied."""
     if rank == 0:
-        msgs = sync.encode(samples)
+        routing = [SampleRouting(s.sample_id, s.version, s.token_hash, s.num_tokens,
+                                 {0: torch.arange(2 * s.num_tokens, dtype=torch.int16).view(-1, 2)}) for s in samples]
+        msgs = sync.encode(samples, routing if scenario == "corrupt_routing" else ())
         if scenario == "corrupt":
             msgs[2][len(msgs[2]) // 2] ^= 0x10
+        elif scenario == "corrupt_routing":  # the last routing byte
+            msgs[2][-1] ^= 0x01
+        elif scenario == "old_protocol":  # a sender of wire format 2 (blake2b checksums)
+            head = json.loads(bytes(msgs[1].tolist()))
+            head["protocol"] = 2
+            raw = json.dumps(head).encode()
+            msgs[0][1] = len(raw)
+            msgs[1] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         else:
             msgs[0][0] = 12345
             msgs = msgs[:1]
@@ -110,7 +123,8 @@ def _tampered(rank, sync, samples, scenario) -> str:
     try:
         got = sync.receive()
     except GuidanceSyncError as e:
-        want = "checksum" if scenario == "corrupt" else "bad size message"
+        want = {"corrupt": "checksum", "corrupt_routing": "routing checksum mismatch",
+                "old_protocol": "protocol 2 from the rollout rank, this trainer speaks 3"}.get(scenario, "bad size")
         assert want in str(e), str(e)
         return f"OK rejected: {want}"
     return f"FAIL accepted {len(got)} tampered samples"

@@ -53,7 +53,7 @@ def test_missing_sender_times_out_with_a_clear_error(tmp_path):
     assert out[1].startswith("OK timed out")
 
 
-@pytest.mark.parametrize("scenario", ["corrupt", "bad_magic"])
+@pytest.mark.parametrize("scenario", ["corrupt", "corrupt_routing", "bad_magic", "old_protocol"])
 def test_tampered_transfer_is_rejected_whole(tmp_path, scenario):
     out = _run(2, scenario, tmp_path)
     assert out[1].startswith("OK rejected")

@@ -52,7 +52,7 @@ def test_all_arms_run_and_trace_removes_mismatch(megatron_cpu, ckpt, tmp_path):
     for arm, rows in by_arm.items():
         for key in ("reward", "mismatch/logprob_abs_diff", "mismatch/kl_k3", "time/step_s"):
             assert all(math.isfinite(r[key]) for r in rows), (arm, key)
-        assert "eval/accuracy" in rows[-1]
+        assert "eval/accuracy" in rows[-1] and rows[-1]["topology/ep"] == 1.0
     mean = lambda arm, k: sum(r[k] for r in by_arm[arm]) / len(by_arm[arm])  # noqa: E731
     d = {arm: mean(arm, "mismatch/logprob_abs_diff") for arm in ARMS}
     # measured on this micro config (CPU, deterministic): naive 4.5e-3 > qat 6.3e-4 > trace 3.1e-4 >= full 2.9e-4,

@@ -1,0 +1,107 @@
+"""Flat form of guidance (``guidance.serial``): one-pass writes, huge-page host buffers, CRC-32 checksums."""
+
+import zlib
+
+import pytest
+import torch
+
+from megatron_trace.guidance.records import split_batch
+from megatron_trace.guidance.serial import (
+    ALIGN,
+    RecordFormatError,
+    add_checksums,
+    checksum,
+    checksums,
+    flatten,
+    host_buffer,
+    plan_flat,
+    unflatten,
+    write_flat,
+)
+
+from ._data import assert_samples_equal, make_batch
+
+
+def _samples(fmt="nvfp4", compact=True):
+    batch, _, tok, mask = make_batch(fmt=fmt, compact=compact)
+    return split_batch(batch, tok, version=3, attention_mask=mask, sample_ids=list(range(tok.shape[0])))
+
+
+def _reference_flat(plan) -> torch.Tensor:
+    """Independent layout: zeros, then each planned tensor copied at its table offset."""
+    ref = torch.zeros(plan.total, dtype=torch.uint8)
+    for meta, views in zip(plan.metas, plan.parts):
+        for (_, _, _, rel), v in zip(meta["tensors"], views):
+            start = meta["offset"] + rel
+            assert start % ALIGN == 0
+            ref[start : start + v.numel()] = v.cpu()
+    return ref
+
+
+@pytest.mark.parametrize("fmt,compact", [("nvfp4", True), ("mxfp4", False)])
+def test_write_flat_matches_per_tensor_layout_with_zero_padding(fmt, compact):
+    plan = plan_flat(_samples(fmt, compact))
+    out = torch.full((plan.total + 7,), 0xAB, dtype=torch.uint8)  # dirty target: padding must be rewritten
+    used = write_flat(plan, out)
+    assert used.data_ptr() == out.data_ptr() and used.numel() == plan.total
+    assert torch.equal(used, _reference_flat(plan))
+    assert torch.equal(out[plan.total :], torch.full((7,), 0xAB, dtype=torch.uint8))  # nothing past the plan
+
+
+def test_write_flat_non_contiguous_target_uses_the_device_path():
+    plan = plan_flat(_samples())
+    out = torch.full((2 * plan.total,), 0xCD, dtype=torch.uint8)[::2]  # strided view: no memmove
+    assert torch.equal(write_flat(plan, out), _reference_flat(plan))
+
+
+def test_write_flat_rejects_small_or_wrong_dtype_target():
+    plan = plan_flat(_samples())
+    with pytest.raises(ValueError, match=f">= {plan.total} bytes"):
+        write_flat(plan, torch.empty(plan.total - 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="uint8"):
+        write_flat(plan, torch.empty(plan.total, dtype=torch.int8))
+    assert write_flat(plan_flat([]), torch.empty(0, dtype=torch.uint8)).numel() == 0
+
+
+@pytest.mark.parametrize("nbytes", [0, 100, (1 << 21) + 3, 3 << 21])
+def test_host_buffer_is_a_writable_uint8_host_tensor(nbytes):
+    b = host_buffer(nbytes)
+    assert b.dtype == torch.uint8 and b.device.type == "cpu" and b.numel() == nbytes and b.is_contiguous()
+    src = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    b.copy_(src)
+    assert torch.equal(b, src)
+
+
+def test_flatten_large_sample_round_trips_through_a_huge_page_buffer():
+    batch, _, tok, mask = make_batch(B=2, S=4096, layers=(0, 1), fmt="nvfp4", compact=False)
+    samples = split_batch(batch, tok, version=1, attention_mask=mask)
+    metas, buf = flatten(samples)
+    assert buf.numel() >= 1 << 21
+    add_checksums(metas, buf)
+    for a, b in zip(samples, unflatten(metas, buf, verify=True)):
+        assert_samples_equal(a, b)
+
+
+def test_checksum_is_crc32_of_the_bytes_in_place():
+    x = torch.randint(0, 256, (10_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert checksum(x) == f"crc32:{zlib.crc32(bytes(x.tolist())):08x}"
+    assert checksum(x[1::2]) == f"crc32:{zlib.crc32(bytes(x[1::2].tolist())):08x}"  # strided: copied first
+    assert checksum(x[:0]) == "crc32:00000000"
+
+
+def test_every_single_bit_flip_in_a_sample_span_is_detected():
+    samples = _samples()
+    metas, buf = flatten(samples)
+    add_checksums(metas, buf)
+    m = metas[0]
+    for pos in range(m["offset"], m["offset"] + m["nbytes"], max(1, m["nbytes"] // 97)):
+        bad = buf.clone()
+        bad[pos] ^= 1 << (pos % 8)
+        with pytest.raises(RecordFormatError, match=f"sample {m['sample_id']}: checksum mismatch"):
+            unflatten(metas, bad, verify=True)
+
+
+def test_parallel_checksums_equal_the_serial_ones():
+    buf = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    spans = [buf[i << 20 : (i + 1) << 20] for i in range(20)]  # 20 MiB in total: threaded path
+    assert checksums(spans) == [f"crc32:{zlib.crc32(memoryview(s.numpy())):08x}" for s in spans]
