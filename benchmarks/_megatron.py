@@ -7,15 +7,10 @@ without Transformer Engine). CPU (``--smoke``): gloo and the test-only CPU shims
 from __future__ import annotations
 
 import os
-import socket
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_trace.testing.megatron_cpu import free_port  # noqa: E402,F401  (re-exported)
 
 
 def init_world(device: str, seed: int = 1234) -> None:
@@ -26,10 +21,9 @@ def init_world(device: str, seed: int = 1234) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     if device == "cuda":
-        import megatron.core.transformer.moe.moe_utils as moe_utils
+        from megatron_trace.testing.megatron_cpu import fix_router_without_te
 
-        if not hasattr(moe_utils, "te_general_gemm"):
-            moe_utils.te_general_gemm = None
+        fix_router_without_te()
         torch.cuda.set_device(0)
         dist.init_process_group("nccl", rank=0, world_size=1)
     else:

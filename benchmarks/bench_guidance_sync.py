@@ -25,7 +25,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 
 def args_():
@@ -120,24 +119,16 @@ def worker(rank: int, port: int, backend: str, a, out: str) -> None:
 
 def run_pair(backend: str, a, tmp: str, join_s: float) -> dict:
     from benchmarks._megatron import free_port
+    from megatron_trace.testing.megatron_cpu import spawn_ranks
 
     out = os.path.join(tmp, f"sync_{backend}.json")
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, backend, a, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(join_s)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    codes = spawn_ranks(worker, 2, lambda r: (r, port, backend, a, out), timeout=join_s)
     if os.path.exists(out):
         with open(out) as f:
             return json.load(f)
     errs = [open(out + f".err{r}").read()[-600:] for r in range(2) if os.path.exists(out + f".err{r}")]
-    return {"backend": backend, "error": errs or [f"exit codes {[p.exitcode for p in procs]}"]}
+    return {"backend": backend, "error": errs or [f"exit codes {codes}"]}
 
 
 def host_offload(a) -> dict:

@@ -334,9 +334,7 @@ def checkpoint(a, path: str) -> str:
 
 
 def main() -> int:
-    import torch.multiprocessing as mp
-
-    from megatron_trace.testing.megatron_cpu import free_port
+    from megatron_trace.testing.megatron_cpu import free_port, spawn_ranks
 
     a = args_()
     if not a.smoke and torch.cuda.device_count() < WORLD:
@@ -344,17 +342,8 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = checkpoint(a, os.path.join(tmp, "sft"))
-        ctx = mp.get_context("spawn")
         port = free_port()
-        procs = [ctx.Process(target=worker, args=(r, port, a, hf_dir, tmp)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(a.timeout)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        codes = spawn_ranks(worker, WORLD, lambda r: (r, port, a, hf_dir, tmp), timeout=a.timeout)
         errors = [open(os.path.join(tmp, f"error{r}.txt")).read() for r in range(WORLD)
                   if os.path.exists(os.path.join(tmp, f"error{r}.txt"))]
         results = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)
@@ -363,7 +352,7 @@ def main() -> int:
     fails = [f for res in results for f in res["fails"]]
     if errors or len(results) != WORLD:
         tail = errors[-1][-3000:] if errors else ""
-        fails.append(f"worker failed (exit codes {[p.exitcode for p in procs]}): {tail}")
+        fails.append(f"worker failed (exit codes {codes}): {tail}")
     rows.append({"bench": "two_gpu_disagg", "summary": True, "ok": not fails, "fails": fails, **summary(rows)})
     text = "\n".join(json.dumps(row) for row in rows)
     print(text, flush=True)

@@ -109,6 +109,24 @@ def allow_torch_norm_with_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm._trace_sp_shim = True
 
 
+def spawn_ranks(target, world: int, args_of_rank, timeout: float = 240.0) -> list[int | None]:
+    """Run ``target(*args_of_rank(rank))`` in ``world`` spawned processes; join each with ``timeout`` seconds,
+    kill what is still alive, and return the exit codes (0 = success; None never, killed ones are negative)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=tuple(args_of_rank(r))) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=timeout)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=10)
+    return [p.exitcode for p in procs]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -9,6 +9,7 @@ from megatron_trace.testing.megatron_cpu import (  # noqa: F401  (re-exported fo
     free_port,
     init_megatron,
     shutdown_megatron,
+    spawn_ranks,
 )
 
 

@@ -4,11 +4,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from ..rollout._tiny import save_tiny_checkpoint, tiny_config
-from ._megatron_cpu import free_port
+from ._megatron_cpu import free_port, spawn_ranks
 
 WORLD = 2
 TOKENS = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -54,18 +53,9 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
 def ep2_results(tmp_path_factory):
     ckpt = save_tiny_checkpoint(tmp_path_factory.mktemp("ep2") / "hf", tiny_config(), seed=5)
     out = str(tmp_path_factory.mktemp("ep2_out"))
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, ckpt, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=10)
-    assert [p.exitcode for p in procs] == [0] * WORLD, "an EP worker failed (see its stderr above)"
+    codes = spawn_ranks(_worker, WORLD, lambda r: (r, port, ckpt, out), timeout=240)
+    assert codes == [0] * WORLD, "an EP worker failed (see its stderr above)"
     return ckpt, [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
 
 

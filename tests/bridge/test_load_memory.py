@@ -13,11 +13,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from ..rollout._tiny import save_tiny_checkpoint, tiny_config
-from ._megatron_cpu import free_port
+from ._megatron_cpu import free_port, spawn_ranks
 
 WORLD = 2
 SLACK = 16 * 2**20  # allocator rounding, the fused gate/up copy of one expert, interpreter noise
@@ -87,18 +86,9 @@ def memory_results(tmp_path_factory):
         pytest.skip(f"peak-RSS reset (/proc/self/clear_refs) unavailable: {e}")
     ckpt = save_tiny_checkpoint(tmp_path_factory.mktemp("mem") / "hf", tiny_config(**BIG), seed=3)
     out = str(tmp_path_factory.mktemp("mem_out"))
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, ckpt, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=10)
-    assert [p.exitcode for p in procs] == [0] * WORLD, "an EP worker failed (see its stderr above)"
+    codes = spawn_ranks(_worker, WORLD, lambda r: (r, port, ckpt, out), timeout=240)
+    assert codes == [0] * WORLD, "an EP worker failed (see its stderr above)"
     return _disk_bytes(ckpt), [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)]
 
 

@@ -4,10 +4,9 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ..rollout._tiny import save_tiny_checkpoint, tiny_config
-from ._megatron_cpu import free_port
+from ._megatron_cpu import free_port, spawn_ranks
 from .test_expert_parallel import TOKENS, _disk
 
 WORLD = 2
@@ -54,18 +53,9 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
 def tp2_results(tmp_path_factory):  # a failed worker surfaces as a test failure, not a fixture error
     ckpt = save_tiny_checkpoint(tmp_path_factory.mktemp("tp2") / "hf", tiny_config(), seed=7)
     out = str(tmp_path_factory.mktemp("tp2_out"))
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, ckpt, out)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=10)
-    ok = [p.exitcode for p in procs] == [0] * WORLD
+    codes = spawn_ranks(_worker, WORLD, lambda r: (r, port, ckpt, out), timeout=240)
+    ok = codes == [0] * WORLD
     return ckpt, [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(WORLD)] if ok else None
 
 

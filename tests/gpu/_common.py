@@ -16,12 +16,10 @@ DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if DRYRUN else None)
 
 
 def megatron_without_te() -> None:
-    """Megatron-Core 0.16.1 reads ``moe_utils.te_general_gemm`` in the router GEMM but defines it only when
-    Transformer Engine imports (NameError without TE, also on GPU): give it the value TE-less code expects."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
+    """Megatron-Core 0.16.1 reads ``moe_utils.te_general_gemm`` without TE, also on GPU (see megatron_cpu)."""
+    from megatron_trace.testing.megatron_cpu import fix_router_without_te
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
+    fix_router_without_te()
 
 
 def move(obj, device):

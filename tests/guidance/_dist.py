@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -16,14 +15,9 @@ import torch.distributed as dist
 from megatron_trace.guidance.records import split_batch
 from megatron_trace.guidance.routing import SampleRouting
 from megatron_trace.guidance.sync import GuidanceSync, GuidanceSyncError
+from megatron_trace.testing.megatron_cpu import free_port  # noqa: E402,F401  (re-exported)
 
 from ._data import assert_samples_equal, make_batch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rollout_samples(B: int):

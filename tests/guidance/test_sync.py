@@ -2,29 +2,20 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from megatron_trace.guidance.sync import GuidanceSync, assign_destinations
+from megatron_trace.testing.megatron_cpu import spawn_ranks
 
 from ._dist import free_port, rollout_samples, worker
 
 
 def _run(world: int, scenario: str, tmp_path, timeout: float = 120) -> dict[int, str]:
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world, port, scenario, str(tmp_path))) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    codes = spawn_ranks(worker, world, lambda r: (r, world, port, scenario, str(tmp_path)), timeout=timeout)
     out = {}
     for r in range(world):
         f = tmp_path / f"rank{r}.txt"
-        out[r] = f.read_text() if f.exists() else f"FAIL no result (exit code {procs[r].exitcode})"
+        out[r] = f.read_text() if f.exists() else f"FAIL no result (exit code {codes[r]})"
     bad = {r: m for r, m in out.items() if not m.startswith("OK")}
     assert not bad, bad
     return out

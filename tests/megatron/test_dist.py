@@ -1,7 +1,6 @@
 """Expert parallelism (2 processes, gloo): EP=2 with the allgather and alltoall dispatchers equals EP=1 for the
 same weights and tokens, with and without guidance; FC2 guidance reaches the rank that computes each row."""
 
-import multiprocessing as mp
 import os
 
 import pytest
@@ -9,6 +8,7 @@ import torch
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
+from megatron_trace.testing.megatron_cpu import spawn_ranks
 
 from ._dist import ep_worker, tp_worker
 from .harness import TOPK, batch, build_model, free_port, perturb_non_experts, stock_spec, tiny_config
@@ -45,20 +45,11 @@ def ep1(tmp_path_factory):
 
 
 def _spawn(target, workdir, *args) -> list[dict]:
-    ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, WORLD, port, *args, str(workdir))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(timeout=10)
+    codes = spawn_ranks(target, WORLD, lambda r: (r, WORLD, port, *args, str(workdir)), timeout=240)
     errors = [(workdir / f"error{r}.txt") for r in range(WORLD)]
     msgs = [e.read_text() for e in errors if e.exists()]
-    assert not msgs and all(p.exitcode == 0 for p in procs), msgs or [p.exitcode for p in procs]
+    assert not msgs and all(c == 0 for c in codes), msgs or codes
     return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 

@@ -4,9 +4,9 @@ and the transfer's peak memory per rank is bounded by that rank's shard (receive
 import json
 
 import pytest
-import torch.multiprocessing as mp
 
-from ..guidance._dist import free_port
+from megatron_trace.testing.megatron_cpu import free_port, spawn_ranks
+
 from ._memory_worker import CHUNK, worker
 
 WORLD = 3  # one rollout rank, two trainer ranks
@@ -31,20 +31,12 @@ def violations(res: dict[int, dict], scenario: str) -> list[str]:
 @pytest.fixture(scope="module")
 def transfers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("memory")
-    ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=worker, args=(r, WORLD, port, str(tmp))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(180)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+    port = free_port()
+    codes = spawn_ranks(worker, WORLD, lambda r: (r, WORLD, port, str(tmp)), timeout=180)
     out = {}
     for r in range(WORLD):
         f = tmp / f"rank{r}.json"
-        text = f.read_text() if f.exists() else f"FAIL no result (exit code {procs[r].exitcode})"
+        text = f.read_text() if f.exists() else f"FAIL no result (exit code {codes[r]})"
         assert text.startswith("OK"), text
         out[r] = json.loads(text[2:])
     return out
