@@ -28,7 +28,6 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 from datetime import timedelta
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,6 +37,8 @@ for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISA
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from benchmarks._ranks import emit, gather, record_errors, write_result  # noqa: E402
 
 WORLD, ROLLOUT, TRAINER = 2, 0, 1
 MODELS = {  # TinyMoEConfig kwargs: (full, smoke)
@@ -262,7 +263,7 @@ def send_weights(policy, trace, device, a) -> dict:
 
 # ---- processes ----------------------------------------------------------------------------------------------
 def worker(rank: int, port: int, a, hf_dir: str, tmp: str) -> None:
-    try:
+    with record_errors(tmp, rank):
         from megatron.core import parallel_state
 
         from megatron_trace.config import TraceConfig
@@ -289,16 +290,11 @@ def worker(rank: int, port: int, a, hf_dir: str, tmp: str) -> None:
         sync = GuidanceSync(ROLLOUT, [TRAINER], timeout=timedelta(seconds=a.timeout))
         fn = rollout_rank if rank == ROLLOUT else trainer_rank
         row, fails = fn(a, hf_dir, trace, device, sync)
-        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as fh:
-            json.dump({"rows": [row], "fails": fails}, fh)
+        write_result(tmp, rank, [row], fails)
         dist.barrier()
         sync.close()
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
 
 
 def summary(rows: list[dict]) -> dict:
@@ -344,21 +340,9 @@ def main() -> int:
         hf_dir = checkpoint(a, os.path.join(tmp, "sft"))
         port = free_port()
         codes = spawn_ranks(worker, WORLD, lambda r: (r, port, a, hf_dir, tmp), timeout=a.timeout)
-        errors = [open(os.path.join(tmp, f"error{r}.txt")).read() for r in range(WORLD)
-                  if os.path.exists(os.path.join(tmp, f"error{r}.txt"))]
-        results = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)
-                   if os.path.exists(os.path.join(tmp, f"rank{r}.json"))]
-    rows = [row for res in results for row in res["rows"]]
-    fails = [f for res in results for f in res["fails"]]
-    if errors or len(results) != WORLD:
-        tail = errors[-1][-3000:] if errors else ""
-        fails.append(f"worker failed (exit codes {codes}): {tail}")
+        rows, fails = gather(tmp, WORLD, codes)
     rows.append({"bench": "two_gpu_disagg", "summary": True, "ok": not fails, "fails": fails, **summary(rows)})
-    text = "\n".join(json.dumps(row) for row in rows)
-    print(text, flush=True)
-    if a.out:
-        with open(a.out, "a") as fh:
-            fh.write(text + "\n")
+    emit(rows, a.out)
     return 0 if not fails else 1
 
 

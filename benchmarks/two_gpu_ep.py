@@ -27,7 +27,6 @@ import json
 import os
 import sys
 import tempfile
-import traceback
 from types import SimpleNamespace
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -36,6 +35,8 @@ for _k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISA
     os.environ[_k] = "0" if _k == "NCCL_NVLS_ENABLE" else "1"
 
 import torch  # noqa: E402
+
+from benchmarks._ranks import emit, gather, record_errors, write_result  # noqa: E402
 
 WORLD = 2
 SITES = ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v")
@@ -280,7 +281,7 @@ def destroy_parallel() -> None:
 def worker(rank: int, port: int, a, tmp: str) -> None:
     import torch.distributed as dist
 
-    try:
+    with record_errors(tmp, rank):
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         if a.smoke:
             from megatron_trace.testing.megatron_cpu import apply_cpu_shims
@@ -306,14 +307,9 @@ def worker(rank: int, port: int, a, tmp: str) -> None:
             r, f = ep2_phase(s, a, device, trace, rank, ref, state, name)
             rows += r
             fails += f
-        with open(os.path.join(tmp, f"rank{rank}.json"), "w") as fh:
-            json.dump({"rows": rows, "fails": fails}, fh)
+        write_result(tmp, rank, rows, fails)
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
 
 
 def main() -> int:
@@ -326,21 +322,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
         codes = spawn_ranks(worker, WORLD, lambda r: (r, port, a, tmp), timeout=a.timeout)
-        errors = [open(os.path.join(tmp, f"error{r}.txt")).read() for r in range(WORLD)
-                  if os.path.exists(os.path.join(tmp, f"error{r}.txt"))]
-        results = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(WORLD)
-                   if os.path.exists(os.path.join(tmp, f"rank{r}.json"))]
-    lines = [row for res in results for row in res["rows"]]
-    fails = [f for res in results for f in res["fails"]]
-    if errors or len(results) != WORLD:
-        tail = errors[-1][-3000:] if errors else ""
-        fails.append(f"worker failed (exit codes {codes}): {tail}")
+        lines, fails = gather(tmp, WORLD, codes)
     lines.append({"bench": "two_gpu_ep", "summary": True, "ok": not fails, "fails": fails})
-    text = "\n".join(json.dumps(row) for row in lines)
-    print(text, flush=True)
-    if a.out:
-        with open(a.out, "a") as fh:
-            fh.write(text + "\n")
+    emit(lines, a.out)
     return 0 if not fails else 1
 
 

@@ -1,0 +1,48 @@
+"""Per-rank result files of the multi-process benchmarks: each rank writes rank{r}.json (rows, fails) or
+error{r}.txt (its traceback); the parent gathers them and prints one JSON line per row plus a summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from contextlib import contextmanager
+
+
+def write_result(tmp: str, rank: int, rows: list[dict], fails: list[str]) -> None:
+    with open(os.path.join(tmp, f"rank{rank}.json"), "w") as fh:
+        json.dump({"rows": rows, "fails": fails}, fh)
+
+
+@contextmanager
+def record_errors(tmp: str, rank: int):
+    """Write the rank's traceback to error{rank}.txt if the body raises (and re-raise)."""
+    try:
+        yield
+    except BaseException:
+        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as fh:
+            fh.write(traceback.format_exc())
+        raise
+
+
+def gather(tmp: str, world: int, codes) -> tuple[list[dict], list[str]]:
+    """All ranks' rows and fails; a missing result or a traceback becomes a fail naming the exit codes."""
+    def read(name):
+        path = os.path.join(tmp, name)
+        return open(path).read() if os.path.exists(path) else None
+
+    errors = [e for e in (read(f"error{r}.txt") for r in range(world)) if e]
+    results = [json.loads(t) for t in (read(f"rank{r}.json") for r in range(world)) if t]
+    rows = [row for res in results for row in res["rows"]]
+    fails = [f for res in results for f in res["fails"]]
+    if errors or len(results) != world:
+        fails.append(f"worker failed (exit codes {codes}): {errors[-1][-3000:] if errors else ''}")
+    return rows, fails
+
+
+def emit(rows: list[dict], out: str | None) -> None:
+    text = "\n".join(json.dumps(row) for row in rows)
+    print(text, flush=True)
+    if out:
+        with open(out, "a") as fh:
+            fh.write(text + "\n")
