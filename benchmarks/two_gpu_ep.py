@@ -150,8 +150,9 @@ def code_mismatch(a, b) -> tuple[int, int]:
     return int(((va != vb) & both).sum()), int(both.sum())
 
 
-def compare_records(got, want) -> dict:
-    out = {}
+def compare_records(got, want) -> tuple[dict, list[int]]:
+    """Per site: code mismatch, elements, block-scale diffs; and the layers whose FC2 rows' experts differ."""
+    out, ids_differ = {}, []
     for site in SITES:
         keys = [k for k in want.sites if k[1] == site]
         mm = tot = scale_diff = 0
@@ -164,9 +165,9 @@ def compare_records(got, want) -> dict:
                                != want.sites[k].record.block_scales.view(torch.uint8).cpu()).sum())
             ids = (got.sites[k].expert_ids, want.sites[k].expert_ids)
             if site == "expert_fc2_in" and not torch.equal(ids[0].cpu(), ids[1].cpu()):
-                raise RuntimeError(f"{k}: EP=2 FC2 rows belong to other experts than at EP=1")
+                ids_differ.append(k[0])
         out[site] = {"code_mismatch": mm, "elements": tot, "block_scale_diff": scale_diff}
-    return out
+    return out, ids_differ  # own RNE may route differently (bf16 GEMM order); guided must not
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -234,14 +235,15 @@ def ep2_phase(s, a, device, trace, rank, ref, state, name) -> tuple[list[dict], 
         gerr = {n: rel(got["grads"][n], ref["grads"][n]) for n in ref["grads"]}
         exp = {n: e for n, e in gerr.items() if ".local_experts." in n}
         other = {n: e for n, e in gerr.items() if ".local_experts." not in n}
-        recs = compare_records(got["rec"], ref["rec"])
+        recs, ids_differ = compare_records(got["rec"], ref["rec"])
         rows_ok = all(got["rows"][layer] == want_rows[layer] for layer in want_rows)
         row = {"bench": "two_gpu_ep", "model": name, "mode": mode, "rank": rank, "dispatcher": a.dispatcher,
                "device": str(device), "sizes": vars(s), "loss_ep2": got["loss"], "loss_ep1": ref["loss"],
                "loss_rel_diff": abs(got["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-30),
                "grad_max_rel_diff_experts": max(exp.values()), "grad_max_rel_diff_other": max(other.values()),
                "grad_worst": max(gerr, key=gerr.get), "missing_grads": sorted(set(ref["grads"]) - set(got["grads"])),
-               "records": recs, "expert_rows_match_ep1_routing": rows_ok,
+               "records": recs, "fc2_expert_ids_differ_layers": ids_differ,
+               "expert_rows_match_ep1_routing": rows_ok,
                "rows_per_local_expert_layer0": got["rows"][0], "guided_rows_used": got["counter"].used,
                "fallback": dict(got["counter"].fallback)}
         rows.append(row)
@@ -253,6 +255,8 @@ def ep2_phase(s, a, device, trace, rank, ref, state, name) -> tuple[list[dict], 
                 fails.append(f"{where}: loss {row['loss_rel_diff']:.2e} / grad {max(gerr.values()):.2e} rel diff")
             if not rows_ok:
                 fails.append(f"{where}: rows per local expert {got['rows']} != EP=1 routing {want_rows}")
+            if ids_differ:
+                fails.append(f"{where}: FC2 rows belong to other experts than at EP=1 in layers {ids_differ}")
             if any(r["code_mismatch"] for r in recs.values()):
                 fails.append(f"{where}: guided code mismatch {recs}")
             if got["counter"].fallback or got["counter"].used == 0:

@@ -31,6 +31,9 @@ def main(cfg: DictConfig) -> None:
         init_from=cfg.init_from, sft_cache=Path("outputs") / "sft_cache" / cfg.task, device=cfg.device,
         resume=cfg.resume, progress=cfg.progress,
     )
+    if not by_arm:
+        print("no arms: SFT warm-up checkpoint prepared, nothing else to do")
+        return
     print(report.markdown_table(report.summary_rows(by_arm)))
     print(f"\nmetrics: {out / 'metrics.jsonl'}  summary: {out / 'summary.md'}  plots: {out}/*.png")
 

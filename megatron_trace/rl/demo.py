@@ -71,6 +71,9 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
         hf_dir = str(sft_checkpoint(sft_cache or out_dir / "sft", task, model, sft, device=device,
                                     progress=lambda s, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))))
         bar.close()
+    if not arms:  # `arms=[]`: prepare the warm-up checkpoint only (e.g. before launching arms as separate jobs)
+        logger.info("SFT checkpoint ready in %s; no arms to run", hf_dir)
+        return {}
     init_distributed(device)
     writer = report.MetricsWriter(out_dir)
     if not resume and writer.path.exists():

@@ -124,12 +124,12 @@ def plot(by_arm: dict[str, list[dict]], out_dir: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(6, 4))
     width = 0.4
     for i, arm in enumerate(a for a in ("fp4_qat", "trace") if a in by_arm):
-        last = by_arm[arm][-1]
+        last = next((r for r in reversed(by_arm[arm]) if "quant/expert_fc1_in/code_mismatch_rate" in r), {})
         layers = sorted(int(k.split("layer_")[1].split("/")[0]) for k in last
                         if k.startswith("quant/expert_fc1_in/layer_") and k.endswith("/code_mismatch_rate"))
         vals = [last[f"quant/expert_fc1_in/layer_{layer}/code_mismatch_rate"] for layer in layers]
         ax.bar([layer + (i - 0.5) * width for layer in layers], vals, width=width, label=arm)
-    ax.set(xlabel="layer", ylabel="code mismatch rate", title="FC1-input code mismatch per layer (last step)")
+    ax.set(xlabel="layer", ylabel="code mismatch rate", title="FC1-input code mismatch per layer (last measured step)")
     ax.legend()
     paths.append(_save(fig, out_dir / "code_mismatch_per_layer.png"))
 
