@@ -125,11 +125,10 @@ def plot(data: dict[str, dict[int, list[dict]]], out: Path) -> list[Path]:
                         if isinstance(r.get(key), int | float):
                             by_step[r["step"]].append(r[key])
                 x = sorted(by_step)
-                m = [statistics.fmean(by_step[i]) for i in x]
-                sd = [statistics.pstdev(by_step[i]) for i in x]
-                ax.plot(x, m, label=f"{arm} (n={len(data[arm])})")
-                ax.fill_between(x, [a - b for a, b in zip(m, sd)], [a + b for a, b in zip(m, sd)], alpha=0.15)
-            ax.set(xlabel="RL step", ylabel=key, title=f"{key}: mean ± std over seeds", yscale="log" if log else "linear")
+                ax.plot(x, [statistics.fmean(by_step[i]) for i in x], label=f"{arm} (n={len(data[arm])})")
+                ax.fill_between(x, [min(by_step[i]) for i in x], [max(by_step[i]) for i in x], alpha=0.15)
+            ax.set(xlabel="RL step", ylabel=key, title=f"{key}: mean (band: min-max) over seeds",
+                   yscale="log" if log else "linear")
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)

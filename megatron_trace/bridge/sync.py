@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import FP4Tensor, Quantizer
+from ..kernels import ops
 from ..rollout.base import RolloutBackend, WeightValue
 from ..rollout.experts import fp4_nbytes
 from ..rollout.hf_weights import expert_name, parse_expert_name, split_fc1
@@ -100,12 +101,16 @@ def bf16_stream(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = 
 
 
 def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
-               dtype: torch.dtype = torch.bfloat16, bf16_layers: Collection[int] = ()
+               dtype: torch.dtype = torch.bfloat16, bf16_layers: Collection[int] = (), kernel: str = "auto"
                ) -> Iterator[tuple[str, WeightValue]]:
     """Routed-expert weights as FP4 (quantized from the values as given), the rest cast to ``dtype``.
 
     ``bf16_layers``: layers whose experts stay BF16 (``TraceConfig.exclude_modules``; the rollout's
-    ``bf16_expert_layers``): their expert weights are cast like the rest."""
+    ``bf16_expert_layers``): their expert weights are cast like the rest. ``kernel``: as
+    ``TraceConfig.kernel`` (``auto``: the bit-exact Triton quantizer for CUDA tensors)."""
+    def quantize(w: torch.Tensor):
+        return ops.quantize(w, quantizer, kernel=kernel)
+
     pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
     bf16_layers = frozenset(bf16_layers)
     for name, value in named:
@@ -115,13 +120,13 @@ def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
             continue
         layer, e, proj = parsed
         if proj == "down_proj":
-            yield name, quantizer.quantize(value.detach())
+            yield name, quantize(value.detach())
             continue
         halves = pending.setdefault((layer, e), {})
         halves[proj] = value.detach()
         if len(halves) == 2:
             del pending[(layer, e)]
-            gate, up = split_fc1(quantizer.quantize(torch.cat([halves["gate_proj"], halves["up_proj"]])))
+            gate, up = split_fc1(quantize(torch.cat([halves["gate_proj"], halves["up_proj"]])))
             yield expert_name(layer, e, "gate_proj"), gate
             yield expert_name(layer, e, "up_proj"), up
     if pending:
@@ -130,13 +135,13 @@ def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
 
 
 def make_stream(named, fmt: str, quantizer: Quantizer | None = None, dtype: torch.dtype = torch.bfloat16,
-                bf16_layers: Collection[int] = ()):
+                bf16_layers: Collection[int] = (), kernel: str = "auto"):
     if fmt not in SYNC_FORMATS:
         raise ValueError(f"fmt={fmt!r} is not one of {SYNC_FORMATS}")
     if fmt == "fp4":
         if quantizer is None:
             raise ValueError("fmt='fp4' needs the weight quantizer (TraceConfig.weight_quantizer())")
-        return fp4_stream(named, quantizer, dtype, bf16_layers)
+        return fp4_stream(named, quantizer, dtype, bf16_layers, kernel)
     return bf16_stream(named, dtype)
 
 
@@ -225,7 +230,7 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
                  quantizer: Quantizer | None = None, dtype: torch.dtype = torch.bfloat16,
                  version: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout_s: float | None = None, recipe=None, bf16_layers: Collection[int] = (),
-                 clock: Callable[[], float] = time.monotonic) -> SyncStats:
+                 kernel: str = "auto", clock: Callable[[], float] = time.monotonic) -> SyncStats:
     """Send ``named`` weights to ``backend`` (BF16 or FP4 experts; ``bf16_layers`` keep BF16 experts) in buckets;
     returns what was moved.
 
@@ -249,7 +254,7 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
             raise WeightSyncTimeoutError(f"weight sync ({fmt}) exceeded timeout_s={timeout_s} " + progress())
 
     # bad arguments raise here, before anything is sent
-    stream = iter_buckets(make_stream(named, fmt, quantizer, dtype, bf16_layers), bucket_bytes)
+    stream = iter_buckets(make_stream(named, fmt, quantizer, dtype, bf16_layers, kernel), bucket_bytes)
     try:
         for items in stream:
             check_deadline()

@@ -130,7 +130,7 @@ class GRPORun:
         v = self.state.version
         stats = sync_weights(self.rollout, self.policy.export_hf_weights(), fmt=self.sync_fmt,
                              quantizer=self.arm.trace.weight_quantizer(), version=v,
-                             bf16_layers=getattr(self.rollout, "bf16_expert_layers", ()),
+                             bf16_layers=getattr(self.rollout, "bf16_expert_layers", ()), kernel=self.arm.trace.kernel,
                              recipe=None if self.recipe is None else self.recipe.with_weight_version(v))
         return stats.as_dict()
 
