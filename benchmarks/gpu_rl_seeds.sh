@@ -6,7 +6,9 @@
 # ./.whl (carry .whl):
 #   bash benchmarks/gpu_rl_seeds.sh [STEPS]     (env: SEEDS="0 1 2", ARMS="bf16 fp4_naive fp4_qat trace trace_full",
 #                                               BUDGET_S=540, CONFIG=gpu, EXTRA="hydra overrides", PY=python3,
-#                                               INSTALL_WHL=1)
+#                                               INSTALL_WHL=1, QM_EVERY=5: record quantization metrics every
+#                                               QM_EVERY steps, 0 = never, for clean step times)
+# Step-time overhead without contention: SEEDS=0 ARMS="fp4_qat trace" QM_EVERY=0 on two GPUs (one process each).
 # -> $OUT/metrics_s<seed>_<arm>.jsonl and logs; summarise with benchmarks/rl_seeds_summary.py.
 set -uo pipefail
 STEPS=${1:-40}; SEEDS=${SEEDS:-0 1 2}; ARMS=${ARMS:-bf16 fp4_naive fp4_qat trace trace_full}
@@ -25,7 +27,7 @@ launch() {  # seed spec; spec = arm, or label=arm:override (a variant, e.g. trac
   [[ "$arm" == *:* ]] && { ovr=${arm#*:}; arm=${arm%%:*}; }
   CUDA_VISIBLE_DEVICES=$((i % NGPU)) MASTER_PORT=$((29600 + i)) timeout "$left" $PY examples/rl_demo.py \
     --config-name "$CONFIG" device=$DEVICE run_name="seeds_s$1_$label" rl.seed="$1" "arms=[$arm]" rl.steps="$STEPS" \
-    progress=false rl.quant_metrics_every=5 $EXTRA $ovr > "$OUT/log_s$1_$label.txt" 2>&1 &
+    progress=false rl.quant_metrics_every=${QM_EVERY:-5} $EXTRA $ovr > "$OUT/log_s$1_$label.txt" 2>&1 &
   pids+=($!); i=$((i + 1))
 }
 read -r -a seeds <<< "$SEEDS"; read -r -a arms <<< "$ARMS"

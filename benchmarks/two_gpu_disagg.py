@@ -10,8 +10,8 @@ One real GRPO step across the two processes (the HF checkpoint is a short SFT wa
    config's guided layers) and its expert choices; rewards and group advantages are computed there;
 2. the batch goes to rank 1 (object send), the guidance and routing with ``GuidanceSync`` (timed; then
    re-sent ``--reps`` times and compared with a raw send/recv of the same byte count);
-3. rank 1 assembles them (``assemble`` / ``assemble_routing``), runs the PPO-clip step under
-   ``trace_guidance`` (routing replay + guided rounding) and an optimizer step;
+3. rank 1 assembles them (``GuidanceShard.assemble`` / ``assemble_routing``, from the received columns), runs
+   the PPO-clip step under ``trace_guidance`` (routing replay + guided rounding) and an optimizer step;
 4. the new weights go back to rank 0 over the process group, BF16 then FP4 (``fp4_stream``: packed
    routed experts), as ``WeightBucket`` buffers; rank 0 applies each with ``update_weights``.
    Checked: rank 0's stored FP4 expert codes equal the trainer's quantization of its new weights.
@@ -176,8 +176,6 @@ def receive_weights(rollout, device) -> dict:
 
 # ---- trainer rank -------------------------------------------------------------------------------------------
 def trainer_rank(a, hf_dir, trace, device, sync) -> tuple[dict, list[str]]:
-    from megatron_trace.guidance.records import assemble
-    from megatron_trace.guidance.routing import assemble_routing
     from megatron_trace.guidance.site import FallbackCounter
     from megatron_trace.megatron import StepGuidance, trace_guidance
     from megatron_trace.rl.grpo import policy_loss
@@ -197,10 +195,12 @@ def trainer_rank(a, hf_dir, trace, device, sync) -> tuple[dict, list[str]]:
     _timed(lambda: dist.recv(raw, ROLLOUT, group=sync.group), device, a.reps)
     tokens, mask, version = data["tokens"], data["mask"], data["version"]
     counter = FallbackCounter()
-    samples = sorted(shard.samples, key=lambda s: s.sample_id)
-    sites = assemble(samples, tokens, versions=version, counter=counter, attention_mask=mask)
-    routing = assemble_routing(sorted(shard.routing, key=lambda r: r.sample_id), tokens, versions=version,
-                               attention_mask=mask)
+    ids = list(range(tokens.shape[0]))  # split_batch's default sample ids: row b of the rollout batch
+    t0 = time.perf_counter()  # batch-major tensors straight from the received columns (no per-sample objects)
+    sites = shard.assemble(ids, tokens, versions=version, counter=counter, attention_mask=mask)
+    routing = shard.assemble_routing(ids, tokens, versions=version, attention_mask=mask)
+    _sync(device)
+    t_assemble = time.perf_counter() - t0
     step = StepGuidance(sites=sites, routing=routing, token_mask=mask)
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     t0 = time.perf_counter()
@@ -217,9 +217,10 @@ def trainer_rank(a, hf_dir, trace, device, sync) -> tuple[dict, list[str]]:
     diff = ((logp.detach() - data["logprobs"]).abs() * rm).sum() / rm.sum().clamp_min(1)
     changed = sum(not torch.equal(p, before[n]) for n, p in policy.model.named_parameters())
     row = {"bench": "two_gpu_disagg", "rank": TRAINER, "role": "trainer", "device": str(device),
-           "samples_received": len(samples), "routing_received": len(shard.routing),
+           "samples_received": shard.stats.samples, "routing_received": sum(len(p.table) for p in shard.routing_parts),
            "guidance_payload_bytes": shard.stats.payload_bytes, "guidance_peak_bytes": shard.stats.peak_bytes,
-           "guidance_receive_first_s": t_first, "guidance_receive_s": t_sync, "train_step_s": t_train,
+           "guidance_receive_first_s": t_first, "guidance_receive_s": t_sync, "guidance_assemble_s": t_assemble,
+           "train_step_s": t_train,
            "loss": float(loss.detach()), "grad_norm": grad_norm, "logprob_abs_diff_vs_rollout": float(diff),
            "params_changed": changed, "advantages_nonzero": int((data["advantages"] != 0).sum()),
            "guided_coverage": h.coverage(), **counter.as_dict("guidance/assembly"),

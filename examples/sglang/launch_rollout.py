@@ -44,9 +44,12 @@ def serve(ckpt: str, tp: int) -> None:
 
     cfg = TraceConfig.from_dict(json.load(open(os.path.join(ckpt, "hf_quant_config.json")))["trace"])
     hf_config = json.load(open(os.path.join(ckpt, "config.json")))
-    engine = make_engine(cfg, **trace_server_args(ckpt, cfg, hf_config, tp_size=tp, disable_radix_cache=True,
-                                                  chunked_prefill_size=-1))
-    backend = SGLangRolloutBackend(engine, cfg, hf_config)
+    # CUDA graphs, chunked prefill and the radix cache stay on: guidance is stored per KV slot and read out
+    # per request (trace_server_args rejects the settings the capture cannot handle, see launch.REQUIRED)
+    engine = make_engine(cfg, **trace_server_args(ckpt, cfg, hf_config, tp_size=tp))
+    # a KV-quantizing TraceConfig serves SGLang's own FP4 KV format (sglang_kvfp4), not TraceConfig.format:
+    # accepting it means the trainer rejects the KV records (counted) and rounds K/V itself
+    backend = SGLangRolloutBackend(engine, cfg, hf_config, accept_kv_format_mismatch=True)
     batch = backend.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=0))
     covered = {k: float(g.valid.float().mean()) for k, g in batch.guidance.items()}
     logger.info("sampled %s; guidance coverage per (layer, site): %s", batch.responses(), covered)

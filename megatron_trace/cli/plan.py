@@ -9,6 +9,10 @@ layer policy: guidance bytes per token, bytes per RL step (trajectories x (promp
 tokens), host memory (bytes per step x steps in flight) and the time to sync one step at the
 given link bandwidth (gigabits per second, one link, no overlap).
 
+``--dp-ranks N`` (repeatable) adds, per row, what one of N trainer data-parallel ranks receives per step (its
+samples' guidance, routing, host cache and ``GuidanceSync`` payload bytes, exact) and the sync time at
+``--bandwidth-gbytes NAME=GB/s`` (repeatable; e.g. bandwidths measured by benchmarks/ep_scaling.py).
+
 Layer policies: ``none``, ``all``, ``last_k=N``, ``fraction=F`` (deepest ceil(F x layers)),
 ``explicit=I,J,...``, ``budget=BYTES_PER_TOKEN`` (needs ``--mismatch-profile``, a JSON list of
 per-layer mismatch rates).
@@ -25,7 +29,7 @@ from ..config import ACTIVATION_SITES, CACHE_MODES, TraceConfig
 from ..formats import FORMATS
 from ..guidance.accounting import AMAX_MODES
 from ..guidance.model_dims import ModelDims
-from ..guidance.planner import RLSettings, plan_row
+from ..guidance.planner import RLSettings, plan_row, rank_projection
 
 DEFAULT_POLICIES = ("all", "fraction=0.5", "fraction=0.25", "fraction=0.125")
 
@@ -51,15 +55,45 @@ def policy_kwargs(policy: str) -> dict:
     )
 
 
-def build_rows(dims: ModelDims, rl: RLSettings, *, policies, modes, fmt, amax, sites, profile=None) -> list[dict]:
+def build_rows(dims: ModelDims, rl: RLSettings, *, policies, modes, fmt, amax, sites, profile=None,
+               dp_ranks=(), bandwidths=None) -> list[dict]:
     rows = []
     for policy in policies:
         for mode in modes:
             cfg = TraceConfig(format=fmt, activation_amax=amax, guided_sites=tuple(sites), cache_mode=mode,
                               **policy_kwargs(policy))
             kw = {"mismatch_profile": profile} if cfg.guided_layers == "budget" else {}
-            rows.append(plan_row(dims, cfg, rl, policy, **kw))
+            row = plan_row(dims, cfg, rl, policy, **kw)
+            if dp_ranks:
+                row["per_rank"] = [rank_projection(dims, cfg, rl, dp_ranks=n, bandwidths_gbytes=bandwidths,
+                                                   layers=row["layers"]) for n in dp_ranks]
+            rows.append(row)
     return rows
+
+
+def parse_bandwidths(items) -> dict[str, float]:
+    """``NAME=GBPS`` strings -> {name: GB/s}."""
+    out = {}
+    for item in items or ():
+        name, sep, val = item.rpartition("=")
+        try:
+            out[name if sep else f"{val} GB/s"] = float(val)
+        except ValueError as e:
+            raise ValueError(f"--bandwidth-gbytes {item!r}: want NAME=GB/s, e.g. measured=20.5 ({e})") from e
+    return out
+
+
+def format_ranks(rows: list[dict]) -> str:
+    """Per trainer rank lines of rows that have ``per_rank``."""
+    lines = []
+    for r in rows:
+        for p in r.get("per_rank", ()):
+            sync = ", ".join(f"{seconds(s)} @ {name}" for name, s in p["sync_seconds"].items())
+            lines.append(f"{r['policy']} {r['mode']}, {p['dp_ranks']} DP ranks: {p['samples_per_rank']} samples, "
+                         f"guidance {human(p['guidance_bytes_per_rank'])}, routing {human(p['routing_bytes_per_rank'])}"
+                         f", host cache {human(p['cache_host_bytes_per_rank'])}, sync payload "
+                         f"{human(p['sync_payload_bytes_per_rank'])}" + (f"; sync {sync}" if sync else ""))
+    return "\n".join(["", "per trainer rank:", *lines]) if lines else ""
 
 
 def human(n: float, unit: str = "B") -> str:
@@ -112,6 +146,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="full,compact", help=f"comma list of {CACHE_MODES}")
     p.add_argument("--layer-policy", action="append", dest="policies", help=f"repeatable; default {DEFAULT_POLICIES}")
     p.add_argument("--mismatch-profile", type=Path, help="JSON list of per-layer mismatch rates (budget policy)")
+    p.add_argument("--dp-ranks", type=int, action="append", default=[],
+                   help="repeatable: also size one of N trainer data-parallel ranks' share per step")
+    p.add_argument("--bandwidth-gbytes", action="append", default=[], metavar="NAME=GBPS",
+                   help="repeatable: sync time of a rank's share at this bandwidth (GB/s)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return p.parse_args(argv)
 
@@ -128,6 +166,7 @@ def main(argv=None) -> int:
         rows = build_rows(
             dims, rl, policies=args.policies or DEFAULT_POLICIES, modes=[m for m in args.modes.split(",") if m],
             fmt=args.format, amax=args.amax, sites=[s for s in args.sites.split(",") if s], profile=profile,
+            dp_ranks=args.dp_ranks, bandwidths=parse_bandwidths(args.bandwidth_gbytes),
         )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -135,7 +174,7 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"model": dims.__dict__, "rl": rl.__dict__, "rows": rows}, indent=1, default=list))
     else:
-        print(format_table(dims, rl, rows))
+        print(format_table(dims, rl, rows) + format_ranks(rows))
     return 0
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import block
-from .registry import get_format
+from .registry import FORMATS, get_format
 from .rounding import ROUNDINGS
 from .tensor import CompactGuidance, FP4Tensor, FullGuidance
 
@@ -32,7 +32,9 @@ class Quantizer:
     ste_clip: bool = False
 
     def __post_init__(self):
-        get_format(self.fmt, self.scale_rule)  # validates fmt and scale_rule
+        if self.fmt not in FORMATS:  # record-only formats (registry.RECORD_FORMATS) are not quantized with
+            raise ValueError(f"fmt={self.fmt!r} is not one of {FORMATS}")
+        get_format(self.fmt, self.scale_rule)  # validates scale_rule
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding={self.rounding!r} is not one of {ROUNDINGS}")
         if self.per_row and self.fmt != "nvfp4":

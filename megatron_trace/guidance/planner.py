@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..config import TraceConfig
+from ..formats import get_format
 from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw
 from .model_dims import ModelDims
 from .selection import guided_layers
@@ -120,4 +122,115 @@ def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, 
         "bytes_per_step": per_step,
         "host_bytes": per_step * rl.steps_in_flight,
         "sync_seconds": per_step * 8 / (rl.bandwidth_gbps * 1e9),
+    }
+
+
+# ---- per-rank shard sizes: what the guidance code stores and sends, byte for byte -------------------
+ALIGN = 16  # serial.ALIGN / routing.ALIGN: every tensor of the flat form starts 16-byte aligned
+_ID_BYTES = 8  # FC2 expert_ids travel as int64 with the guidance record
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _site_tensor_bytes(dims: ModelDims, site: str, tokens: int, config: TraceConfig) -> dict[str, int]:
+    """Bytes of each tensor one sample's record of ``site`` holds (the fields of ``serial._site_tensors``)."""
+    rows, k = dims.site_rows(site)
+    block = get_format(config.format).block_size
+    kp = -(-k // block) * block
+    n = tokens * rows
+    out = {"payload": n * (kp // 8 if config.cache_mode == "compact" else kp // 2), "scales": n * (kp // block),
+           "valid": tokens * (rows if site == "expert_fc2_in" else 1)}  # bool [L] or [L, topk]
+    if config.format == "nvfp4":
+        out["amax"] = n * 4 if config.activation_amax == "per_row" else 4  # fp32 per row, or one per record
+    if site == "expert_fc2_in":
+        out["expert_ids"] = n * _ID_BYTES
+    return out
+
+
+def sample_bytes(dims: ModelDims, config: TraceConfig, num_tokens: int, *, layers=None) -> dict[str, int]:
+    """Bytes of one sample of ``num_tokens`` tokens as the guidance code holds and sends it.
+
+    ``guidance``: payload + scales + amax (``SampleGuidance.guidance_nbytes``; per-token part =
+    ``accounting.bytes_per_token``); ``flat``: its serial form with ``valid``, FC2 ``expert_ids`` and
+    16-byte alignment (host cache bytes, ``serial.plan_flat``); ``routing``: the expert ids of every MoE layer
+    in the smallest integer type (``routing.plan_routing``). ``layers``: guided layers (default: the config's).
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+    if dims.num_experts < 1:
+        raise ValueError("ModelDims.num_experts must be >= 1 to size the routing (read it from the HF config)")
+    layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
+    guidance = flat = 0
+    for layer in layers:
+        for site in config.guided_sites:
+            if not dims.has_site(layer, site):
+                continue
+            parts = _site_tensor_bytes(dims, site, num_tokens, config)
+            guidance += parts["payload"] + parts["scales"] + parts.get("amax", 0)
+            flat += sum(_align(p) for p in parts.values())
+    id_bytes = 1 if dims.num_experts <= 256 else 2 if dims.num_experts <= 32768 else 4
+    routing = len(dims.moe_layers) * _align(num_tokens * dims.topk * id_bytes) if config.routing_replay else 0
+    return {"guidance": guidance, "flat": flat, "routing": routing}
+
+
+def _wire_fields(dims: ModelDims, config: TraceConfig, sample_tokens: list[int], layers) -> list[int]:
+    """Bytes of every payload field of a one-chunk ``GuidanceSync`` send (``guidance.wire``, protocol 4), in
+    payload order: per guided (layer, site) column its fields over all the samples' rows, then per MoE layer the
+    routing column."""
+    tokens, fields = sum(sample_tokens), []
+    for layer in sorted(layers):
+        for site in sorted(config.guided_sites):
+            if dims.has_site(layer, site):
+                parts = _site_tensor_bytes(dims, site, tokens, config)
+                if "amax" in parts and config.activation_amax != "per_row":
+                    parts["amax"] = 4 * len(sample_tokens)  # one fp32 per sample (member) of the column
+                fields += list(parts.values())
+    if config.routing_replay:
+        id_bytes = 1 if dims.num_experts <= 256 else 2 if dims.num_experts <= 32768 else 4
+        fields += [tokens * dims.topk * id_bytes] * len(dims.moe_layers)
+    return fields
+
+
+def shard_bytes(dims: ModelDims, config: TraceConfig, sample_tokens, *, layers=None) -> dict[str, int]:
+    """Sums of ``sample_bytes`` over one trainer rank's samples (their token counts), plus ``sync_payload``: the
+    payload bytes ``GuidanceSync`` sends that rank in one chunk (``TransferStats.payload_bytes``: every column
+    field 16-byte aligned, the last one unpadded)."""
+    sample_tokens = [int(n) for n in sample_tokens]
+    layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
+    tot = {"guidance": 0, "flat": 0, "routing": 0}
+    for n, times in Counter(sample_tokens).items():
+        for key, v in sample_bytes(dims, config, n, layers=layers).items():
+            tot[key] += v * times
+    tot["samples"] = len(sample_tokens)
+    off = end = 0
+    for f in _wire_fields(dims, config, sample_tokens, layers) if sample_tokens else ():
+        end = off + f
+        off = _align(end)
+    tot["sync_payload"] = end
+    return tot
+
+
+def rank_projection(dims: ModelDims, config: TraceConfig, rl: RLSettings, *, dp_ranks: int,
+                    bandwidths_gbytes: Mapping[str, float] | None = None, layers=None) -> dict:
+    """Per trainer rank of ``dp_ranks`` data-parallel ranks (each trains ``ceil(trajectories / dp_ranks)`` whole
+    samples of ``prompt_len + response_len`` tokens): guidance, host cache (x steps in flight) and sync payload
+    bytes per step, and the sync seconds at each given bandwidth (name -> GB/s, e.g. measured points).
+    ``layers``: the guided layers (default: the config's policy; pass them for the budget policy)."""
+    if dp_ranks < 1:
+        raise ValueError(f"dp_ranks={dp_ranks} must be >= 1")
+    samples = -(-rl.trajectories // dp_ranks)
+    sb = shard_bytes(dims, config, [rl.prompt_len + rl.response_len] * samples, layers=layers)
+    bw = dict(bandwidths_gbytes or {})
+    bad = {k: v for k, v in bw.items() if not (isinstance(v, int | float) and math.isfinite(v) and v > 0)}
+    if bad:
+        raise ValueError(f"bandwidths must be finite GB/s > 0, got {bad}")
+    return {
+        "dp_ranks": dp_ranks, "samples_per_rank": samples,
+        "tokens_per_rank": samples * (rl.prompt_len + rl.response_len),
+        "guidance_bytes_per_rank": sb["guidance"], "routing_bytes_per_rank": sb["routing"],
+        "cache_host_bytes_per_rank": sb["flat"] * rl.steps_in_flight,
+        "sync_payload_bytes_per_rank": sb["sync_payload"],
+        "sync_seconds": {k: sb["sync_payload"] / (v * 1e9) for k, v in bw.items()},
     }

@@ -21,7 +21,7 @@ import hashlib
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -104,6 +104,8 @@ class SampleGuidance:
     token_hash: str
     num_tokens: int
     sites: dict[SiteKey, SiteRecord]
+    source: tuple | None = field(default=None, compare=False, repr=False)
+    """(``packed.PackedGuidance``, index) when the records are views of one (``split_batch``, a received chunk)."""
 
     def guidance_nbytes(self) -> int:
         return sum(r.guidance_nbytes() for r in self.sites.values())
@@ -157,21 +159,6 @@ def _per_row(value, B: int, what: str) -> list[int]:
     return vals
 
 
-def _cut(sg: SiteGuidance, b: int, pos: torch.Tensor) -> SiteRecord:
-    """Rows of batch row ``b`` at token positions ``pos`` [L] (copies: the batch can be freed)."""
-    r = sg.record
-    pos = pos.to(sg.valid.device)  # token ids may live on another device than the records
-    amax = r.global_amax
-    if amax is not None:
-        amax = amax.clone() if amax.dim() == 0 else amax[b].index_select(0, pos)
-    rec = with_tensors(
-        r, payload_of(r)[b].index_select(0, pos), r.block_scales[b].index_select(0, pos), amax,
-        (pos.numel(), *r.shape[2:]),
-    )
-    ids = None if sg.expert_ids is None else sg.expert_ids[b].index_select(0, pos)
-    return SiteRecord(rec, sg.valid[b].index_select(0, pos), ids)
-
-
 def split_batch(
     batch: Mapping[SiteKey, SiteGuidance],
     token_ids: torch.Tensor,
@@ -181,7 +168,14 @@ def split_batch(
     lengths=None,
     sample_ids: Sequence[int] | None = None,
 ) -> list[SampleGuidance]:
-    """Cut batch-major rollout guidance into one ``SampleGuidance`` per sequence (batch row)."""
+    """Cut batch-major rollout guidance into one ``SampleGuidance`` per sequence (batch row).
+
+    The rows of all samples are gathered once per field into a ``packed.PackedGuidance`` (token rows only,
+    copies: the batch can be freed); each sample's tensors are views into it (``source``), which lets
+    ``GuidanceSync`` ship whole columns instead of per-sample tensors.
+    """
+    from .packed import pack_batch
+
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B, S = mask.shape
     for key, sg in batch.items():
@@ -191,20 +185,26 @@ def split_batch(
     ids = list(range(B)) if sample_ids is None else [int(i) for i in sample_ids]
     if len(ids) != B or len(set(ids)) != B:
         raise ValueError(f"sample_ids must be {B} distinct ids, got {ids}")
-    out = []
-    for b in range(B):
-        pos = mask[b].nonzero().squeeze(1)  # [L]
-        sites = {key: _cut(sg, b, pos) for key, sg in batch.items()}
-        out.append(SampleGuidance(ids[b], versions[b], token_hash(token_ids[b, pos]), int(pos.numel()), sites))
-    return out
+    return pack_batch(batch, token_ids, mask, versions, ids).to_samples()
+
+
+def row_hashes(token_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[str], list[int]]:
+    """(``token_hash`` of each row's tokens, tokens per row) with one host copy of the batch's tokens."""
+    counts = mask.sum(1).tolist()
+    raw = tensor_bytes(token_ids[mask.to(token_ids.device)].to(torch.int64))  # row-major: rows in order
+    out, off = [], 0
+    for n in counts:
+        out.append(hashlib.blake2b(raw[8 * off : 8 * (off + n)], digest_size=16).hexdigest())
+        off += n
+    return out, counts
 
 
 def _row_status(samples, token_ids, mask, versions) -> list[str]:
-    status = []
+    status, hashes = [], row_hashes(token_ids, mask)[0]
     for b, s in enumerate(samples):
         if s is None:
             status.append("missing")
-        elif s.token_hash != token_hash(token_ids[b, mask[b]]):
+        elif s.token_hash != hashes[b]:
             status.append("token_hash")
         elif s.version != versions[b]:
             status.append("version")

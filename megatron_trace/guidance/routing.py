@@ -12,7 +12,7 @@ policy version raises ``RoutingMismatchError`` naming the sample.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,6 +43,8 @@ class SampleRouting:
     token_hash: str
     num_tokens: int
     experts: dict[int, torch.Tensor]
+    source: tuple | None = field(default=None, compare=False, repr=False)
+    """(``packed.PackedRouting``, index) when the tensors are views of one (``split_routing``, a received chunk)."""
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.experts.values())
@@ -51,7 +53,10 @@ class SampleRouting:
 def split_routing(routing: Mapping[int, torch.Tensor], token_ids: torch.Tensor, *, version: int | Sequence[int],
                   num_experts: int, attention_mask: torch.Tensor | None = None, lengths=None,
                   sample_ids: Sequence[int] | None = None) -> list[SampleRouting]:
-    """Cut ``{layer: [B, S, topk]}`` into one compact ``SampleRouting`` per batch row (copies)."""
+    """Cut ``{layer: [B, S, topk]}`` into one compact ``SampleRouting`` per batch row: views into one
+    ``packed.PackedRouting`` gathered once per layer (copies of the token rows: the batch can be freed)."""
+    from .packed import pack_routing
+
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B, S = mask.shape
     dtype = id_dtype(num_experts)
@@ -64,12 +69,7 @@ def split_routing(routing: Mapping[int, torch.Tensor], token_ids: torch.Tensor, 
     ids = list(range(B)) if sample_ids is None else [int(i) for i in sample_ids]
     if len(versions) != B or len(ids) != B or len(set(ids)) != B:
         raise ValueError(f"need {B} versions and {B} distinct sample_ids, got {versions} and {ids}")
-    out = []
-    for b in range(B):
-        pos = mask[b].nonzero().squeeze(1)  # [L]
-        experts = {layer: r[b].index_select(0, pos.to(r.device)).to(dtype) for layer, r in sorted(routing.items())}
-        out.append(SampleRouting(ids[b], versions[b], token_hash(token_ids[b, pos]), int(pos.numel()), experts))
-    return out
+    return pack_routing(routing, token_ids, mask, versions, ids, dtype).to_samples()
 
 
 def assemble_routing(samples: Sequence[SampleRouting | None], token_ids: torch.Tensor, *,

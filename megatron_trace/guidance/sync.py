@@ -3,9 +3,11 @@
 Like the weight-update group of RL frameworks, guidance travels on its own group (``new_group``
 over the given global ranks, with its own timeout), NCCL on GPU and gloo on CPU; tensors live on
 the backend's device. Per destination and chunk, three messages: a small int64 tensor ``[magic, header
-bytes, payload bytes, chunks still to come]``, the JSON header (sample metas: shapes, dtypes,
-versions, token hashes, offsets, checksums) as uint8, then one flat uint8 payload with the chunk's
-samples: their guidance records, then their routing (``guidance.routing.SampleRouting``).
+bytes, payload bytes, chunks still to come]``, the JSON header as uint8, then one flat uint8 payload.
+The chunk travels in columns (``guidance.wire``, protocol 4): per (layer, site) and field one tensor
+holding the rows of all the chunk's samples, the same per routing layer, and a compact header (per
+sample: id, version, token hash, tokens; per column: format, mode, row shape, dtypes, offsets,
+checksums). Work is per column, not per sample, so a step of many short samples costs about its bytes.
 
 Memory (USER_NEEDS.md §7): every sample's guidance *and routing* go to one trainer rank only (never
 broadcast whole), in chunks of at most ``chunk_bytes`` (one sample may exceed it), and the sender
@@ -18,12 +20,15 @@ their sample too: we leave their expert-parallel routing to the Megatron dispatc
 trainer's MoE layer permutes FC2 guidance rows with the same token dispatch as the activations),
 so no second, expert-owner exchange is needed here.
 
-The payload is written in one pass (``serial.write_flat``) into one buffer on the group's device (a
-huge-page host buffer for gloo); with ``verify`` each sample's span and the routing span carry a
-CRC-32 (``serial.checksum``, read in place), so the cost stays close to the bandwidth of the send.
+The payload is written in place into one buffer on the group's device (a huge-page host buffer for
+gloo): one ``index_select`` per field from the columns that ``split_batch`` / ``split_routing`` samples
+are views of (one ``cat`` of the samples' tensors otherwise); with ``verify`` every field carries a
+CRC-32 (``serial.checksum``, read in place). The receiver gets a ``GuidanceShard`` of columns (views of
+the payload): ``shard.assemble`` / ``shard.assemble_routing`` build the trainer's batch-major tensors
+with a few index operations per site; ``shard.samples`` / ``shard.routing`` give per-sample views.
 
 Nothing is partially applied: ``receive`` returns only after the whole payload arrived and its
-lengths (and, with ``verify``, per-sample and routing checksums) were checked; otherwise it raises
+sizes, offsets (and, with ``verify``, every field's checksum) were checked; otherwise it raises
 ``GuidanceSyncError``. A peer that never sends makes ``receive`` fail after the group timeout
 (gloo) with an error naming the rank; NCCL enforces the timeout through its watchdog.
 ``GuidanceSync`` must be constructed by every process of the default group (``new_group`` is
@@ -35,20 +40,24 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from . import wire
+from .packed import PackedGuidance, PackedRouting, source_of
+from .packed_assemble import assemble_packed, assemble_routing_packed
 from .records import SampleGuidance, tensor_bytes
-from .routing import SampleRouting, plan_routing, unflatten_routing, write_routing
-from .serial import ALIGN, RecordFormatError, add_checksums, checksum, host_buffer, plan_flat, unflatten, write_flat
+from .routing import SampleRouting
+from .serial import RecordFormatError, host_buffer
+from .site import FallbackCounter, SiteGuidance, SiteKey
 
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x54524143  # "TRAC"
-PROTOCOL = 3  # 3: CRC-32 checksums (sample and routing spans); 2: blake2b per sample
+PROTOCOL = 4  # 4: columnar chunks (wire.py), CRC-32 per field; 3: per-sample tensors, CRC-32 per sample span
 
 
 @dataclass
@@ -66,13 +75,44 @@ class TransferStats:
                 f"{prefix}/chunks": float(self.chunks), f"{prefix}/peak_bytes": float(self.peak_bytes)}
 
 
-@dataclass
 class GuidanceShard:
-    """What one trainer rank received: its samples' guidance and routing."""
+    """What one trainer rank received: its samples' guidance and routing, as columns (one part per chunk)."""
 
-    samples: list[SampleGuidance] = field(default_factory=list)
-    routing: list[SampleRouting] = field(default_factory=list)
-    stats: TransferStats = field(default_factory=TransferStats)
+    def __init__(self):
+        self.parts: list[PackedGuidance] = []
+        self.routing_parts: list[PackedRouting] = []
+        self.stats = TransferStats()
+        self._samples: list[SampleGuidance] | None = None
+        self._routing: list[SampleRouting] | None = None
+
+    @property
+    def samples(self) -> list[SampleGuidance]:
+        """Per-sample views of the received guidance, in send order (built on first use)."""
+        if self._samples is None:
+            self._samples = [s for p in self.parts for s in p.to_samples()]
+        return self._samples
+
+    @property
+    def routing(self) -> list[SampleRouting]:
+        """Per-sample views of the received routing, in send order (built on first use)."""
+        if self._routing is None:
+            self._routing = [r for p in self.routing_parts for r in p.to_samples()]
+        return self._routing
+
+    def assemble(self, sample_ids: Sequence[int | None], token_ids: torch.Tensor, *, versions: int | Sequence[int],
+                 counter: FallbackCounter, attention_mask: torch.Tensor | None = None, lengths=None,
+                 keys: Sequence[SiteKey] | None = None) -> dict[SiteKey, SiteGuidance]:
+        """``records.assemble`` for a micro-batch whose row b trains sample ``sample_ids[b]`` (None: none), straight
+        from the columns (same checks, counts and result, no per-sample work)."""
+        return assemble_packed(self.parts, sample_ids, token_ids, versions=versions, counter=counter,
+                               attention_mask=attention_mask, lengths=lengths, keys=keys)
+
+    def assemble_routing(self, sample_ids: Sequence[int | None], token_ids: torch.Tensor, *,
+                         versions: int | Sequence[int], attention_mask: torch.Tensor | None = None,
+                         lengths=None) -> dict[int, torch.Tensor]:
+        """``routing.assemble_routing`` for row b = sample ``sample_ids[b]``, straight from the columns."""
+        return assemble_routing_packed(self.routing_parts, sample_ids, token_ids, versions=versions,
+                                       attention_mask=attention_mask, lengths=lengths)
 
 
 @dataclass
@@ -84,7 +124,14 @@ class _Unit:
     routing: SampleRouting | None = None
 
     def nbytes(self) -> int:
-        return (self.guidance.nbytes() if self.guidance else 0) + (self.routing.nbytes() if self.routing else 0)
+        return _nbytes(self.guidance) + _nbytes(self.routing)
+
+
+def _nbytes(s: SampleGuidance | SampleRouting | None) -> int:
+    if s is None:
+        return 0
+    src = source_of([s])  # a view of split_batch / split_routing columns: bytes from the column shapes
+    return src[0].sample_nbytes[src[1][0]] if src is not None else s.nbytes()
 
 
 def _units(samples: Sequence[SampleGuidance], routing: Sequence[SampleRouting]) -> list[_Unit]:
@@ -220,24 +267,20 @@ class GuidanceSync:
         self, units: Sequence[_Unit], chunks_left: int, device: torch.device
     ) -> tuple[list[torch.Tensor], int]:
         """(messages with the payload on ``device``, bytes staged on the samples' device on the way, or 0)."""
-        guidance = [u.guidance for u in units if u.guidance is not None]
-        routing = [u.routing for u in units if u.routing is not None]
-        plan = plan_flat(guidance)
-        r_metas, r_total = plan_routing(routing)
-        offset = -(-plan.total // ALIGN) * ALIGN if r_total else plan.total
-        # one buffer on the wire device: guidance (one cat + copy if the samples live elsewhere), then routing
-        n = offset + r_total
+        guidance = wire.plan_section([u.guidance for u in units if u.guidance is not None], "guidance")
+        routing = wire.plan_section([u.routing for u in units if u.routing is not None], "routing")
+        if guidance is not None and routing is not None and routing.head["table"] == guidance.head["table"]:
+            routing.head["table"] = None  # the same samples: one table
+        sections = (guidance, routing)
+        n = wire.layout(sections)
         payload = host_buffer(n) if device.type == "cpu" else torch.empty(n, dtype=torch.uint8, device=device)
-        write_flat(plan, payload[: plan.total])
-        payload[plan.total :].zero_()
-        write_routing(routing, r_metas, payload[offset:])
-        staged = plan.total if guidance and plan.device != device else 0  # write_flat's temporary
-        metas = plan.metas
-        head = {"protocol": PROTOCOL, "samples": metas, "routing": r_metas, "routing_offset": offset}
+        wire.write(sections, payload)
+        staged = max((p.nbytes for sec in sections if sec for p in sec.fields if p.device != device),
+                     default=0)  # a field gathered on the samples' device before its copy
+        head = {"protocol": PROTOCOL, "guidance": guidance and guidance.head, "routing": routing and routing.head}
         if self.verify:
-            add_checksums(metas, payload[: plan.total])
-            head["routing_checksum"] = checksum(payload[offset:])
-        header = json.dumps(head).encode()
+            wire.add_field_checksums(sections, payload)
+        header = json.dumps(head, separators=(",", ":")).encode()
         msgs = [
             torch.tensor([MAGIC, len(header), payload.numel(), chunks_left], dtype=torch.int64),
             torch.frombuffer(bytearray(header), dtype=torch.uint8),
@@ -265,36 +308,28 @@ class GuidanceSync:
                 payload = self._recv(payload, "the payload")
             held += sizes[2]  # received samples are views into their chunk's payload
             shard.stats.peak_bytes = max(shard.stats.peak_bytes, held + sizes[1])
-            samples, routing = self._decode(header, payload)
-            shard.samples += samples
-            shard.routing += routing
+            guidance, routing = self._decode(header, payload)
+            if guidance is not None:
+                shard.parts.append(guidance)
+                shard.stats.samples += len(guidance.table)
+            if routing is not None:
+                shard.routing_parts.append(routing)
             shard.stats.chunks += 1
             shard.stats.payload_bytes += sizes[2]
             if sizes[3] == 0:
                 break
-        shard.stats.samples = len(shard.samples)
         self.last_stats = shard.stats
         return shard
 
-    def _decode(self, header: torch.Tensor, payload: torch.Tensor) -> tuple[list, list]:
+    def _decode(self, header: torch.Tensor, payload: torch.Tensor) -> tuple:
         try:
             head = json.loads(tensor_bytes(header).decode())
             if head.get("protocol") != PROTOCOL:
                 raise GuidanceSyncError(
                     f"guidance protocol {head.get('protocol')!r} from the rollout rank, this trainer speaks "
                     f"{PROTOCOL}: run the same megatron_trace version on rollout and trainer ranks")
-            metas, r_metas, offset = head["samples"], head["routing"], int(head["routing_offset"])
-            need = sum(int(m["nbytes"]) for m in metas)
-            end = payload.numel() if r_metas else need
-            if not need <= offset <= payload.numel() or end != payload.numel():
-                raise GuidanceSyncError(f"header describes {need} guidance bytes and routing from {offset}, "
-                                        f"received {payload.numel()}")
-            samples = unflatten(metas, payload[:need], verify=self.verify)
-            want = head.get("routing_checksum")
-            if self.verify and want is not None and checksum(payload[offset:]) != want:
-                raise GuidanceSyncError(f"routing checksum mismatch (corrupt or partial transfer): header says {want}")
-            return samples, unflatten_routing(r_metas, payload[offset:])
-        except (ValueError, KeyError, TypeError, RecordFormatError) as e:
+            return wire.decode(head, payload, verify=self.verify)
+        except (ValueError, KeyError, TypeError, IndexError, RecordFormatError) as e:
             raise GuidanceSyncError(f"guidance from rank {self.src} rejected, nothing applied: {e}") from e
 
     def _recv(self, t: torch.Tensor, what: str) -> torch.Tensor:

@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 NOT_GUIDED = "not_guided_layer"
 MISSING = "missing"
 SHAPE = "shape"
+FORMAT = "format"
 INVALID = "invalid_row"
 EXPERT_MISMATCH = "expert_mismatch"
 
@@ -132,10 +133,15 @@ def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[in
     if sg is None:
         return CheckedSite(None, MISSING)
     r = sg.record
+    if r.fmt != config.format:  # e.g. SGLang's fp4_e2m1 KV records ("sglang_kvfp4") for an NVFP4 trainer
+        msg = (f"guidance for layer {layer} site {site!r} rejected: format {r.fmt!r} != TraceConfig.format "
+               f"{config.format!r}")
+        if fail:
+            raise GuidanceFallbackError(msg)
+        logger.warning(msg)
+        return CheckedSite(None, FORMAT)
     problem = None
-    if r.fmt != config.format:
-        problem = f"format {r.fmt!r} != TraceConfig.format {config.format!r}"
-    elif tuple(r.shape[2:]) != tuple(rows):
+    if tuple(r.shape[2:]) != tuple(rows):
         problem = f"row dims {tuple(r.shape[2:])} != the layer's {tuple(rows)}"
     elif r.fmt == "nvfp4" and (r.global_amax is None or (r.global_amax.dim() and r.global_amax.shape[-1] != 1)):
         problem = "NVFP4 guidance needs a per-row (or per-tensor) global_amax"

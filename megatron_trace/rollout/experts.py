@@ -23,7 +23,8 @@ import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from ..formats import FP4Tensor, Quantizer
-from .fp4_moe import w4a4_experts_forward
+from ..kernels import Kernel, select_kernel
+from .fp4_moe import grouped_experts_forward, w4a4_experts_forward
 from .recorder import GuidanceRecorder
 
 EXPERTS_IMPLEMENTATION = "megatron_trace_rollout"
@@ -42,6 +43,19 @@ class RolloutNumerics:
     recorder: GuidanceRecorder | None = None
     bf16_layers: frozenset[int] = frozenset()
     """Layers whose routed experts ``TraceConfig.exclude_modules`` keeps in the model dtype."""
+    kernel: str = "reference"
+    """``TraceConfig.kernel``: "auto"/"triton" take ``grouped_experts_forward`` for bf16 CUDA tensors."""
+    weight_store: ExpertWeightStore | None = None
+    """FP4 expert weights (the grouped GPU path reads them packed); None: the module's parameters."""
+
+
+def _fast_path(num: RolloutNumerics, hidden: torch.Tensor) -> bool:
+    """Whether the grouped GPU path runs (CUDA, bf16, Triton selected, RNE activations)."""
+    if num.kernel == Kernel.REFERENCE or hidden.device.type != "cuda" or hidden.dtype != torch.bfloat16:
+        return False
+    q = num.activation_quantizer
+    unsupported = "stochastic rounding" if q is not None and q.rounding != "rne" else None
+    return select_kernel(num.kernel, hidden.device, unsupported=unsupported) is Kernel.TRITON
 
 
 _ACTIVE: contextvars.ContextVar[RolloutNumerics | None] = contextvars.ContextVar("rollout_numerics", default=None)
@@ -70,8 +84,13 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         )
     layer = num.layer_of[id(self)]
     fp4 = layer not in num.bf16_layers
-    res = w4a4_experts_forward(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+    forward, fc1, fc2 = w4a4_experts_forward, self.gate_up_proj, self.down_proj
+    if _fast_path(num, hidden_states):
+        forward = grouped_experts_forward
+        if fp4 and num.weight_store is not None:
+            fc1, fc2 = num.weight_store.stacked(layer, FC1), num.weight_store.stacked(layer, FC2)
+    res = forward(
+        hidden_states, top_k_index, top_k_weights, fc1, fc2,
         activation_quantizer=num.activation_quantizer, quantize_fc1=num.quantize_fc1 and fp4,
         quantize_fc2=num.quantize_fc2 and fp4, apply_gate=self._apply_gate,
     )
@@ -99,6 +118,7 @@ class ExpertWeightStore:
     def __init__(self, quantizer: Quantizer):
         self.quantizer = quantizer
         self._w: dict[tuple[int, int, str], FP4Tensor] = {}
+        self._stacked: dict[tuple[int, str], FP4Tensor] = {}
 
     @staticmethod
     def _param_slice(experts, expert: int, which: str) -> torch.Tensor:
@@ -119,6 +139,26 @@ class ExpertWeightStore:
         with torch.no_grad():
             param.copy_(q.dequantize(param.dtype))
         self._w[(layer, expert, which)] = q
+        self._stacked.pop((layer, which), None)
+
+    def stacked(self, layer: int, which: str) -> FP4Tensor:
+        """All experts of a layer as one FP4Tensor [E, N, K] (global amax [E, N, 1] per row; cached until a
+        ``set`` of that layer): the layout of ``kernels.fp4_grouped_mm``."""
+        key = (layer, which)
+        if key not in self._stacked:
+            experts = sorted(e for (lay, e, w) in self._w if lay == layer and w == which)
+            if experts != list(range(len(experts))) or not experts:
+                raise KeyError(f"layer {layer} {which!r}: FP4 weights of experts {experts} are not 0..E-1")
+            qs = [self._w[(layer, e, which)] for e in experts]
+            n = qs[0].shape[0]
+            amax = None
+            if qs[0].global_amax is not None:  # [] or [N, 1] per expert -> [E, N, 1]
+                amax = torch.stack([q.global_amax.float().reshape(-1, 1).expand(n, 1) for q in qs]).contiguous()
+            self._stacked[key] = FP4Tensor(
+                codes=torch.stack([q.codes for q in qs]),
+                block_scales=torch.stack([q.block_scales.view(torch.uint8) for q in qs]).view(qs[0].block_scales.dtype),
+                global_amax=amax, shape=(len(qs), *qs[0].shape), fmt=qs[0].fmt)
+        return self._stacked[key]
 
     def get(self, layer: int, expert: int, which: str) -> FP4Tensor:
         try:

@@ -16,6 +16,11 @@ Weights are given either dequantized ([E, N, K] in the model dtype, as the hf ba
 or packed (``PackedExperts``: codes + block scales + exact global amax, as SGLang stores them);
 packed experts are dequantized per expert with ``FP4Tensor.dequantize`` (fp32, cast once), so both
 give the same values bit for bit.
+
+``grouped_experts_forward`` is the hf backend's GPU path of the same numerics (``TraceConfig.kernel``
+auto/triton on CUDA, bf16): Triton activation quantize+dequantize (the reference's codes and values), then one
+grouped GEMM per matrix kind (packed FP4 weights: the Triton W4A16 kernel; dense: ``torch._grouped_mm``),
+equal to the emulation within bf16 rounding, with no host sync (CUDA-graph capturable).
 """
 
 from __future__ import annotations
@@ -167,6 +172,69 @@ def w4a4_experts_forward(
         q2 = activation_quantizer.quantize(act.view(tokens, k, -1))  # rows: (token, slot)
         act = q2.dequantize(act.dtype).view(tokens * k, -1)
     y = _grouped_linear(act[order], fc2, counts)  # [T*k, H]
+    out = torch.empty_like(y)
+    out[order] = y
+    out = out.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(out.dtype)
+    return ExpertsOutput(out.sum(1).to(hidden.dtype), q1, q2)
+
+
+def _grouped_dense(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """x [N, K] bf16 sorted by expert, w [E, N_out, K] -> [N, N_out] with ``torch._grouped_mm`` (CUDA)."""
+    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+
+def _quantize_dequantize(x: torch.Tensor, quantizer: Quantizer) -> tuple[FP4Tensor, torch.Tensor]:
+    """One Triton pass: the FP4 rows of x and their dequantized values in x.dtype (the reference's bits)."""
+    from ..kernels import fused
+
+    q, _, out = fused.quantize(x, quantizer, deq_dtype=x.dtype, check_finite=False)
+    return q, out["deq"].view(x.shape)
+
+
+def grouped_experts_forward(
+    hidden: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    fc1: torch.Tensor | FP4Tensor,
+    fc2: torch.Tensor | FP4Tensor,
+    *,
+    activation_quantizer: Quantizer | None,
+    quantize_fc1: bool = True,
+    quantize_fc2: bool = True,
+    apply_gate: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+) -> ExpertsOutput:
+    """The GPU path of ``w4a4_experts_forward``: one grouped GEMM per matrix kind, no host sync.
+
+    fc1 [E, 2F, H], fc2 [E, H, F]: packed ``FP4Tensor`` (global amax [] or [E, N, 1]; the Triton
+    W4A16 kernel ``kernels.fp4_grouped_mm`` dequantizes in registers) or dense bf16 tensors
+    (``torch._grouped_mm``). Activations are quantized/dequantized by the Triton twins of ``formats``
+    (same codes and values as the reference). The GEMMs accumulate in fp32 with the exact FP4 weight
+    values, so outputs equal the reference's within bf16 rounding, not bit for bit. Expert ids are not
+    range-checked (that would sync); CUDA, bf16 hidden only. No host sync: capturable in a CUDA graph.
+    """
+    from ..kernels import fp4_grouped_mm
+
+    tokens, k = top_k_index.shape
+    num_experts = fc1.shape[0]
+    x = hidden  # [T, H]
+    q1 = q2 = None
+    if quantize_fc1:
+        q1, x = _quantize_dequantize(x, activation_quantizer)
+    flat = top_k_index.reshape(-1)  # [T*k]
+    ids, order = torch.sort(flat, stable=True)
+    experts = torch.arange(num_experts, device=flat.device, dtype=ids.dtype)
+    offs = torch.searchsorted(ids, experts, right=True).to(torch.int32)  # [E] cumulative (bincount would sync)
+
+    def gemm(a, w):
+        return fp4_grouped_mm(a, w, offs, kernel="triton") if isinstance(w, FP4Tensor) else _grouped_dense(a, w, offs)
+
+    h = apply_gate(gemm(x[order // k], fc1))  # [T*k, F] sorted by expert
+    act = torch.empty_like(h)
+    act[order] = h  # (token, slot) order
+    if quantize_fc2:
+        q2, act = _quantize_dequantize(act.view(tokens, k, -1), activation_quantizer)
+        act = act.view(tokens * k, -1)
+    y = gemm(act[order], fc2)  # [T*k, H]
     out = torch.empty_like(y)
     out[order] = y
     out = out.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(out.dtype)

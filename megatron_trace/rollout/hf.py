@@ -34,6 +34,7 @@ from ..config import TraceConfig
 from ..formats import FP4Tensor
 from ..guidance.selection import guided_layers
 from ..guidance.site import SiteKey
+from ..kernels import Kernel, select_kernel
 from ..manifest import (
     ModuleAudit,
     QuantRecipe,
@@ -43,6 +44,7 @@ from ..manifest import (
     experts_name,
     kv_cache_name,
 )
+from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
 from .base import RolloutBatch, SamplingParams, WeightValue, check_prompts
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
@@ -97,6 +99,13 @@ class HFRolloutBackend:
         caches stay in the model dtype and record no guidance; a pattern that matches none of the
         model's experts/KV caches raises ``ModulePatternError`` here (in BF16 mode too).
     prefix_reuse: prefill identical prompts of a batch once (see the module docstring).
+    fused_kv_attention: decode steps read the FP4 KV cache with the fused dequant+attention kernel
+        (``rollout.attention``) instead of dequantizing the history for SDPA. None (default): on where the
+        Triton kernels run (CUDA, ``TraceConfig.kernel`` auto/triton) with a bf16/fp16 model and SDPA attention.
+    GPU path (``TraceConfig.kernel`` "auto" on CUDA, bf16): routed experts run one grouped GEMM per matrix kind
+    (FP4 mode: the Triton W4A16 kernel on the packed weights; BF16 mode: ``torch._grouped_mm``) with Triton
+    activation quantizers, and the FP4 KV cache quantizes/dequantizes with Triton: same codes as the reference
+    path, outputs equal within bf16 rounding (``"reference"`` keeps the bit-exact per-expert emulation).
     All returned tensors live on ``device``.
     """
 
@@ -112,6 +121,7 @@ class HFRolloutBackend:
         guided_layer_ids: Sequence[int] | None = None,
         recipe: QuantRecipe | None = None,
         prefix_reuse: bool = True,
+        fused_kv_attention: bool | None = None,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -122,6 +132,8 @@ class HFRolloutBackend:
         self.device = torch.device(device)
         self.model = _load_model(model, dtype, self.device, attn_implementation).eval()
         self.model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        if attn_implementation == "sdpa":  # SDPA, except decode steps over a deferred FP4 KV history
+            self.model.set_attn_implementation(ROLLOUT_ATTENTION)
         self.hf_config = self.model.config
         self.num_layers = self.hf_config.num_hidden_layers
         self.vocab_size = self.hf_config.vocab_size
@@ -142,6 +154,8 @@ class HFRolloutBackend:
                                     for e in range(m.num_experts) for w in (FC1, FC2)})
         self.set_guided_layers(guided_layer_ids)
         self.prefix_reuse = bool(prefix_reuse)
+        self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
+            else bool(fused_kv_attention) and attn_implementation == "sdpa"
         self.trainer_recipe: QuantRecipe | None = None
         self._recipe_ignore: tuple[str, ...] = ()
         if recipe is not None:
@@ -150,6 +164,11 @@ class HFRolloutBackend:
     # ---- configuration ------------------------------------------------------------------------
     def _quantizes(self, site: str) -> bool:
         return self.mode == "fp4" and self.config.quantizes(site)
+
+    def _fused_default(self, attn_implementation: str) -> bool:
+        if attn_implementation != "sdpa" or self.model.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        return select_kernel(self.config.kernel, self.device) is Kernel.TRITON
 
     def _bf16_site(self, layer: int, site: str) -> bool:
         """Whether ``TraceConfig.exclude_modules`` keeps this (layer, site) in the model dtype."""
@@ -196,7 +215,7 @@ class HFRolloutBackend:
             layer_of=self._layer_of,
             activation_quantizer=self.config.activation_quantizer(),
             quantize_fc1=q("expert_fc1_in"), quantize_fc2=q("expert_fc2_in"), recorder=recorder,
-            bf16_layers=self.bf16_expert_layers,
+            bf16_layers=self.bf16_expert_layers, kernel=self.config.kernel, weight_store=self.weight_store,
         )
 
     def new_cache(self, recorder: GuidanceRecorder | None = None) -> Cache:
@@ -205,7 +224,8 @@ class HFRolloutBackend:
         if not (qk or qv):
             return DynamicCache(config=self.hf_config)
         return FP4KVCache(self.num_layers, self.config.activation_quantizer(), quantize_k=qk, quantize_v=qv,
-                          recorder=recorder, bf16_layers=self.bf16_kv_layers)
+                          recorder=recorder, bf16_layers=self.bf16_kv_layers, kernel=self.config.kernel,
+                          fused_decode=self.fused_kv_attention)
 
     def cache_kwargs(self, cache: Cache) -> dict:
         """The model's keyword for a cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""

@@ -4,6 +4,17 @@ Rows are one token of one KV head (blocks along head_dim), quantized with the ac
 quantizer (NVFP4: per-row global amax) after RoPE, i.e. exactly the K/V that attention reads.
 Each ``update`` returns the whole dequantized history, the new tokens included, so a decode
 step sees the same K/V as a full-sequence forward with fake-quantized K/V.
+
+Storage: preallocated buffers [B, kv_heads, capacity, ...] that grow geometrically (a decode step
+writes one token in place; no per-step copy of the history). A per-tensor global amax is stored
+per row (the same value in every row of a chunk: dequantizes to the same bits). ``kernel``
+(``TraceConfig.kernel``): on CUDA, "auto" quantizes and dequantizes with the Triton twins of
+``formats`` (same bits as the reference).
+
+``fused_decode=True``: a one-token update of a layer whose K and V are both FP4 stores the token but
+skips dequantizing the history: it returns the new token's K/V [B, kv_heads, 1, head_dim] with the layer
+attached as ``DEFERRED_ATTR``, and the attention that follows must read the packed history from it
+(``rollout.attention``, the fused FP4-KV decode attention; ``HFRolloutBackend`` selects it).
 """
 
 from __future__ import annotations
@@ -14,31 +25,103 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..formats import FP4Tensor, Quantizer
-from .experts import fp4_nbytes
+from ..kernels import dequantize as kernel_dequantize
+from ..kernels import quantize as kernel_quantize
 from .recorder import GuidanceRecorder, map_record
+
+DEFERRED_ATTR = "_trace_fp4_kv_layer"
+"""Attribute of the key tensor a deferred decode update returns: the ``FP4KVLayer`` holding the history."""
+
+MIN_GROWTH = 256
+"""Extra token slots allocated when a buffer grows (at least; else an eighth of the length)."""
+
+
+class _Growing:
+    """Named tensors [B, kv_heads, T, ...] stored in buffers with spare capacity along T."""
+
+    def __init__(self):
+        self.bufs: dict[str, torch.Tensor] = {}
+        self.length = 0
+
+    def append(self, parts: dict[str, torch.Tensor]) -> None:
+        t = next(iter(parts.values())).shape[2]
+        need = self.length + t
+        for name, x in parts.items():
+            buf = self.bufs.get(name)
+            if buf is None or buf.shape[2] < need:
+                cap = need + max(MIN_GROWTH, need // 8)
+                new = x.new_empty((x.shape[0], x.shape[1], cap, *x.shape[3:]))
+                if buf is not None:
+                    new[:, :, : self.length] = buf[:, :, : self.length]
+                self.bufs[name] = buf = new
+            buf[:, :, self.length : need] = x
+        self.length = need
+
+    def view(self, name: str) -> torch.Tensor:
+        return self.bufs[name][:, :, : self.length]
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (int64 [B']; repeats fork a row)."""
+        self.bufs = {n: b.index_select(0, index) for n, b in self.bufs.items()}
+
+    def nbytes(self) -> int:
+        return sum(self.view(n).numel() * b.element_size() for n, b in self.bufs.items())
 
 
 class _FP4Rows:
     """Packed FP4 rows of one of K or V, [B, kv_heads, T, ...], growing along T."""
 
-    def __init__(self):
-        self.chunks: list[FP4Tensor] = []
-        self.length = 0
+    def __init__(self, kernel: str = "reference"):
+        self.kernel = kernel
+        self.store = _Growing()
+        self.meta: tuple[str, torch.dtype, int] | None = None  # fmt, scale dtype, head_dim
+
+    @property
+    def length(self) -> int:
+        return self.store.length
 
     def append(self, q: FP4Tensor) -> None:
-        self.chunks.append(q)
-        self.length += q.shape[2]
+        parts = {"codes": q.codes, "scales": q.block_scales.view(torch.uint8)}
+        if q.global_amax is not None:
+            g = q.global_amax.float()
+            parts["amax"] = g.reshape(1, 1, 1, 1).expand(*q.shape[:3], 1) if g.dim() == 0 else g
+        self.meta = (q.fmt, q.block_scales.dtype, q.shape[-1])
+        self.store.append(parts)
+
+    def fp4(self) -> FP4Tensor:
+        """The history as one FP4Tensor [B, kv_heads, T, head_dim] (views of the buffers; per-row amax)."""
+        fmt, scale_dtype, hd = self.meta
+        codes = self.store.view("codes")
+        amax = self.store.view("amax") if "amax" in self.store.bufs else None
+        return FP4Tensor(codes=codes, block_scales=self.store.view("scales").view(scale_dtype), global_amax=amax,
+                         shape=(*codes.shape[:3], hd), fmt=fmt)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        # per-row scales: decoding chunk by chunk equals decoding the concatenation
-        return torch.cat([q.dequantize(dtype) for q in self.chunks], dim=2)
+        # per-row scales: decoding the stored rows equals decoding each chunk
+        return kernel_dequantize(self.fp4(), dtype, kernel=self.kernel)
 
     def nbytes(self) -> int:
-        return sum(fp4_nbytes(q) for q in self.chunks)
+        return self.store.nbytes()
 
     def select(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (int64 [B']; repeats fork a row)."""
-        self.chunks = [select_rows(q, index) for q in self.chunks]
+        self.store.select(index)
+
+
+class _PlainRows:
+    """Unquantized rows [B, kv_heads, T, head_dim] in the model dtype."""
+
+    def __init__(self):
+        self.store = _Growing()
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        self.store.append({"x": x})
+        return self.store.view("x")
+
+    def nbytes(self) -> int:
+        return self.store.nbytes()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.store.select(index)
 
 
 def select_rows(q: FP4Tensor, index: torch.Tensor) -> FP4Tensor:
@@ -54,33 +137,36 @@ def select_rows(q: FP4Tensor, index: torch.Tensor) -> FP4Tensor:
 class FP4KVLayer(DynamicLayer):
     """One attention layer's cache. ``quantize_k``/``quantize_v`` choose which of K, V is FP4
     (the other is kept in the model dtype). Records the rollout's rows for ``kv_k``/``kv_v``
-    when a recorder is given."""
+    when a recorder is given. ``kernel``: "auto" | "reference" | "triton" (``kernels.select_kernel``)."""
 
     def __init__(self, layer_idx: int, quantizer: Quantizer, *, quantize_k: bool = True, quantize_v: bool = True,
-                 recorder: GuidanceRecorder | None = None):
+                 recorder: GuidanceRecorder | None = None, kernel: str = "auto", fused_decode: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
+        self.fused_decode = fused_decode and quantize_k and quantize_v
         self.quantizer = quantizer
         self.quantize_k, self.quantize_v = quantize_k, quantize_v
         self.recorder = recorder
-        self._rows: dict[str, _FP4Rows | list[torch.Tensor]] = {}
+        self.kernel = kernel
+        self._rows: dict[str, _FP4Rows | _PlainRows] = {}
         self._length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.keys = torch.tensor([], dtype=key_states.dtype, device=self.device)  # the history lives in _rows
         self.values = torch.tensor([], dtype=value_states.dtype, device=self.device)
-        self._rows = {"kv_k": _FP4Rows() if self.quantize_k else [], "kv_v": _FP4Rows() if self.quantize_v else []}
+        self._rows = {"kv_k": _FP4Rows(self.kernel) if self.quantize_k else _PlainRows(),
+                      "kv_v": _FP4Rows(self.kernel) if self.quantize_v else _PlainRows()}
         self._length = 0
         self.is_initialized = True
 
-    def _store(self, site: str, x: torch.Tensor) -> torch.Tensor:
-        """x [B, kv_heads, t, head_dim] -> whole history [B, kv_heads, T, head_dim] (dequantized)."""
+    def _store(self, site: str, x: torch.Tensor, read: bool = True) -> torch.Tensor | None:
+        """x [B, kv_heads, t, head_dim] -> whole history [B, kv_heads, T, head_dim] (dequantized; None unless
+        ``read``)."""
         rows = self._rows[site]
-        if isinstance(rows, list):
-            rows.append(x)
-            return torch.cat(rows, dim=2)
-        q = self.quantizer.quantize(x)
+        if isinstance(rows, _PlainRows):
+            return rows.append(x)
+        q = kernel_quantize(x, self.quantizer, kernel=self.kernel, check_finite=False)
         rows.append(q)
         if self.recorder is not None:
             # record batch-major [B, t, kv_heads, ...]
@@ -89,15 +175,28 @@ class FP4KVLayer(DynamicLayer):
                 self.layer_idx, site,
                 lambda compact: map_record(q.guidance(compact), lambda t: t.transpose(1, 2).contiguous(), shape),
             )
-        return rows.dequantize(x.dtype)
+        return rows.dequantize(x.dtype) if read else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        keys = self._store("kv_k", key_states)
-        values = self._store("kv_v", value_states)
+        defer = self.fused_decode and key_states.shape[-2] == 1
+        keys = self._store("kv_k", key_states, read=not defer)
+        values = self._store("kv_v", value_states, read=not defer)
         self._length += key_states.shape[-2]
+        if defer:  # the attention reads the packed history (see the module docstring)
+            setattr(key_states, DEFERRED_ATTR, self)
+            return key_states, value_states
         return keys, values
+
+    def packed_history(self) -> tuple[FP4Tensor, FP4Tensor]:
+        """The packed K and V history [B, kv_heads, T, head_dim] of a layer whose K and V are both FP4."""
+        return self._rows["kv_k"].fp4(), self._rows["kv_v"].fp4()
+
+    def fp4_history(self, site: str) -> FP4Tensor | None:
+        """The stored FP4 history of ``site`` ("kv_k" | "kv_v") [B, kv_heads, T, head_dim], None if unquantized."""
+        rows = self._rows.get(site)
+        return rows.fp4() if isinstance(rows, _FP4Rows) and rows.length else None
 
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
@@ -107,22 +206,16 @@ class FP4KVLayer(DynamicLayer):
         super().reset()
 
     def nbytes(self) -> int:
-        """Bytes held: FP4 payload of the quantized side(s) plus the unquantized tensors."""
-        total = 0
-        for rows in self._rows.values():
-            total += rows.nbytes() if isinstance(rows, _FP4Rows) else sum(t.numel() * t.element_size() for t in rows)
-        return total
+        """Bytes held: FP4 payload of the quantized side(s) plus the unquantized tensors (used rows only)."""
+        return sum(rows.nbytes() for rows in self._rows.values())
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep (or fork, with repeated indices) batch rows: the prefix reuse of ``generate``."""
         if not self.is_initialized:
             return
         index = torch.as_tensor(indices, dtype=torch.long, device=self.device)
-        for site, rows in self._rows.items():
-            if isinstance(rows, _FP4Rows):
-                rows.select(index)
-            else:
-                self._rows[site] = [t.index_select(0, index) for t in rows]
+        for rows in self._rows.values():
+            rows.select(index)
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError("FP4KVLayer supports prefill + decode and batch_select_indices only "
@@ -135,13 +228,16 @@ class FP4KVCache(Cache):
     """A ``transformers`` Cache of ``FP4KVLayer`` (pass as ``cache=`` to the model)."""
 
     def __init__(self, num_layers: int, quantizer: Quantizer, *, quantize_k: bool = True, quantize_v: bool = True,
-                 recorder: GuidanceRecorder | None = None, bf16_layers: frozenset[int] = frozenset()):
-        """``bf16_layers``: layers whose K and V stay in the model dtype (``TraceConfig.exclude_modules``)."""
+                 recorder: GuidanceRecorder | None = None, bf16_layers: frozenset[int] = frozenset(),
+                 kernel: str = "auto", fused_decode: bool = False):
+        """``bf16_layers``: layers whose K and V stay in the model dtype (``TraceConfig.exclude_modules``).
+        With ``quantize_k=quantize_v=False`` this is a plain preallocated cache in the model dtype.
+        ``fused_decode``: see the module docstring."""
         layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k and i not in bf16_layers,
-                             quantize_v=quantize_v and i not in bf16_layers, recorder=recorder)
+                             quantize_v=quantize_v and i not in bf16_layers, recorder=recorder, kernel=kernel,
+                             fused_decode=fused_decode)
                   for i in range(num_layers)]
         super().__init__(layers=layers)
 
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)
-

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from megatron_trace.guidance.records import split_batch
 from megatron_trace.guidance.routing import SampleRouting
-from megatron_trace.guidance.sync import GuidanceSync, GuidanceSyncError
+from megatron_trace.guidance.sync import PROTOCOL, GuidanceSync, GuidanceSyncError
 from megatron_trace.testing.megatron_cpu import free_port  # noqa: E402,F401  (re-exported)
 
 from ._data import assert_samples_equal, make_batch
@@ -22,12 +22,19 @@ from ._data import assert_samples_equal, make_batch
 
 def rollout_samples(B: int):
     """The same samples in every process (seeded), so receivers can check what arrived."""
-    out = []
+    return rollout_batch(B)[0]
+
+
+def rollout_batch(B: int):
+    """(samples, {sample id: (token ids [S], attention mask [S], version)}) of two batches (nvfp4 compact,
+    mxfp4 full), the same in every process."""
+    out, rows = [], {}
     for part, fmt in enumerate(("nvfp4", "mxfp4")):
         batch, _, tok, mask = make_batch(B=B, seed=11 + part, fmt=fmt, compact=bool(part))
         ids = [1000 * part + i for i in range(B)]
         out += split_batch(batch, tok, version=4 + part, attention_mask=mask, sample_ids=ids)
-    return out
+        rows.update({sid: (tok[b], mask[b], 4 + part) for b, sid in enumerate(ids)})
+    return out, rows
 
 
 def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
@@ -65,18 +72,43 @@ def _expected(samples, world: int, scenario: str, rank: int):
 
 
 def _transfer(rank, world, sync, samples, scenario) -> str:
+    chunk = 1500 if scenario == "chunked" else None  # ~1 sample per chunk
     if rank == 0:
         mapping = None
         if scenario == "mapping":
             mapping = {s.sample_id: (world - 1 if s.sample_id % 2 else 1) for s in samples}
-        sent = sync.send(samples, mapping)
+        sent = sync.send(samples, mapping, chunk_bytes=chunk)
         return f"OK sent {sorted(sent.items())}"
-    got = sync.receive()
+    shard = sync.receive_shard()
+    got = shard.samples
     want = _expected(samples, world, scenario, rank)
     assert [s.sample_id for s in got] == [s.sample_id for s in want], ([s.sample_id for s in got], rank)
     for a, b in zip(got, want):
         assert_samples_equal(a, b)
+    if scenario == "chunked":
+        assert shard.stats.chunks == len(shard.parts) > 1
+        _check_assembly(shard, want)
     return f"OK received {[s.sample_id for s in got]}"
+
+
+def _check_assembly(shard, want) -> None:
+    """The trainer's batch from the received columns (several chunks) == ``records.assemble`` of the samples."""
+    from megatron_trace.guidance.records import assemble, payload_of
+    from megatron_trace.guidance.site import FallbackCounter
+
+    rows = rollout_batch(5)[1]
+    ids = [s.sample_id for s in want][::-1] + [None]  # rows in another order, and a row without a sample
+    tok = torch.stack([rows[i][0] if i is not None else rows[want[0].sample_id][0] for i in ids])
+    mask = torch.stack([rows[i][1] if i is not None else rows[want[0].sample_id][1] for i in ids])
+    versions = [rows[i][2] if i is not None else 0 for i in ids]
+    by_id = {s.sample_id: s for s in want}
+    c1, c2 = FallbackCounter(), FallbackCounter()
+    o1 = assemble([by_id.get(i) for i in ids], tok, versions=versions, counter=c1, attention_mask=mask)
+    o2 = shard.assemble(ids, tok, versions=versions, counter=c2, attention_mask=mask)
+    assert list(o1) == list(o2) and (c1.used, c1.fallback) == (c2.used, c2.fallback), (c1, c2)
+    assert c1.fallback["shape"] > 0 and c1.fallback["missing"] > 0  # mixed formats; the empty row
+    for k in o1:
+        assert torch.equal(payload_of(o1[k].record), payload_of(o2[k].record)) and torch.equal(o1[k].valid, o2[k].valid)
 
 
 def _missing_sender(rank, sync) -> str:
@@ -118,7 +150,8 @@ def _tampered(rank, sync, samples, scenario) -> str:
         got = sync.receive()
     except GuidanceSyncError as e:
         want = {"corrupt": "checksum", "corrupt_routing": "routing checksum mismatch",
-                "old_protocol": "protocol 2 from the rollout rank, this trainer speaks 3"}.get(scenario, "bad size")
+                "old_protocol": f"protocol 2 from the rollout rank, this trainer speaks {PROTOCOL}"}.get(
+                    scenario, "bad size")
         assert want in str(e), str(e)
         return f"OK rejected: {want}"
     return f"FAIL accepted {len(got)} tampered samples"

@@ -39,6 +39,14 @@ def test_two_trainers_with_a_user_mapping(tmp_path):
     assert out[2] == f"OK received {[i for i in ids if i % 2 == 1]}"
 
 
+def test_two_trainers_chunked_columns_assemble_like_samples(tmp_path):
+    """Chunks of ~1 sample: every chunk arrives as its own columns; the trainer's batch assembled from them
+    equals ``records.assemble`` of the samples (rows reordered, a missing row, mixed formats: shape fallback)."""
+    out = _run(3, "chunked", tmp_path)
+    ids = [s.sample_id for s in rollout_samples(5)]
+    assert out[1] == f"OK received {ids[0::2]}" and out[2] == f"OK received {ids[1::2]}"
+
+
 def test_missing_sender_times_out_with_a_clear_error(tmp_path):
     out = _run(2, "missing_sender", tmp_path)
     assert out[1].startswith("OK timed out")

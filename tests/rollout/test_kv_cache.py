@@ -65,7 +65,7 @@ def test_cache_stores_packed_fp4_and_counts_bytes():
     keys, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)
     assert keys.shape == (2, 3, 6, 32) and cache.get_seq_length(0) == 6
     layer = cache.layers[0]
-    assert all(c.codes.dtype == torch.uint8 for c in layer._rows["kv_k"].chunks)
+    assert layer.fp4_history("kv_k").codes.dtype == torch.uint8 and layer.fp4_history("kv_v").shape == (2, 3, 6, 32)
     rows = 2 * 3 * 6
     per_row = 32 // 2 + 32 // 16 + 4  # packed codes + E4M3 block scales + fp32 row amax
     assert layer.nbytes() == 2 * rows * per_row
@@ -79,3 +79,29 @@ def test_unquantized_side_is_kept_in_model_dtype():
     k = torch.randn(1, 2, 4, 16)
     keys, values = cache.update(k, k, 0)
     assert torch.equal(values, k) and not torch.equal(keys, k)
+
+
+def test_fused_decode_attention_equals_dequantize_then_sdpa():
+    """Decode steps reading the packed FP4 history (rollout.attention; reference math on the CPU) give the
+    logprobs of the dequantize-then-SDPA path, left padding included."""
+    outs = {}
+    for fused in (False, True):
+        be = HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32, fused_kv_attention=fused)
+        assert be.fused_kv_attention is fused
+        outs[fused] = be.generate(PROMPTS + [[9, 10, 11]], SamplingParams(max_new_tokens=6, seed=5))
+    a, b = outs[False], outs[True]
+    assert torch.equal(a.tokens, b.tokens)
+    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_deferred_update_keeps_the_history_packed():
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(1, q, fused_decode=True)
+    k = torch.randn(2, 3, 5, 32)
+    keys, _ = cache.update(k, k, 0)
+    assert keys.shape == k.shape  # a prefill still returns the dequantized history
+    step, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)
+    layer = step._trace_fp4_kv_layer
+    assert step.shape == (2, 3, 1, 32) and layer is cache.layers[0]
+    hk, hv = layer.packed_history()
+    assert hk.shape == (2, 3, 6, 32) and torch.equal(hk.dequantize(), q.fake_quantize(torch.cat([k, k[:, :, :1]], 2)))

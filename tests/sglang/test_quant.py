@@ -186,18 +186,40 @@ def test_server_args_keys_exist(registered):
 
     from sglang.srt.server_args import ServerArgs
 
-    from megatron_trace.rollout.sglang.launch import trace_server_args
+    from megatron_trace.rollout.sglang.launch import REQUIRED, trace_server_args
 
-    hf = {"num_hidden_layers": 4, "hidden_size": H, "moe_intermediate_size": F, "num_experts_per_tok": K_TOP}
-    kw = trace_server_args("/ckpt", CFG, hf)
+    hf = {"num_hidden_layers": 4, "hidden_size": H, "moe_intermediate_size": F, "num_experts_per_tok": K_TOP,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": E}
+    kw = trace_server_args("/ckpt", CFG, hf, native=True)
     fields = {f.name for f in dataclasses.fields(ServerArgs)}
     assert set(kw) <= fields, set(kw) - fields
-    assert kw["disable_cuda_graph"] and kw["quantization"] == "trace_nvfp4"
-    specs = kw["forward_hooks"][0]["config"]["specs"]
-    sites = ("expert_fc1_in", "expert_fc2_in")
-    assert {(s["layer"], s["site"]) for s in specs} == {(layer, s) for layer in (2, 3) for s in sites}
-    with pytest.raises(ValueError, match="disable_cuda_graph"):
+    assert set(REQUIRED) <= fields
+    # slot capture: CUDA graphs, radix cache and chunked prefill stay on; SGLang's FP4 KV cache for the KV sites
+    assert "disable_cuda_graph" not in kw and kw["disable_radix_cache"] is False and "chunked_prefill_size" not in kw
+    # the emulated MoE (this CPU machine: no capability >= 10) host-syncs: no CUDA graphs, whatever the capture
+    assert trace_server_args("/ckpt", CFG, hf)["disable_cuda_graph"] is True
+    with pytest.raises(ValueError, match="disable_cuda_graph=True"):
         trace_server_args("/ckpt", CFG, hf, disable_cuda_graph=False)
+    assert kw["quantization"] == "trace_nvfp4" and kw["kv_cache_dtype"] == "fp4_e2m1" and kw["page_size"] == 1
+    targets = [h["target_modules"] for h in kw["forward_hooks"]]
+    assert targets == [["model.layers.*.self_attn.attn"], ["logits_processor"]]
+    specs = kw["forward_hooks"][0]["config"]["specs"]
+    assert kw["forward_hooks"][1]["config"]["specs"] == specs
+    sites = ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v")
+    assert {(s["layer"], s["site"]) for s in specs} == {(layer, s) for layer in (2, 3) for s in sites}
+    assert {s["fmt"] for s in specs if s["site"].startswith("kv")} == {"sglang_kvfp4"}
+    assert [s["row_shape"] for s in specs if s["site"] == "kv_k"][0] == [2, 16]
+    with pytest.raises(ValueError, match="disable_radix_cache=False"):
+        trace_server_args("/ckpt", CFG, hf, disable_radix_cache=True)
+    with pytest.raises(ValueError, match="page_size=1"):
+        trace_server_args("/ckpt", CFG, hf, page_size=16)
+    with pytest.raises(ValueError, match="tp_size=1"):
+        trace_server_args("/ckpt", CFG, hf, tp_size=2)
+    with pytest.raises(ValueError, match=r"KV cache of layers \[0\]"):
+        trace_server_args("/ckpt", CFG.replace(exclude_modules=("model.layers.0.self_attn.kv_cache",)), hf)
+    fc1_only = CFG.replace(guided_sites=("expert_fc1_in",), sites=("expert_fc1_in", "weights"))
+    kw1 = trace_server_args("/ckpt", fc1_only, hf, tp_size=2)  # fc1 input is replicated over TP ranks
+    assert kw1["kv_cache_dtype"] == "auto" and "attention_backend" not in kw1
 
 
 @pytest.mark.gpu
@@ -206,7 +228,10 @@ def test_server_args_keys_exist(registered):
     "machines nor on the H200 box (torch 2.11). To run: pip install sglang==0.5.10.post1 megatron_trace on a GPU host; "
     "export a checkpoint with megatron_trace.export.save_modelopt_checkpoint(..., trace_extras=True); then "
     "MT_SGLANG_CKPT=<dir> python -m pytest tests/sglang -k e2e --runxfail -p no:cacheprovider after removing this "
-    "skip: launch make_engine(CFG, **trace_server_args(ckpt, CFG, hf_config)), generate 4 prompts, check guidance "
-    "coverage, sync weights A->B->A and compare logprobs bit-exactly"))
+    "skip: launch make_engine(CFG, **trace_server_args(ckpt, CFG, hf_config)) (CUDA graphs on with Blackwell), "
+    "generate 4 samples of one prompt, check guidance coverage == 1 at every forwarded position (radix read-out, "
+    "prefix hits included) and that a cold run of one sample gives the same records, read the fp4_e2m1 KV "
+    "records and compare them with formats.sglang_kvfp4.quantize(K, compute_dtype=torch.float32) of the same K, "
+    "sync weights A->B->A and compare logprobs bit-exactly"))
 def test_e2e_engine_generate_capture_sync():
     pass

@@ -3,22 +3,38 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
+import uuid
 from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
 
 from ...config import TraceConfig
-from ...manifest import ModuleAudit, QuantRecipe, RecipeMismatchError, check_recipe
-from ..audit import backend_recipe, sglang_module_audit, without_kv
+from ...formats import sglang_kvfp4
+from ...guidance.selection import guided_layers
+from ...manifest import (
+    KV_SITES,
+    ModuleAudit,
+    QuantRecipe,
+    RecipeMismatchError,
+    check_recipe,
+    excluded_modules,
+    experts_name,
+    kv_cache_name,
+)
+from ..audit import backend_recipe, qwen3_moe_modules, sglang_module_audit, without_kv
 from ..base import RolloutBatch, SamplingParams, WeightValue, check_prompts
-from .capture import INFO_KEY
-from .launch import WEIGHT_LOADER, guidance_specs
+from .capture import INFO_KEY, READOUT_PREFIX
+from .launch import KV_FP4, WEIGHT_LOADER, guidance_specs
+from .launch import kv_cache_dtype as default_kv_cache_dtype
+from .native import native_fp4_available
 from .records import assemble
 from .weights import WeightsUpdateGroup, engine_tensors
 
 logger = logging.getLogger(__name__)
+NATIVE_ACTIVATION_AMAX = "static_input_scale"
 
 
 def sampling_dict(s: SamplingParams) -> dict:
@@ -42,16 +58,35 @@ class SGLangRolloutBackend:
     ``exclude_modules``: the checkpoint's ModelOpt ``exclude_modules`` (None: every non-expert
     module excluded, as ``export.modelopt`` writes); ``recipe``: the trainer's ``QuantRecipe``,
     checked now and required on every ``update_weights`` (as in the hf backend).
+    ``kv_cache_dtype``: the engine's (None: ``launch.kv_cache_dtype(trace_config)``, what
+    ``trace_server_args`` sets). SGLang's FP4 KV cache is ``sglang_kvfp4``, not ``TraceConfig.format``:
+    a trainer that quantizes KV is rejected by ``check_recipe`` unless ``accept_kv_format_mismatch``;
+    then the KV records (``fmt="sglang_kvfp4"``, a record-only format of ``formats.registry``) travel
+    with the rest, and the trainer's format check rejects them (counted as ``"format"``) and rounds
+    K/V itself.
+    ``native``: whether the engine runs SGLang's native NVFP4 MoE (None: this process's device has
+    capability >= 10, as ``trace_server_args`` decides).
     """
 
     def __init__(self, engine, trace_config: TraceConfig, hf_config: dict, *, pad_token_id: int = 0,
                  weights_group: WeightsUpdateGroup | None = None, exclude_modules: list[str] | None = None,
-                 recipe: QuantRecipe | None = None):
+                 recipe: QuantRecipe | None = None, kv_cache_dtype: str | None = None,
+                 accept_kv_format_mismatch: bool = False, native: bool | None = None):
         self.engine, self.config, self.hf_config = engine, trace_config, hf_config
         self.exclude_modules = None if exclude_modules is None else list(exclude_modules)
         self.num_layers = int(hf_config["num_hidden_layers"])
         self.vocab_size = int(hf_config["vocab_size"])
-        self.specs = guidance_specs(trace_config, hf_config)
+        self.kv_cache_dtype = default_kv_cache_dtype(trace_config) if kv_cache_dtype is None else kv_cache_dtype
+        self.accept_kv_format_mismatch = accept_kv_format_mismatch
+        self.native = native_fp4_available() if native is None else native
+        self.moe_layers, _ = qwen3_moe_modules(hf_config)
+        excluded = excluded_modules(trace_config, moe_layers=self.moe_layers, attention_layers=range(self.num_layers))
+        self.bf16_expert_layers = frozenset(i for i in self.moe_layers if experts_name(i) in excluded)
+        bf16_kv = [n for n in excluded if n.endswith(".kv_cache")]
+        if bf16_kv and self.kv_fp4:
+            raise ValueError(f"TraceConfig.exclude_modules keeps {bf16_kv[:3]} in BF16, but SGLang's FP4 KV cache "
+                             "(kv_cache_dtype=fp4_e2m1) quantizes every layer: drop those patterns or use a BF16 KV")
+        self.specs = guidance_specs(trace_config, hf_config, kv_dtype=self.kv_cache_dtype)
         self.pad_token_id = pad_token_id
         self.weights_group = weights_group
         self.policy_version = 0
@@ -59,18 +94,45 @@ class SGLangRolloutBackend:
         if recipe is not None:
             self.check_recipe(recipe)
 
+    @property
+    def kv_fp4(self) -> bool:
+        return self.kv_cache_dtype == KV_FP4
+
     # ---- manifest -----------------------------------------------------------------------------
     def module_audit(self) -> ModuleAudit:
-        """What the engine serves in FP4 (experts + any Linear the exclude patterns miss) vs BF16."""
-        return sglang_module_audit(self.config, self.hf_config, self.exclude_modules)
+        """What the engine serves in FP4 (experts + any Linear the exclude patterns miss + the KV caches
+        if FP4) vs BF16; ``TraceConfig.exclude_modules`` experts are BF16, as on the hf backend/trainer."""
+        base = sglang_module_audit(self._served_config(), self.hf_config, self.exclude_modules)
+        moved = {experts_name(i) for i in self.bf16_expert_layers}
+        quantized = set(base.quantized) - moved
+        if self.kv_fp4 and self.config.enabled:
+            quantized |= {kv_cache_name(i) for i in range(self.num_layers)}
+        bf16 = set(base.bf16) | (moved & set(base.quantized))
+        return ModuleAudit(quantized=tuple(sorted(quantized)), bf16=tuple(sorted(bf16)))
+
+    def _served_config(self) -> TraceConfig:
+        """The TraceConfig this engine serves: KV sites only with SGLang's FP4 KV cache."""
+        return self.config if self.kv_fp4 else without_kv(self.config)
 
     def recipe(self, weight_version: int | None = None) -> QuantRecipe:
-        """The recipe this engine serves: the TraceConfig without KV sites (its KV cache stays BF16)."""
+        """What the engine serves. The native (Blackwell) MoE quantizes activations with the checkpoint's
+        static input scale, not ``TraceConfig.activation_amax``: its recipe says ``static_input_scale``."""
         v = self.policy_version if weight_version is None else weight_version
-        return backend_recipe(without_kv(self.config), guided_layers={s.layer for s in self.specs},
-                              audit=self.module_audit(), weight_version=v)
+        r = backend_recipe(self._served_config(), guided_layers=guided_layers(self.config, self.num_layers),
+                           audit=self.module_audit(), weight_version=v)
+        return dataclasses.replace(r, activation_amax=NATIVE_ACTIVATION_AMAX) if self.native else r
 
     def check_recipe(self, trainer: QuantRecipe, *, weight_version: int | None = None) -> None:
+        kv = [s for s in trainer.sites if s in KV_SITES]
+        if kv and self.kv_fp4:
+            msg = (f"KV cache format differs: sites: trainer={kv} as {trainer.format} ({trainer.scale_rule}, RNE) "
+                   f"sglang rollout={kv} as {sglang_kvfp4.NAME} (block 16, E8M0 ceil scales, ties away; "
+                   "kv_cache_dtype=fp4_e2m1)")
+            if not self.accept_kv_format_mismatch:
+                raise RecipeMismatchError(msg + "; pass accept_kv_format_mismatch=True to run with the trainer "
+                                          "rejecting the KV records (counted) and rounding K/V itself")
+            logger.warning("%s: accepted; KV records are tagged %r and rejected by the trainer", msg,
+                           sglang_kvfp4.NAME)
         check_recipe(trainer, self.recipe(weight_version), what="sglang rollout")
         self.trainer_recipe = trainer
 
@@ -79,9 +141,21 @@ class SGLangRolloutBackend:
         prompts = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts]
         outs = self.engine.generate(input_ids=prompts, sampling_params=[sampling_dict(sampling)] * len(prompts),
                                     return_logprob=True, return_routed_experts=self.config.routing_replay)
-        return self._assemble(prompts, outs)
+        payloads = self._read_out(prompts, outs) if self.specs else None
+        return self._assemble(prompts, outs, payloads)
 
-    def _assemble(self, prompts: list[list[int]], outs: list[dict]) -> RolloutBatch:
+    def _read_out(self, prompts: list[list[int]], outs: list[dict]) -> list[list[dict]]:
+        """The records of the finished sequences, from their KV slots: prompt + response sent again as
+        ``READOUT_PREFIX`` requests (one extend token each; the rest is a radix-cache hit)."""
+        tag = uuid.uuid4().hex[:12]
+        seqs = [p + list(o["output_ids"]) for p, o in zip(prompts, outs)]
+        rids = [f"{READOUT_PREFIX}{tag}-{i}" for i in range(len(seqs))]
+        back = self.engine.generate(input_ids=seqs, sampling_params=[{"max_new_tokens": 1, "temperature": 0.0}]
+                                    * len(seqs), rid=rids)
+        return [[p for p in (o["meta_info"].get(INFO_KEY) or []) if p] for o in back]
+
+    def _assemble(self, prompts: list[list[int]], outs: list[dict],
+                  payloads: list[list[dict]] | None = None) -> RolloutBatch:
         b = len(prompts)
         resp = [list(o["output_ids"]) for o in outs]
         plens = torch.tensor([len(p) for p in prompts])
@@ -105,8 +179,7 @@ class SGLangRolloutBackend:
                     t[i, : n - 1] = r_all[:, layer]
         guidance = {}
         if self.specs:
-            payloads = [o["meta_info"].get(INFO_KEY) or [] for o in outs]
-            guidance = assemble(payloads, self.specs, s, routing)
+            guidance = assemble(payloads or [[] for _ in outs], self.specs, s, routing)
         finish = tuple("stop" if o["meta_info"]["finish_reason"]["type"] == "stop" else "length" for o in outs)
         return RolloutBatch(tokens=tokens, prompt_lens=plens, response_lens=rlens, response_mask=mask,
                             logprobs=logprobs, routing=routing, guidance=guidance,
@@ -122,7 +195,7 @@ class SGLangRolloutBackend:
         elif self.trainer_recipe is not None:
             raise RecipeMismatchError(f"update_weights to version {new_version} without the trainer's recipe "
                                       f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
-        named = engine_tensors(weights)
+        named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers)
         if self.weights_group is not None:
             self.weights_group.send(named)
         else:

@@ -12,12 +12,18 @@ import functools
 import logging
 
 from ...config import TraceConfig
+from ...formats import sglang_kvfp4
 from ...guidance.selection import guided_layers
+from ...manifest import KV_SITES, experts_name, kv_cache_name, module_excluded
+from ..audit import qwen3_moe_modules
+from .capture import ATTENTION_TARGET, LOGITS_TARGET
+from .native import native_fp4_available
 from .records import SiteSpec
 
 logger = logging.getLogger(__name__)
 
 CAPTURE_HOOK = "megatron_trace.rollout.sglang.capture:make_logits_hook"
+ATTENTION_HOOK = "megatron_trace.rollout.sglang.capture:make_attention_hook"
 WEIGHT_LOADER = "megatron_trace.rollout.sglang.weights.load_and_postprocess"
 
 
@@ -54,35 +60,104 @@ def run_scheduler_process(*args, trace_config: dict | None = None, **kwargs):
     return sglang_run(*args, **kwargs)
 
 
-def guidance_specs(trace_config: TraceConfig, hf_config: dict) -> list[SiteSpec]:
-    """The (layer, site) rows the engine records, from the TraceConfig's layer policy and the HF config."""
+KV_FP4 = "fp4_e2m1"
+
+
+def kv_cache_dtype(trace_config: TraceConfig) -> str:
+    """SGLang's ``kv_cache_dtype`` for a TraceConfig: ``fp4_e2m1`` when it quantizes a KV site, else ``auto``."""
+    return KV_FP4 if any(trace_config.quantizes(s) for s in KV_SITES) else "auto"
+
+
+def _head_dim(hf_config: dict) -> int:
+    return int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"]))
+
+
+def guidance_specs(trace_config: TraceConfig, hf_config: dict, *, kv_dtype: str | None = None) -> list[SiteSpec]:
+    """The (layer, site) rows the engine records: the layer policy's layers, less ``exclude_modules``.
+
+    Expert sites: ``TraceConfig.format`` rows as the TRACE MoE method quantizes them. KV sites:
+    SGLang's FP4 KV pool rows (``sglang_kvfp4``, only with ``kv_dtype == "fp4_e2m1"``)."""
+    kv_dtype = kv_cache_dtype(trace_config) if kv_dtype is None else kv_dtype
     n = int(hf_config["num_hidden_layers"])
+    moe, _ = qwen3_moe_modules(hf_config)
     hidden, ffn, topk = (int(hf_config[k]) for k in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok"))
-    shapes = {"expert_fc1_in": (hidden,), "expert_fc2_in": (topk, ffn)}
+    kv_shape = (int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]), _head_dim(hf_config))
     compact = trace_config.cache_mode == "compact"
-    skipped = [s for s in trace_config.guided_sites if s not in shapes]
-    if skipped:
-        logger.warning("SGLang backend records expert sites only; no guidance for %s (trainer falls back to RNE)",
-                       skipped)
-    return [SiteSpec(layer, site, shapes[site], trace_config.format, compact)
-            for layer in guided_layers(trace_config, n) for site in trace_config.guided_sites
-            if site in shapes and trace_config.quantizes(site)]
+    specs = []
+    for layer in guided_layers(trace_config, n):
+        for site in trace_config.guided_sites:
+            if not trace_config.quantizes(site):
+                continue
+            if site in KV_SITES:
+                if kv_dtype == KV_FP4 and not module_excluded(trace_config, kv_cache_name(layer)):
+                    specs.append(SiteSpec(layer, site, kv_shape, sglang_kvfp4.NAME, compact))
+            elif layer in moe and not module_excluded(trace_config, experts_name(layer)):
+                shape = (hidden,) if site == "expert_fc1_in" else (topk, ffn)
+                specs.append(SiteSpec(layer, site, shape, trace_config.format, compact))
+    return specs
 
 
-def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dict, **overrides) -> dict:
-    """ServerArgs kwargs for a TRACE engine on a ModelOpt/TRACE NVFP4 checkpoint (see ``export.modelopt``)."""
-    specs = guidance_specs(trace_config, hf_config)
+def hook_specs(specs: list[SiteSpec]) -> list[dict]:
+    """``forward_hooks`` entries: the slot binding on every attention, the read-out on ``logits_processor``."""
+    cfg = {"specs": [dict(layer=s.layer, site=s.site, row_shape=list(s.row_shape), fmt=s.fmt, compact=s.compact)
+                     for s in specs]}
+    return [{"name": "trace_slots", "target_modules": [ATTENTION_TARGET], "hook_factory": ATTENTION_HOOK,
+             "config": cfg},
+            {"name": "trace_readout", "target_modules": [LOGITS_TARGET], "hook_factory": CAPTURE_HOOK,
+             "config": cfg}]
+
+
+# what the slot capture cannot handle, checked after overrides: ServerArgs key -> (required value, why)
+REQUIRED = {
+    "disable_radix_cache": (False, "the read-out is a radix-cache hit on the finished request's KV slots"),
+    "page_size": (1, "radix matches are page-aligned: a page_size > 1 remainder would be recomputed, not read"),
+    "disable_piecewise_cuda_graph": (True, "extend forwards must run eagerly for the read-out hook"),
+    "enable_torch_compile": (False, "the capture hooks and slot writes are not traced by torch.compile"),
+    "enable_dp_attention": (False, "the MoE sees other DP ranks' tokens: rows do not match this rank's slots"),
+    "speculative_algorithm": (None, "draft/verify forwards are not supported by the capture"),
+}
+
+
+def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dict, *, native: bool | None = None,
+                      **overrides) -> dict:
+    """ServerArgs kwargs for a TRACE engine on a ModelOpt/TRACE NVFP4 checkpoint (see ``export.modelopt``).
+
+    Chunked prefill and the radix cache stay on (the capture is per KV slot); CUDA graphs too on the
+    native path (``native``: None = this process's device has capability >= 10). The emulated MoE
+    (Hopper) host-syncs (routing bounds, per-expert counts, finiteness checks), so it needs
+    ``disable_cuda_graph=True``, whatever the capture does. With guidance: ``REQUIRED`` settings, and
+    ``tp_size == 1`` for ``expert_fc2_in``/KV sites (a TP rank holds a shard of the FFN and of the KV
+    heads). KV sites in the config -> ``kv_cache_dtype=fp4_e2m1`` (SGLang's format, not
+    ``TraceConfig.format``: see ``SGLangRolloutBackend.check_recipe``).
+    """
+    native = native_fp4_available() if native is None else native
+    kv_dtype = overrides.get("kv_cache_dtype", kv_cache_dtype(trace_config))
+    specs = guidance_specs(trace_config, hf_config, kv_dtype=kv_dtype)
     kw = dict(model_path=model_path, quantization="trace_nvfp4", custom_weight_loader=[WEIGHT_LOADER],
-              enable_return_routed_experts=trace_config.routing_replay)
+              enable_return_routed_experts=trace_config.routing_replay, kv_cache_dtype=kv_dtype)
+    if not native:
+        kw["disable_cuda_graph"] = True
+    if kv_dtype == KV_FP4:
+        kept = [i for i in range(int(hf_config["num_hidden_layers"]))
+                if module_excluded(trace_config, kv_cache_name(i))]
+        if kept:
+            raise ValueError(f"TraceConfig.exclude_modules keeps the KV cache of layers {kept} in BF16, but SGLang's "
+                             "fp4_e2m1 KV cache quantizes every layer")
+        kw["attention_backend"] = "triton"  # one of SGLang's KV4 MHA backends (server_args._handle_kv4_compatibility)
     if specs:
-        kw.update(disable_cuda_graph=True,  # the capture hook does not run inside a replayed graph
-                  forward_hooks=[{"name": "trace_guidance", "target_modules": ["logits_processor"],
-                                  "hook_factory": CAPTURE_HOOK,
-                                  "config": {"specs": [dict(layer=s.layer, site=s.site, row_shape=list(s.row_shape),
-                                                            fmt=s.fmt, compact=s.compact) for s in specs]}}])
+        kw.update({k: v for k, (v, _) in REQUIRED.items()}, forward_hooks=hook_specs(specs))
     kw.update(overrides)
-    if specs and not kw.get("disable_cuda_graph"):
-        raise ValueError("guidance capture needs disable_cuda_graph=True (the hook is not replayed by CUDA graphs)")
+    if not native and not kw.get("disable_cuda_graph"):
+        raise ValueError("the emulated TRACE MoE (capability < 10) needs disable_cuda_graph=True: it synchronizes "
+                         "with the host (routing bounds, per-expert counts, finiteness checks)")
+    if specs:
+        for key, (want, why) in REQUIRED.items():
+            if kw.get(key) != want:
+                raise ValueError(f"guidance capture needs {key}={want!r}, got {kw.get(key)!r}: {why}")
+        sharded = sorted({s.site for s in specs if s.site != "expert_fc1_in"})
+        if sharded and int(kw.get("tp_size", 1)) != 1:
+            raise ValueError(f"guidance for {sharded} needs tp_size=1 (got {kw['tp_size']}): each TP rank holds a "
+                             "shard of the FFN / KV heads and only rank 0's rows are returned")
     return kw
 
 

@@ -3,9 +3,11 @@
 Checkpoint layout = ModelOpt NVFP4 (``export.modelopt``), plus optional exact ``weight_global_amax``.
 Routed experts: ``TraceNvFp4MoEMethod`` (a ``ModelOptNvFp4FusedMoEMethod``, so SGLang's FusedMoE
 weight loader and top-k scaling treat it as ModelOpt NVFP4):
-  * capability >= 10 (Blackwell): SGLang's native NVFP4 MoE kernels (``native=True``);
+  * capability >= 10 (Blackwell): SGLang's native NVFP4 MoE kernels (``native=True``), the fc1
+    input recorded from SGLang's own quantize op (``native.py``; UNVERIFIED, no such GPU here);
   * elsewhere: W4A4 emulation, ``fp4_moe.w4a4_experts_forward`` (the hf backend's numerics) on the
     packed weights, per-row RNE activations; guidance rows go to ``capture.active_capture()``.
+``TraceConfig.exclude_modules`` experts get no method: SGLang's BF16 ``UnquantizedFusedMoEMethod``.
 No derived tensor is kept in the emulated path, so in-place weight updates (update_weights_from_*)
 need no post-processing; the native path re-runs ``process_weights_after_loading`` after a sync
 (``weights.load_and_postprocess``).
@@ -14,6 +16,7 @@ need no post-processing; the native path re-runs ``process_weights_after_loading
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import torch
@@ -30,14 +33,18 @@ from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
 from ...config import TraceConfig
 from ...formats import FP4Tensor
+from ...manifest import experts_name, module_excluded
 from ..fp4_moe import PackedExperts, silu_and_mul, w4a4_experts_forward
+from . import native as native_path
 from .capture import active_capture
+from .native import native_fp4_available
 
 logger = logging.getLogger(__name__)
 
 METHOD_NAME = "trace_nvfp4"
 _ENC = 6.0 * 448.0
 _RUNTIME_CONFIG: TraceConfig | None = None
+_EXPERTS_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
 
 
 def set_runtime_config(config: TraceConfig | None) -> None:
@@ -46,9 +53,16 @@ def set_runtime_config(config: TraceConfig | None) -> None:
     _RUNTIME_CONFIG = config
 
 
-def native_fp4_available() -> bool:
-    """True on CUDA devices of compute capability >= 10 (FP4 tensor cores)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 10
+def experts_layer(prefix: str) -> int | None:
+    """The layer number of a FusedMoE prefix ``model.layers.L.mlp.experts`` (None for another module)."""
+    m = _EXPERTS_PREFIX.search(prefix)
+    return int(m.group(1)) if m else None
+
+
+def trace_excludes(trace: TraceConfig, prefix: str) -> bool:
+    """Whether ``TraceConfig.exclude_modules`` keeps this FusedMoE in BF16 (as the hf backend and trainer do)."""
+    layer = experts_layer(prefix)
+    return layer is not None and module_excluded(trace, experts_name(layer))
 
 
 def global_amax(amax: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:
@@ -104,9 +118,9 @@ class TraceQuantConfig(ModelOptFp4Config):
             return TraceNvFp4LinearMethod(self)
         from sglang.srt.layers.moe.fused_moe_triton import FusedMoE  # needs the CUDA kernels package
 
-        if isinstance(layer, FusedMoE) and not self.is_layer_excluded(prefix):
+        if isinstance(layer, FusedMoE) and not (self.is_layer_excluded(prefix) or trace_excludes(self.trace, prefix)):
             return TraceNvFp4MoEMethod(self)
-        return None
+        return None  # FusedMoE falls back to UnquantizedFusedMoEMethod (BF16)
 
 
 def _skipped(prefix: str, cfg: TraceQuantConfig) -> bool:
@@ -199,10 +213,13 @@ class TraceNvFp4MoEMethod(ModelOptNvFp4FusedMoEMethod):
     def process_weights_after_loading(self, layer) -> None:
         if self.native:
             super().process_weights_after_loading(layer)
+            native_path.prepare_layer(layer)
 
     def apply(self, layer, dispatch_output):
-        if self.native:
-            return super().apply(layer, dispatch_output)  # capture of the native quantize op: see README
+        if self.native:  # UNVERIFIED (native.py): SGLang's kernels; fc1 input recorded from its quantize op
+            if getattr(dispatch_output, "hidden_states_scale", None) is None:  # else already FP4 from dispatch
+                native_path.record_fc1_input(active_capture(), layer, dispatch_output.hidden_states)
+            return super().apply(layer, dispatch_output)
         from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
 
         topk = dispatch_output.topk_output

@@ -13,16 +13,22 @@ from dataclasses import dataclass
 
 import torch
 
-from ...formats import CompactGuidance, FP4Tensor, FullGuidance
+from ...formats import CompactGuidance, FP4Tensor, FullGuidance, sglang_kvfp4
 from ...formats.registry import get_format
 from ...guidance.site import SiteGuidance, SiteKey
 
 Record = FullGuidance | CompactGuidance
 
 
+def site_format(fmt: str):
+    """The format object of a record's ``fmt``: the registry's, or SGLang's FP4 KV format."""
+    return sglang_kvfp4.FORMAT if fmt == sglang_kvfp4.NAME else get_format(fmt)
+
+
 @dataclass(frozen=True)
 class SiteSpec:
-    """Layout of one (layer, site)'s rows for one token: ``row_shape`` e.g. (hidden,) or (topk, ffn)."""
+    """Layout of one (layer, site)'s rows for one token: ``row_shape`` e.g. (hidden,), (topk, ffn) or
+    (kv_heads, head_dim) with ``fmt="sglang_kvfp4"`` for KV rows read from SGLang's FP4 KV pool."""
 
     layer: int
     site: str
@@ -40,7 +46,7 @@ class SiteSpec:
 
     def _parts(self) -> tuple[int, int, int]:
         """(payload, scale, amax) bytes per token."""
-        block = get_format(self.fmt).block_size
+        block = site_format(self.fmt).block_size
         lead = 1
         for d in self.row_shape[:-1]:
             lead *= d
@@ -58,17 +64,26 @@ def _bytes(t: torch.Tensor, tokens: int) -> torch.Tensor:
     return t.contiguous().view(torch.uint8).reshape(tokens, -1)
 
 
+def mantissa_bytes(codes: torch.Tensor) -> torch.Tensor:
+    """Packed codes [..., Kp/2] -> packed mantissa bits [..., Kp/8], the bytes of
+    ``e2m1.pack_bits(e2m1.mantissa_bit(e2m1.unpack(codes)))`` with device ops only (CUDA-graph capturable)."""
+    bits = torch.stack((codes & 1, (codes >> 4) & 1), dim=-1).flatten(-2)  # [..., Kp], element 2i first
+    shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
+    return (bits.unflatten(-1, (-1, 8)) << shifts).sum(-1, dtype=torch.uint8)
+
+
 def encode_rows(q: FP4Tensor, spec: SiteSpec) -> torch.Tensor:
-    """A quantized tensor [T, *row_shape] -> uint8 [T, spec.nbytes] (compact or full, per ``spec``)."""
+    """A quantized tensor [T, *row_shape] -> uint8 [T, spec.nbytes] (compact or full, per ``spec``).
+
+    Device ops only, no host sync (called inside the forward, also under CUDA-graph capture)."""
     if tuple(q.shape[1:]) != spec.row_shape or q.fmt != spec.fmt:
         raise ValueError(f"{spec.key}: rows {q.fmt} {tuple(q.shape)} do not match the spec {spec.fmt} "
                          f"[T, {', '.join(map(str, spec.row_shape))}]")
-    rec = q.guidance(compact=spec.compact)
     tokens = q.shape[0]
-    payload = rec.mantissa_bits if spec.compact else rec.codes
-    parts = [_bytes(payload, tokens), _bytes(rec.block_scales, tokens)]
+    payload = mantissa_bytes(q.codes) if spec.compact else q.codes
+    parts = [_bytes(payload, tokens), _bytes(q.block_scales, tokens)]
     if spec.fmt == "nvfp4":
-        g = rec.global_amax.float()
+        g = q.global_amax.float()
         g = g.expand(*q.codes.shape[:-1], 1) if g.dim() == 0 else g  # per-tensor amax stored per row
         parts.append(_bytes(g, tokens))
     return torch.cat(parts, dim=1)
@@ -81,7 +96,7 @@ def decode_rows(buf: torch.Tensor, spec: SiteSpec) -> Record:
     n = buf.shape[0]
     pay, sc, am = spec._parts()
     lead = spec.row_shape[:-1]
-    fmt = get_format(spec.fmt)
+    fmt = site_format(spec.fmt)
     payload = buf[:, :pay].reshape(n, *lead, -1).contiguous()
     scales = buf[:, pay : pay + sc].reshape(n, *lead, -1).contiguous().view(fmt.scale_dtype)
     amax = buf[:, pay + sc :].contiguous().view(torch.float32).reshape(n, *lead, 1) if am else None

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import timedelta
 
 import torch
@@ -24,17 +24,24 @@ from ..hf_weights import parse_expert_name
 logger = logging.getLogger(__name__)
 
 
-def engine_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]],
-                   dtype: torch.dtype = torch.bfloat16) -> list[tuple[str, torch.Tensor]]:
-    """HF-named values -> (name, tensor) pairs for SGLang's ``load_weights`` (no input_scale: kept as loaded)."""
+def engine_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], dtype: torch.dtype = torch.bfloat16,
+                   bf16_layers: Collection[int] = ()) -> list[tuple[str, torch.Tensor]]:
+    """HF-named values -> (name, tensor) pairs for SGLang's ``load_weights`` (no input_scale: kept as loaded).
+
+    ``bf16_layers``: layers whose experts the engine serves in BF16 (``TraceConfig.exclude_modules``):
+    FP4 values for them are an error (send BF16, e.g. ``bridge.fp4_stream(..., bf16_layers=...)``)."""
     out = []
     for name, value in named:
         if not isinstance(value, FP4Tensor):
             t = value.detach()
             out.append((name, t.to(dtype) if t.is_floating_point() else t))
             continue
-        if parse_expert_name(name) is None:
+        parsed = parse_expert_name(name)
+        if parsed is None:
             raise ValueError(f"{name!r}: FP4 values are accepted for routed-expert weights only")
+        if parsed[0] in bf16_layers:
+            raise ValueError(f"{name!r}: TraceConfig.exclude_modules keeps layer {parsed[0]}'s experts in BF16 in "
+                             "the engine; send its BF16 weights")
         if value.fmt != "nvfp4" or value.global_amax is None or value.global_amax.dim() != 0:
             raise ValueError(f"{name!r}: expected NVFP4 with a per-tensor global amax, got {value.fmt} "
                              f"amax shape {None if value.global_amax is None else tuple(value.global_amax.shape)}")

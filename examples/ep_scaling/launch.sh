@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# One EP point set with torchrun: world = EP GPUs on this host, weak and strong scaling, FP4 QAT vs TRACE.
+#   bash examples/ep_scaling/launch.sh 4 [--experts 128 ...]     (from the repo root; extra args go to the script)
+# Appends JSON lines to ${OUT:-outputs/ep_scaling}/ep_scaling.jsonl.
+set -euo pipefail
+EP="${1:?usage: launch.sh EP [ep_scaling.py args]}"; shift
+OUT="${OUT:-outputs/ep_scaling}"; mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCHDYNAMO_DISABLE=1 \
+    PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+torchrun --standalone --nnodes 1 --nproc-per-node "$EP" benchmarks/ep_scaling.py --out "$OUT/ep_scaling.jsonl" "$@" \
+    2>&1 | tee "$OUT/ep$EP.log"

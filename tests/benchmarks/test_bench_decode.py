@@ -1,0 +1,55 @@
+"""CPU smoke run of ``benchmarks/bench_decode.py --smoke`` (tiny model, reference paths) and its plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_emits_every_point_and_a_plot(tmp_path):
+    out = tmp_path / "decode.jsonl"
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--smoke", "--profile", "--out", str(out),
+           "--generate-batches", "2", "--gen-prompt", "8", "--gen-tokens", "3"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["bench"] for r in rows[:1]] == ["decode_setup"] and rows[-1]["bench"] == "decode_summary"
+    points = {(r["mode"], r["batch"], r["context"]) for r in rows if r["bench"] == "decode"}
+    assert points == {(m, b, c) for m in ("bf16", "fp4", "fp4u") for b in (1, 2) for c in (16, 48)}
+    for r in rows:
+        if r["bench"] == "decode":
+            assert r["eager_tok_s"] > 0 and r["kv_bytes"] > 0
+            p = r["profile"]
+            assert 0 < p["moe_share"] < 1 and 0 < p["attention_share"] < 1
+            assert (p["kv_update_ms"] > 0) == (r["mode"] == "fp4" or p["kv_update_ms"] > 0)
+    fp4 = {(r["batch"], r["context"]): r["kv_bytes"] for r in rows if r.get("mode") == "fp4" and "kv_bytes" in r}
+    assert not any(r.get("fused_kv_attention") for r in rows)  # the CPU backend reads FP4 KV by dequantizing
+    bf16 = {(r["batch"], r["context"]): r["kv_bytes"] for r in rows if r.get("mode") == "bf16" and "kv_bytes" in r}
+    # FP4 KV: 0.5 + 1/16 + 4/head_dim bytes per element vs 4 (fp32 on the CPU)
+    assert all(fp4[k] * 4 < bf16[k] for k in fp4)
+    gen = [r for r in rows if r["bench"] == "decode_generate"]
+    assert {r["mode"] for r in gen} == {"bf16", "fp4", "fp4u"} and all(r["tok_s"] > 0 for r in gen)
+    ratios = rows[-1]["over_bf16"]
+    assert len(ratios) == 8 and all(r["eager_x"] > 0 for r in ratios)
+    png = tmp_path / "decode.png"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_decode.py"), str(out), str(png)], check=True,
+                   timeout=60, env=env)
+    assert png.stat().st_size > 1000
+
+
+def test_budget_stops_adding_points(tmp_path):
+    out = tmp_path / "decode.jsonl"
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--smoke", "--budget-s", "0.001",
+           "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    measured = [r for r in rows if r["bench"] == "decode"]
+    skipped = [r for r in rows if r["bench"] == "decode_skipped"]
+    assert len(measured) <= 1 and len(measured) + len(skipped) == 12 and rows[-1]["bench"] == "decode_summary"

@@ -1,0 +1,125 @@
+"""SGLang's FP4 KV format reference against an independent brute-force (numpy) computation.
+
+Bit-exactness against SGLang's own ``KVFP4QuantizeUtil`` is in tests/sglang/test_kvfp4_sglang.py.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_trace.formats import FullGuidance, NonFiniteError, e2m1
+from megatron_trace.formats import sglang_kvfp4 as kv
+
+GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
+
+
+def brute_exponent(amax: np.ndarray) -> np.ndarray:
+    """The smallest integer e with amax / 2**e <= 6 (exact), -33 for zero blocks (SGLang's clamp)."""
+    out = np.empty(amax.shape, dtype=np.int64)
+    for i, a in np.ndenumerate(amax.astype(np.float64)):
+        if a / 6 < 1e-10:
+            out[i] = -33
+            continue
+        e = -200
+        while a / 2.0**e > 6:
+            e += 1
+        while e > -200 and a / 2.0 ** (e - 1) <= 6:
+            e -= 1
+        out[i] = e
+    return out
+
+
+def brute_codes(z: np.ndarray) -> np.ndarray:
+    """Nearest grid magnitude by exhaustive search, ties to the LARGER magnitude; sign iff z < 0."""
+    a = np.minimum(np.abs(z.astype(np.float64)), 6.0)
+    d = np.abs(a[..., None] - GRID)
+    best = d.min(-1, keepdims=True)
+    idx = np.where(d == best, np.arange(8), -1).max(-1)  # the larger of tied candidates
+    return (idx | ((z < 0).astype(np.int64) << 3)).astype(np.uint8)
+
+
+def _random(n=300, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 2, 32, generator=g) * torch.logspace(-4, 4, n).reshape(n, 1, 1)
+    x[7] = 0.0  # all-zero token
+    x[9, 1, :16] = 0.0  # one all-zero block
+    return x
+
+
+def test_float32_matches_brute_force():
+    x = _random()
+    q = kv.quantize(x, compute_dtype=torch.float32)
+    xb = x.numpy().reshape(x.shape[0], 2, 2, 16)
+    e = brute_exponent(np.abs(xb).max(-1))
+    assert np.array_equal(q.block_scales.view(torch.uint8).numpy().astype(np.int64), e + 127)
+    want = brute_codes(xb / 2.0 ** e[..., None]).reshape(x.shape)
+    assert torch.equal(e2m1.unpack(q.codes), torch.from_numpy(want))
+    assert q.global_amax is None and q.fmt == "sglang_kvfp4" and q.codes.shape == (x.shape[0], 2, 16)
+
+
+def test_ties_go_away_from_zero_and_sign_rule():
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    row = torch.cat([mids, -mids, torch.tensor([6.0, -0.0])]).reshape(1, 16)  # amax 6 -> e = 0
+    q = kv.quantize(row)
+    codes = e2m1.unpack(q.codes)[0]
+    assert codes[:7].tolist() == [1, 2, 3, 4, 5, 6, 7]  # RNE would give 0, 2, 2, 4, 4, 6, 6
+    assert codes[7:14].tolist() == [9, 10, 11, 12, 13, 14, 15]
+    assert codes[14].item() == 7 and codes[15].item() == 0  # -0.0 is not < 0: code 0 (not 8)
+    small_neg = kv.quantize(torch.tensor([[6.0, -0.1] + [0.0] * 14]))
+    assert e2m1.unpack(small_neg.codes)[0, 1].item() == 8  # rounds to -0
+    assert q.block_scales.view(torch.uint8).item() == 127
+
+
+def test_zero_block_scale_and_dequantize():
+    x = _random(seed=1)
+    q = kv.quantize(x, compute_dtype=torch.float32)
+    assert q.block_scales.view(torch.uint8)[7].unique().tolist() == [94]  # 2**-33, SGLang's clamp of 1e-10
+    xb = x.numpy().reshape(x.shape[0], 2, 2, 16)
+    e = brute_exponent(np.abs(xb).max(-1))
+    vals = np.where(e2m1.unpack(q.codes).numpy() & 8, -1.0, 1.0) * GRID[e2m1.unpack(q.codes).numpy() & 7]
+    want = (vals.reshape(xb.shape) * 2.0 ** e[..., None]).reshape(x.shape).astype(np.float32)
+    assert torch.equal(kv.dequantize(q, torch.float32), torch.from_numpy(want))
+    assert torch.equal(kv.dequantize(q), torch.from_numpy(want).to(torch.bfloat16))
+
+
+def test_bf16_compute_differs_only_by_exponent_rounding():
+    x = (torch.randn(4000, 64) * torch.logspace(-3, 3, 4000).reshape(-1, 1)).to(torch.bfloat16)
+    eager = kv.quantize(x)  # SGLang run eagerly on a bf16 cache: bf16 math
+    f32 = kv.quantize(x, compute_dtype=torch.float32)  # SGLang compiled (inductor): float32 math
+    d = eager.block_scales.view(torch.uint8).int() - f32.block_scales.view(torch.uint8).int()
+    assert set(d.unique().tolist()) <= {-1, 0, 1} and bool((d != 0).any())
+    same = (d == 0).repeat_interleave(16, -1)
+    assert torch.equal(e2m1.unpack(eager.codes)[same], e2m1.unpack(f32.codes)[same])
+
+
+def test_guided_quantize_reproduces_and_brackets():
+    x = _random(seed=2)
+    q = kv.quantize(x, compute_dtype=torch.float32)
+    rec = q.guidance(compact=False)
+    assert isinstance(rec, FullGuidance) and rec.fmt == "sglang_kvfp4"
+    g = kv.guided_quantize(x, rec)
+    assert torch.equal(e2m1.decode(e2m1.unpack(g.codes)), e2m1.decode(e2m1.unpack(q.codes)))
+    y = x * (1 + 1e-3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(3)))
+    gy = kv.guided_quantize(y, rec)  # the rollout's scales: z = y / 2**e, code within y's bracket
+    z = y.reshape(*y.shape[:-1], 2, 16) / 2.0 ** (q.block_scales.view(torch.uint8).float() - 127).unsqueeze(-1)
+    lo, hi = e2m1.bracket(z.reshape(y.shape))
+    v = e2m1.decode(e2m1.unpack(gy.codes))
+    assert bool(((v == lo) | (v == hi)).all())
+
+
+def test_sglang_layout_round_trip_and_errors():
+    x = _random(seed=4)
+    q = kv.quantize(x)
+    packed, scales = kv.to_sglang(q)
+    assert packed.shape == (x.shape[0], 2, 16) and scales.shape == (x.shape[0], 4) and scales.dtype == torch.uint8
+    back = kv.from_sglang(packed, scales)
+    assert torch.equal(back.codes, q.codes) and torch.equal(back.block_scales.view(torch.uint8),
+                                                            q.block_scales.view(torch.uint8))
+    with pytest.raises(ValueError, match="multiple of 16"):
+        kv.quantize(torch.randn(3, 24))
+    with pytest.raises(ValueError, match="compute_dtype"):
+        kv.quantize(torch.randn(3, 16), compute_dtype=torch.float16)
+    with pytest.raises(NonFiniteError):
+        kv.quantize(torch.tensor([[float("nan")] + [0.0] * 15]))
+    with pytest.raises(ValueError, match="do not fit"):
+        kv.from_sglang(packed, scales[:, :3])

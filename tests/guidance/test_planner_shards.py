@@ -1,0 +1,112 @@
+"""``planner.sample_bytes`` / ``shard_bytes`` against real records: the bytes that ``split_batch`` samples hold,
+that ``plan_flat`` lays out (host cache) and that ``GuidanceSync`` would send (``encode``'s payload)."""
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.guidance.model_dims import ModelDims
+from megatron_trace.guidance.planner import RLSettings, rank_projection, sample_bytes, shard_bytes
+from megatron_trace.guidance.records import split_batch
+from megatron_trace.guidance.routing import plan_routing, split_routing
+from megatron_trace.guidance.selection import guided_layers
+from megatron_trace.guidance.serial import plan_flat
+from megatron_trace.guidance.site import SiteGuidance
+
+DIMS = ModelDims(num_layers=3, hidden=40, moe_ffn=24, topk=2, kv_heads=2, head_dim=20, moe_layers=(1, 2),
+                 kv_layers=(0, 1, 2), num_experts=300)  # K not a block multiple; > 256 experts: int16 routing
+
+
+def _batch(cfg: TraceConfig, B: int, S: int, gen) -> dict:
+    """Batch-major records of every guided (layer, site) DIMS has, from the config's own quantizer."""
+    q, out = cfg.activation_quantizer(), {}
+    for layer in guided_layers(cfg, DIMS.num_layers):
+        for site in cfg.guided_sites:
+            if not DIMS.has_site(layer, site):
+                continue
+            rows, k = DIMS.site_rows(site)
+            shape = (B, S, k) if site == "expert_fc1_in" else (B, S, rows, k)
+            rec = q.quantize(torch.randn(shape, generator=gen)).guidance(cfg.cache_mode == "compact")
+            fc2 = site == "expert_fc2_in"
+            ids = torch.randint(0, DIMS.num_experts, (B, S, rows), generator=gen) if fc2 else None
+            out[(layer, site)] = SiteGuidance(rec, torch.ones(shape[:-1] if fc2 else (B, S), dtype=torch.bool), ids)
+    return out
+
+
+@pytest.mark.parametrize("kw", [
+    dict(), dict(cache_mode="full"), dict(activation_amax="per_tensor"), dict(format="mxfp4"),
+    dict(format="mxfp4", cache_mode="full", guided_sites=("expert_fc2_in", "kv_v")),
+], ids=["nvfp4-compact", "nvfp4-full", "per-tensor-amax", "mxfp4-compact", "mxfp4-full-two-sites"])
+def test_shard_bytes_equal_real_records(kw, gen):
+    cfg = TraceConfig(guided_layers="all", **kw)
+    B, S = 3, 7
+    tokens = torch.randint(0, 100, (B, S), generator=gen)
+    lengths = [7, 4, 1]  # right padding: samples of different lengths
+    samples = split_batch(_batch(cfg, B, S, gen), tokens, version=0, lengths=lengths)
+    routing = split_routing({i: torch.randint(0, DIMS.num_experts, (B, S, DIMS.topk), generator=gen)
+                             for i in DIMS.moe_layers}, tokens, version=0, num_experts=DIMS.num_experts,
+                            lengths=lengths)
+    want = shard_bytes(DIMS, cfg, lengths)
+    for s, n in zip(samples, lengths):
+        one = sample_bytes(DIMS, cfg, n)
+        assert one["guidance"] == s.guidance_nbytes() and one["flat"] == plan_flat([s]).total
+    assert want["guidance"] == sum(s.guidance_nbytes() for s in samples)
+    assert want["flat"] == plan_flat(samples).total
+    assert want["routing"] == plan_routing(routing)[1]
+    assert want["samples"] == B
+
+
+def test_sync_payload_equals_what_guidance_sync_sends(gen):
+    """The payload ``GuidanceSync.encode`` builds: the exact last (here: only) chunk ``send`` puts on the wire.
+    The config's default layer policy (deepest half) guides layers 1 and 2; the routing covers both MoE layers."""
+    from megatron_trace.guidance.sync import GuidanceSync
+
+    cfg = TraceConfig()
+    B, S = 2, 5
+    tokens = torch.randint(0, 100, (B, S), generator=gen)
+    samples = split_batch(_batch(cfg, B, S, gen), tokens, version=3)
+    routing = split_routing({i: torch.randint(0, DIMS.num_experts, (B, S, DIMS.topk), generator=gen)
+                             for i in DIMS.moe_layers}, tokens, version=3, num_experts=DIMS.num_experts)
+    sync = GuidanceSync.__new__(GuidanceSync)  # encode reads only ``verify``: no process group (two ranks) needed
+    sync.verify = True
+    payload = sync.encode(samples, routing)[2]
+    assert payload.numel() == shard_bytes(DIMS, cfg, [S] * B)["sync_payload"]
+
+
+def test_rank_projection_scales_with_ranks_and_bandwidth():
+    cfg = TraceConfig()
+    rl = RLSettings(trajectories=64, prompt_len=3, response_len=5)
+    one = rank_projection(DIMS, cfg, rl, dp_ranks=1, bandwidths_gbytes={"link": 2.0})
+    four = rank_projection(DIMS, cfg, rl, dp_ranks=4, bandwidths_gbytes={"link": 2.0})
+    assert one["sync_payload_bytes_per_rank"] == 4 * four["sync_payload_bytes_per_rank"]
+    assert four["guidance_bytes_per_rank"] == shard_bytes(DIMS, cfg, [8] * 16)["guidance"]
+    assert four["sync_seconds"]["link"] == four["sync_payload_bytes_per_rank"] / 2e9
+    with pytest.raises(ValueError, match="dp_ranks=0"):
+        rank_projection(DIMS, cfg, rl, dp_ranks=0)
+    with pytest.raises(ValueError, match="GB/s"):
+        rank_projection(DIMS, cfg, rl, dp_ranks=2, bandwidths_gbytes={"link": 0.0})
+    with pytest.raises(ValueError, match="num_experts"):
+        sample_bytes(ModelDims(1, 8, 8, 1, 1, 8, (0,), (0,)), cfg, 4)
+
+
+def test_cli_per_rank_projection(capsys):
+    import json
+    from pathlib import Path
+
+    from megatron_trace.cli import plan
+
+    cfg_path = Path(__file__).parent.parent / "data" / "deepseek_v3_config.json"
+    argv = ["--hf-config", str(cfg_path), "--layer-policy", "fraction=0.5", "--modes", "compact", "--trajectories",
+            "64", "--dp-ranks", "8", "--dp-ranks", "16", "--bandwidth-gbytes", "nvlink=100"]
+    assert plan.main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    dims = ModelDims.from_hf_config(cfg_path)
+    rl = RLSettings(trajectories=64)
+    cfg = TraceConfig(guided_layers="fraction", guided_fraction=0.5, cache_mode="compact")
+    assert row["per_rank"] == [rank_projection(dims, cfg, rl, dp_ranks=n, bandwidths_gbytes={"nvlink": 100.0})
+                               for n in (8, 16)]
+    assert row["per_rank"][0]["guidance_bytes_per_rank"] == row["bytes_per_step"] // 8  # 64 samples / 8 ranks
+    assert plan.main(argv) == 0
+    assert "8 DP ranks: 8 samples" in capsys.readouterr().out
+    assert plan.main([*argv, "--bandwidth-gbytes", "fast=x"]) == 2
+    assert "NAME=GB/s" in capsys.readouterr().err

@@ -1,0 +1,277 @@
+"""Columnar sync chunks (``guidance.wire``, protocol 4) and assembly from columns (``packed_assemble``), in process:
+``GuidanceSync.encode`` -> ``_decode`` without a process group (the multi-process paths are in test_sync.py)."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from megatron_trace.formats import nvfp4
+from megatron_trace.guidance.packed import source_of
+from megatron_trace.guidance.records import SampleGuidance, assemble, payload_of, split_batch
+from megatron_trace.guidance.routing import RoutingMismatchError, assemble_routing, split_routing
+from megatron_trace.guidance.site import FallbackCounter, SiteGuidance
+from megatron_trace.guidance.sync import PROTOCOL, GuidanceShard, GuidanceSync, GuidanceSyncError
+
+from ._data import assert_samples_equal, make_batch
+
+FORMATS = [("nvfp4", True), ("nvfp4", False), ("mxfp4", True), ("mxfp4", False)]
+IDS = ["nvfp4-compact", "nvfp4-full", "mxfp4-compact", "mxfp4-full"]
+
+
+def _sync(verify=True) -> GuidanceSync:
+    s = GuidanceSync.__new__(GuidanceSync)  # encode / _decode need no process group
+    s.verify, s.src = verify, 0
+    return s
+
+
+def _decode(msgs, verify=True) -> GuidanceShard:
+    payload = msgs[2] if len(msgs) > 2 else torch.empty(0, dtype=torch.uint8)
+    g, r = _sync(verify)._decode(msgs[1], payload)
+    shard = GuidanceShard()
+    shard.parts += [g] if g is not None else []
+    shard.routing_parts += [r] if r is not None else []
+    return shard
+
+
+def _head(msgs) -> dict:
+    return json.loads(bytes(msgs[1].tolist()))
+
+
+def _with_header(msgs, head: dict) -> list:
+    raw = json.dumps(head).encode()
+    return [msgs[0], torch.frombuffer(bytearray(raw), dtype=torch.uint8), *msgs[2:]]
+
+
+def _data(fmt="nvfp4", compact=True, B=4, lengths=(9, 7, 0, 5), left_pad=False, seed=0):
+    batch, _, tok, mask = make_batch(B=B, lengths=list(lengths), fmt=fmt, compact=compact, left_pad=left_pad,
+                                     seed=seed)
+    ids = [100 + b for b in range(B)]
+    samples = split_batch(batch, tok, version=3, attention_mask=mask, sample_ids=ids)
+    g = torch.Generator().manual_seed(seed + 1)
+    routing = split_routing({layer: torch.randint(0, 8, (B, tok.shape[1], 3), generator=g) for layer in (0, 2)},
+                            tok, version=3, num_experts=8, attention_mask=mask, sample_ids=ids)
+    return samples, routing, tok, mask, batch
+
+
+def _own_tensors(s: SampleGuidance) -> SampleGuidance:
+    """The same records as separate tensors (no ``source``): the per-sample (cat) send path."""
+    return SampleGuidance(s.sample_id, s.version, s.token_hash, s.num_tokens, {k: r.to("cpu") for k, r in
+                                                                               s.sites.items()})
+
+
+def _assert_routing_equal(a, b):
+    assert [(r.sample_id, r.version, r.token_hash, r.num_tokens) for r in a] == \
+        [(r.sample_id, r.version, r.token_hash, r.num_tokens) for r in b]
+    for x, y in zip(a, b):
+        assert x.experts.keys() == y.experts.keys()
+        assert all(x.experts[k].dtype == y.experts[k].dtype and torch.equal(x.experts[k], y.experts[k])
+                   for k in x.experts)
+
+
+@pytest.mark.parametrize("path", ["columns", "own_tensors"])
+@pytest.mark.parametrize("fmt,compact", FORMATS, ids=IDS)
+def test_round_trip_is_bit_exact_on_both_send_paths(fmt, compact, path):
+    samples, routing, *_ = _data(fmt, compact, left_pad=True)
+    if path == "own_tensors":
+        samples = [_own_tensors(s) for s in samples]
+    assert (source_of(samples) is not None) == (path == "columns")
+    if path == "columns":  # chunking reads sizes from the columns: the same as the samples' own
+        assert samples[0].source[0].sample_nbytes == [s.nbytes() for s in samples]
+    msgs = _sync().encode(samples, routing)
+    assert _head(msgs)["protocol"] == PROTOCOL
+    shard = _decode([m.clone() for m in msgs])
+    assert shard.stats.samples == 0  # stats are receive_shard's; the views are what matters here
+    for a, b in zip(shard.samples, samples, strict=True):
+        assert_samples_equal(a, b)
+    _assert_routing_equal(shard.routing, routing)
+
+
+def test_padding_between_fields_is_zero_and_payload_ends_with_the_last_field():
+    samples, routing, *_ = _data()
+    msgs = _sync().encode(samples, routing)
+    covered = torch.zeros(msgs[2].numel(), dtype=torch.bool)
+    for sec in ("guidance", "routing"):
+        for col in _head(msgs)[sec]["columns"]:
+            for _name, dt, shape, off, crc in col["fields"]:
+                n = torch.Size(shape).numel() * {"uint8": 1, "bool": 1, "float32": 4, "int64": 8}[dt]
+                assert off % 16 == 0 and crc.startswith("crc32:")
+                covered[off : off + n] = True
+    assert covered[-1] and not msgs[2][~covered].any()
+
+
+def test_edited_samples_are_sent_as_edited_not_from_their_columns():
+    samples, _, tok, mask, batch = _data()
+    other = split_batch(make_batch(B=4, lengths=[9, 7, 0, 5], seed=9)[0], tok, version=3, attention_mask=mask,
+                        sample_ids=[s.sample_id for s in samples])
+    key = next(iter(samples[0].sites))
+    replaced = dataclasses.replace(samples[1], sites=other[1].sites)  # keeps ``source``: must not be trusted
+    samples[2].sites[key] = other[2].sites[key]  # edited in place
+    sent = [samples[0], replaced, samples[2], samples[3]]
+    assert source_of(sent) is None
+    got = _decode(_sync().encode(sent)).samples
+    for a, b in zip(got, sent, strict=True):
+        assert_samples_equal(a, b)
+    assert torch.equal(payload_of(got[1].sites[key].record), payload_of(other[1].sites[key].record))
+
+
+def test_mixed_layouts_and_per_tensor_amax_travel_as_separate_columns():
+    a, *_ = _data("nvfp4", True)
+    b, *_ = _data("mxfp4", False, seed=5)
+    b = [dataclasses.replace(s, sample_id=s.sample_id + 10) for s in b]
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    key = (0, "expert_fc1_in")
+    c = split_batch({key: SiteGuidance(nvfp4.quantize(x).guidance(True), torch.ones(2, 5, dtype=torch.bool))},
+                    torch.arange(10).view(2, 5), version=1, sample_ids=[50, 51])  # per-tensor amax: 0-dim
+    sent = a + b + c
+    msgs = _sync().encode(sent)
+    cols = _head(msgs)["guidance"]["columns"]
+    assert len(cols) == 2 * len(a[0].sites) + 1 and {c["meta"]["amax"] for c in cols} == {"row", None, "sample"}
+    for got, want in zip(_decode(msgs).samples, sent, strict=True):
+        assert_samples_equal(got, want)
+
+
+def test_a_subset_of_a_split_is_gathered_from_its_columns():
+    samples, routing, *_ = _data(B=5, lengths=(9, 8, 7, 1, 9))
+    for part in (slice(1, None, 2), slice(2, None)):  # a second data-parallel rank's share (gather); a later chunk
+        sub, sub_r = samples[part], routing[part]
+        assert source_of(sub) is not None
+        shard = _decode(_sync().encode(sub, sub_r))
+        for a, b in zip(shard.samples, sub, strict=True):
+            assert_samples_equal(a, b)
+        _assert_routing_equal(shard.routing, sub_r)
+
+
+def test_routing_only_and_guidance_only_chunks():
+    samples, routing, *_ = _data()
+    only_r = _decode(_sync().encode([], routing))
+    assert only_r.samples == [] and len(only_r.routing) == len(routing)
+    only_g = _decode(_sync().encode(samples))
+    assert only_g.routing == [] and len(only_g.samples) == len(samples)
+    assert _decode(_sync().encode([])).samples == []
+
+
+def test_header_grows_per_sample_once_not_per_sample_and_site():
+    def header(B, layers):
+        batch, _, tok, mask = make_batch(B=B, S=6, layers=layers, lengths=[6] * B)
+        return _sync().encode(split_batch(batch, tok, version=0, attention_mask=mask))[1].numel()
+
+    per_sample_1 = (header(32, (0,)) - header(16, (0,))) / 16
+    per_sample_4 = (header(32, (0, 1, 2, 3)) - header(16, (0, 1, 2, 3))) / 16
+    # per sample: id, version, hash, tokens (~45 bytes); per extra column and sample < 1 byte (offset digits),
+    # where a per-sample tensor table costs ~100 bytes per sample and site
+    assert per_sample_1 < 80 and (per_sample_4 - per_sample_1) / 12 < 1
+
+
+def test_every_corrupted_field_is_rejected_and_names_its_column():
+    samples, routing, *_ = _data()
+    msgs = _sync().encode(samples, routing)
+    for sec in ("guidance", "routing"):
+        for col in _head(msgs)[sec]["columns"]:
+            name, _, shape, off, _ = col["fields"][-1]
+            if torch.Size(shape).numel() == 0:
+                continue
+            bad = msgs[2].clone()
+            bad[off] ^= 0x04
+            with pytest.raises(GuidanceSyncError, match=f"{sec} checksum mismatch in column .* field {name}"):
+                _decode([msgs[0], msgs[1], bad])
+    bad = msgs[2].clone()
+    bad[0] ^= 1
+    _decode([msgs[0], msgs[1], bad], verify=False)  # verify=False trusts the transport
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(3, 8), "does not fit"),  # misaligned
+    (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(3, 1 << 40), "does not fit"),
+    (lambda h: h["guidance"]["columns"][0].__setitem__("members", [0, 0, 1, 2]), "members"),
+    (lambda h: h["guidance"]["columns"][0].__setitem__("members", [0, 1, 2, 9]), "members"),
+    (lambda h: h["guidance"]["columns"][0].__setitem__("rows", [9, 7, 0, 6]), "does not fit"),
+    (lambda h: h["guidance"]["columns"][0]["fields"].pop(0), "lack"),
+    (lambda h: h["guidance"]["columns"][0]["fields"].pop(), "amax 'row' but fields"),
+    (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(1, "complex64"), "complex64"),
+    (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("fmt", "fp8"), "fp8"),
+    (lambda h: h["guidance"]["table"].__setitem__("ids", [1, 1, 2, 3]), "duplicate"),
+    (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("shape", [64]), r"payload rows \(6,\) != \(8,\)"),
+    (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("mode", "full"), r"payload rows \(6,\) != \(24,\)"),
+    (lambda h: h["routing"].__setitem__("table", None) or h.__setitem__("guidance", None), "without a sample table"),
+])
+def test_bad_headers_are_rejected_whole(edit, match):
+    samples, routing, *_ = _data()
+    msgs = _sync().encode(samples, routing)
+    head = _head(msgs)
+    edit(head)
+    with pytest.raises(GuidanceSyncError, match=f"nothing applied: .*{match}"):
+        _decode(_with_header(msgs, head))
+
+
+# ---- assembly from columns == records.assemble / routing.assemble_routing -----------------------------------
+def _assert_same_batch(o1: dict, o2: dict):
+    assert list(o1) == list(o2)
+    for k in o1:
+        x, y = o1[k], o2[k]
+        assert type(x.record) is type(y.record) and x.record.shape == y.record.shape and x.record.fmt == y.record.fmt
+        for u, v in [(payload_of(x.record), payload_of(y.record)), (x.valid, y.valid), (x.expert_ids, y.expert_ids),
+                     (x.record.block_scales.view(torch.uint8), y.record.block_scales.view(torch.uint8)),
+                     (x.record.global_amax, y.record.global_amax)]:
+            assert (u is None and v is None) or (u.dtype == v.dtype and torch.equal(u, v)), k
+
+
+def _both(parts_samples, shard, ids, tok, mask, versions, keys=None):
+    by_id = {s.sample_id: s for s in parts_samples}
+    c1, c2 = FallbackCounter(), FallbackCounter()
+    o1 = assemble([by_id.get(i) if i is not None else None for i in ids], tok, versions=versions, counter=c1,
+                  attention_mask=mask, keys=keys)
+    o2 = shard.assemble(ids, tok, versions=versions, counter=c2, attention_mask=mask, keys=keys)
+    _assert_same_batch(o1, o2)
+    assert (c1.used, c1.fallback) == (c2.used, c2.fallback)
+    return c2
+
+
+@pytest.mark.parametrize("fmt,compact", FORMATS, ids=IDS)
+def test_assemble_from_columns_equals_assemble(fmt, compact):
+    samples, _, tok, mask, _ = _data(fmt, compact, lengths=(9, 7, 3, 5), left_pad=True)
+    shard = GuidanceShard()  # two chunks: two parts
+    for part in (samples[:1], samples[1:]):
+        shard.parts += _decode(_sync().encode(part)).parts
+    ids = [s.sample_id for s in samples]
+    assert _both(samples, shard, ids, tok, mask, 3).coverage == 1.0
+    # rows permuted, one without a sample, one sample twice; row 0's tokens edited; row 3 from an older version
+    rows = [2, 0, None, 2]
+    t = torch.stack([tok[r if r is not None else 1] for r in rows])
+    m = torch.stack([mask[r if r is not None else 1] for r in rows])
+    t[1, m[1].nonzero()[0, 0]] += 1
+    c = _both(samples, shard, [ids[r] if r is not None else None for r in rows], t, m, [3, 3, 3, 4])
+    assert set(c.fallback) == {"token_hash", "missing", "version"} and c.used > 0
+    _both(samples, shard, ids, tok, mask, 3, keys=[(2, "kv_k"), (7, "kv_v"), (0, "expert_fc2_in")])
+
+
+def test_assemble_from_columns_counts_shape_and_unrecorded_rows():
+    batch, _, tok, mask = make_batch(B=3, lengths=[9, 9, 9], sites=("expert_fc1_in",), layers=(0,))
+    key = (0, "expert_fc1_in")
+    v = batch[key].valid.clone()
+    v[0, 4] = False  # a row the rollout did not record
+    samples = split_batch({key: SiteGuidance(batch[key].record, v)}, tok, version=0, attention_mask=mask)
+    other, _, _, _ = make_batch(B=3, lengths=[9, 9, 9], sites=("expert_fc1_in",), layers=(0,), compact=False)
+    full = split_batch(other, tok, version=0, attention_mask=mask)[1]  # a full record among compact ones
+    sent = [samples[0], full, samples[2]]
+    shard = _decode(_sync().encode(sent))
+    c = _both(sent, shard, [0, 1, 2], tok, mask, 0)
+    assert c.fallback == {"shape": 9, "not_recorded": 1} and c.used == 17
+
+
+def test_assemble_routing_from_columns_equals_and_raises_on_mismatch():
+    samples, routing, tok, mask, _ = _data(lengths=(9, 7, 3, 5))
+    shard = _decode(_sync().encode(samples, routing))
+    ids = [r.sample_id for r in routing]
+    want = assemble_routing(routing, tok, versions=3, attention_mask=mask)
+    got = shard.assemble_routing(ids, tok, versions=3, attention_mask=mask)
+    assert list(want) == list(got) and all(torch.equal(want[k], got[k]) for k in want)
+    with pytest.raises(RoutingMismatchError, match="batch row 1: missing"):
+        shard.assemble_routing([ids[0], None, ids[2], ids[3]], tok, versions=3, attention_mask=mask)
+    with pytest.raises(RoutingMismatchError, match="has version 3, the trainer expects 4"):
+        shard.assemble_routing(ids, tok, versions=4, attention_mask=mask)
+    t = tok.clone()
+    t[2, 0] += 1
+    with pytest.raises(RoutingMismatchError, match="batch row 2: .*token_hash"):
+        shard.assemble_routing(ids, t, versions=3, attention_mask=mask)

@@ -1,0 +1,116 @@
+"""The SGLang backend's manifest side without an engine: KV format honesty, exclude_modules, trainer rejection.
+
+Runs in the main venv (no sglang needed); the trainer-side check needs megatron-core (skipped without it)."""
+
+import logging
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.formats import nvfp4, sglang_kvfp4
+from megatron_trace.guidance.site import SiteGuidance
+from megatron_trace.manifest import (
+    ModulePatternError,
+    QuantRecipe,
+    RecipeMismatchError,
+    experts_name,
+    kv_cache_name,
+    quantized_module_names,
+)
+from megatron_trace.rollout import HFRolloutBackend
+from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend
+from megatron_trace.rollout.sglang.launch import guidance_specs
+from megatron_trace.rollout.sglang.weights import engine_tensors
+
+from ..rollout._tiny import tiny_config, tiny_model
+
+CFG = TraceConfig(guided_layers="last_k", guided_last_k=2)
+HF = tiny_config().to_dict()
+LAYERS = range(3)
+
+
+def trainer_recipe(config, *, version=0):
+    """The trainer's recipe (``manifest.trainer_recipe`` computes the same from ``find_trace_layers``)."""
+    return QuantRecipe.from_config(config, guided_layers=(1, 2), weight_version=version,
+                                   quantized_modules=quantized_module_names(config, moe_layers=LAYERS,
+                                                                            attention_layers=LAYERS))
+
+
+def test_fp4_kv_engine_refuses_a_kv_quantizing_trainer_unless_accepted(caplog):
+    with pytest.raises(RecipeMismatchError, match="sites: trainer=.*kv_k.*sglang_kvfp4"):
+        SGLangRolloutBackend(None, CFG, HF, recipe=trainer_recipe(CFG))
+    with caplog.at_level(logging.WARNING):
+        be = SGLangRolloutBackend(None, CFG, HF, recipe=trainer_recipe(CFG), accept_kv_format_mismatch=True)
+    assert "accepted" in caplog.text and be.kv_fp4
+    assert {kv_cache_name(i) for i in LAYERS} <= set(be.module_audit().quantized)
+    assert {s.fmt for s in be.specs if s.site.startswith("kv_")} == {sglang_kvfp4.NAME}
+    # a BF16-KV engine with a KV-quantizing trainer: the plain site check fires
+    with pytest.raises(RecipeMismatchError, match="sites: trainer="):
+        SGLangRolloutBackend(None, CFG, HF, recipe=trainer_recipe(CFG), kv_cache_dtype="auto")
+
+
+@pytest.mark.parametrize("kv", ["fp4_e2m1", "auto"])
+def test_exclude_modules_audit_matches_hf_backend_and_trainer(kv):
+    cfg = CFG.replace(exclude_modules=("model.layers.0.mlp.experts",))
+    if kv == "auto":
+        cfg = cfg.replace(sites=("expert_fc1_in", "expert_fc2_in", "weights"),
+                          guided_sites=("expert_fc1_in", "expert_fc2_in"))
+    be = SGLangRolloutBackend(None, cfg, HF, kv_cache_dtype=kv, accept_kv_format_mismatch=True,
+                              recipe=trainer_recipe(cfg))
+    hf = HFRolloutBackend(tiny_model(), mode="fp4", trace_config=cfg, dtype=torch.float32)
+    audit = be.module_audit()
+    assert audit.quantized == hf.module_audit().quantized == trainer_recipe(cfg).quantized_modules
+    assert experts_name(0) in audit.bf16 and experts_name(0) in hf.module_audit().bf16
+    assert be.bf16_expert_layers == hf.bf16_expert_layers == {0}
+    assert all(s.layer != 0 or s.site.startswith("kv_") for s in be.specs)
+    # flipping the exclusion on the rollout side only: the audit / recipe check fires
+    with pytest.raises(RecipeMismatchError, match="quantized_modules"):
+        SGLangRolloutBackend(None, CFG.replace(sites=cfg.sites, guided_sites=cfg.guided_sites), HF,
+                             kv_cache_dtype=kv, accept_kv_format_mismatch=True, recipe=trainer_recipe(cfg))
+
+
+def test_native_engine_reports_static_activation_scales():
+    cfg = CFG.replace(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=("expert_fc1_in",))
+    assert SGLangRolloutBackend(None, cfg, HF, native=False, recipe=trainer_recipe(cfg)).recipe() == \
+        trainer_recipe(cfg)
+    with pytest.raises(RecipeMismatchError, match="activation_amax: trainer='per_row' sglang rollout='static_input"):
+        SGLangRolloutBackend(None, cfg, HF, native=True, recipe=trainer_recipe(cfg))
+
+
+def test_exclude_modules_errors():
+    with pytest.raises(ModulePatternError, match="model.layers.9"):
+        SGLangRolloutBackend(None, CFG.replace(exclude_modules=("model.layers.9.mlp.experts",)), HF)
+    with pytest.raises(ValueError, match="quantizes every layer"):
+        SGLangRolloutBackend(None, CFG.replace(exclude_modules=("model.layers.0.self_attn.kv_cache",)), HF)
+    q = CFG.weight_quantizer().quantize(torch.randn(32, 64))
+    with pytest.raises(ValueError, match="keeps layer 0's experts in BF16"):
+        engine_tensors([("model.layers.0.mlp.experts.1.down_proj.weight", q)], bf16_layers={0})
+    assert engine_tensors([("model.layers.1.mlp.experts.1.down_proj.weight", q)], bf16_layers={0})
+
+
+def test_guidance_specs_follow_the_policy_and_kv_dtype():
+    specs = guidance_specs(CFG, HF, kv_dtype="fp4_e2m1")
+    assert {(s.layer, s.site) for s in specs} == {(i, s) for i in (1, 2) for s in CFG.guided_sites}
+    kv = [s for s in specs if s.site == "kv_v"][0]
+    assert kv.row_shape == (2, 16) and kv.nbytes == 2 * (16 // 8 + 1)  # compact: 2 B bits + 1 B scale per head
+    assert all(not s.site.startswith("kv_") for s in guidance_specs(CFG, HF, kv_dtype="auto"))
+
+
+def test_trainer_rejects_sglang_kv_records_and_counts_them(caplog):
+    pytest.importorskip("megatron.core")
+    from megatron_trace.megatron.step import FORMAT, GuidanceFallbackError, check_site
+
+    q = sglang_kvfp4.quantize(torch.randn(2 * 5, 2, 16))
+    rec = q.guidance(compact=False)
+    rec = type(rec)(codes=rec.codes.reshape(2, 5, 2, 8), block_scales=rec.block_scales.reshape(2, 5, 2, 1),
+                    global_amax=None, shape=(2, 5, 2, 16), fmt=rec.fmt)
+    sg = SiteGuidance(rec, torch.ones(2, 5, dtype=torch.bool))
+    with caplog.at_level(logging.WARNING):
+        c = check_site(sg, site="kv_k", layer=1, rows=(2, 16), config=CFG, compact=False, fail=False)
+    assert c.sg is None and c.reason == FORMAT and "'sglang_kvfp4' != TraceConfig.format 'nvfp4'" in caplog.text
+    with pytest.raises(GuidanceFallbackError, match="sglang_kvfp4"):
+        check_site(sg, site="kv_k", layer=1, rows=(2, 16), config=CFG, compact=False, fail=True)
+    ok = nvfp4.quantize(torch.randn(2, 5, 2, 16), per_row=True).guidance(compact=False)  # the same rows in nvfp4
+    assert check_site(SiteGuidance(ok, sg.valid), site="kv_k", layer=1, rows=(2, 16), config=CFG, compact=False,
+                      fail=False).sg is not None
