@@ -7,9 +7,16 @@ waits on the copy's event). On CPU the flat buffer is written on the host direct
 of host memory go to one safetensors shard per ``put`` (one rollout batch) in ``cache_dir`` (see
 ``shards``: atomic, checked on load).
 
+A whole batch straight from ``records.split_batch`` (its samples are views of one columnar
+``packed.PackedGuidance``) that fits in memory is kept as those columns, copied to the host once
+per field; ``assemble`` then fills a trainer micro-batch from them with a few index operations per
+site (``packed_assemble``) instead of per-sample work.
+
 Trainer side: ``get(step, sample_ids)`` returns only the samples a micro-batch needs (loading
 just those from a shard), ``None`` for samples the step does not have (the trainer then falls
-back and counts ``missing``). ``drop(step)`` frees a consumed step; ``invalidate(step)`` removes
+back and counts ``missing``); ``assemble(step, sample_ids, token_ids, ...)`` returns the
+micro-batch's batch-major guidance directly (``records.assemble`` semantics).
+``drop(step)`` frees a consumed step; ``invalidate(step)`` removes
 an interrupted step so none of its partial data is used. Samples returned from host memory are
 views of the step's buffer (kept alive by the views after ``drop``).
 """
@@ -24,7 +31,9 @@ from pathlib import Path
 import torch
 
 from ..config import TraceConfig
-from .records import SampleGuidance
+from .packed import Column, PackedGuidance, source_of
+from .packed_assemble import assemble_packed
+from .records import SampleGuidance, assemble
 from .serial import FlatPlan, host_buffer, plan_flat, unflatten_one, write_flat
 from .shards import load_samples, remove_stale_tmp, shard_index, write_shard
 
@@ -45,6 +54,19 @@ class _Step:
     chunks: list[_Chunk] = field(default_factory=list)
     shards: list[tuple[Path, dict[int, dict]]] = field(default_factory=list)  # (path, sample_id -> meta)
     sample_ids: set[int] = field(default_factory=set)
+    packed: list[tuple[PackedGuidance, int]] = field(default_factory=list)  # (host columns, bytes)
+    views: dict[int, SampleGuidance] = field(default_factory=dict)  # sample id -> view of ``packed``
+
+
+def _columns_nbytes(p: PackedGuidance) -> int:
+    return sum(t.nbytes for c in p.columns for t in c.fields.values())
+
+
+def _to_host(p: PackedGuidance) -> PackedGuidance:
+    """The same columns with every field on the host (host fields are kept: the split made them fresh)."""
+    cols = [Column(c.key, c.members, c.starts, {k: t if t.device.type == "cpu" else t.cpu() for k, t in
+                                                c.fields.items()}, c.meta) for c in p.columns]
+    return PackedGuidance(p.table, cols)
 
 
 class _HostStager:
@@ -121,6 +143,14 @@ class GuidanceCache:
         dup = sorted((set(ids) & st.sample_ids) | {i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"step {step} already has sample id(s) {dup}")
+        src = source_of(samples)
+        if src is not None and src[1] == list(range(len(src[0].table))):  # a whole split batch: keep its columns
+            nbytes = _columns_nbytes(src[0])
+            if nbytes <= self.budget_bytes - self.host_bytes:
+                st.packed.append((_to_host(src[0]), nbytes))
+                self._account(nbytes)
+                st.sample_ids.update(ids)
+                return
         plan = plan_flat(samples)
         n_mem = self._fit_in_memory(plan)
         if n_mem:
@@ -164,8 +194,10 @@ class GuidanceCache:
         st = self._steps.get(int(step))
         if st is None:
             raise KeyError(f"guidance cache has no step {step} (steps held: {self.steps})")
-        found: dict[int, SampleGuidance] = {}
-        want = set(sample_ids)
+        if st.packed and not st.views:
+            st.views = {s.sample_id: s for p, _ in st.packed for s in p.to_samples()}
+        found: dict[int, SampleGuidance] = {sid: st.views[sid] for sid in sample_ids if sid in st.views}
+        want = set(sample_ids) - found.keys()
         for chunk in st.chunks:
             hit = want & chunk.metas.keys()
             if hit and chunk.event is not None:
@@ -179,6 +211,22 @@ class GuidanceCache:
                 found.update(load_samples(path, hit, index))
         return [found.get(sid) for sid in sample_ids]
 
+    def assemble(self, step: int, sample_ids: Sequence[int | None], token_ids: torch.Tensor, *, versions,
+                 counter, attention_mask: torch.Tensor | None = None) -> dict:
+        """``records.assemble`` of the samples ``sample_ids`` (row b trains ``sample_ids[b]``; None: no sample):
+        batch-major guidance, mismatching or absent rows invalid and counted in ``counter``. Unknown step: KeyError.
+        From the step's columns when all of it was kept as columns, else sample by sample."""
+        st = self._steps.get(int(step))
+        if st is None:
+            raise KeyError(f"guidance cache has no step {step} (steps held: {self.steps})")
+        if st.packed and not st.chunks and not st.shards:
+            return assemble_packed([p for p, _ in st.packed], sample_ids, token_ids, versions=versions,
+                                   counter=counter, attention_mask=attention_mask)
+        ids = [sid for sid in sample_ids if sid is not None]
+        got = dict(zip(ids, self.get(step, ids)))
+        return assemble([None if sid is None else got[sid] for sid in sample_ids], token_ids,
+                        versions=versions, counter=counter, attention_mask=attention_mask)
+
     def drop(self, step: int) -> None:
         """Free everything held for ``step`` (memory and shards). Unknown steps are ignored."""
         st = self._steps.pop(int(step), None)
@@ -186,6 +234,7 @@ class GuidanceCache:
             return
         for chunk in st.chunks:
             self.host_bytes -= chunk.buf.numel()
+        self.host_bytes -= sum(n for _, n in st.packed)
         for path, _ in st.shards:
             if path.exists():
                 self.disk_bytes -= path.stat().st_size

@@ -29,7 +29,52 @@ def test_in_memory_get_returns_identical_samples():
     assert got[2] is None
     assert_samples_equal(got[0], samples[3])
     assert_samples_equal(got[1], samples[1])
-    assert cache.host_bytes == _size(samples) == cache.peak_host_bytes and cache.disk_bytes == 0
+    # a whole split batch is kept as its columns: exactly the samples' bytes, no per-sample padding
+    assert cache.host_bytes == sum(x.nbytes() for x in samples) == cache.peak_host_bytes and cache.disk_bytes == 0
+    cache.drop(1)
+    assert cache.host_bytes == 0
+
+
+def _assemble_both(cache, step, samples, ids, tok, mask, versions):
+    """cache.assemble(...) == records.assemble(...) on the original samples, fields and counts."""
+    from megatron_trace.guidance.records import assemble
+    from megatron_trace.guidance.site import FallbackCounter
+
+    from .test_wire import _assert_same_batch
+
+    by_id = {x.sample_id: x for x in samples}
+    c1, c2 = FallbackCounter(), FallbackCounter()
+    want = assemble([by_id.get(i) for i in ids], tok, versions=versions, counter=c1, attention_mask=mask)
+    got = cache.assemble(step, ids, tok, versions=versions, counter=c2, attention_mask=mask)
+    _assert_same_batch(want, got)
+    assert (c1.used, c1.fallback) == (c2.used, c2.fallback)
+    return c2
+
+
+@pytest.mark.parametrize("path", ["columns", "per_sample", "spilled"])
+def test_assemble_equals_records_assemble_on_every_storage_path(tmp_path, path):
+    B = 4
+    batch, _, tok, mask = make_batch(B=B, seed=3, lengths=[9, 7, 4, 8])
+    samples = split_batch(batch, tok, version=5, attention_mask=mask, sample_ids=[10, 11, 12, 13])
+    budget = {"columns": 10**9, "per_sample": 10**9, "spilled": 0}[path]
+    cache = GuidanceCache(budget_bytes=budget, cache_dir=tmp_path)
+    if path == "per_sample":  # two puts of part of the split: not a whole batch -> per-sample storage
+        cache.put(2, samples[:2])
+        cache.put(2, samples[2:])
+    else:
+        cache.put(2, samples)
+    st = cache._steps[2]
+    assert bool(st.packed) == (path == "columns") and bool(st.shards) == (path == "spilled")
+    ids = [x.sample_id for x in samples]
+    assert _assemble_both(cache, 2, samples, ids, tok, mask, 5).coverage == 1.0
+    # rows permuted, one sample the step does not have, one from another policy version
+    rows = [2, 0, 1, 3]
+    t, m = tok[rows], mask[rows]
+    c = _assemble_both(cache, 2, samples, [12, 10, 99, 13], t, m, [5, 5, 5, 4])
+    assert set(c.fallback) == {"missing", "version"} and c.used > 0
+    assert [g.sample_id for g in cache.get(2, [13, 10])] == [13, 10]
+    with pytest.raises(KeyError, match="no step 3"):
+        cache.assemble(3, ids, tok, versions=5, counter=None, attention_mask=mask)
 
 
 @pytest.mark.parametrize("fmt,compact", [("nvfp4", True), ("mxfp4", False)])
