@@ -26,6 +26,29 @@ def median_ms(fn, *, warmup: int = 5, reps: int = 30) -> float:
     return times[len(times) // 2]
 
 
+def step_median_ms(fn, device, warmup: int, reps: int) -> float:
+    """Median milliseconds of ``fn()`` (a whole training step) after ``warmup`` calls: CUDA events on a CUDA
+    ``device``, the wall clock elsewhere; no L2 flush."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+
+
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:
     """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")

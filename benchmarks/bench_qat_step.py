@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 
@@ -26,6 +25,7 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 from benchmarks._megatron import gpt, init_world, lm_batch, moe_config, perturb_non_experts, stock_spec  # noqa: E402
+from benchmarks._timing import step_median_ms  # noqa: E402
 
 
 def args_():
@@ -40,25 +40,6 @@ def args_():
         a.__dict__.update(layers=2, hidden=64, experts=4, topk=2, moe_ffn=64, seq=32, batch=2, heads=4, groups=2,
                           vocab=128, warmup=1, reps=2)
     return a
-
-
-def median_ms(fn, device: str, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 def unquantized_trace_spec(spec):
@@ -138,7 +119,7 @@ def main():
         if guided:
             sg, layers = guidance_for(model, tc, cfg, a, device, data)
             extra["guided_layers"] = layers
-        ms[name] = median_ms(train_step_fn(model, data, sg), device, a.warmup, a.reps)
+        ms[name] = step_median_ms(train_step_fn(model, data, sg), device, a.warmup, a.reps)
         print(f"{name}: {ms[name]:.2f} ms/step", file=sys.stderr, flush=True)
         del model, sg
         if device == "cuda":

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -44,6 +43,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._ranks import emit, gather, record_errors, write_result  # noqa: E402
+from benchmarks._timing import step_median_ms  # noqa: E402
 
 DEFAULTS = dict(layers=8, hidden=1024, experts=64, topk=4, moe_ffn=512, heads=16, groups=4, vocab=32768, seq=1024,
                 batch=8, global_batch=8, warmup=3, reps=10, sync_reps=5)
@@ -142,25 +142,6 @@ def step_fn(model, data, group, guidance=None, last=None):
     return step
 
 
-def median_ms(fn, device, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 # ---- one point ---------------------------------------------------------------------------------------------------
 def run_mode(a, mode, ep, rank, world, device, group, syncs, fails) -> dict:
     from benchmarks._ep_guidance import rollout_samples, trainer_guidance, transfer
@@ -184,7 +165,7 @@ def run_mode(a, mode, ep, rank, world, device, group, syncs, fails) -> dict:
     res["dense_grad_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters()
                                   if getattr(p, "allreduce", True))
     last = {}
-    res["fp4_qat_ms"] = median_ms(step_fn(model, data, group, last=last), device, a.warmup, a.reps)
+    res["fp4_qat_ms"] = step_median_ms(step_fn(model, data, group, last=last), device, a.warmup, a.reps)
     res["fp4_qat_loss"] = last["loss"]
     del model
     model = build(s, ep, trace, device)
@@ -194,7 +175,7 @@ def run_mode(a, mode, ep, rank, world, device, group, syncs, fails) -> dict:
         sync, shard = transfer(syncs, samples, routing, rank, world, device, a.sync_reps)
         samples, routing = shard.samples, shard.routing
     guidance, cache, asm_ms, counter = trainer_guidance(samples, routing, data, trace)
-    res["trace_ms"] = median_ms(step_fn(model, data, group, guidance, last), device, a.warmup, a.reps)
+    res["trace_ms"] = step_median_ms(step_fn(model, data, group, guidance, last), device, a.warmup, a.reps)
     del model, guidance
     if device.type == "cuda":
         torch.cuda.empty_cache()
