@@ -11,20 +11,24 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .formats import FORMATS, Quantizer
+from .formats import FORMATS, Quantizer, sglang_kvfp4
 from .formats.mxfp4 import SCALE_RULES
 from .formats.rounding import ROUNDINGS
+from .formats.sglang_kvfp4 import SGLangKVQuantizer
 
 CONFIG_VERSION = 1
 
 ACTIVATION_SITES = ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v")
 """Sites whose rows the rollout records: FC1 input (per token), FC2 input (per token and expert), K, V."""
+KV_SITES = ("kv_k", "kv_v")
 SITES = (*ACTIVATION_SITES, "weights")
 LAYER_POLICIES = ("none", "all", "last_k", "fraction", "explicit", "budget")
 CACHE_MODES = ("compact", "full")
 AMAX_GRANULARITIES = ("per_row", "per_tensor")
 FALLBACKS = ("rne", "fail")
 KERNELS = ("auto", "reference", "triton")
+KV_FORMATS = ("", sglang_kvfp4.NAME)
+"""``TraceConfig.kv_format``: "" = K/V in ``format``; "sglang_kvfp4" = SGLang's FP4 KV cache (``fp4_e2m1``)."""
 _PATTERN = re.compile(r"[A-Za-z0-9_.*-]+")
 """Module patterns: canonical HF module names with ``*`` wildcards (ModelOpt semantics, full match)."""
 
@@ -40,6 +44,7 @@ class TraceConfig:
 
     enabled: bool = True
     format: str = "nvfp4"
+    kv_format: str = ""  # "" = format; "sglang_kvfp4": K/V as SGLang's fp4_e2m1 KV cache stores them
     mxfp4_scale_rule: str = "floor"
     sites: tuple[str, ...] = SITES
     activation_amax: str = "per_row"
@@ -71,6 +76,9 @@ class TraceConfig:
         if self.version != CONFIG_VERSION:
             raise ValueError(f"TraceConfig.version={self.version} is not supported (this build reads {CONFIG_VERSION})")
         _choice("format", self.format, FORMATS)
+        if self.kv_format not in KV_FORMATS:
+            raise ValueError(f"TraceConfig.kv_format={self.kv_format!r} is not one of {KV_FORMATS} (\"\" = K/V in "
+                             f"TraceConfig.format; {sglang_kvfp4.NAME!r} = SGLang's fp4_e2m1 KV cache format)")
         _choice("mxfp4_scale_rule", self.mxfp4_scale_rule, SCALE_RULES)
         for s in self.sites:
             _choice("sites[]", s, SITES)
@@ -119,6 +127,17 @@ class TraceConfig:
             fmt=self.format, per_row=per_row, scale_rule=self.mxfp4_scale_rule,
             rounding=self.rounding, ste_clip=self.ste_clip,
         )
+
+    @property
+    def kv_record_format(self) -> str:
+        """The format of K/V at the KV sites (quantized, recorded and accepted as guidance)."""
+        return self.kv_format or self.format
+
+    def kv_quantizer(self) -> Quantizer | SGLangKVQuantizer:
+        """The KV sites' quantizer: ``activation_quantizer()``, or SGLang's format for ``kv_format="sglang_kvfp4"``."""
+        if self.kv_format == sglang_kvfp4.NAME:
+            return SGLangKVQuantizer(ste_clip=self.ste_clip)
+        return self.activation_quantizer()
 
     def quantizes(self, site: str) -> bool:
         _choice("site", site, SITES)

@@ -26,15 +26,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from .config import TraceConfig
+from .config import KV_SITES, TraceConfig
 from .formats import E2M1_MAX, E4M3_MAX, get_format
 from .guidance.selection import guided_layers
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""2: ``kv_format`` (the KV sites' format) added."""
 
 
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
-KV_SITES = ("kv_k", "kv_v")
 
 
 class RecipeMismatchError(ValueError):
@@ -48,6 +48,7 @@ class ModulePatternError(ValueError):
 @dataclass(frozen=True, kw_only=True)
 class QuantRecipe:
     format: str
+    kv_format: str  # the KV sites' format ("nvfp4" | "mxfp4" | "sglang_kvfp4"), "none" when K/V are not quantized
     block_size: int
     scale_dtype: str
     scale_rule: str
@@ -71,8 +72,10 @@ class QuantRecipe:
     ) -> QuantRecipe:
         fmt = get_format(config.format, config.mxfp4_scale_rule)
         nv = config.format == "nvfp4"
+        kv = config.enabled and any(s in config.sites for s in KV_SITES)
         return cls(
             format=config.format,
+            kv_format=config.kv_record_format if kv else "none",
             block_size=fmt.block_size,
             scale_dtype=str(fmt.scale_dtype).removeprefix("torch."),
             scale_rule="e4m3_rn_sat(448*6/amax_global*amax_block/6)" if nv else f"e8m0_{config.mxfp4_scale_rule}",

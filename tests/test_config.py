@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from megatron_trace.config import ACTIVATION_SITES, SITES, TraceConfig, from_hydra, register_hydra
 from megatron_trace.guidance import guided_layers
@@ -38,12 +39,32 @@ def test_frozen_and_keyword_only():
         ({"mxfp4_scale_rule": "round"}, "mxfp4_scale_rule='round'"),
         ({"version": 99}, "version=99 is not supported"),
         ({"fallback": "ignore"}, "fallback='ignore'"),
+        ({"kv_format": "nvfp4"}, r"TraceConfig.kv_format='nvfp4' is not one of \('', 'sglang_kvfp4'\)"),
         ({"exclude_modules": ("model.layers.[0]",)}, r"exclude_modules has 'model.layers.\[0\]'"),
     ],
 )
 def test_invalid_values_name_field_and_valid_choices(kw, match):
     with pytest.raises(ValueError, match=match):
         TraceConfig(**kw)
+
+
+def test_kv_format_selects_the_kv_quantizer_and_round_trips():
+    from megatron_trace.formats import sglang_kvfp4
+
+    c = TraceConfig(kv_format="sglang_kvfp4", ste_clip=True)
+    assert TraceConfig().kv_record_format == "nvfp4" and TraceConfig(format="mxfp4").kv_record_format == "mxfp4"
+    assert TraceConfig().kv_quantizer() == TraceConfig().activation_quantizer()
+    q = c.kv_quantizer()
+    assert c.kv_record_format == q.fmt == "sglang_kvfp4" and q.ste_clip and q.block_size == 16
+    x = torch.randn(3, 2, 32).bfloat16()
+    want = sglang_kvfp4.quantize(x, compute_dtype=torch.float32)
+    got = q.quantize(x)
+    assert torch.equal(got.codes, want.codes) and torch.equal(got.block_scales.view(torch.uint8),
+                                                              want.block_scales.view(torch.uint8))
+    assert torch.equal(q.fake_quantize(x), sglang_kvfp4.dequantize(want, x.dtype))
+    with pytest.raises(ValueError, match="no global amax"):
+        q.quantize(x, global_amax=torch.tensor(1.0))
+    assert TraceConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c and c.to_dict()["kv_format"]
 
 
 def test_from_dict_rejects_unknown_fields():
@@ -95,11 +116,13 @@ def test_hydra_structured_config_and_overrides():
         open(f"{d}/main.yaml", "w").write("defaults:\n  - trace: default\n  - _self_\n")
         with initialize_config_dir(config_dir=d, version_base=None):
             cfg = compose("main", overrides=["trace.cache_mode=full", "trace.guided_layer_list=[1,2]",
-                                             "trace.guided_layers=explicit",
+                                             "trace.guided_layers=explicit", "trace.kv_format=sglang_kvfp4",
                                              "trace.exclude_modules=[model.layers.0.*,model.layers.7.mlp.experts]"])
     c = from_hydra(cfg.trace)
-    assert c.cache_mode == "full" and c.guided_layer_list == (1, 2)
+    assert c.cache_mode == "full" and c.guided_layer_list == (1, 2) and c.kv_format == "sglang_kvfp4"
     assert c.exclude_modules == ("model.layers.0.*", "model.layers.7.mlp.experts")
     assert TraceConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
     with pytest.raises(ValueError, match="format='fp3'"):
         from_hydra({**c.to_dict(), "format": "fp3"})
+    with pytest.raises(ValueError, match="kv_format='fp4_e2m1'"):
+        from_hydra({**c.to_dict(), "kv_format": "fp4_e2m1"})

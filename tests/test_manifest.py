@@ -19,11 +19,26 @@ def test_json_round_trip():
 @pytest.mark.parametrize(
     "kw,field",
     [({"format": "mxfp4"}, "format"), ({"activation_amax": "per_tensor"}, "activation_amax"),
-     ({"cache_mode": "full"}, "cache_mode"), ({"rounding": "stochastic"}, "trainer_rounding")],
+     ({"cache_mode": "full"}, "cache_mode"), ({"rounding": "stochastic"}, "trainer_rounding"),
+     ({"kv_format": "sglang_kvfp4"}, "kv_format")],
 )
 def test_flipping_one_setting_names_the_field(kw, field):
     with pytest.raises(RecipeMismatchError, match=f"{field}: trainer="):
         _recipe().check_matches(_recipe(**kw))
+
+
+def test_kv_format_is_the_kv_sites_format():
+    assert _recipe().kv_format == "nvfp4" and _recipe(format="mxfp4").kv_format == "mxfp4"
+    assert _recipe(kv_format="sglang_kvfp4").kv_format == "sglang_kvfp4"
+    no_kv = dict(sites=("expert_fc1_in", "weights"), guided_sites=("expert_fc1_in",))
+    assert _recipe(**no_kv).kv_format == "none" == _recipe(**no_kv, kv_format="sglang_kvfp4").kv_format
+    assert _recipe(enabled=False).kv_format == "none"
+    with pytest.raises(RecipeMismatchError, match="kv_format: trainer='sglang_kvfp4' rollout='nvfp4'"):
+        _recipe(kv_format="sglang_kvfp4").check_matches(_recipe())
+    r = _recipe(kv_format="sglang_kvfp4")
+    assert QuantRecipe.from_json(r.to_json()) == r
+    with pytest.raises(RecipeMismatchError, match="manifest_version=1"):
+        QuantRecipe.from_json(r.to_json().replace('"manifest_version": 2', '"manifest_version": 1'))
 
 
 def test_weight_version_checked_unless_ignored():

@@ -25,7 +25,7 @@ def export(hf_dir: str, out: str, input_amax: float) -> None:
     from megatron_trace.config import TraceConfig
     from megatron_trace.export import save_modelopt_checkpoint
 
-    cfg = TraceConfig()
+    cfg = TraceConfig(kv_format="sglang_kvfp4")  # K/V as SGLang's fp4_e2m1 KV cache stores them, on both sides
     hf_config = json.load(open(os.path.join(hf_dir, "config.json")))
     files = sorted(f for f in os.listdir(hf_dir) if f.endswith(".safetensors"))
     named = [(k, v) for f in files for k, v in load_file(os.path.join(hf_dir, f)).items()]
@@ -47,9 +47,9 @@ def serve(ckpt: str, tp: int) -> None:
     # CUDA graphs, chunked prefill and the radix cache stay on: guidance is stored per KV slot and read out
     # per request (trace_server_args rejects the settings the capture cannot handle, see launch.REQUIRED)
     engine = make_engine(cfg, **trace_server_args(ckpt, cfg, hf_config, tp_size=tp))
-    # a KV-quantizing TraceConfig serves SGLang's own FP4 KV format (sglang_kvfp4), not TraceConfig.format:
-    # accepting it means the trainer rejects the KV records (counted) and rounds K/V itself
-    backend = SGLangRolloutBackend(engine, cfg, hf_config, accept_kv_format_mismatch=True)
+    # SGLang's FP4 KV cache stores sglang_kvfp4; the exported TraceConfig says kv_format="sglang_kvfp4", so the
+    # trainer quantizes K/V the same way and the KV records guide it (another kv_format is refused, naming it)
+    backend = SGLangRolloutBackend(engine, cfg, hf_config)
     batch = backend.generate([[1, 2, 3, 4]], SamplingParams(max_new_tokens=16, temperature=1.0, seed=0))
     covered = {k: float(g.valid.float().mean()) for k, g in batch.guidance.items()}
     logger.info("sampled %s; guidance coverage per (layer, site): %s", batch.responses(), covered)

@@ -29,11 +29,14 @@ this format carry ``fmt="sglang_kvfp4"`` and must not be consumed as ``TraceConf
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import block, e2m1
 from .constants import E2M1_MAX, E8M0_BIAS
-from .tensor import FP4Tensor, GuidanceMismatchError
+from .quantizer import ste_backward
+from .tensor import CompactGuidance, FP4Tensor, FullGuidance, GuidanceMismatchError
 
 NAME = "sglang_kvfp4"
 BLOCK = 16
@@ -156,3 +159,57 @@ def to_sglang(q: FP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def guided_quantize(x: torch.Tensor, guidance) -> FP4Tensor:
     """Guided rounding toward an ``sglang_kvfp4`` record, with its scales (float32 math)."""
     return block.guided_quantize_with_z(FORMAT, x, guidance)[0]
+
+
+@dataclass(frozen=True)
+class SGLangKVQuantizer:
+    """K/V in this format (``TraceConfig.kv_format="sglang_kvfp4"``), with ``formats.Quantizer``'s interface.
+
+    Own rounding: ``quantize(x, compute_dtype=torch.float32)`` (SGLang's compiled quantizer:
+    E8M0 ceil scales per 16 elements, ties away from zero; ``TraceConfig.rounding`` does not apply);
+    guided: ``sglang_kvfp4.guided_quantize`` toward a record. Rows need a last dim that is a multiple of 16.
+    Reference implementation only (no Triton path). ``ste_clip``: as ``Quantizer.ste_clip``.
+    """
+
+    ste_clip: bool = False
+    fmt = NAME
+    per_row = False
+    rounding = "ties_away"
+
+    @property
+    def format(self):
+        return FORMAT
+
+    @property
+    def block_size(self) -> int:
+        return BLOCK
+
+    def quantize(self, x: torch.Tensor, *, global_amax=None, generator=None) -> FP4Tensor:
+        if global_amax is not None:
+            raise ValueError(f"{self.fmt} has no global amax: pass global_amax=None")
+        return quantize(x, compute_dtype=torch.float32)
+
+    def guided_quantize(self, x: torch.Tensor, guidance: FullGuidance | CompactGuidance) -> FP4Tensor:
+        return guided_quantize(x, guidance)
+
+    def fake_quantize(self, x: torch.Tensor, *, guidance=None, global_amax=None, generator=None) -> torch.Tensor:
+        """Quantize-dequantize ``x`` (guided if ``guidance`` is given) with a straight-through gradient."""
+        if global_amax is not None:
+            raise ValueError(f"{self.fmt} has no global amax: pass global_amax=None")
+        return _SGLangKVFakeQuant.apply(x, self, guidance, None, None)
+
+
+class _SGLangKVFakeQuant(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, quantizer: SGLangKVQuantizer, guidance, _unused1, _unused2):
+        xd = x.detach()
+        q = quantizer.quantize(xd) if guidance is None else quantizer.guided_quantize(xd, guidance)
+        ctx.ste_clip = quantizer.ste_clip
+        if quantizer.ste_clip:
+            z = quantizer.format.scale_values(block.to_blocks(xd, BLOCK), q.block_scales, None)
+            ctx.save_for_backward((z.abs() <= 6.0).flatten(-2)[..., : x.shape[-1]])
+        return q.dequantize(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ste_backward(ctx, grad)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..config import ACTIVATION_SITES, TraceConfig
+from ..config import ACTIVATION_SITES, KV_SITES, TraceConfig
 from ..formats import get_format
 from .model_dims import ModelDims
 from .site import SiteKey
@@ -36,11 +36,14 @@ def row_bytes(k: int, *, fmt: str = "nvfp4", compact: bool = True, amax: str = "
     return payload + kp // block + amax_bytes
 
 
-def site_bytes_per_token(dims: ModelDims, layer: int, site: str, **fmt_kw) -> int:
-    """Guidance bytes per token of one (layer, site); 0 where the layer has no such site."""
+def site_bytes_per_token(dims: ModelDims, layer: int, site: str, *, kv_fmt: str | None = None, **fmt_kw) -> int:
+    """Guidance bytes per token of one (layer, site); 0 where the layer has no such site. ``kv_fmt``: the
+    K/V records' format when it is not ``fmt`` (``TraceConfig.kv_format``)."""
     if not dims.has_site(layer, site):
         return 0
     rows, k = dims.site_rows(site)
+    if kv_fmt and site in KV_SITES:
+        fmt_kw = {**fmt_kw, "fmt": kv_fmt}
     return rows * row_bytes(k, **fmt_kw)
 
 
@@ -79,8 +82,9 @@ def bytes_per_layer(dims: ModelDims, sites: Iterable[str], **fmt_kw) -> dict[int
 
 
 def config_fmt_kw(config: TraceConfig) -> dict:
-    """The ``fmt``/``compact``/``amax`` keywords that a TraceConfig implies."""
-    return dict(fmt=config.format, compact=config.cache_mode == "compact", amax=config.activation_amax)
+    """The ``fmt``/``kv_fmt``/``compact``/``amax`` keywords that a TraceConfig implies."""
+    return dict(fmt=config.format, kv_fmt=config.kv_record_format, compact=config.cache_mode == "compact",
+                amax=config.activation_amax)
 
 
 def side_bytes(dims: ModelDims, layer: int, site: str, *, expert_id_bytes: int = 8) -> int:

@@ -24,10 +24,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import ACTIVATION_SITES
+from ..config import ACTIVATION_SITES, KV_SITES
 
 _EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in")
-_KV_SITES = ("kv_k", "kv_v")
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class ModelDims:
     def has_site(self, layer: int, site: str) -> bool:
         if site in _EXPERT_SITES:
             return layer in self.moe_layers
-        if site in _KV_SITES:
+        if site in KV_SITES:
             return layer in self.kv_layers and self.site_rows(site)[0] > 0
         raise ValueError(f"site={site!r} is not one of {ACTIVATION_SITES}")
 

@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from ..config import TraceConfig
+from ..config import KV_SITES, TraceConfig
 from ..formats import get_format
 from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw
 from .model_dims import ModelDims
@@ -137,12 +137,13 @@ def _align(n: int) -> int:
 def _site_tensor_bytes(dims: ModelDims, site: str, tokens: int, config: TraceConfig) -> dict[str, int]:
     """Bytes of each tensor one sample's record of ``site`` holds (the fields of ``serial._site_tensors``)."""
     rows, k = dims.site_rows(site)
-    block = get_format(config.format).block_size
+    fmt = config.kv_record_format if site in KV_SITES else config.format
+    block = get_format(fmt).block_size
     kp = -(-k // block) * block
     n = tokens * rows
     out = {"payload": n * (kp // 8 if config.cache_mode == "compact" else kp // 2), "scales": n * (kp // block),
            "valid": tokens * (rows if site == "expert_fc2_in" else 1)}  # bool [L] or [L, topk]
-    if config.format == "nvfp4":
+    if fmt == "nvfp4":
         out["amax"] = n * 4 if config.activation_amax == "per_row" else 4  # fp32 per row, or one per record
     if site == "expert_fc2_in":
         out["expert_ids"] = n * _ID_BYTES

@@ -12,7 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..config import ACTIVATION_SITES, CACHE_MODES, FALLBACKS, KERNELS, LAYER_POLICIES, SITES, TraceConfig
+from ..config import (
+    ACTIVATION_SITES,
+    CACHE_MODES,
+    FALLBACKS,
+    KERNELS,
+    KV_FORMATS,
+    LAYER_POLICIES,
+    SITES,
+    TraceConfig,
+)
 from ..formats import FORMATS
 from ..formats.mxfp4 import SCALE_RULES
 from ..formats.rounding import ROUNDINGS
@@ -21,6 +30,7 @@ from ..guidance.selection import guided_layers
 # flag -> TraceConfig field for the flags that map one to one
 _SIMPLE = {
     "trace_format": "format",
+    "trace_kv_format": "kv_format",
     "trace_mxfp4_scale_rule": "mxfp4_scale_rule",
     "trace_activation_amax": "activation_amax",
     "trace_guided_last_k": "guided_last_k",
@@ -75,6 +85,9 @@ def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trace-fp4", action="store_true", help="Turn TRACE on: FP4 QAT experts + KV site.")
     g.add_argument("--trace-config", default=None, help="JSON file with a TraceConfig; flags override it.")
     g.add_argument("--trace-format", choices=FORMATS, default=None)
+    g.add_argument("--trace-kv-format", choices=KV_FORMATS, default=None,
+                   help="K/V format at the KV sites: '' (= --trace-format) or sglang_kvfp4 (SGLang's fp4_e2m1 KV "
+                        "cache; its KV records then guide the trainer).")
     g.add_argument("--trace-mxfp4-scale-rule", choices=SCALE_RULES, default=None)
     g.add_argument("--trace-sites", type=_site_list(SITES), default=None,
                    help=f"Comma list of quantized sites ({', '.join(SITES)}).")

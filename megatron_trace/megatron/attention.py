@@ -4,6 +4,10 @@ Core attention receives K and V after RoPE, [S, B, kv_heads_local, head_dim] (be
 repetition), i.e. exactly what the rollout's FP4 KV cache stores. ``TraceKVCore`` quantizes them
 (guided on selected layers) and hands them to Megatron's own attention; ``TraceDotProductAttention``
 is the local (unfused) variant, the TE variant lives in ``te.py``.
+
+``TraceConfig.kv_format="sglang_kvfp4"``: K/V in SGLang's FP4 KV-cache format instead (``kv_quantizer()``:
+E8M0 ceil scales per 16, ties away from zero), so the trainer computes the K/V an SGLang rollout stores and
+SGLang's KV records guide it.
 """
 
 from __future__ import annotations
@@ -12,13 +16,11 @@ import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from ..config import TraceConfig
-from ..formats import FP4Tensor
+from ..formats import FP4Tensor, Quantizer
 from ..manifest import kv_cache_name, module_excluded
 from .rows import RowGuidance, map_record
 from .sites import quantize_rows, quantize_rows_recorded
 from .step import INVALID, NOT_GUIDED, SHAPE, CheckedSite, GuidanceFallbackError, StepState, flat_rows, token_rows
-
-KV_SITES = ("kv_k", "kv_v")
 
 
 class KVStep:
@@ -63,7 +65,12 @@ class TraceKVCore:
         if not isinstance(trace_config, TraceConfig):
             raise TypeError(f"trace_config must be a TraceConfig, got {type(trace_config).__name__}")
         self.trace_config = trace_config
-        self._kv_q = trace_config.activation_quantizer()
+        self._kv_q = trace_config.kv_quantizer()  # activation quantizer, or SGLang's KV format (kv_format)
+        # SGLang's KV format has no Triton path: its fake-quant always runs the reference
+        self._kv_kernel = trace_config.kernel if isinstance(self._kv_q, Quantizer) else "reference"
+        if not isinstance(self._kv_q, Quantizer) and self.config.kv_channels % self._kv_q.block_size:
+            raise ValueError(f"TraceConfig.kv_format={trace_config.kv_format!r} needs kv_channels (head_dim) to be a "
+                             f"multiple of {self._kv_q.block_size}, got {self.config.kv_channels}")
         # layer_number counts from 1 across pipeline stages; exclude_modules keeps this layer's K/V in BF16
         self._excluded = module_excluded(trace_config, kv_cache_name(self.layer_number - 1))
 
@@ -92,7 +99,7 @@ class TraceKVCore:
             y, q = quantize_rows_recorded(self._kv_q, flat, rows)
             step.state.recorder.add_kv(step.layer, site, _reshape(q, x.shape))
         else:
-            y = quantize_rows(self._kv_q, flat, rows, kernel=self.trace_config.kernel)
+            y = quantize_rows(self._kv_q, flat, rows, kernel=self._kv_kernel)
         return y.view(x.shape)
 
 

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from ..config import ACTIVATION_SITES, FALLBACKS, TraceConfig
+from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
 from ..manifest import excluded_modules
-from .attention import KV_SITES, KVStep, TraceKVCore
+from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
 from .moe_step import FC1, FC2, MoEStep
 from .recording import Recorder

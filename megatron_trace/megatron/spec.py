@@ -30,8 +30,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from ..config import TraceConfig
-from .attention import KV_SITES, TraceDotProductAttention
+from ..config import KV_SITES, TraceConfig
+from .attention import TraceDotProductAttention
 from .experts import TraceSequentialMLP
 from .te import TraceTEGroupedMLP, require_te, trace_te_attention_class
 

@@ -7,6 +7,8 @@ reasons (rows that fell back to the trainer's own rounding):
   not_guided_layer  the layer is outside the layer policy
   missing           no guidance for this (layer, site)
   shape             the guidance does not fit the layer or the batch (rejected as a whole)
+  format            the record's format is not the site's (``TraceConfig.kv_record_format`` at KV sites,
+                    ``format`` elsewhere), e.g. SGLang's KV records for a trainer without ``kv_format``
   invalid_row       the record marks the row invalid (not recorded, rejected at assembly)
   expert_mismatch   FC2: the trainer routed the token to an expert the rollout did not choose
 
@@ -27,6 +29,7 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 from ..config import TraceConfig
 from ..formats import CompactGuidance, FullGuidance, e2m1
 from ..guidance.site import FallbackCounter, SiteGuidance
+from ..manifest import KV_SITES
 from .rows import Record, RowGuidance, map_record, token_major
 
 logger = logging.getLogger(__name__)
@@ -129,13 +132,16 @@ class CheckedSite:
 
 def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[int, ...], config: TraceConfig,
                compact: bool, fail: bool) -> CheckedSite:
-    """Accept ``sg`` if its format and per-row dims are ``rows`` (dims after [B, S])."""
+    """Accept ``sg`` if its format (``TraceConfig.kv_record_format`` at KV sites, ``format`` elsewhere) and
+    per-row dims are ``rows`` (dims after [B, S])."""
     if sg is None:
         return CheckedSite(None, MISSING)
     r = sg.record
-    if r.fmt != config.format:  # e.g. SGLang's fp4_e2m1 KV records ("sglang_kvfp4") for an NVFP4 trainer
-        msg = (f"guidance for layer {layer} site {site!r} rejected: format {r.fmt!r} != TraceConfig.format "
-               f"{config.format!r}")
+    kv = site in KV_SITES
+    want = config.kv_record_format if kv else config.format
+    if r.fmt != want:  # e.g. SGLang's fp4_e2m1 KV records ("sglang_kvfp4") for a trainer without kv_format
+        name = "kv_format" if kv and config.kv_format else "format"
+        msg = f"guidance for layer {layer} site {site!r} rejected: format {r.fmt!r} != TraceConfig.{name} {want!r}"
         if fail:
             raise GuidanceFallbackError(msg)
         logger.warning(msg)
@@ -145,6 +151,8 @@ def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[in
         problem = f"row dims {tuple(r.shape[2:])} != the layer's {tuple(rows)}"
     elif r.fmt == "nvfp4" and (r.global_amax is None or (r.global_amax.dim() and r.global_amax.shape[-1] != 1)):
         problem = "NVFP4 guidance needs a per-row (or per-tensor) global_amax"
+    elif r.fmt != "nvfp4" and r.global_amax is not None:
+        problem = f"{r.fmt} guidance must not carry a global_amax"
     elif site == "expert_fc2_in" and sg.expert_ids is None:
         problem = "expert_fc2_in guidance needs expert_ids"
     mode = as_mode(r, compact) if problem is None else None

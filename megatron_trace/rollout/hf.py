@@ -2,7 +2,8 @@
 
 Modes: ``"bf16"`` (no quantization: the model in its dtype) and ``"fp4"`` (TRACE rollout
 numerics: routed experts W4A4 with ``TraceConfig.weight_quantizer()`` /
-``activation_quantizer()`` at ``expert_fc1_in`` and ``expert_fc2_in``, and an FP4 KV cache;
+``activation_quantizer()`` at ``expert_fc1_in`` and ``expert_fc2_in``, and an FP4 KV cache
+(``kv_quantizer()``: ``TraceConfig.format``, or SGLang's format with ``kv_format="sglang_kvfp4"``);
 each as enabled by ``TraceConfig.sites``). In FP4 mode the backend records guidance at the
 selected (layer, site) pairs for prompt and response positions; in both modes it records
 every MoE layer's expert choices. Log-probs come from the same forward that sampled.
@@ -31,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, 
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..config import TraceConfig
-from ..formats import FP4Tensor
+from ..formats import FP4Tensor, NonFiniteError
 from ..guidance.selection import guided_layers
 from ..guidance.site import SiteKey
 from ..kernels import Kernel, select_kernel
@@ -101,7 +102,10 @@ class HFRolloutBackend:
     prefix_reuse: prefill identical prompts of a batch once (see the module docstring).
     fused_kv_attention: decode steps read the FP4 KV cache with the fused dequant+attention kernel
         (``rollout.attention``) instead of dequantizing the history for SDPA. None (default): on where the
-        Triton kernels run (CUDA, ``TraceConfig.kernel`` auto/triton) with a bf16/fp16 model and SDPA attention.
+        Triton kernels run (CUDA, ``TraceConfig.kernel`` auto/triton) with a bf16/fp16 model and SDPA attention;
+        always off with ``TraceConfig.kv_format="sglang_kvfp4"``.
+    ``trace_config.kv_format="sglang_kvfp4"``: the FP4 KV cache stores and records K/V in SGLang's format
+        (``formats.sglang_kvfp4``, reference path), the records a trainer with the same ``kv_format`` accepts.
     GPU path (``TraceConfig.kernel`` "auto" on CUDA, bf16): routed experts run one grouped GEMM per matrix kind
     (FP4 mode: the Triton W4A16 kernel on the packed weights; BF16 mode: ``torch._grouped_mm``) with Triton
     activation quantizers, and the FP4 KV cache quantizes/dequantizes with Triton: same codes as the reference
@@ -155,7 +159,7 @@ class HFRolloutBackend:
         self.set_guided_layers(guided_layer_ids)
         self.prefix_reuse = bool(prefix_reuse)
         self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
-            else bool(fused_kv_attention) and attn_implementation == "sdpa"
+            else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
         self.trainer_recipe: QuantRecipe | None = None
         self._recipe_ignore: tuple[str, ...] = ()
         if recipe is not None:
@@ -167,6 +171,8 @@ class HFRolloutBackend:
 
     def _fused_default(self, attn_implementation: str) -> bool:
         if attn_implementation != "sdpa" or self.model.dtype not in (torch.bfloat16, torch.float16):
+            return False
+        if self.config.kv_format:  # SGLang's KV format: dequantize + SDPA (the fused kernel reads NVFP4/MXFP4)
             return False
         return select_kernel(self.config.kernel, self.device) is Kernel.TRITON
 
@@ -223,7 +229,7 @@ class HFRolloutBackend:
         qk, qv = self._quantizes("kv_k"), self._quantizes("kv_v")
         if not (qk or qv):
             return DynamicCache(config=self.hf_config)
-        return FP4KVCache(self.num_layers, self.config.activation_quantizer(), quantize_k=qk, quantize_v=qv,
+        return FP4KVCache(self.num_layers, self.config.kv_quantizer(), quantize_k=qk, quantize_v=qv,
                           recorder=recorder, bf16_layers=self.bf16_kv_layers, kernel=self.config.kernel,
                           fused_decode=self.fused_kv_attention)
 
@@ -277,9 +283,10 @@ class HFRolloutBackend:
             logits = self._step(ids[first], attn[first], pos[first], cache, recorder, attn[first])
             logits = fork_prefill(fork, logits, cache, recorder)
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        nonfinite = torch.zeros_like(done)  # rows with NaN/Inf logits, checked once at the end (no per-step sync)
         toks, lps, alives = [], [], []
         for i in range(sampling.max_new_tokens):
-            tok, lp = sample_tokens(logits, sampling, gen)
+            tok, lp = sample_tokens(logits, sampling, gen, nonfinite)
             alive = ~done  # rows whose token at this step belongs to the response
             toks.append(torch.where(alive, tok, self.pad_token_id))
             lps.append(torch.where(alive, lp, 0.0))
@@ -292,6 +299,12 @@ class HFRolloutBackend:
             logits = self._step(toks[-1].unsqueeze(1), attn, pos, cache, recorder, alive.unsqueeze(1))
             if last:
                 break
+        nonfinite |= ~torch.isfinite(logits.float()).all(dim=-1)  # the forward of the last fed token
+        if bool(nonfinite.any()):
+            rows = nonfinite.nonzero().flatten().tolist()
+            raise NonFiniteError(f"rollout produced NaN/Inf logits for {len(rows)} of {len(done)} prompt row(s) "
+                                 f"(first: {rows[:8]}): non-finite activations or weights upstream; nothing of this "
+                                 "batch is returned (no tokens, log-probs or guidance)")
         return torch.stack(toks, 1), torch.stack(lps, 1), torch.stack(alives, 1), done
 
     def _assemble(self, ids, plens, steps, recorder) -> RolloutBatch:

@@ -15,6 +15,10 @@ per row (the same value in every row of a chunk: dequantizes to the same bits). 
 skips dequantizing the history: it returns the new token's K/V [B, kv_heads, 1, head_dim] with the layer
 attached as ``DEFERRED_ATTR``, and the attention that follows must read the packed history from it
 (``rollout.attention``, the fused FP4-KV decode attention; ``HFRolloutBackend`` selects it).
+
+``TraceConfig.kv_format="sglang_kvfp4"`` (``formats.sglang_kvfp4.SGLangKVQuantizer``): rows are stored and recorded in
+SGLang's FP4 KV-cache format (``formats.sglang_kvfp4``, the reference path: no Triton, no fused decode; reads
+dequantize the history for SDPA), so the records guide a trainer with the same ``kv_format``.
 """
 
 from __future__ import annotations
@@ -25,9 +29,13 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..formats import FP4Tensor, Quantizer
+from ..formats.sglang_kvfp4 import SGLangKVQuantizer
 from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
 from .recorder import GuidanceRecorder, map_record
+
+KVQuantizer = Quantizer | SGLangKVQuantizer
+"""``TraceConfig.kv_quantizer()``: the activation quantizer, or SGLang's KV format (``kv_format``)."""
 
 DEFERRED_ATTR = "_trace_fp4_kv_layer"
 """Attribute of the key tensor a deferred decode update returns: the ``FP4KVLayer`` holding the history."""
@@ -139,15 +147,17 @@ class FP4KVLayer(DynamicLayer):
     (the other is kept in the model dtype). Records the rollout's rows for ``kv_k``/``kv_v``
     when a recorder is given. ``kernel``: "auto" | "reference" | "triton" (``kernels.select_kernel``)."""
 
-    def __init__(self, layer_idx: int, quantizer: Quantizer, *, quantize_k: bool = True, quantize_v: bool = True,
-                 recorder: GuidanceRecorder | None = None, kernel: str = "auto", fused_decode: bool = False):
+    def __init__(self, layer_idx: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
+                 quantize_v: bool = True, recorder: GuidanceRecorder | None = None, kernel: str = "auto",
+                 fused_decode: bool = False):
         super().__init__()
         self.layer_idx = layer_idx
-        self.fused_decode = fused_decode and quantize_k and quantize_v
+        reference_only = not isinstance(quantizer, Quantizer)  # SGLang's KV format: no Triton, no fused decode
+        self.fused_decode = fused_decode and quantize_k and quantize_v and not reference_only
         self.quantizer = quantizer
         self.quantize_k, self.quantize_v = quantize_k, quantize_v
         self.recorder = recorder
-        self.kernel = kernel
+        self.kernel = "reference" if reference_only else kernel
         self._rows: dict[str, _FP4Rows | _PlainRows] = {}
         self._length = 0
 
@@ -166,7 +176,10 @@ class FP4KVLayer(DynamicLayer):
         rows = self._rows[site]
         if isinstance(rows, _PlainRows):
             return rows.append(x)
-        q = kernel_quantize(x, self.quantizer, kernel=self.kernel, check_finite=False)
+        if isinstance(self.quantizer, Quantizer):
+            q = kernel_quantize(x, self.quantizer, kernel=self.kernel, check_finite=False)
+        else:
+            q = self.quantizer.quantize(x)
         rows.append(q)
         if self.recorder is not None:
             # record batch-major [B, t, kv_heads, ...]
@@ -227,9 +240,9 @@ class FP4KVLayer(DynamicLayer):
 class FP4KVCache(Cache):
     """A ``transformers`` Cache of ``FP4KVLayer`` (pass as ``cache=`` to the model)."""
 
-    def __init__(self, num_layers: int, quantizer: Quantizer, *, quantize_k: bool = True, quantize_v: bool = True,
-                 recorder: GuidanceRecorder | None = None, bf16_layers: frozenset[int] = frozenset(),
-                 kernel: str = "auto", fused_decode: bool = False):
+    def __init__(self, num_layers: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
+                 quantize_v: bool = True, recorder: GuidanceRecorder | None = None,
+                 bf16_layers: frozenset[int] = frozenset(), kernel: str = "auto", fused_decode: bool = False):
         """``bf16_layers``: layers whose K and V stay in the model dtype (``TraceConfig.exclude_modules``).
         With ``quantize_k=quantize_v=False`` this is a plain preallocated cache in the model dtype.
         ``fused_decode``: see the module docstring."""

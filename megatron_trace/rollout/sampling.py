@@ -23,15 +23,25 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    nonfinite: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens int64 [B], logprobs float32 [B])."""
+    """logits [B, V] -> (tokens int64 [B], logprobs float32 [B]).
+
+    ``nonfinite`` (bool [B], on the logits' device): rows whose logits hold NaN/Inf are OR-ed into it without a
+    host sync, and such rows sample from a uniform distribution instead of failing inside ``multinomial`` (a
+    device-side assert on CUDA); their log-probs stay non-finite. The caller checks the flags once per batch.
+    """
     logits = logits.float()
+    if nonfinite is not None:
+        nonfinite |= ~torch.isfinite(logits).all(dim=-1)
     if params.greedy:
         logp = torch.log_softmax(logits, dim=-1)
         tokens = logits.argmax(dim=-1)
     else:
         logp = torch.log_softmax(logits / params.temperature, dim=-1)
         probs = top_p_filter(logp.exp(), params.top_p)
+        if nonfinite is not None:
+            probs = torch.where(nonfinite[:, None], torch.ones((), dtype=probs.dtype, device=probs.device), probs)
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

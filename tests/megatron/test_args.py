@@ -26,6 +26,7 @@ CONFIGS = [
     TraceConfig(sites=("expert_fc1_in", "weights"), guided_sites=("expert_fc1_in",), guided_layers="explicit",
                 guided_layer_list=(1, 3)),
     TraceConfig(guided_layers="budget", budget_bytes_per_token=7500.0),
+    TraceConfig(kv_format="sglang_kvfp4"),
 ]
 
 

@@ -44,6 +44,7 @@ def test_hf_backend_serves_the_trainers_recipe():
     (dict(activation_amax="per_tensor"), "activation_amax"),
     (dict(cache_mode="full"), "cache_mode"),
     (dict(guided_last_k=1), "guided_layers"),
+    (dict(kv_format="sglang_kvfp4"), "kv_format"),
     ("no_kv", "quantized_modules"),
 ])
 def test_startup_check_names_the_flipped_field(flip, field):

@@ -155,3 +155,22 @@ def test_driver_registers_and_checks_the_quant_recipe(megatron_cpu, ckpt, tmp_pa
         r.rollout.check_recipe(dataclasses.replace(r.recipe, activation_amax="per_tensor"))
     assert GRPORun(make_arm("fp4_naive", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path,
                    cache_dir=tmp_path / "c2").recipe is None  # mixed numerics on purpose: nothing to check
+
+
+def test_sglang_kv_format_records_guide_the_trainer_exactly(megatron_cpu, ckpt, tmp_path):
+    """kv_format='sglang_kvfp4' end to end: the hf rollout stores and records K/V in SGLang's format, the records
+    pass the guidance cache and guide the Megatron trainer's KV site: no KV code or scale differs (the NVFP4
+    trace_full arm above asserts < 1e-3 over all guided sites), no row falls back."""
+    arm = make_arm("trace_full", TraceConfig(kv_format="sglang_kvfp4"))
+    rl = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, checkpoint_every=0)
+    r = GRPORun(arm, rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")  # recipes agree
+    assert r.recipe.kv_format == "sglang_kvfp4" == r.rollout.recipe().kv_format
+    problems, ids = r._prompts(0)
+    batch = r.rollout.generate(ids, r._sampling(0, 1.0))
+    assert {sg.record.fmt for (_, site), sg in batch.guidance.items() if site.startswith("kv_")} == {"sglang_kvfp4"}
+    m = r.step()
+    for site in ("kv_k", "kv_v"):
+        assert m[f"quant/{site}/code_mismatch_rate"] == 0.0 and m[f"quant/{site}/scale_mismatch_rate"] == 0.0
+        assert m[f"guidance/trainer/coverage/{site}"] == 1.0
+    assert m["quant/guided/code_mismatch_rate"] < 1e-3
+    assert m["guidance/trainer/coverage"] == 1.0 and "guidance/trainer/fallback/format" not in m

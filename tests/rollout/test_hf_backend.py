@@ -181,3 +181,16 @@ def test_loads_a_checkpoint_directory_and_rejects_other_models(tmp_path):
                                          num_attention_heads=2, num_key_value_heads=1, head_dim=8))
     with pytest.raises(TypeError, match="routed experts"):
         HFRolloutBackend(dense, mode="bf16")
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nonfinite_activations_fail_the_batch_loudly(mode, temperature):
+    from megatron_trace.formats import NonFiniteError
+
+    be = backend(mode)
+    be.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0, temperature=temperature))  # healthy first
+    with torch.no_grad():
+        be.model.model.embed_tokens.weight[PROMPTS[2][0]] = float("nan")  # only the third prompt sees it
+    with pytest.raises(NonFiniteError, match="NaN|non-finite"):
+        be.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0, temperature=temperature))

@@ -28,7 +28,7 @@ class FakeQuantKV(DynamicLayer):
 
 def full_forward_fake_quant_kv(be, batch):
     """One full-sequence forward over the rollout's tokens with fake-quantized K/V -> logprobs, layers."""
-    layers = [FakeQuantKV(be.config.activation_quantizer()) for _ in range(be.num_layers)]
+    layers = [FakeQuantKV(be.config.kv_quantizer()) for _ in range(be.num_layers)]
     with be.forward_context() as model:
         logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask.long(), use_cache=True,
                        **be.cache_kwargs(Cache(layers=layers))).logits
@@ -36,9 +36,13 @@ def full_forward_fake_quant_kv(be, batch):
     return torch.cat([torch.zeros(batch.batch_size, 1), logp], 1), layers
 
 
-@pytest.mark.parametrize("sites", [("kv_k", "kv_v"), ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v", "weights")])
-def test_fp4_kv_decode_equals_full_forward_with_fake_quantized_kv(sites):
-    cfg = TraceConfig(sites=sites, guided_sites=("kv_k", "kv_v"), guided_layers="all", cache_mode="full")
+@pytest.mark.parametrize("sites, kv_format", [
+    (("kv_k", "kv_v"), ""), (("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v", "weights"), ""),
+    (("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v", "weights"), "sglang_kvfp4"),
+])
+def test_fp4_kv_decode_equals_full_forward_with_fake_quantized_kv(sites, kv_format):
+    cfg = TraceConfig(sites=sites, guided_sites=("kv_k", "kv_v"), guided_layers="all", cache_mode="full",
+                      kv_format=kv_format)
     be = HFRolloutBackend(tiny_model(seed=1), mode="fp4", trace_config=cfg, dtype=torch.float32)
     out = be.generate(PROMPTS, SamplingParams(max_new_tokens=8, seed=2))
     ref, layers = full_forward_fake_quant_kv(be, out)
@@ -46,6 +50,7 @@ def test_fp4_kv_decode_equals_full_forward_with_fake_quantized_kv(sites):
     assert torch.allclose(out.logprobs[m], ref[m], atol=1e-4)
     # the K codes the cache stored (recorded as kv_k guidance) are those of the fake-quant reference
     rec = out.guidance[(1, "kv_k")]
+    assert rec.record.fmt == cfg.kv_record_format and be.recipe().kv_format == cfg.kv_record_format
     got = e2m1.decode(rec.record.unpacked_codes())[rec.valid]  # [N, heads, hd]
     want = e2m1.decode(layers[1].codes_k.transpose(1, 2))[rec.valid]
     assert (got != want).float().mean() < 0.01
@@ -105,3 +110,29 @@ def test_deferred_update_keeps_the_history_packed():
     assert step.shape == (2, 3, 1, 32) and layer is cache.layers[0]
     hk, hv = layer.packed_history()
     assert hk.shape == (2, 3, 6, 32) and torch.equal(hk.dequantize(), q.fake_quantize(torch.cat([k, k[:, :, :1]], 2)))
+
+
+def test_sglang_kv_format_stores_sglangs_rows_without_triton_or_fused_decode():
+    """kv_format='sglang_kvfp4': rows are SGLang's compiled quantizer's (float32 math), dequantized on read (a
+    decode step returns the whole history: no deferred fused attention), kernel='triton' is not used."""
+    from megatron_trace.formats import sglang_kvfp4
+
+    q = TraceConfig(kv_format="sglang_kvfp4").kv_quantizer()
+    cache = FP4KVCache(1, q, kernel="triton", fused_decode=True)
+    k = (torch.randn(2, 3, 5, 32) * torch.logspace(-2, 2, 32)).bfloat16()  # [B, kv_heads, T, head_dim]
+    want = sglang_kvfp4.quantize(k, compute_dtype=torch.float32)
+    keys, values = cache.update(k, -k, 0)
+    assert torch.equal(keys, sglang_kvfp4.dequantize(want, k.dtype)) and keys.dtype == torch.bfloat16
+    hist = cache.layers[0].fp4_history("kv_k")
+    assert hist.fmt == "sglang_kvfp4" and hist.global_amax is None and torch.equal(hist.codes, want.codes)
+    assert torch.equal(hist.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+    step, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)
+    assert step.shape == (2, 3, 6, 32) and not hasattr(step, "_trace_fp4_kv_layer")
+    assert cache.layers[0].nbytes() == 2 * (2 * 3 * 6) * (32 // 2 + 32 // 16)  # codes + E8M0 scales, no amax
+
+
+def test_hf_backend_never_fuses_sglang_kv_attention():
+    cfg = TraceConfig(kv_format="sglang_kvfp4")
+    be = HFRolloutBackend(tiny_model(seed=4), mode="fp4", trace_config=cfg, dtype=torch.float32,
+                          fused_kv_attention=True)
+    assert not be.fused_kv_attention and not be.new_cache().layers[0].fused_decode

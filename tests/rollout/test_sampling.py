@@ -31,3 +31,18 @@ def test_sampling_follows_the_distribution():
     tok, _ = sample_tokens(logits, SamplingParams(), torch.Generator().manual_seed(0))
     freq = torch.bincount(tok, minlength=3).float() / tok.numel()
     assert torch.allclose(freq, torch.tensor([0.7, 0.2, 0.1]), atol=0.03)
+
+
+def test_nonfinite_rows_are_flagged_not_crashing_and_leave_other_rows_alone():
+    logits = torch.randn(5, 7, generator=torch.Generator().manual_seed(2))
+    bad = logits.clone()
+    bad[1, 3], bad[3, 0] = float("nan"), float("inf")
+    for params in (SamplingParams(), SamplingParams(temperature=0)):
+        want, want_lp = sample_tokens(logits, params, torch.Generator().manual_seed(0))
+        flags = torch.zeros(5, dtype=torch.bool)
+        tok, lp = sample_tokens(bad, params, torch.Generator().manual_seed(0), nonfinite=flags)
+        assert flags.tolist() == [False, True, False, True, False]
+        ok = ~flags
+        assert torch.equal(tok[ok], want[ok]) and torch.equal(lp[ok], want_lp[ok])
+        assert not torch.isfinite(lp[flags]).any()  # the bad rows' log-probs stay non-finite
+        assert ((tok >= 0) & (tok < 7)).all()

@@ -50,6 +50,23 @@ def test_fp4_kv_engine_refuses_a_kv_quantizing_trainer_unless_accepted(caplog):
         SGLangRolloutBackend(None, CFG, HF, recipe=trainer_recipe(CFG), kv_cache_dtype="auto")
 
 
+def test_fp4_kv_engine_accepts_a_trainer_in_sglangs_kv_format(caplog):
+    """TraceConfig.kv_format='sglang_kvfp4': the trainer computes what the engine stores; no override needed."""
+    sg = CFG.replace(kv_format="sglang_kvfp4")
+    with caplog.at_level(logging.WARNING):
+        be = SGLangRolloutBackend(None, sg, HF, recipe=trainer_recipe(sg))
+        SGLangRolloutBackend(None, CFG, HF, recipe=trainer_recipe(sg))  # the engine stores sglang_kvfp4 anyway
+    assert "KV cache format differs" not in caplog.text
+    assert be.recipe() == trainer_recipe(sg) and be.recipe().kv_format == sglang_kvfp4.NAME
+    with pytest.raises(RecipeMismatchError, match="kv_format: trainer='nvfp4' sglang rollout='sglang_kvfp4'.*"
+                                                  "set TraceConfig.kv_format='sglang_kvfp4'"):
+        SGLangRolloutBackend(None, sg, HF, recipe=trainer_recipe(CFG))
+    with pytest.raises(RecipeMismatchError, match="kv_format: trainer='sglang_kvfp4' sglang rollout='none'"):
+        SGLangRolloutBackend(None, sg, HF, recipe=trainer_recipe(sg), kv_cache_dtype="auto")  # BF16 KV engine
+    with pytest.raises(RecipeMismatchError, match="weight_version: trainer=0 sglang rollout=1"):
+        be.update_weights([], recipe=trainer_recipe(sg))  # every sync is checked, as before
+
+
 @pytest.mark.parametrize("kv", ["fp4_e2m1", "auto"])
 def test_exclude_modules_audit_matches_hf_backend_and_trainer(kv):
     cfg = CFG.replace(exclude_modules=("model.layers.0.mlp.experts",))
@@ -114,3 +131,21 @@ def test_trainer_rejects_sglang_kv_records_and_counts_them(caplog):
     ok = nvfp4.quantize(torch.randn(2, 5, 2, 16), per_row=True).guidance(compact=False)  # the same rows in nvfp4
     assert check_site(SiteGuidance(ok, sg.valid), site="kv_k", layer=1, rows=(2, 16), config=CFG, compact=False,
                       fail=False).sg is not None
+
+
+def test_trainer_in_sglangs_kv_format_uses_sglang_kv_records():
+    """The same records that a default trainer rejects are accepted with kv_format='sglang_kvfp4', and guided
+    rounding toward them reproduces SGLang's codes on the same K."""
+    pytest.importorskip("megatron.core")
+    from megatron_trace.megatron.step import check_site
+
+    sg_cfg = CFG.replace(kv_format="sglang_kvfp4")
+    k = (torch.randn(2, 5, 2, 16) * 3).bfloat16()  # [B, S, kv_heads, head_dim]
+    rec = sglang_kvfp4.quantize(k).guidance(compact=False)  # SGLang eager (bf16 math), as its pool stores
+    site = SiteGuidance(rec, torch.ones(2, 5, dtype=torch.bool))
+    for compact in (False, True):
+        c = check_site(site, site="kv_v", layer=1, rows=(2, 16), config=sg_cfg, compact=compact, fail=True)
+        assert c.sg is not None and c.reason is None and c.sg.record.fmt == sglang_kvfp4.NAME
+        got = sg_cfg.kv_quantizer().guided_quantize(k, c.sg.record)
+        assert torch.equal(got.codes, rec.codes) and torch.equal(got.block_scales.view(torch.uint8),
+                                                                  rec.block_scales.view(torch.uint8))

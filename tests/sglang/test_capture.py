@@ -303,6 +303,40 @@ def test_backend_generate_reads_out_prefix_hits_like_cold(engine_factory):
     assert batch.guidance[(0, "expert_fc1_in")].valid.tolist() == [[True] * 8 + [False]] * 2
 
 
+def test_backend_kv_records_guide_a_trainer_in_sglangs_kv_format(engine_factory):
+    """kv_format='sglang_kvfp4': the backend accepts the trainer's recipe without accept_kv_format_mismatch, and
+    the KV records it reads out (SGLang's own quantizer's pool rows) are what the trainer's KV quantizer, guided
+    by them, computes on the same K/V: every code and scale."""
+    from megatron_trace.config import TraceConfig
+    from megatron_trace.manifest import QuantRecipe
+    from megatron_trace.rollout.base import SamplingParams
+    from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend
+    from megatron_trace.rollout.sglang.launch import trace_server_args
+
+    hf = {"num_hidden_layers": 1, "vocab_size": 64, "hidden_size": H, "moe_intermediate_size": F,
+          "num_experts_per_tok": K_TOP, "num_attention_heads": 4, "num_key_value_heads": HEADS, "head_dim": HD,
+          "num_experts": E}
+    cfg = TraceConfig(guided_layers="all", cache_mode="full", kv_format="sglang_kvfp4")
+    hooks = trace_server_args("/ckpt", cfg, hf)["forward_hooks"]
+    eng = MiniSGLangEngine(engine_factory(hooks[0]["config"]), [RESP_A])
+    modules = ("model.layers.0.mlp.experts", "model.layers.0.self_attn.kv_cache")
+    recipe = QuantRecipe.from_config(cfg, guided_layers=(0,), quantized_modules=modules)
+    be = SGLangRolloutBackend(eng, cfg, hf, recipe=recipe)
+    batch = be.generate([PROMPT], SamplingParams(max_new_tokens=3))
+    hidden = hidden_of(PROMPT + RESP_A, list(range(8)))
+    q = cfg.kv_quantizer()
+    for site, w in (("kv_k", WK), ("kv_v", WV)):
+        sg = batch.guidance[(0, site)]
+        assert sg.record.fmt == q.fmt and sg.valid[0].tolist() == [True] * 8 + [False]
+        x = (hidden.float() @ w).reshape(1, 8, HEADS, HD).bfloat16()  # the trainer's K/V (same numbers here)
+        rec = _row(sg, 0).record
+        rec = type(rec)(codes=rec.codes[:, :8], block_scales=rec.block_scales[:, :8], global_amax=None,
+                        shape=(1, 8, HEADS, HD), fmt=rec.fmt)
+        got = q.guided_quantize(x, rec)
+        assert torch.equal(got.codes, rec.codes), site
+        assert torch.equal(got.block_scales.view(torch.uint8), rec.block_scales.view(torch.uint8)), site
+
+
 def _tree(module: str):
     import ast
     import importlib.util

@@ -59,11 +59,11 @@ class SGLangRolloutBackend:
     module excluded, as ``export.modelopt`` writes); ``recipe``: the trainer's ``QuantRecipe``,
     checked now and required on every ``update_weights`` (as in the hf backend).
     ``kv_cache_dtype``: the engine's (None: ``launch.kv_cache_dtype(trace_config)``, what
-    ``trace_server_args`` sets). SGLang's FP4 KV cache is ``sglang_kvfp4``, not ``TraceConfig.format``:
-    a trainer that quantizes KV is rejected by ``check_recipe`` unless ``accept_kv_format_mismatch``;
-    then the KV records (``fmt="sglang_kvfp4"``, a record-only format of ``formats.registry``) travel
-    with the rest, and the trainer's format check rejects them (counted as ``"format"``) and rounds
-    K/V itself.
+    ``trace_server_args`` sets). SGLang's FP4 KV cache is ``sglang_kvfp4`` (the recipe's ``kv_format``): a
+    trainer with ``TraceConfig.kv_format="sglang_kvfp4"`` computes the same K/V and is guided by the KV
+    records (``fmt="sglang_kvfp4"``). A trainer that quantizes KV in ``TraceConfig.format`` is rejected by
+    ``check_recipe`` unless ``accept_kv_format_mismatch``; then the KV records travel with the rest, and the
+    trainer's format check rejects them (counted as ``"format"``) and rounds K/V itself.
     ``native``: whether the engine runs SGLang's native NVFP4 MoE (None: this process's device has
     capability >= 10, as ``trace_server_args`` decides).
     """
@@ -120,20 +120,31 @@ class SGLangRolloutBackend:
         v = self.policy_version if weight_version is None else weight_version
         r = backend_recipe(self._served_config(), guided_layers=guided_layers(self.config, self.num_layers),
                            audit=self.module_audit(), weight_version=v)
+        if r.kv_format != "none":  # the engine's FP4 KV cache is SGLang's format, whatever the config says
+            r = dataclasses.replace(r, kv_format=sglang_kvfp4.NAME)
         return dataclasses.replace(r, activation_amax=NATIVE_ACTIVATION_AMAX) if self.native else r
 
     def check_recipe(self, trainer: QuantRecipe, *, weight_version: int | None = None) -> None:
+        """Raise ``RecipeMismatchError`` naming every field where ``trainer`` differs from what the engine serves.
+
+        K/V: the engine's FP4 KV cache is ``sglang_kvfp4``; a trainer with another ``kv_format`` is refused
+        unless ``accept_kv_format_mismatch`` (then ``kv_format`` is the one field allowed to differ)."""
         kv = [s for s in trainer.sites if s in KV_SITES]
-        if kv and self.kv_fp4:
-            msg = (f"KV cache format differs: sites: trainer={kv} as {trainer.format} ({trainer.scale_rule}, RNE) "
-                   f"sglang rollout={kv} as {sglang_kvfp4.NAME} (block 16, E8M0 ceil scales, ties away; "
+        ignore = ()
+        if kv and self.kv_fp4 and trainer.kv_format != sglang_kvfp4.NAME:
+            msg = (f"KV cache format differs: kv_format: trainer={trainer.kv_format!r} sglang rollout="
+                   f"{sglang_kvfp4.NAME!r} (sites: trainer={kv} as {trainer.kv_format} ({trainer.scale_rule}, RNE), "
+                   f"sglang rollout={kv} as {sglang_kvfp4.NAME}: block 16, E8M0 ceil scales, ties away; "
                    "kv_cache_dtype=fp4_e2m1)")
             if not self.accept_kv_format_mismatch:
-                raise RecipeMismatchError(msg + "; pass accept_kv_format_mismatch=True to run with the trainer "
-                                          "rejecting the KV records (counted) and rounding K/V itself")
+                raise RecipeMismatchError(msg + f"; set TraceConfig.kv_format={sglang_kvfp4.NAME!r} on the trainer "
+                                          "(it then computes SGLang's K/V and is guided by the KV records), or pass "
+                                          "accept_kv_format_mismatch=True to run with the trainer rejecting the KV "
+                                          "records (counted) and rounding K/V itself")
             logger.warning("%s: accepted; KV records are tagged %r and rejected by the trainer", msg,
                            sglang_kvfp4.NAME)
-        check_recipe(trainer, self.recipe(weight_version), what="sglang rollout")
+            ignore = ("kv_format",)
+        check_recipe(trainer, self.recipe(weight_version), what="sglang rollout", ignore=ignore)
         self.trainer_recipe = trainer
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
