@@ -16,14 +16,19 @@ def median_ms(fn, *, warmup: int = 5, reps: int = 30) -> float:
     times = []
     for _ in range(reps):
         flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(_event_ms(fn))
     times.sort()
     return times[len(times) // 2]
+
+
+def _event_ms(fn) -> float:
+    """Milliseconds of ``fn()`` between two CUDA events on the current stream."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def step_median_ms(fn, device, warmup: int, reps: int) -> float:
@@ -35,12 +40,7 @@ def step_median_ms(fn, device, warmup: int, reps: int) -> float:
     times = []
     for _ in range(reps):
         if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+            times.append(_event_ms(fn))
         else:
             t0 = time.perf_counter()
             fn()
