@@ -1,7 +1,8 @@
 """Synthetic verifiable tasks for the embedded RL demo, with a character tokenizer we own.
 
-Two tasks (fixed-length answers, exact-match reward):
+Tasks (fixed-length answers, exact-match reward):
   add:     "042+917=" -> "0959"   (3-digit addition, zero padded)
+  add5:    "04213+91777=" -> "095990" (5-digit addition: harder, for models that saturate on add)
   reverse: "31415>"   -> "51413"  (reverse a 5-digit string)
 A noisy-label SFT set (a share of wrong labels: carries dropped / one swapped pair) gives a warm start
 with non-trivial but improvable reward, so RL has something to show (reference/RL_DEMO_PROBE.md).
@@ -73,14 +74,20 @@ def _digits(g: torch.Generator, n: int) -> str:
 
 
 class AdditionTask(Task):
-    name, answer_len = "add", 4
+    """``digits``-digit addition, operands and sum zero padded (sum: ``digits + 1`` characters)."""
+
+    def __init__(self, digits: int = 3):
+        self.digits, self.answer_len = digits, digits + 1
+        self.name = "add" if digits == 3 else f"add{digits}"
 
     def sample(self, g):
-        a, b = int(_digits(g, 3)), int(_digits(g, 3))
-        return Problem(f"{a:03d}+{b:03d}=", f"{a + b:04d}")
+        d = self.digits
+        a, b = int(_digits(g, d)), int(_digits(g, d))
+        return Problem(f"{a:0{d}d}+{b:0{d}d}=", f"{a + b:0{d + 1}d}")
 
     def noisy_answer(self, p, g):
-        a, b = p.prompt[:3], p.prompt[4:7]
+        d = self.digits
+        a, b = p.prompt[:d], p.prompt[d + 1 : 2 * d + 1]
         no_carry = "".join(str((int(x) + int(y)) % 10) for x, y in zip(a, b))
         return "0" + no_carry
 
@@ -99,7 +106,7 @@ class ReverseTask(Task):
         return "".join(r)
 
 
-TASKS = {"add": AdditionTask, "reverse": ReverseTask}
+TASKS = {"add": AdditionTask, "add5": lambda: AdditionTask(5), "reverse": ReverseTask}
 
 
 def get_task(name: str) -> Task:

@@ -14,16 +14,20 @@ def test_tokenizer_round_trip_and_errors():
         tok.encode("1a")
 
 
-@pytest.mark.parametrize("name", ["add", "reverse"])
+@pytest.mark.parametrize("name", ["add", "add5", "reverse"])
 def test_tasks_answers_and_rewards(name):
     task, g = get_task(name), torch.Generator().manual_seed(0)
+    assert task.name == name
     for _ in range(50):
         p = task.sample(g)
         assert len(p.answer) == task.answer_len
         assert task.reward(p, p.answer) == 1.0 and task.reward(p, p.answer[:-1]) == 0.0
-        if name == "add":
-            a, b = int(p.prompt[:3]), int(p.prompt[4:7])
-            assert int(p.answer) == a + b
+        if name.startswith("add"):
+            a, b = p.prompt[:-1].split("+")
+            assert len(a) == len(b) == task.answer_len - 1 and int(p.answer) == int(a) + int(b)
+            noisy = task.noisy_answer(p, g)  # the carry-dropping noisy label of the SFT set
+            assert len(noisy) == task.answer_len and noisy[1:] == "".join(
+                str((int(x) + int(y)) % 10) for x, y in zip(a, b))
         else:
             assert p.answer == p.prompt[:-1][::-1]
     with pytest.raises(ValueError, match="task='mul'"):
