@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 SYNC_FORMATS = ("bf16", "fp4")
 DEFAULT_BUCKET_BYTES = 512 << 20  # slime's default bucket (USER_NEEDS.md §9)
 ALIGN = 16
+QUANT_BATCH_BYTES = 256 << 20
+"""Input bytes of expert weights quantized per stacked call in ``fp4_stream``."""
 
 
 class WeightSyncError(RuntimeError):
@@ -101,37 +103,104 @@ def bf16_stream(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = 
 
 
 def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
-               dtype: torch.dtype = torch.bfloat16, bf16_layers: Collection[int] = (), kernel: str = "auto"
-               ) -> Iterator[tuple[str, WeightValue]]:
+               dtype: torch.dtype = torch.bfloat16, bf16_layers: Collection[int] = (), kernel: str = "auto",
+               batch_bytes: int = QUANT_BATCH_BYTES) -> Iterator[tuple[str, WeightValue]]:
     """Routed-expert weights as FP4 (quantized from the values as given), the rest cast to ``dtype``.
 
     ``bf16_layers``: layers whose experts stay BF16 (``TraceConfig.exclude_modules``; the rollout's
     ``bf16_expert_layers``): their expert weights are cast like the rest. ``kernel``: as
-    ``TraceConfig.kernel`` (``auto``: the bit-exact Triton quantizer for CUDA tensors)."""
-    def quantize(w: torch.Tensor):
-        return ops.quantize(w, quantizer, kernel=kernel)
-
-    pending: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+    ``TraceConfig.kernel`` (``auto``: the bit-exact Triton quantizer for CUDA tensors).
+    The experts of one layer are quantized together, up to ``batch_bytes`` of input per call (see
+    ``ExpertBatch``): the same bits as one call per expert, without the per-tensor launches and syncs.
+    Non-expert tensors may therefore come out ahead of the experts that preceded them.
+    """
+    batch = ExpertBatch(quantizer, kernel, batch_bytes)
     bf16_layers = frozenset(bf16_layers)
     for name, value in named:
         parsed = parse_expert_name(name)
         if parsed is None or parsed[0] in bf16_layers:
             yield name, _cast(value, dtype)
             continue
-        layer, e, proj = parsed
-        if proj == "down_proj":
-            yield name, quantize(value.detach())
-            continue
-        halves = pending.setdefault((layer, e), {})
-        halves[proj] = value.detach()
-        if len(halves) == 2:
-            del pending[(layer, e)]
-            gate, up = split_fc1(quantize(torch.cat([halves["gate_proj"], halves["up_proj"]])))
-            yield expert_name(layer, e, "gate_proj"), gate
-            yield expert_name(layer, e, "up_proj"), up
-    if pending:
+        yield from batch.add(*parsed, value.detach())
+    yield from batch.flush()
+    if batch.halves:
         raise ValueError(f"expert fc1 halves without their partner (gate_proj and up_proj must both be sent): "
-                         f"{sorted(pending)[:5]}")
+                         f"{sorted(batch.halves)[:5]}")
+
+
+class ExpertBatch:
+    """Expert matrices waiting to be quantized in one stacked call per (shape, layer run).
+
+    fc1 = [gate; up] of one expert is one matrix (Megatron's ``linear_fc1``), sent as its gate and up
+    halves sharing the amax. A per-tensor global amax becomes a per-row amax equal to each expert's own
+    max|w|, so every element sees the same scale as in a per-expert call; a batch with an all-zero or
+    non-finite expert is quantized expert by expert instead (the per-tensor path's own rules apply).
+    The batch is flushed when it holds ``batch_bytes`` of input, when experts of another layer arrive,
+    and at the end of the stream.
+    """
+
+    def __init__(self, quantizer: Quantizer, kernel: str, batch_bytes: int):
+        if isinstance(batch_bytes, bool) or not isinstance(batch_bytes, int) or batch_bytes < 1:
+            raise ValueError(f"batch_bytes={batch_bytes!r} must be an int >= 1")
+        self.quantizer, self.kernel, self.batch_bytes = quantizer, kernel, batch_bytes
+        self.halves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.ready: list[tuple[list[str], torch.Tensor]] = []  # (names to emit, matrix to quantize)
+        self.layer: int | None = None
+        self.nbytes = 0
+
+    def add(self, layer: int, e: int, proj: str, w: torch.Tensor) -> Iterator[tuple[str, WeightValue]]:
+        if self.layer is not None and layer != self.layer:
+            yield from self.flush()
+        self.layer = layer
+        if proj == "down_proj":
+            self._ready([expert_name(layer, e, proj)], w)
+        else:
+            halves = self.halves.setdefault((layer, e), {})
+            halves[proj] = w
+            if len(halves) == 2:
+                del self.halves[(layer, e)]
+                names = [expert_name(layer, e, "gate_proj"), expert_name(layer, e, "up_proj")]
+                self._ready(names, torch.cat([halves["gate_proj"], halves["up_proj"]]))
+        if self.nbytes >= self.batch_bytes:
+            yield from self.flush()
+
+    def _ready(self, names: list[str], w: torch.Tensor) -> None:
+        self.ready.append((names, w))
+        self.nbytes += w.numel() * w.element_size()
+
+    def flush(self) -> Iterator[tuple[str, WeightValue]]:
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, w) in enumerate(self.ready):
+            groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append(i)
+        out: dict[int, FP4Tensor] = {}
+        for idx in groups.values():
+            for i, q in zip(idx, self._quantize([self.ready[i][1] for i in idx])):
+                out[i] = q
+        for i, (names, _) in enumerate(self.ready):
+            if len(names) == 1:
+                yield names[0], out[i]
+            else:
+                gate, up = split_fc1(out[i])
+                yield names[0], gate
+                yield names[1], up
+        self.ready, self.nbytes, self.layer = [], 0, None
+
+    def _quantize(self, ws: list[torch.Tensor]) -> list[FP4Tensor]:
+        q = self.quantizer
+        if len(ws) == 1 or q.rounding != "rne":
+            return [ops.quantize(w, q, kernel=self.kernel) for w in ws]
+        x = torch.stack(ws)  # [n, rows, K]
+        if q.fmt != "nvfp4" or q.per_row:
+            t = ops.quantize(x, q, kernel=self.kernel)
+            amax = [None if t.global_amax is None else t.global_amax[i] for i in range(len(ws))]
+        else:
+            g = x.abs().amax(dim=(1, 2)).float()  # [n]: each expert's per-tensor amax
+            if not bool(torch.isfinite(g).all() & (g > 0).all()):
+                return [ops.quantize(w, q, kernel=self.kernel) for w in ws]
+            t = ops.quantize(x, q, global_amax=g[:, None, None].expand(*x.shape[:-1], 1), kernel=self.kernel)
+            amax = list(g.unbind(0))
+        return [FP4Tensor(codes=t.codes[i], block_scales=t.block_scales[i], global_amax=amax[i],
+                          shape=tuple(ws[i].shape), fmt=t.fmt) for i in range(len(ws))]
 
 
 def make_stream(named, fmt: str, quantizer: Quantizer | None = None, dtype: torch.dtype = torch.bfloat16,

@@ -36,7 +36,7 @@ class KVStep:
             return None
         S, B, g = x.shape[0], x.shape[1], x.shape[2]
         count = st.count_mask(slice(0, S), S * B, x.device)
-        n = int(count.sum())
+        n = count.sum()
         if not st.is_guided(self.layer, site):
             st.count(self.layer, site, 0, {NOT_GUIDED: n})
             return None
@@ -50,7 +50,7 @@ class KVStep:
         rec, valid, _ = token_rows(c.sg, slice(0, S), x.device)  # [T, kv_heads, hd], [T]
         heads = slice(self.tp_rank * g, (self.tp_rank + 1) * g)
         rec = map_record(rec, lambda t: t[:, heads], (S * B, g, rec.shape[-1]))
-        used = int((valid & count).sum())
+        used = (valid & count).sum()
         st.count(self.layer, site, used, {INVALID: n - used})
         return flat_rows(rec, valid.unsqueeze(1).expand(S * B, g))
 

@@ -143,10 +143,12 @@ class TraceStep:
 
     @property
     def counter(self) -> FallbackCounter:
+        self.state.resolve()
         return self.state.counter
 
     def stats(self) -> dict:
         """Rows by (layer, site, reason); reason "used" for guided rows."""
+        self.state.resolve()
         return dict(self.state.stats)
 
     def coverage(self) -> float:

@@ -100,7 +100,7 @@ class MoEStep:
                     f"routing indices for layer {self.layer} have shape {tuple(self.routing.shape)}; "
                     f"the batch needs [B={hidden.shape[1]}, S, topk={self.topk}]"
                 )
-            if bool((idx < 0).any()) or bool((idx >= self.num_experts).any()):
+            if bool(((idx < 0) | (idx >= self.num_experts)).any()):
                 raise ValueError(f"routing indices for layer {self.layer} must be in 0..{self.num_experts - 1}")
             rr.set_target_indices(idx)
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -118,7 +118,7 @@ class MoEStep:
         x = hidden.reshape(S * B, -1)
         fc1 = self._fc1_rows(seq, B, full_s, count)
         if not self.guide_fc2 and FC2 in self.state.config.guided_sites and self.state.config.quantizes(FC2):
-            self.state.count(self.layer, FC2, 0, {NOT_GUIDED: int(routing_map[count].sum())})
+            self.state.count(self.layer, FC2, 0, {NOT_GUIDED: routing_map[count].sum()})
         self._fwd = None
         if self.needs_dispatch:
             self._fwd = self._virtual_tokens(router, x, routing_map, fc1, seq, B, full_s, count)
@@ -173,7 +173,7 @@ class MoEStep:
     def _fc1_rows(self, seq, batch, full_s, count) -> RowGuidance | None:
         if not self.state.config.quantizes(FC1) or FC1 not in self.state.config.guided_sites:
             return None
-        n = int(count.sum())
+        n = count.sum()
         if not self.guide_fc1:
             self.state.count(self.layer, FC1, 0, {NOT_GUIDED: n})
             return None
@@ -182,13 +182,13 @@ class MoEStep:
             self.state.count(self.layer, FC1, 0, {c.reason or SHAPE: n})
             return None
         rec, valid, _ = token_rows(c.sg, seq, count.device)
-        used = int((valid & count).sum())
+        used = (valid & count).sum()
         self.state.count(self.layer, FC1, used, {INVALID: n - used})
         return RowGuidance(rec, valid)
 
     def _fc2_rows(self, seq, batch, full_s, virtual, count) -> RowGuidance | None:
         cnt = count.index_select(0, virtual[:, 0])
-        n = int(cnt.sum())
+        n = cnt.sum()
         c = self.fc2
         if c.sg is None or not self._fits(c, batch, full_s):
             self.state.count(self.layer, FC2, 0, {c.reason or SHAPE: n})
@@ -201,9 +201,9 @@ class MoEStep:
         row = t * ids.shape[1] + slot
         rows = take(flat_rows(rec, valid), row)
         ok = rows.valid & has
-        used = int((ok & cnt).sum())
+        used = (ok & cnt).sum()
         self.state.count(self.layer, FC2, used, {
-            EXPERT_MISMATCH: int((~has & cnt).sum()), INVALID: int((has & ~rows.valid & cnt).sum()),
+            EXPERT_MISMATCH: (~has & cnt).sum(), INVALID: (has & ~rows.valid & cnt).sum(),
         })
         return RowGuidance(rows.record, ok)
 

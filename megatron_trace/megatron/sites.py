@@ -71,8 +71,11 @@ def quantize_rows(
     """Fake-quantize rows ``x`` [N, K]; rows with ``guidance.valid`` use the record (guided rounding)."""
     if x.shape[0] == 0:
         return x.clone()
-    if guidance is None or not bool(guidance.valid.any()):
+    n_valid = 0 if guidance is None else int(guidance.valid.sum())  # the one host sync of this site
+    if n_valid == 0:
         return fake_quantize(x, quantizer, global_amax=safe_amax(global_amax), kernel=kernel)
+    if n_valid == x.shape[0]:  # every row guided (the usual case): no gather, no scatter
+        return fake_quantize(x, quantizer, guidance=guidance.record, kernel=kernel)
     amax = _own_amax(quantizer, x, global_amax)
     g, r = _split(guidance.valid)
     out = torch.zeros_like(x)

@@ -70,6 +70,7 @@ class StepState:
     token_mask: torch.Tensor | None = None  # bool [B, S]: positions that hold tokens (others not counted)
     recorder: object | None = None  # Recorder when recording
     stats: Counter = field(default_factory=Counter)  # (layer, site, reason) -> rows; reason "used" too
+    pending: list = field(default_factory=list)  # counts not yet resolved (see ``count``)
 
     def is_guided(self, layer: int, site: str) -> bool:
         c = self.config
@@ -79,12 +80,33 @@ class StepState:
     def compact(self) -> bool:
         return self.config.cache_mode == "compact"
 
-    def count(self, layer: int, site: str, used: int, reasons: dict[str, int]) -> None:
+    def count(self, layer: int, site: str, used, reasons: dict) -> None:
+        """Count rows (ints or 0-d device tensors); tensors are resolved at once by ``resolve``.
+
+        Deferred counting keeps the forward free of host syncs; with ``fallback='fail'`` a site that
+        may hold unusable rows is resolved here, so the error is raised where it happens.
+        """
         if in_recompute():
             return  # the same rows were counted (and checked) by the forward
-        reasons = {k: int(v) for k, v in reasons.items() if int(v)}
-        self.counter.add(int(used), reasons)
-        self.stats[(layer, site, "used")] += int(used)
+        self.pending.append((layer, site, used, reasons))
+        if self.fallback == "fail" and any(k != NOT_GUIDED for k in reasons):
+            self.resolve()
+
+    def resolve(self) -> None:
+        """Apply the pending counts with one host sync for all their tensors."""
+        pending = list(self.pending)
+        self.pending.clear()  # in place: layer views of this state (``dataclasses.replace``) share the list
+        tensors = [v for _, _, u, r in pending for v in (u, *r.values()) if isinstance(v, torch.Tensor)]
+        host = iter(torch.stack([t.reshape(()).long() for t in tensors]).tolist() if tensors else [])
+        val = lambda v: next(host) if isinstance(v, torch.Tensor) else int(v)  # noqa: E731
+        for layer, site, used, reasons in pending:
+            used = val(used)
+            reasons = {k: n for k, n in ((k, val(v)) for k, v in reasons.items()) if n}
+            self._apply(layer, site, used, reasons)
+
+    def _apply(self, layer: int, site: str, used: int, reasons: dict[str, int]) -> None:
+        self.counter.add(used, reasons)
+        self.stats[(layer, site, "used")] += used
         for k, v in reasons.items():
             self.stats[(layer, site, k)] += v
         bad = {k: v for k, v in reasons.items() if k != NOT_GUIDED}
@@ -104,6 +126,7 @@ class StepState:
         return m
 
     def coverage_at_guided(self) -> float:
+        self.resolve()
         used = self.counter.used
         fell = sum(v for k, v in self.counter.fallback.items() if k != NOT_GUIDED)
         return used / (used + fell) if used + fell else 1.0

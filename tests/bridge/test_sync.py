@@ -69,3 +69,51 @@ def test_fp4_stream_quantizes_fc1_as_one_matrix():
         list(fp4_stream([(p + "gate_proj.weight", w[p + "gate_proj.weight"])], WQ))
     with pytest.raises(ValueError, match="quantizer"):
         sync_weights(_rollout(), [], fmt="fp4")
+
+
+def _per_expert(w: dict, quantizer) -> dict:
+    """An independent computation: one ``Quantizer.quantize`` call per expert matrix (fc1 = [gate; up])."""
+    out = {}
+    for name, t in w.items():
+        if name.endswith("down_proj.weight"):
+            out[name] = quantizer.quantize(t)
+        elif name.endswith("gate_proj.weight"):
+            up = name.replace("gate_proj", "up_proj")
+            whole = quantizer.quantize(torch.cat([t, w[up]]))
+            n = t.shape[0]
+            for half, rows in ((name, slice(0, n)), (up, slice(n, 2 * n))):
+                out[half] = (whole.codes[rows], whole.block_scales[rows], whole.global_amax)
+    return out
+
+
+def _same(a, b) -> bool:
+    codes, scales, amax = b if isinstance(b, tuple) else (b.codes, b.block_scales, b.global_amax)
+    same_amax = (a.global_amax is None and amax is None) or torch.equal(a.global_amax, amax)
+    return torch.equal(a.codes, codes) and torch.equal(a.block_scales.view(torch.uint8), scales.view(torch.uint8)) \
+        and same_amax and (amax is None or a.global_amax.shape == amax.shape)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("batch_bytes", [1, 4096, 256 << 20])
+def test_batched_expert_quantization_equals_one_call_per_expert(fmt, batch_bytes):
+    quantizer = TraceConfig(format=fmt).weight_quantizer()
+    w = dict(_trainer_weights())
+    zero = "model.layers.0.mlp.experts.1.down_proj.weight"  # an all-zero expert: the per-expert fallback
+    w[zero] = torch.zeros_like(w[zero])
+    # interleave layers and put gate/up halves apart: grouping must not depend on the stream order
+    names = sorted(w, key=lambda n: (n.endswith("up_proj.weight"), ".layers.1." not in n, n))
+    out = dict(fp4_stream([(n, w[n]) for n in names], quantizer, batch_bytes=batch_bytes))
+    want = _per_expert(w, quantizer)
+    assert set(want) <= set(out) and len(out) == len(w)
+    assert all(_same(out[n], want[n]) for n in want)
+    with pytest.raises(ValueError, match="batch_bytes=0"):
+        list(fp4_stream(w.items(), quantizer, batch_bytes=0))
+
+
+def test_batched_expert_quantization_reports_non_finite_weights():
+    w = dict(_trainer_weights())
+    bad = "model.layers.1.mlp.experts.0.down_proj.weight"
+    w[bad] = w[bad].clone()
+    w[bad][3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        list(fp4_stream(w.items(), WQ))

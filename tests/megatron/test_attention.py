@@ -74,4 +74,5 @@ def test_kv_guidance_takes_this_ranks_heads():
     assert torch.equal(rows.record.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
     assert torch.equal(rows.record.global_amax, want.global_amax)
     assert int((~rows.valid).sum()) == 2  # token (b=1, s=3): both of its local heads
+    state.resolve()  # counts are deferred device tensors until resolved (once per step)
     assert state.counter.used == S * B - 1 and dict(state.counter.fallback) == {"invalid_row": 1}
