@@ -5,6 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines of this project have torch 2.13.0 (CPU build) on disk; elsewhere any torch >= 2.6 works.
 TORCH_SPEC ?= torch==2.13.0
+# The Triton kernels' tests also run on CPU, in Triton's interpreter (same Triton as the GPU box).
+TRITON_SPEC ?= triton==3.6.0
 STAMP := $(VENV)/.installed
 # SGLang 0.5.10 pins torch 2.9.1; its Python registries import beside torch 2.14.1 in a separate venv.
 SGLANG_VENV ?= .venv-sglang
@@ -26,6 +28,8 @@ demo-quant: $(STAMP)
 
 test: $(STAMP)
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pip install -q "$(TRITON_SPEC)"
+	TRITON_INTERPRET=1 TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/kernels
 	bash tests/sglang/setup_venv.sh $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 

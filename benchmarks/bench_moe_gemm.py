@@ -4,13 +4,19 @@ All experts get the same number of tokens (1..256). Prints one JSON line: per sh
 expert, the bf16 time, the best FP4 time over the candidate configs (and which), the speedup, and
 the weight-read rate as a fraction of the copy bandwidth measured in the same run. Usage:
     python benchmarks/bench_moe_gemm.py [--shapes qwen3_fc1,qwen3_fc2,dsv3_fc1] [--tokens 1,4,16,64,256]
+    python benchmarks/bench_moe_gemm.py --sweep   # launch-config grid: one JSON line per (shape, tpe, config),
+                                                  # then the best config per (shape, tpe) (< 150 s on one H200)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
+from types import SimpleNamespace
 
 import torch
 from _timing import copy_bandwidth, machine, median_ms
@@ -26,6 +32,16 @@ SHAPES = {  # name: (experts, K, N) as in torch._grouped_mm's mat_b [E, K, N]
 SMALL = [(64, 256, 16, 4, 1), (64, 128, 16, 4, 3), (128, 128, 16, 8, 1), (128, 256, 16, 8, 1), (64, 256, 16, 4, 2)]
 MID = [(64, 256, 32, 4, 1), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
 LARGE = [(128, 64, 128, 8, 3), (128, 128, 128, 8, 3), (128, 64, 256, 8, 3)]
+# --sweep grid, (BN, BK, BT, num_warps, num_stages[, join_k]) per tokens-per-expert bucket (PTX dequant), pruned
+# to 15 configs (45 compiles over the 3 shapes; all compile for sm_90 without spills): BT is the token tile,
+# BN x BK the weight tile per K step, join_k one MMA chain over K-ordered weights (for large token tiles).
+SWEEP = {
+    16: [(64, 256, 16, 4, 3), (128, 256, 16, 4, 3), (128, 256, 16, 8, 3), (128, 256, 16, 4, 4), (128, 128, 16, 4, 4),
+         (256, 256, 16, 8, 3)],
+    64: [(128, 128, 64, 4, 3), (128, 128, 64, 4, 3, True), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4)],
+    1 << 30: [(128, 64, 256, 8, 3, True), (128, 64, 256, 8, 3), (128, 128, 128, 8, 3, True), (128, 128, 128, 8, 3),
+              (256, 64, 128, 8, 3, True)],
+}
 
 
 def candidates(tpe: int):
@@ -96,6 +112,84 @@ def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
     return rows
 
 
+def sweep_configs(tpe: int):
+    """The --sweep grid row for ``tpe`` tokens per expert."""
+    return next(v for limit, v in SWEEP.items() if tpe <= limit)
+
+
+def _precompile(job) -> str:
+    """Compile one (shape, tokens, config) into Triton's on-disk cache (worker process; nothing is launched)."""
+    e, k, n, tpe, fmt, cfg = job
+    bs = 16 if fmt == "nvfp4" else 32
+    g = torch.empty((), device="cuda") if fmt == "nvfp4" else None
+    w = SimpleNamespace(shape=(e, n, k), fmt=fmt, block_size=bs, global_amax=g)
+    scales = torch.empty(0, dtype=torch.uint8, device="cuda")
+    ptrs = (torch.empty(0, dtype=torch.bfloat16, device="cuda"), torch.empty(0, dtype=torch.uint16, device="cuda"),
+            scales, scales if g is None else g, torch.empty(0, dtype=torch.bfloat16, device="cuda"),
+            torch.empty(0, dtype=torch.int32, device="cuda"))
+    try:
+        scalars, grid, meta = moe_triton.launch_spec(tpe * e, w, cfg, True, k, n)
+        moe_triton.fp4_gemm_kernel.warmup(*ptrs, *scalars, grid=grid, **meta)
+        return ""
+    except Exception as exc:  # reported; the timed launch then compiles (or fails) itself
+        return f"{cfg}: {exc}"[:200]
+
+
+def precompile(jobs, workers: int) -> None:
+    """Compile the sweep's kernels in parallel processes (they share Triton's disk cache with this one)."""
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for err in pool.map(_precompile, jobs):
+            if err:
+                print(f"precompile failed: {err}", file=sys.stderr)
+
+
+def sweep_shape(name, e, k, n, tokens, bw, fmt="nvfp4"):
+    """Time every --sweep config at each tokens-per-expert; print a JSON line each; return the best per tpe."""
+    torch.manual_seed(0)
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02  # [E, N, K]
+    wq = fused.quantize(w, Quantizer(fmt), check_finite=False)[0]
+    wbytes = wq.codes.numel() + wq.block_scales.numel()
+    bf16_grouped, _ = bf16_baseline(w)
+    best = {}
+    for tpe in tokens:
+        x = torch.randn(tpe * e, k, device="cuda", dtype=torch.bfloat16)
+        offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * tpe
+        ms_bf16 = median_ms(lambda x=x, offs=offs: bf16_grouped(x, offs), reps=15)
+        for cfg in sweep_configs(tpe):
+            try:
+                ms = median_ms(lambda c=cfg, x=x, offs=offs: moe_triton.grouped_mm(x, wq, offs, config=c), reps=15)
+            except Exception as exc:  # a config that does not fit (shared memory, registers): report, go on
+                print(json.dumps({"shape": name, "tok_per_expert": tpe, "config": list(cfg), "error": str(exc)[:200]}))
+                continue
+            row = {"shape": name, "E_K_N": [e, k, n], "tok_per_expert": tpe, "fmt": fmt, "config": list(cfg),
+                   "time_us": round(ms * 1e3, 1), "bf16_us": round(ms_bf16 * 1e3, 1),
+                   "speedup": round(ms_bf16 / ms, 2), "fp4_weight_frac_copy": round(wbytes / (ms * 1e-3) / bw, 3)}
+            print(json.dumps(row), flush=True)
+            if tpe not in best or row["time_us"] < best[tpe]["time_us"]:
+                best[tpe] = row
+    return best
+
+
+def main_sweep(args, bw) -> dict:
+    """--sweep: the config grid; the last JSON line holds the best config per (shape, tokens per expert)."""
+    tokens = [int(v) for v in args.sweep_tokens.split(",")]
+    jobs = [(*SHAPES[name], tpe, "nvfp4", cfg) for name in args.shapes.split(",") for tpe in tokens
+            for cfg in sweep_configs(tpe)]
+    if args.compile_workers > 0:
+        precompile(jobs, args.compile_workers)
+    best = {}
+    for name in args.shapes.split(","):
+        e, k, n = SHAPES[name]
+        best[name] = sweep_shape(name, e, k, n, tokens, bw)
+        torch.cuda.empty_cache()
+    res = {"bench": "moe_gemm_sweep", "copy_TBps": round(bw / 1e12, 3), "machine": machine(),
+           "best": {name: {str(t): {kk: r[kk] for kk in ("config", "time_us", "speedup", "fp4_weight_frac_copy")}
+                           for t, r in rows.items()} for name, rows in best.items()}}
+    print(json.dumps(res))
+    return res
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3_fc1,qwen3_fc2,dsv3_fc1")
@@ -103,8 +197,14 @@ def main(argv=None) -> dict:
     p.add_argument("--big-tokens", default="1,4,16,64,256", help="tokens per expert for dsv3_fc1")
     p.add_argument("--fmts", default="nvfp4,mxfp4")
     p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="time the launch-config grid (SWEEP) instead")
+    p.add_argument("--sweep-tokens", default="1,4,16,64,256")
+    p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                   help="processes compiling the --sweep kernels up front (0: compile on first launch)")
     args = p.parse_args(argv)
     bw = copy_bandwidth()
+    if args.sweep:
+        return main_sweep(args, bw)
     tokens = [int(v) for v in args.tokens.split(",")]
     rows = []
     for name in args.shapes.split(","):

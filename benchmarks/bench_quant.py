@@ -2,7 +2,11 @@
 
 Prints one JSON line: the copy ceiling and, per op, the median time, the bytes it must move and
 that rate as a fraction of the copy bandwidth (METRICS.md protocol). Usage:
-    python benchmarks/bench_quant.py [--rows 32768] [--k 2048]
+    python benchmarks/bench_quant.py [--rows 32768] [--k 2048] [--sweep]
+
+``--sweep`` times the kernel ops over launch configs (``quant_triton.CONFIG``: elements per program tile and
+num_warps; ``--elem`` adds the element-wise kernels, ``PAIR_KERNEL`` off), one JSON line per (op, config), then
+the best config per op. Set the winners in ``quant_triton.CONFIG`` ("pair" for quantize ops, "dequant").
 """
 
 from __future__ import annotations
@@ -10,12 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 
 import torch
 from _timing import copy_bandwidth, machine, median_ms
 
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels import dequant_triton, fused
+from megatron_trace.kernels import dequant_triton, fused, quant_triton
+
+SWEEP = [dict(pair=True, tile=t, num_warps=nw) for t, nw in ((4096, 4), (4096, 8), (2048, 4), (8192, 8), (16384, 8))]
+"""Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair" and "dequant")."""
+ELEM_SWEEP = [dict(pair=False, tile=t, num_warps=nw) for t, nw in ((4096, 4), (8192, 8))]
+SWEEP_BUDGET_S = 110.0
+"""The sweep stops starting new configs after this many seconds (each config recompiles every kernel)."""
+"""``--elem``: the element-wise kernels (``PAIR_KERNEL`` off; CONFIG "elem"), for comparison."""
 
 
 def cases(x, rows, k):
@@ -55,7 +67,11 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=32768)
     p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--sweep", action="store_true", help="time the launch configs instead")
+    p.add_argument("--elem", action="store_true", help="with --sweep: also the element-wise kernels")
     args = p.parse_args(argv)
+    if args.sweep:
+        return sweep(args.rows, args.k, SWEEP + (ELEM_SWEEP if args.elem else []))
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.k, device="cuda").to(torch.bfloat16)
     bw = copy_bandwidth()
@@ -68,6 +84,49 @@ def main(argv=None) -> dict:
         print(f"{name:45s} {ms * 1e3:9.1f} us  {rate / 1e12:6.2f} TB/s  {rate / bw:5.2f} of copy", file=sys.stderr)
     res = {"bench": "quant", "shape": [args.rows, args.k], "dtype": "bf16", "copy_TBps": round(bw / 1e12, 3),
            "machine": machine(), "results": rows}
+    print(json.dumps(res))
+    return res
+
+
+def sweep(rows: int, k: int, configs) -> dict:
+    """Median time of every kernel op under each config of SWEEP (a config that fails is reported and skipped)."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
+    bw = copy_bandwidth(256 << 20)
+    saved = (quant_triton.PAIR_KERNEL, {n: dict(c) for n, c in quant_triton.CONFIG.items()})
+    best = {}
+    t0 = time.perf_counter()
+    try:
+        for cfg in configs:
+            if time.perf_counter() - t0 > SWEEP_BUDGET_S:
+                print(json.dumps({"config": cfg, "skipped": "sweep time budget spent"}))
+                continue
+            quant_triton.PAIR_KERNEL = cfg["pair"]
+            for name in ("pair", "dequant") if cfg["pair"] else ("elem",):
+                quant_triton.CONFIG[name] = {"tile": cfg["tile"], "num_warps": cfg["num_warps"]}
+            try:
+                ops = cases(x, rows, k)
+            except Exception as e:  # a config the kernel cannot compile
+                print(json.dumps({"config": cfg, "error": repr(e)[:200]}))
+                continue
+            for name, (fn, nbytes) in ops.items():
+                if name.startswith("reference"):
+                    continue
+                try:
+                    ms = median_ms(fn, warmup=2, reps=7)
+                except Exception as e:
+                    print(json.dumps({"op": name, "config": cfg, "error": repr(e)[:200]}))
+                    continue
+                frac = nbytes / (ms * 1e-3) / bw
+                print(json.dumps({"op": name, "config": cfg, "time_us": round(ms * 1e3, 1),
+                                  "frac_copy": round(frac, 3)}), flush=True)
+                if name not in best or ms * 1e3 < best[name]["time_us"]:
+                    best[name] = {"config": cfg, "time_us": round(ms * 1e3, 1), "frac_copy": round(frac, 3)}
+    finally:
+        quant_triton.PAIR_KERNEL, cfgs = saved
+        quant_triton.CONFIG.update(cfgs)
+    res = {"sweep": "quant", "shape": [rows, k], "copy_TBps": round(bw / 1e12, 3), "best": best,
+           "seconds": round(time.perf_counter() - t0, 1)}
     print(json.dumps(res))
     return res
 

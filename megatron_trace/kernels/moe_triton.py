@@ -1,14 +1,20 @@
 """Triton FP4-weight grouped GEMM (W4A16) for MoE decode on Hopper.
 
 Program (n-tile, expert): for each tile of the expert's tokens, ``acc[n, t] += W'[n, k] @ x^T[k, t]``
-with W' dequantized in registers from the packed codes (read as int32 words, 8 codes each) and the
-block scales, then ``y[t, n] = acc * 2**62 / S_enc``. Weights are the MMA's M side (swap-AB), so a
-decode step with 1..16 tokens per expert still uses a 64-wide MMA and reads each weight byte once.
+with W' dequantized in registers from the packed codes (streamed through a ``num_stages`` cp.async
+pipeline, 16-byte loads) and the block scales, then ``y[t, n] = acc * 2**62 / S_enc``. Weights are the
+MMA's M side (swap-AB, wgmma with A from registers), so a decode step with 1..16 tokens per expert still
+uses a 64-wide MMA and reads each weight byte once. One extra program row (expert index E) zeroes the
+rows past ``offs[-1]``, so the output needs no separate zero fill.
 
-Dequantization trick: a code ``s e1 e0 m`` placed as bf16 bits ``(code & 7) << 6 | (code & 8) << 12``
-is exactly ``value * 2**-126``; two codes (one byte) become one bf16x2 word with a few integer
-shifts and masks (``DEQ_ASM``: inline PTX on the bytes; else Triton integer ops on int32 words). The
-block scale is pre-multiplied by 2**64 (exact), so ``W' = value * scale * 2**-62`` stays normal.
+Dequantization: a code ``s e1 e0 m`` placed as bf16 bits ``(code & 7) << 6 | (code & 8) << 12`` is exactly
+``value * 2**-126``. The codes are read as uint16 groups of 4 (code 4c+q in nibble q); two groups share a
+32-bit register 16 bits apart, so code q of both becomes one bf16x2 word with a mask, a multiply (two
+disjoint shifted copies) and a mask, and one ``mul.bf16x2`` applies the block scale (pre-multiplied by
+2**64, exact): ``W' = value * scale * 2**-62`` stays normal. That is 13 integer ops + 4 bf16x2 multiplies
+per 8 codes (``DEQ_ASM``: inline PTX, elementwise per group, so correct in any register layout; else the
+same values from Triton ops, for the CPU interpreter). The tile becomes 4 operands ``W'[:, 4c + q]``
+(4 MMAs of K/4), and the activation tile is split the same way (``_split_x``) instead of shuffling weights.
 MXFP4 exponents outside [-63, 63] over/underflow in this path (real weights sit far inside).
 """
 
@@ -22,55 +28,66 @@ from ..formats.tensor import FP4Tensor
 from . import triton_fp4 as f
 from .moe import _dense_x, check_grouped_args
 
-# Four code bytes ($4) -> bf16 bits of value * 2**-126: low nibbles ($0, $1) and high nibbles ($2, $3), two
-# per register (byte i -> half i). t = bytes (b0, 0, b1, 0): nibble bits land at 0..3 and 16..19 (or 4..7, 20..23).
+# Elementwise over uint16 code groups (4 codes each), two per register ($4); $5: their two bf16 scales.
+# Out $q = bf16x2 of code q of each group (16 bits apart in $4) times its scale.
 _DEQ_PTX = tl.constexpr(
-    "{ .reg .b32 t0, t1, u, v; "
-    "prmt.b32 t0, $4, 0, 0x4140; prmt.b32 t1, $4, 0, 0x4342; "
-    "shl.b32 u, t0, 6; and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 12; and.b32 v, v, 0x80008000; or.b32 $0, u, v; "
-    "shl.b32 u, t1, 6; and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 12; and.b32 v, v, 0x80008000; or.b32 $1, u, v; "
-    "shl.b32 u, t0, 2; and.b32 u, u, 0x01C001C0; shl.b32 v, t0, 8; and.b32 v, v, 0x80008000; or.b32 $2, u, v; "
-    "shl.b32 u, t1, 2; and.b32 u, u, 0x01C001C0; shl.b32 v, t1, 8; and.b32 v, v, 0x80008000; or.b32 $3, u, v; }"
+    "{ .reg .b32 r2, t; shr.b32 r2, $4, 8; "
+    "and.b32 t, $4, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $0, t, $5; "
+    "and.b32 t, $4, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $1, t, $5; "
+    "and.b32 t, r2, 0x000F000F; mul.lo.u32 t, t, 0x1040; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $2, t, $5; "
+    "and.b32 t, r2, 0x00F000F0; mul.lo.u32 t, t, 0x104; and.b32 t, t, 0x81C081C0; mul.rn.bf16x2 $3, t, $5; }"
 )
 _TWO_POW_64 = tl.constexpr(18446744073709551616.0)
 _TWO_POW_62 = tl.constexpr(4611686018427387904.0)
 
 
 @triton.jit
-def _byte_pair_bits(b):
-    """int32 byte values (0..255) -> int32 holding the two codes' bf16 bits (value * 2**-126)."""
-    u = (b * 0x40040) & 0x01C001C0
-    v = (b * 0x1001000) & (0x80008000 - (1 << 32))
-    return u | v
+def _code_bf16(u, s, Q: tl.constexpr):
+    """Code Q of each uint16 group -> bf16 value * 2**-126 * s, computed on fp32 bits (exact; Triton's
+    interpreter has no bf16 arithmetic and flushes bf16 subnormals)."""
+    c = (u.to(tl.uint32) >> (4 * Q)) & 0xF
+    bits = ((c & 7) << 22) | ((c & 8) << 28)  # fp32 bits of the bf16 pattern (c & 7) << 6 | (c & 8) << 12
+    return (bits.to(tl.float32, bitcast=True) * s.to(tl.float32)).to(tl.bfloat16)
 
 
 @triton.jit
-def _dequant_words(r, BN: tl.constexpr, BK: tl.constexpr):
-    """int32 words [BN, BK/8] (code 8i+c in nibble c) -> bf16 [BN, BK] = value * 2**-126 (Triton ops)."""
-    o0 = _byte_pair_bits(r & 0xFF)
-    o1 = _byte_pair_bits((r >> 8) & 0xFF)
-    o2 = _byte_pair_bits((r >> 16) & 0xFF)
-    o3 = _byte_pair_bits((r >> 24) & 0xFF)
-    o = tl.join(tl.join(o0, o2), tl.join(o1, o3))  # [BN, BK/8, j1, j0]: byte j = 2*j1 + j0
-    h = tl.join(o.to(tl.uint16), (o >> 16).to(tl.uint16)).reshape(BN, BK)
-    return h.to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
-def _dequant_bytes(p, BN: tl.constexpr, BK: tl.constexpr):
-    """uint8 code bytes [BN, BK/2] -> bf16 [BN, BK] = value * 2**-126 (inline PTX, 4 bytes per call)."""
-    lo, hi = tl.inline_asm_elementwise(_DEQ_PTX, "=r,=r,=r,=r,r", [p], dtype=(tl.bfloat16, tl.bfloat16),
-                                       is_pure=True, pack=4)
-    return tl.join(lo, hi).reshape(BN, BK)
-
-
-@triton.jit
-def _scale_bf16(sc, FMT: tl.constexpr):
-    """Block scale bytes -> bf16 scale * 2**64 (exact)."""
-    if FMT == f.NVFP4:
-        return (sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_POW_64).to(tl.bfloat16)
+def _dequant(u, s, DEQ_ASM: tl.constexpr):
+    """uint16 code groups [BN, BK/4] and bf16 scales [BN, BK/4] -> 4 bf16 [BN, BK/4]: W'[:, 4c + q], q = 0..3."""
+    if DEQ_ASM:
+        return tl.inline_asm_elementwise(_DEQ_PTX, "=r,=r,=r,=r,r,r", [u, s],
+                                         dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=2)
     else:
-        return ((sc.to(tl.int32) + 64) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        return _code_bf16(u, s, 0), _code_bf16(u, s, 1), _code_bf16(u, s, 2), _code_bf16(u, s, 3)
+
+
+@triton.jit
+def _mma_order(v, R: tl.constexpr, C: tl.constexpr):
+    """[R, C] in memory order -> column c = 16g + 8h + 2t + p holds memory column 16g + 4t + 2h + p.
+
+    An MMA k16 step gives each thread the columns {2t, 2t+1, 2t+8, 2t+9}: after this permutation those are
+    4 consecutive code groups (16 codes, one NVFP4 block), so a thread converts half as many block scales."""
+    return v.reshape(R, C // 16, 4, 2, 2).permute(0, 1, 3, 2, 4).reshape(R, C)
+
+
+@triton.jit
+def _split_x(xt, BT: tl.constexpr, BK: tl.constexpr):
+    """x tile [BT, BK] -> x_q [BK/4, BT] = x[:, 4m(c) + q]^T for q = 0..3 (the K order of ``_dequant`` on
+    ``_mma_order`` code groups: group column c holds memory group m(c))."""
+    xg = xt.reshape(BT, BK // 64, 4, 2, 2, 4).permute(0, 1, 3, 2, 4, 5)  # [t, g, h, tt, p, q]
+    x01, x23 = tl.split(xg.reshape(BT, BK // 4, 2, 2).permute(0, 1, 3, 2))  # [t, c, q%2, q//2] -> q//2
+    x0, x1 = tl.split(x01)
+    x2, x3 = tl.split(x23)
+    return tl.trans(x0), tl.trans(x1), tl.trans(x2), tl.trans(x3)
+
+
+@triton.jit
+def _scale_f32(sc, FMT: tl.constexpr):
+    """Block scale bytes -> fp32 scale * 2**64 (exact, and exact in bf16)."""
+    if FMT == f.NVFP4:
+        return sc.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _TWO_POW_64
+    else:
+        return ((sc.to(tl.int32) + 64) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -80,20 +97,35 @@ def _column_scale(g):
 
 
 @triton.jit
+def _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT: tl.constexpr):
+    """Rows offs[E-1]..T of y (tokens no expert owns) <- 0."""
+    t0 = tl.load(offs_ptr + E - 1).to(tl.int32)
+    while t0 < T:  # (a while loop: Triton's interpreter cannot range() over loaded scalars)
+        rt = t0 + tl.arange(0, BT)
+        tl.store(y_ptr + rt[None, :] * stride_yt + rn[:, None], tl.zeros([rn.shape[0], BT], y_ptr.dtype.element_ty),
+                 mask=(rt < T)[None, :] & nmask[:, None])
+        t0 += BT
+
+
+@triton.jit
 def fp4_gemm_kernel(
     x_ptr, wq_ptr, ws_ptr, g_ptr, y_ptr, offs_ptr,
-    N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+    T, N, K, E, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
     FMT: tl.constexpr, B: tl.constexpr, G_MODE: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EVEN_K: tl.constexpr, DEQ_ASM: tl.constexpr,
+    K_TILES: tl.constexpr, JOIN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    """y[offs[e-1]:offs[e]] = x[...] @ W_e^T for W_e packed FP4 [N, K] (codes as int32 words)."""
+    """y[offs[e-1]:offs[e]] = x[...] @ W_e^T for W_e packed FP4 [N, K] (codes read as uint16 groups of 4)."""
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
-    start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int32)
-    end = tl.load(offs_ptr + e).to(tl.int32)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = rn < N
-    wrow = wq_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn  # [BN, 1] int32 words or bytes
+    if e == E:
+        _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT)
+        return
+    start = tl.load(offs_ptr + tl.maximum(e - 1, 0), mask=e > 0, other=0).to(tl.int32)
+    end = tl.load(offs_ptr + e).to(tl.int32)
+    wrow = wq_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn  # [BN, 1] uint16 code groups
     srow = ws_ptr + e.to(tl.int64) * stride_se + rn[:, None] * stride_sn
     if G_MODE == 1:
         col = _column_scale(tl.load(g_ptr))
@@ -101,61 +133,100 @@ def fp4_gemm_kernel(
         col = _column_scale(tl.load(g_ptr + e.to(tl.int64) * N + rn, mask=nmask, other=1.0))[:, None]
     else:
         col = _TWO_POW_62
-    for t0 in range(start, end, BT):
+    for_dot: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
+    t0 = start
+    while t0 < end:
         rt = t0 + tl.arange(0, BT)
         tmask = rt < end
         acc = tl.zeros([BN, BT], tl.float32)
-        for k in range(0, K, BK):
-            if DEQ_ASM:
-                kw = k // 2 + tl.arange(0, BK // 2)[None, :]
-                kw_end = K // 2
-            else:
-                kw = k // 8 + tl.arange(0, BK // 8)[None, :]
-                kw_end = K // 8
+        for kt in range(0, K_TILES):  # constexpr trip count (also what the interpreter can range over)
+            k = kt * BK
+            kw = k // 4 + tl.arange(0, BK // 4)[None, :]
             ks = k // B + tl.arange(0, BK // B)[None, :]
-            kx = k + tl.arange(0, BK)[:, None]
+            kx = k + tl.arange(0, BK)[None, :]
             if EVEN_K:
-                r = tl.load(wrow + kw, mask=nmask[:, None], other=0)
+                u = tl.load(wrow + kw, mask=nmask[:, None], other=0)
                 sc = tl.load(srow + ks, mask=nmask[:, None], other=0)
-                xt = tl.load(x_ptr + rt[None, :] * stride_xt + kx, mask=tmask[None, :], other=0.0)
+                xt = tl.load(x_ptr + rt[:, None] * stride_xt + kx, mask=tmask[:, None], other=0.0)
             else:
-                r = tl.load(wrow + kw, mask=nmask[:, None] & (kw < kw_end), other=0)
+                u = tl.load(wrow + kw, mask=nmask[:, None] & (kw < K // 4), other=0)
                 sc = tl.load(srow + ks, mask=nmask[:, None] & (ks < K // B), other=0)
-                xt = tl.load(x_ptr + rt[None, :] * stride_xt + kx, mask=tmask[None, :] & (kx < K), other=0.0)
-            if DEQ_ASM:
-                w = _dequant_bytes(r, BN, BK)
-            else:
-                w = _dequant_words(r, BN, BK)
-            w = (w.reshape(BN, BK // B, B) * _scale_bf16(sc, FMT).reshape(BN, BK // B, 1)).reshape(BN, BK)
-            acc = tl.dot(w, xt, acc)
+                xt = tl.load(x_ptr + rt[:, None] * stride_xt + kx, mask=tmask[:, None] & (kx < K), other=0.0)
+            s = _scale_f32(sc, FMT).to(tl.bfloat16)  # [BN, BK/B] (exact) -> one per code group [BN, BK/4]
+            s = tl.broadcast_to(s[:, :, None], [BN, BK // B, B // 4]).reshape(BN, BK // 4)
+            prec: tl.constexpr = "ieee" if DOT_F32 else "tf32"  # (bf16 operands ignore it)
+            if JOIN_K:  # one MMA chain over BK: W' back in K order (register repacking), x as loaded
+                w0, w1, w2, w3 = _dequant(u, s, DEQ_ASM)
+                w = tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape(BN, BK)  # [.., c, q] -> K = 4c + q
+                acc = tl.dot(w.to(for_dot), tl.trans(xt).to(for_dot), acc, input_precision=prec)
+            else:  # 4 MMAs of BK/4 on the dequant's own order: no weight repacking (decode)
+                w0, w1, w2, w3 = _dequant(_mma_order(u, BN, BK // 4), _mma_order(s, BN, BK // 4), DEQ_ASM)
+                x0, x1, x2, x3 = _split_x(xt, BT, BK)
+                acc = tl.dot(w0.to(for_dot), x0.to(for_dot), acc, input_precision=prec)
+                acc = tl.dot(w1.to(for_dot), x1.to(for_dot), acc, input_precision=prec)
+                acc = tl.dot(w2.to(for_dot), x2.to(for_dot), acc, input_precision=prec)
+                acc = tl.dot(w3.to(for_dot), x3.to(for_dot), acc, input_precision=prec)
         out = acc * col
         tl.store(y_ptr + rt[None, :] * stride_yt + rn[:, None], out.to(y_ptr.dtype.element_ty),
                  mask=tmask[None, :] & nmask[:, None])
+        t0 += BT
 
 
-# (max average tokens per expert, (BN, BK, BT, num_warps, num_stages), PTX dequant): the first row that fits.
-# Picked from the H200 sweep of benchmarks/bench_moe_gemm.py (2026-11-29, BENCHMARKS.md).
+# (max average tokens per expert, (BN, BK, BT, num_warps, num_stages[, join_k]), PTX dequant): the first row that
+# fits. BN x BK: weight tile per K step (BK >= 64, clipped to K), BT: token tile, join_k: one MMA chain over BK
+# with the weights repacked to K order (large token tiles) instead of 4 MMAs of BK/4 (decode). The winners of
+# `python3 benchmarks/bench_moe_gemm.py --sweep` on the H200 (2026-11-30; the same row won on all three shapes at
+# 1-16 and at 256 tokens per expert; the 128 row was not swept).
 CONFIGS = (
-    (16, (64, 256, 16, 4, 1), True),
-    (64, (64, 128, 64, 4, 3), False),
-    (128, (128, 128, 128, 8, 3), False),
-    (1 << 30, (128, 64, 256, 8, 3), False),
+    (16, (128, 128, 16, 4, 4), True),
+    (64, (128, 128, 64, 4, 3, True), True),
+    (128, (128, 128, 128, 8, 3, True), True),
+    (1 << 30, (128, 64, 256, 8, 3, True), True),
 )
 DEQ_ASM_DEFAULT = True
-"""Dequantize with inline PTX on the bytes (else Triton integer ops on int32 words) when not given."""
+"""Dequantize with inline PTX (else Triton ops) when a ``config`` is given without ``deq_asm``."""
 
 
-def pick_config(avg_tokens: float, k: int, configs=CONFIGS) -> tuple[tuple[int, int, int, int, int], bool]:
-    """((BN, BK, BT, num_warps, num_stages), deq_asm) for ``avg_tokens`` tokens per expert on average."""
-    for limit, (bn, bk, bt, nw, ns), asm in configs:
+def pick_config(avg_tokens: float, k: int, configs=CONFIGS) -> tuple[tuple, bool]:
+    """((BN, BK, BT, num_warps, num_stages[, join_k]), deq_asm) for ``avg_tokens`` tokens per expert on average."""
+    for limit, cfg, asm in configs:
         if avg_tokens <= limit:
-            return (bn, min(bk, triton.next_power_of_2(k)), bt, nw, ns), asm
+            bn, bk, *rest = cfg
+            return (bn, min(bk, max(64, triton.next_power_of_2(k))), *rest), asm
     raise AssertionError("CONFIGS must end with an unbounded row")
 
 
+def check_config(config) -> tuple[int, int, int, int, int, bool]:
+    """(BN, BK, BT, num_warps, num_stages, join_k) of a launch config; named errors for what cannot compile."""
+    if len(config) not in (5, 6):
+        raise ValueError(f"config={config!r} must be (BN, BK, BT, num_warps, num_stages[, join_k])")
+    bn, bk, bt, nw, ns, *join = config
+    for name, v, lo in (("BN", bn, 16), ("BK", bk, 64), ("BT", bt, 16)):
+        if v < lo or v & (v - 1):
+            raise ValueError(f"config {name}={v} must be a power of two >= {lo}")
+    if nw not in (1, 2, 4, 8, 16) or not 1 <= ns <= 8:
+        raise ValueError(f"config num_warps={nw} must be 1..16 (power of two), num_stages={ns} 1..8")
+    return bn, bk, bt, nw, ns, bool(join and join[0])
+
+
+def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt: int):
+    """(scalar args, grid, constexprs + launch options) of ``fp4_gemm_kernel`` for ``t`` tokens and a contiguous
+    FP4Tensor-like ``weight`` (shape, fmt, block_size, global_amax); shared with the benchmark's precompile."""
+    e, n, k = weight.shape
+    bs = weight.block_size
+    bn, bk, bt, nw, ns, join_k = check_config(config)
+    g = weight.global_amax
+    scalars = (t, n, k, e, stride_xt, n * k // 4, k // 4, n * k // bs, k // bs, stride_yt)
+    meta = dict(FMT=0 if weight.fmt == "nvfp4" else 1, B=bs, G_MODE=0 if g is None else (1 if g.dim() == 0 else 2),
+                BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, DEQ_ASM=deq_asm, K_TILES=triton.cdiv(k, bk), JOIN_K=join_k,
+                DOT_F32=False, num_warps=nw, num_stages=ns)
+    return scalars, (triton.cdiv(n, bn), e + 1), meta  # grid row e == E: zero the rows past offs[-1]
+
+
 def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-               config: tuple[int, int, int, int, int] | None = None, deq_asm: bool | None = None) -> torch.Tensor:
-    """W4A16 grouped GEMM (see the module docstring). ``config``/``deq_asm`` override ``CONFIGS``.
+               config: tuple | None = None, deq_asm: bool | None = None) -> torch.Tensor:
+    """W4A16 grouped GEMM (see the module docstring). ``config`` ((BN, BK, BT, num_warps, num_stages[, join_k]))
+    and ``deq_asm`` override ``CONFIGS``.
 
     The config is chosen from the average tokens per expert (x rows / experts), so no host sync is needed.
     """
@@ -171,24 +242,16 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
         xd = xd.contiguous()
     out_dtype = out_dtype or xd.dtype
     t = xd.shape[0]
-    y = torch.zeros(t, n, dtype=out_dtype, device=xd.device)
     if t == 0:
-        return y
+        return torch.zeros(t, n, dtype=out_dtype, device=xd.device)
+    y = torch.empty(t, n, dtype=out_dtype, device=xd.device)  # the kernel writes every row
     picked, picked_asm = pick_config(t / e, k)
     use_asm = (picked_asm if config is None else DEQ_ASM_DEFAULT) if deq_asm is None else deq_asm
-    words = weight.codes.contiguous()  # [E, N, K/2] bytes (PTX path) or int32 words [E, N, K/8]
-    words = words if use_asm else words.view(torch.int32)
+    words = weight.codes.contiguous().view(torch.uint16)  # [E, N, K/4] groups of 4 codes (code 4c+q: nibble q)
     scales = weight.block_scales.contiguous().view(torch.uint8)  # [E, N, K/B]
     g = weight.global_amax
-    g_mode = 0 if g is None else (1 if g.dim() == 0 else 2)
     g_arg = scales if g is None else g.float().contiguous()
-    bn, bk, bt, nw, ns = config or picked
-    grid = (triton.cdiv(n, bn), e)
-    fp4_gemm_kernel[grid](
-        xd, words, scales, g_arg, y, offs,
-        n, k, xd.stride(0), words.stride(0), words.stride(1), scales.stride(0), scales.stride(1), y.stride(0),
-        FMT=0 if weight.fmt == "nvfp4" else 1, B=weight.block_size, G_MODE=g_mode,
-        BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, DEQ_ASM=use_asm,
-        num_warps=nw, num_stages=ns,
-    )
+    scalars, grid, meta = launch_spec(t, weight, config or picked, use_asm, xd.stride(0), y.stride(0))
+    meta["DOT_F32"] = not xd.is_cuda  # Triton's CPU interpreter: fp32 dots (it multiplies bf16 as raw bits)
+    fp4_gemm_kernel[grid](xd, words, scales, g_arg, y, offs, *scalars, **meta)
     return y

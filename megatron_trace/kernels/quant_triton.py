@@ -6,6 +6,10 @@ One kernel covers every quantize path (the mode and the outputs are compile-time
   bits (the compact guidance), the dequantized tensor (fake-quant forward) and the STE mask.
 Rows are tiles of ``[BLOCK_M, NBT, B]`` (rows x blocks x block elements); a row longer than one
 tile loops over K (a per-row amax then takes a first pass over the row).
+
+``quant_pair_triton.pair_kernel`` is the fast path for K % B == 0 (element pairs per word, a per-block
+reciprocal with one Markstein correction, RNE / guided indices by integer ops on the fp32 bits); rows outside
+the range where that division is exact (tiny/huge amax, Inf) are redone here, element by element.
 """
 
 from __future__ import annotations
@@ -52,10 +56,10 @@ def _load_tile(x_ptr, rows, rmask, stride_xm, k0, K, NBT: tl.constexpr, B: tl.co
 
 
 @triton.jit
-def _row_amax(x_ptr, rows, rmask, stride_xm, K, num_kt, NBT: tl.constexpr, B: tl.constexpr):
+def _row_amax(x_ptr, rows, rmask, stride_xm, K, NUM_KT: tl.constexpr, NBT: tl.constexpr, B: tl.constexpr):
     """max|x| over each row (fp32 [BM]) by a pass over all K tiles."""
     g = tl.zeros([rows.shape[0]], tl.float32)
-    for kt in range(num_kt):
+    for kt in range(NUM_KT):
         x, _ = _load_tile(x_ptr, rows, rmask, stride_xm, kt * NBT * B, K, NBT, B)
         g = tl.maximum(g, tl.max(tl.max(tl.abs(x), axis=2), axis=1))
     return g
@@ -71,9 +75,15 @@ def _count_bad(x, err_ptr):
 @triton.jit
 def _scales(x, blk, rows, rmask, bmask, s_enc, s_in_ptr, NB, FMT: tl.constexpr, MODE: tl.constexpr):
     """Block scales [BM, NBT]: (NVFP4 value sf as fp32, stored byte, MXFP4 exponent e as int32)."""
+    amax_b = tl.max(tl.abs(x), axis=2) if MODE == RNE else tl.zeros([x.shape[0], x.shape[1]], tl.float32)
+    return _block_scales(amax_b, blk, rows, rmask, bmask, s_enc, s_in_ptr, NB, FMT, MODE)
+
+
+@triton.jit
+def _block_scales(amax_b, blk, rows, rmask, bmask, s_enc, s_in_ptr, NB, FMT: tl.constexpr, MODE: tl.constexpr):
+    """``_scales`` from the block amax [BM, NBT] (used by RNE only)."""
     s_off = rows[:, None] * NB + blk
     if MODE == RNE:
-        amax_b = tl.max(tl.abs(x), axis=2)  # [BM, NBT]
         if FMT == f.NVFP4:
             sf, byte = f.nvfp4_block_scale(amax_b, s_enc)
             e = tl.zeros_like(byte).to(tl.int32)
@@ -88,7 +98,7 @@ def _scales(x, blk, rows, rmask, bmask, s_enc, s_in_ptr, NB, FMT: tl.constexpr, 
             e = tl.zeros_like(byte).to(tl.int32)
         else:
             e = byte.to(tl.int32) - 127
-            sf = tl.zeros([rows.shape[0], blk.shape[1]], tl.float32)
+            sf = tl.zeros_like(amax_b)
     return sf, byte, e
 
 
@@ -192,16 +202,42 @@ def _tile(x, col, kt, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr,
 
 @triton.jit
 def quant_kernel(
-    x_ptr, M, K, stride_xm, NB, num_kt,
+    x_ptr, M, K, stride_xm, NB, NUM_KT: tl.constexpr,
     g_ptr, s_in_ptr, gc_ptr,
+    codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr, flag_ptr,
+    FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr,
+    BLOCK_M: tl.constexpr, NBT: tl.constexpr, SINGLE_TILE: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
+    WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
+    ONLY_FLAGGED: tl.constexpr = False,
+):
+    """Quantize rows of x [M, K] (fp32/bf16/fp16) block by block; see the module docstring.
+
+    ONLY_FLAGGED: only programs with a row whose flag_ptr[row] != 0 run (``pair_kernel``'s exact-path redo).
+    """
+    pid = tl.program_id(0)
+    if ONLY_FLAGGED:
+        rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if tl.max(tl.load(flag_ptr + rows, mask=rows < M, other=0), axis=0) != 0:
+            _quant_rows(pid, x_ptr, M, K, stride_xm, NB, NUM_KT, g_ptr, s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
+                        bits_ptr, deq_ptr, mask_ptr, err_ptr, FMT, MODE, G_MODE, B, BLOCK_M, NBT, SINGLE_TILE,
+                        WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV)
+    else:
+        _quant_rows(pid, x_ptr, M, K, stride_xm, NB, NUM_KT, g_ptr, s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
+                    bits_ptr, deq_ptr, mask_ptr, err_ptr, FMT, MODE, G_MODE, B, BLOCK_M, NBT, SINGLE_TILE,
+                    WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV)
+
+
+@triton.jit
+def _quant_rows(
+    pid, x_ptr, M, K, stride_xm, NB, NUM_KT: tl.constexpr, g_ptr, s_in_ptr, gc_ptr,
     codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr,
     FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr,
     BLOCK_M: tl.constexpr, NBT: tl.constexpr, SINGLE_TILE: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
 ):
-    """Quantize rows of x [M, K] (fp32/bf16/fp16) block by block; see the module docstring."""
-    pid = tl.program_id(0)
+    """``quant_kernel``'s work for program ``pid``."""
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     if SINGLE_TILE:
@@ -217,7 +253,7 @@ def quant_kernel(
             if SINGLE_TILE:
                 g1 = tl.max(tl.max(tl.abs(x0), axis=2), axis=1)
             else:
-                g1 = _row_amax(x_ptr, rows, rmask, stride_xm, K, num_kt, NBT, B)
+                g1 = _row_amax(x_ptr, rows, rmask, stride_xm, K, NUM_KT, NBT, B)
             tl.store(g_ptr + rows, g1, mask=rmask)
         else:
             g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)
@@ -229,7 +265,7 @@ def quant_kernel(
               deq_ptr, mask_ptr, err_ptr, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ,
               WRITE_MASK, CHECK_FINITE, FAST_DIV)
     else:
-        for kt in range(num_kt):
+        for kt in range(NUM_KT):
             x, col = _load_tile(x_ptr, rows, rmask, stride_xm, kt * NBT * B, K, NBT, B)
             _tile(x, col, kt, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
                   deq_ptr, mask_ptr, err_ptr, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
@@ -248,6 +284,17 @@ ABSMAX_BLOCK = 8192
 FAST_DIV = True
 """Divide by the per-block scale with a reciprocal + one Markstein step (IEEE division only on rare tiles)."""
 
+CONFIG = {"pair": {"tile": 4096, "num_warps": 4}, "elem": {"tile": TILE, "num_warps": 4},
+          "dequant": {"tile": 16384, "num_warps": 8}}
+"""Launch configs (elements per program tile, warps) of ``pair_kernel``, ``quant_kernel`` and ``dequant_pair_kernel``;
+``benchmarks/bench_quant.py --sweep`` times the alternatives."""
+
+PAIR_KERNEL = True
+"""Use ``pair_kernel`` / ``dequant_pair_kernel`` where they apply (K % block == 0, aligned rows).
+Off: the element-wise kernels everywhere (``bench_quant.py --sweep --elem`` compares the two)."""
+
+_WORD = {torch.bfloat16: (0, torch.int32), torch.float16: (1, torch.int32), torch.float32: (2, torch.int64)}
+
 
 def fmt_id(fmt: str, scale_rule: str = "floor") -> int:
     """The kernel's format selector for ``fmt`` (and the MXFP4 scale rule)."""
@@ -256,12 +303,21 @@ def fmt_id(fmt: str, scale_rule: str = "floor") -> int:
     return {"floor": 1, "ceil": 2}[scale_rule]
 
 
-def plan(kp: int, block: int) -> tuple[int, int, int]:
+def plan(kp: int, block: int, tile: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_M, NBT, num_kt) for padded row length ``kp``: one tile per row group or a loop over K."""
+    tile = tile or TILE
     bk = triton.next_power_of_2(kp)
-    if bk <= TILE:
-        return max(1, TILE // bk), bk // block, 1
-    return 1, TILE // block, triton.cdiv(kp, TILE)
+    if bk <= tile:
+        return max(1, tile // bk), bk // block, 1
+    return 1, tile // block, triton.cdiv(kp, tile)
+
+
+def _pair_ok(x2d, block, deq_dtype) -> bool:
+    """Whether ``pair_kernel`` applies: whole blocks per row, rows that can be read as element pairs."""
+    k = x2d.shape[1]
+    return (PAIR_KERNEL and k % block == 0 and x2d.dtype in _WORD
+            and deq_dtype in (None, x2d.dtype) and x2d.stride(0) % 2 == 0
+            and x2d.data_ptr() % (2 * x2d.element_size()) == 0)
 
 
 def absmax(x2d: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
@@ -304,16 +360,48 @@ def run_quant(
         out["mask"] = torch.empty((m, k), dtype=u8, device=dev)
     if int(g_mode) == int(G_ROW_COMPUTE):
         g = out["g"] = torch.empty(m, dtype=torch.float32, device=dev)
-    bm, nbt, num_kt = plan(kp, block)
+    if m == 0:
+        return out
+    args = dict(g=g, scales_in=scales_in, guide=guide, err=err, spare=spare, fmt=fmt, block=block, mode=mode,
+                g_mode=g_mode, write_codes=write_codes, write_scales=write_scales, write_bits=write_bits,
+                write_mask=write_mask, fast_div=FAST_DIV if fast_div is None else fast_div)
+    if _pair_ok(x2d, block, deq_dtype):
+        from . import quant_pair_triton as qp  # imports this module's constants
+
+        flags = qp.launch_pair(x2d, out, **args)
+        if int(g_mode) == int(G_ROW_COMPUTE):
+            args.update(g=out["g"], g_mode=G_ROW_GIVEN)  # the pair kernel wrote every row's amax
+        args.update(err=None, fast_div=False)
+        if int(g_mode) != int(G_NONE) or int(mode) == int(RNE):  # else no program can flag
+            _launch_elem(x2d, out, CONFIG["elem"], flags, **args)  # redoes only the flagged rows
+    else:
+        _launch_elem(x2d, out, CONFIG["elem"], None, **args)
+    return out
+
+
+def _launch_elem(x2d, out, cfg, flags, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes,
+                 write_scales, write_bits, write_mask, fast_div):
+    """Launch ``quant_kernel`` into the buffers of ``out`` (only programs with a row flagged in ``flags``)."""
+    m, k = x2d.shape
+    nb = triton.cdiv(k, block)
+    bm, nbt, num_kt = plan(nb * block, block, cfg["tile"])
     quant_kernel[(triton.cdiv(m, bm),)](
         x2d, m, k, x2d.stride(0), nb, num_kt,
         g if g is not None else spare, scales_in if scales_in is not None else spare,
         guide if guide is not None else spare,
         out.get("codes", spare), out.get("scales", spare), out.get("bits", spare),
         out.get("deq", x2d), out.get("mask", spare), err if err is not None else spare,
+        flags if flags is not None else spare,
         FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt, SINGLE_TILE=num_kt == 1,
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits,
-        WRITE_DEQ=deq_dtype is not None, WRITE_MASK=write_mask, CHECK_FINITE=err is not None,
-        FAST_DIV=FAST_DIV if fast_div is None else fast_div, num_warps=4, enable_fp_fusion=False,
+        WRITE_DEQ="deq" in out, WRITE_MASK=write_mask, CHECK_FINITE=err is not None,
+        FAST_DIV=fast_div, ONLY_FLAGGED=flags is not None, num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
-    return out
+
+
+
+
+def interpreting(t: torch.Tensor) -> bool:
+    """A Triton launch on a non-CUDA tensor runs in Triton's CPU interpreter (``TRITON_INTERPRET=1``), which
+    emulates hardware conversions differently: the kernels then take their bit-arithmetic paths."""
+    return not t.is_cuda

@@ -41,8 +41,8 @@ def e2m1_rne(z):
 @triton.jit
 def e2m1_mag(idx):
     """E2M1 magnitude (fp32) of a 3-bit index (int32 0..7), built from its bit pattern."""
-    normal = ((idx + 252) << 22).to(tl.float32, bitcast=True)  # idx >= 2: 2^(e-1) * (1 + m/2)
-    return tl.where(idx >= 2, normal, tl.where(idx == 1, 0.5, 0.0))
+    bits = tl.where(idx >= 2, (idx << 22) + 0x3F000000, idx * 0x3F000000)  # 2^(e-1) * (1 + m/2); 0.5; 0
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -208,3 +208,86 @@ def div_needs_slow(q0, b):
     bb = b.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     bad_b = (bb < 0x00800000) | (bb >= 0x7F800000) | ((bb & 0x7FFFFF) == 0x7FFFFF)
     return bad_q | bad_b
+
+
+@triton.jit
+def unpair(w, XDT: tl.constexpr):
+    """A word of two adjacent elements (uint32 for 16-bit x, uint64 for fp32) -> (even, odd) as fp32."""
+    if XDT == 2:
+        lo = (w & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+        hi = (w >> 32).to(tl.uint32).to(tl.float32, bitcast=True)
+    elif XDT == 0:  # bf16: its bits are the high half of the fp32 bits
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def pair(lo, hi, XDT: tl.constexpr, HW_CVT: tl.constexpr):
+    """fp32 (even, odd) -> one word of two elements of the dtype selected by XDT (RNE)."""
+    if XDT == 2:
+        return lo.to(tl.uint32, bitcast=True).to(tl.uint64) | (hi.to(tl.uint32, bitcast=True).to(tl.uint64) << 32)
+    else:
+        if XDT == 0:
+            if HW_CVT:
+                a = lo.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+                b = hi.to(tl.bfloat16).to(tl.uint16, bitcast=True)
+            else:
+                a = to_dtype(lo, tl.bfloat16).to(tl.uint16, bitcast=True)
+                b = to_dtype(hi, tl.bfloat16).to(tl.uint16, bitcast=True)
+        else:
+            a = lo.to(tl.float16).to(tl.uint16, bitcast=True)
+            b = hi.to(tl.float16).to(tl.uint16, bitcast=True)
+        return a.to(tl.uint32) | (b.to(tl.uint32) << 16)
+
+
+@triton.jit
+def rne_index(z):
+    """E2M1 magnitude index (int32 0..7) of RNE(|z|) (== ``e2m1_rne`` & 7 for z not NaN; NaN/Inf -> 7).
+
+    Adding C = 2^(22 + e), e = clamp(floor(log2|z|), 0, 3), rounds |z| to the grid step of its binade
+    (0.5 below 2, then 1, 2) with ties to even in one fp32 addition; the result's low bits count steps.
+    """
+    cb = tl.minimum(tl.maximum(z.to(tl.int32, bitcast=True) & 0x7F800000, 0x3F800000), 0x41000000) + (22 << 23)
+    t = tl.abs(z) + cb.to(tl.float32, bitcast=True)
+    return tl.minimum(t.to(tl.int32, bitcast=True) - cb + (cb >> 22) - 298, 7)
+
+
+@triton.jit
+def floor_index(z):
+    """(index of the grid point at or below min(|z|, 6), 1 if |z| is off the grid else 0), int32; NaN -> 6."""
+    u = tl.minimum(z.to(tl.int32, bitcast=True) & 0x7FFFFFFF, 0x40C00000)
+    big = u >= 0x3F800000  # |z| >= 1: grid step = 1 mantissa bit; below: steps of 0.5
+    fl = tl.where(big, (u >> 22) - 252, (u >= 0x3F000000).to(tl.int32))
+    inexact = tl.where(big, (u & 0x3FFFFF) != 0, (u != 0) & (u != 0x3F000000))
+    return fl, inexact.to(tl.int32)
+
+
+@triton.jit
+def compact_index(z, bit):
+    """``guided_compact`` as a magnitude index (int32 0..7): of the grid points around min(|z|, 6),
+    the one whose mantissa bit is ``bit`` (0/1, int32)."""
+    fl, inexact = floor_index(z)
+    return fl + ((fl ^ bit) & inexact & 1)
+
+
+@triton.jit
+def full_code(z, neg, roll):
+    """``guided_full`` (int32 code) from magnitude indices; neg: 8 where z is negative (or -0) else 0.
+
+    The bracket point nearest the rollout code, ties to the lower signed one; a zero equal to the
+    rollout's zero keeps the rollout's code (its sign).
+    """
+    fl, inexact = floor_index(z)
+    hi_i = fl + inexact
+    r = roll.to(tl.int32)
+    q_roll = e2m1_mag(r & 7)
+    q_roll = tl.where((r & 8) == neg, q_roll, -q_roll)  # in the frame where z >= 0
+    d_lo = tl.abs(e2m1_mag(fl) - q_roll)
+    d_hi = tl.abs(e2m1_mag(hi_i) - q_roll)
+    pick_hi = tl.where(neg != 0, d_hi <= d_lo, d_hi < d_lo)  # the lower signed point is hi when z < 0
+    idx = tl.where(pick_hi, hi_i, fl)
+    return tl.where((idx == 0) & ((r & 7) == 0), r, idx | neg)

@@ -1,25 +1,30 @@
-"""The Triton FP4-weight grouped GEMM (CUDA) matches dequantize-then-matmul within bf16 tolerance."""
+"""The Triton FP4-weight grouped GEMM matches dequantize-then-matmul within bf16 tolerance.
+
+CUDA: every ``CONFIGS`` row, both dequant paths. Triton's CPU interpreter (``TRITON_INTERPRET=1``): small
+shapes, Triton-ops dequant (the interpreter cannot run inline PTX). The PTX dequant's integer/bf16x2
+arithmetic is checked everywhere by executing its instruction text on the CPU.
+"""
+
+import re
 
 import pytest
 import torch
 
-from megatron_trace.formats import Quantizer
+from megatron_trace.formats import Quantizer, e2m1
 from megatron_trace.kernels import fp4_grouped_mm, grouped_mm_reference
 
-from ._gpu import needs_cuda
+from ._gpu import DEVICE, HAS_TRITON, needs_cuda, needs_triton
 
-pytestmark = needs_cuda
-
-if torch.cuda.is_available():
+if DEVICE is not None:
     from megatron_trace.kernels import moe_triton
 
 
-def _case(fmt, per_row, e, n, k, tokens_per_expert, seed=0):
+def _case(fmt, per_row, e, n, k, tokens_per_expert, seed=0, device="cuda"):
     gen = torch.Generator().manual_seed(seed)
-    wq = Quantizer(fmt, per_row=per_row).quantize((torch.randn(e, n, k, generator=gen) * 0.02).cuda())
+    wq = Quantizer(fmt, per_row=per_row).quantize((torch.randn(e, n, k, generator=gen) * 0.02).to(device))
     tpe = torch.tensor(tokens_per_expert)
-    offs = tpe.cumsum(0).to(torch.int32).cuda()
-    x = torch.randn(int(tpe.sum()) + 3, k, generator=gen).to(torch.bfloat16).cuda()
+    offs = tpe.cumsum(0).to(torch.int32).to(device)
+    x = torch.randn(int(tpe.sum()) + 3, k, generator=gen).to(torch.bfloat16).to(device)
     return x, wq, offs
 
 
@@ -27,9 +32,10 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
 
 
-CONFIGS = [c[1] for c in moe_triton.CONFIGS] if torch.cuda.is_available() else []
+CONFIGS = [c[1] for c in moe_triton.CONFIGS] if DEVICE == "cuda" else []
 
 
+@needs_cuda
 @pytest.mark.parametrize("deq_asm", [True, False], ids=["ptx", "triton"])
 @pytest.mark.parametrize("fmt,per_row", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
 @pytest.mark.parametrize("config", CONFIGS, ids=str)
@@ -41,6 +47,7 @@ def test_matches_reference(fmt, per_row, config, deq_asm):
     assert torch.equal(y[-3:], torch.zeros_like(y[-3:]))
 
 
+@needs_cuda
 def test_uneven_k_and_n_and_w4a4():
     x, wq, offs = _case("nvfp4", False, 3, 100, 80, [2, 5, 1], seed=1)
     ref = grouped_mm_reference(x, wq, offs)
@@ -50,7 +57,84 @@ def test_uneven_k_and_n_and_w4a4():
     assert _rel(fp4_grouped_mm(xq, wq, offs, kernel="triton", out_dtype=torch.float32), ref4) < 1e-2
 
 
+@needs_cuda
 def test_decode_shape_qwen3_fc1_one_token_per_expert():
     x, wq, offs = _case("nvfp4", False, 128, 1536, 2048, [1] * 128, seed=2)
     ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
     assert _rel(fp4_grouped_mm(x, wq, offs, out_dtype=torch.float32), ref) < 2e-3
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt,per_row", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+@pytest.mark.parametrize("config,shape", [
+    ((32, 128, 16, 4, 1), (3, 64, 256, [1, 0, 17])),  # two token tiles for expert 2, an empty expert
+    ((16, 64, 16, 4, 1), (3, 40, 96, [2, 5, 1])),  # N and K not multiples of the tile
+    ((32, 128, 16, 4, 1, True), (3, 64, 256, [1, 0, 17])),  # join_k: one MMA over K-ordered weights
+    ((16, 64, 32, 4, 1, True), (3, 40, 96, [2, 5, 1])),
+], ids=["even", "uneven", "join_k", "join_k_uneven"])
+def test_triton_path_small(fmt, per_row, config, shape):
+    x, wq, offs = _case(fmt, per_row, *shape, device=DEVICE)
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    y = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32, config=config, deq_asm=False)
+    assert _rel(y, ref) < 1e-5, _rel(y, ref)  # exact products, fp32 sums in another order
+    assert torch.equal(y[-3:], torch.zeros_like(y[-3:]))  # rows past offs[-1], written by the kernel
+
+
+@needs_triton
+def test_bad_config_is_named():
+    x, wq, offs = _case("nvfp4", False, 2, 32, 64, [1, 1], device=DEVICE)
+    with pytest.raises(ValueError, match="BK=48"):
+        moe_triton.grouped_mm(x, wq, offs, config=(32, 48, 16, 4, 1))
+
+
+def _run_ptx(text: str, regs: dict[str, int]) -> dict[str, int]:
+    """Execute the PTX subset of ``_DEQ_PTX`` (shr/and/mul.lo on b32, mul.rn.bf16x2) on Python ints."""
+    def val(tok):
+        return regs[tok] if tok in regs else int(tok, 0)
+
+    def bf16x2_mul(a, b):
+        pair = torch.tensor([a & 0xFFFF, a >> 16, b & 0xFFFF, b >> 16], dtype=torch.int32).to(torch.int16)
+        h = pair.view(torch.bfloat16)
+        p = (h[:2] * h[2:]).view(torch.int16).to(torch.int32) & 0xFFFF  # fp32 product rounded to bf16 (RNE)
+        return int(p[0]) | int(p[1]) << 16
+
+    for ins in text.strip("{} ").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        d, a, b = [t.strip() for t in args.split(",")]
+        if op == "shr.b32":
+            regs[d] = val(a) >> val(b)
+        elif op == "and.b32":
+            regs[d] = val(a) & val(b)
+        elif op == "mul.lo.u32":
+            regs[d] = (val(a) * val(b)) & 0xFFFFFFFF
+        elif op == "mul.rn.bf16x2":
+            regs[d] = bf16x2_mul(val(a), val(b))
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+    return regs
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (for the PTX text)")
+def test_ptx_dequant_arithmetic():
+    """Out $q = code q of each uint16 group, value * 2**-126 * scale, for every code and scale 2**64 * 2**j."""
+    from megatron_trace.kernels.moe_triton import _DEQ_PTX
+
+    text = _DEQ_PTX.value if hasattr(_DEQ_PTX, "value") else str(_DEQ_PTX)
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (64, 8), generator=gen, dtype=torch.uint8)
+    codes[:16, 0] = torch.arange(16, dtype=torch.uint8)  # every code in every position of the word
+    codes[:16, 5] = torch.arange(16, dtype=torch.uint8)
+    words = e2m1.pack(codes).view(torch.int32)  # [64, 1]: groups g0 (codes 0..3) low, g1 (codes 4..7) high
+    scales = torch.tensor([2.0 ** 64, 448 * 2.0 ** 64, 2.0 ** -9 * 2.0 ** 64], dtype=torch.bfloat16)
+    for si, sv in enumerate(scales):
+        sbits = int(sv.view(torch.int16)) & 0xFFFF
+        for row in range(codes.shape[0]):
+            w = int(words[row, 0]) & 0xFFFFFFFF
+            out = _run_ptx(re.sub(r"\$(\d)", r"R\1", text), {"R4": w, "R5": sbits | sbits << 16})
+            got = torch.tensor([[out[f"R{q}"] & 0xFFFF, out[f"R{q}"] >> 16] for q in range(4)], dtype=torch.int32)
+            got = got.to(torch.int16).view(torch.bfloat16).double().T.reshape(-1)  # [g0 q0..q3, g1 q0..q3]
+            want = e2m1.decode(codes[row], torch.float64) * 2.0 ** -126 * float(sv)
+            assert torch.equal(got, want), (si, row, got, want)

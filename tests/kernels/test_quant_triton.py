@@ -23,6 +23,18 @@ def _ieee_division_in_interpreter(monkeypatch):
     if INTERPRET:
         monkeypatch.setattr(quant_triton, "FAST_DIV", False)
 
+
+@pytest.fixture(autouse=True, params=["pair", "elem", "pair-tile32"])
+def kernel_variant(request, monkeypatch):
+    """Every case runs on the word-pair kernel, the element kernel, and with 32-element tiles (loops over K)."""
+    if DEVICE is None:
+        return request.param
+    monkeypatch.setattr(quant_triton, "PAIR_KERNEL", request.param != "elem")
+    if request.param.endswith("tile32"):
+        monkeypatch.setattr(quant_triton, "CONFIG", {name: {"tile": 32, "num_warps": 4}
+                                                     for name in quant_triton.CONFIG})
+    return request.param
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 POLICIES = {
     "nvfp4-tensor": Quantizer("nvfp4"),
@@ -76,12 +88,12 @@ def test_given_global_amax(given):
     assert_same_fp4(t, ref)
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 64)] if INTERPRET else [(64, 1000), (64, 1024)], ids=str)
 @pytest.mark.parametrize("compact", [False, True], ids=["full", "compact"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_guided_quantize_and_fused_dequant_bit_exact(dtype, policy, compact):
+def test_guided_quantize_and_fused_dequant_bit_exact(dtype, policy, compact, shape):
     q = POLICIES[policy]
-    shape = (3, 5, 64) if INTERPRET else (64, 1000)
     x_roll = _inputs(shape, dtype, 2)
     gen = torch.Generator().manual_seed(3)
     x_train = (x_roll.float() * (1 + 0.05 * torch.randn(shape, generator=gen))).to(dtype)  # train-rollout drift
@@ -137,3 +149,38 @@ def test_ieee_division_path_is_bit_exact_too(policy, monkeypatch):
     t, _, _ = fused.quantize(x.to(DEVICE), q)
     assert_same_fp4(t, ref)
     assert same_bits(dequant_triton.dequantize(t, torch.float32), ref.dequantize(torch.float32))
+
+
+_Z = [0.0, 0.1, 0.25, 0.4, 0.5, 0.6, 0.75, 1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.25, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5,
+      6.0, 7.0, 7.5, -0.0, -0.25, -0.75, -1.25, -2.5, -5.0, -0.1, -6.0]  # MXFP4 block amax 7.5: scale 1, z == x
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["full", "compact"])
+def test_guided_every_record_code_on_ties_and_zeros(compact):
+    """Each rollout code (full) or mantissa bit (compact) against grid points, midpoints and signed zeros."""
+    q = Quantizer("mxfp4", scale_rule="floor")
+    x = torch.tensor(_Z).repeat(16, 1)  # [16, 32]: row r gets rollout code r everywhere
+    base = q.quantize(x).guidance(compact=False)
+    codes = torch.arange(16, dtype=torch.uint8)[:, None].expand(16, 16)
+    full = type(base)(**{**base.__dict__, "codes": (codes | (codes << 4)).contiguous()})
+    record = Quantizer("mxfp4").quantize(x).guidance(compact=True) if compact else full
+    if compact:
+        bits = torch.where(torch.arange(16)[:, None] % 2 == 1, 0xA5, 0x5A).to(torch.uint8).expand(16, 4)
+        record = type(record)(**{**record.__dict__, "mantissa_bits": bits.contiguous()})
+    ref = q.guided_quantize(x, record)
+    t, out = fused.guided(x.to(DEVICE), _to(record, DEVICE), deq_dtype=torch.float32)
+    assert_same_fp4(t, ref)
+    assert same_bits(out["deq"], ref.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("compact", [False, True], ids=["full", "compact"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_guided_edge_inputs_bit_exact(policy, compact):
+    """Guided rounding of the edge rows (ties, signed zeros, subnormal and huge values) toward another record."""
+    q = POLICIES[policy]
+    x = edge_rows(torch.float32)
+    record = q.quantize(torch.flip(x, dims=[0])).guidance(compact=compact)  # rows of other magnitudes
+    ref = q.guided_quantize(x, record)
+    t, out = fused.guided(x.to(DEVICE), _to(record, DEVICE), deq_dtype=torch.float32)
+    assert_same_fp4(t, ref)
+    assert same_bits(out["deq"], ref.dequantize(torch.float32))

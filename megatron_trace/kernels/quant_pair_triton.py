@@ -1,0 +1,258 @@
+"""Triton quantize kernel for rows of whole blocks, read as element pairs (``pair_kernel``).
+
+x is read as 32-bit words of two elements (64-bit for fp32), so the two codes of a word are one packed byte:
+no reshape or shuffle for the nibble packing. One reciprocal per block and one Markstein step per element
+replace the IEEE division; the RNE / guided codeword comes from bit tricks (``triton_fp4.rne_index``,
+``compact_index``, ``full_code``). Rows where the fast division may be inexact are flagged and left to
+``quant_triton.quant_kernel`` (``quant_triton.run_quant`` redoes them). Same modes and outputs as that kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import quant_triton as qk
+from . import triton_fp4 as f
+from .quant_triton import G_NONE, G_ROW_COMPUTE, G_SCALAR, GUIDED_COMPACT, RNE, _block_scales
+
+
+@triton.jit
+def _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT: tl.constexpr, P: tl.constexpr):
+    """Words (element pairs) of x for blocks [kt*NBT, (kt+1)*NBT) as [BM, NBT, P] (unsigned), their mask."""
+    wcol = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
+    mask = rmask[:, None, None] & (wcol < NW)
+    w = tl.load(xw_ptr + rows[:, None, None] * stride_w + wcol, mask=mask, other=0)
+    if w.dtype == tl.int64:
+        w = w.to(tl.uint64, bitcast=True)
+    else:
+        w = w.to(tl.uint32, bitcast=True)
+    return w, wcol, mask
+
+
+@triton.jit
+def _markstein(a, neg_b, rb):
+    """RN(a / b) from rb = RN(1 / b) (see ``triton_fp4.div_fast``); a zero quotient comes out +0."""
+    q0 = a * rb
+    return tl.fma(tl.fma(q0, neg_b, a), rb, q0)
+
+
+@triton.jit
+def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
+               mask_ptr, XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr, P: tl.constexpr,
+               NBT: tl.constexpr, s_in_ptr, WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr,
+               WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr,
+               FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    """RNE or guided quantize of a tile of element pairs [BM, NBT, P] (s_b: S_enc as [BM, 1]).
+
+    Each word's two elements become the two nibbles of one code byte, so packing stays in registers.
+    """
+    lo, hi = f.unpair(w, XDT)
+    blk = kt * NBT + tl.arange(0, NBT)[None, :]  # [1, NBT]
+    bmask = blk < NB
+    sf, byte, e = _block_scales(amax_b, blk, rows, rmask, bmask, s_b, s_in_ptr, NB, FMT, MODE)  # [BM, NBT] each
+    if FMT == f.NVFP4:
+        ok = sf > 0.0
+        den = tl.where(ok, sf, 1.0)
+        s3 = s_b[:, :, None]
+        al, ah = lo * s3, hi * s3
+        if FAST_DIV:
+            rb = tl.where(ok, tl.div_rn(tl.full(den.shape, 1.0, tl.float32), den), 0.0)[:, :, None]
+            nd = -den[:, :, None]  # per block, so the per-element remainder is one fma
+            zl = _markstein(al, nd, rb)
+            zh = _markstein(ah, nd, rb)
+        else:
+            zl = tl.where(ok[:, :, None], tl.div_rn(al, den[:, :, None]), 0.0)
+            zh = tl.where(ok[:, :, None], tl.div_rn(ah, den[:, :, None]), 0.0)
+        sgn = tl.where(ok, 8, 0)[:, :, None]  # z = +0 where the block scale is 0
+    else:
+        p2 = f.pow2(-e)[:, :, None]
+        zl, zh = lo * p2, hi * p2
+        sgn = tl.full([1, 1, 1], 8, tl.int32)
+    neg_l = ((lo.to(tl.int32, bitcast=True) >> 28) & sgn)
+    neg_h = ((hi.to(tl.int32, bitcast=True) >> 28) & sgn)
+    woff = rows[:, None, None] * (NB * P) + blk[:, :, None] * P + tl.arange(0, P)[None, None, :]
+    if MODE == RNE:
+        il, ih = f.rne_index(zl), f.rne_index(zh)
+        cl, ch = il | neg_l, ih | neg_h  # codes of the even / odd elements, int32
+    elif MODE == GUIDED_COMPACT:
+        BM: tl.constexpr = w.shape[0]
+        boff = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + tl.arange(0, P // 4)[None, None, :]
+        gb = tl.load(gc_ptr + boff, mask=rmask[:, None, None] & bmask[:, :, None], other=0).to(tl.int32)
+        gb = tl.broadcast_to(gb[:, :, :, None], [BM, NBT, P // 4, 4]).reshape(BM, NBT, P)  # byte of each pair
+        gb = gb >> (2 * (tl.arange(0, P) % 4))[None, None, :]
+        il, ih = f.compact_index(zl, gb & 1), f.compact_index(zh, (gb >> 1) & 1)
+        cl, ch = il | neg_l, ih | neg_h
+    else:
+        rc = tl.load(gc_ptr + woff, mask=m3, other=0).to(tl.int32)  # the record's code byte of each pair
+        cl, ch = f.full_code(zl, neg_l, rc & 15), f.full_code(zh, neg_h, rc >> 4)
+        il, ih = cl & 7, ch & 7
+    if WRITE_CODES:
+        tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
+    if WRITE_SCALES:
+        tl.store(scales_ptr + rows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
+    if WRITE_BITS:
+        mb = ((il & 1) | ((ih & 1) << 1)) << (2 * (tl.arange(0, P) % 4))[None, None, :]
+        b = tl.sum(mb.reshape(w.shape[0], NBT, P // 4, 4), axis=3)
+        boff2 = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + tl.arange(0, P // 4)[None, None, :]
+        tl.store(bits_ptr + boff2, b.to(tl.uint8), mask=rmask[:, None, None] & bmask[:, :, None])
+    if WRITE_DEQ:
+        if FMT == f.NVFP4:
+            vl = f.e2m1_mag(il) * sf[:, :, None]  # exact: <= 2 + 4 significant bits
+            vh = f.e2m1_mag(ih) * sf[:, :, None]
+            if FAST_DIV:
+                re = tl.div_rn(tl.full(s3.shape, 1.0, tl.float32), s3)
+                vl = _markstein(vl, -s3, re)
+                vh = _markstein(vh, -s3, re)
+            else:
+                vl, vh = tl.div_rn(vl, s3), tl.div_rn(vh, s3)
+        else:
+            p2e = f.pow2(e)[:, :, None]
+            vl, vh = f.e2m1_mag(il) * p2e, f.e2m1_mag(ih) * p2e
+        vl = (vl.to(tl.int32, bitcast=True) | ((cl & 8) << 28)).to(tl.float32, bitcast=True)  # code sign
+        vh = (vh.to(tl.int32, bitcast=True) | ((ch & 8) << 28)).to(tl.float32, bitcast=True)
+        DDT: tl.constexpr = 2 if deq_ptr.dtype.element_ty == tl.int64 else XDT
+        words = f.pair(vl, vh, DDT, HW_CVT).to(deq_ptr.dtype.element_ty, bitcast=True)
+        tl.store(deq_ptr + rows[:, None, None] * (NB * P) + wcol, words, mask=m3)
+    if WRITE_MASK:
+        ml = (tl.abs(zl) <= 6.0).to(tl.uint16)
+        mh = (tl.abs(zh) <= 6.0).to(tl.uint16)
+        tl.store(mask_ptr + rows[:, None, None] * (NB * P) + wcol, (ml | (mh << 8)).to(tl.int16, bitcast=True),
+                 mask=m3)
+
+
+@triton.jit
+def _needs_exact(lo_hi_amax, s_b, G_MODE: tl.constexpr, MODE: tl.constexpr, WRITE_DEQ: tl.constexpr):
+    """1 when the tile may leave the range where the reciprocal division is exact (``quant_kernel`` redoes it)."""
+    bad = tl.max(tl.max((lo_hi_amax == float("inf")).to(tl.int32), axis=1), axis=0) if MODE == RNE else 0
+    if G_MODE != G_NONE:
+        sb = s_b.to(tl.int32, bitcast=True)
+        r = (sb < 0x0D000000) | (sb >= 0x72000000)  # S_enc outside [2^-101, 2^101]
+        if WRITE_DEQ:
+            r = r | ((sb & 0x7FFFFF) == 0x7FFFFF)
+        bad += tl.max(tl.max(r.to(tl.int32), axis=1), axis=0)
+    return bad
+
+
+@triton.jit
+def pair_kernel(
+    xw_ptr, M, stride_w, NB, NUM_KT: tl.constexpr,
+    g_ptr, s_in_ptr, gc_ptr,
+    codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr, flag_ptr,
+    XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr,
+    BLOCK_M: tl.constexpr, NBT: tl.constexpr,
+    WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
+    WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
+    HW_CVT: tl.constexpr,
+):
+    """``quant_kernel`` for K % B == 0 on x read as words of two elements (deq/mask as words too).
+
+    A program with a tile where the fast division may be inexact (tiny/huge amax, Inf) sets
+    flag_ptr[row] = 1 for its rows (else 0); ``quant_kernel`` with ONLY_FLAGGED then redoes those rows exactly.
+    """
+    P: tl.constexpr = B // 2
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    NW = NB * P
+    if NUM_KT == 1:  # the whole row group in one tile: x is read once
+        w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P)
+        lo, hi = f.unpair(w, XDT)
+        amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, NBT]
+        s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT, G_MODE, NUM_KT, NBT, P)
+        slow = _pair_step(w, wcol, m3, amax_b, 0, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
+                          bits_ptr, deq_ptr, mask_ptr, err_ptr, XDT, FMT, MODE, G_MODE, B, NBT, WRITE_CODES,
+                          WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV, HW_CVT)
+    else:
+        s_b = _pair_s_enc(tl.zeros([BLOCK_M, NBT], tl.float32), xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT,
+                          G_MODE, NUM_KT, NBT, P)
+        slow = 0
+        for kt in range(NUM_KT):
+            w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P)
+            lo, hi = f.unpair(w, XDT)
+            amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
+            slow += _pair_step(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
+                               scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr, XDT, FMT, MODE, G_MODE, B, NBT,
+                               WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE,
+                               FAST_DIV, HW_CVT)
+    tl.store(flag_ptr + rows, slow + tl.zeros([BLOCK_M], tl.int32), mask=rmask)
+
+
+@triton.jit
+def _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT: tl.constexpr, G_MODE: tl.constexpr,
+                NUM_KT: tl.constexpr, NBT: tl.constexpr, P: tl.constexpr):
+    """S_enc as [BM, 1] (1.0 for MXFP4); a per-row amax is taken from amax_b [BM, NBT] when NUM_KT == 1."""
+    BM: tl.constexpr = amax_b.shape[0]
+    if G_MODE == G_SCALAR:
+        s_b = f.nvfp4_encode_scale(tl.load(g_ptr) + tl.zeros([BM, 1], tl.float32))
+    elif G_MODE == G_NONE:
+        s_b = tl.full([BM, 1], 1.0, tl.float32)
+    else:
+        if G_MODE == G_ROW_COMPUTE:
+            if NUM_KT == 1:
+                g1 = tl.max(amax_b, axis=1)
+            else:
+                g1 = tl.zeros([BM], tl.float32)
+                for kt in range(NUM_KT):
+                    w, _, _ = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P)
+                    lo, hi = f.unpair(w, XDT)
+                    g1 = tl.maximum(g1, tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), axis=1))
+            tl.store(g_ptr + rows, g1, mask=rmask)
+        else:
+            g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)
+        s_b = f.nvfp4_encode_scale(g1)[:, None]  # [BM, 1]
+    return s_b
+
+
+@triton.jit
+def _pair_step(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
+               deq_ptr, mask_ptr, err_ptr, XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr,
+               G_MODE: tl.constexpr, B: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
+               WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr,
+               WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    """One K tile: the NaN/Inf check if asked, then ``_pair_tile``; returns 1 (writing nothing) when the
+    tile may leave the range where the fast division is exact."""
+    if CHECK_FINITE:
+        lo, hi = f.unpair(w, XDT)
+        ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+        if tl.max(tl.max(tl.max(ab, axis=2), axis=1), axis=0) >= 0x7F800000:  # an Inf or NaN in the tile
+            tl.atomic_add(err_ptr, 1)
+    slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ)
+    if MODE != RNE and FMT == f.NVFP4 and FAST_DIV:  # guided: z == 0 or not must be exact even for tiny z
+        lo, hi = f.unpair(w, XDT)
+        t3 = tl.div_rn(tl.full(s_b.shape, 2.0**-99, tl.float32), s_b)[:, :, None]  # per row, 2x margin
+        tiny = ((tl.abs(lo) < t3) & (lo != 0.0)) | ((tl.abs(hi) < t3) & (hi != 0.0))  # 0 < |x * S_enc| < 2^-100
+        slow += tl.max(tl.max(tl.max(tiny.to(tl.int32), axis=2), axis=1), axis=0)
+    if slow == 0:
+        _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
+                   mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
+                   WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
+    return slow
+
+
+def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes, write_scales,
+                 write_bits, write_mask, fast_div) -> torch.Tensor:
+    """Launch ``pair_kernel`` into the buffers of ``out``; returns its per-row exact-path flags (int32 [M])."""
+    m, k = x2d.shape
+    nb = k // block
+    xdt, wdt = qk._WORD[x2d.dtype]
+    xw = x2d.view(wdt)
+    deq = out.get("deq")
+    mask = out.get("mask")
+    cfg = qk.CONFIG["pair"]
+    bm, nbt, num_kt = qk.plan(k, block, cfg["tile"])
+    flags = torch.empty(m, dtype=torch.int32, device=x2d.device)
+    pair_kernel[(triton.cdiv(m, bm),)](
+        xw, m, xw.stride(0), nb, num_kt,
+        g if g is not None else spare, scales_in if scales_in is not None else spare,
+        guide if guide is not None else spare,
+        out.get("codes", spare), out.get("scales", spare), out.get("bits", spare),
+        deq.view(wdt) if deq is not None else xw, mask.view(torch.int16) if mask is not None else spare,
+        err if err is not None else spare, flags,
+        XDT=xdt, FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt,
+        WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits, WRITE_DEQ=deq is not None,
+        WRITE_MASK=write_mask, CHECK_FINITE=err is not None, FAST_DIV=fast_div, HW_CVT=not qk.interpreting(x2d),
+        num_warps=cfg["num_warps"], enable_fp_fusion=False,
+    )
+    return flags
