@@ -3,9 +3,10 @@
     python benchmarks/bench_cache_assemble.py [--batch 256 --seq 16 --layers 4 --reps 5]
 
 Shapes default to the GPU RL config's guided half (4 layers x FC1 hidden 256, FC2 top-4 x 128, K/V 4 heads x 32,
-compact NVFP4, 32 prompts x 8 samples of ~16 tokens). Two storage paths of the cache: ``columns`` (a whole split
-batch kept as its columns, ``GuidanceCache.assemble`` from them) and ``per_sample`` (the batch put in two parts,
-flat per-sample buffers, ``get`` + ``records.assemble``: what every step paid before). Prints one JSON line.
+compact NVFP4, 32 prompts x 8 samples of ~16 tokens). Three paths: ``per_sample`` (the batch put in two parts,
+flat per-sample buffers, ``get`` + ``records.assemble``: what every step paid first), ``columns`` (``split_batch``
+samples whose columns the cache keeps, ``GuidanceCache.assemble`` from them) and ``packed`` (``pack_guidance``: the
+columns without per-sample views, what the colocated driver does now). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.guidance.cache import GuidanceCache
-from megatron_trace.guidance.records import assemble, split_batch
+from megatron_trace.guidance.records import assemble, pack_guidance, split_batch
 from megatron_trace.guidance.site import FallbackCounter, SiteGuidance
 
 
@@ -67,9 +68,15 @@ def main() -> None:
                        counter=FallbackCounter())
         cache.drop(step)
 
+    def packed(step: int) -> None:  # what the colocated driver does: no per-sample views at all
+        cols = pack_guidance(sites, tokens.to(a.device), version=0, attention_mask=mask.to(a.device))
+        cache.put(step, cols)
+        cache.assemble(step, list(cols.table.ids), tokens, versions=0, attention_mask=mask, counter=FallbackCounter())
+        cache.drop(step)
+
     row = {"bench": "cache_assemble", "batch": a.batch, "seq": a.seq, "layers": a.layers, "device": a.device,
            "threads": torch.get_num_threads()}
-    for name, fn in (("per_sample", per_sample), ("columns", columns)):
+    for name, fn in (("per_sample", per_sample), ("columns", columns), ("packed", packed)):
         fn(0)
         times = []
         for i in range(a.reps):
@@ -78,6 +85,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         row[f"{name}_s"] = round(statistics.median(times), 4)
     row["speedup"] = round(row["per_sample_s"] / row["columns_s"], 2)
+    row["speedup_packed"] = round(row["per_sample_s"] / row["packed_s"], 2)
     print(json.dumps(row))
 
 

@@ -136,21 +136,28 @@ class GuidanceCache:
         }
 
     # ---- rollout side -----------------------------------------------------------------------
-    def put(self, step: int, samples: Sequence[SampleGuidance]) -> None:
-        """Store one rollout batch of ``step``; may be called several times per step."""
+    def put(self, step: int, samples: Sequence[SampleGuidance] | PackedGuidance) -> None:
+        """Store one rollout batch of ``step`` (samples, or a whole batch's columns from ``records.pack_guidance``);
+        may be called several times per step."""
         st = self._steps.setdefault(int(step), _Step())
-        ids = [s.sample_id for s in samples]
+        whole = samples if isinstance(samples, PackedGuidance) else None
+        ids = list(whole.table.ids) if whole is not None else [s.sample_id for s in samples]
         dup = sorted((set(ids) & st.sample_ids) | {i for i in ids if ids.count(i) > 1})
         if dup:
             raise ValueError(f"step {step} already has sample id(s) {dup}")
-        src = source_of(samples)
-        if src is not None and src[1] == list(range(len(src[0].table))):  # a whole split batch: keep its columns
-            nbytes = _columns_nbytes(src[0])
+        if whole is None:
+            src = source_of(samples)
+            if src is not None and src[1] == list(range(len(src[0].table))):  # a whole split batch
+                whole = src[0]
+        if whole is not None:  # keep its columns
+            nbytes = _columns_nbytes(whole)
             if nbytes <= self.budget_bytes - self.host_bytes:
-                st.packed.append((_to_host(src[0]), nbytes))
+                st.packed.append((_to_host(whole), nbytes))
                 self._account(nbytes)
                 st.sample_ids.update(ids)
                 return
+            if isinstance(samples, PackedGuidance):
+                samples = samples.to_samples()
         plan = plan_flat(samples)
         n_mem = self._fit_in_memory(plan)
         if n_mem:

@@ -122,6 +122,10 @@ class PackedGuidance(_Packed):
         ids = f.get("expert_ids")
         return SiteRecord(rec, f["valid"][a:b], None if ids is None else ids[a:b])
 
+    def guidance_nbytes(self) -> int:
+        """The samples' ``SampleGuidance.guidance_nbytes`` summed (payload + scales + amax of every column)."""
+        return sum(c.fields[k].nbytes for c in self.columns for k in ("payload", "scales", "amax") if k in c.fields)
+
     def to_samples(self) -> list[SampleGuidance]:
         """One ``SampleGuidance`` per sample, its tensors views into the columns (``source`` set)."""
         sites: list[dict] = [{} for _ in range(len(self.table))]

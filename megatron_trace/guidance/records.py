@@ -174,6 +174,21 @@ def split_batch(
     copies: the batch can be freed); each sample's tensors are views into it (``source``), which lets
     ``GuidanceSync`` ship whole columns instead of per-sample tensors.
     """
+    return pack_guidance(batch, token_ids, version=version, attention_mask=attention_mask, lengths=lengths,
+                         sample_ids=sample_ids).to_samples()
+
+
+def pack_guidance(
+    batch: Mapping[SiteKey, SiteGuidance],
+    token_ids: torch.Tensor,
+    *,
+    version: int | Sequence[int],
+    attention_mask: torch.Tensor | None = None,
+    lengths=None,
+    sample_ids: Sequence[int] | None = None,
+):
+    """``split_batch`` without the per-sample views: the batch's token rows as a ``packed.PackedGuidance``
+    (sample ``i`` of its table is batch row ``i``). ``GuidanceCache.put`` keeps it as it is."""
     from .packed import pack_batch
 
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
@@ -185,7 +200,7 @@ def split_batch(
     ids = list(range(B)) if sample_ids is None else [int(i) for i in sample_ids]
     if len(ids) != B or len(set(ids)) != B:
         raise ValueError(f"sample_ids must be {B} distinct ids, got {ids}")
-    return pack_batch(batch, token_ids, mask, versions, ids).to_samples()
+    return pack_batch(batch, token_ids, mask, versions, ids)
 
 
 def row_hashes(token_ids: torch.Tensor, mask: torch.Tensor) -> tuple[list[str], list[int]]:

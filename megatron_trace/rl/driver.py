@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..guidance.records import split_batch
+from ..guidance.records import pack_guidance
 from ..guidance.site import FallbackCounter, SiteGuidance
 from ..metrics import guidance_step_metrics, quant_counts, quant_metrics
 from ..monitor import SentinelCheck, TrendAlarm, check_mismatch_gate, step_mismatch_metrics
@@ -161,12 +161,12 @@ class GRPORun:
         routing = batch.routing if self.cfg.routing_replay else {}
         if not keep:
             return StepGuidance(routing=routing, token_mask=mask), counter, 0.0
-        samples = split_batch(keep, batch.tokens, version=batch.policy_version, attention_mask=mask)
-        self.cache.put(step, samples)  # device -> host (columns, or per sample and spilled beyond the budget)
-        sites = self.cache.assemble(step, [s.sample_id for s in samples], batch.tokens.cpu(),
+        packed = pack_guidance(keep, batch.tokens, version=batch.policy_version, attention_mask=mask)
+        self.cache.put(step, packed)  # device -> host (columns, or per sample and spilled beyond the budget)
+        sites = self.cache.assemble(step, list(packed.table.ids), batch.tokens.cpu(),
                                     versions=batch.policy_version, counter=counter, attention_mask=mask.cpu())
         tokens = int(mask.sum())
-        bpt = sum(s.guidance_nbytes() for s in samples) / max(tokens, 1)
+        bpt = packed.guidance_nbytes() / max(tokens, 1)
         return StepGuidance(sites=sites, routing=routing, token_mask=mask), counter, bpt
 
     def _quant_metrics(self, recorded, full: dict) -> dict:

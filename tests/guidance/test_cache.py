@@ -5,7 +5,7 @@ import torch
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.guidance.cache import GuidanceCache
-from megatron_trace.guidance.records import split_batch
+from megatron_trace.guidance.records import pack_guidance, split_batch
 from megatron_trace.guidance.serial import plan_flat
 from megatron_trace.guidance.shards import ShardError, load_samples, read_header, shard_index, write_shard
 
@@ -51,20 +51,27 @@ def _assemble_both(cache, step, samples, ids, tok, mask, versions):
     return c2
 
 
-@pytest.mark.parametrize("path", ["columns", "per_sample", "spilled"])
+@pytest.mark.parametrize("path", ["columns", "per_sample", "spilled", "packed", "packed_spilled"])
 def test_assemble_equals_records_assemble_on_every_storage_path(tmp_path, path):
     B = 4
     batch, _, tok, mask = make_batch(B=B, seed=3, lengths=[9, 7, 4, 8])
-    samples = split_batch(batch, tok, version=5, attention_mask=mask, sample_ids=[10, 11, 12, 13])
-    budget = {"columns": 10**9, "per_sample": 10**9, "spilled": 0}[path]
+    kw = dict(version=5, attention_mask=mask, sample_ids=[10, 11, 12, 13])
+    samples = split_batch(batch, tok, **kw)
+    budget = 0 if path.endswith("spilled") else 10**9
     cache = GuidanceCache(budget_bytes=budget, cache_dir=tmp_path)
     if path == "per_sample":  # two puts of part of the split: not a whole batch -> per-sample storage
         cache.put(2, samples[:2])
         cache.put(2, samples[2:])
+    elif path.startswith("packed"):  # the columns without per-sample views (the colocated driver)
+        packed = pack_guidance(batch, tok, **kw)
+        assert packed.guidance_nbytes() == sum(x.guidance_nbytes() for x in samples)
+        cache.put(2, packed)
+        with pytest.raises(ValueError, match="already has sample id"):
+            cache.put(2, pack_guidance(batch, tok, **kw))
     else:
         cache.put(2, samples)
     st = cache._steps[2]
-    assert bool(st.packed) == (path == "columns") and bool(st.shards) == (path == "spilled")
+    assert bool(st.packed) == (path in ("columns", "packed")) and bool(st.shards) == path.endswith("spilled")
     ids = [x.sample_id for x in samples]
     assert _assemble_both(cache, 2, samples, ids, tok, mask, 5).coverage == 1.0
     # rows permuted, one sample the step does not have, one from another policy version
