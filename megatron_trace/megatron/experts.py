@@ -73,6 +73,7 @@ class TraceExpertsCore:
         self._weight_q = trace_config.weight_quantizer() if trace_config.quantizes("weights") else None
         self._kernel = trace_config.kernel  # fake-quant implementation (kernels.select_kernel)
         self._payload_dispatcher = None
+        self._payload_order = None  # the local permutation of the last dispatch_payload (None: dispatcher)
         self._excluded = False if not trace_config.exclude_modules else None  # None: unknown until bound
 
     def bind_trace_layer(self, layer: int) -> None:
@@ -159,7 +160,24 @@ class TraceExpertsCore:
     def dispatch_payload(self, payload: torch.Tensor, experts: torch.Tensor, num_experts: int, probs_dtype):
         """Virtual tokens (one per (token, expert), ``payload`` uint8 [Nv, C], their expert [Nv]) ->
         (rows [N, C] in the experts' permuted order, rows per local expert). ``probs_dtype`` is the
-        dtype of the combine path (float32 when rows come back, else uint8: fewer bytes to move)."""
+        dtype of the combine path (float32 when rows come back, else uint8: fewer bytes to move).
+
+        Without expert or expert-tensor parallelism every row stays on this rank and the dispatcher's
+        permutation is a stable sort by expert, so the rows are permuted here without a dispatcher pass."""
+        self._payload_order = None
+        if self._local_payload():
+            order = torch.sort(experts, stable=True).indices  # [Nv]: expert-major, token order within one
+            self._payload_order = order
+            return payload.index_select(0, order), torch.bincount(experts, minlength=num_experts)
+        return self._dispatch_payload(payload, experts, num_experts, probs_dtype)
+
+    def _local_payload(self) -> bool:
+        tp_ep = getattr(self._trace_pg, "tp_ep", None)
+        return (tp_ep is not None and tp_ep.size() == 1
+                and self.config.moe_token_dispatcher_type in ("allgather", "alltoall"))
+
+    def _dispatch_payload(self, payload: torch.Tensor, experts: torch.Tensor, num_experts: int, probs_dtype):
+        """``dispatch_payload`` through the layer's own dispatcher class (any parallelism)."""
         d = self._dispatcher()
         routing = torch.nn.functional.one_hot(experts, num_experts).bool()  # [Nv, E]
         probs = routing.to(probs_dtype)
@@ -170,6 +188,8 @@ class TraceExpertsCore:
 
     def combine_payload(self, rows: torch.Tensor) -> torch.Tensor:
         """The reverse path (float32 rows [N, C] -> [Nv, C] on the virtual tokens' ranks)."""
+        if self._payload_order is not None:
+            return torch.empty_like(rows).index_copy_(0, self._payload_order, rows)
         d = self._payload_dispatcher
         return d.combine_postprocess(d.token_combine(d.combine_preprocess(rows)))
 

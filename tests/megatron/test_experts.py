@@ -170,3 +170,25 @@ def test_a_few_optimizer_steps_lower_the_loss_with_guidance():
     assert losses[-1] < losses[0] - 0.05, losses
     grads = [p.grad for n, p in model.named_parameters() if ".experts." in n]
     assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+
+
+@pytest.mark.parametrize("dispatcher", ["allgather", "alltoall"])
+def test_local_payload_permutation_equals_the_dispatcher(dispatcher):
+    """EP = 1: guidance rows permuted locally == the same rows through the layer's dispatcher class, both ways."""
+    model = _model(moe_token_dispatcher_type=dispatcher)
+    experts = model.decoder.layers[0].mlp.experts
+    assert experts._local_payload()
+    g = torch.Generator().manual_seed(3)
+    routing = torch.zeros(13, EXPERTS, dtype=torch.bool)  # 13 tokens, 2 experts each, token-major virtual rows
+    for t in range(13):
+        routing[t, torch.randperm(EXPERTS, generator=g)[:2]] = True
+    virtual = routing.nonzero()
+    payload = torch.randint(0, 256, (virtual.shape[0], 11), generator=g, dtype=torch.uint8)
+    rows, counts = experts.dispatch_payload(payload, virtual[:, 1], EXPERTS, torch.float32)
+    back = experts.combine_payload(rows.float())
+    want_rows, want_counts = experts._dispatch_payload(payload, virtual[:, 1], EXPERTS, torch.float32)
+    experts._payload_order = None
+    want_back = experts.combine_payload(want_rows.float())
+    assert torch.equal(rows, want_rows)
+    assert torch.as_tensor(counts).tolist() == torch.as_tensor(want_counts).tolist()
+    assert torch.equal(back, want_back) and torch.equal(back, payload.float())
