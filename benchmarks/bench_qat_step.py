@@ -3,6 +3,7 @@
     python3 benchmarks/bench_qat_step.py            # H200: 8 layers, hidden 1024, 32 experts top-4, ffn 512,
                                                      # seq 1024, batch 8, bf16
     python3 benchmarks/bench_qat_step.py --smoke    # tiny, runs on CPU (checks the script, times nothing useful)
+    python3 benchmarks/bench_qat_step.py --profile  # + per variant: host-blocking calls and top ops of one step
 
 Variants: bf16_stock (Megatron's local spec: SequentialMLP loop), bf16_grouped (TRACE experts with no site
 quantized: the same grouped GEMM as QAT, isolates the quantization cost), fp4_qat[kernel] (TRACE spec, all
@@ -35,6 +36,8 @@ def args_():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
     p.add_argument("--kernels", default="auto,reference", help="TraceConfig.kernel values to time")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one step per variant: host syncs, device time, top ops (torch.profiler)")
     a = p.parse_args()
     if a.smoke:
         a.__dict__.update(layers=2, hidden=64, experts=4, topk=2, moe_ffn=64, seq=32, batch=2, heads=4, groups=2,
@@ -70,6 +73,29 @@ def train_step_fn(model, data, step_guidance=None):
         opt.step()
 
     return step
+
+
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
+"""Runtime calls that block the host (``cudaMemcpyAsync`` to pageable host memory: ``.item()``, ``.tolist()``)."""
+
+
+def profile_step(fn, device: str, top: int = 12) -> dict:
+    """One profiled step after one warm-up: host-blocking runtime calls, device time and the top ops by self
+    device (CPU off CUDA) time. Host syncs are what make a guided step slower than its GPU work."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        fn()
+    ev = prof.key_averages()
+    dev = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
+    ops = sorted((e for e in ev if getattr(e, dev, 0) > 0), key=lambda e: getattr(e, dev), reverse=True)
+    return {
+        "host_blocking_calls": {e.key: e.count for e in ev if e.key in SYNC_EVENTS},
+        "self_time_ms_total": round(sum(getattr(e, dev) for e in ev) / 1e3, 3),
+        "top_ops_ms": [[e.key[:80], round(getattr(e, dev) / 1e3, 3), e.count] for e in ops[:top]],
+    }
 
 
 def guidance_for(model, trace_cfg, cfg, a, device, data):
@@ -119,8 +145,11 @@ def main():
         if guided:
             sg, layers = guidance_for(model, tc, cfg, a, device, data)
             extra["guided_layers"] = layers
-        ms[name] = step_median_ms(train_step_fn(model, data, sg), device, a.warmup, a.reps)
+        fn = train_step_fn(model, data, sg)
+        ms[name] = step_median_ms(fn, device, a.warmup, a.reps)
         print(f"{name}: {ms[name]:.2f} ms/step", file=sys.stderr, flush=True)
+        if a.profile:
+            extra.setdefault("profile", {})[name] = profile_step(fn, device)
         del model, sg
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -1,0 +1,28 @@
+"""CPU smoke run of ``benchmarks/bench_qat_step.py --smoke --profile`` (tiny Megatron MoE, reference kernels)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_times_and_profiles_every_variant(tmp_path):
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_qat_step.py"), "--smoke", "--profile",
+           "--kernels", "reference"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    names = {"bf16_stock", "bf16_grouped", "fp4_qat[reference]", "trace_guided[reference]"}
+    assert set(out["step_ms"]) == names == set(out["profile"])
+    assert all(math.isfinite(v) and v > 0 for v in out["step_ms"].values())
+    assert out["ratio_vs_bf16_grouped"]["bf16_grouped"] == 1.0
+    for name, p in out["profile"].items():
+        assert p["self_time_ms_total"] > 0 and p["top_ops_ms"], name
+        assert p["host_blocking_calls"] == {}  # CPU: no CUDA runtime calls
+    assert any("FakeQuant" in op for op, _, _ in out["profile"]["trace_guided[reference]"]["top_ops_ms"])
