@@ -1,12 +1,19 @@
-"""Per-layer decode attention at context L: BF16 KV vs FP4 KV (dequantize + SDPA) vs fused FP4-KV kernel.
+"""Per-layer decode attention at context L: BF16 KV vs FP4 KV (dequantize + SDPA) vs the fused FP4-KV kernels.
 
 One query token per sequence, the model's heads (GQA). For each (batch, L): the time of
-  bf16    SDPA (``enable_gqa``) over bf16 K/V [B, Hkv, L, D];
-  fp4     Triton dequantize of the FP4 K/V history to bf16, then the same SDPA (what ``FP4KVCache`` does);
-  fused   ``kernels.kv_attention.fp4kv_decode_attention`` (dequantize in registers, never writes bf16 K/V),
-          and its variants: scale folding (``exact=False``), 8 warps, 32-token tiles;
-with the KV bytes each reads and that rate as a fraction of the copy bandwidth. Used by
-``bench_decode.py --attn-micro``; alone: ``python benchmarks/bench_decode_attn.py [--batches ..] [--lengths ..]``.
+  bf16        SDPA (``enable_gqa``) over bf16 K/V [B, Hkv, L, D];
+  fp4         Triton dequantize of the FP4 K/V history to bf16, then the same SDPA (what ``FP4KVCache`` does);
+  fused       the exact fused kernel (``decode_attention(exact=True)``: the reference's bf16 K/V in registers)
+              at (block_t, num_warps) (64, 4), and its variants fused_w8 (64, 8), fused_bt32 (32, 4) (the keys
+              ``bench_decode.tune_attention`` reads);
+  fused_fast  the fast fused kernel at its defaults (``kernels.kv_attention.fp4kv_decode_attention``, the
+              dispatch's default: K/V as exact FP4 values), and ``fast_bt{BT}_w{warps}_s{stages}`` for the
+              launch configs in ``FAST_ALT``;
+with the KV bytes each reads (bf16 bytes for bf16, the FP4 bytes for the others) and that rate as a fraction of
+the copy bandwidth (``*_frac_copy``), and the fused kernels' relative errors against SDPA over the bf16
+dequantized K/V (``*_rel_err``; the fast one also against fp32 K/V, its own values: ``fast_rel_err_fp32``).
+Used by ``bench_decode.py --attn-micro``; alone: ``python benchmarks/bench_decode_attn.py [--batches ..]
+[--lengths ..]``.
 """
 
 from __future__ import annotations
@@ -32,10 +39,19 @@ def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)
 
 
+FAST_ALT = ((64, 4, 2), (128, 4, 3), (64, 4, 3))
+"""Alternative (block_t, num_warps, num_stages) of the fast kernel timed next to its defaults."""
+EXACT_VARIANTS = {"fused": (64, 4), "fused_w8": (64, 8), "fused_bt32": (32, 4)}
+
+
+def _rel(a, b) -> float:
+    return round(float((a.float() - b.float()).norm() / b.float().norm()), 5)
+
+
 def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
     from _timing import median_ms
 
-    from megatron_trace.kernels import kv_attention_triton
+    from megatron_trace.kernels import kv_attention_triton as kt
 
     g = torch.Generator(device=device).manual_seed(b * 100003 + length)
     q = torch.randn(b, hq, d, generator=g, device=device).to(torch.bfloat16)
@@ -43,38 +59,37 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
     v = torch.randn(b, hkv, length, d, generator=g, device=device).to(torch.bfloat16)
     kq = quantize(k, quant, check_finite=False)
     vq = quantize(v, quant, check_finite=False)
-    kd, vd = dequantize(kq, torch.bfloat16), dequantize(vq, torch.bfloat16)
-    ref = _sdpa(q, kd, vd)
-    fused = fp4kv_decode_attention(q, kq, vq)
-    err = float((fused.float() - ref.float()).norm() / ref.float().norm())
-    del kd, vd
-    ms = {
-        "bf16": median_ms(lambda: _sdpa(q, k, v), reps=reps),
-        "fp4": median_ms(lambda: _sdpa(q, dequantize(kq, torch.bfloat16), dequantize(vq, torch.bfloat16)), reps=reps),
-        "fused": median_ms(lambda: kv_attention_triton.decode_attention(q, kq, vq, scale=d**-0.5, block_t=64,
-                                                                        num_warps=4), reps=reps),
-        "fused_fast": median_ms(lambda: kv_attention_triton.decode_attention(q, kq, vq, scale=d**-0.5, exact=False),
-                                reps=reps),
-        "fused_w8": median_ms(lambda: kv_attention_triton.decode_attention(q, kq, vq, scale=d**-0.5, block_t=64,
-                                                                           num_warps=8), reps=reps),
-        "fused_bt32": median_ms(lambda: kv_attention_triton.decode_attention(q, kq, vq, scale=d**-0.5, block_t=32,
-                                                                             num_warps=4), reps=reps),
+    scale = d**-0.5
+    ref = _sdpa(q, dequantize(kq, torch.bfloat16), dequantize(vq, torch.bfloat16))
+    ref32 = _sdpa(q.float(), dequantize(kq, torch.float32), dequantize(vq, torch.float32))
+    fast = fp4kv_decode_attention(q, kq, vq)
+    errs = {"fused_rel_err": _rel(kt.decode_attention(q, kq, vq, scale=scale, exact=True), ref),
+            "fast_rel_err": _rel(fast, ref), "fast_rel_err_fp32": _rel(fast, ref32)}
+    del ref32
+    runs = {
+        "bf16": lambda: _sdpa(q, k, v),
+        "fp4": lambda: _sdpa(q, dequantize(kq, torch.bfloat16), dequantize(vq, torch.bfloat16)),
+        **{name: (lambda bt=bt, nw=nw: kt.decode_attention(q, kq, vq, scale=scale, exact=True, block_t=bt,
+                                                           num_warps=nw))
+           for name, (bt, nw) in EXACT_VARIANTS.items()},
+        "fused_fast": lambda: fp4kv_decode_attention(q, kq, vq),
+        **{f"fast_bt{bt}_w{nw}_s{ns}": (lambda bt=bt, nw=nw, ns=ns: kt.decode_attention(
+            q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns))
+           for bt, nw, ns in FAST_ALT if (bt, nw, ns) != kt.fast_config(d)},
     }
-    fast = kv_attention_triton.decode_attention(q, kq, vq, scale=d**-0.5, exact=False)
-    err_fast = float((fast.float() - ref.float()).norm() / ref.float().norm())
+    ms = {name: median_ms(fn, reps=reps) for name, fn in runs.items()}
     bytes_bf16 = 2 * k.numel() * 2
     bytes_fp4 = _fp4_bytes(kq) + _fp4_bytes(vq)
+    frac = {f"{n}_frac_copy": round((bytes_bf16 if n == "bf16" else bytes_fp4) / (t * 1e-3) / bw, 3)
+            for n, t in ms.items()}
     return {"bench": "decode_attn", "batch": b, "context": length, "heads": [hq, hkv, d],
+            "fast_config": list(kt.fast_config(d)),
             **{f"{n}_us": round(t * 1e3, 1) for n, t in ms.items()},
             "fused_over_bf16": round(ms["bf16"] / ms["fused"], 3),
             "fused_over_fp4": round(ms["fp4"] / ms["fused"], 3),
             "fused_fast_over_bf16": round(ms["bf16"] / ms["fused_fast"], 3),
-            "fused_fast_frac_copy": round(bytes_fp4 / (ms["fused_fast"] * 1e-3) / bw, 3),
-            "fast_rel_err": round(err_fast, 5),
-            "bf16_frac_copy": round(bytes_bf16 / (ms["bf16"] * 1e-3) / bw, 3),
-            "fused_frac_copy": round(bytes_fp4 / (ms["fused"] * 1e-3) / bw, 3),
-            "kv_bytes_bf16": bytes_bf16, "kv_bytes_fp4": bytes_fp4, "fused_rel_err": round(err, 5),
-            "copy_TBps": round(bw / 1e12, 3)}
+            "fused_fast_over_fused": round(ms["fused"] / ms["fused_fast"], 3),
+            **frac, **errs, "kv_bytes_bf16": bytes_bf16, "kv_bytes_fp4": bytes_fp4, "copy_TBps": round(bw / 1e12, 3)}
 
 
 def attention_micro(hf_config, batches, lengths, device, *, budget_left=None, reps: int = 20):

@@ -4,6 +4,7 @@
                                                      # seq 1024, batch 8, bf16
     python3 benchmarks/bench_qat_step.py --smoke    # tiny, runs on CPU (checks the script, times nothing useful)
     python3 benchmarks/bench_qat_step.py --profile  # + per variant: host-blocking calls and top ops of one step
+    python3 benchmarks/bench_qat_step.py --sync-sites  # + per variant: host syncs of one step by source line
 
 Variants: bf16_stock (Megatron's local spec: SequentialMLP loop), bf16_grouped (TRACE experts with no site
 quantized: the same grouped GEMM as QAT, isolates the quantization cost), fp4_qat[kernel] (TRACE spec, all
@@ -38,6 +39,8 @@ def args_():
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed")
     p.add_argument("--profile", action="store_true",
                    help="also profile one step per variant: host syncs, device time, top ops (torch.profiler)")
+    p.add_argument("--sync-sites", action="store_true",
+                   help="also count the host syncs of one step per variant by source line (CUDA sync debug mode)")
     a = p.parse_args()
     if a.smoke:
         a.__dict__.update(layers=2, hidden=64, experts=4, topk=2, moe_ffn=64, seq=32, batch=2, heads=4, groups=2,
@@ -56,8 +59,10 @@ def unquantized_trace_spec(spec):
     return spec
 
 
-def train_step_fn(model, data, step_guidance=None):
-    from megatron_trace.megatron import StepGuidance, trace_guidance
+def train_step_fn(model, data, step_guidance=None, trace: bool = False):
+    """One optimizer step; ``trace``: a TRACE model without guidance runs ``check_finite`` before the
+    optimizer (its one host sync per step, as a training loop would), a guided step checks at the exit."""
+    from megatron_trace.megatron import StepGuidance, check_finite, trace_guidance
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=data[0].is_cuda)
     tokens, pos, mask, labels = data
@@ -66,6 +71,8 @@ def train_step_fn(model, data, step_guidance=None):
         opt.zero_grad(set_to_none=True)
         if step_guidance is None:
             model(tokens, pos, mask, labels=labels).float().mean().backward()
+            if trace:
+                check_finite(model)
         else:
             sg = StepGuidance(sites=step_guidance.sites, routing=step_guidance.routing)
             with trace_guidance(model, sg):
@@ -77,6 +84,9 @@ def train_step_fn(model, data, step_guidance=None):
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
 """Runtime calls that block the host (``cudaMemcpyAsync`` to pageable host memory: ``.item()``, ``.tolist()``)."""
+
+
+LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
 def profile_step(fn, device: str, top: int = 12) -> dict:
@@ -91,11 +101,55 @@ def profile_step(fn, device: str, top: int = 12) -> dict:
     ev = prof.key_averages()
     dev = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     ops = sorted((e for e in ev if getattr(e, dev, 0) > 0), key=lambda e: getattr(e, dev), reverse=True)
+    host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)
     return {
         "host_blocking_calls": {e.key: e.count for e in ev if e.key in SYNC_EVENTS},
         "self_time_ms_total": round(sum(getattr(e, dev) for e in ev) / 1e3, 3),
         "top_ops_ms": [[e.key[:80], round(getattr(e, dev) / 1e3, 3), e.count] for e in ops[:top]],
+        "host_self_ms_total": round(sum(e.self_cpu_time_total for e in ev) / 1e3, 3),
+        "host_launches": sum(e.count for e in ev if e.key in LAUNCH_EVENTS),
+        "top_host_ops_ms": [[e.key[:80], round(e.self_cpu_time_total / 1e3, 3), e.count] for e in host[:top]],
     }
+
+
+def sync_sites(fn, top: int = 25) -> dict:
+    """Host syncs of one step (after one warm-up) by the innermost project source line that caused them
+    (``torch.cuda.set_sync_debug_mode("warn")``); lines outside the project are grouped as ``torch/megatron``."""
+    import traceback
+    import warnings
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    counts: dict[str, int] = {}
+
+    def where() -> str:
+        frames = [f for f in traceback.extract_stack()
+                  if f.filename.startswith(root) and "bench_qat_step" not in f.filename]
+        if not frames:
+            return "torch/megatron"
+        f = frames[-1]
+        return f"{os.path.relpath(f.filename, root)}:{f.lineno} {f.name}"
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            k = where()
+            counts[k] = counts.get(k, 0) + 1
+
+    fn()
+    old = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        warnings.showwarning = old
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    return {"total": sum(counts.values()), "by_site": ranked[:top]}
 
 
 def guidance_for(model, trace_cfg, cfg, a, device, data):
@@ -145,11 +199,13 @@ def main():
         if guided:
             sg, layers = guidance_for(model, tc, cfg, a, device, data)
             extra["guided_layers"] = layers
-        fn = train_step_fn(model, data, sg)
+        fn = train_step_fn(model, data, sg, trace=isinstance(tc, TraceConfig))
         ms[name] = step_median_ms(fn, device, a.warmup, a.reps)
         print(f"{name}: {ms[name]:.2f} ms/step", file=sys.stderr, flush=True)
         if a.profile:
             extra.setdefault("profile", {})[name] = profile_step(fn, device)
+        if a.sync_sites and device == "cuda":
+            extra.setdefault("sync_sites", {})[name] = sync_sites(fn)
         del model, sg
         if device == "cuda":
             torch.cuda.empty_cache()

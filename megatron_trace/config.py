@@ -27,6 +27,10 @@ CACHE_MODES = ("compact", "full")
 AMAX_GRANULARITIES = ("per_row", "per_tensor")
 FALLBACKS = ("rne", "fail")
 KERNELS = ("auto", "reference", "triton")
+FINITE_CHECKS = ("deferred", "sync")
+"""``TraceConfig.finite_check``: when the trainer's NaN/Inf check of quantized inputs raises: "deferred" =
+at the end of the step (``trace_guidance`` exit or ``megatron.check_finite``: one host sync per step; the
+values stay NaN/Inf until then), "sync" = in the quantize call itself (one host sync per call)."""
 KV_FORMATS = ("", sglang_kvfp4.NAME)
 """``TraceConfig.kv_format``: "" = K/V in ``format``; "sglang_kvfp4" = SGLang's FP4 KV cache (``fp4_e2m1``)."""
 _PATTERN = re.compile(r"[A-Za-z0-9_.*-]+")
@@ -63,6 +67,7 @@ class TraceConfig:
     min_coverage: float = 0.0
     routing_replay: bool = True
     kernel: str = "auto"
+    finite_check: str = "deferred"
     exclude_modules: tuple[str, ...] = ()  # kept BF16; see manifest.py (full-match '*' globs, none may miss)
     version: int = CONFIG_VERSION
 
@@ -92,6 +97,7 @@ class TraceConfig:
         _choice("rounding", self.rounding, ROUNDINGS)
         _choice("fallback", self.fallback, FALLBACKS)
         _choice("kernel", self.kernel, KERNELS)
+        _choice("finite_check", self.finite_check, FINITE_CHECKS)
         if self.guided_last_k < 0:
             raise ValueError(f"TraceConfig.guided_last_k={self.guided_last_k} must be >= 0")
         if not 0.0 <= self.guided_fraction <= 1.0:

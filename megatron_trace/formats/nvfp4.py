@@ -50,13 +50,16 @@ class NVFP4Format:
     block_size = NVFP4_BLOCK
     scale_dtype = torch.float8_e4m3fn
 
-    def global_amax(self, x: torch.Tensor, *, global_amax=None, per_row: bool = False) -> torch.Tensor:
+    def global_amax(self, x: torch.Tensor, *, global_amax=None, per_row: bool = False,
+                    check_values: bool = True) -> torch.Tensor:
+        """The amax the encode scale uses: ``global_amax`` checked (shape; values finite and > 0 unless
+        ``check_values=False``, for a caller that checks them on the device), or x's per tensor / per row."""
         if global_amax is not None:
             if per_row:
                 raise ValueError("give either global_amax (static) or per_row=True, not both")
             g = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)
             self.check_global_amax(g, x)
-            if not bool(torch.isfinite(g).all()) or bool((g <= 0).any()):
+            if check_values and (not bool(torch.isfinite(g).all()) or bool((g <= 0).any())):
                 raise ValueError(f"a given global_amax must be finite and > 0, got {g.flatten()[:4].tolist()}")
             return g
         a = x.detach().float().abs()

@@ -12,6 +12,7 @@ from ..formats.quantizer import Quantizer, ste_backward
 from ..formats.registry import get_format
 from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
 from . import quant_triton as qk
+from .checks import FiniteCounter
 
 
 def check_x(x: torch.Tensor, what: str = "x") -> None:
@@ -30,18 +31,33 @@ def rows_of(x: torch.Tensor) -> torch.Tensor:
     return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
 
 
-def _raise_if_bad(err: torch.Tensor | None, x: torch.Tensor) -> None:
-    if err is not None and int(err.item()) > 0:
+def _err(check_finite, device) -> torch.Tensor | None:
+    """The NaN/Inf counter the kernels add into: a fresh one (``True``: checked now), the site's deferred
+    ``FiniteCounter``, or None (unchecked)."""
+    if isinstance(check_finite, FiniteCounter):
+        return check_finite.tensor(device)
+    return torch.zeros(1, dtype=torch.int32, device=device) if check_finite else None
+
+
+def _raise_if_bad(err: torch.Tensor | None, x: torch.Tensor, check_finite) -> None:
+    """Checked now (one host sync) unless the check is deferred to a ``FiniteCounter``."""
+    if err is not None and not isinstance(check_finite, FiniteCounter) and int(err.item()) > 0:
         ref_block.check_input(x)  # raises the reference's NonFiniteError (with the first bad index)
 
 
-def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err):
-    """(g_mode, g tensor or None, g as stored in the FP4Tensor or None) for an own-scale quantize."""
+def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err, check_finite=True):
+    """(g_mode, g tensor or None, g as stored in the FP4Tensor or None) for an own-scale quantize.
+
+    A given amax is checked (finite, > 0) at once, or into the deferred counter (no host sync)."""
     if quantizer.fmt != "nvfp4":
         get_format("mxfp4").global_amax(x, global_amax=global_amax, per_row=False)  # raises if given
         return qk.G_NONE, None, None
     if global_amax is not None:
-        g = NVFP4_FORMAT.global_amax(x, global_amax=global_amax, per_row=quantizer.per_row)
+        deferred = isinstance(check_finite, FiniteCounter)
+        g = NVFP4_FORMAT.global_amax(x, global_amax=global_amax, per_row=quantizer.per_row,
+                                     check_values=not deferred)
+        if deferred:
+            check_finite.add_bad(~torch.isfinite(g) | (g <= 0))
         return (qk.G_SCALAR if g.dim() == 0 else qk.G_ROW_GIVEN), g.reshape(-1).contiguous(), g
     if quantizer.per_row:
         return qk.G_ROW_COMPUTE, None, None
@@ -50,15 +66,17 @@ def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err):
 
 
 def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False, write_codes: bool = True,
-             deq_dtype=None, want_mask: bool = False, check_finite: bool = True):
+             deq_dtype=None, want_mask: bool = False, check_finite: bool | FiniteCounter = True):
     """RNE quantize with the quantizer's own scales.
 
+    ``check_finite``: True raises ``NonFiniteError`` here (one host sync), a ``FiniteCounter`` counts NaN/Inf
+    on the device for a later ``checks.raise_if_bad`` (their dequantized values stay NaN/Inf), False skips.
     Returns (FP4Tensor or None when not ``write_codes``, CompactGuidance or None, raw outputs by name).
     """
     check_x(x)
     x2d = rows_of(x)
-    err = torch.zeros(1, dtype=torch.int32, device=x.device) if check_finite else None
-    g_mode, g, g_store = _global_amax(x2d, quantizer, global_amax, x, err)
+    err = _err(check_finite, x.device)
+    g_mode, g, g_store = _global_amax(x2d, quantizer, global_amax, x, err, check_finite)
     fmt = quantizer.format
     out = qk.run_quant(
         x2d, fmt=qk.fmt_id(quantizer.fmt, quantizer.scale_rule), block=fmt.block_size, mode=qk.RNE, g_mode=g_mode,
@@ -66,7 +84,7 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
         write_mask=want_mask,
         err=None if g_mode == qk.G_SCALAR and global_amax is None else err,
     )
-    _raise_if_bad(err, x)
+    _raise_if_bad(err, x, check_finite)
     lead = tuple(x.shape[:-1])
     if g_mode == qk.G_ROW_COMPUTE:
         g_store = out["g"].reshape(*lead, 1)
@@ -84,8 +102,9 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
 
 
 def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: bool = False,
-           check_finite: bool = True):
-    """Guided quantize toward ``guidance`` with its scales. Returns (FP4Tensor | None, outputs)."""
+           check_finite: bool | FiniteCounter = True):
+    """Guided quantize toward ``guidance`` with its scales (``check_finite``: as ``quantize``).
+    Returns (FP4Tensor | None, outputs)."""
     check_x(x)
     fmt = get_format(getattr(guidance, "fmt", "nvfp4"))
     ref_block.check_guidance(fmt, x, guidance)
@@ -99,13 +118,13 @@ def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: 
     if guidance.global_amax is not None:
         ga = guidance.global_amax.to(dev, non_blocking=True)
         g_mode, g = (qk.G_SCALAR if ga.dim() == 0 else qk.G_ROW_GIVEN), ga.float().reshape(-1).contiguous()
-    err = torch.zeros(1, dtype=torch.int32, device=dev) if check_finite else None
+    err = _err(check_finite, dev)
     out = qk.run_quant(
         x2d, fmt=qk.fmt_id(fmt.name), block=fmt.block_size, mode=qk.GUIDED_FULL if full else qk.GUIDED_COMPACT,
         g_mode=g_mode, g=g, scales_in=scales, guide=payload.to(dev, non_blocking=True).reshape(m, -1).contiguous(),
         write_codes=write_codes, write_scales=False, deq_dtype=deq_dtype, write_mask=want_mask, err=err,
     )
-    _raise_if_bad(err, x)
+    _raise_if_bad(err, x, check_finite)
     t = None
     if write_codes:
         lead = tuple(x.shape[:-1])
@@ -114,7 +133,8 @@ def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: 
     return t, out
 
 
-def fake_quantize(x, quantizer: Quantizer, *, guidance=None, global_amax=None, check_finite: bool = True):
+def fake_quantize(x, quantizer: Quantizer, *, guidance=None, global_amax=None,
+                  check_finite: bool | FiniteCounter = True):
     """Quantize-dequantize in one pass (guided if ``guidance``) with the quantizer's STE backward."""
     return _FakeQuant.apply(x, quantizer, guidance, global_amax, check_finite)
 

@@ -3,9 +3,18 @@
 ``fp4kv_decode_attention(q, k, v)``: q [B, Hq, D]; k, v ``FP4Tensor`` [B, Hkv, T, D] (``FP4KVCache`` rows:
 NVFP4 with a per-row or per-tensor global amax, or MXFP4); ``lengths`` int [B] (None: all T) masks each
 sequence's tail, ``kv_mask`` bool [B, >= T] (False: not attended; e.g. left padding) any position.
-The reference dequantizes K/V to bf16 (``FP4Tensor.dequantize``) and runs softmax attention in fp32; the
-Triton path (CUDA) decodes the same bf16 K/V values inside the kernel and accumulates in fp32 with bf16 MMAs
-(equal within bf16 rounding, not bit for bit).
+The reference dequantizes K/V to bf16 (``FP4Tensor.dequantize``) and runs softmax attention in fp32. The
+Triton path (CUDA) decodes K/V inside the kernel and accumulates in fp32 with bf16 MMAs; ``exact`` picks how:
+``exact=True`` (default) the same bf16 K/V values as the reference and the trainer's fake-quantized K/V;
+``exact=False``: the fast kernel (~6x the exact one at long context on the H200: BENCHMARKS.md), K/V as their
+exact FP4 values (code x block scale, exact in bf16,
+with 1/S_enc applied per row to the scores and softmax weights): equal to ``reference_attention(...,
+kv_dtype=torch.float32)`` within bf16 rounding of the softmax weights; it differs from the bf16 reference by that
+reference's K/V rounding (2**-9 relative), which large scores (|q.k| * scale >> 1) amplify.
+``exact=True`` costs an fp32 division per element (~8x the fast kernel's instructions) and equals the reference
+within bf16 rounding, not bit for bit. The hf rollout keeps ``exact=True``: the fast kernel's K/V differ from the
+trainer's bf16 K/V, which moved a 12-layer random-weight model's logits by 0.14 relative (H200, 2026-12-01); its
+effect on the train-rollout mismatch is not measured yet.
 """
 
 from __future__ import annotations
@@ -54,14 +63,14 @@ def reference_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = 
 
 def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = None, lengths=None,
                            kv_mask=None, kernel: str | Kernel = "auto",
-                           kv_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                           kv_dtype: torch.dtype = torch.bfloat16, exact: bool = True) -> torch.Tensor:
     """Decode attention reading the FP4 KV cache directly (see the module docstring); [B, Hq, D] in q.dtype.
 
-    ``kv_dtype``: the reference's dequantized K/V dtype (the Triton path always decodes to bf16)."""
+    ``kv_dtype``: the reference's dequantized K/V dtype. ``exact``: the Triton path's kernel (see above)."""
     if select_kernel(kernel, k.codes.device) is Kernel.REFERENCE:
         return reference_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, kv_dtype=kv_dtype)
     check_args(q, k, v, lengths, kv_mask)
     from . import kv_attention_triton
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return kv_attention_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask)
+    return kv_attention_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, exact=exact)

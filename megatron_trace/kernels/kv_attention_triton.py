@@ -1,12 +1,29 @@
 """Triton decode attention over an FP4 KV cache: dequantize K/V tiles in registers, online softmax (split-T).
 
 One query token per sequence, GQA (``G`` query heads share a KV head). Program (batch x KV head, split):
-for each tile of ``BT`` cached tokens of its split, K and V rows are decoded from packed codes, block
-scales and the per-row global amax with the same fp32 operations as ``dequant_triton`` (``_unscale``,
-then one RNE cast to bf16), i.e. the very bf16 values ``FP4Tensor.dequantize(torch.bfloat16)`` gives;
-then ``s = q K^T * scale`` and ``acc += softmax-weights V`` (bf16 MMA, fp32 accumulation). Each split
-writes (acc, max, sum); ``combine`` merges the splits. Reads 0.5 + 1/16 + 4/head_dim bytes per K/V element
-instead of 2 (bf16) and never writes the dequantized history.
+for each tile of ``BT`` cached tokens of its split, ``s = q K^T * scale`` and ``acc += softmax-weights V``
+(bf16 MMAs, fp32 accumulation, fp32 online softmax). Each split writes (acc unnormalised, max, sum);
+``combine`` merges the splits. Reads 0.5 + 1/16 + 4/head_dim bytes per K/V element instead of 2 (bf16) and
+never writes the dequantized history. Two paths:
+
+exact (``exact=True``, ``fp4kv_decode_attn_kernel``): K and V rows are decoded from packed codes, block
+scales and the per-row global amax with the same fp32 operations as ``dequant_triton`` (``_unscale``, then
+one RNE cast to bf16), i.e. the very bf16 values ``FP4Tensor.dequantize(torch.bfloat16)`` gives (an fp32
+division per element: slow).
+
+fast (``exact=False``, ``fp4kv_decode_attn_fast_kernel``): the codes are read as uint16 groups of 4 (code
+4c+q in nibble q) and dequantized as in ``moe_triton`` (``_dequant``: 13 integer ops + 4 bf16x2 multiplies
+per 8 codes, inline PTX on the GPU) into 4 operands ``K'_q[t, c]`` = value * block scale * 2**-62 of element
+4c+q, exact in bf16; q is loaded once as the 4 matching strided parts ``q[:, 4c+q]``, so
+``q K^T = sum_q q_q K'_q^T * 2**62 / S_enc`` needs no register shuffles. The per-row factor 2**62 / S_enc
+(= amax * 2**62 / 2688 for NVFP4 per row or per tensor, 2**62 for MXFP4) multiplies the scores (K, with
+``scale``) and the softmax weights before their bf16 cast (V); out[:, 4c+q] accumulates in 4 fp32 parts.
+K/V are thus the exact FP4 values (fp32 rounding of 1/S_enc), not their bf16 rounding: the result equals
+``reference_attention(kv_dtype=torch.float32)`` within the bf16 rounding of the softmax weights. Where
+scores are large (|s| >> 1) the bf16 reference's K rounding (2**-9 relative) moves them by more than 1e-2,
+so compare against the fp32-K/V reference there. Range: per-row factors overflow fp32 for |K|, |V| amax
+above 2**77 (~1.5e23); MXFP4 block exponents must lie in [-63, 63] (``moe_triton``'s 2**64 scale offset;
+real K/V after RoPE are O(1..100), far inside).
 """
 
 from __future__ import annotations
@@ -18,13 +35,20 @@ import triton.language as tl
 from ..formats.tensor import FP4Tensor
 from . import quant_triton as qk
 from . import triton_fp4 as f
+from .moe_triton import _dequant, _scale_f32
 
 SPLIT_WAVES = 4
 """Splits along T are chosen so that about this many programs per multiprocessor run (flash-decoding)."""
 BLOCK_T = 64
 NUM_WARPS = 4
-"""Default tile (cached tokens per step) and warps; sm_90 build without spills: 255 registers at 64/4,
-225 at 64/8, 168 at 32/4 (ptxas -v)."""
+"""Exact path: default tile (cached tokens per step) and warps; sm_90 build without spills: 255 registers at
+64/4, 225 at 64/8, 168 at 32/4 (ptxas -v)."""
+FAST_CONFIGS = {32: (64, 2, 2), 64: (64, 2, 2), 128: (128, 4, 2), 256: (64, 4, 2)}
+"""Fast path (BT, num_warps, num_stages) per head_dim (smaller head dims take the first row), chosen from the
+sm_90 cross-compile (``benchmarks/sass_kv_attention.py``: registers, spills, SASS per K/V element), not yet swept
+on the GPU. head_dim 128: 168 registers, no spills, 5.6 SASS instructions per element (NVFP4; 6.5 at BT 64 with
+128 registers; 8 warps replicate the dequantization: 8.7). head_dim <= 64: 4 warps would split the V MMA's
+N = D/4 <= 16 columns four ways, replicating the dequantization per warp (26 per element), 2 warps: 12."""
 
 
 @triton.jit
@@ -50,28 +74,6 @@ def _deq_rows(c_ptr, s_ptr, g_ptr, t, tmask, st_c, st_s, st_g, FMT: tl.constexpr
 
 
 @triton.jit
-def _raw_rows(c_ptr, s_ptr, g_ptr, t, tmask, st_c, st_s, st_g, FMT: tl.constexpr, NB: tl.constexpr,
-              B: tl.constexpr):
-    """(code value * block scale as bf16 [BT, D] (exact: at most 6 significant bits), 1 / S_enc per row fp32
-    [BT]): the fast path folds the per-row factor into the scores (K) and the softmax weights (V)."""
-    BT: tl.constexpr = t.shape[0]
-    blk = tl.arange(0, NB)[None, :]
-    off = t[:, None, None] * st_c + blk[:, :, None] * (B // 2) + tl.arange(0, B // 2)[None, None, :]
-    p = tl.load(c_ptr + off, mask=tmask[:, None, None], other=0)
-    codes = tl.join(p & 15, p >> 4).reshape(BT, NB, B)
-    byte = tl.load(s_ptr + t[:, None] * st_s + blk, mask=tmask[:, None], other=0)
-    if FMT == f.NVFP4:
-        sf = f.e4m3_value(byte)
-        inv = tl.div_rn(1.0 + tl.zeros([BT], tl.float32),
-                        f.nvfp4_encode_scale(tl.load(g_ptr + t * st_g, mask=tmask, other=1.0)))
-    else:
-        sf = f.pow2(byte.to(tl.int32) - 127)
-        inv = 1.0 + tl.zeros([BT], tl.float32)
-    raw = (f.e2m1_decode(codes) * sf[:, :, None]).reshape(BT, NB * B)
-    return raw.to(tl.bfloat16), inv
-
-
-@triton.jit
 def deq_rows_kernel(c_ptr, s_ptr, g_ptr, out_ptr, T, st_c, st_s, st_g, FMT: tl.constexpr, NB: tl.constexpr,
                     B: tl.constexpr, BT: tl.constexpr, FAST_DIV: tl.constexpr):
     """out[T, D] = ``_deq_rows`` of rows 0..T-1 (the attention kernel's dequantization, for tests)."""
@@ -92,18 +94,27 @@ def _dot(a, b, F32_DOT: tl.constexpr):
 
 
 @triton.jit
-def fp4kv_decode_attn_kernel(
-    q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, mask_ptr, acc_ptr, ml_ptr,
-    T, chunk, n_tiles, sm_scale,
-    sq_b, sq_h, sm_b,
-    skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
-    svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
-    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
-    BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
-    F32_DOT: tl.constexpr, EXACT: tl.constexpr,
-):
-    """Partial attention of split ``program_id(1)``: acc [B, Hq, S, D] (unnormalised), ml [B, Hq, S, 2]."""
-    D: tl.constexpr = NB * B
+def _dot_acc(a, b, acc, F32_DOT: tl.constexpr):
+    """acc + a @ b (bf16 operands, fp32 accumulation); in fp32 under the CPU interpreter."""
+    if F32_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+    else:
+        return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _trip_count(n_tiles, TILES: tl.constexpr):
+    """The tile loop's trip count: runtime ``n_tiles`` when compiled, the constexpr ``TILES`` (> 0) under
+    Triton's CPU interpreter, which cannot range() over a runtime scalar argument."""
+    if TILES == 0:
+        return n_tiles
+    else:
+        return TILES
+
+
+@triton.jit
+def _program(len_ptr, T, chunk, HKV: tl.constexpr, HAS_LEN: tl.constexpr):
+    """(batch, KV head, split, first token, end token) of this program; end <= the sequence's length."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // HKV).to(tl.int64)
@@ -113,7 +124,52 @@ def fp4kv_decode_attn_kernel(
     else:
         n = T
     start = split * chunk
-    end = tl.minimum(start + chunk, n)
+    return b, h, split, start, tl.minimum(start + chunk, n)
+
+
+@triton.jit
+def _tile_rows(mask_ptr, b, sm_b, start, end, i, BT: tl.constexpr, HAS_MASK: tl.constexpr):
+    """Token rows t [BT] of tile ``i`` and which of them are attended (before ``end``, kv_mask != 0)."""
+    t = start + i * BT + tl.arange(0, BT)
+    tmask = t < end
+    if HAS_MASK:  # kv_mask [B, T] (uint8, 0 = masked): left padding, finished rows
+        tmask = tmask & (tl.load(mask_ptr + b * sm_b + t, mask=tmask, other=0) != 0)
+    return t, tmask
+
+
+@triton.jit
+def _online_softmax(s, tmask, m_i, l_i):
+    """Scores s [GP, BT] (fp32) of one tile -> (weights p [GP, BT], rescale alpha [GP], new max, new sum)."""
+    s = tl.where(tmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile adds nothing
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _store_ml(ml_ptr, row, gmask, m_i, l_i):
+    """ml[row] = (max, sum) of this split's scores."""
+    tl.store(ml_ptr + row * 2, m_i, mask=gmask)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
+
+
+@triton.jit
+def fp4kv_decode_attn_kernel(
+    q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, mask_ptr, acc_ptr, ml_ptr,
+    T, chunk, n_tiles, sm_scale,
+    sq_b, sq_h, sm_b,
+    skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
+    svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
+    BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
+    F32_DOT: tl.constexpr, TILES: tl.constexpr,
+):
+    """Exact path: partial attention of split ``program_id(1)`` over the reference's bf16 K/V:
+    acc [B, Hq, S, D] (unnormalised), ml [B, Hq, S, 2]."""
+    D: tl.constexpr = NB * B
+    b, h, split, start, end = _program(len_ptr, T, chunk, HKV, HAS_LEN)
     g = tl.arange(0, GP)
     gmask = g < G
     d = tl.arange(0, D)
@@ -124,35 +180,138 @@ def fp4kv_decode_attn_kernel(
     acc = tl.zeros([GP, D], tl.float32)
     kc, ks, kg = kc_ptr + b * skc_b + h * skc_h, ks_ptr + b * sks_b + h * sks_h, kg_ptr + b * skg_b + h * skg_h
     vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
-    for i in range(0, n_tiles):  # n_tiles = chunk / BT; tiles past ``end`` load nothing
-        t = start + i * BT + tl.arange(0, BT)
-        tmask = t < end
-        if HAS_MASK:  # kv_mask [B, T] (uint8, 0 = masked): left padding, finished rows
-            tmask = tmask & (tl.load(mask_ptr + b * sm_b + t, mask=tmask, other=0) != 0)
-        if EXACT:  # K, V = the reference's bf16 dequantized values
-            k = _deq_rows(kc, ks, kg, t, tmask, skc_t, sks_t, skg_t, FMT, NB, B, FAST_DIV)  # [BT, D] bf16
-            s = _dot(q, tl.trans(k), F32_DOT) * sm_scale  # [GP, BT]
-        else:  # K = raw * (1 / S_enc) per row, folded into the scores
-            k, k_inv = _raw_rows(kc, ks, kg, t, tmask, skc_t, sks_t, skg_t, FMT, NB, B)
-            s = _dot(q, tl.trans(k), F32_DOT) * (k_inv * sm_scale)[None, :]
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile adds nothing
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if EXACT:
-            v = _deq_rows(vc, vs, vg, t, tmask, svc_t, svs_t, svg_t, FMT, NB, B, FAST_DIV)
-            pv = p
-        else:  # V = raw * (1 / S_enc) per row, folded into the weights
-            v, v_inv = _raw_rows(vc, vs, vg, t, tmask, svc_t, svs_t, svg_t, FMT, NB, B)
-            pv = p * v_inv[None, :]
-        acc = acc * alpha[:, None] + _dot(pv.to(tl.bfloat16), v, F32_DOT)
-        m_i = m_new
+    for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
+        t, tmask = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK)
+        k = _deq_rows(kc, ks, kg, t, tmask, skc_t, sks_t, skg_t, FMT, NB, B, FAST_DIV)  # [BT, D] bf16
+        s = _dot(q, tl.trans(k), F32_DOT) * sm_scale  # [GP, BT]
+        p, alpha, m_i, l_i = _online_softmax(s, tmask, m_i, l_i)
+        v = _deq_rows(vc, vs, vg, t, tmask, svc_t, svs_t, svg_t, FMT, NB, B, FAST_DIV)
+        acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), v, F32_DOT)
     row = (b * (HKV * G) + h * G + g) * SPLITS + split  # [GP] index into [B, Hq, S]
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
-    tl.store(ml_ptr + row * 2, m_i, mask=gmask)
-    tl.store(ml_ptr + row * 2 + 1, l_i, mask=gmask)
+    _store_ml(ml_ptr, row, gmask, m_i, l_i)
+
+
+@triton.jit
+def _cols_mask(tmask, n, N: tl.constexpr):
+    """[BT, N] load mask: rows ``tmask``, columns below ``n`` (a [BT, 1] row mask when n == N)."""
+    if n == N:
+        return tmask[:, None]
+    else:
+        return tmask[:, None] & (tl.arange(0, N) < n)[None, :]
+
+
+@triton.jit
+def _fp4_groups(c_ptr, s_ptr, t, tmask, st_c, st_s, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
+                B: tl.constexpr, DEQ_ASM: tl.constexpr):
+    """Rows t [BT] of uint16 code groups (4 codes each; DG >= D/4 columns, the rest masked) -> 4 bf16 [BT, DG]:
+    element 4c + q as value * block scale * 2**-62 (exact: <= 6 significant bits, normal in bf16; 0 if masked)."""
+    BT: tl.constexpr = t.shape[0]
+    NB: tl.constexpr = DG * 4 // B  # blocks per (padded) row
+    u = tl.load(c_ptr + t[:, None] * st_c + tl.arange(0, DG)[None, :], mask=_cols_mask(tmask, D // 4, DG), other=0)
+    sb = tl.load(s_ptr + t[:, None] * st_s + tl.arange(0, NB)[None, :], mask=_cols_mask(tmask, D // B, NB), other=0)
+    s = _scale_f32(sb, FMT).to(tl.bfloat16)  # [BT, NB] block scale * 2**64 (exact)
+    # one scale per code group: group c lies in block c // (B/4) (row-major broadcast + reshape, as moe_triton;
+    # a [BT, DG] pointer gather of the scale bytes instead makes Triton pick a 1-element-per-thread layout for the
+    # whole dequantization: 1.5x the instructions)
+    s = tl.broadcast_to(s[:, :, None], [BT, NB, B // 4]).reshape(BT, DG)
+    return _dequant(u, s, DEQ_ASM)
+
+
+@triton.jit
+def _row_factor(g_ptr, t, tmask, st_g, fac, FMT: tl.constexpr):
+    """Per-row fp32 factor [BT]: global amax * fac for NVFP4 (fac = c / 2688: c / S_enc), fac for MXFP4."""
+    if FMT == f.NVFP4:
+        return tl.load(g_ptr + t * st_g, mask=tmask, other=0.0) * fac
+    else:
+        return tl.full(t.shape, 1.0, tl.float32) * fac
+
+
+@triton.jit
+def _mma_in(x, F32_DOT: tl.constexpr):
+    """An fp32 MMA operand: bf16 on the GPU (RNE), kept in fp32 under the interpreter (fp32 dots)."""
+    if F32_DOT:
+        return x
+    else:
+        return x.to(tl.bfloat16)
+
+
+@triton.jit
+def _q_part(q_row, c, mask, Q: tl.constexpr):
+    """q[:, 4c + Q] [GP, DG] bf16 by a strided load (the K order of ``_fp4_groups``' operand Q)."""
+    return tl.load(q_row + (4 * c + Q)[None, :], mask=mask, other=0.0).to(tl.bfloat16)
+
+
+@triton.jit
+def fp4kv_decode_attn_fast_kernel(
+    q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, mask_ptr, acc_ptr, ml_ptr,
+    T, chunk, n_tiles, k_fac, v_fac,
+    sq_b, sq_h, sm_b,
+    skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
+    svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
+    HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
+    B: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr,
+    F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, TILES: tl.constexpr,
+):
+    """Fast path (see the module docstring): like ``fp4kv_decode_attn_kernel`` on K/V operands
+    value * block scale * 2**-62 in 4 code-group parts; k_fac / v_fac: per-row factors with 2**62 folded in.
+    Codes as uint16 groups (strides in groups); DG >= D/4 group columns (padded to 16 for the MMA's K)."""
+    b, h, split, start, end = _program(len_ptr, T, chunk, HKV, HAS_LEN)
+    g = tl.arange(0, GP)
+    gmask = g < G
+    c = tl.arange(0, DG)
+    cmask = c < D // 4
+    qm = gmask[:, None] & cmask[None, :]
+    q_row = q_ptr + b * sq_b + (h * G + g)[:, None] * sq_h
+    q0, q1, q2, q3 = _q_part(q_row, c, qm, 0), _q_part(q_row, c, qm, 1), _q_part(q_row, c, qm, 2), \
+        _q_part(q_row, c, qm, 3)  # [GP, DG] bf16 each
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    a0 = tl.zeros([GP, DG], tl.float32)  # out[:, 4c + q] = a_q / l (fp32)
+    a1 = tl.zeros([GP, DG], tl.float32)
+    a2 = tl.zeros([GP, DG], tl.float32)
+    a3 = tl.zeros([GP, DG], tl.float32)
+    kc, ks, kg = kc_ptr + b * skc_b + h * skc_h, ks_ptr + b * sks_b + h * sks_h, kg_ptr + b * skg_b + h * skg_h
+    vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
+    for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
+        t, tmask = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK)
+        k0, k1, k2, k3 = _fp4_groups(kc, ks, t, tmask, skc_t, sks_t, FMT, D, DG, B, DEQ_ASM)  # [BT, DG]
+        s = _dot(q0, tl.trans(k0), F32_DOT)  # [GP, BT] = q K'^T over the 4 parts
+        s = _dot_acc(q1, tl.trans(k1), s, F32_DOT)
+        s = _dot_acc(q2, tl.trans(k2), s, F32_DOT)
+        s = _dot_acc(q3, tl.trans(k3), s, F32_DOT)
+        s = s * _row_factor(kg, t, tmask, skg_t, k_fac, FMT)[None, :]  # * 2**62 / S_enc * sm_scale
+        p, alpha, m_i, l_i = _online_softmax(s, tmask, m_i, l_i)
+        pv = _mma_in(p * _row_factor(vg, t, tmask, svg_t, v_fac, FMT)[None, :], F32_DOT)  # * 2**62 / S_enc
+        v0, v1, v2, v3 = _fp4_groups(vc, vs, t, tmask, svc_t, svs_t, FMT, D, DG, B, DEQ_ASM)
+        a0 = _dot_acc(pv, v0, a0 * alpha[:, None], F32_DOT)
+        a1 = _dot_acc(pv, v1, a1 * alpha[:, None], F32_DOT)
+        a2 = _dot_acc(pv, v2, a2 * alpha[:, None], F32_DOT)
+        a3 = _dot_acc(pv, v3, a3 * alpha[:, None], F32_DOT)
+    row = (b * (HKV * G) + h * G + g) * SPLITS + split  # [GP] index into [B, Hq, S]
+    out = acc_ptr + row[:, None] * D + 4 * c[None, :]  # acc[.., 4c + q] <- a_q
+    tl.store(out, a0, mask=qm)
+    tl.store(out + 1, a1, mask=qm)
+    tl.store(out + 2, a2, mask=qm)
+    tl.store(out + 3, a3, mask=qm)
+    _store_ml(ml_ptr, row, gmask, m_i, l_i)
+
+
+@triton.jit
+def deq_groups_kernel(c_ptr, s_ptr, out_ptr, T, st_c, st_s, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
+                      B: tl.constexpr, BT: tl.constexpr, DEQ_ASM: tl.constexpr):
+    """out[T, D] bf16 = the fast kernel's K/V operand (``_fp4_groups``) of rows 0..T-1, in element order."""
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    tmask = t < T
+    c = tl.arange(0, DG)
+    cmask = c < D // 4
+    w0, w1, w2, w3 = _fp4_groups(c_ptr, s_ptr, t, tmask, st_c, st_s, FMT, D, DG, B, DEQ_ASM)
+    out = out_ptr + t[:, None] * D + 4 * c[None, :]
+    m = tmask[:, None] & cmask[None, :]
+    tl.store(out, w0, mask=m)
+    tl.store(out + 1, w1, mask=m)
+    tl.store(out + 2, w2, mask=m)
+    tl.store(out + 3, w3, mask=m)
 
 
 def _parts(t: FP4Tensor):
@@ -170,12 +329,17 @@ def _parts(t: FP4Tensor):
     return codes, scales, g
 
 
+def _as_2d(t: FP4Tensor) -> FP4Tensor:
+    """A [T, D] FP4Tensor as [1, 1, T, D] (for the debug launchers)."""
+    g = t.global_amax
+    return FP4Tensor(codes=t.codes[None, None], block_scales=t.block_scales[None, None],
+                     global_amax=None if g is None else (g if g.dim() == 0 else g[None, None]),
+                     shape=(1, 1, *t.shape), fmt=t.fmt)
+
+
 def dequantize_rows(t: FP4Tensor, block_t: int = 64) -> torch.Tensor:
     """The attention kernel's dequantization of a [T, D] FP4 tensor (bf16), for checking its bits."""
-    codes, scales, g = _parts(FP4Tensor(codes=t.codes[None, None], block_scales=t.block_scales[None, None],
-                                        global_amax=None if t.global_amax is None else
-                                        (t.global_amax if t.global_amax.dim() == 0 else t.global_amax[None, None]),
-                                        shape=(1, 1, *t.shape), fmt=t.fmt))
+    codes, scales, g = _parts(_as_2d(t))
     n, d = t.shape
     nb = scales.shape[-1]
     out = torch.empty(n, d, dtype=torch.bfloat16, device=codes.device)
@@ -187,43 +351,114 @@ def dequantize_rows(t: FP4Tensor, block_t: int = 64) -> torch.Tensor:
     return out
 
 
+def _groups(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [.., D/2] -> uint16 groups of 4 codes [.., D/4] (code 4c + q in nibble q): a view when the
+    storage offset and strides are even (``FP4KVCache`` views are), else a contiguous copy."""
+    try:
+        return codes.view(torch.uint16)
+    except RuntimeError:  # (an odd storage offset stays odd under .contiguous())
+        return codes.clone(memory_format=torch.contiguous_format).view(torch.uint16)
+
+
+def _group_cols(d: int) -> int:
+    """Code-group columns of a head_dim-``d`` tile: d/4, at least 16 (an MMA's K; the rest masked)."""
+    return max(16, d // 4)
+
+
+def dequantize_groups(t: FP4Tensor, block_t: int = 16, deq_asm: bool | None = None) -> torch.Tensor:
+    """The fast path's K/V operand of a [T, D] FP4 tensor: value * block scale * 2**-62 (bf16, exact)."""
+    codes, scales, _ = _parts(_as_2d(t))
+    words = _groups(codes)
+    n, d = t.shape
+    out = torch.empty(n, d, dtype=torch.bfloat16, device=codes.device)
+    deq_groups_kernel[(triton.cdiv(n, block_t),)](
+        words, scales, out, n, words.stride(2), scales.stride(2), FMT=0 if t.fmt == "nvfp4" else 1, D=d,
+        DG=_group_cols(d), B=t.block_size, BT=block_t, DEQ_ASM=codes.is_cuda if deq_asm is None else deq_asm,
+    )
+    return out
+
+
+def fast_config(d: int) -> tuple[int, int, int]:
+    """The fast path's default (BT, num_warps, num_stages) for head_dim ``d`` (``FAST_CONFIGS``)."""
+    return FAST_CONFIGS[min((k for k in FAST_CONFIGS if k >= d), default=max(FAST_CONFIGS))]
+
+
+def groups_reference(t: FP4Tensor) -> torch.Tensor:
+    """Torch twin of ``dequantize_groups``: decoded code x block scale x 2**-62 in float64, then bf16 (exact)."""
+    from ..formats import e2m1
+
+    q = e2m1.decode(t.unpacked_codes(), torch.float64).unflatten(-1, (-1, t.block_size))
+    sc = t.block_scales
+    sf = sc.double() if t.fmt == "nvfp4" else torch.exp2(sc.view(torch.uint8).double() - 127)
+    return (q * sf.unsqueeze(-1) * 2.0**-62).flatten(-2)[..., : t.shape[-1]].to(torch.bfloat16)
+
+
+def _splits(q: torch.Tensor, bsz: int, hkv: int, t_len: int, block_t: int) -> int:
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    return max(1, min(triton.cdiv(SPLIT_WAVES * sms, bsz * hkv), triton.cdiv(t_len, block_t)))
+
+
+def _row_factors(fmt: str, scale: float) -> tuple[float, float]:
+    """(K, V) per-row factors over the global amax: 2**62 / S_enc (* scale for K) = amax * 2**62 / 2688 (NVFP4),
+    2**62 (MXFP4)."""
+    per_amax = 2.0**62 / 2688.0 if fmt == "nvfp4" else 2.0**62
+    return per_amax * scale, per_amax
+
+
+MXFP4_MIN_BLOCK_T = 32
+"""MXFP4 K/V with 16-token tiles: wrong outputs on the H200 in both kernels (right in the interpreter and at
+the default tiles); not yet understood, so refused."""
+
+
 def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: float, lengths=None, kv_mask=None,
                      exact: bool = True, block_t: int | None = None, splits: int | None = None,
-                     num_warps: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """q [B, Hq, D], k/v FP4 [B, Hkv, T, D] -> [B, Hq, D] in q.dtype (see the module docstring).
 
     ``lengths`` int [B]: tokens per sequence; ``kv_mask`` bool [B, T]: False = not attended.
-    ``exact=False``: K/V enter the MMAs as code value x block scale (exact in bf16) and each row's 1/S_enc
-    scales its score and its softmax weight instead (fewer operations per element; the effective K/V are then
-    the exact FP4 values rather than their bf16 rounding)."""
-    block_t, num_warps = block_t or BLOCK_T, num_warps or NUM_WARPS
-    bsz, hq, d = q.shape
+    ``exact=True``: K/V are the reference's bf16 values (``FP4Tensor.dequantize(torch.bfloat16)``).
+    ``exact=False``: the fast path, K/V the exact FP4 values (equal to ``reference_attention(kv_dtype=float32)``
+    within bf16 rounding of the softmax weights). ``block_t``/``num_warps``/``num_stages``: launch overrides."""
+    if k.fmt == "mxfp4" and block_t is not None and block_t < MXFP4_MIN_BLOCK_T and q.is_cuda:
+        raise ValueError(f"block_t={block_t} with MXFP4 K/V is not supported on CUDA (both kernels gave wrong "
+                         f"results on the H200, 2026-12-01); use block_t >= {MXFP4_MIN_BLOCK_T} (the defaults do)")
+    fast = not exact
+    d = q.shape[-1]
+    if fast:
+        bt, nw, ns = fast_config(d)
+        block_t, num_warps, num_stages = block_t or bt, num_warps or nw, num_stages or ns
+    else:
+        block_t, num_warps = block_t or BLOCK_T, num_warps or NUM_WARPS
+    bsz, hq, _ = q.shape
     _, hkv, t_len, _ = k.shape
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     kc, ks, kg = _parts(k)
     vc, vs, vg = _parts(v)
-    nb = ks.shape[-1]
+    if fast:
+        kc, vc = _groups(kc), _groups(vc)
     group = hq // hkv
-    if splits is None:
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        splits = max(1, min(triton.cdiv(SPLIT_WAVES * sms, bsz * hkv), triton.cdiv(t_len, block_t)))
+    splits = splits or _splits(q, bsz, hkv, t_len, block_t)
     chunk = triton.cdiv(triton.cdiv(t_len, splits), block_t) * block_t
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, splits, 2, dtype=torch.float32, device=q.device)
     lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else ml
     mask = kv_mask[:, :t_len].to(device=q.device, dtype=torch.uint8) if kv_mask is not None else ml
-    fp4kv_decode_attn_kernel[(bsz * hkv, splits)](
-        q, kc, ks, kg, vc, vs, vg, lens, mask, acc, ml, t_len, chunk, chunk // block_t, float(scale),
-        q.stride(0), q.stride(1), mask.stride(0),
-        kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2),
-        kg.stride(0), kg.stride(1), kg.stride(2),
-        vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1), vs.stride(2),
-        vg.stride(0), vg.stride(1), vg.stride(2),
-        HKV=hkv, G=group, GP=max(16, triton.next_power_of_2(group)), FMT=0 if k.fmt == "nvfp4" else 1, NB=nb,
-        B=k.block_size, BT=block_t, SPLITS=splits, HAS_LEN=lengths is not None, HAS_MASK=kv_mask is not None,
-        FAST_DIV=qk.FAST_DIV, F32_DOT=not q.is_cuda,  # Triton's CPU interpreter: fp32 dots
-        EXACT=exact,
-        num_warps=num_warps, enable_fp_fusion=False,
-    )
+    args = (q, kc, ks, kg, vc, vs, vg, lens, mask, acc, ml, t_len, chunk, chunk // block_t)
+    strides = (q.stride(0), q.stride(1), mask.stride(0), *kc.stride()[:3], *ks.stride()[:3], *kg.stride()[:3],
+               *vc.stride()[:3], *vs.stride()[:3], *vg.stride()[:3])
+    common = dict(HKV=hkv, G=group, GP=max(16, triton.next_power_of_2(group)), FMT=0 if k.fmt == "nvfp4" else 1,
+                  B=k.block_size, BT=block_t, SPLITS=splits, HAS_LEN=lengths is not None,
+                  HAS_MASK=kv_mask is not None, F32_DOT=not q.is_cuda,  # Triton's CPU interpreter: fp32 dots
+                  TILES=0 if q.is_cuda else chunk // block_t,
+                  num_warps=num_warps)
+    if fast:
+        fp4kv_decode_attn_fast_kernel[(bsz * hkv, splits)](
+            *args, *_row_factors(k.fmt, float(scale)), *strides, D=d, DG=_group_cols(d), DEQ_ASM=q.is_cuda,
+            num_stages=num_stages, **common)
+    else:
+        fp4kv_decode_attn_kernel[(bsz * hkv, splits)](
+            *args, float(scale), *strides, NB=ks.shape[-1], FAST_DIV=qk.FAST_DIV, enable_fp_fusion=False, **common)
     return combine(acc, ml).to(q.dtype)
 
 

@@ -212,13 +212,16 @@ def _pair_step(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, 
                WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr,
                WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
     """One K tile: the NaN/Inf check if asked, then ``_pair_tile``; returns 1 (writing nothing) when the
-    tile may leave the range where the fast division is exact."""
+    tile may leave the range where the fast division is exact, or holds a NaN/Inf that is checked."""
     if CHECK_FINITE:
         lo, hi = f.unpair(w, XDT)
         ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-        if tl.max(tl.max(tl.max(ab, axis=2), axis=1), axis=0) >= 0x7F800000:  # an Inf or NaN in the tile
+        bad = tl.max(tl.max(tl.max(ab, axis=2), axis=1), axis=0) >= 0x7F800000  # an Inf or NaN in the tile
+        if bad:
             tl.atomic_add(err_ptr, 1)
     slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ)
+    if CHECK_FINITE:
+        slow += bad.to(tl.int32)  # quant_kernel redoes the row and passes its NaN/Inf through (KEEP_NONFINITE)
     if MODE != RNE and FMT == f.NVFP4 and FAST_DIV:  # guided: z == 0 or not must be exact even for tiny z
         lo, hi = f.unpair(w, XDT)
         t3 = tl.div_rn(tl.full(s_b.shape, 2.0**-99, tl.float32), s_b)[:, :, None]  # per row, 2x margin

@@ -175,8 +175,10 @@ def _store_codes(codes, codes_ptr, bits_ptr, rows, rmask, bmask, blk, NB, NBT: t
 def _tile(x, col, kt, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
           mask_ptr, err_ptr, FMT: tl.constexpr, MODE: tl.constexpr, B: tl.constexpr, NBT: tl.constexpr,
           WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
-          WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr):
-    """Quantize one [BM, NBT, B] tile of x (fp32) and write the asked outputs."""
+          WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
+          KEEP_NONFINITE: tl.constexpr):
+    """Quantize one [BM, NBT, B] tile of x (fp32) and write the asked outputs (KEEP_NONFINITE: NaN/Inf
+    elements of x are written to the dequantized output as they are, not as codes)."""
     if CHECK_FINITE:
         _count_bad(x, err_ptr)
     blk = kt * NBT + tl.arange(0, NBT)[None, :]  # [1, NBT]
@@ -195,6 +197,8 @@ def _tile(x, col, kt, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr,
     emask = rmask[:, None, None] & (col < K)
     if WRITE_DEQ:
         out = _unscale(codes, sf, e, s_e, FMT, FAST_DIV)
+        if KEEP_NONFINITE:
+            out = tl.where((x == x) & (tl.abs(x) != float("inf")), out, x)
         tl.store(deq_ptr + rows[:, None, None] * K + col, f.to_dtype(out, deq_ptr.dtype.element_ty), mask=emask)
     if WRITE_MASK:
         tl.store(mask_ptr + rows[:, None, None] * K + col, (tl.abs(z) <= 6.0).to(tl.uint8), mask=emask)
@@ -209,11 +213,12 @@ def quant_kernel(
     BLOCK_M: tl.constexpr, NBT: tl.constexpr, SINGLE_TILE: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
-    ONLY_FLAGGED: tl.constexpr = False,
+    ONLY_FLAGGED: tl.constexpr = False, KEEP_NONFINITE: tl.constexpr = False,
 ):
     """Quantize rows of x [M, K] (fp32/bf16/fp16) block by block; see the module docstring.
 
     ONLY_FLAGGED: only programs with a row whose flag_ptr[row] != 0 run (``pair_kernel``'s exact-path redo).
+    KEEP_NONFINITE: NaN/Inf inputs pass to the dequantized output unchanged (a checked call's inputs).
     """
     pid = tl.program_id(0)
     if ONLY_FLAGGED:
@@ -221,11 +226,13 @@ def quant_kernel(
         if tl.max(tl.load(flag_ptr + rows, mask=rows < M, other=0), axis=0) != 0:
             _quant_rows(pid, x_ptr, M, K, stride_xm, NB, NUM_KT, g_ptr, s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
                         bits_ptr, deq_ptr, mask_ptr, err_ptr, FMT, MODE, G_MODE, B, BLOCK_M, NBT, SINGLE_TILE,
-                        WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV)
+                        WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
+                        KEEP_NONFINITE)
     else:
         _quant_rows(pid, x_ptr, M, K, stride_xm, NB, NUM_KT, g_ptr, s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
                     bits_ptr, deq_ptr, mask_ptr, err_ptr, FMT, MODE, G_MODE, B, BLOCK_M, NBT, SINGLE_TILE,
-                    WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV)
+                    WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
+                    KEEP_NONFINITE)
 
 
 @triton.jit
@@ -236,6 +243,7 @@ def _quant_rows(
     BLOCK_M: tl.constexpr, NBT: tl.constexpr, SINGLE_TILE: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
+    KEEP_NONFINITE: tl.constexpr,
 ):
     """``quant_kernel``'s work for program ``pid``."""
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -263,13 +271,13 @@ def _quant_rows(
     if SINGLE_TILE:
         _tile(x0, col0, 0, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
               deq_ptr, mask_ptr, err_ptr, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ,
-              WRITE_MASK, CHECK_FINITE, FAST_DIV)
+              WRITE_MASK, CHECK_FINITE, FAST_DIV, KEEP_NONFINITE)
     else:
         for kt in range(NUM_KT):
             x, col = _load_tile(x_ptr, rows, rmask, stride_xm, kt * NBT * B, K, NBT, B)
             _tile(x, col, kt, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
                   deq_ptr, mask_ptr, err_ptr, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
-                  WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV)
+                  WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV, KEEP_NONFINITE)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -371,16 +379,17 @@ def run_quant(
         flags = qp.launch_pair(x2d, out, **args)
         if int(g_mode) == int(G_ROW_COMPUTE):
             args.update(g=out["g"], g_mode=G_ROW_GIVEN)  # the pair kernel wrote every row's amax
+        checked = err is not None
         args.update(err=None, fast_div=False)
-        if int(g_mode) != int(G_NONE) or int(mode) == int(RNE):  # else no program can flag
-            _launch_elem(x2d, out, CONFIG["elem"], flags, **args)  # redoes only the flagged rows
+        if checked or int(g_mode) != int(G_NONE) or int(mode) == int(RNE):  # else no program can flag
+            _launch_elem(x2d, out, CONFIG["elem"], flags, keep_nonfinite=checked, **args)  # the flagged rows
     else:
-        _launch_elem(x2d, out, CONFIG["elem"], None, **args)
+        _launch_elem(x2d, out, CONFIG["elem"], None, keep_nonfinite=err is not None, **args)
     return out
 
 
 def _launch_elem(x2d, out, cfg, flags, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes,
-                 write_scales, write_bits, write_mask, fast_div):
+                 write_scales, write_bits, write_mask, fast_div, keep_nonfinite):
     """Launch ``quant_kernel`` into the buffers of ``out`` (only programs with a row flagged in ``flags``)."""
     m, k = x2d.shape
     nb = triton.cdiv(k, block)
@@ -395,7 +404,8 @@ def _launch_elem(x2d, out, cfg, flags, *, g, scales_in, guide, err, spare, fmt, 
         FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt, SINGLE_TILE=num_kt == 1,
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits,
         WRITE_DEQ="deq" in out, WRITE_MASK=write_mask, CHECK_FINITE=err is not None,
-        FAST_DIV=fast_div, ONLY_FLAGGED=flags is not None, num_warps=cfg["num_warps"], enable_fp_fusion=False,
+        FAST_DIV=fast_div, ONLY_FLAGGED=flags is not None, KEEP_NONFINITE=keep_nonfinite, num_warps=cfg["num_warps"],
+        enable_fp_fusion=False,
     )
 
 

@@ -16,6 +16,7 @@ from ..config import (
     ACTIVATION_SITES,
     CACHE_MODES,
     FALLBACKS,
+    FINITE_CHECKS,
     KERNELS,
     KV_FORMATS,
     LAYER_POLICIES,
@@ -45,6 +46,7 @@ _SIMPLE = {
     "trace_min_coverage": "min_coverage",
     "trace_routing_replay": "routing_replay",
     "trace_kernel": "kernel",
+    "trace_finite_check": "finite_check",
 }
 
 
@@ -108,6 +110,9 @@ def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trace-routing-replay", action=argparse.BooleanOptionalAction, default=None,
                    help="Replay the rollout's expert choices (needs --moe-enable-routing-replay).")
     g.add_argument("--trace-kernel", choices=KERNELS, default=None)
+    g.add_argument("--trace-finite-check", choices=FINITE_CHECKS, default=None,
+                   help="NaN/Inf check of the FP4 QAT inputs: deferred (one host sync per step; call "
+                        "megatron_trace.megatron.check_finite(model) before optimizer.step()) or sync (per call).")
     g.add_argument("--trace-exclude-modules", type=_patterns, default=None,
                    help="Comma list of modules kept in BF16 on both sides, HF names with '*' "
                         "(e.g. 'model.layers.0.mlp.experts,model.layers.0.self_attn.kv_cache').")

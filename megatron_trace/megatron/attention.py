@@ -12,14 +12,16 @@ SGLang's KV records guide it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from ..config import TraceConfig
+from ..config import KV_SITES, TraceConfig
 from ..formats import FP4Tensor, Quantizer
 from ..manifest import kv_cache_name, module_excluded
 from .rows import RowGuidance, map_record
-from .sites import quantize_rows, quantize_rows_recorded
+from .sites import finite_checks, quantize_rows, quantize_rows_recorded
 from .step import INVALID, NOT_GUIDED, SHAPE, CheckedSite, GuidanceFallbackError, StepState, flat_rows, token_rows
 
 
@@ -52,7 +54,8 @@ class KVStep:
         rec = map_record(rec, lambda t: t[:, heads], (S * B, g, rec.shape[-1]))
         used = (valid & count).sum()
         st.count(self.layer, site, used, {INVALID: n - used})
-        return flat_rows(rec, valid.unsqueeze(1).expand(S * B, g))
+        rows = flat_rows(rec, valid.unsqueeze(1).expand(S * B, g))
+        return dataclasses.replace(rows, all_valid=c.all_valid)
 
 
 class TraceKVCore:
@@ -73,6 +76,11 @@ class TraceKVCore:
                              f"multiple of {self._kv_q.block_size}, got {self.config.kv_channels}")
         # layer_number counts from 1 across pipeline stages; exclude_modules keeps this layer's K/V in BF16
         self._excluded = module_excluded(trace_config, kv_cache_name(self.layer_number - 1))
+        self._finite = finite_checks(trace_config, f"layer {self.layer_number - 1}", KV_SITES)
+
+    def trace_finite_counters(self) -> list:
+        """The deferred NaN/Inf counters of this module's sites (``megatron.check_finite`` reads them)."""
+        return [c for c in self._finite.values() if c is not True]
 
     def trace_quantizes(self, site: str) -> bool:
         """Whether this layer quantizes ``site`` (the config, less ``exclude_modules``)."""
@@ -99,7 +107,7 @@ class TraceKVCore:
             y, q = quantize_rows_recorded(self._kv_q, flat, rows)
             step.state.recorder.add_kv(step.layer, site, _reshape(q, x.shape))
         else:
-            y = quantize_rows(self._kv_q, flat, rows, kernel=self._kv_kernel)
+            y = quantize_rows(self._kv_q, flat, rows, kernel=self._kv_kernel, check_finite=self._finite[site])
         return y.view(x.shape)
 
 

@@ -26,12 +26,13 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
+from ..kernels.checks import raise_if_bad
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
 from .moe_step import FC1, FC2, MoEStep
 from .recording import Recorder
-from .step import GuidanceCoverageError, StepState, check_site
+from .step import GuidanceCoverageError, StepState, check_site, host_values
 
 logger = logging.getLogger(__name__)
 
@@ -195,6 +196,7 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
         for layer, attn in layers.kv.items():
             attn._trace_step = _kv_step(_layer_state(state, attn, KV_SITES), step, layer, attn)
             bound.append(attn)
+        _step_facts([m._trace_step for m in bound])
         yield TraceStep(state, layers)
     finally:
         for h in hooks:
@@ -207,6 +209,64 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
                 rr.clear_indices()
                 rr.clear_router_replay_action()
     _check_coverage(state, step)
+    _raise_nonfinite(layers, "in this trace_guidance step")
+
+
+def check_finite(model) -> None:
+    """Raise ``NonFiniteError`` naming every TRACE site whose inputs held NaN/Inf since the last check.
+
+    With ``TraceConfig.finite_check="deferred"`` (the default) the quantizers only count NaN/Inf on the
+    device (their outputs stay NaN/Inf); ``trace_guidance`` checks at its exit, and a training loop without
+    it (plain FP4 QAT) calls this before ``optimizer.step()``: one host sync for the whole model."""
+    _raise_nonfinite(find_trace_layers(model), "since the last check")
+
+
+def _raise_nonfinite(layers: TraceLayers, when: str) -> None:
+    modules = [*(moe.experts for moe in layers.moe.values()), *layers.kv.values()]
+    raise_if_bad([c for m in modules for c in m.trace_finite_counters()], when=when)
+
+
+def _step_facts(steps) -> None:
+    """What the forward would otherwise ask the device for, layer by layer, found with one host sync: each
+    layer's routing indices are in range (else ValueError) and distinct per token (then the guidance rows
+    are laid out without ``nonzero``), and which sites' records are valid on every row (then the quantizer
+    needs no per-row select; at FC2 the records' experts must also be the replayed ones)."""
+    checks, sites, distinct = [], [], []
+    for st in steps:
+        if isinstance(st, MoEStep):
+            if st.routing is not None:
+                r = st.routing
+                checks.append((((r < 0) | (r >= st.num_experts)).any(),
+                               f"routing indices for layer {st.layer} must be in 0..{st.num_experts - 1}"))
+                srt = r.sort(dim=-1).values
+                distinct.append((st, (srt[..., 1:] != srt[..., :-1]).all()))
+            for name in ("fc1", "fc2"):
+                sites.append((st, name, getattr(st, name), st.routing))
+        else:
+            sites.extend((st, site, c, None) for site, c in st.sites.items())
+    facts = []
+    for owner, name, c, routing in sites:
+        if c.sg is None:
+            continue
+        ok = c.sg.valid.all()
+        if name == "fc2":
+            ids = c.sg.expert_ids
+            if routing is None or ids is None or tuple(ids.shape) != tuple(routing.shape):
+                continue
+            ok = ok & (ids.to(routing.device) == routing).all().to(ok.device)
+        facts.append((owner, name, c, ok))
+    values = host_values([b for b, _ in checks] + [d for _, d in distinct] + [ok for *_, ok in facts])
+    bad = [msg for (_, msg), v in zip(checks, values) if v]
+    if bad:
+        raise ValueError("; ".join(bad))
+    for (st, _), v in zip(distinct, values[len(checks):]):
+        st.routing_distinct = bool(v)
+    for (owner, name, c, _), v in zip(facts, values[len(checks) + len(distinct):]):
+        if v:
+            if isinstance(owner, MoEStep):
+                setattr(owner, name, dataclasses.replace(c, all_valid=True))
+            else:
+                owner.sites[name] = dataclasses.replace(c, all_valid=True)
 
 
 def trace_record(model, *, compact: bool | None = None):

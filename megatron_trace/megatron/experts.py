@@ -29,7 +29,7 @@ from ..kernels import fake_quantize
 from ..manifest import experts_name, module_excluded
 from .gemm import grouped_linear
 from .moe_step import FC1, FC2, ExpertRows
-from .sites import quantize_rows, quantize_rows_recorded
+from .sites import finite_checks, quantize_rows, quantize_rows_recorded, relabel
 
 _DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
 
@@ -75,10 +75,12 @@ class TraceExpertsCore:
         self._payload_dispatcher = None
         self._payload_order = None  # the local permutation of the last dispatch_payload (None: dispatcher)
         self._excluded = False if not trace_config.exclude_modules else None  # None: unknown until bound
+        self._finite = finite_checks(trace_config, "experts (layer unknown)", (FC1, FC2, "weights"))
 
     def bind_trace_layer(self, layer: int) -> None:
         """Set the layer id and apply ``TraceConfig.exclude_modules`` (excluded experts run unquantized)."""
         self.trace_layer = layer
+        relabel(self._finite, f"layer {layer}")
         self._excluded = module_excluded(self.trace_config, experts_name(layer))
         for linear in (getattr(self, "linear_fc1", None), getattr(self, "linear_fc2", None)):
             if hasattr(linear, "trace_weight_quantizer"):  # TE variant: its linears fetch the weights
@@ -97,7 +99,11 @@ class TraceExpertsCore:
         """One expert weight [M, K]: fake-quantized along K (or unchanged if 'weights' is not a site)."""
         if self._weight_q is None or not self.trace_quantizes("weights"):
             return w
-        return fake_quantize(w, self._weight_q, kernel=self._kernel)
+        return fake_quantize(w, self._weight_q, kernel=self._kernel, check_finite=self._finite["weights"])
+
+    def trace_finite_counters(self) -> list:
+        """The deferred NaN/Inf counters of this module's sites (``megatron.check_finite`` reads them)."""
+        return [c for c in self._finite.values() if c is not True]
 
     def quantize_weights(self, w: torch.Tensor) -> torch.Tensor:
         """Stacked expert weights [E, M, K], each with its own per-tensor amax (one quantizer call).
@@ -106,11 +112,12 @@ class TraceExpertsCore:
         """
         if self._weight_q is None or not self.trace_quantizes("weights"):
             return w
+        check = self._finite["weights"]
         if self._weight_q.fmt != "nvfp4":  # MXFP4 has no global amax: blocks are independent
-            return fake_quantize(w, self._weight_q, kernel=self._kernel)
+            return fake_quantize(w, self._weight_q, kernel=self._kernel, check_finite=check)
         amax = w.detach().float().abs().amax(dim=(-2, -1), keepdim=True)  # [E, 1, 1]
         amax = torch.where(amax > 0, amax, torch.ones_like(amax)).expand(*w.shape[:-1], 1)
-        return fake_quantize(w, self._weight_q, global_amax=amax, kernel=self._kernel)
+        return fake_quantize(w, self._weight_q, global_amax=amax, kernel=self._kernel, check_finite=check)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -127,7 +134,8 @@ class TraceExpertsCore:
             return x, None
         if record:
             return quantize_rows_recorded(self._act_q, x, rows, global_amax=amax)
-        return quantize_rows(self._act_q, x, rows, global_amax=amax, kernel=self._kernel), None
+        return quantize_rows(self._act_q, x, rows, global_amax=amax, kernel=self._kernel,
+                             check_finite=self._finite[site]), None
 
     def _trace_forward(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor):
         """x [N, H] rows sorted by local expert, probs [N] -> (y [N, H], None)."""
@@ -168,7 +176,8 @@ class TraceExpertsCore:
         if self._local_payload():
             order = torch.sort(experts, stable=True).indices  # [Nv]: expert-major, token order within one
             self._payload_order = order
-            return payload.index_select(0, order), torch.bincount(experts, minlength=num_experts)
+            counts = torch.zeros(num_experts, dtype=torch.long, device=experts.device)  # (bincount syncs)
+            return payload.index_select(0, order), counts.index_add_(0, experts, torch.ones_like(experts))
         return self._dispatch_payload(payload, experts, num_experts, probs_dtype)
 
     def _local_payload(self) -> bool:

@@ -25,8 +25,11 @@ def grouped_linear_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
 
 
 def grouped_linear_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """The same with ``torch._grouped_mm`` (offsets = cumulative row counts, int32)."""
-    offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+    """The same with ``torch._grouped_mm`` (offsets = cumulative row counts, int32; copied to the GPU from
+    pinned memory without blocking the host)."""
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if x.is_cuda:
+        offs = offs.pin_memory().to(x.device, non_blocking=True)
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
@@ -39,12 +42,21 @@ def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, tokens_per_expert, impl: str = "auto") -> torch.Tensor:
-    """x [N, K] rows sorted by expert, w [E, M, K], rows per expert -> [N, M]."""
+    """x [N, K] rows sorted by expert, w [E, M, K], rows per expert -> [N, M].
+
+    Counts on the GPU stay there on the ``grouped_mm`` path (offsets by cumsum: no host sync; their sum is
+    Megatron's row count by construction and is not re-checked); the loop needs them on the host."""
+    if impl not in GEMM_IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {GEMM_IMPLS}")
+    mm = impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w))
+    if mm and torch.is_tensor(tokens_per_expert) and tokens_per_expert.device == x.device:
+        if tokens_per_expert.numel() != w.shape[0]:
+            raise ValueError(f"tokens_per_expert has {tokens_per_expert.numel()} counts for {w.shape[0]} experts")
+        offs = tokens_per_expert.reshape(-1).cumsum(0).to(torch.int32)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
     counts = _counts(tokens_per_expert)
     if len(counts) != w.shape[0] or sum(counts) != x.shape[0]:
         raise ValueError(f"tokens_per_expert={counts} does not fit x rows {x.shape[0]} and {w.shape[0]} experts")
-    if impl not in GEMM_IMPLS:
-        raise ValueError(f"impl={impl!r} is not one of {GEMM_IMPLS}")
-    if impl == "grouped_mm" or (impl == "auto" and _grouped_mm_ok(x, w)):
+    if mm:
         return grouped_linear_mm(x, w, counts)
     return grouped_linear_loop(x, w, counts)

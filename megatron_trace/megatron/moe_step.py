@@ -16,6 +16,7 @@ computes. Recording FC2 runs the same dispatcher's combine path backwards.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,15 @@ class _Forward:
     slots: torch.Tensor | None  # int64 [T, topk]: expert of each slot (when recording)
 
 
+def _virtual_pairs(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """``routing_map.nonzero()`` of a dropless routing map (exactly ``topk`` experts per token, which
+    ``trace_guidance`` requires where rows are dispatched) without its host sync: [T * topk, 2]."""
+    t = routing_map.shape[0]
+    experts = routing_map.to(torch.int8).topk(topk, dim=1).indices.sort(dim=1).values  # [T, topk] ascending
+    tokens = torch.arange(t, device=routing_map.device).repeat_interleave(topk)
+    return torch.stack([tokens, experts.reshape(-1)], dim=1)
+
+
 class MoEStep:
     """TRACE state of one ``MoELayer`` for one step (see the module docstring)."""
 
@@ -79,6 +89,7 @@ class MoEStep:
         self.needs_dispatch = bool(self.codecs) or self.per_tensor_fc1 or self.recording_fc2
         self.back_codec = RowCodec(cfg.format, mcfg.moe_ffn_hidden_size, compact=False)  # recorded FC2 rows
         self.back_width = self.back_codec.width if self.recording_fc2 else 0
+        self.routing_distinct = routing is None  # top-k distinct experts per token (replay: found per step)
         self._fwd: _Forward | None = None
         self._replay_slots = None
 
@@ -100,8 +111,7 @@ class MoEStep:
                     f"routing indices for layer {self.layer} have shape {tuple(self.routing.shape)}; "
                     f"the batch needs [B={hidden.shape[1]}, S, topk={self.topk}]"
                 )
-            if bool(((idx < 0) | (idx >= self.num_experts)).any()):
-                raise ValueError(f"routing indices for layer {self.layer} must be in 0..{self.num_experts - 1}")
+            # (the index range of every layer was checked once for the step: ``trace_guidance``)
             rr.set_target_indices(idx)
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             self._replay_slots = idx
@@ -118,7 +128,7 @@ class MoEStep:
         x = hidden.reshape(S * B, -1)
         fc1 = self._fc1_rows(seq, B, full_s, count)
         if not self.guide_fc2 and FC2 in self.state.config.guided_sites and self.state.config.quantizes(FC2):
-            self.state.count(self.layer, FC2, 0, {NOT_GUIDED: routing_map[count].sum()})
+            self.state.count(self.layer, FC2, 0, {NOT_GUIDED: (routing_map & count[:, None]).sum()})
         self._fwd = None
         if self.needs_dispatch:
             self._fwd = self._virtual_tokens(router, x, routing_map, fc1, seq, B, full_s, count)
@@ -131,7 +141,9 @@ class MoEStep:
 
     def _virtual_tokens(self, router, x, routing_map, fc1, seq, batch, full_s, count) -> _Forward:
         """One virtual token per (token, chosen expert) with its guidance bytes (see the module docstring)."""
-        virtual = routing_map.nonzero()  # [Nv, 2] (token, expert), token-major
+        # [Nv, 2] (token, expert), token-major; replayed routing with a repeated expert (e.g. at padding) routes
+        # fewer than top-k rows for that token, and only nonzero() (one host sync) can size that
+        virtual = _virtual_pairs(routing_map, self.topk) if self.routing_distinct else routing_map.nonzero()
         n, dev = virtual.shape[0], x.device
         cols = []
         if FC1 in self.codecs:
@@ -221,14 +233,17 @@ class MoEStep:
             raise RuntimeError(f"layer {self.layer}: the experts ran before the router hook (TRACE context not bound)")
         probs_dtype = torch.float32 if self.recording_fc2 else torch.uint8
         data, counts = experts.dispatch_payload(f.payload, f.virtual[:, 1], self.num_experts, probs_dtype)
-        expected = [int(c) for c in torch.as_tensor(tokens_per_expert).tolist()]
-        if [int(c) for c in torch.as_tensor(counts).tolist()] != expected:
-            raise RuntimeError(f"layer {self.layer}: guidance rows per expert {counts} != token rows {expected}")
+        tpe = torch.as_tensor(tokens_per_expert).to(counts.device, non_blocking=True)
+        if tpe.shape != counts.shape:
+            raise RuntimeError(f"layer {self.layer}: {counts.numel()} guidance row counts for {tpe.numel()} experts")
+        self.state.defer_check((counts != tpe).any(), f"layer {self.layer}: guidance rows per expert did not match "
+                               "the token rows (the guidance of this step was misaligned)")
         out, col = ExpertRows(), 0
         for site, codec in self.codecs.items():
             rows = codec.decode(data[:, col : col + codec.width])
             col += codec.width
-            setattr(out, "fc1" if site == FC1 else "fc2", rows)
+            checked = self.fc1 if site == FC1 else self.fc2
+            setattr(out, "fc1" if site == FC1 else "fc2", dataclasses.replace(rows, all_valid=checked.all_valid))
         if self.per_tensor_fc1:
             out.fc1_amax = decode_amax(data[:, col : col + 4])
         return out

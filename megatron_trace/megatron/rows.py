@@ -26,6 +26,7 @@ class RowGuidance:
 
     record: Record
     valid: torch.Tensor
+    all_valid: bool = False  # known on the host (checked once per step): every row is valid
 
     @property
     def num_rows(self) -> int:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ..config import TraceConfig
 from ..formats import FP4Tensor, Quantizer
 from ..kernels import fake_quantize
+from ..kernels.checks import FiniteCounter
 from .rows import RowGuidance, take
 
 
@@ -64,27 +66,38 @@ def empty_rows(quantizer: Quantizer, x: torch.Tensor) -> FP4Tensor:
     )
 
 
+def finite_checks(config: TraceConfig, label: str, sites) -> dict[str, bool | FiniteCounter]:
+    """Per site, what its quantize calls pass as ``check_finite`` (``TraceConfig.finite_check``): a deferred
+    counter named ``"{label} {site}"``, or True (checked in the call)."""
+    if config.finite_check == "sync":
+        return {s: True for s in sites}
+    return {s: FiniteCounter(f"{label} {s}") for s in sites}
+
+
+def relabel(checks: dict, label: str) -> None:
+    for site, c in checks.items():
+        if isinstance(c, FiniteCounter):
+            c.label = f"{label} {site}"
+
+
 def quantize_rows(
     quantizer: Quantizer, x: torch.Tensor, guidance: RowGuidance | None = None, *, global_amax=None,
-    kernel: str = "reference",
+    kernel: str = "reference", check_finite: bool | FiniteCounter = True,
 ) -> torch.Tensor:
-    """Fake-quantize rows ``x`` [N, K]; rows with ``guidance.valid`` use the record (guided rounding)."""
+    """Fake-quantize rows ``x`` [N, K]; rows with ``guidance.valid`` use the record (guided rounding), the
+    others the trainer's own rounding. No host sync: with ``guidance.all_valid`` one guided pass, else both
+    passes over all rows and a per-row select (rows are quantized independently, so each row's bits are those
+    of quantizing it alone). ``check_finite``: see ``kernels.fused.quantize`` (the reference checks at once)."""
     if x.shape[0] == 0:
         return x.clone()
-    n_valid = 0 if guidance is None else int(guidance.valid.sum())  # the one host sync of this site
-    if n_valid == 0:
-        return fake_quantize(x, quantizer, global_amax=safe_amax(global_amax), kernel=kernel)
-    if n_valid == x.shape[0]:  # every row guided (the usual case): no gather, no scatter
-        return fake_quantize(x, quantizer, guidance=guidance.record, kernel=kernel)
-    amax = _own_amax(quantizer, x, global_amax)
-    g, r = _split(guidance.valid)
-    out = torch.zeros_like(x)
-    yg = fake_quantize(x.index_select(0, g), quantizer, guidance=take(guidance, g).record, kernel=kernel)
-    out = out.index_copy(0, g, yg)
-    if r.numel():
-        yr = fake_quantize(x.index_select(0, r), quantizer, global_amax=_rows_of(amax, r), kernel=kernel)
-        out = out.index_copy(0, r, yr)
-    return out
+    fq = lambda **kw: fake_quantize(x, quantizer, kernel=kernel, check_finite=check_finite, **kw)  # noqa: E731
+    if guidance is None:
+        return fq(global_amax=safe_amax(global_amax))
+    guided = fq(guidance=guidance.record)
+    if guidance.all_valid:  # every row guided (the usual case)
+        return guided
+    own = fq(global_amax=_own_amax(quantizer, x, global_amax))
+    return torch.where(guidance.valid.to(x.device)[:, None], guided, own)
 
 
 def quantize_rows_recorded(

@@ -71,6 +71,7 @@ class StepState:
     recorder: object | None = None  # Recorder when recording
     stats: Counter = field(default_factory=Counter)  # (layer, site, reason) -> rows; reason "used" too
     pending: list = field(default_factory=list)  # counts not yet resolved (see ``count``)
+    deferred: list = field(default_factory=list)  # (bool device tensor: bad, message) checked by ``resolve``
 
     def is_guided(self, layer: int, site: str) -> bool:
         c = self.config
@@ -92,17 +93,26 @@ class StepState:
         if self.fallback == "fail" and any(k != NOT_GUIDED for k in reasons):
             self.resolve()
 
+    def defer_check(self, bad: torch.Tensor, message: str) -> None:
+        """Raise ``RuntimeError(message)`` at the next ``resolve`` if ``bad`` (a device bool) is True."""
+        self.deferred.append((bad, message))
+
     def resolve(self) -> None:
-        """Apply the pending counts with one host sync for all their tensors."""
-        pending = list(self.pending)
+        """Apply the pending counts and deferred checks with one host sync for all their tensors."""
+        pending, deferred = list(self.pending), list(self.deferred)
         self.pending.clear()  # in place: layer views of this state (``dataclasses.replace``) share the list
+        self.deferred.clear()
         tensors = [v for _, _, u, r in pending for v in (u, *r.values()) if isinstance(v, torch.Tensor)]
-        host = iter(torch.stack([t.reshape(()).long() for t in tensors]).tolist() if tensors else [])
+        values = host_values(tensors + [b for b, _ in deferred])
+        failed = [msg for (_, msg), bad in zip(deferred, values[len(tensors):]) if bad]
+        host = iter(values[: len(tensors)])
         val = lambda v: next(host) if isinstance(v, torch.Tensor) else int(v)  # noqa: E731
         for layer, site, used, reasons in pending:
             used = val(used)
             reasons = {k: n for k, n in ((k, val(v)) for k, v in reasons.items()) if n}
             self._apply(layer, site, used, reasons)
+        if failed:
+            raise RuntimeError("; ".join(failed))
 
     def _apply(self, layer: int, site: str, used: int, reasons: dict[str, int]) -> None:
         self.counter.add(used, reasons)
@@ -132,6 +142,19 @@ class StepState:
         return used / (used + fell) if used + fell else 1.0
 
 
+def host_values(tensors: list[torch.Tensor]) -> list[int]:
+    """The values of 0-d / one-element tensors (ints, bools) as Python ints: one host sync per device."""
+    out: list[int | None] = [None] * len(tensors)
+    by_dev: dict = {}
+    for i, t in enumerate(tensors):
+        by_dev.setdefault(t.device, []).append(i)
+    for idx in by_dev.values():
+        vals = torch.stack([tensors[i].reshape(()).long() for i in idx]).tolist()
+        for i, v in zip(idx, vals):
+            out[i] = v
+    return out
+
+
 def as_mode(record: Record, compact: bool) -> Record | None:
     """The record in the cache mode of the config: full -> compact is derived, compact -> full is impossible."""
     if isinstance(record, CompactGuidance) == compact:
@@ -151,6 +174,7 @@ class CheckedSite:
 
     sg: SiteGuidance | None
     reason: str | None
+    all_valid: bool = False  # every row of sg is valid (found once per step, on the host)
 
 
 def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[int, ...], config: TraceConfig,

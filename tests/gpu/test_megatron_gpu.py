@@ -229,3 +229,81 @@ def test_guided_sites_reproduce_a_perturbed_rollout(weights):
     assert h.coverage() == 1.0 and not h.counter.fallback
     _metric("perturbed_rollout_guided_mismatches", 0)
     _metric("perturbed_rollout_own_rne_mismatches", own_total)
+
+
+def _project_syncs(fn) -> list[str]:
+    """Source lines of megatron_trace that made ``fn()`` block the host (CUDA sync debug mode)."""
+    import traceback
+    import warnings
+
+    pkg = str(ROOT / "megatron_trace")
+    seen = []
+
+    def record(message, *args, **kwargs):
+        if "synchroniz" in str(message):
+            frames = [f for f in traceback.extract_stack() if f.filename.startswith(pkg)]
+            if frames:
+                seen.append(f"{os.path.relpath(frames[-1].filename, ROOT)}:{frames[-1].lineno}")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        old, warnings.showwarning = warnings.showwarning, record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    return seen
+
+
+def test_qat_steps_block_the_host_only_at_the_step_boundary(weights):
+    """Plain FP4 QAT forward + backward: no host sync from TRACE (NaN/Inf checks are deferred); a guided
+    step: only the step's own resolutions (facts up front, counts and checks at the exit)."""
+    data = _data()
+    tokens, pos, mask, _ = data
+    model = _model(weights, GUIDED_ALL.replace(kernel="triton"))  # full records: no per-step conversion
+    rollout = _model(weights)
+    perturb_non_experts(rollout, 0.01)
+    roll = _run(rollout, data)[2].recorded()
+    step = StepGuidance(sites={k: v for k, v in roll.sites.items()}, routing=roll.routing)
+
+    def plain():
+        model(tokens, pos, mask).float().mean().backward()
+
+    def guided():
+        with trace_guidance(model, step):
+            model(tokens, pos, mask).float().mean().backward()
+
+    plain(), guided()  # warm-up (Triton compiles)
+    assert _project_syncs(plain) == []
+    syncs = _project_syncs(guided)
+    assert all(any(f in s for f in ("megatron/context.py", "megatron/step.py", "kernels/checks.py"))
+               for s in syncs), syncs
+    assert len(syncs) <= 4, syncs
+    _metric("guided_step_project_syncs", len(syncs))
+
+
+def test_deferred_nan_check_names_the_site_and_keeps_the_nan(weights):
+    from megatron_trace.formats import NonFiniteError
+    from megatron_trace.megatron import check_finite
+
+    tokens, pos, mask, _ = _data()
+    model = _model(weights, GUIDED_ALL.replace(kernel="triton"))
+    moe = model.decoder.layers[1].mlp
+    hook = moe.register_forward_pre_hook(lambda m, args: (args[0].index_fill(0, torch.tensor([0], device=DEVICE),
+                                                                             float("nan")),))
+    with torch.no_grad():
+        logits = model(tokens, pos, mask)  # no error inside the forward
+    hook.remove()
+    assert not torch.isfinite(logits).all()  # the NaN reached the loss instead of turning into FP4 codes
+    with pytest.raises(NonFiniteError, match="layer 1 expert_fc1_in"):
+        check_finite(model)
+    check_finite(model)  # the counters were reset
+    with pytest.raises(NonFiniteError, match="layer 1 expert_fc1_in"):
+        with trace_guidance(model), torch.no_grad():
+            h = moe.register_forward_pre_hook(lambda m, a: (a[0] * float("nan"),))
+            try:
+                model(tokens, pos, mask)
+            finally:
+                h.remove()

@@ -1,5 +1,8 @@
-"""Decode attention over an FP4 KV cache: the torch reference (CPU) and its dispatch; the Triton kernel is
-checked on the GPU (tests/gpu/test_kv_attention_gpu.py)."""
+"""Decode attention over an FP4 KV cache: the torch reference (CPU) and its dispatch; the Triton kernels on
+small shapes (CUDA, or Triton's CPU interpreter with ``TRITON_INTERPRET=1``: Triton-op dequantization instead
+of the inline PTX, fp32 dots). The GPU shapes and the PTX path: tests/gpu/test_kv_attention_gpu.py."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -7,6 +10,11 @@ import torch.nn.functional as F
 
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, reference_attention
+
+from ._gpu import DEVICE, needs_triton, random_rows
+
+if DEVICE is not None:
+    from megatron_trace.kernels import kv_attention_triton
 
 
 def _case(seed, b=3, hq=8, hkv=2, t=21, d=32, fmt="nvfp4"):
@@ -53,3 +61,103 @@ def test_bad_arguments_are_named(bad, match):
         kernel = "triton"
     with pytest.raises(ValueError, match=match):
         fp4kv_decode_attention(q, k, v, lengths=lengths, kernel=kernel)
+
+
+# --- the Triton kernels (CUDA, or Triton's CPU interpreter with TRITON_INTERPRET=1: small shapes) -------------
+
+QUANTIZERS = {"nvfp4_row": ("nvfp4", True), "nvfp4_tensor": ("nvfp4", False), "mxfp4": ("mxfp4", False)}
+
+
+def _kv_case(name, b, hq, hkv, t, d, seed=0, spread=3):
+    """q bf16 [B, Hq, D] and FP4 k, v [B, Hkv, T, D] on DEVICE; K rows scaled by 2**[-spread, spread)."""
+    fmt, per_row = QUANTIZERS[name]
+    g = torch.Generator().manual_seed(seed)
+    quant = Quantizer(fmt, per_row=per_row)
+    mag = torch.exp2(torch.randint(-spread, spread, (b, hkv, t, 1), generator=g).float())
+    k = quant.quantize((torch.randn(b, hkv, t, d, generator=g) * mag).to(DEVICE))
+    v = quant.quantize(torch.randn(b, hkv, t, d, generator=g).to(DEVICE))
+    return torch.randn(b, hq, d, generator=g).to(torch.bfloat16).to(DEVICE), k, v
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def _check(got, q, k, v, exact=False, **kw):
+    """Within bf16 rounding (2e-3) of the reference over the kernel's K/V values (fp32: the exact FP4 values for
+    the fast path; bf16 for the exact one), and within 1e-2 of the other (moderate scores)."""
+    assert got.dtype == q.dtype and got.shape == q.shape and torch.isfinite(got).all()
+    scale = q.shape[-1] ** -0.5
+    tight, loose = (torch.bfloat16, torch.float32) if exact else (torch.float32, torch.bfloat16)
+    assert _rel(got, reference_attention(q, k, v, scale=scale, kv_dtype=tight, **kw)) < 2e-3
+    assert _rel(got, reference_attention(q, k, v, scale=scale, kv_dtype=loose, **kw)) < 1e-2
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+@pytest.mark.parametrize("d", [32, 64, 128, 256])
+def test_fast_path_dequantization_is_value_times_scale(name, d):
+    """The fast kernel's in-register K/V operand is exactly code value x block scale x 2**-62 (bf16 bits)."""
+    fmt, per_row = QUANTIZERS[name]
+    x = random_rows((37, d), torch.float32, torch.Generator().manual_seed(d), spread=3.0)  # many scale regimes
+    t = Quantizer(fmt, per_row=per_row).quantize(x.to(DEVICE))
+    got = kv_attention_triton.dequantize_groups(t, block_t=16)
+    want = kv_attention_triton.groups_reference(t).cpu()
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+@pytest.mark.parametrize("b,hq,hkv,t,d,block_t,splits", [
+    (2, 8, 2, 37, 32, 16, 3),  # odd T, several splits, a partial last tile
+    (1, 4, 4, 5, 64, 16, None),  # T < BT, one query head per KV head
+    (2, 16, 2, 21, 128, 16, 2),  # G = 8
+    (1, 2, 1, 19, 256, 32, 1),
+])
+def test_fast_path_matches_reference(name, b, hq, hkv, t, d, block_t, splits):
+    q, k, v = _kv_case(name, b, hq, hkv, t, d, seed=t)
+    got = kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=False, block_t=block_t, splits=splits)
+    _check(got, q, k, v)
+
+
+@needs_triton
+@pytest.mark.parametrize("exact", [False, True])
+def test_lengths_and_left_padding_masks(exact):
+    q, k, v = _kv_case("nvfp4_row", 3, 8, 2, 40, 64, seed=5)
+    lengths = torch.tensor([1, 17, 40], device=DEVICE)  # one token; a split boundary; all
+    got = kv_attention_triton.decode_attention(q, k, v, scale=64**-0.5, lengths=lengths, exact=exact, block_t=16,
+                                               splits=3)
+    _check(got, q, k, v, exact, lengths=lengths)
+    mask = torch.ones(3, 45, dtype=torch.bool, device=DEVICE)  # [B, >= T]
+    mask[0, :39] = False  # left padding down to one token
+    mask[1, :20] = False  # left padding over a whole split
+    mask[2, ::3] = False
+    got = kv_attention_triton.decode_attention(q, k, v, scale=64**-0.5, kv_mask=mask, exact=exact, block_t=16,
+                                               splits=3)
+    _check(got, q, k, v, exact, kv_mask=mask)
+
+
+@needs_triton
+def test_fast_path_reads_fp4_kv_cache_views_and_odd_offsets():
+    """``FP4KVCache`` history (a strided view of the capacity buffers) goes in as is; codes at an odd byte
+    offset (no uint16 view) are copied."""
+    from megatron_trace.config import TraceConfig
+    from megatron_trace.rollout.kv_cache import FP4KVCache
+
+    g = torch.Generator().manual_seed(9)
+    cache = FP4KVCache(1, TraceConfig().activation_quantizer())
+    k0 = torch.randn(2, 2, 20, 64, generator=g).to(DEVICE)
+    cache.update(k0, -k0, 0)
+    for _ in range(3):
+        step = torch.randn(2, 2, 1, 64, generator=g).to(DEVICE)
+        cache.update(step, step * 0.5, 0)
+    layer = cache.layers[0]
+    kq, vq = layer.fp4_history("kv_k"), layer.fp4_history("kv_v")
+    assert kq.codes.stride(2) == 32 and not kq.codes.is_contiguous()
+    q = torch.randn(2, 8, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    got = kv_attention_triton.decode_attention(q, kq, vq, scale=0.125, exact=False, block_t=16)
+    _check(got, q, kq, vq)
+    buf = torch.zeros(vq.codes.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    buf[1:] = vq.codes.flatten()
+    odd = dataclasses.replace(vq, codes=buf[1:].view(vq.codes.shape))  # storage offset 1
+    assert torch.equal(kv_attention_triton.decode_attention(q, kq, odd, scale=0.125, exact=False, block_t=16), got)

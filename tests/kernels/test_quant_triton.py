@@ -15,6 +15,7 @@ pytestmark = needs_triton
 
 if DEVICE is not None:
     from megatron_trace.kernels import dequant_triton, fused, quant_triton
+    from megatron_trace.kernels.checks import FiniteCounter, raise_if_bad
 
 
 @pytest.fixture(autouse=True)
@@ -131,6 +132,42 @@ def test_non_finite_input_raises_reference_error():
         fused.quantize(x.to(DEVICE), POLICIES["nvfp4-row"])
     with pytest.raises(NonFiniteError):
         fused.quantize(x.to(DEVICE), POLICIES["nvfp4-tensor"])
+
+
+@pytest.mark.parametrize("policy", ["nvfp4-row", "nvfp4-tensor", "mxfp4-floor"])
+@pytest.mark.parametrize("guided", [False, True], ids=["rne", "guided"])
+def test_deferred_check_counts_and_keeps_non_finite(policy, guided):
+    """A deferred counter: no error in the call, NaN/Inf pass through to the fake-quant output where they
+    were, every other row is bit-identical to the checked call on the clean rows, one raise names the site."""
+    q = POLICIES.get(policy) or Quantizer("mxfp4")
+    x = _inputs((6, 64), torch.bfloat16, 7)
+    clean = x.clone()
+    x[1, 5], x[3, 40], x[4, 0] = float("nan"), float("inf"), -float("inf")
+    record = q.quantize(_inputs((6, 64), torch.float32, 8)).guidance(compact=True) if guided else None
+    counter = FiniteCounter("layer 3 expert_fc1_in")
+    kw = dict(guidance=_to(record, DEVICE)) if guided else {}
+    y = fused.fake_quantize(x.to(DEVICE), q, check_finite=counter, **kw).cpu()
+    assert int(counter.tensor(DEVICE).item()) > 0
+    bad = ~torch.isfinite(x)
+    assert not torch.isfinite(y[bad]).any()  # no finite garbage where the input was NaN/Inf
+    if policy != "nvfp4-tensor" or guided:  # (an Inf in a tensor's own amax makes every value NaN)
+        assert same_bits(y[bad], x[bad])  # NaN stays NaN, +-Inf stays +-Inf
+        want = fused.fake_quantize(clean.to(DEVICE), q, **kw).cpu()
+        rows = torch.tensor([0, 2, 5])
+        assert same_bits(y[rows], want[rows])  # the rows without NaN/Inf are unaffected
+    with pytest.raises(NonFiniteError, match="layer 3 expert_fc1_in"):
+        raise_if_bad([counter])
+    raise_if_bad([counter])  # read and reset: a second check passes
+
+
+def test_deferred_check_counts_a_bad_given_amax():
+    counter = FiniteCounter("layer 0 weights")
+    x = _inputs((4, 32), torch.float32, 9).to(DEVICE)
+    amax = torch.tensor([[1.0], [float("nan")], [2.0], [0.0]], device=DEVICE)
+    fused.fake_quantize(x, Quantizer("nvfp4"), global_amax=amax, check_finite=counter)
+    assert int(counter.tensor(DEVICE).item()) == 2
+    with pytest.raises(ValueError, match="finite and > 0"):
+        fused.fake_quantize(x, Quantizer("nvfp4"), global_amax=amax)
 
 
 def _to(record, device):

@@ -1,0 +1,134 @@
+"""Cross-compile the FP4-KV decode attention kernels for sm_90 (no GPU needed): registers, spills, SASS count.
+
+For each launch config: ``ptxas -v`` (Triton's bundled ptxas) on the kernel's PTX gives registers per thread
+and spill bytes; ``nvdisasm`` on the cubin gives the SASS of the tile loop (the instructions between the
+loop's label and its backward branch), reported per cached K/V element (``2 * BT * head_dim`` per trip).
+The specialization is the one a launch on an ``FP4KVCache`` gets (16-divisible strides, per-row amax
+stride 1). ``python benchmarks/sass_kv_attention.py [--d 128] [--fmt nvfp4] [--configs 64,4,2 32,4,2]``
+prints one JSON row per config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from megatron_trace.kernels import kv_attention_triton as kt
+
+BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+_PTRS = {"q_ptr": "*bf16", "kc_ptr": "*u16", "ks_ptr": "*u8", "kg_ptr": "*fp32", "vc_ptr": "*u16", "vs_ptr": "*u8",
+         "vg_ptr": "*fp32", "len_ptr": "*i32", "mask_ptr": "*u8", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+_FLOATS = ("sm_scale", "k_fac", "v_fac")
+
+
+def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, g: int = 4, hkv: int = 4,
+                   fn=None):
+    """The compiled kernel (``triton.compile`` for sm_90a) of one config; constexprs as ``decode_attention``."""
+    fn = fn or (kt.fp4kv_decode_attn_fast_kernel if fast else kt.fp4kv_decode_attn_kernel)
+    bs = 16 if fmt == "nvfp4" else 32
+    const = dict(HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), FMT=0 if fmt == "nvfp4" else 1, B=bs,
+                 BT=bt, SPLITS=8, HAS_LEN=False, HAS_MASK=False, F32_DOT=False, TILES=0)
+    const.update(dict(D=d, DG=kt._group_cols(d), DEQ_ASM=True) if fast else dict(NB=d // bs, FAST_DIV=True))
+    if fmt == "nvfp4":
+        const.update(skg_t=1, svg_t=1)  # per-row amax [B, H, T, 1]: stride 1, specialized by the JIT
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in _PTRS:
+            sig[name] = _PTRS[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in _FLOATS:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if name not in ("T", "chunk", "n_tiles"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    opts = {"num_warps": warps, "num_stages": stages}
+    if not fast:
+        opts["enable_fp_fusion"] = False
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
+
+
+def ptxas_usage(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill stores + loads in bytes) of ``ptx`` from ``ptxas -v --gpu-name sm_90a``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "k.ptx"
+        p.write_text(ptx)
+        res = subprocess.run([str(BIN / "ptxas"), "-v", "--gpu-name", "sm_90a", str(p), "-o", str(Path(tmp) / "k.o")],
+                             capture_output=True, text=True, check=True)
+    regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
+    spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr))
+    return regs, spills
+
+
+def loop_sass(cubin: bytes) -> list[str]:
+    """SASS instructions of the longest backward-branch loop of ``cubin`` (the tile loop)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "k.cubin"
+        p.write_bytes(cubin)
+        text = subprocess.run([str(BIN / "nvdisasm"), "-c", str(p)], capture_output=True, text=True, check=True).stdout
+    lines = [ln for ln in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
+    best: list[str] = []
+    for i, ln in enumerate(lines):
+        m = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?.*?(0x[0-9a-f]+|\.L_x_\d+)", ln)
+        if not m or "BRA" not in ln:
+            continue
+        target = m.group(1)
+        if target.startswith(".L_x_"):
+            lab = [j for j, x in enumerate(text.splitlines()) if x.startswith(target + ":")]
+            if not lab:
+                continue
+            after = text.splitlines()[lab[0] + 1:]
+            first = next((x for x in after if re.search(r"/\*[0-9a-f]{4,}\*/", x)), None)
+            if first is None:
+                continue
+            tgt = int(re.search(r"/\*([0-9a-f]{4,})\*/", first).group(1), 16)
+        else:
+            tgt = int(target, 16)
+        if tgt < addr[i]:
+            body = [x for x, a in zip(lines, addr) if tgt <= a <= addr[i]]
+            best = body if len(body) > len(best) else best
+    return [re.sub(r"\s*/\*[0-9a-f]+\*/\s*", " ", x).strip() for x in best]
+
+
+def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int) -> dict:
+    k = compile_kernel(fast, d, fmt, bt, warps, stages)
+    regs, spills = ptxas_usage(k.asm["ptx"])
+    body = loop_sass(k.asm["cubin"])
+    ops: dict[str, int] = {}
+    for ins in body:
+        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
+    top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])
+    return {"kernel": "fast" if fast else "exact", "fmt": fmt, "head_dim": d, "block_t": bt, "num_warps": warps,
+            "num_stages": stages, "registers": regs, "spill_bytes": spills, "loop_sass": len(body),
+            "sass_per_element": round(len(body) * warps * 32 / (2 * bt * d), 2), "top_ops": top}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--fmt", default="nvfp4", choices=["nvfp4", "mxfp4"])
+    p.add_argument("--configs", nargs="*", default=None,
+                   help="BT,num_warps,num_stages of the fast kernel (default: its default for --d)")
+    p.add_argument("--exact", action="store_true", help="also the exact kernel at its defaults")
+    args = p.parse_args(argv)
+    for cfg in args.configs or [",".join(map(str, kt.fast_config(args.d)))]:
+        bt, nw, ns = (int(x) for x in cfg.split(","))
+        print(json.dumps(report(True, args.d, args.fmt, bt, nw, ns)), flush=True)
+    if args.exact:
+        print(json.dumps(report(False, args.d, args.fmt, kt.BLOCK_T, kt.NUM_WARPS, 3)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
