@@ -41,15 +41,23 @@ class FiniteCounter:
         return self._count is not None
 
 
+def host_values(tensors: list[torch.Tensor]) -> list[int]:
+    """The values of 0-d / one-element tensors (ints, bools) as Python ints: one host sync per device."""
+    out: list[int | None] = [None] * len(tensors)
+    by_dev: dict = {}
+    for i, t in enumerate(tensors):
+        by_dev.setdefault(t.device, []).append(i)
+    for idx in by_dev.values():
+        vals = torch.stack([tensors[i].reshape(()).long() for i in idx]).tolist()
+        for i, v in zip(idx, vals):
+            out[i] = v
+    return out
+
+
 def read_and_reset(counters) -> list[tuple[str, int]]:
     """(label, count) of every used counter, read with one host sync, and the counters set to 0."""
     used = [c for c in counters if c.used]
-    if not used:
-        return []
-    if len({c._count.device for c in used}) > 1:
-        counts = [int(c._count.item()) for c in used]
-    else:
-        counts = torch.cat([c._count for c in used]).tolist()
+    counts = host_values([c._count for c in used])
     for c in used:
         c._count.zero_()
     return [(c.label, n) for c, n in zip(used, counts)]

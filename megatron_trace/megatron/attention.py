@@ -78,10 +78,6 @@ class TraceKVCore:
         self._excluded = module_excluded(trace_config, kv_cache_name(self.layer_number - 1))
         self._finite = finite_checks(trace_config, f"layer {self.layer_number - 1}", KV_SITES)
 
-    def trace_finite_counters(self) -> list:
-        """The deferred NaN/Inf counters of this module's sites (``megatron.check_finite`` reads them)."""
-        return [c for c in self._finite.values() if c is not True]
-
     def trace_quantizes(self, site: str) -> bool:
         """Whether this layer quantizes ``site`` (the config, less ``exclude_modules``)."""
         return not self._excluded and self.trace_config.quantizes(site)

@@ -26,13 +26,13 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
-from ..kernels.checks import raise_if_bad
+from ..kernels.checks import FiniteCounter, host_values, raise_if_bad
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
 from .moe_step import FC1, FC2, MoEStep
 from .recording import Recorder
-from .step import GuidanceCoverageError, StepState, check_site, host_values
+from .step import GuidanceCoverageError, StepState, check_site
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +223,7 @@ def check_finite(model) -> None:
 
 def _raise_nonfinite(layers: TraceLayers, when: str) -> None:
     modules = [*(moe.experts for moe in layers.moe.values()), *layers.kv.values()]
-    raise_if_bad([c for m in modules for c in m.trace_finite_counters()], when=when)
+    raise_if_bad([c for m in modules for c in m._finite.values() if isinstance(c, FiniteCounter)], when=when)
 
 
 def _step_facts(steps) -> None:

@@ -101,10 +101,6 @@ class TraceExpertsCore:
             return w
         return fake_quantize(w, self._weight_q, kernel=self._kernel, check_finite=self._finite["weights"])
 
-    def trace_finite_counters(self) -> list:
-        """The deferred NaN/Inf counters of this module's sites (``megatron.check_finite`` reads them)."""
-        return [c for c in self._finite.values() if c is not True]
-
     def quantize_weights(self, w: torch.Tensor) -> torch.Tensor:
         """Stacked expert weights [E, M, K], each with its own per-tensor amax (one quantizer call).
 

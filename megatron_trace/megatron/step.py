@@ -29,6 +29,7 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 from ..config import TraceConfig
 from ..formats import CompactGuidance, FullGuidance, e2m1
 from ..guidance.site import FallbackCounter, SiteGuidance
+from ..kernels.checks import host_values
 from ..manifest import KV_SITES
 from .rows import Record, RowGuidance, map_record, token_major
 
@@ -140,19 +141,6 @@ class StepState:
         used = self.counter.used
         fell = sum(v for k, v in self.counter.fallback.items() if k != NOT_GUIDED)
         return used / (used + fell) if used + fell else 1.0
-
-
-def host_values(tensors: list[torch.Tensor]) -> list[int]:
-    """The values of 0-d / one-element tensors (ints, bools) as Python ints: one host sync per device."""
-    out: list[int | None] = [None] * len(tensors)
-    by_dev: dict = {}
-    for i, t in enumerate(tensors):
-        by_dev.setdefault(t.device, []).append(i)
-    for idx in by_dev.values():
-        vals = torch.stack([tensors[i].reshape(()).long() for i in idx]).tolist()
-        for i, v in zip(idx, vals):
-            out[i] = v
-    return out
 
 
 def as_mode(record: Record, compact: bool) -> Record | None:
