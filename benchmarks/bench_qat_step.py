@@ -5,6 +5,7 @@
     python3 benchmarks/bench_qat_step.py --smoke    # tiny, runs on CPU (checks the script, times nothing useful)
     python3 benchmarks/bench_qat_step.py --profile  # + per variant: host-blocking calls and top ops of one step
     python3 benchmarks/bench_qat_step.py --sync-sites  # + per variant: host syncs of one step by source line
+    python3 benchmarks/bench_qat_step.py --host-profile  # + per variant: host time of one step by function
 
 Variants: bf16_stock (Megatron's local spec: SequentialMLP loop), bf16_grouped (TRACE experts with no site
 quantized: the same grouped GEMM as QAT, isolates the quantization cost), fp4_qat[kernel] (TRACE spec, all
@@ -39,6 +40,8 @@ def args_():
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed")
     p.add_argument("--profile", action="store_true",
                    help="also profile one step per variant: host syncs, device time, top ops (torch.profiler)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also cProfile one step per variant: host time by Python function (host-bound steps)")
     p.add_argument("--sync-sites", action="store_true",
                    help="also count the host syncs of one step per variant by source line (CUDA sync debug mode)")
     a = p.parse_args()
@@ -109,6 +112,33 @@ def profile_step(fn, device: str, top: int = 12) -> dict:
         "host_self_ms_total": round(sum(e.self_cpu_time_total for e in ev) / 1e3, 3),
         "host_launches": sum(e.count for e in ev if e.key in LAUNCH_EVENTS),
         "top_host_ops_ms": [[e.key[:80], round(e.self_cpu_time_total / 1e3, 3), e.count] for e in host[:top]],
+    }
+
+
+def host_profile(fn, top: int = 25) -> dict:
+    """One step under cProfile (after one warm-up, synchronized): the functions with the most host time,
+    by own time (tottime) and, for the project's functions, by cumulative time."""
+    import cProfile
+    import pstats
+
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    prof.disable()
+    st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    name = lambda k: f"{os.path.basename(k[0])}:{k[1]} {k[2]}"  # noqa: E731
+    rows = [(name(k), v[1], v[2], v[3], "megatron_trace" in k[0]) for k, v in st.items()]
+    ms = lambda t: round(t * 1e3, 2)  # noqa: E731
+    return {
+        "total_ms": ms(sum(r[2] for r in rows)),
+        "by_own_ms": [[n, c, ms(t)] for n, c, t, _, _ in sorted(rows, key=lambda r: -r[2])[:top]],
+        "project_by_cumulative_ms": [[n, c, ms(cu)] for n, c, _, cu, ours in sorted(rows, key=lambda r: -r[3])
+                                     if ours][:top],
     }
 
 
@@ -204,6 +234,8 @@ def main():
         print(f"{name}: {ms[name]:.2f} ms/step", file=sys.stderr, flush=True)
         if a.profile:
             extra.setdefault("profile", {})[name] = profile_step(fn, device)
+        if a.host_profile:
+            extra.setdefault("host_profile", {})[name] = host_profile(fn)
         if a.sync_sites and device == "cuda":
             extra.setdefault("sync_sites", {})[name] = sync_sites(fn)
         del model, sg

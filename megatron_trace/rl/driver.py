@@ -56,6 +56,7 @@ class RLConfig:
     trend_max_slope: float = 0.01  # logprob_abs_diff rising faster than this per step -> warning
     sentinel_prompts: int = 4  # after every weight sync, compare this many fixed prompts' log-probs (0 = off)
     sentinel_max_abs_diff: float | None = None  # raise above it (None: log only)
+    fast_kv_attention: bool = False  # hf rollout: the fast FP4-KV decode attention (exact FP4 K/V values)
 
 
 @dataclass
@@ -93,7 +94,8 @@ class GRPORun:
         self.arm, self.cfg, self.task, self.tok = arm, cfg, task, CharTokenizer()
         self.out_dir = Path(out_dir)
         record_cfg = arm.trace.replace(guided_layers="all", cache_mode="full")  # the metrics' superset
-        self.rollout = HFRolloutBackend(hf_dir, mode=arm.rollout_mode, trace_config=record_cfg, device=device)
+        self.rollout = HFRolloutBackend(hf_dir, mode=arm.rollout_mode, trace_config=record_cfg, device=device,
+                                        fast_kv_attention=cfg.fast_kv_attention)
         self.policy = MegatronPolicy(hf_dir, arm.trace, quantized=arm.trainer_fp4, lr=cfg.lr, device=device)
         self.num_layers = self.policy.hf_config.num_hidden_layers
         self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)

@@ -38,7 +38,8 @@ def rollout_attention_forward(module, query, key, value, attention_mask, dropout
                                       **kwargs)
     k, v = layer.packed_history()  # [B, Hkv, T, D] FP4
     out = fp4kv_decode_attention(query[:, :, 0], k, v, scale=scaling, kv_mask=_kv_mask(attention_mask, k.shape[2]),
-                                 kernel=layer.kernel, kv_dtype=query.dtype)  # [B, Hq, D]
+                                 kernel=layer.kernel, kv_dtype=query.dtype,
+                                 exact=not layer.fast_attention)  # [B, Hq, D]
     return out.unsqueeze(1), None
 
 

@@ -104,6 +104,8 @@ class HFRolloutBackend:
         (``rollout.attention``) instead of dequantizing the history for SDPA. None (default): on where the
         Triton kernels run (CUDA, ``TraceConfig.kernel`` auto/triton) with a bf16/fp16 model and SDPA attention;
         always off with ``TraceConfig.kv_format="sglang_kvfp4"``.
+    fast_kv_attention: the fused decode attention's fast kernel (K/V as exact FP4 values, ~6x faster at long
+        context) instead of the one that reads the trainer's bf16 K/V values (``kernels.kv_attention``).
     ``trace_config.kv_format="sglang_kvfp4"``: the FP4 KV cache stores and records K/V in SGLang's format
         (``formats.sglang_kvfp4``, reference path), the records a trainer with the same ``kv_format`` accepts.
     GPU path (``TraceConfig.kernel`` "auto" on CUDA, bf16): routed experts run one grouped GEMM per matrix kind
@@ -126,6 +128,7 @@ class HFRolloutBackend:
         recipe: QuantRecipe | None = None,
         prefix_reuse: bool = True,
         fused_kv_attention: bool | None = None,
+        fast_kv_attention: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -158,6 +161,7 @@ class HFRolloutBackend:
                                     for e in range(m.num_experts) for w in (FC1, FC2)})
         self.set_guided_layers(guided_layer_ids)
         self.prefix_reuse = bool(prefix_reuse)
+        self.fast_kv_attention = fast_kv_attention
         self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
             else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
         self.trainer_recipe: QuantRecipe | None = None
@@ -231,7 +235,7 @@ class HFRolloutBackend:
             return DynamicCache(config=self.hf_config)
         return FP4KVCache(self.num_layers, self.config.kv_quantizer(), quantize_k=qk, quantize_v=qv,
                           recorder=recorder, bf16_layers=self.bf16_kv_layers, kernel=self.config.kernel,
-                          fused_decode=self.fused_kv_attention)
+                          fused_decode=self.fused_kv_attention, fast_attention=self.fast_kv_attention)
 
     def cache_kwargs(self, cache: Cache) -> dict:
         """The model's keyword for a cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""

@@ -149,8 +149,9 @@ class FP4KVLayer(DynamicLayer):
 
     def __init__(self, layer_idx: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
                  quantize_v: bool = True, recorder: GuidanceRecorder | None = None, kernel: str = "auto",
-                 fused_decode: bool = False):
+                 fused_decode: bool = False, fast_attention: bool = False):
         super().__init__()
+        self.fast_attention = fast_attention  # the fused decode reads K/V as exact FP4 values (exact=False)
         self.layer_idx = layer_idx
         reference_only = not isinstance(quantizer, Quantizer)  # SGLang's KV format: no Triton, no fused decode
         self.fused_decode = fused_decode and quantize_k and quantize_v and not reference_only
@@ -242,13 +243,14 @@ class FP4KVCache(Cache):
 
     def __init__(self, num_layers: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
                  quantize_v: bool = True, recorder: GuidanceRecorder | None = None,
-                 bf16_layers: frozenset[int] = frozenset(), kernel: str = "auto", fused_decode: bool = False):
+                 bf16_layers: frozenset[int] = frozenset(), kernel: str = "auto", fused_decode: bool = False,
+                 fast_attention: bool = False):
         """``bf16_layers``: layers whose K and V stay in the model dtype (``TraceConfig.exclude_modules``).
         With ``quantize_k=quantize_v=False`` this is a plain preallocated cache in the model dtype.
-        ``fused_decode``: see the module docstring."""
+        ``fused_decode``: see the module docstring; ``fast_attention``: its kernel's ``exact=False`` path."""
         layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k and i not in bf16_layers,
                              quantize_v=quantize_v and i not in bf16_layers, recorder=recorder, kernel=kernel,
-                             fused_decode=fused_decode)
+                             fused_decode=fused_decode, fast_attention=fast_attention)
                   for i in range(num_layers)]
         super().__init__(layers=layers)
 
