@@ -83,13 +83,14 @@ class _ProfiledCache(FP4KVCache):
 
 
 def new_cache(be: HFRolloutBackend, mode: str, profiled: bool = False) -> FP4KVCache:
-    """fp4: the backend's FP4 KV cache (fused decode attention where the backend uses it); fp4u: the same without
-    the fused read (dequantize the history, then SDPA); bf16: the same preallocated cache with nothing quantized."""
+    """fp4: the backend's FP4 KV cache (fused decode attention where the backend uses it); fp4f: the same with the
+    fused attention's fast kernel (``fast_kv_attention``); fp4u: the same without the fused read (dequantize the
+    history, then SDPA); bf16: the same preallocated cache with nothing quantized."""
     fp4 = mode.startswith("fp4")
     cls = _ProfiledCache if profiled else FP4KVCache
     return cls(be.num_layers, be.config.activation_quantizer(), quantize_k=fp4 and be._quantizes("kv_k"),
                quantize_v=fp4 and be._quantizes("kv_v"), bf16_layers=be.bf16_kv_layers, kernel=be.config.kernel,
-               fused_decode=mode == "fp4" and be.fused_kv_attention)
+               fused_decode=mode in ("fp4", "fp4f") and be.fused_kv_attention, fast_attention=mode == "fp4f")
 
 
 def fill_cache(be: HFRolloutBackend, cache, batch: int, length: int, gen: torch.Generator) -> None:
@@ -328,7 +329,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, a few seconds")
     p.add_argument("--modes", default="bf16,fp4,fp4u", help="bf16 | fp4 (fused FP4-KV attention where available) | "
-                   "fp4u (FP4 KV dequantized, then SDPA)")
+                   "fp4f (the same, fast kernel) | fp4u (FP4 KV dequantized, then SDPA)")
     p.add_argument("--batches", default=None, help="in order of priority, default 64,8,1,32 (smoke: 1,2)")
     p.add_argument("--lengths", default=None, help="context lengths, default 1024,8192,32768 (smoke: 16,48)")
     p.add_argument("--steps", type=int, default=8, help="timed eager decode steps per point")
