@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import platform
 import time
 
@@ -45,8 +46,46 @@ def step_median_ms(fn, device, warmup: int, reps: int) -> float:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    return times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+    return median(times)
+
+
+def interleaved_ms(fns: dict, device, warmup: int, reps: int, manual_gc: bool = False) -> dict[str, list[float]]:
+    """Times of each ``fns[name]()`` (a whole training step) over ``reps`` rounds that run every function once
+    in turn, after ``warmup`` rounds: drift of the machine (clocks, other tenants) hits every variant alike.
+    ``manual_gc``: Python's cyclic GC is frozen after warm-up and run between rounds, outside the timed
+    calls (what Megatron-LM's ``--manual-gc`` does); otherwise a collection lands in whichever step
+    allocates when it is due."""
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    if manual_gc:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    try:
+        for _ in range(reps):
+            for name, fn in fns.items():
+                if cuda:
+                    times[name].append(_event_ms(fn))
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+            if manual_gc:
+                gc.collect()
+    finally:
+        if manual_gc:
+            gc.enable()
+            gc.unfreeze()
+    return times
+
+
+def median(values) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else (v[n // 2 - 1] + v[n // 2]) / 2
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

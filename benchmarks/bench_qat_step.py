@@ -6,11 +6,14 @@
     python3 benchmarks/bench_qat_step.py --profile  # + per variant: host-blocking calls and top ops of one step
     python3 benchmarks/bench_qat_step.py --sync-sites  # + per variant: host syncs of one step by source line
     python3 benchmarks/bench_qat_step.py --host-profile  # + per variant: host time of one step by function
+    python3 benchmarks/bench_qat_step.py --preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided
+                                                     # 4 layers of Qwen3-30B-A3B's MoE shape (see PRESETS)
 
 Variants: bf16_stock (Megatron's local spec: SequentialMLP loop), bf16_grouped (TRACE experts with no site
 quantized: the same grouped GEMM as QAT, isolates the quantization cost), fp4_qat[kernel] (TRACE spec, all
 sites, own RNE), trace_guided[kernel] (records from a perturbed forward, compact, deepest half of the layers,
-routing replay). Medians after warm-up (CUDA events on GPU). Prints one JSON line.
+routing replay). All variants are built first, then timed in interleaved rounds (one step of each per round)
+after warm-up rounds: medians (CUDA events on GPU) and the median of the per-round ratios. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -28,7 +31,17 @@ os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 import torch  # noqa: E402
 
 from benchmarks._megatron import gpt, init_world, lm_batch, moe_config, perturb_non_experts, stock_spec  # noqa: E402
-from benchmarks._timing import step_median_ms  # noqa: E402
+from benchmarks._timing import interleaved_ms, median  # noqa: E402
+
+SHAPE = ("layers", "hidden", "experts", "topk", "moe_ffn", "seq", "batch", "heads", "groups", "vocab")
+PRESETS = {
+    # the MoE layer of Qwen3-30B-A3B (hidden 2048, 128 experts top-8, expert ffn 768, 4 KV heads of 128), 4 of its
+    # 48 layers, 8192 tokens per step; q width 2048 (the model's is 4096) and vocab 32768 (151936) keep the
+    # attention and the LM head from dominating a 4-layer slice
+    "qwen3-30b-a3b": dict(layers=4, hidden=2048, experts=128, topk=8, moe_ffn=768, seq=2048, batch=4, heads=16,
+                          groups=4, vocab=32768),
+}
+VARIANTS = ("bf16_stock", "bf16_grouped", "fp4_qat", "trace_guided")
 
 
 def args_():
@@ -36,6 +49,10 @@ def args_():
     for k, v in dict(layers=8, hidden=1024, experts=32, topk=4, moe_ffn=512, seq=1024, batch=8, heads=16, groups=4,
                      vocab=32768, warmup=3, reps=10).items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
+    p.add_argument("--preset", choices=sorted(PRESETS), help="a model shape (overrides the shape flags)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"which of {', '.join(VARIANTS)} to time")
+    p.add_argument("--gc", choices=("auto", "manual"), default="auto",
+                   help="manual: freeze Python's GC after warm-up and collect between rounds (Megatron's --manual-gc)")
     p.add_argument("--kernels", default="auto,reference", help="TraceConfig.kernel values to time")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed")
     p.add_argument("--profile", action="store_true",
@@ -45,6 +62,11 @@ def args_():
     p.add_argument("--sync-sites", action="store_true",
                    help="also count the host syncs of one step per variant by source line (CUDA sync debug mode)")
     a = p.parse_args()
+    if a.preset:
+        a.__dict__.update(PRESETS[a.preset])
+    unknown = set(a.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants {sorted(unknown)} unknown; choose from {', '.join(VARIANTS)}")
     if a.smoke:
         a.__dict__.update(layers=2, hidden=64, experts=4, topk=2, moe_ffn=64, seq=32, batch=2, heads=4, groups=2,
                           vocab=128, warmup=1, reps=2)
@@ -211,12 +233,14 @@ def main():
 
     cfg = moe_config(a, device)
     data = lm_batch(a, device)
+    want = a.variants.split(",")
     variants = {"bf16_stock": (None, False), "bf16_grouped": ("unquantized", False)}
     for k in a.kernels.split(","):
         variants[f"fp4_qat[{k}]"] = (TraceConfig(kernel=k), False)
         variants[f"trace_guided[{k}]"] = (TraceConfig(kernel=k, guided_layers="fraction", guided_fraction=0.5,
                                                       cache_mode="compact"), True)
-    ms, extra = {}, {}
+    variants = {n: v for n, v in variants.items() if n.split("[")[0] in want}
+    fns, extra = {}, {}
     for name, (tc, guided) in variants.items():
         if tc is None:
             spec = stock_spec(cfg)
@@ -229,29 +253,33 @@ def main():
         if guided:
             sg, layers = guidance_for(model, tc, cfg, a, device, data)
             extra["guided_layers"] = layers
-        fn = train_step_fn(model, data, sg, trace=isinstance(tc, TraceConfig))
-        ms[name] = step_median_ms(fn, device, a.warmup, a.reps)
+        fns[name] = train_step_fn(model, data, sg, trace=isinstance(tc, TraceConfig))
+    times = interleaved_ms(fns, device, a.warmup, a.reps, manual_gc=a.gc == "manual")
+    ms = {name: median(t) for name, t in times.items()}
+    for name in fns:
         print(f"{name}: {ms[name]:.2f} ms/step", file=sys.stderr, flush=True)
+    for name, fn in fns.items():
         if a.profile:
             extra.setdefault("profile", {})[name] = profile_step(fn, device)
         if a.host_profile:
             extra.setdefault("host_profile", {})[name] = host_profile(fn)
         if a.sync_sites and device == "cuda":
             extra.setdefault("sync_sites", {})[name] = sync_sites(fn)
-        del model, sg
-        if device == "cuda":
-            torch.cuda.empty_cache()
-    base = ms["bf16_stock"]
+    pairs = [(f"trace_guided[{k}]", f"fp4_qat[{k}]") for k in a.kernels.split(",")]
+    pairs += [(f"{v}[{k}]", "bf16_grouped") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
+    extra["round_ratio_median"] = {f"{x}/{y}": round(median([p / q for p, q in zip(times[x], times[y])]), 3)
+                                   for x, y in pairs if x in times and y in times}
+    base = ms.get("bf16_stock")
     resolved = {k: select_kernel(k, device).value for k in a.kernels.split(",")}
     out = {
         "bench": "qat_step", "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
-        "shape": {k: getattr(a, k) for k in ("layers", "hidden", "experts", "topk", "moe_ffn", "seq", "batch",
-                                             "heads", "groups", "vocab")},
+        "preset": a.preset, "shape": {k: getattr(a, k) for k in SHAPE}, "gc": a.gc,
         "warmup": a.warmup, "reps": a.reps, "kernel_resolved": resolved, **extra,
         "step_ms": {k: round(v, 3) for k, v in ms.items()},
-        "ratio_vs_bf16_stock": {k: round(v / base, 3) for k, v in ms.items()},
-        "ratio_vs_bf16_grouped": {k: round(v / ms["bf16_grouped"], 3) for k, v in ms.items()},
+        "ratio_vs_bf16_stock": {k: round(v / base, 3) for k, v in ms.items()} if base else None,
+        "ratio_vs_bf16_grouped": ({k: round(v / ms["bf16_grouped"], 3) for k, v in ms.items()}
+                                  if "bf16_grouped" in ms else None),
     }
     print(json.dumps(out), flush=True)
 

@@ -3,8 +3,9 @@
 x is read as 32-bit words of two elements (64-bit for fp32), so the two codes of a word are one packed byte:
 no reshape or shuffle for the nibble packing. One reciprocal per block and one Markstein step per element
 replace the IEEE division; the RNE / guided codeword comes from bit tricks (``triton_fp4.rne_index``,
-``compact_index``, ``full_code``). Rows where the fast division may be inexact are flagged and left to
-``quant_triton.quant_kernel`` (``quant_triton.run_quant`` redoes them). Same modes and outputs as that kernel.
+``compact_index``, ``full_code``). A tile where the fast division may be inexact (tiny/huge amax, Inf, a checked
+NaN/Inf) is redone in the same program by ``quant_triton``'s element-wise tile (IEEE division): one launch per
+call. Same modes and outputs as ``quant_triton.quant_kernel``.
 """
 
 from __future__ import annotations
@@ -137,9 +138,9 @@ def _needs_exact(lo_hi_amax, s_b, G_MODE: tl.constexpr, MODE: tl.constexpr, WRIT
 
 @triton.jit
 def pair_kernel(
-    xw_ptr, M, stride_w, NB, NUM_KT: tl.constexpr,
+    xw_ptr, x_ptr, M, stride_w, NB, NUM_KT: tl.constexpr,
     g_ptr, s_in_ptr, gc_ptr,
-    codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr, flag_ptr,
+    codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr,
     XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr,
     BLOCK_M: tl.constexpr, NBT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
@@ -148,8 +149,7 @@ def pair_kernel(
 ):
     """``quant_kernel`` for K % B == 0 on x read as words of two elements (deq/mask as words too).
 
-    A program with a tile where the fast division may be inexact (tiny/huge amax, Inf) sets
-    flag_ptr[row] = 1 for its rows (else 0); ``quant_kernel`` with ONLY_FLAGGED then redoes those rows exactly.
+    x_ptr, deq_e_ptr and mask_e_ptr are the same buffers as elements, for the exact redo of a tile.
     """
     P: tl.constexpr = B // 2
     pid = tl.program_id(0)
@@ -161,22 +161,21 @@ def pair_kernel(
         lo, hi = f.unpair(w, XDT)
         amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, NBT]
         s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT, G_MODE, NUM_KT, NBT, P)
-        slow = _pair_step(w, wcol, m3, amax_b, 0, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
-                          bits_ptr, deq_ptr, mask_ptr, err_ptr, XDT, FMT, MODE, G_MODE, B, NBT, WRITE_CODES,
-                          WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV, HW_CVT)
+        _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
+                   scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE, G_MODE,
+                   B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
+                   HW_CVT)
     else:
         s_b = _pair_s_enc(tl.zeros([BLOCK_M, NBT], tl.float32), xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT,
                           G_MODE, NUM_KT, NBT, P)
-        slow = 0
         for kt in range(NUM_KT):
             w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P)
             lo, hi = f.unpair(w, XDT)
             amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
-            slow += _pair_step(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
-                               scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr, XDT, FMT, MODE, G_MODE, B, NBT,
-                               WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE,
-                               FAST_DIV, HW_CVT)
-    tl.store(flag_ptr + rows, slow + tl.zeros([BLOCK_M], tl.int32), mask=rmask)
+            _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr,
+                       codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT,
+                       FMT, MODE, G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
+                       CHECK_FINITE, FAST_DIV, HW_CVT)
 
 
 @triton.jit
@@ -206,13 +205,15 @@ def _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT: tl.conste
 
 
 @triton.jit
-def _pair_step(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
-               deq_ptr, mask_ptr, err_ptr, XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr,
-               G_MODE: tl.constexpr, B: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
-               WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr,
-               WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
-    """One K tile: the NaN/Inf check if asked, then ``_pair_tile``; returns 1 (writing nothing) when the
-    tile may leave the range where the fast division is exact, or holds a NaN/Inf that is checked."""
+def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
+               scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT: tl.constexpr,
+               FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr, NBT: tl.constexpr,
+               WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
+               WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr,
+               FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    """One K tile: the NaN/Inf check if asked, then ``_pair_tile``; a tile that may leave the range where the
+    fast division is exact, or holds a checked NaN/Inf, takes the element-wise exact path instead (which passes
+    a checked NaN/Inf through to the dequantized output)."""
     if CHECK_FINITE:
         lo, hi = f.unpair(w, XDT)
         ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
@@ -221,7 +222,7 @@ def _pair_step(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, 
             tl.atomic_add(err_ptr, 1)
     slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ)
     if CHECK_FINITE:
-        slow += bad.to(tl.int32)  # quant_kernel redoes the row and passes its NaN/Inf through (KEEP_NONFINITE)
+        slow += bad.to(tl.int32)
     if MODE != RNE and FMT == f.NVFP4 and FAST_DIV:  # guided: z == 0 or not must be exact even for tiny z
         lo, hi = f.unpair(w, XDT)
         t3 = tl.div_rn(tl.full(s_b.shape, 2.0**-99, tl.float32), s_b)[:, :, None]  # per row, 2x margin
@@ -231,12 +232,17 @@ def _pair_step(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, s_in_ptr, gc_ptr, 
         _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
                    mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
                    WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
-    return slow
+    else:
+        K = NB * B
+        x, col = qk._load_tile(x_ptr, rows, rmask, stride_w * 2, kt * NBT * B, K, NBT, B)
+        qk._tile(x, col, kt, rows, rmask, K, NB, s_b, s_b[:, :, None], s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
+                 bits_ptr, deq_e_ptr, mask_e_ptr, err_ptr, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
+                 WRITE_DEQ, WRITE_MASK, False, False, CHECK_FINITE)
 
 
 def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes, write_scales,
-                 write_bits, write_mask, fast_div) -> torch.Tensor:
-    """Launch ``pair_kernel`` into the buffers of ``out``; returns its per-row exact-path flags (int32 [M])."""
+                 write_bits, write_mask, fast_div) -> None:
+    """Launch ``pair_kernel`` into the buffers of ``out``."""
     m, k = x2d.shape
     nb = k // block
     xdt, wdt = qk._WORD[x2d.dtype]
@@ -245,17 +251,16 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
     mask = out.get("mask")
     cfg = qk.CONFIG["pair"]
     bm, nbt, num_kt = qk.plan(k, block, cfg["tile"])
-    flags = torch.empty(m, dtype=torch.int32, device=x2d.device)
     pair_kernel[(triton.cdiv(m, bm),)](
-        xw, m, xw.stride(0), nb, num_kt,
+        xw, x2d, m, xw.stride(0), nb, num_kt,
         g if g is not None else spare, scales_in if scales_in is not None else spare,
         guide if guide is not None else spare,
         out.get("codes", spare), out.get("scales", spare), out.get("bits", spare),
-        deq.view(wdt) if deq is not None else xw, mask.view(torch.int16) if mask is not None else spare,
-        err if err is not None else spare, flags,
+        deq.view(wdt) if deq is not None else xw, deq if deq is not None else x2d,
+        mask.view(torch.int16) if mask is not None else spare, mask if mask is not None else spare,
+        err if err is not None else spare,
         XDT=xdt, FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt,
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits, WRITE_DEQ=deq is not None,
         WRITE_MASK=write_mask, CHECK_FINITE=err is not None, FAST_DIV=fast_div, HW_CVT=not qk.interpreting(x2d),
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
-    return flags

@@ -9,7 +9,8 @@ tile loops over K (a per-row amax then takes a first pass over the row).
 
 ``quant_pair_triton.pair_kernel`` is the fast path for K % B == 0 (element pairs per word, a per-block
 reciprocal with one Markstein correction, RNE / guided indices by integer ops on the fp32 bits); rows outside
-the range where that division is exact (tiny/huge amax, Inf) are redone here, element by element.
+the range where that division is exact (tiny/huge amax, Inf) are redone by this module's ``_tile``, in the same
+program.
 """
 
 from __future__ import annotations
@@ -208,31 +209,21 @@ def _tile(x, col, kt, rows, rmask, K, NB, s_b, s_e, s_in_ptr, gc_ptr, codes_ptr,
 def quant_kernel(
     x_ptr, M, K, stride_xm, NB, NUM_KT: tl.constexpr,
     g_ptr, s_in_ptr, gc_ptr,
-    codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr, flag_ptr,
+    codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr,
     FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr,
     BLOCK_M: tl.constexpr, NBT: tl.constexpr, SINGLE_TILE: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
-    ONLY_FLAGGED: tl.constexpr = False, KEEP_NONFINITE: tl.constexpr = False,
+    KEEP_NONFINITE: tl.constexpr = False,
 ):
     """Quantize rows of x [M, K] (fp32/bf16/fp16) block by block; see the module docstring.
 
-    ONLY_FLAGGED: only programs with a row whose flag_ptr[row] != 0 run (``pair_kernel``'s exact-path redo).
     KEEP_NONFINITE: NaN/Inf inputs pass to the dequantized output unchanged (a checked call's inputs).
     """
-    pid = tl.program_id(0)
-    if ONLY_FLAGGED:
-        rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if tl.max(tl.load(flag_ptr + rows, mask=rows < M, other=0), axis=0) != 0:
-            _quant_rows(pid, x_ptr, M, K, stride_xm, NB, NUM_KT, g_ptr, s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
-                        bits_ptr, deq_ptr, mask_ptr, err_ptr, FMT, MODE, G_MODE, B, BLOCK_M, NBT, SINGLE_TILE,
-                        WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
-                        KEEP_NONFINITE)
-    else:
-        _quant_rows(pid, x_ptr, M, K, stride_xm, NB, NUM_KT, g_ptr, s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
-                    bits_ptr, deq_ptr, mask_ptr, err_ptr, FMT, MODE, G_MODE, B, BLOCK_M, NBT, SINGLE_TILE,
-                    WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
-                    KEEP_NONFINITE)
+    _quant_rows(tl.program_id(0), x_ptr, M, K, stride_xm, NB, NUM_KT, g_ptr, s_in_ptr, gc_ptr, codes_ptr,
+                scales_ptr, bits_ptr, deq_ptr, mask_ptr, err_ptr, FMT, MODE, G_MODE, B, BLOCK_M, NBT, SINGLE_TILE,
+                WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
+                KEEP_NONFINITE)
 
 
 @triton.jit
@@ -376,21 +367,15 @@ def run_quant(
     if _pair_ok(x2d, block, deq_dtype):
         from . import quant_pair_triton as qp  # imports this module's constants
 
-        flags = qp.launch_pair(x2d, out, **args)
-        if int(g_mode) == int(G_ROW_COMPUTE):
-            args.update(g=out["g"], g_mode=G_ROW_GIVEN)  # the pair kernel wrote every row's amax
-        checked = err is not None
-        args.update(err=None, fast_div=False)
-        if checked or int(g_mode) != int(G_NONE) or int(mode) == int(RNE):  # else no program can flag
-            _launch_elem(x2d, out, CONFIG["elem"], flags, keep_nonfinite=checked, **args)  # the flagged rows
+        qp.launch_pair(x2d, out, **args)
     else:
-        _launch_elem(x2d, out, CONFIG["elem"], None, keep_nonfinite=err is not None, **args)
+        _launch_elem(x2d, out, CONFIG["elem"], keep_nonfinite=err is not None, **args)
     return out
 
 
-def _launch_elem(x2d, out, cfg, flags, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes,
+def _launch_elem(x2d, out, cfg, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes,
                  write_scales, write_bits, write_mask, fast_div, keep_nonfinite):
-    """Launch ``quant_kernel`` into the buffers of ``out`` (only programs with a row flagged in ``flags``)."""
+    """Launch ``quant_kernel`` into the buffers of ``out``."""
     m, k = x2d.shape
     nb = triton.cdiv(k, block)
     bm, nbt, num_kt = plan(nb * block, block, cfg["tile"])
@@ -400,15 +385,12 @@ def _launch_elem(x2d, out, cfg, flags, *, g, scales_in, guide, err, spare, fmt, 
         guide if guide is not None else spare,
         out.get("codes", spare), out.get("scales", spare), out.get("bits", spare),
         out.get("deq", x2d), out.get("mask", spare), err if err is not None else spare,
-        flags if flags is not None else spare,
         FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt, SINGLE_TILE=num_kt == 1,
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits,
         WRITE_DEQ="deq" in out, WRITE_MASK=write_mask, CHECK_FINITE=err is not None,
-        FAST_DIV=fast_div, ONLY_FLAGGED=flags is not None, KEEP_NONFINITE=keep_nonfinite, num_warps=cfg["num_warps"],
+        FAST_DIV=fast_div, KEEP_NONFINITE=keep_nonfinite, num_warps=cfg["num_warps"],
         enable_fp_fusion=False,
     )
-
-
 
 
 def interpreting(t: torch.Tensor) -> bool:

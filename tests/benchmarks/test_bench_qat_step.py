@@ -26,3 +26,18 @@ def test_smoke_run_times_and_profiles_every_variant(tmp_path):
         assert p["self_time_ms_total"] > 0 and p["top_ops_ms"], name
         assert p["host_blocking_calls"] == {}  # CPU: no CUDA runtime calls
     assert any("FakeQuant" in op for op, _, _ in out["profile"]["trace_guided[reference]"]["top_ops_ms"])
+
+
+def test_variant_subset_with_manual_gc_reports_round_ratios(tmp_path):
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_qat_step.py"), "--smoke", "--kernels", "reference",
+           "--variants", "fp4_qat,trace_guided", "--gc", "manual"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out["step_ms"]) == {"fp4_qat[reference]", "trace_guided[reference]"}
+    assert out["gc"] == "manual" and out["ratio_vs_bf16_grouped"] is None
+    (ratio,) = out["round_ratio_median"].values()
+    assert math.isfinite(ratio) and ratio > 0
+    bad = subprocess.run(cmd[:-4] + ["--variants", "fp8_qat"], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert bad.returncode != 0 and "fp8_qat" in bad.stderr
