@@ -56,7 +56,7 @@ class RLConfig:
     trend_max_slope: float = 0.01  # logprob_abs_diff rising faster than this per step -> warning
     sentinel_prompts: int = 4  # after every weight sync, compare this many fixed prompts' log-probs (0 = off)
     sentinel_max_abs_diff: float | None = None  # raise above it (None: log only)
-    fast_kv_attention: bool = False  # hf rollout: the fast FP4-KV decode attention (exact FP4 K/V values)
+    fast_kv_attention: bool = True  # hf rollout: the fast FP4-KV decode attention (exact FP4 K/V values)
 
 
 @dataclass

@@ -104,8 +104,9 @@ class HFRolloutBackend:
         (``rollout.attention``) instead of dequantizing the history for SDPA. None (default): on where the
         Triton kernels run (CUDA, ``TraceConfig.kernel`` auto/triton) with a bf16/fp16 model and SDPA attention;
         always off with ``TraceConfig.kv_format="sglang_kvfp4"``.
-    fast_kv_attention: the fused decode attention's fast kernel (K/V as exact FP4 values, ~6x faster at long
-        context) instead of the one that reads the trainer's bf16 K/V values (``kernels.kv_attention``).
+    fast_kv_attention: the fused decode attention's fast kernel (default; K/V as exact FP4 values, ~6x faster at
+        long context) instead of the one that reads the trainer's bf16 K/V values (``kernels.kv_attention``);
+        the RL mismatch is the same within seed noise (BENCHMARKS.md, session 5).
     ``trace_config.kv_format="sglang_kvfp4"``: the FP4 KV cache stores and records K/V in SGLang's format
         (``formats.sglang_kvfp4``, reference path), the records a trainer with the same ``kv_format`` accepts.
     GPU path (``TraceConfig.kernel`` "auto" on CUDA, bf16): routed experts run one grouped GEMM per matrix kind
@@ -128,7 +129,7 @@ class HFRolloutBackend:
         recipe: QuantRecipe | None = None,
         prefix_reuse: bool = True,
         fused_kv_attention: bool | None = None,
-        fast_kv_attention: bool = False,
+        fast_kv_attention: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")

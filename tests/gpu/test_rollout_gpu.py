@@ -49,7 +49,7 @@ def test_grouped_path_matches_reference_path(mode):
 
 def test_fused_decode_attention_matches_dequantize_then_sdpa():
     be = _backend("fp4", "auto")
-    assert be.fused_kv_attention
+    assert be.fused_kv_attention and be.fast_kv_attention  # the defaults on CUDA
     ids = torch.randint(3, 512, (3, 57), device="cuda")
     mask = torch.ones(3, 58, dtype=torch.long, device="cuda")
     mask[1, :9] = 0  # left padding
