@@ -22,6 +22,39 @@ def median_ms(fn, *, warmup: int = 5, reps: int = 30) -> float:
     return times[len(times) // 2]
 
 
+def graph_ms(fn, *, calls: int = 10, reps: int = 5) -> float:
+    """Device milliseconds per ``fn()`` without the host: ``calls`` calls, each after an L2 flush, captured in
+    one CUDA graph and replayed ``reps`` times (median), minus the same graph of flushes alone. For ops whose
+    launch overhead exceeds their kernel time, where ``median_ms`` times the host."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    fn()
+    torch.cuda.synchronize()
+
+    def timed(body) -> float:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm the allocator for the captured calls
+            body()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            body()
+        g.replay()
+        times = sorted(_event_ms(g.replay) for _ in range(reps))
+        return times[len(times) // 2]
+
+    def both():
+        for _ in range(calls):
+            flush.zero_()
+            fn()
+
+    def flushes():
+        for _ in range(calls):
+            flush.zero_()
+
+    return max(timed(both) - timed(flushes), 0.0) / calls
+
+
 def _event_ms(fn) -> float:
     """Milliseconds of ``fn()`` between two CUDA events on the current stream."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -1,7 +1,8 @@
 """Bandwidth of the Triton quantize / guided / fake-quant / dequantize kernels on one GPU.
 
 Prints one JSON line: the copy ceiling and, per op, the median time, the bytes it must move and
-that rate as a fraction of the copy bandwidth (METRICS.md protocol). Usage:
+that rate as a fraction of the copy bandwidth (METRICS.md protocol), and the same from the op captured in a
+CUDA graph (``graph_us``: device time alone, where launching costs more than the kernel). Usage:
     python benchmarks/bench_quant.py [--rows 32768] [--k 2048] [--sweep]
 
 ``--sweep`` times the kernel ops over launch configs (``quant_triton.CONFIG``: elements per program tile and
@@ -17,10 +18,11 @@ import sys
 import time
 
 import torch
-from _timing import copy_bandwidth, machine, median_ms
+from _timing import copy_bandwidth, graph_ms, machine, median_ms
 
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels import dequant_triton, fused, quant_triton
+from megatron_trace.kernels.checks import FiniteCounter
 
 SWEEP = [dict(pair=True, tile=t, num_warps=nw) for t, nw in ((4096, 4), (4096, 8), (2048, 4), (8192, 8), (16384, 8))]
 """Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair" and "dequant")."""
@@ -39,10 +41,13 @@ def cases(x, rows, k):
     t_mx = fused.quantize(x, q_mx)[0]
     full = t_row.guidance(compact=False)
     rec_b = n // 8 + n // 16 + 4 * rows  # bits + scales + amax
+    counter = FiniteCounter("bench")
     out = {  # name: (fn, bytes moved at least)
         "quantize_nvfp4_row+record": (lambda: fused.quantize(x, q_row, record=True, check_finite=False),
                                       xb + n // 2 + rec_b),
         "quantize_nvfp4_row+record_checked": (lambda: fused.quantize(x, q_row, record=True), xb + n // 2 + rec_b),
+        "quantize_nvfp4_row+record_deferred_check": (
+            lambda: fused.quantize(x, q_row, record=True, check_finite=counter), xb + n // 2 + rec_b),
         "quantize_nvfp4_tensor(2 passes)": (lambda: fused.quantize(x, q_ten, check_finite=False),
                                             xb + n // 2 + n // 16),
         "quantize_mxfp4_ceil": (lambda: fused.quantize(x, q_mx, check_finite=False), xb + n // 2 + n // 32),
@@ -69,6 +74,7 @@ def main(argv=None) -> dict:
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--sweep", action="store_true", help="time the launch configs instead")
     p.add_argument("--elem", action="store_true", help="with --sweep: also the element-wise kernels")
+    p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing (device time alone)")
     args = p.parse_args(argv)
     if args.sweep:
         return sweep(args.rows, args.k, SWEEP + (ELEM_SWEEP if args.elem else []))
@@ -79,9 +85,14 @@ def main(argv=None) -> dict:
     for name, (fn, nbytes) in cases(x, args.rows, args.k).items():
         ms = median_ms(fn, reps=10 if name.startswith("reference") else 30)
         rate = nbytes / (ms * 1e-3)
-        rows.append({"op": name, "ms": round(ms, 4), "bytes": nbytes, "TBps": round(rate / 1e12, 3),
-                     "frac_copy": round(rate / bw, 3)})
-        print(f"{name:45s} {ms * 1e3:9.1f} us  {rate / 1e12:6.2f} TB/s  {rate / bw:5.2f} of copy", file=sys.stderr)
+        row = {"op": name, "ms": round(ms, 4), "bytes": nbytes, "TBps": round(rate / 1e12, 3),
+               "frac_copy": round(rate / bw, 3)}
+        if not name.startswith("reference") and not name.endswith("_checked") and not args.no_graph:
+            gms = graph_ms(fn)  # the device time alone (a checked op's host sync cannot be captured)
+            row.update(graph_us=round(gms * 1e3, 1), graph_frac_copy=round(nbytes / (gms * 1e-3) / bw, 3))
+        rows.append(row)
+        print(f"{name:45s} {ms * 1e3:9.1f} us  {rate / bw:5.2f} of copy; graph {row.get('graph_us')} us "
+              f"{row.get('graph_frac_copy')} of copy", file=sys.stderr)
     res = {"bench": "quant", "shape": [args.rows, args.k], "dtype": "bf16", "copy_TBps": round(bw / 1e12, 3),
            "machine": machine(), "results": rows}
     print(json.dumps(res))

@@ -46,9 +46,11 @@ def host_values(tensors: list[torch.Tensor]) -> list[int]:
     out: list[int | None] = [None] * len(tensors)
     by_dev: dict = {}
     for i, t in enumerate(tensors):
-        by_dev.setdefault(t.device, []).append(i)
-    for idx in by_dev.values():
-        vals = torch.stack([tensors[i].reshape(()).long() for i in idx]).tolist()
+        by_dev.setdefault(t.device, {}).setdefault(t.dtype, []).append(i)
+    for by_dtype in by_dev.values():  # one stack per dtype (a few launches, not one per tensor), one read
+        idx = [i for ids in by_dtype.values() for i in ids]
+        parts = [torch.stack([tensors[i].reshape(()) for i in ids]).long() for ids in by_dtype.values()]
+        vals = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
         for i, v in zip(idx, vals):
             out[i] = v
     return out

@@ -232,12 +232,21 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s
         _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
                    mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
                    WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
-    else:
+    else:  # a quarter row at a time: the redo's live values stay below the fast path's registers
         K = NB * B
-        x, col = qk._load_tile(x_ptr, rows, rmask, stride_w * 2, kt * NBT * B, K, NBT, B)
-        qk._tile(x, col, kt, rows, rmask, K, NB, s_b, s_b[:, :, None], s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
-                 bits_ptr, deq_e_ptr, mask_e_ptr, err_ptr, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
-                 WRITE_DEQ, WRITE_MASK, False, False, CHECK_FINITE)
+        BM: tl.constexpr = w.shape[0]
+        NBR: tl.constexpr = NBT // 4 if NBT >= 4 else NBT
+        for r in range(BM):
+            sel = tl.arange(0, BM) == r
+            row = tl.sum(tl.where(sel, rows, 0), axis=0) + tl.zeros([1], tl.int64)
+            ok = tl.sum(tl.where(sel, rmask.to(tl.int32), 0), axis=0) + tl.zeros([1], tl.int32) > 0
+            s1 = tl.sum(tl.where(sel[:, None], s_b, 0.0), axis=0)[None, :]  # [1, 1]
+            for h in range(NBT // NBR):
+                kr = kt * (NBT // NBR) + h
+                x, col = qk._load_tile(x_ptr, row, ok, stride_w * 2, kr * NBR * B, K, NBR, B)
+                qk._tile(x, col, kr, row, ok, K, NB, s1, s1[:, :, None], s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
+                         bits_ptr, deq_e_ptr, mask_e_ptr, err_ptr, FMT, MODE, B, NBR, WRITE_CODES, WRITE_SCALES,
+                         WRITE_BITS, WRITE_DEQ, WRITE_MASK, False, False, CHECK_FINITE)
 
 
 def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes, write_scales,

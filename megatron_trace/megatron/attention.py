@@ -12,8 +12,6 @@ SGLang's KV records guide it.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
@@ -22,7 +20,16 @@ from ..formats import FP4Tensor, Quantizer
 from ..manifest import kv_cache_name, module_excluded
 from .rows import RowGuidance, map_record
 from .sites import finite_checks, quantize_rows, quantize_rows_recorded
-from .step import INVALID, NOT_GUIDED, SHAPE, CheckedSite, GuidanceFallbackError, StepState, flat_rows, token_rows
+from .step import (
+    INVALID,
+    NOT_GUIDED,
+    SHAPE,
+    CheckedSite,
+    GuidanceFallbackError,
+    StepState,
+    counted_total,
+    counted_valid,
+)
 
 
 class KVStep:
@@ -37,8 +44,8 @@ class KVStep:
         if site not in st.config.guided_sites:
             return None
         S, B, g = x.shape[0], x.shape[1], x.shape[2]
-        count = st.count_mask(slice(0, S), S * B, x.device)
-        n = count.sum()
+        count = st.counted(slice(0, S), S * B, x.device)
+        n = counted_total(count, S * B)
         if not st.is_guided(self.layer, site):
             st.count(self.layer, site, 0, {NOT_GUIDED: n})
             return None
@@ -49,13 +56,24 @@ class KVStep:
                 raise GuidanceFallbackError(f"layer {self.layer} {site}: guidance rows {got} != [B, S]={(B, S)}")
             st.count(self.layer, site, 0, {c.reason or SHAPE: n})
             return None
-        rec, valid, _ = token_rows(c.sg, slice(0, S), x.device)  # [T, kv_heads, hd], [T]
-        heads = slice(self.tp_rank * g, (self.tp_rank + 1) * g)
-        rec = map_record(rec, lambda t: t[:, heads], (S * B, g, rec.shape[-1]))
-        used = (valid & count).sum()
-        st.count(self.layer, site, used, {INVALID: n - used})
-        rows = flat_rows(rec, valid.unsqueeze(1).expand(S * B, g))
-        return dataclasses.replace(rows, all_valid=c.all_valid)
+        if c.all_valid:
+            st.count(self.layer, site, n, {INVALID: 0})
+        else:
+            used = counted_valid(c.sg.valid.to(x.device), count, st.token_index(B, S, slice(0, S), x.device))
+            st.count(self.layer, site, used, {INVALID: n - used})
+        return self._local_rows(c, S, B, g, x.device)
+
+    def _local_rows(self, c: CheckedSite, S: int, B: int, g: int, device) -> RowGuidance:
+        """The rows of x [S, B, g, hd] in its order (token-major, then this rank's g KV heads): one gather each."""
+        r = c.sg.record
+        heads, local, whole = r.shape[2], slice(self.tp_rank * g, (self.tp_rank + 1) * g), slice(0, S)
+        row = self.state.token_index(B, S, whole, device, heads, local)
+        gather = lambda t: t.to(device).reshape(B * S * heads, *t.shape[3:]).index_select(0, row)  # noqa: E731
+        rec = map_record(r, gather, (row.numel(), r.shape[-1]))
+        if c.all_valid:
+            return RowGuidance(rec, self.state.all_valid_flags(row.numel(), device), all_valid=True)
+        token = self.state.token_index(B, S, whole, device, heads, local, of_token=True)
+        return RowGuidance(rec, c.sg.valid.to(device).reshape(-1).index_select(0, token))
 
 
 class TraceKVCore:

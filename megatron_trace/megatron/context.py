@@ -231,42 +231,70 @@ def _step_facts(steps) -> None:
     layer's routing indices are in range (else ValueError) and distinct per token (then the guidance rows
     are laid out without ``nonzero``), and which sites' records are valid on every row (then the quantizer
     needs no per-row select; at FC2 the records' experts must also be the replayed ones)."""
-    checks, sites, distinct = [], [], []
+    groups = _routing_groups([st for st in steps if isinstance(st, MoEStep) and st.routing is not None])
+    ranges = [v for _, r in groups for v in torch.aminmax(r)]  # min, max of each group's indices
+    replayed = [st for group, _ in groups for st in group]
+    facts = _valid_facts(steps)
+    flags = [d for _, r in groups for d in _distinct(r).unbind(0)] + [ok for *_, ok in facts]
+    values = host_values(ranges + flags)
+    if any(lo < 0 or hi >= min(st.num_experts for st in group)
+           for (group, _), lo, hi in zip(groups, values[0 : len(ranges) : 2], values[1 : len(ranges) : 2])):
+        _raise_out_of_range(replayed)
+    bits = [bool(v) for v in values[len(ranges) :]]
+    for st, v in zip(replayed, bits):
+        st.routing_distinct = v
+    for (owner, name, c, _), v in zip(facts, bits[len(replayed) :]):
+        if v:
+            if isinstance(owner, MoEStep):
+                setattr(owner, name, dataclasses.replace(c, all_valid=True))
+            else:
+                owner.sites[name] = dataclasses.replace(c, all_valid=True)
+
+
+def _routing_groups(steps) -> list[tuple[list, torch.Tensor]]:
+    """The layers' routing indices stacked by shape and device: (layers, int64 [L, B, S, topk])."""
+    by_kind: dict = {}
+    for st in steps:
+        by_kind.setdefault((tuple(st.routing.shape), st.routing.device), []).append(st)
+    return [(group, torch.stack([st.routing for st in group])) for group in by_kind.values()]
+
+
+def _distinct(routing: torch.Tensor) -> torch.Tensor:
+    """bool [L]: the top-k experts of every token are distinct, per layer of routing [L, B, S, topk]."""
+    srt = routing.sort(dim=-1).values
+    return (srt[..., 1:] != srt[..., :-1]).flatten(1).all(1)
+
+
+def _raise_out_of_range(steps) -> None:
+    """The per-layer check behind a step's out-of-range routing indices (a second sync, on the error path)."""
+    bad = host_values([((st.routing < 0) | (st.routing >= st.num_experts)).any() for st in steps])
+    msgs = [f"routing indices for layer {st.layer} must be in 0..{st.num_experts - 1}"
+            for st, b in zip(steps, bad) if b]
+    if msgs:
+        raise ValueError("; ".join(msgs))
+
+
+def _valid_facts(steps) -> list:
+    """(owner, site name, CheckedSite, bool device tensor): the site's records are valid on every row (at FC2
+    also of the replayed experts)."""
+    sites = []
     for st in steps:
         if isinstance(st, MoEStep):
-            if st.routing is not None:
-                r = st.routing
-                checks.append((((r < 0) | (r >= st.num_experts)).any(),
-                               f"routing indices for layer {st.layer} must be in 0..{st.num_experts - 1}"))
-                srt = r.sort(dim=-1).values
-                distinct.append((st, (srt[..., 1:] != srt[..., :-1]).all()))
-            for name in ("fc1", "fc2"):
-                sites.append((st, name, getattr(st, name), st.routing))
+            sites.extend((st, name, getattr(st, name), st.routing) for name in ("fc1", "fc2"))
         else:
             sites.extend((st, site, c, None) for site, c in st.sites.items())
     facts = []
     for owner, name, c, routing in sites:
         if c.sg is None:
             continue
-        ok = c.sg.valid.all()
+        ok = c.sg.valid
         if name == "fc2":
             ids = c.sg.expert_ids
             if routing is None or ids is None or tuple(ids.shape) != tuple(routing.shape):
                 continue
-            ok = ok & (ids.to(routing.device) == routing).all().to(ok.device)
-        facts.append((owner, name, c, ok))
-    values = host_values([b for b, _ in checks] + [d for _, d in distinct] + [ok for *_, ok in facts])
-    bad = [msg for (_, msg), v in zip(checks, values) if v]
-    if bad:
-        raise ValueError("; ".join(bad))
-    for (st, _), v in zip(distinct, values[len(checks):]):
-        st.routing_distinct = bool(v)
-    for (owner, name, c, _), v in zip(facts, values[len(checks) + len(distinct):]):
-        if v:
-            if isinstance(owner, MoEStep):
-                setattr(owner, name, dataclasses.replace(c, all_valid=True))
-            else:
-                owner.sites[name] = dataclasses.replace(c, all_valid=True)
+            ok = ok.to(routing.device) & (ids.to(routing.device) == routing)
+        facts.append((owner, name, c, ok.all()))
+    return facts
 
 
 def trace_record(model, *, compact: bool | None = None):

@@ -170,11 +170,17 @@ class TraceExpertsCore:
         permutation is a stable sort by expert, so the rows are permuted here without a dispatcher pass."""
         self._payload_order = None
         if self._local_payload():
-            order = torch.sort(experts, stable=True).indices  # [Nv]: expert-major, token order within one
+            order, counts = self.local_payload_order(experts, num_experts)
             self._payload_order = order
-            counts = torch.zeros(num_experts, dtype=torch.long, device=experts.device)  # (bincount syncs)
-            return payload.index_select(0, order), counts.index_add_(0, experts, torch.ones_like(experts))
+            return payload.index_select(0, order), counts
         return self._dispatch_payload(payload, experts, num_experts, probs_dtype)
+
+    def local_payload_order(self, experts: torch.Tensor, num_experts: int):
+        """Without expert or expert-tensor parallelism (``_local_payload``): (the permutation [Nv] that
+        ``dispatch_payload`` applies to the virtual tokens of experts ``experts`` [Nv], rows per expert)."""
+        order = torch.sort(experts, stable=True).indices  # [Nv]: expert-major, token order within one
+        counts = torch.zeros(num_experts, dtype=torch.long, device=experts.device)  # (bincount syncs)
+        return order, counts.index_add_(0, experts, torch.ones_like(experts))
 
     def _local_payload(self) -> bool:
         tp_ep = getattr(self._trace_pg, "tp_ep", None)

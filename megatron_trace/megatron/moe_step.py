@@ -11,7 +11,9 @@ pre-dispatch tokens [S, B, H] and the routing map [T, E] (T = S * B, token ``t =
 The experts (``TraceExpertsCore``) move the virtual tokens with a second instance of the layer's
 own dispatcher class (top-1, same splits and the same expert-major order as the real tokens), so
 each expert-parallel rank receives exactly the guidance rows of the (token, expert) rows it
-computes. Recording FC2 runs the same dispatcher's combine path backwards.
+computes. Recording FC2 runs the same dispatcher's combine path backwards. Without expert or
+expert-tensor parallelism the rows never leave the rank: the experts' permutation then gathers them
+straight from the records (no bytes encoded, moved and decoded).
 """
 
 from __future__ import annotations
@@ -22,7 +24,17 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-from .rows import RowCodec, RowGuidance, decode_amax, encode_amax, take, token_major
+from .rows import (
+    Record,
+    RowCodec,
+    RowGuidance,
+    as_decoded,
+    decode_amax,
+    encode_amax,
+    map_record,
+    take,
+    take_record,
+)
 from .sites import quantize_rows_recorded
 from .step import (
     EXPERT_MISMATCH,
@@ -32,9 +44,11 @@ from .step import (
     CheckedSite,
     GuidanceFallbackError,
     StepState,
+    counted_total,
+    counted_valid,
+    flat_record,
     flat_rows,
     local_seq,
-    token_rows,
 )
 
 FC1, FC2 = "expert_fc1_in", "expert_fc2_in"
@@ -49,24 +63,50 @@ class ExpertRows:
     fc1_amax: torch.Tensor | None = None  # float32 [N, 1]: the source rank's per-tensor FC1 amax
 
 
+@dataclass(frozen=True)
+class _Gather:
+    """The guidance rows of the virtual tokens, not yet gathered: row ``index[i]`` of ``record``, ``valid[i]``."""
+
+    record: Record
+    index: torch.Tensor  # int64 [Nv]
+    valid: torch.Tensor  # bool [Nv]
+    all_valid: bool = False  # valid is all True (``StepState.all_valid_flags``)
+
+    def rows(self, order: torch.Tensor | None = None) -> RowGuidance:
+        """The rows (in virtual-token order, or permuted by ``order``)."""
+        if order is None:
+            return RowGuidance(take_record(self.record, self.index), self.valid)
+        rec = as_decoded(take_record(self.record, self.index.index_select(0, order)))
+        return RowGuidance(rec, self.valid if self.all_valid else self.valid.index_select(0, order))
+
+
 @dataclass
 class _Forward:
     """Per-forward data prepared by the router hook."""
 
     tokens: int
     batch: int
-    virtual: torch.Tensor  # int64 [Nv, 2]: (token, expert), token-major
-    payload: torch.Tensor | None  # uint8 [Nv, C]
+    token: torch.Tensor  # int64 [Nv]: the token of each virtual token, token-major
+    expert: torch.Tensor  # int64 [Nv]: its expert
+    payload: torch.Tensor | None  # uint8 [Nv, C] (None: the rows stay on this rank, see ``gathers``)
     slots: torch.Tensor | None  # int64 [T, topk]: expert of each slot (when recording)
+    gathers: dict | None = None  # site -> _Gather | None (no rows), when the rows stay on this rank
 
 
-def _virtual_pairs(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
-    """``routing_map.nonzero()`` of a dropless routing map (exactly ``topk`` experts per token, which
-    ``trace_guidance`` requires where rows are dispatched) without its host sync: [T * topk, 2]."""
-    t = routing_map.shape[0]
-    experts = routing_map.to(torch.int8).topk(topk, dim=1).indices.sort(dim=1).values  # [T, topk] ascending
-    tokens = torch.arange(t, device=routing_map.device).repeat_interleave(topk)
-    return torch.stack([tokens, experts.reshape(-1)], dim=1)
+def _virtual_experts(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
+    """The experts of ``routing_map.nonzero()`` for a dropless routing map (exactly ``topk`` experts per token,
+    which ``trace_guidance`` requires where rows are dispatched) without its host sync: [T * topk]; the
+    tokens of those rows are ``_virtual_token_ids``."""
+    return routing_map.to(torch.int8).topk(topk, dim=1).indices.sort(dim=1).values.reshape(-1)  # ascending
+
+
+def _virtual_token_ids(tokens: int, topk: int, device) -> torch.Tensor:
+    """int64 [T * topk]: 0, .., 0, 1, .., 1, ... (each token ``topk`` times)."""
+    return torch.arange(tokens * topk, device=device).div(topk, rounding_mode="floor")
+
+
+def _masked_sum(flags: torch.Tensor, count: torch.Tensor | None) -> torch.Tensor:
+    return flags.sum() if count is None else (flags & count).sum()
 
 
 class MoEStep:
@@ -87,6 +127,9 @@ class MoEStep:
         if self.guide_fc2:
             self.codecs[FC2] = RowCodec(cfg.format, mcfg.moe_ffn_hidden_size, state.compact)
         self.needs_dispatch = bool(self.codecs) or self.per_tensor_fc1 or self.recording_fc2
+        # only guidance rows, all staying on this rank: gathered from the records, not moved as bytes
+        self.local_rows = (bool(self.codecs) and not self.per_tensor_fc1 and not self.recording_fc2
+                           and moe.experts._local_payload())
         self.back_codec = RowCodec(cfg.format, mcfg.moe_ffn_hidden_size, compact=False)  # recorded FC2 rows
         self.back_width = self.back_codec.width if self.recording_fc2 else 0
         self.routing_distinct = routing is None  # top-k distinct experts per token (replay: found per step)
@@ -103,14 +146,16 @@ class MoEStep:
         rr = router.router_replay
         self._replay_slots = None
         if self.routing is not None:
-            seq = self._seq(hidden.shape[0], self.routing.shape[1])
-            idx = token_major(self.routing.to(hidden.device), seq)  # [T, topk]
-            t = hidden.shape[0] * hidden.shape[1]
-            if tuple(idx.shape) != (t, self.topk) or self.routing.shape[0] != hidden.shape[1]:
+            r = self.routing
+            seq = self._seq(hidden.shape[0], r.shape[1])
+            t, local = hidden.shape[0] * hidden.shape[1], len(range(*seq.indices(r.shape[1])))
+            if (local * r.shape[0], r.shape[2]) != (t, self.topk) or r.shape[0] != hidden.shape[1]:
                 raise ValueError(
-                    f"routing indices for layer {self.layer} have shape {tuple(self.routing.shape)}; "
+                    f"routing indices for layer {self.layer} have shape {tuple(r.shape)}; "
                     f"the batch needs [B={hidden.shape[1]}, S, topk={self.topk}]"
                 )
+            token = self.state.token_index(r.shape[0], r.shape[1], seq, hidden.device)
+            idx = r.to(hidden.device).reshape(-1, r.shape[2]).index_select(0, token)  # [T, topk]
             # (the index range of every layer was checked once for the step: ``trace_guidance``)
             rr.set_target_indices(idx)
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -124,40 +169,52 @@ class MoEStep:
         S, B = hidden.shape[0], hidden.shape[1]
         full_s = self._full_seq(S)
         seq = self._seq(S, full_s)
-        count = self.state.count_mask(seq, S * B, hidden.device)
-        x = hidden.reshape(S * B, -1)
-        fc1 = self._fc1_rows(seq, B, full_s, count)
+        count = self.state.counted(seq, S * B, hidden.device)  # None: every token counts
+        token = self.state.token_index(B, full_s, seq, hidden.device)  # [T]: each token's batch-major row
+        fc1 = self._fc1_rows(seq, B, full_s, count, token, hidden.device)  # batch-major rows [B * full_s]
         if not self.guide_fc2 and FC2 in self.state.config.guided_sites and self.state.config.quantizes(FC2):
-            self.state.count(self.layer, FC2, 0, {NOT_GUIDED: (routing_map & count[:, None]).sum()})
+            self.state.count(self.layer, FC2, 0, {NOT_GUIDED: _masked_sum(routing_map, None if count is None
+                                                                           else count[:, None])})
         self._fwd = None
         if self.needs_dispatch:
-            self._fwd = self._virtual_tokens(router, x, routing_map, fc1, seq, B, full_s, count)
+            self._fwd = self._virtual_tokens(router, hidden, routing_map, fc1, token, (B, full_s, seq), count)
         rec = self.state.recorder
         if rec is not None:
             slots = self._fwd.slots if self._fwd is not None else self._slots(router, routing_map)
             rec.add_routing(self.layer, slots, B)
             if self.state.config.quantizes(FC1):
-                self._record_fc1(x, fc1, B)
+                self._record_fc1(hidden.reshape(S * B, -1), None if fc1 is None else take(fc1, token), B)
 
-    def _virtual_tokens(self, router, x, routing_map, fc1, seq, batch, full_s, count) -> _Forward:
-        """One virtual token per (token, chosen expert) with its guidance bytes (see the module docstring)."""
-        # [Nv, 2] (token, expert), token-major; replayed routing with a repeated expert (e.g. at padding) routes
+    def _virtual_tokens(self, router, hidden, routing_map, fc1, token, layout, count) -> _Forward:
+        """One virtual token per (token, chosen expert) with its guidance rows (see the module docstring)."""
+        batch, full_s, seq = layout
+        n_tokens, dev = routing_map.shape[0], routing_map.device
+        # (token, expert), token-major; replayed routing with a repeated expert (e.g. at padding) routes
         # fewer than top-k rows for that token, and only nonzero() (one host sync) can size that
-        virtual = _virtual_pairs(routing_map, self.topk) if self.routing_distinct else routing_map.nonzero()
-        n, dev = virtual.shape[0], x.device
-        cols = []
+        if self.routing_distinct:
+            e = _virtual_experts(routing_map, self.topk)
+            key = ("virtual", batch, full_s, seq.indices(full_s), self.topk, dev)
+            t, bt = self.state.cached(key, lambda: _with_rows(_virtual_token_ids(n_tokens, self.topk, dev), token))
+        else:
+            t, e = routing_map.nonzero().unbind(1)
+            bt = token.index_select(0, t)
+        n = t.shape[0]  # bt: the batch-major row of each virtual token's token
+        gathers = {}
         if FC1 in self.codecs:
-            cols.append(self._encode(FC1, take(fc1, virtual[:, 0]) if fc1 is not None else None, n, dev))
+            gathers[FC1] = None if fc1 is None else self._fc1_gather(fc1, bt)
         if FC2 in self.codecs:
-            cols.append(self._encode(FC2, self._fc2_rows(seq, batch, full_s, virtual, count), n, dev))
+            gathers[FC2] = self._fc2_rows(batch, full_s, t, e, bt, count, dev)
+        slots = self._slots(router, routing_map) if self.state.recorder is not None else None
+        if self.local_rows:
+            return _Forward(n_tokens, batch, t, e, None, slots, gathers)
+        cols = [self._encode(site, g, n, dev) for site, g in gathers.items()]
         if self.per_tensor_fc1:
-            cols.append(encode_amax(x.detach().float().abs().amax().reshape(1, 1).expand(n, 1)))
+            cols.append(encode_amax(hidden.detach().float().abs().amax().reshape(1, 1).expand(n, 1)))
         width = sum(c.shape[1] for c in cols)
         pad = max(self.back_width - width, 0 if cols else 1)
         if pad:  # the combine path returns rows as wide as the dispatched ones
             cols.append(torch.zeros(n, pad, dtype=torch.uint8, device=dev))
-        slots = self._slots(router, routing_map) if self.state.recorder is not None else None
-        return _Forward(x.shape[0], batch, virtual, torch.cat(cols, dim=1), slots)
+        return _Forward(n_tokens, batch, t, e, torch.cat(cols, dim=1), slots)
 
     def _full_seq(self, hidden_seq: int) -> int:
         tp = self.moe.attn_tp_group
@@ -182,10 +239,11 @@ class MoEStep:
             raise GuidanceFallbackError(f"layer {self.layer}: guidance rows {got} != [B, S]={(batch, full_s)}")
         return ok
 
-    def _fc1_rows(self, seq, batch, full_s, count) -> RowGuidance | None:
+    def _fc1_rows(self, seq, batch, full_s, count, token, device) -> RowGuidance | None:
+        """FC1 guidance rows, batch-major [B * full_s] (``token`` picks the local tokens), counted per token."""
         if not self.state.config.quantizes(FC1) or FC1 not in self.state.config.guided_sites:
             return None
-        n = count.sum()
+        n = counted_total(count, token.numel())
         if not self.guide_fc1:
             self.state.count(self.layer, FC1, 0, {NOT_GUIDED: n})
             return None
@@ -193,35 +251,47 @@ class MoEStep:
         if c.sg is None or not self._fits(c, batch, full_s):
             self.state.count(self.layer, FC1, 0, {c.reason or SHAPE: n})
             return None
-        rec, valid, _ = token_rows(c.sg, seq, count.device)
-        used = (valid & count).sum()
+        rec = _on(c.sg.record, device)
+        if c.all_valid:
+            self.state.count(self.layer, FC1, n, {INVALID: 0})
+            return RowGuidance(flat_record(rec, 2), self.state.all_valid_flags(c.sg.valid.numel(), device))
+        valid = c.sg.valid.to(device)
+        used = counted_valid(valid, count, token)
         self.state.count(self.layer, FC1, used, {INVALID: n - used})
-        return RowGuidance(rec, valid)
+        return flat_rows(rec, valid)
 
-    def _fc2_rows(self, seq, batch, full_s, virtual, count) -> RowGuidance | None:
-        cnt = count.index_select(0, virtual[:, 0])
-        n = cnt.sum()
+    def _fc1_gather(self, fc1: RowGuidance, bt: torch.Tensor) -> _Gather:
+        if self.fc1.all_valid:
+            return _Gather(fc1.record, bt, self.state.all_valid_flags(bt.numel(), bt.device), all_valid=True)
+        return _Gather(fc1.record, bt, fc1.valid.index_select(0, bt))
+
+    def _fc2_rows(self, batch, full_s, t, e, bt, count, device) -> _Gather | None:
+        """FC2 rows of the virtual tokens (t, e): the rollout slot of token t with expert e, counted per row."""
+        cnt = None if count is None else count.index_select(0, t)
+        n = counted_total(cnt, t.shape[0])
         c = self.fc2
         if c.sg is None or not self._fits(c, batch, full_s):
             self.state.count(self.layer, FC2, 0, {c.reason or SHAPE: n})
             return None
-        rec, valid, ids = token_rows(c.sg, seq, virtual.device)  # [T, topk, F], [T, topk], [T, topk]
-        t, e = virtual[:, 0], virtual[:, 1]
-        match = ids.index_select(0, t) == e.unsqueeze(1)  # [Nv, topk]
+        sg = c.sg
+        ids = sg.expert_ids.to(device)  # [B, S, topk]
+        match = ids.reshape(-1, ids.shape[2]).index_select(0, bt) == e.unsqueeze(1)  # [Nv, topk]
+        row = match.to(torch.int8).argmax(1).add(bt, alpha=ids.shape[2])  # [Nv] into [B * S * topk]
+        rec = flat_record(_on(sg.record, device), 3)
+        if c.all_valid:  # every record valid and of the replayed experts: no mismatch, no invalid row
+            self.state.count(self.layer, FC2, n, {EXPERT_MISMATCH: 0, INVALID: 0})
+            return _Gather(rec, row, self.state.all_valid_flags(row.numel(), device), all_valid=True)
         has = match.any(1)
-        slot = match.to(torch.int8).argmax(1)
-        row = t * ids.shape[1] + slot
-        rows = take(flat_rows(rec, valid), row)
-        ok = rows.valid & has
-        used = (ok & cnt).sum()
-        self.state.count(self.layer, FC2, used, {
-            EXPERT_MISMATCH: (~has & cnt).sum(), INVALID: (has & ~rows.valid & cnt).sum(),
+        valid = sg.valid.to(device).reshape(-1).index_select(0, row)
+        ok = valid & has
+        self.state.count(self.layer, FC2, _masked_sum(ok, cnt), {
+            EXPERT_MISMATCH: _masked_sum(~has, cnt), INVALID: _masked_sum(has & ~valid, cnt),
         })
-        return RowGuidance(rows.record, ok)
+        return _Gather(rec, row, ok)
 
-    def _encode(self, site: str, rows: RowGuidance | None, n: int, device) -> torch.Tensor:
+    def _encode(self, site: str, gather: _Gather | None, n: int, device) -> torch.Tensor:
         codec = self.codecs[site]
-        return codec.empty(n, device) if rows is None else codec.encode(rows)
+        return codec.empty(n, device) if gather is None else codec.encode(gather.rows())
 
     # ---- used by the experts ------------------------------------------------------------------
     def expert_rows(self, experts, tokens_per_expert) -> ExpertRows:
@@ -231,8 +301,11 @@ class MoEStep:
         f = self._fwd
         if f is None:
             raise RuntimeError(f"layer {self.layer}: the experts ran before the router hook (TRACE context not bound)")
-        probs_dtype = torch.float32 if self.recording_fc2 else torch.uint8
-        data, counts = experts.dispatch_payload(f.payload, f.virtual[:, 1], self.num_experts, probs_dtype)
+        if f.gathers is not None:
+            order, counts = experts.local_payload_order(f.expert, self.num_experts)
+        else:
+            probs_dtype = torch.float32 if self.recording_fc2 else torch.uint8
+            data, counts = experts.dispatch_payload(f.payload, f.expert, self.num_experts, probs_dtype)
         tpe = torch.as_tensor(tokens_per_expert).to(counts.device, non_blocking=True)
         if tpe.shape != counts.shape:
             raise RuntimeError(f"layer {self.layer}: {counts.numel()} guidance row counts for {tpe.numel()} experts")
@@ -240,8 +313,12 @@ class MoEStep:
                                "the token rows (the guidance of this step was misaligned)")
         out, col = ExpertRows(), 0
         for site, codec in self.codecs.items():
-            rows = codec.decode(data[:, col : col + codec.width])
-            col += codec.width
+            if f.gathers is None:
+                rows = codec.decode(data[:, col : col + codec.width])
+                col += codec.width
+            else:
+                g = f.gathers[site]
+                rows = codec.decode(codec.empty(order.numel(), order.device)) if g is None else g.rows(order)
             checked = self.fc1 if site == FC1 else self.fc2
             setattr(out, "fc1" if site == FC1 else "fc2", dataclasses.replace(rows, all_valid=checked.all_valid))
         if self.per_tensor_fc1:
@@ -264,6 +341,15 @@ class MoEStep:
         data = torch.nn.functional.pad(data, (0, f.payload.shape[1] - codec.width))
         back = experts.combine_payload(data)  # [Nv, C] in virtual-token order
         got = codec.decode(back[:, : codec.width].round().to(torch.uint8))
-        t, e = f.virtual[:, 0], f.virtual[:, 1]
+        t, e = f.token, f.expert
         slot = (f.slots.index_select(0, t) == e.unsqueeze(1)).to(torch.int8).argmax(1)
         self.state.recorder.add_fc2(self.layer, got, t * self.topk + slot, f.tokens, self.topk, f.slots, f.batch)
+
+
+def _on(record: Record, device) -> Record:
+    """``record`` with every tensor on ``device`` (no copy where it is there)."""
+    return map_record(record, lambda t: t.to(device), tuple(record.shape))
+
+
+def _with_rows(t: torch.Tensor, token: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return t, token.index_select(0, t)

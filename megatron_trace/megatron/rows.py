@@ -60,11 +60,14 @@ def batch_major(t: torch.Tensor, batch: int) -> torch.Tensor:
     return t.reshape(-1, batch, *t.shape[1:]).transpose(0, 1).contiguous()
 
 
+def take_record(record: Record, index: torch.Tensor) -> Record:
+    """Rows ``index`` (int64 [M]) of a record of rows [N, K]."""
+    return map_record(record, lambda x: x.index_select(0, index), (index.numel(), record.shape[-1]))
+
+
 def take(rows: RowGuidance, index: torch.Tensor) -> RowGuidance:
     """Rows ``index`` (int64 [M]) of ``rows``."""
-    k = rows.record.shape[-1]
-    rec = map_record(rows.record, lambda x: x.index_select(0, index), (index.numel(), k))
-    return RowGuidance(rec, rows.valid.index_select(0, index))
+    return RowGuidance(take_record(rows.record, index), rows.valid.index_select(0, index))
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,18 @@ class RowCodec:
     def empty(self, n: int, device=None) -> torch.Tensor:
         """n all-invalid rows (zeros)."""
         return torch.zeros(n, self.width, dtype=torch.uint8, device=device)
+
+
+def as_decoded(record: Record) -> Record:
+    """``record`` in the dtypes ``RowCodec.decode`` returns (uint8 payload, the format's scales, float32
+    amax): the same record as an encode/decode round trip, without one (no op where the dtypes are those)."""
+    payload, scales, amax = payload_of(record), record.block_scales, record.global_amax
+    scale_dtype = get_format(record.fmt).scale_dtype
+    if payload.dtype == torch.uint8 and scales.dtype == scale_dtype and (amax is None or amax.dtype == torch.float32):
+        return record
+    kw = {"mantissa_bits" if rows_compact(record) else "codes": payload.to(torch.uint8)}
+    return type(record)(block_scales=scales.view(torch.uint8).view(scale_dtype),
+                        global_amax=None if amax is None else amax.float(), shape=record.shape, fmt=record.fmt, **kw)
 
 
 def rows_compact(record: Record) -> bool:

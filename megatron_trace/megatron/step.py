@@ -20,6 +20,7 @@ guidance and routing but is not counted again (``in_recompute``).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -73,6 +74,7 @@ class StepState:
     stats: Counter = field(default_factory=Counter)  # (layer, site, reason) -> rows; reason "used" too
     pending: list = field(default_factory=list)  # counts not yet resolved (see ``count``)
     deferred: list = field(default_factory=list)  # (bool device tensor: bad, message) checked by ``resolve``
+    index_cache: dict = field(default_factory=dict)  # row orders of this step's layouts (``token_index``)
 
     def is_guided(self, layer: int, site: str) -> bool:
         c = self.config
@@ -135,6 +137,29 @@ class StepState:
         if m.numel() != tokens:
             raise ValueError(f"StepGuidance.token_mask {tuple(self.token_mask.shape)} does not fit {tokens} tokens")
         return m
+
+    def counted(self, seq: slice, tokens: int, device) -> torch.Tensor | None:
+        """``count_mask``, or None where every token counts (no ``token_mask``)."""
+        return None if self.token_mask is None else self.count_mask(seq, tokens, device)
+
+    def cached(self, key: tuple, make):
+        """``make()``, built once per step for ``key`` (index tensors every layer of the step shares)."""
+        if key not in self.index_cache:
+            self.index_cache[key] = make()
+        return self.index_cache[key]
+
+    def token_index(self, batch: int, full_seq: int, seq: slice, device, heads: int = 1,
+                    local: slice = slice(None), of_token: bool = False) -> torch.Tensor:
+        """int64 [S_local * B * g]: for each row in Megatron's order (token ``s * B + b`` of ``seq``, then the
+        ``local`` heads of ``heads``, g of them) its batch-major row ([B, S, heads] flattened), or with
+        ``of_token`` its batch-major token ([B, S] flattened); built once per step."""
+        seq, local = seq.indices(full_seq), local.indices(heads)
+        key = ("token", batch, full_seq, seq, heads, local, of_token, torch.device(device))
+        return self.cached(key, lambda: _token_index(batch, full_seq, seq, device, heads, local, of_token))
+
+    def all_valid_flags(self, n: int, device) -> torch.Tensor:
+        """bool [n], all True: the valid flags of rows known (per step) to be valid; shared, never written."""
+        return self.cached(("valid", n, torch.device(device)), lambda: torch.ones(n, dtype=torch.bool, device=device))
 
     def coverage_at_guided(self) -> float:
         self.resolve()
@@ -202,23 +227,38 @@ def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[in
     return CheckedSite(SiteGuidance(mode, sg.valid, sg.expert_ids), None)
 
 
-def token_rows(sg: SiteGuidance, seq: slice, device) -> tuple[Record, torch.Tensor, torch.Tensor | None]:
-    """Batch-major guidance -> (record [T, *rows], valid [T, ...], expert_ids [T, ...]) in token order,
-    on ``device`` (the model's)."""
-    r = sg.record
-    tm = lambda t: token_major(t.to(device), seq)  # noqa: E731
-    valid = tm(sg.valid)
-    rec = map_record(r, tm, (valid.shape[0], *r.shape[2:]))
-    ids = None if sg.expert_ids is None else tm(sg.expert_ids)
-    return rec, valid, ids
+def _token_index(batch, full_seq, seq: tuple, device, heads, local: tuple, of_token: bool) -> torch.Tensor:
+    per = 1 if of_token else heads
+    rows = torch.arange(batch * full_seq * per, device=device).view(batch, full_seq, per)
+    if per != heads:
+        rows = rows.expand(batch, full_seq, heads)
+    if seq != (0, full_seq, 1) or local != (0, heads, 1):
+        rows = rows[:, slice(*seq), slice(*local)]
+    return rows.transpose(0, 1).reshape(-1)
+
+
+def counted_total(count: torch.Tensor | None, tokens: int):
+    """Counted tokens: ``tokens`` (an int) where every token counts, else ``count.sum()``."""
+    return tokens if count is None else count.sum()
+
+
+def counted_valid(valid: torch.Tensor, count: torch.Tensor | None, token: torch.Tensor) -> torch.Tensor:
+    """Counted tokens whose batch-major ``valid`` [B, S] is set; ``token``: the local tokens' rows
+    (``StepState.token_index``), ``count``: bool in token order (None: every token counts)."""
+    if count is None:
+        return valid.sum() if token.numel() == valid.numel() else valid.reshape(-1).index_select(0, token).sum()
+    return (valid.reshape(-1).index_select(0, token) & count).sum()
+
+
+def flat_record(record: Record, lead: int) -> Record:
+    """[T, ..., K] record -> rows [N, K]: its ``lead`` leading dims (all but K) flattened (views where possible)."""
+    n = math.prod(record.shape[:lead])
+    return map_record(record, lambda t: t.reshape(n, *t.shape[lead:]), (n, record.shape[-1]))
 
 
 def flat_rows(record: Record, valid: torch.Tensor) -> RowGuidance:
     """[T, ..., K] record -> RowGuidance over all leading dims flattened."""
-    k = record.shape[-1]
-    n = valid.numel()
-    rec = map_record(record, lambda t: t.reshape(n, *t.shape[valid.dim():]), (n, k))
-    return RowGuidance(rec, valid.reshape(n))
+    return RowGuidance(flat_record(record, valid.dim()), valid.reshape(valid.numel()))
 
 
 def local_seq(hidden_seq: int, full_seq: int, tp_rank: int, sequence_parallel: bool) -> slice:

@@ -1,0 +1,94 @@
+"""Cross-compile the quantize pair kernel for sm_90 (no GPU needed): registers, spills and SASS per element.
+
+For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact + dequant, RNE
+fake-quant + STE mask) at the launch config of ``quant_triton.CONFIG["pair"]``: ``ptxas -v`` gives registers
+per thread and spill bytes; ``nvdisasm`` the whole kernel's SASS. ``fast_path_sass`` is the instructions a
+program runs when no tile needs the exact redo (the kernel minus the redo's basic blocks, found as the
+instructions of a build with the redo cut out); per element = that times 32 * num_warps / (BLOCK_M * K).
+``python benchmarks/sass_quant.py [--k 2048]`` prints one JSON row per op.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from sass_kv_attention import BIN, ptxas_usage  # noqa: E402
+
+from megatron_trace.kernels import quant_pair_triton as qp  # noqa: E402
+from megatron_trace.kernels import quant_triton as qk  # noqa: E402
+
+OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK)
+    "quantize_nvfp4_row+record": (0, 2, True, True, True, False, False),
+    "guided_compact+dequant": (2, 3, False, False, False, True, False),
+    "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True),
+}
+_PTRS = ("xw_ptr", "x_ptr", "g_ptr", "s_in_ptr", "gc_ptr", "codes_ptr", "scales_ptr", "bits_ptr", "deq_ptr",
+         "deq_e_ptr", "mask_ptr", "mask_e_ptr", "err_ptr")
+_PTR_TYPES = {"xw_ptr": "*i32", "x_ptr": "*bf16", "g_ptr": "*fp32", "deq_ptr": "*i32", "deq_e_ptr": "*bf16",
+              "mask_ptr": "*i16", "err_ptr": "*i32"}
+
+
+def compile_pair(op: str, k: int, fn=None):
+    mode, g_mode, wc, ws, wb, wd, wm = OPS[op]
+    cfg = qk.CONFIG["pair"]
+    bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
+    fn = fn or qp.pair_kernel
+    const = dict(NUM_KT=num_kt, XDT=0, FMT=0, MODE=mode, G_MODE=g_mode, B=16, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
+                 WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,
+                 HW_CVT=True)
+    const = {n: v for n, v in const.items() if n in fn.arg_names}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in _PTRS or name.endswith("_ptr"):
+            sig[name] = _PTR_TYPES.get(name, "*u8")
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+            if name != "M":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False}), bm
+
+
+def sass(cubin: bytes) -> list[str]:
+    import re
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as tmp:
+        p = Path(tmp) / "k.cubin"
+        p.write_bytes(cubin)
+        text = subprocess.run([str(BIN / "nvdisasm"), "-c", str(p)], capture_output=True, text=True, check=True).stdout
+    return [ln for ln in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+
+
+def report(op: str, k: int) -> dict:
+    kern, bm = compile_pair(op, k)
+    regs, spills = ptxas_usage(kern.asm["ptx"])
+    n = len(sass(kern.asm["cubin"]))
+    return {"op": op, "k": k, "block_m": bm, "num_warps": qk.CONFIG["pair"]["num_warps"], "registers": regs,
+            "spill_bytes": spills, "kernel_sass": n,
+            "kernel_sass_per_element": round(n * 32 * qk.CONFIG["pair"]["num_warps"] / (bm * k), 2)}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--k", type=int, default=2048)
+    a = p.parse_args(argv)
+    for op in OPS:
+        print(json.dumps(report(op, a.k)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

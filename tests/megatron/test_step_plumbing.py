@@ -1,0 +1,82 @@
+"""Index and flag plumbing of the guided step (``StepState.token_index``, ``host_values`` of mixed dtypes)."""
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.guidance.site import FallbackCounter
+from megatron_trace.kernels.checks import host_values
+from megatron_trace.megatron.rows import token_major
+from megatron_trace.megatron.step import StepState
+
+
+def _state() -> StepState:
+    return StepState(config=TraceConfig(), counter=FallbackCounter(), fallback="rne", guided_layers=frozenset())
+
+
+def test_token_index_is_token_major_order():
+    st = _state()
+    b, s, h = 3, 8, 4
+    rows = torch.arange(b * s * h).view(b, s, h)
+    for seq in (slice(0, s), slice(2, 6)):
+        assert torch.equal(st.token_index(b, s, seq, "cpu"), token_major(torch.arange(b * s).view(b, s), seq))
+        for local in (slice(0, h), slice(2, 4)):
+            want = token_major(rows, seq)[:, local].reshape(-1)
+            assert torch.equal(st.token_index(b, s, seq, "cpu", h, local), want)
+            assert torch.equal(st.token_index(b, s, seq, "cpu", h, local, of_token=True), want // h)
+    assert st.token_index(b, s, slice(0, s), "cpu") is st.token_index(b, s, slice(0, s), "cpu")  # once per step
+
+
+def test_host_values_of_mixed_dtypes_keep_their_order():
+    g = torch.Generator().manual_seed(0)
+    flags = list((torch.rand(70, generator=g) > 0.5).unbind(0))
+    ints = list(torch.randint(-5, 99, (9,), generator=g).unbind(0))
+    mixed = [t for pair in zip(flags, ints) for t in pair] + flags[9:] + [torch.tensor([7], dtype=torch.int32)]
+    assert host_values(mixed) == [int(t.item()) for t in mixed]
+
+
+def _guided_run(routing_edit):
+    from megatron_trace.megatron import StepGuidance, trace_guidance, trace_record, trace_spec
+
+    from .harness import batch, build_model, stock_spec, tiny_config
+
+    cfg = tiny_config()
+    tc = TraceConfig(guided_layers="all")
+    model = build_model(cfg, trace_spec(stock_spec(cfg), tc))
+    tokens, pos, mask, _ = data = batch()
+    with trace_record(model) as h, torch.no_grad():
+        model(tokens, pos, mask)
+    roll = h.recorded()
+    routing = {k: r.clone() for k, r in roll.routing.items()}
+    routing_edit(routing)
+    with trace_guidance(model, StepGuidance(sites=roll.sites, routing=routing)) as h, torch.no_grad():
+        model(*data[:3])
+    return h
+
+
+@pytest.mark.usefixtures("world1")
+def test_out_of_range_routing_names_its_layer():
+    from .harness import EXPERTS
+
+    def edit(routing):
+        routing[1][0, 3, 0] = EXPERTS
+
+    with pytest.raises(ValueError, match=r"routing indices for layer 1 must be in") as e:
+        _guided_run(edit)
+    assert "layer 0" not in str(e.value)
+
+
+@pytest.mark.usefixtures("world1")
+def test_repeated_replayed_expert_routes_fewer_rows():
+    """A token whose replayed top-k repeats an expert (found per step: the rows are then laid out with
+    ``nonzero``) has fewer FC2 rows; every other row is still guided."""
+    from .harness import TOPK
+
+    def edit(routing):
+        routing[0][0, 3, 1] = routing[0][0, 3, 0]
+
+    h = _guided_run(edit)
+    stats = h.stats()
+    full = sum(v for (layer, site, k), v in stats.items() if layer == 1 and site == "expert_fc2_in")
+    assert stats[(0, "expert_fc2_in", "used")] + stats.get((0, "expert_fc2_in", "expert_mismatch"), 0) == full - 1
+    assert full % TOPK == 0
