@@ -114,7 +114,7 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
-def profile_step(fn, device: str, top: int = 12) -> dict:
+def profile_step(fn, device: str, top: int = 20) -> dict:
     """One profiled step after one warm-up: host-blocking runtime calls, device time and the top ops by self
     device (CPU off CUDA) time. Host syncs are what make a guided step slower than its GPU work."""
     from torch.profiler import ProfilerActivity, profile

@@ -22,6 +22,14 @@ def _own(quantizer: Quantizer, x: torch.Tensor, kernel) -> Kernel:
     return select_kernel(kernel, x.device, unsupported=_STOCHASTIC if quantizer.rounding != "rne" else None)
 
 
+def abs_max(x: torch.Tensor, start_dim: int = 0) -> torch.Tensor:
+    """max|x| (float32) over the dims from ``start_dim`` on, shape ``x.shape[:start_dim]``: one read of x
+    (``aminmax``), where ``x.float().abs().amax(...)`` writes and reads two full-size copies. Same value
+    (negation and max are exact); a NaN in x gives NaN."""
+    lo, hi = torch.aminmax(x.detach().reshape(*x.shape[:start_dim], -1), dim=-1)
+    return torch.maximum(-lo, hi).float()
+
+
 def quantize(x: torch.Tensor, quantizer: Quantizer, *, global_amax=None, kernel: str | Kernel = "auto",
              check_finite: bool = True) -> FP4Tensor:
     """``quantizer.quantize(x, global_amax=...)``; the Triton path is one pass (two for a per-tensor amax).

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from ..kernels import abs_max
 from .rows import (
     Record,
     RowCodec,
@@ -209,7 +210,7 @@ class MoEStep:
             return _Forward(n_tokens, batch, t, e, None, slots, gathers)
         cols = [self._encode(site, g, n, dev) for site, g in gathers.items()]
         if self.per_tensor_fc1:
-            cols.append(encode_amax(hidden.detach().float().abs().amax().reshape(1, 1).expand(n, 1)))
+            cols.append(encode_amax(abs_max(hidden).reshape(1, 1).expand(n, 1)))
         width = sum(c.shape[1] for c in cols)
         pad = max(self.back_width - width, 0 if cols else 1)
         if pad:  # the combine path returns rows as wide as the dispatched ones
@@ -329,7 +330,7 @@ class MoEStep:
         q = self.state.config.activation_quantizer()
         amax = None
         if self.per_tensor_fc1:
-            amax = x.detach().float().abs().amax().reshape(1, 1).expand(x.shape[0], 1)
+            amax = abs_max(x).reshape(1, 1).expand(x.shape[0], 1)
         _, rec = quantize_rows_recorded(q, x, fc1, global_amax=amax)
         self.state.recorder.add_rows(self.layer, FC1, rec, batch)
 

@@ -12,7 +12,7 @@ import torch
 
 from ..config import TraceConfig
 from ..formats import FP4Tensor, Quantizer
-from ..kernels import fake_quantize
+from ..kernels import abs_max, fake_quantize
 from ..kernels.checks import FiniteCounter
 from .rows import RowGuidance, take
 
@@ -40,7 +40,7 @@ def safe_amax(amax: torch.Tensor | None) -> torch.Tensor | None:
 def _own_amax(quantizer: Quantizer, x: torch.Tensor, global_amax):
     """The amax for the own rounding: given, or per tensor over *all* rows (also for a subset of rows)."""
     if global_amax is None and quantizer.fmt == "nvfp4" and not quantizer.per_row:
-        global_amax = x.detach().float().abs().amax()
+        global_amax = abs_max(x)
     return safe_amax(global_amax)
 
 

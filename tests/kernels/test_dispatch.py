@@ -6,7 +6,7 @@ import torch
 from megatron_trace import kernels
 from megatron_trace.config import TraceConfig
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels import Kernel, select_kernel
+from megatron_trace.kernels import Kernel, abs_max, select_kernel
 
 
 def test_kernel_names_match_config_choices():
@@ -63,3 +63,16 @@ def test_stochastic_rounding_runs_on_the_reference_under_auto():
     assert kernels.quantize(x, q).codes.shape == (2, 16)
     with pytest.raises(ValueError, match="kernel='triton' cannot run"):
         kernels.quantize(x, q, kernel="triton")
+
+
+def test_abs_max_equals_the_reference_reduction():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        w = (torch.randn(5, 7, 48, generator=g) * 3).to(dtype)
+        w[2] = -w[2].abs()  # an expert whose amax is a negative value's magnitude
+        w[3] = 0.0
+        w[4, 0, 0] = -0.0
+        assert torch.equal(abs_max(w, start_dim=1), w.float().abs().amax(dim=(-2, -1)))
+        assert torch.equal(abs_max(w), w.float().abs().amax())
+    w[1, 2, 3] = float("nan")
+    assert abs_max(w, start_dim=1).isnan().tolist() == [False, True, False, False, False]
