@@ -51,6 +51,9 @@ def args_():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v)
     p.add_argument("--preset", choices=sorted(PRESETS), help="a model shape (overrides the shape flags)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"which of {', '.join(VARIANTS)} to time")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="forward + backward passes per optimizer step; > 1 also times the TRACE variants with "
+                        "reuse_weight_quant (+reuse: the experts' weights fake-quantized once per step)")
     p.add_argument("--gc", choices=("auto", "manual"), default="auto",
                    help="manual: freeze Python's GC after warm-up and collect between rounds (Megatron's --manual-gc)")
     p.add_argument("--kernels", default="auto,reference", help="TraceConfig.kernel values to time")
@@ -84,24 +87,31 @@ def unquantized_trace_spec(spec):
     return spec
 
 
-def train_step_fn(model, data, step_guidance=None, trace: bool = False):
-    """One optimizer step; ``trace``: a TRACE model without guidance runs ``check_finite`` before the
-    optimizer (its one host sync per step, as a training loop would), a guided step checks at the exit."""
-    from megatron_trace.megatron import StepGuidance, check_finite, trace_guidance
+def train_step_fn(model, data, step_guidance=None, trace: bool = False, micro_batches: int = 1,
+                  reuse: bool = False, opt=None):
+    """One optimizer step over ``micro_batches`` forward + backward passes (gradient accumulation); ``trace``: a
+    TRACE model without guidance runs ``check_finite`` before the optimizer (its one host sync per step, as a
+    training loop would), a guided step checks at each context exit. ``reuse``: the micro-batches run inside
+    ``reuse_weight_quant`` (the experts' weights fake-quantized once per step)."""
+    from contextlib import nullcontext
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=data[0].is_cuda)
+    from megatron_trace.megatron import StepGuidance, check_finite, reuse_weight_quant, trace_guidance
+
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-5, fused=data[0].is_cuda)
     tokens, pos, mask, labels = data
 
     def step():
         opt.zero_grad(set_to_none=True)
-        if step_guidance is None:
-            model(tokens, pos, mask, labels=labels).float().mean().backward()
-            if trace:
-                check_finite(model)
-        else:
-            sg = StepGuidance(sites=step_guidance.sites, routing=step_guidance.routing)
-            with trace_guidance(model, sg):
-                model(tokens, pos, mask, labels=labels).float().mean().backward()
+        with reuse_weight_quant(model) if reuse else nullcontext():
+            for _ in range(micro_batches):
+                if step_guidance is None:
+                    model(tokens, pos, mask, labels=labels).float().mean().backward()
+                else:
+                    sg = StepGuidance(sites=step_guidance.sites, routing=step_guidance.routing)
+                    with trace_guidance(model, sg):
+                        model(tokens, pos, mask, labels=labels).float().mean().backward()
+        if trace and step_guidance is None:
+            check_finite(model)
         opt.step()
 
     return step
@@ -253,7 +263,11 @@ def main():
         if guided:
             sg, layers = guidance_for(model, tc, cfg, a, device, data)
             extra["guided_layers"] = layers
-        fns[name] = train_step_fn(model, data, sg, trace=isinstance(tc, TraceConfig))
+        trace = isinstance(tc, TraceConfig)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device == "cuda")
+        fns[name] = train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt)
+        if trace and a.micro_batches > 1:  # the same model and optimizer, the weights quantized once per step
+            fns[name.replace("[", "+reuse[")] = train_step_fn(model, data, sg, trace, a.micro_batches, True, opt)
     times = interleaved_ms(fns, device, a.warmup, a.reps, manual_gc=a.gc == "manual")
     ms = {name: median(t) for name, t in times.items()}
     for name in fns:
@@ -265,8 +279,9 @@ def main():
             extra.setdefault("host_profile", {})[name] = host_profile(fn)
         if a.sync_sites and device == "cuda":
             extra.setdefault("sync_sites", {})[name] = sync_sites(fn)
-    pairs = [(f"trace_guided[{k}]", f"fp4_qat[{k}]") for k in a.kernels.split(",")]
-    pairs += [(f"{v}[{k}]", "bf16_grouped") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
+    pairs = [(f"trace_guided{r}[{k}]", f"fp4_qat{r}[{k}]") for k in a.kernels.split(",") for r in ("", "+reuse")]
+    pairs += [(f"{v}{r}[{k}]", "bf16_grouped") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")
+              for r in ("", "+reuse")]
     extra["round_ratio_median"] = {f"{x}/{y}": round(median([p / q for p, q in zip(times[x], times[y])]), 3)
                                    for x, y in pairs if x in times and y in times}
     base = ms.get("bf16_stock")
@@ -274,7 +289,7 @@ def main():
     out = {
         "bench": "qat_step", "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "smoke": a.smoke,
-        "preset": a.preset, "shape": {k: getattr(a, k) for k in SHAPE}, "gc": a.gc,
+        "preset": a.preset, "shape": {k: getattr(a, k) for k in SHAPE}, "gc": a.gc, "micro_batches": a.micro_batches,
         "warmup": a.warmup, "reps": a.reps, "kernel_resolved": resolved, **extra,
         "step_ms": {k: round(v, 3) for k, v in ms.items()},
         "ratio_vs_bf16_stock": {k: round(v / base, 3) for k, v in ms.items()} if base else None,

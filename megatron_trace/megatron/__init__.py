@@ -15,7 +15,15 @@ Megatron-LM: ``add_trace_args`` (extra_args_provider) + ``trace_config_from_args
 
 from .args import add_trace_args, trace_args_from_config, trace_config_from_args, trace_spec_from_args
 from .attention import TraceDotProductAttention, TraceKVCore
-from .context import StepGuidance, TraceStep, check_finite, find_trace_layers, trace_guidance, trace_record
+from .context import (
+    StepGuidance,
+    TraceStep,
+    check_finite,
+    find_trace_layers,
+    reuse_weight_quant,
+    trace_guidance,
+    trace_record,
+)
 from .experts import TraceExpertsCore, TraceSequentialMLP
 from .spec import TraceSpecProvider, get_trace_decoder_block_spec, get_trace_gpt_layer_spec, trace_spec
 from .step import GuidanceCoverageError, GuidanceFallbackError
@@ -25,6 +33,7 @@ __all__ = [
     "GuidanceCoverageError", "GuidanceFallbackError", "StepGuidance", "TE_EXTRA_HINT", "TraceDotProductAttention",
     "TraceExpertsCore", "TraceKVCore", "TraceSequentialMLP", "TraceSpecProvider", "TraceStep", "TraceTEGroupedMLP",
     "TraceWeightFetch", "add_trace_args", "check_finite", "find_trace_layers", "get_trace_decoder_block_spec",
-    "get_trace_gpt_layer_spec", "trace_args_from_config", "trace_config_from_args", "trace_guidance",
+    "get_trace_gpt_layer_spec", "reuse_weight_quant", "trace_args_from_config", "trace_config_from_args",
+    "trace_guidance",
     "trace_record", "trace_spec", "trace_spec_from_args",
 ]

@@ -29,7 +29,7 @@ from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
 from ..kernels.checks import FiniteCounter, host_values, raise_if_bad
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
-from .experts import TraceExpertsCore
+from .experts import TraceExpertsCore, TraceSequentialMLP
 from .moe_step import FC1, FC2, MoEStep
 from .recording import Recorder
 from .step import GuidanceCoverageError, StepState, check_site
@@ -210,6 +210,31 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
                 rr.clear_router_replay_action()
     _check_coverage(state, step)
     _raise_nonfinite(layers, "in this trace_guidance step")
+
+
+@contextmanager
+def reuse_weight_quant(model) -> Iterator[None]:
+    """Fake-quantize the routed experts' weights once for all micro-batches run inside (gradient accumulation):
+    ``with reuse_weight_quant(model): for mb in micro_batches: forward + backward``, then the optimizer step
+    outside. Same gradients bit for bit (straight-through, ``TraceConfig.ste_clip=False``); the kept weights
+    cost one bf16 copy of the local experts until the scope exits. Torch experts only (TE fetches its own)."""
+    layers = find_trace_layers(model)
+    experts = [moe.experts for moe in layers.moe.values()]
+    if layers.config.ste_clip:
+        raise ValueError("reuse_weight_quant needs TraceConfig.ste_clip=False (the clipped STE needs each "
+                         "micro-batch's mask)")
+    if any(not isinstance(e, TraceSequentialMLP) for e in experts):
+        raise ValueError("reuse_weight_quant supports the torch experts (TraceSequentialMLP); TE experts fetch and "
+                         "quantize their weights per call")
+    if any(e._weight_reuse is not None for e in experts):
+        raise RuntimeError("reuse_weight_quant scopes do not nest: this model is already inside one")
+    try:
+        for e in experts:
+            e._weight_reuse = {}
+        yield
+    finally:
+        for e in experts:
+            e._weight_reuse = None
 
 
 def check_finite(model) -> None:

@@ -30,6 +30,7 @@ from ..manifest import experts_name, module_excluded
 from .gemm import grouped_linear
 from .moe_step import FC1, FC2, ExpertRows
 from .sites import finite_checks, quantize_rows, quantize_rows_recorded, relabel
+from .weight_reuse import reuse_or_make
 
 _DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
 
@@ -61,6 +62,7 @@ class TraceExpertsCore:
 
     trace_config: TraceConfig
     _trace_step = None  # MoEStep while a trace_guidance context is open
+    _weight_reuse = None  # dict while a reuse_weight_quant scope is open (``weight_reuse``)
     trace_layer: int | None = None  # layer id, told by find_trace_layers (Megatron never tells the experts)
 
     def _init_trace(self, trace_config: TraceConfig, pg_collection) -> None:
@@ -217,8 +219,13 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
         self.gemm_impl = gemm_impl
 
     def _stacked(self, name: str) -> torch.Tensor:
-        """[E_local, M, K] fake-quantized weights of ``linear_fc1`` or ``linear_fc2``."""
-        return self.quantize_weights(torch.stack([getattr(e, name).weight for e in self.local_experts]))
+        """[E_local, M, K] fake-quantized weights of ``linear_fc1`` or ``linear_fc2`` (computed once per
+        ``reuse_weight_quant`` scope)."""
+        weights = [getattr(e, name).weight for e in self.local_experts]
+        make = lambda: self.quantize_weights(torch.stack(weights))  # noqa: E731
+        if self._weight_reuse is None or not self.trace_quantizes("weights"):
+            return make()
+        return reuse_or_make(self._weight_reuse, name, weights, make)
 
     def _fc1(self, x, tokens_per_expert):
         return grouped_linear(x, self._stacked("linear_fc1").to(x.dtype), tokens_per_expert, self.gemm_impl)

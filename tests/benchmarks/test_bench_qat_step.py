@@ -28,16 +28,18 @@ def test_smoke_run_times_and_profiles_every_variant(tmp_path):
     assert any("FakeQuant" in op for op, _, _ in out["profile"]["trace_guided[reference]"]["top_ops_ms"])
 
 
-def test_variant_subset_with_manual_gc_reports_round_ratios(tmp_path):
+def test_variant_subset_with_manual_gc_and_micro_batches_reports_round_ratios(tmp_path):
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_qat_step.py"), "--smoke", "--kernels", "reference",
-           "--variants", "fp4_qat,trace_guided", "--gc", "manual"]
+           "--micro-batches", "2", "--variants", "fp4_qat,trace_guided", "--gc", "manual"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(out["step_ms"]) == {"fp4_qat[reference]", "trace_guided[reference]"}
-    assert out["gc"] == "manual" and out["ratio_vs_bf16_grouped"] is None
-    (ratio,) = out["round_ratio_median"].values()
-    assert math.isfinite(ratio) and ratio > 0
+    assert set(out["step_ms"]) == {f"{v}{r}[reference]" for v in ("fp4_qat", "trace_guided") for r in ("", "+reuse")}
+    assert out["gc"] == "manual" and out["micro_batches"] == 2 and out["ratio_vs_bf16_grouped"] is None
+    ratios = out["round_ratio_median"]
+    assert set(ratios) == {"trace_guided[reference]/fp4_qat[reference]",
+                           "trace_guided+reuse[reference]/fp4_qat+reuse[reference]"}
+    assert all(math.isfinite(r) and r > 0 for r in ratios.values())
     bad = subprocess.run(cmd[:-4] + ["--variants", "fp8_qat"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bad.returncode != 0 and "fp8_qat" in bad.stderr

@@ -1,0 +1,77 @@
+"""``reuse_weight_quant``: the experts' fake-quantized weights computed once for several micro-batches give
+the same gradients, bit for bit, as quantizing them in every micro-batch."""
+
+from contextlib import nullcontext
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.megatron import StepGuidance, reuse_weight_quant, trace_guidance, trace_record, trace_spec
+
+from .harness import batch, build_model, stock_spec, tiny_config
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+
+def _model(**trace):
+    cfg = tiny_config()
+    return build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(**trace)))
+
+
+def _grads(model, micro, reuse: bool, guidance=None):
+    model.zero_grad(set_to_none=True)
+    experts = [m for m in model.modules() if hasattr(m, "_weight_reuse")]
+    with reuse_weight_quant(model) if reuse else nullcontext():
+        for data in micro:
+            if guidance is None:
+                model(*data[:3], labels=data[3]).float().mean().backward()
+            else:
+                with trace_guidance(model, StepGuidance(sites=guidance.sites, routing=guidance.routing)):
+                    model(*data[:3], labels=data[3]).float().mean().backward()
+        if reuse:  # the weights of both GEMMs were kept by the first micro-batch and served the others
+            assert all(set(m._weight_reuse) == {"linear_fc1", "linear_fc2"} for m in experts)
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_reused_weights_give_the_same_gradients(fmt):
+    model = _model(format=fmt)
+    micro = [batch(seed=s) for s in range(3)]
+    want = _grads(model, micro, reuse=False)
+    got = _grads(model, micro, reuse=True)
+    assert set(got) == set(want) and any("local_experts" in n for n in got)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+    assert all(m._weight_reuse is None for m in model.modules() if hasattr(m, "_weight_reuse"))  # scope closed
+
+
+def test_guided_micro_batches_reuse_too():
+    model = _model(guided_layers="all")
+    data = batch(seed=5)
+    with trace_record(model) as h, torch.no_grad():
+        model(*data[:3])
+    roll = h.recorded()
+    want = _grads(model, [data, data], reuse=False, guidance=roll)
+    got = _grads(model, [data, data], reuse=True, guidance=roll)
+    for n in want:
+        assert torch.equal(got[n], want[n]), n
+
+
+def test_an_update_inside_the_scope_raises():
+    model = _model()
+    data = batch()
+    expert = next(p for n, p in model.named_parameters() if "local_experts" in n)
+    with pytest.raises(RuntimeError, match="changed inside reuse_weight_quant"), reuse_weight_quant(model):
+        model(*data[:3], labels=data[3]).float().mean().backward()
+        with torch.no_grad():
+            expert.mul_(0.5)  # what an optimizer step would do
+        model(*data[:3], labels=data[3])
+
+
+def test_clipped_ste_and_nesting_are_refused():
+    with pytest.raises(ValueError, match="ste_clip=False"), reuse_weight_quant(_model(ste_clip=True)):
+        pass
+    model = _model()
+    with reuse_weight_quant(model), pytest.raises(RuntimeError, match="do not nest"), reuse_weight_quant(model):
+        pass
