@@ -56,18 +56,25 @@ def host_values(tensors: list[torch.Tensor]) -> list[int]:
     return out
 
 
-def read_and_reset(counters) -> list[tuple[str, int]]:
-    """(label, count) of every used counter, read with one host sync, and the counters set to 0."""
+def count_tensors(counters) -> list[torch.Tensor]:
+    """The device counts of the used counters (for a caller that reads them with other tensors, one sync)."""
+    return [c._count for c in counters if c.used]
+
+
+def read_and_reset(counters, counts: list[int] | None = None) -> list[tuple[str, int]]:
+    """(label, count) of every used counter, read with one host sync (or given: ``counts``, the values of
+    ``count_tensors(counters)``), and the counters set to 0."""
     used = [c for c in counters if c.used]
-    counts = host_values([c._count for c in used])
+    counts = host_values([c._count for c in used]) if counts is None else counts
     for c in used:
         c._count.zero_()
     return [(c.label, n) for c, n in zip(used, counts)]
 
 
-def raise_if_bad(counters, *, when: str = "") -> None:
-    """Raise ``NonFiniteError`` naming each site whose counter is non-zero (one host sync for all)."""
-    bad = [(label, n) for label, n in read_and_reset(counters) if n]
+def raise_if_bad(counters, *, when: str = "", counts: list[int] | None = None) -> None:
+    """Raise ``NonFiniteError`` naming each site whose counter is non-zero (one host sync for all, none when
+    the caller read ``counts``: see ``read_and_reset``)."""
+    bad = [(label, n) for label, n in read_and_reset(counters, counts) if n]
     if bad:
         sites = "; ".join(f"{label}: {n} NaN/Inf value(s)" for label, n in bad)
         raise NonFiniteError(f"FP4 quantization inputs held NaN/Inf{' ' + when if when else ''} ({sites}); "

@@ -26,7 +26,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
-from ..kernels.checks import FiniteCounter, host_values, raise_if_bad
+from ..kernels.checks import FiniteCounter, count_tensors, host_values, raise_if_bad
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore, TraceSequentialMLP
@@ -208,8 +208,10 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
             if rr is not None:
                 rr.clear_indices()
                 rr.clear_router_replay_action()
+    counters = _finite_counters(layers)
+    counts = state.resolve(extra=count_tensors(counters))  # one sync: row counts, deferred checks, NaN/Inf counts
     _check_coverage(state, step)
-    _raise_nonfinite(layers, "in this trace_guidance step")
+    raise_if_bad(counters, when="in this trace_guidance step", counts=counts)
 
 
 @contextmanager
@@ -243,12 +245,12 @@ def check_finite(model) -> None:
     With ``TraceConfig.finite_check="deferred"`` (the default) the quantizers only count NaN/Inf on the
     device (their outputs stay NaN/Inf); ``trace_guidance`` checks at its exit, and a training loop without
     it (plain FP4 QAT) calls this before ``optimizer.step()``: one host sync for the whole model."""
-    _raise_nonfinite(find_trace_layers(model), "since the last check")
+    raise_if_bad(_finite_counters(find_trace_layers(model)), when="since the last check")
 
 
-def _raise_nonfinite(layers: TraceLayers, when: str) -> None:
+def _finite_counters(layers: TraceLayers) -> list[FiniteCounter]:
     modules = [*(moe.experts for moe in layers.moe.values()), *layers.kv.values()]
-    raise_if_bad([c for m in modules for c in m._finite.values() if isinstance(c, FiniteCounter)], when=when)
+    return [c for m in modules for c in m._finite.values() if isinstance(c, FiniteCounter)]
 
 
 def _step_facts(steps) -> None:

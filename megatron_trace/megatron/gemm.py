@@ -12,6 +12,15 @@ import torch.nn.functional as F
 GEMM_IMPLS = ("auto", "loop", "grouped_mm")
 
 
+def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
+    """``t.to(device)``; a host tensor goes to a GPU from pinned memory without blocking (a pageable copy
+    would wait for the stream: a hidden sync)."""
+    device = torch.device(device)
+    if device.type == "cuda" and not t.is_cuda:
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _counts(tokens_per_expert) -> list[int]:
     if torch.is_tensor(tokens_per_expert):
         return [int(c) for c in tokens_per_expert.tolist()]
@@ -27,9 +36,7 @@ def grouped_linear_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> 
 def grouped_linear_mm(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """The same with ``torch._grouped_mm`` (offsets = cumulative row counts, int32; copied to the GPU from
     pinned memory without blocking the host)."""
-    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
-    if x.is_cuda:
-        offs = offs.pin_memory().to(x.device, non_blocking=True)
+    offs = to_device_async(torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32), x.device)
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 

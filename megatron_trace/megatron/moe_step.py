@@ -25,6 +25,7 @@ import torch
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
 from ..kernels import abs_max
+from .gemm import to_device_async
 from .rows import (
     Record,
     RowCodec,
@@ -307,7 +308,7 @@ class MoEStep:
         else:
             probs_dtype = torch.float32 if self.recording_fc2 else torch.uint8
             data, counts = experts.dispatch_payload(f.payload, f.expert, self.num_experts, probs_dtype)
-        tpe = torch.as_tensor(tokens_per_expert).to(counts.device, non_blocking=True)
+        tpe = to_device_async(torch.as_tensor(tokens_per_expert), counts.device)  # Megatron's are on the host
         if tpe.shape != counts.shape:
             raise RuntimeError(f"layer {self.layer}: {counts.numel()} guidance row counts for {tpe.numel()} experts")
         self.state.defer_check((counts != tpe).any(), f"layer {self.layer}: guidance rows per expert did not match "

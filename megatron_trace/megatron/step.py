@@ -100,13 +100,16 @@ class StepState:
         """Raise ``RuntimeError(message)`` at the next ``resolve`` if ``bad`` (a device bool) is True."""
         self.deferred.append((bad, message))
 
-    def resolve(self) -> None:
-        """Apply the pending counts and deferred checks with one host sync for all their tensors."""
+    def resolve(self, extra: list[torch.Tensor] = ()) -> list[int]:
+        """Apply the pending counts and deferred checks with one host sync for all their tensors (and
+        ``extra``'s, whose values are returned)."""
         pending, deferred = list(self.pending), list(self.deferred)
         self.pending.clear()  # in place: layer views of this state (``dataclasses.replace``) share the list
         self.deferred.clear()
         tensors = [v for _, _, u, r in pending for v in (u, *r.values()) if isinstance(v, torch.Tensor)]
-        values = host_values(tensors + [b for b, _ in deferred])
+        values = host_values(tensors + [b for b, _ in deferred] + list(extra))
+        extra_values = values[len(values) - len(extra):]
+        values = values[: len(values) - len(extra)]
         failed = [msg for (_, msg), bad in zip(deferred, values[len(tensors):]) if bad]
         host = iter(values[: len(tensors)])
         val = lambda v: next(host) if isinstance(v, torch.Tensor) else int(v)  # noqa: E731
@@ -116,6 +119,7 @@ class StepState:
             self._apply(layer, site, used, reasons)
         if failed:
             raise RuntimeError("; ".join(failed))
+        return extra_values
 
     def _apply(self, layer: int, site: str, used: int, reasons: dict[str, int]) -> None:
         self.counter.add(used, reasons)
