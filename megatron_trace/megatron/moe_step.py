@@ -92,7 +92,8 @@ class _Forward:
     expert: torch.Tensor  # int64 [Nv]: its expert
     payload: torch.Tensor | None  # uint8 [Nv, C] (None: the rows stay on this rank, see ``gathers``)
     slots: torch.Tensor | None  # int64 [T, topk]: expert of each slot (when recording)
-    gathers: dict | None = None  # site -> _Gather | None (no rows), when the rows stay on this rank
+    gathers: dict | None = None  # site -> RowGuidance in the experts' order, when the rows stay on this rank
+    counts: torch.Tensor | None = None  # with gathers: rows per local expert
 
 
 def _virtual_experts(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
@@ -207,8 +208,10 @@ class MoEStep:
         if FC2 in self.codecs:
             gathers[FC2] = self._fc2_rows(batch, full_s, t, e, bt, count, dev)
         slots = self._slots(router, routing_map) if self.state.recorder is not None else None
-        if self.local_rows:
-            return _Forward(n_tokens, batch, t, e, None, slots, gathers)
+        if self.local_rows:  # gathered here, before the dispatcher's host sync, not in the experts after it
+            order, counts = self.moe.experts.local_payload_order(e, self.num_experts)
+            rows = {site: self._permuted(site, g, order) for site, g in gathers.items()}
+            return _Forward(n_tokens, batch, t, e, None, slots, rows, counts)
         cols = [self._encode(site, g, n, dev) for site, g in gathers.items()]
         if self.per_tensor_fc1:
             cols.append(encode_amax(abs_max(hidden).reshape(1, 1).expand(n, 1)))
@@ -291,6 +294,11 @@ class MoEStep:
         })
         return _Gather(rec, row, ok)
 
+    def _permuted(self, site: str, gather: _Gather | None, order: torch.Tensor) -> RowGuidance:
+        if gather is None:
+            return self.codecs[site].decode(self.codecs[site].empty(order.numel(), order.device))
+        return gather.rows(order)
+
     def _encode(self, site: str, gather: _Gather | None, n: int, device) -> torch.Tensor:
         codec = self.codecs[site]
         return codec.empty(n, device) if gather is None else codec.encode(gather.rows())
@@ -304,7 +312,7 @@ class MoEStep:
         if f is None:
             raise RuntimeError(f"layer {self.layer}: the experts ran before the router hook (TRACE context not bound)")
         if f.gathers is not None:
-            order, counts = experts.local_payload_order(f.expert, self.num_experts)
+            counts = f.counts
         else:
             probs_dtype = torch.float32 if self.recording_fc2 else torch.uint8
             data, counts = experts.dispatch_payload(f.payload, f.expert, self.num_experts, probs_dtype)
@@ -319,8 +327,7 @@ class MoEStep:
                 rows = codec.decode(data[:, col : col + codec.width])
                 col += codec.width
             else:
-                g = f.gathers[site]
-                rows = codec.decode(codec.empty(order.numel(), order.device)) if g is None else g.rows(order)
+                rows = f.gathers[site]
             checked = self.fc1 if site == FC1 else self.fc2
             setattr(out, "fc1" if site == FC1 else "fc2", dataclasses.replace(rows, all_valid=checked.all_valid))
         if self.per_tensor_fc1:
