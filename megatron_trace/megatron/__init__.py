@@ -23,6 +23,7 @@ from .context import (
     reuse_weight_quant,
     trace_guidance,
     trace_record,
+    trace_train_step,
 )
 from .experts import TraceExpertsCore, TraceSequentialMLP
 from .spec import TraceSpecProvider, get_trace_decoder_block_spec, get_trace_gpt_layer_spec, trace_spec
@@ -34,6 +35,6 @@ __all__ = [
     "TraceExpertsCore", "TraceKVCore", "TraceSequentialMLP", "TraceSpecProvider", "TraceStep", "TraceTEGroupedMLP",
     "TraceWeightFetch", "add_trace_args", "check_finite", "find_trace_layers", "get_trace_decoder_block_spec",
     "get_trace_gpt_layer_spec", "reuse_weight_quant", "trace_args_from_config", "trace_config_from_args",
-    "trace_guidance",
+    "trace_guidance", "trace_train_step",
     "trace_record", "trace_spec", "trace_spec_from_args",
 ]

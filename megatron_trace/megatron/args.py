@@ -113,6 +113,10 @@ def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trace-finite-check", choices=FINITE_CHECKS, default=None,
                    help="NaN/Inf check of the FP4 QAT inputs: deferred (one host sync per step; call "
                         "megatron_trace.megatron.check_finite(model) before optimizer.step()) or sync (per call).")
+    g.add_argument("--trace-reuse-weight-quant", action="store_true",
+                   help="Fake-quantize the experts' weights once per optimizer step for all its micro-batches "
+                        "(one bf16 copy of the local experts; needs --no-trace-ste-clip, the default; torch "
+                        "experts). A training-loop option, not part of the TraceConfig.")
     g.add_argument("--trace-exclude-modules", type=_patterns, default=None,
                    help="Comma list of modules kept in BF16 on both sides, HF names with '*' "
                         "(e.g. 'model.layers.0.mlp.experts,model.layers.0.self_attn.kv_cache').")

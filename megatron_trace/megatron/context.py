@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -237,6 +237,19 @@ def reuse_weight_quant(model) -> Iterator[None]:
     finally:
         for e in experts:
             e._weight_reuse = None
+
+
+@contextmanager
+def trace_train_step(args, model) -> Iterator[None]:
+    """Megatron-LM's ``train_step`` around ``forward_backward_func`` (patches/): with ``--trace-fp4``, the
+    micro-batches run inside ``reuse_weight_quant`` when ``--trace-reuse-weight-quant`` is given, and the step's
+    deferred NaN/Inf check (``check_finite``) runs after the last backward, before the optimizer step."""
+    if not getattr(args, "trace_fp4", False):
+        yield
+        return
+    with reuse_weight_quant(model) if getattr(args, "trace_reuse_weight_quant", False) else nullcontext():
+        yield
+    check_finite(model)
 
 
 def check_finite(model) -> None:

@@ -75,3 +75,21 @@ def test_clipped_ste_and_nesting_are_refused():
     model = _model()
     with reuse_weight_quant(model), pytest.raises(RuntimeError, match="do not nest"), reuse_weight_quant(model):
         pass
+
+
+def test_megatron_lm_train_step_scope_follows_the_flags():
+    """What the Megatron-LM patch does around forward_backward_func in train_step."""
+    import argparse
+
+    from megatron_trace.megatron import add_trace_args, trace_train_step
+
+    model = _model()
+    experts = [m for m in model.modules() if hasattr(m, "_weight_reuse")]
+    parse = lambda flags: add_trace_args(argparse.ArgumentParser()).parse_args(flags)  # noqa: E731
+    data = batch()
+    for flags, reused in (([], False), (["--trace-fp4"], False), (["--trace-fp4", "--trace-reuse-weight-quant"], True)):
+        with trace_train_step(parse(flags), [model]):  # Megatron-LM passes its list of model chunks
+            for _ in range(2):
+                model(*data[:3], labels=data[3]).float().mean().backward()
+            assert all(bool(m._weight_reuse) == reused for m in experts), flags
+        assert all(m._weight_reuse is None for m in experts)
