@@ -2,10 +2,9 @@
 
 For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact + dequant, RNE
 fake-quant + STE mask) at the launch config of ``quant_triton.CONFIG["pair"]``: ``ptxas -v`` gives registers
-per thread and spill bytes; ``nvdisasm`` the whole kernel's SASS. ``fast_path_sass`` is the instructions a
-program runs when no tile needs the exact redo (the kernel minus the redo's basic blocks, found as the
-instructions of a build with the redo cut out); per element = that times 32 * num_warps / (BLOCK_M * K).
-``python benchmarks/sass_quant.py [--k 2048]`` prints one JSON row per op.
+per thread and spill bytes, ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's
+branch together: a static count, not the instructions one program runs); per element = that times
+32 * num_warps / (BLOCK_M * K). ``python benchmarks/sass_quant.py [--k 2048]`` prints one JSON row per op.
 """
 
 from __future__ import annotations
