@@ -14,7 +14,8 @@ Modes: ``bf16`` = the backend's bf16 mode (experts: ``torch._grouped_mm``; KV: t
 bf16); ``fp4`` = TRACE numerics (W4A4 emulation: activations quantized by the Triton quantize kernel, expert
 weights read packed by the Triton W4A16 grouped GEMM, FP4 KV cache quantized by Triton and read by the fused
 FP4-KV decode attention kernel); ``fp4u`` = ``fp4`` with the FP4 history dequantized to bf16, then SDPA.
-``--generate-batches``: also times ``HFRolloutBackend.generate`` (recorder included) on short prompts.
+``--generate-batches``: also times ``HFRolloutBackend.generate`` (recorder included) on short prompts, and in FP4
+modes without recording (``capture_share``: the part of the rollout time the guidance capture costs).
 ``--profile``: per point, the share of GPU time in attention (of which the KV update/dequantize and the
 attention kernels) vs the MoE block (torch.profiler over eager steps), and ``--attn-micro`` a per-layer
 attention micro-benchmark (bf16 SDPA, FP4 dequantize + SDPA, fused FP4 decode attention kernel).
@@ -296,25 +297,36 @@ def measure_point(be, mode, batch, length, args, gen) -> dict:
 
 
 def measure_generate(be, mode, batch, args) -> dict:
-    """``HFRolloutBackend.generate`` (recorder, sampling, assembly included) on random prompts."""
+    """``HFRolloutBackend.generate`` (recorder, sampling, assembly included) on random prompts; in FP4 modes
+    also without guidance recording (``set_guided_layers([])``): ``capture_share`` = the share of the
+    generate time that capturing the guidance costs."""
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, be.vocab_size, (args.gen_prompt,), generator=g).tolist() for _ in range(batch)]
     sp = SamplingParams(max_new_tokens=args.gen_tokens, seed=0, stop_token_ids=())
-    fused = be.fused_kv_attention
+    fused, guided = be.fused_kv_attention, sorted(be._guided_layer_ids)
     be.fused_kv_attention = fused and mode != "fp4u"
-    try:
+
+    def timed():
         be.generate(prompts, SamplingParams(max_new_tokens=2, seed=0, stop_token_ids=()))  # warm-up
         _sync(be.device)
         t0 = time.perf_counter()
         out = be.generate(prompts, sp)
         _sync(be.device)
-        sec = time.perf_counter() - t0
+        return time.perf_counter() - t0, out
+
+    try:
+        sec, out = timed()
+        row = {"bench": "decode_generate", "mode": mode, "batch": batch, "prompt": args.gen_prompt,
+               "new_tokens": args.gen_tokens, "sec": round(sec, 3),
+               "tok_s": round(int(out.response_lens.sum()) / sec, 1), "guided_sites": len(be.guided_sites)}
+        if be.guided_sites:
+            be.set_guided_layers([])
+            bare, _ = timed()
+            row.update(sec_no_capture=round(bare, 3), capture_share=round((sec - bare) / sec, 3))
     finally:
         be.fused_kv_attention = fused
-    toks = int(out.response_lens.sum())
-    return {"bench": "decode_generate", "mode": mode, "batch": batch, "prompt": args.gen_prompt,
-            "new_tokens": args.gen_tokens, "sec": round(sec, 3), "tok_s": round(toks / sec, 1),
-            "guided_sites": len(be.guided_sites)}
+        be.set_guided_layers(guided)
+    return row
 
 
 def emit(row: dict, out) -> None:

@@ -34,6 +34,8 @@ def test_smoke_run_emits_every_point_and_a_plot(tmp_path):
     assert all(fp4[k] * 4 < bf16[k] for k in fp4)
     gen = [r for r in rows if r["bench"] == "decode_generate"]
     assert {r["mode"] for r in gen} == {"bf16", "fp4", "fp4u"} and all(r["tok_s"] > 0 for r in gen)
+    assert all(("capture_share" in r) == (r["mode"] != "bf16") for r in gen)  # FP4 records guidance, BF16 not
+    assert all(r["sec_no_capture"] > 0 for r in gen if r["mode"] != "bf16")
     ratios = rows[-1]["over_bf16"]
     assert len(ratios) == 8 and all(r["eager_x"] > 0 for r in ratios)
     png = tmp_path / "decode.png"
