@@ -1,4 +1,4 @@
-"""Fake-quantized expert weights computed once for several micro-batches (``context.reuse_weight_quant``).
+"""Fake-quantized expert weights computed once for several micro-batches (``train_step.reuse_weight_quant``).
 
 Inside the scope the first forward of an experts module fake-quantizes its stacked weights as usual and keeps
 the value; later forwards return that value through ``ReusedWeights``, whose backward is the straight-through
