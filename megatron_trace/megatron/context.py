@@ -87,8 +87,13 @@ def find_trace_layers(model) -> TraceLayers:
 
     Also binds each experts module to its layer id, which applies ``TraceConfig.exclude_modules``
     (Megatron never tells experts their layer), and raises ``ModulePatternError`` for a pattern that
-    matches none of the model's routed experts / KV caches. Call it once after building the model."""
+    matches none of the model's routed experts / KV caches. Call it once after building the model; later calls
+    on the same model (chunks) return the same result without walking it again (``trace_guidance`` and
+    ``check_finite`` run per step)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
+    cached = chunks[0].__dict__.get("_trace_layers")
+    if cached is not None and len(cached[0]) == len(chunks) and all(a is b for a, b in zip(cached[0], chunks)):
+        return cached[1]
     moe, kv, cfgs, num_layers = {}, {}, set(), 0
     for chunk in chunks:
         for name, m in chunk.named_modules():
@@ -108,6 +113,7 @@ def find_trace_layers(model) -> TraceLayers:
         raise ValueError(f"the model's TRACE modules disagree on their TraceConfig ({len(cfgs)} different)")
     layers = TraceLayers(moe, kv, cfgs.pop(), num_layers)
     _apply_exclusions(layers)
+    chunks[0].__dict__["_trace_layers"] = (tuple(chunks), layers)  # not a submodule: no state_dict entry
     return layers
 
 

@@ -80,3 +80,18 @@ def test_repeated_replayed_expert_routes_fewer_rows():
     full = sum(v for (layer, site, k), v in stats.items() if layer == 1 and site == "expert_fc2_in")
     assert stats[(0, "expert_fc2_in", "used")] + stats.get((0, "expert_fc2_in", "expert_mismatch"), 0) == full - 1
     assert full % TOPK == 0
+
+
+@pytest.mark.usefixtures("world1")
+def test_find_trace_layers_walks_a_model_once():
+    from megatron_trace.megatron import find_trace_layers, trace_spec
+
+    from .harness import build_model, stock_spec, tiny_config
+
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig()))
+    first = find_trace_layers(model)
+    assert find_trace_layers(model) is first and find_trace_layers([model]) is first  # per step: no second walk
+    other = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig()))
+    assert find_trace_layers(other) is not first  # another model is walked
+    assert not any("_trace_layers" in k for k in model.state_dict())
