@@ -75,3 +75,23 @@ def test_backward_outside_the_context_loses_the_guidance(rollout):
     *_, g0, _, _ = _train_step(_model(), data, roll)
     *_, g1, _, _ = _train_step(_model(**RECOMPUTE["full"]), data, roll, backward_inside=False)
     assert any(not torch.equal(g1[n], g0[n]) for n in g0)
+
+
+@pytest.mark.parametrize("kind", list(RECOMPUTE))
+def test_weight_reuse_with_recompute_gives_the_same_gradients(kind):
+    """``reuse_weight_quant`` over micro-batches whose backward recomputes the experts: the recompute takes the
+    kept weights too, and the gradients equal a run without reuse and without recompute."""
+    from megatron_trace.megatron import reuse_weight_quant
+
+    micro = [batch(seed=s) for s in range(2)]
+
+    def grads(model, reuse):
+        model.zero_grad(set_to_none=True)
+        with reuse_weight_quant(model) if reuse else torch.enable_grad():
+            for tokens, pos, mask, labels in micro:
+                model(tokens, pos, mask, labels=labels).float().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want = grads(_model(), reuse=False)
+    got = grads(_model(**RECOMPUTE[kind]), reuse=True)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
