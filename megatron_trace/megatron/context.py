@@ -30,6 +30,7 @@ from ..kernels.checks import FiniteCounter, count_tensors, host_values, raise_if
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
+from .gemm import to_device_async
 from .moe_step import FC1, FC2, MoEStep
 from .recording import Recorder
 from .step import GuidanceCoverageError, StepState, check_site
@@ -178,8 +179,8 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
     ``step=None`` runs the trainer's own rounding (and records, with ``record=True``). ``compact``
     chooses the recorded kind (default: the config's cache_mode).
     """
-    step = step if step is not None else StepGuidance()
     layers = find_trace_layers(model)
+    step = _on_model_device(step if step is not None else StepGuidance(), layers)
     cfg = layers.config
     state = StepState(
         config=cfg, counter=step.counter, fallback=step.fallback or cfg.fallback,
@@ -218,6 +219,33 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
     counts = state.resolve(extra=count_tensors(counters))  # one sync: row counts, deferred checks, NaN/Inf counts
     _check_coverage(state, step)
     raise_if_bad(counters, when="in this trace_guidance step", counts=counts)
+
+
+def guidance_to(step: StepGuidance, device) -> StepGuidance:
+    """``step`` with every tensor on ``device`` (records, valid flags, expert ids, routing, token mask); host
+    tensors go to a GPU from pinned memory without blocking the host. Same counter object."""
+    device = torch.device(device)
+    mv = lambda t: t if t is None else to_device_async(t, device)  # noqa: E731
+    sites = {key: dataclasses.replace(sg, record=_record_to(sg.record, mv), valid=mv(sg.valid),
+                                      expert_ids=mv(sg.expert_ids)) for key, sg in step.sites.items()}
+    routing = {layer: mv(r) for layer, r in step.routing.items()}
+    return dataclasses.replace(step, sites=sites, routing=routing, token_mask=mv(step.token_mask))
+
+
+def _record_to(record, mv):
+    tensors = {f.name: mv(getattr(record, f.name)) for f in dataclasses.fields(record)
+               if isinstance(getattr(record, f.name), torch.Tensor)}
+    return dataclasses.replace(record, **tensors)
+
+
+def _on_model_device(step: StepGuidance, layers: TraceLayers) -> StepGuidance:
+    """Host guidance (e.g. assembled from the host cache) copied to the model's GPU once, at the context entry:
+    the forward's own copies from pageable memory would each wait for the stream, mid-forward."""
+    modules = [*layers.moe.values(), *layers.kv.values()]
+    device = next((p.device for m in modules for p in m.parameters()), None)
+    if device is None or device.type != "cuda":
+        return step
+    return guidance_to(step, device)
 
 
 def check_finite(model) -> None:

@@ -95,3 +95,31 @@ def test_find_trace_layers_walks_a_model_once():
     other = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig()))
     assert find_trace_layers(other) is not first  # another model is walked
     assert not any("_trace_layers" in k for k in model.state_dict())
+
+
+@pytest.mark.usefixtures("world1")
+def test_guidance_to_moves_every_tensor_and_keeps_the_counter():
+    """What ``trace_guidance`` does on a GPU model with host guidance (the RL driver's assembled records)."""
+    import dataclasses
+
+    from megatron_trace.megatron import StepGuidance, trace_record, trace_spec
+    from megatron_trace.megatron.context import guidance_to
+
+    from .harness import batch, build_model, stock_spec, tiny_config
+
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all")))
+    tokens, pos, mask, _ = batch()
+    with trace_record(model) as h, torch.no_grad():
+        model(tokens, pos, mask)
+    rec = h.recorded()
+    step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=torch.ones(tokens.shape, dtype=torch.bool))
+    moved = guidance_to(step, "meta")
+    assert moved.counter is step.counter and moved.sites.keys() == step.sites.keys()
+    tensors = lambda s: [t for sg in s.sites.values() for t in (  # noqa: E731
+        sg.valid, sg.expert_ids, *(getattr(sg.record, f.name) for f in dataclasses.fields(sg.record)))
+        if isinstance(t, torch.Tensor)] + list(s.routing.values()) + [s.token_mask]
+    assert all(t.is_meta for t in tensors(moved))
+    assert [t.shape for t in tensors(moved)] == [t.shape for t in tensors(step)]
+    same = guidance_to(step, "cpu")  # already there: the same tensors, no copies
+    assert all(a is b for a, b in zip(tensors(same), tensors(step)))
