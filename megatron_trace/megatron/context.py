@@ -221,14 +221,17 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
     raise_if_bad(counters, when="in this trace_guidance step", counts=counts)
 
 
-def guidance_to(step: StepGuidance, device) -> StepGuidance:
-    """``step`` with every tensor on ``device`` (records, valid flags, expert ids, routing, token mask); host
-    tensors go to a GPU from pinned memory without blocking the host. Same counter object."""
+def guidance_to(step: StepGuidance, device, layers=None) -> StepGuidance:
+    """``step`` with every tensor on ``device`` (records, valid flags, expert ids, routing, token mask; only those
+    of ``layers`` when given); host tensors go to a GPU from pinned memory without blocking the host. Same
+    counter object."""
     device = torch.device(device)
     mv = lambda t: t if t is None else to_device_async(t, device)  # noqa: E731
+    held = (lambda layer: True) if layers is None else set(layers).__contains__
     sites = {key: dataclasses.replace(sg, record=_record_to(sg.record, mv), valid=mv(sg.valid),
-                                      expert_ids=mv(sg.expert_ids)) for key, sg in step.sites.items()}
-    routing = {layer: mv(r) for layer, r in step.routing.items()}
+                                      expert_ids=mv(sg.expert_ids)) if held(key[0]) else sg
+             for key, sg in step.sites.items()}
+    routing = {layer: mv(r) if held(layer) else r for layer, r in step.routing.items()}
     return dataclasses.replace(step, sites=sites, routing=routing, token_mask=mv(step.token_mask))
 
 
@@ -245,7 +248,7 @@ def _on_model_device(step: StepGuidance, layers: TraceLayers) -> StepGuidance:
     device = next((p.device for m in modules for p in m.parameters()), None)
     if device is None or device.type != "cuda":
         return step
-    return guidance_to(step, device)
+    return guidance_to(step, device, layers=(*layers.moe, *layers.kv))  # this rank's layers (pipeline stages)
 
 
 def check_finite(model) -> None:

@@ -123,3 +123,6 @@ def test_guidance_to_moves_every_tensor_and_keeps_the_counter():
     assert [t.shape for t in tensors(moved)] == [t.shape for t in tensors(step)]
     same = guidance_to(step, "cpu")  # already there: the same tensors, no copies
     assert all(a is b for a, b in zip(tensors(same), tensors(step)))
+    part = guidance_to(step, "meta", layers=[1])  # a pipeline stage moves its own layers only
+    assert all(sg.valid.is_meta == (key[0] == 1) for key, sg in part.sites.items())
+    assert all(r.is_meta == (layer == 1) for layer, r in part.routing.items())
