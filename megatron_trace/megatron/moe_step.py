@@ -46,6 +46,7 @@ from .step import (
     CheckedSite,
     GuidanceFallbackError,
     StepState,
+    counted_sum,
     counted_total,
     counted_valid,
     flat_record,
@@ -106,10 +107,6 @@ def _virtual_experts(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
 def _virtual_token_ids(tokens: int, topk: int, device) -> torch.Tensor:
     """int64 [T * topk]: 0, .., 0, 1, .., 1, ... (each token ``topk`` times)."""
     return torch.arange(tokens * topk, device=device).div(topk, rounding_mode="floor")
-
-
-def _masked_sum(flags: torch.Tensor, count: torch.Tensor | None) -> torch.Tensor:
-    return flags.sum() if count is None else (flags & count).sum()
 
 
 class MoEStep:
@@ -176,7 +173,7 @@ class MoEStep:
         token = self.state.token_index(B, full_s, seq, hidden.device)  # [T]: each token's batch-major row
         fc1 = self._fc1_rows(seq, B, full_s, count, token, hidden.device)  # batch-major rows [B * full_s]
         if not self.guide_fc2 and FC2 in self.state.config.guided_sites and self.state.config.quantizes(FC2):
-            self.state.count(self.layer, FC2, 0, {NOT_GUIDED: _masked_sum(routing_map, None if count is None
+            self.state.count(self.layer, FC2, 0, {NOT_GUIDED: counted_sum(routing_map, None if count is None
                                                                            else count[:, None])})
         self._fwd = None
         if self.needs_dispatch:
@@ -289,8 +286,8 @@ class MoEStep:
         has = match.any(1)
         valid = sg.valid.to(device).reshape(-1).index_select(0, row)
         ok = valid & has
-        self.state.count(self.layer, FC2, _masked_sum(ok, cnt), {
-            EXPERT_MISMATCH: _masked_sum(~has, cnt), INVALID: _masked_sum(has & ~valid, cnt),
+        self.state.count(self.layer, FC2, counted_sum(ok, cnt), {
+            EXPERT_MISMATCH: counted_sum(~has, cnt), INVALID: counted_sum(has & ~valid, cnt),
         })
         return _Gather(rec, row, ok)
 

@@ -133,18 +133,15 @@ class StepState:
                 "(use fallback='rne' to fall back to the trainer's own rounding)"
             )
 
-    def count_mask(self, seq: slice, tokens: int, device) -> torch.Tensor:
-        """bool [T]: which local tokens count (Megatron token order)."""
+    def counted(self, seq: slice, tokens: int, device) -> torch.Tensor | None:
+        """bool [T]: which local tokens count (Megatron token order); None where every token counts (no
+        ``token_mask``)."""
         if self.token_mask is None:
-            return torch.ones(tokens, dtype=torch.bool, device=device)
+            return None
         m = token_major(self.token_mask.to(device), seq)
         if m.numel() != tokens:
             raise ValueError(f"StepGuidance.token_mask {tuple(self.token_mask.shape)} does not fit {tokens} tokens")
         return m
-
-    def counted(self, seq: slice, tokens: int, device) -> torch.Tensor | None:
-        """``count_mask``, or None where every token counts (no ``token_mask``)."""
-        return None if self.token_mask is None else self.count_mask(seq, tokens, device)
 
     def cached(self, key: tuple, make):
         """``make()``, built once per step for ``key`` (index tensors every layer of the step shares)."""
@@ -246,12 +243,17 @@ def counted_total(count: torch.Tensor | None, tokens: int):
     return tokens if count is None else count.sum()
 
 
+def counted_sum(flags: torch.Tensor, count: torch.Tensor | None) -> torch.Tensor:
+    """Set ``flags`` among the counted rows (``count`` bool, same shape or broadcastable; None: all count)."""
+    return flags.sum() if count is None else (flags & count).sum()
+
+
 def counted_valid(valid: torch.Tensor, count: torch.Tensor | None, token: torch.Tensor) -> torch.Tensor:
     """Counted tokens whose batch-major ``valid`` [B, S] is set; ``token``: the local tokens' rows
     (``StepState.token_index``), ``count``: bool in token order (None: every token counts)."""
-    if count is None:
-        return valid.sum() if token.numel() == valid.numel() else valid.reshape(-1).index_select(0, token).sum()
-    return (valid.reshape(-1).index_select(0, token) & count).sum()
+    if count is None and token.numel() == valid.numel():  # every token, each once: no gather needed
+        return valid.sum()
+    return counted_sum(valid.reshape(-1).index_select(0, token), count)
 
 
 def flat_record(record: Record, lead: int) -> Record:
