@@ -120,8 +120,8 @@ def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     if bits.shape[-1] % 8:
         raise ValueError(f"pack_bits needs a last dim divisible by 8, got shape {tuple(bits.shape)}")
     b = bits.to(torch.uint8).reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8)
-    weights = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8, device=bits.device)
-    return (b * weights).sum(-1, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)  # made on the device: no host copy, no sync
+    return (b << shifts).sum(-1, dtype=torch.uint8)
 
 
 def unpack_bits(packed: torch.Tensor) -> torch.Tensor:

@@ -266,7 +266,8 @@ class HFRolloutBackend:
         stop = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
         fork = shared_prompts(prompts) if self.prefix_reuse else None
         rows = b if fork is None else fork.num_unique
-        recorder = GuidanceRecorder(rows, self.guided_sites, compact=self.config.cache_mode == "compact")
+        recorder = GuidanceRecorder(rows, self.guided_sites, compact=self.config.cache_mode == "compact",
+                                     kernel=self.config.kernel)
         cache = self.new_cache(recorder)
         with self.forward_context(recorder):
             steps = self._decode(ids, attn, sampling, gen, stop, cache, recorder, fork)

@@ -32,7 +32,7 @@ from ..formats import FP4Tensor, Quantizer
 from ..formats.sglang_kvfp4 import SGLangKVQuantizer
 from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
-from .recorder import GuidanceRecorder, map_record
+from .recorder import GuidanceRecorder
 
 KVQuantizer = Quantizer | SGLangKVQuantizer
 """``TraceConfig.kv_quantizer()``: the activation quantizer, or SGLang's KV format (``kv_format``)."""
@@ -183,12 +183,7 @@ class FP4KVLayer(DynamicLayer):
             q = self.quantizer.quantize(x)
         rows.append(q)
         if self.recorder is not None:
-            # record batch-major [B, t, kv_heads, ...]
-            shape = (x.shape[0], x.shape[2], x.shape[1], x.shape[3])
-            self.recorder.add_batch_major(
-                self.layer_idx, site,
-                lambda compact: map_record(q.guidance(compact), lambda t: t.transpose(1, 2).contiguous(), shape),
-            )
+            self.recorder.add_heads_major(self.layer_idx, site, q)
         return rows.dequantize(x.dtype) if read else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -15,6 +15,7 @@ import torch
 
 from ..formats import CompactGuidance, FP4Tensor, FullGuidance
 from ..guidance.site import SiteGuidance, SiteKey
+from ..kernels import compact_guidance
 
 Record = FullGuidance | CompactGuidance
 _PAYLOAD = {FullGuidance: "codes", CompactGuidance: "mantissa_bits"}
@@ -58,18 +59,25 @@ def take_positions(t: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) ->
 
 
 class GuidanceRecorder:
-    """Step-wise store of routing choices and guidance records for one ``generate`` call."""
+    """Step-wise store of routing choices and guidance records for one ``generate`` call.
 
-    def __init__(self, batch_size: int, sites: set[SiteKey], compact: bool):
+    ``kernel`` ("auto" | "triton" | "reference") computes the compact records: on CUDA one Triton launch
+    per record and step, with no host sync (a sync per record stalled every decode step)."""
+
+    def __init__(self, batch_size: int, sites: set[SiteKey], compact: bool, kernel: str = "auto"):
         self.batch_size = batch_size
         self.sites = set(sites)
         self.compact = compact
+        self.kernel = kernel
         self._records: dict[SiteKey, list[Record]] = {key: [] for key in self.sites}
         self._routing: dict[int, list[torch.Tensor]] = {}
         self._valid: list[torch.Tensor] = []
 
     def wants(self, layer: int, site: str) -> bool:
         return (layer, site) in self.sites
+
+    def _record(self, q: FP4Tensor) -> Record:
+        return compact_guidance(q, kernel=self.kernel) if self.compact else q.guidance(compact=False)
 
     def _rows_to_batch(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(self.batch_size, -1, *t.shape[1:])  # [B*t, ...] -> [B, t, ...]
@@ -83,12 +91,14 @@ class GuidanceRecorder:
         if not self.wants(layer, site):
             return
         shape = (self.batch_size, q.shape[0] // self.batch_size, *q.shape[1:])
-        self._records[(layer, site)].append(map_record(q.guidance(compact=self.compact), self._rows_to_batch, shape))
+        self._records[(layer, site)].append(map_record(self._record(q), self._rows_to_batch, shape))
 
-    def add_batch_major(self, layer: int, site: str, rec_fn: Callable[[bool], Record]) -> None:
-        """A record already laid out [B, t, ...] (built lazily: only when the site is wanted)."""
+    def add_heads_major(self, layer: int, site: str, q: FP4Tensor) -> None:
+        """Quantized K or V rows [B, heads, t, head_dim], recorded batch-major [B, t, heads, head_dim]."""
         if self.wants(layer, site):
-            self._records[(layer, site)].append(rec_fn(self.compact))
+            b, h, t, d = q.shape
+            self._records[(layer, site)].append(
+                map_record(self._record(q), lambda x: x.transpose(1, 2).contiguous(), (b, t, h, d)))
 
     def end_step(self, valid: torch.Tensor) -> None:
         """bool [B, t]: which of this step's input positions hold real tokens."""

@@ -73,12 +73,17 @@ def test_slot_capture_errors():
         SlotCapture([SiteSpec(0, "kv_k", (2, 16))])
 
 
-def test_mantissa_bytes_equal_pack_bits():
-    from megatron_trace.formats import e2m1
+def test_mantissa_bytes_against_a_bit_loop():
     from megatron_trace.rollout.sglang.records import mantissa_bytes
 
     codes = torch.randint(0, 256, (3, 5, 24), dtype=torch.uint8)  # packed codes of K = 48
-    assert torch.equal(mantissa_bytes(codes), e2m1.pack_bits(e2m1.mantissa_bit(e2m1.unpack(codes))))
+    want = torch.zeros(3, 5, 6, dtype=torch.uint8)
+    for idx in torch.cartesian_prod(*(torch.arange(n) for n in codes.shape)).tolist():
+        byte = int(codes[tuple(idx)])
+        for j, nibble in enumerate((byte & 0xF, byte >> 4)):  # element 2i (low nibble) then 2i+1
+            e = 2 * idx[2] + j
+            want[idx[0], idx[1], e // 8] |= (nibble & 1) << (e % 8)
+    assert torch.equal(mantissa_bytes(codes), want)
 
 
 TRACE_SCRIPT = """

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...formats import CompactGuidance, FP4Tensor, FullGuidance, sglang_kvfp4
+from ...formats import CompactGuidance, FP4Tensor, FullGuidance, e2m1, sglang_kvfp4
 from ...formats.registry import get_format
 from ...guidance.site import SiteGuidance, SiteKey
 
@@ -65,11 +65,8 @@ def _bytes(t: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 def mantissa_bytes(codes: torch.Tensor) -> torch.Tensor:
-    """Packed codes [..., Kp/2] -> packed mantissa bits [..., Kp/8], the bytes of
-    ``e2m1.pack_bits(e2m1.mantissa_bit(e2m1.unpack(codes)))`` with device ops only (CUDA-graph capturable)."""
-    bits = torch.stack((codes & 1, (codes >> 4) & 1), dim=-1).flatten(-2)  # [..., Kp], element 2i first
-    shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
-    return (bits.unflatten(-1, (-1, 8)) << shifts).sum(-1, dtype=torch.uint8)
+    """Packed codes [..., Kp/2] -> packed mantissa bits [..., Kp/8] (device ops only: CUDA-graph capturable)."""
+    return e2m1.pack_bits(e2m1.mantissa_bit(e2m1.unpack(codes)))
 
 
 def encode_rows(q: FP4Tensor, spec: SiteSpec) -> torch.Tensor:
