@@ -30,8 +30,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import json
 import logging
+import statistics
 import time
 
 import torch
@@ -298,35 +300,82 @@ def measure_point(be, mode, batch, length, args, gen) -> dict:
 
 def measure_generate(be, mode, batch, args) -> dict:
     """``HFRolloutBackend.generate`` (recorder, sampling, assembly included) on random prompts; in FP4 modes
-    also without guidance recording (``set_guided_layers([])``): ``capture_share`` = the share of the
-    generate time that capturing the guidance costs."""
+    also without guidance recording (``set_guided_layers([])``), interleaved over ``--gen-reps`` rounds:
+    ``capture_share`` = the median over rounds of the share of the generate time that capturing costs.
+    ``--profile-generate``: also the host functions (cProfile) that take the most extra time when capturing."""
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, be.vocab_size, (args.gen_prompt,), generator=g).tolist() for _ in range(batch)]
     sp = SamplingParams(max_new_tokens=args.gen_tokens, seed=0, stop_token_ids=())
     fused, guided = be.fused_kv_attention, sorted(be._guided_layer_ids)
     be.fused_kv_attention = fused and mode != "fp4u"
 
-    def timed():
-        be.generate(prompts, SamplingParams(max_new_tokens=2, seed=0, stop_token_ids=()))  # warm-up
+    def timed(capture: bool, prof=None):
+        be.set_guided_layers(guided if capture else [])
         _sync(be.device)
+        if prof is not None:
+            prof.enable()
         t0 = time.perf_counter()
         out = be.generate(prompts, sp)
         _sync(be.device)
-        return time.perf_counter() - t0, out
+        sec = time.perf_counter() - t0
+        if prof is not None:
+            prof.disable()
+        return sec, out
 
     try:
-        sec, out = timed()
+        be.generate(prompts, SamplingParams(max_new_tokens=2, seed=0, stop_token_ids=()))  # warm-up
+        sites = len(be.guided_sites)
+        captures = [True, False] if sites else [True]
+        secs: dict[bool, list[float]] = {c: [] for c in captures}
+        manual = args.gen_gc == "manual"
+        if manual:  # like Megatron-LM's --manual-gc: no collection inside a timed generate
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+        try:
+            for _ in range(args.gen_reps):
+                for c in captures:
+                    sec, out = timed(c)
+                    secs[c].append(sec)
+                    if manual:
+                        gc.collect()
+        finally:
+            if manual:
+                gc.enable()
+                gc.unfreeze()
+        sec = statistics.median(secs[True])
         row = {"bench": "decode_generate", "mode": mode, "batch": batch, "prompt": args.gen_prompt,
-               "new_tokens": args.gen_tokens, "sec": round(sec, 3),
-               "tok_s": round(int(out.response_lens.sum()) / sec, 1), "guided_sites": len(be.guided_sites)}
-        if be.guided_sites:
-            be.set_guided_layers([])
-            bare, _ = timed()
-            row.update(sec_no_capture=round(bare, 3), capture_share=round((sec - bare) / sec, 3))
+               "new_tokens": args.gen_tokens, "reps": args.gen_reps, "gc": args.gen_gc, "sec": round(sec, 3),
+               "tok_s": round(int(out.response_lens.sum()) / sec, 1), "guided_sites": sites}
+        if False in secs:
+            shares = [(a - b) / a for a, b in zip(secs[True], secs[False])]
+            row.update(sec_no_capture=round(statistics.median(secs[False]), 3),
+                       capture_share=round(statistics.median(shares), 3),
+                       capture_share_of_min=round(1 - min(secs[False]) / min(secs[True]), 3),
+                       capture_shares=[round(v, 3) for v in shares],
+                       secs=[round(v, 3) for v in secs[True]], secs_no_capture=[round(v, 3) for v in secs[False]])
+            if args.profile_generate:
+                row["capture_hot"] = _capture_hot(timed)
     finally:
         be.fused_kv_attention = fused
         be.set_guided_layers(guided)
     return row
+
+
+def _capture_hot(timed, top: int = 25) -> list:
+    """cProfile of one generate with and one without capture: the functions whose own time grew most."""
+    import cProfile
+    import pstats
+
+    own = {}
+    for c in (True, False):
+        prof = cProfile.Profile()
+        timed(c, prof)
+        own[c] = {f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}": (v[1], v[2]) for k, v in pstats.Stats(prof).stats.items()}
+    diff = {k: (v[1] - own[False].get(k, (0, 0.0))[1], v[0] - own[False].get(k, (0, 0.0))[0])
+            for k, v in own[True].items()}
+    hot = sorted(diff.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[k, round(dt * 1e3, 2), dn] for k, (dt, dn) in hot]
 
 
 def emit(row: dict, out) -> None:
@@ -354,6 +403,10 @@ def parse_args(argv):
     p.add_argument("--generate-batches", default="", help="also time generate() at these batches")
     p.add_argument("--gen-prompt", type=int, default=128)
     p.add_argument("--gen-tokens", type=int, default=64)
+    p.add_argument("--gen-reps", type=int, default=3, help="interleaved rounds of generate with/without capture")
+    p.add_argument("--gen-gc", choices=("auto", "manual"), default="auto",
+                   help="manual: Python's GC frozen and disabled inside the timed generate calls, collected between")
+    p.add_argument("--profile-generate", action="store_true", help="cProfile: where capture's host time goes")
     p.add_argument("--budget-s", type=float, default=0.0, help="stop adding points after this many seconds")
     p.add_argument("--out", default=None, help="append JSON lines to this file")
     p.add_argument("--layers", type=int, default=None)

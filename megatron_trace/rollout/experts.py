@@ -84,23 +84,25 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         )
     layer = num.layer_of[id(self)]
     fp4 = layer not in num.bf16_layers
-    forward, fc1, fc2 = w4a4_experts_forward, self.gate_up_proj, self.down_proj
+    rec = num.recorder
+    forward, fc1, fc2, extra = w4a4_experts_forward, self.gate_up_proj, self.down_proj, {}
     if _fast_path(num, hidden_states):
         forward = grouped_experts_forward
         if fp4 and num.weight_store is not None:
             fc1, fc2 = num.weight_store.stacked(layer, FC1), num.weight_store.stacked(layer, FC2)
+        if rec is not None and rec.compact:  # the quantize pass writes the compact records too
+            extra = dict(record_fc1=rec.wants(layer, "expert_fc1_in"), record_fc2=rec.wants(layer, "expert_fc2_in"))
     res = forward(
         hidden_states, top_k_index, top_k_weights, fc1, fc2,
         activation_quantizer=num.activation_quantizer, quantize_fc1=num.quantize_fc1 and fp4,
-        quantize_fc2=num.quantize_fc2 and fp4, apply_gate=self._apply_gate,
+        quantize_fc2=num.quantize_fc2 and fp4, apply_gate=self._apply_gate, **extra,
     )
-    rec = num.recorder
     if rec is not None:
         rec.add_routing(layer, top_k_index)
         if res.fc1_in is not None:
-            rec.add_rows(layer, "expert_fc1_in", res.fc1_in)
+            rec.add_rows(layer, "expert_fc1_in", res.fc1_in, res.fc1_record)
         if res.fc2_in is not None:
-            rec.add_rows(layer, "expert_fc2_in", res.fc2_in)
+            rec.add_rows(layer, "expert_fc2_in", res.fc2_in, res.fc2_record)
     return res.out
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..formats import FP4Tensor, Quantizer
+from ..formats import CompactGuidance, FP4Tensor, Quantizer
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,10 @@ class ExpertsOutput:
     """expert_fc1_in rows [T, H] as quantized (None when the site is not quantized)."""
     fc2_in: FP4Tensor | None = None
     """expert_fc2_in rows [T, k, F] as quantized, slots in the router's top-k order."""
+    fc1_record: CompactGuidance | None = None
+    """The compact record of ``fc1_in``, emitted by the quantize pass (``record_fc1``; GPU path only)."""
+    fc2_record: CompactGuidance | None = None
+    """The compact record of ``fc2_in`` (``record_fc2``; GPU path only)."""
 
 
 def w4a4_experts_forward(
@@ -183,12 +187,14 @@ def _grouped_dense(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
-def _quantize_dequantize(x: torch.Tensor, quantizer: Quantizer) -> tuple[FP4Tensor, torch.Tensor]:
-    """One Triton pass: the FP4 rows of x and their dequantized values in x.dtype (the reference's bits)."""
+def _quantize_dequantize(x: torch.Tensor, quantizer: Quantizer, record: bool = False
+                         ) -> tuple[FP4Tensor, CompactGuidance | None, torch.Tensor]:
+    """One Triton pass: the FP4 rows of x, their compact record (``record``: mantissa bits written by the same
+    pass) and their dequantized values in x.dtype (the reference's bits)."""
     from ..kernels import fused
 
-    q, _, out = fused.quantize(x, quantizer, deq_dtype=x.dtype, check_finite=False)
-    return q, out["deq"].view(x.shape)
+    q, rec, out = fused.quantize(x, quantizer, record=record, deq_dtype=x.dtype, check_finite=False)
+    return q, rec, out["deq"].view(x.shape)
 
 
 def grouped_experts_forward(
@@ -202,6 +208,8 @@ def grouped_experts_forward(
     quantize_fc1: bool = True,
     quantize_fc2: bool = True,
     apply_gate: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    record_fc1: bool = False,
+    record_fc2: bool = False,
 ) -> ExpertsOutput:
     """The GPU path of ``w4a4_experts_forward``: one grouped GEMM per matrix kind, no host sync.
 
@@ -211,15 +219,16 @@ def grouped_experts_forward(
     (same codes and values as the reference). The GEMMs accumulate in fp32 with the exact FP4 weight
     values, so outputs equal the reference's within bf16 rounding, not bit for bit. Expert ids are not
     range-checked (that would sync); CUDA, bf16 hidden only. No host sync: capturable in a CUDA graph.
+    ``record_fc1`` / ``record_fc2``: the quantize pass of that site also writes its compact guidance record.
     """
     from ..kernels import fp4_grouped_mm
 
     tokens, k = top_k_index.shape
     num_experts = fc1.shape[0]
     x = hidden  # [T, H]
-    q1 = q2 = None
+    q1 = q2 = r1 = r2 = None
     if quantize_fc1:
-        q1, x = _quantize_dequantize(x, activation_quantizer)
+        q1, r1, x = _quantize_dequantize(x, activation_quantizer, record_fc1)
     flat = top_k_index.reshape(-1)  # [T*k]
     ids, order = torch.sort(flat, stable=True)
     experts = torch.arange(num_experts, device=flat.device, dtype=ids.dtype)
@@ -232,10 +241,10 @@ def grouped_experts_forward(
     act = torch.empty_like(h)
     act[order] = h  # (token, slot) order
     if quantize_fc2:
-        q2, act = _quantize_dequantize(act.view(tokens, k, -1), activation_quantizer)
+        q2, r2, act = _quantize_dequantize(act.view(tokens, k, -1), activation_quantizer, record_fc2)
         act = act.view(tokens * k, -1)
     y = gemm(act[order], fc2)  # [T*k, H]
     out = torch.empty_like(y)
     out[order] = y
     out = out.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(out.dtype)
-    return ExpertsOutput(out.sum(1).to(hidden.dtype), q1, q2)
+    return ExpertsOutput(out.sum(1).to(hidden.dtype), q1, q2, r1, r2)

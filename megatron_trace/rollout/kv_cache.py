@@ -32,6 +32,7 @@ from ..formats import FP4Tensor, Quantizer
 from ..formats.sglang_kvfp4 import SGLangKVQuantizer
 from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
+from ..kernels import quantize_and_record
 from .recorder import GuidanceRecorder
 
 KVQuantizer = Quantizer | SGLangKVQuantizer
@@ -177,13 +178,17 @@ class FP4KVLayer(DynamicLayer):
         rows = self._rows[site]
         if isinstance(rows, _PlainRows):
             return rows.append(x)
-        if isinstance(self.quantizer, Quantizer):
-            q = kernel_quantize(x, self.quantizer, kernel=self.kernel, check_finite=False)
-        else:
+        rec = self.recorder
+        record = None
+        if not isinstance(self.quantizer, Quantizer):
             q = self.quantizer.quantize(x)
+        elif rec is not None and rec.compact and rec.wants(self.layer_idx, site):  # one pass writes the record too
+            q, record = quantize_and_record(x, self.quantizer, kernel=self.kernel, check_finite=False)
+        else:
+            q = kernel_quantize(x, self.quantizer, kernel=self.kernel, check_finite=False)
         rows.append(q)
-        if self.recorder is not None:
-            self.recorder.add_heads_major(self.layer_idx, site, q)
+        if rec is not None:
+            rec.add_heads_major(self.layer_idx, site, q, record)
         return rows.dequantize(x.dtype) if read else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

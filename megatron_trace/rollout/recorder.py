@@ -76,8 +76,10 @@ class GuidanceRecorder:
     def wants(self, layer: int, site: str) -> bool:
         return (layer, site) in self.sites
 
-    def _record(self, q: FP4Tensor) -> Record:
-        return compact_guidance(q, kernel=self.kernel) if self.compact else q.guidance(compact=False)
+    def _record(self, q: FP4Tensor, record: CompactGuidance | None) -> Record:
+        if not self.compact:
+            return q.guidance(compact=False)
+        return compact_guidance(q, kernel=self.kernel) if record is None else record
 
     def _rows_to_batch(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(self.batch_size, -1, *t.shape[1:])  # [B*t, ...] -> [B, t, ...]
@@ -86,19 +88,20 @@ class GuidanceRecorder:
         """``top_k_index`` int [B*t, topk] of this step."""
         self._routing.setdefault(layer, []).append(self._rows_to_batch(top_k_index.long()))
 
-    def add_rows(self, layer: int, site: str, q: FP4Tensor) -> None:
-        """Quantized rows with leading dim ``B*t`` (token-major), e.g. [B*t, hidden]."""
+    def add_rows(self, layer: int, site: str, q: FP4Tensor, record: CompactGuidance | None = None) -> None:
+        """Quantized rows with leading dim ``B*t`` (token-major), e.g. [B*t, hidden]. ``record``: their compact
+        record when the quantize pass already wrote it (used only in compact mode)."""
         if not self.wants(layer, site):
             return
         shape = (self.batch_size, q.shape[0] // self.batch_size, *q.shape[1:])
-        self._records[(layer, site)].append(map_record(self._record(q), self._rows_to_batch, shape))
+        self._records[(layer, site)].append(map_record(self._record(q, record), self._rows_to_batch, shape))
 
-    def add_heads_major(self, layer: int, site: str, q: FP4Tensor) -> None:
+    def add_heads_major(self, layer: int, site: str, q: FP4Tensor, record: CompactGuidance | None = None) -> None:
         """Quantized K or V rows [B, heads, t, head_dim], recorded batch-major [B, t, heads, head_dim]."""
         if self.wants(layer, site):
             b, h, t, d = q.shape
             self._records[(layer, site)].append(
-                map_record(self._record(q), lambda x: x.transpose(1, 2).contiguous(), (b, t, h, d)))
+                map_record(self._record(q, record), lambda x: x.transpose(1, 2).contiguous(), (b, t, h, d)))
 
     def end_step(self, valid: torch.Tensor) -> None:
         """bool [B, t]: which of this step's input positions hold real tokens."""

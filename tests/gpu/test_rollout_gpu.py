@@ -132,3 +132,33 @@ def test_recording_a_decode_step_does_not_sync():
             torch.cuda.set_sync_debug_mode("default")
     for key, chunks in rec._records.items():
         assert len(chunks) == 2 and chunks[1].shape[:2] == (2, 1), key
+
+
+def test_records_written_by_the_quantize_pass_equal_the_reference_bits():
+    """The compact records the quantize kernels write in the same pass (experts' FC1/FC2 rows, K/V) are the
+    reference's mantissa bits of the codes they stored, bit for bit."""
+    from megatron_trace.formats import Quantizer
+    from megatron_trace.rollout.fp4_moe import grouped_experts_forward
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(37, 256, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(0, 4, (37, 2), device="cuda", generator=g)
+    w = torch.rand(37, 2, device="cuda", generator=g).bfloat16()
+    fc1 = (torch.randn(4, 256, 256, device="cuda", generator=g) / 16).bfloat16()
+    fc2 = (torch.randn(4, 256, 128, device="cuda", generator=g) / 16).bfloat16()
+    res = grouped_experts_forward(h, idx, w, fc1, fc2, activation_quantizer=Quantizer("nvfp4", per_row=True),
+                                  record_fc1=True, record_fc2=True)
+    for q, r in ((res.fc1_in, res.fc1_record), (res.fc2_in, res.fc2_record)):
+        assert torch.equal(r.mantissa_bits, q.guidance(compact=True).mantissa_bits)
+        assert torch.equal(r.block_scales.view(torch.uint8), q.block_scales.view(torch.uint8))
+
+    be = _backend("fp4", "auto")
+    rec = GuidanceRecorder(2, be.guided_sites, compact=True, kernel="auto")
+    with be.forward_context(rec) as model:
+        cache = be.new_cache(rec)
+        model(input_ids=torch.randint(3, 512, (2, 24), device="cuda"), use_cache=True, **be.cache_kwargs(cache))
+    kv = [key for key in rec.sites if key[1].startswith("kv_")]
+    assert kv
+    for layer, site in kv:
+        want = cache.layers[layer].fp4_history(site).guidance(compact=True).mantissa_bits.transpose(1, 2)
+        assert torch.equal(rec._records[(layer, site)][0].mantissa_bits, want), (layer, site)
