@@ -17,9 +17,4 @@ echo "profile rc=$? after ${SECONDS}s"; grep "ms/step" "$R/p.log"
 timeout 80 python3 benchmarks/bench_qat_step.py --kernels auto --warmup 2 --reps 5 --sync-sites \
   > "$OUT/qat_syncs.json" 2> "$R/s.log"
 echo "syncs rc=$? after ${SECONDS}s"; grep "ms/step" "$R/s.log"
-for arm in fp4_qat trace; do
-  OUT="$R/rl_$arm" SEEDS=0 ARMS="$arm" QM_EVERY=0 INSTALL_WHL=0 BUDGET_S=105 \
-    EXTRA="sft.steps=50 rl.eval_problems=64" bash benchmarks/gpu_rl_seeds.sh 12 > "$R/rl_$arm.log" 2>&1
-  echo "rl $arm done after ${SECONDS}s"; tail -n 2 "$R/rl_$arm.log"
-done
-tar -czf "$OUT/rl.tgz" -C "$R" rl_fp4_qat rl_trace
+bash benchmarks/rl_overhead.sh "$R" && cp "$R/rl.tgz" "$OUT/"

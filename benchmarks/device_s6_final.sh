@@ -7,10 +7,7 @@
 #     --generate-batches 8,64 --gen-tokens 64 --gen-reps 7 [--gen-gc manual]
 # Needs the wheels in ./.whl (carry .whl). -> $OUT/*
 set -uo pipefail
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD:$PWD/benchmarks"
+source benchmarks/_device_env.sh
 timeout 200 python3 -m pytest -q -p no:cacheprovider -n 8 -rfE --tb=short tests/kernels/test_quant_triton.py \
   tests/gpu/test_megatron_gpu.py tests/gpu/test_rollout_gpu.py > "$OUT/pytest.log" 2>&1
 echo "tests rc=$? after ${SECONDS}s"; grep -E "passed|failed|FAILED|Error" "$OUT/pytest.log" | tail -n 12

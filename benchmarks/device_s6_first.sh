@@ -6,19 +6,17 @@
 #   python3 benchmarks/bench_qat_step.py --preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided \
 #     --kernels auto --warmup 2 --reps 8 --gc manual [--micro-batches 4 --reps 5]
 #   python3 benchmarks/bench_decode.py --modes bf16,fp4 --batches 8 --lengths 1024 --no-graph \
-#     --generate-batches 8,64 --gen-tokens 128
+#     --generate-batches 8,64 --gen-tokens 128 --gen-reps 1
 # Needs the wheels in ./.whl (carry .whl). -> $OUT/*.json, logs
 set -uo pipefail
-OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD:$PWD/benchmarks"
+source benchmarks/_device_env.sh
 V=bf16_grouped,fp4_qat,trace_guided
 timeout 150 python3 -m pytest -q -p no:cacheprovider -n 4 -rfE --tb=short tests/gpu/test_megatron_gpu.py \
   tests/gpu/test_rollout_gpu.py > "$OUT/pytest.log" 2>&1
 echo "tests rc=$? after ${SECONDS}s"; grep -E "passed|failed|FAILED" "$OUT/pytest.log" | tail -n 12
 timeout 110 python3 benchmarks/bench_decode.py --modes bf16,fp4 --batches 8 --lengths 1024 --no-graph \
-  --generate-batches 8,64 --gen-tokens 128 > "$OUT/decode_capture.jsonl" 2> "$OUT/decode.log"
+  --generate-batches 8,64 --gen-tokens 128 --gen-reps 1 \
+  > "$OUT/decode_capture.jsonl" 2> "$OUT/decode.log"
 echo "capture rc=$? after ${SECONDS}s"; grep decode_generate "$OUT/decode_capture.jsonl"
 timeout 140 python3 benchmarks/bench_qat_step.py --preset qwen3-30b-a3b --variants $V --kernels auto --warmup 2 \
   --reps 8 --gc manual > "$OUT/qat_step_qwen3.json" 2> "$OUT/qat_qwen3.log"

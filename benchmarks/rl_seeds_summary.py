@@ -56,6 +56,7 @@ def per_seed(rows: list[dict]) -> dict[str, float | None]:
         "guided_code_mismatch": mean("quant/guided/code_mismatch_rate"),
         "bytes_per_token": mean("cache/bytes_per_token"),
         "step_s_median": median("time/step_s"), "train_s_median": median("time/train_s"),
+        "guidance_s_median": median("time/guidance_s"),
     }
 
 

@@ -212,7 +212,9 @@ class GRPORun:
                                device=batch.tokens.device)
         adv = group_advantages(rewards, cfg.group_size)
         full = batch.guidance
+        t_guid = time.perf_counter()
         sg, counter, bpt = self._guidance(step, batch, full)
+        t_guid = time.perf_counter() - t_guid
         record = self.arm.trainer_fp4 and cfg.quant_metrics_every and step % cfg.quant_metrics_every == 0
         self.policy.optimizer.zero_grad()
         with self._trainer_context(sg, record=bool(record)) as h:
@@ -241,7 +243,8 @@ class GRPORun:
         check_mismatch_gate(metrics, cfg.max_logprob_abs_diff)
         t_end = time.perf_counter()
         metrics.update({"time/step_s": t_end - t0, "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll,
-                        "time/sync_s": t_end - t_train, "policy_version": float(self.state.version)})
+                        "time/guidance_s": t_guid, "time/sync_s": t_end - t_train,
+                        "policy_version": float(self.state.version)})
         metrics.update({f"topology/{k}": float(v) for k, v in self.topology.items()})  # mismatch depends on it
         self.state.step += 1
         return metrics

@@ -14,7 +14,8 @@ def test_smoke_run_emits_every_point_and_a_plot(tmp_path):
     out = tmp_path / "decode.jsonl"
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--smoke", "--profile", "--out", str(out),
-           "--generate-batches", "2", "--gen-prompt", "8", "--gen-tokens", "3"]
+           "--generate-batches", "2", "--gen-prompt", "8", "--gen-tokens", "3", "--gen-reps", "2",
+           "--gen-gc", "manual", "--profile-generate"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -36,6 +37,10 @@ def test_smoke_run_emits_every_point_and_a_plot(tmp_path):
     assert {r["mode"] for r in gen} == {"bf16", "fp4", "fp4u"} and all(r["tok_s"] > 0 for r in gen)
     assert all(("capture_share" in r) == (r["mode"] != "bf16") for r in gen)  # FP4 records guidance, BF16 not
     assert all(r["sec_no_capture"] > 0 for r in gen if r["mode"] != "bf16")
+    for r in gen:  # two interleaved rounds each way; cProfile's hot list of the capture
+        assert len(r["secs"]) == 2 and r["gc"] == "manual"
+        if r["mode"] != "bf16":
+            assert len(r["capture_shares"]) == len(r["secs_no_capture"]) == 2 and r["capture_hot"]
     ratios = rows[-1]["over_bf16"]
     assert len(ratios) == 8 and all(r["eager_x"] > 0 for r in ratios)
     png = tmp_path / "decode.png"
