@@ -60,3 +60,16 @@ def test_budget_stops_adding_points(tmp_path):
     measured = [r for r in rows if r["bench"] == "decode"]
     skipped = [r for r in rows if r["bench"] == "decode_skipped"]
     assert len(measured) <= 1 and len(measured) + len(skipped) == 12 and rows[-1]["bench"] == "decode_summary"
+
+
+def test_profile_generate_smoke():
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_generate.py"), "--smoke", "--batch", "2", "--tokens", "3",
+           "--top", "5"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [r["mode"] for r in rows] == ["bf16", "fp4"]
+    for r in rows:
+        assert len(r["top_own_ms"]) == 5 and r["sec"] > 0
+        assert r["top_cumulative_ms"][0][0].endswith("generate")  # the timed call itself holds the most

@@ -126,3 +126,52 @@ def test_guidance_to_moves_every_tensor_and_keeps_the_counter():
     part = guidance_to(step, "meta", layers=[1])  # a pipeline stage moves its own layers only
     assert all(sg.valid.is_meta == (key[0] == 1) for key, sg in part.sites.items())
     assert all(r.is_meta == (layer == 1) for layer, r in part.routing.items())
+
+
+@pytest.mark.usefixtures("world1")
+def test_padding_that_repeats_an_expert_is_replayed_without_nonzero():
+    """Rollouts fill the routing of padding positions with expert 0, a repeated expert. With the step's
+    ``token_mask`` those positions are replayed as experts 0..k-1, so the guided step lays out its rows without
+    ``nonzero`` (a host sync per MoE layer on the GPU); every real token's logits equal the ``nonzero`` path's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_trace.megatron import StepGuidance, trace_guidance, trace_record, trace_spec
+
+    from .harness import batch, build_model, stock_spec, tiny_config
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all")))
+    tokens, pos, mask, _ = batch()
+    with trace_record(model) as h, torch.no_grad():
+        model(tokens, pos, mask)
+    roll = h.recorded()
+    real = torch.ones(tokens.shape, dtype=torch.bool)
+    real[0, -3:] = False  # the last 3 positions of row 0 are padding
+    routing = {k: r.clone() for k, r in roll.routing.items()}
+    for r in routing.values():
+        r[0, -3:] = 0
+    given = {k: r.clone() for k, r in routing.items()}
+    logits, names, grads = {}, {}, {}
+    for key, token_mask in (("masked", real), ("unmasked", None)):
+        ops = Ops()
+        model.zero_grad(set_to_none=True)
+        with trace_guidance(model, StepGuidance(sites=roll.sites, routing=routing, token_mask=token_mask)):
+            with ops:
+                logits[key] = model(tokens, pos, mask)
+            logits[key].float()[real].square().mean().backward()  # a loss on real tokens only
+        names[key] = ops.names
+        grads[key] = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert "nonzero" not in names["masked"] and "nonzero" in names["unmasked"]
+    assert torch.equal(logits["masked"][real], logits["unmasked"][real])
+    assert grads["masked"].keys() == grads["unmasked"].keys()
+    assert all(torch.equal(g, grads["unmasked"][n]) for n, g in grads["masked"].items())
+    assert all(torch.equal(routing[k], given[k]) for k in routing)  # the caller's routing is not modified
