@@ -35,18 +35,24 @@ def test_host_values_of_mixed_dtypes_keep_their_order():
     assert host_values(mixed) == [int(t.item()) for t in mixed]
 
 
-def _guided_run(routing_edit):
-    from megatron_trace.megatron import StepGuidance, trace_guidance, trace_record, trace_spec
+def _recorded():
+    """A 4-layer model guiding every layer, a batch, and the trainer's own recording of it (a rollout stand-in)."""
+    from megatron_trace.megatron import trace_record, trace_spec
 
     from .harness import batch, build_model, stock_spec, tiny_config
 
     cfg = tiny_config()
-    tc = TraceConfig(guided_layers="all")
-    model = build_model(cfg, trace_spec(stock_spec(cfg), tc))
-    tokens, pos, mask, _ = data = batch()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all")))
+    data = batch()
     with trace_record(model) as h, torch.no_grad():
-        model(tokens, pos, mask)
-    roll = h.recorded()
+        model(*data[:3])
+    return model, data, h.recorded()
+
+
+def _guided_run(routing_edit):
+    from megatron_trace.megatron import StepGuidance, trace_guidance
+
+    model, data, roll = _recorded()
     routing = {k: r.clone() for k, r in roll.routing.items()}
     routing_edit(routing)
     with trace_guidance(model, StepGuidance(sites=roll.sites, routing=routing)) as h, torch.no_grad():
@@ -102,17 +108,10 @@ def test_guidance_to_moves_every_tensor_and_keeps_the_counter():
     """What ``trace_guidance`` does on a GPU model with host guidance (the RL driver's assembled records)."""
     import dataclasses
 
-    from megatron_trace.megatron import StepGuidance, trace_record, trace_spec
+    from megatron_trace.megatron import StepGuidance
     from megatron_trace.megatron.context import guidance_to
 
-    from .harness import batch, build_model, stock_spec, tiny_config
-
-    cfg = tiny_config()
-    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all")))
-    tokens, pos, mask, _ = batch()
-    with trace_record(model) as h, torch.no_grad():
-        model(tokens, pos, mask)
-    rec = h.recorded()
+    _, (tokens, *_), rec = _recorded()
     step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=torch.ones(tokens.shape, dtype=torch.bool))
     moved = guidance_to(step, "meta")
     assert moved.counter is step.counter and moved.sites.keys() == step.sites.keys()
@@ -135,9 +134,7 @@ def test_padding_that_repeats_an_expert_is_replayed_without_nonzero():
     ``nonzero`` (a host sync per MoE layer on the GPU); every real token's logits equal the ``nonzero`` path's."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from megatron_trace.megatron import StepGuidance, trace_guidance, trace_record, trace_spec
-
-    from .harness import batch, build_model, stock_spec, tiny_config
+    from megatron_trace.megatron import StepGuidance, trace_guidance
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -148,12 +145,7 @@ def test_padding_that_repeats_an_expert_is_replayed_without_nonzero():
             self.names.add(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    cfg = tiny_config()
-    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all")))
-    tokens, pos, mask, _ = batch()
-    with trace_record(model) as h, torch.no_grad():
-        model(tokens, pos, mask)
-    roll = h.recorded()
+    model, (tokens, pos, mask, _), roll = _recorded()
     real = torch.ones(tokens.shape, dtype=torch.bool)
     real[0, -3:] = False  # the last 3 positions of row 0 are padding
     routing = {k: r.clone() for k, r in roll.routing.items()}
