@@ -6,8 +6,8 @@ One query token per sequence, the model's heads (GQA). For each (batch, L): the 
   fused       the exact fused kernel (``decode_attention(exact=True)``: the reference's bf16 K/V in registers)
               at (block_t, num_warps) (64, 4), and its variants fused_w8 (64, 8), fused_bt32 (32, 4) (the keys
               ``bench_decode.tune_attention`` reads);
-  fused_fast  the fast fused kernel at its defaults (``kernels.kv_attention.fp4kv_decode_attention``, the
-              dispatch's default: K/V as exact FP4 values), and ``fast_bt{BT}_w{warps}_s{stages}`` for the
+  fused_fast  the fast fused kernel at its defaults (``kernels.kv_attention.fp4kv_decode_attention(exact=False)``,
+              the rollout's default: K/V as exact FP4 values), and ``fast_bt{BT}_w{warps}_s{stages}`` for the
               launch configs in ``FAST_ALT``;
 with the KV bytes each reads (bf16 bytes for bf16, the FP4 bytes for the others) and that rate as a fraction of
 the copy bandwidth (``*_frac_copy``), and the fused kernels' relative errors against SDPA over the bf16
@@ -62,7 +62,7 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
     scale = d**-0.5
     ref = _sdpa(q, dequantize(kq, torch.bfloat16), dequantize(vq, torch.bfloat16))
     ref32 = _sdpa(q.float(), dequantize(kq, torch.float32), dequantize(vq, torch.float32))
-    fast = fp4kv_decode_attention(q, kq, vq)
+    fast = fp4kv_decode_attention(q, kq, vq, exact=False)
     errs = {"fused_rel_err": _rel(kt.decode_attention(q, kq, vq, scale=scale, exact=True), ref),
             "fast_rel_err": _rel(fast, ref), "fast_rel_err_fp32": _rel(fast, ref32)}
     del ref32
@@ -72,7 +72,7 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
         **{name: (lambda bt=bt, nw=nw: kt.decode_attention(q, kq, vq, scale=scale, exact=True, block_t=bt,
                                                            num_warps=nw))
            for name, (bt, nw) in EXACT_VARIANTS.items()},
-        "fused_fast": lambda: fp4kv_decode_attention(q, kq, vq),
+        "fused_fast": lambda: fp4kv_decode_attention(q, kq, vq, exact=False),
         **{f"fast_bt{bt}_w{nw}_s{ns}": (lambda bt=bt, nw=nw, ns=ns: kt.decode_attention(
             q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns))
            for bt, nw, ns in FAST_ALT if (bt, nw, ns) != kt.fast_config(d)},

@@ -32,6 +32,15 @@ SWEEP_BUDGET_S = 110.0
 """``--elem``: the element-wise kernels (``PAIR_KERNEL`` off; CONFIG "elem"), for comparison."""
 
 
+def _index_path(fn):
+    """fn() with the guided compact tile of sessions 3-6 (E2M1 indices; ``quant_triton.GUIDED_BY_MAGNITUDE``)."""
+    quant_triton.GUIDED_BY_MAGNITUDE = False
+    try:
+        return fn()
+    finally:
+        quant_triton.GUIDED_BY_MAGNITUDE = True
+
+
 def cases(x, rows, k):
     q_row, q_ten = Quantizer("nvfp4", per_row=True), Quantizer("nvfp4")
     q_mx = Quantizer("mxfp4", scale_rule="ceil")
@@ -53,6 +62,9 @@ def cases(x, rows, k):
         "quantize_mxfp4_ceil": (lambda: fused.quantize(x, q_mx, check_finite=False), xb + n // 2 + n // 32),
         "guided_compact+dequant(fake-quant fwd)": (
             lambda: fused.guided(x, rec, write_codes=False, deq_dtype=x.dtype, check_finite=False), 2 * xb + rec_b),
+        "guided_compact+dequant(index path)": (
+            lambda: _index_path(lambda: fused.guided(x, rec, write_codes=False, deq_dtype=x.dtype,
+                                                     check_finite=False)), 2 * xb + rec_b),
         "guided_full+dequant": (
             lambda: fused.guided(x, full, write_codes=False, deq_dtype=x.dtype, check_finite=False),
             2 * xb + n // 2 + n // 16 + 4 * rows),

@@ -23,9 +23,10 @@ from sass_kv_attention import BIN, ptxas_usage  # noqa: E402
 from megatron_trace.kernels import quant_pair_triton as qp  # noqa: E402
 from megatron_trace.kernels import quant_triton as qk  # noqa: E402
 
-OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK)
+OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK[, BY_MAG])
     "quantize_nvfp4_row+record": (0, 2, True, True, True, False, False),
-    "guided_compact+dequant": (2, 3, False, False, False, True, False),
+    "guided_compact+dequant": (2, 3, False, False, False, True, False, True),
+    "guided_compact+dequant(index path)": (2, 3, False, False, False, True, False, False),
     "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True),
 }
 _PTRS = ("xw_ptr", "x_ptr", "g_ptr", "s_in_ptr", "gc_ptr", "codes_ptr", "scales_ptr", "bits_ptr", "deq_ptr",
@@ -35,13 +36,13 @@ _PTR_TYPES = {"xw_ptr": "*i32", "x_ptr": "*bf16", "g_ptr": "*fp32", "deq_ptr": "
 
 
 def compile_pair(op: str, k: int, fn=None):
-    mode, g_mode, wc, ws, wb, wd, wm = OPS[op]
+    mode, g_mode, wc, ws, wb, wd, wm, *by_mag = OPS[op]
     cfg = qk.CONFIG["pair"]
     bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
     fn = fn or qp.pair_kernel
     const = dict(NUM_KT=num_kt, XDT=0, FMT=0, MODE=mode, G_MODE=g_mode, B=16, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
                  WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,
-                 HW_CVT=True)
+                 HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]))
     const = {n: v for n, v in const.items() if n in fn.arg_names}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

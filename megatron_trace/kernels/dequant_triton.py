@@ -10,6 +10,7 @@ from ..formats.registry import get_format
 from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
 from . import quant_pair_triton as qp
 from . import quant_triton as qk
+from . import triton_fp4 as f
 from .quant_triton import GUIDED_FULL, _load_guidance, _unscale
 
 
@@ -42,9 +43,9 @@ def _dequant_rows(pid, codes_ptr, scales_ptr, g_ptr, out_ptr, M, K, NB, NUM_KT: 
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     if G_MODE == qk.G_SCALAR:
-        s_e = qk.f.nvfp4_encode_scale(tl.load(g_ptr))
+        s_e = f.nvfp4_encode_scale(tl.load(g_ptr))
     elif G_MODE == qk.G_ROW_GIVEN:
-        s_e = qk.f.nvfp4_encode_scale(tl.load(g_ptr + rows, mask=rmask, other=1.0))[:, None, None]
+        s_e = f.nvfp4_encode_scale(tl.load(g_ptr + rows, mask=rmask, other=1.0))[:, None, None]
     else:
         s_e = 1.0
     for kt in range(NUM_KT):
@@ -52,15 +53,15 @@ def _dequant_rows(pid, codes_ptr, scales_ptr, g_ptr, out_ptr, M, K, NB, NUM_KT: 
         bmask = blk < NB
         codes = _load_guidance(codes_ptr, rows, rmask, bmask, blk, NB, NBT, B, GUIDED_FULL)
         byte = tl.load(scales_ptr + rows[:, None] * NB + blk, mask=rmask[:, None] & bmask, other=0)
-        if FMT == qk.f.NVFP4:
-            sf = qk.f.e4m3_value(byte)
+        if FMT == f.NVFP4:
+            sf = f.e4m3_value(byte)
             e = byte.to(tl.int32)
         else:
             sf = byte.to(tl.float32)
             e = byte.to(tl.int32) - 127
         out = _unscale(codes, sf, e, s_e, FMT, FAST_DIV)
         col = kt * NBT * B + tl.arange(0, NBT)[None, :, None] * B + tl.arange(0, B)[None, None, :]
-        tl.store(out_ptr + rows[:, None, None] * K + col, qk.f.to_dtype(out, out_ptr.dtype.element_ty),
+        tl.store(out_ptr + rows[:, None, None] * K + col, f.to_dtype(out, out_ptr.dtype.element_ty),
                  mask=rmask[:, None, None] & (col < K))
 
 
@@ -80,9 +81,9 @@ def dequant_pair_kernel(
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     if G_MODE == qk.G_SCALAR:
-        s_b = qk.f.nvfp4_encode_scale(tl.load(g_ptr) + tl.zeros([BLOCK_M, 1], tl.float32))
+        s_b = f.nvfp4_encode_scale(tl.load(g_ptr) + tl.zeros([BLOCK_M, 1], tl.float32))
     elif G_MODE == qk.G_ROW_GIVEN:
-        s_b = qk.f.nvfp4_encode_scale(tl.load(g_ptr + rows, mask=rmask, other=1.0))[:, None]
+        s_b = f.nvfp4_encode_scale(tl.load(g_ptr + rows, mask=rmask, other=1.0))[:, None]
     else:
         s_b = tl.full([BLOCK_M, 1], 1.0, tl.float32)
     slow = qp._needs_exact(tl.zeros([BLOCK_M, NBT], tl.float32), s_b, G_MODE, 1, True)
@@ -98,23 +99,23 @@ def dequant_pair_kernel(
             c = tl.load(codes_ptr + woff, mask=m3, other=0).to(tl.int32)
             byte = tl.load(scales_ptr + rows[:, None] * NB + blk, mask=rmask[:, None] & bmask, other=0)
             cl, ch = c & 15, c >> 4
-            if FMT == qk.f.NVFP4:
-                sf = qk.f.e4m3_value(byte)[:, :, None]
-                vl = qk.f.e2m1_mag(cl & 7) * sf  # exact: <= 2 + 4 significant bits
-                vh = qk.f.e2m1_mag(ch & 7) * sf
+            if FMT == f.NVFP4:
+                sf = f.e4m3_value(byte)[:, :, None]
+                vl = f.e2m1_mag(cl & 7) * sf  # exact: <= 2 + 4 significant bits
+                vh = f.e2m1_mag(ch & 7) * sf
                 s3 = s_b[:, :, None]
                 if FAST_DIV:
                     re = tl.div_rn(tl.full(s3.shape, 1.0, tl.float32), s3)
-                    vl = qp._markstein(vl, -s3, re)
-                    vh = qp._markstein(vh, -s3, re)
+                    vl = f.markstein(vl, -s3, re)
+                    vh = f.markstein(vh, -s3, re)
                 else:
                     vl, vh = tl.div_rn(vl, s3), tl.div_rn(vh, s3)
             else:
-                p2e = qk.f.pow2(byte.to(tl.int32) - 127)[:, :, None]
-                vl, vh = qk.f.e2m1_mag(cl & 7) * p2e, qk.f.e2m1_mag(ch & 7) * p2e
+                p2e = f.pow2(byte.to(tl.int32) - 127)[:, :, None]
+                vl, vh = f.e2m1_mag(cl & 7) * p2e, f.e2m1_mag(ch & 7) * p2e
             vl = (vl.to(tl.int32, bitcast=True) | ((cl & 8) << 28)).to(tl.float32, bitcast=True)  # code sign
             vh = (vh.to(tl.int32, bitcast=True) | ((ch & 8) << 28)).to(tl.float32, bitcast=True)
-            tl.store(outw_ptr + woff, qk.f.pair(vl, vh, ODT, HW_CVT).to(outw_ptr.dtype.element_ty, bitcast=True),
+            tl.store(outw_ptr + woff, f.pair(vl, vh, ODT, HW_CVT).to(outw_ptr.dtype.element_ty, bitcast=True),
                      mask=m3)
 
 

@@ -3,8 +3,8 @@
 One query token per sequence, GQA (``G`` query heads share a KV head). Program (batch x KV head, split):
 for each tile of ``BT`` cached tokens of its split, ``s = q K^T * scale`` and ``acc += softmax-weights V``
 (bf16 MMAs, fp32 accumulation, fp32 online softmax). Each split writes (acc unnormalised, max, sum);
-``combine`` merges the splits. Reads 0.5 + 1/16 + 4/head_dim bytes per K/V element instead of 2 (bf16) and
-never writes the dequantized history. Two paths:
+``combine_kernel`` merges the splits (``combine``: its torch twin). Reads 0.5 + 1/16 + 4/head_dim bytes per K/V
+element instead of 2 (bf16) and never writes the dequantized history. Two paths:
 
 exact (``exact=True``, ``fp4kv_decode_attn_kernel``): K and V rows are decoded from packed codes, block
 scales and the per-row global amax with the same fp32 operations as ``dequant_triton`` (``_unscale``, then
@@ -27,6 +27,8 @@ real K/V after RoPE are O(1..100), far inside).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -394,8 +396,13 @@ def groups_reference(t: FP4Tensor) -> torch.Tensor:
 
 
 def _splits(q: torch.Tensor, bsz: int, hkv: int, t_len: int, block_t: int) -> int:
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
     return max(1, min(triton.cdiv(SPLIT_WAVES * sms, bsz * hkv), triton.cdiv(t_len, block_t)))
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _row_factors(fmt: str, scale: float) -> tuple[float, float]:
@@ -459,12 +466,36 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     else:
         fp4kv_decode_attn_kernel[(bsz * hkv, splits)](
             *args, float(scale), *strides, NB=ks.shape[-1], FAST_DIV=qk.FAST_DIV, enable_fp_fusion=False, **common)
-    return combine(acc, ml).to(q.dtype)
+    return combine_splits(acc, ml, q.dtype)
 
 
 def combine(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
-    """Merge split partials: acc [B, Hq, S, D], ml [B, Hq, S, 2] (max, sum) -> [B, Hq, D] fp32."""
+    """Merge split partials: acc [B, Hq, S, D], ml [B, Hq, S, 2] (max, sum) -> [B, Hq, D] fp32 (torch ops; the
+    twin of ``combine_kernel``)."""
     m, l_sum = ml[..., 0], ml[..., 1]
     mx = m.amax(-1, keepdim=True)
     w = torch.where(m == float("-inf"), 0.0, torch.exp(m - mx))  # empty splits weigh nothing
     return (acc * w.unsqueeze(-1)).sum(-2) / (l_sum * w).sum(-1, keepdim=True)
+
+
+@triton.jit
+def combine_kernel(acc_ptr, ml_ptr, out_ptr, S, D: tl.constexpr, SP: tl.constexpr):
+    """``combine`` of one (batch, query head) row, cast to out's dtype: one launch instead of a dozen torch ops."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, SP)
+    smask = s < S
+    m = tl.load(ml_ptr + (row * S + s) * 2, mask=smask, other=float("-inf"))
+    l_sum = tl.load(ml_ptr + (row * S + s) * 2 + 1, mask=smask, other=0.0)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.max(m, 0)))  # empty splits weigh nothing
+    d = tl.arange(0, D)
+    acc = tl.load(acc_ptr + (row * S + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
+    tl.store(out_ptr + row * D + d, f.to_dtype(out, out_ptr.dtype.element_ty))  # RNE also in the interpreter
+
+
+def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``combine`` in one Triton launch (``combine_kernel``): [B, Hq, D] in ``dtype``."""
+    bsz, hq, splits, d = acc.shape
+    out = torch.empty(bsz, hq, d, dtype=dtype, device=acc.device)
+    combine_kernel[(bsz * hq,)](acc, ml, out, splits, D=d, SP=triton.next_power_of_2(splits), num_warps=4)
+    return out

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import quant_guided_triton as qg
 from . import quant_triton as qk
 from . import triton_fp4 as f
 from .quant_triton import G_NONE, G_ROW_COMPUTE, G_SCALAR, GUIDED_COMPACT, RNE, _block_scales
@@ -30,13 +31,6 @@ def _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT: tl.constexpr, P: tl.
     else:
         w = w.to(tl.uint32, bitcast=True)
     return w, wcol, mask
-
-
-@triton.jit
-def _markstein(a, neg_b, rb):
-    """RN(a / b) from rb = RN(1 / b) (see ``triton_fp4.div_fast``); a zero quotient comes out +0."""
-    q0 = a * rb
-    return tl.fma(tl.fma(q0, neg_b, a), rb, q0)
 
 
 @triton.jit
@@ -61,8 +55,8 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr,
         if FAST_DIV:
             rb = tl.where(ok, tl.div_rn(tl.full(den.shape, 1.0, tl.float32), den), 0.0)[:, :, None]
             nd = -den[:, :, None]  # per block, so the per-element remainder is one fma
-            zl = _markstein(al, nd, rb)
-            zh = _markstein(ah, nd, rb)
+            zl = f.markstein(al, nd, rb)
+            zh = f.markstein(ah, nd, rb)
         else:
             zl = tl.where(ok[:, :, None], tl.div_rn(al, den[:, :, None]), 0.0)
             zh = tl.where(ok[:, :, None], tl.div_rn(ah, den[:, :, None]), 0.0)
@@ -104,8 +98,8 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr,
             vh = f.e2m1_mag(ih) * sf[:, :, None]
             if FAST_DIV:
                 re = tl.div_rn(tl.full(s3.shape, 1.0, tl.float32), s3)
-                vl = _markstein(vl, -s3, re)
-                vh = _markstein(vh, -s3, re)
+                vl = f.markstein(vl, -s3, re)
+                vh = f.markstein(vh, -s3, re)
             else:
                 vl, vh = tl.div_rn(vl, s3), tl.div_rn(vh, s3)
         else:
@@ -145,7 +139,7 @@ def pair_kernel(
     BLOCK_M: tl.constexpr, NBT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
-    HW_CVT: tl.constexpr,
+    HW_CVT: tl.constexpr, BY_MAG: tl.constexpr,
 ):
     """``quant_kernel`` for K % B == 0 on x read as words of two elements (deq/mask as words too).
 
@@ -164,7 +158,7 @@ def pair_kernel(
         _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
                    scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE, G_MODE,
                    B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
-                   HW_CVT)
+                   HW_CVT, BY_MAG)
     else:
         s_b = _pair_s_enc(tl.zeros([BLOCK_M, NBT], tl.float32), xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT,
                           G_MODE, NUM_KT, NBT, P)
@@ -175,7 +169,7 @@ def pair_kernel(
             _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr,
                        codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT,
                        FMT, MODE, G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
-                       CHECK_FINITE, FAST_DIV, HW_CVT)
+                       CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG)
 
 
 @triton.jit
@@ -210,7 +204,7 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s
                FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr, NBT: tl.constexpr,
                WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
                WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr,
-               FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+               FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr):
     """One K tile: the NaN/Inf check if asked, then ``_pair_tile``; a tile that may leave the range where the
     fast division is exact, or holds a checked NaN/Inf, takes the element-wise exact path instead (which passes
     a checked NaN/Inf through to the dequantized output)."""
@@ -223,15 +217,19 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s
     slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ)
     if CHECK_FINITE:
         slow += bad.to(tl.int32)
-    if MODE != RNE and FMT == f.NVFP4 and FAST_DIV:  # guided: z == 0 or not must be exact even for tiny z
+    if MODE != RNE and FMT == f.NVFP4 and FAST_DIV and not BY_MAG:  # guided: z == 0 must be exact for tiny z
         lo, hi = f.unpair(w, XDT)
         t3 = tl.div_rn(tl.full(s_b.shape, 2.0**-99, tl.float32), s_b)[:, :, None]  # per row, 2x margin
         tiny = ((tl.abs(lo) < t3) & (lo != 0.0)) | ((tl.abs(hi) < t3) & (hi != 0.0))  # 0 < |x * S_enc| < 2^-100
         slow += tl.max(tl.max(tl.max(tiny.to(tl.int32), axis=2), axis=1), axis=0)
     if slow == 0:
-        _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
-                   mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
-                   WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
+        if BY_MAG:  # guided compact NVFP4 by magnitudes (``quant_guided_triton``); fp16 keeps the index path
+            qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, deq_ptr, mask_ptr,
+                                   s_in_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV)
+        else:
+            _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
+                       deq_ptr, mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES,
+                       WRITE_BITS, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
     else:  # a quarter row at a time: the redo's live values stay below the fast path's registers
         K = NB * B
         BM: tl.constexpr = w.shape[0]
@@ -271,5 +269,7 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
         XDT=xdt, FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt,
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits, WRITE_DEQ=deq is not None,
         WRITE_MASK=write_mask, CHECK_FINITE=err is not None, FAST_DIV=fast_div, HW_CVT=not qk.interpreting(x2d),
+        BY_MAG=bool(qk.GUIDED_BY_MAGNITUDE and int(mode) == int(GUIDED_COMPACT) and int(fmt) == 0 and xdt != 1
+                    and not write_bits),
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )

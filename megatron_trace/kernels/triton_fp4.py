@@ -196,6 +196,14 @@ def div_fast(a, b, rb):
 
 
 @triton.jit
+def markstein(a, neg_b, rb):
+    """RN(a / b) from rb = RN(1 / b) and neg_b = -b (``div_fast`` with the divisor negated once per block);
+    a zero quotient comes out +0."""
+    q0 = a * rb
+    return tl.fma(tl.fma(q0, neg_b, a), rb, q0)
+
+
+@triton.jit
 def rem_of(a, b, q0):
     return tl.fma(-q0, b, a)
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, reference_attention
 
-from ._gpu import DEVICE, needs_triton, random_rows
+from ._gpu import DEVICE, INTERPRET, needs_triton, random_rows
 
 if DEVICE is not None:
     from megatron_trace.kernels import kv_attention_triton
@@ -83,13 +83,19 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+TIGHT = 2e-3 if INTERPRET else 5e-3
+"""Relative error bound against the reference over the kernel's own K/V values: the interpreter's fp32 dots
+round only the output to bf16; on the GPU the MMAs also take the softmax weights in bf16 (2**-9 each): 2.2e-3
+to 3.4e-3 on the H200 (2026-12-01)."""
+
+
 def _check(got, q, k, v, exact=False, **kw):
-    """Within bf16 rounding (2e-3) of the reference over the kernel's K/V values (fp32: the exact FP4 values for
-    the fast path; bf16 for the exact one), and within 1e-2 of the other (moderate scores)."""
+    """Within bf16 rounding (``TIGHT``) of the reference over the kernel's K/V values (fp32: the exact FP4 values
+    for the fast path; bf16 for the exact one), and within 1e-2 of the other (moderate scores)."""
     assert got.dtype == q.dtype and got.shape == q.shape and torch.isfinite(got).all()
     scale = q.shape[-1] ** -0.5
     tight, loose = (torch.bfloat16, torch.float32) if exact else (torch.float32, torch.bfloat16)
-    assert _rel(got, reference_attention(q, k, v, scale=scale, kv_dtype=tight, **kw)) < 2e-3
+    assert _rel(got, reference_attention(q, k, v, scale=scale, kv_dtype=tight, **kw)) < TIGHT
     assert _rel(got, reference_attention(q, k, v, scale=scale, kv_dtype=loose, **kw)) < 1e-2
 
 
@@ -116,6 +122,10 @@ def test_fast_path_dequantization_is_value_times_scale(name, d):
 ])
 def test_fast_path_matches_reference(name, b, hq, hkv, t, d, block_t, splits):
     q, k, v = _kv_case(name, b, hq, hkv, t, d, seed=t)
+    if DEVICE == "cuda" and k.fmt == "mxfp4" and block_t < kv_attention_triton.MXFP4_MIN_BLOCK_T:
+        with pytest.raises(ValueError, match=f"block_t={block_t} with MXFP4"):  # refused on CUDA (see there)
+            kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=False, block_t=block_t)
+        return
     got = kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=False, block_t=block_t, splits=splits)
     _check(got, q, k, v)
 
@@ -161,3 +171,25 @@ def test_fast_path_reads_fp4_kv_cache_views_and_odd_offsets():
     buf[1:] = vq.codes.flatten()
     odd = dataclasses.replace(vq, codes=buf[1:].view(vq.codes.shape))  # storage offset 1
     assert torch.equal(kv_attention_triton.decode_attention(q, kq, odd, scale=0.125, exact=False, block_t=16), got)
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 3, 17])
+def test_combine_kernel_is_the_torch_combine(splits):
+    """The one-launch merge of split partials equals the torch ops (fp32 sums in another order), including
+    empty splits (max -inf) and a row whose splits are all empty (0/0: NaN, as torch gives)."""
+    g = torch.Generator().manual_seed(splits)
+    acc = torch.randn(2, 3, splits, 64, generator=g) * 4
+    ml = torch.stack([torch.randn(2, 3, splits, generator=g) * 3, torch.rand(2, 3, splits, generator=g) + 0.5], -1)
+    ml[0, 1, 0, 0] = float("-inf")
+    acc[0, 1, 0] = 0.0
+    ml[1, 2, :, 0] = float("-inf")
+    acc[1, 2] = 0.0
+    want = kv_attention_triton.combine(acc, ml)
+    got = kv_attention_triton.combine_splits(acc.to(DEVICE), ml.to(DEVICE), torch.float32).cpu()
+    assert torch.isnan(got[1, 2]).all() and torch.isnan(want[1, 2]).all()
+    ok = ~torch.isnan(want)
+    torch.testing.assert_close(got[ok], want[ok], rtol=2e-6, atol=1e-6)
+    bf = kv_attention_triton.combine_splits(acc.to(DEVICE), ml.to(DEVICE), torch.bfloat16).cpu()
+    assert bf.dtype == torch.bfloat16
+    torch.testing.assert_close(bf[ok].float(), want[ok], rtol=8e-3, atol=1e-5)
