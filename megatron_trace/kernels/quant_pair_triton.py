@@ -3,7 +3,8 @@
 x is read as 32-bit words of two elements (64-bit for fp32), so the two codes of a word are one packed byte:
 no reshape or shuffle for the nibble packing. One reciprocal per block and one Markstein step per element
 replace the IEEE division; the RNE / guided codeword comes from bit tricks (``triton_fp4.rne_index``,
-``compact_index``, ``full_code``). A tile where the fast division may be inexact (tiny/huge amax, Inf, a checked
+``compact_index``, ``full_code``); guided compact NVFP4 rounding of bf16/fp32 rows takes ``quant_guided_triton``'s
+tile instead (by fp32 magnitudes). A tile where the fast division may be inexact (tiny/huge amax, Inf, a checked
 NaN/Inf) is redone in the same program by ``quant_triton``'s element-wise tile (IEEE division): one launch per
 call. Same modes and outputs as ``quant_triton.quant_kernel``.
 """
