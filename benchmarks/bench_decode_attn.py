@@ -7,8 +7,9 @@ One query token per sequence, the model's heads (GQA). For each (batch, L): the 
               at (block_t, num_warps) (64, 4), and its variants fused_w8 (64, 8), fused_bt32 (32, 4) (the keys
               ``bench_decode.tune_attention`` reads);
   fused_fast  the fast fused kernel at its defaults (``kernels.kv_attention.fp4kv_decode_attention(exact=False)``,
-              the rollout's default: K/V as exact FP4 values), and ``fast_bt{BT}_w{warps}_s{stages}`` for the
-              launch configs in ``FAST_ALT``;
+              the rollout's default: K/V as exact FP4 values), and ``fast_bt{BT}_w{warps}_s{stages}[_r{max_registers}]``
+              for the launch configs in ``FAST_ALT``;
+Times are device times (``_device_ms``: a CUDA graph of 10 calls, L2 flushed before each; since session 8),
 with the KV bytes each reads (bf16 bytes for bf16, the FP4 bytes for the others) and that rate as a fraction of
 the copy bandwidth (``*_frac_copy``), and the fused kernels' relative errors against SDPA over the bf16
 dequantized K/V (``*_rel_err``; the fast one also against fp32 K/V, its own values: ``fast_rel_err_fp32``).
@@ -39,8 +40,9 @@ def _sdpa(q, k, v):
     return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, enable_gqa=True).squeeze(2)
 
 
-FAST_ALT = ((64, 4, 2), (128, 4, 3), (64, 4, 3))
-"""Alternative (block_t, num_warps, num_stages) of the fast kernel timed next to its defaults."""
+FAST_ALT = ((128, 4, 2, 0), (128, 4, 3, 0), (128, 4, 2, 128), (64, 4, 2, 0))
+"""Alternative (block_t, num_warps, num_stages, max_registers; 0: uncapped) of the fast kernel timed next to its
+defaults."""
 EXACT_VARIANTS = {"fused": (64, 4), "fused_w8": (64, 8), "fused_bt32": (32, 4)}
 
 
@@ -48,8 +50,19 @@ def _rel(a, b) -> float:
     return round(float((a.float() - b.float()).norm() / b.float().norm()), 5)
 
 
+def _device_ms(fn, reps: int) -> tuple[float, str]:
+    """(ms, timer): device time per call from a CUDA graph of 10 calls (``graph_ms``: no host in it; at batch 8
+    the host's launch time exceeds the kernels'), or CUDA-event medians where capture fails."""
+    from _timing import graph_ms, median_ms
+
+    try:
+        return graph_ms(fn), "graph"
+    except RuntimeError:
+        torch.cuda.synchronize()
+        return median_ms(fn, reps=reps), "events"
+
+
 def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
-    from _timing import median_ms
 
     from megatron_trace.kernels import kv_attention_triton as kt
 
@@ -73,11 +86,13 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
                                                            num_warps=nw))
            for name, (bt, nw) in EXACT_VARIANTS.items()},
         "fused_fast": lambda: fp4kv_decode_attention(q, kq, vq, exact=False),
-        **{f"fast_bt{bt}_w{nw}_s{ns}": (lambda bt=bt, nw=nw, ns=ns: kt.decode_attention(
-            q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns))
-           for bt, nw, ns in FAST_ALT if (bt, nw, ns) != kt.fast_config(d)},
+        **{f"fast_bt{bt}_w{nw}_s{ns}" + (f"_r{mr}" if mr else ""): (
+            lambda bt=bt, nw=nw, ns=ns, mr=mr: kt.decode_attention(
+                q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns, max_registers=mr))
+           for bt, nw, ns, mr in FAST_ALT if (bt, nw, ns, mr) != kt.fast_config(d)},
     }
-    ms = {name: median_ms(fn, reps=reps) for name, fn in runs.items()}
+    timed = {name: _device_ms(fn, reps) for name, fn in runs.items()}
+    ms = {name: t for name, (t, _) in timed.items()}
     bytes_bf16 = 2 * k.numel() * 2
     bytes_fp4 = _fp4_bytes(kq) + _fp4_bytes(vq)
     frac = {f"{n}_frac_copy": round((bytes_bf16 if n == "bf16" else bytes_fp4) / (t * 1e-3) / bw, 3)
@@ -85,6 +100,7 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
     return {"bench": "decode_attn", "batch": b, "context": length, "heads": [hq, hkv, d],
             "fast_config": list(kt.fast_config(d)),
             **{f"{n}_us": round(t * 1e3, 1) for n, t in ms.items()},
+            "timers": sorted({how for _, how in timed.values()}),
             "fused_over_bf16": round(ms["bf16"] / ms["fused"], 3),
             "fused_over_fp4": round(ms["fp4"] / ms["fused"], 3),
             "fused_fast_over_bf16": round(ms["bf16"] / ms["fused_fast"], 3),

@@ -33,12 +33,14 @@ SWEEP_BUDGET_S = 110.0
 
 
 def _index_path(fn):
-    """fn() with the guided compact tile of sessions 3-6 (E2M1 indices; ``quant_triton.GUIDED_BY_MAGNITUDE``)."""
-    quant_triton.GUIDED_BY_MAGNITUDE = False
+    """fn() with the pair kernel's E2M1-index tiles for RNE and guided compact NVFP4 (off:
+    ``quant_triton.RNE_BY_MAGNITUDE``, ``GUIDED_BY_MAGNITUDE``), as before the tiles by fp32 magnitudes."""
+    saved = quant_triton.RNE_BY_MAGNITUDE, quant_triton.GUIDED_BY_MAGNITUDE
+    quant_triton.RNE_BY_MAGNITUDE = quant_triton.GUIDED_BY_MAGNITUDE = False
     try:
         return fn()
     finally:
-        quant_triton.GUIDED_BY_MAGNITUDE = True
+        quant_triton.RNE_BY_MAGNITUDE, quant_triton.GUIDED_BY_MAGNITUDE = saved
 
 
 def cases(x, rows, k):
@@ -51,9 +53,17 @@ def cases(x, rows, k):
     full = t_row.guidance(compact=False)
     rec_b = n // 8 + n // 16 + 4 * rows  # bits + scales + amax
     counter = FiniteCounter("bench")
+    q_ste = Quantizer("nvfp4", per_row=True, ste_clip=True)
+
+    def record_fn():
+        return fused.quantize(x, q_row, record=True, check_finite=False)
+
+    def fake_rne():
+        return fused.quantize(x, q_ste, write_codes=False, deq_dtype=x.dtype, want_mask=True, check_finite=False)
+
     out = {  # name: (fn, bytes moved at least)
-        "quantize_nvfp4_row+record": (lambda: fused.quantize(x, q_row, record=True, check_finite=False),
-                                      xb + n // 2 + rec_b),
+        "quantize_nvfp4_row+record": (record_fn, xb + n // 2 + rec_b),
+        "quantize_nvfp4_row+record(index path)": (lambda: _index_path(record_fn), xb + n // 2 + rec_b),
         "quantize_nvfp4_row+record_checked": (lambda: fused.quantize(x, q_row, record=True), xb + n // 2 + rec_b),
         "quantize_nvfp4_row+record_deferred_check": (
             lambda: fused.quantize(x, q_row, record=True, check_finite=counter), xb + n // 2 + rec_b),
@@ -69,9 +79,8 @@ def cases(x, rows, k):
             lambda: fused.guided(x, full, write_codes=False, deq_dtype=x.dtype, check_finite=False),
             2 * xb + n // 2 + n // 16 + 4 * rows),
         "guided_compact->codes": (lambda: fused.guided(x, rec, check_finite=False), xb + rec_b + n // 2),
-        "fake_quant_rne+ste_mask": (
-            lambda: fused.quantize(x, Quantizer("nvfp4", per_row=True, ste_clip=True), write_codes=False,
-                                   deq_dtype=x.dtype, want_mask=True, check_finite=False), 3 * xb),
+        "fake_quant_rne+ste_mask": (fake_rne, 3 * xb),
+        "fake_quant_rne+ste_mask(index path)": (lambda: _index_path(fake_rne), 3 * xb),
         "dequantize_nvfp4->bf16": (lambda: dequant_triton.dequantize(t_row, torch.bfloat16), n // 2 + n // 16 + xb),
         "dequantize_mxfp4->bf16": (lambda: dequant_triton.dequantize(t_mx, torch.bfloat16), n // 2 + n // 32 + xb),
         "compact_from_codes": (lambda: dequant_triton.compact(t_row), n // 2 + n // 8),

@@ -2,10 +2,12 @@
 
 For each launch config: ``ptxas -v`` (Triton's bundled ptxas) on the kernel's PTX gives registers per thread
 and spill bytes; ``nvdisasm`` on the cubin gives the SASS of the tile loop (the instructions between the
-loop's label and its backward branch), reported per cached K/V element (``2 * BT * head_dim`` per trip).
-The specialization is the one a launch on an ``FP4KVCache`` gets (16-divisible strides, per-row amax
-stride 1). ``python benchmarks/sass_kv_attention.py [--d 128] [--fmt nvfp4] [--configs 64,4,2 32,4,2]``
-prints one JSON row per config.
+loop's label and its backward branch), reported per cached K/V element (``2 * BT * head_dim`` per trip);
+``resident``: programs per multiprocessor that registers and shared memory allow (``FAST_RESIDENT``).
+The specialization is the one a launch on an ``FP4KVCache`` gets (16-divisible strides except a scale row
+shorter than 16 bytes, per-row amax stride 1).
+``python benchmarks/sass_kv_attention.py [--d 128] [--fmt nvfp4] [--configs 64,4,2 32,4,2]`` prints one JSON row
+per config.
 """
 
 from __future__ import annotations
@@ -26,16 +28,20 @@ BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _PTRS = {"q_ptr": "*bf16", "kc_ptr": "*u16", "ks_ptr": "*u8", "kg_ptr": "*fp32", "vc_ptr": "*u16", "vs_ptr": "*u8",
          "vg_ptr": "*fp32", "len_ptr": "*i32", "mask_ptr": "*u8", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
 _FLOATS = ("sm_scale", "k_fac", "v_fac")
+SMEM_PER_SM = 233472
+"""Shared memory per multiprocessor of the H200 (sm_90: 228 KB configurable, as Nsight Compute reports)."""
 
 
 def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, g: int = 4, hkv: int = 4,
-                   fn=None):
+                   fn=None, maxnreg: int | None = None):
     """The compiled kernel (``triton.compile`` for sm_90a) of one config; constexprs as ``decode_attention``."""
     fn = fn or (kt.fp4kv_decode_attn_fast_kernel if fast else kt.fp4kv_decode_attn_kernel)
     bs = 16 if fmt == "nvfp4" else 32
     const = dict(HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), FMT=0 if fmt == "nvfp4" else 1, B=bs,
                  BT=bt, SPLITS=8, HAS_LEN=False, HAS_MASK=False, F32_DOT=False, TILES=0)
-    const.update(dict(D=d, DG=kt._group_cols(d), DEQ_ASM=True) if fast else dict(NB=d // bs, FAST_DIV=True))
+    sw = 4 if (d // bs) % 4 == 0 else 2 if (d // bs) % 2 == 0 else 1  # as an FP4KVCache gets (``_scale_word``)
+    fast_const = dict(D=d, DG=kt._group_cols(d), DEQ_ASM=True, SW=sw)
+    const.update(fast_const if fast else dict(NB=d // bs, FAST_DIV=True))
     if fmt == "nvfp4":
         const.update(skg_t=1, svg_t=1)  # per-row amax [B, H, T, 1]: stride 1, specialized by the JIT
     sig, attrs = {}, {}
@@ -49,22 +55,23 @@ def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: in
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
-            if name not in ("T", "chunk", "n_tiles"):
-                attrs[(i,)] = [["tt.divisibility", 16]]
+            if name not in ("T", "chunk", "n_tiles") and not (name in ("sks_t", "svs_t") and (d // bs) % 16):
+                attrs[(i,)] = [["tt.divisibility", 16]]  # (a scale row of d / bs < 16 bytes is not 16-divisible)
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    opts = {"num_warps": warps, "num_stages": stages}
+    opts = {"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
     if not fast:
         opts["enable_fp_fusion"] = False
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
-def ptxas_usage(ptx: str) -> tuple[int, int]:
+def ptxas_usage(ptx: str, maxnreg: int | None = None) -> tuple[int, int]:
     """(registers per thread, spill stores + loads in bytes) of ``ptx`` from ``ptxas -v --gpu-name sm_90a``."""
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "k.ptx"
         p.write_text(ptx)
-        res = subprocess.run([str(BIN / "ptxas"), "-v", "--gpu-name", "sm_90a", str(p), "-o", str(Path(tmp) / "k.o")],
-                             capture_output=True, text=True, check=True)
+        cap = ["--maxrregcount", str(maxnreg)] if maxnreg else []
+        res = subprocess.run([str(BIN / "ptxas"), "-v", *cap, "--gpu-name", "sm_90a", str(p), "-o",
+                              str(Path(tmp) / "k.o")], capture_output=True, text=True, check=True)
     regs = int(re.search(r"Used (\d+) registers", res.stderr).group(1))
     spills = sum(int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", res.stderr))
     return regs, spills
@@ -101,17 +108,21 @@ def loop_sass(cubin: bytes) -> list[str]:
     return [re.sub(r"\s*/\*[0-9a-f]+\*/\s*", " ", x).strip() for x in best]
 
 
-def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int) -> dict:
-    k = compile_kernel(fast, d, fmt, bt, warps, stages)
-    regs, spills = ptxas_usage(k.asm["ptx"])
+def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, maxnreg: int | None = None) -> dict:
+    k = compile_kernel(fast, d, fmt, bt, warps, stages, maxnreg=maxnreg)
+    regs, spills = ptxas_usage(k.asm["ptx"], maxnreg)
     body = loop_sass(k.asm["cubin"])
     ops: dict[str, int] = {}
     for ins in body:
         op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
         ops[op] = ops.get(op, 0) + 1
     top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])
+    smem = k.metadata.shared
+    regs_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in units of 256
+    resident = min(65536 // (regs_warp * warps), SMEM_PER_SM // (smem + 1024), 64 // warps, 32)  # + the driver's 1 KB
     return {"kernel": "fast" if fast else "exact", "fmt": fmt, "head_dim": d, "block_t": bt, "num_warps": warps,
-            "num_stages": stages, "registers": regs, "spill_bytes": spills, "loop_sass": len(body),
+            "num_stages": stages, "max_registers": maxnreg, "registers": regs, "spill_bytes": spills,
+            "shared_bytes": smem, "resident": resident, "loop_sass": len(body),
             "sass_per_element": round(len(body) * warps * 32 / (2 * bt * d), 2), "top_ops": top}
 
 
@@ -120,12 +131,12 @@ def main(argv=None):
     p.add_argument("--d", type=int, default=128)
     p.add_argument("--fmt", default="nvfp4", choices=["nvfp4", "mxfp4"])
     p.add_argument("--configs", nargs="*", default=None,
-                   help="BT,num_warps,num_stages of the fast kernel (default: its default for --d)")
+                   help="BT,num_warps,num_stages[,max_registers] of the fast kernel (default: its default for --d)")
     p.add_argument("--exact", action="store_true", help="also the exact kernel at its defaults")
     args = p.parse_args(argv)
-    for cfg in args.configs or [",".join(map(str, kt.fast_config(args.d)))]:
-        bt, nw, ns = (int(x) for x in cfg.split(","))
-        print(json.dumps(report(True, args.d, args.fmt, bt, nw, ns)), flush=True)
+    for cfg in args.configs or [",".join(str(x or 0) for x in kt.fast_config(args.d))]:
+        bt, nw, ns, *mr = (int(x) for x in cfg.split(","))
+        print(json.dumps(report(True, args.d, args.fmt, bt, nw, ns, mr[0] if mr and mr[0] else None)), flush=True)
     if args.exact:
         print(json.dumps(report(False, args.d, args.fmt, kt.BLOCK_T, kt.NUM_WARPS, 3)), flush=True)
 

@@ -24,10 +24,12 @@ from megatron_trace.kernels import quant_pair_triton as qp  # noqa: E402
 from megatron_trace.kernels import quant_triton as qk  # noqa: E402
 
 OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK[, BY_MAG])
-    "quantize_nvfp4_row+record": (0, 2, True, True, True, False, False),
+    "quantize_nvfp4_row+record": (0, 2, True, True, True, False, False, True),
+    "quantize_nvfp4_row+record(index path)": (0, 2, True, True, True, False, False, False),
     "guided_compact+dequant": (2, 3, False, False, False, True, False, True),
     "guided_compact+dequant(index path)": (2, 3, False, False, False, True, False, False),
-    "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True),
+    "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True, True),
+    "fake_quant_rne+ste_mask(index path)": (0, 2, False, False, False, True, True, False),
 }
 _PTRS = ("xw_ptr", "x_ptr", "g_ptr", "s_in_ptr", "gc_ptr", "codes_ptr", "scales_ptr", "bits_ptr", "deq_ptr",
          "deq_e_ptr", "mask_ptr", "mask_e_ptr", "err_ptr")

@@ -19,7 +19,12 @@ per 8 codes, inline PTX on the GPU) into 4 operands ``K'_q[t, c]`` = value * blo
 (= amax * 2**62 / 2688 for NVFP4 per row or per tensor, 2**62 for MXFP4) multiplies the scores (K, with
 ``scale``) and the softmax weights before their bf16 cast (V); out[:, 4c+q] accumulates in 4 fp32 parts.
 K/V are thus the exact FP4 values (fp32 rounding of 1/S_enc), not their bf16 rounding: the result equals
-``reference_attention(kv_dtype=torch.float32)`` within the bf16 rounding of the softmax weights. Where
+``reference_attention(kv_dtype=torch.float32)`` within the bf16 rounding of the softmax weights (the softmax
+in base 2: log2(e) folded into the K factor, one ``ex2.approx.ftz`` per weight; the max is stored in units of e
+for ``combine``). Block scales are read as uint32 words of 4 (uint16 pairs, bytes where the row or alignment does
+not allow: ``_scale_word``) so that cp.async copies them ahead, and pass an operand-width boundary
+(``_operand_width_boundary``) so the MMA operands keep kWidth 2; splits along T fill whole waves of resident
+programs (``fast_splits``). Where
 scores are large (|s| >> 1) the bf16 reference's K rounding (2**-9 relative) moves them by more than 1e-2,
 so compare against the fp32-K/V reference there. Range: per-row factors overflow fp32 for |K|, |V| amax
 above 2**77 (~1.5e23); MXFP4 block exponents must lie in [-63, 63] (``moe_triton``'s 2**64 scale offset;
@@ -29,6 +34,7 @@ real K/V after RoPE are O(1..100), far inside).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -45,12 +51,20 @@ BLOCK_T = 64
 NUM_WARPS = 4
 """Exact path: default tile (cached tokens per step) and warps; sm_90 build without spills: 255 registers at
 64/4, 225 at 64/8, 168 at 32/4 (ptxas -v)."""
-FAST_CONFIGS = {32: (64, 2, 2), 64: (64, 2, 2), 128: (128, 4, 2), 256: (64, 4, 2)}
-"""Fast path (BT, num_warps, num_stages) per head_dim (smaller head dims take the first row), chosen from the
-sm_90 cross-compile (``benchmarks/sass_kv_attention.py``: registers, spills, SASS per K/V element), not yet swept
-on the GPU. head_dim 128: 168 registers, no spills, 5.6 SASS instructions per element (NVFP4; 6.5 at BT 64 with
-128 registers; 8 warps replicate the dequantization: 8.7). head_dim <= 64: 4 warps would split the V MMA's
-N = D/4 <= 16 columns four ways, replicating the dequantization per warp (26 per element), 2 warps: 12."""
+FAST_CONFIGS = {32: (64, 2, 2, None), 64: (64, 2, 2, None), 128: (128, 4, 3, 128), 256: (64, 4, 2, None)}
+"""Fast path (BT, num_warps, num_stages, max_registers) per head_dim (smaller head dims take the first row), from
+the sm_90 cross-compile (``benchmarks/sass_kv_attention.py``: registers, spills, shared memory, SASS per K/V
+element) and the H200 (``bench_decode_attn.py``). head_dim 128 (session 8): capped at 128 registers (76 bytes
+spilled) and 48 KB of shared memory, 4 programs per multiprocessor, 4.5 SASS per element (NVFP4; session 7: 168
+registers, 3 programs, 5.6), the fastest of the configs swept at batch 8 / 64 and 8K / 32K. head_dim <= 64 (not
+swept): 4 warps would split the V MMA's N = D/4 <= 16 columns four ways, replicating the dequantization."""
+FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (64, 64, 2, 2, None): 4, (256, 64, 4, 2, None): 2,
+                 **{(128, bt, nw, ns, mr): r for bt, nw, ns, mr, r in (
+                     (128, 4, 2, None, 3), (128, 4, 3, None, 3), (128, 4, 4, None, 3), (128, 4, 2, 128, 4),
+                     (128, 4, 3, 128, 4), (64, 4, 2, None, 4), (64, 4, 3, None, 4), (64, 2, 3, None, 4))}}
+"""Programs of the fast kernel resident per multiprocessor on sm_90, keyed (head_dim row of ``FAST_CONFIGS``, BT,
+num_warps, num_stages, max_registers), from registers and shared memory (``sass_kv_attention.py``'s
+``resident``), for ``fast_splits``; other configs count 2."""
 
 
 @triton.jit
@@ -140,13 +154,26 @@ def _tile_rows(mask_ptr, b, sm_b, start, end, i, BT: tl.constexpr, HAS_MASK: tl.
 
 
 @triton.jit
-def _online_softmax(s, tmask, m_i, l_i):
-    """Scores s [GP, BT] (fp32) of one tile -> (weights p [GP, BT], rescale alpha [GP], new max, new sum)."""
+def _exp(x, BASE2: tl.constexpr, ASM: tl.constexpr):
+    """e**x, or 2**x for BASE2 (on the GPU one ``ex2.approx.ftz``: results below 2**-126 flush to 0)."""
+    if not BASE2:
+        return tl.exp(x)
+    elif ASM:
+        return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.exp2(x)
+
+
+@triton.jit
+def _online_softmax(s, tmask, m_i, l_i, BASE2: tl.constexpr = False, ASM: tl.constexpr = False):
+    """Scores s [GP, BT] (fp32) of one tile -> (weights p [GP, BT], rescale alpha [GP], new max, new sum).
+    BASE2: s is in units of log2 (scores * log2(e)) and p = 2**(s - max)."""
     s = tl.where(tmask[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked tile adds nothing
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(s - m_safe[:, None])
+    alpha = _exp(m_i - m_safe, BASE2, ASM)
+    p = _exp(s - m_safe[:, None], BASE2, ASM)
     return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
 
 
@@ -205,19 +232,77 @@ def _cols_mask(tmask, n, N: tl.constexpr):
 
 @triton.jit
 def _fp4_groups(c_ptr, s_ptr, t, tmask, st_c, st_s, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
-                B: tl.constexpr, DEQ_ASM: tl.constexpr):
+                B: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr):
     """Rows t [BT] of uint16 code groups (4 codes each; DG >= D/4 columns, the rest masked) -> 4 bf16 [BT, DG]:
     element 4c + q as value * block scale * 2**-62 (exact: <= 6 significant bits, normal in bf16; 0 if masked)."""
     BT: tl.constexpr = t.shape[0]
     NB: tl.constexpr = DG * 4 // B  # blocks per (padded) row
     u = tl.load(c_ptr + t[:, None] * st_c + tl.arange(0, DG)[None, :], mask=_cols_mask(tmask, D // 4, DG), other=0)
-    sb = tl.load(s_ptr + t[:, None] * st_s + tl.arange(0, NB)[None, :], mask=_cols_mask(tmask, D // B, NB), other=0)
-    s = _scale_f32(sb, FMT).to(tl.bfloat16)  # [BT, NB] block scale * 2**64 (exact)
+    if SW == 4:  # scale bytes as words of 4 (uint32: cp.async copies them ahead; 2-byte loads it cannot) or 2
+        w = tl.load(s_ptr.to(tl.pointer_type(tl.uint32)) + t[:, None] * (st_s // 4) + tl.arange(0, NB // 4)[None, :],
+                    mask=_cols_mask(tmask, D // B // 4, NB // 4), other=0)
+        s = _scales_bf16((w & 0xFFFF).to(tl.uint16), (w >> 16).to(tl.uint16), FMT, True)
+    elif SW == 2:
+        w = tl.load(s_ptr.to(tl.pointer_type(tl.uint16)) + t[:, None] * (st_s // 2) + tl.arange(0, NB // 2)[None, :],
+                    mask=_cols_mask(tmask, D // B // 2, NB // 2), other=0)
+        s = _scales_bf16(w, w, FMT, False)
+    else:
+        sb = tl.load(s_ptr + t[:, None] * st_s + tl.arange(0, NB)[None, :], mask=_cols_mask(tmask, D // B, NB),
+                     other=0)
+        s = _scale_f32(sb, FMT).to(tl.bfloat16)  # [BT, NB] block scale * 2**64 (exact)
+    s = _operand_width_boundary(s, DEQ_ASM)
     # one scale per code group: group c lies in block c // (B/4) (row-major broadcast + reshape, as moe_triton;
     # a [BT, DG] pointer gather of the scale bytes instead makes Triton pick a 1-element-per-thread layout for the
     # whole dequantization: 1.5x the instructions)
     s = tl.broadcast_to(s[:, :, None], [BT, NB, B // 4]).reshape(BT, DG)
     return _dequant(u, s, DEQ_ASM)
+
+
+# Two e4m3 block scales (a uint16) -> bf16 scale * 2**64 each: the hardware's exact e4m3x2 -> f16x2, then each
+# f16 (normal: e4m3 subnormals are normal in f16) becomes bf16 by its exponent and top 7 mantissa bits moved down
+# 3 bits, the exponent rebased (bias 15 -> 127, plus 64): + 176 << 7. Block scales are >= 0 (the sign is dropped).
+_E4M3X2_BF16 = tl.constexpr("{ .reg .b32 r; cvt.rn.f16x2.e4m3x2 r, $2; shr.b32 r, r, 3; and.b32 r, r, 0x0FFF0FFF; "
+                            "add.u32 r, r, 0x58005800; mov.b32 {$0, $1}, r; }")
+
+
+@triton.jit
+def _pair_bf16(w, FMT: tl.constexpr):
+    """uint16 pairs of block scale bytes -> (low, high) bf16 scale * 2**64 (exact)."""
+    if FMT == f.NVFP4:
+        return tl.inline_asm_elementwise(_E4M3X2_BF16, "=h,=h,h", [w], dtype=(tl.bfloat16, tl.bfloat16),
+                                         is_pure=True, pack=1)
+    else:  # E8M0 byte e -> bf16 bits (e + 64) << 7 = 2**(e - 127 + 64)
+        x = w.to(tl.int32)
+        return (((((x & 0xFF) + 64) << 7).to(tl.uint16)).to(tl.bfloat16, bitcast=True),
+                ((((x >> 8) + 64) << 7).to(tl.uint16)).to(tl.bfloat16, bitcast=True))
+
+
+@triton.jit
+def _scales_bf16(w0, w1, FMT: tl.constexpr, QUAD: tl.constexpr):
+    """Block scale bytes as uint16 pairs [BT, N] -> bf16 [BT, 2N] (w0: the pairs in order) or, QUAD, [BT, 4N] (w0,
+    w1: the low and high halves of words of 4): scale * 2**64, exact (NVFP4 by inline PTX, MXFP4 by integer ops)."""
+    BT: tl.constexpr = w0.shape[0]
+    N: tl.constexpr = w0.shape[1]
+    a, b = _pair_bf16(w0, FMT)
+    lo = tl.join(a, b)  # [BT, N, 2]
+    if QUAD:
+        c, d = _pair_bf16(w1, FMT)
+        out = tl.join(lo, tl.join(c, d)).permute(0, 1, 3, 2).reshape(BT, 4 * N)
+    else:
+        out = lo.reshape(BT, 2 * N)
+    return out
+
+
+@triton.jit
+def _operand_width_boundary(x, ASM: tl.constexpr):
+    """x itself, on the GPU through a ``mov`` marked as having side effects. Triton sizes the MMA operands' kWidth
+    by the narrowest type loaded anywhere upstream of them through pure element-wise ops (``computeOrigBitWidth``
+    in its AccelerateMatmul pass); the block scale bytes (8 bits) made it 4, which cost a register copy per
+    operand of every MMA. The boundary stops that search at this bf16 value: kWidth 2."""
+    if ASM:
+        return tl.inline_asm_elementwise("mov.b16 $0, $1;", "=h,h", [x], dtype=tl.bfloat16, is_pure=False, pack=1)
+    else:
+        return x
 
 
 @triton.jit
@@ -253,7 +338,7 @@ def fp4kv_decode_attn_fast_kernel(
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
     B: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr,
-    F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, TILES: tl.constexpr,
+    F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr, TILES: tl.constexpr,
 ):
     """Fast path (see the module docstring): like ``fp4kv_decode_attn_kernel`` on K/V operands
     value * block scale * 2**-62 in 4 code-group parts; k_fac / v_fac: per-row factors with 2**62 folded in.
@@ -277,15 +362,15 @@ def fp4kv_decode_attn_fast_kernel(
     vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
     for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
         t, tmask = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK)
-        k0, k1, k2, k3 = _fp4_groups(kc, ks, t, tmask, skc_t, sks_t, FMT, D, DG, B, DEQ_ASM)  # [BT, DG]
+        k0, k1, k2, k3 = _fp4_groups(kc, ks, t, tmask, skc_t, sks_t, FMT, D, DG, B, DEQ_ASM, SW)  # [BT, DG]
         s = _dot(q0, tl.trans(k0), F32_DOT)  # [GP, BT] = q K'^T over the 4 parts
         s = _dot_acc(q1, tl.trans(k1), s, F32_DOT)
         s = _dot_acc(q2, tl.trans(k2), s, F32_DOT)
         s = _dot_acc(q3, tl.trans(k3), s, F32_DOT)
-        s = s * _row_factor(kg, t, tmask, skg_t, k_fac, FMT)[None, :]  # * 2**62 / S_enc * sm_scale
-        p, alpha, m_i, l_i = _online_softmax(s, tmask, m_i, l_i)
+        s = s * _row_factor(kg, t, tmask, skg_t, k_fac, FMT)[None, :]  # * 2**62 / S_enc * sm_scale * log2(e)
+        p, alpha, m_i, l_i = _online_softmax(s, tmask, m_i, l_i, True, DEQ_ASM)
         pv = _mma_in(p * _row_factor(vg, t, tmask, svg_t, v_fac, FMT)[None, :], F32_DOT)  # * 2**62 / S_enc
-        v0, v1, v2, v3 = _fp4_groups(vc, vs, t, tmask, svc_t, svs_t, FMT, D, DG, B, DEQ_ASM)
+        v0, v1, v2, v3 = _fp4_groups(vc, vs, t, tmask, svc_t, svs_t, FMT, D, DG, B, DEQ_ASM, SW)
         a0 = _dot_acc(pv, v0, a0 * alpha[:, None], F32_DOT)
         a1 = _dot_acc(pv, v1, a1 * alpha[:, None], F32_DOT)
         a2 = _dot_acc(pv, v2, a2 * alpha[:, None], F32_DOT)
@@ -296,18 +381,18 @@ def fp4kv_decode_attn_fast_kernel(
     tl.store(out + 1, a1, mask=qm)
     tl.store(out + 2, a2, mask=qm)
     tl.store(out + 3, a3, mask=qm)
-    _store_ml(ml_ptr, row, gmask, m_i, l_i)
+    _store_ml(ml_ptr, row, gmask, m_i * 0.6931471805599453, l_i)  # the max in units of e (``combine``)
 
 
 @triton.jit
 def deq_groups_kernel(c_ptr, s_ptr, out_ptr, T, st_c, st_s, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
-                      B: tl.constexpr, BT: tl.constexpr, DEQ_ASM: tl.constexpr):
+                      B: tl.constexpr, BT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr):
     """out[T, D] bf16 = the fast kernel's K/V operand (``_fp4_groups``) of rows 0..T-1, in element order."""
     t = tl.program_id(0) * BT + tl.arange(0, BT)
     tmask = t < T
     c = tl.arange(0, DG)
     cmask = c < D // 4
-    w0, w1, w2, w3 = _fp4_groups(c_ptr, s_ptr, t, tmask, st_c, st_s, FMT, D, DG, B, DEQ_ASM)
+    w0, w1, w2, w3 = _fp4_groups(c_ptr, s_ptr, t, tmask, st_c, st_s, FMT, D, DG, B, DEQ_ASM, SW)
     out = out_ptr + t[:, None] * D + 4 * c[None, :]
     m = tmask[:, None] & cmask[None, :]
     tl.store(out, w0, mask=m)
@@ -362,6 +447,18 @@ def _groups(codes: torch.Tensor) -> torch.Tensor:
         return codes.clone(memory_format=torch.contiguous_format).view(torch.uint16)
 
 
+def _scale_word(asm: bool, fmt: str, d: int, block: int, *scales: torch.Tensor) -> int:
+    """Bytes per load of the fast path's block scales (``SW``): 4 or 2 (NVFP4 on the GPU, inline PTX, or MXFP4)
+    when the blocks per row and the tensors' byte strides and bases divide by it, else 1 (byte loads)."""
+    if not (asm or fmt == "mxfp4"):
+        return 1
+    for w in (4, 2):
+        if (d // block) % w == 0 and all(x.data_ptr() % w == 0 and all(st % w == 0 for st in x.stride()[:-1])
+                                         for x in scales):
+            return w
+    return 1
+
+
 def _group_cols(d: int) -> int:
     """Code-group columns of a head_dim-``d`` tile: d/4, at least 16 (an MMA's K; the rest masked)."""
     return max(16, d // 4)
@@ -373,16 +470,22 @@ def dequantize_groups(t: FP4Tensor, block_t: int = 16, deq_asm: bool | None = No
     words = _groups(codes)
     n, d = t.shape
     out = torch.empty(n, d, dtype=torch.bfloat16, device=codes.device)
+    asm = codes.is_cuda if deq_asm is None else deq_asm
     deq_groups_kernel[(triton.cdiv(n, block_t),)](
         words, scales, out, n, words.stride(2), scales.stride(2), FMT=0 if t.fmt == "nvfp4" else 1, D=d,
-        DG=_group_cols(d), B=t.block_size, BT=block_t, DEQ_ASM=codes.is_cuda if deq_asm is None else deq_asm,
+        DG=_group_cols(d), B=t.block_size, BT=block_t, DEQ_ASM=asm,
+        SW=_scale_word(asm, t.fmt, d, t.block_size, scales),
     )
     return out
 
 
-def fast_config(d: int) -> tuple[int, int, int]:
-    """The fast path's default (BT, num_warps, num_stages) for head_dim ``d`` (``FAST_CONFIGS``)."""
-    return FAST_CONFIGS[min((k for k in FAST_CONFIGS if k >= d), default=max(FAST_CONFIGS))]
+def _config_key(d: int) -> int:
+    return min((k for k in FAST_CONFIGS if k >= d), default=max(FAST_CONFIGS))
+
+
+def fast_config(d: int) -> tuple[int, int, int, int | None]:
+    """The fast path's default (BT, num_warps, num_stages, max_registers) for head_dim ``d`` (``FAST_CONFIGS``)."""
+    return FAST_CONFIGS[_config_key(d)]
 
 
 def groups_reference(t: FP4Tensor) -> torch.Tensor:
@@ -395,9 +498,33 @@ def groups_reference(t: FP4Tensor) -> torch.Tensor:
     return (q * sf.unsqueeze(-1) * 2.0**-62).flatten(-2)[..., : t.shape[-1]].to(torch.bfloat16)
 
 
+def _sms(q: torch.Tensor) -> int:
+    return _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
+
+
 def _splits(q: torch.Tensor, bsz: int, hkv: int, t_len: int, block_t: int) -> int:
-    sms = _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
-    return max(1, min(triton.cdiv(SPLIT_WAVES * sms, bsz * hkv), triton.cdiv(t_len, block_t)))
+    """Exact path: about ``SPLIT_WAVES`` programs per multiprocessor."""
+    return max(1, min(triton.cdiv(SPLIT_WAVES * _sms(q), bsz * hkv), triton.cdiv(t_len, block_t)))
+
+
+@functools.lru_cache(maxsize=4096)
+def fast_splits(pairs: int, n_tiles: int, slots: int) -> int:
+    """Fast path: splits along T of ``n_tiles`` tiles for ``pairs`` (batch, KV head) programs on ``slots`` resident
+    program slots (multiprocessors x programs each). Each split takes ceil(n_tiles / s) tiles and every split is
+    a program (no empty ones); slots run their programs one after another, so the launch takes about
+    waves x (tiles per split + 1) tile times (the 1: a program's prologue and its partial's store). The cheapest
+    count wins (ties: fewer splits). E.g. batch 8, 4 KV heads, 8K context at 128 tokens on 132 x 3 slots: 11
+    splits of 6 tiles in one wave (about 4 / SPLIT_WAVES per multiprocessor gave 16 of 4 in 1.4 waves)."""
+    best = (float("inf"), 1)
+    for s in range(1, n_tiles + 1):
+        per = triton.cdiv(n_tiles, s)
+        real = triton.cdiv(n_tiles, per)
+        if real != s:  # the same split as a smaller s
+            continue
+        cost = triton.cdiv(pairs * real, slots) * (per + 1)
+        if cost < best[0]:
+            best = (cost, real)
+    return best[1]
 
 
 @functools.cache
@@ -409,31 +536,39 @@ def _row_factors(fmt: str, scale: float) -> tuple[float, float]:
     """(K, V) per-row factors over the global amax: 2**62 / S_enc (* scale for K) = amax * 2**62 / 2688 (NVFP4),
     2**62 (MXFP4)."""
     per_amax = 2.0**62 / 2688.0 if fmt == "nvfp4" else 2.0**62
-    return per_amax * scale, per_amax
+    return per_amax * scale * math.log2(math.e), per_amax
 
 
 MXFP4_MIN_BLOCK_T = 32
-"""MXFP4 K/V with 16-token tiles: wrong outputs on the H200 in both kernels (right in the interpreter and at
-the default tiles); not yet understood, so refused."""
+"""MXFP4 K/V with 16-token tiles where the block scales are read a byte at a time (the exact kernel; the fast one
+at one block per row, head_dim 32): wrong outputs on the H200 (right in the interpreter and at the default tiles),
+so refused. The fast kernel's uint16/uint32 scale loads (``_scale_word`` >= 2) gave right ones (2026-12-01)."""
 
 
 def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: float, lengths=None, kv_mask=None,
                      exact: bool = True, block_t: int | None = None, splits: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                     num_warps: int | None = None, num_stages: int | None = None,
+                     max_registers: int | None = None) -> torch.Tensor:
     """q [B, Hq, D], k/v FP4 [B, Hkv, T, D] -> [B, Hq, D] in q.dtype (see the module docstring).
 
     ``lengths`` int [B]: tokens per sequence; ``kv_mask`` bool [B, T]: False = not attended.
     ``exact=True``: K/V are the reference's bf16 values (``FP4Tensor.dequantize(torch.bfloat16)``).
     ``exact=False``: the fast path, K/V the exact FP4 values (equal to ``reference_attention(kv_dtype=float32)``
-    within bf16 rounding of the softmax weights). ``block_t``/``num_warps``/``num_stages``: launch overrides."""
-    if k.fmt == "mxfp4" and block_t is not None and block_t < MXFP4_MIN_BLOCK_T and q.is_cuda:
-        raise ValueError(f"block_t={block_t} with MXFP4 K/V is not supported on CUDA (both kernels gave wrong "
-                         f"results on the H200, 2026-12-01); use block_t >= {MXFP4_MIN_BLOCK_T} (the defaults do)")
+    within bf16 rounding of the softmax weights). ``block_t``/``num_warps``/``num_stages``/``max_registers`` (per
+    thread, the fast path on the GPU; None: the default config's, 0: none): launch overrides."""
     fast = not exact
     d = q.shape[-1]
+    if k.fmt == "mxfp4" and block_t is not None and block_t < MXFP4_MIN_BLOCK_T and q.is_cuda and (
+            exact or _scale_word(True, k.fmt, d, k.block_size, k.block_scales, v.block_scales) == 1):
+        raise ValueError(f"block_t={block_t} with MXFP4 K/V is not supported on CUDA for exact={exact}, head_dim {d} "
+                         f"(wrong results on the H200, 2026-12-01); use block_t >= {MXFP4_MIN_BLOCK_T} (the defaults "
+                         f"do), or the fast path at an even number of blocks per row")
     if fast:
-        bt, nw, ns = fast_config(d)
+        bt, nw, ns, mr = fast_config(d)
+        if max_registers is None and (block_t or bt, num_warps or nw, num_stages or ns) == (bt, nw, ns):
+            max_registers = mr  # the default config's cap
         block_t, num_warps, num_stages = block_t or bt, num_warps or nw, num_stages or ns
+        max_registers = max_registers or None  # 0: no cap
     else:
         block_t, num_warps = block_t or BLOCK_T, num_warps or NUM_WARPS
     bsz, hq, _ = q.shape
@@ -445,6 +580,9 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     if fast:
         kc, vc = _groups(kc), _groups(vc)
     group = hq // hkv
+    if fast and not splits:
+        resident = FAST_RESIDENT.get((_config_key(d), block_t, num_warps, num_stages, max_registers), 2)
+        splits = fast_splits(bsz * hkv, triton.cdiv(t_len, block_t), _sms(q) * resident)
     splits = splits or _splits(q, bsz, hkv, t_len, block_t)
     chunk = triton.cdiv(triton.cdiv(t_len, splits), block_t) * block_t
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
@@ -462,7 +600,8 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     if fast:
         fp4kv_decode_attn_fast_kernel[(bsz * hkv, splits)](
             *args, *_row_factors(k.fmt, float(scale)), *strides, D=d, DG=_group_cols(d), DEQ_ASM=q.is_cuda,
-            num_stages=num_stages, **common)
+            SW=_scale_word(q.is_cuda, k.fmt, d, k.block_size, ks, vs),
+            num_stages=num_stages, **common, **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
     else:
         fp4kv_decode_attn_kernel[(bsz * hkv, splits)](
             *args, float(scale), *strides, NB=ks.shape[-1], FAST_DIV=qk.FAST_DIV, enable_fp_fusion=False, **common)

@@ -3,10 +3,10 @@
 x is read as 32-bit words of two elements (64-bit for fp32), so the two codes of a word are one packed byte:
 no reshape or shuffle for the nibble packing. One reciprocal per block and one Markstein step per element
 replace the IEEE division; the RNE / guided codeword comes from bit tricks (``triton_fp4.rne_index``,
-``compact_index``, ``full_code``); guided compact NVFP4 rounding of bf16/fp32 rows takes ``quant_guided_triton``'s
-tile instead (by fp32 magnitudes). A tile where the fast division may be inexact (tiny/huge amax, Inf, a checked
-NaN/Inf) is redone in the same program by ``quant_triton``'s element-wise tile (IEEE division): one launch per
-call. Same modes and outputs as ``quant_triton.quant_kernel``.
+``compact_index``, ``full_code``); RNE and guided compact NVFP4 rounding of bf16/fp32 rows take the tiles of
+``quant_rne_triton`` and ``quant_guided_triton`` instead (by fp32 magnitudes). A tile where the fast division may
+be inexact (tiny/huge amax, Inf, a checked NaN/Inf) is redone in the same program by ``quant_triton``'s
+element-wise tile (IEEE division): one launch per call. Same modes and outputs as ``quant_triton.quant_kernel``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from . import quant_guided_triton as qg
+from . import quant_rne_triton as qr
 from . import quant_triton as qk
 from . import triton_fp4 as f
 from .quant_triton import G_NONE, G_ROW_COMPUTE, G_SCALAR, GUIDED_COMPACT, RNE, _block_scales
@@ -224,7 +225,11 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s
         tiny = ((tl.abs(lo) < t3) & (lo != 0.0)) | ((tl.abs(hi) < t3) & (hi != 0.0))  # 0 < |x * S_enc| < 2^-100
         slow += tl.max(tl.max(tl.max(tiny.to(tl.int32), axis=2), axis=1), axis=0)
     if slow == 0:
-        if BY_MAG:  # guided compact NVFP4 by magnitudes (``quant_guided_triton``); fp16 keeps the index path
+        if BY_MAG and MODE == RNE:  # RNE / guided compact NVFP4 by magnitudes; fp16 keeps the index path
+            qr.rne_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
+                        mask_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
+                        FAST_DIV)
+        elif BY_MAG:
             qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, deq_ptr, mask_ptr,
                                    s_in_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV)
         else:
@@ -270,7 +275,16 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
         XDT=xdt, FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt,
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits, WRITE_DEQ=deq is not None,
         WRITE_MASK=write_mask, CHECK_FINITE=err is not None, FAST_DIV=fast_div, HW_CVT=not qk.interpreting(x2d),
-        BY_MAG=bool(qk.GUIDED_BY_MAGNITUDE and int(mode) == int(GUIDED_COMPACT) and int(fmt) == 0 and xdt != 1
-                    and not write_bits),
+        BY_MAG=_by_magnitude(mode, fmt, xdt, write_bits),
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
+
+
+def _by_magnitude(mode, fmt, xdt, write_bits) -> bool:
+    """Whether ``pair_kernel`` takes a tile by fp32 magnitudes: RNE (``quant_triton.RNE_BY_MAGNITUDE``) or guided
+    compact without bits (``GUIDED_BY_MAGNITUDE``), NVFP4, bf16/fp32 x."""
+    if int(fmt) != 0 or xdt == 1:
+        return False
+    if int(mode) == int(RNE):
+        return bool(qk.RNE_BY_MAGNITUDE)
+    return bool(qk.GUIDED_BY_MAGNITUDE and int(mode) == int(GUIDED_COMPACT) and not write_bits)

@@ -296,6 +296,10 @@ GUIDED_BY_MAGNITUDE = True
 """Guided compact NVFP4 rounding of bf16/fp32 rows in ``pair_kernel`` by fp32 magnitudes
 (``quant_guided_triton``; off: the E2M1-index tile, ``bench_quant.py`` times both)."""
 
+RNE_BY_MAGNITUDE = True
+"""RNE NVFP4 rounding of bf16/fp32 rows in ``pair_kernel`` by fp32 magnitudes (``quant_rne_triton``; off: the
+E2M1-index tile, ``bench_quant.py`` times both)."""
+
 _WORD = {torch.bfloat16: (0, torch.int32), torch.float16: (1, torch.int32), torch.float32: (2, torch.int64)}
 
 

@@ -111,7 +111,8 @@ def test_small_head_dims_tiles_lengths_masks_splits(name, d, exact):
     mask[0, :299] = False
     mask[1, :100] = False
     mask[3, ::3] = False
-    if quant.fmt == "mxfp4":  # wrong on the H200 at 16-token tiles (2026-12-01): refused, with the reason
+    if quant.fmt == "mxfp4" and (exact or d == 32):  # byte-wise scale loads at 16-token tiles were wrong on the
+        # H200 (2026-12-01): refused, with the reason; the fast path's word loads (an even number of blocks) run
         with pytest.raises(ValueError, match="block_t=16 with MXFP4"):
             kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=exact, block_t=16)
         return
@@ -123,15 +124,16 @@ def test_small_head_dims_tiles_lengths_masks_splits(name, d, exact):
             assert torch.isfinite(got).all() and rel_err(got, want) < 1e-2, (kw.keys(), splits)
 
 
-@pytest.mark.parametrize("config", [(64, 4, 2), (128, 4, 3), (64, 4, 3), (128, 8, 2), (32, 2, 2)], ids=str)
+@pytest.mark.parametrize("config", [(64, 4, 2, None), (128, 4, 3, None), (64, 4, 3, None), (128, 8, 2, None),
+                                    (32, 2, 2, None), (128, 4, 2, 128), (128, 4, 3, 128)], ids=str)
 def test_fast_launch_configs(config):
-    """The benchmark's alternative launch configs give the same attention."""
+    """The benchmark's alternative launch configs (register caps included) give the same attention."""
     quant = QUANTIZERS["nvfp4_row"]
     k, v = _kv((3, 4, 777, 128), quant, 8), _kv((3, 4, 777, 128), quant, 9, spread=False)
     q = torch.randn(3, 16, 128, device=DEV, dtype=torch.bfloat16)
-    bt, nw, ns = config
+    bt, nw, ns, mr = config
     got = kv_attention_triton.decode_attention(q, k, v, scale=128**-0.5, exact=False, block_t=bt, num_warps=nw,
-                                               num_stages=ns)
+                                               num_stages=ns, max_registers=mr)
     assert rel_err(got, _want(q, k, v, False)) < 1e-2
 
 

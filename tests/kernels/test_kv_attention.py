@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, reference_attention
 
-from ._gpu import DEVICE, INTERPRET, needs_triton, random_rows
+from ._gpu import DEVICE, HAS_TRITON, INTERPRET, needs_triton, random_rows
 
 if DEVICE is not None:
     from megatron_trace.kernels import kv_attention_triton
@@ -114,6 +114,27 @@ def test_fast_path_dequantization_is_value_times_scale(name, d):
 
 @needs_triton
 @pytest.mark.parametrize("name", list(QUANTIZERS))
+@pytest.mark.parametrize("d", [64, 128])
+def test_fast_path_dequantization_of_tiny_and_zero_block_scales(name, d):
+    """Blocks 2**0 .. 2**-23 below the row's largest: NVFP4 block scales down to e4m3 subnormals and zero (the
+    uint16-pair scale conversion on the GPU, byte-wise in the interpreter), still exactly value x scale x 2**-62."""
+    fmt, per_row = QUANTIZERS[name]
+    g = torch.Generator().manual_seed(d + 1)
+    bs = 16 if fmt == "nvfp4" else 32
+    mag = torch.exp2(-torch.randint(0, 24, (41, d // bs, 1), generator=g).float())
+    mag[:, 0] = 1.0  # each row's amax in its first block
+    x = (torch.randn(41, d // bs, bs, generator=g) * mag).reshape(41, d)
+    t = Quantizer(fmt, per_row=per_row).quantize(x.to(DEVICE))
+    sc = t.block_scales.view(torch.uint8).cpu()
+    if fmt == "nvfp4":
+        assert ((sc > 0) & (sc < 8)).any() and (sc == 0).any()  # e4m3 subnormal and zero scales occur
+    got = kv_attention_triton.dequantize_groups(t, block_t=32)
+    want = kv_attention_triton.groups_reference(t).cpu()
+    assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(QUANTIZERS))
 @pytest.mark.parametrize("b,hq,hkv,t,d,block_t,splits", [
     (2, 8, 2, 37, 32, 16, 3),  # odd T, several splits, a partial last tile
     (1, 4, 4, 5, 64, 16, None),  # T < BT, one query head per KV head
@@ -122,8 +143,8 @@ def test_fast_path_dequantization_is_value_times_scale(name, d):
 ])
 def test_fast_path_matches_reference(name, b, hq, hkv, t, d, block_t, splits):
     q, k, v = _kv_case(name, b, hq, hkv, t, d, seed=t)
-    if DEVICE == "cuda" and k.fmt == "mxfp4" and block_t < kv_attention_triton.MXFP4_MIN_BLOCK_T:
-        with pytest.raises(ValueError, match=f"block_t={block_t} with MXFP4"):  # refused on CUDA (see there)
+    if DEVICE == "cuda" and k.fmt == "mxfp4" and block_t < kv_attention_triton.MXFP4_MIN_BLOCK_T and d == 32:
+        with pytest.raises(ValueError, match=f"block_t={block_t} with MXFP4"):  # byte-wise scales: refused (see there)
             kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=False, block_t=block_t)
         return
     got = kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=False, block_t=block_t, splits=splits)
@@ -171,6 +192,27 @@ def test_fast_path_reads_fp4_kv_cache_views_and_odd_offsets():
     buf[1:] = vq.codes.flatten()
     odd = dataclasses.replace(vq, codes=buf[1:].view(vq.codes.shape))  # storage offset 1
     assert torch.equal(kv_attention_triton.decode_attention(q, kq, odd, scale=0.125, exact=False, block_t=16), got)
+
+
+@pytest.mark.parametrize("pairs,n_tiles,slots", [(32, 64, 396), (256, 64, 396), (32, 256, 396), (4, 8, 396),
+                                                 (1, 1, 8), (300, 7, 396), (64, 1000, 264)])
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (host-side launch planning only)")
+def test_fast_splits_leave_no_split_empty_and_fill_waves(pairs, n_tiles, slots):
+    """Every split the fast path launches has tiles, and no other split count finishes in fewer tile times
+    (waves x (tiles per split + 1)), checked against all counts 1..n_tiles."""
+    from megatron_trace.kernels.kv_attention_triton import fast_splits
+
+    s = fast_splits(pairs, n_tiles, slots)
+    per = -(-n_tiles // s)
+    assert 1 <= s <= n_tiles and (s - 1) * per < n_tiles  # the last split starts inside the sequence
+
+    def cost(k):
+        p = -(-n_tiles // k)
+        return -(-pairs * -(-n_tiles // p) // slots) * (p + 1)
+
+    assert cost(s) == min(cost(k) for k in range(1, n_tiles + 1))
+    if (pairs, n_tiles, slots) == (32, 64, 396):  # batch 8, 4 KV heads, 8K at 128 tokens, H200 x 3 programs
+        assert (s, per) == (11, 6)
 
 
 @needs_triton

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from megatron_trace.formats import NonFiniteError, Quantizer
+from megatron_trace.formats import block as ref_block
 
-from ._gpu import DEVICE, INTERPRET, assert_same_fp4, edge_rows, needs_triton, random_rows, same_bits
+from ._gpu import DEVICE, INTERPRET, assert_same_fp4, bits, edge_rows, needs_triton, random_rows, same_bits
 
 pytestmark = needs_triton
 
@@ -221,3 +222,52 @@ def test_guided_edge_inputs_bit_exact(policy, compact):
     t, out = fused.guided(x.to(DEVICE), _to(record, DEVICE), deq_dtype=torch.float32)
     assert_same_fp4(t, ref)
     assert same_bits(out["deq"], ref.dequantize(torch.float32))
+
+
+def _rne_edge_rows(dtype) -> torch.Tensor:
+    """[R, 64] rows for RNE NVFP4 by magnitudes: per-row scaling makes z == x * 2**-j exactly on the first six
+    (every block holds +-6 * 2**j), so z sits on the ties, their neighbours in ``dtype`` and the grid points; then
+    z just above 6 (a block scale rounded down), zero block scales, and subnormal z from normal inputs."""
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]).to(dtype)
+    up = torch.nextafter(ties, torch.full_like(ties, 8.0)).float()
+    dn = torch.nextafter(ties, torch.zeros_like(ties)).float()
+    ties, grid = ties.float(), torch.tensor([0.0, -0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0])
+    six = torch.ones(1) * 6
+    base = torch.cat([six, ties, grid, -six, -ties, -grid, six, up, -dn, six * 0.98, -six, dn, -up, -six * 0.98])
+    tiny = torch.arange(-7.0, 8.0) * 2.0**-126  # normal in bf16; z ~ 2**-133 next to a block amax of 2**10
+    rows = [base * 2.0**j for j in (0, -3, 20, -20, 90, -90)] + [
+        torch.cat([base[:16], torch.linspace(-5.3, 5.3, 16), torch.linspace(5.0, 5.3, 16),
+                   -torch.linspace(4.9, 5.3, 16)]),  # sf 384 for 5.3 (bf16 5.3125): z up to 6.2
+        torch.cat([base[:16], torch.linspace(-1e-5, 1e-5, 16), torch.zeros(16), -torch.zeros(16)]),  # sf == 0
+        torch.cat([torch.full((1,), 1024.0), tiny, -tiny, torch.full((1,), -1024.0), base[:32] * 2.0**-100]),
+    ]
+    if dtype == torch.float32:  # fp32 subnormal inputs (the interpreter flushes bf16 subnormals)
+        rows.append(torch.cat([base[:16], torch.arange(-24.0, 24.0) * 2.0**-149]))
+    return torch.stack(rows).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("amax", ["per-row", "per-tensor", "given"])
+@pytest.mark.parametrize("codes", [False, True], ids=["fake-quant", "codes+record"])
+def test_rne_by_magnitude_ties_and_edges_bit_exact(dtype, amax, codes, monkeypatch):
+    """RNE NVFP4 by fp32 magnitudes (``quant_triton.RNE_BY_MAGNITUDE``) and by E2M1 indices against the reference:
+    dequantized values, STE mask, codes, scales and record bits (a given amax of 1: z far above 6, saturated)."""
+    q = Quantizer("nvfp4", per_row=amax == "per-row")
+    ga = 1.0 if amax == "given" else None
+    x = _rne_edge_rows(dtype)
+    ref = q.quantize(x, global_amax=ga)
+    _, z = ref_block.quantize_with_z(q.format, x, global_amax=ga, per_row=q.per_row)
+    inside = (z.abs() <= 6.0).flatten(-2)[..., : x.shape[-1]].to(torch.uint8)
+    outs = []
+    for by_mag in (True, False):
+        monkeypatch.setattr(quant_triton, "RNE_BY_MAGNITUDE", by_mag)
+        t, rec, out = fused.quantize(x.to(DEVICE), q, global_amax=ga, record=codes, write_codes=codes, deq_dtype=dtype,
+                                     want_mask=True, check_finite=False)
+        assert same_bits(out["deq"], ref.dequantize(dtype)), by_mag
+        assert torch.equal(out["mask"].cpu(), inside), by_mag
+        if codes:
+            assert_same_fp4(t, ref)
+            assert_same_fp4(rec, ref.guidance(compact=True))
+        outs.append(out)
+    for name, got in outs[0].items():
+        assert torch.equal(bits(got), bits(outs[1][name])), name

@@ -1,0 +1,40 @@
+"""One short line per JSON row of ``bench_decode_attn.py`` or ``bench_decode.py`` output, for device-call logs.
+
+``python3 benchmarks/summarize_rows.py attn FILE.jsonl`` (times of every kernel, the fast kernel's ratios) or
+``... decode FILE.jsonl`` (GPU ms per step, attention and MoE ms, eager tokens/s per mode, batch and context).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+ATTN_KEYS = ("batch", "context", "timers", "error", "fused_fast_us", "fused_fast_over_bf16", "fused_fast_frac_copy",
+             "fast_rel_err_fp32", "fast_config")
+
+
+def attn(row: dict) -> str:
+    keep = {k: v for k, v in row.items() if (k.endswith("_us") and not k.startswith("fused_")) or k in ATTN_KEYS}
+    return json.dumps(keep)
+
+
+def decode(row: dict) -> str | None:
+    if row.get("bench") != "decode":
+        return None
+    p = row.get("profile", {})
+    return (f"{row['mode']} {row['batch']} {row['context']} step_ms {p.get('step_ms')} attn_kernels_ms "
+            f"{p.get('attn_kernels_ms')} moe_ms {p.get('moe_ms')} eager_tok_s {row.get('eager_tok_s')} "
+            f"{row.get('error', '')}")
+
+
+def main(argv=None) -> None:
+    kind, path = (argv or sys.argv[1:])[:2]
+    fmt = {"attn": attn, "decode": decode}[kind]
+    for line in open(path):
+        out = fmt(json.loads(line))
+        if out:
+            print(out)
+
+
+if __name__ == "__main__":
+    main()
