@@ -14,7 +14,7 @@ with the KV bytes each reads (bf16 bytes for bf16, the FP4 bytes for the others)
 the copy bandwidth (``*_frac_copy``), and the fused kernels' relative errors against SDPA over the bf16
 dequantized K/V (``*_rel_err``; the fast one also against fp32 K/V, its own values: ``fast_rel_err_fp32``).
 Used by ``bench_decode.py --attn-micro``; alone: ``python benchmarks/bench_decode_attn.py [--batches ..]
-[--lengths ..]``.
+[--lengths ..] [--heads HQ,HKV,D] [--alt BT,warps,stages,max_registers ..]``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _device_ms(fn, reps: int) -> tuple[float, str]:
         return median_ms(fn, reps=reps), "events"
 
 
-def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
+def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT) -> dict:
 
     from megatron_trace.kernels import kv_attention_triton as kt
 
@@ -89,7 +89,7 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
         **{f"fast_bt{bt}_w{nw}_s{ns}" + (f"_r{mr}" if mr else ""): (
             lambda bt=bt, nw=nw, ns=ns, mr=mr: kt.decode_attention(
                 q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns, max_registers=mr))
-           for bt, nw, ns, mr in FAST_ALT if (bt, nw, ns, mr) != kt.fast_config(d)},
+           for bt, nw, ns, mr in alt if (bt, nw, ns, mr) != kt.fast_config(d)},
     }
     timed = {name: _device_ms(fn, reps) for name, fn in runs.items()}
     ms = {name: t for name, (t, _) in timed.items()}
@@ -108,7 +108,7 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps) -> dict:
             **frac, **errs, "kv_bytes_bf16": bytes_bf16, "kv_bytes_fp4": bytes_fp4, "copy_TBps": round(bw / 1e12, 3)}
 
 
-def attention_micro(hf_config, batches, lengths, device, *, budget_left=None, reps: int = 20):
+def attention_micro(hf_config, batches, lengths, device, *, budget_left=None, reps: int = 20, alt=FAST_ALT):
     """Yields one JSON-able row per (batch, L) (see the module docstring)."""
     from _timing import copy_bandwidth
 
@@ -122,7 +122,7 @@ def attention_micro(hf_config, batches, lengths, device, *, budget_left=None, re
                 yield {"bench": "decode_attn_skipped", "batch": b, "context": length, "reason": "budget"}
                 continue
             try:
-                yield _one(b, length, hq, hkv, d, quant, device, bw, reps)
+                yield _one(b, length, hq, hkv, d, quant, device, bw, reps, alt)
             except Exception as e:  # noqa: BLE001 - reported, the next point still runs
                 yield {"bench": "decode_attn", "batch": b, "context": length,
                        "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -137,10 +137,15 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--lengths", default="1024,8192,32768")
+    p.add_argument("--heads", default=None, help="HQ,HKV,D instead of the decode model's (e.g. 16,4,64)")
+    p.add_argument("--alt", nargs="*", default=None, help="BT,warps,stages,max_registers configs instead of FAST_ALT")
     args = p.parse_args(argv)
-    cfg = Qwen3MoeConfig(**MODEL)
-    for row in attention_micro(cfg, [int(b) for b in args.batches.split(",")],
-                               [int(v) for v in args.lengths.split(",")], torch.device("cuda")):
+    model = dict(MODEL)
+    if args.heads:
+        model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"] = map(int, args.heads.split(","))
+    alt = tuple(tuple(int(x) for x in c.split(",")) for c in args.alt) if args.alt else FAST_ALT
+    for row in attention_micro(Qwen3MoeConfig(**model), [int(b) for b in args.batches.split(",")],
+                               [int(v) for v in args.lengths.split(",")], torch.device("cuda"), alt=alt):
         print(json.dumps(row), flush=True)
 
 

@@ -58,7 +58,8 @@ element) and the H200 (``bench_decode_attn.py``). head_dim 128 (session 8): capp
 spilled) and 48 KB of shared memory, 4 programs per multiprocessor, 4.5 SASS per element (NVFP4; session 7: 168
 registers, 3 programs, 5.6), the fastest of the configs swept at batch 8 / 64 and 8K / 32K. head_dim <= 64 (not
 swept): 4 warps would split the V MMA's N = D/4 <= 16 columns four ways, replicating the dequantization."""
-FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (64, 64, 2, 2, None): 4, (256, 64, 4, 2, None): 2,
+FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (64, 64, 2, 2, None): 4, (64, 64, 1, 2, None): 8, (64, 64, 1, 3, None): 12,
+                 (64, 32, 1, 2, None): 16, (256, 64, 4, 2, None): 2,
                  **{(128, bt, nw, ns, mr): r for bt, nw, ns, mr, r in (
                      (128, 4, 2, None, 3), (128, 4, 3, None, 3), (128, 4, 4, None, 3), (128, 4, 2, 128, 4),
                      (128, 4, 3, 128, 4), (64, 4, 2, None, 4), (64, 4, 3, None, 4), (64, 2, 3, None, 4))}}

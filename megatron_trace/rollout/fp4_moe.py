@@ -230,7 +230,8 @@ def grouped_experts_forward(
     if quantize_fc1:
         q1, r1, x = _quantize_dequantize(x, activation_quantizer, record_fc1)
     flat = top_k_index.reshape(-1)  # [T*k]
-    ids, order = torch.sort(flat, stable=True)
+    key = flat.to(torch.int16) if num_experts <= 1 << 15 else flat  # a 2-byte radix sort: 2 passes, not 8
+    ids, order = torch.sort(key, stable=True)  # the same order as int64 keys (stable)
     experts = torch.arange(num_experts, device=flat.device, dtype=ids.dtype)
     offs = torch.searchsorted(ids, experts, right=True).to(torch.int32)  # [E] cumulative (bincount would sync)
 

@@ -124,15 +124,17 @@ def test_small_head_dims_tiles_lengths_masks_splits(name, d, exact):
             assert torch.isfinite(got).all() and rel_err(got, want) < 1e-2, (kw.keys(), splits)
 
 
-@pytest.mark.parametrize("config", [(64, 4, 2, None), (128, 4, 3, None), (64, 4, 3, None), (128, 8, 2, None),
-                                    (32, 2, 2, None), (128, 4, 2, 128), (128, 4, 3, 128)], ids=str)
-def test_fast_launch_configs(config):
-    """The benchmark's alternative launch configs (register caps included) give the same attention."""
+@pytest.mark.parametrize("d,config", [(128, (64, 4, 2, 0)), (128, (128, 4, 3, 0)), (128, (64, 4, 3, 0)),
+                                      (128, (128, 8, 2, 0)), (128, (32, 2, 2, 0)), (128, (128, 4, 2, 128)),
+                                      (128, (128, 4, 3, 128)), (64, (64, 1, 2, 0)), (64, (64, 1, 3, 0)),
+                                      (64, (32, 1, 2, 0)), (64, (64, 2, 2, 0))], ids=str)
+def test_fast_launch_configs(d, config):
+    """The benchmark's alternative launch configs (register caps included; 0: none) give the same attention."""
     quant = QUANTIZERS["nvfp4_row"]
-    k, v = _kv((3, 4, 777, 128), quant, 8), _kv((3, 4, 777, 128), quant, 9, spread=False)
-    q = torch.randn(3, 16, 128, device=DEV, dtype=torch.bfloat16)
+    k, v = _kv((3, 4, 777, d), quant, 8), _kv((3, 4, 777, d), quant, 9, spread=False)
+    q = torch.randn(3, 16, d, device=DEV, dtype=torch.bfloat16)
     bt, nw, ns, mr = config
-    got = kv_attention_triton.decode_attention(q, k, v, scale=128**-0.5, exact=False, block_t=bt, num_warps=nw,
+    got = kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=False, block_t=bt, num_warps=nw,
                                                num_stages=ns, max_registers=mr)
     assert rel_err(got, _want(q, k, v, False)) < 1e-2
 
