@@ -32,15 +32,21 @@ SWEEP_BUDGET_S = 110.0
 """``--elem``: the element-wise kernels (``PAIR_KERNEL`` off; CONFIG "elem"), for comparison."""
 
 
+_BY_MAGNITUDE = ("RNE_BY_MAGNITUDE", "GUIDED_BY_MAGNITUDE", "DEQUANT_BY_MAGNITUDE")
+
+
 def _index_path(fn):
-    """fn() with the pair kernel's E2M1-index tiles for RNE and guided compact NVFP4 (off:
-    ``quant_triton.RNE_BY_MAGNITUDE``, ``GUIDED_BY_MAGNITUDE``), as before the tiles by fp32 magnitudes."""
-    saved = quant_triton.RNE_BY_MAGNITUDE, quant_triton.GUIDED_BY_MAGNITUDE
-    quant_triton.RNE_BY_MAGNITUDE = quant_triton.GUIDED_BY_MAGNITUDE = False
+    """fn() with the pair kernels' E2M1-index tiles for RNE and guided compact NVFP4 and the per-element NVFP4
+    dequantize (off: ``quant_triton.RNE_BY_MAGNITUDE``, ``GUIDED_BY_MAGNITUDE``, ``DEQUANT_BY_MAGNITUDE``), as
+    before the tiles by fp32 magnitudes and the dequantize by per-block constants."""
+    saved = [getattr(quant_triton, name) for name in _BY_MAGNITUDE]
+    for name in _BY_MAGNITUDE:
+        setattr(quant_triton, name, False)
     try:
         return fn()
     finally:
-        quant_triton.RNE_BY_MAGNITUDE, quant_triton.GUIDED_BY_MAGNITUDE = saved
+        for name, v in zip(_BY_MAGNITUDE, saved):
+            setattr(quant_triton, name, v)
 
 
 def cases(x, rows, k):
@@ -82,6 +88,8 @@ def cases(x, rows, k):
         "fake_quant_rne+ste_mask": (fake_rne, 3 * xb),
         "fake_quant_rne+ste_mask(index path)": (lambda: _index_path(fake_rne), 3 * xb),
         "dequantize_nvfp4->bf16": (lambda: dequant_triton.dequantize(t_row, torch.bfloat16), n // 2 + n // 16 + xb),
+        "dequantize_nvfp4->bf16(index path)": (
+            lambda: _index_path(lambda: dequant_triton.dequantize(t_row, torch.bfloat16)), n // 2 + n // 16 + xb),
         "dequantize_mxfp4->bf16": (lambda: dequant_triton.dequantize(t_mx, torch.bfloat16), n // 2 + n // 32 + xb),
         "compact_from_codes": (lambda: dequant_triton.compact(t_row), n // 2 + n // 8),
         "reference_torch_cuda_quantize_nvfp4_row": (lambda: q_row.quantize(x), xb + n // 2 + n // 16),

@@ -1,10 +1,12 @@
-"""Cross-compile the quantize pair kernel for sm_90 (no GPU needed): registers, spills and SASS per element.
+"""Cross-compile the quantize and dequantize pair kernels for sm_90 (no GPU needed): registers, spills, SASS.
 
 For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact + dequant, RNE
-fake-quant + STE mask) at the launch config of ``quant_triton.CONFIG["pair"]``: ``ptxas -v`` gives registers
-per thread and spill bytes, ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's
-branch together: a static count, not the instructions one program runs); per element = that times
-32 * num_warps / (BLOCK_M * K). ``python benchmarks/sass_quant.py [--k 2048]`` prints one JSON row per op.
+fake-quant + STE mask; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax) at the launch configs of
+``quant_triton.CONFIG["pair"]`` and ``["dequant"]``: ``ptxas -v`` gives registers per thread and spill bytes,
+``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static count,
+not the instructions one program runs; the dequantize kernel's redo is another launch, so its count is the fast
+path's); per element = that times 32 * num_warps / (BLOCK_M * K).
+``python benchmarks/sass_quant.py [--k 2048]`` prints one JSON row per op.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_kv_attention import BIN, ptxas_usage  # noqa: E402
 
+from megatron_trace.kernels import dequant_triton as dq  # noqa: E402
 from megatron_trace.kernels import quant_pair_triton as qp  # noqa: E402
 from megatron_trace.kernels import quant_triton as qk  # noqa: E402
 
@@ -31,6 +34,11 @@ OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ
     "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True, True),
     "fake_quant_rne+ste_mask(index path)": (0, 2, False, False, False, True, True, False),
 }
+DEQUANT_OPS = {  # op -> (ODT, BY_MAG): dequant_pair_kernel, NVFP4 with a per-row amax (G_ROW_GIVEN)
+    "dequantize_nvfp4->bf16": (0, True),
+    "dequantize_nvfp4->bf16(index path)": (0, False),
+    "dequantize_nvfp4->fp32": (2, True),  # the index path (by constants: bf16 only)
+}
 _PTRS = ("xw_ptr", "x_ptr", "g_ptr", "s_in_ptr", "gc_ptr", "codes_ptr", "scales_ptr", "bits_ptr", "deq_ptr",
          "deq_e_ptr", "mask_ptr", "mask_e_ptr", "err_ptr")
 _PTR_TYPES = {"xw_ptr": "*i32", "x_ptr": "*bf16", "g_ptr": "*fp32", "deq_ptr": "*i32", "deq_e_ptr": "*bf16",
@@ -41,17 +49,32 @@ def compile_pair(op: str, k: int, fn=None):
     mode, g_mode, wc, ws, wb, wd, wm, *by_mag = OPS[op]
     cfg = qk.CONFIG["pair"]
     bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
-    fn = fn or qp.pair_kernel
     const = dict(NUM_KT=num_kt, XDT=0, FMT=0, MODE=mode, G_MODE=g_mode, B=16, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
                  WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,
                  HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]))
+    return _compile(fn or qp.pair_kernel, const, _PTR_TYPES, cfg["num_warps"]), bm
+
+
+def compile_dequant(op: str, k: int):
+    """``dequant_pair_kernel`` for an op of DEQUANT_OPS (codes [M, K / 2] -> words of two elements)."""
+    odt, by_mag = DEQUANT_OPS[op]
+    cfg = qk.CONFIG["dequant"]
+    bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
+    const = dict(NUM_KT=num_kt, ODT=odt, FMT=0, G_MODE=int(qk.G_ROW_GIVEN), B=16, BLOCK_M=bm, NBT=nbt,
+                 FAST_DIV=True, HW_CVT=True, BY_MAG=by_mag)
+    types = {"g_ptr": "*fp32", "outw_ptr": "*i64" if odt == 2 else "*i32", "flag_ptr": "*i32"}
+    return _compile(dq.dequant_pair_kernel, const, types, cfg["num_warps"]), bm
+
+
+def _compile(fn, const, ptr_types, num_warps):
+    """fn compiled for sm_90: constexprs const, pointers of ptr_types (else *u8) and ints 16-divisible but M."""
     const = {n: v for n, v in const.items() if n in fn.arg_names}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
         elif name in _PTRS or name.endswith("_ptr"):
-            sig[name] = _PTR_TYPES.get(name, "*u8")
+            sig[name] = ptr_types.get(name, "*u8")
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "i32"
@@ -59,7 +82,7 @@ def compile_pair(op: str, k: int, fn=None):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg["num_warps"], "enable_fp_fusion": False}), bm
+                          options={"num_warps": num_warps, "enable_fp_fusion": False})
 
 
 def sass(cubin: bytes) -> list[str]:
@@ -76,19 +99,19 @@ def sass(cubin: bytes) -> list[str]:
 
 
 def report(op: str, k: int) -> dict:
-    kern, bm = compile_pair(op, k)
+    kern, bm = compile_dequant(op, k) if op in DEQUANT_OPS else compile_pair(op, k)
+    nw = qk.CONFIG["dequant" if op in DEQUANT_OPS else "pair"]["num_warps"]
     regs, spills = ptxas_usage(kern.asm["ptx"])
     n = len(sass(kern.asm["cubin"]))
-    return {"op": op, "k": k, "block_m": bm, "num_warps": qk.CONFIG["pair"]["num_warps"], "registers": regs,
-            "spill_bytes": spills, "kernel_sass": n,
-            "kernel_sass_per_element": round(n * 32 * qk.CONFIG["pair"]["num_warps"] / (bm * k), 2)}
+    return {"op": op, "k": k, "block_m": bm, "num_warps": nw, "registers": regs, "spill_bytes": spills,
+            "kernel_sass": n, "kernel_sass_per_element": round(n * 32 * nw / (bm * k), 2)}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--k", type=int, default=2048)
     a = p.parse_args(argv)
-    for op in OPS:
+    for op in (*OPS, *DEQUANT_OPS):
         print(json.dumps(report(op, a.k)), flush=True)
 
 

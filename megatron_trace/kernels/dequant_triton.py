@@ -8,6 +8,7 @@ import triton.language as tl
 
 from ..formats.registry import get_format
 from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
+from . import quant_guided_triton as qg
 from . import quant_pair_triton as qp
 from . import quant_triton as qk
 from . import triton_fp4 as f
@@ -69,9 +70,12 @@ def _dequant_rows(pid, codes_ptr, scales_ptr, g_ptr, out_ptr, M, K, NB, NUM_KT: 
 def dequant_pair_kernel(
     codes_ptr, scales_ptr, g_ptr, outw_ptr, flag_ptr, M, NB, NUM_KT: tl.constexpr,
     ODT: tl.constexpr, FMT: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr, BLOCK_M: tl.constexpr,
-    NBT: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr,
+    NBT: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr,
 ):
     """``dequant_kernel`` for K % B == 0: each code byte becomes one output word (two elements, outw_ptr).
+
+    BY_MAG: NVFP4 to bf16 by per-block constants (``_tile_by_consts``); else, and for other formats and dtypes,
+    ``_pair_by_index`` (decode, multiply, divide per element).
 
     A program whose rows have an S_enc outside the range where the reciprocal division is exact writes
     nothing and sets flag_ptr[row] = 1 for its rows (else 0) for ``dequant_kernel`` with ONLY_FLAGGED.
@@ -91,32 +95,140 @@ def dequant_pair_kernel(
     NW = NB * P
     if slow == 0:
         for kt in range(NUM_KT):
-            blk = kt * NBT + tl.arange(0, NBT)[None, :]
-            bmask = blk < NB
-            wcol = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
-            m3 = rmask[:, None, None] & (wcol < NW)
-            woff = rows[:, None, None] * NW + wcol
-            c = tl.load(codes_ptr + woff, mask=m3, other=0).to(tl.int32)
-            byte = tl.load(scales_ptr + rows[:, None] * NB + blk, mask=rmask[:, None] & bmask, other=0)
-            cl, ch = c & 15, c >> 4
-            if FMT == f.NVFP4:
-                sf = f.e4m3_value(byte)[:, :, None]
-                vl = f.e2m1_mag(cl & 7) * sf  # exact: <= 2 + 4 significant bits
-                vh = f.e2m1_mag(ch & 7) * sf
-                s3 = s_b[:, :, None]
-                if FAST_DIV:
-                    re = tl.div_rn(tl.full(s3.shape, 1.0, tl.float32), s3)
-                    vl = f.markstein(vl, -s3, re)
-                    vh = f.markstein(vh, -s3, re)
-                else:
-                    vl, vh = tl.div_rn(vl, s3), tl.div_rn(vh, s3)
+            if FMT == f.NVFP4 and BY_MAG and ODT == 0:
+                _tile_by_consts(codes_ptr, scales_ptr, outw_ptr, s_b, rows, rmask, kt, NB, NW, P, NBT, FAST_DIV, HW_CVT)
             else:
-                p2e = f.pow2(byte.to(tl.int32) - 127)[:, :, None]
-                vl, vh = f.e2m1_mag(cl & 7) * p2e, f.e2m1_mag(ch & 7) * p2e
-            vl = (vl.to(tl.int32, bitcast=True) | ((cl & 8) << 28)).to(tl.float32, bitcast=True)  # code sign
-            vh = (vh.to(tl.int32, bitcast=True) | ((ch & 8) << 28)).to(tl.float32, bitcast=True)
-            tl.store(outw_ptr + woff, f.pair(vl, vh, ODT, HW_CVT).to(outw_ptr.dtype.element_ty, bitcast=True),
-                     mask=m3)
+                blk = kt * NBT + tl.arange(0, NBT)[None, :]
+                byte = tl.load(scales_ptr + rows[:, None] * NB + blk, mask=rmask[:, None] & (blk < NB), other=0)
+                wcol = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
+                m3 = rmask[:, None, None] & (wcol < NW)
+                woff = rows[:, None, None] * NW + wcol
+                c = tl.load(codes_ptr + woff, mask=m3, other=0).to(tl.int32)
+                words = _pair_by_index(c, byte, s_b[:, :, None], ODT, FMT, FAST_DIV, HW_CVT)
+                tl.store(outw_ptr + woff, words.to(outw_ptr.dtype.element_ty, bitcast=True), mask=m3)
+
+
+@triton.jit
+def _tile_by_consts(codes_ptr, scales_ptr, outw_ptr, s_b, rows, rmask, kt, NB, NW, P: tl.constexpr, NBT: tl.constexpr,
+                    FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    """One K tile of NVFP4 words by per-block constants (GPU bf16: ``_pair_by_table``, else ``_pair_by_consts``).
+
+    The tile is [P // 4, L, BM, H, 4] (quarter block, block mod L, row, block // L, word; L = min(NBT, 16)): Triton
+    orders dims of equal contiguity by index, so a thread loads four code bytes and stores four words, a warp's
+    32 threads take 16 adjacent blocks of one row (loads and stores coalesce, no shuffle), the warps take rows
+    (one S_enc per thread) and the H blocks 16 apart are a thread's repeats."""
+    Q: tl.constexpr = P // 4
+    L: tl.constexpr = 16 if NBT > 16 else NBT
+    H: tl.constexpr = NBT // L
+    blk = kt * NBT + tl.arange(0, H)[None, None, :] * L + tl.arange(0, L)[:, None, None]  # [L, 1, H]
+    r3 = rows[None, :, None]
+    byte = tl.load(scales_ptr + r3 * NB + blk, mask=rmask[None, :, None] & (blk < NB), other=0)  # [L, BM, H]
+    s1 = tl.reshape(s_b, (s_b.shape[0],))
+    re = tl.div_rn(tl.full(s1.shape, 1.0, tl.float32), s1)[None, :, None]  # per row: RN(1 / S_enc)
+    d1, d3 = _block_consts(byte, s1[None, :, None], re, FAST_DIV, HW_CVT)
+    wcol = (blk[None, :, :, :, None] * P + tl.arange(0, Q)[:, None, None, None, None] * 4
+            + tl.arange(0, 4)[None, None, None, None, :])  # [Q, L, 1, H, 4]
+    m5 = rmask[None, None, :, None, None] & (wcol < NW)
+    woff = rows[None, None, :, None, None] * NW + wcol
+    c = tl.load(codes_ptr + woff, mask=m5, other=0).to(tl.int32)
+    d1, d3 = d1[None, :, :, :, None], d3[None, :, :, :, None]
+    if HW_CVT:
+        words = _pair_by_table(c, d1, d3)
+    else:
+        words = _pair_by_consts(c, d1, d3)
+    tl.store(outw_ptr + woff, words.to(outw_ptr.dtype.element_ty, bitcast=True), mask=m5)
+
+
+@triton.jit
+def _pair_by_index(c, byte, s3, ODT: tl.constexpr, FMT: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    """Output words of code bytes c [BM, NBT, P] (int32): decode, times the block scale (byte [BM, NBT]),
+    divided by S_enc (s3 [BM, 1, 1]) per element, the code's sign by bit, one conversion."""
+    cl, ch = c & 15, c >> 4
+    e3 = (byte.to(tl.int32) - 127)[:, :, None]  # MXFP4's block exponent
+    vl, vh = f.deq_mags(cl & 7, ch & 7, f.e4m3_value(byte)[:, :, None], e3, s3, FMT, FAST_DIV)
+    vl = (vl.to(tl.int32, bitcast=True) | ((cl & 8) << 28)).to(tl.float32, bitcast=True)  # code sign
+    vh = (vh.to(tl.int32, bitcast=True) | ((ch & 8) << 28)).to(tl.float32, bitcast=True)
+    return f.pair(vl, vh, ODT, HW_CVT)
+
+
+@triton.jit
+def _block_consts(byte, s, re, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    """4 * d1 = RN(4 sf / S_enc), 4 * d3 = RN(6 sf / S_enc) for the E4M3 block scales byte (any shape; s = S_enc,
+    re = RN(1 / S_enc) broadcast to it), as ``quant_guided_triton._block_consts`` (of 4 sf: exact), rounded to bf16
+    (on the GPU: left to ``_pair_by_table``); NaN for a NaN scale. (The factor 4 makes ``_half_by_consts``'s
+    exponent base 124, whose low two bits are 0.)"""
+    if HW_CVT:  # the GPU's conversion: exact for E4M3 (NaN kept)
+        sf = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:  # by bits (the interpreter's conversion differs)
+        sf = f.e4m3_value(byte)
+    if FAST_DIV:
+        d1, d3 = f.markstein(sf * 4.0, -s, re), f.markstein(sf * 6.0, -s, re)
+    else:
+        d1, d3 = tl.div_rn(sf * 4.0, s), tl.div_rn(sf * 6.0, s)
+    if not HW_CVT:  # the bf16 rounding by bits of a NaN may give -0
+        nan = sf != sf
+        d1 = tl.where(nan, float("nan"), qg.rne_bf16(d1))
+        d3 = tl.where(nan, float("nan"), qg.rne_bf16(d3))
+    return d1, d3
+
+
+@triton.jit
+def _half_by_consts(c, q, d1, d3, SH: tl.constexpr):
+    """|value| bits (fp32 as uint32) of the code nibble at bit SH (0 or 4) of the code bytes c (int32 < 256), from
+    ``_block_consts``' 4 * d1, 4 * d3: the E2M1 magnitude of index n = (c >> SH) & 7 is 2**k or 1.5 * 2**k with
+    2**k = 2**((n >> 1) - 1) (n >= 1), so the value is 2**k / 4 (exponent 124 | n's bits 1-2) times 4 * d1, or
+    times 4 * d3 for n = 3, 5, 7 (q's bit SH); 0 for n = 0."""
+    base = tl.where((c & (7 << SH)) != 0, 0x3E000000, 0)
+    p2 = ((c << (22 - SH)) & 0x1800000) | base
+    d = tl.where((q & (1 << SH)) != 0, d3, d1)
+    return (d * p2.to(tl.float32, bitcast=True)).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _pair_by_consts(c, d1, d3):
+    """bf16 words of the code bytes c (int32) from ``_block_consts``' 4 * d1, 4 * d3 (bf16-exact, broadcast to c):
+    one multiply per element (exact: normal in the fast path's S_enc range), the high halves (vh's low half is 0,
+    or vl and vh are NaN), the codes' signs by xor (q * sf's sign): bits 3, 7 -> 15, 31."""
+    q = c & ((c >> 1) | (c >> 2))  # bit 0 (4): the low (high) nibble's index is 3, 5 or 7
+    vl, vh = _half_by_consts(c, q, d1, d3, 0), _half_by_consts(c, q, d1, d3, 4)
+    return ((vl >> 16) | vh) ^ ((c * 0x1001000).to(tl.uint32, bitcast=True) & 0x80008000)
+
+
+@triton.jit
+def _prmt(a, b, sel):
+    """PTX ``prmt.b32`` (GPU only): byte i of the result is byte (nibble i of sel) of b:a (a: bytes 0-3), the
+    nibble's bit 3 clear; sel's bits 16-31 are ignored. a, b, sel: uint32, broadcast."""
+    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.uint32,
+                                     is_pure=True, pack=1)
+
+
+@triton.jit
+def _asm2(asm: tl.constexpr, a, b):
+    """One PTX instruction ``asm`` on two 32-bit operands ($1, $2), uint32 out (GPU only; a, b broadcast)."""
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _pair_by_table(c, d1, d3):
+    """``_pair_by_consts`` for bf16 on the GPU: per block, the bf16 values of the 8 E2M1 magnitudes as two 8-byte
+    tables (their low bytes, their high bytes); per word, one byte permute per table picks both elements' bytes by
+    their indices (selector nibbles 0 and 2), a third interleaves them, and the codes' signs are xor-ed in.
+
+    The table: ``_block_consts``' 4 * d1, 4 * d3 (fp32) rounded to bf16 and packed (one cvt), times 2**k in bf16x2
+    multiplies (exact), 0 * d1 for index 0 (+0; NaN for a NaN scale): [0, 0.5, 1, 1.5 | 2, 3, 4, 6] * sf / S_enc."""
+    p13 = _asm2("cvt.rn.bf16x2.f32 $0, $2, $1;", d1, d3)  # [lo: 4 d1, hi: 4 d3], RNE
+    p11 = _prmt(p13, p13, tl.full(p13.shape, 0x1010, tl.uint32))  # [4 d1, 4 d1]
+    e01 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p11, tl.full(p13.shape, 0x3E000000, tl.uint32))  # * [0, 1/8]
+    e23 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3E803E80, tl.uint32))  # * [1/4, 1/4]
+    e45 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3F003F00, tl.uint32))  # * [1/2, 1/2]
+    even, odd = tl.full(p13.shape, 0x6420, tl.uint32), tl.full(p13.shape, 0x7531, tl.uint32)
+    lo_a, hi_a = _prmt(e01, e23, even), _prmt(e01, e23, odd)  # indices 0-3: the bf16s' low / high bytes
+    lo_b, hi_b = _prmt(e45, p13, even), _prmt(e45, p13, odd)  # indices 4-7
+    sel = ((c | (c << 4)) & 0x707).to(tl.uint32)  # nibble 0: the low element's index, nibble 2: the high one's
+    lo = _prmt(lo_a, lo_b, sel)  # bytes 0, 2: the low bytes of the two elements' bf16
+    hi = _prmt(hi_a, hi_b, sel)
+    word = _prmt(lo, hi, tl.full(sel.shape, 0x6240, tl.uint32))
+    return word ^ ((c * 0x1001000).to(tl.uint32, bitcast=True) & 0x80008000)
 
 
 @triton.jit
@@ -153,7 +265,7 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
         dequant_pair_kernel[(triton.cdiv(m, bm),)](
             codes, scales, g, out.view(wdt), flags, m, nb, num_kt, ODT=odt, FMT=fmt_id, G_MODE=int(g_mode),
             B=fmt.block_size, BLOCK_M=bm, NBT=nbt, FAST_DIV=qk.FAST_DIV, HW_CVT=not qk.interpreting(codes),
-            num_warps=cfg["num_warps"], enable_fp_fusion=False,
+            BY_MAG=bool(qk.DEQUANT_BY_MAGNITUDE), num_warps=cfg["num_warps"], enable_fp_fusion=False,
         )
     if m and (flags is None or int(g_mode) != int(qk.G_NONE)):  # MXFP4 pair programs never flag
         cfg = qk.CONFIG["elem"]

@@ -69,6 +69,13 @@ def _deq_bits(m, d1, d3):
 
 
 @triton.jit
+def rne_bf16(d):
+    """fp32 d (positive, finite) rounded to bf16 precision, ties to even, by its bits (fp32 out)."""
+    b = d.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _block_consts(sf, s3, FAST_DIV: tl.constexpr, BF16: tl.constexpr):
     """Per block [BM, NBT, 1]: d1 = RN(sf / S_enc), d3 = RN(1.5 sf / S_enc) (rounded to bf16 if BF16)."""
     sf3 = sf[:, :, None]
@@ -78,9 +85,7 @@ def _block_consts(sf, s3, FAST_DIV: tl.constexpr, BF16: tl.constexpr):
     else:
         d1, d3 = tl.div_rn(sf3, s3), tl.div_rn(sf3 * 1.5, s3)
     if BF16:  # RNE to bf16 precision (positive, finite)
-        b1, b3 = d1.to(tl.int32, bitcast=True), d3.to(tl.int32, bitcast=True)
-        d1 = ((b1 + 0x7FFF + ((b1 >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-        d3 = ((b3 + 0x7FFF + ((b3 >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+        d1, d3 = rne_bf16(d1), rne_bf16(d3)
     return d1, d3
 
 

@@ -95,18 +95,7 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr,
         boff2 = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + tl.arange(0, P // 4)[None, None, :]
         tl.store(bits_ptr + boff2, b.to(tl.uint8), mask=rmask[:, None, None] & bmask[:, :, None])
     if WRITE_DEQ:
-        if FMT == f.NVFP4:
-            vl = f.e2m1_mag(il) * sf[:, :, None]  # exact: <= 2 + 4 significant bits
-            vh = f.e2m1_mag(ih) * sf[:, :, None]
-            if FAST_DIV:
-                re = tl.div_rn(tl.full(s3.shape, 1.0, tl.float32), s3)
-                vl = f.markstein(vl, -s3, re)
-                vh = f.markstein(vh, -s3, re)
-            else:
-                vl, vh = tl.div_rn(vl, s3), tl.div_rn(vh, s3)
-        else:
-            p2e = f.pow2(e)[:, :, None]
-            vl, vh = f.e2m1_mag(il) * p2e, f.e2m1_mag(ih) * p2e
+        vl, vh = f.deq_mags(il, ih, sf[:, :, None], e[:, :, None], s_b[:, :, None], FMT, FAST_DIV)
         vl = (vl.to(tl.int32, bitcast=True) | ((cl & 8) << 28)).to(tl.float32, bitcast=True)  # code sign
         vh = (vh.to(tl.int32, bitcast=True) | ((ch & 8) << 28)).to(tl.float32, bitcast=True)
         DDT: tl.constexpr = 2 if deq_ptr.dtype.element_ty == tl.int64 else XDT

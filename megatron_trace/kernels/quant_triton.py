@@ -300,6 +300,11 @@ RNE_BY_MAGNITUDE = True
 """RNE NVFP4 rounding of bf16/fp32 rows in ``pair_kernel`` by fp32 magnitudes (``quant_rne_triton``; off: the
 E2M1-index tile, ``bench_quant.py`` times both)."""
 
+DEQUANT_BY_MAGNITUDE = True
+"""NVFP4 dequantize to bf16 in ``dequant_pair_kernel`` by two constants per block (``dequant_triton._tile_by_consts``:
+on the GPU a per-block table of the 8 magnitudes and byte permutes; off: decode, multiply and divide per element,
+as for fp16/fp32 out; ``bench_quant.py`` times both)."""
+
 _WORD = {torch.bfloat16: (0, torch.int32), torch.float16: (1, torch.int32), torch.float32: (2, torch.int64)}
 
 

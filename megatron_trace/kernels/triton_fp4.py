@@ -299,3 +299,24 @@ def full_code(z, neg, roll):
     pick_hi = tl.where(neg != 0, d_hi <= d_lo, d_hi < d_lo)  # the lower signed point is hi when z < 0
     idx = tl.where(pick_hi, hi_i, fl)
     return tl.where((idx == 0) & ((r & 7) == 0), r, idx | neg)
+
+
+@triton.jit
+def deq_mags(il, ih, sf3, e3, s3, FMT: tl.constexpr, FAST_DIV: tl.constexpr):
+    """Dequantized magnitudes of the E2M1 indices il, ih (int32, one per element of each pair): NVFP4 index value
+    * block scale sf3 / S_enc s3 (an exact product, then one Markstein step on RN(1 / S_enc) or the IEEE
+    division), MXFP4 index value * 2**e3 (e3: the block exponent). sf3, e3, s3 broadcast to il."""
+    if FMT == NVFP4:
+        vl = e2m1_mag(il) * sf3  # exact: <= 2 + 4 significant bits
+        vh = e2m1_mag(ih) * sf3
+        if FAST_DIV:
+            re = tl.div_rn(tl.full(s3.shape, 1.0, tl.float32), s3)
+            vl = markstein(vl, -s3, re)
+            vh = markstein(vh, -s3, re)
+        else:
+            vl, vh = tl.div_rn(vl, s3), tl.div_rn(vh, s3)
+    else:
+        p2e = pow2(e3)
+        vl, vh = e2m1_mag(il) * p2e, e2m1_mag(ih) * p2e
+    return vl, vh
+

@@ -7,7 +7,7 @@ then compares codes, scales, global amax, mantissa bits and dequantized values b
 import pytest
 import torch
 
-from megatron_trace.formats import NonFiniteError, Quantizer
+from megatron_trace.formats import FP4Tensor, NonFiniteError, Quantizer
 from megatron_trace.formats import block as ref_block
 
 from ._gpu import DEVICE, INTERPRET, assert_same_fp4, bits, edge_rows, needs_triton, random_rows, same_bits
@@ -271,3 +271,36 @@ def test_rne_by_magnitude_ties_and_edges_bit_exact(dtype, amax, codes, monkeypat
         outs.append(out)
     for name, got in outs[0].items():
         assert torch.equal(bits(got), bits(outs[1][name])), name
+
+
+def _every_code_tensor(amax: str, nan_scale: bool):
+    """An NVFP4 tensor [8, 512] whose code bytes take all 256 values in each of a block's 8 byte positions, with
+    block scale bytes cycling over 0 (zero), 1-7 (E4M3 subnormal), the normals up to 448 and, if nan_scale, 0x7F;
+    the global amax per tensor or per row (1e-3 .. 1e3, 0: S_enc = 1, and one below 2688 / 2**101: the exact redo)."""
+    rows, nb = 8, 32
+    pos = torch.arange(nb * 8)
+    codes = torch.stack([(pos + r) % 256 for r in range(rows)]).to(torch.uint8)
+    sb = torch.stack([(torch.arange(nb) * 5 + 32 * r) % (128 if nan_scale else 127) for r in range(rows)])
+    scales = sb.to(torch.uint8).view(torch.float8_e4m3fn)
+    if amax == "per-tensor":
+        g = torch.tensor(3.5)
+    else:
+        g = torch.tensor([1e-3, 0.37, 1.0, 6.0, 1e3, 0.0, 1e-35, 2.0**-60]).reshape(rows, 1)
+    return FP4Tensor(codes=codes, block_scales=scales, global_amax=g.float(), shape=(rows, nb * 16), fmt="nvfp4")
+
+
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("amax", ["per-row", "per-tensor"])
+@pytest.mark.parametrize("nan_scale", [False, True], ids=["finite-scales", "nan-scale"])
+def test_dequantize_by_block_consts_every_code_and_scale(out, amax, nan_scale, monkeypatch):
+    """NVFP4 dequantize by per-block constants (``quant_triton.DEQUANT_BY_MAGNITUDE``) and by E2M1 indices against
+    the reference, bit for bit: every code in every position (code 8 = -0), zero / subnormal / normal / NaN scales."""
+    t = _every_code_tensor(amax, nan_scale)
+    ref = t.dequantize(out)
+    dev = _to(t, DEVICE)
+    got = []
+    for by_consts in (True, False):
+        monkeypatch.setattr(quant_triton, "DEQUANT_BY_MAGNITUDE", by_consts)
+        got.append(dequant_triton.dequantize(dev, out))
+        assert same_bits(got[-1], ref), by_consts
+    assert same_bits(got[0], got[1])
