@@ -1,6 +1,7 @@
 """Plot ``bench_decode.py`` JSON lines: decode tokens/s vs batch, one panel per context length, BF16 vs FP4.
 
-Solid lines: CUDA-graph replay (GPU time of a step); dashed: eager (host loop included).
+Solid lines: GPU time of a step (the profiler's kernel time, ``--profile`` rows; else the CUDA-graph replay);
+dashed: eager (host loop included).
 Usage: python benchmarks/plot_decode.py RESULTS.jsonl OUT.png
 """
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-COLORS = {"bf16": "tab:blue", "fp4": "tab:red", "fp4u": "tab:orange"}
+COLORS = {"bf16": "tab:blue", "fp4": "tab:red", "fp4f": "tab:red", "fp4u": "tab:orange"}
 
 
 def load(path: str) -> list[dict]:
@@ -37,8 +38,11 @@ def plot(rows: list[dict], out: str) -> None:
                 continue
             xs = [b for b, _ in pts]
             ax.plot(xs, [r["eager_tok_s"] for _, r in pts], "--o", color=color, alpha=0.6, label=f"{mode} eager")
+            gpu = [(b, b * 1e3 / r["profile"]["step_ms"]) for b, r in pts if r.get("profile", {}).get("step_ms")]
             graph = [(b, r["graph_tok_s"]) for b, r in pts if "graph_tok_s" in r]
-            if graph:
+            if gpu:
+                ax.plot(*zip(*gpu), "-s", color=color, label=f"{mode} GPU time")
+            elif graph:
                 ax.plot(*zip(*graph), "-s", color=color, label=f"{mode} CUDA graph")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
