@@ -64,6 +64,7 @@ def _device_ms(fn, reps: int) -> tuple[float, str]:
 
 def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT) -> dict:
 
+    from megatron_trace.kernels import kv_attention_plan
     from megatron_trace.kernels import kv_attention_triton as kt
 
     g = torch.Generator(device=device).manual_seed(b * 100003 + length)
@@ -89,7 +90,7 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT) -> dict:
         **{f"fast_bt{bt}_w{nw}_s{ns}" + (f"_r{mr}" if mr else ""): (
             lambda bt=bt, nw=nw, ns=ns, mr=mr: kt.decode_attention(
                 q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns, max_registers=mr))
-           for bt, nw, ns, mr in alt if (bt, nw, ns, mr) != kt.fast_config(d)},
+           for bt, nw, ns, mr in alt if (bt, nw, ns, mr) != kv_attention_plan.fast_config(d)},
     }
     timed = {name: _device_ms(fn, reps) for name, fn in runs.items()}
     ms = {name: t for name, (t, _) in timed.items()}
@@ -98,7 +99,7 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT) -> dict:
     frac = {f"{n}_frac_copy": round((bytes_bf16 if n == "bf16" else bytes_fp4) / (t * 1e-3) / bw, 3)
             for n, t in ms.items()}
     return {"bench": "decode_attn", "batch": b, "context": length, "heads": [hq, hkv, d],
-            "fast_config": list(kt.fast_config(d)),
+            "fast_config": list(kv_attention_plan.fast_config(d)),
             **{f"{n}_us": round(t * 1e3, 1) for n, t in ms.items()},
             "timers": sorted({how for _, how in timed.values()}),
             "fused_over_bf16": round(ms["bf16"] / ms["fused"], 3),

@@ -22,6 +22,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 
+from megatron_trace.kernels import kv_attention_plan
 from megatron_trace.kernels import kv_attention_triton as kt
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -39,7 +40,7 @@ def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: in
     bs = 16 if fmt == "nvfp4" else 32
     const = dict(HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), FMT=0 if fmt == "nvfp4" else 1, B=bs,
                  BT=bt, SPLITS=8, HAS_LEN=False, HAS_MASK=False, F32_DOT=False, TILES=0)
-    sw = 4 if (d // bs) % 4 == 0 else 2 if (d // bs) % 2 == 0 else 1  # as an FP4KVCache gets (``_scale_word``)
+    sw = 4 if (d // bs) % 4 == 0 else 2 if (d // bs) % 2 == 0 else 1  # an FP4KVCache's (``plan.scale_word``)
     fast_const = dict(D=d, DG=kt._group_cols(d), DEQ_ASM=True, SW=sw)
     const.update(fast_const if fast else dict(NB=d // bs, FAST_DIV=True))
     if fmt == "nvfp4":
@@ -134,7 +135,7 @@ def main(argv=None):
                    help="BT,num_warps,num_stages[,max_registers] of the fast kernel (default: its default for --d)")
     p.add_argument("--exact", action="store_true", help="also the exact kernel at its defaults")
     args = p.parse_args(argv)
-    for cfg in args.configs or [",".join(str(x or 0) for x in kt.fast_config(args.d))]:
+    for cfg in args.configs or [",".join(str(x or 0) for x in kv_attention_plan.fast_config(args.d))]:
         bt, nw, ns, *mr = (int(x) for x in cfg.split(","))
         print(json.dumps(report(True, args.d, args.fmt, bt, nw, ns, mr[0] if mr and mr[0] else None)), flush=True)
     if args.exact:

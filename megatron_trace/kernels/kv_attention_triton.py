@@ -22,9 +22,9 @@ K/V are thus the exact FP4 values (fp32 rounding of 1/S_enc), not their bf16 rou
 ``reference_attention(kv_dtype=torch.float32)`` within the bf16 rounding of the softmax weights (the softmax
 in base 2: log2(e) folded into the K factor, one ``ex2.approx.ftz`` per weight; the max is stored in units of e
 for ``combine``). Block scales are read as uint32 words of 4 (uint16 pairs, bytes where the row or alignment does
-not allow: ``_scale_word``) so that cp.async copies them ahead, and pass an operand-width boundary
+not allow: ``kv_attention_plan.scale_word``) so that cp.async copies them ahead, and pass an operand-width boundary
 (``_operand_width_boundary``) so the MMA operands keep kWidth 2; splits along T fill whole waves of resident
-programs (``fast_splits``). Where
+programs (``kv_attention_plan.fast_splits``). Where
 scores are large (|s| >> 1) the bf16 reference's K rounding (2**-9 relative) moves them by more than 1e-2,
 so compare against the fp32-K/V reference there. Range: per-row factors overflow fp32 for |K|, |V| amax
 above 2**77 (~1.5e23); MXFP4 block exponents must lie in [-63, 63] (``moe_triton``'s 2**64 scale offset;
@@ -33,7 +33,6 @@ real K/V after RoPE are O(1..100), far inside).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -41,33 +40,15 @@ import triton
 import triton.language as tl
 
 from ..formats.tensor import FP4Tensor
+from . import kv_attention_plan as plan
 from . import quant_triton as qk
 from . import triton_fp4 as f
 from .moe_triton import _dequant, _scale_f32
 
-SPLIT_WAVES = 4
-"""Splits along T are chosen so that about this many programs per multiprocessor run (flash-decoding)."""
 BLOCK_T = 64
 NUM_WARPS = 4
 """Exact path: default tile (cached tokens per step) and warps; sm_90 build without spills: 255 registers at
 64/4, 225 at 64/8, 168 at 32/4 (ptxas -v)."""
-FAST_CONFIGS = {32: (64, 2, 2, None), 64: (64, 2, 2, None), 128: (128, 4, 3, 128), 256: (64, 4, 2, None)}
-"""Fast path (BT, num_warps, num_stages, max_registers) per head_dim (smaller head dims take the first row), from
-the sm_90 cross-compile (``benchmarks/sass_kv_attention.py``: registers, spills, shared memory, SASS per K/V
-element) and the H200 (``bench_decode_attn.py``). head_dim 128 (session 8): capped at 128 registers (76 bytes
-spilled) and 48 KB of shared memory, 4 programs per multiprocessor, 4.5 SASS per element (NVFP4; session 7: 168
-registers, 3 programs, 5.6), the fastest of the configs swept at batch 8 / 64 and 8K / 32K. head_dim <= 64 (not
-swept): 4 warps would split the V MMA's N = D/4 <= 16 columns four ways, replicating the dequantization."""
-FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (64, 64, 2, 2, None): 4, (64, 64, 1, 2, None): 8, (64, 64, 1, 3, None): 12,
-                 (64, 32, 1, 2, None): 16, (256, 64, 4, 2, None): 2,
-                 **{(128, bt, nw, ns, mr): r for bt, nw, ns, mr, r in (
-                     (128, 4, 2, None, 3), (128, 4, 3, None, 3), (128, 4, 4, None, 3), (128, 4, 2, 128, 4),
-                     (128, 4, 3, 128, 4), (64, 4, 2, None, 4), (64, 4, 3, None, 4), (64, 2, 3, None, 4))}}
-"""Programs of the fast kernel resident per multiprocessor on sm_90, keyed (head_dim row of ``FAST_CONFIGS``, BT,
-num_warps, num_stages, max_registers), from registers and shared memory (``sass_kv_attention.py``'s
-``resident``), for ``fast_splits``; other configs count 2."""
-
-
 @triton.jit
 def _deq_rows(c_ptr, s_ptr, g_ptr, t, tmask, st_c, st_s, st_g, FMT: tl.constexpr, NB: tl.constexpr,
               B: tl.constexpr, FAST_DIV: tl.constexpr):
@@ -448,18 +429,6 @@ def _groups(codes: torch.Tensor) -> torch.Tensor:
         return codes.clone(memory_format=torch.contiguous_format).view(torch.uint16)
 
 
-def _scale_word(asm: bool, fmt: str, d: int, block: int, *scales: torch.Tensor) -> int:
-    """Bytes per load of the fast path's block scales (``SW``): 4 or 2 (NVFP4 on the GPU, inline PTX, or MXFP4)
-    when the blocks per row and the tensors' byte strides and bases divide by it, else 1 (byte loads)."""
-    if not (asm or fmt == "mxfp4"):
-        return 1
-    for w in (4, 2):
-        if (d // block) % w == 0 and all(x.data_ptr() % w == 0 and all(st % w == 0 for st in x.stride()[:-1])
-                                         for x in scales):
-            return w
-    return 1
-
-
 def _group_cols(d: int) -> int:
     """Code-group columns of a head_dim-``d`` tile: d/4, at least 16 (an MMA's K; the rest masked)."""
     return max(16, d // 4)
@@ -475,18 +444,9 @@ def dequantize_groups(t: FP4Tensor, block_t: int = 16, deq_asm: bool | None = No
     deq_groups_kernel[(triton.cdiv(n, block_t),)](
         words, scales, out, n, words.stride(2), scales.stride(2), FMT=0 if t.fmt == "nvfp4" else 1, D=d,
         DG=_group_cols(d), B=t.block_size, BT=block_t, DEQ_ASM=asm,
-        SW=_scale_word(asm, t.fmt, d, t.block_size, scales),
+        SW=plan.scale_word(asm, t.fmt, d, t.block_size, scales),
     )
     return out
-
-
-def _config_key(d: int) -> int:
-    return min((k for k in FAST_CONFIGS if k >= d), default=max(FAST_CONFIGS))
-
-
-def fast_config(d: int) -> tuple[int, int, int, int | None]:
-    """The fast path's default (BT, num_warps, num_stages, max_registers) for head_dim ``d`` (``FAST_CONFIGS``)."""
-    return FAST_CONFIGS[_config_key(d)]
 
 
 def groups_reference(t: FP4Tensor) -> torch.Tensor:
@@ -499,40 +459,6 @@ def groups_reference(t: FP4Tensor) -> torch.Tensor:
     return (q * sf.unsqueeze(-1) * 2.0**-62).flatten(-2)[..., : t.shape[-1]].to(torch.bfloat16)
 
 
-def _sms(q: torch.Tensor) -> int:
-    return _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
-
-
-def _splits(q: torch.Tensor, bsz: int, hkv: int, t_len: int, block_t: int) -> int:
-    """Exact path: about ``SPLIT_WAVES`` programs per multiprocessor."""
-    return max(1, min(triton.cdiv(SPLIT_WAVES * _sms(q), bsz * hkv), triton.cdiv(t_len, block_t)))
-
-
-@functools.lru_cache(maxsize=4096)
-def fast_splits(pairs: int, n_tiles: int, slots: int) -> int:
-    """Fast path: splits along T of ``n_tiles`` tiles for ``pairs`` (batch, KV head) programs on ``slots`` resident
-    program slots (multiprocessors x programs each). Each split takes ceil(n_tiles / s) tiles and every split is
-    a program (no empty ones); slots run their programs one after another, so the launch takes about
-    waves x (tiles per split + 1) tile times (the 1: a program's prologue and its partial's store). The cheapest
-    count wins (ties: fewer splits). E.g. batch 8, 4 KV heads, 8K context at 128 tokens on 132 x 3 slots: 11
-    splits of 6 tiles in one wave (about 4 / SPLIT_WAVES per multiprocessor gave 16 of 4 in 1.4 waves)."""
-    best = (float("inf"), 1)
-    for s in range(1, n_tiles + 1):
-        per = triton.cdiv(n_tiles, s)
-        real = triton.cdiv(n_tiles, per)
-        if real != s:  # the same split as a smaller s
-            continue
-        cost = triton.cdiv(pairs * real, slots) * (per + 1)
-        if cost < best[0]:
-            best = (cost, real)
-    return best[1]
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def _row_factors(fmt: str, scale: float) -> tuple[float, float]:
     """(K, V) per-row factors over the global amax: 2**62 / S_enc (* scale for K) = amax * 2**62 / 2688 (NVFP4),
     2**62 (MXFP4)."""
@@ -543,7 +469,8 @@ def _row_factors(fmt: str, scale: float) -> tuple[float, float]:
 MXFP4_MIN_BLOCK_T = 32
 """MXFP4 K/V with 16-token tiles where the block scales are read a byte at a time (the exact kernel; the fast one
 at one block per row, head_dim 32): wrong outputs on the H200 (right in the interpreter and at the default tiles),
-so refused. The fast kernel's uint16/uint32 scale loads (``_scale_word`` >= 2) gave right ones (2026-12-01)."""
+so refused. The fast kernel's uint16/uint32 scale loads (``kv_attention_plan.scale_word`` >= 2)
+gave right ones (2026-12-01)."""
 
 
 def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: float, lengths=None, kv_mask=None,
@@ -560,12 +487,12 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     fast = not exact
     d = q.shape[-1]
     if k.fmt == "mxfp4" and block_t is not None and block_t < MXFP4_MIN_BLOCK_T and q.is_cuda and (
-            exact or _scale_word(True, k.fmt, d, k.block_size, k.block_scales, v.block_scales) == 1):
+            exact or plan.scale_word(True, k.fmt, d, k.block_size, k.block_scales, v.block_scales) == 1):
         raise ValueError(f"block_t={block_t} with MXFP4 K/V is not supported on CUDA for exact={exact}, head_dim {d} "
                          f"(wrong results on the H200, 2026-12-01); use block_t >= {MXFP4_MIN_BLOCK_T} (the defaults "
                          f"do), or the fast path at an even number of blocks per row")
     if fast:
-        bt, nw, ns, mr = fast_config(d)
+        bt, nw, ns, mr = plan.fast_config(d)
         if max_registers is None and (block_t or bt, num_warps or nw, num_stages or ns) == (bt, nw, ns):
             max_registers = mr  # the default config's cap
         block_t, num_warps, num_stages = block_t or bt, num_warps or nw, num_stages or ns
@@ -582,9 +509,9 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
         kc, vc = _groups(kc), _groups(vc)
     group = hq // hkv
     if fast and not splits:
-        resident = FAST_RESIDENT.get((_config_key(d), block_t, num_warps, num_stages, max_registers), 2)
-        splits = fast_splits(bsz * hkv, triton.cdiv(t_len, block_t), _sms(q) * resident)
-    splits = splits or _splits(q, bsz, hkv, t_len, block_t)
+        resident = plan.FAST_RESIDENT.get((plan.config_key(d), block_t, num_warps, num_stages, max_registers), 2)
+        splits = plan.fast_splits(bsz * hkv, triton.cdiv(t_len, block_t), plan.sm_count_of(q) * resident)
+    splits = splits or plan.exact_splits(q, bsz, hkv, t_len, block_t)
     chunk = triton.cdiv(triton.cdiv(t_len, splits), block_t) * block_t
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, splits, 2, dtype=torch.float32, device=q.device)
@@ -601,7 +528,7 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     if fast:
         fp4kv_decode_attn_fast_kernel[(bsz * hkv, splits)](
             *args, *_row_factors(k.fmt, float(scale)), *strides, D=d, DG=_group_cols(d), DEQ_ASM=q.is_cuda,
-            SW=_scale_word(q.is_cuda, k.fmt, d, k.block_size, ks, vs),
+            SW=plan.scale_word(q.is_cuda, k.fmt, d, k.block_size, ks, vs),
             num_stages=num_stages, **common, **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
     else:
         fp4kv_decode_attn_kernel[(bsz * hkv, splits)](

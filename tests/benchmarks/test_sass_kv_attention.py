@@ -41,9 +41,9 @@ def _tile_loop(ttgir: str) -> list[str]:
 def test_default_config_keeps_kwidth_2_and_prefetches_every_load(sass, fmt):
     """MMA operands at kWidth 2 (an 8-bit load upstream made Triton pick 4: a register copy per MMA operand), and
     no synchronous global load in the tile loop (2-byte scale loads could not be cp.async copies)."""
-    from megatron_trace.kernels import kv_attention_triton as kt
+    from megatron_trace.kernels import kv_attention_plan as plan
 
-    bt, nw, ns, mr = kt.fast_config(128)
+    bt, nw, ns, mr = plan.fast_config(128)
     ttgir = sass.compile_kernel(True, 128, fmt, bt, nw, ns, maxnreg=mr).asm["ttgir"]
     assert set(re.findall(r"kWidth = (\d+)", ttgir)) == {"2"}
     loop = _tile_loop(ttgir)
@@ -53,8 +53,8 @@ def test_default_config_keeps_kwidth_2_and_prefetches_every_load(sass, fmt):
 
 
 def test_resident_programs_table_matches_the_build(sass):
-    from megatron_trace.kernels import kv_attention_triton as kt
+    from megatron_trace.kernels import kv_attention_plan as plan
 
-    cfg = kt.fast_config(128)
+    cfg = plan.fast_config(128)
     row = sass.report(True, 128, "nvfp4", *cfg[:3], cfg[3])
-    assert row["spill_bytes"] <= 128 and kt.FAST_RESIDENT[(128, *cfg)] == row["resident"]
+    assert row["spill_bytes"] <= 128 and plan.FAST_RESIDENT[(128, *cfg)] == row["resident"]

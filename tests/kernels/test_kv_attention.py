@@ -200,7 +200,7 @@ def test_fast_path_reads_fp4_kv_cache_views_and_odd_offsets():
 def test_fast_splits_leave_no_split_empty_and_fill_waves(pairs, n_tiles, slots):
     """Every split the fast path launches has tiles, and no other split count finishes in fewer tile times
     (waves x (tiles per split + 1)), checked against all counts 1..n_tiles."""
-    from megatron_trace.kernels.kv_attention_triton import fast_splits
+    from megatron_trace.kernels.kv_attention_plan import fast_splits
 
     s = fast_splits(pairs, n_tiles, slots)
     per = -(-n_tiles // s)

@@ -1,0 +1,83 @@
+"""Launch planning of the fast FP4-KV decode attention (``kv_attention_triton``): default launch configs per
+head_dim, the programs each config keeps resident per multiprocessor, the split count along T, and how the block
+scales can be loaded. Host code only."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+SPLIT_WAVES = 4
+"""Exact path: splits along T are chosen so that about this many programs per multiprocessor run."""
+FAST_CONFIGS = {32: (64, 2, 2, None), 64: (64, 2, 2, None), 128: (128, 4, 3, 128), 256: (64, 4, 2, None)}
+"""Fast path (BT, num_warps, num_stages, max_registers) per head_dim (smaller head dims take the first row), from
+the sm_90 cross-compile (``benchmarks/sass_kv_attention.py``: registers, spills, shared memory, SASS per K/V
+element) and the H200 (``bench_decode_attn.py``). head_dim 128 (session 8): capped at 128 registers (76 bytes
+spilled) and 48 KB of shared memory, 4 programs per multiprocessor, 4.5 SASS per element (NVFP4; session 7: 168
+registers, 3 programs, 5.6), the fastest of the configs swept at batch 8 / 64 and 8K / 32K. head_dim <= 64 (not
+swept): 4 warps would split the V MMA's N = D/4 <= 16 columns four ways, replicating the dequantization."""
+FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (64, 64, 2, 2, None): 4, (64, 64, 1, 2, None): 8, (64, 64, 1, 3, None): 12,
+                 (64, 32, 1, 2, None): 16, (256, 64, 4, 2, None): 2,
+                 **{(128, bt, nw, ns, mr): r for bt, nw, ns, mr, r in (
+                     (128, 4, 2, None, 3), (128, 4, 3, None, 3), (128, 4, 4, None, 3), (128, 4, 2, 128, 4),
+                     (128, 4, 3, 128, 4), (64, 4, 2, None, 4), (64, 4, 3, None, 4), (64, 2, 3, None, 4))}}
+"""Programs of the fast kernel resident per multiprocessor on sm_90, keyed (head_dim row of ``FAST_CONFIGS``, BT,
+num_warps, num_stages, max_registers), from registers and shared memory (``sass_kv_attention.py``'s
+``resident``), for ``fast_splits``; other configs count 2."""
+
+
+def config_key(d: int) -> int:
+    return min((k for k in FAST_CONFIGS if k >= d), default=max(FAST_CONFIGS))
+
+
+def fast_config(d: int) -> tuple[int, int, int, int | None]:
+    """The fast path's default (BT, num_warps, num_stages, max_registers) for head_dim ``d`` (``FAST_CONFIGS``)."""
+    return FAST_CONFIGS[config_key(d)]
+
+
+def scale_word(asm: bool, fmt: str, d: int, block: int, *scales: torch.Tensor) -> int:
+    """Bytes per load of the fast path's block scales (``SW``): 4 or 2 (NVFP4 on the GPU, inline PTX, or MXFP4)
+    when the blocks per row and the tensors' byte strides and bases divide by it, else 1 (byte loads)."""
+    if not (asm or fmt == "mxfp4"):
+        return 1
+    for w in (4, 2):
+        if (d // block) % w == 0 and all(x.data_ptr() % w == 0 and all(st % w == 0 for st in x.stride()[:-1])
+                                         for x in scales):
+            return w
+    return 1
+
+
+def sm_count_of(q: torch.Tensor) -> int:
+    return _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
+
+
+def exact_splits(q: torch.Tensor, bsz: int, hkv: int, t_len: int, block_t: int) -> int:
+    """Exact path: about ``SPLIT_WAVES`` programs per multiprocessor."""
+    return max(1, min(triton.cdiv(SPLIT_WAVES * sm_count_of(q), bsz * hkv), triton.cdiv(t_len, block_t)))
+
+
+@functools.lru_cache(maxsize=4096)
+def fast_splits(pairs: int, n_tiles: int, slots: int) -> int:
+    """Fast path: splits along T of ``n_tiles`` tiles for ``pairs`` (batch, KV head) programs on ``slots`` resident
+    program slots (multiprocessors x programs each). Each split takes ceil(n_tiles / s) tiles and every split is
+    a program (no empty ones); slots run their programs one after another, so the launch takes about
+    waves x (tiles per split + 1) tile times (the 1: a program's prologue and its partial's store). The cheapest
+    count wins (ties: fewer splits). E.g. batch 8, 4 KV heads, 8K context at 128 tokens on 132 x 3 slots: 11
+    splits of 6 tiles in one wave (about 4 / SPLIT_WAVES per multiprocessor gave 16 of 4 in 1.4 waves)."""
+    best = (float("inf"), 1)
+    for s in range(1, n_tiles + 1):
+        per = triton.cdiv(n_tiles, s)
+        real = triton.cdiv(n_tiles, per)
+        if real != s:  # the same split as a smaller s
+            continue
+        cost = triton.cdiv(pairs * real, slots) * (per + 1)
+        if cost < best[0]:
+            best = (cost, real)
+    return best[1]
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
