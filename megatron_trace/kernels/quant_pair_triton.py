@@ -90,10 +90,7 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr,
     if WRITE_SCALES:
         tl.store(scales_ptr + rows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
     if WRITE_BITS:
-        mb = ((il & 1) | ((ih & 1) << 1)) << (2 * (tl.arange(0, P) % 4))[None, None, :]
-        b = tl.sum(mb.reshape(w.shape[0], NBT, P // 4, 4), axis=3)
-        boff2 = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + tl.arange(0, P // 4)[None, None, :]
-        tl.store(bits_ptr + boff2, b.to(tl.uint8), mask=rmask[:, None, None] & bmask[:, :, None])
+        qr.store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P, NBT)
     if WRITE_DEQ:
         vl, vh = f.deq_mags(il, ih, sf[:, :, None], e[:, :, None], s_b[:, :, None], FMT, FAST_DIV)
         vl = (vl.to(tl.int32, bitcast=True) | ((cl & 8) << 28)).to(tl.float32, bitcast=True)  # code sign

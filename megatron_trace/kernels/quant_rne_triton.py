@@ -64,7 +64,7 @@ def _half(x, s3, den3, rb3, FAST_DIV: tl.constexpr):
 
 
 @triton.jit
-def _store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P: tl.constexpr, NBT: tl.constexpr):
+def store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P: tl.constexpr, NBT: tl.constexpr):
     """The record's mantissa bits (index bit 0), 8 elements per byte, from the indices of a pair tile."""
     mb = ((il & 1) | ((ih & 1) << 1)) << (2 * (tl.arange(0, P) % 4))[None, None, :]
     b = tl.sum(mb.reshape(il.shape[0], NBT, P // 4, 4), axis=3)
@@ -119,7 +119,7 @@ def rne_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, codes_ptr, scales_pt
             woff = rows[:, None, None] * (NB * P) + blk[:, :, None] * P + tl.arange(0, P)[None, None, :]
             tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
         if WRITE_BITS:
-            _store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P, NBT)
+            store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P, NBT)
     if WRITE_SCALES:
         tl.store(scales_ptr + rows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
     if WRITE_DEQ:
