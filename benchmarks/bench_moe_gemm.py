@@ -19,7 +19,7 @@ from concurrent.futures import ProcessPoolExecutor
 from types import SimpleNamespace
 
 import torch
-from _timing import copy_bandwidth, machine, median_ms
+from _timing import copy_bandwidth, graph_ms, machine, median_ms
 
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels import dequant_triton, fused, moe_triton
@@ -32,12 +32,13 @@ SHAPES = {  # name: (experts, K, N) as in torch._grouped_mm's mat_b [E, K, N]
 SMALL = [(64, 256, 16, 4, 1), (64, 128, 16, 4, 3), (128, 128, 16, 8, 1), (128, 256, 16, 8, 1), (64, 256, 16, 4, 2)]
 MID = [(64, 256, 32, 4, 1), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
 LARGE = [(128, 64, 128, 8, 3), (128, 128, 128, 8, 3), (128, 64, 256, 8, 3)]
-# --sweep grid, (BN, BK, BT, num_warps, num_stages[, join_k]) per tokens-per-expert bucket (PTX dequant), pruned
-# to 15 configs (45 compiles over the 3 shapes; all compile for sm_90 without spills): BT is the token tile,
-# BN x BK the weight tile per K step, join_k one MMA chain over K-ordered weights (for large token tiles).
+# --sweep grid, (BN, BK, BT, num_warps, num_stages[, join_k[, max_registers]]) per tokens-per-expert bucket (PTX
+# dequant): BT is the token tile, BN x BK the weight tile per K step, join_k one MMA chain over K-ordered weights
+# (for large token tiles), max_registers a register cap (more programs per multiprocessor; the decode row's
+# candidates from `python benchmarks/sass_moe_gemm.py`: 80-96 registers, at most 112 bytes spilled).
 SWEEP = {
-    16: [(64, 256, 16, 4, 3), (128, 256, 16, 4, 3), (128, 256, 16, 8, 3), (128, 256, 16, 4, 4), (128, 128, 16, 4, 4),
-         (256, 256, 16, 8, 3)],
+    16: [(128, 128, 16, 4, 4), (128, 128, 16, 4, 3, 0, 96), (128, 128, 16, 4, 4, 0, 96), (128, 128, 16, 4, 2, 0, 80),
+         (256, 128, 16, 8, 3), (256, 128, 16, 8, 2, 0, 80), (256, 128, 16, 8, 3, 0, 80), (128, 256, 16, 4, 3)],
     64: [(128, 128, 64, 4, 3), (128, 128, 64, 4, 3, True), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4)],
     1 << 30: [(128, 64, 256, 8, 3, True), (128, 64, 256, 8, 3), (128, 128, 128, 8, 3, True), (128, 128, 128, 8, 3),
               (256, 64, 128, 8, 3, True)],
@@ -68,6 +69,12 @@ def bf16_baseline(w_nk):
         return (lambda xx, oo: torch._grouped_mm(xx, w_kn, offs=oo)), "mat_b N-contiguous"
 
 
+TIMER = {"graph": lambda fn: graph_ms(fn, calls=10, reps=5), "events": lambda fn: median_ms(fn, reps=30)}
+"""--timer: device time per call (CUDA graph of 10 calls, L2 flushed before each; default) or CUDA events around
+each eager call (sessions 2-8: includes the host's launch when the GPU waits for it)."""
+_time = TIMER["graph"]
+
+
 def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
     torch.manual_seed(0)
     w = (torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02)  # [E, N, K]
@@ -79,7 +86,7 @@ def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
         t = tpe * e
         x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
         offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * tpe
-        ms_bf16 = median_ms(lambda x=x, offs=offs: bf16_grouped(x, offs))
+        ms_bf16 = _time(lambda x=x, offs=offs: bf16_grouped(x, offs))
         for fmt, wq in quant.items():
             wbytes = wq.codes.numel() + wq.block_scales.numel()
             default, default_asm = moe_triton.pick_config(tpe, k)
@@ -87,7 +94,7 @@ def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
             timings = {}
             for cfg in cands:
                 for asm in (False, True):
-                    timings[str(cfg) + ("-ptx" if asm else "")] = median_ms(
+                    timings[str(cfg) + ("-ptx" if asm else "")] = _time(
                         lambda c=cfg, a=asm, x=x, wq=wq, offs=offs: moe_triton.grouped_mm(x, wq, offs, config=c,
                                                                                       deq_asm=a))
             default = str(default) + ("-ptx" if default_asm else "")
@@ -155,10 +162,10 @@ def sweep_shape(name, e, k, n, tokens, bw, fmt="nvfp4"):
     for tpe in tokens:
         x = torch.randn(tpe * e, k, device="cuda", dtype=torch.bfloat16)
         offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * tpe
-        ms_bf16 = median_ms(lambda x=x, offs=offs: bf16_grouped(x, offs), reps=15)
+        ms_bf16 = _time(lambda x=x, offs=offs: bf16_grouped(x, offs))
         for cfg in sweep_configs(tpe):
             try:
-                ms = median_ms(lambda c=cfg, x=x, offs=offs: moe_triton.grouped_mm(x, wq, offs, config=c), reps=15)
+                ms = _time(lambda c=cfg, x=x, offs=offs: moe_triton.grouped_mm(x, wq, offs, config=c))
             except Exception as exc:  # a config that does not fit (shared memory, registers): report, go on
                 print(json.dumps({"shape": name, "tok_per_expert": tpe, "config": list(cfg), "error": str(exc)[:200]}))
                 continue
@@ -183,7 +190,7 @@ def main_sweep(args, bw) -> dict:
         e, k, n = SHAPES[name]
         best[name] = sweep_shape(name, e, k, n, tokens, bw)
         torch.cuda.empty_cache()
-    res = {"bench": "moe_gemm_sweep", "copy_TBps": round(bw / 1e12, 3), "machine": machine(),
+    res = {"bench": "moe_gemm_sweep", "copy_TBps": round(bw / 1e12, 3), "machine": machine(), "timer": args.timer,
            "best": {name: {str(t): {kk: r[kk] for kk in ("config", "time_us", "speedup", "fp4_weight_frac_copy")}
                            for t, r in rows.items()} for name, rows in best.items()}}
     print(json.dumps(res))
@@ -201,7 +208,10 @@ def main(argv=None) -> dict:
     p.add_argument("--sweep-tokens", default="1,4,16,64,256")
     p.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
                    help="processes compiling the --sweep kernels up front (0: compile on first launch)")
+    p.add_argument("--timer", choices=sorted(TIMER), default="graph")
     args = p.parse_args(argv)
+    global _time
+    _time = TIMER[args.timer]
     bw = copy_bandwidth()
     if args.sweep:
         return main_sweep(args, bw)
@@ -213,7 +223,8 @@ def main(argv=None) -> dict:
         toks = [int(v) for v in args.big_tokens.split(",")] if name == "dsv3_fc1" else tokens
         rows += run_shape(name, e, k, n, toks, bw, fmts, not args.no_sweep)
         torch.cuda.empty_cache()
-    res = {"bench": "moe_gemm", "copy_TBps": round(bw / 1e12, 3), "machine": machine(), "results": rows}
+    res = {"bench": "moe_gemm", "copy_TBps": round(bw / 1e12, 3), "machine": machine(), "timer": args.timer,
+           "results": rows}
     print(json.dumps(res))
     return res
 

@@ -11,18 +11,23 @@ import triton
 
 SPLIT_WAVES = 4
 """Exact path: splits along T are chosen so that about this many programs per multiprocessor run."""
-FAST_CONFIGS = {32: (64, 2, 2, None), 64: (64, 2, 2, None), 128: (128, 4, 3, 128), 256: (64, 4, 2, None)}
+FAST_CONFIGS = {32: (64, 1, 2, None), 64: (32, 1, 2, None), 128: (32, 1, 3, None), 256: (64, 4, 2, None)}
 """Fast path (BT, num_warps, num_stages, max_registers) per head_dim (smaller head dims take the first row), from
 the sm_90 cross-compile (``benchmarks/sass_kv_attention.py``: registers, spills, shared memory, SASS per K/V
 element) and the H200 (``bench_decode_attn.py``). head_dim 128 (session 8): capped at 128 registers (76 bytes
 spilled) and 48 KB of shared memory, 4 programs per multiprocessor, 4.5 SASS per element (NVFP4; session 7: 168
-registers, 3 programs, 5.6), the fastest of the configs swept at batch 8 / 64 and 8K / 32K. head_dim <= 64 (not
-swept): 4 warps would split the V MMA's N = D/4 <= 16 columns four ways, replicating the dequantization."""
-FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (64, 64, 2, 2, None): 4, (64, 64, 1, 2, None): 8, (64, 64, 1, 3, None): 12,
-                 (64, 32, 1, 2, None): 16, (256, 64, 4, 2, None): 2,
+registers, 3 programs, 5.6), the fastest of the configs swept at batch 8 / 64 and 8K / 32K. head_dim 64 (session
+9): one warp per program, 32-token tiles, 16 programs per multiprocessor: 17.1 / 76.9 us at batch 8 / 64 and 8K
+(16 query / 4 KV heads) where (64, 2, 2) took 24.2 / 145.9 (more warps split the V MMA's N = D/4 = 16 columns,
+replicating the dequantization). head_dim 32 (not swept) keeps (64, 2, 2)."""
+FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (32, 32, 1, 2, None): 14, (32, 64, 1, 2, None): 12, (32, 32, 1, 3, None): 16,
+                 (64, 64, 2, 2, None): 4, (64, 64, 1, 2, None): 8, (64, 64, 1, 3, None): 12,
+                 (64, 32, 1, 2, None): 16, (64, 32, 1, 3, None): 15, (256, 64, 4, 2, None): 2,
                  **{(128, bt, nw, ns, mr): r for bt, nw, ns, mr, r in (
                      (128, 4, 2, None, 3), (128, 4, 3, None, 3), (128, 4, 4, None, 3), (128, 4, 2, 128, 4),
-                     (128, 4, 3, 128, 4), (64, 4, 2, None, 4), (64, 4, 3, None, 4), (64, 2, 3, None, 4))}}
+                     (128, 4, 3, 128, 4), (64, 4, 2, None, 4), (64, 4, 3, None, 4), (64, 2, 3, None, 4),
+                     (32, 1, 2, None, 8), (32, 1, 3, None, 8), (64, 1, 2, None, 8), (16, 1, 3, None, 11),
+                     (32, 1, 4, None, 8), (64, 1, 3, None, 8))}}
 """Programs of the fast kernel resident per multiprocessor on sm_90, keyed (head_dim row of ``FAST_CONFIGS``, BT,
 num_warps, num_stages, max_registers), from registers and shared memory (``sass_kv_attention.py``'s
 ``resident``), for ``fast_splits``; other configs count 2."""

@@ -16,6 +16,10 @@ per 8 codes (``DEQ_ASM``: inline PTX, elementwise per group, so correct in any r
 same values from Triton ops, for the CPU interpreter). The tile becomes 4 operands ``W'[:, 4c + q]``
 (4 MMAs of K/4), and the activation tile is split the same way (``_split_x``) instead of shuffling weights.
 MXFP4 exponents outside [-63, 63] over/underflow in this path (real weights sit far inside).
+
+join_k (large token tiles): the MMAs of one K step are settled before the next step dequantizes (``_settled``).
+Triton 3.6 otherwise keeps them in flight while the next step overwrites their weight registers
+(triton-lang/triton#9433): about one launch in twenty gave a 2-3% error on the H200 (session 9).
 """
 
 from __future__ import annotations
@@ -59,6 +63,19 @@ def _dequant(u, s, DEQ_ASM: tl.constexpr):
                                          is_pure=True, pack=2)
     else:
         return _code_bf16(u, s, 0), _code_bf16(u, s, 1), _code_bf16(u, s, 2), _code_bf16(u, s, 3)
+
+
+@triton.jit
+def _settled(acc, ASM: tl.constexpr):
+    """acc itself, after its MMAs completed. Triton 3.6 keeps the MMAs of a loop iteration in flight into the next
+    when the weights operand comes from registers, and the next iteration's dequantization may then overwrite
+    those registers before the MMAs read them (triton-lang/triton#9433; fixed in later Triton by #9514). An
+    (empty) inline asm reading acc makes Triton wait for them at the end of each iteration; it emits no
+    instruction."""
+    if ASM:
+        return tl.inline_asm_elementwise("", "=r,0", [acc], dtype=tl.float32, is_pure=False, pack=1)
+    else:
+        return acc
 
 
 @triton.jit
@@ -112,14 +129,15 @@ def fp4_gemm_kernel(
     x_ptr, wq_ptr, ws_ptr, g_ptr, y_ptr, offs_ptr,
     T, N, K, E, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
     FMT: tl.constexpr, B: tl.constexpr, G_MODE: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EVEN_K: tl.constexpr, DEQ_ASM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    DEQ_ASM: tl.constexpr,
     K_TILES: tl.constexpr, JOIN_K: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """y[offs[e-1]:offs[e]] = x[...] @ W_e^T for W_e packed FP4 [N, K] (codes read as uint16 groups of 4)."""
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
-    nmask = rn < N
+    nmask = (rn < N) | EVEN_N  # (EVEN_N: N % BN == 0, no row masks on the weight loads)
     if e == E:
         _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT)
         return
@@ -144,7 +162,11 @@ def fp4_gemm_kernel(
             kw = k // 4 + tl.arange(0, BK // 4)[None, :]
             ks = k // B + tl.arange(0, BK // B)[None, :]
             kx = k + tl.arange(0, BK)[None, :]
-            if EVEN_K:
+            if EVEN_K and EVEN_N:
+                u = tl.load(wrow + kw)
+                sc = tl.load(srow + ks)
+                xt = tl.load(x_ptr + rt[:, None] * stride_xt + kx, mask=tmask[:, None], other=0.0)
+            elif EVEN_K:
                 u = tl.load(wrow + kw, mask=nmask[:, None], other=0)
                 sc = tl.load(srow + ks, mask=nmask[:, None], other=0)
                 xt = tl.load(x_ptr + rt[:, None] * stride_xt + kx, mask=tmask[:, None], other=0.0)
@@ -158,7 +180,7 @@ def fp4_gemm_kernel(
             if JOIN_K:  # one MMA chain over BK: W' back in K order (register repacking), x as loaded
                 w0, w1, w2, w3 = _dequant(u, s, DEQ_ASM)
                 w = tl.join(tl.join(w0, w2), tl.join(w1, w3)).reshape(BN, BK)  # [.., c, q] -> K = 4c + q
-                acc = tl.dot(w.to(for_dot), tl.trans(xt).to(for_dot), acc, input_precision=prec)
+                acc = _settled(tl.dot(w.to(for_dot), tl.trans(xt).to(for_dot), acc, input_precision=prec), not DOT_F32)
             else:  # 4 MMAs of BK/4 on the dequant's own order: no weight repacking (decode)
                 w0, w1, w2, w3 = _dequant(_mma_order(u, BN, BK // 4), _mma_order(s, BN, BK // 4), DEQ_ASM)
                 x0, x1, x2, x3 = _split_x(xt, BT, BK)
@@ -172,15 +194,17 @@ def fp4_gemm_kernel(
         t0 += BT
 
 
-# (max average tokens per expert, (BN, BK, BT, num_warps, num_stages[, join_k]), PTX dequant): the first row that
-# fits. BN x BK: weight tile per K step (BK >= 64, clipped to K), BT: token tile, join_k: one MMA chain over BK
-# with the weights repacked to K order (large token tiles) instead of 4 MMAs of BK/4 (decode). The winners of
-# `python3 benchmarks/bench_moe_gemm.py --sweep` on the H200 (2026-11-30; the same row won on all three shapes at
-# 1-16 and at 256 tokens per expert; the 128 row was not swept).
+# (max average tokens per expert, (BN, BK, BT, num_warps, num_stages[, join_k[, max_registers]]), PTX dequant):
+# the first row that fits. BN x BK: weight tile per K step (BK >= 64, clipped to K), BT: token tile, join_k: one MMA
+# chain over BK with the weights repacked to K order (large token tiles) instead of 4 MMAs of BK/4 (decode),
+# max_registers: a register cap. The winners of `python3 benchmarks/bench_moe_gemm.py --sweep` on the H200
+# (device time; 2026-12-01, session 9): the 16 row at 1-16 tokens per expert on all three shapes (register caps
+# and BN 256 were slower), the 64 row at 64 on all three; at 256, join_k (its MMAs settled per K step) and the
+# same tile without it were within 2-7% of each other (the 128 row was not timed at 128).
 CONFIGS = (
     (16, (128, 128, 16, 4, 4), True),
-    (64, (128, 128, 64, 4, 3, True), True),
-    (128, (128, 128, 128, 8, 3, True), True),
+    (64, (128, 128, 64, 8, 4), True),
+    (128, (128, 128, 128, 8, 3), True),
     (1 << 30, (128, 64, 256, 8, 3, True), True),
 )
 DEQ_ASM_DEFAULT = True
@@ -188,7 +212,8 @@ DEQ_ASM_DEFAULT = True
 
 
 def pick_config(avg_tokens: float, k: int, configs=CONFIGS) -> tuple[tuple, bool]:
-    """((BN, BK, BT, num_warps, num_stages[, join_k]), deq_asm) for ``avg_tokens`` tokens per expert on average."""
+    """((BN, BK, BT, num_warps, num_stages[, join_k[, max_registers]]), deq_asm) for ``avg_tokens`` tokens per
+    expert on average."""
     for limit, cfg, asm in configs:
         if avg_tokens <= limit:
             bn, bk, *rest = cfg
@@ -196,17 +221,21 @@ def pick_config(avg_tokens: float, k: int, configs=CONFIGS) -> tuple[tuple, bool
     raise AssertionError("CONFIGS must end with an unbounded row")
 
 
-def check_config(config) -> tuple[int, int, int, int, int, bool]:
-    """(BN, BK, BT, num_warps, num_stages, join_k) of a launch config; named errors for what cannot compile."""
-    if len(config) not in (5, 6):
-        raise ValueError(f"config={config!r} must be (BN, BK, BT, num_warps, num_stages[, join_k])")
-    bn, bk, bt, nw, ns, *join = config
+def check_config(config) -> tuple[int, int, int, int, int, bool, int | None]:
+    """(BN, BK, BT, num_warps, num_stages, join_k, max_registers) of a launch config (join_k and max_registers
+    optional; max_registers 0 or None: no cap); named errors for what cannot compile."""
+    if len(config) not in (5, 6, 7):
+        raise ValueError(f"config={config!r} must be (BN, BK, BT, num_warps, num_stages[, join_k[, max_registers]])")
+    bn, bk, bt, nw, ns, *rest = config
+    join, maxreg = (list(rest) + [False, None])[:2]
     for name, v, lo in (("BN", bn, 16), ("BK", bk, 64), ("BT", bt, 16)):
         if v < lo or v & (v - 1):
             raise ValueError(f"config {name}={v} must be a power of two >= {lo}")
     if nw not in (1, 2, 4, 8, 16) or not 1 <= ns <= 8:
         raise ValueError(f"config num_warps={nw} must be 1..16 (power of two), num_stages={ns} 1..8")
-    return bn, bk, bt, nw, ns, bool(join and join[0])
+    if maxreg and not 24 <= maxreg <= 255:
+        raise ValueError(f"config max_registers={maxreg} must be 24..255 (or 0: no cap)")
+    return bn, bk, bt, nw, ns, bool(join), maxreg or None
 
 
 def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt: int):
@@ -214,12 +243,13 @@ def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt
     FP4Tensor-like ``weight`` (shape, fmt, block_size, global_amax); shared with the benchmark's precompile."""
     e, n, k = weight.shape
     bs = weight.block_size
-    bn, bk, bt, nw, ns, join_k = check_config(config)
+    bn, bk, bt, nw, ns, join_k, maxreg = check_config(config)
     g = weight.global_amax
     scalars = (t, n, k, e, stride_xt, n * k // 4, k // 4, n * k // bs, k // bs, stride_yt)
     meta = dict(FMT=0 if weight.fmt == "nvfp4" else 1, B=bs, G_MODE=0 if g is None else (1 if g.dim() == 0 else 2),
-                BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, DEQ_ASM=deq_asm, K_TILES=triton.cdiv(k, bk), JOIN_K=join_k,
-                DOT_F32=False, num_warps=nw, num_stages=ns)
+                BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, DEQ_ASM=deq_asm,
+                K_TILES=triton.cdiv(k, bk), JOIN_K=join_k, DOT_F32=False, num_warps=nw, num_stages=ns,
+                **({"maxnreg": maxreg} if maxreg else {}))
     return scalars, (triton.cdiv(n, bn), e + 1), meta  # grid row e == E: zero the rows past offs[-1]
 
 
@@ -253,5 +283,7 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     g_arg = scales if g is None else g.float().contiguous()
     scalars, grid, meta = launch_spec(t, weight, config or picked, use_asm, xd.stride(0), y.stride(0))
     meta["DOT_F32"] = not xd.is_cuda  # Triton's CPU interpreter: fp32 dots (it multiplies bf16 as raw bits)
+    if not xd.is_cuda:
+        meta.pop("maxnreg", None)  # (a compiler option)
     fp4_gemm_kernel[grid](xd, words, scales, g_arg, y, offs, *scalars, **meta)
     return y

@@ -5,24 +5,15 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (no GPU)")
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
-def sass():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import sass_kv_attention
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-    return sass_kv_attention
+def sass(bench_module):
+    return bench_module("sass_kv_attention")
 
 
 def _tile_loop(ttgir: str) -> list[str]:

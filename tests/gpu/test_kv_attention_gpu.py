@@ -127,7 +127,9 @@ def test_small_head_dims_tiles_lengths_masks_splits(name, d, exact):
 @pytest.mark.parametrize("d,config", [(128, (64, 4, 2, 0)), (128, (128, 4, 3, 0)), (128, (64, 4, 3, 0)),
                                       (128, (128, 8, 2, 0)), (128, (32, 2, 2, 0)), (128, (128, 4, 2, 128)),
                                       (128, (128, 4, 3, 128)), (64, (64, 1, 2, 0)), (64, (64, 1, 3, 0)),
-                                      (64, (32, 1, 2, 0)), (64, (64, 2, 2, 0))], ids=str)
+                                      (64, (32, 1, 2, 0)), (64, (64, 2, 2, 0)), (128, (32, 1, 3, 0)),
+                                      (128, (32, 1, 2, 0)), (128, (32, 1, 4, 0)), (128, (64, 1, 3, 0)),
+                                      (32, (64, 1, 2, 0)), (32, (32, 1, 3, 0))], ids=str)
 def test_fast_launch_configs(d, config):
     """The benchmark's alternative launch configs (register caps included; 0: none) give the same attention."""
     quant = QUANTIZERS["nvfp4_row"]
