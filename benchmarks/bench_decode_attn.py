@@ -8,13 +8,14 @@ One query token per sequence, the model's heads (GQA). For each (batch, L): the 
               ``bench_decode.tune_attention`` reads);
   fused_fast  the fast fused kernel at its defaults (``kernels.kv_attention.fp4kv_decode_attention(exact=False)``,
               the rollout's default: K/V as exact FP4 values), and ``fast_bt{BT}_w{warps}_s{stages}[_r{max_registers}]``
-              for the launch configs in ``FAST_ALT``;
+              for the launch configs in ``FAST_ALT``; with ``--mask`` also fused_fast_mask (an all-attended kv_mask,
+              read as int32 words) and fused_fast_mask_bytes (read a byte per token: session 8's loads);
 Times are device times (``_device_ms``: a CUDA graph of 10 calls, L2 flushed before each; since session 8),
 with the KV bytes each reads (bf16 bytes for bf16, the FP4 bytes for the others) and that rate as a fraction of
 the copy bandwidth (``*_frac_copy``), and the fused kernels' relative errors against SDPA over the bf16
 dequantized K/V (``*_rel_err``; the fast one also against fp32 K/V, its own values: ``fast_rel_err_fp32``).
 Used by ``bench_decode.py --attn-micro``; alone: ``python benchmarks/bench_decode_attn.py [--batches ..]
-[--lengths ..] [--heads HQ,HKV,D] [--alt BT,warps,stages,max_registers ..]``.
+[--lengths ..] [--heads HQ,HKV,D] [--alt BT,warps,stages,max_registers ..] [--mask]``.
 """
 
 from __future__ import annotations
@@ -62,7 +63,18 @@ def _device_ms(fn, reps: int) -> tuple[float, str]:
         return median_ms(fn, reps=reps), "events"
 
 
-def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT) -> dict:
+def _bytes_mask(fn):
+    """fn() with the kv_mask read a byte per token (``kv_attention_plan.MASK_AS_WORDS`` off: the A/B of --mask)."""
+    from megatron_trace.kernels import kv_attention_plan
+
+    kv_attention_plan.MASK_AS_WORDS = False
+    try:
+        return fn()
+    finally:
+        kv_attention_plan.MASK_AS_WORDS = True
+
+
+def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT, mask=False) -> dict:
 
     from megatron_trace.kernels import kv_attention_plan
     from megatron_trace.kernels import kv_attention_triton as kt
@@ -74,6 +86,7 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT) -> dict:
     kq = quantize(k, quant, check_finite=False)
     vq = quantize(v, quant, check_finite=False)
     scale = d**-0.5
+    kv_mask = torch.ones(b, length, dtype=torch.bool, device=device)  # (--mask: all attended, as a decode passes)
     ref = _sdpa(q, dequantize(kq, torch.bfloat16), dequantize(vq, torch.bfloat16))
     ref32 = _sdpa(q.float(), dequantize(kq, torch.float32), dequantize(vq, torch.float32))
     fast = fp4kv_decode_attention(q, kq, vq, exact=False)
@@ -87,6 +100,9 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT) -> dict:
                                                            num_warps=nw))
            for name, (bt, nw) in EXACT_VARIANTS.items()},
         "fused_fast": lambda: fp4kv_decode_attention(q, kq, vq, exact=False),
+        **({"fused_fast_mask": lambda: fp4kv_decode_attention(q, kq, vq, exact=False, kv_mask=kv_mask),
+            "fused_fast_mask_bytes": lambda: _bytes_mask(
+                lambda: fp4kv_decode_attention(q, kq, vq, exact=False, kv_mask=kv_mask))} if mask else {}),
         **{f"fast_bt{bt}_w{nw}_s{ns}" + (f"_r{mr}" if mr else ""): (
             lambda bt=bt, nw=nw, ns=ns, mr=mr: kt.decode_attention(
                 q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns, max_registers=mr))
@@ -109,7 +125,8 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT) -> dict:
             **frac, **errs, "kv_bytes_bf16": bytes_bf16, "kv_bytes_fp4": bytes_fp4, "copy_TBps": round(bw / 1e12, 3)}
 
 
-def attention_micro(hf_config, batches, lengths, device, *, budget_left=None, reps: int = 20, alt=FAST_ALT):
+def attention_micro(hf_config, batches, lengths, device, *, budget_left=None, reps: int = 20, alt=FAST_ALT,
+                    mask: bool = False):
     """Yields one JSON-able row per (batch, L) (see the module docstring)."""
     from _timing import copy_bandwidth
 
@@ -123,7 +140,7 @@ def attention_micro(hf_config, batches, lengths, device, *, budget_left=None, re
                 yield {"bench": "decode_attn_skipped", "batch": b, "context": length, "reason": "budget"}
                 continue
             try:
-                yield _one(b, length, hq, hkv, d, quant, device, bw, reps, alt)
+                yield _one(b, length, hq, hkv, d, quant, device, bw, reps, alt, mask)
             except Exception as e:  # noqa: BLE001 - reported, the next point still runs
                 yield {"bench": "decode_attn", "batch": b, "context": length,
                        "error": f"{type(e).__name__}: {str(e)[:300]}"}
@@ -139,14 +156,19 @@ def main(argv=None):
     p.add_argument("--batches", default="1,8,32,64")
     p.add_argument("--lengths", default="1024,8192,32768")
     p.add_argument("--heads", default=None, help="HQ,HKV,D instead of the decode model's (e.g. 16,4,64)")
-    p.add_argument("--alt", nargs="*", default=None, help="BT,warps,stages,max_registers configs instead of FAST_ALT")
+    p.add_argument("--alt", nargs="*", default=None,
+                   help="BT,warps,stages,max_registers configs instead of FAST_ALT (none: --alt alone)")
+    p.add_argument("--mask", action="store_true",
+                   help="also time the fast kernel with an all-attended kv_mask (the rollout's decode passes one), "
+                        "read as int32 words (default) and as bytes")
     args = p.parse_args(argv)
     model = dict(MODEL)
     if args.heads:
         model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"] = map(int, args.heads.split(","))
-    alt = tuple(tuple(int(x) for x in c.split(",")) for c in args.alt) if args.alt else FAST_ALT
+    alt = tuple(tuple(int(x) for x in c.split(",")) for c in args.alt) if args.alt is not None else FAST_ALT
     for row in attention_micro(Qwen3MoeConfig(**model), [int(b) for b in args.batches.split(",")],
-                               [int(v) for v in args.lengths.split(",")], torch.device("cuda"), alt=alt):
+                               [int(v) for v in args.lengths.split(",")], torch.device("cuda"), alt=alt,
+                               mask=args.mask):
         print(json.dumps(row), flush=True)
 
 

@@ -34,12 +34,13 @@ SMEM_PER_SM = 233472
 
 
 def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, g: int = 4, hkv: int = 4,
-                   fn=None, maxnreg: int | None = None):
+                   fn=None, maxnreg: int | None = None, mask: str | None = None):
     """The compiled kernel (``triton.compile`` for sm_90a) of one config; constexprs as ``decode_attention``."""
     fn = fn or (kt.fp4kv_decode_attn_fast_kernel if fast else kt.fp4kv_decode_attn_kernel)
     bs = 16 if fmt == "nvfp4" else 32
     const = dict(HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), FMT=0 if fmt == "nvfp4" else 1, B=bs,
-                 BT=bt, SPLITS=8, HAS_LEN=False, HAS_MASK=False, F32_DOT=False, TILES=0)
+                 BT=bt, SPLITS=8, HAS_LEN=False, HAS_MASK=mask is not None, MASK_WORDS=mask == "words",
+                 F32_DOT=False, TILES=0)
     sw = 4 if (d // bs) % 4 == 0 else 2 if (d // bs) % 2 == 0 else 1  # an FP4KVCache's (``plan.scale_word``)
     fast_const = dict(D=d, DG=kt._group_cols(d), DEQ_ASM=True, SW=sw)
     const.update(fast_const if fast else dict(NB=d // bs, FAST_DIV=True))

@@ -9,6 +9,9 @@ import functools
 import torch
 import triton
 
+MASK_AS_WORDS = True
+"""``kv_mask`` is read as int32 words of 4 tokens: a 4-byte load that cp.async copies ahead of the tile loop (a
+byte per token could not be; the rollout's decode passes the mask on every call). False: bytes (for A/B)."""
 SPLIT_WAVES = 4
 """Exact path: splits along T are chosen so that about this many programs per multiprocessor run."""
 FAST_CONFIGS = {32: (64, 1, 2, None), 64: (32, 1, 2, None), 128: (32, 1, 3, None), 256: (64, 4, 2, None)}

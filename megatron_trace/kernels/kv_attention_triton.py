@@ -126,13 +126,21 @@ def _program(len_ptr, T, chunk, HKV: tl.constexpr, HAS_LEN: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(mask_ptr, b, sm_b, start, end, i, BT: tl.constexpr, HAS_MASK: tl.constexpr):
-    """Token rows t [BT] of tile ``i`` and which of them are attended (before ``end``, kv_mask != 0)."""
+def _tile_rows(mask_ptr, b, sm_b, start, end, i, BT: tl.constexpr, HAS_MASK: tl.constexpr,
+               MASK_WORDS: tl.constexpr):
+    """Token rows t [BT] of tile ``i``, which of them are in bounds (before ``end``: what the K/V loads read) and
+    which are attended (in bounds and kv_mask != 0: what the softmax keeps). The K/V loads do not wait for the
+    mask, so masked rows in bounds are read (the caches write every row up to their length) and weigh 0."""
     t = start + i * BT + tl.arange(0, BT)
-    tmask = t < end
-    if HAS_MASK:  # kv_mask [B, T] (uint8, 0 = masked): left padding, finished rows
-        tmask = tmask & (tl.load(mask_ptr + b * sm_b + t, mask=tmask, other=0) != 0)
-    return t, tmask
+    inb = t < end
+    if HAS_MASK and MASK_WORDS:  # kv_mask as int32 words of 4 token bytes (one 4-byte load per token)
+        w = tl.load(mask_ptr.to(tl.pointer_type(tl.int32)) + b * sm_b + t // 4, mask=inb, other=0)
+        attend = inb & (((w >> ((t % 4) * 8)) & 0xFF) != 0)
+    elif HAS_MASK:  # kv_mask [B, T] (uint8, 0 = masked): left padding, finished rows
+        attend = inb & (tl.load(mask_ptr + b * sm_b + t, mask=inb, other=0) != 0)
+    else:
+        attend = inb
+    return t, inb, attend
 
 
 @triton.jit
@@ -174,7 +182,8 @@ def fp4kv_decode_attn_kernel(
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
-    BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
+    BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr,
+    FAST_DIV: tl.constexpr,
     F32_DOT: tl.constexpr, TILES: tl.constexpr,
 ):
     """Exact path: partial attention of split ``program_id(1)`` over the reference's bf16 K/V:
@@ -192,10 +201,10 @@ def fp4kv_decode_attn_kernel(
     kc, ks, kg = kc_ptr + b * skc_b + h * skc_h, ks_ptr + b * sks_b + h * sks_h, kg_ptr + b * skg_b + h * skg_h
     vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
     for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
-        t, tmask = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK)
+        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK, MASK_WORDS)
         k = _deq_rows(kc, ks, kg, t, tmask, skc_t, sks_t, skg_t, FMT, NB, B, FAST_DIV)  # [BT, D] bf16
         s = _dot(q, tl.trans(k), F32_DOT) * sm_scale  # [GP, BT]
-        p, alpha, m_i, l_i = _online_softmax(s, tmask, m_i, l_i)
+        p, alpha, m_i, l_i = _online_softmax(s, attend, m_i, l_i)
         v = _deq_rows(vc, vs, vg, t, tmask, svc_t, svs_t, svg_t, FMT, NB, B, FAST_DIV)
         acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), v, F32_DOT)
     row = (b * (HKV * G) + h * G + g) * SPLITS + split  # [GP] index into [B, Hq, S]
@@ -320,6 +329,7 @@ def fp4kv_decode_attn_fast_kernel(
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
     B: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr,
+    MASK_WORDS: tl.constexpr,
     F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr, TILES: tl.constexpr,
 ):
     """Fast path (see the module docstring): like ``fp4kv_decode_attn_kernel`` on K/V operands
@@ -343,14 +353,14 @@ def fp4kv_decode_attn_fast_kernel(
     kc, ks, kg = kc_ptr + b * skc_b + h * skc_h, ks_ptr + b * sks_b + h * sks_h, kg_ptr + b * skg_b + h * skg_h
     vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
     for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
-        t, tmask = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK)
+        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK, MASK_WORDS)
         k0, k1, k2, k3 = _fp4_groups(kc, ks, t, tmask, skc_t, sks_t, FMT, D, DG, B, DEQ_ASM, SW)  # [BT, DG]
         s = _dot(q0, tl.trans(k0), F32_DOT)  # [GP, BT] = q K'^T over the 4 parts
         s = _dot_acc(q1, tl.trans(k1), s, F32_DOT)
         s = _dot_acc(q2, tl.trans(k2), s, F32_DOT)
         s = _dot_acc(q3, tl.trans(k3), s, F32_DOT)
         s = s * _row_factor(kg, t, tmask, skg_t, k_fac, FMT)[None, :]  # * 2**62 / S_enc * sm_scale * log2(e)
-        p, alpha, m_i, l_i = _online_softmax(s, tmask, m_i, l_i, True, DEQ_ASM)
+        p, alpha, m_i, l_i = _online_softmax(s, attend, m_i, l_i, True, DEQ_ASM)
         pv = _mma_in(p * _row_factor(vg, t, tmask, svg_t, v_fac, FMT)[None, :], F32_DOT)  # * 2**62 / S_enc
         v0, v1, v2, v3 = _fp4_groups(vc, vs, t, tmask, svc_t, svs_t, FMT, D, DG, B, DEQ_ASM, SW)
         a0 = _dot_acc(pv, v0, a0 * alpha[:, None], F32_DOT)
@@ -516,13 +526,14 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, splits, 2, dtype=torch.float32, device=q.device)
     lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else ml
-    mask = kv_mask[:, :t_len].to(device=q.device, dtype=torch.uint8) if kv_mask is not None else ml
+    mask, words = _mask_arg(kv_mask, t_len, q.device) if kv_mask is not None else (ml, False)
     args = (q, kc, ks, kg, vc, vs, vg, lens, mask, acc, ml, t_len, chunk, chunk // block_t)
     strides = (q.stride(0), q.stride(1), mask.stride(0), *kc.stride()[:3], *ks.stride()[:3], *kg.stride()[:3],
                *vc.stride()[:3], *vs.stride()[:3], *vg.stride()[:3])
     common = dict(HKV=hkv, G=group, GP=max(16, triton.next_power_of_2(group)), FMT=0 if k.fmt == "nvfp4" else 1,
                   B=k.block_size, BT=block_t, SPLITS=splits, HAS_LEN=lengths is not None,
-                  HAS_MASK=kv_mask is not None, F32_DOT=not q.is_cuda,  # Triton's CPU interpreter: fp32 dots
+                  HAS_MASK=kv_mask is not None, MASK_WORDS=words,
+                  F32_DOT=not q.is_cuda,  # Triton's CPU interpreter: fp32 dots
                   TILES=0 if q.is_cuda else chunk // block_t,
                   num_warps=num_warps)
     if fast:
@@ -534,6 +545,16 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
         fp4kv_decode_attn_kernel[(bsz * hkv, splits)](
             *args, float(scale), *strides, NB=ks.shape[-1], FAST_DIV=qk.FAST_DIV, enable_fp_fusion=False, **common)
     return combine_splits(acc, ml, q.dtype)
+
+
+def _mask_arg(kv_mask: torch.Tensor, t_len: int, device) -> tuple[torch.Tensor, bool]:
+    """kv_mask [B, >= T] -> (uint8 bytes [B, T4] viewed as int32 words [B, T4 / 4] (T4 = T rounded up to 4, the
+    padding masked), True) with ``plan.MASK_AS_WORDS``, else (uint8 [B, T], False)."""
+    if not plan.MASK_AS_WORDS:
+        return kv_mask[:, :t_len].to(device=device, dtype=torch.uint8), False
+    m = torch.zeros(kv_mask.shape[0], triton.cdiv(t_len, 4) * 4, dtype=torch.uint8, device=device)
+    m[:, :t_len] = kv_mask[:, :t_len]
+    return m.view(torch.int32), True
 
 
 def combine(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,11 @@ wait Triton 3.6 let the next step overwrite the registers of MMAs still in fligh
 
 from __future__ import annotations
 
-import importlib.util
 import re
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton (no GPU)")
+pytest.importorskip("triton", reason="needs triton (no GPU)")  # (CONFIGS is read when the tests are collected)
 
 
 @pytest.fixture(scope="module")

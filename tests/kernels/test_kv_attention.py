@@ -152,10 +152,15 @@ def test_fast_path_matches_reference(name, b, hq, hkv, t, d, block_t, splits):
 
 
 @needs_triton
+@pytest.mark.parametrize("t_len", [40, 41], ids=["t40", "t41"])  # 41: the mask's last int32 word is padded
+@pytest.mark.parametrize("words", [True, False], ids=["mask_words", "mask_bytes"])
 @pytest.mark.parametrize("exact", [False, True])
-def test_lengths_and_left_padding_masks(exact):
-    q, k, v = _kv_case("nvfp4_row", 3, 8, 2, 40, 64, seed=5)
-    lengths = torch.tensor([1, 17, 40], device=DEVICE)  # one token; a split boundary; all
+def test_lengths_and_left_padding_masks(exact, words, t_len, monkeypatch):
+    from megatron_trace.kernels import kv_attention_plan
+
+    monkeypatch.setattr(kv_attention_plan, "MASK_AS_WORDS", words)
+    q, k, v = _kv_case("nvfp4_row", 3, 8, 2, t_len, 64, seed=5)
+    lengths = torch.tensor([1, 17, t_len], device=DEVICE)  # one token; a split boundary; all
     got = kv_attention_triton.decode_attention(q, k, v, scale=64**-0.5, lengths=lengths, exact=exact, block_t=16,
                                                splits=3)
     _check(got, q, k, v, exact, lengths=lengths)
