@@ -489,7 +489,8 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
                      max_registers: int | None = None) -> torch.Tensor:
     """q [B, Hq, D], k/v FP4 [B, Hkv, T, D] -> [B, Hq, D] in q.dtype (see the module docstring).
 
-    ``lengths`` int [B]: tokens per sequence; ``kv_mask`` bool [B, T]: False = not attended.
+    ``lengths`` int [B]: tokens per sequence; ``kv_mask`` bool [B, T]: False = not attended (masked rows before
+    the length are still read, so they must hold finite K/V, as the caches' rows do, and weigh 0).
     ``exact=True``: K/V are the reference's bf16 values (``FP4Tensor.dequantize(torch.bfloat16)``).
     ``exact=False``: the fast path, K/V the exact FP4 values (equal to ``reference_attention(kv_dtype=float32)``
     within bf16 rounding of the softmax weights). ``block_t``/``num_warps``/``num_stages``/``max_registers`` (per
@@ -548,13 +549,20 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
 
 
 def _mask_arg(kv_mask: torch.Tensor, t_len: int, device) -> tuple[torch.Tensor, bool]:
-    """kv_mask [B, >= T] -> (uint8 bytes [B, T4] viewed as int32 words [B, T4 / 4] (T4 = T rounded up to 4, the
-    padding masked), True) with ``plan.MASK_AS_WORDS``, else (uint8 [B, T], False)."""
+    """kv_mask [B, >= T] -> (int32 words [B, T4 / 4] of 4 token bytes (T4 = T rounded up to 4), True) with
+    ``plan.MASK_AS_WORDS``, else (uint8 [B, T], False). A bool/uint8 mask already laid out as words (a row of >= T4
+    contiguous bytes, row stride and offset divisible by 4: e.g. transformers' SDPA mask at a context divisible by 4)
+    is viewed, not copied; the bytes past T are read and ignored (the kernel stops at T)."""
     if not plan.MASK_AS_WORDS:
         return kv_mask[:, :t_len].to(device=device, dtype=torch.uint8), False
-    m = torch.zeros(kv_mask.shape[0], triton.cdiv(t_len, 4) * 4, dtype=torch.uint8, device=device)
-    m[:, :t_len] = kv_mask[:, :t_len]
-    return m.view(torch.int32), True
+    t4 = triton.cdiv(t_len, 4) * 4
+    m = kv_mask
+    if (m.dtype in (torch.bool, torch.uint8) and m.device == torch.device(device) and m.shape[1] >= t4
+            and m.stride(1) == 1 and m.stride(0) % 4 == 0 and m.storage_offset() % 4 == 0):
+        return m[:, :t4].view(torch.uint8).view(torch.int32), True
+    w = torch.zeros(m.shape[0], t4, dtype=torch.uint8, device=device)
+    w[:, :t_len] = m[:, :t_len]
+    return w.view(torch.int32), True
 
 
 def combine(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:

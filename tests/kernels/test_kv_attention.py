@@ -152,10 +152,12 @@ def test_fast_path_matches_reference(name, b, hq, hkv, t, d, block_t, splits):
 
 
 @needs_triton
-@pytest.mark.parametrize("t_len", [40, 41], ids=["t40", "t41"])  # 41: the mask's last int32 word is padded
+@pytest.mark.parametrize("t_len,width", [(40, 45), (41, 45), (40, 48)], ids=["t40", "t41", "t40_viewed"])
 @pytest.mark.parametrize("words", [True, False], ids=["mask_words", "mask_bytes"])
 @pytest.mark.parametrize("exact", [False, True])
-def test_lengths_and_left_padding_masks(exact, words, t_len, monkeypatch):
+def test_lengths_and_left_padding_masks(exact, words, t_len, width, monkeypatch):
+    """Masks as int32 words: copied and padded (width 45: rows not 4-byte aligned; t41: a partial last word) or
+    viewed in place (width 48); and as bytes."""
     from megatron_trace.kernels import kv_attention_plan
 
     monkeypatch.setattr(kv_attention_plan, "MASK_AS_WORDS", words)
@@ -164,7 +166,7 @@ def test_lengths_and_left_padding_masks(exact, words, t_len, monkeypatch):
     got = kv_attention_triton.decode_attention(q, k, v, scale=64**-0.5, lengths=lengths, exact=exact, block_t=16,
                                                splits=3)
     _check(got, q, k, v, exact, lengths=lengths)
-    mask = torch.ones(3, 45, dtype=torch.bool, device=DEVICE)  # [B, >= T]
+    mask = torch.ones(3, width, dtype=torch.bool, device=DEVICE)  # [B, >= T]
     mask[0, :39] = False  # left padding down to one token
     mask[1, :20] = False  # left padding over a whole split
     mask[2, ::3] = False
