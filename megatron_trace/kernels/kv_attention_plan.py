@@ -17,12 +17,13 @@ SPLIT_WAVES = 4
 FAST_CONFIGS = {32: (64, 1, 2, None), 64: (32, 1, 2, None), 128: (32, 1, 3, None), 256: (64, 4, 2, None)}
 """Fast path (BT, num_warps, num_stages, max_registers) per head_dim (smaller head dims take the first row), from
 the sm_90 cross-compile (``benchmarks/sass_kv_attention.py``: registers, spills, shared memory, SASS per K/V
-element) and the H200 (``bench_decode_attn.py``). head_dim 128 (session 8): capped at 128 registers (76 bytes
-spilled) and 48 KB of shared memory, 4 programs per multiprocessor, 4.5 SASS per element (NVFP4; session 7: 168
-registers, 3 programs, 5.6), the fastest of the configs swept at batch 8 / 64 and 8K / 32K. head_dim 64 (session
-9): one warp per program, 32-token tiles, 16 programs per multiprocessor: 17.1 / 76.9 us at batch 8 / 64 and 8K
-(16 query / 4 KV heads) where (64, 2, 2) took 24.2 / 145.9 (more warps split the V MMA's N = D/4 = 16 columns,
-replicating the dequantization). head_dim 32 (not swept) keeps (64, 2, 2)."""
+element) and the H200 (``bench_decode_attn.py``, 16 query / 4 KV heads). Session 9: one warp per program (no
+cross-warp softmax reductions, so no barriers in the tile loop). head_dim 128 (32, 1, 3): 255 registers, 8
+programs per multiprocessor, 4.4 SASS per element; 24.1 / 125.4 / 66.5 / 453.2 us at batch 8 / 64 and 8K / 32K,
+where session 8's (128, 4, 3, cap 128) took 25.9 / 136.9 / 73.6 / 505.4. head_dim 64 (32, 1, 2): 17.6 / 76.6 us
+at batch 8 / 64 and 8K (was (64, 2, 2): 24.2 / 145.9; more warps split the V MMA's N = D/4 = 16 columns,
+replicating the dequantization). head_dim 32 (64, 1, 2): 29.2 / 168.0 (was 47.5 / 306.3; still slower than bf16
+SDPA there). head_dim 256: not swept."""
 FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (32, 32, 1, 2, None): 14, (32, 64, 1, 2, None): 12, (32, 32, 1, 3, None): 16,
                  (64, 64, 2, 2, None): 4, (64, 64, 1, 2, None): 8, (64, 64, 1, 3, None): 12,
                  (64, 32, 1, 2, None): 16, (64, 32, 1, 3, None): 15, (256, 64, 4, 2, None): 2,
