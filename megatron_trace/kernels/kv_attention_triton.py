@@ -3,8 +3,8 @@
 One query token per sequence, GQA (``G`` query heads share a KV head). Program (batch x KV head, split):
 for each tile of ``BT`` cached tokens of its split, ``s = q K^T * scale`` and ``acc += softmax-weights V``
 (bf16 MMAs, fp32 accumulation, fp32 online softmax). Each split writes (acc unnormalised, max, sum);
-``combine_kernel`` merges the splits (``combine``: its torch twin). Reads 0.5 + 1/16 + 4/head_dim bytes per K/V
-element instead of 2 (bf16) and never writes the dequantized history. Two paths:
+``kv_attention_combine`` merges the splits. Reads 0.5 + 1/16 + 4/head_dim bytes per K/V element instead of 2
+(bf16) and never writes the dequantized history. Two paths:
 
 exact (``exact=True``, ``fp4kv_decode_attn_kernel``): K and V rows are decoded from packed codes, block
 scales and the per-row global amax with the same fp32 operations as ``dequant_triton`` (``_unscale``, then
@@ -43,6 +43,7 @@ from ..formats.tensor import FP4Tensor
 from . import kv_attention_plan as plan
 from . import quant_triton as qk
 from . import triton_fp4 as f
+from .kv_attention_combine import combine_splits
 from .moe_triton import _dequant, _scale_f32
 
 BLOCK_T = 64
@@ -527,7 +528,7 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, splits, 2, dtype=torch.float32, device=q.device)
     lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else ml
-    mask, words = _mask_arg(kv_mask, t_len, q.device) if kv_mask is not None else (ml, False)
+    mask, words = plan.mask_arg(kv_mask, t_len, q.device) if kv_mask is not None else (ml, False)
     args = (q, kc, ks, kg, vc, vs, vg, lens, mask, acc, ml, t_len, chunk, chunk // block_t)
     strides = (q.stride(0), q.stride(1), mask.stride(0), *kc.stride()[:3], *ks.stride()[:3], *kg.stride()[:3],
                *vc.stride()[:3], *vs.stride()[:3], *vg.stride()[:3])
@@ -546,52 +547,3 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
         fp4kv_decode_attn_kernel[(bsz * hkv, splits)](
             *args, float(scale), *strides, NB=ks.shape[-1], FAST_DIV=qk.FAST_DIV, enable_fp_fusion=False, **common)
     return combine_splits(acc, ml, q.dtype)
-
-
-def _mask_arg(kv_mask: torch.Tensor, t_len: int, device) -> tuple[torch.Tensor, bool]:
-    """kv_mask [B, >= T] -> (int32 words [B, T4 / 4] of 4 token bytes (T4 = T rounded up to 4), True) with
-    ``plan.MASK_AS_WORDS``, else (uint8 [B, T], False). A bool/uint8 mask already laid out as words (a row of >= T4
-    contiguous bytes, row stride and offset divisible by 4: e.g. transformers' SDPA mask at a context divisible by 4)
-    is viewed, not copied; the bytes past T are read and ignored (the kernel stops at T)."""
-    if not plan.MASK_AS_WORDS:
-        return kv_mask[:, :t_len].to(device=device, dtype=torch.uint8), False
-    t4 = triton.cdiv(t_len, 4) * 4
-    m = kv_mask
-    if (m.dtype in (torch.bool, torch.uint8) and m.device == torch.device(device) and m.shape[1] >= t4
-            and m.stride(1) == 1 and m.stride(0) % 4 == 0 and m.storage_offset() % 4 == 0):
-        return m[:, :t4].view(torch.uint8).view(torch.int32), True
-    w = torch.zeros(m.shape[0], t4, dtype=torch.uint8, device=device)
-    w[:, :t_len] = m[:, :t_len]
-    return w.view(torch.int32), True
-
-
-def combine(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
-    """Merge split partials: acc [B, Hq, S, D], ml [B, Hq, S, 2] (max, sum) -> [B, Hq, D] fp32 (torch ops; the
-    twin of ``combine_kernel``)."""
-    m, l_sum = ml[..., 0], ml[..., 1]
-    mx = m.amax(-1, keepdim=True)
-    w = torch.where(m == float("-inf"), 0.0, torch.exp(m - mx))  # empty splits weigh nothing
-    return (acc * w.unsqueeze(-1)).sum(-2) / (l_sum * w).sum(-1, keepdim=True)
-
-
-@triton.jit
-def combine_kernel(acc_ptr, ml_ptr, out_ptr, S, D: tl.constexpr, SP: tl.constexpr):
-    """``combine`` of one (batch, query head) row, cast to out's dtype: one launch instead of a dozen torch ops."""
-    row = tl.program_id(0).to(tl.int64)
-    s = tl.arange(0, SP)
-    smask = s < S
-    m = tl.load(ml_ptr + (row * S + s) * 2, mask=smask, other=float("-inf"))
-    l_sum = tl.load(ml_ptr + (row * S + s) * 2 + 1, mask=smask, other=0.0)
-    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - tl.max(m, 0)))  # empty splits weigh nothing
-    d = tl.arange(0, D)
-    acc = tl.load(acc_ptr + (row * S + s)[:, None] * D + d[None, :], mask=smask[:, None], other=0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
-    tl.store(out_ptr + row * D + d, f.to_dtype(out, out_ptr.dtype.element_ty))  # RNE also in the interpreter
-
-
-def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``combine`` in one Triton launch (``combine_kernel``): [B, Hq, D] in ``dtype``."""
-    bsz, hq, splits, d = acc.shape
-    out = torch.empty(bsz, hq, d, dtype=dtype, device=acc.device)
-    combine_kernel[(bsz * hq,)](acc, ml, out, splits, D=d, SP=triton.next_power_of_2(splits), num_warps=4)
-    return out

@@ -14,7 +14,7 @@ from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, referenc
 from ._gpu import DEVICE, HAS_TRITON, INTERPRET, needs_triton, random_rows
 
 if DEVICE is not None:
-    from megatron_trace.kernels import kv_attention_triton
+    from megatron_trace.kernels import kv_attention_combine, kv_attention_triton
 
 
 def _case(seed, b=3, hq=8, hkv=2, t=21, d=32, fmt="nvfp4"):
@@ -234,11 +234,11 @@ def test_combine_kernel_is_the_torch_combine(splits):
     acc[0, 1, 0] = 0.0
     ml[1, 2, :, 0] = float("-inf")
     acc[1, 2] = 0.0
-    want = kv_attention_triton.combine(acc, ml)
-    got = kv_attention_triton.combine_splits(acc.to(DEVICE), ml.to(DEVICE), torch.float32).cpu()
+    want = kv_attention_combine.combine(acc, ml)
+    got = kv_attention_combine.combine_splits(acc.to(DEVICE), ml.to(DEVICE), torch.float32).cpu()
     assert torch.isnan(got[1, 2]).all() and torch.isnan(want[1, 2]).all()
     ok = ~torch.isnan(want)
     torch.testing.assert_close(got[ok], want[ok], rtol=2e-6, atol=1e-6)
-    bf = kv_attention_triton.combine_splits(acc.to(DEVICE), ml.to(DEVICE), torch.bfloat16).cpu()
+    bf = kv_attention_combine.combine_splits(acc.to(DEVICE), ml.to(DEVICE), torch.bfloat16).cpu()
     assert bf.dtype == torch.bfloat16
     torch.testing.assert_close(bf[ok].float(), want[ok], rtol=8e-3, atol=1e-5)
