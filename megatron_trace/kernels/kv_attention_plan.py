@@ -91,7 +91,8 @@ def mask_arg(kv_mask: torch.Tensor, t_len: int, device) -> tuple[torch.Tensor, b
     """kv_mask [B, >= T] -> (int32 words [B, T4 / 4] of 4 token bytes (T4 = T rounded up to 4), True) with
     ``MASK_AS_WORDS``, else (uint8 [B, T], False). A bool/uint8 mask already laid out as words (a row of >= T4
     contiguous bytes, row stride and offset divisible by 4: e.g. transformers' SDPA mask at a context divisible by 4)
-    is viewed, not copied; the bytes past T are read and ignored (the kernel stops at T)."""
+    is viewed, not copied, else copied into words; the bytes past T are read and ignored (the kernel attends only
+    rows before T)."""
     if not MASK_AS_WORDS:
         return kv_mask[:, :t_len].to(device=device, dtype=torch.uint8), False
     t4 = triton.cdiv(t_len, 4) * 4
@@ -99,7 +100,7 @@ def mask_arg(kv_mask: torch.Tensor, t_len: int, device) -> tuple[torch.Tensor, b
     if (m.dtype in (torch.bool, torch.uint8) and m.device == torch.device(device) and m.shape[1] >= t4
             and m.stride(1) == 1 and m.stride(0) % 4 == 0 and m.storage_offset() % 4 == 0):
         return m[:, :t4].view(torch.uint8).view(torch.int32), True
-    w = torch.zeros(m.shape[0], t4, dtype=torch.uint8, device=device)
+    w = torch.empty(m.shape[0], t4, dtype=torch.uint8, device=device)  # (bytes past T: never attended, see above)
     w[:, :t_len] = m[:, :t_len]
     return w.view(torch.int32), True
 
