@@ -79,12 +79,33 @@ def ptxas_usage(ptx: str, maxnreg: int | None = None) -> tuple[int, int]:
     return regs, spills
 
 
-def loop_sass(cubin: bytes) -> list[str]:
-    """SASS instructions of the longest backward-branch loop of ``cubin`` (the tile loop)."""
+def disassemble(cubin: bytes) -> str:
+    """``nvdisasm -c`` of a cubin (Triton's bundled nvdisasm)."""
     with tempfile.TemporaryDirectory() as tmp:
         p = Path(tmp) / "k.cubin"
         p.write_bytes(cubin)
-        text = subprocess.run([str(BIN / "nvdisasm"), "-c", str(p)], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([str(BIN / "nvdisasm"), "-c", str(p)], capture_output=True, text=True, check=True).stdout
+
+
+def op_counts(body: list[str], top: int) -> dict[str, int]:
+    """The ``top`` most frequent opcodes (predicates and modifiers dropped) of SASS lines ``body``."""
+    ops: dict[str, int] = {}
+    for ins in body:
+        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
+        ops[op] = ops.get(op, 0) + 1
+    return dict(sorted(ops.items(), key=lambda kv: -kv[1])[:top])
+
+
+def resident_programs(regs: int, smem: int, warps: int) -> int:
+    """Programs per sm_90 multiprocessor that registers (allocated per warp in units of 256) and shared memory
+    (plus the driver's 1 KB per program) allow."""
+    regs_warp = -(-regs * 32 // 256) * 256
+    return min(65536 // (regs_warp * warps), SMEM_PER_SM // (smem + 1024), 64 // warps, 32)
+
+
+def loop_sass(cubin: bytes) -> list[str]:
+    """SASS instructions of the longest backward-branch loop of ``cubin`` (the tile loop)."""
+    text = disassemble(cubin)
     lines = [ln for ln in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
     addr = [int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16) for ln in lines]
     best: list[str] = []
@@ -114,14 +135,9 @@ def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, maxnr
     k = compile_kernel(fast, d, fmt, bt, warps, stages, maxnreg=maxnreg)
     regs, spills = ptxas_usage(k.asm["ptx"], maxnreg)
     body = loop_sass(k.asm["cubin"])
-    ops: dict[str, int] = {}
-    for ins in body:
-        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
-        ops[op] = ops.get(op, 0) + 1
-    top = dict(sorted(ops.items(), key=lambda kv: -kv[1])[:12])
+    top = op_counts(body, 12)
     smem = k.metadata.shared
-    regs_warp = -(-regs * 32 // 256) * 256  # registers are allocated per warp in units of 256
-    resident = min(65536 // (regs_warp * warps), SMEM_PER_SM // (smem + 1024), 64 // warps, 32)  # + the driver's 1 KB
+    resident = resident_programs(regs, smem, warps)
     return {"kernel": "fast" if fast else "exact", "fmt": fmt, "head_dim": d, "block_t": bt, "num_warps": warps,
             "num_stages": stages, "max_registers": maxnreg, "registers": regs, "spill_bytes": spills,
             "shared_bytes": smem, "resident": resident, "loop_sass": len(body),

@@ -12,10 +12,7 @@ import argparse
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from types import SimpleNamespace
 
 import triton
@@ -23,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_gemm import SHAPES  # noqa: E402
-from sass_kv_attention import BIN, SMEM_PER_SM, ptxas_usage  # noqa: E402
+from sass_kv_attention import disassemble, op_counts, ptxas_usage, resident_programs  # noqa: E402
 
 from megatron_trace.kernels import moe_triton as mt  # noqa: E402
 
@@ -58,11 +55,7 @@ def compile_gemm(shape: str, config: tuple, tpe: int = 1, fn=None):
 def k_loop_sass(cubin: bytes) -> list[str]:
     """SASS of the K loop: the shortest backward-branch loop that holds an HGMMA (the token-tile loop around it
     also holds the pipeline's prologue and epilogue)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        p = Path(tmp) / "k.cubin"
-        p.write_bytes(cubin)
-        text = subprocess.run([str(BIN / "nvdisasm"), "-c", str(p)], capture_output=True, text=True, check=True).stdout
-    lines = text.splitlines()
+    lines = disassemble(cubin).splitlines()
     labels = {ln[:-1]: i for i, ln in enumerate(lines) if re.match(r"^\.L_x_\d+:$", ln)}
     best: list[str] = []
     for i, ln in enumerate(lines):
@@ -80,17 +73,12 @@ def report(shape: str, config: tuple) -> dict:
     kern, meta, nw = compile_gemm(shape, config)
     regs, spills = ptxas_usage(kern.asm["ptx"])
     body = k_loop_sass(kern.asm["cubin"])
-    ops: dict[str, int] = {}
-    for ins in body:
-        op = re.sub(r"^@!?U?P\w+\s+", "", ins).split()[0].split(".")[0]
-        ops[op] = ops.get(op, 0) + 1
     smem = kern.metadata.shared
-    regs_warp = -(-regs * 32 // 256) * 256
-    resident = min(65536 // (regs_warp * nw), SMEM_PER_SM // (smem + 1024), 64 // nw, 32)
+    resident = resident_programs(regs, smem, nw)
     per_trip = meta["BN"] * meta["BK"]  # weights per K step
     return {"shape": shape, "config": list(config), "registers": regs, "spill_bytes": spills, "shared_bytes": smem,
             "resident": resident, "loop_sass": len(body), "sass_per_weight": round(len(body) * nw * 32 / per_trip, 3),
-            "top_ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])[:16])}
+            "top_ops": op_counts(body, 16)}
 
 
 def main(argv=None):

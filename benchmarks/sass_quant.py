@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_kv_attention import BIN, ptxas_usage  # noqa: E402
+from sass_kv_attention import disassemble, ptxas_usage  # noqa: E402
 
 from megatron_trace.kernels import dequant_triton as dq  # noqa: E402
 from megatron_trace.kernels import quant_pair_triton as qp  # noqa: E402
@@ -87,15 +87,8 @@ def _compile(fn, const, ptr_types, num_warps):
 
 def sass(cubin: bytes) -> list[str]:
     import re
-    import subprocess
-    import tempfile
-    from pathlib import Path
 
-    with tempfile.TemporaryDirectory() as tmp:
-        p = Path(tmp) / "k.cubin"
-        p.write_bytes(cubin)
-        text = subprocess.run([str(BIN / "nvdisasm"), "-c", str(p)], capture_output=True, text=True, check=True).stdout
-    return [ln for ln in text.splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
+    return [ln for ln in disassemble(cubin).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
 
 
 def report(op: str, k: int) -> dict:
