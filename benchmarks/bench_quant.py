@@ -7,7 +7,8 @@ CUDA graph (``graph_us``: device time alone, where launching costs more than the
 
 ``--sweep`` times the kernel ops over launch configs (``quant_triton.CONFIG``: elements per program tile and
 num_warps; ``--elem`` adds the element-wise kernels, ``PAIR_KERNEL`` off), one JSON line per (op, config), then
-the best config per op. Set the winners in ``quant_triton.CONFIG`` ("pair" for quantize ops, "dequant").
+the best config per op. Set the winners in ``quant_triton.CONFIG`` ("pair" for NVFP4 quantize ops, "pair_mxfp4",
+"dequant").
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from megatron_trace.formats import Quantizer
 from megatron_trace.kernels import dequant_triton, fused, quant_triton
 from megatron_trace.kernels.checks import FiniteCounter
 
-SWEEP = [dict(pair=True, tile=t, num_warps=nw) for t, nw in ((4096, 4), (4096, 8), (2048, 4), (8192, 8), (16384, 8))]
-"""Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair" and "dequant")."""
+SWEEP = [dict(pair=True, tile=t, num_warps=nw) for t, nw in ((4096, 4), (4096, 8), (2048, 4), (2048, 2), (8192, 8),
+                                                            (16384, 8))]
+"""Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair", "pair_mxfp4" and "dequant")."""
 ELEM_SWEEP = [dict(pair=False, tile=t, num_warps=nw) for t, nw in ((4096, 4), (8192, 8))]
 SWEEP_BUDGET_S = 110.0
 """The sweep stops starting new configs after this many seconds (each config recompiles every kernel)."""
@@ -104,9 +106,16 @@ def main(argv=None) -> dict:
     p.add_argument("--sweep", action="store_true", help="time the launch configs instead")
     p.add_argument("--elem", action="store_true", help="with --sweep: also the element-wise kernels")
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing (device time alone)")
+    p.add_argument("--tile", type=int, default=0, help="the pair kernels' elements per program (quant_triton.CONFIG)")
+    p.add_argument("--warps", type=int, default=0, help="the pair kernels' num_warps (with --tile)")
+    p.add_argument("--ops", default="", help="with --sweep: comma-separated substrings of the op names to time")
     args = p.parse_args(argv)
     if args.sweep:
-        return sweep(args.rows, args.k, SWEEP + (ELEM_SWEEP if args.elem else []))
+        return sweep(args.rows, args.k, SWEEP + (ELEM_SWEEP if args.elem else []),
+                     tuple(o for o in args.ops.split(",") if o))
+    if args.tile:
+        for name in ("pair", "pair_mxfp4"):
+            quant_triton.CONFIG[name] = {"tile": args.tile, "num_warps": args.warps or 4}
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.k, device="cuda").to(torch.bfloat16)
     bw = copy_bandwidth()
@@ -123,13 +132,16 @@ def main(argv=None) -> dict:
         print(f"{name:45s} {ms * 1e3:9.1f} us  {rate / bw:5.2f} of copy; graph {row.get('graph_us')} us "
               f"{row.get('graph_frac_copy')} of copy", file=sys.stderr)
     res = {"bench": "quant", "shape": [args.rows, args.k], "dtype": "bf16", "copy_TBps": round(bw / 1e12, 3),
+           "pair_config": quant_triton.CONFIG["pair"], "pair_mxfp4_config": quant_triton.CONFIG["pair_mxfp4"],
            "machine": machine(), "results": rows}
     print(json.dumps(res))
     return res
 
 
-def sweep(rows: int, k: int, configs) -> dict:
-    """Median time of every kernel op under each config of SWEEP (a config that fails is reported and skipped)."""
+def sweep(rows: int, k: int, configs, ops_filter=()) -> dict:
+    """Device time (CUDA graph; a checked op's host sync: median wall time) of every kernel op under each config
+    of SWEEP, or of the ops whose names contain a string of ops_filter (a config that fails is reported and
+    skipped)."""
     torch.manual_seed(0)
     x = torch.randn(rows, k, device="cuda").to(torch.bfloat16)
     bw = copy_bandwidth(256 << 20)
@@ -142,7 +154,7 @@ def sweep(rows: int, k: int, configs) -> dict:
                 print(json.dumps({"config": cfg, "skipped": "sweep time budget spent"}))
                 continue
             quant_triton.PAIR_KERNEL = cfg["pair"]
-            for name in ("pair", "dequant") if cfg["pair"] else ("elem",):
+            for name in ("pair", "pair_mxfp4", "dequant") if cfg["pair"] else ("elem",):
                 quant_triton.CONFIG[name] = {"tile": cfg["tile"], "num_warps": cfg["num_warps"]}
             try:
                 ops = cases(x, rows, k)
@@ -152,8 +164,10 @@ def sweep(rows: int, k: int, configs) -> dict:
             for name, (fn, nbytes) in ops.items():
                 if name.startswith("reference"):
                     continue
+                if ops_filter and not any(f in name for f in ops_filter):
+                    continue
                 try:
-                    ms = median_ms(fn, warmup=2, reps=7)
+                    ms = median_ms(fn, warmup=2, reps=7) if name.endswith("_checked") else graph_ms(fn)
                 except Exception as e:
                     print(json.dumps({"op": name, "config": cfg, "error": repr(e)[:200]}))
                     continue

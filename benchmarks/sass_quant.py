@@ -51,7 +51,7 @@ def compile_pair(op: str, k: int, fn=None):
     bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
     const = dict(NUM_KT=num_kt, XDT=0, FMT=0, MODE=mode, G_MODE=g_mode, B=16, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
                  WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,
-                 HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]))
+                 HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]), EVEN_K=True)
     return _compile(fn or qp.pair_kernel, const, _PTR_TYPES, cfg["num_warps"]), bm
 
 
@@ -91,13 +91,31 @@ def sass(cubin: bytes) -> list[str]:
     return [ln for ln in disassemble(cubin).splitlines() if re.search(r"/\*[0-9a-f]{4,}\*/", ln)]
 
 
+ALU_OPS = ("LOP3", "LOP", "SEL", "FSEL", "ISETP", "FSETP", "SHF", "FMNMX", "IMNMX", "VIMNMX", "PRMT", "SGXT", "IADD3",
+           "LEA", "P2R", "R2P", "PLOP3", "BMSK", "FLO", "POPC", "IABS")
+"""Opcodes issued to the ALU pipe (64 lanes per cycle per multiprocessor on sm_90, half the FMA pipes' 128:
+FFMA, FMUL, FADD and IMAD run there), after Nsight Compute's pipe descriptions."""
+
+
+def alu_count(lines: list[str]) -> int:
+    """How many of the SASS lines are ALU-pipe instructions (predicated ones too)."""
+    n = 0
+    for ln in lines:
+        words = ln.split("*/", 1)[-1].split()
+        op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "")
+        n += op.split(".")[0] in ALU_OPS
+    return n
+
+
 def report(op: str, k: int) -> dict:
     kern, bm = compile_dequant(op, k) if op in DEQUANT_OPS else compile_pair(op, k)
     nw = qk.CONFIG["dequant" if op in DEQUANT_OPS else "pair"]["num_warps"]
     regs, spills = ptxas_usage(kern.asm["ptx"])
-    n = len(sass(kern.asm["cubin"]))
+    lines = sass(kern.asm["cubin"])
+    per = 32 * nw / (bm * k)
     return {"op": op, "k": k, "block_m": bm, "num_warps": nw, "registers": regs, "spill_bytes": spills,
-            "kernel_sass": n, "kernel_sass_per_element": round(n * 32 * nw / (bm * k), 2)}
+            "kernel_sass": len(lines), "kernel_sass_per_element": round(len(lines) * per, 2),
+            "kernel_alu_per_element": round(alu_count(lines) * per, 2)}
 
 
 def main(argv=None):

@@ -2,25 +2,31 @@
 
 The trainer's fake-quant forward rounds toward the rollout's mantissa bits. ``quant_pair_triton._pair_tile`` finds
 an E2M1 index per element (``triton_fp4.compact_index``) and dequantizes it with a multiply and a division per
-element. This tile works on the fp32 bits of the chosen grid point instead (same results, bit for bit):
+element. This tile works on the fp32 value of the chosen grid point instead (same results, bit for bit):
 
-- ``toward_bit``: with u = the bits of min(|z|, 6), the grid point at or below u is u with its low mantissa bits
-  cleared (22 from 1.0 up, 23 in [0.5, 1)); adding ``~mask`` first gives the point above. Which one is the
-  point whose mantissa bit is the record's: one xor on bit 22. Below 0.5 the point is 0.5 when the record's bit
-  is 1 and z != 0, else 0; z != 0 comes from |x * S_enc| against sf * 2**-150, exactly, so tiny quotients need
-  no IEEE division.
-- Dequantization: every grid value is 2**k or 1.5 * 2**k, so ``value * sf / S_enc`` rounded is 2**k times
-  d1 = RN(sf / S_enc) or d3 = RN(1.5 sf / S_enc), exactly (both normal in the fast path's S_enc range): two
-  divisions per block, one multiply per element. For bf16 output d1, d3 are rounded to bf16 first (scaling by
-  2**k commutes with that rounding too), so the bf16 word is the high halves of the two products, and the sign
-  comes from x's word.
-Record bits are read per block as 16 bits (two bytes), each word shifts its two bits to bit 22.
+- Rounding on the GPU (``toward_bit_hw``): a = min(|z|, 6) plus C = 2**22 times a's binade (0.5 below 2, then 1,
+  2), rounded down and up (two directed fp32 additions), is C plus the grid points below and above a; bit 0 of
+  the sum is the point's mantissa bit, so the record picks one of the two sums. In Triton's CPU interpreter, which
+  has no directed rounding, ``toward_bit`` does the same on the bits u of a: the point at or below u is u with its
+  low mantissa bits cleared (22 from 1.0 up, 23 in [0.5, 1)); adding ``~mask`` first gives the point above.
+  Below 0.5 the point is 0.5 when the record's bit is 1 and z != 0, else 0; z != 0 comes from |x * S_enc|
+  against sf * 2**-150, exactly, so tiny quotients need no IEEE division.
+- Dequantization (``deq_mag``): every grid value is 2**k or 1.5 * 2**k, so ``value * sf / S_enc`` rounded is 2**k
+  times d1 = RN(sf / S_enc) or d3 = RN(1.5 sf / S_enc), exactly (both normal in the fast path's S_enc range):
+  two divisions per block, three exact fp32 operations per element. For bf16 output d1, d3 are rounded to bf16
+  first (scaling by 2**k commutes with that rounding too), so the bf16 word is the high halves of the two
+  products, and the sign comes from x's word.
+- Layout: the tile is read as whole blocks per thread (``triton_fp4.load_words``), and on the GPU the block
+  scales and record bits (16 per block) are loaded by ``triton_fp4.load_nc`` in the layout of their use: no
+  shared-memory exchange, and each block's constants are computed once.
+Most of these choices move work from the ALU pipe (half the FMA pipes' rate on sm_90) to the FMA pipes.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 from . import triton_fp4 as f
 
@@ -49,23 +55,49 @@ def mag_to_index(m):
 
 
 @triton.jit
-def _half(x, s3, den3, rb3, b22, nz_thr, FAST_DIV: tl.constexpr):
-    """(magnitude bits, |z| bits) of one element of each pair (fp32 x [BM, NBT, P]); rb3 = 0 where sf = 0."""
+def toward_bit_hw(z, b22, nz):
+    """``toward_bit`` on the GPU by two directed roundings (fp32 magnitude out, z: the quotient; nz: z != 0).
+
+    a = min(|z|, 6) (NaN -> 6; at least 2**-126 where z != 0, since Triton's libdevice flushes subnormals; 0 where
+    z = 0) plus C = p * 2**22 (p = 2**e, e = max(floor(log2 a), 0), as in ``quant_rne_triton.rne_sum``), rounded
+    down and up, is C plus the grid points below and above a, counted in grid steps. A grid point's mantissa bit
+    is the parity of its count (0.5: 1), which is bit 0 of the sum's bits: the sum whose bit 0 is the record's
+    bit is the one rounded toward."""
+    ab = tl.where(nz, tl.maximum(tl.minimum(tl.abs(z), 6.0).to(tl.int32, bitcast=True), 0x800000), 0)  # bits of a
+    a = ab.to(tl.float32, bitcast=True)
+    c = (tl.maximum(ab & 0x7F800000, _ONE) + 0x0B000000).to(tl.float32, bitcast=True)
+    t_dn = libdevice.add_rd(a, c)
+    t_up = libdevice.add_ru(a, c)
+    up = (((t_dn.to(tl.int32, bitcast=True) << 22) ^ b22) & 0x400000) != 0
+    return tl.where(up, t_up, t_dn) - c
+
+
+@triton.jit
+def _half(x, s3, den3, rb3, b22, nz_thr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
+    """(magnitude as fp32, |z| <= 6) of one element of each pair (fp32 x [BM, NBT, P]); rb3 = 0 where sf = 0."""
     a = x * s3
     if FAST_DIV:
         z = f.markstein(a, -den3, rb3)  # +-0 where rb3 = 0
     else:
         z = tl.where(rb3 != 0.0, tl.div_rn(a, den3), 0.0)
-    za = z.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    nz = tl.abs(a) * 1.2676506002282294e30 > nz_thr  # |a| * 2**100 > sf * 2**-50: RN(a / sf) != 0
-    return toward_bit(tl.minimum(za, _MAG_6), b22, nz), za
+    nz = ~(tl.abs(a) * 1.2676506002282294e30 <= nz_thr)  # |a| * 2**100 > sf * 2**-50: RN(a / sf) != 0 (or NaN)
+    if HW:
+        m = toward_bit_hw(z, b22, nz)
+        inside = tl.abs(z) <= 6.0
+    else:
+        za = z.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m = toward_bit(tl.minimum(za, _MAG_6), b22, nz).to(tl.float32, bitcast=True)
+        inside = za <= _MAG_6
+    return m, inside
 
 
 @triton.jit
-def _deq_bits(m, d1, d3):
-    """fp32 bits of the dequantized magnitude: 2**k * d1 or 2**k * d3 for m = 2**k or 1.5 * 2**k (0 for 0)."""
-    p2 = (m & -0x800000).to(tl.float32, bitcast=True)
-    return (tl.where((m & 0x400000) != 0, d3, d1) * p2).to(tl.int32, bitcast=True)
+def deq_mag(m, d1, dd):
+    """fp32 bits (int32) of the dequantized grid magnitude m = 2**k or 1.5 * 2**k (or 0): 2**k * d1 or 2**k * d3,
+    as p2 * d1 + (m - p2) * dd with p2 = 2**k and dd = 2 (d3 - d1) (exact, as d1 <= d3 <= 2 d1). Every step is
+    exact, and they run on the FMA pipes, not on the ALU (the selection of d1 or d3 would)."""
+    p2 = (m.to(tl.int32, bitcast=True) & -0x800000).to(tl.float32, bitcast=True)
+    return tl.fma(m - p2, dd, p2 * d1).to(tl.int32, bitcast=True)
 
 
 @triton.jit
@@ -92,43 +124,50 @@ def _block_consts(sf, s3, FAST_DIV: tl.constexpr, BF16: tl.constexpr):
 @triton.jit
 def guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, deq_ptr, mask_ptr, s_in_ptr,
                         XDT: tl.constexpr, P: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
-                        WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr):
+                        WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
+                        HW: tl.constexpr):
     """``quant_pair_triton._pair_tile`` for GUIDED_COMPACT NVFP4 with bf16 or fp32 x (see the module docstring)."""
     lo, hi = f.unpair(w, XDT)
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
     bm2 = rmask[:, None] & (blk < NB)
-    sf = f.e4m3_value(tl.load(s_in_ptr + rows[:, None] * NB + blk, mask=bm2, other=0))  # [BM, NBT]
+    sidx = rows[:, None] * NB + blk
+    if HW:  # per-block loads in the layout of their use (no shared-memory exchange); the GPU's E4M3 conversion
+        sf = f.load_nc(s_in_ptr + sidx, bm2, 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        g16 = f.load_nc(gc_ptr + sidx * 2, bm2, 16)[:, :, None]  # the block's 16 bits
+    else:
+        sf = f.e4m3_value(tl.load(s_in_ptr + sidx, mask=bm2, other=0))  # [BM, NBT]
+        g16 = (tl.load(gc_ptr + sidx * 2, mask=bm2, other=0).to(tl.int32)
+               | (tl.load(gc_ptr + sidx * 2 + 1, mask=bm2, other=0).to(tl.int32) << 8))[:, :, None]
     ok = sf > 0.0
-    den3 = tl.where(ok, sf, 1.0)[:, :, None]
-    rb3 = tl.where(ok, tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), tl.where(ok, sf, 1.0)), 0.0)[:, :, None]
+    den = tl.where(ok, sf, 1.0)
+    den3 = den[:, :, None]
+    rb3 = tl.where(ok, f.recip_rn(den, HW), 0.0)[:, :, None]
     nz_thr = tl.where(ok, sf * 8.881784197001252e-16, float("inf"))[:, :, None]  # sf * 2**-50; sf = 0: z = 0
-    gbase = gc_ptr + rows[:, None] * (NB * 2) + blk * 2
-    g16 = (tl.load(gbase, mask=bm2, other=0).to(tl.int32)
-           | (tl.load(gbase + 1, mask=bm2, other=0).to(tl.int32) << 8))[:, :, None]  # the block's 16 bits
     p = tl.arange(0, P)[None, None, :]
     s3 = s_b[:, :, None]
-    ml, zl = _half(lo, s3, den3, rb3, g16 << (22 - 2 * p), nz_thr, FAST_DIV)
-    mh, zh = _half(hi, s3, den3, rb3, g16 << (21 - 2 * p), nz_thr, FAST_DIV)
+    ml, in_l = _half(lo, s3, den3, rb3, g16 << (22 - 2 * p), nz_thr, FAST_DIV, HW)
+    mh, in_h = _half(hi, s3, den3, rb3, g16 << (21 - 2 * p), nz_thr, FAST_DIV, HW)
     woff = rows[:, None, None] * (NB * P) + blk[:, :, None] * P + p
     sgn = tl.where(ok, 8, 0)[:, :, None]
     if WRITE_CODES:
-        cl = mag_to_index(ml) | ((lo.to(tl.int32, bitcast=True) >> 28) & sgn)
-        ch = mag_to_index(mh) | ((hi.to(tl.int32, bitcast=True) >> 28) & sgn)
+        cl = mag_to_index(ml.to(tl.int32, bitcast=True)) | ((lo.to(tl.int32, bitcast=True) >> 28) & sgn)
+        ch = mag_to_index(mh.to(tl.int32, bitcast=True)) | ((hi.to(tl.int32, bitcast=True) >> 28) & sgn)
         tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
     if WRITE_DEQ:
         d1, d3 = _block_consts(sf, s3, FAST_DIV, XDT == 0)
-        vl, vh = _deq_bits(ml, d1, d3), _deq_bits(mh, d1, d3)
+        dd = (d3 - d1) * 2.0
+        vl, vh = deq_mag(ml, d1, dd), deq_mag(mh, d1, dd)
         if XDT == 0:  # bf16 pair: the high halves, the signs of x's word (+0 where the block scale is 0)
             smask = tl.where(ok, -2147450880, 0)[:, :, None]  # 0x80008000: both sign bits
             word = ((vl >> 16) & 0xFFFF) | (vh & -65536) | (w.to(tl.int32, bitcast=True) & smask)
-            tl.store(deq_ptr + rows[:, None, None] * (NB * P) + wcol, word.to(deq_ptr.dtype.element_ty, bitcast=True),
-                     mask=m3)
+            f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
+                          NBT, P, True)
         else:  # fp32 pair (uint64 word)
             sl = lo.to(tl.int32, bitcast=True) & (sgn << 28)
             sh = hi.to(tl.int32, bitcast=True) & (sgn << 28)
             words = f.pair((vl | sl).to(tl.float32, bitcast=True), (vh | sh).to(tl.float32, bitcast=True), 2, True)
-            tl.store(deq_ptr + rows[:, None, None] * (NB * P) + wcol, words.to(deq_ptr.dtype.element_ty, bitcast=True),
-                     mask=m3)
+            f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, words.to(deq_ptr.dtype.element_ty, bitcast=True),
+                          NBT, P, True)
     if WRITE_MASK:
-        mk = (zl <= _MAG_6).to(tl.uint16) | ((zh <= _MAG_6).to(tl.uint16) << 8)
-        tl.store(mask_ptr + rows[:, None, None] * (NB * P) + wcol, mk.to(tl.int16, bitcast=True), mask=m3)
+        mk = in_l.to(tl.uint16) | (in_h.to(tl.uint16) << 8)
+        f.store_words(mask_ptr, rows, rmask, NB * P, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, True)

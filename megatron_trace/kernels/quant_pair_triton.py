@@ -23,11 +23,12 @@ from .quant_triton import G_NONE, G_ROW_COMPUTE, G_SCALAR, GUIDED_COMPACT, RNE, 
 
 
 @triton.jit
-def _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT: tl.constexpr, P: tl.constexpr):
-    """Words (element pairs) of x for blocks [kt*NBT, (kt+1)*NBT) as [BM, NBT, P] (unsigned), their mask."""
+def _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT: tl.constexpr, P: tl.constexpr, WHOLE: tl.constexpr):
+    """Words (element pairs) of x for blocks [kt*NBT, (kt+1)*NBT) as [BM, NBT, P] (unsigned), their columns and
+    mask; WHOLE: a thread holds whole blocks (``triton_fp4.load_words``)."""
     wcol = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
     mask = rmask[:, None, None] & (wcol < NW)
-    w = tl.load(xw_ptr + rows[:, None, None] * stride_w + wcol, mask=mask, other=0)
+    w = f.load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, WHOLE)
     if w.dtype == tl.int64:
         w = w.to(tl.uint64, bitcast=True)
     else:
@@ -97,12 +98,12 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr,
         vh = (vh.to(tl.int32, bitcast=True) | ((ch & 8) << 28)).to(tl.float32, bitcast=True)
         DDT: tl.constexpr = 2 if deq_ptr.dtype.element_ty == tl.int64 else XDT
         words = f.pair(vl, vh, DDT, HW_CVT).to(deq_ptr.dtype.element_ty, bitcast=True)
-        tl.store(deq_ptr + rows[:, None, None] * (NB * P) + wcol, words, mask=m3)
+        f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, words, NBT, P, False)
     if WRITE_MASK:
         ml = (tl.abs(zl) <= 6.0).to(tl.uint16)
         mh = (tl.abs(zh) <= 6.0).to(tl.uint16)
-        tl.store(mask_ptr + rows[:, None, None] * (NB * P) + wcol, (ml | (mh << 8)).to(tl.int16, bitcast=True),
-                 mask=m3)
+        f.store_words(mask_ptr, rows, rmask, NB * P, kt, NB * P, (ml | (mh << 8)).to(tl.int16, bitcast=True), NBT, P,
+                      False)
 
 
 @triton.jit
@@ -127,19 +128,23 @@ def pair_kernel(
     BLOCK_M: tl.constexpr, NBT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
-    HW_CVT: tl.constexpr, BY_MAG: tl.constexpr,
+    HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, EVEN_K: tl.constexpr,
 ):
     """``quant_kernel`` for K % B == 0 on x read as words of two elements (deq/mask as words too).
 
-    x_ptr, deq_e_ptr and mask_e_ptr are the same buffers as elements, for the exact redo of a tile.
+    x_ptr, deq_e_ptr and mask_e_ptr are the same buffers as elements, for the exact redo of a tile. EVEN_K: the
+    row's NB blocks are NUM_KT whole tiles, so NB is a constant and the tiles need no column masks.
     """
+    if EVEN_K:
+        NB = NUM_KT * NBT
     P: tl.constexpr = B // 2
+    WHOLE: tl.constexpr = BY_MAG and MODE == GUIDED_COMPACT  # the guided tile by magnitudes: whole blocks
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     NW = NB * P
     if NUM_KT == 1:  # the whole row group in one tile: x is read once
-        w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P)
+        w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P, WHOLE)
         lo, hi = f.unpair(w, XDT)
         amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, NBT]
         s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT, G_MODE, NUM_KT, NBT, P)
@@ -151,7 +156,7 @@ def pair_kernel(
         s_b = _pair_s_enc(tl.zeros([BLOCK_M, NBT], tl.float32), xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT,
                           G_MODE, NUM_KT, NBT, P)
         for kt in range(NUM_KT):
-            w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P)
+            w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, WHOLE)
             lo, hi = f.unpair(w, XDT)
             amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
             _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr,
@@ -176,7 +181,7 @@ def _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT: tl.conste
             else:
                 g1 = tl.zeros([BM], tl.float32)
                 for kt in range(NUM_KT):
-                    w, _, _ = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P)
+                    w, _, _ = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, False)
                     lo, hi = f.unpair(w, XDT)
                     g1 = tl.maximum(g1, tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), axis=1))
             tl.store(g_ptr + rows, g1, mask=rmask)
@@ -217,7 +222,7 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s
                         FAST_DIV)
         elif BY_MAG:
             qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, deq_ptr, mask_ptr,
-                                   s_in_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV)
+                                   s_in_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
         else:
             _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
                        deq_ptr, mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES,
@@ -248,7 +253,7 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
     xw = x2d.view(wdt)
     deq = out.get("deq")
     mask = out.get("mask")
-    cfg = qk.CONFIG["pair"]
+    cfg = qk.CONFIG["pair" if int(fmt) == 0 else "pair_mxfp4"]
     bm, nbt, num_kt = qk.plan(k, block, cfg["tile"])
     pair_kernel[(triton.cdiv(m, bm),)](
         xw, x2d, m, xw.stride(0), nb, num_kt,
@@ -261,7 +266,7 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
         XDT=xdt, FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt,
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits, WRITE_DEQ=deq is not None,
         WRITE_MASK=write_mask, CHECK_FINITE=err is not None, FAST_DIV=fast_div, HW_CVT=not qk.interpreting(x2d),
-        BY_MAG=_by_magnitude(mode, fmt, xdt, write_bits),
+        BY_MAG=_by_magnitude(mode, fmt, xdt, write_bits), EVEN_K=nb == nbt * num_kt,
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
 

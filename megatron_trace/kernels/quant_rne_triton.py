@@ -11,7 +11,7 @@ bits (same results, bit for bit; the way ``quant_guided_triton`` does guided com
   t - C is exact: the grid point (``sum_to_mag``); bits(t) - bits(C) counts steps, plus 2e it is the E2M1 index
   (``sum_to_index``, ``triton_fp4.rne_index``'s rule). a <= 0.25 (zero, subnormal) gives t = C, so 0; z > 6 and
   Inf saturate to 6 (NaN too, as the index path's 7). p * 2**22 is exact, so the interpreter's unfused fma agrees.
-- Dequantization: ``quant_guided_triton._deq_bits``: 2**k times d1 = RN(sf / S_enc) or d3 = RN(1.5 sf / S_enc)
+- Dequantization: ``quant_guided_triton.deq_mag``: 2**k times d1 = RN(sf / S_enc) or d3 = RN(1.5 sf / S_enc)
   (rounded to bf16 first for bf16 output), the sign from x's word (+0 where the block scale is 0).
 - STE mask: |z| <= 6. Codes: the index | the sign of x (+ where the block scale is 0); the record's bit: the
   index's bit 0 (the E2M1 mantissa bit; 0.5 has 1).
@@ -73,25 +73,27 @@ def store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P: tl.constexpr, N
 
 
 @triton.jit
-def _store_deq(w, wcol, m3, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT: tl.constexpr, P: tl.constexpr,
-               FAST_DIV: tl.constexpr):
-    """Dequantized pairs from the grid points' bits ml, mh (``quant_guided_triton._deq_bits``), x's signs."""
+def _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT: tl.constexpr, P: tl.constexpr,
+               NBT: tl.constexpr, FAST_DIV: tl.constexpr):
+    """Dequantized pairs from the grid points' bits ml, mh (``quant_guided_triton.deq_mag``), x's signs."""
     d1, d3 = qg._block_consts(sf, s3, FAST_DIV, XDT == 0)
     nan = (sf != sf)[:, :, None]  # an all-NaN block (unchecked): NaN out, as the index path (bf16 rounding of
     d1, d3 = tl.where(nan, float("nan"), d1), tl.where(nan, float("nan"), d3)  # a NaN may give -0)
-    vl, vh = qg._deq_bits(ml, d1, d3), qg._deq_bits(mh, d1, d3)
+    dd = (d3 - d1) * 2.0
+    vl = qg.deq_mag(ml.to(tl.float32, bitcast=True), d1, dd)
+    vh = qg.deq_mag(mh.to(tl.float32, bitcast=True), d1, dd)
     if XDT == 0:  # bf16 pair: the high halves, the signs of x's word (+0 where the block scale is 0)
         smask = tl.where(ok, -2147450880, 0)[:, :, None]  # 0x80008000: both sign bits
         word = (vl >> 16) | vh | (w.to(tl.int32, bitcast=True) & smask)  # vl >= 0; vh's low half is 0 (or NaN)
-        tl.store(deq_ptr + rows[:, None, None] * (NB * P) + wcol, word.to(deq_ptr.dtype.element_ty, bitcast=True),
-                 mask=m3)
+        f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
+                      NBT, P, False)
     else:  # fp32 pair (uint64 word)
         smask = tl.where(ok, -2147483648, 0)[:, :, None]  # 0x80000000
         sl = lo.to(tl.int32, bitcast=True) & smask
         sh = hi.to(tl.int32, bitcast=True) & smask
         words = f.pair((vl | sl).to(tl.float32, bitcast=True), (vh | sh).to(tl.float32, bitcast=True), 2, True)
-        tl.store(deq_ptr + rows[:, None, None] * (NB * P) + wcol, words.to(deq_ptr.dtype.element_ty, bitcast=True),
-                 mask=m3)
+        f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, words.to(deq_ptr.dtype.element_ty, bitcast=True),
+                      NBT, P, False)
 
 
 @triton.jit
@@ -124,7 +126,7 @@ def rne_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, codes_ptr, scales_pt
         tl.store(scales_ptr + rows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
     if WRITE_DEQ:
         ml, mh = sum_to_mag(t_lo, p_lo), sum_to_mag(t_hi, p_hi)
-        _store_deq(w, wcol, m3, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT, P, FAST_DIV)
+        _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT, P, NBT, FAST_DIV)
     if WRITE_MASK:
         mk = in_lo.to(tl.uint16) | (in_hi.to(tl.uint16) << 8)  # |z| <= 6
-        tl.store(mask_ptr + rows[:, None, None] * (NB * P) + wcol, mk.to(tl.int16, bitcast=True), mask=m3)
+        f.store_words(mask_ptr, rows, rmask, NB * P, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import libdevice
 
 # Formats (constexpr selectors).
 NVFP4 = tl.constexpr(0)
@@ -216,6 +217,66 @@ def div_needs_slow(q0, b):
     bb = b.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     bad_b = (bb < 0x00800000) | (bb >= 0x7F800000) | ((bb & 0x7FFFFF) == 0x7FFFFF)
     return bad_q | bad_b
+
+
+@triton.jit
+def _words_4d(rows, rmask, row_stride, kt, NW, NBT: tl.constexpr, P: tl.constexpr, V: tl.constexpr):
+    """Offsets and mask [BM, NBT, P // V, V] of the words of blocks [kt*NBT, (kt+1)*NBT) (P words per block)."""
+    c = (kt * (NBT * P) + tl.arange(0, NBT)[None, :, None, None] * P + tl.arange(0, P // V)[None, None, :, None] * V
+         + tl.arange(0, V)[None, None, None, :])
+    return rows[:, None, None, None] * row_stride + c, rmask[:, None, None, None] & (c < NW)
+
+
+@triton.jit
+def load_words(ptr, rows, rmask, row_stride, kt, NW, NBT: tl.constexpr, P: tl.constexpr, WHOLE: tl.constexpr):
+    """Words [BM, NBT, P] of blocks [kt*NBT, (kt+1)*NBT), 0 out of bounds. WHOLE: read as [BM, NBT, P / V, V]
+    with V words in 16 bytes. Triton then gives the V-word runs of one block to the same thread, not to P / V
+    threads (as it does for [BM, NBT, P]), so a block's constants are computed once, by the thread that holds it."""
+    if WHOLE:
+        V: tl.constexpr = min(128 // ptr.dtype.element_ty.primitive_bitwidth, P)
+        off, m = _words_4d(rows, rmask, row_stride, kt, NW, NBT, P, V)
+        w = tl.load(ptr + off, mask=m, other=0)
+        w = w.reshape(w.shape[0], NBT, P)
+    else:
+        c = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
+        w = tl.load(ptr + rows[:, None, None] * row_stride + c, mask=rmask[:, None, None] & (c < NW), other=0)
+    return w
+
+
+@triton.jit
+def store_words(ptr, rows, rmask, row_stride, kt, NW, words, NBT: tl.constexpr, P: tl.constexpr,
+                WHOLE: tl.constexpr):
+    """Store words [BM, NBT, P] of blocks [kt*NBT, (kt+1)*NBT) in bounds (as [BM, NBT, P / V, V] if WHOLE, to keep
+    ``load_words``' layout)."""
+    if WHOLE:
+        V: tl.constexpr = min(128 // ptr.dtype.element_ty.primitive_bitwidth, P)
+        off, m = _words_4d(rows, rmask, row_stride, kt, NW, NBT, P, V)
+        tl.store(ptr + off, words.reshape(words.shape[0], NBT, P // V, V), mask=m)
+    else:
+        c = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
+        tl.store(ptr + rows[:, None, None] * row_stride + c, words, mask=rmask[:, None, None] & (c < NW))
+
+
+@triton.jit
+def load_nc(ptr, mask, BITS: tl.constexpr):
+    """GPU: an unsigned BITS-bit (8 or 16) read-only load per element as int32 (0 where masked off), by inline
+    PTX. Unlike ``tl.load`` it is laid out as its users are, so per-block values loaded next to a tile need no
+    layout conversion through shared memory."""
+    if BITS == 8:
+        asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }"
+    else:
+        asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u16 $0, [$1]; }"
+    return tl.inline_asm_elementwise(asm, "=r,l,r", [ptr.to(tl.int64, bitcast=True), mask.to(tl.int32)],
+                                     dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def recip_rn(x, HW: tl.constexpr):
+    """RN(1 / x) for fp32 x: libdevice's correctly rounded reciprocal on the GPU, ``tl.div_rn`` elsewhere."""
+    if HW:
+        return libdevice.rcp_rn(x)
+    else:
+        return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
 
 
 @triton.jit

@@ -21,12 +21,28 @@ from .kv_cache import DEFERRED_ATTR
 ROLLOUT_ATTENTION = "megatron_trace_rollout_attention"
 
 
+_LAST_MASK: list = [None, -1, -1, None]
+"""The last converted mask: (SDPA mask, its version, T, bool [B, T4] words-aligned). A strong reference, so the
+tensor cannot be freed and another take its identity while cached."""
+
+
 def _kv_mask(attention_mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
-    """SDPA's 4D mask [B, 1, 1, >= T] (bool: True attends; float: 0 attends) -> bool [B, T], or None."""
+    """SDPA's 4D mask [B, 1, 1, >= T] (bool: True attends; float: 0 attends) -> bool [B, >= T], or None.
+
+    Laid out as the kernel reads it (rows of T rounded up to 4 bytes, ``kv_attention_plan.mask_arg``) once per
+    decode step: every layer of a step gets the same mask tensor, and the layers after the first reuse it."""
     if attention_mask is None:
         return None
+    last = _LAST_MASK
+    if last[0] is attention_mask and last[1] == attention_mask._version and last[2] == t:
+        return last[3]
     m = attention_mask[:, 0, -1, :t]
-    return m if m.dtype == torch.bool else m == 0
+    m = m if m.dtype == torch.bool else m == 0
+    t4 = -(-t // 4) * 4
+    out = torch.zeros(m.shape[0], t4, dtype=torch.bool, device=m.device)
+    out[:, :t] = m
+    last[:] = [attention_mask, attention_mask._version, t, out]
+    return out
 
 
 def rollout_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,

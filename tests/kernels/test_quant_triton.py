@@ -7,7 +7,7 @@ then compares codes, scales, global amax, mantissa bits and dequantized values b
 import pytest
 import torch
 
-from megatron_trace.formats import FP4Tensor, NonFiniteError, Quantizer
+from megatron_trace.formats import CompactGuidance, FP4Tensor, NonFiniteError, Quantizer
 from megatron_trace.formats import block as ref_block
 
 from ._gpu import DEVICE, INTERPRET, assert_same_fp4, bits, edge_rows, needs_triton, random_rows, same_bits
@@ -271,6 +271,47 @@ def test_rne_by_magnitude_ties_and_edges_bit_exact(dtype, amax, codes, monkeypat
         outs.append(out)
     for name, got in outs[0].items():
         assert torch.equal(bits(got), bits(outs[1][name])), name
+
+
+def _tiny_quotient_record(rows: int) -> CompactGuidance:
+    """A per-row NVFP4 record [rows, 64] with S_enc = 1 (global amax 2688) and block scales 1.875, 2, 2.25 and 448:
+    for x = k * 2**-149 the quotient k / sf * 2**-149 lies above, at and below 2**-150, where RN(z) turns 0 (the
+    guided tile's z != 0 test), or far below it."""
+    sb = torch.tensor([0x3F, 0x40, 0x41, 0x7E], dtype=torch.uint8).repeat(rows, 1)
+    return CompactGuidance(mantissa_bits=torch.full((rows, 8), 0xFF, dtype=torch.uint8),
+                           block_scales=sb.view(torch.float8_e4m3fn), global_amax=torch.full((rows, 1), 2688.0),
+                           shape=(rows, 64), fmt="nvfp4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("pattern", [0x00, 0xFF, 0x5A, "random"], ids=str)
+def test_guided_compact_by_magnitude_ties_and_edges_bit_exact(dtype, pattern, monkeypatch):
+    """Guided compact NVFP4 by magnitudes (``quant_triton.GUIDED_BY_MAGNITUDE``; on the GPU by directed roundings)
+    against the reference and the E2M1-index tile: z on the ties, their neighbours and the grid points, above 6,
+    zero block scales, subnormal z and quotients at 2**-150, toward records of every bit pattern."""
+    q = Quantizer("nvfp4", per_row=True)
+    x = _rne_edge_rows(dtype)
+    cases = [(x, q.quantize(x).guidance(compact=True)), (x, q.quantize(x * 0.9).guidance(compact=True))]
+    if dtype == torch.float32:  # fp32 subnormal inputs (the interpreter flushes bf16 subnormals)
+        tiny = 2.0**-149 * torch.tensor([1.0, -1.0, 3.0, -3.0, 0.0, -0.0, 2.0, 2.0**20])
+        cases.append((tiny.repeat(4, 8), _tiny_quotient_record(4)))
+    gen = torch.Generator().manual_seed(5)
+    for x, record in cases:
+        if pattern == "random":
+            mb = torch.randint(0, 256, record.mantissa_bits.shape, generator=gen, dtype=torch.uint8)
+        else:
+            mb = torch.full_like(record.mantissa_bits, pattern)
+            mb[1::2] = 255 - pattern
+        record = CompactGuidance(**{**record.__dict__, "mantissa_bits": mb})
+        ref = q.guided_quantize(x, record)
+        outs = []
+        for by_mag in (True, False):
+            monkeypatch.setattr(quant_triton, "GUIDED_BY_MAGNITUDE", by_mag)
+            t, out = fused.guided(x.to(DEVICE), _to(record, DEVICE), deq_dtype=dtype)
+            assert_same_fp4(t, ref)
+            assert same_bits(out["deq"], ref.dequantize(dtype)), by_mag
+            outs.append(out)
+        assert torch.equal(bits(outs[0]["deq"]), bits(outs[1]["deq"]))
 
 
 def _every_code_tensor(amax: str, nan_scale: bool):

@@ -1,0 +1,38 @@
+"""The guided compact + dequant kernel's sm_90 build (cross-compiled on the CPU by ``benchmarks/sass_quant.py``):
+the trainer's fake-quant forward keeps its block constants in the registers of the thread that holds the block
+(no layout exchange through shared memory: session 9's build had 9 barriers), rounds by directed fp32 additions,
+and does not spill."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="needs triton (no GPU)")
+
+OP = "guided_compact+dequant"
+
+
+@pytest.fixture(scope="module")
+def build(bench_module):
+    sass = bench_module("sass_quant")
+    kern, block_m = sass.compile_pair(OP, 2048)
+    return sass, kern, block_m * 2048 // (32 * kern.metadata.num_warps)  # elements per thread
+
+
+def test_guided_tile_has_no_shared_memory_exchange_and_no_spills(build):
+    sass, kern, _ = build
+    lines = sass.sass(kern.asm["cubin"])
+    assert not [ln for ln in lines if "BAR.SYNC" in ln or "STS" in ln or "LDS" in ln]
+    assert sass.ptxas_usage(kern.asm["ptx"])[1] == 0
+
+
+def test_guided_tile_rounds_by_directed_additions(build):
+    sass, kern, per_thread = build
+    lines = sass.sass(kern.asm["cubin"])
+    assert sum(".RM" in ln and "FADD" in ln for ln in lines) >= per_thread  # one per element a thread holds
+
+
+def test_report_counts_alu_instructions(bench_module):
+    sass = bench_module("sass_quant")
+    row = sass.report(OP, 2048)
+    assert 0 < row["kernel_alu_per_element"] < row["kernel_sass_per_element"]
