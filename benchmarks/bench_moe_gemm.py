@@ -37,12 +37,14 @@ LARGE = [(128, 64, 128, 8, 3), (128, 128, 128, 8, 3), (128, 64, 256, 8, 3)]
 # (for large token tiles), max_registers a register cap (more programs per multiprocessor; the decode row's
 # candidates from `python benchmarks/sass_moe_gemm.py`: 80-96 registers, at most 112 bytes spilled).
 SWEEP = {
-    16: [(128, 128, 16, 4, 4), (128, 128, 16, 4, 3, 0, 96), (128, 128, 16, 4, 4, 0, 96), (128, 128, 16, 4, 2, 0, 80),
-         (256, 128, 16, 8, 3), (256, 128, 16, 8, 2, 0, 80), (256, 128, 16, 8, 3, 0, 80), (128, 256, 16, 4, 3)],
+    16: [(128, 128, 16, 4, 4), (128, 128, 16, 2, 4), (128, 128, 16, 2, 3), (64, 128, 16, 2, 4), (64, 128, 16, 2, 3),
+         (64, 128, 16, 1, 4), (64, 256, 16, 2, 3), (128, 128, 16, 4, 3, 0, 96)],
     64: [(128, 128, 64, 4, 3), (128, 128, 64, 4, 3, True), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4)],
     1 << 30: [(128, 64, 256, 8, 3, True), (128, 64, 256, 8, 3), (128, 128, 128, 8, 3, True), (128, 128, 128, 8, 3),
               (256, 64, 128, 8, 3, True)],
 }
+"""The 16 row's 1- and 2-warp configs compile to mma.sync (HMMA) instead of wgmma, with no warpgroup waits; they
+were no faster (BENCHMARKS.md, session 10)."""
 
 
 def candidates(tpe: int):
@@ -163,15 +165,18 @@ def sweep_shape(name, e, k, n, tokens, bw, fmt="nvfp4"):
         x = torch.randn(tpe * e, k, device="cuda", dtype=torch.bfloat16)
         offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * tpe
         ms_bf16 = _time(lambda x=x, offs=offs: bf16_grouped(x, offs))
+        ref = moe_triton.grouped_mm(x, wq, offs).float()  # the default config: each row's error against it
         for cfg in sweep_configs(tpe):
             try:
                 ms = _time(lambda c=cfg, x=x, offs=offs: moe_triton.grouped_mm(x, wq, offs, config=c))
+                err = ((moe_triton.grouped_mm(x, wq, offs, config=cfg).float() - ref).norm() / ref.norm()).item()
             except Exception as exc:  # a config that does not fit (shared memory, registers): report, go on
                 print(json.dumps({"shape": name, "tok_per_expert": tpe, "config": list(cfg), "error": str(exc)[:200]}))
                 continue
             row = {"shape": name, "E_K_N": [e, k, n], "tok_per_expert": tpe, "fmt": fmt, "config": list(cfg),
                    "time_us": round(ms * 1e3, 1), "bf16_us": round(ms_bf16 * 1e3, 1),
-                   "speedup": round(ms_bf16 / ms, 2), "fp4_weight_frac_copy": round(wbytes / (ms * 1e-3) / bw, 3)}
+                   "speedup": round(ms_bf16 / ms, 2), "fp4_weight_frac_copy": round(wbytes / (ms * 1e-3) / bw, 3),
+                   "rel_err_vs_default": float(f"{err:.2e}")}
             print(json.dumps(row), flush=True)
             if tpe not in best or row["time_us"] < best[tpe]["time_us"]:
                 best[tpe] = row
