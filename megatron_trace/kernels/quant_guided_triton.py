@@ -160,14 +160,14 @@ def guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr
         if XDT == 0:  # bf16 pair: the high halves, the signs of x's word (+0 where the block scale is 0)
             smask = tl.where(ok, -2147450880, 0)[:, :, None]  # 0x80008000: both sign bits
             word = ((vl >> 16) & 0xFFFF) | (vh & -65536) | (w.to(tl.int32, bitcast=True) & smask)
-            f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
+            f.store_words(deq_ptr, rows, rmask, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
                           NBT, P, True)
         else:  # fp32 pair (uint64 word)
             sl = lo.to(tl.int32, bitcast=True) & (sgn << 28)
             sh = hi.to(tl.int32, bitcast=True) & (sgn << 28)
             words = f.pair((vl | sl).to(tl.float32, bitcast=True), (vh | sh).to(tl.float32, bitcast=True), 2, True)
-            f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, words.to(deq_ptr.dtype.element_ty, bitcast=True),
+            f.store_words(deq_ptr, rows, rmask, kt, NB * P, words.to(deq_ptr.dtype.element_ty, bitcast=True),
                           NBT, P, True)
     if WRITE_MASK:
         mk = in_l.to(tl.uint16) | (in_h.to(tl.uint16) << 8)
-        f.store_words(mask_ptr, rows, rmask, NB * P, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, True)
+        f.store_words(mask_ptr, rows, rmask, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, True)

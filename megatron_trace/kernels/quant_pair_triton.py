@@ -98,11 +98,11 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr,
         vh = (vh.to(tl.int32, bitcast=True) | ((ch & 8) << 28)).to(tl.float32, bitcast=True)
         DDT: tl.constexpr = 2 if deq_ptr.dtype.element_ty == tl.int64 else XDT
         words = f.pair(vl, vh, DDT, HW_CVT).to(deq_ptr.dtype.element_ty, bitcast=True)
-        f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, words, NBT, P, False)
+        f.store_words(deq_ptr, rows, rmask, kt, NB * P, words, NBT, P, False)
     if WRITE_MASK:
         ml = (tl.abs(zl) <= 6.0).to(tl.uint16)
         mh = (tl.abs(zh) <= 6.0).to(tl.uint16)
-        f.store_words(mask_ptr, rows, rmask, NB * P, kt, NB * P, (ml | (mh << 8)).to(tl.int16, bitcast=True), NBT, P,
+        f.store_words(mask_ptr, rows, rmask, kt, NB * P, (ml | (mh << 8)).to(tl.int16, bitcast=True), NBT, P,
                       False)
 
 

@@ -85,14 +85,14 @@ def _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT:
     if XDT == 0:  # bf16 pair: the high halves, the signs of x's word (+0 where the block scale is 0)
         smask = tl.where(ok, -2147450880, 0)[:, :, None]  # 0x80008000: both sign bits
         word = (vl >> 16) | vh | (w.to(tl.int32, bitcast=True) & smask)  # vl >= 0; vh's low half is 0 (or NaN)
-        f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
+        f.store_words(deq_ptr, rows, rmask, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
                       NBT, P, False)
     else:  # fp32 pair (uint64 word)
         smask = tl.where(ok, -2147483648, 0)[:, :, None]  # 0x80000000
         sl = lo.to(tl.int32, bitcast=True) & smask
         sh = hi.to(tl.int32, bitcast=True) & smask
         words = f.pair((vl | sl).to(tl.float32, bitcast=True), (vh | sh).to(tl.float32, bitcast=True), 2, True)
-        f.store_words(deq_ptr, rows, rmask, NB * P, kt, NB * P, words.to(deq_ptr.dtype.element_ty, bitcast=True),
+        f.store_words(deq_ptr, rows, rmask, kt, NB * P, words.to(deq_ptr.dtype.element_ty, bitcast=True),
                       NBT, P, False)
 
 
@@ -129,4 +129,4 @@ def rne_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, codes_ptr, scales_pt
         _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT, P, NBT, FAST_DIV)
     if WRITE_MASK:
         mk = in_lo.to(tl.uint16) | (in_hi.to(tl.uint16) << 8)  # |z| <= 6
-        f.store_words(mask_ptr, rows, rmask, NB * P, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, False)
+        f.store_words(mask_ptr, rows, rmask, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, False)

@@ -244,17 +244,16 @@ def load_words(ptr, rows, rmask, row_stride, kt, NW, NBT: tl.constexpr, P: tl.co
 
 
 @triton.jit
-def store_words(ptr, rows, rmask, row_stride, kt, NW, words, NBT: tl.constexpr, P: tl.constexpr,
-                WHOLE: tl.constexpr):
-    """Store words [BM, NBT, P] of blocks [kt*NBT, (kt+1)*NBT) in bounds (as [BM, NBT, P / V, V] if WHOLE, to keep
-    ``load_words``' layout)."""
+def store_words(ptr, rows, rmask, kt, NW, words, NBT: tl.constexpr, P: tl.constexpr, WHOLE: tl.constexpr):
+    """Store words [BM, NBT, P] of blocks [kt*NBT, (kt+1)*NBT) into rows of NW words, in bounds (as [BM, NBT,
+    P / V, V] if WHOLE, to keep ``load_words``' layout)."""
     if WHOLE:
         V: tl.constexpr = min(128 // ptr.dtype.element_ty.primitive_bitwidth, P)
-        off, m = _words_4d(rows, rmask, row_stride, kt, NW, NBT, P, V)
+        off, m = _words_4d(rows, rmask, NW, kt, NW, NBT, P, V)
         tl.store(ptr + off, words.reshape(words.shape[0], NBT, P // V, V), mask=m)
     else:
         c = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
-        tl.store(ptr + rows[:, None, None] * row_stride + c, words, mask=rmask[:, None, None] & (c < NW))
+        tl.store(ptr + rows[:, None, None] * NW + c, words, mask=rmask[:, None, None] & (c < NW))
 
 
 @triton.jit
