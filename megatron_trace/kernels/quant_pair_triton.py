@@ -28,7 +28,10 @@ def _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT: tl.constexpr, P: tl.
     mask; WHOLE: a thread holds whole blocks (``triton_fp4.load_words``)."""
     wcol = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
     mask = rmask[:, None, None] & (wcol < NW)
-    w = f.load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, WHOLE)
+    if WHOLE:
+        w = f.load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P)
+    else:
+        w = tl.load(xw_ptr + rows[:, None, None] * stride_w + wcol, mask=mask, other=0)
     if w.dtype == tl.int64:
         w = w.to(tl.uint64, bitcast=True)
     else:

@@ -228,19 +228,14 @@ def _words_4d(rows, rmask, row_stride, kt, NW, NBT: tl.constexpr, P: tl.constexp
 
 
 @triton.jit
-def load_words(ptr, rows, rmask, row_stride, kt, NW, NBT: tl.constexpr, P: tl.constexpr, WHOLE: tl.constexpr):
-    """Words [BM, NBT, P] of blocks [kt*NBT, (kt+1)*NBT), 0 out of bounds. WHOLE: read as [BM, NBT, P / V, V]
-    with V words in 16 bytes. Triton then gives the V-word runs of one block to the same thread, not to P / V
-    threads (as it does for [BM, NBT, P]), so a block's constants are computed once, by the thread that holds it."""
-    if WHOLE:
-        V: tl.constexpr = min(128 // ptr.dtype.element_ty.primitive_bitwidth, P)
-        off, m = _words_4d(rows, rmask, row_stride, kt, NW, NBT, P, V)
-        w = tl.load(ptr + off, mask=m, other=0)
-        w = w.reshape(w.shape[0], NBT, P)
-    else:
-        c = kt * (NBT * P) + tl.arange(0, NBT)[None, :, None] * P + tl.arange(0, P)[None, None, :]
-        w = tl.load(ptr + rows[:, None, None] * row_stride + c, mask=rmask[:, None, None] & (c < NW), other=0)
-    return w
+def load_words(ptr, rows, rmask, row_stride, kt, NW, NBT: tl.constexpr, P: tl.constexpr):
+    """Words [BM, NBT, P] of blocks [kt*NBT, (kt+1)*NBT), 0 out of bounds, read as [BM, NBT, P / V, V] with V
+    words in 16 bytes. Triton then gives the V-word runs of one block to the same thread, not to P / V threads (as
+    it does for a [BM, NBT, P] load), so a block's constants are computed once, by the thread that holds it."""
+    V: tl.constexpr = min(128 // ptr.dtype.element_ty.primitive_bitwidth, P)
+    off, m = _words_4d(rows, rmask, row_stride, kt, NW, NBT, P, V)
+    w = tl.load(ptr + off, mask=m, other=0)
+    return w.reshape(w.shape[0], NBT, P)
 
 
 @triton.jit
