@@ -59,7 +59,8 @@ def model_config(dims: dict, max_len: int) -> Qwen3MoeConfig:
                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0) -> dict[str, HFRolloutBackend]:
+def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0, compile: bool = False
+                   ) -> dict[str, HFRolloutBackend]:
     """One backend per numerics (bf16, fp4) over the same random weights (built on the device: fast init);
     ``fp4u`` shares the fp4 backend (only its cache differs)."""
     torch.manual_seed(seed)
@@ -69,7 +70,8 @@ def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0) -> 
     built = {}
     for i, kind in enumerate(kinds):
         model = base if i == len(kinds) - 1 else copy.deepcopy(base)
-        built[kind] = HFRolloutBackend(model, mode=kind, trace_config=TraceConfig(), dtype=dtype, device=device)
+        built[kind] = HFRolloutBackend(model, mode=kind, trace_config=TraceConfig(), dtype=dtype, device=device,
+                                       compile=compile)
     return {m: built["fp4" if m.startswith("fp4") else "bf16"] for m in modes}
 
 
@@ -181,9 +183,10 @@ ATTN_KERNELS = ("flash", "fmha", "attention", "sdpa", "fp4kv_decode_attn")
 LABELS = ("decode_step", "attention", "moe", "kv_update")
 
 
-def _gpu_shares(events) -> tuple[dict, dict, str]:
-    """(ms per label, ms per kernel name, method): each GPU kernel counts for every label whose GPU-side
-    annotation span (first to last kernel launched inside the range) contains its start; idle gaps never count.
+def _gpu_shares(events) -> tuple[dict, dict, dict, str]:
+    """(ms per label, ms per kernel name, launches per kernel name, method): each GPU kernel counts for every label
+    whose GPU-side annotation span (first to last kernel launched inside the range) contains its start; idle gaps
+    never count.
     Falls back to the CPU ranges' linked kernel time when the trace has no GPU annotations."""
     from bisect import bisect_right
 
@@ -198,9 +201,10 @@ def _gpu_shares(events) -> tuple[dict, dict, str]:
             spans[e.name].append((e.time_range.start, e.time_range.end))
         else:
             kernels.append((e.time_range.start, e.time_range.elapsed_us(), e.name))
-    per_kernel = {}
+    per_kernel, counts = {}, {}
     for _, dur, name in kernels:
         per_kernel[name] = per_kernel.get(name, 0.0) + dur
+        counts[name] = counts.get(name, 0) + 1
     ranges = dict.fromkeys(LABELS, 0.0)
     if spans["attention"] and spans["moe"]:
         for label, iv in spans.items():
@@ -210,14 +214,14 @@ def _gpu_shares(events) -> tuple[dict, dict, str]:
                 i = bisect_right(starts, t) - 1
                 if i >= 0 and t <= iv[i][1]:
                     ranges[label] += dur
-        return ranges, per_kernel, "gpu_annotations"
+        return ranges, per_kernel, counts, "gpu_annotations"
     for e in events:  # CPU ranges with the kernels linked to the ops inside them
         if e.device_type == DeviceType.CPU and e.name in LABELS:
             ranges[e.name] += e.device_time_total
-    return ranges, per_kernel, "cpu_linked"
+    return ranges, per_kernel, counts, "cpu_linked"
 
 
-def profile_step(be, model, cache, tok, pos, steps: int) -> dict:
+def profile_step(be, model, cache, tok, pos, steps: int, top_n: int = 12) -> dict:
     """Share of a decode step's GPU time (CPU time on a CPU run) in attention, its KV update, and the MoE block."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -236,14 +240,14 @@ def profile_step(be, model, cache, tok, pos, steps: int) -> dict:
             h.remove()
     events = prof.events()
     if cuda:
-        ranges, per_kernel, method = _gpu_shares(events)
+        ranges, per_kernel, counts, method = _gpu_shares(events)
         step_ms = sum(per_kernel.values()) / steps / 1e3
     else:
         ranges = dict.fromkeys(LABELS, 0.0)
         for e in events:
             if e.name in LABELS:
                 ranges[e.name] += e.cpu_time_total
-        per_kernel, method = {}, "cpu_time"
+        per_kernel, counts, method = {}, {}, "cpu_time"
         step_ms = ranges["decode_step"] / steps / 1e3
     ms = {k: v / steps / 1e3 for k, v in ranges.items()}
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])
@@ -256,7 +260,9 @@ def profile_step(be, model, cache, tok, pos, steps: int) -> dict:
     res["attn_kernels_ms"] = round(attn_kernels, 4)
     res["attn_kernels_share"] = round(attn_kernels / step, 4)
     res["other_share"] = round(1 - (ms["attention"] + ms["moe"]) / step, 4)
-    res["top_kernels"] = [[k[:90], round(v / steps / 1e3, 4)] for k, v in top[:12]]
+    res["top_kernels"] = [[k[:90], round(v / steps / 1e3, 4)] for k, v in top[:top_n]]
+    if counts:
+        res["kernels_per_step"] = round(sum(counts.values()) / steps, 1)
     return res
 
 
@@ -265,7 +271,7 @@ _GRAPH_FAILED: set[str] = set()
 
 def measure_point(be, mode, batch, length, args, gen) -> dict:
     dev = be.device
-    row = {"bench": "decode", "mode": mode, "batch": batch, "context": length}
+    row = {"bench": "decode", "mode": mode, "batch": batch, "context": length, "compiled": bool(be.compiled_modules)}
     cache = new_cache(be, mode, profiled=args.profile)
     try:
         fill_cache(be, cache, batch, length, gen)
@@ -276,7 +282,8 @@ def measure_point(be, mode, batch, length, args, gen) -> dict:
             row["eager_ms"] = round(eager * 1e3, 3)
             row["eager_tok_s"] = round(batch / eager, 1)
             if args.profile:
-                row["profile"] = profile_step(be, model, cache, tok, pos + args.warmup + args.steps, args.profile_steps)
+                row["profile"] = profile_step(be, model, cache, tok, pos + args.warmup + args.steps, args.profile_steps,
+                                              args.profile_top)
             if dev.type == "cuda" and not args.no_graph and mode not in _GRAPH_FAILED:
                 try:
                     graph = time_graph(be, model, cache, tok, pos, args.graph_reps)
@@ -400,6 +407,9 @@ def parse_args(argv):
     p.add_argument("--no-graph", action="store_true")
     p.add_argument("--profile", action="store_true", help="GPU-time shares: attention / KV update / MoE")
     p.add_argument("--profile-steps", type=int, default=3)
+    p.add_argument("--profile-top", type=int, default=12, help="how many kernels the profile lists")
+    p.add_argument("--compile", action="store_true", help="HFRolloutBackend(compile=True): RMSNorms and routers "
+                   "compiled (rollout.compiled)")
     p.add_argument("--attn-micro", action="store_true", help="per-layer attention micro-benchmark too")
     p.add_argument("--generate-batches", default="", help="also time generate() at these batches")
     p.add_argument("--gen-prompt", type=int, default=128)
@@ -438,9 +448,10 @@ def main(argv=None) -> list[dict]:
     try:
         t0 = time.perf_counter()
         cfg = model_config(dims, max(lengths) + 1024)
-        backends = build_backends(cfg, modes, device, dtype)
+        backends = build_backends(cfg, modes, device, dtype, compile=args.compile)
         be0 = next(iter(backends.values()))
         head = {"bench": "decode_setup", "device": str(device), "dtype": str(dtype), "model": dims,
+                "compile": args.compile,
                 "params": param_count(be0), "setup_s": round(time.perf_counter() - t0, 2)}
         if device.type == "cuda":
             head["gpu"] = torch.cuda.get_device_name(device)

@@ -23,7 +23,8 @@ def decode(row: dict) -> str | None:
         return None
     p = row.get("profile", {})
     return (f"{row['mode']} {row['batch']} {row['context']} step_ms {p.get('step_ms')} attn_kernels_ms "
-            f"{p.get('attn_kernels_ms')} moe_ms {p.get('moe_ms')} eager_tok_s {row.get('eager_tok_s')} "
+            f"{p.get('attn_kernels_ms')} moe_ms {p.get('moe_ms')} kernels {p.get('kernels_per_step')} graph_ms "
+            f"{row.get('graph_ms')} eager_tok_s {row.get('eager_tok_s')} "
             f"{row.get('error', '')}")
 
 

@@ -47,6 +47,8 @@ class RolloutNumerics:
     """``TraceConfig.kernel``: "auto"/"triton" take ``grouped_experts_forward`` for bf16 CUDA tensors."""
     weight_store: ExpertWeightStore | None = None
     """FP4 expert weights (the grouped GPU path reads them packed); None: the module's parameters."""
+    compiled: bool = False
+    """The grouped GPU path's routing and row plumbing as Inductor kernels (``HFRolloutBackend(compile=True)``)."""
 
 
 def _fast_path(num: RolloutNumerics, hidden: torch.Tensor) -> bool:
@@ -87,11 +89,11 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     rec = num.recorder
     forward, fc1, fc2, extra = w4a4_experts_forward, self.gate_up_proj, self.down_proj, {}
     if _fast_path(num, hidden_states):
-        forward = grouped_experts_forward
+        forward, extra = grouped_experts_forward, {"compiled": num.compiled}
         if fp4 and num.weight_store is not None:
             fc1, fc2 = num.weight_store.stacked(layer, FC1), num.weight_store.stacked(layer, FC2)
         if rec is not None and rec.compact:  # the quantize pass writes the compact records too
-            extra = dict(record_fc1=rec.wants(layer, "expert_fc1_in"), record_fc2=rec.wants(layer, "expert_fc2_in"))
+            extra.update(record_fc1=rec.wants(layer, "expert_fc1_in"), record_fc2=rec.wants(layer, "expert_fc2_in"))
     res = forward(
         hidden_states, top_k_index, top_k_weights, fc1, fc2,
         activation_quantizer=num.activation_quantizer, quantize_fc1=num.quantize_fc1 and fp4,

@@ -25,6 +25,7 @@ equal to the emulation within bf16 rounding, with no host sync (CUDA-graph captu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -197,6 +198,44 @@ def _quantize_dequantize(x: torch.Tensor, quantizer: Quantizer, record: bool = F
     return q, rec, out["deq"].view(x.shape)
 
 
+def _routing(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """top_k_index [T, k] -> (order, offs, inv): the (token, slot) pairs sorted by expert (stable), the cumulative
+    tokens per expert (int32 [E], ``torch._grouped_mm``'s offs) and order's inverse permutation. No host sync."""
+    flat = top_k_index.reshape(-1)  # [T*k]
+    key = flat.to(torch.int16) if num_experts <= 1 << 15 else flat  # a 2-byte radix sort: 2 passes, not 8
+    ids, order = torch.sort(key, stable=True)  # the same order as int64 keys (stable)
+    experts = torch.arange(num_experts, device=flat.device, dtype=ids.dtype)
+    offs = torch.searchsorted(ids, experts, right=True).to(torch.int32)  # (bincount would sync)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return order, offs, inv
+
+
+def _sorted_rows(x: torch.Tensor, order: torch.Tensor, k: int) -> torch.Tensor:
+    """Token rows x [T, H] in expert order: row i is pair order[i]'s token."""
+    return x[order // k]
+
+
+def _gated_rows(h: torch.Tensor, inv: torch.Tensor, apply_gate: Callable) -> torch.Tensor:
+    """fc1 outputs in expert order [T*k, 2F] -> gated rows in (token, slot) order [T*k, F]."""
+    return apply_gate(h)[inv]
+
+
+def _combine(y: torch.Tensor, inv: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fc2 outputs in expert order [T*k, H] -> sum over the slots of router weight x output, [T, H] in ``dtype``."""
+    tokens, k = top_k_weights.shape
+    return (y[inv].view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(1).to(dtype)
+
+
+_EAGER = (_routing, _sorted_rows, _gated_rows, _combine)
+
+
+@functools.cache
+def _compiled_ops() -> tuple[Callable, ...]:
+    """``_EAGER`` compiled by Inductor, rounding where the eager functions round (``rollout.compiled``)."""
+    return tuple(torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True}) for fn in _EAGER)
+
+
 def grouped_experts_forward(
     hidden: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -210,6 +249,7 @@ def grouped_experts_forward(
     apply_gate: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
     record_fc1: bool = False,
     record_fc2: bool = False,
+    compiled: bool = False,
 ) -> ExpertsOutput:
     """The GPU path of ``w4a4_experts_forward``: one grouped GEMM per matrix kind, no host sync.
 
@@ -220,32 +260,25 @@ def grouped_experts_forward(
     values, so outputs equal the reference's within bf16 rounding, not bit for bit. Expert ids are not
     range-checked (that would sync); CUDA, bf16 hidden only. No host sync: capturable in a CUDA graph.
     ``record_fc1`` / ``record_fc2``: the quantize pass of that site also writes its compact guidance record.
+    ``compiled``: the routing, row permutations, gate and weighted sum around the GEMMs (about fifteen small
+    kernels per layer in eager PyTorch) run through Inductor, rounding where the eager functions round.
     """
     from ..kernels import fp4_grouped_mm
 
+    routing, sorted_rows, gated_rows, combine = _compiled_ops() if compiled else _EAGER
     tokens, k = top_k_index.shape
-    num_experts = fc1.shape[0]
     x = hidden  # [T, H]
     q1 = q2 = r1 = r2 = None
     if quantize_fc1:
         q1, r1, x = _quantize_dequantize(x, activation_quantizer, record_fc1)
-    flat = top_k_index.reshape(-1)  # [T*k]
-    key = flat.to(torch.int16) if num_experts <= 1 << 15 else flat  # a 2-byte radix sort: 2 passes, not 8
-    ids, order = torch.sort(key, stable=True)  # the same order as int64 keys (stable)
-    experts = torch.arange(num_experts, device=flat.device, dtype=ids.dtype)
-    offs = torch.searchsorted(ids, experts, right=True).to(torch.int32)  # [E] cumulative (bincount would sync)
+    order, offs, inv = routing(top_k_index, fc1.shape[0])
 
     def gemm(a, w):
         return fp4_grouped_mm(a, w, offs, kernel="triton") if isinstance(w, FP4Tensor) else _grouped_dense(a, w, offs)
 
-    h = apply_gate(gemm(x[order // k], fc1))  # [T*k, F] sorted by expert
-    act = torch.empty_like(h)
-    act[order] = h  # (token, slot) order
+    act = gated_rows(gemm(sorted_rows(x, order, k), fc1), inv, apply_gate)  # [T*k, F] in (token, slot) order
     if quantize_fc2:
         q2, r2, act = _quantize_dequantize(act.view(tokens, k, -1), activation_quantizer, record_fc2)
         act = act.view(tokens * k, -1)
-    y = gemm(act[order], fc2)  # [T*k, H]
-    out = torch.empty_like(y)
-    out[order] = y
-    out = out.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(out.dtype)
-    return ExpertsOutput(out.sum(1).to(hidden.dtype), q1, q2, r1, r2)
+    y = gemm(act[order], fc2)  # [T*k, H] sorted by expert
+    return ExpertsOutput(combine(y, inv, top_k_weights, hidden.dtype), q1, q2, r1, r2)

@@ -48,6 +48,7 @@ from ..manifest import (
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
 from .base import RolloutBatch, SamplingParams, WeightValue, check_prompts
+from .compiled import compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .hf_weights import join_fc1, parse_expert_name
 from .kv_cache import FP4KVCache
@@ -107,6 +108,10 @@ class HFRolloutBackend:
     fast_kv_attention: the fused decode attention's fast kernel (default; K/V as exact FP4 values, ~6x faster at
         long context) instead of the one that reads the trainer's bf16 K/V values (``kernels.kv_attention``);
         the RL mismatch is the same within seed noise (BENCHMARKS.md, session 5).
+    compile: ``torch.compile`` every RMSNorm and MoE router (``rollout.compiled``: Inductor fuses each into one or
+        two kernels) and, on the grouped GPU path, the routing and row plumbing around the expert GEMMs; the GEMMs,
+        quantizers, KV cache and attention stay this package's kernels. Outputs agree with the eager
+        model within the model dtype's rounding; the first steps of a new shape pay the compilation.
     ``trace_config.kv_format="sglang_kvfp4"``: the FP4 KV cache stores and records K/V in SGLang's format
         (``formats.sglang_kvfp4``, reference path), the records a trainer with the same ``kv_format`` accepts.
     GPU path (``TraceConfig.kernel`` "auto" on CUDA, bf16): routed experts run one grouped GEMM per matrix kind
@@ -130,6 +135,7 @@ class HFRolloutBackend:
         prefix_reuse: bool = True,
         fused_kv_attention: bool | None = None,
         fast_kv_attention: bool = True,
+        compile: bool = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -165,6 +171,7 @@ class HFRolloutBackend:
         self.fast_kv_attention = fast_kv_attention
         self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
             else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
+        self.compiled_modules = compile_small_modules(self.model) if compile else []
         self.trainer_recipe: QuantRecipe | None = None
         self._recipe_ignore: tuple[str, ...] = ()
         if recipe is not None:
@@ -227,6 +234,7 @@ class HFRolloutBackend:
             activation_quantizer=self.config.activation_quantizer(),
             quantize_fc1=q("expert_fc1_in"), quantize_fc2=q("expert_fc2_in"), recorder=recorder,
             bf16_layers=self.bf16_expert_layers, kernel=self.config.kernel, weight_store=self.weight_store,
+            compiled=bool(self.compiled_modules),
         )
 
     def new_cache(self, recorder: GuidanceRecorder | None = None) -> Cache:

@@ -55,3 +55,28 @@ def perturb_non_experts(model, scale: float, seed: int = 1) -> None:
                 continue
             noise = torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.device)
             p.add_((noise * scale * p.float().abs().mean()).to(p.dtype))
+
+
+def capture_decode_step(be, new_cache, ids, tok, pos):
+    """Prefill ``ids``, run one decode step (``tok`` at ``pos``) on a side stream, capture the next one in a CUDA
+    graph; the same three calls eagerly on another cache give the wanted logits. Returns (graph, its output
+    logits, wanted logits fp32, the captured cache). The caches write in place, so a replay repeats the step."""
+    with be.forward_context() as model:
+        def step(cache):
+            return model(input_ids=tok, position_ids=pos, use_cache=True, **be.cache_kwargs(cache)).logits[:, -1]
+
+        eager = new_cache()
+        model(input_ids=ids, use_cache=True, **be.cache_kwargs(eager))
+        step(eager)
+        want = step(eager).float()
+        cache = new_cache()
+        model(input_ids=ids, use_cache=True, **be.cache_kwargs(cache))
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(cache)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = step(cache)
+    return g, out, want, cache

@@ -1,0 +1,56 @@
+"""``HFRolloutBackend(compile=True)``: ``torch.compile`` of the model's small per-token modules.
+
+Outside its experts and attention, an eager decode step of a transformers Qwen3-MoE launches dozens of tiny kernels
+per layer: each RMSNorm is about eight (casts, square, mean, rsqrt, two multiplies), the router's softmax, top-k
+and renormalization five more. At decode batch sizes each takes a few microseconds whatever its size, and in
+both modes alike, so they cap the FP4 speed-up (BENCHMARKS.md, session 10: about 2 ms of a 3-4 ms step).
+
+``compile_small_modules`` compiles every RMSNorm and MoE router instance with ``nn.Module.compile`` (the instance
+gets a compiled call; no class or function is replaced), so Inductor fuses each into one or two kernels. The
+experts and the attention (this package's code: Triton kernels, the FP4 KV cache, the guidance recorder) stay
+eager. Numerics: Inductor is told to round where the eager module rounds (``emulate_precision_casts``), so the
+only difference left is the summation order of the RMSNorm mean: the CPU tests see bit-identical generations; on a
+GPU, outputs agree within the model dtype's rounding.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm, Qwen3MoeTopKRouter
+
+logger = logging.getLogger(__name__)
+
+SMALL_MODULES = (Qwen3MoeRMSNorm, Qwen3MoeTopKRouter)
+"""The module types ``compile_small_modules`` compiles."""
+
+
+def _probe(x):
+    return x
+
+
+def compile_enabled() -> bool:
+    """Whether ``torch.compile`` compiles in this process (it returns the function itself when dynamo is off, e.g.
+    under ``TORCHDYNAMO_DISABLE=1``)."""
+    return torch.compile(_probe) is not _probe
+
+
+def compile_small_modules(model: torch.nn.Module, *, dynamic: bool | None = None) -> list[str]:
+    """Compile every ``SMALL_MODULES`` instance of ``model`` in place; returns their names.
+
+    ``dynamic``: ``torch.compile``'s (None: static shapes first, dynamic after the first shape change, so prefill
+    and decode steps of any batch share a few compiled graphs). Compilation happens on each module's first call.
+    """
+    if not compile_enabled():
+        logger.warning("compile=True, but torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): "
+                       "the small modules run eager")
+    names = []
+    for name, module in model.named_modules():
+        if isinstance(module, SMALL_MODULES):
+            module.compile(dynamic=dynamic, options={"emulate_precision_casts": True})
+            names.append(name)
+    if not names:
+        raise TypeError(f"{type(model).__name__} has no {' / '.join(t.__name__ for t in SMALL_MODULES)} to compile")
+    logger.info("compiling %d small modules (%s)", len(names), ", ".join(sorted({n.rsplit('.', 1)[-1] for n in names})))
+    return names

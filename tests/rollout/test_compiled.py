@@ -1,0 +1,83 @@
+"""``HFRolloutBackend(compile=True)`` (``rollout.compiled``): the same generations as the eager backend, and a
+bounded number of compiled graphs (no recompilation per decode step or per call once shapes went dynamic).
+
+Run in a subprocess: the test process disables torch.compile (``tests/conftest.py``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megatron_trace.rollout import HFRolloutBackend
+from megatron_trace.rollout.compiled import SMALL_MODULES
+
+from ._tiny import tiny_config, tiny_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_compiled(*args: str) -> dict:
+    """``tests/rollout/_compiled_run.py`` in a subprocess with torch.compile enabled: its JSON report."""
+    env = dict(os.environ, TORCHDYNAMO_DISABLE="0", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, "-m", "tests.rollout._compiled_run", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_compiled_generations_equal_the_eager_ones():
+    got = run_compiled()
+    layers = tiny_config().num_hidden_layers
+    # per layer: input / post-attention / q / k norms and the router; and the final norm
+    assert len(got["modules"]) == 5 * layers + 1 and "model.norm" in got["modules"]
+    assert all(got["same_tokens"]) and all(got["same_routing"]), got
+    # Inductor rounds where the eager modules round (emulate_precision_casts): only the mean's summation order
+    # may differ, which on the CPU left every log-prob equal (2026-12-01)
+    assert max(got["logprob_diff"]) < 1e-2 and got["logits_rel_err"] < 1e-2, got
+    graphs = got["graphs"]
+    assert graphs[-1] == graphs[-2] and graphs[-1] <= 12, graphs  # the last call compiled nothing new
+    # the grouped GPU path's routing / permutations / gate / weighted sum, compiled (Inductor's CPU backend here):
+    # order, offs, inverse, sorted rows, gated rows, combined rows all bit-identical to the eager functions
+    assert all(all(row) for row in got["plumbing_equal"]), got["plumbing_equal"]
+
+
+def test_compile_names_the_disabled_compiler(caplog):
+    # this process disables torch.compile: the backend says so instead of silently running eager
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.rollout.compiled"):
+        be = HFRolloutBackend(tiny_model(), mode="bf16", compile=True)
+    assert "TORCHDYNAMO_DISABLE" in caplog.text
+    assert len(be.compiled_modules) == 5 * be.num_layers + 1
+    assert all(isinstance(m, SMALL_MODULES) for n, m in be.model.named_modules() if n in be.compiled_modules)
+
+
+def test_grouped_path_routing_helpers():
+    """``fp4_moe``'s routing and row plumbing (eager; ``compiled=True`` runs the same functions through Inductor)
+    against a direct computation: stable expert order, cumulative counts, inverse permutation, combine."""
+    import torch
+
+    from megatron_trace.rollout import fp4_moe
+
+    g = torch.Generator().manual_seed(0)
+    tokens, k, e, h = 11, 3, 6, 5
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)])
+    order, offs, inv = fp4_moe._routing(idx, e)
+    flat = idx.reshape(-1)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(offs, torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32))
+    assert torch.equal(order[inv], torch.arange(tokens * k)) and torch.equal(inv[order], torch.arange(tokens * k))
+    x = torch.randn(tokens, h, generator=g)
+    rows = fp4_moe._sorted_rows(x, order, k)
+    assert all(torch.equal(rows[i], x[p // k]) for i, p in enumerate(order.tolist()))  # pair p = (p // k, p % k)
+    hsorted = torch.randn(tokens * k, 2 * h, generator=g)
+    act = torch.empty(tokens * k, h)
+    act[order] = fp4_moe.silu_and_mul(hsorted)  # (token, slot) order, as scattered before
+    assert torch.equal(fp4_moe._gated_rows(hsorted, inv, fp4_moe.silu_and_mul), act)
+    y, w = torch.randn(tokens * k, h, generator=g), torch.rand(tokens, k, generator=g)
+    out = torch.empty_like(y)
+    out[order] = y
+    want = (out.view(tokens, k, h) * w.unsqueeze(-1)).sum(1)
+    assert torch.equal(fp4_moe._combine(y, inv, w, torch.float32), want)
