@@ -37,20 +37,22 @@ def compile_enabled() -> bool:
 
 
 def compile_small_modules(model: torch.nn.Module, *, dynamic: bool | None = None) -> list[str]:
-    """Compile every ``SMALL_MODULES`` instance of ``model`` in place; returns their names.
+    """Compile every ``SMALL_MODULES`` instance of ``model`` in place; returns their names ([] with a warning where
+    torch.compile is disabled in this process: nothing is compiled then, and nothing claims to be).
 
     ``dynamic``: ``torch.compile``'s (None: static shapes first, dynamic after the first shape change, so prefill
     and decode steps of any batch share a few compiled graphs). Compilation happens on each module's first call.
     """
+    modules = [(name, m) for name, m in model.named_modules() if isinstance(m, SMALL_MODULES)]
+    if not modules:
+        raise TypeError(f"{type(model).__name__} has no {' / '.join(t.__name__ for t in SMALL_MODULES)} to compile")
     if not compile_enabled():
         logger.warning("compile=True, but torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): "
-                       "the small modules run eager")
+                       "the model runs eager")
+        return []
     names = []
-    for name, module in model.named_modules():
-        if isinstance(module, SMALL_MODULES):
-            module.compile(dynamic=dynamic, options={"emulate_precision_casts": True})
-            names.append(name)
-    if not names:
-        raise TypeError(f"{type(model).__name__} has no {' / '.join(t.__name__ for t in SMALL_MODULES)} to compile")
+    for name, module in modules:
+        module.compile(dynamic=dynamic, options={"emulate_precision_casts": True})
+        names.append(name)
     logger.info("compiling %d small modules (%s)", len(names), ", ".join(sorted({n.rsplit('.', 1)[-1] for n in names})))
     return names

@@ -50,8 +50,8 @@ def test_compile_names_the_disabled_compiler(caplog):
     with caplog.at_level(logging.WARNING, logger="megatron_trace.rollout.compiled"):
         be = HFRolloutBackend(tiny_model(), mode="bf16", compile=True)
     assert "TORCHDYNAMO_DISABLE" in caplog.text
-    assert len(be.compiled_modules) == 5 * be.num_layers + 1
-    assert all(isinstance(m, SMALL_MODULES) for n, m in be.model.named_modules() if n in be.compiled_modules)
+    assert be.compiled_modules == [] and not be._numerics(None).compiled  # nothing claims to be compiled
+    assert not any(m._compiled_call_impl for m in be.model.modules() if isinstance(m, SMALL_MODULES))
 
 
 def test_grouped_path_routing_helpers():
