@@ -24,6 +24,13 @@ logger = logging.getLogger(__name__)
 
 SMALL_MODULES = (Qwen3MoeRMSNorm, Qwen3MoeTopKRouter)
 """The module types ``compile_small_modules`` compiles."""
+INDUCTOR_OPTIONS = {"emulate_precision_casts": True}
+"""Inductor keeps the eager code's roundings to the model dtype (else it fuses them away)."""
+
+
+def compile_like_eager(fn, *, dynamic: bool | None = None):
+    """``torch.compile(fn)`` with ``INDUCTOR_OPTIONS``."""
+    return torch.compile(fn, dynamic=dynamic, options=INDUCTOR_OPTIONS)
 
 
 def _probe(x):
@@ -52,7 +59,7 @@ def compile_small_modules(model: torch.nn.Module, *, dynamic: bool | None = None
         return []
     names = []
     for name, module in modules:
-        module.compile(dynamic=dynamic, options={"emulate_precision_casts": True})
+        module.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
         names.append(name)
     logger.info("compiling %d small modules (%s)", len(names), ", ".join(sorted({n.rsplit('.', 1)[-1] for n in names})))
     return names

@@ -233,7 +233,9 @@ _EAGER = (_routing, _sorted_rows, _gated_rows, _combine)
 @functools.cache
 def _compiled_ops() -> tuple[Callable, ...]:
     """``_EAGER`` compiled by Inductor, rounding where the eager functions round (``rollout.compiled``)."""
-    return tuple(torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True}) for fn in _EAGER)
+    from .compiled import compile_like_eager
+
+    return tuple(compile_like_eager(fn) for fn in _EAGER)
 
 
 def grouped_experts_forward(
