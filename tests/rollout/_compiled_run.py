@@ -85,6 +85,27 @@ def _plumbing(device: str) -> dict:
     return {"plumbing_equal": same}
 
 
+def _refit() -> dict:
+    """``refit_self_test`` (A -> B -> A vs a fresh A, in place) on compiled backends: compiled modules must not keep
+    the weights they were compiled with."""
+    from megatron_trace.config import TraceConfig
+    from megatron_trace.rollout.hf_weights import checkpoint_tensors
+    from megatron_trace.rollout.refit import RefitError, refit_self_test
+
+    cfg = TraceConfig(guided_layers="all", cache_mode="full")
+
+    def make(seed=9):
+        return lambda: HFRolloutBackend(tiny_model(seed=seed), mode="fp4", trace_config=cfg, compile=True)
+
+    a, b = (list(checkpoint_tensors(tiny_model(seed=s))) for s in (1, 2))
+    try:
+        refit_self_test(make(), a, b, [[5, 6, 7], [8, 9, 10, 11]], SamplingParams(max_new_tokens=4, seed=3),
+                        fresh_a=make(seed=1)())
+        return {"refit": "ok"}
+    except RefitError as e:
+        return {"refit": str(e)[:2000]}
+
+
 def main(device: str = "cpu") -> None:
     cuda = device == "cuda"
     model = (lambda: tiny_model(tiny_config(**GPU_MODEL), seed=3)) if cuda else tiny_model
@@ -106,6 +127,8 @@ def main(device: str = "cpu") -> None:
                 report.update(_grouped_moe())
     pairs = [(res[(False, i)], res[(True, i)]) for i in range(len(CALLS))]
     report.update(_plumbing(device))
+    if not cuda:
+        report.update(_refit())
     report.update(
         same_tokens=[torch.equal(a.tokens, b.tokens) for a, b in pairs],
         logprob_diff=[float((a.logprobs - b.logprobs).abs().max()) for a, b in pairs],

@@ -43,6 +43,8 @@ def test_compiled_generations_equal_the_eager_ones():
     # the grouped GPU path's routing / permutations / gate / weighted sum, compiled (Inductor's CPU backend here):
     # order, offs, inverse, sorted rows, gated rows, combined rows all bit-identical to the eager functions
     assert all(all(row) for row in got["plumbing_equal"]), got["plumbing_equal"]
+    # weights A -> B -> A on a compiled backend equals a fresh compiled A, parameters in place (nothing compiled in)
+    assert got["refit"] == "ok", got["refit"]
 
 
 def test_compile_names_the_disabled_compiler(caplog):
