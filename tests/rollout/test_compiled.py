@@ -36,7 +36,7 @@ def test_compiled_generations_equal_the_eager_ones():
     assert len(got["modules"]) == 5 * layers + 1 and "model.norm" in got["modules"]
     assert all(got["same_tokens"]) and all(got["same_routing"]), got
     # Inductor rounds where the eager modules round (emulate_precision_casts): only the mean's summation order
-    # may differ, which on the CPU left every log-prob equal (2026-12-01)
+    # may differ; on the CPU the log-probs came out equal or within 3e-5 (2026-12-01)
     assert max(got["logprob_diff"]) < 1e-2 and got["logits_rel_err"] < 1e-2, got
     graphs = got["graphs"]
     assert graphs[-1] == graphs[-2] and graphs[-1] <= 12, graphs  # the last call compiled nothing new
