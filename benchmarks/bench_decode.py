@@ -59,7 +59,7 @@ def model_config(dims: dict, max_len: int) -> Qwen3MoeConfig:
                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0, compile: bool = False
+def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0, compile: bool | str = False
                    ) -> dict[str, HFRolloutBackend]:
     """One backend per numerics (bf16, fp4) over the same random weights (built on the device: fast init);
     ``fp4u`` shares the fp4 backend (only its cache differs)."""
@@ -82,6 +82,7 @@ def param_count(be: HFRolloutBackend) -> int:
 class _ProfiledCache(FP4KVCache):
     """The benchmark's cache: labels each layer's KV update for the profiler."""
 
+    @torch.compiler.disable  # as FP4KVCache.update: eager inside compiled layers
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         with torch.profiler.record_function("kv_update"):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
@@ -271,7 +272,8 @@ _GRAPH_FAILED: set[str] = set()
 
 def measure_point(be, mode, batch, length, args, gen) -> dict:
     dev = be.device
-    row = {"bench": "decode", "mode": mode, "batch": batch, "context": length, "compiled": bool(be.compiled_modules)}
+    compiled = ("layers" if be.layers_compiled else "modules") if be.compiled_modules else False
+    row = {"bench": "decode", "mode": mode, "batch": batch, "context": length, "compiled": compiled}
     cache = new_cache(be, mode, profiled=args.profile)
     try:
         fill_cache(be, cache, batch, length, gen)
@@ -284,6 +286,10 @@ def measure_point(be, mode, batch, length, args, gen) -> dict:
             if args.profile:
                 row["profile"] = profile_step(be, model, cache, tok, pos + args.warmup + args.steps, args.profile_steps,
                                               args.profile_top)
+                if be.layers_compiled:  # the attention / MoE ranges come from module hooks, which dynamo traces away
+                    row["profile"] = {k: v for k, v in row["profile"].items()
+                                      if not k.startswith(("attention_", "moe_", "kv_update_", "other_"))}
+                    row["profile"]["shares"] = "n/a: compiled layers (step time and kernels only)"
             if dev.type == "cuda" and not args.no_graph and mode not in _GRAPH_FAILED:
                 try:
                     graph = time_graph(be, model, cache, tok, pos, args.graph_reps)
@@ -408,8 +414,9 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true", help="GPU-time shares: attention / KV update / MoE")
     p.add_argument("--profile-steps", type=int, default=3)
     p.add_argument("--profile-top", type=int, default=12, help="how many kernels the profile lists")
-    p.add_argument("--compile", action="store_true", help="HFRolloutBackend(compile=True): RMSNorms and routers "
-                   "compiled (rollout.compiled)")
+    p.add_argument("--compile", nargs="?", const="modules", default=None, choices=("modules", "layers"),
+                   help="HFRolloutBackend(compile=...): modules (RMSNorms, routers; the default of a bare --compile) "
+                   "or layers (whole decoder layers), see rollout.compiled")
     p.add_argument("--attn-micro", action="store_true", help="per-layer attention micro-benchmark too")
     p.add_argument("--generate-batches", default="", help="also time generate() at these batches")
     p.add_argument("--gen-prompt", type=int, default=128)
@@ -448,7 +455,7 @@ def main(argv=None) -> list[dict]:
     try:
         t0 = time.perf_counter()
         cfg = model_config(dims, max(lengths) + 1024)
-        backends = build_backends(cfg, modes, device, dtype, compile=args.compile)
+        backends = build_backends(cfg, modes, device, dtype, compile=args.compile or False)
         be0 = next(iter(backends.values()))
         head = {"bench": "decode_setup", "device": str(device), "dtype": str(dtype), "model": dims,
                 "compile": args.compile,

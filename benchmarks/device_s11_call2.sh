@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Session 11, call 2: GPU tests of the rollout and the grouped experts path (the compiled routing / row plumbing of
-# fp4_moe.grouped_experts_forward included); end-to-end decode with HFRolloutBackend(compile=True) at batch 8 / 64
-# and 8K / 32K, profiled.
+# fp4_moe.grouped_experts_forward and compile="layers" included); end-to-end decode with HFRolloutBackend(compile=
+# "modules" and "layers") at batch 8 / 64 and 8K / 32K, profiled.
 source benchmarks/_device_env.sh
 exec > >(tee -a "$OUT/log.txt") 2>&1
 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 6 -rf --tb=short tests/gpu/test_rollout_gpu.py \
     tests/gpu/test_kv_attention_gpu.py 2>&1 | grep -E "passed|failed|FAILED|assert" | head -20
-TORCHDYNAMO_DISABLE=0 timeout 300 python3 benchmarks/bench_decode.py --modes bf16,fp4f --batches 8,64 \
-    --lengths 8192,32768 --profile --profile-top 40 --compile --budget-s 240 --out "$OUT/decode_compile.jsonl" \
-    > /dev/null 2> "$OUT/decode_compile.err"
-tail -2 "$OUT/decode_compile.err"
-python3 benchmarks/summarize_rows.py decode "$OUT/decode_compile.jsonl"
+for c in modules layers; do
+    TORCHDYNAMO_DISABLE=0 timeout 240 python3 benchmarks/bench_decode.py --modes bf16,fp4f --batches 8,64 \
+        --lengths 8192,32768 --profile --profile-top 40 --compile $c --budget-s 180 \
+        --out "$OUT/decode_compile_$c.jsonl" > /dev/null 2> "$OUT/decode_compile_$c.err"
+    tail -2 "$OUT/decode_compile_$c.err"
+    python3 benchmarks/summarize_rows.py decode "$OUT/decode_compile_$c.jsonl"
+done

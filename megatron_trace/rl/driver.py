@@ -57,7 +57,7 @@ class RLConfig:
     sentinel_prompts: int = 4  # after every weight sync, compare this many fixed prompts' log-probs (0 = off)
     sentinel_max_abs_diff: float | None = None  # raise above it (None: log only)
     fast_kv_attention: bool = True  # hf rollout: the fast FP4-KV decode attention (exact FP4 K/V values)
-    compile_rollout: bool = False  # hf rollout: torch.compile its RMSNorms, routers and expert routing
+    compile_rollout: bool | str = False  # hf rollout's compile: false | true/modules | layers (rollout.compiled)
 
 
 @dataclass

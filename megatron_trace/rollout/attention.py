@@ -45,6 +45,7 @@ def _kv_mask(attention_mask: torch.Tensor | None, t: int) -> torch.Tensor | None
     return out
 
 
+@torch.compiler.disable  # eager inside compiled layers (HFRolloutBackend(compile="layers"))
 def rollout_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0,
                               scaling: float | None = None, **kwargs):
     """query [B, Hq, q, D] -> ([B, q, Hq, D], None), as transformers' attention functions."""

@@ -1,4 +1,4 @@
-"""``HFRolloutBackend(compile=True)``: ``torch.compile`` of the model's small per-token modules.
+"""``HFRolloutBackend(compile=True | "layers")``: ``torch.compile`` of the transformers code around this package's.
 
 Outside its experts and attention, an eager decode step of a transformers Qwen3-MoE launches dozens of tiny kernels
 per layer: each RMSNorm is about eight (casts, square, mean, rsqrt, two multiplies), the router's softmax, top-k
@@ -34,6 +34,13 @@ def compile_like_eager(fn, *, dynamic: bool | None = None):
     return torch.compile(fn, dynamic=dynamic, options=INDUCTOR_OPTIONS)
 
 
+LAYER_TRACE_CONFIG = {"allow_unspec_int_on_nn_module": True, "recompile_limit": 64}
+"""Dynamo settings while compiled layers run (``HFRolloutBackend.forward_context``): a layer's ``layer_idx`` is an
+input, not a constant, so the layers share their graphs; and transformers' ``deprecate_kwarg`` wrapper, one code
+object around both the decoder layer's and the attention's forward, gets a variant per caller and shape kind
+(prefill / decode, batch), more than dynamo's default limit of 8, past which it would silently run eager."""
+
+
 def _probe(x):
     return x
 
@@ -63,4 +70,27 @@ def compile_small_modules(model: torch.nn.Module, *, dynamic: bool | None = None
         module.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
         names.append(name)
     logger.info("compiling %d small modules (%s)", len(names), ", ".join(sorted({n.rsplit('.', 1)[-1] for n in names})))
+    return names
+
+
+def compile_layers(model: torch.nn.Module, *, dynamic: bool | None = None) -> list[str]:
+    """Compile every decoder layer of ``model`` (``model.model.layers``) and its final norm in place; returns their
+    names ([] with a warning where torch.compile is disabled). Run the model inside
+    ``torch._dynamo.config.patch(**LAYER_TRACE_CONFIG)``."""
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has no model.layers to compile")
+    if not compile_enabled():
+        logger.warning("compile='layers', but torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): "
+                       "the model runs eager")
+        return []
+    names = []
+    for i, layer in enumerate(layers):
+        layer.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
+        names.append(f"model.layers.{i}")
+    if isinstance(getattr(inner, "norm", None), torch.nn.Module):
+        inner.norm.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
+        names.append("model.norm")
+    logger.info("compiling %d decoder layers and the final norm", len(layers))
     return names

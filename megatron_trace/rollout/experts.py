@@ -72,6 +72,7 @@ def active_numerics(numerics: RolloutNumerics) -> Iterator[RolloutNumerics]:
         _ACTIVE.reset(token)
 
 
+@torch.compiler.disable  # eager inside compiled layers (HFRolloutBackend(compile="layers")): Triton, the recorder
 def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """hidden_states [T, H], top_k_index int [T, k], top_k_weights [T, k] -> [T, H].
 

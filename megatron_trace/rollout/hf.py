@@ -25,7 +25,7 @@ import inspect
 import logging
 import os
 from collections.abc import Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -48,7 +48,7 @@ from ..manifest import (
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
 from .base import RolloutBatch, SamplingParams, WeightValue, check_prompts
-from .compiled import compile_small_modules
+from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .hf_weights import join_fc1, parse_expert_name
 from .kv_cache import FP4KVCache
@@ -59,6 +59,7 @@ from .sampling import sample_tokens
 logger = logging.getLogger(__name__)
 
 MODES = ("bf16", "fp4")
+COMPILE_CHOICES = (False, True, "modules", "layers")
 
 
 def _load_model(source, dtype, device, attn_implementation) -> PreTrainedModel:
@@ -108,10 +109,12 @@ class HFRolloutBackend:
     fast_kv_attention: the fused decode attention's fast kernel (default; K/V as exact FP4 values, ~6x faster at
         long context) instead of the one that reads the trainer's bf16 K/V values (``kernels.kv_attention``);
         the RL mismatch is the same within seed noise (BENCHMARKS.md, session 5).
-    compile: ``torch.compile`` every RMSNorm and MoE router (``rollout.compiled``: Inductor fuses each into one or
-        two kernels) and, on the grouped GPU path, the routing and row plumbing around the expert GEMMs; the GEMMs,
-        quantizers, KV cache and attention stay this package's kernels. Outputs agree with the eager
-        model within the model dtype's rounding; the first steps of a new shape pay the compilation.
+    compile: ``torch.compile`` the transformers code around this package's (``rollout.compiled``). True or
+        "modules": every RMSNorm and MoE router (Inductor fuses each into one or two kernels); "layers": every
+        decoder layer (RoPE, residual adds and norms fused too; this package's experts, attention and KV cache run
+        eagerly inside); both also compile, on the grouped GPU path, the routing and row plumbing around the
+        expert GEMMs. The GEMMs, quantizers, KV cache and attention stay this package's kernels. Outputs agree with
+        the eager model within the model dtype's rounding; the first steps of a new shape pay the compilation.
     ``trace_config.kv_format="sglang_kvfp4"``: the FP4 KV cache stores and records K/V in SGLang's format
         (``formats.sglang_kvfp4``, reference path), the records a trainer with the same ``kv_format`` accepts.
     GPU path (``TraceConfig.kernel`` "auto" on CUDA, bf16): routed experts run one grouped GEMM per matrix kind
@@ -135,7 +138,7 @@ class HFRolloutBackend:
         prefix_reuse: bool = True,
         fused_kv_attention: bool | None = None,
         fast_kv_attention: bool = True,
-        compile: bool = False,
+        compile: bool | str = False,
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -171,7 +174,12 @@ class HFRolloutBackend:
         self.fast_kv_attention = fast_kv_attention
         self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
             else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
-        self.compiled_modules = compile_small_modules(self.model) if compile else []
+        if compile not in COMPILE_CHOICES:
+            raise ValueError(f"compile={compile!r} must be one of {COMPILE_CHOICES}")
+        mode = {False: None, True: "modules"}.get(compile, compile)
+        compiler = {"modules": compile_small_modules, "layers": compile_layers}.get(mode)
+        self.compiled_modules = compiler(self.model) if compiler else []
+        self.layers_compiled = mode == "layers" and bool(self.compiled_modules)
         self.trainer_recipe: QuantRecipe | None = None
         self._recipe_ignore: tuple[str, ...] = ()
         if recipe is not None:
@@ -238,9 +246,10 @@ class HFRolloutBackend:
         )
 
     def new_cache(self, recorder: GuidanceRecorder | None = None) -> Cache:
-        """An ``FP4KVCache`` when K or V is quantized, else a ``DynamicCache``."""
+        """An ``FP4KVCache`` when K or V is quantized (or the layers are compiled: its update stays eager), else a
+        ``DynamicCache``."""
         qk, qv = self._quantizes("kv_k"), self._quantizes("kv_v")
-        if not (qk or qv):
+        if not (qk or qv or self.layers_compiled):
             return DynamicCache(config=self.hf_config)
         return FP4KVCache(self.num_layers, self.config.kv_quantizer(), quantize_k=qk, quantize_v=qv,
                           recorder=recorder, bf16_layers=self.bf16_kv_layers, kernel=self.config.kernel,
@@ -253,7 +262,8 @@ class HFRolloutBackend:
     @contextmanager
     def forward_context(self, recorder: GuidanceRecorder | None = None):
         """Run ``self.model`` directly with the rollout numerics (experts; pass ``new_cache()`` for KV)."""
-        with torch.no_grad(), active_numerics(self._numerics(recorder)):
+        traced = torch._dynamo.config.patch(**LAYER_TRACE_CONFIG) if self.layers_compiled else nullcontext()
+        with torch.no_grad(), active_numerics(self._numerics(recorder)), traced:
             yield self.model
 
     # ---- generation ---------------------------------------------------------------------------

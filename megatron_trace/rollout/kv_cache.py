@@ -254,5 +254,11 @@ class FP4KVCache(Cache):
                   for i in range(num_layers)]
         super().__init__(layers=layers)
 
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' ``Cache.update``, run eagerly where the calling layer is compiled
+        (``HFRolloutBackend(compile="layers")``): the FP4 kernels, the recorder and per-layer state stay untraced."""
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def nbytes(self) -> int:
         return sum(layer.nbytes() for layer in self.layers)

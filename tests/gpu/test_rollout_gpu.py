@@ -146,15 +146,19 @@ def test_records_written_by_the_quantize_pass_equal_the_reference_bits():
         assert torch.equal(rec._records[(layer, site)][0].mantissa_bits, want), (layer, site)
 
 
-def test_compiled_small_modules_on_the_gpu_path():
-    """``compile=True`` (RMSNorms, routers and the grouped experts' routing and row plumbing compiled by Inductor)
-    on the grouped GPU path: the logits of the eager backend within bf16 rounding, a compiled decode step replays in
-    a CUDA graph, and the compiled plumbing of ``grouped_experts_forward`` gives the eager one's outputs and codes
-    but for the rare element where Inductor's silu or summation order rounds the other way."""
+@pytest.mark.parametrize("compile", ["modules", "layers"])
+def test_compiled_backend_on_the_gpu_path(compile):
+    """``compile`` "modules" (RMSNorms, routers) or "layers" (whole decoder layers, this package's code eager inside)
+    with the grouped experts' routing and row plumbing compiled by Inductor, on the grouped GPU path: the logits of
+    the eager backend within bf16 rounding in both modes, a compiled FP4 decode step replays in a CUDA graph, and
+    the compiled plumbing of ``grouped_experts_forward`` gives the eager one's outputs and codes but for the rare
+    element where Inductor's silu or summation order rounds the other way."""
     from ..rollout.test_compiled import run_compiled
 
-    got = run_compiled("cuda")
-    assert got["logits_rel_err"] < 3e-2 and got["graph_replay_rel_err"] < 1e-3, got
+    got = run_compiled("cuda", compile)
+    for mode in ("fp4", "bf16"):
+        g = got[mode]
+        assert g["logits_rel_err"] < 3e-2 and g["graphs"][-1] == g["graphs"][-2], (mode, g)
+    assert got["fp4"]["graph_replay_rel_err"] < 1e-3, got["fp4"]
     assert got["moe_rel_err"] < 1e-2 and got["moe_equal_fraction"] > 0.9, got
     assert got["moe_fc2_codes_equal_fraction"] > 0.99, got
-    assert got["graphs"][-1] == got["graphs"][-2], got  # the last generate call compiled nothing new

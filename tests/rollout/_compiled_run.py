@@ -85,9 +85,9 @@ def _plumbing(device: str) -> dict:
     return {"plumbing_equal": same}
 
 
-def _refit() -> dict:
-    """``refit_self_test`` (A -> B -> A vs a fresh A, in place) on compiled backends: compiled modules must not keep
-    the weights they were compiled with."""
+def _refit(compile) -> dict:
+    """``refit_self_test`` (A -> B -> A vs a fresh A, in place) on compiled backends: compiled code must not keep
+    the weights it was compiled with."""
     from megatron_trace.config import TraceConfig
     from megatron_trace.rollout.hf_weights import checkpoint_tensors
     from megatron_trace.rollout.refit import RefitError, refit_self_test
@@ -95,7 +95,7 @@ def _refit() -> dict:
     cfg = TraceConfig(guided_layers="all", cache_mode="full")
 
     def make(seed=9):
-        return lambda: HFRolloutBackend(tiny_model(seed=seed), mode="fp4", trace_config=cfg, compile=True)
+        return lambda: HFRolloutBackend(tiny_model(seed=seed), mode="fp4", trace_config=cfg, compile=compile)
 
     a, b = (list(checkpoint_tensors(tiny_model(seed=s))) for s in (1, 2))
     try:
@@ -106,34 +106,45 @@ def _refit() -> dict:
         return {"refit": str(e)[:2000]}
 
 
-def main(device: str = "cpu") -> None:
-    cuda = device == "cuda"
-    model = (lambda: tiny_model(tiny_config(**GPU_MODEL), seed=3)) if cuda else tiny_model
+def _generations(mode: str, compile, device: str, model) -> dict:
+    """Eager vs compiled backends of one mode: generations over ``CALLS`` and a forward's logits."""
     res, graphs, logits, report = {}, [], {}, {}
     ids = torch.randint(3, 128, (3, 12), generator=torch.Generator().manual_seed(0)).to(device)
-    for compiled in (False, True):
-        be = HFRolloutBackend(model(), mode="fp4", compile=compiled, device=device)
+    for compiled in (False, compile):
+        be = HFRolloutBackend(model(), mode=mode, compile=compiled, device=device, fused_kv_attention=True)
         for i, (b, n) in enumerate(CALLS):
             prompts = [[5 + j, 6, 7, 8 + j, 9][: 2 + (i + j) % 4] for j in range(b)]
-            res[(compiled, i)] = be.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0, seed=0))
+            res[(bool(compiled), i)] = be.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0, seed=0))
             if compiled:
                 graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
         with be.forward_context() as m:
-            logits[compiled] = m(input_ids=ids, use_cache=True, **be.cache_kwargs(be.new_cache())).logits
+            logits[bool(compiled)] = m(input_ids=ids, use_cache=True, **be.cache_kwargs(be.new_cache())).logits
         if compiled:
             report["modules"] = be.compiled_modules
-            if cuda:
+            if device == "cuda" and mode == "fp4":
                 report["graph_replay_rel_err"] = _graph_replay(be)
-                report.update(_grouped_moe())
     pairs = [(res[(False, i)], res[(True, i)]) for i in range(len(CALLS))]
-    report.update(_plumbing(device))
-    if not cuda:
-        report.update(_refit())
     report.update(
         same_tokens=[torch.equal(a.tokens, b.tokens) for a, b in pairs],
         logprob_diff=[float((a.logprobs - b.logprobs).abs().max()) for a, b in pairs],
         same_routing=[all(torch.equal(a.routing[k], b.routing[k]) for k in a.routing) for a, b in pairs],
         logits_rel_err=_rel(logits[True], logits[False]), graphs=graphs)
+    return report
+
+
+def main(device: str = "cpu", compile: str = "modules") -> None:
+    """JSON: per mode (fp4, bf16) the generations report, and the plumbing / refit / GPU checks. A dynamo
+    recompile-limit hit fails the run (it would silently fall back to eager)."""
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    cuda = device == "cuda"
+    model = (lambda: tiny_model(tiny_config(**GPU_MODEL), seed=3)) if cuda else tiny_model
+    compile = True if compile == "modules" else compile
+    report = {mode: _generations(mode, compile, device, model) for mode in ("fp4", "bf16")}
+    report.update(_plumbing(device))
+    if cuda:
+        report.update(_grouped_moe())
+    else:
+        report.update(_refit(compile))
     print(json.dumps(report))
 
 
