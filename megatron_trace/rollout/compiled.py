@@ -51,9 +51,22 @@ def compile_enabled() -> bool:
     return torch.compile(_probe) is not _probe
 
 
+def _compile_all(modules: list[tuple[str, torch.nn.Module]], what: str, dynamic: bool | None) -> list[str]:
+    """``nn.Module.compile`` each of ``modules`` (name, module) with ``INDUCTOR_OPTIONS``; their names, or [] with a
+    warning where torch.compile is disabled in this process (nothing is compiled then, and nothing claims to be)."""
+    if not compile_enabled():
+        logger.warning("compile=%r, but torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): the model "
+                       "runs eager", what)
+        return []
+    for _, module in modules:
+        module.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
+    logger.info("compile=%r: %d modules (%s)", what, len(modules),
+                ", ".join(sorted({n.rsplit(".", 1)[-1] for n, _ in modules})))
+    return [name for name, _ in modules]
+
+
 def compile_small_modules(model: torch.nn.Module, *, dynamic: bool | None = None) -> list[str]:
-    """Compile every ``SMALL_MODULES`` instance of ``model`` in place; returns their names ([] with a warning where
-    torch.compile is disabled in this process: nothing is compiled then, and nothing claims to be).
+    """Compile every ``SMALL_MODULES`` instance of ``model`` in place; returns their names (see ``_compile_all``).
 
     ``dynamic``: ``torch.compile``'s (None: static shapes first, dynamic after the first shape change, so prefill
     and decode steps of any batch share a few compiled graphs). Compilation happens on each module's first call.
@@ -61,36 +74,17 @@ def compile_small_modules(model: torch.nn.Module, *, dynamic: bool | None = None
     modules = [(name, m) for name, m in model.named_modules() if isinstance(m, SMALL_MODULES)]
     if not modules:
         raise TypeError(f"{type(model).__name__} has no {' / '.join(t.__name__ for t in SMALL_MODULES)} to compile")
-    if not compile_enabled():
-        logger.warning("compile=True, but torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): "
-                       "the model runs eager")
-        return []
-    names = []
-    for name, module in modules:
-        module.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
-        names.append(name)
-    logger.info("compiling %d small modules (%s)", len(names), ", ".join(sorted({n.rsplit('.', 1)[-1] for n in names})))
-    return names
+    return _compile_all(modules, "modules", dynamic)
 
 
 def compile_layers(model: torch.nn.Module, *, dynamic: bool | None = None) -> list[str]:
     """Compile every decoder layer of ``model`` (``model.model.layers``) and its final norm in place; returns their
-    names ([] with a warning where torch.compile is disabled). Run the model inside
-    ``torch._dynamo.config.patch(**LAYER_TRACE_CONFIG)``."""
+    names (see ``_compile_all``). Run the model inside ``torch._dynamo.config.patch(**LAYER_TRACE_CONFIG)``."""
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None:
         raise TypeError(f"{type(model).__name__} has no model.layers to compile")
-    if not compile_enabled():
-        logger.warning("compile='layers', but torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): "
-                       "the model runs eager")
-        return []
-    names = []
-    for i, layer in enumerate(layers):
-        layer.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
-        names.append(f"model.layers.{i}")
+    modules = [(f"model.layers.{i}", layer) for i, layer in enumerate(layers)]
     if isinstance(getattr(inner, "norm", None), torch.nn.Module):
-        inner.norm.compile(dynamic=dynamic, options=INDUCTOR_OPTIONS)
-        names.append("model.norm")
-    logger.info("compiling %d decoder layers and the final norm", len(layers))
-    return names
+        modules.append(("model.norm", inner.norm))
+    return _compile_all(modules, "layers", dynamic)
