@@ -176,10 +176,10 @@ class HFRolloutBackend:
             else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"compile={compile!r} must be one of {COMPILE_CHOICES}")
-        mode = {False: None, True: "modules"}.get(compile, compile)
-        compiler = {"modules": compile_small_modules, "layers": compile_layers}.get(mode)
+        compile_mode = {False: None, True: "modules"}.get(compile, compile)
+        compiler = {"modules": compile_small_modules, "layers": compile_layers}.get(compile_mode)
         self.compiled_modules = compiler(self.model) if compiler else []
-        self.layers_compiled = mode == "layers" and bool(self.compiled_modules)
+        self.layers_compiled = compile_mode == "layers" and bool(self.compiled_modules)
         self.trainer_recipe: QuantRecipe | None = None
         self._recipe_ignore: tuple[str, ...] = ()
         if recipe is not None:
