@@ -33,6 +33,29 @@ SMEM_PER_SM = 233472
 """Shared memory per multiprocessor of the H200 (sm_90: 228 KB configurable, as Nsight Compute reports)."""
 
 
+_DIV16 = [["tt.divisibility", 16]]
+
+
+def signature(fn, const: dict, ptr_type, aligned, floats=()) -> tuple[dict, dict]:
+    """(signature, attrs) of ``fn`` for ``triton.ASTSource``: ``const`` names are constexprs, ``ptr_type(name)`` a
+    pointer type (16-byte aligned) or None, ``floats`` fp32 scalars, the rest i32 (16-divisible where
+    ``aligned(name)``), as the JIT specializes them on contiguous tensors."""
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif (ptr := ptr_type(name)) is not None:
+            sig[name] = ptr
+            attrs[(i,)] = _DIV16
+        elif name in floats:
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+            if aligned(name):
+                attrs[(i,)] = _DIV16
+    return sig, attrs
+
+
 def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, g: int = 4, hkv: int = 4,
                    fn=None, maxnreg: int | None = None, mask: str | None = None):
     """The compiled kernel (``triton.compile`` for sm_90a) of one config; constexprs as ``decode_attention``."""
@@ -46,19 +69,8 @@ def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: in
     const.update(fast_const if fast else dict(NB=d // bs, FAST_DIV=True))
     if fmt == "nvfp4":
         const.update(skg_t=1, svg_t=1)  # per-row amax [B, H, T, 1]: stride 1, specialized by the JIT
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in _PTRS:
-            sig[name] = _PTRS[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif name in _FLOATS:
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-            if name not in ("T", "chunk", "n_tiles") and not (name in ("sks_t", "svs_t") and (d // bs) % 16):
-                attrs[(i,)] = [["tt.divisibility", 16]]  # (a scale row of d / bs < 16 bytes is not 16-divisible)
+    sig, attrs = signature(fn, const, _PTRS.get, lambda name: name not in ("T", "chunk", "n_tiles") and not (
+        name in ("sks_t", "svs_t") and (d // bs) % 16), _FLOATS)  # (a scale row under 16 bytes is not 16-divisible)
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     opts = {"num_warps": warps, "num_stages": stages, "maxnreg": maxnreg}
     if not fast:

@@ -20,7 +20,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_moe_gemm import SHAPES  # noqa: E402
-from sass_kv_attention import disassemble, op_counts, ptxas_usage, resident_programs  # noqa: E402
+from sass_kv_attention import disassemble, op_counts, ptxas_usage, resident_programs, signature  # noqa: E402
 
 from megatron_trace.kernels import moe_triton as mt  # noqa: E402
 
@@ -34,19 +34,9 @@ def compile_gemm(shape: str, config: tuple, tpe: int = 1, fn=None):
     scalars, _, meta = mt.launch_spec(e * tpe, w, config, True, k, n)
     nw, ns, mr = meta.pop("num_warps"), meta.pop("num_stages"), meta.pop("maxnreg", None)
     fn = fn or mt.fp4_gemm_kernel
-    sig, attrs = {}, {}
     ints = dict(zip(("T", "N", "K", "E", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn",
                      "stride_yt"), scalars))
-    for i, name in enumerate(fn.arg_names):
-        if name in meta:
-            sig[name] = "constexpr"
-        elif name in _PTRS:
-            sig[name] = _PTRS[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-            if ints[name] % 16 == 0 and name != "T":
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, attrs = signature(fn, meta, _PTRS.get, lambda name: ints[name] % 16 == 0 and name != "T")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=meta, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "num_stages": ns,
                                                                              "maxnreg": mr}), meta, nw

@@ -20,7 +20,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_kv_attention import disassemble, ptxas_usage  # noqa: E402
+from sass_kv_attention import disassemble, ptxas_usage, signature  # noqa: E402
 
 from megatron_trace.kernels import dequant_triton as dq  # noqa: E402
 from megatron_trace.kernels import quant_pair_triton as qp  # noqa: E402
@@ -69,17 +69,8 @@ def compile_dequant(op: str, k: int):
 def _compile(fn, const, ptr_types, num_warps):
     """fn compiled for sm_90: constexprs const, pointers of ptr_types (else *u8) and ints 16-divisible but M."""
     const = {n: v for n, v in const.items() if n in fn.arg_names}
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            sig[name] = "constexpr"
-        elif name in _PTRS or name.endswith("_ptr"):
-            sig[name] = ptr_types.get(name, "*u8")
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-            if name != "M":
-                attrs[(i,)] = [["tt.divisibility", 16]]
+    sig, attrs = signature(fn, const, lambda name: ptr_types.get(name, "*u8") if name in _PTRS or name.endswith(
+        "_ptr") else None, lambda name: name != "M")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
                           options={"num_warps": num_warps, "enable_fp_fusion": False})
