@@ -88,15 +88,17 @@ class _ProfiledCache(FP4KVCache):
             return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def new_cache(be: HFRolloutBackend, mode: str, profiled: bool = False) -> FP4KVCache:
+def new_cache(be: HFRolloutBackend, mode: str, profiled: bool = False, interval_masks: bool = False) -> FP4KVCache:
     """fp4: the backend's FP4 KV cache (fused decode attention where the backend uses it); fp4f: the same with the
     fused attention's fast kernel (``fast_kv_attention``); fp4u: the same without the fused read (dequantize the
-    history, then SDPA); bf16: the same preallocated cache with nothing quantized."""
+    history, then SDPA); bf16: the same preallocated cache with nothing quantized. ``interval_masks``: as
+    ``generate``'s cache (``--masks interval``)."""
     fp4 = mode.startswith("fp4")
     cls = _ProfiledCache if profiled else FP4KVCache
     return cls(be.num_layers, be.config.activation_quantizer(), quantize_k=fp4 and be._quantizes("kv_k"),
                quantize_v=fp4 and be._quantizes("kv_v"), bf16_layers=be.bf16_kv_layers, kernel=be.config.kernel,
-               fused_decode=mode in ("fp4", "fp4f") and be.fused_kv_attention, fast_attention=mode == "fp4f")
+               fused_decode=mode in ("fp4", "fp4f") and be.fused_kv_attention, fast_attention=mode == "fp4f",
+               interval_masks=interval_masks)
 
 
 def fill_cache(be: HFRolloutBackend, cache, batch: int, length: int, gen: torch.Generator) -> None:
@@ -110,9 +112,14 @@ def fill_cache(be: HFRolloutBackend, cache, batch: int, length: int, gen: torch.
         del k, v
 
 
-def decode_step(be: HFRolloutBackend, model, cache, tok, pos):
-    """One decode step of the backend (``HFRolloutBackend._step`` minus the recorder): logits [B, V]."""
-    out = model(input_ids=tok, position_ids=pos, use_cache=True, logits_to_keep=1, **be.cache_kwargs(cache))
+def decode_step(be: HFRolloutBackend, model, cache, tok, pos, pad=None):
+    """One decode step of the backend (``HFRolloutBackend._step`` minus the recorder): logits [B, V]. ``pad``
+    (int [B]): each row's left padding, passed as the attention mask (``--left-pad``); None: no mask."""
+    mask = None
+    if pad is not None:
+        mask = (torch.arange(cache.get_seq_length() + 1, device=pad.device) >= pad[:, None]).long()
+    out = model(input_ids=tok, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                **be.cache_kwargs(cache))
     return out.logits[:, -1]
 
 
@@ -121,16 +128,16 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def time_eager(be, model, cache, tok, pos, warmup: int, steps: int) -> float:
+def time_eager(be, model, cache, tok, pos, warmup: int, steps: int, pad=None) -> float:
     """Seconds per decode step, host loop included (argmax feeds the next token: no host sync inside)."""
     dev = be.device
     for _ in range(warmup):
-        tok = decode_step(be, model, cache, tok, pos).argmax(-1, keepdim=True)
+        tok = decode_step(be, model, cache, tok, pos, pad).argmax(-1, keepdim=True)
         pos = pos + 1
     _sync(dev)
     t0 = time.perf_counter()
     for _ in range(steps):
-        tok = decode_step(be, model, cache, tok, pos).argmax(-1, keepdim=True)
+        tok = decode_step(be, model, cache, tok, pos, pad).argmax(-1, keepdim=True)
         pos = pos + 1
     _sync(dev)
     return (time.perf_counter() - t0) / steps
@@ -222,7 +229,7 @@ def _gpu_shares(events) -> tuple[dict, dict, dict, str]:
     return ranges, per_kernel, counts, "cpu_linked"
 
 
-def profile_step(be, model, cache, tok, pos, steps: int, top_n: int = 12) -> dict:
+def profile_step(be, model, cache, tok, pos, steps: int, top_n: int = 12, pad=None) -> dict:
     """Share of a decode step's GPU time (CPU time on a CPU run) in attention, its KV update, and the MoE block."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -233,7 +240,7 @@ def profile_step(be, model, cache, tok, pos, steps: int, top_n: int = 12) -> dic
         with profile(activities=acts) as prof:
             for _ in range(steps):
                 with torch.profiler.record_function("decode_step"):
-                    tok = decode_step(be, model, cache, tok, pos).argmax(-1, keepdim=True)
+                    tok = decode_step(be, model, cache, tok, pos, pad).argmax(-1, keepdim=True)
                 pos = pos + 1
             _sync(be.device)
     finally:
@@ -274,23 +281,27 @@ def measure_point(be, mode, batch, length, args, gen) -> dict:
     dev = be.device
     compiled = ("layers" if be.layers_compiled else "modules") if be.compiled_modules else False
     row = {"bench": "decode", "mode": mode, "batch": batch, "context": length, "compiled": compiled}
-    cache = new_cache(be, mode, profiled=args.profile)
+    pad = None
+    if args.left_pad:  # rows padded from 0 to left_pad x L, evenly
+        pad = (torch.arange(batch, device=dev) * (args.left_pad * length / max(batch - 1, 1))).long()
+        row.update(left_pad=args.left_pad, masks=args.masks)
+    cache = new_cache(be, mode, profiled=args.profile, interval_masks=args.masks == "interval")
     try:
         fill_cache(be, cache, batch, length, gen)
         tok = torch.randint(3, be.vocab_size, (batch, 1), generator=gen, device=dev)
         pos = torch.full((batch, 1), length, dtype=torch.long, device=dev)
         with be.forward_context() as model:
-            eager = time_eager(be, model, cache, tok, pos, args.warmup, args.steps)
+            eager = time_eager(be, model, cache, tok, pos, args.warmup, args.steps, pad)
             row["eager_ms"] = round(eager * 1e3, 3)
             row["eager_tok_s"] = round(batch / eager, 1)
             if args.profile:
                 row["profile"] = profile_step(be, model, cache, tok, pos + args.warmup + args.steps, args.profile_steps,
-                                              args.profile_top)
+                                              args.profile_top, pad)
                 if be.layers_compiled:  # the attention / MoE ranges come from module hooks, which dynamo traces away
                     row["profile"] = {k: v for k, v in row["profile"].items()
                                       if not k.startswith(("attention_", "moe_", "kv_update_", "other_"))}
                     row["profile"]["shares"] = "n/a: compiled layers (step time and kernels only)"
-            if dev.type == "cuda" and not args.no_graph and mode not in _GRAPH_FAILED:
+            if dev.type == "cuda" and not args.no_graph and pad is None and mode not in _GRAPH_FAILED:
                 try:
                     graph = time_graph(be, model, cache, tok, pos, args.graph_reps)
                     row["graph_ms"] = round(graph * 1e3, 3)
@@ -417,6 +428,11 @@ def parse_args(argv):
     p.add_argument("--compile", nargs="?", const="modules", default=None, choices=("modules", "layers"),
                    help="HFRolloutBackend(compile=...): modules (RMSNorms, routers; the default of a bare --compile) "
                    "or layers (whole decoder layers), see rollout.compiled")
+    p.add_argument("--left-pad", type=float, default=0.0,
+                   help="pass an attention mask: row i of B left-padded by i / (B-1) x this x L tokens (no graph: "
+                        "transformers' SDPA mask reads it back to the host)")
+    p.add_argument("--masks", choices=("words", "interval"), default="interval",
+                   help="with --left-pad: the fused attention reads the mask (words) or each row's interval")
     p.add_argument("--attn-micro", action="store_true", help="per-layer attention micro-benchmark too")
     p.add_argument("--generate-batches", default="", help="also time generate() at these batches")
     p.add_argument("--gen-prompt", type=int, default=128)

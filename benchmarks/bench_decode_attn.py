@@ -9,7 +9,9 @@ One query token per sequence, the model's heads (GQA). For each (batch, L): the 
   fused_fast  the fast fused kernel at its defaults (``kernels.kv_attention.fp4kv_decode_attention(exact=False)``,
               the rollout's default: K/V as exact FP4 values), and ``fast_bt{BT}_w{warps}_s{stages}[_r{max_registers}]``
               for the launch configs in ``FAST_ALT``; with ``--mask`` also fused_fast_mask (an all-attended kv_mask,
-              read as int32 words) and fused_fast_mask_bytes (read a byte per token: session 8's loads);
+              read as int32 words), fused_fast_mask_bytes (read a byte per token: session 8's loads),
+              fused_fast_interval (the same rows as ``starts`` / ``lengths``: generate's interval masks), and
+              fused_fast_{mask,interval}_pad (row i of B left-padded by i / (B-1) x L/2 tokens);
 Times are device times (``_device_ms``: a CUDA graph of 10 calls, L2 flushed before each; since session 8),
 with the KV bytes each reads (bf16 bytes for bf16, the FP4 bytes for the others) and that rate as a fraction of
 the copy bandwidth (``*_frac_copy``), and the fused kernels' relative errors against SDPA over the bf16
@@ -87,6 +89,9 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT, mask=Fals
     vq = quantize(v, quant, check_finite=False)
     scale = d**-0.5
     kv_mask = torch.ones(b, length, dtype=torch.bool, device=device)  # (--mask: all attended, as a decode passes)
+    starts, ends = torch.zeros(b, dtype=torch.int32, device=device), torch.full((b,), length, device=device)
+    pad = (torch.arange(b, device=device) * (length / 2 / max(b - 1, 1))).int()
+    pad_mask = torch.arange(length, device=device) >= pad[:, None]
     ref = _sdpa(q, dequantize(kq, torch.bfloat16), dequantize(vq, torch.bfloat16))
     ref32 = _sdpa(q.float(), dequantize(kq, torch.float32), dequantize(vq, torch.float32))
     fast = fp4kv_decode_attention(q, kq, vq, exact=False)
@@ -102,7 +107,11 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT, mask=Fals
         "fused_fast": lambda: fp4kv_decode_attention(q, kq, vq, exact=False),
         **({"fused_fast_mask": lambda: fp4kv_decode_attention(q, kq, vq, exact=False, kv_mask=kv_mask),
             "fused_fast_mask_bytes": lambda: _bytes_mask(
-                lambda: fp4kv_decode_attention(q, kq, vq, exact=False, kv_mask=kv_mask))} if mask else {}),
+                lambda: fp4kv_decode_attention(q, kq, vq, exact=False, kv_mask=kv_mask)),
+            "fused_fast_interval": lambda: fp4kv_decode_attention(q, kq, vq, exact=False, starts=starts, lengths=ends),
+            "fused_fast_mask_pad": lambda: fp4kv_decode_attention(q, kq, vq, exact=False, kv_mask=pad_mask),
+            "fused_fast_interval_pad": lambda: fp4kv_decode_attention(q, kq, vq, exact=False, starts=pad,
+                                                                      lengths=ends)} if mask else {}),
         **{f"fast_bt{bt}_w{nw}_s{ns}" + (f"_r{mr}" if mr else ""): (
             lambda bt=bt, nw=nw, ns=ns, mr=mr: kt.decode_attention(
                 q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns, max_registers=mr))

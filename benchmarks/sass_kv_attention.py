@@ -27,7 +27,8 @@ from megatron_trace.kernels import kv_attention_triton as kt
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _PTRS = {"q_ptr": "*bf16", "kc_ptr": "*u16", "ks_ptr": "*u8", "kg_ptr": "*fp32", "vc_ptr": "*u16", "vs_ptr": "*u8",
-         "vg_ptr": "*fp32", "len_ptr": "*i32", "mask_ptr": "*u8", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+         "vg_ptr": "*fp32", "len_ptr": "*i32", "first_ptr": "*i32", "mask_ptr": "*u8", "acc_ptr": "*fp32",
+         "ml_ptr": "*fp32"}
 _FLOATS = ("sm_scale", "k_fac", "v_fac")
 SMEM_PER_SM = 233472
 """Shared memory per multiprocessor of the H200 (sm_90: 228 KB configurable, as Nsight Compute reports)."""
@@ -62,7 +63,8 @@ def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: in
     fn = fn or (kt.fp4kv_decode_attn_fast_kernel if fast else kt.fp4kv_decode_attn_kernel)
     bs = 16 if fmt == "nvfp4" else 32
     const = dict(HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), FMT=0 if fmt == "nvfp4" else 1, B=bs,
-                 BT=bt, SPLITS=8, HAS_LEN=False, HAS_MASK=mask is not None, MASK_WORDS=mask == "words",
+                 BT=bt, SPLITS=8, HAS_LEN=mask == "interval", HAS_FIRST=mask == "interval",
+                 HAS_MASK=mask in ("words", "bytes"), MASK_WORDS=mask == "words",
                  F32_DOT=False, TILES=0)
     sw = 4 if (d // bs) % 4 == 0 else 2 if (d // bs) % 2 == 0 else 1  # an FP4KVCache's (``plan.scale_word``)
     fast_const = dict(D=d, DG=kt._group_cols(d), DEQ_ASM=True, SW=sw)
@@ -143,15 +145,16 @@ def loop_sass(cubin: bytes) -> list[str]:
     return [re.sub(r"\s*/\*[0-9a-f]+\*/\s*", " ", x).strip() for x in best]
 
 
-def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, maxnreg: int | None = None) -> dict:
-    k = compile_kernel(fast, d, fmt, bt, warps, stages, maxnreg=maxnreg)
+def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, maxnreg: int | None = None,
+           mask: str | None = None) -> dict:
+    k = compile_kernel(fast, d, fmt, bt, warps, stages, maxnreg=maxnreg, mask=mask)
     regs, spills = ptxas_usage(k.asm["ptx"], maxnreg)
     body = loop_sass(k.asm["cubin"])
     top = op_counts(body, 12)
     smem = k.metadata.shared
     resident = resident_programs(regs, smem, warps)
     return {"kernel": "fast" if fast else "exact", "fmt": fmt, "head_dim": d, "block_t": bt, "num_warps": warps,
-            "num_stages": stages, "max_registers": maxnreg, "registers": regs, "spill_bytes": spills,
+            "num_stages": stages, "max_registers": maxnreg, "mask": mask, "registers": regs, "spill_bytes": spills,
             "shared_bytes": smem, "resident": resident, "loop_sass": len(body),
             "sass_per_element": round(len(body) * warps * 32 / (2 * bt * d), 2), "top_ops": top}
 
@@ -163,12 +166,15 @@ def main(argv=None):
     p.add_argument("--configs", nargs="*", default=None,
                    help="BT,num_warps,num_stages[,max_registers] of the fast kernel (default: its default for --d)")
     p.add_argument("--exact", action="store_true", help="also the exact kernel at its defaults")
+    p.add_argument("--mask", default=None, choices=["words", "bytes", "interval"],
+                   help="build with a kv_mask (as words or bytes) or per-row (first, end) intervals")
     args = p.parse_args(argv)
     for cfg in args.configs or [",".join(str(x or 0) for x in kv_attention_plan.fast_config(args.d))]:
         bt, nw, ns, *mr = (int(x) for x in cfg.split(","))
-        print(json.dumps(report(True, args.d, args.fmt, bt, nw, ns, mr[0] if mr and mr[0] else None)), flush=True)
+        print(json.dumps(report(True, args.d, args.fmt, bt, nw, ns, mr[0] if mr and mr[0] else None, args.mask)),
+              flush=True)
     if args.exact:
-        print(json.dumps(report(False, args.d, args.fmt, kt.BLOCK_T, kt.NUM_WARPS, 3)), flush=True)
+        print(json.dumps(report(False, args.d, args.fmt, kt.BLOCK_T, kt.NUM_WARPS, 3, mask=args.mask)), flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,8 @@ from ..formats.tensor import NonFiniteError
 
 
 class FiniteCounter:
-    """NaN/Inf inputs seen at one named site since the last check (int32 on the site's device)."""
+    """NaN/Inf inputs seen at one named site since the last check (int32 on the site's device). Also counts other
+    per-step events read back later (``FP4KVCache.mask_holes``)."""
 
     def __init__(self, label: str):
         self.label = label

@@ -2,7 +2,8 @@
 
 ``fp4kv_decode_attention(q, k, v)``: q [B, Hq, D]; k, v ``FP4Tensor`` [B, Hkv, T, D] (``FP4KVCache`` rows:
 NVFP4 with a per-row or per-tensor global amax, or MXFP4); ``lengths`` int [B] (None: all T) masks each
-sequence's tail, ``kv_mask`` bool [B, >= T] (False: not attended; e.g. left padding) any position.
+sequence's tail, ``starts`` int [B] (None: 0) its head (left padding: the Triton path does not read the tiles
+before it), ``kv_mask`` bool [B, >= T] (False: not attended; e.g. left padding) any position.
 The reference dequantizes K/V to bf16 (``FP4Tensor.dequantize``) and runs softmax attention in fp32. The
 Triton path (CUDA) decodes K/V inside the kernel and accumulates in fp32 with bf16 MMAs; ``exact`` picks how:
 ``exact=True`` (default) the same bf16 K/V values as the reference and the trainer's fake-quantized K/V;
@@ -25,7 +26,7 @@ from ..formats.tensor import FP4Tensor
 from .dispatch import Kernel, select_kernel
 
 
-def check_args(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, lengths, kv_mask=None) -> None:
+def check_args(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, lengths, kv_mask=None, starts=None) -> None:
     if not (isinstance(k, FP4Tensor) and isinstance(v, FP4Tensor)):
         raise TypeError(f"k and v must be FP4Tensor, got {type(k).__name__}, {type(v).__name__}")
     if q.dim() != 3 or len(k.shape) != 4 or tuple(k.shape) != tuple(v.shape):
@@ -37,16 +38,17 @@ def check_args(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, lengths, kv_mask=Non
         raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}: same B and D, Hq a multiple of Hkv")
     if d % k.block_size or d & (d - 1):
         raise ValueError(f"head_dim={d} must be a power of two and a multiple of the {k.fmt} block {k.block_size}")
-    if lengths is not None and tuple(lengths.shape) != (b,):
-        raise ValueError(f"lengths must be [B={b}], got {tuple(lengths.shape)}")
+    for name, rows in (("lengths", lengths), ("starts", starts)):
+        if rows is not None and tuple(rows.shape) != (b,):
+            raise ValueError(f"{name} must be [B={b}], got {tuple(rows.shape)}")
     if kv_mask is not None and (kv_mask.dim() != 2 or kv_mask.shape[0] != b or kv_mask.shape[1] < k.shape[2]):
         raise ValueError(f"kv_mask must be [B={b}, >= T={k.shape[2]}], got {tuple(kv_mask.shape)}")
 
 
 def reference_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = None, lengths=None,
-                        kv_mask=None, kv_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                        kv_mask=None, kv_dtype: torch.dtype = torch.bfloat16, starts=None) -> torch.Tensor:
     """Softmax attention (fp32) over K/V dequantized to ``kv_dtype``; [B, Hq, D] in q.dtype."""
-    check_args(q, k, v, lengths, kv_mask)
+    check_args(q, k, v, lengths, kv_mask, starts)
     b, hq, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
@@ -56,21 +58,26 @@ def reference_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = 
     if lengths is not None:
         s = s.masked_fill(torch.arange(t, device=s.device)[None, None, :] >= lengths.to(s.device)[:, None, None],
                           float("-inf"))
+    if starts is not None:
+        s = s.masked_fill(torch.arange(t, device=s.device)[None, None, :] < starts.to(s.device)[:, None, None],
+                          float("-inf"))
     if kv_mask is not None:
         s = s.masked_fill(~kv_mask[:, :t].to(device=s.device, dtype=torch.bool)[:, None, :], float("-inf"))
     return torch.einsum("bht,bhtd->bhd", torch.softmax(s, -1), vd).to(q.dtype)
 
 
 def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = None, lengths=None,
-                           kv_mask=None, kernel: str | Kernel = "auto",
+                           starts=None, kv_mask=None, kernel: str | Kernel = "auto",
                            kv_dtype: torch.dtype = torch.bfloat16, exact: bool = True) -> torch.Tensor:
     """Decode attention reading the FP4 KV cache directly (see the module docstring); [B, Hq, D] in q.dtype.
 
     ``kv_dtype``: the reference's dequantized K/V dtype. ``exact``: the Triton path's kernel (see above)."""
     if select_kernel(kernel, k.codes.device) is Kernel.REFERENCE:
-        return reference_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, kv_dtype=kv_dtype)
-    check_args(q, k, v, lengths, kv_mask)
+        return reference_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, kv_dtype=kv_dtype,
+                                   starts=starts)
+    check_args(q, k, v, lengths, kv_mask, starts)
     from . import kv_attention_triton
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    return kv_attention_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, exact=exact)
+    return kv_attention_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, starts=starts,
+                                                kv_mask=kv_mask, exact=exact)

@@ -112,8 +112,13 @@ def _trip_count(n_tiles, TILES: tl.constexpr):
 
 
 @triton.jit
-def _program(len_ptr, T, chunk, HKV: tl.constexpr, HAS_LEN: tl.constexpr):
-    """(batch, KV head, split, first token, end token) of this program; end <= the sequence's length."""
+def _program(len_ptr, first_ptr, T, chunk, n_tiles, HKV: tl.constexpr, BT: tl.constexpr, HAS_LEN: tl.constexpr,
+             HAS_FIRST: tl.constexpr):
+    """(batch, KV head, split, first tile's token, end token, first attended token, tiles) of this program.
+
+    end <= the sequence's length; with ``first`` (the row's first attended token) the tiles before its tile are
+    skipped: the tile boundaries stay those of the split (multiples of BT), so the tiles that run are the ones a
+    kv_mask attending [first, end) would run, minus tiles that attend nothing."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // HKV).to(tl.int64)
@@ -123,15 +128,23 @@ def _program(len_ptr, T, chunk, HKV: tl.constexpr, HAS_LEN: tl.constexpr):
     else:
         n = T
     start = split * chunk
-    return b, h, split, start, tl.minimum(start + chunk, n)
+    end = tl.minimum(start + chunk, n)
+    first = 0
+    if HAS_FIRST:
+        first = tl.load(first_ptr + b).to(tl.int32)
+        start = tl.maximum(start, first // BT * BT)
+    if HAS_LEN or HAS_FIRST:  # no empty tiles
+        n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.maximum(end - start, 0), BT))
+    return b, h, split, start, end, first, n_tiles
 
 
 @triton.jit
-def _tile_rows(mask_ptr, b, sm_b, start, end, i, BT: tl.constexpr, HAS_MASK: tl.constexpr,
-               MASK_WORDS: tl.constexpr):
+def _tile_rows(mask_ptr, b, sm_b, start, end, first, i, BT: tl.constexpr, HAS_MASK: tl.constexpr,
+               MASK_WORDS: tl.constexpr, HAS_FIRST: tl.constexpr):
     """Token rows t [BT] of tile ``i``, which of them are in bounds (before ``end``: what the K/V loads read) and
-    which are attended (in bounds and kv_mask != 0: what the softmax keeps). The K/V loads do not wait for the
-    mask, so masked rows in bounds are read (the caches write every row up to their length) and weigh 0."""
+    which are attended (in bounds, from ``first`` on and kv_mask != 0: what the softmax keeps). The K/V loads do
+    not wait for the mask, so masked rows in bounds are read (the caches write every row up to their length) and
+    weigh 0."""
     t = start + i * BT + tl.arange(0, BT)
     inb = t < end
     if HAS_MASK and MASK_WORDS:  # kv_mask as int32 words of 4 token bytes (one 4-byte load per token)
@@ -141,6 +154,8 @@ def _tile_rows(mask_ptr, b, sm_b, start, end, i, BT: tl.constexpr, HAS_MASK: tl.
         attend = inb & (tl.load(mask_ptr + b * sm_b + t, mask=inb, other=0) != 0)
     else:
         attend = inb
+    if HAS_FIRST:
+        attend = attend & (t >= first)
     return t, inb, attend
 
 
@@ -177,20 +192,21 @@ def _store_ml(ml_ptr, row, gmask, m_i, l_i):
 
 @triton.jit
 def fp4kv_decode_attn_kernel(
-    q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, mask_ptr, acc_ptr, ml_ptr,
+    q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, first_ptr, mask_ptr, acc_ptr, ml_ptr,
     T, chunk, n_tiles, sm_scale,
     sq_b, sq_h, sm_b,
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
-    BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr,
-    FAST_DIV: tl.constexpr,
+    BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, FAST_DIV: tl.constexpr,
     F32_DOT: tl.constexpr, TILES: tl.constexpr,
 ):
     """Exact path: partial attention of split ``program_id(1)`` over the reference's bf16 K/V:
     acc [B, Hq, S, D] (unnormalised), ml [B, Hq, S, 2]."""
     D: tl.constexpr = NB * B
-    b, h, split, start, end = _program(len_ptr, T, chunk, HKV, HAS_LEN)
+    b, h, split, start, end, first, n_tiles = _program(len_ptr, first_ptr, T, chunk, n_tiles, HKV, BT, HAS_LEN,
+                                                       HAS_FIRST)
     g = tl.arange(0, GP)
     gmask = g < G
     d = tl.arange(0, D)
@@ -202,7 +218,7 @@ def fp4kv_decode_attn_kernel(
     kc, ks, kg = kc_ptr + b * skc_b + h * skc_h, ks_ptr + b * sks_b + h * sks_h, kg_ptr + b * skg_b + h * skg_h
     vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
     for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
-        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK, MASK_WORDS)
+        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, end, first, i, BT, HAS_MASK, MASK_WORDS, HAS_FIRST)
         k = _deq_rows(kc, ks, kg, t, tmask, skc_t, sks_t, skg_t, FMT, NB, B, FAST_DIV)  # [BT, D] bf16
         s = _dot(q, tl.trans(k), F32_DOT) * sm_scale  # [GP, BT]
         p, alpha, m_i, l_i = _online_softmax(s, attend, m_i, l_i)
@@ -323,20 +339,21 @@ def _q_part(q_row, c, mask, Q: tl.constexpr):
 
 @triton.jit
 def fp4kv_decode_attn_fast_kernel(
-    q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, mask_ptr, acc_ptr, ml_ptr,
+    q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, first_ptr, mask_ptr, acc_ptr, ml_ptr,
     T, chunk, n_tiles, k_fac, v_fac,
     sq_b, sq_h, sm_b,
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
-    B: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_MASK: tl.constexpr,
-    MASK_WORDS: tl.constexpr,
+    B: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
+    HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr,
     F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr, TILES: tl.constexpr,
 ):
     """Fast path (see the module docstring): like ``fp4kv_decode_attn_kernel`` on K/V operands
     value * block scale * 2**-62 in 4 code-group parts; k_fac / v_fac: per-row factors with 2**62 folded in.
     Codes as uint16 groups (strides in groups); DG >= D/4 group columns (padded to 16 for the MMA's K)."""
-    b, h, split, start, end = _program(len_ptr, T, chunk, HKV, HAS_LEN)
+    b, h, split, start, end, first, n_tiles = _program(len_ptr, first_ptr, T, chunk, n_tiles, HKV, BT, HAS_LEN,
+                                                       HAS_FIRST)
     g = tl.arange(0, GP)
     gmask = g < G
     c = tl.arange(0, DG)
@@ -354,7 +371,7 @@ def fp4kv_decode_attn_fast_kernel(
     kc, ks, kg = kc_ptr + b * skc_b + h * skc_h, ks_ptr + b * sks_b + h * sks_h, kg_ptr + b * skg_b + h * skg_h
     vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
     for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
-        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, end, i, BT, HAS_MASK, MASK_WORDS)
+        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, end, first, i, BT, HAS_MASK, MASK_WORDS, HAS_FIRST)
         k0, k1, k2, k3 = _fp4_groups(kc, ks, t, tmask, skc_t, sks_t, FMT, D, DG, B, DEQ_ASM, SW)  # [BT, DG]
         s = _dot(q0, tl.trans(k0), F32_DOT)  # [GP, BT] = q K'^T over the 4 parts
         s = _dot_acc(q1, tl.trans(k1), s, F32_DOT)
@@ -484,14 +501,16 @@ so refused. The fast kernel's uint16/uint32 scale loads (``kv_attention_plan.sca
 gave right ones (2026-12-01)."""
 
 
-def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: float, lengths=None, kv_mask=None,
-                     exact: bool = True, block_t: int | None = None, splits: int | None = None,
+def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: float, lengths=None, starts=None,
+                     kv_mask=None, exact: bool = True, block_t: int | None = None, splits: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
                      max_registers: int | None = None) -> torch.Tensor:
     """q [B, Hq, D], k/v FP4 [B, Hkv, T, D] -> [B, Hq, D] in q.dtype (see the module docstring).
 
-    ``lengths`` int [B]: tokens per sequence; ``kv_mask`` bool [B, T]: False = not attended (masked rows before
-    the length are still read, so they must hold finite K/V, as the caches' rows do, and weigh 0).
+    ``lengths`` int [B]: tokens per sequence; ``starts`` int [B]: each sequence's first attended token (the tiles
+    before its tile are not run, the rows before it in its tile weigh 0); ``kv_mask`` bool [B, T]: False = not
+    attended (masked rows before the length are still read, so they must hold finite K/V, as the caches' rows do,
+    and weigh 0).
     ``exact=True``: K/V are the reference's bf16 values (``FP4Tensor.dequantize(torch.bfloat16)``).
     ``exact=False``: the fast path, K/V the exact FP4 values (equal to ``reference_attention(kv_dtype=float32)``
     within bf16 rounding of the softmax weights). ``block_t``/``num_warps``/``num_stages``/``max_registers`` (per
@@ -528,12 +547,14 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, splits, 2, dtype=torch.float32, device=q.device)
     lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else ml
+    firsts = starts.to(device=q.device, dtype=torch.int32).contiguous() if starts is not None else ml
     mask, words = plan.mask_arg(kv_mask, t_len, q.device) if kv_mask is not None else (ml, False)
-    args = (q, kc, ks, kg, vc, vs, vg, lens, mask, acc, ml, t_len, chunk, chunk // block_t)
+    args = (q, kc, ks, kg, vc, vs, vg, lens, firsts, mask, acc, ml, t_len, chunk, chunk // block_t)
     strides = (q.stride(0), q.stride(1), mask.stride(0), *kc.stride()[:3], *ks.stride()[:3], *kg.stride()[:3],
                *vc.stride()[:3], *vs.stride()[:3], *vg.stride()[:3])
     common = dict(HKV=hkv, G=group, GP=max(16, triton.next_power_of_2(group)), FMT=0 if k.fmt == "nvfp4" else 1,
                   B=k.block_size, BT=block_t, SPLITS=splits, HAS_LEN=lengths is not None,
+                  HAS_FIRST=starts is not None,
                   HAS_MASK=kv_mask is not None, MASK_WORDS=words,
                   F32_DOT=not q.is_cuda,  # Triton's CPU interpreter: fp32 dots
                   TILES=0 if q.is_cuda else chunk // block_t,

@@ -16,32 +16,40 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 from ..kernels.kv_attention import fp4kv_decode_attention
+from ..kernels.kv_intervals import mask_intervals
 from .kv_cache import DEFERRED_ATTR
 
 ROLLOUT_ATTENTION = "megatron_trace_rollout_attention"
 
 
-_LAST_MASK: list = [None, -1, -1, None]
-"""The last converted mask: (SDPA mask, its version, T, bool [B, T4] words-aligned). A strong reference, so the
-tensor cannot be freed and another take its identity while cached."""
+_LAST_MASK: list = [None, -1, -1, False, None]
+"""The last converted mask: (SDPA mask, its version, T, intervals, the kernel's keywords). A strong reference,
+so the tensor cannot be freed and another take its identity while cached."""
 
 
-def _kv_mask(attention_mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
-    """SDPA's 4D mask [B, 1, 1, >= T] (bool: True attends; float: 0 attends) -> bool [B, >= T], or None.
-
-    Laid out as the kernel reads it (rows of T rounded up to 4 bytes, ``kv_attention_plan.mask_arg``) once per
-    decode step: every layer of a step gets the same mask tensor, and the layers after the first reuse it."""
+def _mask_rows(attention_mask: torch.Tensor | None, t: int, layer) -> dict:
+    """SDPA's 4D mask [B, 1, 1, >= T] (bool: True attends; float: 0 attends) -> the decode attention's keywords:
+    ``kv_mask`` bool [B, >= T] laid out as the kernel reads it (rows of T rounded up to 4 bytes,
+    ``kv_attention_plan.mask_arg``), or for a cache with ``interval_masks`` each row's ``starts`` / ``lengths``
+    (``kernels.kv_intervals``; rows with a hole counted in the cache's ``mask_holes``). Converted once per decode
+    step: every layer of a step gets the same mask tensor, and the layers after the first reuse it."""
     if attention_mask is None:
-        return None
+        return {}
+    intervals = layer.interval_masks
     last = _LAST_MASK
-    if last[0] is attention_mask and last[1] == attention_mask._version and last[2] == t:
-        return last[3]
+    if last[0] is attention_mask and last[1] == attention_mask._version and last[2] == t and last[3] == intervals:
+        return last[4]
     m = attention_mask[:, 0, -1, :t]
     m = m if m.dtype == torch.bool else m == 0
-    t4 = -(-t // 4) * 4
-    out = torch.zeros(m.shape[0], t4, dtype=torch.bool, device=m.device)
-    out[:, :t] = m
-    last[:] = [attention_mask, attention_mask._version, t, out]
+    if intervals:
+        first, end = mask_intervals(m, t, layer.mask_holes.tensor(m.device), kernel=layer.kernel)
+        out = {"starts": first, "lengths": end}
+    else:
+        t4 = -(-t // 4) * 4
+        words = torch.zeros(m.shape[0], t4, dtype=torch.bool, device=m.device)
+        words[:, :t] = m
+        out = {"kv_mask": words}
+    last[:] = [attention_mask, attention_mask._version, t, intervals, out]
     return out
 
 
@@ -54,9 +62,9 @@ def rollout_attention_forward(module, query, key, value, attention_mask, dropout
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     k, v = layer.packed_history()  # [B, Hkv, T, D] FP4
-    out = fp4kv_decode_attention(query[:, :, 0], k, v, scale=scaling, kv_mask=_kv_mask(attention_mask, k.shape[2]),
-                                 kernel=layer.kernel, kv_dtype=query.dtype,
-                                 exact=not layer.fast_attention)  # [B, Hq, D]
+    out = fp4kv_decode_attention(query[:, :, 0], k, v, scale=scaling, kernel=layer.kernel, kv_dtype=query.dtype,
+                                 exact=not layer.fast_attention,
+                                 **_mask_rows(attention_mask, k.shape[2], layer))  # [B, Hq, D]
     return out.unsqueeze(1), None
 
 

@@ -245,15 +245,17 @@ class HFRolloutBackend:
             compiled=bool(self.compiled_modules),
         )
 
-    def new_cache(self, recorder: GuidanceRecorder | None = None) -> Cache:
+    def new_cache(self, recorder: GuidanceRecorder | None = None, *, interval_masks: bool = False) -> Cache:
         """An ``FP4KVCache`` when K or V is quantized (or the layers are compiled: its update stays eager), else a
-        ``DynamicCache``."""
+        ``DynamicCache``. ``interval_masks``: the caller's decode masks attend one interval per row (see
+        ``FP4KVCache``; ``generate``'s do)."""
         qk, qv = self._quantizes("kv_k"), self._quantizes("kv_v")
         if not (qk or qv or self.layers_compiled):
             return DynamicCache(config=self.hf_config)
         return FP4KVCache(self.num_layers, self.config.kv_quantizer(), quantize_k=qk, quantize_v=qv,
                           recorder=recorder, bf16_layers=self.bf16_kv_layers, kernel=self.config.kernel,
-                          fused_decode=self.fused_kv_attention, fast_attention=self.fast_kv_attention)
+                          fused_decode=self.fused_kv_attention, fast_attention=self.fast_kv_attention,
+                          interval_masks=interval_masks)
 
     def cache_kwargs(self, cache: Cache) -> dict:
         """The model's keyword for a cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
@@ -286,9 +288,11 @@ class HFRolloutBackend:
         rows = b if fork is None else fork.num_unique
         recorder = GuidanceRecorder(rows, self.guided_sites, compact=self.config.cache_mode == "compact",
                                      kernel=self.config.kernel)
-        cache = self.new_cache(recorder)
+        cache = self.new_cache(recorder, interval_masks=True)  # left padding, then finished rows' tails
         with self.forward_context(recorder):
             steps = self._decode(ids, attn, sampling, gen, stop, cache, recorder, fork)
+        if isinstance(cache, FP4KVCache):
+            cache.check_interval_masks()
         return self._assemble(ids, plens, steps, recorder)
 
     def _step(self, tokens, attn, pos, cache, recorder, valid):

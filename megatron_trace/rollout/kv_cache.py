@@ -33,6 +33,7 @@ from ..formats.sglang_kvfp4 import SGLangKVQuantizer
 from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
 from ..kernels import quantize_and_record
+from ..kernels.checks import FiniteCounter, read_and_reset
 from .recorder import GuidanceRecorder
 
 KVQuantizer = Quantizer | SGLangKVQuantizer
@@ -150,9 +151,11 @@ class FP4KVLayer(DynamicLayer):
 
     def __init__(self, layer_idx: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
                  quantize_v: bool = True, recorder: GuidanceRecorder | None = None, kernel: str = "auto",
-                 fused_decode: bool = False, fast_attention: bool = False):
+                 fused_decode: bool = False, fast_attention: bool = False, interval_masks: bool = False):
         super().__init__()
         self.fast_attention = fast_attention  # the fused decode reads K/V as exact FP4 values (exact=False)
+        self.interval_masks = interval_masks  # the fused decode reads each row's attended interval (FP4KVCache)
+        self.mask_holes = FiniteCounter("interval mask rows with a hole")  # (the cache's layers share one)
         self.layer_idx = layer_idx
         reference_only = not isinstance(quantizer, Quantizer)  # SGLang's KV format: no Triton, no fused decode
         self.fused_decode = fused_decode and quantize_k and quantize_v and not reference_only
@@ -244,15 +247,34 @@ class FP4KVCache(Cache):
     def __init__(self, num_layers: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
                  quantize_v: bool = True, recorder: GuidanceRecorder | None = None,
                  bf16_layers: frozenset[int] = frozenset(), kernel: str = "auto", fused_decode: bool = False,
-                 fast_attention: bool = False):
+                 fast_attention: bool = False, interval_masks: bool = False):
         """``bf16_layers``: layers whose K and V stay in the model dtype (``TraceConfig.exclude_modules``).
         With ``quantize_k=quantize_v=False`` this is a plain preallocated cache in the model dtype.
-        ``fused_decode``: see the module docstring; ``fast_attention``: its kernel's ``exact=False`` path."""
+        ``fused_decode``: see the module docstring; ``fast_attention``: its kernel's ``exact=False`` path.
+        ``interval_masks``: the decode steps' attention masks attend one interval of positions per row, without
+        holes (left padding before it, a finished row's tail after it: ``HFRolloutBackend.generate``'s masks).
+        The fused decode then gives the kernel each row's (first, end) instead of the mask: no mask loads, and
+        the rows outside are not read. A mask with a hole is counted (``mask_holes``), not silently attended."""
         layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k and i not in bf16_layers,
                              quantize_v=quantize_v and i not in bf16_layers, recorder=recorder, kernel=kernel,
-                             fused_decode=fused_decode, fast_attention=fast_attention)
+                             fused_decode=fused_decode, fast_attention=fast_attention, interval_masks=interval_masks)
                   for i in range(num_layers)]
         super().__init__(layers=layers)
+        self.mask_holes = FiniteCounter("interval mask rows with a hole")
+        for layer in layers:
+            layer.mask_holes = self.mask_holes
+
+    def check_interval_masks(self) -> None:
+        """Raise ``ValueError`` if a decode step's mask had a row with a hole since the last check (one host sync;
+        none when no interval was taken). Resets the count."""
+        if not self.mask_holes.used:
+            return
+        (_, n), = read_and_reset([self.mask_holes])
+        if n:
+            raise ValueError(f"{n} decode-step mask row(s) attended more than one run of positions, but this "
+                             "FP4KVCache has interval_masks=True (one interval per row: left padding, finished "
+                             "tails); those rows attended their whole interval. Use interval_masks=False for "
+                             "such masks")
 
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):

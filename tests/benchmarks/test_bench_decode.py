@@ -73,3 +73,17 @@ def test_profile_generate_smoke():
     for r in rows:
         assert len(r["top_own_ms"]) == 5 and r["sec"] > 0
         assert r["top_cumulative_ms"][0][0].endswith("generate")  # the timed call itself holds the most
+
+
+def test_left_padded_points_pass_a_mask_to_the_fused_attention(tmp_path):
+    """``--left-pad``: the decode steps get an attention mask, and ``--masks`` is recorded (the fused attention that
+    reads it is off on the CPU: tests/rollout/test_kv_cache.py runs the interval path)."""
+    out = tmp_path / "decode.jsonl"
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--smoke", "--modes", "fp4f",
+           "--batches", "3", "--lengths", "16", "--left-pad", "0.5", "--masks", "interval", "--out", str(out)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines() if '"decode"' in line]
+    assert len(rows) == 1 and rows[0]["masks"] == "interval" and rows[0]["left_pad"] == 0.5
+    assert rows[0]["eager_ms"] > 0

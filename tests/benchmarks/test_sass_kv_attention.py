@@ -28,14 +28,16 @@ def _tile_loop(ttgir: str) -> list[str]:
     raise AssertionError("unterminated scf.for")
 
 
+@pytest.mark.parametrize("mask", [None, "interval"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-def test_default_config_keeps_kwidth_2_and_prefetches_every_load(sass, fmt):
+def test_default_config_keeps_kwidth_2_and_prefetches_every_load(sass, fmt, mask):
     """MMA operands at kWidth 2 (an 8-bit load upstream made Triton pick 4: a register copy per MMA operand), and
-    no synchronous global load in the tile loop (2-byte scale loads could not be cp.async copies)."""
+    no synchronous global load in the tile loop (2-byte scale loads could not be cp.async copies); also with the
+    rollout's per-row (first, end) intervals (``starts`` / ``lengths``)."""
     from megatron_trace.kernels import kv_attention_plan as plan
 
     bt, nw, ns, mr = plan.fast_config(128)
-    ttgir = sass.compile_kernel(True, 128, fmt, bt, nw, ns, maxnreg=mr).asm["ttgir"]
+    ttgir = sass.compile_kernel(True, 128, fmt, bt, nw, ns, maxnreg=mr, mask=mask).asm["ttgir"]
     assert set(re.findall(r"kWidth = (\d+)", ttgir)) == {"2"}
     loop = _tile_loop(ttgir)
     assert not [line for line in loop if "tt.load" in line]

@@ -159,6 +159,34 @@ def test_lengths_and_splits(exact):
 
 
 @pytest.mark.parametrize("exact", [True, False])
+def test_intervals_equal_the_mask_bit_for_bit_at_the_default_configs(exact):
+    """starts / lengths (the rollout's interval masks) == the same rows as a kv_mask, bit for bit, at the default
+    launch configs and splits; and the mask -> interval kernel equals its torch twin on an SDPA-mask view."""
+    from megatron_trace.kernels import kv_intervals
+
+    quant = QUANTIZERS["nvfp4_row"]
+    b, t = 6, 8192
+    k, v = _kv((b, 4, t, 128), quant, 6), _kv((b, 4, t, 128), quant, 7)
+    q = torch.randn(b, 16, 128, device=DEV, dtype=torch.bfloat16)
+    starts = torch.tensor([0, 1, 31, 33, 4000, t - 1], device=DEV)
+    ends = torch.tensor([t, t, 5000, t, 4001, t], device=DEV)
+    pos = torch.arange(t, device=DEV)
+    mask = (pos >= starts[:, None]) & (pos < ends[:, None])
+    got = fp4kv_decode_attention(q, k, v, starts=starts, lengths=ends, exact=exact)
+    assert torch.equal(got, fp4kv_decode_attention(q, k, v, kv_mask=mask, exact=exact))
+    assert rel_err(got, _want(q, k, v, exact, kv_mask=mask)) < 1e-2
+    sdpa = torch.zeros(b, 1, 1, t + 8, dtype=torch.bool, device=DEV)
+    sdpa[..., :t] = mask[:, None, None]
+    sdpa[2, 0, 0, 100] = False  # a hole
+    holes = torch.zeros(1, dtype=torch.int32, device=DEV)
+    got = kv_intervals.mask_intervals(sdpa[:, 0, -1], t, holes)
+    want_holes = torch.zeros(1, dtype=torch.int32)
+    want = kv_intervals.intervals_reference(sdpa[:, 0, -1].cpu(), t, want_holes)
+    assert all(torch.equal(x.cpu(), y) for x, y in zip(got, want)) and int(holes) == int(want_holes) == 1
+    assert torch.equal(got[0].long(), starts) and torch.equal(got[1].long(), ends)
+
+
+@pytest.mark.parametrize("exact", [True, False])
 def test_reads_fp4_kv_cache_views(exact):
     """The cache's history (strided views of its capacity buffers) goes into the kernel as is."""
     quant = TraceConfig().activation_quantizer()

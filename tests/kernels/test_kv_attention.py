@@ -175,6 +175,67 @@ def test_lengths_and_left_padding_masks(exact, words, t_len, width, monkeypatch)
     _check(got, q, k, v, exact, kv_mask=mask)
 
 
+def _interval_rows(t_len, device):
+    """(starts, ends, the same as a mask) over 5 rows: a start inside a tile, past a whole split, one token,
+    a finished row's tail, everything."""
+    starts = torch.tensor([5, 23, t_len - 1, 0, 0], device=device)
+    ends = torch.tensor([t_len, t_len, t_len, 13, t_len], device=device)
+    pos = torch.arange(t_len, device=device)
+    return starts, ends, (pos >= starts[:, None]) & (pos < ends[:, None])
+
+
+def test_reference_starts_are_the_left_padding_mask():
+    q, k, v = _case(6, b=5, t=41)
+    starts, ends, mask = _interval_rows(41, "cpu")
+    assert torch.equal(reference_attention(q, k, v, starts=starts, lengths=ends),
+                       reference_attention(q, k, v, kv_mask=mask))
+    with pytest.raises(ValueError, match=r"starts must be \[B=5\]"):
+        reference_attention(q, k, v, starts=starts[:2])
+
+
+@needs_triton
+@pytest.mark.parametrize("t_len", [40, 41])
+@pytest.mark.parametrize("exact", [False, True])
+def test_intervals_give_the_masks_result_bit_for_bit(exact, t_len):
+    """starts / lengths (no mask loads, the tiles before a row's start not run) == the same rows as a kv_mask:
+    the tiles that run see the same tokens (boundaries stay multiples of BT), skipped ones attend nothing."""
+    q, k, v = _kv_case("nvfp4_row", 5, 8, 2, t_len, 64, seed=7)
+    starts, ends, mask = _interval_rows(t_len, DEVICE)
+    kw = dict(scale=64**-0.5, exact=exact, block_t=16, splits=3)
+    got = kv_attention_triton.decode_attention(q, k, v, starts=starts, lengths=ends, **kw)
+    assert torch.equal(got, kv_attention_triton.decode_attention(q, k, v, kv_mask=mask, **kw))
+    _check(got, q, k, v, exact, kv_mask=mask)
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 37, 1500])
+def test_mask_intervals_kernel_is_the_reference(t):
+    """One launch: first / end per row and the rows with a hole counted, on a strided 4D-mask view."""
+    from megatron_trace.kernels import kv_intervals, kv_intervals_triton
+
+    g = torch.Generator().manual_seed(t)
+    b = 6
+    lo = torch.randint(0, t, (b,), generator=g)
+    hi = torch.minimum(lo + torch.randint(1, t + 1, (b,), generator=g), torch.tensor(t))
+    pos = torch.arange(t + 3)
+    m = (pos >= lo[:, None]) & (pos < hi[:, None])
+    m[1] = False  # attends nothing: (T, 0)
+    if t > 2:
+        m[2], m[2, 0], m[2, t - 1] = False, True, True  # two runs: a hole
+    four_d = torch.zeros(b, 1, 2, t + 3, dtype=torch.bool)
+    four_d[:, 0, -1] = m
+    view = four_d.to(DEVICE)[:, 0, -1, :]  # row stride 2 * (t + 3)
+    want_holes, got_holes = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    want = kv_intervals.intervals_reference(m, t, want_holes)
+    got = kv_intervals_triton.mask_intervals(view, t, got_holes)
+    assert all(torch.equal(x.cpu(), y) for x, y in zip(got, want)) and torch.equal(got_holes.cpu(), want_holes)
+    assert want[0][1] == t and want[1][1] == 0
+    assert int(want_holes) == (1 if t > 2 else 0)
+    first, end = want
+    fill = (pos[:t] >= first[:, None]) & (pos[:t] < end[:, None])
+    assert torch.equal(fill[[0, 3, 4, 5]], m[[0, 3, 4, 5], :t])  # no hole: the interval is the mask
+
+
 @needs_triton
 def test_fast_path_reads_fp4_kv_cache_views_and_odd_offsets():
     """``FP4KVCache`` history (a strided view of the capacity buffers) goes in as is; codes at an odd byte

@@ -136,3 +136,45 @@ def test_hf_backend_never_fuses_sglang_kv_attention():
     be = HFRolloutBackend(tiny_model(seed=4), mode="fp4", trace_config=cfg, dtype=torch.float32,
                           fused_kv_attention=True)
     assert not be.fused_kv_attention and not be.new_cache().layers[0].fused_decode
+
+
+def test_generate_reads_each_rows_interval_as_its_mask_would():
+    """generate's FP4 cache takes each row's attended interval (left padding, finished rows' tails) instead of
+    the mask: the same tokens and log-probs as the mask, bit for bit (reference math on the CPU); no hole."""
+    be = HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32, fused_kv_attention=True)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [7, 8], [9, 10, 11], [12]]
+    sampling = SamplingParams(max_new_tokens=10, seed=3, stop_token_ids=tuple(range(0, be.vocab_size, 7)))
+    new_cache = be.new_cache
+    seen = []
+
+    def cache_with(interval_masks):
+        def make(recorder=None, **_):
+            seen.append(new_cache(recorder, interval_masks=interval_masks))
+            return seen[-1]
+        return make
+
+    outs = {}
+    for intervals in (True, False):
+        be.new_cache = cache_with(intervals)
+        outs[intervals] = be.generate(prompts, sampling)
+    assert seen[0].layers[0].interval_masks and not seen[1].layers[0].interval_masks
+    assert seen[0].mask_holes.used and not seen[1].mask_holes.used
+    a, b = outs[True], outs[False]
+    lengths = a.response_mask.sum(1)
+    assert len(set(lengths.tolist())) > 1  # rows finished at different steps (tails masked)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
+
+
+def test_interval_cache_counts_a_mask_with_a_hole():
+    be = HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32, fused_kv_attention=True)
+    cache = be.new_cache(interval_masks=True)
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    mask = torch.ones(2, 5, dtype=torch.long)
+    mask[1, 1] = 0  # a hole in row 1
+    with be.forward_context() as model:
+        model(input_ids=ids, attention_mask=mask[:, :4], use_cache=True, **be.cache_kwargs(cache))
+        model(input_ids=ids[:, :1], attention_mask=mask, position_ids=torch.tensor([[4], [3]]), use_cache=True,
+              **be.cache_kwargs(cache))
+    with pytest.raises(ValueError, match="1 decode-step mask row"):
+        cache.check_interval_masks()
+    cache.check_interval_masks()  # the count was reset
