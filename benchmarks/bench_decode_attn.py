@@ -11,7 +11,9 @@ One query token per sequence, the model's heads (GQA). For each (batch, L): the 
               for the launch configs in ``FAST_ALT``; with ``--mask`` also fused_fast_mask (an all-attended kv_mask,
               read as int32 words), fused_fast_mask_bytes (read a byte per token: session 8's loads),
               fused_fast_interval (the same rows as ``starts`` / ``lengths``: generate's interval masks), and
-              fused_fast_{mask,interval}_pad (row i of B left-padded by i / (B-1) x L/2 tokens);
+              fused_fast_{mask,interval}_pad (row i of B left-padded by i / (B-1) x L/2 tokens), and
+              fused_fast_rows / fused_fast_interval_rows (K/V views of L rows in buffers of L rounded up to 16 rows,
+              zeros after L, with ``readable_rows``: the loads' bound a multiple of 16, as the rollout's cache);
 Times are device times (``_device_ms``: a CUDA graph of 10 calls, L2 flushed before each; since session 8),
 with the KV bytes each reads (bf16 bytes for bf16, the FP4 bytes for the others) and that rate as a fraction of
 the copy bandwidth (``*_frac_copy``), and the fused kernels' relative errors against SDPA over the bf16
@@ -23,6 +25,7 @@ Used by ``bench_decode.py --attn-micro``; alone: ``python benchmarks/bench_decod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 
@@ -65,6 +68,12 @@ def _device_ms(fn, reps: int) -> tuple[float, str]:
         return median_ms(fn, reps=reps), "events"
 
 
+def _rows_view(t, n: int):
+    """The first n rows of an FP4 K/V [B, H, T', D] as a view (per-row amax)."""
+    return dataclasses.replace(t, codes=t.codes[:, :, :n], block_scales=t.block_scales[:, :, :n],
+                               global_amax=t.global_amax[:, :, :n], shape=(*t.shape[:2], n, t.shape[3]))
+
+
 def _bytes_mask(fn):
     """fn() with the kv_mask read a byte per token (``kv_attention_plan.MASK_AS_WORDS`` off: the A/B of --mask)."""
     from megatron_trace.kernels import kv_attention_plan
@@ -92,6 +101,10 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT, mask=Fals
     starts, ends = torch.zeros(b, dtype=torch.int32, device=device), torch.full((b,), length, device=device)
     pad = (torch.arange(b, device=device) * (length / 2 / max(b - 1, 1))).int()
     pad_mask = torch.arange(length, device=device) >= pad[:, None]
+    rows16 = -(-length // 16) * 16
+    if mask:  # K/V views of `length` rows in buffers of rows16 (zeros after), as FP4KVCache's (``readable_rows``)
+        kq16, vq16 = (_rows_view(quantize(F.pad(x, (0, 0, 0, rows16 - length)), quant, check_finite=False), length)
+                      for x in (k, v))
     ref = _sdpa(q, dequantize(kq, torch.bfloat16), dequantize(vq, torch.bfloat16))
     ref32 = _sdpa(q.float(), dequantize(kq, torch.float32), dequantize(vq, torch.float32))
     fast = fp4kv_decode_attention(q, kq, vq, exact=False)
@@ -111,7 +124,11 @@ def _one(b, length, hq, hkv, d, quant, device, bw, reps, alt=FAST_ALT, mask=Fals
             "fused_fast_interval": lambda: fp4kv_decode_attention(q, kq, vq, exact=False, starts=starts, lengths=ends),
             "fused_fast_mask_pad": lambda: fp4kv_decode_attention(q, kq, vq, exact=False, kv_mask=pad_mask),
             "fused_fast_interval_pad": lambda: fp4kv_decode_attention(q, kq, vq, exact=False, starts=pad,
-                                                                      lengths=ends)} if mask else {}),
+                                                                      lengths=ends),
+            "fused_fast_rows": lambda: fp4kv_decode_attention(q, kq16, vq16, exact=False, readable_rows=rows16),
+            "fused_fast_interval_rows": lambda: fp4kv_decode_attention(q, kq16, vq16, exact=False, starts=starts,
+                                                                       lengths=ends, readable_rows=rows16),
+            } if mask else {}),
         **{f"fast_bt{bt}_w{nw}_s{ns}" + (f"_r{mr}" if mr else ""): (
             lambda bt=bt, nw=nw, ns=ns, mr=mr: kt.decode_attention(
                 q, kq, vq, scale=scale, exact=False, block_t=bt, num_warps=nw, num_stages=ns, max_registers=mr))

@@ -8,12 +8,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider -n 6 -rf --tb=short tests/g
     tests/kernels/test_kv_attention.py 2>&1 | grep -E "passed|failed|FAILED|assert|Error" | head -30
 timeout 90 python3 benchmarks/bench_decode_attn.py --batches 8,64 --lengths 8192,32768 --alt --mask \
     > "$OUT/decode_attn_mask.jsonl" 2> "$OUT/decode_attn_mask.err"; tail -2 "$OUT/decode_attn_mask.err"
-python3 - "$OUT/decode_attn_mask.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["batch"], r["context"], {k: v for k, v in r.items() if k.endswith("_us") and "fast" in k})
-PY
+python3 benchmarks/summarize_rows.py fast "$OUT/decode_attn_mask.jsonl"
 for m in words interval; do
     TORCHDYNAMO_DISABLE=0 timeout 150 python3 benchmarks/bench_decode.py --modes fp4f --batches 8,64 \
         --lengths 8192,32768 --left-pad 0.5 --masks $m --no-graph --profile --profile-top 40 --compile layers \

@@ -58,12 +58,12 @@ def signature(fn, const: dict, ptr_type, aligned, floats=()) -> tuple[dict, dict
 
 
 def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, g: int = 4, hkv: int = 4,
-                   fn=None, maxnreg: int | None = None, mask: str | None = None):
+                   fn=None, maxnreg: int | None = None, mask: str | None = None, aligned_rows: bool = False):
     """The compiled kernel (``triton.compile`` for sm_90a) of one config; constexprs as ``decode_attention``."""
     fn = fn or (kt.fp4kv_decode_attn_fast_kernel if fast else kt.fp4kv_decode_attn_kernel)
     bs = 16 if fmt == "nvfp4" else 32
     const = dict(HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), FMT=0 if fmt == "nvfp4" else 1, B=bs,
-                 BT=bt, SPLITS=8, HAS_LEN=mask == "interval", HAS_FIRST=mask == "interval",
+                 BT=bt, SPLITS=8, HAS_LEN=mask == "interval", HAS_FIRST=mask == "interval", LOAD_R=aligned_rows,
                  HAS_MASK=mask in ("words", "bytes"), MASK_WORDS=mask == "words",
                  F32_DOT=False, TILES=0)
     sw = 4 if (d // bs) % 4 == 0 else 2 if (d // bs) % 2 == 0 else 1  # an FP4KVCache's (``plan.scale_word``)
@@ -146,15 +146,16 @@ def loop_sass(cubin: bytes) -> list[str]:
 
 
 def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, maxnreg: int | None = None,
-           mask: str | None = None) -> dict:
-    k = compile_kernel(fast, d, fmt, bt, warps, stages, maxnreg=maxnreg, mask=mask)
+           mask: str | None = None, aligned_rows: bool = False) -> dict:
+    k = compile_kernel(fast, d, fmt, bt, warps, stages, maxnreg=maxnreg, mask=mask, aligned_rows=aligned_rows)
     regs, spills = ptxas_usage(k.asm["ptx"], maxnreg)
     body = loop_sass(k.asm["cubin"])
     top = op_counts(body, 12)
     smem = k.metadata.shared
     resident = resident_programs(regs, smem, warps)
     return {"kernel": "fast" if fast else "exact", "fmt": fmt, "head_dim": d, "block_t": bt, "num_warps": warps,
-            "num_stages": stages, "max_registers": maxnreg, "mask": mask, "registers": regs, "spill_bytes": spills,
+            "num_stages": stages, "max_registers": maxnreg, "mask": mask, "aligned_rows": aligned_rows,
+            "registers": regs, "spill_bytes": spills,
             "shared_bytes": smem, "resident": resident, "loop_sass": len(body),
             "sass_per_element": round(len(body) * warps * 32 / (2 * bt * d), 2), "top_ops": top}
 
@@ -168,13 +169,16 @@ def main(argv=None):
     p.add_argument("--exact", action="store_true", help="also the exact kernel at its defaults")
     p.add_argument("--mask", default=None, choices=["words", "bytes", "interval"],
                    help="build with a kv_mask (as words or bytes) or per-row (first, end) intervals")
+    p.add_argument("--aligned-rows", action="store_true",
+                   help="loads bounded by a 16-divisible row count R (readable_rows), the attention by T")
     args = p.parse_args(argv)
     for cfg in args.configs or [",".join(str(x or 0) for x in kv_attention_plan.fast_config(args.d))]:
         bt, nw, ns, *mr = (int(x) for x in cfg.split(","))
-        print(json.dumps(report(True, args.d, args.fmt, bt, nw, ns, mr[0] if mr and mr[0] else None, args.mask)),
-              flush=True)
+        print(json.dumps(report(True, args.d, args.fmt, bt, nw, ns, mr[0] if mr and mr[0] else None, args.mask,
+                                args.aligned_rows)), flush=True)
     if args.exact:
-        print(json.dumps(report(False, args.d, args.fmt, kt.BLOCK_T, kt.NUM_WARPS, 3, mask=args.mask)), flush=True)
+        print(json.dumps(report(False, args.d, args.fmt, kt.BLOCK_T, kt.NUM_WARPS, 3, mask=args.mask,
+                                aligned_rows=args.aligned_rows)), flush=True)
 
 
 if __name__ == "__main__":

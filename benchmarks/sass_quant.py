@@ -51,7 +51,7 @@ def compile_pair(op: str, k: int, fn=None):
     bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
     const = dict(NUM_KT=num_kt, XDT=0, FMT=0, MODE=mode, G_MODE=g_mode, B=16, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
                  WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,
-                 HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]), EVEN_K=True)
+                 HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]), EVEN_K=True, OUT_ROWS=False)
     return _compile(fn or qp.pair_kernel, const, _PTR_TYPES, cfg["num_warps"]), bm
 
 

@@ -1,6 +1,7 @@
 """One short line per JSON row of ``bench_decode_attn.py`` or ``bench_decode.py`` output, for device-call logs.
 
-``python3 benchmarks/summarize_rows.py attn FILE.jsonl`` (times of every kernel, the fast kernel's ratios) or
+``python3 benchmarks/summarize_rows.py attn FILE.jsonl`` (times of every kernel, the fast kernel's ratios),
+``... fast FILE.jsonl`` (the fast kernel's variants: masks, intervals, readable rows, launch configs) or
 ``... decode FILE.jsonl`` (GPU ms per step, attention and MoE ms, eager tokens/s per mode, batch and context).
 """
 
@@ -18,6 +19,11 @@ def attn(row: dict) -> str:
     return json.dumps(keep)
 
 
+def fast(row: dict) -> str:
+    return f"{row.get('batch')} {row.get('context')} " + json.dumps(
+        {k: v for k, v in row.items() if k.endswith("_us") and "fast" in k})
+
+
 def decode(row: dict) -> str | None:
     if row.get("bench") != "decode":
         return None
@@ -30,7 +36,7 @@ def decode(row: dict) -> str | None:
 
 def main(argv=None) -> None:
     kind, path = (argv or sys.argv[1:])[:2]
-    fmt = {"attn": attn, "decode": decode}[kind]
+    fmt = {"attn": attn, "fast": fast, "decode": decode}[kind]
     for line in open(path):
         out = fmt(json.loads(line))
         if out:

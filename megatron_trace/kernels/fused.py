@@ -4,6 +4,8 @@ fused fake-quant forward with its STE backward. Needs Triton and CUDA tensors; `
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..formats import block as ref_block
@@ -66,39 +68,81 @@ def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err, check_finite=Tr
 
 
 def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False, write_codes: bool = True,
-             deq_dtype=None, want_mask: bool = False, check_finite: bool | FiniteCounter = True):
+             deq_dtype=None, want_mask: bool = False, check_finite: bool | FiniteCounter = True,
+             out: FP4Tensor | None = None):
     """RNE quantize with the quantizer's own scales.
 
     ``check_finite``: True raises ``NonFiniteError`` here (one host sync), a ``FiniteCounter`` counts NaN/Inf
     on the device for a later ``checks.raise_if_bad`` (their dequantized values stay NaN/Inf), False skips.
+    ``out``: an FP4Tensor of x's shape and format whose codes, scales and (NVFP4) per-row amax [..., 1] are views
+    to write in place, rows at one common step (``quant_triton.into_step``: e.g. one position of the KV cache's
+    ``[B, H, capacity, ...]`` buffers); the quantize kernel writes them (a per-tensor or given amax is copied into
+    out's amax). The returned FP4Tensor holds out's views, with the global amax it has without ``out``.
     Returns (FP4Tensor or None when not ``write_codes``, CompactGuidance or None, raw outputs by name).
     """
     check_x(x)
     x2d = rows_of(x)
+    into = None if out is None else _into(out, x, quantizer, write_codes and deq_dtype is None and not want_mask)
     err = _err(check_finite, x.device)
     g_mode, g, g_store = _global_amax(x2d, quantizer, global_amax, x, err, check_finite)
+    if into is not None and g_mode != qk.G_ROW_COMPUTE:
+        into.pop("g", None)  # the kernel writes no amax: copied below
     fmt = quantizer.format
-    out = qk.run_quant(
+    res = qk.run_quant(
         x2d, fmt=qk.fmt_id(quantizer.fmt, quantizer.scale_rule), block=fmt.block_size, mode=qk.RNE, g_mode=g_mode,
         g=g, write_codes=write_codes, write_scales=write_codes, write_bits=record, deq_dtype=deq_dtype,
         write_mask=want_mask,
-        err=None if g_mode == qk.G_SCALAR and global_amax is None else err,
+        err=None if g_mode == qk.G_SCALAR and global_amax is None else err, into=into,
     )
     _raise_if_bad(err, x, check_finite)
     lead = tuple(x.shape[:-1])
     if g_mode == qk.G_ROW_COMPUTE:
-        g_store = out["g"].reshape(*lead, 1)
+        g_store = res["g"].reshape(*lead, 1) if out is None else out.global_amax
+    elif out is not None and g_store is not None:
+        out.global_amax.copy_(g_store)  # per tensor (broadcast) or given per row
     if not write_codes:
-        return None, None, out
-    t = FP4Tensor(
-        codes=out["codes"].reshape(*lead, -1), block_scales=out["scales"].reshape(*lead, -1).view(fmt.scale_dtype),
-        global_amax=g_store, shape=tuple(x.shape), fmt=quantizer.fmt,
-    )
+        return None, None, res
+    if out is not None:
+        t = dataclasses.replace(out, global_amax=g_store)
+    else:
+        t = FP4Tensor(
+            codes=res["codes"].reshape(*lead, -1), block_scales=res["scales"].reshape(*lead, -1).view(fmt.scale_dtype),
+            global_amax=g_store, shape=tuple(x.shape), fmt=quantizer.fmt,
+        )
     rec = None
     if record:
-        rec = CompactGuidance(mantissa_bits=out["bits"].reshape(*lead, -1), block_scales=t.block_scales,
+        rec = CompactGuidance(mantissa_bits=res["bits"].reshape(*lead, -1), block_scales=t.block_scales,
                               global_amax=t.global_amax, shape=t.shape, fmt=t.fmt)
-    return t, rec, out
+    return t, rec, res
+
+
+def _into(out: FP4Tensor, x, quantizer: Quantizer, codes_only: bool) -> dict[str, torch.Tensor]:
+    """``quantize``'s ``out`` as ``run_quant``'s ``into`` rows: codes, scales (uint8) and the amax as [M, width]
+    views. Raises ``ValueError`` naming what does not fit."""
+    if not codes_only:
+        raise ValueError("out= needs write_codes=True, deq_dtype=None and want_mask=False")
+    fmt = quantizer.format
+    if not isinstance(out, FP4Tensor) or out.fmt != quantizer.fmt or tuple(out.shape) != tuple(x.shape):
+        raise ValueError(f"out must be an FP4Tensor of fmt={quantizer.fmt!r}, shape {tuple(x.shape)}, got "
+                         f"{type(out).__name__} {getattr(out, 'fmt', None)!r} {getattr(out, 'shape', None)}")
+    if out.block_scales.dtype != fmt.scale_dtype:
+        raise ValueError(f"out.block_scales.dtype={out.block_scales.dtype} must be {fmt.scale_dtype}")
+    amax = out.global_amax
+    if (amax is None) != (quantizer.fmt != "nvfp4") or (amax is not None and (
+            tuple(amax.shape) != (*x.shape[:-1], 1) or amax.dtype != torch.float32)):
+        want = f"float32 {[*x.shape[:-1], 1]}" if quantizer.fmt == "nvfp4" else "None"
+        got = None if amax is None else f"{amax.dtype} {list(amax.shape)}"
+        raise ValueError(f"out.global_amax must be {want} (per-row storage) for fmt={quantizer.fmt!r}, got {got}")
+    rows = {"codes": out.codes, "scales": out.block_scales.view(torch.uint8)}
+    if amax is not None:
+        rows["g"] = amax
+    for name, t in rows.items():
+        try:
+            rows[name] = t.view(-1, t.shape[-1])
+        except RuntimeError:
+            raise ValueError(f"out's {name} (shape {list(t.shape)}, strides {t.stride()}) are not rows of one "
+                             "stride") from None
+    return rows
 
 
 def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: bool = False,

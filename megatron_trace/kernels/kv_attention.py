@@ -68,10 +68,13 @@ def reference_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = 
 
 def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = None, lengths=None,
                            starts=None, kv_mask=None, kernel: str | Kernel = "auto",
-                           kv_dtype: torch.dtype = torch.bfloat16, exact: bool = True) -> torch.Tensor:
+                           kv_dtype: torch.dtype = torch.bfloat16, exact: bool = True,
+                           readable_rows: int | None = None) -> torch.Tensor:
     """Decode attention reading the FP4 KV cache directly (see the module docstring); [B, Hq, D] in q.dtype.
 
-    ``kv_dtype``: the reference's dequantized K/V dtype. ``exact``: the Triton path's kernel (see above)."""
+    ``kv_dtype``: the reference's dequantized K/V dtype. ``exact``: the Triton path's kernel (see above).
+    ``readable_rows``: K/V rows [0, R >= T) that the Triton path may read, finite (see
+    ``kv_attention_triton.decode_attention``); the result does not depend on it."""
     if select_kernel(kernel, k.codes.device) is Kernel.REFERENCE:
         return reference_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, kv_dtype=kv_dtype,
                                    starts=starts)
@@ -80,4 +83,4 @@ def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return kv_attention_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, starts=starts,
-                                                kv_mask=kv_mask, exact=exact)
+                                                kv_mask=kv_mask, readable_rows=readable_rows, exact=exact)

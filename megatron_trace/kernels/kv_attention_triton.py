@@ -112,13 +112,17 @@ def _trip_count(n_tiles, TILES: tl.constexpr):
 
 
 @triton.jit
-def _program(len_ptr, first_ptr, T, chunk, n_tiles, HKV: tl.constexpr, BT: tl.constexpr, HAS_LEN: tl.constexpr,
-             HAS_FIRST: tl.constexpr):
-    """(batch, KV head, split, first tile's token, end token, first attended token, tiles) of this program.
+def _program(len_ptr, first_ptr, T, R, chunk, n_tiles, HKV: tl.constexpr, BT: tl.constexpr, HAS_LEN: tl.constexpr,
+             HAS_FIRST: tl.constexpr, LOAD_R: tl.constexpr):
+    """(batch, KV head, split, first tile's token, load end, attend end, first attended token, tiles) of this
+    program.
 
-    end <= the sequence's length; with ``first`` (the row's first attended token) the tiles before its tile are
-    skipped: the tile boundaries stay those of the split (multiples of BT), so the tiles that run are the ones a
-    kv_mask attending [first, end) would run, minus tiles that attend nothing."""
+    The attend end is <= the sequence's length (T, or ``lengths``); the loads end there too, or with ``LOAD_R`` at
+    the split's end or R (rows in [end, R) are read and weigh 0: a bound that is a multiple of 16 keeps the
+    loads' masks uniform over 16 rows, ~13% faster on the H200 than at T = 16k + 1). With ``first`` (the row's
+    first attended token) the tiles before its tile are skipped: the tile boundaries stay those of the split
+    (multiples of BT), so the tiles that run are the ones a kv_mask attending [first, end) would run, minus tiles
+    that attend nothing."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = (pid // HKV).to(tl.int64)
@@ -129,31 +133,34 @@ def _program(len_ptr, first_ptr, T, chunk, n_tiles, HKV: tl.constexpr, BT: tl.co
         n = T
     start = split * chunk
     end = tl.minimum(start + chunk, n)
+    load_end = end
+    if LOAD_R:
+        load_end = tl.minimum(start + chunk, R)
     first = 0
     if HAS_FIRST:
         first = tl.load(first_ptr + b).to(tl.int32)
         start = tl.maximum(start, first // BT * BT)
     if HAS_LEN or HAS_FIRST:  # no empty tiles
         n_tiles = tl.minimum(n_tiles, tl.cdiv(tl.maximum(end - start, 0), BT))
-    return b, h, split, start, end, first, n_tiles
+    return b, h, split, start, load_end, end, first, n_tiles
 
 
 @triton.jit
-def _tile_rows(mask_ptr, b, sm_b, start, end, first, i, BT: tl.constexpr, HAS_MASK: tl.constexpr,
-               MASK_WORDS: tl.constexpr, HAS_FIRST: tl.constexpr):
-    """Token rows t [BT] of tile ``i``, which of them are in bounds (before ``end``: what the K/V loads read) and
-    which are attended (in bounds, from ``first`` on and kv_mask != 0: what the softmax keeps). The K/V loads do
-    not wait for the mask, so masked rows in bounds are read (the caches write every row up to their length) and
-    weigh 0."""
+def _tile_rows(mask_ptr, b, sm_b, start, load_end, end, first, i, BT: tl.constexpr, HAS_MASK: tl.constexpr,
+               MASK_WORDS: tl.constexpr, HAS_FIRST: tl.constexpr, LOAD_R: tl.constexpr):
+    """Token rows t [BT] of tile ``i``, which of them are loaded (before ``load_end``) and which are attended
+    (before ``end``, from ``first`` on and kv_mask != 0: what the softmax keeps). The K/V loads do not wait for the
+    mask, so masked rows that are loaded (the caches write every row up to their length) weigh 0."""
     t = start + i * BT + tl.arange(0, BT)
-    inb = t < end
+    inb = t < load_end
+    attend = inb
+    if LOAD_R:
+        attend = t < end
     if HAS_MASK and MASK_WORDS:  # kv_mask as int32 words of 4 token bytes (one 4-byte load per token)
         w = tl.load(mask_ptr.to(tl.pointer_type(tl.int32)) + b * sm_b + t // 4, mask=inb, other=0)
-        attend = inb & (((w >> ((t % 4) * 8)) & 0xFF) != 0)
+        attend = attend & (((w >> ((t % 4) * 8)) & 0xFF) != 0)
     elif HAS_MASK:  # kv_mask [B, T] (uint8, 0 = masked): left padding, finished rows
-        attend = inb & (tl.load(mask_ptr + b * sm_b + t, mask=inb, other=0) != 0)
-    else:
-        attend = inb
+        attend = attend & (tl.load(mask_ptr + b * sm_b + t, mask=inb, other=0) != 0)
     if HAS_FIRST:
         attend = attend & (t >= first)
     return t, inb, attend
@@ -193,20 +200,20 @@ def _store_ml(ml_ptr, row, gmask, m_i, l_i):
 @triton.jit
 def fp4kv_decode_attn_kernel(
     q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, first_ptr, mask_ptr, acc_ptr, ml_ptr,
-    T, chunk, n_tiles, sm_scale,
+    T, R, chunk, n_tiles, sm_scale,
     sq_b, sq_h, sm_b,
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
     BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, FAST_DIV: tl.constexpr,
+    LOAD_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, FAST_DIV: tl.constexpr,
     F32_DOT: tl.constexpr, TILES: tl.constexpr,
 ):
     """Exact path: partial attention of split ``program_id(1)`` over the reference's bf16 K/V:
     acc [B, Hq, S, D] (unnormalised), ml [B, Hq, S, 2]."""
     D: tl.constexpr = NB * B
-    b, h, split, start, end, first, n_tiles = _program(len_ptr, first_ptr, T, chunk, n_tiles, HKV, BT, HAS_LEN,
-                                                       HAS_FIRST)
+    b, h, split, start, load_end, end, first, n_tiles = _program(len_ptr, first_ptr, T, R, chunk, n_tiles, HKV, BT,
+                                                                 HAS_LEN, HAS_FIRST, LOAD_R)
     g = tl.arange(0, GP)
     gmask = g < G
     d = tl.arange(0, D)
@@ -218,7 +225,8 @@ def fp4kv_decode_attn_kernel(
     kc, ks, kg = kc_ptr + b * skc_b + h * skc_h, ks_ptr + b * sks_b + h * sks_h, kg_ptr + b * skg_b + h * skg_h
     vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
     for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
-        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, end, first, i, BT, HAS_MASK, MASK_WORDS, HAS_FIRST)
+        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, load_end, end, first, i, BT, HAS_MASK, MASK_WORDS,
+                                      HAS_FIRST, LOAD_R)
         k = _deq_rows(kc, ks, kg, t, tmask, skc_t, sks_t, skg_t, FMT, NB, B, FAST_DIV)  # [BT, D] bf16
         s = _dot(q, tl.trans(k), F32_DOT) * sm_scale  # [GP, BT]
         p, alpha, m_i, l_i = _online_softmax(s, attend, m_i, l_i)
@@ -340,20 +348,20 @@ def _q_part(q_row, c, mask, Q: tl.constexpr):
 @triton.jit
 def fp4kv_decode_attn_fast_kernel(
     q_ptr, kc_ptr, ks_ptr, kg_ptr, vc_ptr, vs_ptr, vg_ptr, len_ptr, first_ptr, mask_ptr, acc_ptr, ml_ptr,
-    T, chunk, n_tiles, k_fac, v_fac,
+    T, R, chunk, n_tiles, k_fac, v_fac,
     sq_b, sq_h, sm_b,
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
     B: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
-    HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr,
+    LOAD_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr,
     F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr, TILES: tl.constexpr,
 ):
     """Fast path (see the module docstring): like ``fp4kv_decode_attn_kernel`` on K/V operands
     value * block scale * 2**-62 in 4 code-group parts; k_fac / v_fac: per-row factors with 2**62 folded in.
     Codes as uint16 groups (strides in groups); DG >= D/4 group columns (padded to 16 for the MMA's K)."""
-    b, h, split, start, end, first, n_tiles = _program(len_ptr, first_ptr, T, chunk, n_tiles, HKV, BT, HAS_LEN,
-                                                       HAS_FIRST)
+    b, h, split, start, load_end, end, first, n_tiles = _program(len_ptr, first_ptr, T, R, chunk, n_tiles, HKV, BT,
+                                                                 HAS_LEN, HAS_FIRST, LOAD_R)
     g = tl.arange(0, GP)
     gmask = g < G
     c = tl.arange(0, DG)
@@ -371,7 +379,8 @@ def fp4kv_decode_attn_fast_kernel(
     kc, ks, kg = kc_ptr + b * skc_b + h * skc_h, ks_ptr + b * sks_b + h * sks_h, kg_ptr + b * skg_b + h * skg_h
     vc, vs, vg = vc_ptr + b * svc_b + h * svc_h, vs_ptr + b * svs_b + h * svs_h, vg_ptr + b * svg_b + h * svg_h
     for i in range(0, _trip_count(n_tiles, TILES)):  # chunk / BT; tiles past ``end`` load nothing
-        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, end, first, i, BT, HAS_MASK, MASK_WORDS, HAS_FIRST)
+        t, tmask, attend = _tile_rows(mask_ptr, b, sm_b, start, load_end, end, first, i, BT, HAS_MASK, MASK_WORDS,
+                                      HAS_FIRST, LOAD_R)
         k0, k1, k2, k3 = _fp4_groups(kc, ks, t, tmask, skc_t, sks_t, FMT, D, DG, B, DEQ_ASM, SW)  # [BT, DG]
         s = _dot(q0, tl.trans(k0), F32_DOT)  # [GP, BT] = q K'^T over the 4 parts
         s = _dot_acc(q1, tl.trans(k1), s, F32_DOT)
@@ -501,16 +510,36 @@ so refused. The fast kernel's uint16/uint32 scale loads (``kv_attention_plan.sca
 gave right ones (2026-12-01)."""
 
 
+ROW_ALIGN = 16
+"""The loads' row bound is rounded up to this where the caller's ``readable_rows`` allow: Triton's JIT specializes
+an integer argument divisible by 16, so every load mask is uniform over 16 rows. H200, fast kernel, 16 / 4 heads
+of 128 (``bench_decode_attn.py``, session 12): 451 / 124 us at b64 and T = 32768 / 8192, 516 / 142 us at
+T = 32769 / 8193."""
+
+
+def aligned_rows(t_len: int, readable_rows: int | None) -> int:
+    """The K/V rows the loads may cover: T rounded up to ``ROW_ALIGN`` if within ``readable_rows``, else T."""
+    if readable_rows is None:
+        return t_len
+    if readable_rows < t_len:
+        raise ValueError(f"readable_rows={readable_rows} must be >= the K/V length T={t_len}")
+    up = -(-t_len // ROW_ALIGN) * ROW_ALIGN
+    return up if up <= readable_rows else t_len
+
+
 def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: float, lengths=None, starts=None,
-                     kv_mask=None, exact: bool = True, block_t: int | None = None, splits: int | None = None,
-                     num_warps: int | None = None, num_stages: int | None = None,
+                     kv_mask=None, readable_rows: int | None = None, exact: bool = True, block_t: int | None = None,
+                     splits: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
                      max_registers: int | None = None) -> torch.Tensor:
     """q [B, Hq, D], k/v FP4 [B, Hkv, T, D] -> [B, Hq, D] in q.dtype (see the module docstring).
 
     ``lengths`` int [B]: tokens per sequence; ``starts`` int [B]: each sequence's first attended token (the tiles
     before its tile are not run, the rows before it in its tile weigh 0); ``kv_mask`` bool [B, T]: False = not
     attended (masked rows before the length are still read, so they must hold finite K/V, as the caches' rows do,
-    and weigh 0).
+    and weigh 0). ``readable_rows`` R >= T: K/V rows [0, R) may be read whatever ``lengths`` says (they must be
+    finite, and weigh 0 past the length: e.g. ``FP4KVCache``'s zero-filled spare capacity); the loads then end
+    at T rounded up to 16 where R allows (``aligned_rows``), whatever ``lengths`` / ``starts`` say (a bound
+    loaded from them would not be known to divide by 16: 521 vs 451 us at b64 / 32K, H200).
     ``exact=True``: K/V are the reference's bf16 values (``FP4Tensor.dequantize(torch.bfloat16)``).
     ``exact=False``: the fast path, K/V the exact FP4 values (equal to ``reference_attention(kv_dtype=float32)``
     within bf16 rounding of the softmax weights). ``block_t``/``num_warps``/``num_stages``/``max_registers`` (per
@@ -546,15 +575,16 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     chunk = triton.cdiv(triton.cdiv(t_len, splits), block_t) * block_t
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, splits, 2, dtype=torch.float32, device=q.device)
+    rows = aligned_rows(t_len, readable_rows)
     lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else ml
     firsts = starts.to(device=q.device, dtype=torch.int32).contiguous() if starts is not None else ml
     mask, words = plan.mask_arg(kv_mask, t_len, q.device) if kv_mask is not None else (ml, False)
-    args = (q, kc, ks, kg, vc, vs, vg, lens, firsts, mask, acc, ml, t_len, chunk, chunk // block_t)
+    args = (q, kc, ks, kg, vc, vs, vg, lens, firsts, mask, acc, ml, t_len, rows, chunk, chunk // block_t)
     strides = (q.stride(0), q.stride(1), mask.stride(0), *kc.stride()[:3], *ks.stride()[:3], *kg.stride()[:3],
                *vc.stride()[:3], *vs.stride()[:3], *vg.stride()[:3])
     common = dict(HKV=hkv, G=group, GP=max(16, triton.next_power_of_2(group)), FMT=0 if k.fmt == "nvfp4" else 1,
                   B=k.block_size, BT=block_t, SPLITS=splits, HAS_LEN=lengths is not None,
-                  HAS_FIRST=starts is not None,
+                  HAS_FIRST=starts is not None, LOAD_R=readable_rows is not None,
                   HAS_MASK=kv_mask is not None, MASK_WORDS=words,
                   F32_DOT=not q.is_cuda,  # Triton's CPU interpreter: fp32 dots
                   TILES=0 if q.is_cuda else chunk // block_t,

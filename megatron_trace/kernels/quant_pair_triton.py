@@ -7,6 +7,8 @@ replace the IEEE division; the RNE / guided codeword comes from bit tricks (``tr
 ``quant_rne_triton`` and ``quant_guided_triton`` instead (by fp32 magnitudes). A tile where the fast division may
 be inexact (tiny/huge amax, Inf, a checked NaN/Inf) is redone in the same program by ``quant_triton``'s
 element-wise tile (IEEE division): one launch per call. Same modes and outputs as ``quant_triton.quant_kernel``.
+OUT_ROWS (RNE): row r's codes, scales and computed amax go to output row r * out_step, e.g. one position of a
+``[B, H, capacity, ...]`` buffer (the FP4 KV cache's decode write); other outputs keep row r.
 """
 
 from __future__ import annotations
@@ -40,14 +42,15 @@ def _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT: tl.constexpr, P: tl.
 
 
 @triton.jit
-def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
+def _pair_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
                mask_ptr, XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr, P: tl.constexpr,
                NBT: tl.constexpr, s_in_ptr, WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr,
                WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr,
                FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
     """RNE or guided quantize of a tile of element pairs [BM, NBT, P] (s_b: S_enc as [BM, 1]).
 
-    Each word's two elements become the two nibbles of one code byte, so packing stays in registers.
+    Each word's two elements become the two nibbles of one code byte, so packing stays in registers. Codes and
+    scales go to rows ``orows`` (``rows`` unless OUT_ROWS).
     """
     lo, hi = f.unpair(w, XDT)
     blk = kt * NBT + tl.arange(0, NBT)[None, :]  # [1, NBT]
@@ -90,9 +93,10 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr,
         cl, ch = f.full_code(zl, neg_l, rc & 15), f.full_code(zh, neg_h, rc >> 4)
         il, ih = cl & 7, ch & 7
     if WRITE_CODES:
-        tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
+        coff = orows[:, None, None] * (NB * P) + blk[:, :, None] * P + tl.arange(0, P)[None, None, :]
+        tl.store(codes_ptr + coff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
     if WRITE_SCALES:
-        tl.store(scales_ptr + rows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
+        tl.store(scales_ptr + orows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
     if WRITE_BITS:
         qr.store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P, NBT)
     if WRITE_DEQ:
@@ -131,12 +135,13 @@ def pair_kernel(
     BLOCK_M: tl.constexpr, NBT: tl.constexpr,
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
-    HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, EVEN_K: tl.constexpr,
+    HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, EVEN_K: tl.constexpr, out_step=1, OUT_ROWS: tl.constexpr = False,
 ):
     """``quant_kernel`` for K % B == 0 on x read as words of two elements (deq/mask as words too).
 
     x_ptr, deq_e_ptr and mask_e_ptr are the same buffers as elements, for the exact redo of a tile. EVEN_K: the
-    row's NB blocks are NUM_KT whole tiles, so NB is a constant and the tiles need no column masks.
+    row's NB blocks are NUM_KT whole tiles, so NB is a constant and the tiles need no column masks. OUT_ROWS (RNE
+    only): codes, scales and a computed per-row amax of row r are written at row r * out_step of their buffers.
     """
     if EVEN_K:
         NB = NUM_KT * NBT
@@ -145,33 +150,38 @@ def pair_kernel(
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
+    if OUT_ROWS:
+        orows = rows * out_step
+    else:
+        orows = rows
     NW = NB * P
     if NUM_KT == 1:  # the whole row group in one tile: x is read once
         w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P, WHOLE)
         lo, hi = f.unpair(w, XDT)
         amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, NBT]
-        s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT, G_MODE, NUM_KT, NBT, P)
-        _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
-                   scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE, G_MODE,
-                   B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
-                   HW_CVT, BY_MAG)
+        s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW, XDT, G_MODE, NUM_KT, NBT, P)
+        _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, orows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr,
+                   codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE,
+                   G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE,
+                   FAST_DIV, HW_CVT, BY_MAG, OUT_ROWS)
     else:
-        s_b = _pair_s_enc(tl.zeros([BLOCK_M, NBT], tl.float32), xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT,
-                          G_MODE, NUM_KT, NBT, P)
+        s_b = _pair_s_enc(tl.zeros([BLOCK_M, NBT], tl.float32), xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW,
+                          XDT, G_MODE, NUM_KT, NBT, P)
         for kt in range(NUM_KT):
             w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, WHOLE)
             lo, hi = f.unpair(w, XDT)
             amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
-            _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr,
+            _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr,
                        codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT,
                        FMT, MODE, G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
-                       CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG)
+                       CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG, OUT_ROWS)
 
 
 @triton.jit
-def _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT: tl.constexpr, G_MODE: tl.constexpr,
+def _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW, XDT: tl.constexpr, G_MODE: tl.constexpr,
                 NUM_KT: tl.constexpr, NBT: tl.constexpr, P: tl.constexpr):
-    """S_enc as [BM, 1] (1.0 for MXFP4); a per-row amax is taken from amax_b [BM, NBT] when NUM_KT == 1."""
+    """S_enc as [BM, 1] (1.0 for MXFP4); a per-row amax is taken from amax_b [BM, NBT] when NUM_KT == 1 (and
+    stored at rows ``orows`` of g_ptr)."""
     BM: tl.constexpr = amax_b.shape[0]
     if G_MODE == G_SCALAR:
         s_b = f.nvfp4_encode_scale(tl.load(g_ptr) + tl.zeros([BM, 1], tl.float32))
@@ -187,7 +197,7 @@ def _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT: tl.conste
                     w, _, _ = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, False)
                     lo, hi = f.unpair(w, XDT)
                     g1 = tl.maximum(g1, tl.max(tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2), axis=1))
-            tl.store(g_ptr + rows, g1, mask=rmask)
+            tl.store(g_ptr + orows, g1, mask=rmask)
         else:
             g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)
         s_b = f.nvfp4_encode_scale(g1)[:, None]  # [BM, 1]
@@ -195,15 +205,15 @@ def _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rmask, stride_w, NW, XDT: tl.conste
 
 
 @triton.jit
-def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
+def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
                scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT: tl.constexpr,
                FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr, NBT: tl.constexpr,
                WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
                WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr,
-               FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr):
+               FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, OUT_ROWS: tl.constexpr):
     """One K tile: the NaN/Inf check if asked, then ``_pair_tile``; a tile that may leave the range where the
     fast division is exact, or holds a checked NaN/Inf, takes the element-wise exact path instead (which passes
-    a checked NaN/Inf through to the dequantized output)."""
+    a checked NaN/Inf through to the dequantized output). Codes and scales go to rows ``orows``."""
     if CHECK_FINITE:
         lo, hi = f.unpair(w, XDT)
         ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
@@ -220,14 +230,14 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s
         slow += tl.max(tl.max(tl.max(tiny.to(tl.int32), axis=2), axis=1), axis=0)
     if slow == 0:
         if BY_MAG and MODE == RNE:  # RNE / guided compact NVFP4 by magnitudes; fp16 keeps the index path
-            qr.rne_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
+            qr.rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
                         mask_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
                         FAST_DIV)
         elif BY_MAG:
             qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, deq_ptr, mask_ptr,
                                    s_in_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
         else:
-            _pair_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
+            _pair_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
                        deq_ptr, mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES,
                        WRITE_BITS, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
     else:  # a quarter row at a time: the redo's live values stay below the fast path's registers
@@ -239,17 +249,24 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, rmask, stride_w, NB, s_b, s
             row = tl.sum(tl.where(sel, rows, 0), axis=0) + tl.zeros([1], tl.int64)
             ok = tl.sum(tl.where(sel, rmask.to(tl.int32), 0), axis=0) + tl.zeros([1], tl.int32) > 0
             s1 = tl.sum(tl.where(sel[:, None], s_b, 0.0), axis=0)[None, :]  # [1, 1]
+            c_ptr, sc_ptr = codes_ptr, scales_ptr
+            if OUT_ROWS:  # the element tile writes row ``row``: shift its codes / scales bases to row orows[r]
+                d = tl.sum(tl.where(sel, orows - rows, 0), axis=0)
+                c_ptr, sc_ptr = codes_ptr + d * (NB * (B // 2)), scales_ptr + d * NB
             for h in range(NBT // NBR):
                 kr = kt * (NBT // NBR) + h
                 x, col = qk._load_tile(x_ptr, row, ok, stride_w * 2, kr * NBR * B, K, NBR, B)
-                qk._tile(x, col, kr, row, ok, K, NB, s1, s1[:, :, None], s_in_ptr, gc_ptr, codes_ptr, scales_ptr,
+                qk._tile(x, col, kr, row, ok, K, NB, s1, s1[:, :, None], s_in_ptr, gc_ptr, c_ptr, sc_ptr,
                          bits_ptr, deq_e_ptr, mask_e_ptr, err_ptr, FMT, MODE, B, NBR, WRITE_CODES, WRITE_SCALES,
                          WRITE_BITS, WRITE_DEQ, WRITE_MASK, False, False, CHECK_FINITE)
 
 
 def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes, write_scales,
-                 write_bits, write_mask, fast_div) -> None:
-    """Launch ``pair_kernel`` into the buffers of ``out``."""
+                 write_bits, write_mask, fast_div, out_step: int | None = None) -> None:
+    """Launch ``pair_kernel`` into the buffers of ``out``. ``out_step``: out's codes / scales (and a computed amax,
+    ``g``) hold row r at row r * out_step (RNE only; None: row r, the kernel other callers compile)."""
+    if out_step is not None and int(mode) != int(RNE):
+        raise ValueError(f"out_step={out_step} needs RNE rounding, got mode={int(mode)}")
     m, k = x2d.shape
     nb = k // block
     xdt, wdt = qk._WORD[x2d.dtype]
@@ -270,6 +287,7 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits, WRITE_DEQ=deq is not None,
         WRITE_MASK=write_mask, CHECK_FINITE=err is not None, FAST_DIV=fast_div, HW_CVT=not qk.interpreting(x2d),
         BY_MAG=_by_magnitude(mode, fmt, xdt, write_bits), EVEN_K=nb == nbt * num_kt,
+        out_step=1 if out_step is None else out_step, OUT_ROWS=out_step is not None,
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
 

@@ -97,11 +97,12 @@ def _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT:
 
 
 @triton.jit
-def rne_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr,
+def rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr,
              XDT: tl.constexpr, P: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
              WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr,
              FAST_DIV: tl.constexpr):
-    """``quant_pair_triton._pair_tile`` for RNE NVFP4 with bf16 or fp32 x (see the module docstring)."""
+    """``quant_pair_triton._pair_tile`` for RNE NVFP4 with bf16 or fp32 x (see the module docstring); codes and
+    scales go to rows ``orows``, the other outputs to ``rows``."""
     lo, hi = f.unpair(w, XDT)
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
     bmask = blk < NB
@@ -118,12 +119,12 @@ def rne_tile(w, wcol, m3, amax_b, kt, rows, rmask, NB, s_b, codes_ptr, scales_pt
             sgn = tl.where(ok, 8, 0)[:, :, None]  # z = +0 where the block scale is 0
             cl = il | ((lo.to(tl.int32, bitcast=True) >> 28) & sgn)
             ch = ih | ((hi.to(tl.int32, bitcast=True) >> 28) & sgn)
-            woff = rows[:, None, None] * (NB * P) + blk[:, :, None] * P + tl.arange(0, P)[None, None, :]
+            woff = orows[:, None, None] * (NB * P) + blk[:, :, None] * P + tl.arange(0, P)[None, None, :]
             tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
         if WRITE_BITS:
             store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P, NBT)
     if WRITE_SCALES:
-        tl.store(scales_ptr + rows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
+        tl.store(scales_ptr + orows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
     if WRITE_DEQ:
         ml, mh = sum_to_mag(t_lo, p_lo), sum_to_mag(t_hi, p_hi)
         _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT, P, NBT, FAST_DIV)

@@ -348,11 +348,15 @@ def run_quant(
     scales_in: torch.Tensor | None = None, guide: torch.Tensor | None = None, write_codes: bool = True,
     write_scales: bool = True, write_bits: bool = False, deq_dtype: torch.dtype | None = None,
     write_mask: bool = False, err: torch.Tensor | None = None, fast_div: bool | None = None,
+    into: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Launch ``quant_kernel`` on x2d [M, K] (unit stride along K). Returns the asked outputs by name.
 
     ``g``: fp32 amax, 1 element (G_SCALAR) or [M] (G_ROW_GIVEN); G_ROW_COMPUTE returns it as ``"g"``.
     ``scales_in`` [M, NB] uint8 and ``guide`` (packed codes [M, Kp/2] or bits [M, Kp/8]) for guided modes.
+    ``into`` (RNE): preallocated ``"codes"`` [M, Kp/2], ``"scales"`` [M, NB] (uint8) and, for G_ROW_COMPUTE, ``"g"``
+    [M, 1] (fp32) views, rows at one common step (``into_step``), written in place: by ``pair_kernel`` itself, or
+    (the element kernel) copied from fresh outputs.
     """
     m, k = x2d.shape
     nb = triton.cdiv(k, block)
@@ -360,10 +364,14 @@ def run_quant(
     dev = x2d.device
     u8 = torch.uint8
     spare = torch.empty(1, dtype=u8, device=dev)
-    out = {}
-    if write_codes:
+    pair = _pair_ok(x2d, block, deq_dtype)
+    step = None if into is None else into_step(into, m, {"codes": kp // 2, "scales": nb, "g": 1}, dev)
+    out = dict(into) if into is not None and pair else {}
+    if "g" in out:
+        g = out["g"]
+    if write_codes and "codes" not in out:
         out["codes"] = torch.empty((m, kp // 2), dtype=u8, device=dev)
-    if write_scales:
+    if write_scales and "scales" not in out:
         out["scales"] = torch.empty((m, nb), dtype=u8, device=dev)
     if write_bits:
         out["bits"] = torch.empty((m, kp // 8), dtype=u8, device=dev)
@@ -371,20 +379,45 @@ def run_quant(
         out["deq"] = torch.empty((m, k), dtype=deq_dtype, device=dev)
     if write_mask:
         out["mask"] = torch.empty((m, k), dtype=u8, device=dev)
-    if int(g_mode) == int(G_ROW_COMPUTE):
+    if int(g_mode) == int(G_ROW_COMPUTE) and "g" not in out:
         g = out["g"] = torch.empty(m, dtype=torch.float32, device=dev)
     if m == 0:
         return out
     args = dict(g=g, scales_in=scales_in, guide=guide, err=err, spare=spare, fmt=fmt, block=block, mode=mode,
                 g_mode=g_mode, write_codes=write_codes, write_scales=write_scales, write_bits=write_bits,
                 write_mask=write_mask, fast_div=FAST_DIV if fast_div is None else fast_div)
-    if _pair_ok(x2d, block, deq_dtype):
+    if pair:
         from . import quant_pair_triton as qp  # imports this module's constants
 
-        qp.launch_pair(x2d, out, **args)
+        qp.launch_pair(x2d, out, out_step=step, **args)
     else:
         _launch_elem(x2d, out, CONFIG["elem"], keep_nonfinite=err is not None, **args)
+        for name, t in (into or {}).items():  # the element kernel writes contiguous rows: copy them into place
+            out[name] = t.copy_(out[name].view(t.shape))
     return out
+
+
+def into_step(into: dict[str, torch.Tensor], m: int, widths: dict[str, int], device) -> int:
+    """The row step of ``run_quant``'s ``into`` views: each [M, width] (unit stride along width) holds row r at
+    r * step * width elements from its start, with one step for all (e.g. rows of ``[B, H, capacity, width]``
+    buffers at one position: step = capacity). Raises ``ValueError`` naming a view that does not fit."""
+    steps = set()
+    for name, t in into.items():
+        w = widths.get(name)
+        if w is None:
+            raise ValueError(f"into has {name=}, expected some of {sorted(widths)}")
+        dtype = torch.float32 if name == "g" else torch.uint8
+        if tuple(t.shape) != (m, w) or t.dtype != dtype or t.device != torch.device(device):
+            raise ValueError(f"into[{name!r}] must be {dtype} [{m}, {w}] on {device}, got {t.dtype} "
+                             f"{list(t.shape)} on {t.device}")
+        if (w > 1 and t.stride(1) != 1) or (m > 1 and (t.stride(0) < w or t.stride(0) % w)):
+            raise ValueError(f"into[{name!r}] rows must be unit-stride and {w} elements apart times a step, got "
+                             f"strides {t.stride()}")
+        if m > 1:
+            steps.add(t.stride(0) // w)
+    if len(steps) > 1:
+        raise ValueError(f"into's views must share one row step (row stride / row width), got {sorted(steps)}")
+    return steps.pop() if steps else 1
 
 
 def _launch_elem(x2d, out, cfg, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes,

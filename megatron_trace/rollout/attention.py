@@ -63,7 +63,7 @@ def rollout_attention_forward(module, query, key, value, attention_mask, dropout
                                       **kwargs)
     k, v = layer.packed_history()  # [B, Hkv, T, D] FP4
     out = fp4kv_decode_attention(query[:, :, 0], k, v, scale=scaling, kernel=layer.kernel, kv_dtype=query.dtype,
-                                 exact=not layer.fast_attention,
+                                 exact=not layer.fast_attention, readable_rows=layer.readable_rows(),
                                  **_mask_rows(attention_mask, k.shape[2], layer))  # [B, Hq, D]
     return out.unsqueeze(1), None
 

@@ -200,7 +200,32 @@ def _quantize_dequantize(x: torch.Tensor, quantizer: Quantizer, record: bool = F
 
 def _routing(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """top_k_index [T, k] -> (order, offs, inv): the (token, slot) pairs sorted by expert (stable), the cumulative
-    tokens per expert (int32 [E], ``torch._grouped_mm``'s offs) and order's inverse permutation. No host sync."""
+    tokens per expert (int32 [E], ``torch._grouped_mm``'s offs) and order's inverse permutation. No host sync.
+
+    On CUDA, for inputs that ``kernels.moe_routing_triton.fits`` (decode), one Triton launch with the same result
+    bit for bit; elsewhere ``_routing_torch``."""
+    if _routing_kernel_fits(top_k_index, num_experts):
+        from ..kernels import moe_routing_triton
+
+        return moe_routing_triton.routing(top_k_index, num_experts)
+    return _routing_torch(top_k_index, num_experts)
+
+
+def _routing_kernel_fits(top_k_index: torch.Tensor, num_experts: int) -> bool:
+    """Whether ``_routing`` takes the one-launch Triton kernel: CUDA, Triton installed, a small integer [T, k] (a
+    host-side decision on shapes and dtypes only)."""
+    from ..kernels.dispatch import triton_available
+
+    if not (top_k_index.is_cuda and top_k_index.dim() == 2 and triton_available()):
+        return False
+    from ..kernels import moe_routing_triton
+
+    return top_k_index.dtype in moe_routing_triton.INDEX_DTYPES and moe_routing_triton.fits(top_k_index.numel(),
+                                                                                            num_experts)
+
+
+def _routing_torch(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_routing`` in PyTorch ops (a sort, a searchsorted, an index_put): any size and device."""
     flat = top_k_index.reshape(-1)  # [T*k]
     key = flat.to(torch.int16) if num_experts <= 1 << 15 else flat  # a 2-byte radix sort: 2 passes, not 8
     ids, order = torch.sort(key, stable=True)  # the same order as int64 keys (stable)
@@ -232,10 +257,19 @@ _EAGER = (_routing, _sorted_rows, _gated_rows, _combine)
 
 @functools.cache
 def _compiled_ops() -> tuple[Callable, ...]:
-    """``_EAGER`` compiled by Inductor, rounding where the eager functions round (``rollout.compiled``)."""
+    """``_EAGER`` compiled by Inductor, rounding where the eager functions round (``rollout.compiled``). The routing
+    decides outside the compiled code: the Triton kernel where ``_routing`` takes it, else ``_routing_torch``
+    compiled."""
     from .compiled import compile_like_eager
 
-    return tuple(compile_like_eager(fn) for fn in _EAGER)
+    routing_torch = compile_like_eager(_routing_torch)
+
+    def routing(top_k_index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if _routing_kernel_fits(top_k_index, num_experts):
+            return _routing(top_k_index, num_experts)
+        return routing_torch(top_k_index, num_experts)
+
+    return (routing, *(compile_like_eager(fn) for fn in _EAGER[1:]))
 
 
 def grouped_experts_forward(
@@ -262,6 +296,7 @@ def grouped_experts_forward(
     values, so outputs equal the reference's within bf16 rounding, not bit for bit. Expert ids are not
     range-checked (that would sync); CUDA, bf16 hidden only. No host sync: capturable in a CUDA graph.
     ``record_fc1`` / ``record_fc2``: the quantize pass of that site also writes its compact guidance record.
+    The routing (``_routing``) is one Triton launch at decode sizes (``kernels.moe_routing_triton``).
     ``compiled``: the routing, row permutations, gate and weighted sum around the GEMMs (about fifteen small
     kernels per layer in eager PyTorch) run through Inductor, rounding where the eager functions round.
     """

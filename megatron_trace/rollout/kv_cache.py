@@ -6,7 +6,9 @@ Each ``update`` returns the whole dequantized history, the new tokens included, 
 step sees the same K/V as a full-sequence forward with fake-quantized K/V.
 
 Storage: preallocated buffers [B, kv_heads, capacity, ...] that grow geometrically (a decode step
-writes one token in place; no per-step copy of the history). A per-tensor global amax is stored
+writes one token in place; no per-step copy of the history). On the Triton path a one-token update is one
+quantize launch per K or V that writes the token's codes, scales and amax straight into the buffers
+(``fused.quantize(out=)``); a prefill quantizes, then copies. A per-tensor global amax is stored
 per row (the same value in every row of a chunk: dequantizes to the same bits). ``kernel``
 (``TraceConfig.kernel``): on CUDA, "auto" quantizes and dequantizes with the Triton twins of
 ``formats`` (same bits as the reference).
@@ -28,11 +30,11 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..formats import FP4Tensor, Quantizer
+from ..formats import CompactGuidance, FP4Tensor, Quantizer
 from ..formats.sglang_kvfp4 import SGLangKVQuantizer
+from ..kernels import Kernel, quantize_and_record, select_kernel
 from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
-from ..kernels import quantize_and_record
 from ..kernels.checks import FiniteCounter, read_and_reset
 from .recorder import GuidanceRecorder
 
@@ -43,6 +45,8 @@ DEFERRED_ATTR = "_trace_fp4_kv_layer"
 """Attribute of the key tensor a deferred decode update returns: the ``FP4KVLayer`` holding the history."""
 
 MIN_GROWTH = 256
+ROW_ALIGN = 16
+"""Buffer capacities are multiples of this (the decode attention's aligned load bound: ``readable_rows``)."""
 """Extra token slots allocated when a buffer grows (at least; else an eighth of the length)."""
 
 
@@ -57,18 +61,36 @@ class _Growing:
         t = next(iter(parts.values())).shape[2]
         need = self.length + t
         for name, x in parts.items():
-            buf = self.bufs.get(name)
-            if buf is None or buf.shape[2] < need:
-                cap = need + max(MIN_GROWTH, need // 8)
-                new = x.new_empty((x.shape[0], x.shape[1], cap, *x.shape[3:]))
-                if buf is not None:
-                    new[:, :, : self.length] = buf[:, :, : self.length]
-                self.bufs[name] = buf = new
-            buf[:, :, self.length : need] = x
+            self._room(name, x, need)[:, :, self.length : need] = x
         self.length = need
+
+    def next_rows(self, t: int) -> dict[str, torch.Tensor]:
+        """Views [B, kv_heads, t, ...] of every buffer's rows [length, length + t), grown first where full (as
+        ``append``); the caller writes them, then adds t to ``length``."""
+        need = self.length + t
+        return {name: self._room(name, buf, need)[:, :, self.length : need] for name, buf in list(self.bufs.items())}
+
+    def _room(self, name: str, like: torch.Tensor, need: int) -> torch.Tensor:
+        """Buffer ``name`` with room for ``need`` rows: when absent or full, a new one of ``like``'s dtype and
+        [B, kv_heads, :, ...] with spare capacity (``MIN_GROWTH`` or an eighth, rounded up to ``ROW_ALIGN``
+        rows), the rows so far copied over. The spare rows are zeros: K/V rows the decode attention may read
+        (``capacity``; FP4 zeros decode to 0)."""
+        buf = self.bufs.get(name)
+        if buf is None or buf.shape[2] < need:
+            cap = -(-(need + max(MIN_GROWTH, need // 8)) // ROW_ALIGN) * ROW_ALIGN
+            new = like.new_zeros((like.shape[0], like.shape[1], cap, *like.shape[3:]))
+            if buf is not None:
+                new[:, :, : self.length] = buf[:, :, : self.length]
+            self.bufs[name] = buf = new
+        return buf
 
     def view(self, name: str) -> torch.Tensor:
         return self.bufs[name][:, :, : self.length]
+
+    @property
+    def capacity(self) -> int:
+        """Rows every buffer holds (written ones and zeros after them)."""
+        return min((b.shape[2] for b in self.bufs.values()), default=0)
 
     def select(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (int64 [B']; repeats fork a row)."""
@@ -76,6 +98,12 @@ class _Growing:
 
     def nbytes(self) -> int:
         return sum(self.view(n).numel() * b.element_size() for n, b in self.bufs.items())
+
+
+def _on_triton(kernel: str, x: torch.Tensor, quantizer: Quantizer) -> bool:
+    """Whether ``kernels.quantize`` of x takes the Triton path (``kernels.select_kernel``)."""
+    unsupported = "stochastic rounding has no Triton path" if quantizer.rounding != "rne" else None
+    return select_kernel(kernel, x.device, unsupported=unsupported) is Kernel.TRITON
 
 
 class _FP4Rows:
@@ -89,6 +117,44 @@ class _FP4Rows:
     @property
     def length(self) -> int:
         return self.store.length
+
+    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer, record: bool
+                        ) -> tuple[FP4Tensor, CompactGuidance | None]:
+        """Quantize x [B, kv_heads, t, head_dim] and append it: (its FP4 rows, their compact record if ``record``).
+
+        A one-token update on the Triton path is one kernel that writes codes, scales and amax straight into the
+        buffers (``_write_token``; the rows returned are views of them); else quantize, then copy (``append``)."""
+        if x.shape[2] == 1 and self._writes_in_place(x, quantizer):
+            return self._write_token(x, quantizer, record)
+        if record:
+            q, rec = quantize_and_record(x, quantizer, kernel=self.kernel, check_finite=False)
+        else:
+            q, rec = kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False), None
+        self.append(q)
+        return q, rec
+
+    def _writes_in_place(self, x: torch.Tensor, quantizer: Quantizer) -> bool:
+        """Whether the buffers exist, are contiguous (one row step) and fit x's rows and format, and the quantize
+        runs on Triton."""
+        bufs = self.store.bufs
+        return (self.length > 0 and self.meta == (quantizer.fmt, quantizer.format.scale_dtype, x.shape[-1])
+                and tuple(bufs["codes"].shape[:2]) == tuple(x.shape[:2]) and bufs["codes"].device == x.device
+                and ("amax" in bufs) == (quantizer.fmt == "nvfp4") and all(b.is_contiguous() for b in bufs.values())
+                and _on_triton(self.kernel, x, quantizer))
+
+    def _write_token(self, x: torch.Tensor, quantizer: Quantizer, record: bool
+                     ) -> tuple[FP4Tensor, CompactGuidance | None]:
+        """``fused.quantize(out=...)`` of one token into rows ``length`` of the buffers [B, kv_heads, capacity, ...]
+        (row m = b * kv_heads + h of x at m * capacity rows: one row step), grown first when full."""
+        from ..kernels import fused  # imports Triton
+
+        rows = self.store.next_rows(1)
+        fmt, scale_dtype, _ = self.meta
+        out = FP4Tensor(codes=rows["codes"], block_scales=rows["scales"].view(scale_dtype),
+                        global_amax=rows.get("amax"), shape=tuple(x.shape), fmt=fmt)
+        q, rec, _ = fused.quantize(x, quantizer, record=record, check_finite=False, out=out)
+        self.store.length += 1
+        return q, rec
 
     def append(self, q: FP4Tensor) -> None:
         parts = {"codes": q.codes, "scales": q.block_scales.view(torch.uint8)}
@@ -183,13 +249,12 @@ class FP4KVLayer(DynamicLayer):
             return rows.append(x)
         rec = self.recorder
         record = None
-        if not isinstance(self.quantizer, Quantizer):
+        if not isinstance(self.quantizer, Quantizer):  # SGLang's KV format: the reference
             q = self.quantizer.quantize(x)
-        elif rec is not None and rec.compact and rec.wants(self.layer_idx, site):  # one pass writes the record too
-            q, record = quantize_and_record(x, self.quantizer, kernel=self.kernel, check_finite=False)
-        else:
-            q = kernel_quantize(x, self.quantizer, kernel=self.kernel, check_finite=False)
-        rows.append(q)
+            rows.append(q)
+        else:  # one pass writes the compact record too when it is wanted
+            want = rec is not None and rec.compact and rec.wants(self.layer_idx, site)
+            q, record = rows.quantize_append(x, self.quantizer, record=want)
         if rec is not None:
             rec.add_heads_major(self.layer_idx, site, q, record)
         return rows.dequantize(x.dtype) if read else None
@@ -209,6 +274,11 @@ class FP4KVLayer(DynamicLayer):
     def packed_history(self) -> tuple[FP4Tensor, FP4Tensor]:
         """The packed K and V history [B, kv_heads, T, head_dim] of a layer whose K and V are both FP4."""
         return self._rows["kv_k"].fp4(), self._rows["kv_v"].fp4()
+
+    def readable_rows(self) -> int:
+        """Rows of ``packed_history``'s buffers that may be read (>= T: the history, then zeros), for the decode
+        attention's ``readable_rows``."""
+        return min(rows.store.capacity for rows in self._rows.values())
 
     def fp4_history(self, site: str) -> FP4Tensor | None:
         """The stored FP4 history of ``site`` ("kv_k" | "kv_v") [B, kv_heads, T, head_dim], None if unquantized."""

@@ -36,6 +36,16 @@ def map_record(rec: Record, fn: Callable[[torch.Tensor], torch.Tensor], shape: t
     )
 
 
+def _per_row_amax(rec: Record) -> Record:
+    """A per-tensor (0-d) global amax as the same value on every row ([..., 1]): one step's record is one chunk
+    of the sequence (a prefill, one token), each with its own amax, and the chunks are concatenated (``finish``),
+    as ``FP4KVCache`` stores them (``TraceConfig(activation_amax="per_tensor")``)."""
+    g = rec.global_amax
+    if g is None or g.dim():
+        return rec
+    return dataclasses.replace(rec, global_amax=g.reshape([1] * len(rec.shape)).expand(*rec.shape[:-1], 1))
+
+
 def cat_records(recs: list[Record], dim: int) -> Record:
     """Concatenate records along a leading ``dim``."""
     first = recs[0]
@@ -78,8 +88,10 @@ class GuidanceRecorder:
 
     def _record(self, q: FP4Tensor, record: CompactGuidance | None) -> Record:
         if not self.compact:
-            return q.guidance(compact=False)
-        return compact_guidance(q, kernel=self.kernel) if record is None else record
+            rec = q.guidance(compact=False)
+        else:
+            rec = compact_guidance(q, kernel=self.kernel) if record is None else record
+        return _per_row_amax(rec)
 
     def _rows_to_batch(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(self.batch_size, -1, *t.shape[1:])  # [B*t, ...] -> [B, t, ...]

@@ -236,6 +236,43 @@ def test_mask_intervals_kernel_is_the_reference(t):
     assert torch.equal(fill[[0, 3, 4, 5]], m[[0, 3, 4, 5], :t])  # no hole: the interval is the mask
 
 
+def _rows_view(t, t_len: int):
+    """The first t_len rows of t [B, H, T', D] as a view (the rows after them readable, as a cache's capacity)."""
+    g = t.global_amax
+    return dataclasses.replace(t, codes=t.codes[:, :, :t_len], block_scales=t.block_scales[:, :, :t_len],
+                               global_amax=None if g is None or g.dim() == 0 else g[:, :, :t_len],
+                               shape=(*t.shape[:2], t_len, t.shape[3]))
+
+
+def test_aligned_rows_round_up_to_16_within_the_readable_rows():
+    from megatron_trace.kernels.kv_attention_triton import aligned_rows
+
+    assert [aligned_rows(41, r) for r in (None, 41, 47, 48, 300)] == [41, 41, 41, 48, 48]
+    assert aligned_rows(48, 48) == 48
+    with pytest.raises(ValueError, match="readable_rows=40 must be >= the K/V length T=41"):
+        aligned_rows(41, 40)
+
+
+@needs_triton
+@pytest.mark.parametrize("rows", ["none", "lengths", "mask", "interval"])
+@pytest.mark.parametrize("exact", [False, True])
+def test_readable_rows_change_nothing_but_the_load_bound(exact, rows):
+    """readable_rows: the loads run to T rounded up to 16 (rows [T, 48) read, weigh 0), bit for bit the result
+    without it; rows past 48 are never read (NaN there changes nothing)."""
+    q, k, v = _kv_case("nvfp4_row", 5, 8, 2, 60, 64, seed=9)
+    for full in (k, v):  # rows [41, 48) finite garbage, [48, 60) NaN
+        full.codes[:, :, 41:48] = 0x77
+        full.global_amax[:, :, 48:] = float("nan")
+    kt_, vt = _rows_view(k, 41), _rows_view(v, 41)
+    starts, ends, mask = _interval_rows(41, DEVICE)
+    kw = {"none": {}, "lengths": {"lengths": ends}, "mask": {"kv_mask": mask},
+          "interval": {"starts": starts, "lengths": ends}}[rows]
+    run = dict(scale=64**-0.5, exact=exact, block_t=16, splits=3, **kw)
+    want = kv_attention_triton.decode_attention(q, kt_, vt, **run)
+    got = kv_attention_triton.decode_attention(q, kt_, vt, readable_rows=60, **run)
+    assert torch.equal(got, want) and torch.isfinite(got).all()
+
+
 @needs_triton
 def test_fast_path_reads_fp4_kv_cache_views_and_odd_offsets():
     """``FP4KVCache`` history (a strided view of the capacity buffers) goes in as is; codes at an odd byte

@@ -178,3 +178,35 @@ def test_interval_cache_counts_a_mask_with_a_hole():
     with pytest.raises(ValueError, match="1 decode-step mask row"):
         cache.check_interval_masks()
     cache.check_interval_masks()  # the count was reset
+
+
+def test_cache_capacity_is_16_aligned_zeros_after_the_history():
+    """The buffers grow in multiples of 16 rows, zero-filled past the history: rows the decode attention may read
+    (``readable_rows``, its aligned load bound)."""
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(1, q, fused_decode=True)
+    k = torch.randn(2, 3, 37, 32)
+    cache.update(k, k, 0)
+    layer = cache.layers[0]
+    for _ in range(3):
+        cache.update(k[:, :, :1], k[:, :, :1], 0)
+    r = layer.readable_rows()
+    assert r % 16 == 0 and r >= 40 and layer.get_seq_length() == 40
+    for rows in layer._rows.values():
+        for buf in rows.store.bufs.values():
+            assert buf.shape[2] == r and not buf[:, :, 40:].any()
+
+
+def test_per_tensor_amax_records_each_steps_amax_on_its_rows():
+    """``activation_amax="per_tensor"``: each forward's quantize (the prefill, then one token per step) has one
+    amax; the recorder keeps it on that step's rows (as the FP4 cache stores it), so the steps concatenate."""
+    cfg = TraceConfig(activation_amax="per_tensor", guided_layers="all")
+    be = HFRolloutBackend(tiny_model(seed=1), mode="fp4", trace_config=cfg, dtype=torch.float32)
+    out = be.generate([[3, 4, 5], [6, 7, 8]], SamplingParams(max_new_tokens=4, seed=0))
+    for site in ("kv_k", "expert_fc1_in"):
+        rec = out.guidance[(0, site)].record
+        amax = rec.global_amax.reshape(2, rec.shape[1], -1)  # [B, S, rows of a position]
+        assert rec.global_amax.shape[-1] == 1 and torch.isfinite(amax).all()
+        assert (amax[:, :3] == amax[0, 0, 0]).all()  # the prefill: one chunk
+        for s in range(3, out.tokens.shape[1] - 1):  # each decode step: one chunk over the batch
+            assert (amax[:, s] == amax[0, s, 0]).all() and amax[0, s, 0] != amax[0, 0, 0]

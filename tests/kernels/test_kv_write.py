@@ -1,0 +1,162 @@
+"""The FP4 KV cache's decode write (one Triton quantize straight into the cache buffers, ``fused.quantize(out=)``)
+stores, returns and records what quantize-then-copy does, bit for bit (``torch.equal`` on codes, scales, amax and
+records): against the reference cache (``kernel="reference"``) for finite K/V, against the Triton quantize without
+``out=`` for NaN/Inf and extreme rows. Non-contiguous K/V (transposes of [B, t, H, D]), head_dim 64 and 128, bf16
+and fp16, buffer growth, batch selection.
+
+On the CPU (``TRITON_INTERPRET=1``) the cache's Triton path is forced on (``kv_cache._on_triton``: a CPU tensor
+never selects Triton) and buffers grow every few tokens; ``tests/gpu/test_kv_write_gpu.py`` runs the CUDA path.
+"""
+
+import pytest
+import torch
+
+from megatron_trace.formats import FP4Tensor, Quantizer
+from megatron_trace.rollout import kv_cache
+
+from ._gpu import DEVICE, INTERPRET, assert_same_fp4, edge_rows, needs_triton, random_rows
+from ._kv_write import QUANTIZERS, assert_same_runs, assert_tokens_stored, count_out_writes, run, steps
+
+pytestmark = needs_triton
+
+if DEVICE is not None:
+    from megatron_trace.kernels import fused, quant_triton
+
+DTYPES = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(autouse=True)
+def _triton_cache(monkeypatch):
+    """Interpreter: IEEE division (its fma is unfused) and the cache's Triton path on CPU tensors."""
+    if INTERPRET:
+        monkeypatch.setattr(quant_triton, "FAST_DIV", False)
+        monkeypatch.setattr(kv_cache, "_on_triton", lambda kernel, x, quantizer: kernel != "reference")
+    monkeypatch.setattr(kv_cache, "MIN_GROWTH", 2)  # the buffers grow every few decode steps
+
+
+@pytest.fixture
+def writes(monkeypatch):
+    """The ``fused.quantize`` calls with ``out=`` (the in-place decode writes), counted."""
+    return count_out_writes(monkeypatch)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4"])
+def test_decode_writes_equal_quantize_then_copy(policy, dtype, d, writes):
+    q = QUANTIZERS[policy]
+    kv = steps(2, 3, d, 6, dtype, DEVICE, seed=d)
+    got = run(q, kv)
+    assert sum(writes) == 2 * 6  # every decode update of K and V was written in place
+    assert got[0].get_seq_length() > 3 + kv_cache.MIN_GROWTH  # so the buffers grew during the decode
+    assert_same_runs(got, run(q, kv, kernel="reference"))
+
+
+@pytest.mark.parametrize("compact", [True, False, None], ids=["compact", "full", "no-recorder"])
+def test_records_and_batch_selection(compact, writes):
+    """The recorder gets the same rows and records; a fork of batch rows keeps the in-place write (the selected
+    buffers are contiguous)."""
+    q = QUANTIZERS["nvfp4-row"]
+    kv = steps(2, 2, 64, 5, torch.bfloat16, DEVICE, seed=1)
+    select = (3, torch.tensor([1, 0, 1], device=DEVICE))
+    got = run(q, kv, compact=compact, select=select)
+    assert sum(writes) == 2 * 5
+    assert_same_runs(got, run(q, kv, kernel="reference", compact=compact, select=select))
+
+
+def test_per_tensor_amax_is_stored_per_row(writes):
+    """NVFP4 with a per-tensor amax: the kernel writes codes and scales, the amax is copied into its rows."""
+    q = QUANTIZERS["nvfp4-tensor"]
+    kv = steps(2, 3, 64, 4, torch.bfloat16, DEVICE, seed=2)
+    got = run(q, kv, compact=None)  # (the recorder takes per-row amax only)
+    assert sum(writes) == 2 * 4
+    assert_same_runs(got, run(q, kv, kernel="reference", compact=None))
+
+
+def _odd_tokens(dtype, d: int, b: int = 2, h: int = 8) -> list[torch.Tensor]:
+    """Two decode tokens [B, H, 1, D] (transposes) of edge rows: ties, zeros, subnormal, huge, NaN and Inf."""
+    e = edge_rows(dtype)
+    bad = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0]).repeat(16).to(dtype)
+    rows = torch.cat([e, bad[None], -bad[None].roll(1, 1), e.flip(0)])
+    rows = torch.cat([rows] * (d // 64), 1) if d > 64 else rows
+    rows = torch.cat([rows, rows.roll(3, 0)] * 2)[: 2 * b * h]
+    return [r.reshape(b, 1, h, d).transpose(1, 2).to(DEVICE) for r in rows.split(b * h)]
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4"])
+def test_nonfinite_and_extreme_rows_equal_the_triton_quantize(policy, dtype, d, writes):
+    """NaN/Inf are not checked (``check_finite=False``) and extreme rows take the kernel's exact redo: the token
+    rows stored are those of the Triton quantize without ``out=``."""
+    q = QUANTIZERS[policy]
+    gen = torch.Generator().manual_seed(3)
+    prefill = random_rows((2, 3, 8, d), dtype, gen).to(DEVICE).transpose(1, 2)  # [B, H=8, 3, D]
+    toks = _odd_tokens(dtype, d)
+    cache = kv_cache.FP4KVCache(1, q, fused_decode=True)
+    cache.update(prefill, prefill, 0)
+    for t in toks:
+        cache.update(t, t, 0)
+    assert sum(writes) == 2 * len(toks)
+    assert_tokens_stored(cache, toks, q, 3)
+
+
+@pytest.fixture(params=["pair", "elem", "pair-tile32"])
+def kernel_variant(request, monkeypatch):
+    """The word-pair kernel, the element kernel (writes fresh rows, then copies), 32-element tiles (loops over K)."""
+    monkeypatch.setattr(quant_triton, "PAIR_KERNEL", request.param != "elem")
+    if request.param.endswith("tile32"):
+        monkeypatch.setattr(quant_triton, "CONFIG", {n: {"tile": 32, "num_warps": 4} for n in quant_triton.CONFIG})
+    return request.param
+
+
+def _buffers(q: Quantizer, b: int, h: int, cap: int, d: int) -> dict[str, torch.Tensor]:
+    """Cache-like buffers [B, H, cap, ...] filled with a sentinel."""
+    bufs = {"codes": torch.full((b, h, cap, d // 2), 0xAB, dtype=torch.uint8),
+            "scales": torch.full((b, h, cap, d // q.block_size), 0xCD, dtype=torch.uint8)}
+    if q.fmt == "nvfp4":
+        bufs["amax"] = torch.full((b, h, cap, 1), -7.0)
+    return {n: t.to(DEVICE) for n, t in bufs.items()}
+
+
+def _out(q: Quantizer, bufs, pos: int, shape) -> FP4Tensor:
+    rows = {n: t[:, :, pos : pos + 1] for n, t in bufs.items()}
+    return FP4Tensor(codes=rows["codes"], block_scales=rows["scales"].view(q.format.scale_dtype),
+                     global_amax=rows.get("amax"), shape=tuple(shape), fmt=q.fmt)
+
+
+@pytest.mark.parametrize("policy", list(QUANTIZERS))
+def test_quantize_out_writes_exactly_its_rows(policy, kernel_variant):
+    q = QUANTIZERS[policy]
+    gen = torch.Generator().manual_seed(4)
+    x = random_rows((2, 1, 3, 64), torch.bfloat16, gen).to(DEVICE).transpose(1, 2)  # [B, H, 1, D]
+    bufs = _buffers(q, 2, 3, 5, 64)
+    before = {n: t.clone() for n, t in bufs.items()}
+    t, rec, _ = fused.quantize(x, q, record=True, check_finite=False, out=_out(q, bufs, 2, x.shape))
+    want, want_rec, _ = fused.quantize(x, q, record=True, check_finite=False)
+    assert_same_fp4(t, want)
+    assert_same_fp4(rec, want_rec)
+    assert t.codes.data_ptr() == bufs["codes"][:, :, 2].data_ptr()  # the returned rows are the buffer's
+    for name, buf in bufs.items():
+        other = torch.ones(buf.shape[2], dtype=torch.bool)
+        other[2] = False
+        assert torch.equal(buf[:, :, other].cpu(), before[name][:, :, other].cpu()), name
+    amax = want.global_amax
+    if amax is not None:
+        amax = amax.expand(2, 3, 1, 1) if amax.dim() == 0 else amax
+        assert torch.equal(bufs["amax"][:, :, 2:3].cpu(), amax.cpu())
+
+
+def test_quantize_out_names_what_does_not_fit():
+    q = QUANTIZERS["nvfp4-row"]
+    x = torch.randn(2, 3, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    bufs = _buffers(q, 2, 3, 5, 64)
+    out = _out(q, bufs, 0, x.shape)
+    with pytest.raises(ValueError, match="one row step"):  # amax rows of another capacity
+        amax = torch.zeros(2, 3, 7, 1, device=DEVICE)[:, :, :1]
+        fused.quantize(x, q, check_finite=False, out=FP4Tensor(codes=out.codes, block_scales=out.block_scales,
+                                                                global_amax=amax, shape=out.shape, fmt=q.fmt))
+    with pytest.raises(ValueError, match="fmt='mxfp4'"):
+        fused.quantize(x, QUANTIZERS["mxfp4"], check_finite=False, out=out)
+    with pytest.raises(ValueError, match="deq_dtype=None"):
+        fused.quantize(x, q, check_finite=False, deq_dtype=torch.bfloat16, out=out)
