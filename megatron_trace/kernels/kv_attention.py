@@ -25,6 +25,22 @@ import torch
 from ..formats.tensor import FP4Tensor
 from .dispatch import Kernel, select_kernel
 
+ROW_ALIGN = 16
+"""The loads' row bound is rounded up to this where the caller's ``readable_rows`` allow: Triton's JIT specializes
+an integer argument divisible by 16, so every load mask is uniform over 16 rows. H200, fast kernel, 16 / 4 heads
+of 128 (``bench_decode_attn.py``, session 12): 451 / 124 us at b64 and T = 32768 / 8192, 516 / 142 us at
+T = 32769 / 8193."""
+
+
+def aligned_rows(t_len: int, readable_rows: int | None) -> int:
+    """The K/V rows the loads may cover: T rounded up to ``ROW_ALIGN`` if within ``readable_rows``, else T."""
+    if readable_rows is None:
+        return t_len
+    if readable_rows < t_len:
+        raise ValueError(f"readable_rows={readable_rows} must be >= the K/V length T={t_len}")
+    up = -(-t_len // ROW_ALIGN) * ROW_ALIGN
+    return up if up <= readable_rows else t_len
+
 
 def check_args(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, lengths, kv_mask=None, starts=None) -> None:
     if not (isinstance(k, FP4Tensor) and isinstance(v, FP4Tensor)):

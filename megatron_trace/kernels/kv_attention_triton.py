@@ -43,6 +43,7 @@ from ..formats.tensor import FP4Tensor
 from . import kv_attention_plan as plan
 from . import quant_triton as qk
 from . import triton_fp4 as f
+from .kv_attention import aligned_rows
 from .kv_attention_combine import combine_splits
 from .moe_triton import _dequant, _scale_f32
 
@@ -508,23 +509,6 @@ MXFP4_MIN_BLOCK_T = 32
 at one block per row, head_dim 32): wrong outputs on the H200 (right in the interpreter and at the default tiles),
 so refused. The fast kernel's uint16/uint32 scale loads (``kv_attention_plan.scale_word`` >= 2)
 gave right ones (2026-12-01)."""
-
-
-ROW_ALIGN = 16
-"""The loads' row bound is rounded up to this where the caller's ``readable_rows`` allow: Triton's JIT specializes
-an integer argument divisible by 16, so every load mask is uniform over 16 rows. H200, fast kernel, 16 / 4 heads
-of 128 (``bench_decode_attn.py``, session 12): 451 / 124 us at b64 and T = 32768 / 8192, 516 / 142 us at
-T = 32769 / 8193."""
-
-
-def aligned_rows(t_len: int, readable_rows: int | None) -> int:
-    """The K/V rows the loads may cover: T rounded up to ``ROW_ALIGN`` if within ``readable_rows``, else T."""
-    if readable_rows is None:
-        return t_len
-    if readable_rows < t_len:
-        raise ValueError(f"readable_rows={readable_rows} must be >= the K/V length T={t_len}")
-    up = -(-t_len // ROW_ALIGN) * ROW_ALIGN
-    return up if up <= readable_rows else t_len
 
 
 def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: float, lengths=None, starts=None,

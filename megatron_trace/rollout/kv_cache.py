@@ -36,6 +36,7 @@ from ..kernels import Kernel, quantize_and_record, select_kernel
 from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
 from ..kernels.checks import FiniteCounter, read_and_reset
+from ..kernels.kv_attention import ROW_ALIGN  # capacities in multiples of it: the attention's aligned loads
 from .recorder import GuidanceRecorder
 
 KVQuantizer = Quantizer | SGLangKVQuantizer
@@ -45,8 +46,6 @@ DEFERRED_ATTR = "_trace_fp4_kv_layer"
 """Attribute of the key tensor a deferred decode update returns: the ``FP4KVLayer`` holding the history."""
 
 MIN_GROWTH = 256
-ROW_ALIGN = 16
-"""Buffer capacities are multiples of this (the decode attention's aligned load bound: ``readable_rows``)."""
 """Extra token slots allocated when a buffer grows (at least; else an eighth of the length)."""
 
 

@@ -245,7 +245,7 @@ def _rows_view(t, t_len: int):
 
 
 def test_aligned_rows_round_up_to_16_within_the_readable_rows():
-    from megatron_trace.kernels.kv_attention_triton import aligned_rows
+    from megatron_trace.kernels.kv_attention import aligned_rows
 
     assert [aligned_rows(41, r) for r in (None, 41, 47, 48, 300)] == [41, 41, 41, 48, 48]
     assert aligned_rows(48, 48) == 48
