@@ -51,6 +51,8 @@ BLOCK_T = 64
 NUM_WARPS = 4
 """Exact path: default tile (cached tokens per step) and warps; sm_90 build without spills: 255 registers at
 64/4, 225 at 64/8, 168 at 32/4 (ptxas -v)."""
+
+
 @triton.jit
 def _deq_rows(c_ptr, s_ptr, g_ptr, t, tmask, st_c, st_s, st_g, FMT: tl.constexpr, NB: tl.constexpr,
               B: tl.constexpr, FAST_DIV: tl.constexpr):
@@ -71,17 +73,6 @@ def _deq_rows(c_ptr, s_ptr, g_ptr, t, tmask, st_c, st_s, st_g, FMT: tl.constexpr
         s_e = 1.0
     out = qk._unscale(codes, sf, e, s_e, FMT, FAST_DIV)
     return f.to_dtype(out.reshape(BT, NB * B), tl.bfloat16)
-
-
-@triton.jit
-def deq_rows_kernel(c_ptr, s_ptr, g_ptr, out_ptr, T, st_c, st_s, st_g, FMT: tl.constexpr, NB: tl.constexpr,
-                    B: tl.constexpr, BT: tl.constexpr, FAST_DIV: tl.constexpr):
-    """out[T, D] = ``_deq_rows`` of rows 0..T-1 (the attention kernel's dequantization, for tests)."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    d = tl.arange(0, NB * B)
-    x = _deq_rows(c_ptr, s_ptr, g_ptr, t, tmask, st_c, st_s, st_g, FMT, NB, B, FAST_DIV)
-    tl.store(out_ptr + t[:, None] * (NB * B) + d[None, :], x, mask=tmask[:, None])
 
 
 @triton.jit
@@ -404,23 +395,6 @@ def fp4kv_decode_attn_fast_kernel(
     _store_ml(ml_ptr, row, gmask, m_i * 0.6931471805599453, l_i)  # the max in units of e (``combine``)
 
 
-@triton.jit
-def deq_groups_kernel(c_ptr, s_ptr, out_ptr, T, st_c, st_s, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
-                      B: tl.constexpr, BT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr):
-    """out[T, D] bf16 = the fast kernel's K/V operand (``_fp4_groups``) of rows 0..T-1, in element order."""
-    t = tl.program_id(0) * BT + tl.arange(0, BT)
-    tmask = t < T
-    c = tl.arange(0, DG)
-    cmask = c < D // 4
-    w0, w1, w2, w3 = _fp4_groups(c_ptr, s_ptr, t, tmask, st_c, st_s, FMT, D, DG, B, DEQ_ASM, SW)
-    out = out_ptr + t[:, None] * D + 4 * c[None, :]
-    m = tmask[:, None] & cmask[None, :]
-    tl.store(out, w0, mask=m)
-    tl.store(out + 1, w1, mask=m)
-    tl.store(out + 2, w2, mask=m)
-    tl.store(out + 3, w3, mask=m)
-
-
 def _parts(t: FP4Tensor):
     """(codes [B,H,T,D/2] uint8, scales [B,H,T,NB] uint8, amax [B,H,T,1] fp32 or a dummy) with their strides."""
     codes, scales = t.codes, t.block_scales.view(torch.uint8)
@@ -436,28 +410,6 @@ def _parts(t: FP4Tensor):
     return codes, scales, g
 
 
-def _as_2d(t: FP4Tensor) -> FP4Tensor:
-    """A [T, D] FP4Tensor as [1, 1, T, D] (for the debug launchers)."""
-    g = t.global_amax
-    return FP4Tensor(codes=t.codes[None, None], block_scales=t.block_scales[None, None],
-                     global_amax=None if g is None else (g if g.dim() == 0 else g[None, None]),
-                     shape=(1, 1, *t.shape), fmt=t.fmt)
-
-
-def dequantize_rows(t: FP4Tensor, block_t: int = 64) -> torch.Tensor:
-    """The attention kernel's dequantization of a [T, D] FP4 tensor (bf16), for checking its bits."""
-    codes, scales, g = _parts(_as_2d(t))
-    n, d = t.shape
-    nb = scales.shape[-1]
-    out = torch.empty(n, d, dtype=torch.bfloat16, device=codes.device)
-    deq_rows_kernel[(triton.cdiv(n, block_t),)](
-        codes, scales, g, out, n, codes.stride(2), scales.stride(2), g.stride(2),
-        FMT=0 if t.fmt == "nvfp4" else 1, NB=nb, B=t.block_size, BT=block_t, FAST_DIV=qk.FAST_DIV,
-        enable_fp_fusion=False,
-    )
-    return out
-
-
 def _groups(codes: torch.Tensor) -> torch.Tensor:
     """uint8 codes [.., D/2] -> uint16 groups of 4 codes [.., D/4] (code 4c + q in nibble q): a view when the
     storage offset and strides are even (``FP4KVCache`` views are), else a contiguous copy."""
@@ -470,31 +422,6 @@ def _groups(codes: torch.Tensor) -> torch.Tensor:
 def _group_cols(d: int) -> int:
     """Code-group columns of a head_dim-``d`` tile: d/4, at least 16 (an MMA's K; the rest masked)."""
     return max(16, d // 4)
-
-
-def dequantize_groups(t: FP4Tensor, block_t: int = 16, deq_asm: bool | None = None) -> torch.Tensor:
-    """The fast path's K/V operand of a [T, D] FP4 tensor: value * block scale * 2**-62 (bf16, exact)."""
-    codes, scales, _ = _parts(_as_2d(t))
-    words = _groups(codes)
-    n, d = t.shape
-    out = torch.empty(n, d, dtype=torch.bfloat16, device=codes.device)
-    asm = codes.is_cuda if deq_asm is None else deq_asm
-    deq_groups_kernel[(triton.cdiv(n, block_t),)](
-        words, scales, out, n, words.stride(2), scales.stride(2), FMT=0 if t.fmt == "nvfp4" else 1, D=d,
-        DG=_group_cols(d), B=t.block_size, BT=block_t, DEQ_ASM=asm,
-        SW=plan.scale_word(asm, t.fmt, d, t.block_size, scales),
-    )
-    return out
-
-
-def groups_reference(t: FP4Tensor) -> torch.Tensor:
-    """Torch twin of ``dequantize_groups``: decoded code x block scale x 2**-62 in float64, then bf16 (exact)."""
-    from ..formats import e2m1
-
-    q = e2m1.decode(t.unpacked_codes(), torch.float64).unflatten(-1, (-1, t.block_size))
-    sc = t.block_scales
-    sf = sc.double() if t.fmt == "nvfp4" else torch.exp2(sc.view(torch.uint8).double() - 127)
-    return (q * sf.unsqueeze(-1) * 2.0**-62).flatten(-2)[..., : t.shape[-1]].to(torch.bfloat16)
 
 
 def _row_factors(fmt: str, scale: float) -> tuple[float, float]:

@@ -23,7 +23,7 @@ if not (torch.cuda.is_available() and importlib.util.find_spec("triton")):
 
 from megatron_trace.config import TraceConfig  # noqa: E402
 from megatron_trace.formats import Quantizer  # noqa: E402
-from megatron_trace.kernels import kv_attention_triton  # noqa: E402
+from megatron_trace.kernels import kv_attention_debug, kv_attention_triton  # noqa: E402
 from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, reference_attention  # noqa: E402
 from megatron_trace.rollout.experts import ExpertWeightStore  # noqa: E402
 from megatron_trace.rollout.fp4_moe import grouped_experts_forward, w4a4_experts_forward  # noqa: E402
@@ -50,7 +50,7 @@ QUANTIZERS = {"nvfp4_row": Quantizer("nvfp4", per_row=True), "nvfp4_tensor": Qua
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_in_kernel_dequantization_is_the_reference_bf16(name):
     q = _kv((300, 128), QUANTIZERS[name], seed=1)
-    got = kv_attention_triton.dequantize_rows(q)
+    got = kv_attention_debug.dequantize_rows(q)
     assert torch.equal(got.view(torch.int16), q.dequantize(torch.bfloat16).view(torch.int16))
 
 
@@ -68,8 +68,8 @@ def _spread_rows(n, d, seed):
 def test_fast_dequantization_is_value_times_scale(name, d, deq_asm):
     """The fast kernel's K/V operand (inline PTX or Triton ops) is code value x block scale x 2**-62, bit for bit."""
     t = QUANTIZERS[name].quantize(_spread_rows(301, d, seed=d))
-    got = kv_attention_triton.dequantize_groups(t, block_t=32, deq_asm=deq_asm)
-    want = kv_attention_triton.groups_reference(t)  # torch decode, float64: exact
+    got = kv_attention_debug.dequantize_groups(t, block_t=32, deq_asm=deq_asm)
+    want = kv_attention_debug.groups_reference(t)  # torch decode, float64: exact
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
 
 

@@ -14,7 +14,7 @@ from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, referenc
 from ._gpu import DEVICE, HAS_TRITON, INTERPRET, needs_triton, random_rows
 
 if DEVICE is not None:
-    from megatron_trace.kernels import kv_attention_combine, kv_attention_triton
+    from megatron_trace.kernels import kv_attention_combine, kv_attention_debug, kv_attention_triton
 
 
 def _case(seed, b=3, hq=8, hkv=2, t=21, d=32, fmt="nvfp4"):
@@ -107,8 +107,8 @@ def test_fast_path_dequantization_is_value_times_scale(name, d):
     fmt, per_row = QUANTIZERS[name]
     x = random_rows((37, d), torch.float32, torch.Generator().manual_seed(d), spread=3.0)  # many scale regimes
     t = Quantizer(fmt, per_row=per_row).quantize(x.to(DEVICE))
-    got = kv_attention_triton.dequantize_groups(t, block_t=16)
-    want = kv_attention_triton.groups_reference(t).cpu()
+    got = kv_attention_debug.dequantize_groups(t, block_t=16)
+    want = kv_attention_debug.groups_reference(t).cpu()
     assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
 
 
@@ -128,8 +128,8 @@ def test_fast_path_dequantization_of_tiny_and_zero_block_scales(name, d):
     sc = t.block_scales.view(torch.uint8).cpu()
     if fmt == "nvfp4":
         assert ((sc > 0) & (sc < 8)).any() and (sc == 0).any()  # e4m3 subnormal and zero scales occur
-    got = kv_attention_triton.dequantize_groups(t, block_t=32)
-    want = kv_attention_triton.groups_reference(t).cpu()
+    got = kv_attention_debug.dequantize_groups(t, block_t=32)
+    want = kv_attention_debug.groups_reference(t).cpu()
     assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16))
 
 
