@@ -29,6 +29,7 @@ from megatron_trace.rollout.experts import ExpertWeightStore  # noqa: E402
 from megatron_trace.rollout.fp4_moe import grouped_experts_forward, w4a4_experts_forward  # noqa: E402
 from megatron_trace.rollout.kv_cache import FP4KVCache  # noqa: E402
 
+from ..kernels._gpu import rows_view  # noqa: E402
 from ._common import rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -190,19 +191,13 @@ def test_intervals_equal_the_mask_bit_for_bit_at_the_default_configs(exact):
 def test_readable_rows_give_the_same_bits_at_an_unaligned_length(exact):
     """T = 8193 in buffers of 8208 rows (zeros after T, as FP4KVCache's): with readable_rows the loads run to 8208,
     the result is bit for bit the one without, with no mask, a mask and intervals."""
-    import dataclasses
-
     quant = QUANTIZERS["nvfp4_row"]
     b, t, r = 4, 8193, 8208
     pad = torch.zeros(b, 4, r - t, 128, device=DEV, dtype=torch.bfloat16)
     k_full, v_full = (quant.quantize(torch.cat([x.dequantize(torch.bfloat16), pad], 2))
                       for x in (_kv((b, 4, t, 128), quant, 8), _kv((b, 4, t, 128), quant, 9)))
 
-    def view(x):
-        return dataclasses.replace(x, codes=x.codes[:, :, :t], block_scales=x.block_scales[:, :, :t],
-                                   global_amax=x.global_amax[:, :, :t], shape=(b, 4, t, 128))
-
-    k, v = view(k_full), view(v_full)
+    k, v = rows_view(k_full, t), rows_view(v_full, t)
     q = torch.randn(b, 16, 128, device=DEV, dtype=torch.bfloat16)
     starts = torch.tensor([0, 5, 4000, t - 1], device=DEV)
     ends = torch.tensor([t, t - 3, t, t], device=DEV)

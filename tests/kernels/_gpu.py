@@ -65,6 +65,17 @@ def assert_same_fp4(t, r) -> None:
             assert same_bits(getattr(t, name), getattr(r, name)), f"{name} differs"
 
 
+def rows_view(t, n: int):
+    """The first n rows of an FP4 K/V [B, H, T', D] as a view (the rows after them readable, as a cache's
+    capacity)."""
+    import dataclasses
+
+    g = t.global_amax
+    return dataclasses.replace(t, codes=t.codes[:, :, :n], block_scales=t.block_scales[:, :, :n],
+                               global_amax=None if g is None or g.dim() == 0 else g[:, :, :n],
+                               shape=(*t.shape[:2], n, t.shape[3]))
+
+
 def random_rows(shape, dtype, gen, spread: float = 4.0) -> torch.Tensor:
     """Normal values whose magnitude varies by 10**[-spread, spread] per 16 elements (many scale regimes)."""
     *lead, k = shape

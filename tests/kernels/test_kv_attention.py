@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, reference_attention
 
-from ._gpu import DEVICE, HAS_TRITON, INTERPRET, needs_triton, random_rows
+from ._gpu import DEVICE, HAS_TRITON, INTERPRET, needs_triton, random_rows, rows_view
 
 if DEVICE is not None:
     from megatron_trace.kernels import kv_attention_combine, kv_attention_debug, kv_attention_triton
@@ -236,14 +236,6 @@ def test_mask_intervals_kernel_is_the_reference(t):
     assert torch.equal(fill[[0, 3, 4, 5]], m[[0, 3, 4, 5], :t])  # no hole: the interval is the mask
 
 
-def _rows_view(t, t_len: int):
-    """The first t_len rows of t [B, H, T', D] as a view (the rows after them readable, as a cache's capacity)."""
-    g = t.global_amax
-    return dataclasses.replace(t, codes=t.codes[:, :, :t_len], block_scales=t.block_scales[:, :, :t_len],
-                               global_amax=None if g is None or g.dim() == 0 else g[:, :, :t_len],
-                               shape=(*t.shape[:2], t_len, t.shape[3]))
-
-
 def test_aligned_rows_round_up_to_16_within_the_readable_rows():
     from megatron_trace.kernels.kv_attention import aligned_rows
 
@@ -263,7 +255,7 @@ def test_readable_rows_change_nothing_but_the_load_bound(exact, rows):
     for full in (k, v):  # rows [41, 48) finite garbage, [48, 60) NaN
         full.codes[:, :, 41:48] = 0x77
         full.global_amax[:, :, 48:] = float("nan")
-    kt_, vt = _rows_view(k, 41), _rows_view(v, 41)
+    kt_, vt = rows_view(k, 41), rows_view(v, 41)
     starts, ends, mask = _interval_rows(41, DEVICE)
     kw = {"none": {}, "lengths": {"lengths": ends}, "mask": {"kv_mask": mask},
           "interval": {"starts": starts, "lengths": ends}}[rows]
