@@ -9,7 +9,9 @@ Storage: preallocated buffers [B, kv_heads, capacity, ...] that grow geometrical
 writes one token in place; no per-step copy of the history). On the Triton path a one-token update is one
 quantize launch per K or V that writes the token's codes, scales and amax straight into the buffers
 (``fused.quantize(out=)``); a prefill quantizes, then copies. A per-tensor global amax is stored
-per row (the same value in every row of a chunk: dequantizes to the same bits). ``kernel``
+per row (the same value in every row of a chunk: dequantizes to the same bits). A recorder records the
+``kv_k`` / ``kv_v`` sites of FP4 rows from this stored history when the rollout ends
+(``GuidanceRecorder.add_kv_history``), SGLang's format per step. ``kernel``
 (``TraceConfig.kernel``): on CUDA, "auto" quantizes and dequantizes with the Triton twins of
 ``formats`` (same bits as the reference).
 
@@ -30,9 +32,9 @@ import dataclasses
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..formats import CompactGuidance, FP4Tensor, Quantizer
+from ..formats import FP4Tensor, Quantizer
 from ..formats.sglang_kvfp4 import SGLangKVQuantizer
-from ..kernels import Kernel, quantize_and_record, select_kernel
+from ..kernels import Kernel, select_kernel
 from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
 from ..kernels.checks import FiniteCounter, read_and_reset
@@ -117,20 +119,15 @@ class _FP4Rows:
     def length(self) -> int:
         return self.store.length
 
-    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer, record: bool
-                        ) -> tuple[FP4Tensor, CompactGuidance | None]:
-        """Quantize x [B, kv_heads, t, head_dim] and append it: (its FP4 rows, their compact record if ``record``).
+    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer) -> None:
+        """Quantize x [B, kv_heads, t, head_dim] and append it.
 
         A one-token update on the Triton path is one kernel that writes codes, scales and amax straight into the
-        buffers (``_write_token``; the rows returned are views of them); else quantize, then copy (``append``)."""
+        buffers (``_write_token``); else quantize, then copy (``append``)."""
         if x.shape[2] == 1 and self._writes_in_place(x, quantizer):
-            return self._write_token(x, quantizer, record)
-        if record:
-            q, rec = quantize_and_record(x, quantizer, kernel=self.kernel, check_finite=False)
+            self._write_token(x, quantizer)
         else:
-            q, rec = kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False), None
-        self.append(q)
-        return q, rec
+            self.append(kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False))
 
     def _writes_in_place(self, x: torch.Tensor, quantizer: Quantizer) -> bool:
         """Whether the buffers exist, are contiguous (one row step) and fit x's rows and format, and the quantize
@@ -141,8 +138,7 @@ class _FP4Rows:
                 and ("amax" in bufs) == (quantizer.fmt == "nvfp4") and all(b.is_contiguous() for b in bufs.values())
                 and _on_triton(self.kernel, x, quantizer))
 
-    def _write_token(self, x: torch.Tensor, quantizer: Quantizer, record: bool
-                     ) -> tuple[FP4Tensor, CompactGuidance | None]:
+    def _write_token(self, x: torch.Tensor, quantizer: Quantizer) -> None:
         """``fused.quantize(out=...)`` of one token into rows ``length`` of the buffers [B, kv_heads, capacity, ...]
         (row m = b * kv_heads + h of x at m * capacity rows: one row step), grown first when full."""
         from ..kernels import fused  # imports Triton
@@ -151,9 +147,8 @@ class _FP4Rows:
         fmt, scale_dtype, _ = self.meta
         out = FP4Tensor(codes=rows["codes"], block_scales=rows["scales"].view(scale_dtype),
                         global_amax=rows.get("amax"), shape=tuple(x.shape), fmt=fmt)
-        q, rec, _ = fused.quantize(x, quantizer, record=record, check_finite=False, out=out)
+        fused.quantize(x, quantizer, check_finite=False, out=out)
         self.store.length += 1
-        return q, rec
 
     def append(self, q: FP4Tensor) -> None:
         parts = {"codes": q.codes, "scales": q.block_scales.view(torch.uint8)}
@@ -247,15 +242,15 @@ class FP4KVLayer(DynamicLayer):
         if isinstance(rows, _PlainRows):
             return rows.append(x)
         rec = self.recorder
-        record = None
-        if not isinstance(self.quantizer, Quantizer):  # SGLang's KV format: the reference
+        if not isinstance(self.quantizer, Quantizer):  # SGLang's KV format: the reference, recorded per step
             q = self.quantizer.quantize(x)
             rows.append(q)
-        else:  # one pass writes the compact record too when it is wanted
-            want = rec is not None and rec.compact and rec.wants(self.layer_idx, site)
-            q, record = rows.quantize_append(x, self.quantizer, record=want)
-        if rec is not None:
-            rec.add_heads_major(self.layer_idx, site, q, record)
+            if rec is not None:
+                rec.add_heads_major(self.layer_idx, site, q)
+        else:  # recorded from the stored rows when the rollout ends (GuidanceRecorder.add_kv_history)
+            rows.quantize_append(x, self.quantizer)
+            if rec is not None:
+                rec.add_kv_history(self.layer_idx, site, rows.fp4)
         return rows.dequantize(x.dtype) if read else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

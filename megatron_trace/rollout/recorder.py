@@ -4,6 +4,10 @@ During generation every forward call (the prefill, then one decode step per toke
 per MoE layer, the expert choices and, per selected (layer, site), the quantized rows as a
 guidance record. ``finish`` concatenates the steps along the sequence and re-indexes them from
 the internal left-padded layout to the right-padded ``RolloutBatch`` layout.
+
+K/V sites stored by an FP4 KV cache are recorded from the cache instead (``add_kv_history``): the cache keeps
+every position's codes, scales and amax anyway, so ``finish`` takes the stored history once. A decode step then
+records nothing for them: no per-step copy of the token's scales out of the cache rows it was written into.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ class GuidanceRecorder:
         self._records: dict[SiteKey, list[Record]] = {key: [] for key in self.sites}
         self._routing: dict[int, list[torch.Tensor]] = {}
         self._valid: list[torch.Tensor] = []
+        self._histories: dict[SiteKey, Callable[[], FP4Tensor]] = {}
 
     def wants(self, layer: int, site: str) -> bool:
         return (layer, site) in self.sites
@@ -115,6 +120,31 @@ class GuidanceRecorder:
             self._records[(layer, site)].append(
                 map_record(self._record(q, record), lambda x: x.transpose(1, 2).contiguous(), (b, t, h, d)))
 
+    def add_kv_history(self, layer: int, site: str, history: Callable[[], FP4Tensor]) -> None:
+        """Record K or V site ``(layer, site)`` from its store: ``history()`` gives the stored rows
+        [B, heads, T, head_dim] of every position so far (prefill and decode steps, forked with the batch like
+        this recorder's rows), called once in ``finish``. Calling it again (every step) keeps the first source."""
+        key = (layer, site)
+        if key in self.sites and self._records[key]:
+            raise ValueError(f"site {key} already has per-step records; it cannot also be recorded from a history")
+        if key in self.sites:
+            self._histories.setdefault(key, history)
+
+    def _history_record(self, key: SiteKey) -> Record:
+        """The record of a K/V site's stored history, batch-major [B, T, heads, head_dim]."""
+        q = self._histories[key]()
+        n = self.recorded_positions
+        if q.shape[2] != n:
+            raise ValueError(f"the stored history of {key} has {q.shape[2]} positions but {n} were recorded: "
+                             "the cache and the recorder must see the same forward calls")
+        b, h, t, d = q.shape
+        return map_record(self._record(q, None), lambda x: x.transpose(1, 2).contiguous(), (b, t, h, d))
+
+    def site_records(self, key: SiteKey) -> list[Record]:
+        """Site ``key``'s records so far, batch-major [B, t, ...] chunks along the sequence (a K/V site recorded
+        from its store: one chunk of every position, read from the store now)."""
+        return [self._history_record(key)] if key in self._histories else list(self._records[key])
+
     def end_step(self, valid: torch.Tensor) -> None:
         """bool [B, t]: which of this step's input positions hold real tokens."""
         self._valid.append(valid.bool())
@@ -142,7 +172,8 @@ class GuidanceRecorder:
         idx = index.clamp(max=n - 1)
         routing = {layer: take_positions(torch.cat(chunks, 1), idx, ok) for layer, chunks in self._routing.items()}
         guidance = {}
-        for (layer, site), chunks in self._records.items():
+        for layer, site in self._records:
+            chunks = self.site_records((layer, site))
             if not chunks:
                 continue
             rec = cat_records(chunks, 1)

@@ -50,7 +50,7 @@ def writes(monkeypatch):
 def test_decode_writes_equal_the_reference_cache_across_growth(policy, dtype, d, writes):
     n = 2 * kv_cache.MIN_GROWTH + 8  # the buffers (prefill + MIN_GROWTH slots, rounded up to 16) grow in the decode
     kv = steps(8, 4, d, n, dtype, DEV, seed=d)
-    compact = None if policy == "nvfp4-tensor" else True  # (the recorder takes per-row amax only)
+    compact = policy != "mxfp4"  # compact and full records, both from the stored history
     select = (n // 2, torch.tensor([3, 0, 0, 7, 5, 1, 2, 6], device=DEV))
     got = run(QUANTIZERS[policy], kv, compact=compact, select=select)
     assert sum(writes) == 2 * n

@@ -112,13 +112,20 @@ def test_recording_a_decode_step_does_not_sync():
             model(input_ids=tok, position_ids=pos, use_cache=True, **be.cache_kwargs(cache))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    for key, chunks in rec._records.items():
-        assert len(chunks) == 2 and chunks[1].shape[:2] == (2, 1), key
+    rec.end_step(torch.ones(2, 40, dtype=torch.bool, device="cuda"))
+    rec.end_step(torch.ones(2, 1, dtype=torch.bool, device="cuda"))
+    for key in rec.sites:
+        chunks = rec.site_records(key)
+        if key[1].startswith("kv_"):  # recorded from the cache's stored rows: one chunk of all 41 positions
+            assert len(chunks) == 1 and chunks[0].shape[:2] == (2, 41), key
+        else:
+            assert len(chunks) == 2 and chunks[1].shape[:2] == (2, 1), key
 
 
 def test_records_written_by_the_quantize_pass_equal_the_reference_bits():
-    """The compact records the quantize kernels write in the same pass (experts' FC1/FC2 rows, K/V) are the
-    reference's mantissa bits of the codes they stored, bit for bit."""
+    """The compact records the quantize kernels write in the same pass (experts' FC1/FC2 rows), and the K/V
+    records the Triton compact kernel takes from the cache's stored rows, are the reference's mantissa bits of the
+    stored codes, bit for bit."""
     from megatron_trace.formats import Quantizer
     from megatron_trace.rollout.fp4_moe import grouped_experts_forward
 
@@ -139,11 +146,12 @@ def test_records_written_by_the_quantize_pass_equal_the_reference_bits():
     with be.forward_context(rec) as model:
         cache = be.new_cache(rec)
         model(input_ids=torch.randint(3, 512, (2, 24), device="cuda"), use_cache=True, **be.cache_kwargs(cache))
+    rec.end_step(torch.ones(2, 24, dtype=torch.bool, device="cuda"))
     kv = [key for key in rec.sites if key[1].startswith("kv_")]
     assert kv
     for layer, site in kv:
         want = cache.layers[layer].fp4_history(site).guidance(compact=True).mantissa_bits.transpose(1, 2)
-        assert torch.equal(rec._records[(layer, site)][0].mantissa_bits, want), (layer, site)
+        assert torch.equal(rec.site_records((layer, site))[0].mantissa_bits, want), (layer, site)
 
 
 @pytest.mark.parametrize("compile", ["modules", "layers"])

@@ -8,6 +8,7 @@ import dataclasses
 import torch
 
 from megatron_trace.formats import Quantizer
+from megatron_trace.kernels import compact_guidance
 from megatron_trace.rollout.kv_cache import FP4KVCache
 from megatron_trace.rollout.recorder import GuidanceRecorder
 
@@ -16,19 +17,6 @@ from ._gpu import assert_same_fp4, random_rows, same_bits
 SITES = ("kv_k", "kv_v")
 QUANTIZERS = {"nvfp4-row": Quantizer("nvfp4", per_row=True), "mxfp4": Quantizer("mxfp4"),
               "nvfp4-tensor": Quantizer("nvfp4")}
-
-
-class CapturingRecorder(GuidanceRecorder):
-    """A recorder that also keeps what each ``add_heads_major`` call got (rows and record, cloned to the CPU)."""
-
-    def __init__(self, batch_size: int, compact: bool):
-        super().__init__(batch_size, {(0, s) for s in SITES}, compact=compact, kernel="reference")
-        self.calls = []
-
-    def add_heads_major(self, layer, site, q, record=None):
-        clone = lambda t: None if t is None else t.detach().cpu().clone()  # noqa: E731
-        self.calls.append((site, _map(q, clone), None if record is None else _map(record, clone)))
-        super().add_heads_major(layer, site, q, record)
 
 
 def _map(t, fn):
@@ -65,23 +53,30 @@ def steps(b: int, h: int, d: int, n: int, dtype, device, seed: int = 0, prefill:
 
 def run(quantizer: Quantizer, kv: list, *, kernel: str = "auto", compact: bool | None = True,
         select: tuple[int, torch.Tensor] | None = None):
-    """Feed ``kv`` to a one-layer cache (``select``: (step, batch index) for a ``batch_select_indices`` before
-    that step). Returns (cache, recorder or None, what each update returned)."""
+    """Feed ``kv`` to a one-layer cache with a recorder of both sites, as ``generate`` does (``select``: (step,
+    batch index) for a ``batch_select_indices`` of the cache and the recorder before that step). Returns (cache,
+    {site: its records, read from the recorder at the end} or None without a recorder, what each update
+    returned)."""
     b = kv[0][0].shape[0]
-    rec = None if compact is None else CapturingRecorder(b, compact)
+    rec = None if compact is None else GuidanceRecorder(b, {(0, s) for s in SITES}, compact=compact, kernel=kernel)
     cache = FP4KVCache(1, quantizer, recorder=rec, kernel=kernel)
     outs = []
     for i, (k, v) in enumerate(kv):
         if select is not None and i >= select[0]:
             if i == select[0]:
                 cache.batch_select_indices(select[1])
+                if rec is not None:
+                    rec.select_rows(select[1])
             k, v = (t.transpose(1, 2).index_select(0, select[1]).transpose(1, 2) for t in (k, v))  # still views
         outs.append(cache.update(k, v, 0))
-    return cache, rec, outs
+        if rec is not None:
+            rec.end_step(torch.ones(k.shape[0], k.shape[2], dtype=torch.bool, device=k.device))
+    records = None if rec is None else {s: rec.site_records((0, s)) for s in SITES}
+    return cache, records, outs
 
 
 def assert_same_runs(a, b) -> None:
-    """Two ``run`` results store, record and return the same bits."""
+    """Two ``run`` results store, record and return the same bits; the records are the stored history's."""
     (ca, ra, oa), (cb, rb, ob) = a, b
     for site in SITES:
         assert_same_fp4(ca.layers[0].fp4_history(site), cb.layers[0].fp4_history(site))
@@ -89,16 +84,17 @@ def assert_same_runs(a, b) -> None:
         assert same_bits(ka, kb) and same_bits(va, vb)
     if ra is None:
         return
-    assert len(ra.calls) == len(rb.calls)
-    for (sa, qa, reca), (sb, qb, recb) in zip(ra.calls, rb.calls, strict=True):
-        assert sa == sb
-        assert_same_fp4(qa, qb)
-        assert (reca is None) == (recb is None)
-        if reca is not None:
-            assert_same_fp4(reca, recb)
-    for key, chunks in ra._records.items():
-        for x, y in zip(chunks, rb._records[key], strict=True):
-            assert_same_fp4(x, y)
+    for site in SITES:
+        (x,), (y,) = ra[site], rb[site]  # one chunk: every position, from the cache
+        assert_same_fp4(x, y)
+        hist = _map(ca.layers[0].fp4_history(site), lambda t: t.transpose(1, 2))  # batch-major [B, T, H, ...]
+        b, h, t, d = hist.shape
+        hist = dataclasses.replace(hist, shape=(b, t, h, d))
+        assert tuple(x.shape) == (b, t, h, d) and torch.equal(x.block_scales.view(torch.uint8).cpu(),
+                                                      hist.block_scales.view(torch.uint8).cpu())
+        payload = x.codes if hasattr(x, "codes") else x.mantissa_bits
+        want = hist.codes if hasattr(x, "codes") else compact_guidance(hist, kernel="reference").mantissa_bits
+        assert torch.equal(payload.cpu(), want.cpu())
 
 
 def assert_tokens_stored(cache: FP4KVCache, toks: list, quantizer: Quantizer, first: int) -> None:

@@ -54,8 +54,8 @@ def test_decode_writes_equal_quantize_then_copy(policy, dtype, d, writes):
 
 @pytest.mark.parametrize("compact", [True, False, None], ids=["compact", "full", "no-recorder"])
 def test_records_and_batch_selection(compact, writes):
-    """The recorder gets the same rows and records; a fork of batch rows keeps the in-place write (the selected
-    buffers are contiguous)."""
+    """The records (read from the stored history) are the same; a fork of batch rows keeps the in-place write
+    (the selected buffers are contiguous)."""
     q = QUANTIZERS["nvfp4-row"]
     kv = steps(2, 2, 64, 5, torch.bfloat16, DEVICE, seed=1)
     select = (3, torch.tensor([1, 0, 1], device=DEVICE))
@@ -68,9 +68,9 @@ def test_per_tensor_amax_is_stored_per_row(writes):
     """NVFP4 with a per-tensor amax: the kernel writes codes and scales, the amax is copied into its rows."""
     q = QUANTIZERS["nvfp4-tensor"]
     kv = steps(2, 3, 64, 4, torch.bfloat16, DEVICE, seed=2)
-    got = run(q, kv, compact=None)  # (the recorder takes per-row amax only)
+    got = run(q, kv)  # (recorded from the stored history: per-row amax)
     assert sum(writes) == 2 * 4
-    assert_same_runs(got, run(q, kv, kernel="reference", compact=None))
+    assert_same_runs(got, run(q, kv, kernel="reference"))
 
 
 def _odd_tokens(dtype, d: int, b: int = 2, h: int = 8) -> list[torch.Tensor]:

@@ -6,6 +6,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.formats import e2m1
 from megatron_trace.rollout import HFRolloutBackend, SamplingParams
 from megatron_trace.rollout.kv_cache import FP4KVCache
+from megatron_trace.rollout.recorder import GuidanceRecorder
 
 from ._tiny import tiny_model
 
@@ -210,3 +211,31 @@ def test_per_tensor_amax_records_each_steps_amax_on_its_rows():
         assert (amax[:, :3] == amax[0, 0, 0]).all()  # the prefill: one chunk
         for s in range(3, out.tokens.shape[1] - 1):  # each decode step: one chunk over the batch
             assert (amax[:, s] == amax[0, s, 0]).all() and amax[0, s, 0] != amax[0, 0, 0]
+
+
+def test_kv_sites_are_recorded_once_from_the_stored_history():
+    """A K/V site of the FP4 cache keeps no per-step chunk: the recorder reads the stored rows once, batch-major,
+    and their mantissa bits are the reference's of the stored codes. A recorder that saw other forward calls than
+    the cache is an error, not a silently shifted record."""
+    be = HFRolloutBackend(tiny_model(seed=1), mode="fp4", trace_config=TraceConfig(guided_layers="all"),
+                          dtype=torch.float32)
+    rec = GuidanceRecorder(2, be.guided_sites, compact=True)
+    key = (0, "kv_k")
+    assert key in rec.sites
+    with be.forward_context(rec) as model:
+        cache = be.new_cache(rec)
+        model(input_ids=torch.tensor([[3, 4, 5], [6, 7, 8]]), use_cache=True, **be.cache_kwargs(cache))
+        rec.end_step(torch.ones(2, 3, dtype=torch.bool))
+        model(input_ids=torch.tensor([[9], [10]]), position_ids=torch.tensor([[3], [3]]), use_cache=True,
+              **be.cache_kwargs(cache))
+    assert not rec._records[key]
+    with pytest.raises(ValueError, match="has 4 positions but 3 were recorded"):
+        rec.site_records(key)
+    rec.end_step(torch.ones(2, 1, dtype=torch.bool))
+    (got,) = rec.site_records(key)
+    hist = cache.layers[0].fp4_history("kv_k")  # [B, heads, T, ...]
+    assert tuple(got.shape) == (2, 4, *hist.shape[1:2], hist.shape[3])
+    bits = e2m1.pack_bits(e2m1.mantissa_bit(e2m1.unpack(hist.codes)))
+    assert torch.equal(got.mantissa_bits, bits.transpose(1, 2))
+    assert torch.equal(got.block_scales.view(torch.uint8), hist.block_scales.view(torch.uint8).transpose(1, 2))
+    assert torch.equal(got.global_amax, hist.global_amax.transpose(1, 2))
