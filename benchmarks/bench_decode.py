@@ -283,10 +283,26 @@ def profile_step(be, model, cache, tok, pos, steps: int, top_n: int = 12, pad=No
 _GRAPH_FAILED: set[str] = set()
 
 
+SDPA_BACKENDS = ("default", "flash", "efficient", "cudnn", "math")
+
+
+def _sdpa_backend(name: str):
+    """``torch.nn.attention.sdpa_kernel`` of one SDPA backend (``--sdpa-backend``: BF16's attention and FP4's
+    prefill), or nothing for "default" (PyTorch's choice)."""
+    if name == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel({"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+                        "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}[name])
+
+
 def measure_point(be, mode, batch, length, args, gen) -> dict:
     dev = be.device
     compiled = ("layers" if be.layers_compiled else "modules") if be.compiled_modules else False
     row = {"bench": "decode", "mode": mode, "batch": batch, "context": length, "compiled": compiled}
+    if args.sdpa_backend != "default":
+        row["sdpa_backend"] = args.sdpa_backend
     pad = None
     if args.left_pad:  # rows padded from 0 to left_pad x L, evenly
         pad = (torch.arange(batch, device=dev) * (args.left_pad * length / max(batch - 1, 1))).long()
@@ -296,7 +312,7 @@ def measure_point(be, mode, batch, length, args, gen) -> dict:
         fill_cache(be, cache, batch, length, gen)
         tok = torch.randint(3, be.vocab_size, (batch, 1), generator=gen, device=dev)
         pos = torch.full((batch, 1), length, dtype=torch.long, device=dev)
-        with be.forward_context() as model:
+        with be.forward_context() as model, _sdpa_backend(args.sdpa_backend):
             eager = time_eager(be, model, cache, tok, pos, args.warmup, args.steps, pad)
             row["eager_ms"] = round(eager * 1e3, 3)
             row["eager_tok_s"] = round(batch / eager, 1)
@@ -439,6 +455,8 @@ def parse_args(argv):
                         "transformers' SDPA mask reads it back to the host)")
     p.add_argument("--masks", choices=("words", "interval"), default="interval",
                    help="with --left-pad: the fused attention reads the mask (words) or each row's interval")
+    p.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="default",
+                   help="the only SDPA backend allowed in the timed decode steps (BF16's attention)")
     p.add_argument("--attn-micro", action="store_true", help="per-layer attention micro-benchmark too")
     p.add_argument("--generate-batches", default="", help="also time generate() at these batches")
     p.add_argument("--gen-prompt", type=int, default=128)
