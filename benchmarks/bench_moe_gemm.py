@@ -91,7 +91,7 @@ def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
         ms_bf16 = _time(lambda x=x, offs=offs: bf16_grouped(x, offs))
         for fmt, wq in quant.items():
             wbytes = wq.codes.numel() + wq.block_scales.numel()
-            default, default_asm = moe_triton.pick_config(tpe, k)
+            default, default_asm = moe_triton.default_config(t, e, k)
             cands = [default] + [c for c in (candidates(tpe) if sweep and fmt == "nvfp4" else []) if c != default]
             timings = {}
             for cfg in cands:

@@ -24,6 +24,8 @@ Triton 3.6 otherwise keeps them in flight while the next step overwrites their w
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -203,12 +205,26 @@ def fp4_gemm_kernel(
 # same tile without it were within 2-7% of each other (the 128 row was not timed at 128).
 CONFIGS = (
     (16, (128, 128, 16, 4, 4), True),
+    (32, (128, 128, 32, 4, 4), True),
     (64, (128, 128, 64, 8, 4), True),
     (128, (128, 128, 128, 8, 3), True),
     (1 << 30, (128, 64, 256, 8, 3, True), True),
 )
 DEQ_ASM_DEFAULT = True
 """Dequantize with inline PTX (else Triton ops) when a ``config`` is given without ``deq_asm``."""
+
+
+TOKEN_HEADROOM = 3.0
+"""``default_config`` picks the row of ``CONFIGS`` for the mean tokens per expert plus this many binomial standard
+deviations (uniform routing), about the busiest expert's count: a program re-reads and dequantizes its expert's
+weights for every token tile, and the kernel lasts as long as its busiest program (``benchmarks/bench_moe_skew.py``).
+0: the mean alone."""
+
+
+def default_config(tokens: int, experts: int, k: int) -> tuple[tuple, bool]:
+    """``pick_config`` for ``tokens`` rows over ``experts`` experts (known on the host: no sync)."""
+    avg = tokens / max(experts, 1)
+    return pick_config(avg + TOKEN_HEADROOM * math.sqrt(avg), k)
 
 
 def pick_config(avg_tokens: float, k: int, configs=CONFIGS) -> tuple[tuple, bool]:
@@ -258,7 +274,8 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     """W4A16 grouped GEMM (see the module docstring). ``config`` ((BN, BK, BT, num_warps, num_stages[, join_k]))
     and ``deq_asm`` override ``CONFIGS``.
 
-    The config is chosen from the average tokens per expert (x rows / experts), so no host sync is needed.
+    The config is chosen from the average tokens per expert (x rows / experts) with ``TOKEN_HEADROOM``, so no
+    host sync is needed.
     """
     if isinstance(x, FP4Tensor):
         from .dequant_triton import dequantize
@@ -275,7 +292,7 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     if t == 0:
         return torch.zeros(t, n, dtype=out_dtype, device=xd.device)
     y = torch.empty(t, n, dtype=out_dtype, device=xd.device)  # the kernel writes every row
-    picked, picked_asm = pick_config(t / e, k)
+    picked, picked_asm = default_config(t, e, k)
     use_asm = (picked_asm if config is None else DEQ_ASM_DEFAULT) if deq_asm is None else deq_asm
     words = weight.codes.contiguous().view(torch.uint16)  # [E, N, K/4] groups of 4 codes (code 4c+q: nibble q)
     scales = weight.block_scales.contiguous().view(torch.uint8)  # [E, N, K/B]

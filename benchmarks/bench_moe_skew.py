@@ -1,0 +1,80 @@
+"""The W4A16 grouped GEMM under random top-k routing, where experts get unequal token counts (``bench_moe_gemm.py``
+gives every expert the same count).
+
+A program of ``fp4_gemm_kernel`` loops over its expert's tokens in tiles of BT and reads and dequantizes the expert's
+weights once per tile, and the kernel lasts as long as its busiest program. So the token tile that is best for equal
+counts can take two passes over the weights for the busiest experts of a real decode batch. Per shape and batch
+(``batch`` tokens, each choosing ``top_k`` distinct experts uniformly), prints one JSON line: the mean and largest
+tokens per expert, device time of the default config (``moe_triton.default_config``) and of each config in ``CONFIGS``
+below, and bf16 ``torch._grouped_mm`` on the same routing. Usage (H200):
+    python3 benchmarks/bench_moe_skew.py [--shapes e2e_fc1,e2e_fc2,qwen3_fc1,qwen3_fc2] [--batches 8,16,32,64,128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from _timing import graph_ms, machine
+from bench_moe_gemm import bf16_baseline
+
+from megatron_trace.formats import Quantizer
+from megatron_trace.kernels import fused, moe_triton
+
+SHAPES = {  # name: (experts, K, N, top_k) as [E, N, K] FP4 weights
+    "e2e_fc1": (32, 2048, 1536, 8),  # bench_decode.py's default model
+    "e2e_fc2": (32, 768, 2048, 8),
+    "qwen3_fc1": (128, 2048, 1536, 8),  # Qwen3-30B-A3B
+    "qwen3_fc2": (128, 768, 2048, 8),
+}
+CONFIGS = {"bt16": (128, 128, 16, 4, 4), "bt32": (128, 128, 32, 4, 4), "bt64": (128, 128, 64, 8, 4),
+           "bt128": (128, 128, 128, 8, 3)}
+
+
+def routing_offs(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """int32 cumulative token counts per expert of ``batch`` tokens choosing ``top_k`` distinct experts each."""
+    choice = torch.rand(batch, experts, generator=gen).topk(top_k, dim=1).indices
+    counts = torch.bincount(choice.flatten(), minlength=experts)
+    return counts.cumsum(0).to(torch.int32).cuda()
+
+
+def run(name: str, batch: int, gen: torch.Generator) -> dict:
+    e, k, n, top_k = SHAPES[name]
+    offs = routing_offs(batch, e, top_k, gen)
+    counts = torch.diff(offs, prepend=offs.new_zeros(1)).cpu()
+    t = int(offs[-1])
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    wq = fused.quantize(w, Quantizer("nvfp4"), check_finite=False)[0]
+    x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    row = {"bench": "moe_skew", "shape": name, "experts": e, "K": k, "N": n, "batch": batch, "rows": t,
+           "mean_tokens": round(t / e, 2), "max_tokens": int(counts.max()), "default": list(moe_triton.default_config(
+               t, e, k)[0])}
+    row["default_us"] = round(graph_ms(lambda: moe_triton.grouped_mm(x, wq, offs)) * 1e3, 1)
+    for label, cfg in CONFIGS.items():
+        row[f"{label}_us"] = round(graph_ms(lambda c=cfg: moe_triton.grouped_mm(x, wq, offs, config=c)) * 1e3, 1)
+    bf16, row["bf16_layout"] = bf16_baseline(w)
+    row["bf16_us"] = round(graph_ms(lambda: bf16(x, offs)) * 1e3, 1)
+    best = min(CONFIGS, key=lambda c: row[f"{c}_us"])
+    row["best"], row["default_vs_best"] = best, round(row["default_us"] / row[f"{best}_us"], 3)
+    return row
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default=",".join(SHAPES))
+    p.add_argument("--batches", default="8,16,32,64,128")
+    a = p.parse_args(argv)
+    print(json.dumps({"bench": "moe_skew_setup", **machine()}), flush=True)
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for name in a.shapes.split(","):
+        for b in (int(v) for v in a.batches.split(",")):
+            row = run(name, b, gen)
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
+if __name__ == "__main__":
+    main()
