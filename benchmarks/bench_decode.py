@@ -457,8 +457,8 @@ def parse_args(argv):
                    help="with --left-pad: the fused attention reads the mask (words) or each row's interval")
     p.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="default",
                    help="the only SDPA backend allowed in the timed decode steps (BF16's attention)")
-    p.add_argument("--gemm-headroom", type=float, default=None,
-                   help="kernels.moe_triton.TOKEN_HEADROOM for the W4A16 GEMM's config choice (0: the mean tokens)")
+    p.add_argument("--gemm-mean-config", action="store_true",
+                   help="the W4A16 GEMM's config for the mean tokens per expert (moe_triton.BUSIEST_EXPERT off)")
     p.add_argument("--attn-micro", action="store_true", help="per-layer attention micro-benchmark too")
     p.add_argument("--generate-batches", default="", help="also time generate() at these batches")
     p.add_argument("--gen-prompt", type=int, default=128)
@@ -489,10 +489,10 @@ def main(argv=None) -> list[dict]:
         dims["num_hidden_layers"] = args.layers
     if args.experts:
         dims["num_experts"] = args.experts
-    if args.gemm_headroom is not None:
+    if args.gemm_mean_config:
         from megatron_trace.kernels import moe_triton
 
-        moe_triton.TOKEN_HEADROOM = args.gemm_headroom
+        moe_triton.BUSIEST_EXPERT = False
     device = torch.device(args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     modes = args.modes.split(",")
@@ -506,7 +506,7 @@ def main(argv=None) -> list[dict]:
         backends = build_backends(cfg, modes, device, dtype, compile=args.compile or False)
         be0 = next(iter(backends.values()))
         head = {"bench": "decode_setup", "device": str(device), "dtype": str(dtype), "model": dims,
-                "compile": args.compile, "gemm_headroom": args.gemm_headroom,
+                "compile": args.compile, "gemm_mean_config": args.gemm_mean_config,
                 "params": param_count(be0), "setup_s": round(time.perf_counter() - t0, 2)}
         if device.type == "cuda":
             head["gpu"] = torch.cuda.get_device_name(device)

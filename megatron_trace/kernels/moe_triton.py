@@ -25,6 +25,7 @@ Triton 3.6 otherwise keeps them in flight while the next step overwrites their w
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 import triton
@@ -214,17 +215,28 @@ DEQ_ASM_DEFAULT = True
 """Dequantize with inline PTX (else Triton ops) when a ``config`` is given without ``deq_asm``."""
 
 
-TOKEN_HEADROOM = 3.0
-"""``default_config`` picks the row of ``CONFIGS`` for the mean tokens per expert plus this many binomial standard
-deviations (uniform routing), about the busiest expert's count: a program re-reads and dequantizes its expert's
-weights for every token tile, and the kernel lasts as long as its busiest program (``benchmarks/bench_moe_skew.py``).
-0: the mean alone."""
+BUSIEST_EXPERT = True
+"""``default_config`` picks the row of ``CONFIGS`` for about the busiest expert's token count (``busiest_tokens``), not
+the mean: a program re-reads and dequantizes its expert's weights for every token tile, and the kernel lasts as long
+as its busiest program. Under random top-8 routing (``benchmarks/bench_moe_skew.py``, H200) the mean's tile took
+1.3x longer at 16 tokens per expert on the mean (busiest 22-25: two passes of the 16-token tile). Off: the mean."""
+
+
+def busiest_tokens(tokens: int, experts: int) -> float:
+    """About the most tokens one of ``experts`` gets when ``tokens`` rows are routed uniformly: the median of the
+    maximum with Poisson counts and a normal tail, mean + z sqrt(mean) with P(N(0, 1) > z) = ln 2 / experts."""
+    mean = tokens / max(experts, 1)
+    z = statistics.NormalDist().inv_cdf(1.0 - math.log(2.0) / experts) if experts > 1 else 0.0
+    return mean + max(z, 0.0) * math.sqrt(mean)
 
 
 def default_config(tokens: int, experts: int, k: int) -> tuple[tuple, bool]:
-    """``pick_config`` for ``tokens`` rows over ``experts`` experts (known on the host: no sync)."""
-    avg = tokens / max(experts, 1)
-    return pick_config(avg + TOKEN_HEADROOM * math.sqrt(avg), k)
+    """``pick_config`` for ``tokens`` rows over ``experts`` experts (host values: no sync): for the busiest expert
+    (``BUSIEST_EXPERT``) while that fits the decode rows' tiles (<= 64 tokens, where it was measured), else for the
+    mean (every program loops over several tiles anyway)."""
+    mean = tokens / max(experts, 1)
+    busiest = busiest_tokens(tokens, experts)
+    return pick_config(busiest if BUSIEST_EXPERT and busiest <= 64 else mean, k)
 
 
 def pick_config(avg_tokens: float, k: int, configs=CONFIGS) -> tuple[tuple, bool]:
@@ -274,8 +286,7 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     """W4A16 grouped GEMM (see the module docstring). ``config`` ((BN, BK, BT, num_warps, num_stages[, join_k]))
     and ``deq_asm`` override ``CONFIGS``.
 
-    The config is chosen from the average tokens per expert (x rows / experts) with ``TOKEN_HEADROOM``, so no
-    host sync is needed.
+    The config is chosen from x's rows and the expert count (``default_config``), so no host sync is needed.
     """
     if isinstance(x, FP4Tensor):
         from .dequant_triton import dequantize

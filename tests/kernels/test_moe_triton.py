@@ -162,3 +162,19 @@ def test_ptx_dequant_arithmetic():
             got = got.to(torch.int16).view(torch.bfloat16).double().T.reshape(-1)  # [g0 q0..q3, g1 q0..q3]
             want = e2m1.decode(codes[row], torch.float64) * 2.0 ** -126 * float(sv)
             assert torch.equal(got, want), (si, row, got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("experts, batch", [(32, 8), (32, 32), (32, 64), (32, 128), (128, 16), (128, 128),
+                                            (128, 256)])
+def test_default_token_tile_holds_the_busiest_expert(experts, batch):
+    """Under uniform random top-8 routing the default config's token tile holds the busiest expert's tokens in most
+    draws (one pass over its weights), and a tile of half its size would not (not twice too large)."""
+    gen = torch.Generator().manual_seed(experts + batch)
+    busiest = torch.tensor([
+        torch.bincount(torch.rand(batch, experts, generator=gen).topk(8, dim=1).indices.flatten(),
+                       minlength=experts).max().item() for _ in range(200)])
+    bt = moe_triton.default_config(batch * 8, experts, 2048)[0][2]
+    assert (busiest <= bt).float().mean() >= 0.5, (bt, busiest.float().mean())
+    if bt > 16:
+        assert (busiest <= bt // 2).float().mean() < 0.5, (bt, busiest.float().mean())
