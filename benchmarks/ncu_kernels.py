@@ -2,7 +2,7 @@
 
 Everything is compiled and warmed up first; only the region between ``cudaProfilerStart`` and ``Stop`` runs
 the kernels to profile, once each, with an NVTX range named after the op. Usage (``bash
-benchmarks/device_s7_ncu.sh`` writes the report):
+benchmarks/sessions/device_s7_ncu.sh`` writes the report):
     ncu --profile-from-start off --nvtx --print-nvtx-rename kernel ... python3 benchmarks/ncu_kernels.py
     python3 benchmarks/ncu_kernels.py --ops quant        # or gemm, or all (default)
     python3 benchmarks/ncu_kernels.py --only 'guided|fc1_t16'   # the ops whose name matches
