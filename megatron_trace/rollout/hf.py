@@ -245,17 +245,19 @@ class HFRolloutBackend:
             compiled=bool(self.compiled_modules),
         )
 
-    def new_cache(self, recorder: GuidanceRecorder | None = None, *, interval_masks: bool = False) -> Cache:
-        """An ``FP4KVCache`` when K or V is quantized (or the layers are compiled: its update stays eager), else a
-        ``DynamicCache``. ``interval_masks``: the caller's decode masks attend one interval per row (see
-        ``FP4KVCache``; ``generate``'s do)."""
+    def new_cache(self, recorder: GuidanceRecorder | None = None, *, interval_masks: bool = False,
+                  static_rows: int | None = None) -> Cache:
+        """An ``FP4KVCache`` when K or V is quantized (or the layers are compiled: its update stays eager; or
+        ``static_rows`` is given), else a ``DynamicCache``. ``interval_masks``: the caller's decode masks attend one
+        interval per row (see ``FP4KVCache``; ``generate``'s do). ``static_rows``: a static cache of that many
+        rows (``rollout.static_decode``)."""
         qk, qv = self._quantizes("kv_k"), self._quantizes("kv_v")
-        if not (qk or qv or self.layers_compiled):
+        if not (qk or qv or self.layers_compiled or static_rows is not None):
             return DynamicCache(config=self.hf_config)
         return FP4KVCache(self.num_layers, self.config.kv_quantizer(), quantize_k=qk, quantize_v=qv,
                           recorder=recorder, bf16_layers=self.bf16_kv_layers, kernel=self.config.kernel,
                           fused_decode=self.fused_kv_attention, fast_attention=self.fast_kv_attention,
-                          interval_masks=interval_masks)
+                          interval_masks=interval_masks, static_rows=static_rows)
 
     def cache_kwargs(self, cache: Cache) -> dict:
         """The model's keyword for a cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""

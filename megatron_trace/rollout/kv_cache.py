@@ -5,14 +5,12 @@ quantizer (NVFP4: per-row global amax) after RoPE, i.e. exactly the K/V that att
 Each ``update`` returns the whole dequantized history, the new tokens included, so a decode
 step sees the same K/V as a full-sequence forward with fake-quantized K/V.
 
-Storage: preallocated buffers [B, kv_heads, capacity, ...] that grow geometrically (a decode step
-writes one token in place; no per-step copy of the history). On the Triton path a one-token update is one
-quantize launch per K or V that writes the token's codes, scales and amax straight into the buffers
-(``fused.quantize(out=)``); a prefill quantizes, then copies. A per-tensor global amax is stored
-per row (the same value in every row of a chunk: dequantizes to the same bits). A recorder records the
-``kv_k`` / ``kv_v`` sites of FP4 rows from this stored history when the rollout ends
-(``GuidanceRecorder.add_kv_history``), SGLang's format per step. ``kernel``
-(``TraceConfig.kernel``): on CUDA, "auto" quantizes and dequantizes with the Triton twins of
+Storage (``rollout.kv_rows``): preallocated buffers [B, kv_heads, capacity, ...] that grow geometrically (a
+decode step writes one token in place; no per-step copy of the history), or are allocated once for
+``static_rows`` (``rollout.static_decode``). A per-tensor global amax is stored per row (the same value in
+every row of a chunk: dequantizes to the same bits). A recorder records the ``kv_k`` / ``kv_v`` sites of FP4
+rows from this stored history when the rollout ends (``GuidanceRecorder.add_kv_history``), SGLang's format per
+step. ``kernel`` (``TraceConfig.kernel``): on CUDA, "auto" quantizes and dequantizes with the Triton twins of
 ``formats`` (same bits as the reference).
 
 ``fused_decode=True``: a one-token update of a layer whose K and V are both FP4 stores the token but
@@ -27,18 +25,13 @@ dequantize the history for SDPA), so the records guide a trainer with the same `
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..formats import FP4Tensor, Quantizer
 from ..formats.sglang_kvfp4 import SGLangKVQuantizer
-from ..kernels import Kernel, select_kernel
-from ..kernels import dequantize as kernel_dequantize
-from ..kernels import quantize as kernel_quantize
 from ..kernels.checks import FiniteCounter, read_and_reset
-from ..kernels.kv_attention import ROW_ALIGN  # capacities in multiples of it: the attention's aligned loads
+from .kv_rows import FP4Rows, PlainRows, StaticPosition
 from .recorder import GuidanceRecorder
 
 KVQuantizer = Quantizer | SGLangKVQuantizer
@@ -46,162 +39,6 @@ KVQuantizer = Quantizer | SGLangKVQuantizer
 
 DEFERRED_ATTR = "_trace_fp4_kv_layer"
 """Attribute of the key tensor a deferred decode update returns: the ``FP4KVLayer`` holding the history."""
-
-MIN_GROWTH = 256
-"""Extra token slots allocated when a buffer grows (at least; else an eighth of the length)."""
-
-
-class _Growing:
-    """Named tensors [B, kv_heads, T, ...] stored in buffers with spare capacity along T."""
-
-    def __init__(self):
-        self.bufs: dict[str, torch.Tensor] = {}
-        self.length = 0
-
-    def append(self, parts: dict[str, torch.Tensor]) -> None:
-        t = next(iter(parts.values())).shape[2]
-        need = self.length + t
-        for name, x in parts.items():
-            self._room(name, x, need)[:, :, self.length : need] = x
-        self.length = need
-
-    def next_rows(self, t: int) -> dict[str, torch.Tensor]:
-        """Views [B, kv_heads, t, ...] of every buffer's rows [length, length + t), grown first where full (as
-        ``append``); the caller writes them, then adds t to ``length``."""
-        need = self.length + t
-        return {name: self._room(name, buf, need)[:, :, self.length : need] for name, buf in list(self.bufs.items())}
-
-    def _room(self, name: str, like: torch.Tensor, need: int) -> torch.Tensor:
-        """Buffer ``name`` with room for ``need`` rows: when absent or full, a new one of ``like``'s dtype and
-        [B, kv_heads, :, ...] with spare capacity (``MIN_GROWTH`` or an eighth, rounded up to ``ROW_ALIGN``
-        rows), the rows so far copied over. The spare rows are zeros: K/V rows the decode attention may read
-        (``capacity``; FP4 zeros decode to 0)."""
-        buf = self.bufs.get(name)
-        if buf is None or buf.shape[2] < need:
-            cap = -(-(need + max(MIN_GROWTH, need // 8)) // ROW_ALIGN) * ROW_ALIGN
-            new = like.new_zeros((like.shape[0], like.shape[1], cap, *like.shape[3:]))
-            if buf is not None:
-                new[:, :, : self.length] = buf[:, :, : self.length]
-            self.bufs[name] = buf = new
-        return buf
-
-    def view(self, name: str) -> torch.Tensor:
-        return self.bufs[name][:, :, : self.length]
-
-    @property
-    def capacity(self) -> int:
-        """Rows every buffer holds (written ones and zeros after them)."""
-        return min((b.shape[2] for b in self.bufs.values()), default=0)
-
-    def select(self, index: torch.Tensor) -> None:
-        """Keep batch rows ``index`` (int64 [B']; repeats fork a row)."""
-        self.bufs = {n: b.index_select(0, index) for n, b in self.bufs.items()}
-
-    def nbytes(self) -> int:
-        return sum(self.view(n).numel() * b.element_size() for n, b in self.bufs.items())
-
-
-def _on_triton(kernel: str, x: torch.Tensor, quantizer: Quantizer) -> bool:
-    """Whether ``kernels.quantize`` of x takes the Triton path (``kernels.select_kernel``)."""
-    unsupported = "stochastic rounding has no Triton path" if quantizer.rounding != "rne" else None
-    return select_kernel(kernel, x.device, unsupported=unsupported) is Kernel.TRITON
-
-
-class _FP4Rows:
-    """Packed FP4 rows of one of K or V, [B, kv_heads, T, ...], growing along T."""
-
-    def __init__(self, kernel: str = "reference"):
-        self.kernel = kernel
-        self.store = _Growing()
-        self.meta: tuple[str, torch.dtype, int] | None = None  # fmt, scale dtype, head_dim
-
-    @property
-    def length(self) -> int:
-        return self.store.length
-
-    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer) -> None:
-        """Quantize x [B, kv_heads, t, head_dim] and append it.
-
-        A one-token update on the Triton path is one kernel that writes codes, scales and amax straight into the
-        buffers (``_write_token``); else quantize, then copy (``append``)."""
-        if x.shape[2] == 1 and self._writes_in_place(x, quantizer):
-            self._write_token(x, quantizer)
-        else:
-            self.append(kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False))
-
-    def _writes_in_place(self, x: torch.Tensor, quantizer: Quantizer) -> bool:
-        """Whether the buffers exist, are contiguous (one row step) and fit x's rows and format, and the quantize
-        runs on Triton."""
-        bufs = self.store.bufs
-        return (self.length > 0 and self.meta == (quantizer.fmt, quantizer.format.scale_dtype, x.shape[-1])
-                and tuple(bufs["codes"].shape[:2]) == tuple(x.shape[:2]) and bufs["codes"].device == x.device
-                and ("amax" in bufs) == (quantizer.fmt == "nvfp4") and all(b.is_contiguous() for b in bufs.values())
-                and _on_triton(self.kernel, x, quantizer))
-
-    def _write_token(self, x: torch.Tensor, quantizer: Quantizer) -> None:
-        """``fused.quantize(out=...)`` of one token into rows ``length`` of the buffers [B, kv_heads, capacity, ...]
-        (row m = b * kv_heads + h of x at m * capacity rows: one row step), grown first when full."""
-        from ..kernels import fused  # imports Triton
-
-        rows = self.store.next_rows(1)
-        fmt, scale_dtype, _ = self.meta
-        out = FP4Tensor(codes=rows["codes"], block_scales=rows["scales"].view(scale_dtype),
-                        global_amax=rows.get("amax"), shape=tuple(x.shape), fmt=fmt)
-        fused.quantize(x, quantizer, check_finite=False, out=out)
-        self.store.length += 1
-
-    def append(self, q: FP4Tensor) -> None:
-        parts = {"codes": q.codes, "scales": q.block_scales.view(torch.uint8)}
-        if q.global_amax is not None:
-            g = q.global_amax.float()
-            parts["amax"] = g.reshape(1, 1, 1, 1).expand(*q.shape[:3], 1) if g.dim() == 0 else g
-        self.meta = (q.fmt, q.block_scales.dtype, q.shape[-1])
-        self.store.append(parts)
-
-    def fp4(self) -> FP4Tensor:
-        """The history as one FP4Tensor [B, kv_heads, T, head_dim] (views of the buffers; per-row amax)."""
-        fmt, scale_dtype, hd = self.meta
-        codes = self.store.view("codes")
-        amax = self.store.view("amax") if "amax" in self.store.bufs else None
-        return FP4Tensor(codes=codes, block_scales=self.store.view("scales").view(scale_dtype), global_amax=amax,
-                         shape=(*codes.shape[:3], hd), fmt=fmt)
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        # per-row scales: decoding the stored rows equals decoding each chunk
-        return kernel_dequantize(self.fp4(), dtype, kernel=self.kernel)
-
-    def nbytes(self) -> int:
-        return self.store.nbytes()
-
-    def select(self, index: torch.Tensor) -> None:
-        self.store.select(index)
-
-
-class _PlainRows:
-    """Unquantized rows [B, kv_heads, T, head_dim] in the model dtype."""
-
-    def __init__(self):
-        self.store = _Growing()
-
-    def append(self, x: torch.Tensor) -> torch.Tensor:
-        self.store.append({"x": x})
-        return self.store.view("x")
-
-    def nbytes(self) -> int:
-        return self.store.nbytes()
-
-    def select(self, index: torch.Tensor) -> None:
-        self.store.select(index)
-
-
-def select_rows(q: FP4Tensor, index: torch.Tensor) -> FP4Tensor:
-    """Rows ``index`` of an FP4 tensor's leading (batch) dim: codes, scales and per-row amax alike."""
-    scales = q.block_scales.view(torch.uint8).index_select(0, index).view(q.block_scales.dtype)
-    amax = q.global_amax
-    if amax is not None and amax.dim():
-        amax = amax.index_select(0, index)
-    return dataclasses.replace(q, codes=q.codes.index_select(0, index), block_scales=scales, global_amax=amax,
-                               shape=(index.numel(), *q.shape[1:]))
 
 
 class FP4KVLayer(DynamicLayer):
@@ -211,27 +48,34 @@ class FP4KVLayer(DynamicLayer):
 
     def __init__(self, layer_idx: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
                  quantize_v: bool = True, recorder: GuidanceRecorder | None = None, kernel: str = "auto",
-                 fused_decode: bool = False, fast_attention: bool = False, interval_masks: bool = False):
+                 fused_decode: bool = False, fast_attention: bool = False, interval_masks: bool = False,
+                 static: StaticPosition | None = None):
         super().__init__()
+        self.static = static  # decode steps write at static.tensor(): see FP4KVCache(static_rows=)
         self.fast_attention = fast_attention  # the fused decode reads K/V as exact FP4 values (exact=False)
         self.interval_masks = interval_masks  # the fused decode reads each row's attended interval (FP4KVCache)
         self.mask_holes = FiniteCounter("interval mask rows with a hole")  # (the cache's layers share one)
         self.layer_idx = layer_idx
         reference_only = not isinstance(quantizer, Quantizer)  # SGLang's KV format: no Triton, no fused decode
+        if reference_only and static is not None:
+            raise ValueError("static_rows needs the activation quantizer's KV format, not kv_format='sglang_kvfp4'")
         self.fused_decode = fused_decode and quantize_k and quantize_v and not reference_only
         self.quantizer = quantizer
         self.quantize_k, self.quantize_v = quantize_k, quantize_v
         self.recorder = recorder
         self.kernel = "reference" if reference_only else kernel
-        self._rows: dict[str, _FP4Rows | _PlainRows] = {}
+        self._rows: dict[str, FP4Rows | PlainRows] = {}
         self._length = 0
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.device, self.dtype = key_states.device, key_states.dtype
         self.keys = torch.tensor([], dtype=key_states.dtype, device=self.device)  # the history lives in _rows
         self.values = torch.tensor([], dtype=value_states.dtype, device=self.device)
-        self._rows = {"kv_k": _FP4Rows(self.kernel) if self.quantize_k else _PlainRows(),
-                      "kv_v": _FP4Rows(self.kernel) if self.quantize_v else _PlainRows()}
+        n = 0 if self.static is None else self.static.rows
+        if key_states.shape[-2] > n > 0:
+            raise ValueError(f"a prefill of {key_states.shape[-2]} tokens does not fit static_rows={n}")
+        self._rows = {"kv_k": FP4Rows(self.kernel, n) if self.quantize_k else PlainRows(n),
+                      "kv_v": FP4Rows(self.kernel, n) if self.quantize_v else PlainRows(n)}
         self._length = 0
         self.is_initialized = True
 
@@ -239,7 +83,7 @@ class FP4KVLayer(DynamicLayer):
         """x [B, kv_heads, t, head_dim] -> whole history [B, kv_heads, T, head_dim] (dequantized; None unless
         ``read``)."""
         rows = self._rows[site]
-        if isinstance(rows, _PlainRows):
+        if isinstance(rows, PlainRows):
             return rows.append(x)
         rec = self.recorder
         if not isinstance(self.quantizer, Quantizer):  # SGLang's KV format: the reference, recorded per step
@@ -253,10 +97,30 @@ class FP4KVLayer(DynamicLayer):
                 rec.add_kv_history(self.layer_idx, site, rows.fp4)
         return rows.dequantize(x.dtype) if read else None
 
+    def _store_at(self, site: str, x: torch.Tensor, position: torch.Tensor, read: bool) -> torch.Tensor | None:
+        """A static decode step: x [B, kv_heads, 1, head_dim] into row ``position`` -> every row of the buffers
+        [B, kv_heads, static rows, head_dim] (dequantized; None unless ``read``); no host state changes."""
+        rows = self._rows[site]
+        if isinstance(rows, PlainRows):
+            rows.store.write_at({"x": x}, position)
+            return rows.store.bufs["x"]
+        rows.quantize_write_at(x, self.quantizer, position)
+        if self.recorder is not None:
+            self.recorder.add_kv_history(self.layer_idx, site, rows.fp4)
+        return rows.dequantize(x.dtype, capacity=True) if read else None
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         defer = self.fused_decode and key_states.shape[-2] == 1
+        if self.static is not None and key_states.shape[-2] == 1 and self._length:
+            position = self.static.tensor(key_states.device)
+            keys = self._store_at("kv_k", key_states, position, read=not defer)
+            values = self._store_at("kv_v", value_states, position, read=not defer)
+            if defer:
+                setattr(key_states, DEFERRED_ATTR, self)
+                return key_states, value_states
+            return keys, values
         keys = self._store("kv_k", key_states, read=not defer)
         values = self._store("kv_v", value_states, read=not defer)
         self._length += key_states.shape[-2]
@@ -266,8 +130,20 @@ class FP4KVLayer(DynamicLayer):
         return keys, values
 
     def packed_history(self) -> tuple[FP4Tensor, FP4Tensor]:
-        """The packed K and V history [B, kv_heads, T, head_dim] of a layer whose K and V are both FP4."""
-        return self._rows["kv_k"].fp4(), self._rows["kv_v"].fp4()
+        """The packed K and V history [B, kv_heads, T, head_dim] of a layer whose K and V are both FP4 (a static
+        cache: T = its rows, the history then zeros; the attention mask says which rows are attended)."""
+        capacity = self.static is not None
+        return self._rows["kv_k"].fp4(capacity), self._rows["kv_v"].fp4(capacity)
+
+    def advance(self, t: int) -> None:
+        """A static cache's host bookkeeping: ``t`` more rows hold tokens (the decode writes leave it alone)."""
+        n = self._length + t
+        if self.static is None or n > self.static.rows:
+            raise ValueError(f"advance({t}) needs a static cache with room: length {self._length}, "
+                             f"static rows {None if self.static is None else self.static.rows}")
+        self._length = n
+        for rows in self._rows.values():
+            rows.store.length = n
 
     def readable_rows(self) -> int:
         """Rows of ``packed_history``'s buffers that may be read (>= T: the history, then zeros), for the decode
@@ -277,7 +153,7 @@ class FP4KVLayer(DynamicLayer):
     def fp4_history(self, site: str) -> FP4Tensor | None:
         """The stored FP4 history of ``site`` ("kv_k" | "kv_v") [B, kv_heads, T, head_dim], None if unquantized."""
         rows = self._rows.get(site)
-        return rows.fp4() if isinstance(rows, _FP4Rows) and rows.length else None
+        return rows.fp4() if isinstance(rows, FP4Rows) and rows.length else None
 
     def get_seq_length(self) -> int:
         return self._length if self.is_initialized else 0
@@ -311,22 +187,39 @@ class FP4KVCache(Cache):
     def __init__(self, num_layers: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
                  quantize_v: bool = True, recorder: GuidanceRecorder | None = None,
                  bf16_layers: frozenset[int] = frozenset(), kernel: str = "auto", fused_decode: bool = False,
-                 fast_attention: bool = False, interval_masks: bool = False):
+                 fast_attention: bool = False, interval_masks: bool = False, static_rows: int | None = None):
         """``bf16_layers``: layers whose K and V stay in the model dtype (``TraceConfig.exclude_modules``).
         With ``quantize_k=quantize_v=False`` this is a plain preallocated cache in the model dtype.
         ``fused_decode``: see the module docstring; ``fast_attention``: its kernel's ``exact=False`` path.
         ``interval_masks``: the decode steps' attention masks attend one interval of positions per row, without
         holes (left padding before it, a finished row's tail after it: ``HFRolloutBackend.generate``'s masks).
         The fused decode then gives the kernel each row's (first, end) instead of the mask: no mask loads, and
-        the rows outside are not read. A mask with a hole is counted (``mask_holes``), not silently attended."""
+        the rows outside are not read. A mask with a hole is counted (``mask_holes``), not silently attended.
+        ``static_rows``: every buffer holds that many rows from the prefill on (never grown), and a one-token
+        update writes at row ``decode_position()`` (a device tensor the caller sets) and returns / attends all
+        rows, the attention mask [B, 1, 1, static_rows] saying which; the lengths advance only by ``advance`` (so a
+        captured decode step replays: ``rollout.static_decode``)."""
+        self.static = None if static_rows is None else StaticPosition(static_rows)
         layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k and i not in bf16_layers,
                              quantize_v=quantize_v and i not in bf16_layers, recorder=recorder, kernel=kernel,
-                             fused_decode=fused_decode, fast_attention=fast_attention, interval_masks=interval_masks)
+                             fused_decode=fused_decode, fast_attention=fast_attention, interval_masks=interval_masks,
+                             static=self.static)
                   for i in range(num_layers)]
         super().__init__(layers=layers)
         self.mask_holes = FiniteCounter("interval mask rows with a hole")
         for layer in layers:
             layer.mask_holes = self.mask_holes
+
+    def decode_position(self) -> torch.Tensor:
+        """A static cache's decode row: int64 [1] on the device, written by the next one-token update."""
+        if self.static is None or not self.layers[0].is_initialized:
+            raise ValueError("decode_position needs an FP4KVCache(static_rows=...) after its prefill")
+        return self.static.tensor(self.layers[0].device)
+
+    def advance(self, t: int = 1) -> None:
+        """After ``t`` static decode steps: every layer's length grows by t (raises past ``static_rows``)."""
+        for layer in self.layers:
+            layer.advance(t)
 
     def check_interval_masks(self) -> None:
         """Raise ``ValueError`` if a decode step's mask had a row with a hole since the last check (one host sync;

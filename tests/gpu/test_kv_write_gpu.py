@@ -15,7 +15,7 @@ import torch
 if not (torch.cuda.is_available() and importlib.util.find_spec("triton")):
     pytest.skip("needs CUDA and triton", allow_module_level=True)
 
-from megatron_trace.rollout import kv_cache  # noqa: E402
+from megatron_trace.rollout import kv_cache, kv_rows  # noqa: E402
 
 from ..kernels._gpu import edge_rows  # noqa: E402
 from ..kernels._kv_write import (  # noqa: E402
@@ -35,7 +35,7 @@ DEV = "cuda"
 def _small_growth(monkeypatch):
     """The buffers grow every 16 decode steps (not 256): the growth is crossed in a few dozen steps (calls 4 and 5
     of session 12 ran out of their time limit with 264 steps per case)."""
-    monkeypatch.setattr(kv_cache, "MIN_GROWTH", 16)
+    monkeypatch.setattr(kv_rows, "MIN_GROWTH", 16)
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def writes(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("policy", list(QUANTIZERS))
 def test_decode_writes_equal_the_reference_cache_across_growth(policy, dtype, d, writes):
-    n = 2 * kv_cache.MIN_GROWTH + 8  # the buffers (prefill + MIN_GROWTH slots, rounded up to 16) grow in the decode
+    n = 2 * kv_rows.MIN_GROWTH + 8  # the buffers (prefill + MIN_GROWTH slots, rounded up to 16) grow in the decode
     kv = steps(8, 4, d, n, dtype, DEV, seed=d)
     compact = policy != "mxfp4"  # compact and full records, both from the stored history
     select = (n // 2, torch.tensor([3, 0, 0, 7, 5, 1, 2, 6], device=DEV))

@@ -170,3 +170,34 @@ def test_compiled_backend_on_the_gpu_path(compile):
     assert got["fp4"]["graph_replay_rel_err"] < 1e-3, got["fp4"]
     assert got["moe_rel_err"] < 1e-2 and got["moe_equal_fraction"] > 0.9, got
     assert got["moe_fc2_codes_equal_fraction"] > 0.99, got
+
+
+@pytest.mark.parametrize("mode", ["fp4", "bf16"])
+def test_static_decode_replays_its_captured_step(mode):
+    """``rollout.static_decode``: one decode step captured in a CUDA graph, replayed step after step with only the
+    buffers updated in between (tokens, positions, mask column, the cache's device write row), gives the eager
+    static steps' logits (one row left-padded, one row finished mid-way). Written in session 13, first run next."""
+    from megatron_trace.rollout.static_decode import StaticDecode
+
+    be = _backend(mode, "auto")
+    ids = torch.randint(3, 512, (2, 24), device="cuda")
+    attn = torch.ones(2, 24, dtype=torch.bool, device="cuda")
+    attn[1, :5] = False  # left padding
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    runs = {}
+    for graph in (False, True):
+        with be.forward_context() as model:
+            cache = be.new_cache(interval_masks=True, static_rows=48)
+            out = model(input_ids=ids, attention_mask=attn.long(), position_ids=pos, use_cache=True,
+                        logits_to_keep=1, **be.cache_kwargs(cache))
+            runner = StaticDecode(be, cache, attn, pos[:, -1:])
+            if graph:
+                runner.capture()
+            tok, got = out.logits[:, -1].argmax(-1, keepdim=True), []
+            for i in range(8):
+                attend = torch.tensor([True, i < 4], device="cuda")
+                logits = runner.step(tok, attend)
+                got.append(logits.float())
+                tok = logits.argmax(-1, keepdim=True)
+        runs[graph] = torch.stack(got, 1)
+    assert rel_err(runs[True], runs[False]) < 1e-3

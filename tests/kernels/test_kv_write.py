@@ -4,7 +4,7 @@ records): against the reference cache (``kernel="reference"``) for finite K/V, a
 ``out=`` for NaN/Inf and extreme rows. Non-contiguous K/V (transposes of [B, t, H, D]), head_dim 64 and 128, bf16
 and fp16, buffer growth, batch selection.
 
-On the CPU (``TRITON_INTERPRET=1``) the cache's Triton path is forced on (``kv_cache._on_triton``: a CPU tensor
+On the CPU (``TRITON_INTERPRET=1``) the cache's Triton path is forced on (``kv_rows._on_triton``: a CPU tensor
 never selects Triton) and buffers grow every few tokens; ``tests/gpu/test_kv_write_gpu.py`` runs the CUDA path.
 """
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_trace.formats import FP4Tensor, Quantizer
-from megatron_trace.rollout import kv_cache
+from megatron_trace.rollout import kv_cache, kv_rows
 
 from ._gpu import DEVICE, INTERPRET, assert_same_fp4, edge_rows, needs_triton, random_rows
 from ._kv_write import QUANTIZERS, assert_same_runs, assert_tokens_stored, count_out_writes, run, steps
@@ -30,8 +30,8 @@ def _triton_cache(monkeypatch):
     """Interpreter: IEEE division (its fma is unfused) and the cache's Triton path on CPU tensors."""
     if INTERPRET:
         monkeypatch.setattr(quant_triton, "FAST_DIV", False)
-        monkeypatch.setattr(kv_cache, "_on_triton", lambda kernel, x, quantizer: kernel != "reference")
-    monkeypatch.setattr(kv_cache, "MIN_GROWTH", 2)  # the buffers grow every few decode steps
+        monkeypatch.setattr(kv_rows, "_on_triton", lambda kernel, x, quantizer: kernel != "reference")
+    monkeypatch.setattr(kv_rows, "MIN_GROWTH", 2)  # the buffers grow every few decode steps
 
 
 @pytest.fixture
@@ -48,7 +48,7 @@ def test_decode_writes_equal_quantize_then_copy(policy, dtype, d, writes):
     kv = steps(2, 3, d, 6, dtype, DEVICE, seed=d)
     got = run(q, kv)
     assert sum(writes) == 2 * 6  # every decode update of K and V was written in place
-    assert got[0].get_seq_length() > 3 + kv_cache.MIN_GROWTH  # so the buffers grew during the decode
+    assert got[0].get_seq_length() > 3 + kv_rows.MIN_GROWTH  # so the buffers grew during the decode
     assert_same_runs(got, run(q, kv, kernel="reference"))
 
 

@@ -1,0 +1,205 @@
+"""Row stores of the FP4 KV cache: buffers [B, kv_heads, capacity, ...] that grow along the token axis (or are
+allocated once at a static capacity), packed FP4 rows with their scales and per-row amax, and plain rows in the
+model dtype (``kv_cache.FP4KVLayer`` holds one per K and V).
+
+On the Triton path a one-token append is one quantize launch that writes the token's codes, scales and amax straight
+into the buffers (``fused.quantize(out=)``); a prefill quantizes, then copies. Spare rows are zeros, which the
+decode attention may read (FP4 zeros decode to 0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import FP4Tensor, Quantizer
+from ..kernels import Kernel, select_kernel
+from ..kernels import dequantize as kernel_dequantize
+from ..kernels import quantize as kernel_quantize
+from ..kernels.kv_attention import ROW_ALIGN  # capacities in multiples of it: the attention's aligned loads
+
+MIN_GROWTH = 256
+"""Extra token slots allocated when a buffer grows (at least; else an eighth of the length)."""
+
+
+class GrowingRows:
+    """Named tensors [B, kv_heads, T, ...] stored in buffers with spare capacity along T."""
+
+    def __init__(self, reserve: int = 0):
+        self.bufs: dict[str, torch.Tensor] = {}
+        self.length = 0
+        self.reserve = reserve  # rows every new buffer holds at least (a static cache's capacity)
+
+    def append(self, parts: dict[str, torch.Tensor]) -> None:
+        t = next(iter(parts.values())).shape[2]
+        need = self.length + t
+        for name, x in parts.items():
+            self._room(name, x, need)[:, :, self.length : need] = x
+        self.length = need
+
+    def next_rows(self, t: int) -> dict[str, torch.Tensor]:
+        """Views [B, kv_heads, t, ...] of every buffer's rows [length, length + t), grown first where full (as
+        ``append``); the caller writes them, then adds t to ``length``."""
+        need = self.length + t
+        return {name: self._room(name, buf, need)[:, :, self.length : need] for name, buf in list(self.bufs.items())}
+
+    def _room(self, name: str, like: torch.Tensor, need: int) -> torch.Tensor:
+        """Buffer ``name`` with room for ``need`` rows: when absent or full, a new one of ``like``'s dtype and
+        [B, kv_heads, :, ...] with spare capacity (``MIN_GROWTH`` or an eighth, rounded up to ``ROW_ALIGN``
+        rows), the rows so far copied over. The spare rows are zeros: K/V rows the decode attention may read
+        (``capacity``; FP4 zeros decode to 0)."""
+        buf = self.bufs.get(name)
+        if buf is None or buf.shape[2] < need:
+            cap = need + max(MIN_GROWTH, need // 8) if need > self.reserve else self.reserve  # a reserve: exact
+            cap = -(-cap // ROW_ALIGN) * ROW_ALIGN
+            new = like.new_zeros((like.shape[0], like.shape[1], cap, *like.shape[3:]))
+            if buf is not None:
+                new[:, :, : self.length] = buf[:, :, : self.length]
+            self.bufs[name] = buf = new
+        return buf
+
+    def view(self, name: str) -> torch.Tensor:
+        return self.bufs[name][:, :, : self.length]
+
+    def write_at(self, parts: dict[str, torch.Tensor], position: torch.Tensor) -> None:
+        """Write one row [B, kv_heads, 1, ...] per buffer at row ``position`` (int64 [1] on the device), into the
+        buffers as they are (a static cache's: never grown here); ``length`` is left to the caller."""
+        for name, x in parts.items():
+            self.bufs[name].index_copy_(2, position, x)
+
+    @property
+    def capacity(self) -> int:
+        """Rows every buffer holds (written ones and zeros after them)."""
+        return min((b.shape[2] for b in self.bufs.values()), default=0)
+
+    def select(self, index: torch.Tensor) -> None:
+        """Keep batch rows ``index`` (int64 [B']; repeats fork a row)."""
+        self.bufs = {n: b.index_select(0, index) for n, b in self.bufs.items()}
+
+    def nbytes(self) -> int:
+        return sum(self.view(n).numel() * b.element_size() for n, b in self.bufs.items())
+
+
+class StaticPosition:
+    """The decode row of a static cache (``FP4KVCache(static_rows=)``), shared by its layers: a device int64 [1]
+    the caller sets before each decode step, so the step's kernels read device values only (a CUDA graph replays
+    them); ``rows`` is the capacity every buffer is allocated with at the prefill."""
+
+    def __init__(self, rows: int):
+        if rows < 1 or rows % ROW_ALIGN:
+            raise ValueError(f"static_rows={rows} must be a positive multiple of {ROW_ALIGN} (the buffers' rows, "
+                             "which the decode attention reads in aligned tiles): prompt plus new tokens, rounded up")
+        self.rows = rows
+        self._pos: torch.Tensor | None = None
+
+    def tensor(self, device: torch.device) -> torch.Tensor:
+        if self._pos is None or self._pos.device != torch.device(device):
+            self._pos = torch.zeros(1, dtype=torch.long, device=device)
+        return self._pos
+
+
+def _on_triton(kernel: str, x: torch.Tensor, quantizer: Quantizer) -> bool:
+    """Whether ``kernels.quantize`` of x takes the Triton path (``kernels.select_kernel``)."""
+    unsupported = "stochastic rounding has no Triton path" if quantizer.rounding != "rne" else None
+    return select_kernel(kernel, x.device, unsupported=unsupported) is Kernel.TRITON
+
+
+class FP4Rows:
+    """Packed FP4 rows of one of K or V, [B, kv_heads, T, ...], growing along T."""
+
+    def __init__(self, kernel: str = "reference", reserve: int = 0):
+        self.kernel = kernel
+        self.store = GrowingRows(reserve)
+        self.meta: tuple[str, torch.dtype, int] | None = None  # fmt, scale dtype, head_dim
+
+    @property
+    def length(self) -> int:
+        return self.store.length
+
+    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer) -> None:
+        """Quantize x [B, kv_heads, t, head_dim] and append it.
+
+        A one-token update on the Triton path is one kernel that writes codes, scales and amax straight into the
+        buffers (``_write_token``); else quantize, then copy (``append``)."""
+        if x.shape[2] == 1 and self._writes_in_place(x, quantizer):
+            self._write_token(x, quantizer)
+        else:
+            self.append(kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False))
+
+    def _writes_in_place(self, x: torch.Tensor, quantizer: Quantizer) -> bool:
+        """Whether the buffers exist, are contiguous (one row step) and fit x's rows and format, and the quantize
+        runs on Triton."""
+        bufs = self.store.bufs
+        return (self.length > 0 and self.meta == (quantizer.fmt, quantizer.format.scale_dtype, x.shape[-1])
+                and tuple(bufs["codes"].shape[:2]) == tuple(x.shape[:2]) and bufs["codes"].device == x.device
+                and ("amax" in bufs) == (quantizer.fmt == "nvfp4") and all(b.is_contiguous() for b in bufs.values())
+                and _on_triton(self.kernel, x, quantizer))
+
+    def _write_token(self, x: torch.Tensor, quantizer: Quantizer) -> None:
+        """``fused.quantize(out=...)`` of one token into rows ``length`` of the buffers [B, kv_heads, capacity, ...]
+        (row m = b * kv_heads + h of x at m * capacity rows: one row step), grown first when full."""
+        from ..kernels import fused  # imports Triton
+
+        rows = self.store.next_rows(1)
+        fmt, scale_dtype, _ = self.meta
+        out = FP4Tensor(codes=rows["codes"], block_scales=rows["scales"].view(scale_dtype),
+                        global_amax=rows.get("amax"), shape=tuple(x.shape), fmt=fmt)
+        fused.quantize(x, quantizer, check_finite=False, out=out)
+        self.store.length += 1
+
+    @staticmethod
+    def _parts(q: FP4Tensor) -> dict[str, torch.Tensor]:
+        """q's codes, scales (bytes) and per-row amax as the buffers store them."""
+        parts = {"codes": q.codes, "scales": q.block_scales.view(torch.uint8)}
+        if q.global_amax is not None:
+            g = q.global_amax.float()
+            parts["amax"] = g.reshape(1, 1, 1, 1).expand(*q.shape[:3], 1) if g.dim() == 0 else g
+        return parts
+
+    def append(self, q: FP4Tensor) -> None:
+        self.meta = (q.fmt, q.block_scales.dtype, q.shape[-1])
+        self.store.append(self._parts(q))
+
+    def quantize_write_at(self, x: torch.Tensor, quantizer: Quantizer, position: torch.Tensor) -> None:
+        """Quantize one token x [B, kv_heads, 1, head_dim] into row ``position`` (device int64 [1]) of the
+        buffers, which must exist and fit it (a static cache after its prefill)."""
+        q = kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False)
+        if self.meta != (q.fmt, q.block_scales.dtype, q.shape[-1]):
+            raise ValueError(f"token rows {q.fmt} / head_dim {q.shape[-1]} do not fit the stored {self.meta}")
+        self.store.write_at(self._parts(q), position)
+
+    def fp4(self, capacity: bool = False) -> FP4Tensor:
+        """The history as one FP4Tensor [B, kv_heads, T, head_dim] (views of the buffers; per-row amax), or with
+        ``capacity`` every row the buffers hold (T = ``store.capacity``: the history, then zeros)."""
+        fmt, scale_dtype, hd = self.meta
+        view = (lambda n: self.store.bufs[n]) if capacity else self.store.view
+        codes = view("codes")
+        amax = view("amax") if "amax" in self.store.bufs else None
+        return FP4Tensor(codes=codes, block_scales=view("scales").view(scale_dtype), global_amax=amax,
+                         shape=(*codes.shape[:3], hd), fmt=fmt)
+
+    def dequantize(self, dtype: torch.dtype, capacity: bool = False) -> torch.Tensor:
+        # per-row scales: decoding the stored rows equals decoding each chunk
+        return kernel_dequantize(self.fp4(capacity), dtype, kernel=self.kernel)
+
+    def nbytes(self) -> int:
+        return self.store.nbytes()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.store.select(index)
+
+
+class PlainRows:
+    """Unquantized rows [B, kv_heads, T, head_dim] in the model dtype."""
+
+    def __init__(self, reserve: int = 0):
+        self.store = GrowingRows(reserve)
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        self.store.append({"x": x})
+        return self.store.view("x")
+
+    def nbytes(self) -> int:
+        return self.store.nbytes()
+
+    def select(self, index: torch.Tensor) -> None:
+        self.store.select(index)

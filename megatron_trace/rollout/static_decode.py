@@ -1,0 +1,90 @@
+"""Decode steps whose inputs all live in fixed device buffers: the step a CUDA-graph decode loop captures.
+
+After a prefill into an ``FP4KVCache(static_rows=C)``, ``StaticDecode`` feeds one token per row through the
+backend's model with the tokens, the positions and an attention mask [B, 1, 1, C] held in buffers, and the cache
+writing each layer's K/V at a device row (``FP4KVCache.decode_position``). The forward therefore reads no host
+value that changes from step to step. ``step`` updates the buffers (tokens, positions + 1, the new row's mask
+column, the write row), runs ``forward``, then advances the host bookkeeping (``FP4KVCache.advance``).
+
+``capture()`` (CUDA) records ``forward`` once in a CUDA graph; each ``step`` then updates the buffers and replays
+it. Without a capture the steps run eagerly; they give the growing cache's logits within float rounding (the
+attention sums over C rows, the rows past the history masked).
+
+Not graph-ready yet: the guidance recorder appends the experts' records and the routing on the host each step (the
+K/V sites are read from the cache at the end and need nothing per step), so capture with no recorder in the
+backend's ``forward_context``. ``generate`` does not use this module yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .kv_cache import FP4KVCache
+
+
+class StaticDecode:
+    """Fixed-buffer decode steps of ``backend.model`` over ``cache``.
+
+    cache: an ``FP4KVCache(static_rows=C)`` holding the prefill of the rows (internal left-padded layout).
+    attention_mask: bool [B, T0], the prefill's (False: left padding); positions: int64 [B, 1], the prefill's last
+        position per row. Run the steps inside ``backend.forward_context()``.
+    """
+
+    def __init__(self, backend, cache: FP4KVCache, attention_mask: torch.Tensor, positions: torch.Tensor):
+        if not isinstance(cache, FP4KVCache) or cache.static is None:
+            raise ValueError("StaticDecode needs an FP4KVCache(static_rows=...)")
+        b, t0 = attention_mask.shape
+        if cache.get_seq_length() != t0:
+            raise ValueError(f"the cache holds {cache.get_seq_length()} rows but the prefill mask has {t0}")
+        if tuple(positions.shape) != (b, 1):
+            raise ValueError(f"positions must be [{b}, 1] (each row's last prefill position), got "
+                             f"{tuple(positions.shape)}")
+        dev = attention_mask.device
+        self.backend, self.cache, self.row = backend, cache, t0
+        self.tokens = torch.zeros(b, 1, dtype=torch.long, device=dev)
+        self.positions = positions.to(device=dev, dtype=torch.long).clone()
+        self.mask = torch.zeros(b, 1, 1, cache.static.rows, dtype=torch.bool, device=dev)
+        self.mask[:, 0, 0, :t0] = attention_mask.bool()
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._logits: torch.Tensor | None = None  # the captured forward's output buffer
+
+    def capture(self, warmup: int = 2) -> None:
+        """Record ``forward`` in a CUDA graph (after ``warmup`` runs on a side stream: Triton compiles, workspaces);
+        later steps replay it. The warm-up and capture runs write K/V at the next row, which its step rewrites."""
+        if not self.tokens.is_cuda:
+            raise ValueError(f"capture needs the backend on CUDA, got {self.tokens.device}")
+        self.cache.decode_position().fill_(self.row)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._logits = self.forward()
+
+    def forward(self) -> torch.Tensor:
+        """One decode step on the buffers as they are: logits [B, V] (the body a CUDA graph would capture)."""
+        out = self.backend.model(input_ids=self.tokens, attention_mask=self.mask, position_ids=self.positions,
+                                 use_cache=True, logits_to_keep=1, **self.backend.cache_kwargs(self.cache))
+        return out.logits[:, -1]
+
+    def step(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """Feed ``tokens`` [B, 1] at the next row; ``attend`` bool [B]: which rows' new tokens later steps attend
+        (False: a finished row). Returns logits [B, V]."""
+        if self.row >= self.cache.static.rows:
+            raise ValueError(f"row {self.row} is past static_rows={self.cache.static.rows}: the cache needs room for "
+                             "the prompt plus every new token")
+        self.tokens.copy_(tokens)
+        self.positions += 1
+        self.mask[:, 0, 0, self.row] = attend
+        self.cache.decode_position().fill_(self.row)
+        if self.graph is None:
+            logits = self.forward()
+        else:
+            self.graph.replay()
+            logits = self._logits.clone()  # (the next replay overwrites the buffer)
+        self.cache.advance(1)
+        self.row += 1
+        return logits

@@ -1,0 +1,123 @@
+"""Fixed-buffer decode steps (``rollout.static_decode``) over a static FP4 KV cache (``FP4KVCache(static_rows=)``):
+the growing cache's logits and tokens, K/V rows written at the device position only, host lengths moved only by
+``advance``, and named errors for what does not fit. The CUDA-graph replay is tested in
+``tests/gpu/test_rollout_gpu.py``."""
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.rollout import HFRolloutBackend
+from megatron_trace.rollout.kv_cache import FP4KVCache
+from megatron_trace.rollout.static_decode import StaticDecode
+
+from ._tiny import tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]  # the second row left-padded by 2
+STEPS = 6
+
+
+def _backend(mode="fp4", fused=None):
+    return HFRolloutBackend(tiny_model(seed=3), mode=mode, trace_config=TraceConfig(guided_layers="all"),
+                            dtype=torch.float32, fused_kv_attention=fused)
+
+
+def _prefill(be, cache):
+    width = max(map(len, PROMPTS))
+    ids = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    for i, p in enumerate(PROMPTS):
+        ids[i, width - len(p):] = torch.tensor(p)
+    attn = ids != 0
+    pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
+    out = be.model(input_ids=ids, attention_mask=attn.long(), position_ids=pos, use_cache=True, logits_to_keep=1,
+                   **be.cache_kwargs(cache))
+    return out.logits[:, -1], attn, pos[:, -1:]
+
+
+def _greedy(be, static: bool, finish_row_at: int | None = None):
+    """Greedy decode of PROMPTS: (logits per step, tokens per step, cache), on a growing or a static cache; row 1
+    stops attending its new tokens from step ``finish_row_at`` (a finished row's tail)."""
+    with be.forward_context() as model:
+        cache = be.new_cache(interval_masks=True, static_rows=32 if static else None)
+        logits, attn, pos = _prefill(be, cache)
+        runner = StaticDecode(be, cache, attn, pos) if static else None
+        all_logits, toks = [], []
+        for i in range(STEPS):
+            tok = logits.argmax(-1, keepdim=True)
+            attend = torch.ones(len(PROMPTS), dtype=torch.bool)
+            if finish_row_at is not None and i >= finish_row_at:
+                attend[1] = False
+            if static:
+                logits = runner.step(tok, attend)
+            else:
+                attn = torch.cat([attn, attend[:, None]], 1)
+                pos = pos + 1
+                logits = model(input_ids=tok, attention_mask=attn.long(), position_ids=pos, use_cache=True,
+                               logits_to_keep=1, **be.cache_kwargs(cache)).logits[:, -1]
+            all_logits.append(logits)
+            toks.append(tok)
+    return torch.stack(all_logits, 1), torch.cat(toks, 1), cache
+
+
+@pytest.mark.parametrize("mode, fused, finish", [("fp4", None, None), ("fp4", None, 3), ("fp4", True, 3),
+                                                 ("bf16", None, None)])
+def test_static_steps_give_the_growing_caches_logits(mode, fused, finish):
+    """Also with the fused FP4-KV decode attention (reference math here), which then reads every static row with
+    each row's interval taken from the mask."""
+    be = _backend(mode, fused)
+    assert be.fused_kv_attention == bool(fused)
+    want, want_tok, grown = _greedy(be, static=False, finish_row_at=finish)
+    got, got_tok, static = _greedy(be, static=True, finish_row_at=finish)
+    assert torch.equal(got_tok, want_tok)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)
+    assert static.get_seq_length() == grown.get_seq_length() == max(map(len, PROMPTS)) + STEPS
+    if mode == "fp4":  # the stored FP4 rows are the growing cache's, bit for bit
+        for site in ("kv_k", "kv_v"):
+            a, b = static.layers[2].fp4_history(site), grown.layers[2].fp4_history(site)
+            assert torch.equal(a.codes, b.codes)
+            assert torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
+
+
+def test_a_static_update_writes_at_the_device_row_and_leaves_the_lengths():
+    """The one-token update reads the row from ``decode_position`` (a device tensor) and changes no host state:
+    what a replayed CUDA graph needs. The lengths move with ``advance`` only."""
+    be = _backend()
+    with be.forward_context():
+        cache = be.new_cache(static_rows=32)
+        _prefill(be, cache)
+        layer = cache.layers[0]
+        k = torch.randn(2, layer._rows["kv_k"].store.bufs["codes"].shape[1], 1, be.hf_config.head_dim)
+        cache.decode_position().fill_(11)  # any row: the update does not look at the lengths
+        keys, _ = layer.update(k, k)
+    assert cache.get_seq_length() == 5 and layer._rows["kv_k"].store.length == 5
+    assert keys.shape[2] == 32  # every row of the buffers, the attention mask says which are attended
+    want = be.config.kv_quantizer().quantize(k)
+    stored = layer._rows["kv_k"].fp4(capacity=True)
+    assert torch.equal(stored.codes[:, :, 11:12], want.codes)
+    assert not stored.codes[:, :, 5:11].any() and not stored.codes[:, :, 12:].any()
+    cache.advance(1)
+    assert cache.get_seq_length() == 6 and layer.fp4_history("kv_k").shape[2] == 6
+
+
+def test_static_cache_errors_name_what_does_not_fit():
+    be = _backend()
+    with be.forward_context() as model:
+        small = be.new_cache(static_rows=16)
+        with pytest.raises(ValueError, match="prefill of 17 tokens does not fit static_rows=16"):
+            model(input_ids=torch.arange(3, 20)[None], use_cache=True, **be.cache_kwargs(small))
+        cache = be.new_cache(static_rows=16)
+        logits, attn, pos = _prefill(be, cache)
+        runner = StaticDecode(be, cache, attn, pos)
+        with pytest.raises(ValueError, match="capture needs the backend on CUDA"):
+            runner.capture()
+        tok, attend = logits.argmax(-1, keepdim=True), torch.ones(2, dtype=torch.bool)
+        for _ in range(16 - 5):
+            runner.step(tok, attend)
+        with pytest.raises(ValueError, match="row 16 is past static_rows=16"):
+            runner.step(tok, attend)
+    with pytest.raises(ValueError, match="static_rows=20 must be a positive multiple of 16"):
+        FP4KVCache(1, be.config.kv_quantizer(), static_rows=20)
+    with pytest.raises(ValueError, match="static_rows needs"):
+        FP4KVCache(1, TraceConfig(kv_format="sglang_kvfp4").kv_quantizer(), static_rows=16)
+    with pytest.raises(ValueError, match="needs an FP4KVCache"):
+        StaticDecode(be, be.new_cache(), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 1))
