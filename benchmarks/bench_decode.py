@@ -65,8 +65,8 @@ def model_config(dims: dict, max_len: int) -> Qwen3MoeConfig:
                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0, compile: bool | str = False
-                   ) -> dict[str, HFRolloutBackend]:
+def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0, compile: bool | str = False,
+                   static_decode: str = "off") -> dict[str, HFRolloutBackend]:
     """One backend per numerics (bf16, fp4) over the same random weights (built on the device: fast init);
     ``fp4u`` shares the fp4 backend (only its cache differs)."""
     torch.manual_seed(seed)
@@ -77,7 +77,7 @@ def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0, com
     for i, kind in enumerate(kinds):
         model = base if i == len(kinds) - 1 else copy.deepcopy(base)
         built[kind] = HFRolloutBackend(model, mode=kind, trace_config=TraceConfig(), dtype=dtype, device=device,
-                                       compile=compile)
+                                       compile=compile, static_decode=static_decode)
     return {m: built["fp4" if m.startswith("fp4") else "bf16"] for m in modes}
 
 
@@ -457,6 +457,9 @@ def parse_args(argv):
                    help="with --left-pad: the fused attention reads the mask (words) or each row's interval")
     p.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="default",
                    help="the only SDPA backend allowed in the timed decode steps (BF16's attention)")
+    p.add_argument("--static-decode", choices=("off", "eager", "graph"), default="off",
+                   help="HFRolloutBackend(static_decode=...): generate's decode steps on fixed buffers (graph: "
+                        "replayed as a CUDA graph; --generate-batches times them)")
     p.add_argument("--gemm-mean-config", action="store_true",
                    help="the W4A16 GEMM's config for the mean tokens per expert (moe_triton.BUSIEST_EXPERT off)")
     p.add_argument("--attn-micro", action="store_true", help="per-layer attention micro-benchmark too")
@@ -503,10 +506,12 @@ def main(argv=None) -> list[dict]:
     try:
         t0 = time.perf_counter()
         cfg = model_config(dims, max(lengths) + 1024)
-        backends = build_backends(cfg, modes, device, dtype, compile=args.compile or False)
+        backends = build_backends(cfg, modes, device, dtype, compile=args.compile or False,
+                                  static_decode=args.static_decode)
         be0 = next(iter(backends.values()))
         head = {"bench": "decode_setup", "device": str(device), "dtype": str(dtype), "model": dims,
                 "compile": args.compile, "gemm_mean_config": args.gemm_mean_config,
+                "static_decode": args.static_decode,
                 "params": param_count(be0), "setup_s": round(time.perf_counter() - t0, 2)}
         if device.type == "cuda":
             head["gpu"] = torch.cuda.get_device_name(device)

@@ -55,10 +55,12 @@ from .kv_cache import FP4KVCache
 from .prefix import PrefixFork, fork_prefill, shared_prompts
 from .recorder import GuidanceRecorder
 from .sampling import sample_tokens
+from .static_decode import StaticDecode
 
 logger = logging.getLogger(__name__)
 
 MODES = ("bf16", "fp4")
+STATIC_DECODE = ("off", "eager", "graph")
 COMPILE_CHOICES = (False, True, "modules", "layers")
 
 
@@ -109,6 +111,10 @@ class HFRolloutBackend:
     fast_kv_attention: the fused decode attention's fast kernel (default; K/V as exact FP4 values, ~6x faster at
         long context) instead of the one that reads the trainer's bf16 K/V values (``kernels.kv_attention``);
         the RL mismatch is the same within seed noise (BENCHMARKS.md, session 5).
+    static_decode: "off" (default), "eager" or "graph": ``generate``'s decode steps run on fixed buffers
+        (``rollout.static_decode``: a static FP4 KV cache of prompt + ``max_new_tokens`` rows, the recorder's
+        static buffers); "graph" captures the step in a CUDA graph once per ``generate`` and replays it (the eager
+        loop is host-bound on the GPU). Not yet run on a GPU (session 13): experimental.
     compile: ``torch.compile`` the transformers code around this package's (``rollout.compiled``). True or
         "modules": every RMSNorm and MoE router (Inductor fuses each into one or two kernels); "layers": every
         decoder layer (RoPE, residual adds and norms fused too; this package's experts, attention and KV cache run
@@ -139,9 +145,16 @@ class HFRolloutBackend:
         fused_kv_attention: bool | None = None,
         fast_kv_attention: bool = True,
         compile: bool | str = False,
+        static_decode: str = "off",
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        if static_decode not in STATIC_DECODE:
+            raise ValueError(f"static_decode={static_decode!r} must be one of {STATIC_DECODE}")
+        if static_decode == "graph" and torch.device(device).type != "cuda":
+            raise ValueError(f"static_decode='graph' captures CUDA graphs: device={device!r} is not CUDA "
+                             "(static_decode='eager' runs the same fixed-buffer steps without a graph)")
+        self.static_decode = static_decode
         if dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise ValueError(f"dtype={dtype} must be torch.bfloat16, torch.float16 or torch.float32")
         self.mode = mode
@@ -290,7 +303,10 @@ class HFRolloutBackend:
         rows = b if fork is None else fork.num_unique
         recorder = GuidanceRecorder(rows, self.guided_sites, compact=self.config.cache_mode == "compact",
                                      kernel=self.config.kernel)
-        cache = self.new_cache(recorder, interval_masks=True)  # left padding, then finished rows' tails
+        static_rows = None
+        if self.static_decode != "off":  # the prompt, then one fed token per new token (rounded to 16 rows)
+            static_rows = -(-(width + max(sampling.max_new_tokens, 1)) // 16) * 16
+        cache = self.new_cache(recorder, interval_masks=True, static_rows=static_rows)  # left padding, finished tails
         with self.forward_context(recorder):
             steps = self._decode(ids, attn, sampling, gen, stop, cache, recorder, fork)
         if isinstance(cache, FP4KVCache):
@@ -312,6 +328,11 @@ class HFRolloutBackend:
             first = fork.first.to(ids.device)
             logits = self._step(ids[first], attn[first], pos[first], cache, recorder, attn[first])
             logits = fork_prefill(fork, logits, cache, recorder)
+        runner = None
+        if self.static_decode != "off":
+            runner = StaticDecode(self, cache, attn, pos[:, -1:], recorder)  # (every row's, forked or not)
+            if self.static_decode == "graph":
+                runner.capture()
         done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         nonfinite = torch.zeros_like(done)  # rows with NaN/Inf logits, checked once at the end (no per-step sync)
         toks, lps, alives = [], [], []
@@ -324,9 +345,12 @@ class HFRolloutBackend:
             done = done | (alive & torch.isin(tok, stop))
             last = i == sampling.max_new_tokens - 1 or bool(done.all())
             # feed the sampled token (after the last sample too, so every position has routing/guidance)
-            attn = torch.cat([attn, alive.unsqueeze(1)], 1)
-            pos = pos[:, -1:] + 1
-            logits = self._step(toks[-1].unsqueeze(1), attn, pos, cache, recorder, alive.unsqueeze(1))
+            if runner is not None:
+                logits = runner.step(toks[-1].unsqueeze(1), alive)
+            else:
+                attn = torch.cat([attn, alive.unsqueeze(1)], 1)
+                pos = pos[:, -1:] + 1
+                logits = self._step(toks[-1].unsqueeze(1), attn, pos, cache, recorder, alive.unsqueeze(1))
             if last:
                 break
         nonfinite |= ~torch.isfinite(logits.float()).all(dim=-1)  # the forward of the last fed token

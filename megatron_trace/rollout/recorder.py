@@ -20,6 +20,7 @@ import torch
 from ..formats import CompactGuidance, FP4Tensor, FullGuidance
 from ..guidance.site import SiteGuidance, SiteKey
 from ..kernels import compact_guidance
+from .recorder_static import StaticSteps
 
 Record = FullGuidance | CompactGuidance
 _PAYLOAD = {FullGuidance: "codes", CompactGuidance: "mantissa_bits"}
@@ -87,6 +88,7 @@ class GuidanceRecorder:
         self._routing: dict[int, list[torch.Tensor]] = {}
         self._valid: list[torch.Tensor] = []
         self._histories: dict[SiteKey, Callable[[], FP4Tensor]] = {}
+        self._static: StaticSteps | None = None  # fixed-buffer decode steps (begin_static)
 
     def wants(self, layer: int, site: str) -> bool:
         return (layer, site) in self.sites
@@ -101,9 +103,23 @@ class GuidanceRecorder:
     def _rows_to_batch(self, t: torch.Tensor) -> torch.Tensor:
         return t.reshape(self.batch_size, -1, *t.shape[1:])  # [B*t, ...] -> [B, t, ...]
 
+    def begin_static(self, steps: int, device: torch.device) -> torch.Tensor:
+        """From now on each forward call is one fixed-buffer decode step (``rollout.static_decode``): its records
+        and routing go into buffers of ``steps`` steps at the returned step index (int64 [1] on ``device``; the
+        caller sets it before each step), so a CUDA graph of one step replays the writes. ``end_step`` counts the
+        steps. Returns the index."""
+        if self._static is not None:
+            raise ValueError("begin_static was already called for this recorder")
+        self._static = StaticSteps(steps, device)
+        return self._static.index
+
     def add_routing(self, layer: int, top_k_index: torch.Tensor) -> None:
         """``top_k_index`` int [B*t, topk] of this step."""
-        self._routing.setdefault(layer, []).append(self._rows_to_batch(top_k_index.long()))
+        ids = self._rows_to_batch(top_k_index.long())
+        if self._static is not None:
+            self._static.put(("routing", layer), ids)
+        else:
+            self._routing.setdefault(layer, []).append(ids)
 
     def add_rows(self, layer: int, site: str, q: FP4Tensor, record: CompactGuidance | None = None) -> None:
         """Quantized rows with leading dim ``B*t`` (token-major), e.g. [B*t, hidden]. ``record``: their compact
@@ -111,11 +127,17 @@ class GuidanceRecorder:
         if not self.wants(layer, site):
             return
         shape = (self.batch_size, q.shape[0] // self.batch_size, *q.shape[1:])
-        self._records[(layer, site)].append(map_record(self._record(q, record), self._rows_to_batch, shape))
+        rec = map_record(self._record(q, record), self._rows_to_batch, shape)
+        if self._static is not None:
+            self._static.put((layer, site), rec)
+        else:
+            self._records[(layer, site)].append(rec)
 
     def add_heads_major(self, layer: int, site: str, q: FP4Tensor, record: CompactGuidance | None = None) -> None:
         """Quantized K or V rows [B, heads, t, head_dim], recorded batch-major [B, t, heads, head_dim]."""
         if self.wants(layer, site):
+            if self._static is not None:
+                raise ValueError("per-step K/V records (SGLang's KV format) cannot be kept in static steps")
             b, h, t, d = q.shape
             self._records[(layer, site)].append(
                 map_record(self._record(q, record), lambda x: x.transpose(1, 2).contiguous(), (b, t, h, d)))
@@ -143,11 +165,23 @@ class GuidanceRecorder:
     def site_records(self, key: SiteKey) -> list[Record]:
         """Site ``key``'s records so far, batch-major [B, t, ...] chunks along the sequence (a K/V site recorded
         from its store: one chunk of every position, read from the store now)."""
-        return [self._history_record(key)] if key in self._histories else list(self._records[key])
+        if key in self._histories:
+            return [self._history_record(key)]
+        static = [self._static.view(key)] if self._static is not None and key in self._static else []
+        return list(self._records[key]) + static
+
+    def _routing_chunks(self, layer: int) -> list[torch.Tensor]:
+        key = ("routing", layer)
+        static = [self._static.view(key)] if self._static is not None and key in self._static else []
+        return self._routing.get(layer, []) + static
 
     def end_step(self, valid: torch.Tensor) -> None:
         """bool [B, t]: which of this step's input positions hold real tokens."""
         self._valid.append(valid.bool())
+        if self._static is not None:
+            if self._static.count == self._static.steps:
+                raise ValueError(f"more than the {self._static.steps} static steps begin_static allowed")
+            self._static.count += 1
 
     def select_rows(self, index: torch.Tensor) -> None:
         """Keep batch rows ``index`` (int64 [B']) of everything recorded so far; repeats fork a row
@@ -158,6 +192,8 @@ class GuidanceRecorder:
             self._records[key] = [map_record(r, sel, (index.numel(), *r.shape[1:])) for r in chunks]
         self._routing = {layer: [sel(t) for t in chunks] for layer, chunks in self._routing.items()}
         self._valid = [sel(v) for v in self._valid]
+        if self._static is not None:
+            self._static.select(index)
         self.batch_size = index.numel()
 
     @property
@@ -170,7 +206,9 @@ class GuidanceRecorder:
         n = self.recorded_positions
         ok = valid & (index < n) & take_positions(torch.cat(self._valid, 1), index.clamp(max=n - 1), valid)
         idx = index.clamp(max=n - 1)
-        routing = {layer: take_positions(torch.cat(chunks, 1), idx, ok) for layer, chunks in self._routing.items()}
+        static = self._static.keys() if self._static is not None else ()
+        layers = sorted(set(self._routing) | {k[1] for k in static if k[0] == "routing"})
+        routing = {layer: take_positions(torch.cat(self._routing_chunks(layer), 1), idx, ok) for layer in layers}
         guidance = {}
         for layer, site in self._records:
             chunks = self.site_records((layer, site))

@@ -10,9 +10,10 @@ column, the write row), runs ``forward``, then advances the host bookkeeping (``
 it. Without a capture the steps run eagerly; they give the growing cache's logits within float rounding (the
 attention sums over C rows, the rows past the history masked).
 
-Not graph-ready yet: the guidance recorder appends the experts' records and the routing on the host each step (the
-K/V sites are read from the cache at the end and need nothing per step), so capture with no recorder in the
-backend's ``forward_context``. ``generate`` does not use this module yet.
+Guidance: with ``recorder`` (the one in the backend's ``forward_context`` and the cache), the experts' records and
+the routing of each step go into the recorder's static buffers at a device step index
+(``GuidanceRecorder.begin_static``), and the K/V sites are read from the cache when the rollout ends, so a replayed
+step records too. ``HFRolloutBackend(static_decode="eager" | "graph")`` runs ``generate``'s decode steps here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from .kv_cache import FP4KVCache
+from .recorder import GuidanceRecorder
 
 
 class StaticDecode:
@@ -27,10 +29,12 @@ class StaticDecode:
 
     cache: an ``FP4KVCache(static_rows=C)`` holding the prefill of the rows (internal left-padded layout).
     attention_mask: bool [B, T0], the prefill's (False: left padding); positions: int64 [B, 1], the prefill's last
-        position per row. Run the steps inside ``backend.forward_context()``.
+        position per row. Run the steps inside ``backend.forward_context(recorder)``.
+    recorder: the rollout's ``GuidanceRecorder`` (switched to static steps here; ``step`` ends each step in it).
     """
 
-    def __init__(self, backend, cache: FP4KVCache, attention_mask: torch.Tensor, positions: torch.Tensor):
+    def __init__(self, backend, cache: FP4KVCache, attention_mask: torch.Tensor, positions: torch.Tensor,
+                 recorder: GuidanceRecorder | None = None):
         if not isinstance(cache, FP4KVCache) or cache.static is None:
             raise ValueError("StaticDecode needs an FP4KVCache(static_rows=...)")
         b, t0 = attention_mask.shape
@@ -40,7 +44,9 @@ class StaticDecode:
             raise ValueError(f"positions must be [{b}, 1] (each row's last prefill position), got "
                              f"{tuple(positions.shape)}")
         dev = attention_mask.device
-        self.backend, self.cache, self.row = backend, cache, t0
+        self.backend, self.cache, self.row, self.first = backend, cache, t0, t0
+        self.recorder = recorder
+        self.step_index = None if recorder is None else recorder.begin_static(cache.static.rows - t0, dev)
         self.tokens = torch.zeros(b, 1, dtype=torch.long, device=dev)
         self.positions = positions.to(device=dev, dtype=torch.long).clone()
         self.mask = torch.zeros(b, 1, 1, cache.static.rows, dtype=torch.bool, device=dev)
@@ -54,6 +60,8 @@ class StaticDecode:
         if not self.tokens.is_cuda:
             raise ValueError(f"capture needs the backend on CUDA, got {self.tokens.device}")
         self.cache.decode_position().fill_(self.row)
+        if self.step_index is not None:
+            self.step_index.fill_(self.row - self.first)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -80,6 +88,8 @@ class StaticDecode:
         self.positions += 1
         self.mask[:, 0, 0, self.row] = attend
         self.cache.decode_position().fill_(self.row)
+        if self.step_index is not None:
+            self.step_index.fill_(self.row - self.first)
         if self.graph is None:
             logits = self.forward()
         else:
@@ -87,4 +97,6 @@ class StaticDecode:
             logits = self._logits.clone()  # (the next replay overwrites the buffer)
         self.cache.advance(1)
         self.row += 1
+        if self.recorder is not None:
+            self.recorder.end_step(attend.unsqueeze(1))
         return logits

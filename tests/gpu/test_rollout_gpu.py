@@ -201,3 +201,23 @@ def test_static_decode_replays_its_captured_step(mode):
                 tok = logits.argmax(-1, keepdim=True)
         runs[graph] = torch.stack(got, 1)
     assert rel_err(runs[True], runs[False]) < 1e-3
+
+
+def test_generate_with_graph_decode_equals_its_eager_static_steps():
+    """``HFRolloutBackend(static_decode="graph")``: generate's decode step captured once and replayed gives the
+    eager fixed-buffer steps' rollout (tokens, log-probs, routing, guidance), with prefix reuse and left padding.
+    Written in session 13, first run next."""
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [11, 12]]
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    outs = {}
+    for static in ("eager", "graph"):
+        model = tiny_model(tiny_config(**CFG), seed=3)
+        be = HFRolloutBackend(model, mode="fp4", trace_config=TraceConfig(guided_layers="all"),
+                              dtype=torch.bfloat16, device="cuda", static_decode=static)
+        outs[static] = be.generate(prompts, sampling)
+    a, b = outs["graph"], outs["eager"]
+    assert torch.equal(a.tokens, b.tokens) and torch.allclose(a.logprobs, b.logprobs, atol=1e-3)
+    for layer in b.routing:
+        assert torch.equal(a.routing[layer], b.routing[layer])
+    for key, sg in b.guidance.items():
+        assert torch.equal(a.guidance[key].record.mantissa_bits, sg.record.mantissa_bits), key

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_trace.config import TraceConfig
-from megatron_trace.rollout import HFRolloutBackend
+from megatron_trace.rollout import HFRolloutBackend, SamplingParams
 from megatron_trace.rollout.kv_cache import FP4KVCache
 from megatron_trace.rollout.static_decode import StaticDecode
 
@@ -121,3 +121,39 @@ def test_static_cache_errors_name_what_does_not_fit():
         FP4KVCache(1, TraceConfig(kv_format="sglang_kvfp4").kv_quantizer(), static_rows=16)
     with pytest.raises(ValueError, match="needs an FP4KVCache"):
         StaticDecode(be, be.new_cache(), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("cache_mode", ["compact", "full"])
+def test_generate_with_static_decode_returns_the_same_rollout(cache_mode):
+    """``HFRolloutBackend(static_decode="eager")``: generate's decode steps on fixed buffers (the recorder's static
+    store, the static cache) give the same tokens, log-probs within float rounding and the same guidance and
+    routing as the default loop, with prefix reuse (forked rows), left padding and rows finishing early."""
+    cfg = TraceConfig(guided_layers="all", cache_mode=cache_mode)
+    prompts = [[3, 4, 5, 6, 7, 8, 9], [7, 8], [7, 8], [12]]
+    sampling = SamplingParams(max_new_tokens=9, seed=3, stop_token_ids=tuple(range(0, 128, 9)))
+    outs = {}
+    for static in ("off", "eager"):
+        be = HFRolloutBackend(tiny_model(seed=4), mode="fp4", trace_config=cfg, dtype=torch.float32,
+                              static_decode=static)
+        outs[static] = be.generate(prompts, sampling)
+    a, b = outs["eager"], outs["off"]
+    assert len(set(b.response_mask.sum(1).tolist())) > 1  # rows finished at different steps
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.attention_mask, b.attention_mask)
+    assert torch.allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert a.routing.keys() == b.routing.keys() and a.guidance.keys() == b.guidance.keys()
+    for layer in b.routing:
+        assert torch.equal(a.routing[layer], b.routing[layer])
+    for key, sg in b.guidance.items():
+        got = a.guidance[key]
+        assert torch.equal(got.valid, sg.valid), key
+        payload = "codes" if cache_mode == "full" else "mantissa_bits"
+        for name in (payload, "block_scales"):  # (float rounding of the attention over the static rows aside)
+            x, y = (getattr(r.record, name) for r in (got, sg))
+            assert x.shape == y.shape and (x.view(torch.uint8) == y.view(torch.uint8)).float().mean() > 0.999, key
+
+
+def test_static_decode_graph_needs_cuda():
+    with pytest.raises(ValueError, match="static_decode='graph' captures CUDA graphs"):
+        HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32, static_decode="graph")
+    with pytest.raises(ValueError, match="static_decode='fast' must be one of"):
+        HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32, static_decode="fast")
