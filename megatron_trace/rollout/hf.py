@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, 
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..config import TraceConfig
-from ..formats import FP4Tensor, NonFiniteError
+from ..formats import FP4Tensor
 from ..guidance.selection import guided_layers
 from ..guidance.site import SiteKey
 from ..kernels import Kernel, select_kernel
@@ -45,17 +45,15 @@ from ..manifest import (
     experts_name,
     kv_cache_name,
 )
+from . import hf_generate
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
-from .base import RolloutBatch, SamplingParams, WeightValue, check_prompts
+from .base import RolloutBatch, SamplingParams, WeightValue
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .hf_weights import join_fc1, parse_expert_name
 from .kv_cache import FP4KVCache
-from .prefix import PrefixFork, fork_prefill, shared_prompts
 from .recorder import GuidanceRecorder
-from .sampling import sample_tokens
-from .static_decode import StaticDecode
 
 logger = logging.getLogger(__name__)
 
@@ -285,103 +283,9 @@ class HFRolloutBackend:
 
     # ---- generation ---------------------------------------------------------------------------
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
-        check_prompts(prompts, self.vocab_size)
-        if not isinstance(sampling, SamplingParams):
-            raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
-        sampling.check_vocab(self.vocab_size)
-        prompts = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts]
-        b, dev = len(prompts), self.device
-        plens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-        width = int(plens.max())
-        ids = torch.full((b, width), self.pad_token_id, dtype=torch.long)
-        for i, p in enumerate(prompts):  # left-pad internally
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        ids, attn = ids.to(dev), (torch.arange(width).unsqueeze(0) >= (width - plens).unsqueeze(1)).to(dev)
-        gen = torch.Generator(device=dev).manual_seed(sampling.seed) if sampling.seed is not None else None
-        stop = torch.tensor(sampling.stop_token_ids, dtype=torch.long, device=dev)
-        fork = shared_prompts(prompts) if self.prefix_reuse else None
-        rows = b if fork is None else fork.num_unique
-        recorder = GuidanceRecorder(rows, self.guided_sites, compact=self.config.cache_mode == "compact",
-                                     kernel=self.config.kernel)
-        static_rows = None
-        if self.static_decode != "off":  # the prompt, then one fed token per new token (rounded to 16 rows)
-            static_rows = -(-(width + max(sampling.max_new_tokens, 1)) // 16) * 16
-        cache = self.new_cache(recorder, interval_masks=True, static_rows=static_rows)  # left padding, finished tails
-        with self.forward_context(recorder):
-            steps = self._decode(ids, attn, sampling, gen, stop, cache, recorder, fork)
-        if isinstance(cache, FP4KVCache):
-            cache.check_interval_masks()
-        return self._assemble(ids, plens, steps, recorder)
-
-    def _step(self, tokens, attn, pos, cache, recorder, valid):
-        out = self.model(input_ids=tokens, attention_mask=attn.long(), position_ids=pos, use_cache=True,
-                         logits_to_keep=1, **self.cache_kwargs(cache))
-        recorder.end_step(valid)
-        return out.logits[:, -1]
-
-    def _decode(self, ids, attn, sampling, gen, stop, cache, recorder, fork: PrefixFork | None = None):
-        """Prefill, then one token per step. Returns tokens, logprobs, alive (each [B, n]) and done [B]."""
-        pos = (attn.long().cumsum(-1) - 1).clamp(min=0)
-        if fork is None:
-            logits = self._step(ids, attn, pos, cache, recorder, attn)
-        else:  # identical prompts: prefill the first of each, then copy its state to every sample
-            first = fork.first.to(ids.device)
-            logits = self._step(ids[first], attn[first], pos[first], cache, recorder, attn[first])
-            logits = fork_prefill(fork, logits, cache, recorder)
-        runner = None
-        if self.static_decode != "off":
-            runner = StaticDecode(self, cache, attn, pos[:, -1:], recorder)  # (every row's, forked or not)
-            if self.static_decode == "graph":
-                runner.capture()
-        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
-        nonfinite = torch.zeros_like(done)  # rows with NaN/Inf logits, checked once at the end (no per-step sync)
-        toks, lps, alives = [], [], []
-        for i in range(sampling.max_new_tokens):
-            tok, lp = sample_tokens(logits, sampling, gen, nonfinite)
-            alive = ~done  # rows whose token at this step belongs to the response
-            toks.append(torch.where(alive, tok, self.pad_token_id))
-            lps.append(torch.where(alive, lp, 0.0))
-            alives.append(alive)
-            done = done | (alive & torch.isin(tok, stop))
-            last = i == sampling.max_new_tokens - 1 or bool(done.all())
-            # feed the sampled token (after the last sample too, so every position has routing/guidance)
-            if runner is not None:
-                logits = runner.step(toks[-1].unsqueeze(1), alive)
-            else:
-                attn = torch.cat([attn, alive.unsqueeze(1)], 1)
-                pos = pos[:, -1:] + 1
-                logits = self._step(toks[-1].unsqueeze(1), attn, pos, cache, recorder, alive.unsqueeze(1))
-            if last:
-                break
-        nonfinite |= ~torch.isfinite(logits.float()).all(dim=-1)  # the forward of the last fed token
-        if bool(nonfinite.any()):
-            rows = nonfinite.nonzero().flatten().tolist()
-            raise NonFiniteError(f"rollout produced NaN/Inf logits for {len(rows)} of {len(done)} prompt row(s) "
-                                 f"(first: {rows[:8]}): non-finite activations or weights upstream; nothing of this "
-                                 "batch is returned (no tokens, log-probs or guidance)")
-        return torch.stack(toks, 1), torch.stack(lps, 1), torch.stack(alives, 1), done
-
-    def _assemble(self, ids, plens, steps, recorder) -> RolloutBatch:
-        """Internal left-padded columns -> right-padded output (see the RolloutBatch docstring)."""
-        toks, lps, alive, done = steps
-        dev, (b, width) = self.device, ids.shape
-        plens = plens.to(dev)
-        rlens = alive.sum(1)
-        seq = int((plens + rlens).max())
-        pos = torch.arange(seq, device=dev).unsqueeze(0)  # [1, S]
-        internal = torch.cat([ids, toks], 1)  # [B, width + n]
-        index = (pos + (width - plens).unsqueeze(1)).clamp(max=internal.shape[1] - 1)  # [B, S]
-        valid = pos < (plens + rlens).unsqueeze(1)
-        resp = valid & (pos >= plens.unsqueeze(1))
-        tokens = torch.where(valid, internal.gather(1, index), self.pad_token_id)
-        lp_internal = torch.cat([torch.zeros(b, width, device=dev), lps.float()], 1)
-        logprobs = torch.where(resp, lp_internal.gather(1, index), 0.0)
-        routing, guidance = recorder.finish(index, valid)
-        reasons = tuple("stop" if bool(d) else "length" for d in done)
-        return RolloutBatch(tokens=tokens, prompt_lens=plens, response_lens=rlens, response_mask=resp,
-                            logprobs=logprobs, routing=routing, guidance=guidance,
-                            policy_version=self.policy_version, pad_token_id=self.pad_token_id,
-                            finish_reasons=reasons)
+        """Sample responses to ``prompts`` (``rollout.hf_generate``): tokens, log-probs of the sampling forward,
+        routing and (FP4 mode) guidance, as a ``RolloutBatch``."""
+        return hf_generate.generate(self, prompts, sampling)
 
     # ---- weights ------------------------------------------------------------------------------
     def expert_weight_fp4(self, layer: int, expert: int, which: str) -> FP4Tensor:
