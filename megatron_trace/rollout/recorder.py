@@ -167,13 +167,10 @@ class GuidanceRecorder:
         from its store: one chunk of every position, read from the store now)."""
         if key in self._histories:
             return [self._history_record(key)]
-        static = [self._static.view(key)] if self._static is not None and key in self._static else []
-        return list(self._records[key]) + static
+        return list(self._records[key]) + self._static_chunks(key)
 
-    def _routing_chunks(self, layer: int) -> list[torch.Tensor]:
-        key = ("routing", layer)
-        static = [self._static.view(key)] if self._static is not None and key in self._static else []
-        return self._routing.get(layer, []) + static
+    def _static_chunks(self, key) -> list:
+        return [] if self._static is None else self._static.chunks(key)
 
     def end_step(self, valid: torch.Tensor) -> None:
         """bool [B, t]: which of this step's input positions hold real tokens."""
@@ -208,7 +205,8 @@ class GuidanceRecorder:
         idx = index.clamp(max=n - 1)
         static = self._static.keys() if self._static is not None else ()
         layers = sorted(set(self._routing) | {k[1] for k in static if k[0] == "routing"})
-        routing = {layer: take_positions(torch.cat(self._routing_chunks(layer), 1), idx, ok) for layer in layers}
+        routing = {layer: take_positions(torch.cat(self._routing.get(layer, []) + self._static_chunks(
+            ("routing", layer)), 1), idx, ok) for layer in layers}
         guidance = {}
         for layer, site in self._records:
             chunks = self.site_records((layer, site))

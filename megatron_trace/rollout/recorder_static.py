@@ -53,9 +53,6 @@ class StaticSteps:
         self._bufs: dict[object, tuple[Value, int]] = {}
         self._rows: dict[int, torch.Tensor] = {}
 
-    def __contains__(self, key) -> bool:
-        return key in self._bufs
-
     def keys(self) -> list:
         return list(self._bufs)
 
@@ -74,6 +71,10 @@ class StaticSteps:
         rows = self.index * n + self._rows[n]
         for dst, src in zip(_tensors(buf), _tensors(value), strict=True):
             dst.index_copy_(1, rows, src)
+
+    def chunks(self, key) -> list[Value]:
+        """[``view(key)``], or [] for a key no step wrote."""
+        return [self.view(key)] if key in self._bufs else []
 
     def view(self, key) -> Value:
         """Key's values of the ``count`` steps so far: [B, count * n, ...] (views of the buffer)."""
