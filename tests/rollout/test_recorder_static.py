@@ -1,0 +1,64 @@
+"""The recorder's static store (``rollout.recorder_static``): each step's values written at the device step index,
+read back as the concatenation of the steps, forked with the batch, and named errors for what does not fit."""
+
+import pytest
+import torch
+
+from megatron_trace.formats import Quantizer
+from megatron_trace.rollout.recorder import GuidanceRecorder, cat_records, map_record
+from megatron_trace.rollout.recorder_static import StaticSteps
+
+
+def _step_record(b: int, gen: torch.Generator):
+    """A compact NVFP4 record of one step, batch-major [B, 1, 32] (per-row amax)."""
+    q = Quantizer("nvfp4", per_row=True).quantize(torch.randn(b, 32, generator=gen))
+    rec = q.guidance(compact=True)
+    return map_record(rec, lambda t: t.reshape(b, 1, *t.shape[1:]), (b, 1, 32))
+
+
+def test_steps_read_back_as_their_concatenation_and_fork_with_the_batch():
+    gen = torch.Generator().manual_seed(0)
+    store = StaticSteps(4, torch.device("cpu"))
+    steps = [_step_record(3, gen) for _ in range(3)]
+    ids = [torch.randint(0, 8, (3, 2), generator=gen) for _ in range(3)]
+    for i, (rec, idx) in enumerate(zip(steps, ids, strict=True)):
+        store.index.fill_(i)
+        store.put("site", rec)
+        store.put("routing", idx[:, None])
+        store.count += 1
+    got, want = store.view("site"), cat_records(steps, 1)
+    assert got.shape == want.shape == (3, 3, 32)
+    assert torch.equal(got.mantissa_bits, want.mantissa_bits)
+    assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+    assert torch.equal(got.global_amax, want.global_amax)
+    assert torch.equal(store.view("routing"), torch.stack(ids, 1))
+    assert store.chunks("absent") == []
+    fork = torch.tensor([2, 2, 0])
+    store.select(fork)
+    assert torch.equal(store.view("routing"), torch.stack(ids, 1)[fork])
+    assert torch.equal(store.view("site").mantissa_bits, want.mantissa_bits[fork])
+
+
+def test_a_rewritten_step_replaces_the_earlier_write():
+    """A CUDA-graph capture writes the next step once before the step itself runs: the step's write wins."""
+    store = StaticSteps(2, torch.device("cpu"))
+    store.put("routing", torch.full((2, 1, 2), 7))
+    store.put("routing", torch.full((2, 1, 2), 3))  # the same index
+    store.count = 1
+    assert torch.equal(store.view("routing"), torch.full((2, 1, 2), 3))
+
+
+def test_static_store_errors_name_what_does_not_fit():
+    store = StaticSteps(2, torch.device("cpu"))
+    store.put("routing", torch.zeros(2, 1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"a step of \[2, 3, ...\] rows, the buffer holds \[2, 1 per step"):
+        store.put("routing", torch.zeros(2, 3, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="steps=0 must be >= 1"):
+        StaticSteps(0, torch.device("cpu"))
+    rec = GuidanceRecorder(2, set(), compact=True)
+    rec.begin_static(1, torch.device("cpu"))
+    with pytest.raises(ValueError, match="already called"):
+        rec.begin_static(1, torch.device("cpu"))
+    rec.end_step(torch.ones(2, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="more than the 1 static steps"):
+        rec.end_step(torch.ones(2, 1, dtype=torch.bool))
