@@ -92,8 +92,12 @@ class StaticPosition:
         self._pos: torch.Tensor | None = None
 
     def tensor(self, device: torch.device) -> torch.Tensor:
-        if self._pos is None or self._pos.device != torch.device(device):
+        """The row tensor, made on ``device`` at the first call (one tensor for good: a captured graph reads it)."""
+        device = torch.device(device)
+        if self._pos is None:
             self._pos = torch.zeros(1, dtype=torch.long, device=device)
+        elif self._pos.device.type != device.type or device.index not in (None, self._pos.device.index):
+            raise ValueError(f"the static cache's decode row lives on {self._pos.device}, not {device}")
         return self._pos
 
 
