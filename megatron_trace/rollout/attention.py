@@ -23,8 +23,10 @@ ROLLOUT_ATTENTION = "megatron_trace_rollout_attention"
 
 
 _LAST_MASK: list = [None, -1, -1, False, None]
-"""The last converted mask: (SDPA mask, its version, T, intervals, the kernel's keywords). A strong reference,
-so the tensor cannot be freed and another take its identity while cached."""
+"""The last converted mask: (SDPA mask, its version, T, intervals and whether a CUDA graph was being captured, the
+kernel's keywords). A strong reference, so the tensor cannot be freed and another take its identity while cached.
+A capture converts again (once, at its first layer): a graph must hold the conversion's kernels, or its replays
+would read the intervals of the eager call before the capture (``rollout.static_decode``)."""
 
 
 def _mask_rows(attention_mask: torch.Tensor | None, t: int, layer) -> dict:
@@ -35,13 +37,13 @@ def _mask_rows(attention_mask: torch.Tensor | None, t: int, layer) -> dict:
     step: every layer of a step gets the same mask tensor, and the layers after the first reuse it."""
     if attention_mask is None:
         return {}
-    intervals = layer.interval_masks
+    how = (layer.interval_masks, attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
     last = _LAST_MASK
-    if last[0] is attention_mask and last[1] == attention_mask._version and last[2] == t and last[3] == intervals:
+    if last[0] is attention_mask and last[1] == attention_mask._version and last[2] == t and last[3] == how:
         return last[4]
     m = attention_mask[:, 0, -1, :t]
     m = m if m.dtype == torch.bool else m == 0
-    if intervals:
+    if layer.interval_masks:
         first, end = mask_intervals(m, t, layer.mask_holes.tensor(m.device), kernel=layer.kernel)
         out = {"starts": first, "lengths": end}
     else:
@@ -49,7 +51,7 @@ def _mask_rows(attention_mask: torch.Tensor | None, t: int, layer) -> dict:
         words = torch.zeros(m.shape[0], t4, dtype=torch.bool, device=m.device)
         words[:, :t] = m
         out = {"kv_mask": words}
-    last[:] = [attention_mask, attention_mask._version, t, intervals, out]
+    last[:] = [attention_mask, attention_mask._version, t, how, out]
     return out
 
 
