@@ -20,6 +20,11 @@ from .recorder import GuidanceRecorder
 from .sampling import sample_tokens
 from .static_decode import StaticDecode
 
+STATIC_DONE_CHECK = 8
+"""With ``static_decode``, whether every row has stopped is read back every this many steps, not every step: the
+read waits for the GPU, so the host could not queue the next replay meanwhile. The steps after the last stop feed
+finished rows only (masked, not in the output: the same ``RolloutBatch``)."""
+
 
 def generate(be, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
     """``HFRolloutBackend.generate``: left-pad, prefill (once per distinct prompt), decode, assemble."""
@@ -83,7 +88,8 @@ def _decode(be, ids, attn, sampling, gen, stop, cache, recorder, fork: PrefixFor
         lps.append(torch.where(alive, lp, 0.0))
         alives.append(alive)
         done = done | (alive & torch.isin(tok, stop))
-        last = i == sampling.max_new_tokens - 1 or bool(done.all())
+        check = runner is None or (i + 1) % STATIC_DONE_CHECK == 0  # (reading ``done`` syncs with the GPU)
+        last = i == sampling.max_new_tokens - 1 or (check and bool(done.all()))
         # feed the sampled token (after the last sample too, so every position has routing/guidance)
         if runner is not None:
             logits = runner.step(toks[-1].unsqueeze(1), alive)

@@ -123,14 +123,16 @@ def test_static_cache_errors_name_what_does_not_fit():
         StaticDecode(be, be.new_cache(), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 1))
 
 
-@pytest.mark.parametrize("cache_mode", ["compact", "full"])
-def test_generate_with_static_decode_returns_the_same_rollout(cache_mode):
+@pytest.mark.parametrize("cache_mode, new_tokens", [("compact", 9), ("full", 9), ("compact", 30)])
+def test_generate_with_static_decode_returns_the_same_rollout(cache_mode, new_tokens):
     """``HFRolloutBackend(static_decode="eager")``: generate's decode steps on fixed buffers (the recorder's static
     store, the static cache) give the same tokens, log-probs within float rounding and the same guidance and
-    routing as the default loop, with prefix reuse (forked rows), left padding and rows finishing early."""
+    routing as the default loop, with prefix reuse (forked rows), left padding and rows finishing early. With 30
+    new tokens every row stops at step 12, and the static loop, which reads ``done`` every STATIC_DONE_CHECK
+    steps, feeds finished rows a few steps more: nothing returned changes."""
     cfg = TraceConfig(guided_layers="all", cache_mode=cache_mode)
     prompts = [[3, 4, 5, 6, 7, 8, 9], [7, 8], [7, 8], [12]]
-    sampling = SamplingParams(max_new_tokens=9, seed=3, stop_token_ids=tuple(range(0, 128, 9)))
+    sampling = SamplingParams(max_new_tokens=new_tokens, seed=3, stop_token_ids=tuple(range(0, 128, 9)))
     outs = {}
     for static in ("off", "eager"):
         be = HFRolloutBackend(tiny_model(seed=4), mode="fp4", trace_config=cfg, dtype=torch.float32,
