@@ -113,17 +113,14 @@ class FP4KVLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         defer = self.fused_decode and key_states.shape[-2] == 1
-        if self.static is not None and key_states.shape[-2] == 1 and self._length:
+        if self.static is not None and key_states.shape[-2] == 1 and self._length:  # lengths: advance()
             position = self.static.tensor(key_states.device)
             keys = self._store_at("kv_k", key_states, position, read=not defer)
             values = self._store_at("kv_v", value_states, position, read=not defer)
-            if defer:
-                setattr(key_states, DEFERRED_ATTR, self)
-                return key_states, value_states
-            return keys, values
-        keys = self._store("kv_k", key_states, read=not defer)
-        values = self._store("kv_v", value_states, read=not defer)
-        self._length += key_states.shape[-2]
+        else:
+            keys = self._store("kv_k", key_states, read=not defer)
+            values = self._store("kv_v", value_states, read=not defer)
+            self._length += key_states.shape[-2]
         if defer:  # the attention reads the packed history (see the module docstring)
             setattr(key_states, DEFERRED_ATTR, self)
             return key_states, value_states
