@@ -117,11 +117,20 @@ def _column_scale(g):
 
 
 @triton.jit
-def _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT: tl.constexpr):
+def _token_rows(t0, BT: tl.constexpr, WIDE: tl.constexpr):
+    """Token rows t0 + [0, BT): int64 when ``WIDE`` (row x stride may pass 2**31 elements), else int32."""
+    rt = t0 + tl.arange(0, BT)
+    if WIDE:
+        rt = rt.to(tl.int64)
+    return rt
+
+
+@triton.jit
+def _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT: tl.constexpr, WIDE: tl.constexpr):
     """Rows offs[E-1]..T of y (tokens no expert owns) <- 0."""
     t0 = tl.load(offs_ptr + E - 1).to(tl.int32)
     while t0 < T:  # (a while loop: Triton's interpreter cannot range() over loaded scalars)
-        rt = t0 + tl.arange(0, BT)
+        rt = _token_rows(t0, BT, WIDE)
         tl.store(y_ptr + rt[None, :] * stride_yt + rn[:, None], tl.zeros([rn.shape[0], BT], y_ptr.dtype.element_ty),
                  mask=(rt < T)[None, :] & nmask[:, None])
         t0 += BT
@@ -134,15 +143,16 @@ def fp4_gemm_kernel(
     FMT: tl.constexpr, B: tl.constexpr, G_MODE: tl.constexpr,
     BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     DEQ_ASM: tl.constexpr,
-    K_TILES: tl.constexpr, JOIN_K: tl.constexpr, DOT_F32: tl.constexpr,
+    K_TILES: tl.constexpr, JOIN_K: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr = False,
 ):
-    """y[offs[e-1]:offs[e]] = x[...] @ W_e^T for W_e packed FP4 [N, K] (codes read as uint16 groups of 4)."""
+    """y[offs[e-1]:offs[e]] = x[...] @ W_e^T for W_e packed FP4 [N, K] (codes read as uint16 groups of 4).
+    WIDE: token offsets in int64 (a prefill of T rows with T x row stride >= 2**31 elements)."""
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = (rn < N) | EVEN_N  # (EVEN_N: N % BN == 0, no row masks on the weight loads)
     if e == E:
-        _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT)
+        _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT, WIDE)
         return
     start = tl.load(offs_ptr + tl.maximum(e - 1, 0), mask=e > 0, other=0).to(tl.int32)
     end = tl.load(offs_ptr + e).to(tl.int32)
@@ -157,7 +167,7 @@ def fp4_gemm_kernel(
     for_dot: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16
     t0 = start
     while t0 < end:
-        rt = t0 + tl.arange(0, BT)
+        rt = _token_rows(t0, BT, WIDE)
         tmask = rt < end
         acc = tl.zeros([BN, BT], tl.float32)
         for kt in range(0, K_TILES):  # constexpr trip count (also what the interpreter can range over)
@@ -266,6 +276,12 @@ def check_config(config) -> tuple[int, int, int, int, int, bool, int | None]:
     return bn, bk, bt, nw, ns, bool(join), maxreg or None
 
 
+WIDE_ELEMENTS = 2**31
+"""From this many elements of x or y (rows x row stride) the kernel computes token offsets in int64 (``WIDE``): an
+int32 row x stride product would wrap (a Qwen3-30B-A3B-shaped prefill of 64 x 8192 tokens, 4.2M routed rows of
+2048, gave an illegal memory access on the H200, session 14)."""
+
+
 def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt: int):
     """(scalar args, grid, constexprs + launch options) of ``fp4_gemm_kernel`` for ``t`` tokens and a contiguous
     FP4Tensor-like ``weight`` (shape, fmt, block_size, global_amax); shared with the benchmark's precompile."""
@@ -276,7 +292,8 @@ def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt
     scalars = (t, n, k, e, stride_xt, n * k // 4, k // 4, n * k // bs, k // bs, stride_yt)
     meta = dict(FMT=0 if weight.fmt == "nvfp4" else 1, B=bs, G_MODE=0 if g is None else (1 if g.dim() == 0 else 2),
                 BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, DEQ_ASM=deq_asm,
-                K_TILES=triton.cdiv(k, bk), JOIN_K=join_k, DOT_F32=False, num_warps=nw, num_stages=ns,
+                K_TILES=triton.cdiv(k, bk), JOIN_K=join_k, DOT_F32=False,
+                WIDE=(t + bt) * max(stride_xt, stride_yt) >= WIDE_ELEMENTS, num_warps=nw, num_stages=ns,
                 **({"maxnreg": maxreg} if maxreg else {}))
     return scalars, (triton.cdiv(n, bn), e + 1), meta  # grid row e == E: zero the rows past offs[-1]
 

@@ -103,6 +103,34 @@ def test_triton_path_small(fmt, per_row, config, shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("config", [(32, 128, 16, 4, 1), (16, 64, 32, 4, 1, True)], ids=["split_k", "join_k"])
+def test_int64_token_offsets_give_the_int32_paths_bits(config, monkeypatch):
+    """``WIDE`` (int64 row offsets, for x or y past 2**31 elements) forced at a small shape: the same bits."""
+    x, wq, offs = _case("nvfp4", True, 3, 64, 256, [1, 0, 17], device=DEVICE)
+    narrow = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32, config=config, deq_asm=False)
+    monkeypatch.setattr(moe_triton, "WIDE_ELEMENTS", 0)
+    assert moe_triton.launch_spec(20, wq, config, False, 256, 64)[2]["WIDE"]
+    wide = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32, config=config, deq_asm=False)
+    assert torch.equal(wide, narrow)
+
+
+@needs_cuda
+def test_rows_past_2_31_elements():
+    """x of more than 2**31 elements (a long prefill's routed rows, K = 2048): the rows at the end are right (they
+    read out of bounds with int32 offsets: an illegal memory access on the H200, session 14)."""
+    k, n = 2048, 128
+    t = 2**31 // k + 1000
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    wq = Quantizer("nvfp4", per_row=True).quantize(torch.randn(2, n, k, generator=gen, device="cuda") * 0.02)
+    x = torch.randn(t, k, generator=gen, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor([t // 2, t], dtype=torch.int32, device="cuda")
+    y = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32)
+    w = wq.dequantize(torch.bfloat16).float()
+    for rows, e in ((slice(0, 64), 0), (slice(t - 64, t), 1)):
+        assert _rel(y[rows], x[rows].float() @ w[e].T) < 2e-3
+
+
+@needs_triton
 def test_bad_config_is_named():
     x, wq, offs = _case("nvfp4", False, 2, 32, 64, [1, 1], device=DEVICE)
     with pytest.raises(ValueError, match="BK=48"):
