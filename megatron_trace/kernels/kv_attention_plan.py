@@ -67,16 +67,22 @@ def exact_splits(q: torch.Tensor, bsz: int, hkv: int, t_len: int, block_t: int) 
     return max(1, min(triton.cdiv(SPLIT_WAVES * sm_count_of(q), bsz * hkv), triton.cdiv(t_len, block_t)))
 
 
+MAX_FAST_SPLITS = 128
+"""At most this many splits along T (the partials ``combine`` reads grow with them: batch 1 at 8K took 1024 splits
+of one tile, whose combine took 4x the attention kernel's time on the H200, session 14)."""
+
+
 @functools.lru_cache(maxsize=4096)
-def fast_splits(pairs: int, n_tiles: int, slots: int) -> int:
+def fast_splits(pairs: int, n_tiles: int, slots: int, max_splits: int = MAX_FAST_SPLITS) -> int:
     """Fast path: splits along T of ``n_tiles`` tiles for ``pairs`` (batch, KV head) programs on ``slots`` resident
     program slots (multiprocessors x programs each). Each split takes ceil(n_tiles / s) tiles and every split is
     a program (no empty ones); slots run their programs one after another, so the launch takes about
     waves x (tiles per split + 1) tile times (the 1: a program's prologue and its partial's store). The cheapest
-    count wins (ties: fewer splits). E.g. batch 8, 4 KV heads, 8K context at 128 tokens on 132 x 3 slots: 11
-    splits of 6 tiles in one wave (about 4 / SPLIT_WAVES per multiprocessor gave 16 of 4 in 1.4 waves)."""
+    count up to ``max_splits`` wins (ties: fewer splits). E.g. batch 8, 4 KV heads, 8K context at 128 tokens on
+    132 x 3 slots: 11 splits of 6 tiles in one wave (about 4 / SPLIT_WAVES per multiprocessor gave 16 of 4 in 1.4
+    waves)."""
     best = (float("inf"), 1)
-    for s in range(1, n_tiles + 1):
+    for s in range(1, min(n_tiles, max_splits) + 1):
         per = triton.cdiv(n_tiles, s)
         real = triton.cdiv(n_tiles, per)
         if real != s:  # the same split as a smaller s
