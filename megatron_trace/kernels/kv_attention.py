@@ -16,6 +16,9 @@ reference's K/V rounding (2**-9 relative), which large scores (|q.k| * scale >> 
 within bf16 rounding, not bit for bit. The hf rollout keeps ``exact=True``: the fast kernel's K/V differ from the
 trainer's bf16 K/V, which moved a 12-layer random-weight model's logits by 0.14 relative (H200, 2026-12-01); its
 effect on the train-rollout mismatch is not measured yet.
+
+``dense_decode_attention(q, k, v)``: the same over K/V in the model dtype (a static cache's unquantized layers,
+``rollout.static_decode``): fp32 reference, Triton twin ``kv_attention_dense_triton``.
 """
 
 from __future__ import annotations
@@ -45,31 +48,43 @@ def aligned_rows(t_len: int, readable_rows: int | None) -> int:
 def check_args(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, lengths, kv_mask=None, starts=None) -> None:
     if not (isinstance(k, FP4Tensor) and isinstance(v, FP4Tensor)):
         raise TypeError(f"k and v must be FP4Tensor, got {type(k).__name__}, {type(v).__name__}")
-    if q.dim() != 3 or len(k.shape) != 4 or tuple(k.shape) != tuple(v.shape):
+    _check_layout(q, tuple(k.shape), tuple(v.shape), lengths, kv_mask, starts)
+    d = q.shape[-1]
+    if d % k.block_size:
+        raise ValueError(f"head_dim={d} must be a multiple of the {k.fmt} block {k.block_size}")
+
+
+def _check_layout(q: torch.Tensor, k_shape: tuple, v_shape: tuple, lengths, kv_mask, starts) -> None:
+    if q.dim() != 3 or len(k_shape) != 4 or k_shape != v_shape:
         raise ValueError(f"q must be [B, Hq, D] and k, v [B, Hkv, T, D] alike; got q {tuple(q.shape)}, "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+                         f"k {k_shape}, v {v_shape}")
     b, hq, d = q.shape
-    kb, hkv, _, kd = k.shape
+    kb, hkv, t, kd = k_shape
     if kb != b or kd != d or hq % hkv:
-        raise ValueError(f"q {tuple(q.shape)} does not fit k {tuple(k.shape)}: same B and D, Hq a multiple of Hkv")
-    if d % k.block_size or d & (d - 1):
-        raise ValueError(f"head_dim={d} must be a power of two and a multiple of the {k.fmt} block {k.block_size}")
+        raise ValueError(f"q {tuple(q.shape)} does not fit k {k_shape}: same B and D, Hq a multiple of Hkv")
+    if d & (d - 1):
+        raise ValueError(f"head_dim={d} must be a power of two")
     for name, rows in (("lengths", lengths), ("starts", starts)):
         if rows is not None and tuple(rows.shape) != (b,):
             raise ValueError(f"{name} must be [B={b}], got {tuple(rows.shape)}")
-    if kv_mask is not None and (kv_mask.dim() != 2 or kv_mask.shape[0] != b or kv_mask.shape[1] < k.shape[2]):
-        raise ValueError(f"kv_mask must be [B={b}, >= T={k.shape[2]}], got {tuple(kv_mask.shape)}")
+    if kv_mask is not None and (kv_mask.dim() != 2 or kv_mask.shape[0] != b or kv_mask.shape[1] < t):
+        raise ValueError(f"kv_mask must be [B={b}, >= T={t}], got {tuple(kv_mask.shape)}")
 
 
 def reference_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = None, lengths=None,
                         kv_mask=None, kv_dtype: torch.dtype = torch.bfloat16, starts=None) -> torch.Tensor:
     """Softmax attention (fp32) over K/V dequantized to ``kv_dtype``; [B, Hq, D] in q.dtype."""
     check_args(q, k, v, lengths, kv_mask, starts)
-    b, hq, d = q.shape
+    return _softmax_attention(q, k.dequantize(kv_dtype), v.dequantize(kv_dtype), scale, lengths, kv_mask, starts)
+
+
+def _softmax_attention(q, k: torch.Tensor, v: torch.Tensor, scale, lengths, kv_mask, starts) -> torch.Tensor:
+    """fp32 softmax attention of q [B, Hq, D] over dense k, v [B, Hkv, T, D], masked; [B, Hq, D] in q.dtype."""
+    hq, d = q.shape[1:]
     hkv, t = k.shape[1], k.shape[2]
     scale = d**-0.5 if scale is None else scale
-    kd = k.dequantize(kv_dtype).float().repeat_interleave(hq // hkv, 1)  # [B, Hq, T, D]
-    vd = v.dequantize(kv_dtype).float().repeat_interleave(hq // hkv, 1)
+    kd = k.float().repeat_interleave(hq // hkv, 1)  # [B, Hq, T, D]
+    vd = v.float().repeat_interleave(hq // hkv, 1)
     s = torch.einsum("bhd,bhtd->bht", q.float(), kd) * scale
     if lengths is not None:
         s = s.masked_fill(torch.arange(t, device=s.device)[None, None, :] >= lengths.to(s.device)[:, None, None],
@@ -100,3 +115,29 @@ def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return kv_attention_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, starts=starts,
                                                 kv_mask=kv_mask, readable_rows=readable_rows, exact=exact)
+
+
+def check_dense_args(q, k: torch.Tensor, v: torch.Tensor, lengths, kv_mask=None, starts=None) -> None:
+    """``check_args`` for K/V in the model dtype: tensors [B, Hkv, T, D] of q's dtype and device."""
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or isinstance(k, FP4Tensor):
+        raise TypeError(f"k and v must be dense tensors, got {type(k).__name__}, {type(v).__name__}")
+    if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
+        raise ValueError(f"k, v must have q's dtype and device ({q.dtype}, {q.device}); got k {k.dtype} on "
+                         f"{k.device}, v {v.dtype} on {v.device}")
+    _check_layout(q, tuple(k.shape), tuple(v.shape), lengths, kv_mask, starts)
+
+
+def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                           lengths=None, starts=None, kv_mask=None, kernel: str | Kernel = "auto",
+                           readable_rows: int | None = None) -> torch.Tensor:
+    """Decode attention over K/V in the model dtype (a static cache's plain rows): arguments and result as
+    ``fp4kv_decode_attention``. The reference: fp32 softmax attention; the Triton path
+    (``kv_attention_dense_triton``, CUDA) equals it within bf16 rounding of the softmax weights."""
+    check_dense_args(q, k, v, lengths, kv_mask, starts)
+    if select_kernel(kernel, k.device) is Kernel.REFERENCE:
+        return _softmax_attention(q, k, v, scale, lengths, kv_mask, starts)
+    from . import kv_attention_dense_triton
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return kv_attention_dense_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, starts=starts,
+                                                      kv_mask=kv_mask, readable_rows=readable_rows)

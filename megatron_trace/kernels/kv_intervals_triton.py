@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .kv_attention_triton import _trip_count
+from .kv_attention_loop import _trip_count
 
 BLOCK = 1024
 """Mask bytes per program per loop step."""

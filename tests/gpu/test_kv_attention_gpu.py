@@ -273,3 +273,30 @@ def test_grouped_experts_path_matches_reference(quantize_weights):
     # the fc1 codes are bit-exact (asserted above); fc2_in codes flip where the fc1 GEMMs round differently (another
     # accumulation order), each flip moving an element by a grid step: measured 2.6e-2 on the H200 (2026-11-29)
     assert rel_err(got.out, ref.out) < 5e-2
+
+
+@pytest.mark.parametrize("hq, hkv, t, intervals", [(16, 4, 1000, True), (32, 4, 4099, True), (32, 4, 777, False)])
+def test_dense_decode_attention_matches_reference(hq, hkv, t, intervals):
+    """The dense kernel (a static cache's BF16 layers) at the model shapes, in buffers of T rounded up to 16 rows
+    (zeros after T): left padding and finished tails as intervals or as a mask with a hole, against the fp32
+    reference over the bf16 rows."""
+    from megatron_trace.kernels.kv_attention import dense_decode_attention
+
+    b, d, rows = 8, 128, -(-t // 16) * 16
+    g = torch.Generator(device=DEV).manual_seed(t)
+    q = torch.randn(b, hq, d, generator=g, device=DEV).to(torch.bfloat16)
+    k, v = (torch.zeros(b, hkv, rows, d, device=DEV, dtype=torch.bfloat16) for _ in range(2))
+    for x in (k, v):
+        x[:, :, :t] = (3 * torch.randn(b, hkv, t, d, generator=g, device=DEV)).to(torch.bfloat16)
+    starts = torch.arange(b, device=DEV) * 37
+    lengths = t - torch.arange(b, device=DEV) * 11
+    pos = torch.arange(rows, device=DEV)
+    mask = (pos >= starts[:, None]) & (pos < lengths[:, None])
+    masks = {"starts": starts, "lengths": lengths}
+    if not intervals:
+        mask[2, 100:300] = False
+        masks = {"kv_mask": mask}
+    want = dense_decode_attention(q, k[:, :, :t], v[:, :, :t], kernel="reference", kv_mask=mask[:, :t])
+    got = dense_decode_attention(q, k[:, :, :t], v[:, :, :t], readable_rows=rows, **masks)
+    assert got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1e-2

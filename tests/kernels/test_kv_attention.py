@@ -292,31 +292,33 @@ def test_fast_path_reads_fp4_kv_cache_views_and_odd_offsets():
 
 
 @pytest.mark.parametrize("pairs,n_tiles,slots", [(32, 64, 396), (256, 64, 396), (32, 256, 396), (4, 8, 396),
-                                                 (1, 1, 8), (300, 7, 396), (64, 1000, 264)])
+                                                 (1, 1, 8), (300, 7, 396), (64, 1000, 264), (4, 256, 2112)])
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (host-side launch planning only)")
 def test_fast_splits_leave_no_split_empty_and_fill_waves(pairs, n_tiles, slots):
-    """Every split the fast path launches has tiles, and no other split count finishes in fewer tile times
-    (waves x (tiles per split + 1)), checked against all counts 1..n_tiles."""
-    from megatron_trace.kernels.kv_attention_plan import fast_splits
+    """Every split the fast path launches has tiles, and no other split count up to ``MAX_FAST_SPLITS`` finishes
+    in fewer tile times (waves x (tiles per split + 1)), checked against all counts 1..min(n_tiles, the cap)."""
+    from megatron_trace.kernels.kv_attention_plan import MAX_FAST_SPLITS, fast_splits
 
     s = fast_splits(pairs, n_tiles, slots)
     per = -(-n_tiles // s)
-    assert 1 <= s <= n_tiles and (s - 1) * per < n_tiles  # the last split starts inside the sequence
+    assert 1 <= s <= min(n_tiles, MAX_FAST_SPLITS) and (s - 1) * per < n_tiles  # the last starts inside T
 
     def cost(k):
         p = -(-n_tiles // k)
         return -(-pairs * -(-n_tiles // p) // slots) * (p + 1)
 
-    assert cost(s) == min(cost(k) for k in range(1, n_tiles + 1))
+    assert cost(s) == min(cost(k) for k in range(1, min(n_tiles, MAX_FAST_SPLITS) + 1))
     if (pairs, n_tiles, slots) == (32, 64, 396):  # batch 8, 4 KV heads, 8K at 128 tokens, H200 x 3 programs
         assert (s, per) == (11, 6)
 
 
 @needs_triton
-@pytest.mark.parametrize("splits", [1, 3, 17])
-def test_combine_kernel_is_the_torch_combine(splits):
+@pytest.mark.parametrize("splits, per_step", [(1, 256), (3, 256), (17, 256), (100, 256), (100, 32), (17, 4)])
+def test_combine_kernel_is_the_torch_combine(splits, per_step, monkeypatch):
     """The one-launch merge of split partials equals the torch ops (fp32 sums in another order), including
-    empty splits (max -inf) and a row whose splits are all empty (0/0: NaN, as torch gives)."""
+    empty splits (max -inf) and a row whose splits are all empty (0/0: NaN, as torch gives), in one step or in
+    several (``COMBINE_SPLITS_PER_STEP``)."""
+    monkeypatch.setattr(kv_attention_combine, "COMBINE_SPLITS_PER_STEP", per_step)
     g = torch.Generator().manual_seed(splits)
     acc = torch.randn(2, 3, splits, 64, generator=g) * 4
     ml = torch.stack([torch.randn(2, 3, splits, generator=g) * 3, torch.rand(2, 3, splits, generator=g) + 0.5], -1)
