@@ -1,5 +1,7 @@
 """The hf rollout's attention: SDPA, except a decode step over a deferred FP4 KV history, which runs the
-fused FP4-KV decode attention (``kernels.kv_attention``: K/V dequantized in registers, never written in bf16).
+fused FP4-KV decode attention (``kernels.kv_attention``: K/V dequantized in registers, never written in bf16), and a
+static decode step over a static cache's unquantized layer, which runs the dense decode attention (one read of each
+KV head's rows, each row's interval only; SDPA would take its masked path over every buffer row).
 
 Registered with transformers' ``AttentionInterface`` (and its mask interface, with SDPA's masks) under
 ``ROLLOUT_ATTENTION``; ``HFRolloutBackend`` selects it in place of "sdpa". A deferred update
@@ -15,7 +17,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ..kernels.kv_attention import fp4kv_decode_attention
+from ..formats.tensor import FP4Tensor
+from ..kernels.kv_attention import dense_decode_attention, fp4kv_decode_attention
 from ..kernels.kv_intervals import mask_intervals
 from .kv_cache import DEFERRED_ATTR
 
@@ -63,10 +66,15 @@ def rollout_attention_forward(module, query, key, value, attention_mask, dropout
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
-    k, v = layer.packed_history()  # [B, Hkv, T, D] FP4
-    out = fp4kv_decode_attention(query[:, :, 0], k, v, scale=scaling, kernel=layer.kernel, kv_dtype=query.dtype,
-                                 exact=not layer.fast_attention, readable_rows=layer.readable_rows(),
-                                 **_mask_rows(attention_mask, k.shape[2], layer))  # [B, Hq, D]
+    k, v = layer.packed_history()  # [B, Hkv, T, D] FP4 (or dense: a static cache's unquantized layer)
+    masks = _mask_rows(attention_mask, k.shape[2], layer)
+    if isinstance(k, FP4Tensor):
+        out = fp4kv_decode_attention(query[:, :, 0], k, v, scale=scaling, kernel=layer.kernel, kv_dtype=query.dtype,
+                                     exact=not layer.fast_attention, readable_rows=layer.readable_rows(),
+                                     **masks)  # [B, Hq, D]
+    else:
+        out = dense_decode_attention(query[:, :, 0], k, v, scale=scaling, kernel=layer.kernel,
+                                     readable_rows=layer.readable_rows(), **masks)
     return out.unsqueeze(1), None
 
 

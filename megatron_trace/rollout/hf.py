@@ -58,7 +58,7 @@ from .recorder import GuidanceRecorder
 logger = logging.getLogger(__name__)
 
 MODES = ("bf16", "fp4")
-STATIC_DECODE = ("off", "eager", "graph")
+STATIC_DECODE = ("auto", "off", "eager", "graph")
 COMPILE_CHOICES = (False, True, "modules", "layers")
 
 
@@ -109,10 +109,12 @@ class HFRolloutBackend:
     fast_kv_attention: the fused decode attention's fast kernel (default; K/V as exact FP4 values, ~6x faster at
         long context) instead of the one that reads the trainer's bf16 K/V values (``kernels.kv_attention``);
         the RL mismatch is the same within seed noise (BENCHMARKS.md, session 5).
-    static_decode: "off" (default), "eager" or "graph": ``generate``'s decode steps run on fixed buffers
-        (``rollout.static_decode``: a static FP4 KV cache of prompt + ``max_new_tokens`` rows, the recorder's
-        static buffers); "graph" captures the step in a CUDA graph once per ``generate`` and replays it (the eager
-        loop is host-bound on the GPU). Not yet run on a GPU (session 13): experimental.
+    static_decode: "auto" (default), "off", "eager" or "graph": ``generate``'s decode steps run on fixed buffers
+        (``rollout.static_decode``: a static KV cache of prompt + ``max_new_tokens`` rows, the recorder's static
+        buffers); "graph" captures the step in a CUDA graph once per ``generate`` and replays it (the eager loop is
+        host-bound on the GPU: 5-15x the tokens/s on the H200, BENCHMARKS.md session 14). "auto": "graph" on CUDA
+        where ``fused_kv_attention`` is on (every decode step's attention is then a kernel over the static
+        buffers: the FP4 one, or the dense one for BF16 layers), else "off" (the growing cache).
     compile: ``torch.compile`` the transformers code around this package's (``rollout.compiled``). True or
         "modules": every RMSNorm and MoE router (Inductor fuses each into one or two kernels); "layers": every
         decoder layer (RoPE, residual adds and norms fused too; this package's experts, attention and KV cache run
@@ -143,7 +145,7 @@ class HFRolloutBackend:
         fused_kv_attention: bool | None = None,
         fast_kv_attention: bool = True,
         compile: bool | str = False,
-        static_decode: str = "off",
+        static_decode: str = "auto",
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
@@ -152,7 +154,6 @@ class HFRolloutBackend:
         if static_decode == "graph" and torch.device(device).type != "cuda":
             raise ValueError(f"static_decode='graph' captures CUDA graphs: device={device!r} is not CUDA "
                              "(static_decode='eager' runs the same fixed-buffer steps without a graph)")
-        self.static_decode = static_decode
         if dtype not in (torch.bfloat16, torch.float32, torch.float16):
             raise ValueError(f"dtype={dtype} must be torch.bfloat16, torch.float16 or torch.float32")
         self.mode = mode
@@ -185,6 +186,9 @@ class HFRolloutBackend:
         self.fast_kv_attention = fast_kv_attention
         self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
             else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
+        if static_decode == "auto":  # graphs where every decode attention is a kernel over the static buffers
+            static_decode = "graph" if self.device.type == "cuda" and self.fused_kv_attention else "off"
+        self.static_decode = static_decode
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"compile={compile!r} must be one of {COMPILE_CHOICES}")
         compile_mode = {False: None, True: "modules"}.get(compile, compile)

@@ -13,10 +13,11 @@ rows from this stored history when the rollout ends (``GuidanceRecorder.add_kv_h
 step. ``kernel`` (``TraceConfig.kernel``): on CUDA, "auto" quantizes and dequantizes with the Triton twins of
 ``formats`` (same bits as the reference).
 
-``fused_decode=True``: a one-token update of a layer whose K and V are both FP4 stores the token but
-skips dequantizing the history: it returns the new token's K/V [B, kv_heads, 1, head_dim] with the layer
-attached as ``DEFERRED_ATTR``, and the attention that follows must read the packed history from it
-(``rollout.attention``, the fused FP4-KV decode attention; ``HFRolloutBackend`` selects it).
+``fused_decode=True``: a one-token update of a layer whose K and V are both FP4 (or, in a static cache, both
+unquantized) stores the token but skips dequantizing the history: it returns the new token's K/V
+[B, kv_heads, 1, head_dim] with the layer attached as ``DEFERRED_ATTR``, and the attention that follows must
+read the history from it (``rollout.attention``: the fused FP4-KV decode attention, or the dense decode
+attention over the static buffers; ``HFRolloutBackend`` selects it).
 
 ``TraceConfig.kv_format="sglang_kvfp4"`` (``formats.sglang_kvfp4.SGLangKVQuantizer``): rows are stored and recorded in
 SGLang's FP4 KV-cache format (``formats.sglang_kvfp4``, the reference path: no Triton, no fused decode; reads
@@ -59,7 +60,8 @@ class FP4KVLayer(DynamicLayer):
         reference_only = not isinstance(quantizer, Quantizer)  # SGLang's KV format: no Triton, no fused decode
         if reference_only and static is not None:
             raise ValueError("static_rows needs the activation quantizer's KV format, not kv_format='sglang_kvfp4'")
-        self.fused_decode = fused_decode and quantize_k and quantize_v and not reference_only
+        plain = not quantize_k and not quantize_v and static is not None  # dense decode attention
+        self.fused_decode = fused_decode and not reference_only and (quantize_k and quantize_v or plain)
         self.quantizer = quantizer
         self.quantize_k, self.quantize_v = quantize_k, quantize_v
         self.recorder = recorder
@@ -126,11 +128,15 @@ class FP4KVLayer(DynamicLayer):
             return key_states, value_states
         return keys, values
 
-    def packed_history(self) -> tuple[FP4Tensor, FP4Tensor]:
-        """The packed K and V history [B, kv_heads, T, head_dim] of a layer whose K and V are both FP4 (a static
-        cache: T = its rows, the history then zeros; the attention mask says which rows are attended)."""
+    def packed_history(self) -> tuple[FP4Tensor, FP4Tensor] | tuple[torch.Tensor, torch.Tensor]:
+        """The K and V history [B, kv_heads, T, head_dim] of a deferred layer: packed FP4 where K and V both are,
+        else (a static cache's unquantized layer) its buffers in the model dtype. A static cache: T = its rows,
+        the history then zeros; the attention mask says which rows are attended."""
         capacity = self.static is not None
-        return self._rows["kv_k"].fp4(capacity), self._rows["kv_v"].fp4(capacity)
+        k, v = self._rows["kv_k"], self._rows["kv_v"]
+        if isinstance(k, PlainRows):
+            return k.store.bufs["x"], v.store.bufs["x"]
+        return k.fp4(capacity), v.fp4(capacity)
 
     def advance(self, t: int) -> None:
         """A static cache's host bookkeeping: ``t`` more rows hold tokens (the decode writes leave it alone)."""

@@ -221,3 +221,24 @@ def test_generate_with_graph_decode_equals_its_eager_static_steps():
         assert torch.equal(a.routing[layer], b.routing[layer])
     for key, sg in b.guidance.items():
         assert torch.equal(a.guidance[key].record.mantissa_bits, sg.record.mantissa_bits), key
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp4"])
+def test_default_decode_on_cuda_is_the_graph_and_matches_the_growing_cache(mode):
+    """``static_decode="auto"`` is "graph" on CUDA (the fused FP4 / dense decode attention on): its rollout's first
+    new token and log-prob are the default loop's over the growing cache (SDPA for BF16 layers), and greedy tokens
+    stay equal while the logits are not near a tie (random weights: most steps)."""
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
+    outs = {}
+    for static in ("auto", "off"):
+        be = HFRolloutBackend(tiny_model(tiny_config(**CFG), seed=3), mode=mode, dtype=torch.bfloat16,
+                              device="cuda", static_decode=static)
+        assert be.static_decode == ("graph" if static == "auto" else "off")
+        outs[static] = be.generate(prompts, sampling)
+    a, b = outs["auto"], outs["off"]
+    rows, first = torch.arange(3), b.prompt_lens  # each row's first new token
+    assert torch.equal(a.prompt_lens, first)
+    assert torch.equal(a.tokens[rows, first], b.tokens[rows, first])
+    assert torch.allclose(a.logprobs[rows, first], b.logprobs[rows, first], atol=2e-2)
+    assert (a.tokens == b.tokens).float().mean() > 0.8

@@ -17,8 +17,9 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]  # the second row left-padded by 2
 STEPS = 6
 
 
-def _backend(mode="fp4", fused=None):
-    return HFRolloutBackend(tiny_model(seed=3), mode=mode, trace_config=TraceConfig(guided_layers="all"),
+def _backend(mode="fp4", fused=None, exclude=()):
+    return HFRolloutBackend(tiny_model(seed=3), mode=mode,
+                            trace_config=TraceConfig(guided_layers="all", exclude_modules=exclude),
                             dtype=torch.float32, fused_kv_attention=fused)
 
 
@@ -59,13 +60,25 @@ def _greedy(be, static: bool, finish_row_at: int | None = None):
     return torch.stack(all_logits, 1), torch.cat(toks, 1), cache
 
 
-@pytest.mark.parametrize("mode, fused, finish", [("fp4", None, None), ("fp4", None, 3), ("fp4", True, 3),
-                                                 ("bf16", None, None)])
-def test_static_steps_give_the_growing_caches_logits(mode, fused, finish):
+EXCLUDED_KV = ("model.layers.1.self_attn.kv_cache",)
+
+
+@pytest.mark.parametrize("mode, fused, finish, exclude", [
+    ("fp4", None, None, ()), ("fp4", None, 3, ()), ("fp4", True, 3, ()), ("fp4", True, 3, EXCLUDED_KV),
+    ("bf16", None, None, ()), ("bf16", True, 3, ())])
+def test_static_steps_give_the_growing_caches_logits(mode, fused, finish, exclude):
     """Also with the fused FP4-KV decode attention (reference math here), which then reads every static row with
-    each row's interval taken from the mask."""
-    be = _backend(mode, fused)
+    each row's interval taken from the mask, and with the dense decode attention over the static buffers of
+    unquantized layers (BF16 mode, an excluded KV cache) where SDPA reads the growing cache."""
+    be = _backend(mode, fused, exclude)
     assert be.fused_kv_attention == bool(fused)
+    if fused:  # which layers defer their attention to the decode kernels
+        layers = be.new_cache(static_rows=32).layers
+        assert all(layer.fused_decode for layer in layers)
+        assert [layer.quantize_k for layer in layers] == [mode == "fp4" and not (exclude and i == 1)
+                                                      for i in range(len(layers))]
+        assert not any(getattr(layer, "fused_decode", False) and not layer.quantize_k
+                       for layer in be.new_cache().layers)  # growing caches: SDPA
     want, want_tok, grown = _greedy(be, static=False, finish_row_at=finish)
     got, got_tok, static = _greedy(be, static=True, finish_row_at=finish)
     assert torch.equal(got_tok, want_tok)
@@ -155,6 +168,7 @@ def test_generate_with_static_decode_returns_the_same_rollout(cache_mode, new_to
 
 
 def test_static_decode_graph_needs_cuda():
+    assert HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32).static_decode == "off"  # auto
     with pytest.raises(ValueError, match="static_decode='graph' captures CUDA graphs"):
         HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32, static_decode="graph")
     with pytest.raises(ValueError, match="static_decode='fast' must be one of"):
