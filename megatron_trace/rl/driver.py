@@ -58,6 +58,7 @@ class RLConfig:
     sentinel_max_abs_diff: float | None = None  # raise above it (None: log only)
     fast_kv_attention: bool = True  # hf rollout: the fast FP4-KV decode attention (exact FP4 K/V values)
     compile_rollout: bool | str = False  # hf rollout's compile: false | true/modules | layers (rollout.compiled)
+    static_decode: str = "auto"  # hf rollout's decode loop: auto (CUDA graphs on CUDA) | off | eager | graph
 
 
 @dataclass
@@ -96,7 +97,8 @@ class GRPORun:
         self.out_dir = Path(out_dir)
         record_cfg = arm.trace.replace(guided_layers="all", cache_mode="full")  # the metrics' superset
         self.rollout = HFRolloutBackend(hf_dir, mode=arm.rollout_mode, trace_config=record_cfg, device=device,
-                                        fast_kv_attention=cfg.fast_kv_attention, compile=cfg.compile_rollout)
+                                        fast_kv_attention=cfg.fast_kv_attention, compile=cfg.compile_rollout,
+                                        static_decode=cfg.static_decode)
         self.policy = MegatronPolicy(hf_dir, arm.trace, quantized=arm.trainer_fp4, lr=cfg.lr, device=device)
         self.num_layers = self.policy.hf_config.num_hidden_layers
         self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)
