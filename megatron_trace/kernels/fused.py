@@ -69,7 +69,7 @@ def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err, check_finite=Tr
 
 def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False, write_codes: bool = True,
              deq_dtype=None, want_mask: bool = False, check_finite: bool | FiniteCounter = True,
-             out: FP4Tensor | None = None):
+             out: FP4Tensor | None = None, out_row: torch.Tensor | None = None):
     """RNE quantize with the quantizer's own scales.
 
     ``check_finite``: True raises ``NonFiniteError`` here (one host sync), a ``FiniteCounter`` counts NaN/Inf
@@ -78,11 +78,18 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
     to write in place, rows at one common step (``quant_triton.into_step``: e.g. one position of the KV cache's
     ``[B, H, capacity, ...]`` buffers); the quantize kernel writes them (a per-tensor or given amax is copied into
     out's amax). The returned FP4Tensor holds out's views, with the global amax it has without ``out``.
+    ``out_row`` (int64 [1] on the device; NVFP4 per-row or MXFP4, rows the pair kernel takes: ``writes_at``):
+    out's row r takes x's row r at ``out_row[0]`` rows past out's start (a static KV cache's decode position,
+    read by the kernel: nothing on the host changes with it).
     Returns (FP4Tensor or None when not ``write_codes``, CompactGuidance or None, raw outputs by name).
     """
     check_x(x)
     x2d = rows_of(x)
     into = None if out is None else _into(out, x, quantizer, write_codes and deq_dtype is None and not want_mask)
+    if out_row is not None and (out is None or global_amax is not None or not writes_at(x, quantizer)):
+        raise ValueError("out_row needs out=, no global_amax, and rows writes_at() takes (NVFP4 per row or MXFP4, "
+                         f"RNE, bf16/fp16/fp32 rows of whole blocks); got quantizer {quantizer}, x {x.dtype} "
+                         f"{tuple(x.shape)}")
     err = _err(check_finite, x.device)
     g_mode, g, g_store = _global_amax(x2d, quantizer, global_amax, x, err, check_finite)
     if into is not None and g_mode != qk.G_ROW_COMPUTE:
@@ -92,7 +99,7 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
         x2d, fmt=qk.fmt_id(quantizer.fmt, quantizer.scale_rule), block=fmt.block_size, mode=qk.RNE, g_mode=g_mode,
         g=g, write_codes=write_codes, write_scales=write_codes, write_bits=record, deq_dtype=deq_dtype,
         write_mask=want_mask,
-        err=None if g_mode == qk.G_SCALAR and global_amax is None else err, into=into,
+        err=None if g_mode == qk.G_SCALAR and global_amax is None else err, into=into, into_row=out_row,
     )
     _raise_if_bad(err, x, check_finite)
     lead = tuple(x.shape[:-1])
@@ -114,6 +121,14 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
         rec = CompactGuidance(mantissa_bits=res["bits"].reshape(*lead, -1), block_scales=t.block_scales,
                               global_amax=t.global_amax, shape=t.shape, fmt=t.fmt)
     return t, rec, res
+
+
+def writes_at(x: torch.Tensor, quantizer: Quantizer) -> bool:
+    """Whether ``quantize(x, quantizer, out=..., out_row=...)`` applies: RNE, no per-tensor amax (NVFP4 per row,
+    or MXFP4: the kernel writes every output at the device row), and rows the pair kernel takes."""
+    own_rows = quantizer.fmt != "nvfp4" or quantizer.per_row
+    return (quantizer.rounding == "rne" and own_rows
+            and qk.pair_ok(rows_of(x), quantizer.format.block_size, None))
 
 
 def _into(out: FP4Tensor, x, quantizer: Quantizer, codes_only: bool) -> dict[str, torch.Tensor]:

@@ -136,12 +136,14 @@ def pair_kernel(
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
     HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, EVEN_K: tl.constexpr, out_step=1, OUT_ROWS: tl.constexpr = False,
+    row_ptr=None, ROW_AT: tl.constexpr = False,
 ):
     """``quant_kernel`` for K % B == 0 on x read as words of two elements (deq/mask as words too).
 
     x_ptr, deq_e_ptr and mask_e_ptr are the same buffers as elements, for the exact redo of a tile. EVEN_K: the
     row's NB blocks are NUM_KT whole tiles, so NB is a constant and the tiles need no column masks. OUT_ROWS (RNE
-    only): codes, scales and a computed per-row amax of row r are written at row r * out_step of their buffers.
+    only): codes, scales and a computed per-row amax of row r are written at row r * out_step of their buffers,
+    plus ``row_ptr[0]`` with ROW_AT (a device row: a static KV cache's decode position, read at run time).
     """
     if EVEN_K:
         NB = NUM_KT * NBT
@@ -152,6 +154,8 @@ def pair_kernel(
     rmask = rows < M
     if OUT_ROWS:
         orows = rows * out_step
+        if ROW_AT:
+            orows += tl.load(row_ptr)
     else:
         orows = rows
     NW = NB * P
@@ -262,11 +266,17 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
 
 
 def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes, write_scales,
-                 write_bits, write_mask, fast_div, out_step: int | None = None) -> None:
+                 write_bits, write_mask, fast_div, out_step: int | None = None,
+                 out_row: torch.Tensor | None = None) -> None:
     """Launch ``pair_kernel`` into the buffers of ``out``. ``out_step``: out's codes / scales (and a computed amax,
-    ``g``) hold row r at row r * out_step (RNE only; None: row r, the kernel other callers compile)."""
+    ``g``) hold row r at row r * out_step (RNE only; None: row r, the kernel other callers compile); ``out_row``
+    (int64 [1] on the device, with ``out_step``): at row r * out_step + out_row[0]."""
     if out_step is not None and int(mode) != int(RNE):
         raise ValueError(f"out_step={out_step} needs RNE rounding, got mode={int(mode)}")
+    if out_row is not None and (out_step is None or out_row.dtype != torch.int64 or out_row.numel() != 1
+                                or out_row.device != x2d.device):
+        raise ValueError(f"out_row must be int64 [1] on {x2d.device} with out_step, got {out_row.dtype} "
+                         f"{tuple(out_row.shape)} on {out_row.device}, out_step={out_step}")
     m, k = x2d.shape
     nb = k // block
     xdt, wdt = qk._WORD[x2d.dtype]
@@ -288,6 +298,7 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
         WRITE_MASK=write_mask, CHECK_FINITE=err is not None, FAST_DIV=fast_div, HW_CVT=not qk.interpreting(x2d),
         BY_MAG=_by_magnitude(mode, fmt, xdt, write_bits), EVEN_K=nb == nbt * num_kt,
         out_step=1 if out_step is None else out_step, OUT_ROWS=out_step is not None,
+        row_ptr=out_row if out_row is not None else spare, ROW_AT=out_row is not None,
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
     )
 

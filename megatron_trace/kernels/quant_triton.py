@@ -325,7 +325,7 @@ def plan(kp: int, block: int, tile: int | None = None) -> tuple[int, int, int]:
     return 1, tile // block, triton.cdiv(kp, tile)
 
 
-def _pair_ok(x2d, block, deq_dtype) -> bool:
+def pair_ok(x2d, block, deq_dtype) -> bool:
     """Whether ``pair_kernel`` applies: whole blocks per row, rows that can be read as element pairs."""
     k = x2d.shape[1]
     return (PAIR_KERNEL and k % block == 0 and x2d.dtype in _WORD
@@ -348,7 +348,7 @@ def run_quant(
     scales_in: torch.Tensor | None = None, guide: torch.Tensor | None = None, write_codes: bool = True,
     write_scales: bool = True, write_bits: bool = False, deq_dtype: torch.dtype | None = None,
     write_mask: bool = False, err: torch.Tensor | None = None, fast_div: bool | None = None,
-    into: dict[str, torch.Tensor] | None = None,
+    into: dict[str, torch.Tensor] | None = None, into_row: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Launch ``quant_kernel`` on x2d [M, K] (unit stride along K). Returns the asked outputs by name.
 
@@ -356,7 +356,8 @@ def run_quant(
     ``scales_in`` [M, NB] uint8 and ``guide`` (packed codes [M, Kp/2] or bits [M, Kp/8]) for guided modes.
     ``into`` (RNE): preallocated ``"codes"`` [M, Kp/2], ``"scales"`` [M, NB] (uint8) and, for G_ROW_COMPUTE, ``"g"``
     [M, 1] (fp32) views, rows at one common step (``into_step``), written in place: by ``pair_kernel`` itself, or
-    (the element kernel) copied from fresh outputs.
+    (the element kernel) copied from fresh outputs. ``into_row`` (int64 [1] on the device): row r goes to view row
+    r * step + into_row[0] instead (``pair_kernel`` only: a static KV cache's decode position).
     """
     m, k = x2d.shape
     nb = triton.cdiv(k, block)
@@ -364,7 +365,9 @@ def run_quant(
     dev = x2d.device
     u8 = torch.uint8
     spare = torch.empty(1, dtype=u8, device=dev)
-    pair = _pair_ok(x2d, block, deq_dtype)
+    pair = pair_ok(x2d, block, deq_dtype)
+    if into_row is not None and (into is None or not pair):
+        raise ValueError("into_row needs into and rows the pair kernel takes (whole blocks, bf16/fp16/fp32 pairs)")
     step = None if into is None else into_step(into, m, {"codes": kp // 2, "scales": nb, "g": 1}, dev)
     out = dict(into) if into is not None and pair else {}
     if "g" in out:
@@ -389,7 +392,7 @@ def run_quant(
     if pair:
         from . import quant_pair_triton as qp  # imports this module's constants
 
-        qp.launch_pair(x2d, out, out_step=step, **args)
+        qp.launch_pair(x2d, out, out_step=step, out_row=into_row, **args)
     else:
         _launch_elem(x2d, out, CONFIG["elem"], keep_nonfinite=err is not None, **args)
         for name, t in (into or {}).items():  # the element kernel writes contiguous rows: copy them into place

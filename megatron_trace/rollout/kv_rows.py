@@ -143,12 +143,14 @@ class FP4Rows:
         (row m = b * kv_heads + h of x at m * capacity rows: one row step), grown first when full."""
         from ..kernels import fused  # imports Triton
 
-        rows = self.store.next_rows(1)
-        fmt, scale_dtype, _ = self.meta
-        out = FP4Tensor(codes=rows["codes"], block_scales=rows["scales"].view(scale_dtype),
-                        global_amax=rows.get("amax"), shape=tuple(x.shape), fmt=fmt)
-        fused.quantize(x, quantizer, check_finite=False, out=out)
+        fused.quantize(x, quantizer, check_finite=False, out=self._token_out(self.store.next_rows(1), x))
         self.store.length += 1
+
+    def _token_out(self, rows: dict[str, torch.Tensor], x: torch.Tensor) -> FP4Tensor:
+        """One token's rows [B, kv_heads, 1, ...] of the buffers as the FP4Tensor ``fused.quantize`` writes."""
+        fmt, scale_dtype, _ = self.meta
+        return FP4Tensor(codes=rows["codes"], block_scales=rows["scales"].view(scale_dtype),
+                         global_amax=rows.get("amax"), shape=tuple(x.shape), fmt=fmt)
 
     @staticmethod
     def _parts(q: FP4Tensor) -> dict[str, torch.Tensor]:
@@ -165,7 +167,16 @@ class FP4Rows:
 
     def quantize_write_at(self, x: torch.Tensor, quantizer: Quantizer, position: torch.Tensor) -> None:
         """Quantize one token x [B, kv_heads, 1, head_dim] into row ``position`` (device int64 [1]) of the
-        buffers, which must exist and fit it (a static cache after its prefill)."""
+        buffers, which must exist and fit it (a static cache after its prefill). On the Triton path (NVFP4 per
+        row or MXFP4) one kernel writes codes, scales and amax at the row it reads from ``position``
+        (``fused.quantize(out_row=)``); else quantize, then ``index_copy_``."""
+        if self._writes_in_place(x, quantizer):
+            from ..kernels import fused  # imports Triton
+
+            if fused.writes_at(x, quantizer):
+                row0 = {name: buf[:, :, :1] for name, buf in self.store.bufs.items()}
+                fused.quantize(x, quantizer, check_finite=False, out=self._token_out(row0, x), out_row=position)
+                return
         q = kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False)
         if self.meta != (q.fmt, q.block_scales.dtype, q.shape[-1]):
             raise ValueError(f"token rows {q.fmt} / head_dim {q.shape[-1]} do not fit the stored {self.meta}")

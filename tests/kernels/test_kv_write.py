@@ -160,3 +160,52 @@ def test_quantize_out_names_what_does_not_fit():
         fused.quantize(x, QUANTIZERS["mxfp4"], check_finite=False, out=out)
     with pytest.raises(ValueError, match="deq_dtype=None"):
         fused.quantize(x, q, check_finite=False, deq_dtype=torch.bfloat16, out=out)
+
+
+@pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4"])
+@pytest.mark.parametrize("tile32", [False, True], ids=["pair", "pair-tile32"])
+def test_quantize_out_row_writes_at_the_device_row(policy, tile32, monkeypatch):
+    """``out_row`` (a static cache's decode position): out given at row 0, the kernel writes row ``out_row[0]``
+    only, the same bits as ``out`` given at that row."""
+    if tile32:
+        monkeypatch.setattr(quant_triton, "CONFIG", {n: {"tile": 32, "num_warps": 4} for n in quant_triton.CONFIG})
+    q = QUANTIZERS[policy]
+    gen = torch.Generator().manual_seed(5)
+    x = random_rows((2, 1, 3, 64), torch.bfloat16, gen).to(DEVICE).transpose(1, 2)  # [B, H, 1, D]
+    at, base = _buffers(q, 2, 3, 6, 64), _buffers(q, 2, 3, 6, 64)
+    fused.quantize(x, q, check_finite=False, out=_out(q, at, 0, x.shape),
+                   out_row=torch.tensor([4], device=DEVICE))
+    fused.quantize(x, q, check_finite=False, out=_out(q, base, 4, x.shape))
+    for name in at:
+        assert torch.equal(at[name].cpu(), base[name].cpu()), name
+
+
+def test_quantize_out_row_names_what_it_needs():
+    x = torch.randn(2, 3, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    row = torch.tensor([1], device=DEVICE)
+    q = QUANTIZERS["nvfp4-tensor"]  # a per-tensor amax would be copied at the host's row, not the device's
+    with pytest.raises(ValueError, match="out_row needs out="):
+        fused.quantize(x, q, check_finite=False, out=_out(q, _buffers(q, 2, 3, 5, 64), 0, x.shape), out_row=row)
+    q = QUANTIZERS["nvfp4-row"]
+    with pytest.raises(ValueError, match="out_row needs out="):
+        fused.quantize(x, q, check_finite=False, out_row=row)
+
+
+@pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4", "nvfp4-tensor"])
+def test_static_decode_write_is_one_quantize_at_the_device_row(policy, writes):
+    """A static cache's decode update: one in-place quantize at ``decode_position`` (NVFP4 per row, MXFP4), or
+    quantize then ``index_copy_`` (per-tensor amax); the rows stored equal the growing cache's, bit for bit."""
+    q = QUANTIZERS[policy]
+    kv = steps(2, 3, 64, 4, torch.bfloat16, DEVICE, seed=6)
+    static, grown = (kv_cache.FP4KVCache(1, q, static_rows=16), kv_cache.FP4KVCache(1, q))
+    static.update(*kv[0], 0)
+    grown.update(*kv[0], 0)
+    n = len(writes)
+    for i, (k, v) in enumerate(kv[1:]):
+        static.decode_position().fill_(3 + i)
+        static.update(k, v, 0)
+        static.advance(1)
+        grown.update(k, v, 0)
+    assert sum(writes[n:]) == (2 * 4 * 2 if policy != "nvfp4-tensor" else 2 * 4)  # static (+ growing) in place
+    for site in ("kv_k", "kv_v"):
+        assert_same_fp4(static.layers[0].fp4_history(site), grown.layers[0].fp4_history(site))
