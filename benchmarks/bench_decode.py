@@ -457,9 +457,10 @@ def parse_args(argv):
                    help="with --left-pad: the fused attention reads the mask (words) or each row's interval")
     p.add_argument("--sdpa-backend", choices=SDPA_BACKENDS, default="default",
                    help="the only SDPA backend allowed in the timed decode steps (BF16's attention)")
-    p.add_argument("--static-decode", choices=("off", "eager", "graph"), default="off",
+    p.add_argument("--static-decode", choices=("auto", "off", "eager", "graph"), default="auto",
                    help="HFRolloutBackend(static_decode=...): generate's decode steps on fixed buffers (graph: "
-                        "replayed as a CUDA graph; --generate-batches times them)")
+                        "replayed as a CUDA graph; auto, the backend's default: graph on CUDA; --generate-batches "
+                        "times them; the per-point steps above are this script's own loop)")
     p.add_argument("--gemm-mean-config", action="store_true",
                    help="the W4A16 GEMM's config for the mean tokens per expert (moe_triton.BUSIEST_EXPERT off)")
     p.add_argument("--attn-micro", action="store_true", help="per-layer attention micro-benchmark too")
