@@ -119,7 +119,7 @@ def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None
 
 def check_dense_args(q, k: torch.Tensor, v: torch.Tensor, lengths, kv_mask=None, starts=None) -> None:
     """``check_args`` for K/V in the model dtype: tensors [B, Hkv, T, D] of q's dtype and device."""
-    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or isinstance(k, FP4Tensor):
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         raise TypeError(f"k and v must be dense tensors, got {type(k).__name__}, {type(v).__name__}")
     if k.dtype != q.dtype or v.dtype != q.dtype or k.device != q.device or v.device != q.device:
         raise ValueError(f"k, v must have q's dtype and device ({q.dtype}, {q.device}); got k {k.dtype} on "
