@@ -34,7 +34,10 @@ CONFIGS = {"bt16": (128, 128, 16, 4, 4), "bt32": (128, 128, 32, 4, 4), "bt64": (
 """Token tiles (BT) 16-128 at BN 128, and BN 64 (twice the programs: at batch 8 on 128 experts about 50 experts
 are active, so BN 128 gives 600 fc1 programs for 528 resident slots, 1.14 waves) and BN 32 (for batch 1-4: at
 batch 1, 8 active experts x 12 fc1 column tiles of 128 are 96 programs on 132 multiprocessors, 0.12 of copy in
-session 14's profile)."""
+session 14's profile). All with one K slice."""
+K_SLICES = (2, 3, 4, 8)
+"""The 16-token tile at BN 128 (``bt16``) with K split over this many programs (``moe_slices``), where the count
+divides the shape's K tiles: columns ``bt16_k{S}_us``."""
 
 
 def routing_offs(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -52,15 +55,22 @@ def run(name: str, batch: int, gen: torch.Generator) -> dict:
     w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     wq = fused.quantize(w, Quantizer("nvfp4"), check_finite=False)[0]
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+    cfg = moe_triton.default_config(t, e, k)[0]
     row = {"bench": "moe_skew", "shape": name, "experts": e, "K": k, "N": n, "batch": batch, "rows": t,
-           "mean_tokens": round(t / e, 2), "max_tokens": int(counts.max()), "default": list(moe_triton.default_config(
-               t, e, k)[0])}
+           "mean_tokens": round(t / e, 2), "max_tokens": int(counts.max()), "default": list(cfg),
+           "default_k_slices": moe_triton.default_k_slices(t, e, n, k, cfg, x.device)}
     row["default_us"] = round(graph_ms(lambda: moe_triton.grouped_mm(x, wq, offs)) * 1e3, 1)
     for label, cfg in CONFIGS.items():
-        row[f"{label}_us"] = round(graph_ms(lambda c=cfg: moe_triton.grouped_mm(x, wq, offs, config=c)) * 1e3, 1)
+        row[f"{label}_us"] = round(graph_ms(lambda c=cfg: moe_triton.grouped_mm(x, wq, offs, config=c, k_slices=1))
+                                   * 1e3, 1)
+    k_tiles = -(-k // CONFIGS["bt16"][1])
+    for s in (s for s in K_SLICES if k_tiles % s == 0):
+        row[f"bt16_k{s}_us"] = round(graph_ms(lambda s=s: moe_triton.grouped_mm(
+            x, wq, offs, config=CONFIGS["bt16"], k_slices=s)) * 1e3, 1)
     bf16, row["bf16_layout"] = bf16_baseline(w)
     row["bf16_us"] = round(graph_ms(lambda: bf16(x, offs)) * 1e3, 1)
-    best = min(CONFIGS, key=lambda c: row[f"{c}_us"])
+    best = min((c[:-3] for c in row if c.endswith("_us") and c not in ("default_us", "bf16_us")),
+               key=lambda c: row[f"{c}_us"])
     row["active_experts"] = int((counts > 0).sum())
     row["best"], row["default_vs_best"] = best, round(row["default_us"] / row[f"{best}_us"], 3)
     return row

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from ..formats.tensor import FP4Tensor
+from . import moe_slices
 from . import triton_fp4 as f
 from .moe import _dense_x, check_grouped_args
 
@@ -144,11 +145,19 @@ def fp4_gemm_kernel(
     BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
     DEQ_ASM: tl.constexpr,
     K_TILES: tl.constexpr, JOIN_K: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr = False,
+    K_SLICES: tl.constexpr = 1, stride_ys=0,
 ):
     """y[offs[e-1]:offs[e]] = x[...] @ W_e^T for W_e packed FP4 [N, K] (codes read as uint16 groups of 4).
-    WIDE: token offsets in int64 (a prefill of T rows with T x row stride >= 2**31 elements)."""
+    WIDE: token offsets in int64 (a prefill of T rows with T x row stride >= 2**31 elements).
+    K_SLICES > 1: program (n-tile, expert, slice) sums K tiles [slice, slice + 1) x K_TILES / K_SLICES and writes
+    its fp32 partial to y + slice x stride_ys (``moe_slices``: the partials are summed in slice order after)."""
     pid_n = tl.program_id(0)
     e = tl.program_id(1)
+    if K_SLICES == 1:
+        k0 = 0
+    else:
+        k0 = tl.program_id(2) * (K_TILES // K_SLICES * BK)
+        y_ptr += tl.program_id(2) * stride_ys
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = (rn < N) | EVEN_N  # (EVEN_N: N % BN == 0, no row masks on the weight loads)
     if e == E:
@@ -170,8 +179,8 @@ def fp4_gemm_kernel(
         rt = _token_rows(t0, BT, WIDE)
         tmask = rt < end
         acc = tl.zeros([BN, BT], tl.float32)
-        for kt in range(0, K_TILES):  # constexpr trip count (also what the interpreter can range over)
-            k = kt * BK
+        for kt in range(0, K_TILES // K_SLICES):  # constexpr trip count (also what the interpreter can range over)
+            k = k0 + kt * BK
             kw = k // 4 + tl.arange(0, BK // 4)[None, :]
             ks = k // B + tl.arange(0, BK // B)[None, :]
             kx = k + tl.arange(0, BK)[None, :]
@@ -282,28 +291,38 @@ int32 row x stride product would wrap (a Qwen3-30B-A3B-shaped prefill of 64 x 81
 2048, gave an illegal memory access on the H200, session 14)."""
 
 
-def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt: int):
+def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt: int, k_slices: int = 1):
     """(scalar args, grid, constexprs + launch options) of ``fp4_gemm_kernel`` for ``t`` tokens and a contiguous
-    FP4Tensor-like ``weight`` (shape, fmt, block_size, global_amax); shared with the benchmark's precompile."""
+    FP4Tensor-like ``weight`` (shape, fmt, block_size, global_amax); shared with the benchmark's precompile.
+    ``k_slices`` > 1: the grid's third axis (``moe_slices``), y then the fp32 workspace [k_slices, t, N]."""
     e, n, k = weight.shape
     bs = weight.block_size
     bn, bk, bt, nw, ns, join_k, maxreg = check_config(config)
+    k_tiles = triton.cdiv(k, bk)
     g = weight.global_amax
     scalars = (t, n, k, e, stride_xt, n * k // 4, k // 4, n * k // bs, k // bs, stride_yt)
     meta = dict(FMT=0 if weight.fmt == "nvfp4" else 1, B=bs, G_MODE=0 if g is None else (1 if g.dim() == 0 else 2),
                 BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, DEQ_ASM=deq_asm,
-                K_TILES=triton.cdiv(k, bk), JOIN_K=join_k, DOT_F32=False,
+                K_TILES=k_tiles, JOIN_K=join_k, DOT_F32=False,
                 WIDE=(t + bt) * max(stride_xt, stride_yt) >= WIDE_ELEMENTS, num_warps=nw, num_stages=ns,
                 **({"maxnreg": maxreg} if maxreg else {}))
-    return scalars, (triton.cdiv(n, bn), e + 1), meta  # grid row e == E: zero the rows past offs[-1]
+    if k_slices == 1:
+        return scalars, (triton.cdiv(n, bn), e + 1), meta  # grid row e == E: zero the rows past offs[-1]
+    moe_slices.check_k_slices(k_slices, k_tiles)
+    if meta["WIDE"] or k_slices * (t + bt) * n >= WIDE_ELEMENTS:
+        raise ValueError(f"k_slices={k_slices} needs a workspace of fewer than 2**31 elements (t={t}, N={n}): "
+                         "use k_slices=1 for long prefills")
+    meta.update(K_SLICES=k_slices, stride_ys=t * n)
+    return scalars, (triton.cdiv(n, bn), e, k_slices), meta
 
 
 def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-               config: tuple | None = None, deq_asm: bool | None = None) -> torch.Tensor:
+               config: tuple | None = None, deq_asm: bool | None = None, k_slices: int | None = None) -> torch.Tensor:
     """W4A16 grouped GEMM (see the module docstring). ``config`` ((BN, BK, BT, num_warps, num_stages[, join_k]))
-    and ``deq_asm`` override ``CONFIGS``.
+    and ``deq_asm`` override ``CONFIGS``; ``k_slices`` (a divisor of the config's K tiles) overrides
+    ``moe_slices.default_k_slices`` (programs per K slice, for few active experts).
 
-    The config is chosen from x's rows and the expert count (``default_config``), so no host sync is needed.
+    The config and the slices are chosen from x's rows and the expert count, so no host sync is needed.
     """
     if isinstance(x, FP4Tensor):
         from .dequant_triton import dequantize
@@ -326,9 +345,29 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     scales = weight.block_scales.contiguous().view(torch.uint8)  # [E, N, K/B]
     g = weight.global_amax
     g_arg = scales if g is None else g.float().contiguous()
-    scalars, grid, meta = launch_spec(t, weight, config or picked, use_asm, xd.stride(0), y.stride(0))
+    cfg = config or picked
+    if k_slices is None:
+        k_slices = default_k_slices(t, e, n, k, cfg, xd.device)
+    scalars, grid, meta = launch_spec(t, weight, cfg, use_asm, xd.stride(0), y.stride(0), k_slices)
     meta["DOT_F32"] = not xd.is_cuda  # Triton's CPU interpreter: fp32 dots (it multiplies bf16 as raw bits)
     if not xd.is_cuda:
         meta.pop("maxnreg", None)  # (a compiler option)
-    fp4_gemm_kernel[grid](xd, words, scales, g_arg, y, offs, *scalars, **meta)
-    return y
+    if k_slices == 1:
+        fp4_gemm_kernel[grid](xd, words, scales, g_arg, y, offs, *scalars, **meta)
+        return y
+    ws = torch.empty(k_slices, t, n, dtype=torch.float32, device=xd.device)
+    fp4_gemm_kernel[grid](xd, words, scales, g_arg, ws, offs, *scalars, **meta)
+    return moe_slices.sum_slices(ws, y, offs)
+
+
+AUTO_K_SLICES = True
+"""``grouped_mm`` slices K by ``moe_slices.default_k_slices`` when no ``k_slices`` is given (else 1). Off: one
+program per (column tile, expert), as before session 15."""
+
+
+def default_k_slices(t: int, e: int, n: int, k: int, config: tuple, device: torch.device) -> int:
+    """``moe_slices.default_k_slices`` for ``config``'s tiles where the workspace fits int32 offsets, else 1."""
+    bn, bk, bt = config[:3]
+    if not AUTO_K_SLICES or moe_slices.MAX_K_SLICES * (t + bt) * max(n, k) >= WIDE_ELEMENTS:
+        return 1
+    return moe_slices.default_k_slices(t, e, triton.cdiv(n, bn), triton.cdiv(k, bk), device)

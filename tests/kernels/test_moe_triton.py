@@ -206,3 +206,46 @@ def test_default_token_tile_holds_the_busiest_expert(experts, batch):
     assert (busiest <= bt).float().mean() >= 0.5, (bt, busiest.float().mean())
     if bt > 16:
         assert (busiest <= bt // 2).float().mean() < 0.5, (bt, busiest.float().mean())
+
+
+@needs_triton
+@pytest.mark.parametrize("fmt,per_row", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+@pytest.mark.parametrize("config,shape,k_slices", [
+    ((32, 64, 16, 4, 1), (3, 64, 256, [1, 0, 17]), 2),  # two token tiles for expert 2, an empty expert
+    ((32, 64, 16, 4, 1), (3, 64, 256, [1, 0, 17]), 4),  # one K tile per slice
+    ((16, 64, 16, 4, 1), (3, 40, 192, [2, 5, 1]), 3),  # N not a multiple of the tile, 3 slices
+    ((32, 64, 16, 4, 1, True), (3, 64, 256, [1, 0, 17]), 2),  # join_k
+], ids=["s2", "s4", "s3_uneven_n", "join_k_s2"])
+def test_k_slices_match_the_reference(fmt, per_row, config, shape, k_slices):
+    """K split over programs, partials summed in slice order: the reference's products, rows past offs[-1] zero."""
+    x, wq, offs = _case(fmt, per_row, *shape, device=DEVICE)
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    y = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32, config=config, deq_asm=False, k_slices=k_slices)
+    assert _rel(y, ref) < 1e-5, _rel(y, ref)
+    assert torch.equal(y[-3:], torch.zeros_like(y[-3:]))
+
+
+@needs_triton
+def test_k_slices_bad_count_and_wide_rows_are_named():
+    x, wq, offs = _case("nvfp4", False, 2, 32, 256, [1, 1], device=DEVICE)
+    with pytest.raises(ValueError, match=r"k_slices=3 must divide the 4 K tiles of the config: one of \[1, 2, 4\]"):
+        moe_triton.grouped_mm(x, wq, offs, config=(32, 64, 16, 4, 1), k_slices=3)
+    with pytest.raises(ValueError, match="k_slices=2 needs a workspace of fewer than 2..31 elements"):
+        moe_triton.launch_spec(2**30, wq, (32, 64, 16, 4, 1), False, 256, 32, k_slices=2)
+
+
+@needs_cuda
+@pytest.mark.parametrize("k_slices", [2, 4, 8])
+@pytest.mark.parametrize("shape", [(128, 1536, 2048, [1] * 8 + [0] * 120), (16, 384, 1024, [61, 0, 300, 7] * 4)],
+                         ids=["qwen3_fc1_b1", "n384"])
+def test_k_slices_on_cuda_match_and_repeat(shape, k_slices):
+    """Sliced on the GPU (PTX dequant, default tiles): within bf16 tolerance of the reference, and every launch the
+    same bits (the partials are summed in slice order, no atomics)."""
+    x, wq, offs = _case("nvfp4", True, *shape, seed=4)
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    first = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32, k_slices=k_slices)
+    assert _rel(first, ref) < 2e-3, _rel(first, ref)
+    assert torch.equal(first[-3:], torch.zeros_like(first[-3:]))
+    bad = sum(not torch.equal(moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32, k_slices=k_slices), first)
+              for _ in range(20))
+    assert bad == 0, f"{bad} of 20 launches differ from the first"

@@ -1,0 +1,81 @@
+"""K slices of the W4A16 grouped GEMM: more programs when few experts are active (decode at small batch).
+
+A program of ``moe_triton.fp4_gemm_kernel`` holds one (column tile, expert) and streams the expert's whole K. At batch
+1 of a 128-expert top-8 model only 8 experts have tokens: 8 x 12 column tiles of 128 are 96 programs of 4 warps for
+132 multiprocessors, one warp per scheduler with nothing to hide its latency (0.12 of copy bandwidth, session 14).
+With ``k_slices`` = S the grid gets a third axis: program (tile, expert, s) streams K tiles [s, s + 1) x K_TILES / S
+and writes its fp32 partial to a workspace [S, T, N]; ``slice_sum_kernel`` then adds the S partials of each output in
+slice order (deterministic: the same bits on every launch, no atomics) and zeroes the rows no expert owns.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_K_SLICES = 8
+"""At most this many slices, each at least ``MIN_TILES_PER_SLICE`` K tiles (the cp.async pipeline needs a few)."""
+MIN_TILES_PER_SLICE = 2
+PROGRAMS_PER_SM = 4
+"""``default_k_slices`` slices until the expected programs with tokens reach this many per multiprocessor."""
+SUM_BLOCK = 1024
+
+
+@triton.jit
+def slice_sum_kernel(ws_ptr, y_ptr, offs_ptr, TN, N, E, S: tl.constexpr, BLOCK: tl.constexpr):
+    """y.flat[i] = sum over s (in order) of ws[s].flat[i] for rows before offs[E-1], else 0 (i < TN = T x N)."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    owned = i < tl.load(offs_ptr + E - 1).to(tl.int32) * N
+    acc = tl.load(ws_ptr + i, mask=owned, other=0.0)
+    for s in range(1, S):
+        acc += tl.load(ws_ptr + s * TN + i, mask=owned, other=0.0)
+    tl.store(y_ptr + i, acc.to(y_ptr.dtype.element_ty), mask=i < TN)
+
+
+def sum_slices(ws: torch.Tensor, y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``y`` [T, N] (contiguous) <- the sum of the partials ``ws`` [S, T, N] fp32, rows past ``offs[-1]`` zeroed."""
+    s, t, n = ws.shape
+    slice_sum_kernel[(triton.cdiv(t * n, SUM_BLOCK),)](ws, y, offs, t * n, n, offs.numel(), S=s, BLOCK=SUM_BLOCK)
+    return y
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def expected_active(rows: int, experts: int) -> float:
+    """Expected experts with at least one of ``rows`` routed rows, each routed to a uniform random expert."""
+    return experts * (1.0 - (1.0 - 1.0 / experts) ** rows) if experts > 1 else float(rows > 0)
+
+
+def check_k_slices(k_slices: int, k_tiles: int) -> int:
+    """``k_slices`` if it divides the K tiles (``k_tiles`` = cdiv(K, BK)) into equal slices; else a named error."""
+    if not isinstance(k_slices, int) or k_slices < 1 or k_tiles % k_slices:
+        divisors = [d for d in range(1, k_tiles + 1) if k_tiles % d == 0]
+        raise ValueError(f"k_slices={k_slices!r} must divide the {k_tiles} K tiles of the config: one of {divisors}")
+    return k_slices
+
+
+def pick_k_slices(programs: float, k_tiles: int, sms: int) -> int:
+    """The fewest slices (a divisor of ``k_tiles``, at most ``MAX_K_SLICES``, each at least ``MIN_TILES_PER_SLICE``
+    tiles) that bring ``programs`` (with tokens, per slice) to ``PROGRAMS_PER_SM`` x ``sms``; else the most allowed."""
+    best = 1
+    for s in range(1, min(MAX_K_SLICES, k_tiles // MIN_TILES_PER_SLICE) + 1):
+        if k_tiles % s == 0:
+            best = s
+            if programs * s >= PROGRAMS_PER_SM * sms:
+                break
+    return best
+
+
+def default_k_slices(rows: int, experts: int, n_tiles: int, k_tiles: int, device: torch.device) -> int:
+    """``pick_k_slices`` for ``rows`` routed rows over ``experts`` (the expected active ones) x ``n_tiles`` column
+    tiles on ``device``'s multiprocessors; 1 off CUDA. Host values only: no sync."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return pick_k_slices(expected_active(rows, experts) * n_tiles, k_tiles, _sm_count(index))
