@@ -30,11 +30,11 @@ SHAPES = {  # name: (experts, K, N, top_k) as [E, N, K] FP4 weights
 }
 CONFIGS = {"bt16": (128, 128, 16, 4, 4), "bt32": (128, 128, 32, 4, 4), "bt64": (128, 128, 64, 8, 4),
            "bt128": (128, 128, 128, 8, 3), "bn64_bt16": (64, 128, 16, 4, 4), "bn64_bt16_s3": (64, 128, 16, 4, 3),
-           "bn32_bt16": (32, 128, 16, 4, 4), "bn32_bt16_w2": (32, 128, 16, 2, 4)}
+           "bn32_bt16": (32, 128, 16, 4, 4), "bn32_bt16_w2": (32, 128, 16, 2, 4), "bt16_w8": (128, 128, 16, 8, 4)}
 """Token tiles (BT) 16-128 at BN 128, and BN 64 (twice the programs: at batch 8 on 128 experts about 50 experts
 are active, so BN 128 gives 600 fc1 programs for 528 resident slots, 1.14 waves) and BN 32 (for batch 1-4: at
 batch 1, 8 active experts x 12 fc1 column tiles of 128 are 96 programs on 132 multiprocessors, 0.12 of copy in
-session 14's profile). All with one K slice."""
+session 14's profile), and 8 warps at BT 16 (two warpgroups of 64 rows). All with one K slice."""
 K_SLICES = (2, 3, 4, 8)
 """The 16-token tile at BN 128 (``bt16``) with K split over this many programs (``moe_slices``), where the count
 divides the shape's K tiles: columns ``bt16_k{S}_us``."""

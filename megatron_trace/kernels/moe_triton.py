@@ -303,7 +303,7 @@ def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt
     scalars = (t, n, k, e, stride_xt, n * k // 4, k // 4, n * k // bs, k // bs, stride_yt)
     meta = dict(FMT=0 if weight.fmt == "nvfp4" else 1, B=bs, G_MODE=0 if g is None else (1 if g.dim() == 0 else 2),
                 BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, DEQ_ASM=deq_asm,
-                K_TILES=k_tiles, JOIN_K=join_k, DOT_F32=False,
+                K_TILES=k_tiles, JOIN_K=join_k, DOT_F32=False, K_SLICES=k_slices,
                 WIDE=(t + bt) * max(stride_xt, stride_yt) >= WIDE_ELEMENTS, num_warps=nw, num_stages=ns,
                 **({"maxnreg": maxreg} if maxreg else {}))
     if k_slices == 1:
@@ -312,7 +312,7 @@ def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt
     if meta["WIDE"] or k_slices * (t + bt) * n >= WIDE_ELEMENTS:
         raise ValueError(f"k_slices={k_slices} needs a workspace of fewer than 2**31 elements (t={t}, N={n}): "
                          "use k_slices=1 for long prefills")
-    meta.update(K_SLICES=k_slices, stride_ys=t * n)
+    meta["stride_ys"] = t * n
     return scalars, (triton.cdiv(n, bn), e, k_slices), meta
 
 
