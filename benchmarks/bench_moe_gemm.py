@@ -2,7 +2,8 @@
 
 All experts get the same number of tokens (1..256). Prints one JSON line: per shape and tokens per
 expert, the bf16 time, the best FP4 time over the candidate configs (and which), the speedup, and
-the weight-read rate as a fraction of the copy bandwidth measured in the same run. Usage:
+the weight-read rate as a fraction of the copy bandwidth measured in the same run, and the default config on the
+full grid (``fp4_default_full_grid_us``: a program per (column tile, expert), the launch before session 15). Usage:
     python benchmarks/bench_moe_gemm.py [--shapes qwen3_fc1,qwen3_fc2,dsv3_fc1] [--tokens 1,4,16,64,256]
     python benchmarks/bench_moe_gemm.py --sweep   # launch-config grid: one JSON line per (shape, tpe, config),
                                                   # then the best config per (shape, tpe) (< 150 s on one H200)
@@ -99,6 +100,8 @@ def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
                     timings[str(cfg) + ("-ptx" if asm else "")] = _time(
                         lambda c=cfg, a=asm, x=x, wq=wq, offs=offs: moe_triton.grouped_mm(x, wq, offs, config=c,
                                                                                       deq_asm=a))
+            full_grid_ms = _time(lambda x=x, wq=wq, offs=offs: moe_triton.grouped_mm(x, wq, offs, k_slices=1,
+                                                                                     programs=0))
             default = str(default) + ("-ptx" if default_asm else "")
             best = min(timings, key=timings.get)
             ms = timings[best]
@@ -108,6 +111,7 @@ def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
             row = {"shape": name, "E_K_N": [e, k, n], "tok_per_expert": tpe, "fmt": fmt, "bf16_layout": layout,
                    "bf16_us": round(ms_bf16 * 1e3, 1), "fp4_us": round(ms * 1e3, 1),
                    "fp4_default_us": round(timings[default] * 1e3, 1), "best_config": best,
+                   "fp4_default_full_grid_us": round(full_grid_ms * 1e3, 1),
                    "speedup": round(ms_bf16 / ms, 2), "speedup_default": round(ms_bf16 / timings[default], 2),
                    "fp4_weight_frac_copy": round(wbytes / (ms * 1e-3) / bw, 3),
                    "bf16_weight_frac_copy": round(2 * w.numel() / (ms_bf16 * 1e-3) / bw, 3),

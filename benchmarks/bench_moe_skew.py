@@ -34,10 +34,12 @@ CONFIGS = {"bt16": (128, 128, 16, 4, 4), "bt32": (128, 128, 32, 4, 4), "bt64": (
 """Token tiles (BT) 16-128 at BN 128, and BN 64 (twice the programs: at batch 8 on 128 experts about 50 experts
 are active, so BN 128 gives 600 fc1 programs for 528 resident slots, 1.14 waves) and BN 32 (for batch 1-4: at
 batch 1, 8 active experts x 12 fc1 column tiles of 128 are 96 programs on 132 multiprocessors, 0.12 of copy in
-session 14's profile), and 8 warps at BT 16 (two warpgroups of 64 rows). All with one K slice."""
+session 14's profile), and 8 warps at BT 16 (two warpgroups of 64 rows). All with one K slice and a program per
+(column tile, expert) (the full grid)."""
 K_SLICES = (2, 3, 4, 8)
 """The 16-token tile at BN 128 (``bt16``) with K split over this many programs (``moe_slices``), where the count
-divides the shape's K tiles: columns ``bt16_k{S}_us``."""
+divides the shape's K tiles: columns ``bt16_k{S}_us`` (full grid) and ``bt16_k{S}_c_us`` (the COMPACT grid of
+``moe_slices.default_programs`` programs over the experts with tokens); ``bt16_c_us``: one slice, compact."""
 
 
 def routing_offs(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -59,14 +61,17 @@ def run(name: str, batch: int, gen: torch.Generator) -> dict:
     row = {"bench": "moe_skew", "shape": name, "experts": e, "K": k, "N": n, "batch": batch, "rows": t,
            "mean_tokens": round(t / e, 2), "max_tokens": int(counts.max()), "default": list(cfg),
            "default_k_slices": moe_triton.default_k_slices(t, e, n, k, cfg, x.device)}
+    row["default_programs"] = moe_triton.default_programs(e, n, row["default_k_slices"], cfg, x.device)
     row["default_us"] = round(graph_ms(lambda: moe_triton.grouped_mm(x, wq, offs)) * 1e3, 1)
     for label, cfg in CONFIGS.items():
-        row[f"{label}_us"] = round(graph_ms(lambda c=cfg: moe_triton.grouped_mm(x, wq, offs, config=c, k_slices=1))
-                                   * 1e3, 1)
+        row[f"{label}_us"] = round(graph_ms(lambda c=cfg: moe_triton.grouped_mm(x, wq, offs, config=c, k_slices=1,
+                                                                                programs=0)) * 1e3, 1)
     k_tiles = -(-k // CONFIGS["bt16"][1])
-    for s in (s for s in K_SLICES if k_tiles % s == 0):
-        row[f"bt16_k{s}_us"] = round(graph_ms(lambda s=s: moe_triton.grouped_mm(
-            x, wq, offs, config=CONFIGS["bt16"], k_slices=s)) * 1e3, 1)
+    for s in (1, *(s for s in K_SLICES if k_tiles % s == 0)):
+        for grid in ("full", "compact") if s > 1 else ("compact",):
+            label = f"bt16{f'_k{s}' if s > 1 else ''}{'_c' if grid == 'compact' else ''}"
+            row[f"{label}_us"] = round(graph_ms(lambda s=s, g=grid: moe_triton.grouped_mm(
+                x, wq, offs, config=CONFIGS["bt16"], k_slices=s, programs=0 if g == "full" else None)) * 1e3, 1)
     bf16, row["bf16_layout"] = bf16_baseline(w)
     row["bf16_us"] = round(graph_ms(lambda: bf16(x, offs)) * 1e3, 1)
     best = min((c[:-3] for c in row if c.endswith("_us") and c not in ("default_us", "bf16_us")),

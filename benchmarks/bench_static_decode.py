@@ -6,7 +6,7 @@ graph replays, each with a fresh prefill. Prints one JSON line per point: ms per
 included (what a rollout loop gets; the first ``WARMUP_STEPS`` untimed), and the tokens both loops generated agree
 on. Usage (H200, carry .whl):
     python3 benchmarks/bench_static_decode.py [--modes bf16,fp4] [--batches 8,64] [--prompts 1024,8192] [--steps 64]
-        [--shape qwen3-30b-a3b] [--compile layers] [--graph-only] [--k-slices auto|off]
+        [--shape qwen3-30b-a3b] [--compile layers] [--graph-only] [--gemm-grid auto|full]
         (--compile: TORCHDYNAMO_DISABLE=0)
 The prefill runs in chunks of ``PREFILL_TOKENS`` tokens (batch x chunk).
 """
@@ -64,10 +64,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--shape", choices=tuple(SHAPES), default="default")
     p.add_argument("--compile", choices=("modules", "layers"), default=None, help="HFRolloutBackend(compile=)")
     p.add_argument("--graph-only", action="store_true", help="no eager loop (the curve's points)")
-    p.add_argument("--k-slices", choices=("auto", "off"), default="auto",
-                   help="the FP4 expert GEMM's K slices (moe_triton.AUTO_K_SLICES): auto (default) or off")
+    p.add_argument("--gemm-grid", choices=("auto", "full"), default="auto",
+                   help="the FP4 expert GEMM's launch: auto (default: the compact grid and K slices of moe_slices) or "
+                        "full (a program per column tile and expert, one K slice: before session 15)")
     a = p.parse_args(argv)
-    moe_triton.AUTO_K_SLICES = a.k_slices == "auto"
+    moe_triton.AUTO_K_SLICES = moe_triton.COMPACT = a.gemm_grid == "auto"
     dims = dict(SHAPES.get(a.shape, MODEL))
     prompts = [int(v) for v in a.prompts.split(",")]
     backends = build_backends(model_config(dims, max(prompts) + a.steps + 64), a.modes.split(","),
@@ -77,7 +78,7 @@ def main(argv=None) -> list[dict]:
         for mode, be in backends.items():
             replay, toks_g = run_loop(be, batch, prompt, a.steps, graph=True, seed=batch)
             row = {"bench": "static_decode", "mode": mode, "batch": batch, "prompt": prompt, "steps": a.steps,
-                   "shape": a.shape, "compile": a.compile, "k_slices": a.k_slices, "graph_ms": round(replay * 1e3, 3),
+                   "shape": a.shape, "compile": a.compile, "gemm_grid": a.gemm_grid, "graph_ms": round(replay * 1e3, 3),
                    "graph_tok_s": round(batch / replay, 1)}
             if not a.graph_only:
                 eager, toks_e = run_loop(be, batch, prompt, a.steps, graph=False, seed=batch)

@@ -27,16 +27,16 @@ from megatron_trace.kernels import moe_triton as mt  # noqa: E402
 _PTRS = {"x_ptr": "*bf16", "wq_ptr": "*u16", "ws_ptr": "*u8", "g_ptr": "*fp32", "y_ptr": "*bf16", "offs_ptr": "*i32"}
 
 
-def compile_gemm(shape: str, config: tuple, tpe: int = 1, fn=None, k_slices: int = 1):
+def compile_gemm(shape: str, config: tuple, tpe: int = 1, fn=None, k_slices: int = 1, programs: int = 0):
     """The compiled kernel of ``config`` on ``shape`` (NVFP4, per-tensor amax) with ``tpe`` tokens per expert
-    (``k_slices`` > 1: the sliced build, y the fp32 workspace)."""
+    (``k_slices`` > 1: the sliced build, y the fp32 workspace; ``programs`` > 0: the COMPACT grid)."""
     e, k, n = SHAPES[shape]
     w = SimpleNamespace(shape=(e, n, k), fmt="nvfp4", block_size=16, global_amax=SimpleNamespace(dim=lambda: 0))
-    scalars, _, meta = mt.launch_spec(e * tpe, w, config, True, k, n, k_slices)
+    scalars, _, meta = mt.launch_spec(e * tpe, w, config, True, k, n, k_slices, programs)
     nw, ns, mr = meta.pop("num_warps"), meta.pop("num_stages"), meta.pop("maxnreg", None)
     fn = fn or mt.fp4_gemm_kernel
     ints = dict(zip(("T", "N", "K", "E", "stride_xt", "stride_we", "stride_wn", "stride_se", "stride_sn",
-                     "stride_yt"), scalars), stride_ys=meta.pop("stride_ys", 0))
+                     "stride_yt"), scalars), stride_ys=meta.pop("stride_ys", 0), PROGRAMS=meta.pop("PROGRAMS", 1))
     ptrs = dict(_PTRS, y_ptr="*fp32") if k_slices > 1 else _PTRS
     sig, attrs = signature(fn, meta, ptrs.get, lambda name: ints[name] % 16 == 0 and name != "T")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=meta, attrs=attrs)
@@ -61,15 +61,15 @@ def k_loop_sass(cubin: bytes) -> list[str]:
     return best
 
 
-def report(shape: str, config: tuple, k_slices: int = 1) -> dict:
-    kern, meta, nw = compile_gemm(shape, config, k_slices=k_slices)
+def report(shape: str, config: tuple, k_slices: int = 1, programs: int = 0) -> dict:
+    kern, meta, nw = compile_gemm(shape, config, k_slices=k_slices, programs=programs)
     regs, spills = ptxas_usage(kern.asm["ptx"])
     body = k_loop_sass(kern.asm["cubin"])
     smem = kern.metadata.shared
     resident = resident_programs(regs, smem, nw)
     per_trip = meta["BN"] * meta["BK"]  # weights per K step
-    return {"shape": shape, "config": list(config), "k_slices": k_slices, "registers": regs, "spill_bytes": spills, "shared_bytes": smem,
-            "resident": resident, "loop_sass": len(body), "sass_per_weight": round(len(body) * nw * 32 / per_trip, 3),
+    return {"shape": shape, "config": list(config), "k_slices": k_slices, "programs": programs, "registers": regs,
+            "spill_bytes": spills, "shared_bytes": smem, "resident": resident, "loop_sass": len(body), "sass_per_weight": round(len(body) * nw * 32 / per_trip, 3),
             "top_ops": op_counts(body, 16)}
 
 
@@ -78,14 +78,15 @@ def main(argv=None):
     p.add_argument("--shape", default="qwen3_fc1", choices=sorted(SHAPES))
     p.add_argument("--configs", nargs="*", default=None, help="BN,BK,BT,num_warps,num_stages[,join_k[,max_registers]]")
     p.add_argument("--k-slices", type=int, default=1, help="the sliced build (moe_slices)")
+    p.add_argument("--programs", type=int, default=0, help="> 0: the COMPACT grid's build")
     p.add_argument("--dump", action="store_true", help="also print the loop's SASS")
     a = p.parse_args(argv)
     cfgs = [tuple(int(v) for v in c.split(",")) for c in a.configs] if a.configs else [mt.CONFIGS[0][1]]
     for cfg in cfgs:
-        row = report(a.shape, cfg, a.k_slices)
+        row = report(a.shape, cfg, a.k_slices, a.programs)
         print(json.dumps(row), flush=True)
         if a.dump:
-            kern, _, _ = compile_gemm(a.shape, cfg, k_slices=a.k_slices)
+            kern, _, _ = compile_gemm(a.shape, cfg, k_slices=a.k_slices, programs=a.programs)
             print("\n".join(k_loop_sass(kern.asm["cubin"])))
 
 

@@ -72,10 +72,21 @@ def pick_k_slices(programs: float, k_tiles: int, sms: int) -> int:
     return best
 
 
+def default_programs(experts: int, items_per_expert: int, device: torch.device) -> int:
+    """Programs of the ``COMPACT`` grid on ``device``: ``PROGRAMS_PER_SM`` per multiprocessor, at most one per
+    (expert, column tile, slice) item; 0 (the full grid) off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return min(experts * items_per_expert, PROGRAMS_PER_SM * _sm_count(_index(device)))
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
 def default_k_slices(rows: int, experts: int, n_tiles: int, k_tiles: int, device: torch.device) -> int:
     """``pick_k_slices`` for ``rows`` routed rows over ``experts`` (the expected active ones) x ``n_tiles`` column
     tiles on ``device``'s multiprocessors; 1 off CUDA. Host values only: no sync."""
     if device.type != "cuda":
         return 1
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return pick_k_slices(expected_active(rows, experts) * n_tiles, k_tiles, _sm_count(index))
+    return pick_k_slices(expected_active(rows, experts) * n_tiles, k_tiles, _sm_count(_index(device)))

@@ -138,33 +138,14 @@ def _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT: tl.constexpr,
 
 
 @triton.jit
-def fp4_gemm_kernel(
-    x_ptr, wq_ptr, ws_ptr, g_ptr, y_ptr, offs_ptr,
-    T, N, K, E, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
-    FMT: tl.constexpr, B: tl.constexpr, G_MODE: tl.constexpr,
-    BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-    DEQ_ASM: tl.constexpr,
-    K_TILES: tl.constexpr, JOIN_K: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr = False,
-    K_SLICES: tl.constexpr = 1, stride_ys=0,
-):
-    """y[offs[e-1]:offs[e]] = x[...] @ W_e^T for W_e packed FP4 [N, K] (codes read as uint16 groups of 4).
-    WIDE: token offsets in int64 (a prefill of T rows with T x row stride >= 2**31 elements).
-    K_SLICES > 1: program (n-tile, expert, slice) sums K tiles [slice, slice + 1) x K_TILES / K_SLICES and writes
-    its fp32 partial to y + slice x stride_ys (``moe_slices``: the partials are summed in slice order after)."""
-    pid_n = tl.program_id(0)
-    e = tl.program_id(1)
-    if K_SLICES == 1:
-        k0 = 0
-    else:
-        k0 = tl.program_id(2) * (K_TILES // K_SLICES * BK)
-        y_ptr += tl.program_id(2) * stride_ys
+def _expert_tile(x_ptr, wq_ptr, ws_ptr, g_ptr, y_ptr, e, start, end, pid_n, k0,
+                 N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+                 FMT: tl.constexpr, B: tl.constexpr, G_MODE: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 BT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, DEQ_ASM: tl.constexpr,
+                 KS_TILES: tl.constexpr, JOIN_K: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr):
+    """y[start:end, tile pid_n] = x[start:end] @ W_e[tile, k0 : k0 + KS_TILES x BK]^T (times the column scale)."""
     rn = pid_n * BN + tl.arange(0, BN)
     nmask = (rn < N) | EVEN_N  # (EVEN_N: N % BN == 0, no row masks on the weight loads)
-    if e == E:
-        _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT, WIDE)
-        return
-    start = tl.load(offs_ptr + tl.maximum(e - 1, 0), mask=e > 0, other=0).to(tl.int32)
-    end = tl.load(offs_ptr + e).to(tl.int32)
     wrow = wq_ptr + e.to(tl.int64) * stride_we + rn[:, None] * stride_wn  # [BN, 1] uint16 code groups
     srow = ws_ptr + e.to(tl.int64) * stride_se + rn[:, None] * stride_sn
     if G_MODE == 1:
@@ -179,7 +160,7 @@ def fp4_gemm_kernel(
         rt = _token_rows(t0, BT, WIDE)
         tmask = rt < end
         acc = tl.zeros([BN, BT], tl.float32)
-        for kt in range(0, K_TILES // K_SLICES):  # constexpr trip count (also what the interpreter can range over)
+        for kt in range(0, KS_TILES):  # constexpr trip count (also what the interpreter can range over)
             k = k0 + kt * BK
             kw = k // 4 + tl.arange(0, BK // 4)[None, :]
             ks = k // B + tl.arange(0, BK // B)[None, :]
@@ -214,6 +195,69 @@ def fp4_gemm_kernel(
         tl.store(y_ptr + rt[None, :] * stride_yt + rn[:, None], out.to(y_ptr.dtype.element_ty),
                  mask=tmask[None, :] & nmask[:, None])
         t0 += BT
+
+
+@triton.jit
+def fp4_gemm_kernel(
+    x_ptr, wq_ptr, ws_ptr, g_ptr, y_ptr, offs_ptr,
+    T, N, K, E, stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_yt,
+    FMT: tl.constexpr, B: tl.constexpr, G_MODE: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, BT: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+    DEQ_ASM: tl.constexpr,
+    K_TILES: tl.constexpr, JOIN_K: tl.constexpr, DOT_F32: tl.constexpr, WIDE: tl.constexpr = False,
+    K_SLICES: tl.constexpr = 1, stride_ys=0, COMPACT: tl.constexpr = False, EP2: tl.constexpr = 1,
+    N_TILES: tl.constexpr = 1, PROGRAMS=1,
+):
+    """y[offs[e-1]:offs[e]] = x[...] @ W_e^T for W_e packed FP4 [N, K] (codes read as uint16 groups of 4).
+    WIDE: token offsets in int64 (a prefill of T rows with T x row stride >= 2**31 elements).
+    K_SLICES > 1: a (n-tile, expert, slice) item sums K tiles [slice, slice + 1) x K_TILES / K_SLICES and writes its
+    fp32 partial to y + slice x stride_ys (``moe_slices``: the partials are summed in slice order after).
+    Grid: (n-tile, expert (+ 1: the zero tail), slice), or with COMPACT (``moe_slices``) PROGRAMS programs that take
+    the items of the experts with tokens in turn (+ N_TILES programs for the zero tail when K_SLICES == 1)."""
+    ks_tiles: tl.constexpr = K_TILES // K_SLICES
+    if COMPACT:
+        pid = tl.program_id(0)
+        if pid >= PROGRAMS:
+            rn = (pid - PROGRAMS) * BN + tl.arange(0, BN)
+            _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, (rn < N) | EVEN_N, BT, WIDE)
+            return
+        ex = tl.arange(0, EP2)
+        ends = tl.load(offs_ptr + ex, mask=ex < E, other=0).to(tl.int32)
+        starts = tl.load(offs_ptr + ex - 1, mask=(ex > 0) & (ex < E), other=0).to(tl.int32)
+        active = ends > starts
+        rank = tl.cumsum(active.to(tl.int32), 0) - 1  # among the experts with tokens
+        per_expert: tl.constexpr = N_TILES * K_SLICES
+        items = tl.sum(active.to(tl.int32), 0) * per_expert
+        item = pid
+        while item < items:
+            a = item // per_expert
+            sel = active & (rank == a)
+            r = item - a * per_expert
+            pid_n = r // K_SLICES
+            sl = r - pid_n * K_SLICES
+            _expert_tile(x_ptr, wq_ptr, ws_ptr, g_ptr, y_ptr + sl * stride_ys, tl.sum(tl.where(sel, ex, 0), 0),
+                         tl.sum(tl.where(sel, starts, 0), 0), tl.sum(tl.where(sel, ends, 0), 0), pid_n,
+                         sl * (ks_tiles * BK), N, K, stride_xt, stride_we, stride_wn, stride_se, stride_sn,
+                         stride_yt, FMT, B, G_MODE, BN, BK, BT, EVEN_K, EVEN_N, DEQ_ASM, ks_tiles, JOIN_K, DOT_F32,
+                         WIDE)
+            item += PROGRAMS
+    else:
+        pid_n = tl.program_id(0)
+        e = tl.program_id(1)
+        if K_SLICES == 1:
+            k0 = 0
+        else:
+            k0 = tl.program_id(2) * (ks_tiles * BK)
+            y_ptr += tl.program_id(2) * stride_ys
+        if e == E:
+            rn = pid_n * BN + tl.arange(0, BN)
+            _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, (rn < N) | EVEN_N, BT, WIDE)
+            return
+        start = tl.load(offs_ptr + tl.maximum(e - 1, 0), mask=e > 0, other=0).to(tl.int32)
+        end = tl.load(offs_ptr + e).to(tl.int32)
+        _expert_tile(x_ptr, wq_ptr, ws_ptr, g_ptr, y_ptr, e, start, end, pid_n, k0, N, K, stride_xt, stride_we,
+                     stride_wn, stride_se, stride_sn, stride_yt, FMT, B, G_MODE, BN, BK, BT, EVEN_K, EVEN_N, DEQ_ASM,
+                     ks_tiles, JOIN_K, DOT_F32, WIDE)
 
 
 # (max average tokens per expert, (BN, BK, BT, num_warps, num_stages[, join_k[, max_registers]]), PTX dequant):
@@ -291,36 +335,43 @@ int32 row x stride product would wrap (a Qwen3-30B-A3B-shaped prefill of 64 x 81
 2048, gave an illegal memory access on the H200, session 14)."""
 
 
-def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt: int, k_slices: int = 1):
+def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt: int, k_slices: int = 1,
+                programs: int = 0):
     """(scalar args, grid, constexprs + launch options) of ``fp4_gemm_kernel`` for ``t`` tokens and a contiguous
     FP4Tensor-like ``weight`` (shape, fmt, block_size, global_amax); shared with the benchmark's precompile.
-    ``k_slices`` > 1: the grid's third axis (``moe_slices``), y then the fp32 workspace [k_slices, t, N]."""
+    ``k_slices`` > 1: the grid's K slices (``moe_slices``), y then the fp32 workspace [k_slices, t, N].
+    ``programs`` > 0: that many programs take the items of the experts with tokens in turn (``COMPACT``)."""
     e, n, k = weight.shape
     bs = weight.block_size
     bn, bk, bt, nw, ns, join_k, maxreg = check_config(config)
-    k_tiles = triton.cdiv(k, bk)
+    k_tiles, n_tiles = triton.cdiv(k, bk), triton.cdiv(n, bn)
     g = weight.global_amax
     scalars = (t, n, k, e, stride_xt, n * k // 4, k // 4, n * k // bs, k // bs, stride_yt)
     meta = dict(FMT=0 if weight.fmt == "nvfp4" else 1, B=bs, G_MODE=0 if g is None else (1 if g.dim() == 0 else 2),
                 BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, DEQ_ASM=deq_asm,
-                K_TILES=k_tiles, JOIN_K=join_k, DOT_F32=False, K_SLICES=k_slices,
+                K_TILES=k_tiles, JOIN_K=join_k, DOT_F32=False, K_SLICES=k_slices, COMPACT=programs > 0,
+                EP2=triton.next_power_of_2(e), N_TILES=n_tiles, PROGRAMS=max(programs, 1),
                 WIDE=(t + bt) * max(stride_xt, stride_yt) >= WIDE_ELEMENTS, num_warps=nw, num_stages=ns,
                 **({"maxnreg": maxreg} if maxreg else {}))
-    if k_slices == 1:
-        return scalars, (triton.cdiv(n, bn), e + 1), meta  # grid row e == E: zero the rows past offs[-1]
-    moe_slices.check_k_slices(k_slices, k_tiles)
-    if meta["WIDE"] or k_slices * (t + bt) * n >= WIDE_ELEMENTS:
-        raise ValueError(f"k_slices={k_slices} needs a workspace of fewer than 2**31 elements (t={t}, N={n}): "
-                         "use k_slices=1 for long prefills")
-    meta["stride_ys"] = t * n
-    return scalars, (triton.cdiv(n, bn), e, k_slices), meta
+    if k_slices > 1:
+        moe_slices.check_k_slices(k_slices, k_tiles)
+        if meta["WIDE"] or k_slices * (t + bt) * n >= WIDE_ELEMENTS:
+            raise ValueError(f"k_slices={k_slices} needs a workspace of fewer than 2**31 elements (t={t}, N={n}): "
+                             "use k_slices=1 for long prefills")
+        meta["stride_ys"] = t * n
+    tail = n_tiles if k_slices == 1 else 0  # (sliced: the sum zeroes the rows past offs[-1])
+    if programs > 0:
+        return scalars, (programs + tail,), meta
+    return scalars, (n_tiles, e + (tail > 0), k_slices), meta  # grid row e == E: zero the rows past offs[-1]
 
 
 def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-               config: tuple | None = None, deq_asm: bool | None = None, k_slices: int | None = None) -> torch.Tensor:
+               config: tuple | None = None, deq_asm: bool | None = None, k_slices: int | None = None,
+               programs: int | None = None) -> torch.Tensor:
     """W4A16 grouped GEMM (see the module docstring). ``config`` ((BN, BK, BT, num_warps, num_stages[, join_k]))
-    and ``deq_asm`` override ``CONFIGS``; ``k_slices`` (a divisor of the config's K tiles) overrides
-    ``moe_slices.default_k_slices`` (programs per K slice, for few active experts).
+    and ``deq_asm`` override ``CONFIGS``; ``k_slices`` (a divisor of the config's K tiles) and ``programs`` (0: one
+    program per (tile, expert, slice); > 0: that many programs over the experts with tokens) override
+    ``moe_slices.default_k_slices`` and ``default_programs`` (for few active experts).
 
     The config and the slices are chosen from x's rows and the expert count, so no host sync is needed.
     """
@@ -348,7 +399,9 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     cfg = config or picked
     if k_slices is None:
         k_slices = default_k_slices(t, e, n, k, cfg, xd.device)
-    scalars, grid, meta = launch_spec(t, weight, cfg, use_asm, xd.stride(0), y.stride(0), k_slices)
+    if programs is None:
+        programs = default_programs(e, n, k_slices, cfg, xd.device)
+    scalars, grid, meta = launch_spec(t, weight, cfg, use_asm, xd.stride(0), y.stride(0), k_slices, programs)
     meta["DOT_F32"] = not xd.is_cuda  # Triton's CPU interpreter: fp32 dots (it multiplies bf16 as raw bits)
     if not xd.is_cuda:
         meta.pop("maxnreg", None)  # (a compiler option)
@@ -371,3 +424,13 @@ def default_k_slices(t: int, e: int, n: int, k: int, config: tuple, device: torc
     if not AUTO_K_SLICES or moe_slices.MAX_K_SLICES * (t + bt) * max(n, k) >= WIDE_ELEMENTS:
         return 1
     return moe_slices.default_k_slices(t, e, triton.cdiv(n, bn), triton.cdiv(k, bk), device)
+
+
+COMPACT = True
+"""``grouped_mm`` runs ``moe_slices.default_programs`` programs over the experts with tokens (``COMPACT`` grid) when
+no ``programs`` is given; off: a program per (column tile, expert, slice), most of which exit at small batch."""
+
+
+def default_programs(e: int, n: int, k_slices: int, config: tuple, device: torch.device) -> int:
+    """``moe_slices.default_programs`` for ``config``'s column tiles (0: the full grid) while ``COMPACT``."""
+    return moe_slices.default_programs(e, triton.cdiv(n, config[0]) * k_slices, device) if COMPACT else 0

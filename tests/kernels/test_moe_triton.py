@@ -13,7 +13,7 @@ import torch
 from megatron_trace.formats import Quantizer, e2m1
 from megatron_trace.kernels import fp4_grouped_mm, grouped_mm_reference
 
-from ._gpu import DEVICE, HAS_TRITON, needs_cuda, needs_triton
+from ._gpu import DEVICE, HAS_TRITON, bits, needs_cuda, needs_triton
 
 if DEVICE is not None:
     from megatron_trace.kernels import moe_triton
@@ -235,9 +235,9 @@ def test_k_slices_bad_count_and_wide_rows_are_named():
 
 
 @needs_cuda
-@pytest.mark.parametrize("k_slices", [2, 4, 8])
-@pytest.mark.parametrize("shape", [(128, 1536, 2048, [1] * 8 + [0] * 120), (16, 384, 1024, [61, 0, 300, 7] * 4)],
-                         ids=["qwen3_fc1_b1", "n384"])
+@pytest.mark.parametrize("k_slices", [1, 2, 4, 8])
+@pytest.mark.parametrize("shape", [(128, 1536, 2048, [1] * 8 + [0] * 120), (16, 384, 1024, [61, 0, 300, 7] * 4),
+                                   (128, 1536, 2048, [3] * 128)], ids=["qwen3_fc1_b1", "n384", "qwen3_fc1_all"])
 def test_k_slices_on_cuda_match_and_repeat(shape, k_slices):
     """Sliced on the GPU (PTX dequant, default tiles): within bf16 tolerance of the reference, and every launch the
     same bits (the partials are summed in slice order, no atomics)."""
@@ -249,3 +249,25 @@ def test_k_slices_on_cuda_match_and_repeat(shape, k_slices):
     bad = sum(not torch.equal(moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32, k_slices=k_slices), first)
               for _ in range(20))
     assert bad == 0, f"{bad} of 20 launches differ from the first"
+    full = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32, k_slices=k_slices, programs=0)
+    assert torch.equal(bits(full), bits(first))  # the compact grid (default) and the full grid: the same sums
+
+
+@needs_triton
+@pytest.mark.parametrize("k_slices", [1, 2], ids=["k1", "k2"])
+@pytest.mark.parametrize("programs", [1, 2, 5, 64])
+@pytest.mark.parametrize("config,shape", [
+    ((32, 64, 16, 4, 1), (5, 64, 256, [1, 0, 17, 0, 2])),  # empty experts between, two token tiles for expert 2
+    ((16, 64, 16, 4, 1), (4, 40, 128, [0, 0, 3, 0])),  # N not a multiple of the tile, one expert with tokens
+    ((32, 64, 16, 4, 1, True), (5, 64, 256, [1, 0, 17, 0, 2])),  # join_k
+], ids=["even", "uneven_n", "join_k"])
+def test_compact_grid_gives_the_full_grids_bits(config, shape, programs, k_slices):
+    """``programs`` programs taking the items of the experts with tokens in turn (fewer or more programs than items)
+    compute each output as the full grid's program does: the same bits, rows past offs[-1] zero."""
+    x, wq, offs = _case("nvfp4", True, *shape, seed=6, device=DEVICE)
+    kw = dict(out_dtype=torch.float32, config=config, deq_asm=False, k_slices=k_slices)
+    full = moe_triton.grouped_mm(x, wq, offs, programs=0, **kw)
+    compact = moe_triton.grouped_mm(x, wq, offs, programs=programs, **kw)
+    assert torch.equal(bits(compact), bits(full))
+    assert _rel(full, grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)) < 1e-5
+    assert torch.equal(compact[-3:], torch.zeros_like(compact[-3:]))
