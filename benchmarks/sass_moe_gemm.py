@@ -69,8 +69,8 @@ def report(shape: str, config: tuple, k_slices: int = 1, programs: int = 0) -> d
     resident = resident_programs(regs, smem, nw)
     per_trip = meta["BN"] * meta["BK"]  # weights per K step
     return {"shape": shape, "config": list(config), "k_slices": k_slices, "programs": programs, "registers": regs,
-            "spill_bytes": spills, "shared_bytes": smem, "resident": resident, "loop_sass": len(body), "sass_per_weight": round(len(body) * nw * 32 / per_trip, 3),
-            "top_ops": op_counts(body, 16)}
+            "spill_bytes": spills, "shared_bytes": smem, "resident": resident, "loop_sass": len(body),
+            "sass_per_weight": round(len(body) * nw * 32 / per_trip, 3), "top_ops": op_counts(body, 16)}
 
 
 def main(argv=None):
