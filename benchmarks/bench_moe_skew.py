@@ -61,7 +61,7 @@ def run(name: str, batch: int, gen: torch.Generator) -> dict:
     row = {"bench": "moe_skew", "shape": name, "experts": e, "K": k, "N": n, "batch": batch, "rows": t,
            "mean_tokens": round(t / e, 2), "max_tokens": int(counts.max()), "default": list(cfg),
            "default_k_slices": moe_triton.default_k_slices(t, e, n, k, cfg, x.device)}
-    row["default_programs"] = moe_triton.default_programs(e, n, row["default_k_slices"], cfg, x.device)
+    row["default_programs"] = moe_triton.default_programs(t, e, n, row["default_k_slices"], cfg, x.device)
     row["default_us"] = round(graph_ms(lambda: moe_triton.grouped_mm(x, wq, offs)) * 1e3, 1)
     for label, cfg in CONFIGS.items():
         row[f"{label}_us"] = round(graph_ms(lambda c=cfg: moe_triton.grouped_mm(x, wq, offs, config=c, k_slices=1,

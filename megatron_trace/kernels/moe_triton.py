@@ -400,7 +400,7 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     if k_slices is None:
         k_slices = default_k_slices(t, e, n, k, cfg, xd.device)
     if programs is None:
-        programs = default_programs(e, n, k_slices, cfg, xd.device)
+        programs = default_programs(t, e, n, k_slices, cfg, xd.device)
     scalars, grid, meta = launch_spec(t, weight, cfg, use_asm, xd.stride(0), y.stride(0), k_slices, programs)
     meta["DOT_F32"] = not xd.is_cuda  # Triton's CPU interpreter: fp32 dots (it multiplies bf16 as raw bits)
     if not xd.is_cuda:
@@ -431,6 +431,6 @@ COMPACT = True
 no ``programs`` is given; off: a program per (column tile, expert, slice), most of which exit at small batch."""
 
 
-def default_programs(e: int, n: int, k_slices: int, config: tuple, device: torch.device) -> int:
+def default_programs(t: int, e: int, n: int, k_slices: int, config: tuple, device: torch.device) -> int:
     """``moe_slices.default_programs`` for ``config``'s column tiles (0: the full grid) while ``COMPACT``."""
-    return moe_slices.default_programs(e, triton.cdiv(n, config[0]) * k_slices, device) if COMPACT else 0
+    return moe_slices.default_programs(t, e, triton.cdiv(n, config[0]) * k_slices, device) if COMPACT else 0

@@ -39,3 +39,10 @@ def test_check_k_slices():
         moe_slices.check_k_slices(5, 16)
     with pytest.raises(ValueError, match="k_slices=0"):
         moe_slices.check_k_slices(0, 16)
+
+
+def test_compact_grid_only_for_few_active_experts():
+    """Qwen3-30B-A3B (128 experts, top-8): batch 1 and 2 route to about 8 and 15 experts (compact grid), batch 4 to
+    about 29 (full grid), as measured in session 15."""
+    assert moe_slices.few_active(8, 128) and moe_slices.few_active(16, 128)
+    assert not moe_slices.few_active(32, 128) and not moe_slices.few_active(1024, 128)
