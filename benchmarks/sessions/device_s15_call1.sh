@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (As run. Its --k-slices auto|off option of bench_static_decode.py became --gemm-grid auto|full in call 2.)
 # Session 15, call 1: the GPU tests of what landed unmeasured in session 14 (the decode attention's combine up to 256
 # splits in one step, the static K/V write as one quantize at the device row) and of the W4A16 GEMM's K slices
 # (new: moe_slices), then the GEMM under random routing at batch 1-32 (BN 32 / 64 configs, BT 16 with 2-8 K slices,
