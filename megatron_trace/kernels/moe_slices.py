@@ -25,6 +25,10 @@ import triton.language as tl
 MAX_K_SLICES = 8
 """At most this many slices, each at least ``MIN_TILES_PER_SLICE`` K tiles (the cp.async pipeline needs a few)."""
 MIN_TILES_PER_SLICE = 2
+MIN_TILES_PER_SLICE_FULL = 4
+"""On the full grid a slice also multiplies the programs that exit at once: there slices hold at least this many K
+tiles (session 15: Qwen3 fc2's 6 tiles in 2 slices were 7-13% slower than 1 at batch 2-4 on the full grid, and in 3
+slices 11% faster at batch 1 on the compact grid)."""
 PROGRAMS_PER_SM = 4
 """``default_k_slices`` slices until the expected programs with tokens reach this many per multiprocessor."""
 COMPACT_ACTIVE_SHARE = 1 / 8
@@ -71,11 +75,11 @@ def check_k_slices(k_slices: int, k_tiles: int) -> int:
     return k_slices
 
 
-def pick_k_slices(programs: float, k_tiles: int, sms: int) -> int:
-    """The fewest slices (a divisor of ``k_tiles``, at most ``MAX_K_SLICES``, each at least ``MIN_TILES_PER_SLICE``
-    tiles) that bring ``programs`` (with tokens, per slice) to ``PROGRAMS_PER_SM`` x ``sms``; else the most allowed."""
+def pick_k_slices(programs: float, k_tiles: int, sms: int, min_tiles: int = MIN_TILES_PER_SLICE) -> int:
+    """The fewest slices (a divisor of ``k_tiles``, at most ``MAX_K_SLICES``, each at least ``min_tiles`` tiles)
+    that bring ``programs`` (with tokens, per slice) to ``PROGRAMS_PER_SM`` x ``sms``; else the most allowed."""
     best = 1
-    for s in range(1, min(MAX_K_SLICES, k_tiles // MIN_TILES_PER_SLICE) + 1):
+    for s in range(1, min(MAX_K_SLICES, k_tiles // min_tiles) + 1):
         if k_tiles % s == 0:
             best = s
             if programs * s >= PROGRAMS_PER_SM * sms:
@@ -101,9 +105,11 @@ def _index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def default_k_slices(rows: int, experts: int, n_tiles: int, k_tiles: int, device: torch.device) -> int:
+def default_k_slices(rows: int, experts: int, n_tiles: int, k_tiles: int, device: torch.device, compact: bool) -> int:
     """``pick_k_slices`` for ``rows`` routed rows over ``experts`` (the expected active ones) x ``n_tiles`` column
-    tiles on ``device``'s multiprocessors; 1 off CUDA. Host values only: no sync."""
+    tiles on ``device``'s multiprocessors, on the compact grid or the full one (``MIN_TILES_PER_SLICE_FULL``); 1 off
+    CUDA. Host values only: no sync."""
     if device.type != "cuda":
         return 1
-    return pick_k_slices(expected_active(rows, experts) * n_tiles, k_tiles, _sm_count(_index(device)))
+    return pick_k_slices(expected_active(rows, experts) * n_tiles, k_tiles, _sm_count(_index(device)),
+                         MIN_TILES_PER_SLICE if compact else MIN_TILES_PER_SLICE_FULL)

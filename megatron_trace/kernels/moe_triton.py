@@ -423,7 +423,8 @@ def default_k_slices(t: int, e: int, n: int, k: int, config: tuple, device: torc
     bn, bk, bt = config[:3]
     if not AUTO_K_SLICES or moe_slices.MAX_K_SLICES * (t + bt) * max(n, k) >= WIDE_ELEMENTS:
         return 1
-    return moe_slices.default_k_slices(t, e, triton.cdiv(n, bn), triton.cdiv(k, bk), device)
+    compact = COMPACT and moe_slices.few_active(t, e)
+    return moe_slices.default_k_slices(t, e, triton.cdiv(n, bn), triton.cdiv(k, bk), device, compact)
 
 
 COMPACT = True

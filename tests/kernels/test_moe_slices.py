@@ -22,8 +22,11 @@ def test_pick_k_slices():
     assert 16 % s == 0 and s > 1
     # enough programs already: no slices
     assert moe_slices.pick_k_slices(2 * want, 16, sms) == 1
-    # fc2: K = 768 in 6 tiles: only 1, 2 or 3 slices of at least 2 tiles
+    # fc2: K = 768 in 6 tiles: only 1, 2 or 3 slices of at least 2 tiles; on the full grid (4 tiles) none
     assert moe_slices.pick_k_slices(128, 6, sms) == 3
+    assert moe_slices.pick_k_slices(128, 6, sms, min_tiles=moe_slices.MIN_TILES_PER_SLICE_FULL) == 1
+    # fc1 at batch 4 on the full grid (29 active experts x 12 tiles): 2 slices of 8 tiles
+    assert moe_slices.pick_k_slices(29 * 12, 16, sms, min_tiles=moe_slices.MIN_TILES_PER_SLICE_FULL) == 2
     # one K tile: nothing to slice
     assert moe_slices.pick_k_slices(1, 1, sms) == 1
     for programs in (1, 50, 200, 600, 5000):
