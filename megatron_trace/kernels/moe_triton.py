@@ -5,7 +5,9 @@ with W' dequantized in registers from the packed codes (streamed through a ``num
 pipeline, 16-byte loads) and the block scales, then ``y[t, n] = acc * 2**62 / S_enc``. Weights are the
 MMA's M side (swap-AB, wgmma with A from registers), so a decode step with 1..16 tokens per expert still
 uses a 64-wide MMA and reads each weight byte once. One extra program row (expert index E) zeroes the
-rows past ``offs[-1]``, so the output needs no separate zero fill.
+rows past ``offs[-1]``, so the output needs no separate zero fill. When few experts have tokens (decode at batch
+1-4), ``moe_slices`` splits K over programs and launches only a few programs that take the active experts' items
+in turn (same sums per output, the same bits).
 
 Dequantization: a code ``s e1 e0 m`` placed as bf16 bits ``(code & 7) << 6 | (code & 8) << 12`` is exactly
 ``value * 2**-126``. The codes are read as uint16 groups of 4 (code 4c+q in nibble q); two groups share a
