@@ -39,7 +39,7 @@ session 14's profile), and 8 warps at BT 16 (two warpgroups of 64 rows). All wit
 K_SLICES = (2, 3, 4, 8)
 """The 16-token tile at BN 128 (``bt16``) with K split over this many programs (``moe_slices``), where the count
 divides the shape's K tiles: columns ``bt16_k{S}_us`` (full grid) and ``bt16_k{S}_c_us`` (the COMPACT grid of
-``moe_slices.default_programs`` programs over the experts with tokens); ``bt16_c_us``: one slice, compact."""
+``moe_slices.compact_programs`` programs over the experts with tokens); ``bt16_c_us``: one slice, compact."""
 
 
 def routing_offs(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -58,10 +58,10 @@ def run(name: str, batch: int, gen: torch.Generator) -> dict:
     wq = fused.quantize(w, Quantizer("nvfp4"), check_finite=False)[0]
     x = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
     cfg = moe_triton.default_config(t, e, k)[0]
+    slices, programs = moe_triton.launch_defaults(t, e, n, k, cfg, x.device)
     row = {"bench": "moe_skew", "shape": name, "experts": e, "K": k, "N": n, "batch": batch, "rows": t,
            "mean_tokens": round(t / e, 2), "max_tokens": int(counts.max()), "default": list(cfg),
-           "default_k_slices": moe_triton.default_k_slices(t, e, n, k, cfg, x.device)}
-    row["default_programs"] = moe_triton.default_programs(t, e, n, row["default_k_slices"], cfg, x.device)
+           "default_k_slices": slices, "default_programs": programs}
     row["default_us"] = round(graph_ms(lambda: moe_triton.grouped_mm(x, wq, offs)) * 1e3, 1)
     for label, cfg in CONFIGS.items():
         row[f"{label}_us"] = round(graph_ms(lambda c=cfg: moe_triton.grouped_mm(x, wq, offs, config=c, k_slices=1,

@@ -1,8 +1,10 @@
-"""One short line per JSON row of ``bench_decode_attn.py`` or ``bench_decode.py`` output, for device-call logs.
+"""One short line per JSON row of ``bench_decode_attn.py``, ``bench_decode.py`` or ``bench_moe_skew.py`` output, for
+device-call logs.
 
 ``python3 benchmarks/summarize_rows.py attn FILE.jsonl`` (times of every kernel, the fast kernel's ratios),
 ``... fast FILE.jsonl`` (the fast kernel's variants: masks, intervals, readable rows, launch configs) or
-``... decode FILE.jsonl`` (GPU ms per step, attention and MoE ms, eager tokens/s per mode, batch and context).
+``... decode FILE.jsonl`` (GPU ms per step, attention and MoE ms, eager tokens/s per mode, batch and context) or
+``... skew FILE.jsonl`` (the GEMM's default launch and its times per variant, BT 32-128 left out).
 """
 
 from __future__ import annotations
@@ -34,9 +36,17 @@ def decode(row: dict) -> str | None:
             f"{row.get('error', '')}")
 
 
+def skew(row: dict) -> str | None:
+    if row.get("bench") != "moe_skew":
+        return None
+    times = {k[:-3]: v for k, v in row.items() if k.endswith("_us") and not k.startswith(("bt32", "bt64", "bt128"))}
+    return (f"{row['shape']} {row['batch']} {row['active_experts']} default {row['default_k_slices']} "
+            f"{row['default_programs']} {times}")
+
+
 def main(argv=None) -> None:
     kind, path = (argv or sys.argv[1:])[:2]
-    fmt = {"attn": attn, "fast": fast, "decode": decode}[kind]
+    fmt = {"attn": attn, "fast": fast, "decode": decode, "skew": skew}[kind]
     for line in open(path):
         out = fmt(json.loads(line))
         if out:

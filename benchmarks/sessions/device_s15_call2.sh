@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (As run, but for the GEMM summary: an inline snippet then, `summarize_rows.py skew` since, the same lines.)
 # Session 15, call 2: the W4A16 GEMM's COMPACT grid (programs over the experts with tokens only; call 1 suggested
 # that the full grid's programs of experts without tokens cost most of the batch-1 time) with and without K slices:
 # GPU tests, a repeat check of the join_k int64 test that failed once in call 1, the GEMM under random routing
@@ -29,14 +30,7 @@ for cfg in ((16, 64, 32, 4, 1, True), (32, 128, 16, 4, 1)):
 PY
 timeout 200 python3 benchmarks/bench_moe_skew.py --shapes qwen3_fc1,qwen3_fc2 --batches 1,4,8,16,32,64 \
     > "$OUT/moe_skew.jsonl" 2> "$OUT/moe_skew.err"; tail -1 "$OUT/moe_skew.err"
-python3 - "$OUT/moe_skew.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("bench") == "moe_skew":
-        print(r["shape"], r["batch"], r["active_experts"], "default", r["default_k_slices"], r["default_programs"],
-              {k[:-3]: v for k, v in r.items() if k.endswith("_us") and not k.startswith(("bt32", "bt64", "bt128"))})
-PY
+python3 benchmarks/summarize_rows.py skew "$OUT/moe_skew.jsonl"
 timeout 120 python3 benchmarks/bench_moe_gemm.py --shapes qwen3_fc1,qwen3_fc2 --tokens 1,4,16,64,256 \
     > "$OUT/moe_gemm.jsonl" 2> "$OUT/moe_gemm.err"; grep -v Warn "$OUT/moe_gemm.err" | tail -12
 export TORCHDYNAMO_DISABLE=0

@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# (As run, but for the GEMM summary: an inline snippet then, `summarize_rows.py skew` since, the same lines.)
 # Session 15, call 3: the final GEMM launch rule (compact grid only when at most 1/8 of the experts have tokens; K
 # slices to 4 programs per multiprocessor): the decode curve's batch 1 / 8 points at 8K, BF16 vs FP4 (graphs,
 # compiled layers; session 14's call 6 points), the GEMM under random routing at batch 1/2/4, and the relaxed int64
@@ -13,13 +14,6 @@ tail -1 "$OUT/decode_curve_b1_b8.err"; cut -c1-240 "$OUT/decode_curve_b1_b8.json
 export TORCHDYNAMO_DISABLE=1
 timeout 60 python3 benchmarks/bench_moe_skew.py --shapes qwen3_fc1,qwen3_fc2 --batches 1,2,4 \
     > "$OUT/moe_skew.jsonl" 2> "$OUT/moe_skew.err"; tail -1 "$OUT/moe_skew.err"
-python3 - "$OUT/moe_skew.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    if r.get("bench") == "moe_skew":
-        print(r["shape"], r["batch"], r["active_experts"], "default", r["default_k_slices"], r["default_programs"],
-              {k[:-3]: v for k, v in r.items() if k.endswith("_us") and not k.startswith(("bt32", "bt64", "bt128"))})
-PY
+python3 benchmarks/summarize_rows.py skew "$OUT/moe_skew.jsonl"
 timeout 30 python3 -m pytest -q -p no:cacheprovider -rf --tb=short tests/kernels/test_moe_triton.py -k int64 2>&1 \
     | grep -E "passed|failed|FAILED|assert|Error" | head

@@ -9,7 +9,7 @@ slice order (deterministic: the same bits on every launch, no atomics) and zeroe
 
 The full grid has a program per (column tile, expert, slice), and at batch 1 all but 8 of 128 experts' programs
 only read their offsets and exit: 1536-12288 programs churn through the multiprocessors' slots. The COMPACT grid
-(``default_programs``) launches a few programs per multiprocessor that each rank the experts with tokens and take
+(``compact_programs``) launches a few programs per multiprocessor that each rank the experts with tokens and take
 their (expert, column tile, slice) items in turn; every item computes what the full grid's program computes, so the
 bits are the same.
 """
@@ -92,11 +92,10 @@ def few_active(rows: int, experts: int) -> bool:
     return expected_active(rows, experts) <= COMPACT_ACTIVE_SHARE * experts
 
 
-def default_programs(rows: int, experts: int, items_per_expert: int, device: torch.device) -> int:
-    """Programs of the ``COMPACT`` grid on ``device`` when at most ``COMPACT_ACTIVE_SHARE`` of the experts are
-    expected to have some of the ``rows`` (most full-grid programs would exit): ``PROGRAMS_PER_SM`` per
-    multiprocessor, at most one per (expert, column tile, slice) item. Else (and off CUDA) 0: the full grid."""
-    if device.type != "cuda" or not few_active(rows, experts):
+def compact_programs(experts: int, items_per_expert: int, device: torch.device) -> int:
+    """Programs of the ``COMPACT`` grid on ``device``: ``PROGRAMS_PER_SM`` per multiprocessor, at most one per
+    (expert, column tile, slice) item; 0 (the full grid) off CUDA. ``few_active`` says where it pays."""
+    if device.type != "cuda":
         return 0
     return min(experts * items_per_expert, PROGRAMS_PER_SM * _sm_count(_index(device)))
 

@@ -373,7 +373,7 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     """W4A16 grouped GEMM (see the module docstring). ``config`` ((BN, BK, BT, num_warps, num_stages[, join_k]))
     and ``deq_asm`` override ``CONFIGS``; ``k_slices`` (a divisor of the config's K tiles) and ``programs`` (0: one
     program per (tile, expert, slice); > 0: that many programs over the experts with tokens) override
-    ``moe_slices.default_k_slices`` and ``default_programs`` (for few active experts).
+    ``launch_defaults`` (for few active experts).
 
     The config and the slices are chosen from x's rows and the expert count, so no host sync is needed.
     """
@@ -399,10 +399,7 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     g = weight.global_amax
     g_arg = scales if g is None else g.float().contiguous()
     cfg = config or picked
-    if k_slices is None:
-        k_slices = default_k_slices(t, e, n, k, cfg, xd.device)
-    if programs is None:
-        programs = default_programs(t, e, n, k_slices, cfg, xd.device)
+    k_slices, programs = launch_defaults(t, e, n, k, cfg, xd.device, k_slices, programs)
     scalars, grid, meta = launch_spec(t, weight, cfg, use_asm, xd.stride(0), y.stride(0), k_slices, programs)
     meta["DOT_F32"] = not xd.is_cuda  # Triton's CPU interpreter: fp32 dots (it multiplies bf16 as raw bits)
     if not xd.is_cuda:
@@ -418,22 +415,22 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
 AUTO_K_SLICES = True
 """``grouped_mm`` slices K by ``moe_slices.default_k_slices`` when no ``k_slices`` is given (else 1). Off: one
 program per (column tile, expert), as before session 15."""
-
-
-def default_k_slices(t: int, e: int, n: int, k: int, config: tuple, device: torch.device) -> int:
-    """``moe_slices.default_k_slices`` for ``config``'s tiles where the workspace fits int32 offsets, else 1."""
-    bn, bk, bt = config[:3]
-    if not AUTO_K_SLICES or moe_slices.MAX_K_SLICES * (t + bt) * max(n, k) >= WIDE_ELEMENTS:
-        return 1
-    compact = COMPACT and moe_slices.few_active(t, e)
-    return moe_slices.default_k_slices(t, e, triton.cdiv(n, bn), triton.cdiv(k, bk), device, compact)
-
-
 COMPACT = True
-"""``grouped_mm`` runs ``moe_slices.default_programs`` programs over the experts with tokens (``COMPACT`` grid) when
-no ``programs`` is given; off: a program per (column tile, expert, slice), most of which exit at small batch."""
+"""``grouped_mm`` runs the ``COMPACT`` grid (``moe_slices.compact_programs`` programs over the experts with tokens)
+where ``moe_slices.few_active`` and no ``programs`` is given; off: a program per (column tile, expert, slice)."""
 
 
-def default_programs(t: int, e: int, n: int, k_slices: int, config: tuple, device: torch.device) -> int:
-    """``moe_slices.default_programs`` for ``config``'s column tiles (0: the full grid) while ``COMPACT``."""
-    return moe_slices.default_programs(t, e, triton.cdiv(n, config[0]) * k_slices, device) if COMPACT else 0
+def launch_defaults(t: int, e: int, n: int, k: int, config: tuple, device: torch.device, k_slices: int | None = None,
+                    programs: int | None = None) -> tuple[int, int]:
+    """(k_slices, programs) of ``grouped_mm`` for ``t`` routed rows over ``e`` experts, ``config``'s tiles, those
+    given kept: the grid first (compact where few experts are active, or as ``programs`` says), then the slices for
+    that grid (1 where the workspace would pass int32 offsets), then the compact grid's program count."""
+    bn, bk, bt = config[:3]
+    compact = (COMPACT and moe_slices.few_active(t, e)) if programs is None else programs > 0
+    if k_slices is None:
+        k_slices = 1
+        if AUTO_K_SLICES and moe_slices.MAX_K_SLICES * (t + bt) * max(n, k) < WIDE_ELEMENTS:
+            k_slices = moe_slices.default_k_slices(t, e, triton.cdiv(n, bn), triton.cdiv(k, bk), device, compact)
+    if programs is None:
+        programs = moe_slices.compact_programs(e, triton.cdiv(n, bn) * k_slices, device) if compact else 0
+    return k_slices, programs
