@@ -19,21 +19,11 @@ from .quant_triton import GUIDED_FULL, _load_guidance, _unscale
 def dequant_kernel(
     codes_ptr, scales_ptr, g_ptr, out_ptr, M, K, NB, NUM_KT: tl.constexpr,
     FMT: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr, BLOCK_M: tl.constexpr, NBT: tl.constexpr,
-    FAST_DIV: tl.constexpr, flag_ptr=None, ONLY_FLAGGED: tl.constexpr = False,
+    FAST_DIV: tl.constexpr,
 ):
-    """out[M, K] = decode(codes) * scale (``fmt.unscale``), cast once to out's dtype.
-
-    ONLY_FLAGGED: only programs with a row whose flag_ptr[row] != 0 run (``dequant_pair_kernel``'s redo).
-    """
-    pid = tl.program_id(0)
-    if ONLY_FLAGGED:
-        rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-        if tl.max(tl.load(flag_ptr + rows, mask=rows < M, other=0), axis=0) != 0:
-            _dequant_rows(pid, codes_ptr, scales_ptr, g_ptr, out_ptr, M, K, NB, NUM_KT, FMT, G_MODE, B, BLOCK_M,
-                          NBT, FAST_DIV)
-    else:
-        _dequant_rows(pid, codes_ptr, scales_ptr, g_ptr, out_ptr, M, K, NB, NUM_KT, FMT, G_MODE, B, BLOCK_M, NBT,
-                      FAST_DIV)
+    """out[M, K] = decode(codes) * scale (``fmt.unscale``), cast once to out's dtype."""
+    _dequant_rows(tl.program_id(0), codes_ptr, scales_ptr, g_ptr, out_ptr, M, K, NB, NUM_KT, FMT, G_MODE, B, BLOCK_M,
+                  NBT, FAST_DIV)
 
 
 @triton.jit
@@ -68,17 +58,18 @@ def _dequant_rows(pid, codes_ptr, scales_ptr, g_ptr, out_ptr, M, K, NB, NUM_KT: 
 
 @triton.jit
 def dequant_pair_kernel(
-    codes_ptr, scales_ptr, g_ptr, outw_ptr, flag_ptr, M, NB, NUM_KT: tl.constexpr,
+    codes_ptr, scales_ptr, g_ptr, outw_ptr, out_ptr, M, NB, NUM_KT: tl.constexpr,
     ODT: tl.constexpr, FMT: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr, BLOCK_M: tl.constexpr,
     NBT: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr,
 ):
     """``dequant_kernel`` for K % B == 0: each code byte becomes one output word (two elements, outw_ptr).
 
-    BY_MAG: NVFP4 to bf16 by per-block constants (``_tile_by_consts``); else, and for other formats and dtypes,
+    BY_MAG: bf16 by per-block constants (``_tile_by_consts``: NVFP4; MXFP4 on the GPU); else, and for fp32 / fp16,
     ``_pair_by_index`` (decode, multiply, divide per element).
 
-    A program whose rows have an S_enc outside the range where the reciprocal division is exact writes
-    nothing and sets flag_ptr[row] = 1 for its rows (else 0) for ``dequant_kernel`` with ONLY_FLAGGED.
+    A program whose rows have an S_enc outside the range where the reciprocal division is exact takes
+    ``dequant_kernel``'s element-wise path with IEEE division instead, a row and a quarter tile at a time, into
+    out_ptr (the same buffer as elements): one launch per call, whatever the amax.
     """
     P: tl.constexpr = B // 2
     pid = tl.program_id(0)
@@ -91,12 +82,12 @@ def dequant_pair_kernel(
     else:
         s_b = tl.full([BLOCK_M, 1], 1.0, tl.float32)
     slow = qp._needs_exact(tl.zeros([BLOCK_M, NBT], tl.float32), s_b, G_MODE, 1, True)
-    tl.store(flag_ptr + rows, slow + tl.zeros([BLOCK_M], tl.int32), mask=rmask)
     NW = NB * P
     if slow == 0:
         for kt in range(NUM_KT):
-            if FMT == f.NVFP4 and BY_MAG and ODT == 0:
-                _tile_by_consts(codes_ptr, scales_ptr, outw_ptr, s_b, rows, rmask, kt, NB, NW, P, NBT, FAST_DIV, HW_CVT)
+            if BY_MAG and ODT == 0 and (FMT == f.NVFP4 or HW_CVT):
+                _tile_by_consts(codes_ptr, scales_ptr, outw_ptr, s_b, rows, rmask, kt, NB, NW, FMT, P, NBT, FAST_DIV,
+                                HW_CVT)
             else:
                 blk = kt * NBT + tl.arange(0, NBT)[None, :]
                 byte = tl.load(scales_ptr + rows[:, None] * NB + blk, mask=rmask[:, None] & (blk < NB), other=0)
@@ -106,12 +97,18 @@ def dequant_pair_kernel(
                 c = tl.load(codes_ptr + woff, mask=m3, other=0).to(tl.int32)
                 words = _pair_by_index(c, byte, s_b[:, :, None], ODT, FMT, FAST_DIV, HW_CVT)
                 tl.store(outw_ptr + woff, words.to(outw_ptr.dtype.element_ty, bitcast=True), mask=m3)
+    else:  # the exact redo: few live values (the fast path's registers are the kernel's)
+        QR: tl.constexpr = 4 if NBT >= 4 else 1
+        for r in range(BLOCK_M):
+            _dequant_rows(pid * BLOCK_M + r, codes_ptr, scales_ptr, g_ptr, out_ptr, M, NB * B, NB, NUM_KT * QR, FMT,
+                          G_MODE, B, 1, NBT // QR, False)
 
 
 @triton.jit
-def _tile_by_consts(codes_ptr, scales_ptr, outw_ptr, s_b, rows, rmask, kt, NB, NW, P: tl.constexpr, NBT: tl.constexpr,
-                    FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
-    """One K tile of NVFP4 words by per-block constants (GPU bf16: ``_pair_by_table``, else ``_pair_by_consts``).
+def _tile_by_consts(codes_ptr, scales_ptr, outw_ptr, s_b, rows, rmask, kt, NB, NW, FMT: tl.constexpr, P: tl.constexpr,
+                    NBT: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
+    """One K tile of bf16 words by per-block constants (GPU: ``_pair_by_table``, else ``_pair_by_consts``; MXFP4:
+    the GPU only, by ``_mx_consts``).
 
     The tile is [P // 4, L, BM, H, 4] (quarter block, block mod L, row, block // L, word; L = min(NBT, 16)): Triton
     orders dims of equal contiguity by index, so a thread loads four code bytes and stores four words, a warp's
@@ -123,9 +120,12 @@ def _tile_by_consts(codes_ptr, scales_ptr, outw_ptr, s_b, rows, rmask, kt, NB, N
     blk = kt * NBT + tl.arange(0, H)[None, None, :] * L + tl.arange(0, L)[:, None, None]  # [L, 1, H]
     r3 = rows[None, :, None]
     byte = tl.load(scales_ptr + r3 * NB + blk, mask=rmask[None, :, None] & (blk < NB), other=0)  # [L, BM, H]
-    s1 = tl.reshape(s_b, (s_b.shape[0],))
-    re = tl.div_rn(tl.full(s1.shape, 1.0, tl.float32), s1)[None, :, None]  # per row: RN(1 / S_enc)
-    d1, d3 = _block_consts(byte, s1[None, :, None], re, FAST_DIV, HW_CVT)
+    if FMT == f.NVFP4:
+        s1 = tl.reshape(s_b, (s_b.shape[0],))
+        re = tl.div_rn(tl.full(s1.shape, 1.0, tl.float32), s1)[None, :, None]  # per row: RN(1 / S_enc)
+        d1, d3 = _block_consts(byte, s1[None, :, None], re, FAST_DIV, HW_CVT)
+    else:
+        d1, d3 = _mx_consts(byte)
     wcol = (blk[None, :, :, :, None] * P + tl.arange(0, Q)[:, None, None, None, None] * 4
             + tl.arange(0, 4)[None, None, None, None, :])  # [Q, L, 1, H, 4]
     m5 = rmask[None, None, :, None, None] & (wcol < NW)
@@ -133,7 +133,7 @@ def _tile_by_consts(codes_ptr, scales_ptr, outw_ptr, s_b, rows, rmask, kt, NB, N
     c = tl.load(codes_ptr + woff, mask=m5, other=0).to(tl.int32)
     d1, d3 = d1[None, :, :, :, None], d3[None, :, :, :, None]
     if HW_CVT:
-        words = _pair_by_table(c, d1, d3)
+        words = _pair_by_table(c, d1, d3, FMT)
     else:
         words = _pair_by_consts(c, d1, d3)
     tl.store(outw_ptr + woff, words.to(outw_ptr.dtype.element_ty, bitcast=True), mask=m5)
@@ -173,6 +173,16 @@ def _block_consts(byte, s, re, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
 
 
 @triton.jit
+def _mx_consts(byte):
+    """d1 = 2**(e - 127) (the reference's ``mxfp4.pow2``: 2**-127 for e = 0, Inf for e = 255) and d3 = 1.5 d1, as
+    fp32 by bits (no arithmetic: a subnormal stays exact), for the E8M0 scale bytes e."""
+    e = byte.to(tl.int32)
+    d1 = tl.where(e == 0, 0x00400000, e << 23)
+    d3 = tl.where(e == 0, 0x00600000, tl.where(e == 255, 0x7F800000, (e << 23) | 0x00400000))
+    return d1.to(tl.float32, bitcast=True), d3.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _half_by_consts(c, q, d1, d3, SH: tl.constexpr):
     """|value| bits (fp32 as uint32) of the code nibble at bit SH (0 or 4) of the code bytes c (int32 < 256), from
     ``_block_consts``' 4 * d1, 4 * d3: the E2M1 magnitude of index n = (c >> SH) & 7 is 2**k or 1.5 * 2**k with
@@ -209,21 +219,30 @@ def _asm2(asm: tl.constexpr, a, b):
 
 
 @triton.jit
-def _pair_by_table(c, d1, d3):
+def _pair_by_table(c, d1, d3, FMT: tl.constexpr):
     """``_pair_by_consts`` for bf16 on the GPU: per block, the bf16 values of the 8 E2M1 magnitudes as two 8-byte
     tables (their low bytes, their high bytes); per word, one byte permute per table picks both elements' bytes by
     their indices (selector nibbles 0 and 2), a third interleaves them, and the codes' signs are xor-ed in.
 
-    The table: ``_block_consts``' 4 * d1, 4 * d3 (fp32) rounded to bf16 and packed (one cvt), times 2**k in bf16x2
-    multiplies (exact), 0 * d1 for index 0 (+0; NaN for a NaN scale): [0, 0.5, 1, 1.5 | 2, 3, 4, 6] * sf / S_enc."""
-    p13 = _asm2("cvt.rn.bf16x2.f32 $0, $2, $1;", d1, d3)  # [lo: 4 d1, hi: 4 d3], RNE
-    p11 = _prmt(p13, p13, tl.full(p13.shape, 0x1010, tl.uint32))  # [4 d1, 4 d1]
-    e01 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p11, tl.full(p13.shape, 0x3E000000, tl.uint32))  # * [0, 1/8]
-    e23 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3E803E80, tl.uint32))  # * [1/4, 1/4]
-    e45 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3F003F00, tl.uint32))  # * [1/2, 1/2]
+    The table: NVFP4, ``_block_consts``' 4 * d1, 4 * d3 (fp32) rounded to bf16 and packed (one cvt), times 2**k in
+    bf16x2 multiplies (exact), 0 * d1 for index 0 (+0; NaN for a NaN scale): [0, 0.5, 1, 1.5 | 2, 3, 4, 6] * sf /
+    S_enc. MXFP4, ``_mx_consts``' d1 = 2**(e - 127), d3 = 1.5 d1 (exact in bf16, subnormal ones too), times
+    [0, 1/2], 1, 2 and 4: the reference's fp32 products (Inf past the range, NaN for 0 * Inf) rounded to bf16."""
+    p13 = _asm2("cvt.rn.bf16x2.f32 $0, $2, $1;", d1, d3)  # [lo: (4) d1, hi: (4) d3], RNE
+    p11 = _prmt(p13, p13, tl.full(p13.shape, 0x1010, tl.uint32))  # [(4) d1, (4) d1]
+    if FMT == f.NVFP4:
+        e01 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p11, tl.full(p13.shape, 0x3E000000, tl.uint32))  # * [0, 1/8]
+        e23 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3E803E80, tl.uint32))  # * [1/4, 1/4]
+        e45 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3F003F00, tl.uint32))  # * [1/2, 1/2]
+        e67 = p13
+    else:
+        e01 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p11, tl.full(p13.shape, 0x3F000000, tl.uint32))  # * [0, 1/2]
+        e23 = p13
+        e45 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x40004000, tl.uint32))  # * [2, 2]
+        e67 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x40804080, tl.uint32))  # * [4, 4]
     even, odd = tl.full(p13.shape, 0x6420, tl.uint32), tl.full(p13.shape, 0x7531, tl.uint32)
     lo_a, hi_a = _prmt(e01, e23, even), _prmt(e01, e23, odd)  # indices 0-3: the bf16s' low / high bytes
-    lo_b, hi_b = _prmt(e45, p13, even), _prmt(e45, p13, odd)  # indices 4-7
+    lo_b, hi_b = _prmt(e45, e67, even), _prmt(e45, e67, odd)  # indices 4-7
     sel = ((c | (c << 4)) & 0x707).to(tl.uint32)  # nibble 0: the low element's index, nibble 2: the high one's
     lo = _prmt(lo_a, lo_b, sel)  # bytes 0, 2: the low bytes of the two elements' bf16
     hi = _prmt(hi_a, hi_b, sel)
@@ -256,24 +275,23 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     if t.global_amax is not None:
         g = t.global_amax.float().reshape(-1).contiguous()
         g_mode = qk.G_SCALAR if t.global_amax.dim() == 0 else qk.G_ROW_GIVEN
-    fmt_id, flags = qk.fmt_id(t.fmt), None
+    fmt_id = qk.fmt_id(t.fmt)
     if m and qk.PAIR_KERNEL and k == nb * fmt.block_size:
         odt, wdt = qk._WORD[dtype]
-        cfg = qk.CONFIG["dequant"]
+        cfg = qk.CONFIG["dequant" if fmt_id == 0 else "dequant_mxfp4"]
         bm, nbt, num_kt = qk.plan(k, fmt.block_size, cfg["tile"])
-        flags = torch.empty(m, dtype=torch.int32, device=codes.device)
         dequant_pair_kernel[(triton.cdiv(m, bm),)](
-            codes, scales, g, out.view(wdt), flags, m, nb, num_kt, ODT=odt, FMT=fmt_id, G_MODE=int(g_mode),
+            codes, scales, g, out.view(wdt), out, m, nb, num_kt, ODT=odt, FMT=fmt_id, G_MODE=int(g_mode),
             B=fmt.block_size, BLOCK_M=bm, NBT=nbt, FAST_DIV=qk.FAST_DIV, HW_CVT=not qk.interpreting(codes),
             BY_MAG=bool(qk.DEQUANT_BY_MAGNITUDE), num_warps=cfg["num_warps"], enable_fp_fusion=False,
+            **(qk.register_cap(cfg, codes) if dtype == torch.bfloat16 else {}),
         )
-    if m and (flags is None or int(g_mode) != int(qk.G_NONE)):  # MXFP4 pair programs never flag
+    elif m:
         cfg = qk.CONFIG["elem"]
         bm, nbt, num_kt = qk.plan(nb * fmt.block_size, fmt.block_size, cfg["tile"])
         dequant_kernel[(triton.cdiv(m, bm),)](
             codes, scales, g, out, m, k, nb, num_kt, FMT=fmt_id, G_MODE=int(g_mode), B=fmt.block_size,
-            BLOCK_M=bm, NBT=nbt, FAST_DIV=qk.FAST_DIV if flags is None else False, flag_ptr=flags,
-            ONLY_FLAGGED=flags is not None, num_warps=cfg["num_warps"], enable_fp_fusion=False,
+            BLOCK_M=bm, NBT=nbt, FAST_DIV=qk.FAST_DIV, num_warps=cfg["num_warps"], enable_fp_fusion=False,
         )
     return out.reshape(*lead, k)
 

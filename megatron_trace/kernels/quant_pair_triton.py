@@ -300,6 +300,7 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
         out_step=1 if out_step is None else out_step, OUT_ROWS=out_step is not None,
         row_ptr=out_row if out_row is not None else spare, ROW_AT=out_row is not None,
         num_warps=cfg["num_warps"], enable_fp_fusion=False,
+        **(qk.register_cap(cfg, x2d) if int(mode) == int(GUIDED_COMPACT) else {}),
     )
 
 

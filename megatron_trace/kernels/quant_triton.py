@@ -284,10 +284,13 @@ FAST_DIV = True
 """Divide by the per-block scale with a reciprocal + one Markstein step (IEEE division only on rare tiles)."""
 
 CONFIG = {"pair": {"tile": 2048, "num_warps": 4}, "pair_mxfp4": {"tile": 4096, "num_warps": 4},
-          "elem": {"tile": TILE, "num_warps": 4}, "dequant": {"tile": 16384, "num_warps": 8}}
+          "elem": {"tile": TILE, "num_warps": 4}, "dequant": {"tile": 16384, "num_warps": 8},
+          "dequant_mxfp4": {"tile": 16384, "num_warps": 8}}
 """Launch configs (elements per program tile, warps) of ``pair_kernel`` (NVFP4; MXFP4), ``quant_kernel`` and
-``dequant_pair_kernel``; ``benchmarks/bench_quant.py --sweep`` times the alternatives (BENCHMARKS.md, session 10:
-2048 elements is 9% faster than 4096 for guided compact + dequant, 10% slower for MXFP4 quantize)."""
+``dequant_pair_kernel`` (NVFP4; MXFP4; a bf16 output); each may name a register cap, "max_registers" (GPU only,
+``register_cap``; the pair configs' cap holds for guided compact rounding alone; none is set: session 16 measured
+no gain, BENCHMARKS.md). ``benchmarks/bench_quant.py --sweep`` times the alternatives (session 10: 2048 elements is
+9% faster than 4096 for guided compact + dequant, 10% slower for MXFP4 quantize)."""
 
 PAIR_KERNEL = True
 """Use ``pair_kernel`` / ``dequant_pair_kernel`` where they apply (K % block == 0, aligned rows).
@@ -302,9 +305,9 @@ RNE_BY_MAGNITUDE = True
 E2M1-index tile, ``bench_quant.py`` times both)."""
 
 DEQUANT_BY_MAGNITUDE = True
-"""NVFP4 dequantize to bf16 in ``dequant_pair_kernel`` by two constants per block (``dequant_triton._tile_by_consts``:
-on the GPU a per-block table of the 8 magnitudes and byte permutes; off: decode, multiply and divide per element,
-as for fp16/fp32 out; ``bench_quant.py`` times both)."""
+"""Dequantize to bf16 in ``dequant_pair_kernel`` by two constants per block (``dequant_triton._tile_by_consts``:
+on the GPU a per-block table of the 8 magnitudes and byte permutes, NVFP4 and MXFP4; NVFP4 in the interpreter by
+bits); off, and for fp16/fp32 out: decode, multiply (and divide) per element. ``bench_quant.py`` times both."""
 
 _WORD = {torch.bfloat16: (0, torch.int32), torch.float16: (1, torch.int32), torch.float32: (2, torch.int64)}
 
@@ -441,6 +444,13 @@ def _launch_elem(x2d, out, cfg, *, g, scales_in, guide, err, spare, fmt, block, 
         FAST_DIV=fast_div, KEEP_NONFINITE=keep_nonfinite, num_warps=cfg["num_warps"],
         enable_fp_fusion=False,
     )
+
+
+def register_cap(cfg: dict, t: torch.Tensor) -> dict:
+    """``maxnreg`` for a launch of config ``cfg`` on ``t``'s device where cfg names "max_registers" (a compiler
+    option of the GPU build; the interpreter has none)."""
+    cap = cfg.get("max_registers")
+    return {"maxnreg": cap} if cap and not interpreting(t) else {}
 
 
 def interpreting(t: torch.Tensor) -> bool:

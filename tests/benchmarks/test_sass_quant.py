@@ -36,3 +36,19 @@ def test_report_counts_alu_instructions(bench_module):
     sass = bench_module("sass_quant")
     row = sass.report(OP, 2048)
     assert 0 < row["kernel_alu_per_element"] < row["kernel_sass_per_element"]
+
+
+@pytest.mark.parametrize("op", ["dequantize_nvfp4->bf16", "dequantize_mxfp4->bf16"])
+def test_dequantize_builds_use_the_block_table_and_do_not_spill(bench_module, op):
+    """NVFP4 and MXFP4 to bf16 on sm_90 build a table per block (one fp32 -> bf16x2 conversion and three bf16x2
+    multiplies) instead of converting every output word (the index path: one conversion per word), with the
+    exact redo in the same kernel, and without spilling."""
+    sass = bench_module("sass_quant")
+    kern, block_m = sass.compile_dequant(op, 2048)
+    lines = sass.sass(kern.asm["cubin"])
+    words_per_thread = block_m * 2048 // 2 // (32 * kern.metadata.num_warps)
+    cvt = sum("F2FP.BF16" in ln for ln in lines)
+    muls = sum("HMUL2.BF16" in ln or "HFMA2.MMA.BF16" in ln for ln in lines)
+    assert 0 < 2 * cvt <= words_per_thread
+    assert muls >= 3 * cvt
+    assert sass.ptxas_usage(kern.asm["ptx"])[1] == 0

@@ -314,6 +314,32 @@ def test_guided_compact_by_magnitude_ties_and_edges_bit_exact(dtype, pattern, mo
         assert torch.equal(bits(outs[0]["deq"]), bits(outs[1]["deq"]))
 
 
+def _every_mx_scale_tensor() -> FP4Tensor:
+    """An MXFP4 tensor [8, 1024] whose 256 blocks take every E8M0 scale byte (0: 2**-127, a subnormal; 255: Inf),
+    each block holding all 256 code bytes' nibbles: every code at every scale, and the code bytes in all 16
+    positions of a block across rows."""
+    rows, nb = 8, 32
+    pos = torch.arange(nb * 16)
+    codes = torch.stack([(pos * 17 + 16 * r) % 256 for r in range(rows)]).to(torch.uint8)
+    scales = torch.arange(rows * nb, dtype=torch.int64).reshape(rows, nb).to(torch.uint8)
+    return FP4Tensor(codes=codes, block_scales=scales.view(torch.float8_e8m0fnu), global_amax=None,
+                     shape=(rows, nb * 32), fmt="mxfp4")
+
+
+def test_mxfp4_dequantize_every_code_and_scale(monkeypatch):
+    """MXFP4 to bf16 by per-block constants (the GPU's table path) and by E2M1 indices against the reference, bit
+    for bit: every code at every scale byte, the subnormal 2**-127 and 2**-128 results and Inf / NaN (0 * Inf)."""
+    t = _every_mx_scale_tensor()
+    assert torch.equal(torch.unique(t.block_scales.view(torch.uint8)), torch.arange(256, dtype=torch.uint8))
+    ref = t.dequantize(torch.bfloat16)
+    got = []
+    for by_consts in (True, False):
+        monkeypatch.setattr(quant_triton, "DEQUANT_BY_MAGNITUDE", by_consts)
+        got.append(dequant_triton.dequantize(_to(t, DEVICE), torch.bfloat16))
+        assert same_bits(got[-1], ref), by_consts
+    assert same_bits(got[0], got[1])
+
+
 def _every_code_tensor(amax: str, nan_scale: bool):
     """An NVFP4 tensor [8, 512] whose code bytes take all 256 values in each of a block's 8 byte positions, with
     block scale bytes cycling over 0 (zero), 1-7 (E4M3 subnormal), the normals up to 448 and, if nan_scale, 0x7F;
