@@ -39,7 +39,8 @@ session 14's profile), and 8 warps at BT 16 (two warpgroups of 64 rows). All wit
 K_SLICES = (2, 3, 4, 8)
 """The 16-token tile at BN 128 (``bt16``) with K split over this many programs (``moe_slices``), where the count
 divides the shape's K tiles: columns ``bt16_k{S}_us`` (full grid) and ``bt16_k{S}_c_us`` (the COMPACT grid of
-``moe_slices.compact_programs`` programs over the experts with tokens); ``bt16_c_us``: one slice, compact."""
+``moe_slices.compact_programs`` programs over the experts with tokens); ``bt16_c_us``: one slice, compact;
+``bn64_bt16_k{S}_us``: BN 64 with S = 2, 4 slices on the full grid."""
 
 
 def routing_offs(batch: int, experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
@@ -72,6 +73,10 @@ def run(name: str, batch: int, gen: torch.Generator) -> dict:
             label = f"bt16{f'_k{s}' if s > 1 else ''}{'_c' if grid == 'compact' else ''}"
             row[f"{label}_us"] = round(graph_ms(lambda s=s, g=grid: moe_triton.grouped_mm(
                 x, wq, offs, config=CONFIGS["bt16"], k_slices=s, programs=0 if g == "full" else None)) * 1e3, 1)
+    for s in (2, 4):  # BN 64 with K slices, full grid
+        if k_tiles % s == 0:
+            row[f"bn64_bt16_k{s}_us"] = round(graph_ms(lambda s=s: moe_triton.grouped_mm(
+                x, wq, offs, config=CONFIGS["bn64_bt16"], k_slices=s, programs=0)) * 1e3, 1)
     bf16, row["bf16_layout"] = bf16_baseline(w)
     row["bf16_us"] = round(graph_ms(lambda: bf16(x, offs)) * 1e3, 1)
     best = min((c[:-3] for c in row if c.endswith("_us") and c not in ("default_us", "bf16_us")),

@@ -8,7 +8,7 @@ CUDA graph (``graph_us``: device time alone, where launching costs more than the
 ``--sweep`` times the kernel ops over launch configs (``quant_triton.CONFIG``: elements per program tile and
 num_warps; ``--elem`` adds the element-wise kernels, ``PAIR_KERNEL`` off), one JSON line per (op, config), then
 the best config per op. Set the winners in ``quant_triton.CONFIG`` ("pair" for NVFP4 quantize ops, "pair_mxfp4",
-"dequant").
+"dequant", "dequant_mxfp4").
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from megatron_trace.kernels.checks import FiniteCounter
 
 SWEEP = [dict(pair=True, tile=t, num_warps=nw) for t, nw in ((4096, 4), (4096, 8), (2048, 4), (2048, 2), (8192, 8),
                                                             (16384, 8))]
-"""Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair", "pair_mxfp4" and "dequant")."""
+"""Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair", "pair_mxfp4", "dequant" and
+"dequant_mxfp4")."""
 ELEM_SWEEP = [dict(pair=False, tile=t, num_warps=nw) for t, nw in ((4096, 4), (8192, 8))]
 SWEEP_BUDGET_S = 110.0
 """The sweep stops starting new configs after this many seconds (each config recompiles every kernel)."""
@@ -87,12 +88,14 @@ def cases(x, rows, k):
             lambda: fused.guided(x, full, write_codes=False, deq_dtype=x.dtype, check_finite=False),
             2 * xb + n // 2 + n // 16 + 4 * rows),
         "guided_compact->codes": (lambda: fused.guided(x, rec, check_finite=False), xb + rec_b + n // 2),
-        "fake_quant_rne+ste_mask": (fake_rne, 3 * xb),
-        "fake_quant_rne+ste_mask(index path)": (lambda: _index_path(fake_rne), 3 * xb),
+        "fake_quant_rne+ste_mask": (fake_rne, 2 * xb + n),  # x in, x's dtype and a uint8 mask out
+        "fake_quant_rne+ste_mask(index path)": (lambda: _index_path(fake_rne), 2 * xb + n),
         "dequantize_nvfp4->bf16": (lambda: dequant_triton.dequantize(t_row, torch.bfloat16), n // 2 + n // 16 + xb),
         "dequantize_nvfp4->bf16(index path)": (
             lambda: _index_path(lambda: dequant_triton.dequantize(t_row, torch.bfloat16)), n // 2 + n // 16 + xb),
         "dequantize_mxfp4->bf16": (lambda: dequant_triton.dequantize(t_mx, torch.bfloat16), n // 2 + n // 32 + xb),
+        "dequantize_mxfp4->bf16(index path)": (
+            lambda: _index_path(lambda: dequant_triton.dequantize(t_mx, torch.bfloat16)), n // 2 + n // 32 + xb),
         "compact_from_codes": (lambda: dequant_triton.compact(t_row), n // 2 + n // 8),
         "reference_torch_cuda_quantize_nvfp4_row": (lambda: q_row.quantize(x), xb + n // 2 + n // 16),
     }
@@ -108,7 +111,12 @@ def main(argv=None) -> dict:
     p.add_argument("--no-graph", action="store_true", help="skip the CUDA-graph timing (device time alone)")
     p.add_argument("--tile", type=int, default=0, help="the pair kernels' elements per program (quant_triton.CONFIG)")
     p.add_argument("--warps", type=int, default=0, help="the pair kernels' num_warps (with --tile)")
-    p.add_argument("--ops", default="", help="with --sweep: comma-separated substrings of the op names to time")
+    p.add_argument("--dequant-max-registers", default="",
+                   help="NVFP4[,MXFP4]: register caps of the bf16 dequantize kernel (0: none; quant_triton.CONFIG "
+                        "'dequant', 'dequant_mxfp4')")
+    p.add_argument("--pair-max-registers", type=int, default=0,
+                   help="a register cap for guided compact rounding in the NVFP4 pair kernel (CONFIG['pair'])")
+    p.add_argument("--ops", default="", help="comma-separated substrings of the op names to time (default: all)")
     args = p.parse_args(argv)
     if args.sweep:
         return sweep(args.rows, args.k, SWEEP + (ELEM_SWEEP if args.elem else []),
@@ -116,11 +124,19 @@ def main(argv=None) -> dict:
     if args.tile:
         for name in ("pair", "pair_mxfp4"):
             quant_triton.CONFIG[name] = {"tile": args.tile, "num_warps": args.warps or 4}
+    for name, cap in zip(("dequant", "dequant_mxfp4"), args.dequant_max_registers.split(",")):
+        if cap:
+            quant_triton.CONFIG[name] = {**quant_triton.CONFIG[name], "max_registers": int(cap)}
+    if args.pair_max_registers:
+        quant_triton.CONFIG["pair"] = {**quant_triton.CONFIG["pair"], "max_registers": args.pair_max_registers}
+    only = tuple(o for o in args.ops.split(",") if o)
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.k, device="cuda").to(torch.bfloat16)
     bw = copy_bandwidth()
     rows = []
     for name, (fn, nbytes) in cases(x, args.rows, args.k).items():
+        if only and not any(o in name for o in only):
+            continue
         ms = median_ms(fn, reps=10 if name.startswith("reference") else 30)
         rate = nbytes / (ms * 1e-3)
         row = {"op": name, "ms": round(ms, 4), "bytes": nbytes, "TBps": round(rate / 1e12, 3),
@@ -133,6 +149,8 @@ def main(argv=None) -> dict:
               f"{row.get('graph_frac_copy')} of copy", file=sys.stderr)
     res = {"bench": "quant", "shape": [args.rows, args.k], "dtype": "bf16", "copy_TBps": round(bw / 1e12, 3),
            "pair_config": quant_triton.CONFIG["pair"], "pair_mxfp4_config": quant_triton.CONFIG["pair_mxfp4"],
+           "dequant_config": quant_triton.CONFIG["dequant"],
+           "dequant_mxfp4_config": quant_triton.CONFIG["dequant_mxfp4"],
            "machine": machine(), "results": rows}
     print(json.dumps(res))
     return res
@@ -154,7 +172,7 @@ def sweep(rows: int, k: int, configs, ops_filter=()) -> dict:
                 print(json.dumps({"config": cfg, "skipped": "sweep time budget spent"}))
                 continue
             quant_triton.PAIR_KERNEL = cfg["pair"]
-            for name in ("pair", "pair_mxfp4", "dequant") if cfg["pair"] else ("elem",):
+            for name in ("pair", "pair_mxfp4", "dequant", "dequant_mxfp4") if cfg["pair"] else ("elem",):
                 quant_triton.CONFIG[name] = {"tile": cfg["tile"], "num_warps": cfg["num_warps"]}
             try:
                 ops = cases(x, rows, k)

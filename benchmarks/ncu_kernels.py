@@ -17,7 +17,7 @@ import re
 import torch
 
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels import fused, moe_triton
+from megatron_trace.kernels import dequant_triton, fused, moe_triton
 
 GEMM_SHAPES = {"qwen3_fc1": (128, 2048, 1536), "qwen3_fc2": (128, 768, 2048)}
 
@@ -26,7 +26,8 @@ def quant_ops(rows: int, k: int) -> dict:
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     q_row, q_mx = Quantizer("nvfp4", per_row=True), Quantizer("mxfp4", scale_rule="ceil")
     q_ste = Quantizer("nvfp4", per_row=True, ste_clip=True)
-    _, rec, _ = fused.quantize(x, q_row, record=True)
+    t_row, rec, _ = fused.quantize(x, q_row, record=True)
+    t_mx = fused.quantize(x, q_mx)[0]
     return {
         "copy": lambda: x.clone(),
         "quantize_nvfp4_row+record": lambda: fused.quantize(x, q_row, record=True, check_finite=False),
@@ -35,6 +36,8 @@ def quant_ops(rows: int, k: int) -> dict:
                                                        check_finite=False),
         "fake_quant_rne+ste_mask": lambda: fused.quantize(x, q_ste, write_codes=False, deq_dtype=x.dtype,
                                                           want_mask=True, check_finite=False),
+        "dequantize_nvfp4->bf16": lambda: dequant_triton.dequantize(t_row, torch.bfloat16),
+        "dequantize_mxfp4->bf16": lambda: dequant_triton.dequantize(t_mx, torch.bfloat16),
     }
 
 

@@ -1,11 +1,11 @@
 """Cross-compile the quantize and dequantize pair kernels for sm_90 (no GPU needed): registers, spills, SASS.
 
 For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact + dequant, RNE
-fake-quant + STE mask; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax) at the launch configs of
-``quant_triton.CONFIG["pair"]`` and ``["dequant"]``: ``ptxas -v`` gives registers per thread and spill bytes,
+fake-quant + STE mask; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax; MXFP4 to bf16) at the
+launch configs of ``quant_triton.CONFIG["pair"]``, ``["dequant"]`` and ``["dequant_mxfp4"]`` (with their
+"max_registers"): ``ptxas -v`` gives registers per thread and spill bytes,
 ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static count,
-not the instructions one program runs; the dequantize kernel's redo is another launch, so its count is the fast
-path's); per element = that times 32 * num_warps / (BLOCK_M * K).
+not the instructions one program runs); per element = that times 32 * num_warps / (BLOCK_M * K).
 ``python benchmarks/sass_quant.py [--k 2048]`` prints one JSON row per op.
 """
 
@@ -34,10 +34,11 @@ OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ
     "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True, True),
     "fake_quant_rne+ste_mask(index path)": (0, 2, False, False, False, True, True, False),
 }
-DEQUANT_OPS = {  # op -> (ODT, BY_MAG): dequant_pair_kernel, NVFP4 with a per-row amax (G_ROW_GIVEN)
+DEQUANT_OPS = {  # op -> (ODT, BY_MAG[, MXFP4]): dequant_pair_kernel, NVFP4 with a per-row amax (G_ROW_GIVEN)
     "dequantize_nvfp4->bf16": (0, True),
     "dequantize_nvfp4->bf16(index path)": (0, False),
     "dequantize_nvfp4->fp32": (2, True),  # the index path (by constants: bf16 only)
+    "dequantize_mxfp4->bf16": (0, True, True),  # (no global amax)
 }
 _PTRS = ("xw_ptr", "x_ptr", "g_ptr", "s_in_ptr", "gc_ptr", "codes_ptr", "scales_ptr", "bits_ptr", "deq_ptr",
          "deq_e_ptr", "mask_ptr", "mask_e_ptr", "err_ptr")
@@ -52,28 +53,32 @@ def compile_pair(op: str, k: int, fn=None):
     const = dict(NUM_KT=num_kt, XDT=0, FMT=0, MODE=mode, G_MODE=g_mode, B=16, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
                  WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,
                  HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]), EVEN_K=True, OUT_ROWS=False)
-    return _compile(fn or qp.pair_kernel, const, _PTR_TYPES, cfg["num_warps"]), bm
+    cap = cfg.get("max_registers") if mode == int(qk.GUIDED_COMPACT) else None
+    return _compile(fn or qp.pair_kernel, const, _PTR_TYPES, cfg["num_warps"], cap), bm
 
 
 def compile_dequant(op: str, k: int):
     """``dequant_pair_kernel`` for an op of DEQUANT_OPS (codes [M, K / 2] -> words of two elements)."""
-    odt, by_mag = DEQUANT_OPS[op]
-    cfg = qk.CONFIG["dequant"]
-    bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
-    const = dict(NUM_KT=num_kt, ODT=odt, FMT=0, G_MODE=int(qk.G_ROW_GIVEN), B=16, BLOCK_M=bm, NBT=nbt,
-                 FAST_DIV=True, HW_CVT=True, BY_MAG=by_mag)
-    types = {"g_ptr": "*fp32", "outw_ptr": "*i64" if odt == 2 else "*i32", "flag_ptr": "*i32"}
-    return _compile(dq.dequant_pair_kernel, const, types, cfg["num_warps"]), bm
+    odt, by_mag, *mx = DEQUANT_OPS[op]
+    cfg = qk.CONFIG["dequant_mxfp4" if mx else "dequant"]
+    block = 32 if mx else 16
+    bm, nbt, num_kt = qk.plan(k, block, cfg["tile"])
+    const = dict(NUM_KT=num_kt, ODT=odt, FMT=int(bool(mx)), G_MODE=int(qk.G_NONE if mx else qk.G_ROW_GIVEN), B=block,
+                 BLOCK_M=bm, NBT=nbt, FAST_DIV=True, HW_CVT=True, BY_MAG=by_mag)
+    types = {"g_ptr": "*fp32", "outw_ptr": "*i64" if odt == 2 else "*i32", "out_ptr": "*fp32" if odt == 2 else "*bf16"}
+    return _compile(dq.dequant_pair_kernel, const, types, cfg["num_warps"], cfg.get("max_registers")), bm
 
 
-def _compile(fn, const, ptr_types, num_warps):
+def _compile(fn, const, ptr_types, num_warps, max_registers=None):
     """fn compiled for sm_90: constexprs const, pointers of ptr_types (else *u8) and ints 16-divisible but M."""
     const = {n: v for n, v in const.items() if n in fn.arg_names}
     sig, attrs = signature(fn, const, lambda name: ptr_types.get(name, "*u8") if name in _PTRS or name.endswith(
         "_ptr") else None, lambda name: name != "M")
     src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": num_warps, "enable_fp_fusion": False})
+    opts = {"num_warps": num_warps, "enable_fp_fusion": False}
+    if max_registers:
+        opts["maxnreg"] = max_registers
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=opts)
 
 
 def sass(cubin: bytes) -> list[str]:
@@ -100,7 +105,8 @@ def alu_count(lines: list[str]) -> int:
 
 def report(op: str, k: int) -> dict:
     kern, bm = compile_dequant(op, k) if op in DEQUANT_OPS else compile_pair(op, k)
-    nw = qk.CONFIG["dequant" if op in DEQUANT_OPS else "pair"]["num_warps"]
+    nw = qk.CONFIG[("dequant_mxfp4" if len(DEQUANT_OPS[op]) > 2 else "dequant") if op in DEQUANT_OPS else "pair"][
+        "num_warps"]
     regs, spills = ptxas_usage(kern.asm["ptx"])
     lines = sass(kern.asm["cubin"])
     per = 32 * nw / (bm * k)
