@@ -66,7 +66,8 @@ def compile_dequant(op: str, k: int):
     const = dict(NUM_KT=num_kt, ODT=odt, FMT=int(bool(mx)), G_MODE=int(qk.G_NONE if mx else qk.G_ROW_GIVEN), B=block,
                  BLOCK_M=bm, NBT=nbt, FAST_DIV=True, HW_CVT=True, BY_MAG=by_mag)
     types = {"g_ptr": "*fp32", "outw_ptr": "*i64" if odt == 2 else "*i32", "out_ptr": "*fp32" if odt == 2 else "*bf16"}
-    return _compile(dq.dequant_pair_kernel, const, types, cfg["num_warps"], cfg.get("max_registers")), bm
+    cap = cfg.get("max_registers") if odt == 0 else None  # (as ``dequant_triton.dequantize``: bf16 output only)
+    return _compile(dq.dequant_pair_kernel, const, types, cfg["num_warps"], cap), bm
 
 
 def _compile(fn, const, ptr_types, num_warps, max_registers=None):
@@ -105,8 +106,7 @@ def alu_count(lines: list[str]) -> int:
 
 def report(op: str, k: int) -> dict:
     kern, bm = compile_dequant(op, k) if op in DEQUANT_OPS else compile_pair(op, k)
-    nw = qk.CONFIG[("dequant_mxfp4" if len(DEQUANT_OPS[op]) > 2 else "dequant") if op in DEQUANT_OPS else "pair"][
-        "num_warps"]
+    nw = kern.metadata.num_warps
     regs, spills = ptxas_usage(kern.asm["ptx"])
     lines = sass(kern.asm["cubin"])
     per = 32 * nw / (bm * k)
