@@ -31,7 +31,7 @@ test: $(STAMP)
 	$(PY) -m pip install -q "$(TRITON_SPEC)"
 	TRITON_INTERPRET=1 TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/kernels
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/benchmarks/test_sass_kv_attention.py \
-		tests/benchmarks/test_sass_moe_gemm.py tests/benchmarks/test_sass_quant.py
+		tests/benchmarks/test_sass_moe_gemm.py tests/benchmarks/test_sass_quant.py tests/benchmarks/test_bench_quant.py
 	bash tests/sglang/setup_venv.sh $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 

@@ -3,12 +3,13 @@
 Prints one JSON line: the copy ceiling and, per op, the median time, the bytes it must move and
 that rate as a fraction of the copy bandwidth (METRICS.md protocol), and the same from the op captured in a
 CUDA graph (``graph_us``: device time alone, where launching costs more than the kernel). Usage:
-    python benchmarks/bench_quant.py [--rows 32768] [--k 2048] [--sweep]
+    python benchmarks/bench_quant.py [--rows 32768] [--k 2048] [--sweep] [--ops NAME,...] [--set ENTRY.KEY=INT]
 
 ``--sweep`` times the kernel ops over launch configs (``quant_triton.CONFIG``: elements per program tile and
 num_warps; ``--elem`` adds the element-wise kernels, ``PAIR_KERNEL`` off), one JSON line per (op, config), then
-the best config per op. Set the winners in ``quant_triton.CONFIG`` ("pair" for NVFP4 quantize ops, "pair_mxfp4",
-"dequant", "dequant_mxfp4").
+the best config per op. Set the winners in ``quant_triton.CONFIG`` ("pair" for NVFP4 quantize ops, "pair_guided"
+for NVFP4 guided compact, "pair_fake" for NVFP4 RNE fake-quant, "pair_mxfp4", "dequant", "dequant_mxfp4").
+``--set`` changes one CONFIG value (e.g. ``pair_guided.programs_per_sm=5``: a prefetching grid) for a plain run.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from megatron_trace.kernels.checks import FiniteCounter
 
 SWEEP = [dict(pair=True, tile=t, num_warps=nw) for t, nw in ((4096, 4), (4096, 8), (2048, 4), (2048, 2), (8192, 8),
                                                             (16384, 8))]
-"""Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair", "pair_mxfp4", "dequant" and
-"dequant_mxfp4")."""
+"""Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair", "pair_guided", "pair_fake",
+"pair_mxfp4", "dequant" and "dequant_mxfp4")."""
 ELEM_SWEEP = [dict(pair=False, tile=t, num_warps=nw) for t, nw in ((4096, 4), (8192, 8))]
 SWEEP_BUDGET_S = 110.0
 """The sweep stops starting new configs after this many seconds (each config recompiles every kernel)."""
@@ -115,20 +116,25 @@ def main(argv=None) -> dict:
                    help="NVFP4[,MXFP4]: register caps of the bf16 dequantize kernel (0: none; quant_triton.CONFIG "
                         "'dequant', 'dequant_mxfp4')")
     p.add_argument("--pair-max-registers", type=int, default=0,
-                   help="a register cap for guided compact rounding in the NVFP4 pair kernel (CONFIG['pair'])")
+                   help="a register cap for guided compact rounding in the NVFP4 pair kernel (CONFIG['pair_guided'])")
     p.add_argument("--ops", default="", help="comma-separated substrings of the op names to time (default: all)")
+    p.add_argument("--set", action="append", default=[], metavar="ENTRY.KEY=INT",
+                   help="a quant_triton.CONFIG value, e.g. pair_guided.programs_per_sm=6 (repeatable; 0 removes it)")
     args = p.parse_args(argv)
+    for item in args.set:
+        _set_config(item)
     if args.sweep:
         return sweep(args.rows, args.k, SWEEP + (ELEM_SWEEP if args.elem else []),
                      tuple(o for o in args.ops.split(",") if o))
     if args.tile:
-        for name in ("pair", "pair_mxfp4"):
+        for name in ("pair", "pair_guided", "pair_fake", "pair_mxfp4"):
             quant_triton.CONFIG[name] = {"tile": args.tile, "num_warps": args.warps or 4}
     for name, cap in zip(("dequant", "dequant_mxfp4"), args.dequant_max_registers.split(",")):
         if cap:
             quant_triton.CONFIG[name] = {**quant_triton.CONFIG[name], "max_registers": int(cap)}
     if args.pair_max_registers:
-        quant_triton.CONFIG["pair"] = {**quant_triton.CONFIG["pair"], "max_registers": args.pair_max_registers}
+        quant_triton.CONFIG["pair_guided"] = {**quant_triton.CONFIG["pair_guided"],
+                                              "max_registers": args.pair_max_registers}
     only = tuple(o for o in args.ops.split(",") if o)
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.k, device="cuda").to(torch.bfloat16)
@@ -148,12 +154,28 @@ def main(argv=None) -> dict:
         print(f"{name:45s} {ms * 1e3:9.1f} us  {rate / bw:5.2f} of copy; graph {row.get('graph_us')} us "
               f"{row.get('graph_frac_copy')} of copy", file=sys.stderr)
     res = {"bench": "quant", "shape": [args.rows, args.k], "dtype": "bf16", "copy_TBps": round(bw / 1e12, 3),
-           "pair_config": quant_triton.CONFIG["pair"], "pair_mxfp4_config": quant_triton.CONFIG["pair_mxfp4"],
+           "pair_config": quant_triton.CONFIG["pair"], "pair_guided_config": quant_triton.CONFIG["pair_guided"],
+           "pair_fake_config": quant_triton.CONFIG["pair_fake"],
+           "pair_mxfp4_config": quant_triton.CONFIG["pair_mxfp4"],
            "dequant_config": quant_triton.CONFIG["dequant"],
            "dequant_mxfp4_config": quant_triton.CONFIG["dequant_mxfp4"],
            "machine": machine(), "results": rows}
     print(json.dumps(res))
     return res
+
+
+def _set_config(item: str) -> None:
+    """``--set ENTRY.KEY=INT``: quant_triton.CONFIG[ENTRY][KEY] = INT (0 removes KEY)."""
+    try:
+        path, value = item.split("=")
+        entry, key = path.split(".")
+        v = int(value)
+    except ValueError:
+        raise SystemExit(f"--set takes ENTRY.KEY=INT, got {item!r}") from None
+    if entry not in quant_triton.CONFIG:
+        raise SystemExit(f"--set {item!r}: no CONFIG entry {entry!r}, expected one of {sorted(quant_triton.CONFIG)}")
+    cfg = {k: x for k, x in quant_triton.CONFIG[entry].items() if k != key}
+    quant_triton.CONFIG[entry] = {**cfg, key: v} if v else cfg
 
 
 def sweep(rows: int, k: int, configs, ops_filter=()) -> dict:
@@ -172,7 +194,8 @@ def sweep(rows: int, k: int, configs, ops_filter=()) -> dict:
                 print(json.dumps({"config": cfg, "skipped": "sweep time budget spent"}))
                 continue
             quant_triton.PAIR_KERNEL = cfg["pair"]
-            for name in ("pair", "pair_mxfp4", "dequant", "dequant_mxfp4") if cfg["pair"] else ("elem",):
+            names = ("pair", "pair_guided", "pair_fake", "pair_mxfp4", "dequant", "dequant_mxfp4")
+            for name in names if cfg["pair"] else ("elem",):
                 quant_triton.CONFIG[name] = {"tile": cfg["tile"], "num_warps": cfg["num_warps"]}
             try:
                 ops = cases(x, rows, k)

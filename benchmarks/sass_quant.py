@@ -2,8 +2,8 @@
 
 For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact + dequant, RNE
 fake-quant + STE mask; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax; MXFP4 to bf16) at the
-launch configs of ``quant_triton.CONFIG["pair"]``, ``["dequant"]`` and ``["dequant_mxfp4"]`` (with their
-"max_registers"): ``ptxas -v`` gives registers per thread and spill bytes,
+launch configs of ``quant_triton.CONFIG`` (``quant_pair_triton.config_name``; "dequant", "dequant_mxfp4"), with
+their "max_registers" and "programs_per_sm": ``ptxas -v`` gives registers per thread and spill bytes,
 ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static count,
 not the instructions one program runs); per element = that times 32 * num_warps / (BLOCK_M * K).
 ``python benchmarks/sass_quant.py [--k 2048]`` prints one JSON row per op.
@@ -48,13 +48,13 @@ _PTR_TYPES = {"xw_ptr": "*i32", "x_ptr": "*bf16", "g_ptr": "*fp32", "deq_ptr": "
 
 def compile_pair(op: str, k: int, fn=None):
     mode, g_mode, wc, ws, wb, wd, wm, *by_mag = OPS[op]
-    cfg = qk.CONFIG["pair"]
+    cfg = qk.CONFIG[qp.config_name(0, mode, wd)]
     bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
     const = dict(NUM_KT=num_kt, XDT=0, FMT=0, MODE=mode, G_MODE=g_mode, B=16, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
                  WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,
-                 HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]), EVEN_K=True, OUT_ROWS=False)
-    cap = cfg.get("max_registers") if mode == int(qk.GUIDED_COMPACT) else None
-    return _compile(fn or qp.pair_kernel, const, _PTR_TYPES, cfg["num_warps"], cap), bm
+                 HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]), EVEN_K=True, OUT_ROWS=False,
+                 PREFETCH=bool(cfg.get("programs_per_sm")) and num_kt == 1)
+    return _compile(fn or qp.pair_kernel, const, _PTR_TYPES, cfg["num_warps"], cfg.get("max_registers")), bm
 
 
 def compile_dequant(op: str, k: int):

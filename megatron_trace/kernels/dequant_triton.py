@@ -81,7 +81,7 @@ def dequant_pair_kernel(
         s_b = f.nvfp4_encode_scale(tl.load(g_ptr + rows, mask=rmask, other=1.0))[:, None]
     else:
         s_b = tl.full([BLOCK_M, 1], 1.0, tl.float32)
-    slow = qp._needs_exact(tl.zeros([BLOCK_M, NBT], tl.float32), s_b, G_MODE, 1, True)
+    slow = qp._needs_exact(tl.zeros([BLOCK_M, NBT], tl.float32), s_b, G_MODE, 1, True, False)
     NW = NB * P
     if slow == 0:
         for kt in range(NUM_KT):

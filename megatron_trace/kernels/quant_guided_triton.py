@@ -122,22 +122,38 @@ def _block_consts(sf, s3, FAST_DIV: tl.constexpr, BF16: tl.constexpr):
 
 
 @triton.jit
-def guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, deq_ptr, mask_ptr, s_in_ptr,
-                        XDT: tl.constexpr, P: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
-                        WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
-                        HW: tl.constexpr):
-    """``quant_pair_triton._pair_tile`` for GUIDED_COMPACT NVFP4 with bf16 or fp32 x (see the module docstring)."""
-    lo, hi = f.unpair(w, XDT)
+def guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT: tl.constexpr, HW: tl.constexpr):
+    """The record's block scale bytes and 16 mantissa bits per block of blocks [kt*NBT, (kt+1)*NBT), as int32
+    [BM, NBT] each (0 out of bounds): ``guided_compact_tile``'s inputs, loaded apart so that a caller can issue
+    them ahead (``quant_pair_triton``'s prefetching loop). On the GPU ``triton_fp4.load_nc`` lays them out as
+    their users are: no shared-memory exchange."""
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
     bm2 = rmask[:, None] & (blk < NB)
     sidx = rows[:, None] * NB + blk
-    if HW:  # per-block loads in the layout of their use (no shared-memory exchange); the GPU's E4M3 conversion
-        sf = f.load_nc(s_in_ptr + sidx, bm2, 8).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        g16 = f.load_nc(gc_ptr + sidx * 2, bm2, 16)[:, :, None]  # the block's 16 bits
+    if HW:
+        sfb = f.load_nc(s_in_ptr + sidx, bm2, 8)
+        g16 = f.load_nc(gc_ptr + sidx * 2, bm2, 16)
     else:
-        sf = f.e4m3_value(tl.load(s_in_ptr + sidx, mask=bm2, other=0))  # [BM, NBT]
+        sfb = tl.load(s_in_ptr + sidx, mask=bm2, other=0).to(tl.int32)
         g16 = (tl.load(gc_ptr + sidx * 2, mask=bm2, other=0).to(tl.int32)
-               | (tl.load(gc_ptr + sidx * 2 + 1, mask=bm2, other=0).to(tl.int32) << 8))[:, :, None]
+               | (tl.load(gc_ptr + sidx * 2 + 1, mask=bm2, other=0).to(tl.int32) << 8))
+    return sfb, g16
+
+
+@triton.jit
+def guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_ptr, deq_ptr, mask_ptr,
+                        XDT: tl.constexpr, P: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
+                        WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
+                        HW: tl.constexpr):
+    """``quant_pair_triton._pair_tile`` for GUIDED_COMPACT NVFP4 with bf16 or fp32 x (see the module docstring);
+    sfb, g16: ``guided_loads`` of the same blocks."""
+    lo, hi = f.unpair(w, XDT)
+    blk = kt * NBT + tl.arange(0, NBT)[None, :]
+    if HW:  # the GPU's E4M3 conversion
+        sf = sfb.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        sf = f.e4m3_value(sfb)  # [BM, NBT]
+    g16 = g16[:, :, None]
     ok = sf > 0.0
     den = tl.where(ok, sf, 1.0)
     den3 = den[:, :, None]

@@ -21,7 +21,7 @@ from . import quant_guided_triton as qg
 from . import quant_rne_triton as qr
 from . import quant_triton as qk
 from . import triton_fp4 as f
-from .quant_triton import G_NONE, G_ROW_COMPUTE, G_SCALAR, GUIDED_COMPACT, RNE, _block_scales
+from .quant_triton import G_NONE, G_ROW_COMPUTE, G_ROW_GIVEN, G_SCALAR, GUIDED_COMPACT, RNE, _block_scales
 
 
 @triton.jit
@@ -114,9 +114,13 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, gc_ptr, cod
 
 
 @triton.jit
-def _needs_exact(lo_hi_amax, s_b, G_MODE: tl.constexpr, MODE: tl.constexpr, WRITE_DEQ: tl.constexpr):
-    """1 when the tile may leave the range where the reciprocal division is exact (``quant_kernel`` redoes it)."""
-    bad = tl.max(tl.max((lo_hi_amax == float("inf")).to(tl.int32), axis=1), axis=0) if MODE == RNE else 0
+def _needs_exact(lo_hi_amax, s_b, G_MODE: tl.constexpr, MODE: tl.constexpr, WRITE_DEQ: tl.constexpr,
+                 HW: tl.constexpr):
+    """1 when the tile may leave the range where the reciprocal division is exact (``quant_kernel`` redoes it).
+    On the GPU a row amax computed here is +Inf wherever a block amax is (its max ignores NaN, unlike the
+    interpreter's), so S_enc = 0 flags the tile: no reduction of the block amaxes across the program."""
+    INF_CHECK: tl.constexpr = MODE == RNE and not (HW and G_MODE == G_ROW_COMPUTE)
+    bad = tl.max(tl.max((lo_hi_amax == float("inf")).to(tl.int32), axis=1), axis=0) if INF_CHECK else 0
     if G_MODE != G_NONE:
         sb = s_b.to(tl.int32, bitcast=True)
         r = (sb < 0x0D000000) | (sb >= 0x72000000)  # S_enc outside [2^-101, 2^101]
@@ -136,7 +140,7 @@ def pair_kernel(
     WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr,
     HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, EVEN_K: tl.constexpr, out_step=1, OUT_ROWS: tl.constexpr = False,
-    row_ptr=None, ROW_AT: tl.constexpr = False,
+    row_ptr=None, ROW_AT: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """``quant_kernel`` for K % B == 0 on x read as words of two elements (deq/mask as words too).
 
@@ -144,11 +148,14 @@ def pair_kernel(
     row's NB blocks are NUM_KT whole tiles, so NB is a constant and the tiles need no column masks. OUT_ROWS (RNE
     only): codes, scales and a computed per-row amax of row r are written at row r * out_step of their buffers,
     plus ``row_ptr[0]`` with ROW_AT (a device row: a static KV cache's decode position, read at run time).
+    PREFETCH (NUM_KT == 1, not OUT_ROWS): a grid smaller than the row groups; program p rounds groups p, p + grid, ...
+    and issues each next group's loads (x's words, the record's scales and bits, a given row amax) before it rounds
+    the current one, so that loads stay in flight while it computes (``quant_triton.CONFIG``'s "programs_per_sm").
     """
     if EVEN_K:
         NB = NUM_KT * NBT
     P: tl.constexpr = B // 2
-    WHOLE: tl.constexpr = BY_MAG and MODE == GUIDED_COMPACT  # the guided tile by magnitudes: whole blocks
+    GUIDED_LOADS: tl.constexpr = BY_MAG and MODE == GUIDED_COMPACT  # the guided tile by magnitudes: whole blocks
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -159,12 +166,37 @@ def pair_kernel(
     else:
         orows = rows
     NW = NB * P
-    if NUM_KT == 1:  # the whole row group in one tile: x is read once
-        w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P, WHOLE)
+    if NUM_KT == 1 and PREFETCH:  # row groups pid, pid + grid, ...: each issues the next group's loads first
+        w, wcol, m3, sfb, g16, g1 = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows, rmask, stride_w, NB, NW, NBT,
+                                                 P, G_MODE, GUIDED_LOADS, HW_CVT)
+        nprog = tl.num_programs(0)
+        grp = pid
+        while grp < tl.cdiv(M, BLOCK_M):  # (a while loop: the interpreter's range() takes no program id)
+            rows_n = (grp + nprog).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            w_n, _, _, sfb_n, g16_n, g1_n = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows_n, rows_n < M,
+                                                         stride_w, NB, NW, NBT, P, G_MODE, GUIDED_LOADS, HW_CVT)
+            rows = grp.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+            rmask = rows < M
+            m3 = rmask[:, None, None] & (wcol < NW)
+            lo, hi = f.unpair(w, XDT)
+            amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, NBT]
+            if G_MODE == G_ROW_GIVEN:
+                s_b = f.nvfp4_encode_scale(g1)[:, None]
+            else:
+                s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rows, rmask, stride_w, NW, XDT, G_MODE, 1, NBT, P)
+            _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, rows, rmask, stride_w, NB, s_b, sfb, g16, s_in_ptr,
+                       gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT,
+                       FMT, MODE, G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
+                       CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG, False)
+            w, sfb, g16, g1 = w_n, sfb_n, g16_n, g1_n
+            grp += nprog
+    elif NUM_KT == 1:  # the whole row group in one tile: x is read once
+        w, wcol, m3, sfb, g16, _ = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows, rmask, stride_w, NB, NW, NBT, P,
+                                                G_NONE, GUIDED_LOADS, HW_CVT)
         lo, hi = f.unpair(w, XDT)
         amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, NBT]
         s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW, XDT, G_MODE, NUM_KT, NBT, P)
-        _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, orows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr,
+        _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, orows, rmask, stride_w, NB, s_b, sfb, g16, s_in_ptr, gc_ptr,
                    codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE,
                    G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE,
                    FAST_DIV, HW_CVT, BY_MAG, OUT_ROWS)
@@ -172,13 +204,39 @@ def pair_kernel(
         s_b = _pair_s_enc(tl.zeros([BLOCK_M, NBT], tl.float32), xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW,
                           XDT, G_MODE, NUM_KT, NBT, P)
         for kt in range(NUM_KT):
-            w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, WHOLE)
+            w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, GUIDED_LOADS)
+            sfb, g16 = _guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT, GUIDED_LOADS, HW_CVT)
             lo, hi = f.unpair(w, XDT)
             amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
-            _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr,
-                       codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT,
+            _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB, s_b, sfb, g16, s_in_ptr,
+                       gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT,
                        FMT, MODE, G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
                        CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG, OUT_ROWS)
+
+
+@triton.jit
+def _guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT: tl.constexpr, GUIDED_LOADS: tl.constexpr,
+                  HW: tl.constexpr):
+    """``quant_guided_triton.guided_loads`` where the guided tile by magnitudes runs, else zeros (unused)."""
+    if GUIDED_LOADS:
+        return qg.guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT, HW)
+    else:
+        z = tl.zeros([rows.shape[0], NBT], tl.int32)
+        return z, z
+
+
+@triton.jit
+def _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows, rmask, stride_w, NB, NW, NBT: tl.constexpr, P: tl.constexpr,
+                 G_MODE: tl.constexpr, GUIDED_LOADS: tl.constexpr, HW: tl.constexpr):
+    """A one-tile row group's loads: x's words, their columns and mask, the record's (``_guided_loads``) and, for
+    G_ROW_GIVEN, the rows' amax (else zeros)."""
+    w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P, GUIDED_LOADS)
+    sfb, g16 = _guided_loads(rows, rmask, 0, NB, gc_ptr, s_in_ptr, NBT, GUIDED_LOADS, HW)
+    if G_MODE == G_ROW_GIVEN:
+        g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)
+    else:
+        g1 = tl.zeros([rows.shape[0]], tl.float32)
+    return w, wcol, m3, sfb, g16, g1
 
 
 @triton.jit
@@ -209,22 +267,23 @@ def _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW, XDT: tl
 
 
 @triton.jit
-def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB, s_b, s_in_ptr, gc_ptr, codes_ptr,
-               scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT: tl.constexpr,
+def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB, s_b, sfb, g16, s_in_ptr, gc_ptr,
+               codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT: tl.constexpr,
                FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr, NBT: tl.constexpr,
                WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
                WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr,
                FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, OUT_ROWS: tl.constexpr):
-    """One K tile: the NaN/Inf check if asked, then ``_pair_tile``; a tile that may leave the range where the
-    fast division is exact, or holds a checked NaN/Inf, takes the element-wise exact path instead (which passes
-    a checked NaN/Inf through to the dequantized output). Codes and scales go to rows ``orows``."""
+    """One K tile: the NaN/Inf check if asked, then ``_pair_tile`` (sfb, g16: the record's ``guided_loads`` for the
+    guided tile by magnitudes, else unused); a tile that may leave the range where the fast division is exact, or
+    holds a checked NaN/Inf, takes the element-wise exact path instead (which passes a checked NaN/Inf through to
+    the dequantized output). Codes and scales go to rows ``orows``."""
     if CHECK_FINITE:
         lo, hi = f.unpair(w, XDT)
         ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
         bad = tl.max(tl.max(tl.max(ab, axis=2), axis=1), axis=0) >= 0x7F800000  # an Inf or NaN in the tile
         if bad:
             tl.atomic_add(err_ptr, 1)
-    slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ)
+    slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ, HW_CVT)
     if CHECK_FINITE:
         slow += bad.to(tl.int32)
     if MODE != RNE and FMT == f.NVFP4 and FAST_DIV and not BY_MAG:  # guided: z == 0 must be exact for tiny z
@@ -236,10 +295,10 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
         if BY_MAG and MODE == RNE:  # RNE / guided compact NVFP4 by magnitudes; fp16 keeps the index path
             qr.rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
                         mask_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
-                        FAST_DIV)
+                        FAST_DIV, HW_CVT)
         elif BY_MAG:
-            qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, gc_ptr, codes_ptr, deq_ptr, mask_ptr,
-                                   s_in_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
+            qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_ptr, deq_ptr, mask_ptr, XDT,
+                                   B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
         else:
             _pair_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
                        deq_ptr, mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES,
@@ -283,9 +342,14 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
     xw = x2d.view(wdt)
     deq = out.get("deq")
     mask = out.get("mask")
-    cfg = qk.CONFIG["pair" if int(fmt) == 0 else "pair_mxfp4"]
+    cfg = qk.CONFIG[config_name(fmt, mode, deq is not None)]
     bm, nbt, num_kt = qk.plan(k, block, cfg["tile"])
-    pair_kernel[(triton.cdiv(m, bm),)](
+    grid = triton.cdiv(m, bm)
+    per_sm = cfg.get("programs_per_sm")
+    prefetch = bool(per_sm) and num_kt == 1 and out_step is None
+    if prefetch:
+        grid = min(grid, per_sm * qk.multiprocessors(x2d))
+    pair_kernel[(grid,)](
         xw, x2d, m, xw.stride(0), nb, num_kt,
         g if g is not None else spare, scales_in if scales_in is not None else spare,
         guide if guide is not None else spare,
@@ -299,9 +363,19 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
         BY_MAG=_by_magnitude(mode, fmt, xdt, write_bits), EVEN_K=nb == nbt * num_kt,
         out_step=1 if out_step is None else out_step, OUT_ROWS=out_step is not None,
         row_ptr=out_row if out_row is not None else spare, ROW_AT=out_row is not None,
-        num_warps=cfg["num_warps"], enable_fp_fusion=False,
-        **(qk.register_cap(cfg, x2d) if int(mode) == int(GUIDED_COMPACT) else {}),
+        PREFETCH=prefetch, num_warps=cfg["num_warps"], enable_fp_fusion=False, **qk.register_cap(cfg, x2d),
     )
+
+
+def config_name(fmt, mode, deq: bool) -> str:
+    """``quant_triton.CONFIG``'s entry for ``pair_kernel``: "pair_mxfp4", "pair_guided" (NVFP4 guided compact
+    rounding: TRACE's fake-quant forward), "pair_fake" (NVFP4 RNE with a dequantized output: plain QAT's) or
+    "pair" (the other NVFP4 calls: quantize, record, the FP4 KV cache's writes)."""
+    if int(fmt) != 0:
+        return "pair_mxfp4"
+    if int(mode) == int(GUIDED_COMPACT):
+        return "pair_guided"
+    return "pair_fake" if deq and int(mode) == int(RNE) else "pair"
 
 
 def _by_magnitude(mode, fmt, xdt, write_bits) -> bool:

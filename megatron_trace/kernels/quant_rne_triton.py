@@ -100,16 +100,20 @@ def _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT:
 def rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr, mask_ptr,
              XDT: tl.constexpr, P: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
              WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr,
-             FAST_DIV: tl.constexpr):
+             FAST_DIV: tl.constexpr, HW: tl.constexpr):
     """``quant_pair_triton._pair_tile`` for RNE NVFP4 with bf16 or fp32 x (see the module docstring); codes and
-    scales go to rows ``orows``, the other outputs to ``rows``."""
+    scales go to rows ``orows``, the other outputs to ``rows``. HW: the block scales by the GPU's conversions
+    (``triton_fp4.nvfp4_block_scale_hw``) and reciprocal."""
     lo, hi = f.unpair(w, XDT)
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
     bmask = blk < NB
-    sf, byte = f.nvfp4_block_scale(amax_b, s_b)  # [BM, NBT]
+    if HW and FAST_DIV:
+        sf, byte = f.nvfp4_block_scale_hw(amax_b, s_b)  # [BM, NBT]
+    else:
+        sf, byte = f.nvfp4_block_scale(amax_b, s_b)
     ok = sf > 0.0
     den = tl.where(ok, sf, 1.0)
-    rb3 = tl.where(ok, tl.div_rn(tl.full(sf.shape, 1.0, tl.float32), den), 0.0)[:, :, None]
+    rb3 = tl.where(ok, f.recip_rn(den, HW), 0.0)[:, :, None]
     s3 = s_b[:, :, None]
     t_lo, p_lo, in_lo = _half(lo, s3, den[:, :, None], rb3, FAST_DIV)
     t_hi, p_hi, in_hi = _half(hi, s3, den[:, :, None], rb3, FAST_DIV)

@@ -15,6 +15,8 @@ program.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -283,14 +285,20 @@ ABSMAX_BLOCK = 8192
 FAST_DIV = True
 """Divide by the per-block scale with a reciprocal + one Markstein step (IEEE division only on rare tiles)."""
 
-CONFIG = {"pair": {"tile": 2048, "num_warps": 4}, "pair_mxfp4": {"tile": 4096, "num_warps": 4},
+CONFIG = {"pair": {"tile": 2048, "num_warps": 4}, "pair_guided": {"tile": 2048, "num_warps": 4, "programs_per_sm": 8},
+          "pair_fake": {"tile": 2048, "num_warps": 2}, "pair_mxfp4": {"tile": 4096, "num_warps": 4},
           "elem": {"tile": TILE, "num_warps": 4}, "dequant": {"tile": 16384, "num_warps": 8},
           "dequant_mxfp4": {"tile": 16384, "num_warps": 8}}
-"""Launch configs (elements per program tile, warps) of ``pair_kernel`` (NVFP4; MXFP4), ``quant_kernel`` and
-``dequant_pair_kernel`` (NVFP4; MXFP4; a bf16 output); each may name a register cap, "max_registers" (GPU only,
-``register_cap``; the pair configs' cap holds for guided compact rounding alone; none is set: session 16 measured
-no gain, BENCHMARKS.md). ``benchmarks/bench_quant.py --sweep`` times the alternatives (session 10: 2048 elements is
-9% faster than 4096 for guided compact + dequant, 10% slower for MXFP4 quantize)."""
+"""Launch configs (elements per program tile, warps) of ``pair_kernel`` (NVFP4; NVFP4 guided compact rounding;
+NVFP4 RNE fake-quant; MXFP4: ``quant_pair_triton.config_name``), ``quant_kernel`` and ``dequant_pair_kernel``
+(NVFP4; MXFP4; a bf16 output). Optional keys (GPU only): "max_registers", a register cap (``register_cap``;
+session 16 measured no gain for guided compact or dequantize, BENCHMARKS.md); "programs_per_sm" (``pair_kernel``
+with one tile per row group): that many programs per multiprocessor at most, each looping over row groups and
+issuing the next group's loads before rounding the current one (``PREFETCH``). Session 17 measured the choices
+(BENCHMARKS.md): the prefetching grid takes guided compact + dequant from 92.3 to 87.4-88.3 us and makes RNE
+quantize and fake-quant slower; 2 warps take RNE fake-quant from 89.6 to 83.9 us and leave quantize + record as
+it is. ``benchmarks/bench_quant.py --sweep`` times the alternatives (session 10: 2048 elements is 9% faster than
+4096 for guided compact + dequant, 10% slower for MXFP4 quantize)."""
 
 PAIR_KERNEL = True
 """Use ``pair_kernel`` / ``dequant_pair_kernel`` where they apply (K % block == 0, aligned rows).
@@ -451,6 +459,19 @@ def register_cap(cfg: dict, t: torch.Tensor) -> dict:
     option of the GPU build; the interpreter has none)."""
     cap = cfg.get("max_registers")
     return {"maxnreg": cap} if cap and not interpreting(t) else {}
+
+
+def multiprocessors(t: torch.Tensor) -> int:
+    """Streaming multiprocessors of ``t``'s GPU; 1 in the interpreter (a prefetching grid then loops over row
+    groups in few programs, which the tests exercise)."""
+    if interpreting(t):
+        return 1
+    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def interpreting(t: torch.Tensor) -> bool:

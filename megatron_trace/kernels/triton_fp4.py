@@ -157,6 +157,21 @@ def nvfp4_block_scale(amax_b, s_enc):
 
 
 @triton.jit
+def nvfp4_block_scale_hw(amax_b, s_enc):
+    """``nvfp4_block_scale`` on the GPU, in fewer instructions (same results, bit for bit):
+    v = RN(RN(s_enc * amax_b) / 6) by a Markstein step with RN(1/6) instead of an IEEE division (exact where v is
+    normal; a smaller v rounds to E4M3 zero either way), the dividend clamped at 2688 first (above it v > 448,
+    which the clamp makes 448 anyway; NaN kept), then the GPU's RNE conversion to E4M3 and back (NaN: the
+    reference's byte 0xFF, not the conversion's 0x7F)."""
+    y = s_enc * amax_b
+    y = tl.where(y > 2688.0, 2688.0, y)
+    v = markstein(y, -6.0, 0.1666666716337204)  # RN(1/6)
+    e4 = v.to(tl.float8e4nv)
+    nan = v != v
+    return tl.where(nan, v, e4.to(tl.float32)), tl.where(nan, 0xFF, e4.to(tl.uint8, bitcast=True)).to(tl.uint8)
+
+
+@triton.jit
 def mx_exponent(amax_b, FMT: tl.constexpr):
     """``MXFP4Format.block_scales`` exponent (int32, [-127, 127]) of the block amax, floor or ceil rule."""
     if FMT == MXFP4_FLOOR:

@@ -52,3 +52,28 @@ def test_dequantize_builds_use_the_block_table_and_do_not_spill(bench_module, op
     assert 0 < 2 * cvt <= words_per_thread
     assert muls >= 3 * cvt
     assert sass.ptxas_usage(kern.asm["ptx"])[1] == 0
+
+
+def test_guided_build_prefetches_the_next_row_group(bench_module):
+    """Guided compact + dequant runs in a prefetching grid by default (``quant_triton.CONFIG["pair_guided"]``): the
+    sm_90 build loads the next row group's x words (two 16-byte loads per thread) before it stores the current
+    group's output, and the loop's extra live values fit without spilling."""
+    sass = bench_module("sass_quant")
+    kern, _ = sass.compile_pair(OP, 2048)
+    lines = sass.sass(kern.asm["cubin"])
+    first_store = next(i for i, ln in enumerate(lines) if "STG.E.128" in ln)
+    assert sum("LDG.E.128" in ln for ln in lines[:first_store]) >= 4  # this group's and the next group's words
+    assert sass.ptxas_usage(kern.asm["ptx"])[1] == 0
+
+
+def test_record_build_converts_block_scales_in_hardware(bench_module):
+    """Quantize + record on sm_90 makes its E4M3 block scale with the GPU's conversion (one per block a thread
+    holds), not by bit arithmetic, and divides by 6 without an IEEE division (one FCHK left: S_enc = 2688 / amax,
+    per row)."""
+    sass = bench_module("sass_quant")
+    kern, block_m = sass.compile_pair("quantize_nvfp4_row+record", 2048)
+    lines = sass.sass(kern.asm["cubin"])
+    blocks_per_thread = block_m * 2048 // 16 // (32 * kern.metadata.num_warps)
+    assert sum("F2FP.SATFINITE.E4M3" in ln for ln in lines) == blocks_per_thread
+    fast = lines[: next(i for i, ln in enumerate(lines) if "EXIT" in ln)]  # up to the fast path's end
+    assert sum("FCHK" in ln for ln in fast) == 1

@@ -26,15 +26,21 @@ def _ieee_division_in_interpreter(monkeypatch):
         monkeypatch.setattr(quant_triton, "FAST_DIV", False)
 
 
-@pytest.fixture(autouse=True, params=["pair", "elem", "pair-tile32"])
+@pytest.fixture(autouse=True, params=["pair", "elem", "pair-tile32", "pair-prefetch"])
 def kernel_variant(request, monkeypatch):
-    """Every case runs on the word-pair kernel, the element kernel, and with 32-element tiles (loops over K)."""
+    """Every case runs on the word-pair kernel, the element kernel, with 32-element tiles (loops over K), and
+    with 64-element tiles in a prefetching grid of 2 programs per multiprocessor (the interpreter counts one): a
+    program loops over several row groups, loading the next while it rounds the current."""
     if DEVICE is None:
         return request.param
     monkeypatch.setattr(quant_triton, "PAIR_KERNEL", request.param != "elem")
     if request.param.endswith("tile32"):
         monkeypatch.setattr(quant_triton, "CONFIG", {name: {"tile": 32, "num_warps": 4}
                                                      for name in quant_triton.CONFIG})
+    if request.param.endswith("prefetch"):
+        monkeypatch.setattr(quant_triton, "CONFIG", {
+            name: {"tile": 64, "num_warps": 4, **({"programs_per_sm": 2} if name.startswith("pair") else {})}
+            for name in quant_triton.CONFIG})
     return request.param
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -371,3 +377,37 @@ def test_dequantize_by_block_consts_every_code_and_scale(out, amax, nan_scale, m
         got.append(dequant_triton.dequantize(dev, out))
         assert same_bits(got[-1], ref), by_consts
     assert same_bits(got[0], got[1])
+
+
+def _block_scale_rows(g_scale: float) -> torch.Tensor:
+    """fp32 rows [9, 1024] of 64 blocks: block 0 holds the row amax g = 2688 * g_scale, every other block's amax
+    a = 6 v / g_scale for v on each E4M3 value, each midpoint between neighbours (ties) and one fp32 ulp either
+    side of it, and past 448: the block scales' rounding and clamp at every boundary (for g_scale = 1, S_enc = 1
+    and v = a / 6 exactly)."""
+    e4 = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    vals = torch.unique(e4[torch.isfinite(e4) & (e4 >= 0)])  # 0, 2**-9 ... 448
+    mids = (vals[1:] + vals[:-1]) / 2
+    v = torch.cat([vals, mids, torch.nextafter(mids, torch.zeros(())), torch.nextafter(mids, torch.full((), 1e9)),
+                   torch.tensor([449.0, 464.0, 500.0])])
+    a = v * 6 / g_scale
+    per_row = 63
+    rows = -(-a.numel() // per_row)
+    a = torch.cat([a, a[: rows * per_row - a.numel()]]).reshape(rows, per_row)
+    gen = torch.Generator().manual_seed(11)
+    sign = torch.where(torch.rand(rows, per_row, 15, generator=gen) < 0.5, -1.0, 1.0)
+    frac = torch.rand(rows, per_row, 15, generator=gen) * sign
+    blocks = torch.cat([a[..., None], a[..., None] * frac], dim=2)  # amax first, the rest below it, mixed signs
+    head = torch.full((rows, 1, 16), 2688.0 * g_scale)
+    return torch.cat([head, blocks], dim=1).reshape(rows, 1024)
+
+
+@pytest.mark.parametrize("g_scale", [1.0, 3.0, 1 / 448], ids=["S_enc=1", "S_enc=1/3", "S_enc=448"])
+def test_block_scales_at_every_e4m3_rounding_boundary(g_scale):
+    """Per-row NVFP4 block scales (on the GPU by ``triton_fp4.nvfp4_block_scale_hw``: a Markstein division by 6
+    and the hardware E4M3 conversion) against the reference on every E4M3 value, tie and neighbour, bit for bit."""
+    q = Quantizer("nvfp4", per_row=True)
+    x = _block_scale_rows(g_scale)
+    ref = q.quantize(x)
+    t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
+    assert_same_fp4(t, ref)
+    assert_same_fp4(rec, ref.guidance(compact=True))
