@@ -69,3 +69,14 @@ def select_kernel(kernel: str | Kernel, device: torch.device | str, *, unsupport
         raise err(f"kernel='triton' cannot run: {reason}")
     logger.debug("kernel='auto' uses the reference: %s", reason)
     return Kernel.REFERENCE
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of the CUDA ``device`` (an index-less device: the current one), cached."""
+    device = torch.device(device)
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count

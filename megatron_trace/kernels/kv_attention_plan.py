@@ -9,6 +9,8 @@ import functools
 import torch
 import triton
 
+from .dispatch import sm_count
+
 MASK_AS_WORDS = True
 """``kv_mask`` is read as int32 words of 4 tokens: a 4-byte load that cp.async copies ahead of the tile loop (a
 byte per token could not be; the rollout's decode passes the mask on every call). False: bytes (for A/B)."""
@@ -59,7 +61,7 @@ def scale_word(asm: bool, fmt: str, d: int, block: int, *scales: torch.Tensor) -
 
 
 def sm_count_of(q: torch.Tensor) -> int:
-    return _sm_count(q.device.index if q.device.index is not None else torch.cuda.current_device()) if q.is_cuda else 4
+    return sm_count(q.device) if q.is_cuda else 4
 
 
 def exact_splits(q: torch.Tensor, bsz: int, hkv: int, t_len: int, block_t: int) -> int:
@@ -109,8 +111,3 @@ def mask_arg(kv_mask: torch.Tensor, t_len: int, device) -> tuple[torch.Tensor, b
     w = torch.empty(m.shape[0], t4, dtype=torch.uint8, device=device)  # (bytes past T: never attended, see above)
     w[:, :t_len] = m[:, :t_len]
     return w.view(torch.int32), True
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count

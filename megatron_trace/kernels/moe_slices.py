@@ -16,11 +16,11 @@ bits are the same.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from .dispatch import sm_count
 
 MAX_K_SLICES = 8
 """At most this many slices, each at least ``MIN_TILES_PER_SLICE`` K tiles (the cp.async pipeline needs a few)."""
@@ -55,11 +55,6 @@ def sum_slices(ws: torch.Tensor, y: torch.Tensor, offs: torch.Tensor) -> torch.T
     s, t, n = ws.shape
     slice_sum_kernel[(triton.cdiv(t * n, SUM_BLOCK),)](ws, y, offs, t * n, n, offs.numel(), S=s, BLOCK=SUM_BLOCK)
     return y
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def expected_active(rows: int, experts: int) -> float:
@@ -97,11 +92,7 @@ def compact_programs(experts: int, items_per_expert: int, device: torch.device) 
     (expert, column tile, slice) item; 0 (the full grid) off CUDA. ``few_active`` says where it pays."""
     if device.type != "cuda":
         return 0
-    return min(experts * items_per_expert, PROGRAMS_PER_SM * _sm_count(_index(device)))
-
-
-def _index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
+    return min(experts * items_per_expert, PROGRAMS_PER_SM * sm_count(device))
 
 
 def default_k_slices(rows: int, experts: int, n_tiles: int, k_tiles: int, device: torch.device, compact: bool) -> int:
@@ -110,5 +101,5 @@ def default_k_slices(rows: int, experts: int, n_tiles: int, k_tiles: int, device
     CUDA. Host values only: no sync."""
     if device.type != "cuda":
         return 1
-    return pick_k_slices(expected_active(rows, experts) * n_tiles, k_tiles, _sm_count(_index(device)),
+    return pick_k_slices(expected_active(rows, experts) * n_tiles, k_tiles, sm_count(device),
                          MIN_TILES_PER_SLICE if compact else MIN_TILES_PER_SLICE_FULL)

@@ -15,13 +15,12 @@ program.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from . import triton_fp4 as f
+from .dispatch import sm_count
 
 # Global amax modes.
 G_NONE = tl.constexpr(0)  # MXFP4
@@ -464,14 +463,7 @@ def register_cap(cfg: dict, t: torch.Tensor) -> dict:
 def multiprocessors(t: torch.Tensor) -> int:
     """Streaming multiprocessors of ``t``'s GPU; 1 in the interpreter (a prefetching grid then loops over row
     groups in few programs, which the tests exercise)."""
-    if interpreting(t):
-        return 1
-    return _sm_count(t.device.index if t.device.index is not None else torch.cuda.current_device())
-
-
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+    return 1 if interpreting(t) else sm_count(t.device)
 
 
 def interpreting(t: torch.Tensor) -> bool:
