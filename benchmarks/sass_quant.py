@@ -5,8 +5,9 @@ fake-quant + STE mask; NVFP4 dequantize to bf16 (both paths) and fp32, per-row a
 launch configs of ``quant_triton.CONFIG`` (``quant_pair_triton.config_name``; "dequant", "dequant_mxfp4"), with
 their "max_registers" and "programs_per_sm": ``ptxas -v`` gives registers per thread and spill bytes,
 ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static count,
-not the instructions one program runs); per element = that times 32 * num_warps / (BLOCK_M * K).
-``python benchmarks/sass_quant.py [--k 2048]`` prints one JSON row per op.
+not the instructions one program runs; ``--fast-path``: without the redo's branch, what a tile in range runs,
+still a static count); per element = that times 32 * num_warps / (BLOCK_M * K).
+``python benchmarks/sass_quant.py [--k 2048] [--fast-path]`` prints one JSON row per op.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import sys
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -115,12 +117,28 @@ def report(op: str, k: int) -> dict:
             "kernel_alu_per_element": round(alu_count(lines) * per, 2)}
 
 
+@triton.jit
+def _no_exact_redo(lo_hi_amax, s_b, G_MODE: tl.constexpr, MODE: tl.constexpr, WRITE_DEQ: tl.constexpr,
+                   HW: tl.constexpr):
+    return 0
+
+
+def drop_exact_redo() -> None:
+    """Build the kernels without the exact redo's branch (``quant_pair_triton._needs_exact`` answers 0): their
+    fast path alone, what a tile in range runs. Call it before anything is compiled in this process (the kernels'
+    cache keys take the function they call at their first compile)."""
+    qp._needs_exact = _no_exact_redo
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--fast-path", action="store_true", help="without the exact redo's branch (drop_exact_redo)")
     a = p.parse_args(argv)
+    if a.fast_path:
+        drop_exact_redo()
     for op in (*OPS, *DEQUANT_OPS):
-        print(json.dumps(report(op, a.k)), flush=True)
+        print(json.dumps({**report(op, a.k), "fast_path": a.fast_path}), flush=True)
 
 
 if __name__ == "__main__":

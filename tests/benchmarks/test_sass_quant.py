@@ -77,3 +77,18 @@ def test_record_build_converts_block_scales_in_hardware(bench_module):
     assert sum("F2FP.SATFINITE.E4M3" in ln for ln in lines) == blocks_per_thread
     fast = lines[: next(i for i, ln in enumerate(lines) if "EXIT" in ln)]  # up to the fast path's end
     assert sum("FCHK" in ln for ln in fast) == 1
+
+
+def test_fast_path_build_drops_the_exact_redo(bench_module):
+    """``sass_quant.py --fast-path`` (a process of its own: the kernels' cache keys take the redo check they call
+    at their first compile) counts the fast path alone: fewer instructions than the whole kernel, for every op."""
+    import json
+    import subprocess
+    import sys
+
+    sass = bench_module("sass_quant")
+    out = subprocess.run([sys.executable, sass.__file__, "--fast-path"], capture_output=True, text=True, check=True)
+    rows = {r["op"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert set(rows) == set(sass.OPS) | set(sass.DEQUANT_OPS)
+    for op in ("quantize_nvfp4_row+record", "dequantize_nvfp4->bf16"):
+        assert rows[op]["fast_path"] and rows[op]["kernel_sass"] < sass.report(op, 2048)["kernel_sass"]
