@@ -28,8 +28,9 @@ from megatron_trace.kernels.checks import FiniteCounter
 
 SWEEP = [dict(pair=True, tile=t, num_warps=nw) for t, nw in ((4096, 4), (4096, 8), (2048, 4), (2048, 2), (8192, 8),
                                                             (16384, 8))]
-"""Launch configs of the word-pair kernels (``quant_triton.CONFIG`` entries "pair", "pair_guided", "pair_fake",
-"pair_mxfp4", "dequant" and "dequant_mxfp4")."""
+"""Launch configs of the word-pair kernels (``quant_triton.CONFIG``'s PAIR_ENTRIES and DEQUANT_ENTRIES)."""
+PAIR_ENTRIES = ("pair", "pair_guided", "pair_fake", "pair_mxfp4")
+DEQUANT_ENTRIES = ("dequant", "dequant_mxfp4")
 ELEM_SWEEP = [dict(pair=False, tile=t, num_warps=nw) for t, nw in ((4096, 4), (8192, 8))]
 SWEEP_BUDGET_S = 110.0
 """The sweep stops starting new configs after this many seconds (each config recompiles every kernel)."""
@@ -121,20 +122,19 @@ def main(argv=None) -> dict:
     p.add_argument("--set", action="append", default=[], metavar="ENTRY.KEY=INT",
                    help="a quant_triton.CONFIG value, e.g. pair_guided.programs_per_sm=6 (repeatable; 0 removes it)")
     args = p.parse_args(argv)
-    for item in args.set:
+    if args.tile:
+        for name in PAIR_ENTRIES:
+            quant_triton.CONFIG[name] = {"tile": args.tile, "num_warps": args.warps or 4}
+    for name, cap in zip(DEQUANT_ENTRIES, args.dequant_max_registers.split(",")):
+        if cap:
+            _set_config(f"{name}.max_registers={cap}")
+    if args.pair_max_registers:
+        _set_config(f"pair_guided.max_registers={args.pair_max_registers}")
+    for item in args.set:  # (last: a --set value wins)
         _set_config(item)
     if args.sweep:
         return sweep(args.rows, args.k, SWEEP + (ELEM_SWEEP if args.elem else []),
                      tuple(o for o in args.ops.split(",") if o))
-    if args.tile:
-        for name in ("pair", "pair_guided", "pair_fake", "pair_mxfp4"):
-            quant_triton.CONFIG[name] = {"tile": args.tile, "num_warps": args.warps or 4}
-    for name, cap in zip(("dequant", "dequant_mxfp4"), args.dequant_max_registers.split(",")):
-        if cap:
-            quant_triton.CONFIG[name] = {**quant_triton.CONFIG[name], "max_registers": int(cap)}
-    if args.pair_max_registers:
-        quant_triton.CONFIG["pair_guided"] = {**quant_triton.CONFIG["pair_guided"],
-                                              "max_registers": args.pair_max_registers}
     only = tuple(o for o in args.ops.split(",") if o)
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.k, device="cuda").to(torch.bfloat16)
@@ -154,11 +154,7 @@ def main(argv=None) -> dict:
         print(f"{name:45s} {ms * 1e3:9.1f} us  {rate / bw:5.2f} of copy; graph {row.get('graph_us')} us "
               f"{row.get('graph_frac_copy')} of copy", file=sys.stderr)
     res = {"bench": "quant", "shape": [args.rows, args.k], "dtype": "bf16", "copy_TBps": round(bw / 1e12, 3),
-           "pair_config": quant_triton.CONFIG["pair"], "pair_guided_config": quant_triton.CONFIG["pair_guided"],
-           "pair_fake_config": quant_triton.CONFIG["pair_fake"],
-           "pair_mxfp4_config": quant_triton.CONFIG["pair_mxfp4"],
-           "dequant_config": quant_triton.CONFIG["dequant"],
-           "dequant_mxfp4_config": quant_triton.CONFIG["dequant_mxfp4"],
+           **{f"{name}_config": quant_triton.CONFIG[name] for name in PAIR_ENTRIES + DEQUANT_ENTRIES},
            "machine": machine(), "results": rows}
     print(json.dumps(res))
     return res
@@ -194,8 +190,7 @@ def sweep(rows: int, k: int, configs, ops_filter=()) -> dict:
                 print(json.dumps({"config": cfg, "skipped": "sweep time budget spent"}))
                 continue
             quant_triton.PAIR_KERNEL = cfg["pair"]
-            names = ("pair", "pair_guided", "pair_fake", "pair_mxfp4", "dequant", "dequant_mxfp4")
-            for name in names if cfg["pair"] else ("elem",):
+            for name in PAIR_ENTRIES + DEQUANT_ENTRIES if cfg["pair"] else ("elem",):
                 quant_triton.CONFIG[name] = {"tile": cfg["tile"], "num_warps": cfg["num_warps"]}
             try:
                 ops = cases(x, rows, k)
