@@ -8,7 +8,6 @@ import triton.language as tl
 
 from ..formats.registry import get_format
 from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
-from . import quant_guided_triton as qg
 from . import quant_pair_triton as qp
 from . import quant_triton as qk
 from . import triton_fp4 as f
@@ -167,8 +166,8 @@ def _block_consts(byte, s, re, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr):
         d1, d3 = tl.div_rn(sf * 4.0, s), tl.div_rn(sf * 6.0, s)
     if not HW_CVT:  # the bf16 rounding by bits of a NaN may give -0
         nan = sf != sf
-        d1 = tl.where(nan, float("nan"), qg.rne_bf16(d1))
-        d3 = tl.where(nan, float("nan"), qg.rne_bf16(d3))
+        d1 = tl.where(nan, float("nan"), f.rne_bf16(d1))
+        d3 = tl.where(nan, float("nan"), f.rne_bf16(d3))
     return d1, d3
 
 
@@ -205,20 +204,6 @@ def _pair_by_consts(c, d1, d3):
 
 
 @triton.jit
-def _prmt(a, b, sel):
-    """PTX ``prmt.b32`` (GPU only): byte i of the result is byte (nibble i of sel) of b:a (a: bytes 0-3), the
-    nibble's bit 3 clear; sel's bits 16-31 are ignored. a, b, sel: uint32, broadcast."""
-    return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.uint32,
-                                     is_pure=True, pack=1)
-
-
-@triton.jit
-def _asm2(asm: tl.constexpr, a, b):
-    """One PTX instruction ``asm`` on two 32-bit operands ($1, $2), uint32 out (GPU only; a, b broadcast)."""
-    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True, pack=1)
-
-
-@triton.jit
 def _pair_by_table(c, d1, d3, FMT: tl.constexpr):
     """``_pair_by_consts`` for bf16 on the GPU: per block, the bf16 values of the 8 E2M1 magnitudes as two 8-byte
     tables (their low bytes, their high bytes); per word, one byte permute per table picks both elements' bytes by
@@ -228,25 +213,25 @@ def _pair_by_table(c, d1, d3, FMT: tl.constexpr):
     bf16x2 multiplies (exact), 0 * d1 for index 0 (+0; NaN for a NaN scale): [0, 0.5, 1, 1.5 | 2, 3, 4, 6] * sf /
     S_enc. MXFP4, ``_mx_consts``' d1 = 2**(e - 127), d3 = 1.5 d1 (exact in bf16, subnormal ones too), times
     [0, 1/2], 1, 2 and 4: the reference's fp32 products (Inf past the range, NaN for 0 * Inf) rounded to bf16."""
-    p13 = _asm2("cvt.rn.bf16x2.f32 $0, $2, $1;", d1, d3)  # [lo: (4) d1, hi: (4) d3], RNE
-    p11 = _prmt(p13, p13, tl.full(p13.shape, 0x1010, tl.uint32))  # [(4) d1, (4) d1]
+    p13 = f.asm2("cvt.rn.bf16x2.f32 $0, $2, $1;", d1, d3)  # [lo: (4) d1, hi: (4) d3], RNE
+    p11 = f.prmt(p13, p13, tl.full(p13.shape, 0x1010, tl.uint32))  # [(4) d1, (4) d1]
     if FMT == f.NVFP4:
-        e01 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p11, tl.full(p13.shape, 0x3E000000, tl.uint32))  # * [0, 1/8]
-        e23 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3E803E80, tl.uint32))  # * [1/4, 1/4]
-        e45 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3F003F00, tl.uint32))  # * [1/2, 1/2]
+        e01 = f.asm2("mul.rn.bf16x2 $0, $1, $2;", p11, tl.full(p13.shape, 0x3E000000, tl.uint32))  # * [0, 1/8]
+        e23 = f.asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3E803E80, tl.uint32))  # * [1/4, 1/4]
+        e45 = f.asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x3F003F00, tl.uint32))  # * [1/2, 1/2]
         e67 = p13
     else:
-        e01 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p11, tl.full(p13.shape, 0x3F000000, tl.uint32))  # * [0, 1/2]
+        e01 = f.asm2("mul.rn.bf16x2 $0, $1, $2;", p11, tl.full(p13.shape, 0x3F000000, tl.uint32))  # * [0, 1/2]
         e23 = p13
-        e45 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x40004000, tl.uint32))  # * [2, 2]
-        e67 = _asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x40804080, tl.uint32))  # * [4, 4]
+        e45 = f.asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x40004000, tl.uint32))  # * [2, 2]
+        e67 = f.asm2("mul.rn.bf16x2 $0, $1, $2;", p13, tl.full(p13.shape, 0x40804080, tl.uint32))  # * [4, 4]
     even, odd = tl.full(p13.shape, 0x6420, tl.uint32), tl.full(p13.shape, 0x7531, tl.uint32)
-    lo_a, hi_a = _prmt(e01, e23, even), _prmt(e01, e23, odd)  # indices 0-3: the bf16s' low / high bytes
-    lo_b, hi_b = _prmt(e45, e67, even), _prmt(e45, e67, odd)  # indices 4-7
+    lo_a, hi_a = f.prmt(e01, e23, even), f.prmt(e01, e23, odd)  # indices 0-3: the bf16s' low / high bytes
+    lo_b, hi_b = f.prmt(e45, e67, even), f.prmt(e45, e67, odd)  # indices 4-7
     sel = ((c | (c << 4)) & 0x707).to(tl.uint32)  # nibble 0: the low element's index, nibble 2: the high one's
-    lo = _prmt(lo_a, lo_b, sel)  # bytes 0, 2: the low bytes of the two elements' bf16
-    hi = _prmt(hi_a, hi_b, sel)
-    word = _prmt(lo, hi, tl.full(sel.shape, 0x6240, tl.uint32))
+    lo = f.prmt(lo_a, lo_b, sel)  # bytes 0, 2: the low bytes of the two elements' bf16
+    hi = f.prmt(hi_a, hi_b, sel)
+    word = f.prmt(lo, hi, tl.full(sel.shape, 0x6240, tl.uint32))
     return word ^ ((c * 0x1001000).to(tl.uint32, bitcast=True) & 0x80008000)
 
 

@@ -55,26 +55,29 @@ def mag_to_index(m):
 
 
 @triton.jit
-def toward_bit_hw(z, b22, nz):
-    """``toward_bit`` on the GPU by two directed roundings (fp32 magnitude out, z: the quotient; nz: z != 0).
+def toward_bit_hw(z, g16, j, nz):
+    """``toward_bit`` on the GPU by two directed roundings (fp32 magnitude out, z: the quotient; the record's bit:
+    bit j of g16; nz: z != 0).
 
     a = min(|z|, 6) (NaN -> 6; at least 2**-126 where z != 0, since Triton's libdevice flushes subnormals; 0 where
     z = 0) plus C = p * 2**22 (p = 2**e, e = max(floor(log2 a), 0), as in ``quant_rne_triton.rne_sum``), rounded
     down and up, is C plus the grid points below and above a, counted in grid steps. A grid point's mantissa bit
     is the parity of its count (0.5: 1), which is bit 0 of the sum's bits: the sum whose bit 0 is the record's
-    bit is the one rounded toward."""
+    bit is the one rounded toward. The sum's bit 0 is moved to the record bit's place j (one shift, none for
+    j = 0), not each record bit to a common place."""
     ab = tl.where(nz, tl.maximum(tl.minimum(tl.abs(z), 6.0).to(tl.int32, bitcast=True), 0x800000), 0)  # bits of a
     a = ab.to(tl.float32, bitcast=True)
     c = (tl.maximum(ab & 0x7F800000, _ONE) + 0x0B000000).to(tl.float32, bitcast=True)
     t_dn = libdevice.add_rd(a, c)
     t_up = libdevice.add_ru(a, c)
-    up = (((t_dn.to(tl.int32, bitcast=True) << 22) ^ b22) & 0x400000) != 0
+    up = (((t_dn.to(tl.int32, bitcast=True) << j) ^ g16) & (1 << j)) != 0
     return tl.where(up, t_up, t_dn) - c
 
 
 @triton.jit
-def _half(x, s3, den3, rb3, b22, nz_thr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
-    """(magnitude as fp32, |z| <= 6) of one element of each pair (fp32 x [BM, NBT, P]); rb3 = 0 where sf = 0."""
+def _half(x, s3, den3, rb3, g16, j, nz_thr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
+    """(magnitude as fp32, |z| <= 6) of one element of each pair (fp32 x [BM, NBT, P]); rb3 = 0 where sf = 0; the
+    record's bit of each element: bit j of g16."""
     a = x * s3
     if FAST_DIV:
         z = f.markstein(a, -den3, rb3)  # +-0 where rb3 = 0
@@ -82,11 +85,11 @@ def _half(x, s3, den3, rb3, b22, nz_thr, FAST_DIV: tl.constexpr, HW: tl.constexp
         z = tl.where(rb3 != 0.0, tl.div_rn(a, den3), 0.0)
     nz = ~(tl.abs(a) * 1.2676506002282294e30 <= nz_thr)  # |a| * 2**100 > sf * 2**-50: RN(a / sf) != 0 (or NaN)
     if HW:
-        m = toward_bit_hw(z, b22, nz)
+        m = toward_bit_hw(z, g16, j, nz)
         inside = tl.abs(z) <= 6.0
     else:
         za = z.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        m = toward_bit(tl.minimum(za, _MAG_6), b22, nz).to(tl.float32, bitcast=True)
+        m = toward_bit(tl.minimum(za, _MAG_6), g16 << (22 - j), nz).to(tl.float32, bitcast=True)
         inside = za <= _MAG_6
     return m, inside
 
@@ -101,15 +104,9 @@ def deq_mag(m, d1, dd):
 
 
 @triton.jit
-def rne_bf16(d):
-    """fp32 d (positive, finite) rounded to bf16 precision, ties to even, by its bits (fp32 out)."""
-    b = d.to(tl.int32, bitcast=True)
-    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _block_consts(sf, s3, FAST_DIV: tl.constexpr, BF16: tl.constexpr):
-    """Per block [BM, NBT, 1]: d1 = RN(sf / S_enc), d3 = RN(1.5 sf / S_enc) (rounded to bf16 if BF16)."""
+def _block_consts(sf, s3, FAST_DIV: tl.constexpr, BF16: tl.constexpr, HW: tl.constexpr):
+    """Per block [BM, NBT, 1]: d1 = RN(sf / S_enc), d3 = RN(1.5 sf / S_enc) (rounded to bf16 if BF16; by the GPU's
+    conversion if HW)."""
     sf3 = sf[:, :, None]
     if FAST_DIV:
         re = tl.div_rn(tl.full(s3.shape, 1.0, tl.float32), s3)
@@ -117,7 +114,7 @@ def _block_consts(sf, s3, FAST_DIV: tl.constexpr, BF16: tl.constexpr):
     else:
         d1, d3 = tl.div_rn(sf3, s3), tl.div_rn(sf3 * 1.5, s3)
     if BF16:  # RNE to bf16 precision (positive, finite)
-        d1, d3 = rne_bf16(d1), rne_bf16(d3)
+        d1, d3 = f.bf16_rne_pair(d1, d3, HW)
     return d1, d3
 
 
@@ -161,8 +158,8 @@ def guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_p
     nz_thr = tl.where(ok, sf * 8.881784197001252e-16, float("inf"))[:, :, None]  # sf * 2**-50; sf = 0: z = 0
     p = tl.arange(0, P)[None, None, :]
     s3 = s_b[:, :, None]
-    ml, in_l = _half(lo, s3, den3, rb3, g16 << (22 - 2 * p), nz_thr, FAST_DIV, HW)
-    mh, in_h = _half(hi, s3, den3, rb3, g16 << (21 - 2 * p), nz_thr, FAST_DIV, HW)
+    ml, in_l = _half(lo, s3, den3, rb3, g16, 2 * p, nz_thr, FAST_DIV, HW)
+    mh, in_h = _half(hi, s3, den3, rb3, g16, 2 * p + 1, nz_thr, FAST_DIV, HW)
     woff = rows[:, None, None] * (NB * P) + blk[:, :, None] * P + p
     sgn = tl.where(ok, 8, 0)[:, :, None]
     if WRITE_CODES:
@@ -170,12 +167,12 @@ def guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_p
         ch = mag_to_index(mh.to(tl.int32, bitcast=True)) | ((hi.to(tl.int32, bitcast=True) >> 28) & sgn)
         tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
     if WRITE_DEQ:
-        d1, d3 = _block_consts(sf, s3, FAST_DIV, XDT == 0)
+        d1, d3 = _block_consts(sf, s3, FAST_DIV, XDT == 0, HW)
         dd = (d3 - d1) * 2.0
         vl, vh = deq_mag(ml, d1, dd), deq_mag(mh, d1, dd)
         if XDT == 0:  # bf16 pair: the high halves, the signs of x's word (+0 where the block scale is 0)
             smask = tl.where(ok, -2147450880, 0)[:, :, None]  # 0x80008000: both sign bits
-            word = ((vl >> 16) & 0xFFFF) | (vh & -65536) | (w.to(tl.int32, bitcast=True) & smask)
+            word = f.high_halves(vl, vh, HW) | (w.to(tl.int32, bitcast=True) & smask)
             f.store_words(deq_ptr, rows, rmask, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
                           NBT, P, True)
         else:  # fp32 pair (uint64 word)

@@ -156,6 +156,9 @@ def pair_kernel(
         NB = NUM_KT * NBT
     P: tl.constexpr = B // 2
     GUIDED_LOADS: tl.constexpr = BY_MAG and MODE == GUIDED_COMPACT  # the guided tile by magnitudes: whole blocks
+    # whole blocks per thread also for RNE codes of bf16 rows without a dequantized output: their code words
+    WHOLE: tl.constexpr = GUIDED_LOADS or (BY_MAG and MODE == RNE and XDT == 0 and not WRITE_DEQ
+                                           and not WRITE_MASK)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -167,34 +170,36 @@ def pair_kernel(
         orows = rows
     NW = NB * P
     if NUM_KT == 1 and PREFETCH:  # row groups pid, pid + grid, ...: each issues the next group's loads first
-        w, wcol, m3, sfb, g16, g1 = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows, rmask, stride_w, NB, NW, NBT,
-                                                 P, G_MODE, GUIDED_LOADS, HW_CVT)
+        # The loads read rows clamped to M - 1 instead of masked (a row past M is loaded but never stored):
+        # no per-load predicates or zero fills in the loop.
+        every = tl.full([BLOCK_M], 1, tl.int1)
+        w, wcol, _, sfb, g16, g1 = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, tl.minimum(rows, M - 1), every,
+                                                stride_w, NB, NW, NBT, P, G_MODE, GUIDED_LOADS, WHOLE, HW_CVT)
         nprog = tl.num_programs(0)
         grp = pid
-        while grp < tl.cdiv(M, BLOCK_M):  # (a while loop: the interpreter's range() takes no program id)
-            rows_n = (grp + nprog).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-            w_n, _, _, sfb_n, g16_n, g1_n = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows_n, rows_n < M,
-                                                         stride_w, NB, NW, NBT, P, G_MODE, GUIDED_LOADS, HW_CVT)
-            rows = grp.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-            rmask = rows < M
-            m3 = rmask[:, None, None] & (wcol < NW)
-            lo, hi = f.unpair(w, XDT)
-            amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, NBT]
-            if G_MODE == G_ROW_GIVEN:
-                s_b = f.nvfp4_encode_scale(g1)[:, None]
-            else:
-                s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rows, rmask, stride_w, NW, XDT, G_MODE, 1, NBT, P)
-            _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, rows, rmask, stride_w, NB, s_b, sfb, g16, s_in_ptr,
-                       gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT,
-                       FMT, MODE, G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
-                       CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG, False)
-            w, sfb, g16, g1 = w_n, sfb_n, g16_n, g1_n
+        n_grp = tl.cdiv(M, BLOCK_M)
+        while grp < n_grp:  # two groups per trip, so that the two sets of loads swap roles without copies
+            # (a while loop: the interpreter's range() takes no program id)
+            w_n, sfb_n, g16_n, g1_n = _prefetch_step(
+                w, wcol, sfb, g16, g1, grp, nprog, every, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr, s_in_ptr, gc_ptr,
+                codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE,
+                G_MODE, B, BLOCK_M, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE,
+                FAST_DIV, HW_CVT, BY_MAG, GUIDED_LOADS, WHOLE)
             grp += nprog
-    elif NUM_KT == 1:  # the whole row group in one tile: x is read once
-        w, wcol, m3, sfb, g16, _ = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows, rmask, stride_w, NB, NW, NBT, P,
-                                                G_NONE, GUIDED_LOADS, HW_CVT)
-        lo, hi = f.unpair(w, XDT)
-        amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)  # [BM, NBT]
+            if grp < n_grp:
+                w, sfb, g16, g1 = _prefetch_step(
+                    w_n, wcol, sfb_n, g16_n, g1_n, grp, nprog, every, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr,
+                    s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr,
+                    err_ptr, XDT, FMT, MODE, G_MODE, B, BLOCK_M, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
+                    WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG, GUIDED_LOADS, WHOLE)
+                grp += nprog
+    elif NUM_KT == 1:  # the whole row group in one tile: x is read once (rows clamped, as above)
+        every = tl.full([BLOCK_M], 1, tl.int1)
+        rows_in = rows if BLOCK_M == 1 else tl.minimum(rows, M - 1)  # (one row per program: row pid < M)
+        w, wcol, _, sfb, g16, _ = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows_in, every,
+                                               stride_w, NB, NW, NBT, P, G_NONE, GUIDED_LOADS, WHOLE, HW_CVT)
+        m3 = rmask[:, None, None] & (wcol < NW)
+        amax_b = f.block_amax(w, XDT, HW_CVT)  # [BM, NBT]
         s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW, XDT, G_MODE, NUM_KT, NBT, P)
         _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, orows, rmask, stride_w, NB, s_b, sfb, g16, s_in_ptr, gc_ptr,
                    codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE,
@@ -204,14 +209,42 @@ def pair_kernel(
         s_b = _pair_s_enc(tl.zeros([BLOCK_M, NBT], tl.float32), xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW,
                           XDT, G_MODE, NUM_KT, NBT, P)
         for kt in range(NUM_KT):
-            w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, GUIDED_LOADS)
+            w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, kt, NW, NBT, P, WHOLE)
             sfb, g16 = _guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT, GUIDED_LOADS, HW_CVT)
-            lo, hi = f.unpair(w, XDT)
-            amax_b = tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
+            amax_b = f.block_amax(w, XDT, HW_CVT)
             _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB, s_b, sfb, g16, s_in_ptr,
                        gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT,
                        FMT, MODE, G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
                        CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG, OUT_ROWS)
+
+
+@triton.jit
+def _prefetch_step(w, wcol, sfb, g16, g1, grp, nprog, every, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr, s_in_ptr,
+                   gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr,
+                   XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr,
+                   BLOCK_M: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr,
+                   WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr,
+                   CHECK_FINITE: tl.constexpr, FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr,
+                   GUIDED_LOADS: tl.constexpr, WHOLE: tl.constexpr):
+    """One trip of ``pair_kernel``'s prefetching loop: issue the loads of row group grp + nprog (rows clamped to
+    M - 1), then round group grp from its loads (w, sfb, g16, g1); returns the next group's loads."""
+    P: tl.constexpr = B // 2
+    rows_n = tl.minimum((grp + nprog).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M), M - 1)
+    w_n, _, _, sfb_n, g16_n, g1_n = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows_n, every, stride_w, NB, NW,
+                                                 NBT, P, G_MODE, GUIDED_LOADS, WHOLE, HW_CVT)
+    rows = grp.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    m3 = rmask[:, None, None] & (wcol < NW)
+    amax_b = f.block_amax(w, XDT, HW_CVT)  # [BM, NBT]
+    if G_MODE == G_ROW_GIVEN:
+        s_b = f.nvfp4_encode_scale(g1)[:, None]
+    else:
+        s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, rows, rmask, stride_w, NW, XDT, G_MODE, 1, NBT, P)
+    _pair_step(w, wcol, m3, amax_b, 0, x_ptr, rows, rows, rmask, stride_w, NB, s_b, sfb, g16, s_in_ptr, gc_ptr,
+               codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE,
+               G_MODE, B, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV,
+               HW_CVT, BY_MAG, False)
+    return w_n, sfb_n, g16_n, g1_n
 
 
 @triton.jit
@@ -227,10 +260,10 @@ def _guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT: tl.constexpr, GUID
 
 @triton.jit
 def _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows, rmask, stride_w, NB, NW, NBT: tl.constexpr, P: tl.constexpr,
-                 G_MODE: tl.constexpr, GUIDED_LOADS: tl.constexpr, HW: tl.constexpr):
+                 G_MODE: tl.constexpr, GUIDED_LOADS: tl.constexpr, WHOLE: tl.constexpr, HW: tl.constexpr):
     """A one-tile row group's loads: x's words, their columns and mask, the record's (``_guided_loads``) and, for
     G_ROW_GIVEN, the rows' amax (else zeros)."""
-    w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P, GUIDED_LOADS)
+    w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P, WHOLE)
     sfb, g16 = _guided_loads(rows, rmask, 0, NB, gc_ptr, s_in_ptr, NBT, GUIDED_LOADS, HW)
     if G_MODE == G_ROW_GIVEN:
         g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)

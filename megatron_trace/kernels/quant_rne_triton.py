@@ -73,10 +73,26 @@ def store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P: tl.constexpr, N
 
 
 @triton.jit
+def _store_code_words(il, ih, w, ok, orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P: tl.constexpr,
+                      WRITE_CODES: tl.constexpr, WRITE_BITS: tl.constexpr, HW: tl.constexpr):
+    """Codes as int32 words of 8 (rows ``orows``) and the record's mantissa bits (bit 0 of each code: one byte
+    per code word, rows ``rows``) of a bf16 pair tile."""
+    iw = f.code_words(il, ih, w, ok, HW)
+    c = tl.arange(0, P // 4)[None, None, :]
+    m = rmask[:, None, None] & bmask[:, :, None]
+    if WRITE_CODES:
+        off = orows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
+        tl.store(codes_ptr.to(tl.pointer_type(tl.int32)) + off, iw, mask=m)
+    if WRITE_BITS:
+        off = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
+        tl.store(bits_ptr + off, f.nibble_lsbs(iw).to(tl.uint8), mask=m)
+
+
+@triton.jit
 def _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT: tl.constexpr, P: tl.constexpr,
-               NBT: tl.constexpr, FAST_DIV: tl.constexpr):
+               NBT: tl.constexpr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
     """Dequantized pairs from the grid points' bits ml, mh (``quant_guided_triton.deq_mag``), x's signs."""
-    d1, d3 = qg._block_consts(sf, s3, FAST_DIV, XDT == 0)
+    d1, d3 = qg._block_consts(sf, s3, FAST_DIV, XDT == 0, HW)
     nan = (sf != sf)[:, :, None]  # an all-NaN block (unchecked): NaN out, as the index path (bf16 rounding of
     d1, d3 = tl.where(nan, float("nan"), d1), tl.where(nan, float("nan"), d3)  # a NaN may give -0)
     dd = (d3 - d1) * 2.0
@@ -84,7 +100,7 @@ def _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT:
     vh = qg.deq_mag(mh.to(tl.float32, bitcast=True), d1, dd)
     if XDT == 0:  # bf16 pair: the high halves, the signs of x's word (+0 where the block scale is 0)
         smask = tl.where(ok, -2147450880, 0)[:, :, None]  # 0x80008000: both sign bits
-        word = (vl >> 16) | vh | (w.to(tl.int32, bitcast=True) & smask)  # vl >= 0; vh's low half is 0 (or NaN)
+        word = f.high_halves(vl, vh, HW) | (w.to(tl.int32, bitcast=True) & smask)
         f.store_words(deq_ptr, rows, rmask, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
                       NBT, P, False)
     else:  # fp32 pair (uint64 word)
@@ -119,19 +135,22 @@ def rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, sc
     t_hi, p_hi, in_hi = _half(hi, s3, den[:, :, None], rb3, FAST_DIV)
     if WRITE_CODES or WRITE_BITS:
         il, ih = sum_to_index(t_lo, p_lo), sum_to_index(t_hi, p_hi)
-        if WRITE_CODES:
+        if XDT == 0:  # bf16: whole code words (``triton_fp4.code_words``), the record's bits from them
+            _store_code_words(il, ih, w, ok, orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P, WRITE_CODES,
+                              WRITE_BITS, HW)
+        elif WRITE_CODES:
             sgn = tl.where(ok, 8, 0)[:, :, None]  # z = +0 where the block scale is 0
             cl = il | ((lo.to(tl.int32, bitcast=True) >> 28) & sgn)
             ch = ih | ((hi.to(tl.int32, bitcast=True) >> 28) & sgn)
             woff = orows[:, None, None] * (NB * P) + blk[:, :, None] * P + tl.arange(0, P)[None, None, :]
             tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
-        if WRITE_BITS:
+        if WRITE_BITS and XDT != 0:
             store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P, NBT)
-    if WRITE_SCALES:
-        tl.store(scales_ptr + orows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
+    if WRITE_SCALES:  # (by the GPU's byte stores: a thread's blocks are not adjacent when it holds several)
+        f.store_u8(scales_ptr + orows[:, None] * NB + blk, byte, rmask[:, None] & bmask, HW)
     if WRITE_DEQ:
         ml, mh = sum_to_mag(t_lo, p_lo), sum_to_mag(t_hi, p_hi)
-        _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT, P, NBT, FAST_DIV)
+        _store_deq(w, kt, rmask, lo, hi, ml, mh, ok, sf, s3, rows, NB, deq_ptr, XDT, P, NBT, FAST_DIV, HW)
     if WRITE_MASK:
         mk = in_lo.to(tl.uint16) | (in_hi.to(tl.uint16) << 8)  # |z| <= 6
         f.store_words(mask_ptr, rows, rmask, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, False)

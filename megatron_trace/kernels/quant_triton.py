@@ -284,7 +284,7 @@ ABSMAX_BLOCK = 8192
 FAST_DIV = True
 """Divide by the per-block scale with a reciprocal + one Markstein step (IEEE division only on rare tiles)."""
 
-CONFIG = {"pair": {"tile": 2048, "num_warps": 4}, "pair_guided": {"tile": 2048, "num_warps": 4, "programs_per_sm": 8},
+CONFIG = {"pair": {"tile": 2048, "num_warps": 2}, "pair_guided": {"tile": 2048, "num_warps": 4},
           "pair_fake": {"tile": 2048, "num_warps": 2}, "pair_mxfp4": {"tile": 4096, "num_warps": 4},
           "elem": {"tile": TILE, "num_warps": 4}, "dequant": {"tile": 16384, "num_warps": 8},
           "dequant_mxfp4": {"tile": 16384, "num_warps": 8}}
@@ -293,11 +293,12 @@ NVFP4 RNE fake-quant; MXFP4: ``quant_pair_triton.config_name``), ``quant_kernel`
 (NVFP4; MXFP4; a bf16 output). Optional keys (GPU only): "max_registers", a register cap (``register_cap``;
 session 16 measured no gain for guided compact or dequantize, BENCHMARKS.md); "programs_per_sm" (``pair_kernel``
 with one tile per row group): that many programs per multiprocessor at most, each looping over row groups and
-issuing the next group's loads before rounding the current one (``PREFETCH``). Session 17 measured the choices
-(BENCHMARKS.md): the prefetching grid takes guided compact + dequant from 92.3 to 87.4-88.3 us and makes RNE
-quantize and fake-quant slower; 2 warps take RNE fake-quant from 89.6 to 83.9 us and leave quantize + record as
-it is. ``benchmarks/bench_quant.py --sweep`` times the alternatives (session 10: 2048 elements is 9% faster than
-4096 for guided compact + dequant, 10% slower for MXFP4 quantize)."""
+issuing the next group's loads before rounding the current one (``PREFETCH``). Sessions 17-18 measured the
+choices (BENCHMARKS.md): the prefetching grid took guided compact + dequant from 92.3 to 87.4-88.3 us in session 17,
+but with session 18's shorter tile (40 registers instead of 92) the plain grid is faster (84.7 against 90.6 us), so
+no config uses it; 2 warps take RNE fake-quant from 89.6 to 83.9 us and, with session 18's code words (whole blocks
+per thread), quantize + record from 64.6 to 61.0 us. ``benchmarks/bench_quant.py --sweep`` times the alternatives
+(session 10: 2048 elements is 9% faster than 4096 for guided compact + dequant, 10% slower for MXFP4 quantize)."""
 
 PAIR_KERNEL = True
 """Use ``pair_kernel`` / ``dequant_pair_kernel`` where they apply (K % block == 0, aligned rows).

@@ -280,6 +280,109 @@ def load_nc(ptr, mask, BITS: tl.constexpr):
 
 
 @triton.jit
+def prmt(a, b, sel, HW: tl.constexpr = True):
+    """PTX ``prmt.b32``: byte i of the result is byte n & 7 of b:a (a: bytes 0-3) for n = nibble i of sel, or, if
+    n's bit 3 is set, that byte's bit 7 copied to all 8 bits; sel's bits 16-31 are ignored. a, b, sel: 32-bit,
+    broadcast; uint32 out. HW: one instruction on the GPU; else the same by shifts (the interpreter)."""
+    if HW:
+        return tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, sel], dtype=tl.uint32,
+                                         is_pure=True, pack=1)
+    else:
+        a32, b32 = a.to(tl.uint32, bitcast=True), b.to(tl.uint32, bitcast=True)
+        s32 = (sel + tl.zeros_like(a32)).to(tl.uint32, bitcast=True)
+        out = tl.zeros_like(a32 | b32 | s32)
+        for i in tl.static_range(4):
+            n = (s32 >> (4 * i)) & 15
+            k = n & 7
+            byte = tl.where(k < 4, a32 >> (8 * (k & 3)), b32 >> (8 * (k & 3))) & 0xFF
+            byte = tl.where((n & 8) != 0, tl.where((byte & 0x80) != 0, 0xFF, 0), byte).to(tl.uint32)
+            out = out | (byte << (8 * i))
+        return out
+
+
+@triton.jit
+def split4(x):
+    """x [..., P] (P % 4 == 0) -> x[..., j::4] for j = 0..3: element p = 4c + j of each run of 4 -> [..., c]."""
+    y = tl.reshape(x, x.shape[:-1] + [x.shape[-1] // 4, 2, 2])
+    a, b = tl.split(y)  # j % 2 = 0 / 1, over j // 2
+    x0, x2 = tl.split(a)
+    x1, x3 = tl.split(b)
+    return x0, x1, x2, x3
+
+
+@triton.jit
+def code_words(il, ih, w, ok, HW: tl.constexpr):
+    """NVFP4 code words (int32 [BM, NBT, P // 4]: 8 codes each, code 8c + j at bits 4j) from the magnitude indices
+    il, ih (int32, 0..7) of the elements of bf16 pairs w (uint32 [BM, NBT, P]) and ok [BM, NBT] (False: the block
+    scale is 0, all signs +). The signs come from x's words by four byte permutes per code word, each byte's sign
+    copied to a whole byte (``prmt``'s bit 3), instead of a shift and an and per element."""
+    i0, i1, i2, i3 = split4(il | (ih << 4))  # a code byte's magnitudes per pair
+    iw = i0 | (i1 << 8) | (i2 << 16) | (i3 << 24)
+    w0, w1, w2, w3 = split4(w)
+    a = prmt(w0, w1, 0xFBD9, HW)  # sign bytes [lo0, lo1, hi0, hi1]: bytes 1 and 3 hold the bf16 signs
+    b = prmt(w2, w3, 0xFBD9, HW)  # [lo2, lo3, hi2, hi3]
+    lo_s = prmt(a, b, 0x5410, HW)  # the low elements' signs, one byte per pair
+    hi_s = prmt(a, b, 0x7632, HW)
+    sw = (lo_s & 0x08080808) | (hi_s & 0x80808080)
+    return iw | (sw & tl.where(ok, -1, 0)[:, :, None]).to(tl.int32, bitcast=True)
+
+
+@triton.jit
+def nibble_lsbs(iw):
+    """Bit 0 of each nibble of the int32 words iw, gathered: bit j of the byte out (int32 0..255) is bit 4j of iw."""
+    v = iw & 0x11111111
+    v = (v | (v >> 3)) & 0x03030303  # nibbles 2c, 2c + 1 at bits 8c, 8c + 1
+    v = v | (v >> 6)  # nibbles 0-3 at bits 0-3, 4-7 at bits 16-19
+    return (v | (v >> 12)) & 0xFF
+
+
+@triton.jit
+def asm2(asm: tl.constexpr, a, b):
+    """One PTX instruction ``asm`` on two 32-bit operands ($1, $2), uint32 out (GPU only; a, b broadcast)."""
+    return tl.inline_asm_elementwise(asm, "=r,r,r", [a, b], dtype=tl.uint32, is_pure=True, pack=1)
+
+
+@triton.jit
+def high_halves(lo, hi, HW: tl.constexpr):
+    """int32 words of the high 16 bits of lo (low half) and of hi (high half) (int32 each): a bf16 pair from the
+    fp32 bits of two bf16-exact values. One byte permute on the GPU instead of a shift, a mask and an or."""
+    if HW:
+        return prmt(lo, hi, tl.full(lo.shape, 0x7632, tl.uint32)).to(tl.int32, bitcast=True)
+    else:
+        return ((lo >> 16) & 0xFFFF) | (hi & -65536)
+
+
+@triton.jit
+def bf16_rne_pair(d1, d3, HW: tl.constexpr):
+    """fp32 d1, d3 (positive, finite) rounded to bf16 precision, ties to even (fp32 out): one ``cvt.rn.bf16x2``
+    for both on the GPU, by bits elsewhere (the interpreter's conversion truncates)."""
+    if HW:
+        p = asm2("cvt.rn.bf16x2.f32 $0, $2, $1;", d1, d3)  # [lo: d1, hi: d3]
+        return (p << 16).to(tl.float32, bitcast=True), (p & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return rne_bf16(d1), rne_bf16(d3)
+
+
+@triton.jit
+def rne_bf16(d):
+    """fp32 d (positive, finite) rounded to bf16 precision, ties to even, by its bits (fp32 out)."""
+    b = d.to(tl.int32, bitcast=True)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_u8(ptr, v, mask, HW: tl.constexpr):
+    """Store the low bytes of v (int32) at ptr where mask. GPU: one ``st.global.u8`` per element by inline PTX, in
+    the layout v has (``tl.store`` may first move v through shared memory into a layout of its own)."""
+    if HW:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.global.u8 [$1], $3; mov.b32 $0, 0; }", "=r,l,r,r",
+            [ptr.to(tl.int64, bitcast=True), mask.to(tl.int32), v.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(ptr, v.to(tl.uint8), mask=mask)
+
+
+@triton.jit
 def recip_rn(x, HW: tl.constexpr):
     """RN(1 / x) for fp32 x: libdevice's correctly rounded reciprocal on the GPU, ``tl.div_rn`` elsewhere."""
     if HW:
@@ -301,6 +404,24 @@ def unpair(w, XDT: tl.constexpr):
         lo = (w & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
         hi = (w >> 16).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     return lo, hi
+
+
+@triton.jit
+def _absmax_bf16x2(a, b):
+    return asm2("max.xorsign.abs.bf16x2 $0, $1, $2;", a, b)
+
+
+@triton.jit
+def block_amax(w, XDT: tl.constexpr, HW: tl.constexpr):
+    """max |x| over the last axis of the words w [BM, NBT, P] (``unpair``'s pairs): the block amaxes [BM, NBT],
+    fp32. bf16 on the GPU: one packed max of magnitudes (``max.xorsign.abs.bf16x2``) per word, then the two halves;
+    NaN is ignored as by the fp32 max (an all-NaN block gives NaN)."""
+    if HW and XDT == 0:
+        lo, hi = unpair(tl.reduce(w, 2, _absmax_bf16x2), XDT)
+        return tl.maximum(tl.abs(lo), tl.abs(hi))
+    else:
+        lo, hi = unpair(w, XDT)
+        return tl.max(tl.maximum(tl.abs(lo), tl.abs(hi)), axis=2)
 
 
 @triton.jit

@@ -54,11 +54,15 @@ def test_dequantize_builds_use_the_block_table_and_do_not_spill(bench_module, op
     assert sass.ptxas_usage(kern.asm["ptx"])[1] == 0
 
 
-def test_guided_build_prefetches_the_next_row_group(bench_module):
-    """Guided compact + dequant runs in a prefetching grid by default (``quant_triton.CONFIG["pair_guided"]``): the
-    sm_90 build loads the next row group's x words (two 16-byte loads per thread) before it stores the current
-    group's output, and the loop's extra live values fit without spilling."""
+def test_guided_build_prefetches_the_next_row_group(bench_module, monkeypatch):
+    """Guided compact + dequant in a prefetching grid (``quant_triton.CONFIG["pair_guided"]["programs_per_sm"]``,
+    off by default since session 18): the sm_90 build loads the next row group's x words (two 16-byte loads per
+    thread) before it stores the current group's output, and the loop's extra live values fit without spilling."""
+    from megatron_trace.kernels import quant_triton
+
     sass = bench_module("sass_quant")
+    cfg = {**quant_triton.CONFIG["pair_guided"], "programs_per_sm": 8}
+    monkeypatch.setitem(quant_triton.CONFIG, "pair_guided", cfg)
     kern, _ = sass.compile_pair(OP, 2048)
     lines = sass.sass(kern.asm["cubin"])
     first_store = next(i for i, ln in enumerate(lines) if "STG.E.128" in ln)
@@ -74,7 +78,8 @@ def test_record_build_converts_block_scales_in_hardware(bench_module):
     kern, block_m = sass.compile_pair("quantize_nvfp4_row+record", 2048)
     lines = sass.sass(kern.asm["cubin"])
     blocks_per_thread = block_m * 2048 // 16 // (32 * kern.metadata.num_warps)
-    assert sum("F2FP.SATFINITE.E4M3" in ln for ln in lines) == blocks_per_thread
+    cvt = sum("F2FP.SATFINITE.E4M3" in ln for ln in lines)  # (one converts two blocks' scales)
+    assert 2 * cvt >= blocks_per_thread and cvt <= blocks_per_thread
     fast = lines[: next(i for i, ln in enumerate(lines) if "EXIT" in ln)]  # up to the fast path's end
     assert sum("FCHK" in ln for ln in fast) == 1
 
@@ -92,3 +97,29 @@ def test_fast_path_build_drops_the_exact_redo(bench_module):
     assert set(rows) == set(sass.OPS) | set(sass.DEQUANT_OPS)
     for op in ("quantize_nvfp4_row+record", "dequantize_nvfp4->bf16"):
         assert rows[op]["fast_path"] and rows[op]["kernel_sass"] < sass.report(op, 2048)["kernel_sass"]
+
+
+def test_record_build_packs_code_words_with_byte_permutes(bench_module):
+    """Quantize + record on sm_90: the block amax by packed bf16 maxima of magnitudes (7 per block of 8 words), the
+    codes' signs by 4 byte permutes per code word of 8 codes, the codes stored as 8-byte words and the scales by one
+    byte store per block; the only shared-memory traffic is the row amax's reduction (two barriers)."""
+    sass = bench_module("sass_quant")
+    kern, block_m = sass.compile_pair("quantize_nvfp4_row+record", 2048)
+    lines = sass.sass(kern.asm["cubin"])
+    blocks_per_thread = block_m * 2048 // 16 // (32 * kern.metadata.num_warps)
+    fast = lines[: next(i for i, ln in enumerate(lines) if "EXIT" in ln) + 2]  # the fast path (the redo follows)
+    assert sum("HMNMX2.BF16" in ln for ln in fast) == 7 * blocks_per_thread
+    assert sum("PRMT" in ln for ln in fast) >= 8 * blocks_per_thread  # 2 code words per block
+    assert sum("STG.E.64" in ln for ln in fast) == blocks_per_thread
+    assert sum("STG.E.U8" in ln for ln in fast) == blocks_per_thread
+    assert sum("BAR.SYNC" in ln for ln in fast) == 2
+    assert sass.ptxas_usage(kern.asm["ptx"])[1] == 0
+
+
+def test_guided_build_assembles_bf16_pairs_by_byte_permutes(build):
+    """Guided compact + dequant writes each bf16 pair as the high halves of two fp32 bit patterns by one byte
+    permute (selector 0x7632), and rounds d1, d3 to bf16 by one conversion per block."""
+    sass, kern, per_thread = build
+    lines = sass.sass(kern.asm["cubin"])
+    assert sum("PRMT" in ln and "0x7632" in ln for ln in lines) >= per_thread // 2
+    assert sum("F2FP.BF16" in ln for ln in lines) >= 1
