@@ -10,7 +10,8 @@ element. This tile works on the fp32 value of the chosen grid point instead (sam
   has no directed rounding, ``toward_bit`` does the same on the bits u of a: the point at or below u is u with its
   low mantissa bits cleared (22 from 1.0 up, 23 in [0.5, 1)); adding ``~mask`` first gives the point above.
   Below 0.5 the point is 0.5 when the record's bit is 1 and z != 0, else 0; z != 0 comes from |x * S_enc|
-  against sf * 2**-150, exactly, so tiny quotients need no IEEE division.
+  against sf * 2**-150 rounded down (a subnormal whose bits are floor(sf / 2)), exactly, so tiny quotients need no
+  IEEE division.
 - Dequantization (``deq_mag``): every grid value is 2**k or 1.5 * 2**k, so ``value * sf / S_enc`` rounded is 2**k
   times d1 = RN(sf / S_enc) or d3 = RN(1.5 sf / S_enc), exactly (both normal in the fast path's S_enc range):
   two divisions per block, three exact fp32 operations per element. For bf16 output d1, d3 are rounded to bf16
@@ -83,7 +84,7 @@ def _half(x, s3, den3, rb3, g16, j, nz_thr, FAST_DIV: tl.constexpr, HW: tl.const
         z = f.markstein(a, -den3, rb3)  # +-0 where rb3 = 0
     else:
         z = tl.where(rb3 != 0.0, tl.div_rn(a, den3), 0.0)
-    nz = ~(tl.abs(a) * 1.2676506002282294e30 <= nz_thr)  # |a| * 2**100 > sf * 2**-50: RN(a / sf) != 0 (or NaN)
+    nz = ~(tl.abs(a) <= nz_thr)  # |a| > RD(sf * 2**-150): RN(a / sf) != 0 (or NaN)
     if HW:
         m = toward_bit_hw(z, g16, j, nz)
         inside = tl.abs(z) <= 6.0
@@ -155,7 +156,9 @@ def guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_p
     den = tl.where(ok, sf, 1.0)
     den3 = den[:, :, None]
     rb3 = tl.where(ok, f.recip_rn(den, HW), 0.0)[:, :, None]
-    nz_thr = tl.where(ok, sf * 8.881784197001252e-16, float("inf"))[:, :, None]  # sf * 2**-50; sf = 0: z = 0
+    # RD(sf * 2**-150), a subnormal: its bits are floor(sf / 2) (a multiple of 2**-149 exceeds sf * 2**-150 just
+    # when it exceeds that); sf = 0: z = 0
+    nz_thr = tl.where(ok, (sf * 0.5).to(tl.int32).to(tl.float32, bitcast=True), float("inf"))[:, :, None]
     p = tl.arange(0, P)[None, None, :]
     s3 = s_b[:, :, None]
     ml, in_l = _half(lo, s3, den3, rb3, g16, 2 * p, nz_thr, FAST_DIV, HW)

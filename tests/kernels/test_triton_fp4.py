@@ -59,8 +59,8 @@ def test_packed_bf16_block_amax_matches_fp32_max():
     specials = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1e-40, -1e-40, 3.0e38, -3.0e38,
                              1.0, -448.0], dtype=torch.bfloat16)
     nb, p = 1024, 8
-    vals = torch.randn(nb * p * 2, generator=gen).to(torch.bfloat16) * 2.0 ** torch.randint(-20, 20, (nb * p * 2,),
-                                                                                            generator=gen)
+    vals = (torch.randn(nb * p * 2, generator=gen) * 2.0 ** torch.randint(-20, 20, (nb * p * 2,), generator=gen)
+            ).to(torch.bfloat16)
     pick = torch.rand(nb * p * 2, generator=gen) < 0.4
     vals[pick] = specials[torch.randint(0, len(specials), (int(pick.sum()),), generator=gen)]
     vals[: 2 * p] = float("nan")  # an all-NaN block
