@@ -172,32 +172,30 @@ def pair_kernel(
     if NUM_KT == 1 and PREFETCH:  # row groups pid, pid + grid, ...: each issues the next group's loads first
         # The loads read rows clamped to M - 1 instead of masked (a row past M is loaded but never stored):
         # no per-load predicates or zero fills in the loop.
-        every = tl.full([BLOCK_M], 1, tl.int1)
-        w, wcol, _, sfb, g16, g1 = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, tl.minimum(rows, M - 1), every,
-                                                stride_w, NB, NW, NBT, P, G_MODE, GUIDED_LOADS, WHOLE, HW_CVT)
+        w, wcol, sfb, g16, g1 = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, tl.minimum(rows, M - 1),
+                                             stride_w, NB, NW, NBT, P, G_MODE, GUIDED_LOADS, WHOLE, HW_CVT)
         nprog = tl.num_programs(0)
         grp = pid
         n_grp = tl.cdiv(M, BLOCK_M)
         while grp < n_grp:  # two groups per trip, so that the two sets of loads swap roles without copies
             # (a while loop: the interpreter's range() takes no program id)
             w_n, sfb_n, g16_n, g1_n = _prefetch_step(
-                w, wcol, sfb, g16, g1, grp, nprog, every, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr, s_in_ptr, gc_ptr,
+                w, wcol, sfb, g16, g1, grp, nprog, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr, s_in_ptr, gc_ptr,
                 codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr, XDT, FMT, MODE,
                 G_MODE, B, BLOCK_M, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE,
                 FAST_DIV, HW_CVT, BY_MAG, GUIDED_LOADS, WHOLE)
             grp += nprog
             if grp < n_grp:
                 w, sfb, g16, g1 = _prefetch_step(
-                    w_n, wcol, sfb_n, g16_n, g1_n, grp, nprog, every, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr,
+                    w_n, wcol, sfb_n, g16_n, g1_n, grp, nprog, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr,
                     s_in_ptr, gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr,
                     err_ptr, XDT, FMT, MODE, G_MODE, B, BLOCK_M, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS,
                     WRITE_DEQ, WRITE_MASK, CHECK_FINITE, FAST_DIV, HW_CVT, BY_MAG, GUIDED_LOADS, WHOLE)
                 grp += nprog
     elif NUM_KT == 1:  # the whole row group in one tile: x is read once (rows clamped, as above)
-        every = tl.full([BLOCK_M], 1, tl.int1)
         rows_in = rows if BLOCK_M == 1 else tl.minimum(rows, M - 1)  # (one row per program: row pid < M)
-        w, wcol, _, sfb, g16, _ = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows_in, every,
-                                               stride_w, NB, NW, NBT, P, G_NONE, GUIDED_LOADS, WHOLE, HW_CVT)
+        w, wcol, sfb, g16, _ = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows_in,
+                                            stride_w, NB, NW, NBT, P, G_NONE, GUIDED_LOADS, WHOLE, HW_CVT)
         m3 = rmask[:, None, None] & (wcol < NW)
         amax_b = f.block_amax(w, XDT, HW_CVT)  # [BM, NBT]
         s_b = _pair_s_enc(amax_b, xw_ptr, g_ptr, rows, orows, rmask, stride_w, NW, XDT, G_MODE, NUM_KT, NBT, P)
@@ -219,7 +217,7 @@ def pair_kernel(
 
 
 @triton.jit
-def _prefetch_step(w, wcol, sfb, g16, g1, grp, nprog, every, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr, s_in_ptr,
+def _prefetch_step(w, wcol, sfb, g16, g1, grp, nprog, xw_ptr, x_ptr, M, stride_w, NB, NW, g_ptr, s_in_ptr,
                    gc_ptr, codes_ptr, scales_ptr, bits_ptr, deq_ptr, deq_e_ptr, mask_ptr, mask_e_ptr, err_ptr,
                    XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr, G_MODE: tl.constexpr, B: tl.constexpr,
                    BLOCK_M: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr,
@@ -230,8 +228,8 @@ def _prefetch_step(w, wcol, sfb, g16, g1, grp, nprog, every, xw_ptr, x_ptr, M, s
     M - 1), then round group grp from its loads (w, sfb, g16, g1); returns the next group's loads."""
     P: tl.constexpr = B // 2
     rows_n = tl.minimum((grp + nprog).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M), M - 1)
-    w_n, _, _, sfb_n, g16_n, g1_n = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows_n, every, stride_w, NB, NW,
-                                                 NBT, P, G_MODE, GUIDED_LOADS, WHOLE, HW_CVT)
+    w_n, _, sfb_n, g16_n, g1_n = _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows_n, stride_w, NB, NW,
+                                              NBT, P, G_MODE, GUIDED_LOADS, WHOLE, HW_CVT)
     rows = grp.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
     m3 = rmask[:, None, None] & (wcol < NW)
@@ -259,17 +257,18 @@ def _guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT: tl.constexpr, GUID
 
 
 @triton.jit
-def _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows, rmask, stride_w, NB, NW, NBT: tl.constexpr, P: tl.constexpr,
+def _group_loads(xw_ptr, g_ptr, s_in_ptr, gc_ptr, rows, stride_w, NB, NW, NBT: tl.constexpr, P: tl.constexpr,
                  G_MODE: tl.constexpr, GUIDED_LOADS: tl.constexpr, WHOLE: tl.constexpr, HW: tl.constexpr):
-    """A one-tile row group's loads: x's words, their columns and mask, the record's (``_guided_loads``) and, for
-    G_ROW_GIVEN, the rows' amax (else zeros)."""
-    w, wcol, m3 = _load_words(xw_ptr, rows, rmask, stride_w, 0, NW, NBT, P, WHOLE)
-    sfb, g16 = _guided_loads(rows, rmask, 0, NB, gc_ptr, s_in_ptr, NBT, GUIDED_LOADS, HW)
+    """A one-tile row group's loads, unmasked (rows < M: the callers clamp them): x's words and their columns, the
+    record's (``_guided_loads``) and, for G_ROW_GIVEN, the rows' amax (else zeros)."""
+    every = tl.full(rows.shape, 1, tl.int1)
+    w, wcol, _ = _load_words(xw_ptr, rows, every, stride_w, 0, NW, NBT, P, WHOLE)
+    sfb, g16 = _guided_loads(rows, every, 0, NB, gc_ptr, s_in_ptr, NBT, GUIDED_LOADS, HW)
     if G_MODE == G_ROW_GIVEN:
-        g1 = tl.load(g_ptr + rows, mask=rmask, other=1.0)
+        g1 = tl.load(g_ptr + rows)
     else:
         g1 = tl.zeros([rows.shape[0]], tl.float32)
-    return w, wcol, m3, sfb, g16, g1
+    return w, wcol, sfb, g16, g1
 
 
 @triton.jit
