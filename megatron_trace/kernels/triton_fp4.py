@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import libdevice
 
 # Formats (constexpr selectors).
 NVFP4 = tl.constexpr(0)
@@ -384,9 +383,13 @@ def store_u8(ptr, v, mask, HW: tl.constexpr):
 
 @triton.jit
 def recip_rn(x, HW: tl.constexpr):
-    """RN(1 / x) for fp32 x: libdevice's correctly rounded reciprocal on the GPU, ``tl.div_rn`` elsewhere."""
+    """RN(1 / x) for fp32 x of exponent -124..124 (e.g. an E4M3 value): on the GPU ``MUFU.RCP`` and one Newton
+    step, the in-range path of libdevice's correctly rounded ``rcp_rn`` without its out-of-range branch (a call
+    that splits the kernel's code and the scheduling around it); ``tl.div_rn`` elsewhere."""
     if HW:
-        return libdevice.rcp_rn(x)
+        r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1)
+        return tl.fma(r, tl.fma(-x, r, 1.0), r)
     else:
         return tl.div_rn(tl.full(x.shape, 1.0, tl.float32), x)
 

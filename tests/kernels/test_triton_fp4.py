@@ -1,6 +1,7 @@
 """The GPU-only instructions of ``kernels.triton_fp4`` against their portable forms, in one kernel on the GPU.
 
-``prmt`` (PTX byte permute) and ``block_amax`` (packed bf16 max of magnitudes) have a hardware form the kernels use on
+``prmt`` (PTX byte permute), ``block_amax`` (packed bf16 max of magnitudes) and ``recip_rn`` (MUFU.RCP and a Newton
+step) have a hardware form the kernels use on
 CUDA and a form by shifts and fp32 max that Triton's CPU interpreter runs; the quantize tests compare the kernels'
 outputs with the reference on both, and these compare the two forms directly, bit for bit, on inputs that cover
 every selector nibble and the bf16 values that matter for a max (NaN, +-Inf, +-0, subnormals).
@@ -33,6 +34,13 @@ if HAS_TRITON:
         o = tl.arange(0, NB)[None, :]
         tl.store(hw_ptr + o, f.block_amax(w, 0, True))
         tl.store(emu_ptr + o, f.block_amax(w, 0, False))
+
+    @triton.jit
+    def _recip_both(x_ptr, hw_ptr, emu_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        x = tl.load(x_ptr + i)
+        tl.store(hw_ptr + i, f.recip_rn(x, True))
+        tl.store(emu_ptr + i, f.recip_rn(x, False))
 
 
 pytestmark = [needs_cuda, pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="GPU-only instructions")]
@@ -71,3 +79,19 @@ def test_packed_bf16_block_amax_matches_fp32_max():
     assert torch.equal(torch.isnan(hw), torch.isnan(emu)) and bool(torch.isnan(hw[0, 0]))
     both = ~torch.isnan(hw)
     assert torch.equal(hw[both].view(torch.int32), emu[both].view(torch.int32))
+
+
+def test_recip_matches_the_correctly_rounded_reciprocal():
+    """Every positive E4M3 value (the kernels' divisors), both ends of the documented exponent range -124..124 and
+    random significands across it: the same bits as IEEE 1 / x computed on the CPU, and as ``tl.div_rn``."""
+    gen = torch.Generator().manual_seed(2)
+    e4m3 = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    ends = torch.tensor([2.0 ** -124, 2.0 ** 124 * (2 - 2.0 ** -23), 1.0, 1.5, 3.0, 448.0])
+    rnd = (1 + torch.rand(4096 - len(e4m3) - len(ends), generator=gen)) * 2.0 ** torch.randint(
+        -124, 125, (4096 - len(e4m3) - len(ends),), generator=gen).float()
+    x = torch.cat([e4m3, ends, rnd]).float()
+    hw, emu = (torch.empty_like(x, device=DEVICE) for _ in range(2))
+    _recip_both[(1,)](x.to(DEVICE), hw, emu, N=x.numel())
+    want = (1.0 / x.double()).float()  # fp64 then fp32 rounding: innocuous for fp32 operands (53 >= 2 * 24 + 2)
+    assert torch.equal(hw.cpu().view(torch.int32), want.view(torch.int32))
+    assert torch.equal(emu.cpu().view(torch.int32), want.view(torch.int32))
