@@ -1,7 +1,7 @@
 """Cross-compile the quantize and dequantize pair kernels for sm_90 (no GPU needed): registers, spills, SASS.
 
-For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact + dequant, RNE
-fake-quant + STE mask; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax; MXFP4 to bf16) at the
+For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact and full + dequant,
+RNE fake-quant + STE mask; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax; MXFP4 to bf16) at the
 launch configs of ``quant_triton.CONFIG`` (``quant_pair_triton.config_name``; "dequant", "dequant_mxfp4"), with
 their "max_registers" and "programs_per_sm": ``ptxas -v`` gives registers per thread and spill bytes,
 ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static count,
@@ -33,6 +33,8 @@ OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ
     "quantize_nvfp4_row+record(index path)": (0, 2, True, True, True, False, False, False),
     "guided_compact+dequant": (2, 3, False, False, False, True, False, True),
     "guided_compact+dequant(index path)": (2, 3, False, False, False, True, False, False),
+    "guided_full+dequant": (1, 3, False, False, False, True, False, True),
+    "guided_full+dequant(index path)": (1, 3, False, False, False, True, False, False),
     "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True, True),
     "fake_quant_rne+ste_mask(index path)": (0, 2, False, False, False, True, True, False),
 }

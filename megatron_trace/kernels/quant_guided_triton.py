@@ -56,6 +56,16 @@ def mag_to_index(m):
 
 
 @triton.jit
+def _directed_sums(z, nz):
+    """(t_dn, t_up, c, bits of c) of ``toward_bit_hw``: a = min(|z|, 6) plus C rounded down and up."""
+    ab = tl.where(nz, tl.maximum(tl.minimum(tl.abs(z), 6.0).to(tl.int32, bitcast=True), 0x800000), 0)  # bits of a
+    a = ab.to(tl.float32, bitcast=True)
+    cb = tl.maximum(ab & 0x7F800000, _ONE) + 0x0B000000
+    c = cb.to(tl.float32, bitcast=True)
+    return libdevice.add_rd(a, c), libdevice.add_ru(a, c), c, cb
+
+
+@triton.jit
 def toward_bit_hw(z, g16, j, nz):
     """``toward_bit`` on the GPU by two directed roundings (fp32 magnitude out, z: the quotient; the record's bit:
     bit j of g16; nz: z != 0).
@@ -66,25 +76,49 @@ def toward_bit_hw(z, g16, j, nz):
     is the parity of its count (0.5: 1), which is bit 0 of the sum's bits: the sum whose bit 0 is the record's
     bit is the one rounded toward. The sum's bit 0 is moved to the record bit's place j (one shift, none for
     j = 0), not each record bit to a common place."""
-    ab = tl.where(nz, tl.maximum(tl.minimum(tl.abs(z), 6.0).to(tl.int32, bitcast=True), 0x800000), 0)  # bits of a
-    a = ab.to(tl.float32, bitcast=True)
-    c = (tl.maximum(ab & 0x7F800000, _ONE) + 0x0B000000).to(tl.float32, bitcast=True)
-    t_dn = libdevice.add_rd(a, c)
-    t_up = libdevice.add_ru(a, c)
+    t_dn, t_up, c, _ = _directed_sums(z, nz)
     up = (((t_dn.to(tl.int32, bitcast=True) << j) ^ g16) & (1 << j)) != 0
     return tl.where(up, t_up, t_dn) - c
+
+
+@triton.jit
+def toward_code(u, ri, same, nz):
+    """fp32 bits (int32) of the E2M1 magnitude that ``rounding.guided_full`` picks for u = bits of min(|z|, 6): the
+    point above u when the rollout's code has z's sign (same) and a larger magnitude index ri than the point
+    below (only then is the point above the nearer), else the point below; nz: z != 0 (int1)."""
+    nmask = tl.where(u >= _ONE, 0x3FFFFF, 0x7FFFFF)  # bits below the grid step, as in ``toward_bit``
+    small = u < _HALF
+    dn = tl.where(small, 0, u & ~nmask)
+    up = tl.where(small, tl.where(nz, _HALF, 0), (u + nmask) & ~nmask)
+    return tl.where(same & (ri > mag_to_index(dn)), up, dn)
+
+
+@triton.jit
+def toward_code_hw(z, ri, same, nz):
+    """``toward_code`` on the GPU (fp32 magnitude out, z: the quotient): the directed sums of ``toward_bit_hw``;
+    the index of the point below is the sum's count of grid steps above C plus C's first index,
+    bits(t_dn) - bits(C) + (bits(C) >> 22) - 298 (C = 2**22, 2**23, 2**24: first index 0, 4, 6)."""
+    t_dn, t_up, c, cb = _directed_sums(z, nz)
+    fl = t_dn.to(tl.int32, bitcast=True) - cb + (cb >> 22) - 298
+    return tl.where(same & (ri > fl), t_up, t_dn) - c
+
+
+@triton.jit
+def _quotient(x, s3, den3, rb3, nz_thr, FAST_DIV: tl.constexpr):
+    """(z = x * S_enc / sf, z != 0 exactly) for fp32 x [BM, NBT, P]; rb3 = 0 where sf = 0 (z = 0)."""
+    a = x * s3
+    if FAST_DIV:
+        z = f.markstein(a, -den3, rb3)  # +-0 where rb3 = 0
+    else:
+        z = tl.where(rb3 != 0.0, tl.div_rn(a, den3), 0.0)
+    return z, ~(tl.abs(a) <= nz_thr)  # |a| > RD(sf * 2**-150): RN(a / sf) != 0 (or NaN)
 
 
 @triton.jit
 def _half(x, s3, den3, rb3, g16, j, nz_thr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
     """(magnitude as fp32, |z| <= 6) of one element of each pair (fp32 x [BM, NBT, P]); rb3 = 0 where sf = 0; the
     record's bit of each element: bit j of g16."""
-    a = x * s3
-    if FAST_DIV:
-        z = f.markstein(a, -den3, rb3)  # +-0 where rb3 = 0
-    else:
-        z = tl.where(rb3 != 0.0, tl.div_rn(a, den3), 0.0)
-    nz = ~(tl.abs(a) <= nz_thr)  # |a| > RD(sf * 2**-150): RN(a / sf) != 0 (or NaN)
+    z, nz = _quotient(x, s3, den3, rb3, nz_thr, FAST_DIV)
     if HW:
         m = toward_bit_hw(z, g16, j, nz)
         inside = tl.abs(z) <= 6.0
@@ -93,6 +127,25 @@ def _half(x, s3, den3, rb3, g16, j, nz_thr, FAST_DIV: tl.constexpr, HW: tl.const
         m = toward_bit(tl.minimum(za, _MAG_6), g16 << (22 - j), nz).to(tl.float32, bitcast=True)
         inside = za <= _MAG_6
     return m, inside
+
+
+@triton.jit
+def _half_full(x, s3, den3, rb3, r, xneg, nz_thr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
+    """(magnitude as fp32, |z| <= 6, code sign 8 or 0) of one element of each pair for full guidance: r, the
+    rollout's code in bits 0-3 (higher bits ignored); xneg, z's sign (8 where x < 0 and sf > 0). A zero result
+    takes the rollout's sign where the rollout's code is a zero too (``rounding.guided_full`` keeps its code)."""
+    z, nz = _quotient(x, s3, den3, rb3, nz_thr, FAST_DIV)
+    ri = r & 7
+    same = ((r ^ xneg) & 8) == 0
+    if HW:
+        m = toward_code_hw(z, ri, same, nz)
+        inside = tl.abs(z) <= 6.0
+    else:
+        za = z.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        m = toward_code(tl.minimum(za, _MAG_6), ri, same, nz).to(tl.float32, bitcast=True)
+        inside = za <= _MAG_6
+    neg = tl.where((m == 0.0) & (ri == 0), r & 8, xneg)
+    return m, inside, neg
 
 
 @triton.jit
@@ -120,22 +173,75 @@ def _block_consts(sf, s3, FAST_DIV: tl.constexpr, BF16: tl.constexpr, HW: tl.con
 
 
 @triton.jit
-def guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT: tl.constexpr, HW: tl.constexpr):
-    """The record's block scale bytes and 16 mantissa bits per block of blocks [kt*NBT, (kt+1)*NBT), as int32
-    [BM, NBT] each (0 out of bounds): ``guided_compact_tile``'s inputs, loaded apart so that a caller can issue
-    them ahead (``quant_pair_triton``'s prefetching loop). On the GPU ``triton_fp4.load_nc`` lays them out as
-    their users are: no shared-memory exchange."""
+def guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT: tl.constexpr, FULL: tl.constexpr, HW: tl.constexpr):
+    """The record's block scale bytes and, per block, its 16 mantissa bits (int32) or, FULL, its 16 codes (the
+    block's 8 code bytes as one int64) of blocks [kt*NBT, (kt+1)*NBT), as [BM, NBT] each (0 out of bounds): the
+    guided tiles' inputs, loaded apart so that a caller can issue them ahead (``quant_pair_triton``'s prefetching
+    loop). On the GPU ``triton_fp4.load_nc`` lays them out as their users are: no shared-memory exchange."""
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
     bm2 = rmask[:, None] & (blk < NB)
     sidx = rows[:, None] * NB + blk
     if HW:
         sfb = f.load_nc(s_in_ptr + sidx, bm2, 8)
-        g16 = f.load_nc(gc_ptr + sidx * 2, bm2, 16)
     else:
         sfb = tl.load(s_in_ptr + sidx, mask=bm2, other=0).to(tl.int32)
-        g16 = (tl.load(gc_ptr + sidx * 2, mask=bm2, other=0).to(tl.int32)
-               | (tl.load(gc_ptr + sidx * 2 + 1, mask=bm2, other=0).to(tl.int32) << 8))
-    return sfb, g16
+    if FULL:
+        cptr = (gc_ptr + sidx * 8).to(tl.pointer_type(tl.int64))
+        g = f.load_nc(cptr, bm2, 64) if HW else tl.load(cptr, mask=bm2, other=0)
+    elif HW:
+        g = f.load_nc(gc_ptr + sidx * 2, bm2, 16)
+    else:
+        g = (tl.load(gc_ptr + sidx * 2, mask=bm2, other=0).to(tl.int32)
+             | (tl.load(gc_ptr + sidx * 2 + 1, mask=bm2, other=0).to(tl.int32) << 8))
+    return sfb, g
+
+
+@triton.jit
+def _block_setup(sfb, HW: tl.constexpr):
+    """Per block [BM, NBT] from the record's scale bytes: sf, sf > 0, and as [BM, NBT, 1] the divisor (1 where
+    sf = 0), RN(1 / sf) (0 where sf = 0) and RD(sf * 2**-150) (+Inf where sf = 0: z = 0)."""
+    if HW:  # the GPU's E4M3 conversion
+        sf = sfb.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        sf = f.e4m3_value(sfb)
+    ok = sf > 0.0
+    den = tl.where(ok, sf, 1.0)
+    rb3 = tl.where(ok, f.recip_rn(den, HW), 0.0)[:, :, None]
+    # RD(sf * 2**-150), a subnormal: its bits are floor(sf / 2) (a multiple of 2**-149 exceeds sf * 2**-150 just
+    # when it exceeds that)
+    nz_thr = tl.where(ok, (sf * 0.5).to(tl.int32).to(tl.float32, bitcast=True), float("inf"))[:, :, None]
+    return sf, ok, den[:, :, None], rb3, nz_thr
+
+
+@triton.jit
+def _outputs(ml, mh, in_l, in_h, nl, nh, sw, w, sf, s3, kt, rows, rmask, m3, blk, NB, codes_ptr, deq_ptr, mask_ptr,
+             XDT: tl.constexpr, P: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
+             WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
+    """The guided tiles' outputs from the chosen magnitudes ml, mh (fp32) of a pair tile: codes (signs nl, nh: 8
+    or 0), the dequantized words (bf16 pairs: signs sw at bits 15 and 31, None: x's words', +0 where the block
+    scale is 0; fp32: nl, nh) and the STE mask."""
+    p = tl.arange(0, P)[None, None, :]
+    woff = rows[:, None, None] * (NB * P) + blk[:, :, None] * P + p
+    if WRITE_CODES:
+        cl = mag_to_index(ml.to(tl.int32, bitcast=True)) | nl
+        ch = mag_to_index(mh.to(tl.int32, bitcast=True)) | nh
+        tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
+    if WRITE_DEQ:
+        d1, d3 = _block_consts(sf, s3, FAST_DIV, XDT == 0, HW)
+        dd = (d3 - d1) * 2.0
+        vl, vh = deq_mag(ml, d1, dd), deq_mag(mh, d1, dd)
+        if XDT == 0:  # bf16 pair: the high halves and the signs
+            if sw is None:
+                sw = w.to(tl.int32, bitcast=True) & tl.where(sf > 0.0, -2147450880, 0)[:, :, None]
+            word = f.high_halves(vl, vh, HW) | sw
+        else:  # fp32 pair (uint64 word)
+            sl, sh = (vl | (nl << 28)).to(tl.float32, bitcast=True), (vh | (nh << 28)).to(tl.float32, bitcast=True)
+            word = f.pair(sl, sh, 2, True)
+        f.store_words(deq_ptr, rows, rmask, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True), NBT, P,
+                      True)
+    if WRITE_MASK:
+        mk = in_l.to(tl.uint16) | (in_h.to(tl.uint16) << 8)
+        f.store_words(mask_ptr, rows, rmask, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, True)
 
 
 @triton.jit
@@ -144,46 +250,40 @@ def guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_p
                         WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
                         HW: tl.constexpr):
     """``quant_pair_triton._pair_tile`` for GUIDED_COMPACT NVFP4 with bf16 or fp32 x (see the module docstring);
-    sfb, g16: ``guided_loads`` of the same blocks."""
+    sfb, g16: ``guided_loads`` of the same blocks. Signs are x's (+0 where the block scale is 0)."""
     lo, hi = f.unpair(w, XDT)
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
-    if HW:  # the GPU's E4M3 conversion
-        sf = sfb.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        sf = f.e4m3_value(sfb)  # [BM, NBT]
-    g16 = g16[:, :, None]
-    ok = sf > 0.0
-    den = tl.where(ok, sf, 1.0)
-    den3 = den[:, :, None]
-    rb3 = tl.where(ok, f.recip_rn(den, HW), 0.0)[:, :, None]
-    # RD(sf * 2**-150), a subnormal: its bits are floor(sf / 2) (a multiple of 2**-149 exceeds sf * 2**-150 just
-    # when it exceeds that); sf = 0: z = 0
-    nz_thr = tl.where(ok, (sf * 0.5).to(tl.int32).to(tl.float32, bitcast=True), float("inf"))[:, :, None]
+    sf, ok, den3, rb3, nz_thr = _block_setup(sfb, HW)
     p = tl.arange(0, P)[None, None, :]
     s3 = s_b[:, :, None]
-    ml, in_l = _half(lo, s3, den3, rb3, g16, 2 * p, nz_thr, FAST_DIV, HW)
-    mh, in_h = _half(hi, s3, den3, rb3, g16, 2 * p + 1, nz_thr, FAST_DIV, HW)
-    woff = rows[:, None, None] * (NB * P) + blk[:, :, None] * P + p
+    ml, in_l = _half(lo, s3, den3, rb3, g16[:, :, None], 2 * p, nz_thr, FAST_DIV, HW)
+    mh, in_h = _half(hi, s3, den3, rb3, g16[:, :, None], 2 * p + 1, nz_thr, FAST_DIV, HW)
     sgn = tl.where(ok, 8, 0)[:, :, None]
-    if WRITE_CODES:
-        cl = mag_to_index(ml.to(tl.int32, bitcast=True)) | ((lo.to(tl.int32, bitcast=True) >> 28) & sgn)
-        ch = mag_to_index(mh.to(tl.int32, bitcast=True)) | ((hi.to(tl.int32, bitcast=True) >> 28) & sgn)
-        tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
-    if WRITE_DEQ:
-        d1, d3 = _block_consts(sf, s3, FAST_DIV, XDT == 0, HW)
-        dd = (d3 - d1) * 2.0
-        vl, vh = deq_mag(ml, d1, dd), deq_mag(mh, d1, dd)
-        if XDT == 0:  # bf16 pair: the high halves, the signs of x's word (+0 where the block scale is 0)
-            smask = tl.where(ok, -2147450880, 0)[:, :, None]  # 0x80008000: both sign bits
-            word = f.high_halves(vl, vh, HW) | (w.to(tl.int32, bitcast=True) & smask)
-            f.store_words(deq_ptr, rows, rmask, kt, NB * P, word.to(deq_ptr.dtype.element_ty, bitcast=True),
-                          NBT, P, True)
-        else:  # fp32 pair (uint64 word)
-            sl = lo.to(tl.int32, bitcast=True) & (sgn << 28)
-            sh = hi.to(tl.int32, bitcast=True) & (sgn << 28)
-            words = f.pair((vl | sl).to(tl.float32, bitcast=True), (vh | sh).to(tl.float32, bitcast=True), 2, True)
-            f.store_words(deq_ptr, rows, rmask, kt, NB * P, words.to(deq_ptr.dtype.element_ty, bitcast=True),
-                          NBT, P, True)
-    if WRITE_MASK:
-        mk = in_l.to(tl.uint16) | (in_h.to(tl.uint16) << 8)
-        f.store_words(mask_ptr, rows, rmask, kt, NB * P, mk.to(tl.int16, bitcast=True), NBT, P, True)
+    nl = (lo.to(tl.int32, bitcast=True) >> 28) & sgn
+    nh = (hi.to(tl.int32, bitcast=True) >> 28) & sgn
+    _outputs(ml, mh, in_l, in_h, nl, nh, None, w, sf, s3, kt, rows, rmask, m3, blk, NB, codes_ptr, deq_ptr, mask_ptr,
+             XDT, P, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW)
+
+
+@triton.jit
+def guided_full_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g64, codes_ptr, deq_ptr, mask_ptr,
+                     XDT: tl.constexpr, P: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
+                     WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
+    """``guided_compact_tile`` for GUIDED_FULL: sfb, g64 (a block's 8 code bytes, byte i = codes 2i, 2i + 1 in
+    its low, high nibble): ``guided_loads(FULL)`` of the same blocks. Each element's rollout code comes from the
+    block's code words by one shift (its byte) and the picks of ``toward_code``."""
+    lo, hi = f.unpair(w, XDT)
+    blk = kt * NBT + tl.arange(0, NBT)[None, :]
+    sf, ok, den3, rb3, nz_thr = _block_setup(sfb, HW)
+    p = tl.arange(0, P)[None, None, :]
+    s3 = s_b[:, :, None]
+    g3 = g64[:, :, None]
+    r = tl.where(p < 4, g3, g3 >> 32).to(tl.int32) >> (8 * (p % 4))  # byte p of the block's codes, in bits 0-7
+    sgn = tl.where(ok, 8, 0)[:, :, None]
+    ml, in_l, nl = _half_full(lo, s3, den3, rb3, r, (lo.to(tl.int32, bitcast=True) >> 28) & sgn, nz_thr,
+                              FAST_DIV, HW)
+    mh, in_h, nh = _half_full(hi, s3, den3, rb3, r >> 4, (hi.to(tl.int32, bitcast=True) >> 28) & sgn, nz_thr,
+                              FAST_DIV, HW)
+    sw = (nl << 12) | (nh << 28)  # bf16 words' sign bits 15 and 31
+    _outputs(ml, mh, in_l, in_h, nl, nh, sw, w, sf, s3, kt, rows, rmask, m3, blk, NB, codes_ptr, deq_ptr, mask_ptr,
+             XDT, P, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW)

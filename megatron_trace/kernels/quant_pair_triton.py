@@ -21,7 +21,7 @@ from . import quant_guided_triton as qg
 from . import quant_rne_triton as qr
 from . import quant_triton as qk
 from . import triton_fp4 as f
-from .quant_triton import G_NONE, G_ROW_COMPUTE, G_ROW_GIVEN, G_SCALAR, GUIDED_COMPACT, RNE, _block_scales
+from .quant_triton import G_NONE, G_ROW_COMPUTE, G_ROW_GIVEN, G_SCALAR, GUIDED_COMPACT, GUIDED_FULL, RNE, _block_scales
 
 
 @triton.jit
@@ -155,9 +155,9 @@ def pair_kernel(
     if EVEN_K:
         NB = NUM_KT * NBT
     P: tl.constexpr = B // 2
-    GUIDED_LOADS: tl.constexpr = BY_MAG and MODE == GUIDED_COMPACT  # the guided tile by magnitudes: whole blocks
+    GUIDED_LOADS: tl.constexpr = MODE if BY_MAG else 0  # the guided mode of a tile by magnitudes: whole blocks
     # whole blocks per thread also for RNE codes of bf16 rows without a dequantized output: their code words
-    WHOLE: tl.constexpr = GUIDED_LOADS or (BY_MAG and MODE == RNE and XDT == 0 and not WRITE_DEQ
+    WHOLE: tl.constexpr = GUIDED_LOADS != 0 or (BY_MAG and MODE == RNE and XDT == 0 and not WRITE_DEQ
                                            and not WRITE_MASK)
     pid = tl.program_id(0)
     rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -248,9 +248,10 @@ def _prefetch_step(w, wcol, sfb, g16, g1, grp, nprog, xw_ptr, x_ptr, M, stride_w
 @triton.jit
 def _guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT: tl.constexpr, GUIDED_LOADS: tl.constexpr,
                   HW: tl.constexpr):
-    """``quant_guided_triton.guided_loads`` where the guided tile by magnitudes runs, else zeros (unused)."""
-    if GUIDED_LOADS:
-        return qg.guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT, HW)
+    """``quant_guided_triton.guided_loads`` where a guided tile by magnitudes runs (GUIDED_LOADS: its mode, else
+    0), else zeros (unused)."""
+    if GUIDED_LOADS != RNE:
+        return qg.guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT, GUIDED_LOADS == GUIDED_FULL, HW)
     else:
         z = tl.zeros([rows.shape[0], NBT], tl.int32)
         return z, z
@@ -328,6 +329,9 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
             qr.rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
                         mask_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
                         FAST_DIV, HW_CVT)
+        elif BY_MAG and MODE == GUIDED_FULL:
+            qg.guided_full_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_ptr, deq_ptr, mask_ptr, XDT,
+                                B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
         elif BY_MAG:
             qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_ptr, deq_ptr, mask_ptr, XDT,
                                    B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
@@ -400,21 +404,21 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
 
 
 def config_name(fmt, mode, deq: bool) -> str:
-    """``quant_triton.CONFIG``'s entry for ``pair_kernel``: "pair_mxfp4", "pair_guided" (NVFP4 guided compact
-    rounding: TRACE's fake-quant forward), "pair_fake" (NVFP4 RNE with a dequantized output: plain QAT's) or
+    """``quant_triton.CONFIG``'s entry for ``pair_kernel``: "pair_mxfp4", "pair_guided" (NVFP4 guided rounding:
+    TRACE's fake-quant forward), "pair_fake" (NVFP4 RNE with a dequantized output: plain QAT's) or
     "pair" (the other NVFP4 calls: quantize, record, the FP4 KV cache's writes)."""
     if int(fmt) != 0:
         return "pair_mxfp4"
-    if int(mode) == int(GUIDED_COMPACT):
+    if int(mode) != int(RNE):
         return "pair_guided"
     return "pair_fake" if deq and int(mode) == int(RNE) else "pair"
 
 
 def _by_magnitude(mode, fmt, xdt, write_bits) -> bool:
     """Whether ``pair_kernel`` takes a tile by fp32 magnitudes: RNE (``quant_triton.RNE_BY_MAGNITUDE``) or guided
-    compact without bits (``GUIDED_BY_MAGNITUDE``), NVFP4, bf16/fp32 x."""
+    (compact or full) without bits (``GUIDED_BY_MAGNITUDE``), NVFP4, bf16/fp32 x."""
     if int(fmt) != 0 or xdt == 1:
         return False
     if int(mode) == int(RNE):
         return bool(qk.RNE_BY_MAGNITUDE)
-    return bool(qk.GUIDED_BY_MAGNITUDE and int(mode) == int(GUIDED_COMPACT) and not write_bits)
+    return bool(qk.GUIDED_BY_MAGNITUDE and not write_bits)

@@ -267,15 +267,20 @@ def store_words(ptr, rows, rmask, kt, NW, words, NBT: tl.constexpr, P: tl.conste
 
 @triton.jit
 def load_nc(ptr, mask, BITS: tl.constexpr):
-    """GPU: an unsigned BITS-bit (8 or 16) read-only load per element as int32 (0 where masked off), by inline
-    PTX. Unlike ``tl.load`` it is laid out as its users are, so per-block values loaded next to a tile need no
-    layout conversion through shared memory."""
-    if BITS == 8:
-        asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u8 $0, [$1]; }"
+    """GPU: an unsigned BITS-bit (8, 16 or 64) read-only load per element as int32 (int64 for 64; 0 where masked
+    off), by inline PTX. Unlike ``tl.load`` it is laid out as its users are, so per-block values loaded next to a
+    tile need no layout conversion through shared memory."""
+    if BITS == 64:
+        asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b64 $0, 0; @p ld.global.nc.u64 $0, [$1]; }"
+        out = tl.inline_asm_elementwise(asm, "=l,l,r", [ptr.to(tl.int64, bitcast=True), mask.to(tl.int32)],
+                                        dtype=tl.int64, is_pure=True, pack=1)
     else:
-        asm: tl.constexpr = "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc.u16 $0, [$1]; }"
-    return tl.inline_asm_elementwise(asm, "=r,l,r", [ptr.to(tl.int64, bitcast=True), mask.to(tl.int32)],
-                                     dtype=tl.int32, is_pure=True, pack=1)
+        U: tl.constexpr = "u8" if BITS == 8 else "u16"
+        asm: tl.constexpr = ("{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.nc." + U
+                             + " $0, [$1]; }")
+        out = tl.inline_asm_elementwise(asm, "=r,l,r", [ptr.to(tl.int64, bitcast=True), mask.to(tl.int32)],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    return out
 
 
 @triton.jit
