@@ -82,25 +82,26 @@ def toward_bit_hw(z, g16, j, nz):
 
 
 @triton.jit
-def toward_code(u, ri, same, nz):
+def toward_code(u, key, nz):
     """fp32 bits (int32) of the E2M1 magnitude that ``rounding.guided_full`` picks for u = bits of min(|z|, 6): the
-    point above u when the rollout's code has z's sign (same) and a larger magnitude index ri than the point
-    below (only then is the point above the nearer), else the point below; nz: z != 0 (int1)."""
+    point above u when the rollout's code has z's sign and a larger magnitude index than the point below (only
+    then is the point above the nearer), else the point below. key: 8 + the rollout's index where the signs agree,
+    else its index (``_full_keys``), so one comparison with the index below + 8 decides; nz: z != 0 (int1)."""
     nmask = tl.where(u >= _ONE, 0x3FFFFF, 0x7FFFFF)  # bits below the grid step, as in ``toward_bit``
     small = u < _HALF
     dn = tl.where(small, 0, u & ~nmask)
     up = tl.where(small, tl.where(nz, _HALF, 0), (u + nmask) & ~nmask)
-    return tl.where(same & (ri > mag_to_index(dn)), up, dn)
+    return tl.where(key > mag_to_index(dn) + 8, up, dn)
 
 
 @triton.jit
-def toward_code_hw(z, ri, same, nz):
+def toward_code_hw(z, key, nz):
     """``toward_code`` on the GPU (fp32 magnitude out, z: the quotient): the directed sums of ``toward_bit_hw``;
     the index of the point below is the sum's count of grid steps above C plus C's first index,
     bits(t_dn) - bits(C) + (bits(C) >> 22) - 298 (C = 2**22, 2**23, 2**24: first index 0, 4, 6)."""
     t_dn, t_up, c, cb = _directed_sums(z, nz)
-    fl = t_dn.to(tl.int32, bitcast=True) - cb + (cb >> 22) - 298
-    return tl.where(same & (ri > fl), t_up, t_dn) - c
+    fl8 = t_dn.to(tl.int32, bitcast=True) - cb + (cb >> 22) - 290  # the index below + 8
+    return tl.where(key > fl8, t_up, t_dn) - c
 
 
 @triton.jit
@@ -130,22 +131,17 @@ def _half(x, s3, den3, rb3, g16, j, nz_thr, FAST_DIV: tl.constexpr, HW: tl.const
 
 
 @triton.jit
-def _half_full(x, s3, den3, rb3, r, xneg, nz_thr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
-    """(magnitude as fp32, |z| <= 6, code sign 8 or 0) of one element of each pair for full guidance: r, the
-    rollout's code in bits 0-3 (higher bits ignored); xneg, z's sign (8 where x < 0 and sf > 0). A zero result
-    takes the rollout's sign where the rollout's code is a zero too (``rounding.guided_full`` keeps its code)."""
+def _half_full(x, s3, den3, rb3, key, nz_thr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
+    """(magnitude as fp32, |z| <= 6) of one element of each pair for full guidance (key: ``toward_code``'s)."""
     z, nz = _quotient(x, s3, den3, rb3, nz_thr, FAST_DIV)
-    ri = r & 7
-    same = ((r ^ xneg) & 8) == 0
     if HW:
-        m = toward_code_hw(z, ri, same, nz)
+        m = toward_code_hw(z, key, nz)
         inside = tl.abs(z) <= 6.0
     else:
         za = z.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        m = toward_code(tl.minimum(za, _MAG_6), ri, same, nz).to(tl.float32, bitcast=True)
+        m = toward_code(tl.minimum(za, _MAG_6), key, nz).to(tl.float32, bitcast=True)
         inside = za <= _MAG_6
-    neg = tl.where((m == 0.0) & (ri == 0), r & 8, xneg)
-    return m, inside, neg
+    return m, inside
 
 
 @triton.jit
@@ -270,20 +266,41 @@ def guided_full_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g64, codes_ptr,
                      XDT: tl.constexpr, P: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr,
                      WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr, HW: tl.constexpr):
     """``guided_compact_tile`` for GUIDED_FULL: sfb, g64 (a block's 8 code bytes, byte i = codes 2i, 2i + 1 in
-    its low, high nibble): ``guided_loads(FULL)`` of the same blocks. Each element's rollout code comes from the
-    block's code words by one shift (its byte) and the picks of ``toward_code``."""
+    its low, high nibble): ``guided_loads(FULL)`` of the same blocks; the picks of ``toward_code``.
+
+    Signs: x's, except that a zero result takes the rollout's sign where the rollout's code is a zero too
+    (``rounding.guided_full`` keeps the rollout's code). For bf16 x both come from words: the pair's code byte
+    times 0x01001000 puts the two codes at bits 12-15 and 28-31, under the bf16 signs of x's word."""
     lo, hi = f.unpair(w, XDT)
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
     sf, ok, den3, rb3, nz_thr = _block_setup(sfb, HW)
     p = tl.arange(0, P)[None, None, :]
     s3 = s_b[:, :, None]
     g3 = g64[:, :, None]
-    r = tl.where(p < 4, g3, g3 >> 32).to(tl.int32) >> (8 * (p % 4))  # byte p of the block's codes, in bits 0-7
-    sgn = tl.where(ok, 8, 0)[:, :, None]
-    ml, in_l, nl = _half_full(lo, s3, den3, rb3, r, (lo.to(tl.int32, bitcast=True) >> 28) & sgn, nz_thr,
-                              FAST_DIV, HW)
-    mh, in_h, nh = _half_full(hi, s3, den3, rb3, r >> 4, (hi.to(tl.int32, bitcast=True) >> 28) & sgn, nz_thr,
-                              FAST_DIV, HW)
-    sw = (nl << 12) | (nh << 28)  # bf16 words' sign bits 15 and 31
+    r = (tl.where(p < 4, g3, g3 >> 32).to(tl.int32) >> (8 * (p % 4))) & 0xFF  # the pair's code byte
+    if XDT == 0:
+        rw = r.to(tl.uint32) * 0x01001000  # codes at bits 12-15 (even element), 28-31 (odd)
+        sbits = tl.full([1, 1, 1], 0x80008000, tl.uint32)
+        agree = rw ^ (w & sbits) ^ sbits  # the codes, with bits 15, 31 set where the code's sign is x's
+        key_l, key_h = ((agree >> 12) & 15).to(tl.int32), (agree >> 28).to(tl.int32)
+    else:
+        xl = (lo.to(tl.int32, bitcast=True) >> 28) & 8
+        xh = (hi.to(tl.int32, bitcast=True) >> 28) & 8
+        key_l, key_h = (r ^ xl ^ 8) & 15, ((r >> 4) ^ xh ^ 8) & 15
+    ml, in_l = _half_full(lo, s3, den3, rb3, key_l, nz_thr, FAST_DIV, HW)
+    mh, in_h = _half_full(hi, s3, den3, rb3, key_h, nz_thr, FAST_DIV, HW)
+    if XDT == 0:
+        # bits 15, 31 of t: the result is not a zero under a rollout zero (its magnitude or the code's index is
+        # nonzero: 15-bit halves plus 0x7FFF carry into bit 15 / 31), so the sign is x's (+0 where sf = 0)
+        t = (f.high_halves(ml.to(tl.int32, bitcast=True), mh.to(tl.int32, bitcast=True), HW)
+             | (rw & 0x70007000).to(tl.int32, bitcast=True)) + 0x7FFF7FFF
+        xs = w.to(tl.int32, bitcast=True) & tl.where(ok, -2147450880, 0)[:, :, None]  # x's signs (0x80008000)
+        sw = ((xs & t) | (rw.to(tl.int32, bitcast=True) & ~t)) & -2147450880
+        nl, nh = (sw >> 12) & 8, (sw >> 28) & 8
+    else:
+        sgn = tl.where(ok, 8, 0)[:, :, None]
+        nl = tl.where((ml == 0.0) & ((key_l & 7) == 0), r & 8, xl & sgn)
+        nh = tl.where((mh == 0.0) & ((key_h & 7) == 0), (r >> 4) & 8, xh & sgn)
+        sw = 0
     _outputs(ml, mh, in_l, in_h, nl, nh, sw, w, sf, s3, kt, rows, rmask, m3, blk, NB, codes_ptr, deq_ptr, mask_ptr,
              XDT, P, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW)

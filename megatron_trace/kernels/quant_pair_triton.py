@@ -95,8 +95,8 @@ def _pair_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, gc_ptr, cod
     if WRITE_CODES:
         coff = orows[:, None, None] * (NB * P) + blk[:, :, None] * P + tl.arange(0, P)[None, None, :]
         tl.store(codes_ptr + coff, (cl | (ch << 4)).to(tl.uint8), mask=m3)
-    if WRITE_SCALES:
-        tl.store(scales_ptr + orows[:, None] * NB + blk, byte, mask=rmask[:, None] & bmask)
+    if WRITE_SCALES:  # (by the GPU's byte stores, in the layout of the blocks: no exchange through shared memory)
+        f.store_u8(scales_ptr + orows[:, None] * NB + blk, byte, rmask[:, None] & bmask, HW_CVT)
     if WRITE_BITS:
         qr.store_bits(il, ih, bits_ptr, rows, rmask, blk, bmask, NB, P, NBT)
     if WRITE_DEQ:
