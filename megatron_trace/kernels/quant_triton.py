@@ -285,7 +285,7 @@ FAST_DIV = True
 """Divide by the per-block scale with a reciprocal + one Markstein step (IEEE division only on rare tiles)."""
 
 CONFIG = {"pair": {"tile": 2048, "num_warps": 1}, "pair_guided": {"tile": 2048, "num_warps": 4},
-          "pair_fake": {"tile": 2048, "num_warps": 2}, "pair_mxfp4": {"tile": 4096, "num_warps": 4},
+          "pair_fake": {"tile": 2048, "num_warps": 2}, "pair_mxfp4": {"tile": 4096, "num_warps": 2},
           "elem": {"tile": TILE, "num_warps": 4}, "dequant": {"tile": 16384, "num_warps": 8},
           "dequant_mxfp4": {"tile": 16384, "num_warps": 8}}
 """Launch configs (elements per program tile, warps) of ``pair_kernel`` (NVFP4; NVFP4 guided compact rounding;
@@ -297,10 +297,11 @@ issuing the next group's loads before rounding the current one (``PREFETCH``). S
 choices (BENCHMARKS.md): the prefetching grid took guided compact + dequant from 92.3 to 87.4-88.3 us in session 17,
 but with session 18's shorter tile (40 registers instead of 92) the plain grid is faster (84.7 against 90.6 us), so
 no config uses it; 2 warps take RNE fake-quant from 89.6 to 83.9 us and, with session 18's code words (whole blocks
-per thread), quantize + record from 64.6 to 61.0 us; at session 19's 40 registers 1 warp takes it from 53.8 to
-52.9 us (4 warps: 61.5). "pair_guided" also serves guided full rounding. ``benchmarks/bench_quant.py --sweep``
-times the alternatives (session 10: 2048 elements is 9% faster than 4096 for guided compact + dequant, 10% slower
-for MXFP4 quantize)."""
+per thread), quantize + record from 64.6 to 61.0 us. In session 19 (40 registers), 1 warp took quantize + record
+from 53.8 to 52.9 us (4 warps: 61.5) and 2 warps MXFP4 quantize from 58.6 to 54.1-54.5 (8 warps: 67.5; 8192
+elements: 55.0 at 4 warps, 62.2 at 2); "pair_guided" also serves guided full rounding (2 warps: 111.2 against
+110.1 us). ``benchmarks/bench_quant.py --sweep`` times the alternatives (session 10: 2048 elements is 9% faster
+than 4096 for guided compact + dequant, 10% slower for MXFP4 quantize)."""
 
 PAIR_KERNEL = True
 """Use ``pair_kernel`` / ``dequant_pair_kernel`` where they apply (K % block == 0, aligned rows).
