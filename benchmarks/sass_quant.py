@@ -1,12 +1,12 @@
 """Cross-compile the quantize and dequantize pair kernels for sm_90 (no GPU needed): registers, spills, SASS.
 
 For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact and full + dequant,
-RNE fake-quant + STE mask; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax; MXFP4 to bf16) at the
-launch configs of ``quant_triton.CONFIG`` (``quant_pair_triton.config_name``; "dequant", "dequant_mxfp4"), with
-their "max_registers" and "programs_per_sm": ``ptxas -v`` gives registers per thread and spill bytes,
-``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static count,
-not the instructions one program runs; ``--fast-path``: without the redo's branch, what a tile in range runs,
-still a static count); per element = that times 32 * num_warps / (BLOCK_M * K).
+RNE fake-quant + STE mask, MXFP4 quantize; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax; MXFP4 to
+bf16) at the launch configs of ``quant_triton.CONFIG`` (``quant_pair_triton.config_name``; "dequant",
+"dequant_mxfp4"), with their "max_registers" and "programs_per_sm": ``ptxas -v`` gives registers per thread and
+spill bytes, ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static
+count, not the instructions one program runs; ``--fast-path``: without the redo's branch, what a tile in range
+runs, still a static count); per element = that times 32 * num_warps / (BLOCK_M * K).
 ``python benchmarks/sass_quant.py [--k 2048] [--fast-path]`` prints one JSON row per op.
 """
 
@@ -28,7 +28,7 @@ from megatron_trace.kernels import dequant_triton as dq  # noqa: E402
 from megatron_trace.kernels import quant_pair_triton as qp  # noqa: E402
 from megatron_trace.kernels import quant_triton as qk  # noqa: E402
 
-OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK[, BY_MAG])
+OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK[, BY_MAG[, MXFP4]])
     "quantize_nvfp4_row+record": (0, 2, True, True, True, False, False, True),
     "quantize_nvfp4_row+record(index path)": (0, 2, True, True, True, False, False, False),
     "guided_compact+dequant": (2, 3, False, False, False, True, False, True),
@@ -37,6 +37,7 @@ OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ
     "guided_full+dequant(index path)": (1, 3, False, False, False, True, False, False),
     "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True, True),
     "fake_quant_rne+ste_mask(index path)": (0, 2, False, False, False, True, True, False),
+    "quantize_mxfp4": (0, 0, True, True, False, False, False, False, True),  # (no global amax, E8M0 scales)
 }
 DEQUANT_OPS = {  # op -> (ODT, BY_MAG[, MXFP4]): dequant_pair_kernel, NVFP4 with a per-row amax (G_ROW_GIVEN)
     "dequantize_nvfp4->bf16": (0, True),
@@ -51,12 +52,14 @@ _PTR_TYPES = {"xw_ptr": "*i32", "x_ptr": "*bf16", "g_ptr": "*fp32", "deq_ptr": "
 
 
 def compile_pair(op: str, k: int, fn=None):
-    mode, g_mode, wc, ws, wb, wd, wm, *by_mag = OPS[op]
-    cfg = qk.CONFIG[qp.config_name(0, mode, wd)]
-    bm, nbt, num_kt = qk.plan(k, 16, cfg["tile"])
-    const = dict(NUM_KT=num_kt, XDT=0, FMT=0, MODE=mode, G_MODE=g_mode, B=16, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
+    mode, g_mode, wc, ws, wb, wd, wm, *rest = OPS[op]
+    fmt = int(len(rest) > 1 and rest[1])
+    block = 32 if fmt else 16
+    cfg = qk.CONFIG[qp.config_name(fmt, mode, wd)]
+    bm, nbt, num_kt = qk.plan(k, block, cfg["tile"])
+    const = dict(NUM_KT=num_kt, XDT=0, FMT=fmt, MODE=mode, G_MODE=g_mode, B=block, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
                  WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,
-                 HW_CVT=True, BY_MAG=bool(by_mag and by_mag[0]), EVEN_K=True, OUT_ROWS=False,
+                 HW_CVT=True, BY_MAG=bool(rest and rest[0]), EVEN_K=True, OUT_ROWS=False,
                  PREFETCH=bool(cfg.get("programs_per_sm")) and num_kt == 1)
     return _compile(fn or qp.pair_kernel, const, _PTR_TYPES, cfg["num_warps"], cfg.get("max_registers")), bm
 

@@ -157,3 +157,19 @@ def test_guided_full_build_loads_a_code_word_per_block_and_rounds_by_directed_ad
     assert not [ln for ln in fast if "BAR.SYNC" in ln or "STS" in ln or "LDS" in ln]
     assert sum(".RM" in ln and "FADD" in ln for ln in fast) >= per_thread
     assert sass.ptxas_usage(kern.asm["ptx"])[1] == 0
+
+
+def test_mxfp4_quantize_stores_scale_bytes_in_place(bench_module):
+    """MXFP4 quantize (the pair kernel's index tile) stores each block's E8M0 byte by ``st.global.u8`` from the
+    thread that holds the block: its fast path has no barrier or shared-memory exchange (session 18's build moved
+    the bytes through shared memory behind a barrier)."""
+    sass = bench_module("sass_quant")
+    kern, block_m = sass.compile_pair("quantize_mxfp4", 2048)
+    lines = sass.sass(kern.asm["cubin"])
+    blocks_per_thread = block_m * 2048 // 32 // (32 * kern.metadata.num_warps)
+    # the fast path: from the exact-range branch (the tile's Inf check, two barriers, comes before it) to its EXIT
+    start = next(i for i, ln in enumerate(lines) if "BRA" in ln)
+    end = next(i for i, ln in enumerate(lines) if "EXIT" in ln and "@" not in ln)  # (the redo follows)
+    fast = lines[start: end + 1]
+    assert not [ln for ln in fast if "BAR.SYNC" in ln or "STS" in ln or "LDS" in ln]
+    assert sum("STG.E.U8" in ln for ln in fast) == blocks_per_thread
