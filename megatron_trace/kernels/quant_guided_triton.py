@@ -1,4 +1,5 @@
-"""Guided compact NVFP4 rounding of element pairs by magnitudes: the pair kernel's tile for ``GUIDED_COMPACT``.
+"""Guided NVFP4 rounding of element pairs by magnitudes: the pair kernel's tiles for ``GUIDED_COMPACT`` and
+``GUIDED_FULL`` (``guided_full_tile``: the same sums, the rollout's code picks between them).
 
 The trainer's fake-quant forward rounds toward the rollout's mantissa bits. ``quant_pair_triton._pair_tile`` finds
 an E2M1 index per element (``triton_fp4.compact_index``) and dequantizes it with a multiply and a division per
@@ -86,7 +87,7 @@ def toward_code(u, key, nz):
     """fp32 bits (int32) of the E2M1 magnitude that ``rounding.guided_full`` picks for u = bits of min(|z|, 6): the
     point above u when the rollout's code has z's sign and a larger magnitude index than the point below (only
     then is the point above the nearer), else the point below. key: 8 + the rollout's index where the signs agree,
-    else its index (``_full_keys``), so one comparison with the index below + 8 decides; nz: z != 0 (int1)."""
+    else its index (``guided_full_tile``), so one comparison with the index below + 8 decides; nz: z != 0 (int1)."""
     nmask = tl.where(u >= _ONE, 0x3FFFFF, 0x7FFFFF)  # bits below the grid step, as in ``toward_bit``
     small = u < _HALF
     dn = tl.where(small, 0, u & ~nmask)

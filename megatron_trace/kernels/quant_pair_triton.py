@@ -250,7 +250,7 @@ def _guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT: tl.constexpr, GUID
                   HW: tl.constexpr):
     """``quant_guided_triton.guided_loads`` where a guided tile by magnitudes runs (GUIDED_LOADS: its mode, else
     0), else zeros (unused)."""
-    if GUIDED_LOADS != RNE:
+    if GUIDED_LOADS != 0:
         return qg.guided_loads(rows, rmask, kt, NB, gc_ptr, s_in_ptr, NBT, GUIDED_LOADS == GUIDED_FULL, HW)
     else:
         z = tl.zeros([rows.shape[0], NBT], tl.int32)
@@ -307,9 +307,10 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
                WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr,
                FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, OUT_ROWS: tl.constexpr):
     """One K tile: the NaN/Inf check if asked, then ``_pair_tile`` (sfb, g16: the record's ``guided_loads`` for the
-    guided tile by magnitudes, else unused); a tile that may leave the range where the fast division is exact, or
-    holds a checked NaN/Inf, takes the element-wise exact path instead (which passes a checked NaN/Inf through to
-    the dequantized output). Codes and scales go to rows ``orows``."""
+    guided tiles by magnitudes, g16 being a block's 8 code bytes for full guidance, else unused); a tile that may
+    leave the range where the fast division is exact, or holds a checked NaN/Inf, takes the element-wise exact path
+    instead (which passes a checked NaN/Inf through to the dequantized output). Codes and scales go to rows
+    ``orows``."""
     if CHECK_FINITE:
         lo, hi = f.unpair(w, XDT)
         ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
