@@ -60,6 +60,10 @@ def args_():
     p.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed")
     p.add_argument("--profile", action="store_true",
                    help="also profile one step per variant: host syncs, device time, top ops (torch.profiler)")
+    p.add_argument("--profile-top", type=int, default=20, help="with --profile: how many top ops to list")
+    p.add_argument("--gaps", action="store_true",
+                   help="also profile one step per variant between two syncs: the GPU idle time and the host ops "
+                        "that launched the kernel after each gap (_gaps.idle_gaps)")
     p.add_argument("--host-profile", action="store_true",
                    help="also cProfile one step per variant: host time by Python function (host-bound steps)")
     p.add_argument("--sync-sites", action="store_true",
@@ -95,24 +99,34 @@ def train_step_fn(model, data, step_guidance=None, trace: bool = False, micro_ba
     ``reuse_weight_quant`` (the experts' weights fake-quantized once per step)."""
     from contextlib import nullcontext
 
+    from torch.profiler import record_function
+
     from megatron_trace.megatron import StepGuidance, check_finite, reuse_weight_quant, trace_guidance
 
     opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-5, fused=data[0].is_cuda)
     tokens, pos, mask, labels = data
+
+    def fwd_bwd():
+        with record_function("step:forward"):
+            loss = model(tokens, pos, mask, labels=labels).float().mean()
+        with record_function("step:backward"):
+            loss.backward()
 
     def step():
         opt.zero_grad(set_to_none=True)
         with reuse_weight_quant(model) if reuse else nullcontext():
             for _ in range(micro_batches):
                 if step_guidance is None:
-                    model(tokens, pos, mask, labels=labels).float().mean().backward()
+                    fwd_bwd()
                 else:
                     sg = StepGuidance(sites=step_guidance.sites, routing=step_guidance.routing)
-                    with trace_guidance(model, sg):
-                        model(tokens, pos, mask, labels=labels).float().mean().backward()
+                    with record_function("step:trace_guidance"), trace_guidance(model, sg):
+                        fwd_bwd()
         if trace and step_guidance is None:
-            check_finite(model)
-        opt.step()
+            with record_function("step:check_finite"):
+                check_finite(model)
+        with record_function("step:optimizer"):
+            opt.step()
 
     return step
 
@@ -137,14 +151,35 @@ def profile_step(fn, device: str, top: int = 20) -> dict:
     dev = "self_device_time_total" if device == "cuda" else "self_cpu_time_total"
     ops = sorted((e for e in ev if getattr(e, dev, 0) > 0), key=lambda e: getattr(e, dev), reverse=True)
     host = sorted(ev, key=lambda e: e.self_cpu_time_total, reverse=True)
+    kernels = [e for e in ev if e.device_type == torch.autograd.DeviceType.CUDA]
     return {
         "host_blocking_calls": {e.key: e.count for e in ev if e.key in SYNC_EVENTS},
         "self_time_ms_total": round(sum(getattr(e, dev) for e in ev) / 1e3, 3),
+        "kernel_ms_total": round(sum(e.self_device_time_total for e in kernels) / 1e3, 3),  # (GPU busy time)
+        "kernels": sum(e.count for e in kernels),
         "top_ops_ms": [[e.key[:80], round(getattr(e, dev) / 1e3, 3), e.count] for e in ops[:top]],
         "host_self_ms_total": round(sum(e.self_cpu_time_total for e in ev) / 1e3, 3),
         "host_launches": sum(e.count for e in ev if e.key in LAUNCH_EVENTS),
         "top_host_ops_ms": [[e.key[:80], round(e.self_cpu_time_total / 1e3, 3), e.count] for e in host[:top]],
     }
+
+
+def step_gaps(fn, top: int = 20) -> dict:
+    """One step (after one warm-up) profiled from an idle GPU to its end: ``_gaps.idle_gaps`` of its trace."""
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks._gaps import idle_gaps
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+        prof.export_chrome_trace(tmp.name)
+        return idle_gaps(tmp.name, top)
 
 
 def host_profile(fn, top: int = 25) -> dict:
@@ -274,7 +309,9 @@ def main():
         print(f"{name}: {ms[name]:.2f} ms/step", file=sys.stderr, flush=True)
     for name, fn in fns.items():
         if a.profile:
-            extra.setdefault("profile", {})[name] = profile_step(fn, device)
+            extra.setdefault("profile", {})[name] = profile_step(fn, device, a.profile_top)
+        if a.gaps and device == "cuda":
+            extra.setdefault("gaps", {})[name] = step_gaps(fn, a.profile_top)
         if a.host_profile:
             extra.setdefault("host_profile", {})[name] = host_profile(fn)
         if a.sync_sites and device == "cuda":

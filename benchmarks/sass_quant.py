@@ -7,7 +7,7 @@ bf16) at the launch configs of ``quant_triton.CONFIG`` (``quant_pair_triton.conf
 spill bytes, ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static
 count, not the instructions one program runs; ``--fast-path``: without the redo's branch, what a tile in range
 runs, still a static count); per element = that times 32 * num_warps / (BLOCK_M * K).
-``python benchmarks/sass_quant.py [--k 2048] [--fast-path]`` prints one JSON row per op.
+``python benchmarks/sass_quant.py [--k 2048] [--fast-path] [--ops guided,mxfp4]`` prints one JSON row per op.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ
     "guided_compact+dequant(index path)": (2, 3, False, False, False, True, False, False),
     "guided_full+dequant": (1, 3, False, False, False, True, False, True),
     "guided_full+dequant(index path)": (1, 3, False, False, False, True, False, False),
+    "guided_compact->codes": (2, 3, True, False, False, False, False, True),
+    "guided_full->codes": (1, 3, True, False, False, False, False, True),
     "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True, True),
     "fake_quant_rne+ste_mask(index path)": (0, 2, False, False, False, True, True, False),
     "quantize_mxfp4": (0, 0, True, True, False, False, False, False, True),  # (no global amax, E8M0 scales)
@@ -139,10 +141,14 @@ def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--fast-path", action="store_true", help="without the exact redo's branch (drop_exact_redo)")
+    p.add_argument("--ops", default="", help="comma-separated substrings of the op names (default: all)")
     a = p.parse_args(argv)
     if a.fast_path:
         drop_exact_redo()
+    only = [o for o in a.ops.split(",") if o]
     for op in (*OPS, *DEQUANT_OPS):
+        if only and not any(o in op for o in only):
+            continue
         print(json.dumps({**report(op, a.k), "fast_path": a.fast_path}), flush=True)
 
 

@@ -219,7 +219,16 @@ def _outputs(ml, mh, in_l, in_h, nl, nh, sw, w, sf, s3, kt, rows, rmask, m3, blk
     scale is 0; fp32: nl, nh) and the STE mask."""
     p = tl.arange(0, P)[None, None, :]
     woff = rows[:, None, None] * (NB * P) + blk[:, :, None] * P + p
-    if WRITE_CODES:
+    if WRITE_CODES and XDT == 0:  # whole code words of 8, the signs from words (x's, or sw for full guidance)
+        il, ih = mag_to_index(ml.to(tl.int32, bitcast=True)), mag_to_index(mh.to(tl.int32, bitcast=True))
+        if sw is None:
+            iw = f.code_words(il, ih, w, sf > 0.0, HW)
+        else:
+            iw = f.code_words(il, ih, sw.to(tl.uint32, bitcast=True), sf == sf, HW)
+        c = tl.arange(0, P // 4)[None, None, :]
+        off = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
+        tl.store(codes_ptr.to(tl.pointer_type(tl.int32)) + off, iw, mask=rmask[:, None, None] & (blk < NB)[:, :, None])
+    elif WRITE_CODES:
         cl = mag_to_index(ml.to(tl.int32, bitcast=True)) | nl
         ch = mag_to_index(mh.to(tl.int32, bitcast=True)) | nh
         tl.store(codes_ptr + woff, (cl | (ch << 4)).to(tl.uint8), mask=m3)

@@ -118,8 +118,10 @@ def _needs_exact(lo_hi_amax, s_b, G_MODE: tl.constexpr, MODE: tl.constexpr, WRIT
                  HW: tl.constexpr):
     """1 when the tile may leave the range where the reciprocal division is exact (``quant_kernel`` redoes it).
     On the GPU a row amax computed here is +Inf wherever a block amax is (its max ignores NaN, unlike the
-    interpreter's), so S_enc = 0 flags the tile: no reduction of the block amaxes across the program."""
-    INF_CHECK: tl.constexpr = MODE == RNE and not (HW and G_MODE == G_ROW_COMPUTE)
+    interpreter's), so S_enc = 0 flags the tile: no reduction of the block amaxes across the program. MXFP4
+    (G_NONE) is never flagged: its fast tile divides by nothing (z = x * 2**-e), and ``triton_fp4.rne_index``
+    saturates an Inf z to 7 as the exact tile does."""
+    INF_CHECK: tl.constexpr = MODE == RNE and G_MODE != G_NONE and not (HW and G_MODE == G_ROW_COMPUTE)
     bad = tl.max(tl.max((lo_hi_amax == float("inf")).to(tl.int32), axis=1), axis=0) if INF_CHECK else 0
     if G_MODE != G_NONE:
         sb = s_b.to(tl.int32, bitcast=True)
@@ -306,59 +308,77 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
                WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr, WRITE_BITS: tl.constexpr,
                WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, CHECK_FINITE: tl.constexpr,
                FAST_DIV: tl.constexpr, HW_CVT: tl.constexpr, BY_MAG: tl.constexpr, OUT_ROWS: tl.constexpr):
-    """One K tile: the NaN/Inf check if asked, then ``_pair_tile`` (sfb, g16: the record's ``guided_loads`` for the
+    """One K tile: the NaN/Inf check if asked, then ``_fast_tile`` (sfb, g16: the record's ``guided_loads`` for the
     guided tiles by magnitudes, g16 being a block's 8 code bytes for full guidance, else unused); a tile that may
     leave the range where the fast division is exact, or holds a checked NaN/Inf, takes the element-wise exact path
     instead (which passes a checked NaN/Inf through to the dequantized output). Codes and scales go to rows
     ``orows``."""
-    if CHECK_FINITE:
-        lo, hi = f.unpair(w, XDT)
-        ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-        bad = tl.max(tl.max(tl.max(ab, axis=2), axis=1), axis=0) >= 0x7F800000  # an Inf or NaN in the tile
-        if bad:
-            tl.atomic_add(err_ptr, 1)
-    slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ, HW_CVT)
-    if CHECK_FINITE:
-        slow += bad.to(tl.int32)
-    if MODE != RNE and FMT == f.NVFP4 and FAST_DIV and not BY_MAG:  # guided: z == 0 must be exact for tiny z
-        lo, hi = f.unpair(w, XDT)
-        t3 = tl.div_rn(tl.full(s_b.shape, 2.0**-99, tl.float32), s_b)[:, :, None]  # per row, 2x margin
-        tiny = ((tl.abs(lo) < t3) & (lo != 0.0)) | ((tl.abs(hi) < t3) & (hi != 0.0))  # 0 < |x * S_enc| < 2^-100
-        slow += tl.max(tl.max(tl.max(tiny.to(tl.int32), axis=2), axis=1), axis=0)
-    if slow == 0:
-        if BY_MAG and MODE == RNE:  # RNE / guided compact NVFP4 by magnitudes; fp16 keeps the index path
-            qr.rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
-                        mask_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
-                        FAST_DIV, HW_CVT)
-        elif BY_MAG and MODE == GUIDED_FULL:
-            qg.guided_full_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_ptr, deq_ptr, mask_ptr, XDT,
-                                B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
-        elif BY_MAG:
-            qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_ptr, deq_ptr, mask_ptr, XDT,
-                                   B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
-        else:
-            _pair_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
-                       deq_ptr, mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES,
-                       WRITE_BITS, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
-    else:  # a quarter row at a time: the redo's live values stay below the fast path's registers
-        K = NB * B
-        BM: tl.constexpr = w.shape[0]
-        NBR: tl.constexpr = NBT // 4 if NBT >= 4 else NBT
-        for r in range(BM):
-            sel = tl.arange(0, BM) == r
-            row = tl.sum(tl.where(sel, rows, 0), axis=0) + tl.zeros([1], tl.int64)
-            ok = tl.sum(tl.where(sel, rmask.to(tl.int32), 0), axis=0) + tl.zeros([1], tl.int32) > 0
-            s1 = tl.sum(tl.where(sel[:, None], s_b, 0.0), axis=0)[None, :]  # [1, 1]
-            c_ptr, sc_ptr = codes_ptr, scales_ptr
-            if OUT_ROWS:  # the element tile writes row ``row``: shift its codes / scales bases to row orows[r]
-                d = tl.sum(tl.where(sel, orows - rows, 0), axis=0)
-                c_ptr, sc_ptr = codes_ptr + d * (NB * (B // 2)), scales_ptr + d * NB
-            for h in range(NBT // NBR):
-                kr = kt * (NBT // NBR) + h
-                x, col = qk._load_tile(x_ptr, row, ok, stride_w * 2, kr * NBR * B, K, NBR, B)
-                qk._tile(x, col, kr, row, ok, K, NB, s1, s1[:, :, None], s_in_ptr, gc_ptr, c_ptr, sc_ptr,
-                         bits_ptr, deq_e_ptr, mask_e_ptr, err_ptr, FMT, MODE, B, NBR, WRITE_CODES, WRITE_SCALES,
-                         WRITE_BITS, WRITE_DEQ, WRITE_MASK, False, False, CHECK_FINITE)
+    if not (CHECK_FINITE or G_MODE != G_NONE):  # unchecked MXFP4: exact as it is, so no redo and no branch
+        _fast_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, sfb, g16, s_in_ptr, gc_ptr, codes_ptr,
+                   scales_ptr, bits_ptr, deq_ptr, mask_ptr, XDT, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES,
+                   WRITE_BITS, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT, BY_MAG)
+    else:
+        if CHECK_FINITE:
+            lo, hi = f.unpair(w, XDT)
+            ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+            bad = tl.max(tl.max(tl.max(ab, axis=2), axis=1), axis=0) >= 0x7F800000  # an Inf or NaN in the tile
+            if bad:
+                tl.atomic_add(err_ptr, 1)
+        slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ, HW_CVT)
+        if CHECK_FINITE:
+            slow += bad.to(tl.int32)
+        if MODE != RNE and FMT == f.NVFP4 and FAST_DIV and not BY_MAG:  # guided: z == 0 must be exact for tiny z
+            lo, hi = f.unpair(w, XDT)
+            t3 = tl.div_rn(tl.full(s_b.shape, 2.0**-99, tl.float32), s_b)[:, :, None]  # per row, 2x margin
+            tiny = ((tl.abs(lo) < t3) & (lo != 0.0)) | ((tl.abs(hi) < t3) & (hi != 0.0))  # 0 < |x * S_enc| < 2^-100
+            slow += tl.max(tl.max(tl.max(tiny.to(tl.int32), axis=2), axis=1), axis=0)
+        if slow == 0:
+            _fast_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, sfb, g16, s_in_ptr, gc_ptr, codes_ptr,
+                       scales_ptr, bits_ptr, deq_ptr, mask_ptr, XDT, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES,
+                       WRITE_BITS, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT, BY_MAG)
+        else:  # a quarter row at a time: the redo's live values stay below the fast path's registers
+            K = NB * B
+            BM: tl.constexpr = w.shape[0]
+            NBR: tl.constexpr = NBT // 4 if NBT >= 4 else NBT
+            for r in range(BM):
+                sel = tl.arange(0, BM) == r
+                row = tl.sum(tl.where(sel, rows, 0), axis=0) + tl.zeros([1], tl.int64)
+                ok = tl.sum(tl.where(sel, rmask.to(tl.int32), 0), axis=0) + tl.zeros([1], tl.int32) > 0
+                s1 = tl.sum(tl.where(sel[:, None], s_b, 0.0), axis=0)[None, :]  # [1, 1]
+                c_ptr, sc_ptr = codes_ptr, scales_ptr
+                if OUT_ROWS:  # the element tile writes row ``row``: shift its codes / scales bases to row orows[r]
+                    d = tl.sum(tl.where(sel, orows - rows, 0), axis=0)
+                    c_ptr, sc_ptr = codes_ptr + d * (NB * (B // 2)), scales_ptr + d * NB
+                for h in range(NBT // NBR):
+                    kr = kt * (NBT // NBR) + h
+                    x, col = qk._load_tile(x_ptr, row, ok, stride_w * 2, kr * NBR * B, K, NBR, B)
+                    qk._tile(x, col, kr, row, ok, K, NB, s1, s1[:, :, None], s_in_ptr, gc_ptr, c_ptr, sc_ptr,
+                             bits_ptr, deq_e_ptr, mask_e_ptr, err_ptr, FMT, MODE, B, NBR, WRITE_CODES, WRITE_SCALES,
+                             WRITE_BITS, WRITE_DEQ, WRITE_MASK, False, False, CHECK_FINITE)
+
+
+@triton.jit
+def _fast_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, sfb, g16, s_in_ptr, gc_ptr, codes_ptr,
+               scales_ptr, bits_ptr, deq_ptr, mask_ptr, XDT: tl.constexpr, FMT: tl.constexpr, MODE: tl.constexpr,
+               B: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr,
+               WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
+               HW_CVT: tl.constexpr, BY_MAG: tl.constexpr):
+    """A K tile in range by the fast division: the tile by magnitudes (RNE, guided compact or full; BY_MAG) or
+    ``_pair_tile``."""
+    if BY_MAG and MODE == RNE:  # RNE / guided compact NVFP4 by magnitudes; fp16 keeps the index path
+        qr.rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
+                    mask_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
+                    FAST_DIV, HW_CVT)
+    elif BY_MAG and MODE == GUIDED_FULL:
+        qg.guided_full_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_ptr, deq_ptr, mask_ptr, XDT,
+                            B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
+    elif BY_MAG:
+        qg.guided_compact_tile(w, wcol, m3, kt, rows, rmask, NB, s_b, sfb, g16, codes_ptr, deq_ptr, mask_ptr, XDT,
+                               B // 2, NBT, WRITE_CODES, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
+    else:
+        _pair_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, gc_ptr, codes_ptr, scales_ptr, bits_ptr,
+                   deq_ptr, mask_ptr, XDT, FMT, MODE, B // 2, NBT, s_in_ptr, WRITE_CODES, WRITE_SCALES,
+                   WRITE_BITS, WRITE_DEQ, WRITE_MASK, FAST_DIV, HW_CVT)
 
 
 def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, g_mode, write_codes, write_scales,

@@ -159,17 +159,32 @@ def test_guided_full_build_loads_a_code_word_per_block_and_rounds_by_directed_ad
     assert sass.ptxas_usage(kern.asm["ptx"])[1] == 0
 
 
-def test_mxfp4_quantize_stores_scale_bytes_in_place(bench_module):
-    """MXFP4 quantize (the pair kernel's index tile) stores each block's E8M0 byte by ``st.global.u8`` from the
-    thread that holds the block: its fast path has no barrier or shared-memory exchange (session 18's build moved
-    the bytes through shared memory behind a barrier)."""
+def test_mxfp4_quantize_has_no_redo_and_stores_scale_bytes_in_place(bench_module):
+    """Unchecked MXFP4 quantize (the pair kernel's index tile) has no exact redo, so no tile-wide Inf check (a
+    reduction behind two barriers) and no branch: straight-line code that stores each block's E8M0 byte by
+    ``st.global.u8`` from the thread that holds the block, without shared memory (session 18's build moved the
+    bytes through it; session 19's still reduced the Inf check across the tile), in the registers of the fast path
+    alone (session 19: 56 with the redo, 33 without)."""
     sass = bench_module("sass_quant")
     kern, block_m = sass.compile_pair("quantize_mxfp4", 2048)
     lines = sass.sass(kern.asm["cubin"])
     blocks_per_thread = block_m * 2048 // 32 // (32 * kern.metadata.num_warps)
-    # the fast path: from the exact-range branch (the tile's Inf check, two barriers, comes before it) to its EXIT
-    start = next(i for i, ln in enumerate(lines) if "BRA" in ln)
-    end = next(i for i, ln in enumerate(lines) if "EXIT" in ln and "@" not in ln)  # (the redo follows)
-    fast = lines[start: end + 1]
-    assert not [ln for ln in fast if "BAR.SYNC" in ln or "STS" in ln or "LDS" in ln]
-    assert sum("STG.E.U8" in ln for ln in fast) == blocks_per_thread
+    body = lines[: next(i for i, ln in enumerate(lines) if "EXIT" in ln and "@" not in ln) + 1]
+    assert not [ln for ln in lines if "BAR.SYNC" in ln or "STS" in ln or "LDS" in ln]
+    assert not [ln for ln in body if "BRA" in ln]
+    assert sum("STG.E.U8" in ln for ln in body) == blocks_per_thread
+    assert sass.ptxas_usage(kern.asm["ptx"])[0] <= 40
+
+
+@pytest.mark.parametrize("op", ["guided_compact->codes", "guided_full->codes"])
+def test_guided_codes_are_stored_as_code_words(bench_module, op):
+    """Guided rounding to codes (bf16 x) stores a block's 16 codes as whole words, one 8-byte store per block,
+    signs placed by byte permutes (``triton_fp4.code_words``), instead of a byte store per pair."""
+    sass = bench_module("sass_quant")
+    kern, block_m = sass.compile_pair(op, 2048)
+    lines = sass.sass(kern.asm["cubin"])
+    blocks_per_thread = block_m * 2048 // 16 // (32 * kern.metadata.num_warps)
+    fast = lines[: next(i for i, ln in enumerate(lines) if "EXIT" in ln) + 2]  # the fast path (the redo follows)
+    stores = [ln for ln in fast if "STG" in ln]
+    assert len(stores) == blocks_per_thread and all("STG.E.64" in ln for ln in stores)
+    assert sum("PRMT" in ln for ln in fast) >= 4 * blocks_per_thread

@@ -177,6 +177,32 @@ def test_deferred_check_counts_a_bad_given_amax():
         fused.fake_quantize(x, Quantizer("nvfp4"), global_amax=amax)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("policy", ["mxfp4-floor", "mxfp4-ceil"])
+def test_unchecked_mxfp4_inf_blocks_equal_the_element_kernel(policy, dtype, kernel_variant, monkeypatch):
+    """MXFP4 divides by nothing (z = x * 2**-e), so its pair tile rounds blocks with Inf itself (no exact redo):
+    unchecked (``check_finite=False``), Inf gives the element kernel's codes, scales and fake-quant output, it
+    saturates to code 7 with its sign, and its block takes the largest exponent of the rule. (An unchecked NaN
+    is garbage by contract: the pair tile's code is 7, the element tile's -0.)"""
+    q = POLICIES[policy]
+    x = torch.cat([edge_rows(dtype), _inputs((4, 64), dtype, 11)])
+    x[-4, 3], x[-3, 40], x[-2, 0], x[-2, 33], x[-1, 7] = float("inf"), -float("inf"), float("inf"), -float("inf"), 0
+    x[-1, 8:32] = float("inf")  # a block of Inf only
+    xd = x.to(DEVICE)
+    got = fused.quantize(xd, q, check_finite=False)[0]
+    got_fq = fused.fake_quantize(xd, q, check_finite=False).cpu()
+    monkeypatch.setattr(quant_triton, "PAIR_KERNEL", False)
+    want = fused.quantize(xd, q, check_finite=False)[0]
+    assert_same_fp4(got, want)
+    assert same_bits(got_fq, fused.fake_quantize(xd, q, check_finite=False).cpu())
+    codes = torch.stack([got.codes.cpu() & 15, got.codes.cpu() >> 4], -1).flatten(-2)
+    inf = torch.isinf(x)
+    assert torch.equal(codes[inf], torch.where(x[inf] > 0, 7, 15).to(torch.uint8))
+    e_max = 126 if q.format.scale_rule == "floor" else 127  # floor(log2 Inf) - 2 from the exponent field; ceil: 127
+    blocks = inf.unflatten(-1, (-1, 32)).any(-1)
+    assert bool((got.block_scales.view(torch.uint8).cpu()[blocks] == e_max + 127).all())
+
+
 def _to(record, device):
     if record is None:
         return None
