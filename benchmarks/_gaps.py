@@ -3,8 +3,9 @@
 A training step is GPU-bound only where the host stays ahead of the device. After a host sync the device queue is
 empty, and every microsecond the host then spends before its next launch is device idle time. ``idle_gaps`` lists
 the gaps between consecutive kernels / copies / memsets (one device), each with the host ops that enclosed the launch
-of the activity after the gap (innermost first), and whether the host launched it after the gap had begun (the
-device waited for the host) or before (launch latency, a dependency).
+of the activity after the gap (innermost first), whether the host launched it after the gap had begun (the
+device waited for the host) or before (launch latency, a dependency), the activity before the gap and the host ops
+running when the gap began.
 """
 
 from __future__ import annotations
@@ -26,23 +27,24 @@ def idle_gaps(trace: dict | str, top: int = 25, min_us: float = 20.0) -> dict:
     dev = sorted((e for e in events if e.get("cat") in DEVICE_CATS), key=lambda e: e["ts"])
     if not dev:
         return {"device_activities": 0}
-    launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    launches = {e["args"]["correlation"]: e for e in events  # (Triton launches by the driver API)
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = sorted((e for e in events if e.get("cat") in ("cpu_op", "user_annotation")), key=lambda e: e["ts"])
     starts = [e["ts"] for e in ops]
-    gaps, busy_end = [], dev[0]["ts"] + dev[0]["dur"]
+    gaps, busy_end, prev = [], dev[0]["ts"] + dev[0]["dur"], dev[0]
     for e in dev[1:]:
         gap = e["ts"] - busy_end
         if gap >= min_us:
             launch = launches.get(e.get("args", {}).get("correlation"))
             host = _enclosing(ops, starts, launch["ts"]) if launch else []
             late = launch is not None and launch["ts"] > busy_end
-            gaps.append((gap, e["name"][:60], host, late))
-        busy_end = max(busy_end, e["ts"] + e["dur"])
+            gaps.append((gap, e["name"][:60], host, late, prev["name"][:40], _enclosing(ops, starts, busy_end)))
+        if e["ts"] + e["dur"] > busy_end:
+            busy_end, prev = e["ts"] + e["dur"], e
     span = busy_end - dev[0]["ts"]
     busy = _union_us(dev)
     by_op: dict[str, list[float]] = {}
-    for gap, _, host, _late in gaps:
+    for gap, _, host, *_ in gaps:
         key = " < ".join(host[:2]) or "(no host op)"
         by_op.setdefault(key, []).append(gap)
     ranked = sorted(by_op.items(), key=lambda kv: -sum(kv[1]))
@@ -55,8 +57,9 @@ def idle_gaps(trace: dict | str, top: int = 25, min_us: float = 20.0) -> dict:
         "gaps_over_min_ms": round(sum(g[0] for g in gaps) / 1e3, 3),
         "host_late_ms": round(sum(g[0] for g in gaps if g[3]) / 1e3, 3),
         "by_launching_op": [[k, len(v), round(sum(v) / 1e3, 3)] for k, v in ranked[:top]],
-        "top_gaps": [[round(g / 1e3, 3), name, " < ".join(host[:4]), late]
-                     for g, name, host, late in sorted(gaps, key=lambda g: -g[0])[:top]],
+        # [ms, activity after the gap, host ops at its launch, launched late, activity before, host ops at the start]
+        "top_gaps": [[round(g / 1e3, 3), name, " < ".join(host[:4]), late, before, " < ".join(at[:3])]
+                     for g, name, host, late, before, at in sorted(gaps, key=lambda g: -g[0])[:top]],
     }
 
 

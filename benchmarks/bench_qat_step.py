@@ -165,7 +165,9 @@ def profile_step(fn, device: str, top: int = 20) -> dict:
 
 
 def step_gaps(fn, top: int = 20) -> dict:
-    """One step (after one warm-up) profiled from an idle GPU to its end: ``_gaps.idle_gaps`` of its trace."""
+    """One step (after one warm-up) profiled from an idle GPU to its end, without Python's cyclic GC:
+    ``_gaps.idle_gaps`` of its trace."""
+    import gc
     import tempfile
 
     from torch.profiler import ProfilerActivity, profile
@@ -174,9 +176,14 @@ def step_gaps(fn, top: int = 20) -> dict:
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
+    gc.collect()  # (a collection inside the profiled step would show as one long gap)
+    gc.disable()
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+    finally:
+        gc.enable()
     with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
         prof.export_chrome_trace(tmp.name)
         return idle_gaps(tmp.name, top)

@@ -26,7 +26,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
-from ..kernels.checks import FiniteCounter, count_tensors, host_values, raise_if_bad
+from ..kernels.checks import FiniteCounter, count_ready, count_tensors, host_values, raise_if_bad
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
@@ -216,7 +216,8 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
                 rr.clear_indices()
                 rr.clear_router_replay_action()
     counters = _finite_counters(layers)
-    counts = state.resolve(extra=count_tensors(counters))  # one sync: row counts, deferred checks, NaN/Inf counts
+    # one read: row counts, deferred checks, NaN/Inf counts, after their producers (not the whole backward)
+    counts = state.resolve(extra=count_tensors(counters), extra_ready=count_ready(counters))
     _check_coverage(state, step)
     raise_if_bad(counters, when="in this trace_guidance step", counts=counts)
 
@@ -256,7 +257,9 @@ def check_finite(model) -> None:
 
     With ``TraceConfig.finite_check="deferred"`` (the default) the quantizers only count NaN/Inf on the
     device (their outputs stay NaN/Inf); ``trace_guidance`` checks at its exit, and a training loop without
-    it (plain FP4 QAT) calls this before ``optimizer.step()``: one host sync for the whole model."""
+    it (plain FP4 QAT) calls this before ``optimizer.step()``: one host read for the whole model, which waits
+    for the kernels that counted (the forward's) on a side stream, not for the rest of the backward, so the GPU
+    is not drained before the optimizer's launches (``checks.ReadyPoint``)."""
     raise_if_bad(_finite_counters(find_trace_layers(model)), when="since the last check")
 
 

@@ -114,7 +114,7 @@ class TraceExpertsCore:
         if self._weight_q.fmt != "nvfp4":  # MXFP4 has no global amax: blocks are independent
             return fake_quantize(w, self._weight_q, kernel=self._kernel, check_finite=check)
         amax = abs_max(w, start_dim=w.dim() - 2)[..., None, None]  # [E, 1, 1]
-        amax = torch.where(amax > 0, amax, torch.ones_like(amax)).expand(*w.shape[:-1], 1)
+        amax = torch.where(amax > 0, amax, 1.0).expand(*w.shape[:-1], 1)
         return fake_quantize(w, self._weight_q, global_amax=amax, kernel=self._kernel, check_finite=check)
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:

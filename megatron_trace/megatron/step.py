@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 from ..config import TraceConfig
 from ..formats import CompactGuidance, FullGuidance, e2m1
 from ..guidance.site import FallbackCounter, SiteGuidance
-from ..kernels.checks import host_values
+from ..kernels.checks import ReadyPoint, host_values
 from ..manifest import KV_SITES
 from .rows import Record, RowGuidance, map_record, token_major
 
@@ -75,6 +75,7 @@ class StepState:
     pending: list = field(default_factory=list)  # counts not yet resolved (see ``count``)
     deferred: list = field(default_factory=list)  # (bool device tensor: bad, message) checked by ``resolve``
     index_cache: dict = field(default_factory=dict)  # row orders of this step's layouts (``token_index``)
+    ready: ReadyPoint = field(default_factory=ReadyPoint)  # where the pending / deferred tensors are final
 
     def is_guided(self, layer: int, site: str) -> bool:
         c = self.config
@@ -93,21 +94,33 @@ class StepState:
         if in_recompute():
             return  # the same rows were counted (and checked) by the forward
         self.pending.append((layer, site, used, reasons))
+        self._mark(used, *reasons.values())
         if self.fallback == "fail" and any(k != NOT_GUIDED for k in reasons):
             self.resolve()
 
     def defer_check(self, bad: torch.Tensor, message: str) -> None:
         """Raise ``RuntimeError(message)`` at the next ``resolve`` if ``bad`` (a device bool) is True."""
         self.deferred.append((bad, message))
+        self._mark(bad)
 
-    def resolve(self, extra: list[torch.Tensor] = ()) -> list[int]:
+    def _mark(self, *values) -> None:
+        """The producers of these counts / flags are queued: the state's ready point moves past them."""
+        dev = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+        if dev is not None:
+            self.ready.mark(dev)
+
+    def resolve(self, extra: list[torch.Tensor] = (), extra_ready=None) -> list[int]:
         """Apply the pending counts and deferred checks with one host sync for all their tensors (and
-        ``extra``'s, whose values are returned)."""
+        ``extra``'s, whose values are returned). The read waits for the state's ready point (and
+        ``extra_ready``, the points of ``extra``: ``checks.count_ready``), not for the whole stream; without
+        ``extra_ready`` an ``extra`` is read after the whole stream."""
         pending, deferred = list(self.pending), list(self.deferred)
         self.pending.clear()  # in place: layer views of this state (``dataclasses.replace``) share the list
         self.deferred.clear()
         tensors = [v for _, _, u, r in pending for v in (u, *r.values()) if isinstance(v, torch.Tensor)]
-        values = host_values(tensors + [b for b, _ in deferred] + list(extra))
+        own = tensors + [b for b, _ in deferred]
+        ready = None if extra and extra_ready is None else [self.ready] * bool(own) + list(extra_ready or ())
+        values = host_values(own + list(extra), ready=ready)
         extra_values = values[len(values) - len(extra):]
         values = values[: len(values) - len(extra)]
         failed = [msg for (_, msg), bad in zip(deferred, values[len(tensors):]) if bad]

@@ -17,7 +17,7 @@ def test_gaps_are_attributed_to_the_host_ops_that_launched_the_next_kernel():
         _x("step:forward", "user_annotation", 0, 1000),
         _x("aten::mm", "cpu_op", 10, 20), _x("cudaLaunchKernel", "cuda_runtime", 15, 5, corr=1),
         _x("gemm", "kernel", 30, 100, corr=1),  # busy 30..130
-        _x("_FakeQuant", "cpu_op", 300, 100), _x("cudaLaunchKernel", "cuda_runtime", 380, 5, corr=2),
+        _x("_FakeQuant", "cpu_op", 300, 100), _x("cuLaunchKernelEx", "cuda_driver", 380, 5, corr=2),
         _x("pair_kernel", "kernel", 390, 50, corr=2),  # gap 260 us: launched at 380 > 130, the host was late
         _x("aten::add", "cpu_op", 400, 10), _x("cudaLaunchKernel", "cuda_runtime", 405, 2, corr=3),
         _x("add", "kernel", 445, 5, corr=3),  # gap 5 us: under min_us
@@ -30,8 +30,8 @@ def test_gaps_are_attributed_to_the_host_ops_that_launched_the_next_kernel():
     assert g["span_ms"] == 0.51 and g["busy_ms"] == 0.21 and g["idle_ms"] == 0.3
     assert g["gaps_over_min"] == 2 and g["gaps_over_min_ms"] == 0.3 and g["host_late_ms"] == 0.26
     assert g["by_launching_op"][0] == ["_FakeQuant < step:forward", 1, 0.26]
-    assert g["top_gaps"][0] == [0.26, "pair_kernel", "_FakeQuant < step:forward", True]
-    assert g["top_gaps"][1] == [0.04, "copy", "aten::copy_ < step:forward", False]
+    assert g["top_gaps"][0] == [0.26, "pair_kernel", "_FakeQuant < step:forward", True, "gemm", "step:forward"]
+    assert g["top_gaps"][1] == [0.04, "copy", "aten::copy_ < step:forward", False, "Memcpy DtoD", "step:forward"]
 
 
 def test_a_trace_without_device_activity():
