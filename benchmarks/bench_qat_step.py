@@ -61,6 +61,9 @@ def args_():
     p.add_argument("--profile", action="store_true",
                    help="also profile one step per variant: host syncs, device time, top ops (torch.profiler)")
     p.add_argument("--profile-top", type=int, default=20, help="with --profile: how many top ops to list")
+    p.add_argument("--drain", action="store_true",
+                   help="also time the TRACE variants with the stream synchronized before the step's NaN/Inf check "
+                        "(+drain: how the check read its counters before session 20)")
     p.add_argument("--gaps", action="store_true",
                    help="also profile one step per variant between two syncs: the GPU idle time and the host ops "
                         "that launched the kernel after each gap (_gaps.idle_gaps)")
@@ -92,11 +95,12 @@ def unquantized_trace_spec(spec):
 
 
 def train_step_fn(model, data, step_guidance=None, trace: bool = False, micro_batches: int = 1,
-                  reuse: bool = False, opt=None):
+                  reuse: bool = False, opt=None, drain: bool = False):
     """One optimizer step over ``micro_batches`` forward + backward passes (gradient accumulation); ``trace``: a
     TRACE model without guidance runs ``check_finite`` before the optimizer (its one host sync per step, as a
     training loop would), a guided step checks at each context exit. ``reuse``: the micro-batches run inside
-    ``reuse_weight_quant`` (the experts' weights fake-quantized once per step)."""
+    ``reuse_weight_quant`` (the experts' weights fake-quantized once per step). ``drain``: the stream is synchronized
+    before the step's check, as the check's own read did before session 20 (``checks.ReadyPoint``)."""
     from contextlib import nullcontext
 
     from torch.profiler import record_function
@@ -122,8 +126,12 @@ def train_step_fn(model, data, step_guidance=None, trace: bool = False, micro_ba
                     sg = StepGuidance(sites=step_guidance.sites, routing=step_guidance.routing)
                     with record_function("step:trace_guidance"), trace_guidance(model, sg):
                         fwd_bwd()
+                        if drain:
+                            torch.cuda.current_stream().synchronize()
         if trace and step_guidance is None:
             with record_function("step:check_finite"):
+                if drain:
+                    torch.cuda.current_stream().synchronize()
                 check_finite(model)
         with record_function("step:optimizer"):
             opt.step()
@@ -310,6 +318,9 @@ def main():
         fns[name] = train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt)
         if trace and a.micro_batches > 1:  # the same model and optimizer, the weights quantized once per step
             fns[name.replace("[", "+reuse[")] = train_step_fn(model, data, sg, trace, a.micro_batches, True, opt)
+        if trace and a.drain and device == "cuda":
+            fns[name.replace("[", "+drain[")] = train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt,
+                                                               drain=True)
     times = interleaved_ms(fns, device, a.warmup, a.reps, manual_gc=a.gc == "manual")
     ms = {name: median(t) for name, t in times.items()}
     for name in fns:
@@ -325,7 +336,8 @@ def main():
             extra.setdefault("sync_sites", {})[name] = sync_sites(fn)
     pairs = [(f"trace_guided{r}[{k}]", f"fp4_qat{r}[{k}]") for k in a.kernels.split(",") for r in ("", "+reuse")]
     pairs += [(f"{v}{r}[{k}]", "bf16_grouped") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")
-              for r in ("", "+reuse")]
+              for r in ("", "+reuse", "+drain")]
+    pairs += [(f"{v}[{k}]", f"{v}+drain[{k}]") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
     extra["round_ratio_median"] = {f"{x}/{y}": round(median([p / q for p, q in zip(times[x], times[y])]), 3)
                                    for x, y in pairs if x in times and y in times}
     base = ms.get("bf16_stock")

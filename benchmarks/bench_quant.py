@@ -81,6 +81,8 @@ def cases(x, rows, k):
         "quantize_nvfp4_tensor(2 passes)": (lambda: fused.quantize(x, q_ten, check_finite=False),
                                             xb + n // 2 + n // 16),
         "quantize_mxfp4_ceil": (lambda: fused.quantize(x, q_mx, check_finite=False), xb + n // 2 + n // 32),
+        "quantize_mxfp4_ceil(index path)": (lambda: _index_path(lambda: fused.quantize(x, q_mx, check_finite=False)),
+                                            xb + n // 2 + n // 32),
         "guided_compact+dequant(fake-quant fwd)": (
             lambda: fused.guided(x, rec, write_codes=False, deq_dtype=x.dtype, check_finite=False), 2 * xb + rec_b),
         "guided_compact+dequant(index path)": (

@@ -39,7 +39,8 @@ OPS = {  # op -> (MODE, G_MODE, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ
     "guided_full->codes": (1, 3, True, False, False, False, False, True),
     "fake_quant_rne+ste_mask": (0, 2, False, False, False, True, True, True),
     "fake_quant_rne+ste_mask(index path)": (0, 2, False, False, False, True, True, False),
-    "quantize_mxfp4": (0, 0, True, True, False, False, False, False, True),  # (no global amax, E8M0 scales)
+    "quantize_mxfp4": (0, 0, True, True, False, False, False, True, True),  # (no global amax, E8M0 scales)
+    "quantize_mxfp4(index path)": (0, 0, True, True, False, False, False, False, True),
 }
 DEQUANT_OPS = {  # op -> (ODT, BY_MAG[, MXFP4]): dequant_pair_kernel, NVFP4 with a per-row amax (G_ROW_GIVEN)
     "dequantize_nvfp4->bf16": (0, True),

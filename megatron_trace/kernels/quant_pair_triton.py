@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import quant_guided_triton as qg
+from . import quant_mx_triton as mx
 from . import quant_rne_triton as qr
 from . import quant_triton as qk
 from . import triton_fp4 as f
@@ -363,9 +364,12 @@ def _fast_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, sfb, g16, s
                B: tl.constexpr, NBT: tl.constexpr, WRITE_CODES: tl.constexpr, WRITE_SCALES: tl.constexpr,
                WRITE_BITS: tl.constexpr, WRITE_DEQ: tl.constexpr, WRITE_MASK: tl.constexpr, FAST_DIV: tl.constexpr,
                HW_CVT: tl.constexpr, BY_MAG: tl.constexpr):
-    """A K tile in range by the fast division: the tile by magnitudes (RNE, guided compact or full; BY_MAG) or
-    ``_pair_tile``."""
-    if BY_MAG and MODE == RNE:  # RNE / guided compact NVFP4 by magnitudes; fp16 keeps the index path
+    """A K tile in range by the fast division: the tile by magnitudes (NVFP4 RNE, guided compact or full; BY_MAG),
+    MXFP4 codes of bf16 by packed pairs (BY_MAG) or ``_pair_tile``."""
+    if BY_MAG and FMT != f.NVFP4:  # MXFP4 RNE codes / record of bf16 pairs (``_by_magnitude``)
+        mx.mx_rne_tile(w, amax_b, kt, rows, orows, rmask, NB, codes_ptr, scales_ptr, bits_ptr, FMT, B // 2, NBT,
+                       WRITE_CODES, WRITE_SCALES, WRITE_BITS, HW_CVT)
+    elif BY_MAG and MODE == RNE:  # RNE / guided compact NVFP4 by magnitudes; fp16 keeps the index path
         qr.rne_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, codes_ptr, scales_ptr, bits_ptr, deq_ptr,
                     mask_ptr, XDT, B // 2, NBT, WRITE_CODES, WRITE_SCALES, WRITE_BITS, WRITE_DEQ, WRITE_MASK,
                     FAST_DIV, HW_CVT)
@@ -417,7 +421,7 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
         XDT=xdt, FMT=int(fmt), MODE=int(mode), G_MODE=int(g_mode), B=block, BLOCK_M=bm, NBT=nbt,
         WRITE_CODES=write_codes, WRITE_SCALES=write_scales, WRITE_BITS=write_bits, WRITE_DEQ=deq is not None,
         WRITE_MASK=write_mask, CHECK_FINITE=err is not None, FAST_DIV=fast_div, HW_CVT=not qk.interpreting(x2d),
-        BY_MAG=_by_magnitude(mode, fmt, xdt, write_bits), EVEN_K=nb == nbt * num_kt,
+        BY_MAG=_by_magnitude(mode, fmt, xdt, write_bits, deq is not None or write_mask), EVEN_K=nb == nbt * num_kt,
         out_step=1 if out_step is None else out_step, OUT_ROWS=out_step is not None,
         row_ptr=out_row if out_row is not None else spare, ROW_AT=out_row is not None,
         PREFETCH=prefetch, num_warps=cfg["num_warps"], enable_fp_fusion=False, **qk.register_cap(cfg, x2d),
@@ -435,10 +439,13 @@ def config_name(fmt, mode, deq: bool) -> str:
     return "pair_fake" if deq and int(mode) == int(RNE) else "pair"
 
 
-def _by_magnitude(mode, fmt, xdt, write_bits) -> bool:
-    """Whether ``pair_kernel`` takes a tile by fp32 magnitudes: RNE (``quant_triton.RNE_BY_MAGNITUDE``) or guided
-    (compact or full) without bits (``GUIDED_BY_MAGNITUDE``), NVFP4, bf16/fp32 x."""
-    if int(fmt) != 0 or xdt == 1:
+def _by_magnitude(mode, fmt, xdt, write_bits, fake_quant: bool = False) -> bool:
+    """Whether ``pair_kernel`` takes a tile by fp32 magnitudes: NVFP4 RNE (``quant_triton.RNE_BY_MAGNITUDE``) or
+    guided (compact or full) without bits (``GUIDED_BY_MAGNITUDE``), bf16/fp32 x; or MXFP4 RNE codes (and bits) of
+    bf16 x by packed pairs (``quant_mx_triton``; also ``RNE_BY_MAGNITUDE``), not for a fake-quant output or mask."""
+    if int(fmt) != 0:
+        return bool(qk.RNE_BY_MAGNITUDE) and int(mode) == int(RNE) and xdt == 0 and not fake_quant
+    if xdt == 1:
         return False
     if int(mode) == int(RNE):
         return bool(qk.RNE_BY_MAGNITUDE)

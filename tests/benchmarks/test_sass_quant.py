@@ -160,11 +160,11 @@ def test_guided_full_build_loads_a_code_word_per_block_and_rounds_by_directed_ad
 
 
 def test_mxfp4_quantize_has_no_redo_and_stores_scale_bytes_in_place(bench_module):
-    """Unchecked MXFP4 quantize (the pair kernel's index tile) has no exact redo, so no tile-wide Inf check (a
-    reduction behind two barriers) and no branch: straight-line code that stores each block's E8M0 byte by
-    ``st.global.u8`` from the thread that holds the block, without shared memory (session 18's build moved the
-    bytes through it; session 19's still reduced the Inf check across the tile), in the registers of the fast path
-    alone (session 19: 56 with the redo, 33 without)."""
+    """Unchecked MXFP4 quantize of bf16 (the pair kernel's tile by packed pairs, ``quant_mx_triton``) has no exact
+    redo, so no tile-wide Inf check (a reduction behind two barriers) and no branch: straight-line code that stores
+    each block's E8M0 byte by ``st.global.u8`` from the thread that holds the block, without shared memory
+    (session 18's build moved the bytes through it; session 19's still reduced the Inf check across the tile), in
+    the registers of the fast path alone (session 19: 56 with the redo, 33 without)."""
     sass = bench_module("sass_quant")
     kern, block_m = sass.compile_pair("quantize_mxfp4", 2048)
     lines = sass.sass(kern.asm["cubin"])
@@ -174,6 +174,10 @@ def test_mxfp4_quantize_has_no_redo_and_stores_scale_bytes_in_place(bench_module
     assert not [ln for ln in body if "BRA" in ln]
     assert sum("STG.E.U8" in ln for ln in body) == blocks_per_thread
     assert sass.ptxas_usage(kern.asm["ptx"])[0] <= 40
+    # bf16 x by packed pairs (quant_mx_triton): one bf16x2 multiply and add per word of two elements
+    words = block_m * 2048 // 2 // (32 * kern.metadata.num_warps)
+    assert sum("HMUL2.BF16" in ln for ln in body) >= words // 2
+    assert sum("VIMNMX.U16x2" in ln for ln in body) >= words
 
 
 @pytest.mark.parametrize("op", ["guided_compact->codes", "guided_full->codes"])

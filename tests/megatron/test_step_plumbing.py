@@ -1,5 +1,7 @@
 """Index and flag plumbing of the guided step (``StepState.token_index``, ``host_values`` of mixed dtypes)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -33,6 +35,28 @@ def test_host_values_of_mixed_dtypes_keep_their_order():
     ints = list(torch.randint(-5, 99, (9,), generator=g).unbind(0))
     mixed = [t for pair in zip(flags, ints) for t in pair] + flags[9:] + [torch.tensor([7], dtype=torch.int32)]
     assert host_values(mixed) == [int(t.item()) for t in mixed]
+
+
+def test_ready_points_are_known_only_after_every_producer_marked():
+    """A counter's ``tensor()`` (a producer about to add) forgets its ready point until ``mark()``; the step state's
+    point moves with each count / check it holds, and ``views`` of the state share it. (The side-stream read itself
+    needs CUDA: tests/gpu/test_checks_gpu.py.)"""
+    from megatron_trace.kernels.checks import FiniteCounter, count_ready, read_and_reset
+
+    c = FiniteCounter("site")
+    assert c.ready.known and count_ready([c]) == []  # unused
+    c.tensor("cpu").add_(3)
+    assert not c.ready.known
+    c.mark()
+    assert c.ready.known and count_ready([c]) == [c.ready]
+    c.add_bad(torch.tensor([True, False, True]))
+    assert c.ready.known and read_and_reset([c]) == [("site", 5)] and c.ready.known
+    st = _state()
+    view = dataclasses.replace(st, guided_layers=frozenset({1}))
+    assert view.ready is st.ready
+    view.defer_check(torch.tensor(False), "never")
+    view.count(0, "fc1", torch.tensor(4), {})
+    assert st.resolve(extra=[c.tensor("cpu")], extra_ready=count_ready([c])) == [0]
 
 
 def _recorded():
