@@ -36,7 +36,7 @@ def idle_gaps(trace: dict | str, top: int = 25, min_us: float = 20.0) -> dict:
         gap = e["ts"] - busy_end
         if gap >= min_us:
             launch = launches.get(e.get("args", {}).get("correlation"))
-            host = _enclosing(ops, starts, launch["ts"]) if launch else []
+            host = _enclosing(ops, starts, launch["ts"], launch.get("tid")) if launch else []
             late = launch is not None and launch["ts"] > busy_end
             gaps.append((gap, e["name"][:60], host, late, prev["name"][:40], _enclosing(ops, starts, busy_end)))
         if e["ts"] + e["dur"] > busy_end:
@@ -63,14 +63,11 @@ def idle_gaps(trace: dict | str, top: int = 25, min_us: float = 20.0) -> dict:
     }
 
 
-def _enclosing(ops: list[dict], starts: list[float], ts: float) -> list[str]:
-    """Names of the host ops running at ``ts``, innermost (latest start) first."""
+def _enclosing(ops: list[dict], starts: list[float], ts: float, tid=None) -> list[str]:
+    """Names of the host ops running at ``ts`` (on thread ``tid`` if given), innermost (latest start) first."""
     i = bisect.bisect_right(starts, ts)
-    out = []
-    for e in reversed(ops[max(0, i - 400) : i]):  # (nested ops start at most a few hundred events earlier)
-        if e["ts"] <= ts <= e["ts"] + e["dur"]:
-            out.append(e["name"][:60])
-    return out
+    return [e["name"][:60] for e in reversed(ops[:i])
+            if e["ts"] + e["dur"] >= ts and (tid is None or e.get("tid") == tid)]
 
 
 def _union_us(dev: list[dict]) -> float:

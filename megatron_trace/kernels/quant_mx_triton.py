@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from . import quant_rne_triton as qr
 from . import triton_fp4 as f
 
 
@@ -114,14 +115,7 @@ def mx_rne_tile(w, amax_b, kt, rows, orows, rmask, NB, codes_ptr, scales_ptr, bi
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
     bmask = blk < NB
     e = f.mx_exponent(amax_b, FMT)
-    iw = code_words(w, e, HW)
-    c = tl.arange(0, P // 4)[None, None, :]
-    m = rmask[:, None, None] & bmask[:, :, None]
-    if WRITE_CODES:
-        off = orows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
-        tl.store(codes_ptr.to(tl.pointer_type(tl.int32)) + off, iw, mask=m)
-    if WRITE_BITS:
-        off = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
-        tl.store(bits_ptr + off, f.nibble_lsbs(iw).to(tl.uint8), mask=m)
+    qr.store_code_words(code_words(w, e, HW), orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P,
+                        WRITE_CODES, WRITE_BITS)
     if WRITE_SCALES:
         f.store_u8(scales_ptr + orows[:, None] * NB + blk, (e + 127).to(tl.int32), rmask[:, None] & bmask, HW)

@@ -34,5 +34,16 @@ def test_gaps_are_attributed_to_the_host_ops_that_launched_the_next_kernel():
     assert g["top_gaps"][1] == [0.04, "copy", "aten::copy_ < step:forward", False, "Memcpy DtoD", "step:forward"]
 
 
+def test_host_ops_of_other_threads_are_not_counted_as_enclosing():
+    trace = {"traceEvents": [
+        _x("gemm", "kernel", 0, 10, corr=1),
+        {**_x("autograd::engine", "cpu_op", 50, 100), "tid": 2},  # another thread, overlapping the launch
+        {**_x("_FakeQuant", "cpu_op", 60, 40), "tid": 1},
+        {**_x("cuLaunchKernelEx", "cuda_driver", 90, 5, corr=2), "tid": 1},
+        _x("pair_kernel", "kernel", 100, 10, corr=2),
+    ]}
+    assert idle_gaps(trace)["top_gaps"][0][2] == "_FakeQuant"
+
+
 def test_a_trace_without_device_activity():
     assert idle_gaps({"traceEvents": [_x("aten::mm", "cpu_op", 0, 5)]}) == {"device_activities": 0}
