@@ -1,6 +1,7 @@
 """The deferred NaN/Inf check reads its counters after the kernels that counted, not after the whole stream
 (``checks.ReadyPoint``; CUDA only, skipped elsewhere): a long kernel queued after the quantize is still running when
-the check returns, the counts are right, and a producer that did not mark makes the read wait for the stream."""
+the check returns, the counts are right, and a producer that did not mark makes the read wait for the stream.
+Each timed read follows a warm-up read (``_warm``)."""
 
 from __future__ import annotations
 
@@ -20,12 +21,14 @@ pytestmark = pytest.mark.gpu
 SLEEP_CYCLES = 3_000_000_000  # ~1.5 s of one spinning kernel: far longer than a read
 
 
-@pytest.fixture(autouse=True)
-def _first_read_done():
-    """The first read of a device allocates its pinned buffer, which waits for the device: done here, once."""
-    point = ReadyPoint()
-    point.mark("cuda")
-    host_values([torch.zeros((), dtype=torch.int64, device="cuda")], ready=[point])
+def _warm(read) -> None:
+    """Run a read once before the timed one: a process's first read allocates the pinned buffer, and the first
+    launch of each kernel loads its module (CUDA's lazy loading); both wait for the device."""
+    try:
+        read()
+    except NonFiniteError:
+        pass
+    torch.cuda.synchronize()
 
 
 def _busy() -> torch.cuda.Event:
@@ -42,7 +45,10 @@ def test_check_reads_the_counter_without_waiting_for_later_work(bad):
     if bad:
         x[3, 17] = float("nan")
     counter = FiniteCounter("layer 0 expert_fc1_in")
-    fused.fake_quantize(x, Quantizer("nvfp4", per_row=True), check_finite=counter)
+    q = Quantizer("nvfp4", per_row=True)
+    fused.fake_quantize(x[:, :16].contiguous(), q, check_finite=counter)  # warm-up (see _warm)
+    _warm(lambda: raise_if_bad([counter]))
+    fused.fake_quantize(x, q, check_finite=counter)
     done = _busy()
     if bad:
         with pytest.raises(NonFiniteError, match="layer 0 expert_fc1_in: 1 NaN"):
@@ -69,6 +75,8 @@ def test_host_values_after_a_ready_point_sees_the_values_at_that_point():
     t.add_(5)
     flag.fill_(True)
     point = ReadyPoint()
+    point.mark("cuda")
+    _warm(lambda: host_values([t, flag], ready=[point]))
     point.mark("cuda")
     done = _busy()
     assert host_values([t, flag], ready=[point]) == [5, 1]
