@@ -3,10 +3,11 @@
 x is read as 32-bit words of two elements (64-bit for fp32), so the two codes of a word are one packed byte:
 no reshape or shuffle for the nibble packing. One reciprocal per block and one Markstein step per element
 replace the IEEE division; the RNE / guided codeword comes from bit tricks (``triton_fp4.rne_index``,
-``compact_index``, ``full_code``); RNE and guided compact NVFP4 rounding of bf16/fp32 rows take the tiles of
-``quant_rne_triton`` and ``quant_guided_triton`` instead (by fp32 magnitudes). A tile where the fast division may
-be inexact (tiny/huge amax, Inf, a checked NaN/Inf) is redone in the same program by ``quant_triton``'s
-element-wise tile (IEEE division): one launch per call. Same modes and outputs as ``quant_triton.quant_kernel``.
+``compact_index``, ``full_code``); RNE and guided NVFP4 rounding of bf16/fp32 rows take the tiles of
+``quant_rne_triton`` and ``quant_guided_triton`` instead (by fp32 magnitudes), and MXFP4 codes of bf16 rows that of
+``quant_mx_triton`` (by packed bf16 pairs). A tile where the fast division may be inexact (tiny/huge amax, Inf,
+a checked NaN/Inf) is redone in the same program by ``quant_triton``'s element-wise tile (IEEE division): one
+launch per call. Same modes and outputs as ``quant_triton.quant_kernel``.
 OUT_ROWS (RNE): row r's codes, scales and computed amax go to output row r * out_step, e.g. one position of a
 ``[B, H, capacity, ...]`` buffer (the FP4 KV cache's decode write); other outputs keep row r.
 """
