@@ -65,23 +65,19 @@ def bf16x2_add(a, b, HW: tl.constexpr):
 
 
 @triton.jit
-def u16x2_min(a, b, HW: tl.constexpr):
-    """``min.u16x2``: the unsigned minimum of each 16-bit half of uint32 words."""
+def u16x2_limit(a, b, MAX: tl.constexpr, HW: tl.constexpr):
+    """``max.u16x2`` (MAX) or ``min.u16x2``: the unsigned maximum / minimum of each 16-bit half of uint32 words."""
     if HW:
-        return f.asm2("min.u16x2 $0, $1, $2;", a, b)
+        if MAX:
+            return f.asm2("max.u16x2 $0, $1, $2;", a, b)
+        else:
+            return f.asm2("min.u16x2 $0, $1, $2;", a, b)
     else:
         b = b + tl.zeros_like(a)
-        return tl.minimum(a & 0xFFFF, b & 0xFFFF) | (tl.minimum(a >> 16, b >> 16) << 16)
-
-
-@triton.jit
-def u16x2_max(a, b, HW: tl.constexpr):
-    """``max.u16x2``: the unsigned maximum of each 16-bit half of uint32 words."""
-    if HW:
-        return f.asm2("max.u16x2 $0, $1, $2;", a, b)
-    else:
-        b = b + tl.zeros_like(a)
-        return tl.maximum(a & 0xFFFF, b & 0xFFFF) | (tl.maximum(a >> 16, b >> 16) << 16)
+        if MAX:
+            return tl.maximum(a & 0xFFFF, b & 0xFFFF) | (tl.maximum(a >> 16, b >> 16) << 16)
+        else:
+            return tl.minimum(a & 0xFFFF, b & 0xFFFF) | (tl.minimum(a >> 16, b >> 16) << 16)
 
 
 @triton.jit
@@ -92,9 +88,9 @@ def pair_indices(w, e, HW: tl.constexpr):
     s = tl.where(n >= -126, (n + 127) << 7, 0x0040).to(tl.uint32)  # bf16 bits of 2**-e (2**-127: a subnormal)
     z = bf16x2_mul(w, (s * 0x00010001)[:, :, None], HW)
     a = z & 0x7FFF7FFF
-    c = u16x2_min(u16x2_max(a & 0x7F807F80, 0x3F803F80, HW), 0x41004100, HW) + 0x03000300  # C per half
+    c = u16x2_limit(u16x2_limit(a & 0x7F807F80, 0x3F803F80, True, HW), 0x41004100, False, HW) + 0x03000300  # C
     t = bf16x2_add(a, c, HW)
-    return u16x2_min(t - c + ((c >> 6) & 0x03FF03FF) - 0x010A010A, 0x00070007, HW)
+    return u16x2_limit(t - c + ((c >> 6) & 0x03FF03FF) - 0x010A010A, 0x00070007, False, HW)
 
 
 @triton.jit
