@@ -225,9 +225,7 @@ def _outputs(ml, mh, in_l, in_h, nl, nh, sw, w, sf, s3, kt, rows, rmask, m3, blk
             iw = f.code_words(il, ih, w, sf > 0.0, HW)
         else:
             iw = f.code_words(il, ih, sw.to(tl.uint32, bitcast=True), sf == sf, HW)
-        c = tl.arange(0, P // 4)[None, None, :]
-        off = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
-        tl.store(codes_ptr.to(tl.pointer_type(tl.int32)) + off, iw, mask=rmask[:, None, None] & (blk < NB)[:, :, None])
+        f.store_code_words(iw, rows, rows, rmask, blk, blk < NB, NB, codes_ptr, codes_ptr, P, True, False)
     elif WRITE_CODES:
         cl = mag_to_index(ml.to(tl.int32, bitcast=True)) | nl
         ch = mag_to_index(mh.to(tl.int32, bitcast=True)) | nh

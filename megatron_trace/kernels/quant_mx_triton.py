@@ -24,7 +24,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from . import quant_rne_triton as qr
 from . import triton_fp4 as f
 
 
@@ -111,7 +110,7 @@ def mx_rne_tile(w, amax_b, kt, rows, orows, rmask, NB, codes_ptr, scales_ptr, bi
     blk = kt * NBT + tl.arange(0, NBT)[None, :]
     bmask = blk < NB
     e = f.mx_exponent(amax_b, FMT)
-    qr.store_code_words(code_words(w, e, HW), orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P,
-                        WRITE_CODES, WRITE_BITS)
+    f.store_code_words(code_words(w, e, HW), orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P,
+                       WRITE_CODES, WRITE_BITS)
     if WRITE_SCALES:
         f.store_u8(scales_ptr + orows[:, None] * NB + blk, (e + 127).to(tl.int32), rmask[:, None] & bmask, HW)

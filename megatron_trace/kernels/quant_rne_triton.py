@@ -77,23 +77,8 @@ def _store_code_words(il, ih, w, ok, orows, rows, rmask, blk, bmask, NB, codes_p
                       WRITE_CODES: tl.constexpr, WRITE_BITS: tl.constexpr, HW: tl.constexpr):
     """Codes as int32 words of 8 (rows ``orows``) and the record's mantissa bits (bit 0 of each code: one byte
     per code word, rows ``rows``) of a bf16 pair tile."""
-    store_code_words(f.code_words(il, ih, w, ok, HW), orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P,
-                     WRITE_CODES, WRITE_BITS)
-
-
-@triton.jit
-def store_code_words(iw, orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P: tl.constexpr,
-                     WRITE_CODES: tl.constexpr, WRITE_BITS: tl.constexpr):
-    """Code words iw (int32 [BM, NBT, P // 4]: 8 codes each) to rows ``orows``, and the record's mantissa bits
-    (bit 0 of each code: one byte per code word) to rows ``rows``."""
-    c = tl.arange(0, P // 4)[None, None, :]
-    m = rmask[:, None, None] & bmask[:, :, None]
-    if WRITE_CODES:
-        off = orows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
-        tl.store(codes_ptr.to(tl.pointer_type(tl.int32)) + off, iw, mask=m)
-    if WRITE_BITS:
-        off = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
-        tl.store(bits_ptr + off, f.nibble_lsbs(iw).to(tl.uint8), mask=m)
+    f.store_code_words(f.code_words(il, ih, w, ok, HW), orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P,
+                       WRITE_CODES, WRITE_BITS)
 
 
 @triton.jit

@@ -332,6 +332,21 @@ def code_words(il, ih, w, ok, HW: tl.constexpr):
 
 
 @triton.jit
+def store_code_words(iw, orows, rows, rmask, blk, bmask, NB, codes_ptr, bits_ptr, P: tl.constexpr,
+                     WRITE_CODES: tl.constexpr, WRITE_BITS: tl.constexpr):
+    """Code words iw (int32 [BM, NBT, P // 4]: 8 codes each) to rows ``orows``, and the record's mantissa bits
+    (bit 0 of each code: one byte per code word) to rows ``rows``."""
+    c = tl.arange(0, P // 4)[None, None, :]
+    m = rmask[:, None, None] & bmask[:, :, None]
+    if WRITE_CODES:
+        off = orows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
+        tl.store(codes_ptr.to(tl.pointer_type(tl.int32)) + off, iw, mask=m)
+    if WRITE_BITS:
+        off = rows[:, None, None] * (NB * P // 4) + blk[:, :, None] * (P // 4) + c
+        tl.store(bits_ptr + off, nibble_lsbs(iw).to(tl.uint8), mask=m)
+
+
+@triton.jit
 def nibble_lsbs(iw):
     """Bit 0 of each nibble of the int32 words iw, gathered: bit j of the byte out (int32 0..255) is bit 4j of iw."""
     v = iw & 0x11111111
