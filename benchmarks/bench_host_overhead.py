@@ -51,9 +51,9 @@ def cases(device: str, k: int) -> dict:
     }
 
 
-def host_us(fn, calls: int, device: str) -> float:
-    """Wall microseconds per call over ``calls`` calls after warm-up, no sync between calls."""
-    for _ in range(20):
+def host_us(fn, calls: int, device: str, warmup: int = 20) -> float:
+    """Wall microseconds per call over ``calls`` calls after ``warmup`` calls, no sync between calls."""
+    for _ in range(warmup):
         fn()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     sync()
@@ -92,7 +92,7 @@ def main(argv=None) -> dict:
     res = {"bench": "host_overhead", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "torch": torch.__version__, "calls": calls, "host_us_per_call": {}, "cprofile": {}}
     for name, fn in ops_.items():
-        res["host_us_per_call"][name] = round(host_us(fn, calls, device), 2)
+        res["host_us_per_call"][name] = round(host_us(fn, calls, device, 1 if a.smoke else 20), 2)
         print(f"{name:32s} {res['host_us_per_call'][name]:8.1f} us/call", file=sys.stderr)
     for name in (n for n in a.cprofile.split(",") if n):
         res["cprofile"][name] = profile_op(ops_[name], calls)

@@ -1,0 +1,26 @@
+"""CPU smoke run of ``benchmarks/bench_host_overhead.py --smoke`` (Triton's interpreter): every op runs and is
+reported, and ``--cprofile`` lists functions by own time."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton", reason="needs triton (its CPU interpreter)")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_reports_every_op(tmp_path):
+    env = {"PYTHONPATH": f"{ROOT}", "TORCHDYNAMO_DISABLE": "1", "TRITON_INTERPRET": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_host_overhead.py"), "--smoke", "--cprofile", "abs_max"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out["host_us_per_call"]) == {"torch_add (reference point)", "fake_quant_rows", "abs_max",
+                                            "fake_quant_rows_unchecked", "fake_quant_weights", "guided_fake_quant_rows"}
+    assert all(v > 0 for v in out["host_us_per_call"].values())
+    assert out["cprofile"]["abs_max"] and all(len(row) == 3 for row in out["cprofile"]["abs_max"])
