@@ -2,7 +2,7 @@
 
 For the ops of ``bench_quant.py`` (NVFP4 per-row quantize + compact record, guided compact and full + dequant,
 RNE fake-quant + STE mask, MXFP4 quantize; NVFP4 dequantize to bf16 (both paths) and fp32, per-row amax; MXFP4 to
-bf16) at the launch configs of ``quant_triton.CONFIG`` (``quant_pair_triton.config_name``; "dequant",
+bf16) at the launch configs of ``quant_triton.CONFIG`` (``pair_launch.config_name``; "dequant",
 "dequant_mxfp4"), with their "max_registers" and "programs_per_sm": ``ptxas -v`` gives registers per thread and
 spill bytes, ``nvdisasm`` the SASS of the whole kernel (the fast path and the exact redo's branch together: a static
 count, not the instructions one program runs; ``--fast-path``: without the redo's branch, what a tile in range
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_kv_attention import disassemble, ptxas_usage, signature  # noqa: E402
 
 from megatron_trace.kernels import dequant_triton as dq  # noqa: E402
+from megatron_trace.kernels import pair_launch  # noqa: E402
 from megatron_trace.kernels import quant_pair_triton as qp  # noqa: E402
 from megatron_trace.kernels import quant_triton as qk  # noqa: E402
 
@@ -58,7 +59,7 @@ def compile_pair(op: str, k: int, fn=None):
     mode, g_mode, wc, ws, wb, wd, wm, *rest = OPS[op]
     fmt = int(len(rest) > 1 and rest[1])
     block = 32 if fmt else 16
-    cfg = qk.CONFIG[qp.config_name(fmt, mode, wd)]
+    cfg = qk.CONFIG[pair_launch.config_name(fmt, mode, wd)]
     bm, nbt, num_kt = qk.plan(k, block, cfg["tile"])
     const = dict(NUM_KT=num_kt, XDT=0, FMT=fmt, MODE=mode, G_MODE=g_mode, B=block, BLOCK_M=bm, NBT=nbt, WRITE_CODES=wc,
                  WRITE_SCALES=ws, WRITE_BITS=wb, WRITE_DEQ=wd, WRITE_MASK=wm, CHECK_FINITE=False, FAST_DIV=True,

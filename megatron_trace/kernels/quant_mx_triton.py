@@ -1,5 +1,5 @@
 """MXFP4 RNE quantize of bf16 rows by packed bf16 pairs: the pair kernel's tile for MXFP4 codes (and the record's
-bits) of bf16 x, without a dequantized output or STE mask (``quant_pair_triton._by_magnitude``).
+bits) of bf16 x, without a dequantized output or STE mask (``pair_launch._by_magnitude``).
 
 ``quant_pair_triton._pair_tile`` unpacks each word of two bf16 elements to fp32 and finds each element's E2M1
 index (``triton_fp4.rne_index``: about seven ALU-pipe instructions per element). Here both halves of a word go

@@ -289,7 +289,7 @@ CONFIG = {"pair": {"tile": 2048, "num_warps": 1}, "pair_guided": {"tile": 2048, 
           "elem": {"tile": TILE, "num_warps": 4}, "dequant": {"tile": 16384, "num_warps": 8},
           "dequant_mxfp4": {"tile": 16384, "num_warps": 8}}
 """Launch configs (elements per program tile, warps) of ``pair_kernel`` (NVFP4; NVFP4 guided compact rounding;
-NVFP4 RNE fake-quant; MXFP4: ``quant_pair_triton.config_name``), ``quant_kernel`` and ``dequant_pair_kernel``
+NVFP4 RNE fake-quant; MXFP4: ``pair_launch.config_name``), ``quant_kernel`` and ``dequant_pair_kernel``
 (NVFP4; MXFP4; a bf16 output). Optional keys (GPU only): "max_registers", a register cap (``register_cap``;
 session 16 measured no gain for guided compact or dequantize, BENCHMARKS.md); "programs_per_sm" (``pair_kernel``
 with one tile per row group): that many programs per multiprocessor at most, each looping over row groups and
@@ -404,9 +404,9 @@ def run_quant(
                 g_mode=g_mode, write_codes=write_codes, write_scales=write_scales, write_bits=write_bits,
                 write_mask=write_mask, fast_div=FAST_DIV if fast_div is None else fast_div)
     if pair:
-        from . import quant_pair_triton as qp  # imports this module's constants
+        from . import pair_launch  # imports this module's constants
 
-        qp.launch_pair(x2d, out, out_step=step, out_row=into_row, **args)
+        pair_launch.launch_pair(x2d, out, out_step=step, out_row=into_row, **args)
     else:
         _launch_elem(x2d, out, CONFIG["elem"], keep_nonfinite=err is not None, **args)
         for name, t in (into or {}).items():  # the element kernel writes contiguous rows: copy them into place
