@@ -36,7 +36,7 @@ def cases(device: str, k: int) -> dict:
     counter = FiniteCounter("bench")
     rec = fused.quantize(x, q_row, record=True, check_finite=False)[1]
 
-    def weights():  # ``TraceExpertsCore.quantize_weights``: per-expert amax, then one fake-quant call
+    def weights_given():  # session 20's ``quantize_weights``: per-expert amax by torch ops, a given per-row amax
         amax = ops.abs_max(w, start_dim=1)[..., None, None]
         amax = torch.where(amax > 0, amax, 1.0).expand(*w.shape[:-1], 1)
         return fused.fake_quantize(w, q_w, global_amax=amax, check_finite=counter)
@@ -45,7 +45,8 @@ def cases(device: str, k: int) -> dict:
         "torch_add (reference point)": lambda: x.add(1),
         "fake_quant_rows": lambda: fused.fake_quantize(x, q_row, check_finite=counter),
         "fake_quant_rows_unchecked": lambda: fused.fake_quantize(x, q_row, check_finite=False),
-        "fake_quant_weights": weights,
+        "fake_quant_weights": lambda: fused.fake_quantize(w, q_w, stacked=True, check_finite=counter),
+        "fake_quant_weights_given_amax": weights_given,
         "guided_fake_quant_rows": lambda: fused.fake_quantize(x, q_row, guidance=rec, check_finite=counter),
         "abs_max": lambda: ops.abs_max(w, start_dim=1),
     }

@@ -50,13 +50,17 @@ def _raise_if_bad(err: torch.Tensor | None, x: torch.Tensor, check_finite) -> No
         ref_block.check_input(x)  # raises the reference's NonFiniteError (with the first bad index)
 
 
-def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err, check_finite=True):
+def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err, check_finite=True, stacked: bool = False):
     """(g_mode, g tensor or None, g as stored in the FP4Tensor or None) for an own-scale quantize.
 
-    A given amax is checked (finite, > 0) at once, or into the deferred counter (no host sync)."""
+    A given amax is checked (finite, > 0) at once, or into the deferred counter (no host sync). ``stacked``
+    (NVFP4 per tensor): each x[j] takes its own amax, computed here as one value per row of x2d."""
     if quantizer.fmt != "nvfp4":
         get_format("mxfp4").global_amax(x, global_amax=global_amax, per_row=False)  # raises if given
         return qk.G_NONE, None, None
+    if stacked:
+        g = qk.absmax_rows(x2d, x.shape[0], err)
+        return qk.G_ROW_GIVEN, g, g.reshape(*x.shape[:-1], 1)
     if global_amax is not None:
         deferred = isinstance(check_finite, FiniteCounter)
         g = NVFP4_FORMAT.global_amax(x, global_amax=global_amax, per_row=quantizer.per_row,
@@ -72,8 +76,11 @@ def _global_amax(x2d, quantizer: Quantizer, global_amax, x, err, check_finite=Tr
 
 def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False, write_codes: bool = True,
              deq_dtype=None, want_mask: bool = False, check_finite: bool | FiniteCounter = True,
-             out: FP4Tensor | None = None, out_row: torch.Tensor | None = None):
+             out: FP4Tensor | None = None, out_row: torch.Tensor | None = None, stacked: bool = False):
     """RNE quantize with the quantizer's own scales.
+
+    ``stacked`` (``ops.fake_quantize``'s): x [S, ..., K] holds S tensors, each with its own per-tensor amax
+    (stored per row, [S, ..., 1]).
 
     ``check_finite``: True raises ``NonFiniteError`` here (one host sync), a ``FiniteCounter`` counts NaN/Inf
     on the device for a later ``checks.raise_if_bad`` (their dequantized values stay NaN/Inf), False skips.
@@ -93,8 +100,13 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
         raise ValueError("out_row needs out=, no global_amax, and rows writes_at() takes (NVFP4 per row or MXFP4, "
                          f"RNE, bf16/fp16/fp32 rows of whole blocks); got quantizer {quantizer}, x {x.dtype} "
                          f"{tuple(x.shape)}")
+    if stacked and (global_amax is not None or quantizer.per_row or x.dim() < 2 or out is not None):
+        raise ValueError("stacked needs x [S, ..., K] (dim >= 2) and a per-tensor quantizer without global_amax "
+                         f"or out=, got x {tuple(x.shape)}, {quantizer}, global_amax "
+                         f"{'given' if global_amax is not None else None}, out {'given' if out is not None else None}")
     err = _err(check_finite, x.device)
-    g_mode, g, g_store = _global_amax(x2d, quantizer, global_amax, x, err, check_finite)
+    g_mode, g, g_store = _global_amax(x2d, quantizer, global_amax, x, err, check_finite, stacked)
+    own_count = (g_mode == qk.G_SCALAR and global_amax is None) or (stacked and g_mode == qk.G_ROW_GIVEN)
     if into is not None and g_mode != qk.G_ROW_COMPUTE:
         into.pop("g", None)  # the kernel writes no amax: copied below
     fmt = quantizer.format
@@ -102,7 +114,7 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
         x2d, fmt=qk.fmt_id(quantizer.fmt, quantizer.scale_rule), block=fmt.block_size, mode=qk.RNE, g_mode=g_mode,
         g=g, write_codes=write_codes, write_scales=write_codes, write_bits=record, deq_dtype=deq_dtype,
         write_mask=want_mask,
-        err=None if g_mode == qk.G_SCALAR and global_amax is None else err, into=into, into_row=out_row,
+        err=None if own_count else err, into=into, into_row=out_row,  # (the amax's pass counted NaN/Inf)
     )
     _raise_if_bad(err, x, check_finite)
     lead = tuple(x.shape[:-1])
@@ -196,14 +208,15 @@ def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: 
 
 
 def fake_quantize(x, quantizer: Quantizer, *, guidance=None, global_amax=None,
-                  check_finite: bool | FiniteCounter = True):
-    """Quantize-dequantize in one pass (guided if ``guidance``) with the quantizer's STE backward."""
-    return _FakeQuant.apply(x, quantizer, guidance, global_amax, check_finite)
+                  check_finite: bool | FiniteCounter = True, stacked: bool = False):
+    """Quantize-dequantize in one pass (guided if ``guidance``) with the quantizer's STE backward.
+    ``stacked``: as ``quantize``'s."""
+    return _FakeQuant.apply(x, quantizer, guidance, global_amax, check_finite, stacked)
 
 
 class _FakeQuant(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, quantizer: Quantizer, guidance, global_amax, check_finite):
+    def forward(ctx, x, quantizer: Quantizer, guidance, global_amax, check_finite, stacked):
         xd = x.detach()
         clip = quantizer.ste_clip
         if guidance is not None:
@@ -211,7 +224,7 @@ class _FakeQuant(torch.autograd.Function):
                             check_finite=check_finite)
         else:
             _, _, out = quantize(xd, quantizer, global_amax=global_amax, write_codes=False, deq_dtype=x.dtype,
-                                 want_mask=clip, check_finite=check_finite)
+                                 want_mask=clip, check_finite=check_finite, stacked=stacked)
         ctx.ste_clip = clip
         if clip:
             ctx.save_for_backward(out["mask"].view(torch.bool).reshape(x.shape))
@@ -219,4 +232,4 @@ class _FakeQuant(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return ste_backward(ctx, grad)
+        return (*ste_backward(ctx, grad), None)  # (none for ``stacked``)

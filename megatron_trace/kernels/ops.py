@@ -66,17 +66,36 @@ def guided_quantize(x: torch.Tensor, guidance: FullGuidance | CompactGuidance, *
 
 
 def fake_quantize(x: torch.Tensor, quantizer: Quantizer, *, guidance=None, global_amax=None,
-                  kernel: str | Kernel = "auto", check_finite: bool = True) -> torch.Tensor:
+                  kernel: str | Kernel = "auto", check_finite: bool = True, stacked: bool = False) -> torch.Tensor:
     """``quantizer.fake_quantize``: quantize-dequantize in x.dtype (guided when ``guidance``), STE backward.
 
     The Triton path reads x once and writes the result (and the STE mask when ``quantizer.ste_clip``).
+    ``stacked``: x [S, ..., K] is S tensors (e.g. experts' weights), each fake-quantized as
+    ``quantizer.fake_quantize(x[j])`` would: with its own per-tensor amax (NVFP4; MXFP4 has none). The Triton
+    path takes three launches for all S (the amaxes, their rows, the fake-quant).
     """
+    if stacked and quantizer.fmt == "nvfp4":
+        if global_amax is not None or guidance is not None or quantizer.per_row or x.dim() < 2:
+            raise ValueError("stacked needs x [S, ..., K] (dim >= 2), a per-tensor quantizer and no global_amax or "
+                             f"guidance, got x {tuple(x.shape)}, {quantizer}")
+    else:
+        stacked = False  # MXFP4's blocks are independent: x[j] alone gives the same bits
     unsupported = _STOCHASTIC if quantizer.rounding != "rne" and guidance is None else None
     if select_kernel(kernel, x.device, unsupported=unsupported) is Kernel.REFERENCE:
+        if stacked:
+            global_amax = _stacked_amax(x)
         return quantizer.fake_quantize(x, guidance=guidance, global_amax=global_amax)
     from . import fused
 
-    return fused.fake_quantize(x, quantizer, guidance=guidance, global_amax=global_amax, check_finite=check_finite)
+    return fused.fake_quantize(x, quantizer, guidance=guidance, global_amax=global_amax, check_finite=check_finite,
+                               stacked=stacked)
+
+
+def _stacked_amax(x: torch.Tensor) -> torch.Tensor:
+    """Per row [S, ..., 1], the amax of its x[j] (1 where that is 0: a given amax must be > 0, and an all-zero
+    tensor quantizes to zeros with any amax)."""
+    amax = abs_max(x, start_dim=1).reshape(-1, *([1] * (x.dim() - 1)))
+    return torch.where(amax > 0, amax, 1.0).expand(*x.shape[:-1], 1)
 
 
 def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32, *, kernel: str | Kernel = "auto") -> torch.Tensor:

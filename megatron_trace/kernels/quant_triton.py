@@ -36,16 +36,33 @@ GUIDED_COMPACT = tl.constexpr(2)
 
 @triton.jit
 def absmax_kernel(x_ptr, n, out_ptr, err_ptr, BLOCK: tl.constexpr, CHECK_FINITE: tl.constexpr):
-    """Partial max|x| of BLOCK elements per program (fp32), and a count of NaN/Inf if asked."""
+    """Partial max|x| of BLOCK elements per program (fp32), and a count of NaN/Inf if asked. Axis 1 of the grid
+    runs over groups of n elements each (``absmax_rows``): group j's partials go to out[j, :]."""
     pid = tl.program_id(0)
+    grp = tl.program_id(1).to(tl.int64)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + grp * n + offs, mask=offs < n, other=0.0).to(tl.float32)
     a = tl.abs(x)
-    tl.store(out_ptr + pid, tl.max(a, axis=0))
+    tl.store(out_ptr + grp * tl.num_programs(0) + pid, tl.max(a, axis=0))
     if CHECK_FINITE:
         bad = tl.sum((a == float("inf")).to(tl.int32) + (x != x).to(tl.int32), axis=0)
         if bad > 0:
             tl.atomic_add(err_ptr, bad)
+
+
+@triton.jit
+def group_rows_kernel(parts_ptr, n_parts, rows_per_group, g_ptr, PB: tl.constexpr, RB: tl.constexpr):
+    """g[j * rows_per_group + r] = max of parts[j, :] (``absmax_kernel``'s partials of group j) for the RB rows r
+    of this program (grid: row chunks x groups)."""
+    grp = tl.program_id(1).to(tl.int64)
+    m = tl.zeros([PB], tl.float32)
+    p0 = 0
+    while p0 < n_parts:  # (a while loop: the interpreter's range() takes no run-time bound)
+        offs = p0 + tl.arange(0, PB)
+        m = tl.maximum(m, tl.load(parts_ptr + grp * n_parts + offs, mask=offs < n_parts, other=0.0))
+        p0 += PB
+    r = tl.program_id(0) * RB + tl.arange(0, RB)
+    tl.store(g_ptr + grp * rows_per_group + r, tl.max(m, axis=0) + tl.zeros([RB], tl.float32), mask=r < rows_per_group)
 
 
 @triton.jit
@@ -280,6 +297,8 @@ TILE = 4096
 """Elements of x per program tile (rows x padded K); longer rows loop over K in tiles of this size."""
 
 ABSMAX_BLOCK = 8192
+ABSMAX_PARTS = 1024
+"""``absmax_rows``: partial maxima per step of its second kernel's loop."""
 
 FAST_DIV = True
 """Divide by the per-block scale with a reciprocal + one Markstein step (IEEE division only on rare tiles)."""
@@ -355,6 +374,27 @@ def absmax(x2d: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
     absmax_kernel[(parts.numel(),)](x2d, n, parts, dummy, BLOCK=ABSMAX_BLOCK, CHECK_FINITE=err is not None,
                                     num_warps=8)
     return parts.amax()
+
+
+def absmax_rows(x2d: torch.Tensor, groups: int, err: torch.Tensor | None) -> torch.Tensor:
+    """Per row of x2d [M, K], the max|x| (fp32 [M]) of its group: the rows are ``groups`` equal groups of
+    consecutive rows (e.g. stacked expert weights [E, N, K] as [E * N, K]). Two launches: partial maxima, then
+    each group's maximum written to its rows. NaN/Inf are counted into ``err`` if given."""
+    m = x2d.shape[0]
+    if groups < 1 or m % groups:
+        raise ValueError(f"groups={groups} must be >= 1 and divide the {m} rows")
+    xc = x2d if x2d.is_contiguous() else x2d.contiguous()
+    n = (m // groups) * x2d.shape[1]
+    n_parts = max(triton.cdiv(n, ABSMAX_BLOCK), 1)
+    parts = torch.empty((groups, n_parts), dtype=torch.float32, device=x2d.device)
+    g = torch.empty(m, dtype=torch.float32, device=x2d.device)
+    if m == 0:
+        return g
+    absmax_kernel[(n_parts, groups)](xc, n, parts, err if err is not None else parts, BLOCK=ABSMAX_BLOCK,
+                                     CHECK_FINITE=err is not None, num_warps=8)
+    rb, pb = 256, min(triton.next_power_of_2(n_parts), ABSMAX_PARTS)
+    group_rows_kernel[(triton.cdiv(m // groups, rb), groups)](parts, n_parts, m // groups, g, PB=pb, RB=rb)
+    return g
 
 
 def run_quant(

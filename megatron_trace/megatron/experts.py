@@ -25,7 +25,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher
 
 from ..config import TraceConfig
-from ..kernels import abs_max, fake_quantize
+from ..kernels import fake_quantize
 from ..manifest import experts_name, module_excluded
 from .gemm import grouped_linear
 from .moe_step import FC1, FC2, ExpertRows
@@ -110,12 +110,8 @@ class TraceExpertsCore:
         """
         if self._weight_q is None or not self.trace_quantizes("weights"):
             return w
-        check = self._finite["weights"]
-        if self._weight_q.fmt != "nvfp4":  # MXFP4 has no global amax: blocks are independent
-            return fake_quantize(w, self._weight_q, kernel=self._kernel, check_finite=check)
-        amax = abs_max(w, start_dim=w.dim() - 2)[..., None, None]  # [E, 1, 1]
-        amax = torch.where(amax > 0, amax, 1.0).expand(*w.shape[:-1], 1)
-        return fake_quantize(w, self._weight_q, global_amax=amax, kernel=self._kernel, check_finite=check)
+        return fake_quantize(w, self._weight_q, stacked=True, kernel=self._kernel,
+                             check_finite=self._finite["weights"])
 
     def _activation(self, h: torch.Tensor) -> torch.Tensor:
         cfg = self.config

@@ -177,6 +177,67 @@ def test_deferred_check_counts_a_bad_given_amax():
         fused.fake_quantize(x, Quantizer("nvfp4"), global_amax=amax)
 
 
+def _stacked(shape, dtype) -> torch.Tensor:
+    """Slices [j] at scales 2**-8 ... 2**8, slice 1 all zeros (its amax is 0)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(11))
+    x = x * torch.tensor([2.0 ** (4 * (j % 5) - 8) for j in range(shape[0])]).reshape(-1, *[1] * (len(shape) - 1))
+    x[1] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(4, 6, 64), (3, 2, 5, 40)], ids=str)
+def test_stacked_equals_each_slice_alone(shape, dtype, monkeypatch):
+    """``stacked``: x[j] fake-quantized (and quantized) with its own per-tensor amax, as the reference does
+    slice by slice; the amax pass loops over its partial maxima in steps of 2 here."""
+    monkeypatch.setattr(quant_triton, "ABSMAX_BLOCK", 16)
+    monkeypatch.setattr(quant_triton, "ABSMAX_PARTS", 2)
+    q = POLICIES["nvfp4-tensor"]
+    x = _stacked(shape, dtype)
+    y = fused.fake_quantize(x.to(DEVICE), q, stacked=True, check_finite=True).cpu()
+    assert same_bits(y, torch.stack([q.fake_quantize(x[j]) for j in range(shape[0])]))
+    t = fused.quantize(x.to(DEVICE), q, stacked=True)[0]
+    for j in range(shape[0]):
+        want = q.quantize(x[j])
+        assert torch.equal(t.codes[j].cpu(), want.codes)
+        assert torch.equal(t.block_scales[j].cpu().view(torch.uint8), want.block_scales.view(torch.uint8))
+        assert torch.equal(t.global_amax[j].cpu(), want.global_amax.expand(*shape[1:-1], 1))
+
+
+def test_stacked_reference_path_and_bad_uses():
+    from megatron_trace.kernels import ops
+
+    q = POLICIES["nvfp4-tensor"]
+    x = _stacked((3, 4, 32), torch.bfloat16)
+    want = torch.stack([q.fake_quantize(x[j]) for j in range(3)])
+    assert same_bits(ops.fake_quantize(x, q, stacked=True, kernel="reference"), want)
+    assert same_bits(fused.fake_quantize(x.to(DEVICE), q, stacked=True).cpu(), want)
+    mx = Quantizer("mxfp4")  # blocks are independent: stacked changes nothing
+    assert same_bits(ops.fake_quantize(x, mx, stacked=True, kernel="reference"), mx.fake_quantize(x))
+    assert same_bits(fused.fake_quantize(x.to(DEVICE), mx, stacked=True).cpu(), mx.fake_quantize(x))
+    for bad in (dict(quantizer=POLICIES["nvfp4-row"]), dict(global_amax=torch.ones(()))):
+        with pytest.raises(ValueError, match="stacked needs"):
+            ops.fake_quantize(x.to(DEVICE), bad.pop("quantizer", q), stacked=True, **bad)
+    with pytest.raises(ValueError, match="groups=5 must be >= 1 and divide the 12 rows"):
+        quant_triton.absmax_rows(x.reshape(12, 32).to(DEVICE), 5, None)
+
+
+def test_stacked_counts_non_finite_once_deferred():
+    """A NaN in slice 2 is counted into the deferred counter by the amax pass (the fake-quant launch then
+    counts nothing), and the other slices equal their clean fake-quant."""
+    q = POLICIES["nvfp4-tensor"]
+    x = _stacked((4, 3, 32), torch.bfloat16)
+    clean = x.clone()
+    x[2, 1, 7], x[2, 0, 0] = float("nan"), float("inf")
+    counter = FiniteCounter("layer 0 weights")
+    y = fused.fake_quantize(x.to(DEVICE), q, stacked=True, check_finite=counter).cpu()
+    assert int(counter.tensor(DEVICE).item()) == 2
+    want = fused.fake_quantize(clean.to(DEVICE), q, stacked=True).cpu()
+    assert same_bits(y[[0, 1, 3]], want[[0, 1, 3]])
+    with pytest.raises(NonFiniteError):
+        fused.fake_quantize(x.to(DEVICE), q, stacked=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("policy", ["mxfp4-floor", "mxfp4-ceil"])
 def test_unchecked_mxfp4_inf_blocks_equal_the_element_kernel(policy, dtype, kernel_variant, monkeypatch):
