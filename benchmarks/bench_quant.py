@@ -23,7 +23,7 @@ import torch
 from _timing import copy_bandwidth, graph_ms, machine, median_ms
 
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels import dequant_triton, fused, quant_triton
+from megatron_trace.kernels import dequant_triton, fused, ops, quant_triton
 from megatron_trace.kernels.checks import FiniteCounter
 
 SWEEP = [dict(pair=True, tile=t, num_warps=nw) for t, nw in ((4096, 4), (4096, 8), (2048, 4), (2048, 2), (8192, 8),
@@ -72,6 +72,19 @@ def cases(x, rows, k):
     def fake_rne():
         return fused.quantize(x, q_ste, write_codes=False, deq_dtype=x.dtype, want_mask=True, check_finite=False)
 
+    q_w = Quantizer("nvfp4", ste_clip=True)
+    w = x.view(128 if rows % 128 == 0 else 1, -1, k)  # as 128 experts' stacked weights, each with its own amax
+
+    def fake_stacked():
+        return fused.quantize(w, q_w, write_codes=False, deq_dtype=x.dtype, want_mask=True, check_finite=False,
+                              stacked=True)
+
+    def fake_given():  # session 20's weights path: the experts' amaxes by torch ops, given per row
+        amax = ops.abs_max(w, start_dim=1)[..., None, None]
+        amax = torch.where(amax > 0, amax, 1.0).expand(*w.shape[:-1], 1)
+        return fused.quantize(w, q_w, global_amax=amax, write_codes=False, deq_dtype=x.dtype, want_mask=True,
+                              check_finite=False)
+
     out = {  # name: (fn, bytes moved at least)
         "quantize_nvfp4_row+record": (record_fn, xb + n // 2 + rec_b),
         "quantize_nvfp4_row+record(index path)": (lambda: _index_path(record_fn), xb + n // 2 + rec_b),
@@ -94,6 +107,8 @@ def cases(x, rows, k):
         "guided_compact->codes": (lambda: fused.guided(x, rec, check_finite=False), xb + rec_b + n // 2),
         "fake_quant_rne+ste_mask": (fake_rne, 2 * xb + n),  # x in, x's dtype and a uint8 mask out
         "fake_quant_rne+ste_mask(index path)": (lambda: _index_path(fake_rne), 2 * xb + n),
+        "fake_quant_stacked_weights(3 launches)": (fake_stacked, 2 * xb + n),  # (+ x read again by the amax pass)
+        "fake_quant_given_amax_weights(session 20)": (fake_given, 2 * xb + n),
         "dequantize_nvfp4->bf16": (lambda: dequant_triton.dequantize(t_row, torch.bfloat16), n // 2 + n // 16 + xb),
         "dequantize_nvfp4->bf16(index path)": (
             lambda: _index_path(lambda: dequant_triton.dequantize(t_row, torch.bfloat16)), n // 2 + n // 16 + xb),

@@ -30,7 +30,7 @@ class ReadyPoint:
 
     def mark(self, device) -> None:
         self.known = True
-        device = torch.device(device)
+        device = _indexed(device)
         if device.type != "cuda":  # (host values: nothing to wait for)
             return
         if self.event is None or self.device != device:
@@ -39,6 +39,14 @@ class ReadyPoint:
 
     def forget(self) -> None:
         self.known = False
+
+
+def _indexed(device) -> torch.device:
+    """``device`` as a torch.device, "cuda" with the current GPU's index (tensors name theirs: cuda:0 != cuda)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 class FiniteCounter:
@@ -54,9 +62,7 @@ class FiniteCounter:
     def tensor(self, device) -> torch.Tensor:
         """The counter on ``device`` ([1] int32), allocated at first use; the kernels add into it (and the caller
         calls ``mark()`` once they are queued, else a read waits for the whole stream)."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = _indexed(device)
         if self._count is None or self._count.device != device:
             self._count = torch.zeros(1, dtype=torch.int32, device=device)
         self.ready.forget()

@@ -11,6 +11,7 @@ from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
 from . import quant_pair_triton as qp
 from . import quant_triton as qk
 from . import triton_fp4 as f
+from .dispatch import cdiv
 from .quant_triton import GUIDED_FULL, _load_guidance, _unscale
 
 
@@ -265,7 +266,7 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
         odt, wdt = qk._WORD[dtype]
         cfg = qk.CONFIG["dequant" if fmt_id == 0 else "dequant_mxfp4"]
         bm, nbt, num_kt = qk.plan(k, fmt.block_size, cfg["tile"])
-        dequant_pair_kernel[(triton.cdiv(m, bm),)](
+        dequant_pair_kernel[(cdiv(m, bm),)](
             codes, scales, g, out.view(wdt), out, m, nb, num_kt, ODT=odt, FMT=fmt_id, G_MODE=int(g_mode),
             B=fmt.block_size, BLOCK_M=bm, NBT=nbt, FAST_DIV=qk.FAST_DIV, HW_CVT=not qk.interpreting(codes),
             BY_MAG=bool(qk.DEQUANT_BY_MAGNITUDE), num_warps=cfg["num_warps"], enable_fp_fusion=False,
@@ -274,7 +275,7 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     elif m:
         cfg = qk.CONFIG["elem"]
         bm, nbt, num_kt = qk.plan(nb * fmt.block_size, fmt.block_size, cfg["tile"])
-        dequant_kernel[(triton.cdiv(m, bm),)](
+        dequant_kernel[(cdiv(m, bm),)](
             codes, scales, g, out, m, k, nb, num_kt, FMT=fmt_id, G_MODE=int(g_mode), B=fmt.block_size,
             BLOCK_M=bm, NBT=nbt, FAST_DIV=qk.FAST_DIV, num_warps=cfg["num_warps"], enable_fp_fusion=False,
         )
@@ -287,6 +288,6 @@ def compact(record: FP4Tensor | FullGuidance) -> CompactGuidance:
     bits = torch.empty((*codes.shape[:-1], codes.shape[-1] // 4), dtype=torch.uint8, device=codes.device)
     n = bits.numel()
     if n:
-        compact_kernel[(triton.cdiv(n, 1024),)](codes, bits, n, BLOCK=1024, num_warps=4)
+        compact_kernel[(cdiv(n, 1024),)](codes, bits, n, BLOCK=1024, num_warps=4)
     return CompactGuidance(mantissa_bits=bits, block_scales=record.block_scales, global_amax=record.global_amax,
                            shape=record.shape, fmt=record.fmt)

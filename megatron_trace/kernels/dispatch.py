@@ -80,3 +80,13 @@ def sm_count(device) -> int:
 @functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def cdiv(x: int, y: int) -> int:
+    """``triton.cdiv`` for host code: Triton 3.6 wraps it as a constexpr function, which costs ~5 us per call."""
+    return (x + y - 1) // y
+
+
+def next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` for host code (0 for 0, as Triton's), without its constexpr-function wrapper."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fp4 as f
+from .dispatch import next_pow2
 
 
 def combine(acc: torch.Tensor, ml: torch.Tensor) -> torch.Tensor:
@@ -54,6 +55,6 @@ def combine_splits(acc: torch.Tensor, ml: torch.Tensor, dtype: torch.dtype) -> t
     """``combine`` in one Triton launch (``combine_kernel``): [B, Hq, D] in ``dtype``."""
     bsz, hq, splits, d = acc.shape
     out = torch.empty(bsz, hq, d, dtype=dtype, device=acc.device)
-    sp = triton.next_power_of_2(splits)
+    sp = next_pow2(splits)
     combine_kernel[(bsz * hq,)](acc, ml, out, splits, D=d, SP=sp, SB=min(sp, COMBINE_SPLITS_PER_STEP), num_warps=4)
     return out

@@ -11,6 +11,7 @@ import triton.language as tl
 from ..formats.tensor import FP4Tensor
 from . import kv_attention_plan as plan
 from . import quant_triton as qk
+from .dispatch import cdiv
 from .kv_attention_triton import _deq_rows, _fp4_groups, _group_cols, _groups, _parts
 
 
@@ -56,7 +57,7 @@ def dequantize_rows(t: FP4Tensor, block_t: int = 64) -> torch.Tensor:
     n, d = t.shape
     nb = scales.shape[-1]
     out = torch.empty(n, d, dtype=torch.bfloat16, device=codes.device)
-    deq_rows_kernel[(triton.cdiv(n, block_t),)](
+    deq_rows_kernel[(cdiv(n, block_t),)](
         codes, scales, g, out, n, codes.stride(2), scales.stride(2), g.stride(2),
         FMT=0 if t.fmt == "nvfp4" else 1, NB=nb, B=t.block_size, BT=block_t, FAST_DIV=qk.FAST_DIV,
         enable_fp_fusion=False,
@@ -71,7 +72,7 @@ def dequantize_groups(t: FP4Tensor, block_t: int = 16, deq_asm: bool | None = No
     n, d = t.shape
     out = torch.empty(n, d, dtype=torch.bfloat16, device=codes.device)
     asm = codes.is_cuda if deq_asm is None else deq_asm
-    deq_groups_kernel[(triton.cdiv(n, block_t),)](
+    deq_groups_kernel[(cdiv(n, block_t),)](
         words, scales, out, n, words.stride(2), scales.stride(2), FMT=0 if t.fmt == "nvfp4" else 1, D=d,
         DG=_group_cols(d), B=t.block_size, BT=block_t, DEQ_ASM=asm,
         SW=plan.scale_word(asm, t.fmt, d, t.block_size, scales),

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from . import kv_attention_plan as plan
+from .dispatch import cdiv, next_pow2
 from .kv_attention import aligned_rows
 from .kv_attention_combine import combine_splits
 from .kv_attention_loop import _dot, _online_softmax, _program, _query_rows, _store_ml, _tile_rows, _trip_count
@@ -70,7 +71,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
     splits = splits or plan.exact_splits(q, bsz, hkv, t_len, block_t)
-    chunk = triton.cdiv(triton.cdiv(t_len, splits), block_t) * block_t
+    chunk = cdiv(cdiv(t_len, splits), block_t) * block_t
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, splits, 2, dtype=torch.float32, device=q.device)
     lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else ml
@@ -80,7 +81,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     dense_decode_attn_kernel[(bsz * hkv, splits)](
         q, k, v, lens, firsts, mask, acc, ml, t_len, aligned_rows(t_len, readable_rows), chunk, chunk // block_t,
         float(scale), q.stride(0), q.stride(1), mask.stride(0), *k.stride()[:3], *v.stride()[:3],
-        HKV=hkv, G=group, GP=max(16, triton.next_power_of_2(group)), D=d, BT=block_t, SPLITS=splits,
+        HKV=hkv, G=group, GP=max(16, next_pow2(group)), D=d, BT=block_t, SPLITS=splits,
         HAS_LEN=lengths is not None, HAS_FIRST=starts is not None, LOAD_R=readable_rows is not None,
         HAS_MASK=kv_mask is not None, MASK_WORDS=words, F32_DOT=not q.is_cuda,
         TILES=0 if q.is_cuda else chunk // block_t, num_warps=num_warps,

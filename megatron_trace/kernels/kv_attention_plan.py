@@ -7,9 +7,8 @@ from __future__ import annotations
 import functools
 
 import torch
-import triton
 
-from .dispatch import sm_count
+from .dispatch import cdiv, sm_count
 
 MASK_AS_WORDS = True
 """``kv_mask`` is read as int32 words of 4 tokens: a 4-byte load that cp.async copies ahead of the tile loop (a
@@ -66,7 +65,7 @@ def sm_count_of(q: torch.Tensor) -> int:
 
 def exact_splits(q: torch.Tensor, bsz: int, hkv: int, t_len: int, block_t: int) -> int:
     """Exact path: about ``SPLIT_WAVES`` programs per multiprocessor."""
-    return max(1, min(triton.cdiv(SPLIT_WAVES * sm_count_of(q), bsz * hkv), triton.cdiv(t_len, block_t)))
+    return max(1, min(cdiv(SPLIT_WAVES * sm_count_of(q), bsz * hkv), cdiv(t_len, block_t)))
 
 
 MAX_FAST_SPLITS = 128
@@ -85,11 +84,11 @@ def fast_splits(pairs: int, n_tiles: int, slots: int, max_splits: int = MAX_FAST
     waves)."""
     best = (float("inf"), 1)
     for s in range(1, min(n_tiles, max_splits) + 1):
-        per = triton.cdiv(n_tiles, s)
-        real = triton.cdiv(n_tiles, per)
+        per = cdiv(n_tiles, s)
+        real = cdiv(n_tiles, per)
         if real != s:  # the same split as a smaller s
             continue
-        cost = triton.cdiv(pairs * real, slots) * (per + 1)
+        cost = cdiv(pairs * real, slots) * (per + 1)
         if cost < best[0]:
             best = (cost, real)
     return best[1]
@@ -103,7 +102,7 @@ def mask_arg(kv_mask: torch.Tensor, t_len: int, device) -> tuple[torch.Tensor, b
     rows before T)."""
     if not MASK_AS_WORDS:
         return kv_mask[:, :t_len].to(device=device, dtype=torch.uint8), False
-    t4 = triton.cdiv(t_len, 4) * 4
+    t4 = cdiv(t_len, 4) * 4
     m = kv_mask
     if (m.dtype in (torch.bool, torch.uint8) and m.device == torch.device(device) and m.shape[1] >= t4
             and m.stride(1) == 1 and m.stride(0) % 4 == 0 and m.storage_offset() % 4 == 0):

@@ -43,6 +43,7 @@ from ..formats.tensor import FP4Tensor
 from . import kv_attention_plan as plan
 from . import quant_triton as qk
 from . import triton_fp4 as f
+from .dispatch import cdiv, next_pow2
 from .kv_attention import aligned_rows
 from .kv_attention_combine import combine_splits
 from .kv_attention_loop import (
@@ -371,9 +372,9 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     group = hq // hkv
     if fast and not splits:
         resident = plan.FAST_RESIDENT.get((plan.config_key(d), block_t, num_warps, num_stages, max_registers), 2)
-        splits = plan.fast_splits(bsz * hkv, triton.cdiv(t_len, block_t), plan.sm_count_of(q) * resident)
+        splits = plan.fast_splits(bsz * hkv, cdiv(t_len, block_t), plan.sm_count_of(q) * resident)
     splits = splits or plan.exact_splits(q, bsz, hkv, t_len, block_t)
-    chunk = triton.cdiv(triton.cdiv(t_len, splits), block_t) * block_t
+    chunk = cdiv(cdiv(t_len, splits), block_t) * block_t
     acc = torch.empty(bsz, hq, splits, d, dtype=torch.float32, device=q.device)
     ml = torch.empty(bsz, hq, splits, 2, dtype=torch.float32, device=q.device)
     rows = aligned_rows(t_len, readable_rows)
@@ -383,7 +384,7 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     args = (q, kc, ks, kg, vc, vs, vg, lens, firsts, mask, acc, ml, t_len, rows, chunk, chunk // block_t)
     strides = (q.stride(0), q.stride(1), mask.stride(0), *kc.stride()[:3], *ks.stride()[:3], *kg.stride()[:3],
                *vc.stride()[:3], *vs.stride()[:3], *vg.stride()[:3])
-    common = dict(HKV=hkv, G=group, GP=max(16, triton.next_power_of_2(group)), FMT=0 if k.fmt == "nvfp4" else 1,
+    common = dict(HKV=hkv, G=group, GP=max(16, next_pow2(group)), FMT=0 if k.fmt == "nvfp4" else 1,
                   B=k.block_size, BT=block_t, SPLITS=splits, HAS_LEN=lengths is not None,
                   HAS_FIRST=starts is not None, LOAD_R=readable_rows is not None,
                   HAS_MASK=kv_mask is not None, MASK_WORDS=words,

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import cdiv
 from .kv_attention_loop import _trip_count
 
 BLOCK = 1024
@@ -40,7 +41,7 @@ def mask_intervals(mask: torch.Tensor, t: int, holes: torch.Tensor | None = None
     b = m.shape[0]
     first = torch.empty(b, dtype=torch.int32, device=m.device)
     end = torch.empty_like(first)
-    n_blocks = triton.cdiv(t, BLOCK)
+    n_blocks = cdiv(t, BLOCK)
     mask_intervals_kernel[(b,)](m, m.stride(0), t, n_blocks, first, end, first if holes is None else holes,
                                 BLOCK=BLOCK, HAS_HOLES=holes is not None, BLOCKS=0 if m.is_cuda else n_blocks)
     return first, end

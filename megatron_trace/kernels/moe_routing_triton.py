@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .dispatch import next_pow2
+
 MAX_WORK = 1 << 16
 """Bound on BN * max(BN, BE): the compares one program makes (see the module docstring)."""
 TILE = 4096
@@ -41,7 +43,7 @@ INDEX_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
 
 def _block(n: int) -> int:
-    return max(MIN_BLOCK, triton.next_power_of_2(max(n, 1)))
+    return max(MIN_BLOCK, next_pow2(max(n, 1)))
 
 
 def fits(n: int, num_experts: int) -> bool:

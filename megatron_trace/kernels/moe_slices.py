@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import sm_count
+from .dispatch import cdiv, sm_count
 
 MAX_K_SLICES = 8
 """At most this many slices, each at least ``MIN_TILES_PER_SLICE`` K tiles (the cp.async pipeline needs a few)."""
@@ -53,7 +53,7 @@ def slice_sum_kernel(ws_ptr, y_ptr, offs_ptr, TN, N, E, S: tl.constexpr, BLOCK: 
 def sum_slices(ws: torch.Tensor, y: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``y`` [T, N] (contiguous) <- the sum of the partials ``ws`` [S, T, N] fp32, rows past ``offs[-1]`` zeroed."""
     s, t, n = ws.shape
-    slice_sum_kernel[(triton.cdiv(t * n, SUM_BLOCK),)](ws, y, offs, t * n, n, offs.numel(), S=s, BLOCK=SUM_BLOCK)
+    slice_sum_kernel[(cdiv(t * n, SUM_BLOCK),)](ws, y, offs, t * n, n, offs.numel(), S=s, BLOCK=SUM_BLOCK)
     return y
 
 

@@ -36,6 +36,7 @@ import triton.language as tl
 from ..formats.tensor import FP4Tensor
 from . import moe_slices
 from . import triton_fp4 as f
+from .dispatch import cdiv, next_pow2
 from .moe import _dense_x, check_grouped_args
 
 # Elementwise over uint16 code groups (4 codes each), two per register ($4); $5: their two bf16 scales.
@@ -310,7 +311,7 @@ def pick_config(avg_tokens: float, k: int, configs=CONFIGS) -> tuple[tuple, bool
     for limit, cfg, asm in configs:
         if avg_tokens <= limit:
             bn, bk, *rest = cfg
-            return (bn, min(bk, max(64, triton.next_power_of_2(k))), *rest), asm
+            return (bn, min(bk, max(64, next_pow2(k))), *rest), asm
     raise AssertionError("CONFIGS must end with an unbounded row")
 
 
@@ -346,13 +347,13 @@ def launch_spec(t: int, weight, config, deq_asm: bool, stride_xt: int, stride_yt
     e, n, k = weight.shape
     bs = weight.block_size
     bn, bk, bt, nw, ns, join_k, maxreg = check_config(config)
-    k_tiles, n_tiles = triton.cdiv(k, bk), triton.cdiv(n, bn)
+    k_tiles, n_tiles = cdiv(k, bk), cdiv(n, bn)
     g = weight.global_amax
     scalars = (t, n, k, e, stride_xt, n * k // 4, k // 4, n * k // bs, k // bs, stride_yt)
     meta = dict(FMT=0 if weight.fmt == "nvfp4" else 1, B=bs, G_MODE=0 if g is None else (1 if g.dim() == 0 else 2),
                 BN=bn, BK=bk, BT=bt, EVEN_K=k % bk == 0, EVEN_N=n % bn == 0, DEQ_ASM=deq_asm,
                 K_TILES=k_tiles, JOIN_K=join_k, DOT_F32=False, K_SLICES=k_slices, COMPACT=programs > 0,
-                EP2=triton.next_power_of_2(e), N_TILES=n_tiles, PROGRAMS=max(programs, 1),
+                EP2=next_pow2(e), N_TILES=n_tiles, PROGRAMS=max(programs, 1),
                 WIDE=(t + bt) * max(stride_xt, stride_yt) >= WIDE_ELEMENTS, num_warps=nw, num_stages=ns,
                 **({"maxnreg": maxreg} if maxreg else {}))
     if k_slices > 1:
@@ -430,7 +431,7 @@ def launch_defaults(t: int, e: int, n: int, k: int, config: tuple, device: torch
     if k_slices is None:
         k_slices = 1
         if AUTO_K_SLICES and moe_slices.MAX_K_SLICES * (t + bt) * max(n, k) < WIDE_ELEMENTS:
-            k_slices = moe_slices.default_k_slices(t, e, triton.cdiv(n, bn), triton.cdiv(k, bk), device, compact)
+            k_slices = moe_slices.default_k_slices(t, e, cdiv(n, bn), cdiv(k, bk), device, compact)
     if programs is None:
-        programs = moe_slices.compact_programs(e, triton.cdiv(n, bn) * k_slices, device) if compact else 0
+        programs = moe_slices.compact_programs(e, cdiv(n, bn) * k_slices, device) if compact else 0
     return k_slices, programs

@@ -5,9 +5,9 @@ its launch config (``config_name``: an entry of ``quant_triton.CONFIG``) and whi
 from __future__ import annotations
 
 import torch
-import triton
 
 from . import quant_triton as qk
+from .dispatch import cdiv
 from .quant_pair_triton import pair_kernel
 from .quant_triton import RNE
 
@@ -32,7 +32,7 @@ def launch_pair(x2d, out, *, g, scales_in, guide, err, spare, fmt, block, mode, 
     mask = out.get("mask")
     cfg = qk.CONFIG[config_name(fmt, mode, deq is not None)]
     bm, nbt, num_kt = qk.plan(k, block, cfg["tile"])
-    grid = triton.cdiv(m, bm)
+    grid = cdiv(m, bm)
     per_sm = cfg.get("programs_per_sm")
     prefetch = bool(per_sm) and num_kt == 1 and out_step is None
     if prefetch:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from . import triton_fp4 as f
-from .dispatch import sm_count
+from .dispatch import cdiv, next_pow2, sm_count
 
 # Global amax modes.
 G_NONE = tl.constexpr(0)  # MXFP4
@@ -352,10 +352,10 @@ def fmt_id(fmt: str, scale_rule: str = "floor") -> int:
 def plan(kp: int, block: int, tile: int | None = None) -> tuple[int, int, int]:
     """(BLOCK_M, NBT, num_kt) for padded row length ``kp``: one tile per row group or a loop over K."""
     tile = tile or TILE
-    bk = triton.next_power_of_2(kp)
+    bk = next_pow2(kp)
     if bk <= tile:
         return max(1, tile // bk), bk // block, 1
-    return 1, tile // block, triton.cdiv(kp, tile)
+    return 1, tile // block, cdiv(kp, tile)
 
 
 def pair_ok(x2d, block, deq_dtype) -> bool:
@@ -369,7 +369,7 @@ def pair_ok(x2d, block, deq_dtype) -> bool:
 def absmax(x2d: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
     """max|x| over the whole tensor as a 0-d fp32 tensor (a partial max per program, then torch.amax)."""
     n = x2d.numel()
-    parts = torch.empty(triton.cdiv(n, ABSMAX_BLOCK), dtype=torch.float32, device=x2d.device)
+    parts = torch.empty(cdiv(n, ABSMAX_BLOCK), dtype=torch.float32, device=x2d.device)
     dummy = err if err is not None else parts
     absmax_kernel[(parts.numel(),)](x2d, n, parts, dummy, BLOCK=ABSMAX_BLOCK, CHECK_FINITE=err is not None,
                                     num_warps=8)
@@ -385,15 +385,15 @@ def absmax_rows(x2d: torch.Tensor, groups: int, err: torch.Tensor | None) -> tor
         raise ValueError(f"groups={groups} must be >= 1 and divide the {m} rows")
     xc = x2d if x2d.is_contiguous() else x2d.contiguous()
     n = (m // groups) * x2d.shape[1]
-    n_parts = max(triton.cdiv(n, ABSMAX_BLOCK), 1)
+    n_parts = max(cdiv(n, ABSMAX_BLOCK), 1)
     parts = torch.empty((groups, n_parts), dtype=torch.float32, device=x2d.device)
     g = torch.empty(m, dtype=torch.float32, device=x2d.device)
     if m == 0:
         return g
     absmax_kernel[(n_parts, groups)](xc, n, parts, err if err is not None else parts, BLOCK=ABSMAX_BLOCK,
                                      CHECK_FINITE=err is not None, num_warps=8)
-    rb, pb = 256, min(triton.next_power_of_2(n_parts), ABSMAX_PARTS)
-    group_rows_kernel[(triton.cdiv(m // groups, rb), groups)](parts, n_parts, m // groups, g, PB=pb, RB=rb)
+    rb, pb = 256, min(next_pow2(n_parts), ABSMAX_PARTS)
+    group_rows_kernel[(cdiv(m // groups, rb), groups)](parts, n_parts, m // groups, g, PB=pb, RB=rb)
     return g
 
 
@@ -414,7 +414,7 @@ def run_quant(
     r * step + into_row[0] instead (``pair_kernel`` only: a static KV cache's decode position).
     """
     m, k = x2d.shape
-    nb = triton.cdiv(k, block)
+    nb = cdiv(k, block)
     kp = nb * block
     dev = x2d.device
     u8 = torch.uint8
@@ -481,9 +481,9 @@ def _launch_elem(x2d, out, cfg, *, g, scales_in, guide, err, spare, fmt, block, 
                  write_scales, write_bits, write_mask, fast_div, keep_nonfinite):
     """Launch ``quant_kernel`` into the buffers of ``out``."""
     m, k = x2d.shape
-    nb = triton.cdiv(k, block)
+    nb = cdiv(k, block)
     bm, nbt, num_kt = plan(nb * block, block, cfg["tile"])
-    quant_kernel[(triton.cdiv(m, bm),)](
+    quant_kernel[(cdiv(m, bm),)](
         x2d, m, k, x2d.stride(0), nb, num_kt,
         g if g is not None else spare, scales_in if scales_in is not None else spare,
         guide if guide is not None else spare,
