@@ -27,6 +27,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from ..config import TraceConfig
 from ..kernels import fake_quantize
 from ..manifest import experts_name, module_excluded
+from . import expert_weights
 from .gemm import grouped_linear
 from .moe_step import FC1, FC2, ExpertRows
 from .sites import finite_checks, quantize_rows, quantize_rows_recorded, relabel
@@ -213,12 +214,20 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
         SequentialMLP.__init__(self, num_local_experts, config, submodules, pg_collection)
         self._init_trace(trace_config, pg_collection)
         self.gemm_impl = gemm_impl
+        self.pack_weights()
+
+    def pack_weights(self) -> None:
+        """Each linear's expert weights side by side in one buffer (``expert_weights.pack``: no stack copy per
+        forward). Call again after something re-seats the parameters (a module ``.to()`` that copies), before
+        the optimizer is built."""
+        for name in ("linear_fc1", "linear_fc2"):
+            expert_weights.pack([getattr(e, name).weight for e in self.local_experts])
 
     def _stacked(self, name: str) -> torch.Tensor:
         """[E_local, M, K] fake-quantized weights of ``linear_fc1`` or ``linear_fc2`` (computed once per
         ``reuse_weight_quant`` scope)."""
         weights = [getattr(e, name).weight for e in self.local_experts]
-        make = lambda: self.quantize_weights(torch.stack(weights))  # noqa: E731
+        make = lambda: self.quantize_weights(expert_weights.stacked(weights))  # noqa: E731
         if self._weight_reuse is None or not self.trace_quantizes("weights"):
             return make()
         return reuse_or_make(self._weight_reuse, name, weights, make)

@@ -73,6 +73,12 @@ class MegatronPolicy:
         self.model = build_gpt_model(hf_config, self.bridge.config, spec=spec)
         load_hf_checkpoint(self.model, hf_dir, self.bridge)
         self.model.to(device=device, dtype=dtype)  # all parameters in the training dtype (as Float16Module)
+        if quantized:  # .to() gave each parameter its own storage: the experts' weights side by side again
+            from ..megatron.experts import TraceSequentialMLP
+
+            for m in self.model.modules():
+                if isinstance(m, TraceSequentialMLP):
+                    m.pack_weights()
         self.optimizer = MasterAdamW(self.model.parameters(), lr=lr)
 
     def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:

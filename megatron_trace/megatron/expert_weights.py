@@ -1,0 +1,72 @@
+"""The local experts' weights of one linear as one [E, M, K] tensor without a copy.
+
+The torch experts (``TraceSequentialMLP``) run one grouped GEMM over all local experts, which needs their weights
+stacked. ``torch.stack`` copies them on every forward: for 128 Qwen3-30B-A3B experts, 1.2 GB per layer read and
+written, a 128-input ``cat`` launch (about 0.35 ms of host time), and in BF16 the copy is kept for the backward.
+``pack`` instead places the weights of each linear side by side in one buffer once (the parameters become views
+of it, with their values); ``stacked`` then returns the buffer as [E, M, K] with a gradient to each weight.
+
+``stacked`` checks the layout on every call: where something re-seated a weight (``param.data = ...``, a module
+``.to()`` that copies, Megatron's distributed optimizer placing parameters in its own buffers), or the weights
+are not evenly spaced views of one storage, it falls back to ``torch.stack`` (same values and gradients).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _StackedView(torch.autograd.Function):
+    """``view`` (the weights' [E, M, K] storage view) with the gradient of ``torch.stack(weights)``."""
+
+    @staticmethod
+    def forward(ctx, view, *weights):
+        return view.view_as(view)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *grad.unbind(0))
+
+
+def pack(weights: list[torch.nn.Parameter]) -> None:
+    """Move the values of same-shape parameters into one new [E, *shape] buffer and make each parameter a view
+    of its slice (no-op for fewer than two)."""
+    if len(weights) < 2:
+        return
+    w0 = weights[0]
+    if any(w.shape != w0.shape or w.dtype != w0.dtype or w.device != w0.device for w in weights):
+        raise ValueError("pack needs parameters of one shape, dtype and device, got "
+                         f"{sorted({(tuple(w.shape), str(w.dtype), str(w.device)) for w in weights})}")
+    buf = torch.empty((len(weights), *w0.shape), dtype=w0.dtype, device=w0.device)
+    with torch.no_grad():
+        for i, w in enumerate(weights):
+            buf[i].copy_(w)
+            w.data = buf[i]
+
+
+def _storage_view(weights: list[torch.Tensor]) -> torch.Tensor | None:
+    """The [E, *shape] tensor over the weights' common storage when they are contiguous, of one shape, and evenly
+    spaced in order (weight i at offset o + i * step, step >= numel); else None."""
+    w0 = weights[0]
+    if not w0.is_contiguous() or w0.device.type == "meta":
+        return None
+    storage, base, n = w0.untyped_storage(), w0.storage_offset(), w0.numel()
+    step = weights[1].storage_offset() - base if len(weights) > 1 else n
+    if step < n:
+        return None
+    for i, w in enumerate(weights):
+        if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
+                or w.untyped_storage().data_ptr() != storage.data_ptr() or w.storage_offset() != base + i * step):
+            return None
+    view = torch.empty(0, dtype=w0.dtype, device=w0.device)
+    return view.set_(storage, base, (len(weights), *w0.shape), (step, *w0.stride()))
+
+
+def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(weights)``: the same values and gradients, without a copy where ``pack`` laid them out."""
+    view = _storage_view(weights) if weights else None
+    if view is None:
+        return torch.stack(weights)
+    if not torch.is_grad_enabled() or not any(w.requires_grad for w in weights):
+        return view
+    return _StackedView.apply(view, *weights)

@@ -1,0 +1,78 @@
+"""``expert_weights``: the local experts' weights packed side by side give [E, M, K] without a copy, with the
+values and gradients of ``torch.stack``; anything else falls back to the stack."""
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.megatron import expert_weights, trace_spec
+
+from .harness import EXPERTS, batch, build_model, stock_spec, tiny_config
+
+
+def _params(n=4, shape=(6, 8), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g)) for _ in range(n)]
+
+
+def _grads(weights, how):
+    for w in weights:
+        w.grad = None
+    upstream = torch.arange(len(weights) * weights[0].numel(), dtype=torch.float32).reshape(len(weights), -1)
+    (how(weights).reshape(len(weights), -1) * upstream).sum().backward()
+    return [w.grad.clone() for w in weights]
+
+
+def test_packed_weights_stack_without_a_copy_with_the_stacks_values_and_gradients():
+    weights = _params()
+    want_values = torch.stack([w.detach().clone() for w in weights])
+    want_grads = _grads(weights, torch.stack)
+    expert_weights.pack(weights)
+    got = expert_weights.stacked(weights)
+    assert got.data_ptr() == weights[0].data_ptr() and got.untyped_storage().data_ptr() == \
+        weights[-1].untyped_storage().data_ptr()  # the parameters' own storage: no copy
+    assert torch.equal(got, want_values)
+    assert [torch.equal(a, b) for a, b in zip(_grads(weights, expert_weights.stacked), want_grads)] == [True] * 4
+    with torch.no_grad():  # an optimizer's in-place update is what the next forward sees
+        weights[2].add_(1.0)
+    assert torch.equal(expert_weights.stacked(weights)[2], want_values[2] + 1.0)
+
+
+def test_re_seated_or_unpacked_weights_fall_back_to_the_stack():
+    weights = _params()
+    expert_weights.pack(weights)
+    weights[1].data = weights[1].data.clone()  # e.g. a module .to() that copies, or another buffer layout
+    got = expert_weights.stacked(weights)
+    assert got.data_ptr() != weights[0].data_ptr()
+    assert torch.equal(got, torch.stack([w.detach() for w in weights]))
+    loose = _params(seed=1)
+    assert torch.equal(expert_weights.stacked(loose), torch.stack([w.detach() for w in loose]))
+    view = expert_weights.stacked(list(torch.randn(3, 4, 5).unbind(0)))  # evenly spaced views: no copy needed
+    assert view.shape == (3, 4, 5)
+
+
+def test_pack_rejects_mixed_shapes():
+    with pytest.raises(ValueError, match=r"one shape, dtype and device.*\(6, 8\).*\(6, 9\)"):
+        expert_weights.pack(_params(2) + _params(1, shape=(6, 9)))
+
+
+@pytest.mark.usefixtures("world1")
+def test_the_torch_experts_are_packed_and_a_checkpoint_load_keeps_it():
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig()))
+    experts = model.decoder.layers[0].mlp.experts
+    for name in ("linear_fc1", "linear_fc2"):
+        weights = [getattr(e, name).weight for e in experts.local_experts]
+        assert len(weights) == EXPERTS
+        assert expert_weights.stacked(weights).data_ptr() == weights[0].data_ptr()
+    state = {k: v.clone() + 1 for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    model.load_state_dict(state, strict=False)  # copies in place
+    weights = [e.linear_fc1.weight for e in experts.local_experts]
+    got = expert_weights.stacked(weights)
+    assert got.data_ptr() == weights[0].data_ptr()
+    assert torch.equal(got, torch.stack([state[f"decoder.layers.0.mlp.experts.local_experts.{i}.linear_fc1.weight"]
+                                         for i in range(EXPERTS)]))
+    tokens, pos, mask, _ = batch()
+    model(tokens, pos, mask).float().sum().backward()  # gradients reach every expert's weight
+    assert all(w.grad is not None or getattr(w, "main_grad", None) is not None for w in weights)
