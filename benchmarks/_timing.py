@@ -84,7 +84,9 @@ def step_median_ms(fn, device, warmup: int, reps: int) -> float:
 
 def interleaved_ms(fns: dict, device, warmup: int, reps: int, manual_gc: bool = False) -> dict[str, list[float]]:
     """Times of each ``fns[name]()`` (a whole training step) over ``reps`` rounds that run every function once
-    in turn, after ``warmup`` rounds: drift of the machine (clocks, other tenants) hits every variant alike.
+    in turn, after ``warmup`` rounds: drift of the machine (clocks, other tenants) hits every variant alike. Odd
+    rounds run the functions in reverse order, so that no variant always follows the same one (a step right after
+    another step of the same model runs with that model's data still warm: session 21 measured 2-3%).
     ``manual_gc``: Python's cyclic GC is frozen after warm-up and run between rounds, outside the timed
     calls (what Megatron-LM's ``--manual-gc`` does); otherwise a collection lands in whichever step
     allocates when it is due."""
@@ -98,8 +100,8 @@ def interleaved_ms(fns: dict, device, warmup: int, reps: int, manual_gc: bool = 
         gc.disable()
     times: dict[str, list[float]] = {name: [] for name in fns}
     try:
-        for _ in range(reps):
-            for name, fn in fns.items():
+        for r in range(reps):
+            for name, fn in (reversed(fns.items()) if r % 2 else fns.items()):
                 if cuda:
                     times[name].append(_event_ms(fn))
                 else:

@@ -64,6 +64,9 @@ def args_():
     p.add_argument("--drain", action="store_true",
                    help="also time the TRACE variants with the stream synchronized before the step's NaN/Inf check "
                         "(+drain: how the check read its counters before session 20)")
+    p.add_argument("--stack-copy", action="store_true",
+                   help="also time the TRACE-experts variants with their weights stacked by a copy each forward "
+                        "(+stack: torch.stack, as before session 21's packed weights, expert_weights.VIEWS=False)")
     p.add_argument("--gaps", action="store_true",
                    help="also profile one step per variant between two syncs: the GPU idle time and the host ops "
                         "that launched the kernel after each gap (_gaps.idle_gaps)")
@@ -137,6 +140,20 @@ def train_step_fn(model, data, step_guidance=None, trace: bool = False, micro_ba
             opt.step()
 
     return step
+
+
+def _stack_copy(step):
+    """``step`` with ``expert_weights.VIEWS`` off: the experts' weights stacked by a copy, as before packing."""
+    from megatron_trace.megatron import expert_weights
+
+    def run():
+        expert_weights.VIEWS = False
+        try:
+            return step()
+        finally:
+            expert_weights.VIEWS = True
+
+    return run
 
 
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpyAsync")
@@ -318,6 +335,9 @@ def main():
         fns[name] = train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt)
         if trace and a.micro_batches > 1:  # the same model and optimizer, the weights quantized once per step
             fns[name.replace("[", "+reuse[")] = train_step_fn(model, data, sg, trace, a.micro_batches, True, opt)
+        if tc is not None and a.stack_copy:
+            fns[name.replace("[", "+stack[") if "[" in name else name + "+stack"] = _stack_copy(
+                train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt))
         if trace and a.drain and device == "cuda":
             fns[name.replace("[", "+drain[")] = train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt,
                                                                drain=True)
@@ -338,6 +358,8 @@ def main():
     pairs += [(f"{v}{r}[{k}]", "bf16_grouped") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")
               for r in ("", "+reuse", "+drain")]
     pairs += [(f"{v}[{k}]", f"{v}+drain[{k}]") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
+    pairs += [(f"{v}[{k}]", f"{v}+stack[{k}]") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
+    pairs += [("bf16_grouped", "bf16_grouped+stack"), ("bf16_grouped+stack", "bf16_stock")]
     extra["round_ratio_median"] = {f"{x}/{y}": round(median([p / q for p, q in zip(times[x], times[y])]), 3)
                                    for x, y in pairs if x in times and y in times}
     base = ms.get("bf16_stock")

@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import torch
 
+VIEWS = True
+"""False: ``stacked`` always copies with ``torch.stack`` (the path before packing; ``bench_qat_step --stack-copy``)."""
+
 
 class _StackedView(torch.autograd.Function):
     """``view`` (the weights' [E, M, K] storage view) with the gradient of ``torch.stack(weights)``."""
@@ -45,26 +48,29 @@ def pack(weights: list[torch.nn.Parameter]) -> None:
 
 
 def _storage_view(weights: list[torch.Tensor]) -> torch.Tensor | None:
-    """The [E, *shape] tensor over the weights' common storage when they are contiguous, of one shape, and evenly
-    spaced in order (weight i at offset o + i * step, step >= numel); else None."""
+    """The [E, *shape] tensor over the weights' common storage when they are contiguous, of one shape and dtype,
+    and evenly spaced in order inside the first one's storage (weight i at o + i * step, step >= numel); else
+    None. (One pass over cheap attributes: this runs on every forward.)"""
     w0 = weights[0]
     if not w0.is_contiguous() or w0.device.type == "meta":
         return None
-    storage, base, n = w0.untyped_storage(), w0.storage_offset(), w0.numel()
-    step = weights[1].storage_offset() - base if len(weights) > 1 else n
-    if step < n:
+    shape, dtype, ptr0, size = w0.shape, w0.dtype, w0.data_ptr(), w0.element_size()
+    step = (weights[1].data_ptr() - ptr0) // size if len(weights) > 1 else w0.numel()
+    if step < w0.numel() or any(w.data_ptr() != ptr0 + i * step * size or w.shape != shape or w.dtype != dtype
+                                for i, w in enumerate(weights)):
         return None
-    for i, w in enumerate(weights):
-        if (w.shape != w0.shape or w.dtype != w0.dtype or not w.is_contiguous()
-                or w.untyped_storage().data_ptr() != storage.data_ptr() or w.storage_offset() != base + i * step):
-            return None
-    view = torch.empty(0, dtype=w0.dtype, device=w0.device)
-    return view.set_(storage, base, (len(weights), *w0.shape), (step, *w0.stride()))
+    if not all(w.is_contiguous() for w in weights):
+        return None
+    storage, base = w0.untyped_storage(), w0.storage_offset()
+    if (base + (len(weights) - 1) * step + w0.numel()) * size > storage.nbytes():
+        return None  # (not one allocation: the last weight lies past the first's storage)
+    view = torch.empty(0, dtype=dtype, device=w0.device)
+    return view.set_(storage, base, (len(weights), *shape), (step, *w0.stride()))
 
 
 def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
     """``torch.stack(weights)``: the same values and gradients, without a copy where ``pack`` laid them out."""
-    view = _storage_view(weights) if weights else None
+    view = _storage_view(weights) if weights and VIEWS else None
     if view is None:
         return torch.stack(weights)
     if not torch.is_grad_enabled() or not any(w.requires_grad for w in weights):

@@ -43,3 +43,16 @@ def test_variant_subset_with_manual_gc_and_micro_batches_reports_round_ratios(tm
     assert all(math.isfinite(r) and r > 0 for r in ratios.values())
     bad = subprocess.run(cmd[:-4] + ["--variants", "fp8_qat"], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert bad.returncode != 0 and "fp8_qat" in bad.stderr
+
+
+def test_stack_copy_times_the_torch_experts_with_their_weights_stacked_by_a_copy(tmp_path):
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_qat_step.py"), "--smoke", "--kernels", "reference",
+           "--variants", "bf16_grouped,fp4_qat", "--stack-copy", "--warmup", "1", "--reps", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out["step_ms"]) == {"bf16_grouped", "bf16_grouped+stack", "fp4_qat[reference]",
+                                   "fp4_qat+stack[reference]"}
+    assert {"bf16_grouped/bf16_grouped+stack", "fp4_qat[reference]/fp4_qat+stack[reference]"} <= set(
+        out["round_ratio_median"])
