@@ -75,15 +75,15 @@ def cases(x, rows, k):
     q_w = Quantizer("nvfp4", ste_clip=True)
     w = x.view(128 if rows % 128 == 0 else 1, -1, k)  # as 128 experts' stacked weights, each with its own amax
 
-    def fake_stacked():
-        return fused.quantize(w, q_w, write_codes=False, deq_dtype=x.dtype, want_mask=True, check_finite=False,
+    def fake_stacked():  # (both with the step's deferred NaN/Inf counter: a checked given amax syncs the host)
+        return fused.quantize(w, q_w, write_codes=False, deq_dtype=x.dtype, want_mask=True, check_finite=counter,
                               stacked=True)
 
     def fake_given():  # session 20's weights path: the experts' amaxes by torch ops, given per row
         amax = ops.abs_max(w, start_dim=1)[..., None, None]
         amax = torch.where(amax > 0, amax, 1.0).expand(*w.shape[:-1], 1)
         return fused.quantize(w, q_w, global_amax=amax, write_codes=False, deq_dtype=x.dtype, want_mask=True,
-                              check_finite=False)
+                              check_finite=counter)
 
     out = {  # name: (fn, bytes moved at least)
         "quantize_nvfp4_row+record": (record_fn, xb + n // 2 + rec_b),
