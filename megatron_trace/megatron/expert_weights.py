@@ -19,16 +19,23 @@ VIEWS = True
 """False: ``stacked`` always copies with ``torch.stack`` (the path before packing; ``bench_qat_step --stack-copy``)."""
 
 
-class _StackedView(torch.autograd.Function):
-    """``view`` (the weights' [E, M, K] storage view) with the gradient of ``torch.stack(weights)``."""
+class _StackGradient(torch.autograd.Function):
+    """``value`` [E, ...] in the forward; in the backward, slice e of its gradient to ``weights[e]`` (the gradient
+    ``torch.stack(weights)`` has)."""
 
     @staticmethod
-    def forward(ctx, view, *weights):
-        return view.view_as(view)
+    def forward(ctx, value, *weights):
+        return value.view_as(value)
 
     @staticmethod
     def backward(ctx, grad):
         return (None, *grad.unbind(0))
+
+
+def with_stack_gradient(value: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:
+    """``value`` (a stack of ``weights``, or a function of it with an identity gradient) with the gradient of
+    ``torch.stack(weights)`` to each weight; ``value``'s own history is not followed."""
+    return _StackGradient.apply(value, *weights)
 
 
 def pack(weights: list[torch.nn.Parameter]) -> None:
@@ -75,4 +82,4 @@ def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
         return torch.stack(weights)
     if not torch.is_grad_enabled() or not any(w.requires_grad for w in weights):
         return view
-    return _StackedView.apply(view, *weights)
+    return with_stack_gradient(view, weights)

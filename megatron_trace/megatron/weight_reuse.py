@@ -1,27 +1,18 @@
 """Fake-quantized expert weights computed once for several micro-batches (``train_step.reuse_weight_quant``).
 
 Inside the scope the first forward of an experts module fake-quantizes its stacked weights as usual and keeps
-the value; later forwards return that value through ``ReusedWeights``, whose backward is the straight-through
-gradient of the fake-quantizer (``TraceConfig.ste_clip=False``): the same gradients, bit for bit, without the
-stack, amax and quantize passes. The scope's contract: no optimizer step inside it. Each reuse checks that every
-weight still has the storage and version counter it had (an in-place update through the parameter raises).
+the value; later forwards return that value through ``expert_weights.with_stack_gradient``, whose backward is the
+straight-through gradient of the fake-quantizer (``TraceConfig.ste_clip=False``): the same gradients, bit for bit,
+without the stack, amax and quantize passes. The scope's contract: no optimizer step inside it. Each reuse checks
+that every weight still has the storage and version counter it had (an in-place update through the parameter
+raises).
 """
 
 from __future__ import annotations
 
 import torch
 
-
-class ReusedWeights(torch.autograd.Function):
-    """``value`` (a fake-quantized [E, M, K] stack of ``weights``) with the STE gradient to each weight."""
-
-    @staticmethod
-    def forward(ctx, value, *weights):
-        return value.view_as(value)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return (None, *grad.unbind(0))
+from .expert_weights import with_stack_gradient
 
 
 def _key(weights) -> tuple:
@@ -38,4 +29,4 @@ def reuse_or_make(cache: dict, name: str, weights: list[torch.Tensor], make) -> 
     if hit[0] != _key(weights):
         raise RuntimeError(f"expert weights {name!r} changed inside reuse_weight_quant (an optimizer step or an "
                            "in-place update inside the scope): leave the scope before the optimizer step")
-    return ReusedWeights.apply(hit[1], *weights)
+    return with_stack_gradient(hit[1], weights)
