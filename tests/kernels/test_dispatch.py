@@ -76,3 +76,14 @@ def test_abs_max_equals_the_reference_reduction():
         assert torch.equal(abs_max(w), w.float().abs().amax())
     w[1, 2, 3] = float("nan")
     assert abs_max(w, start_dim=1).isnan().tolist() == [False, True, False, False, False]
+
+
+def test_host_cdiv_and_next_pow2_equal_tritons():
+    """The host code's plain-Python twins of Triton 3.6's constexpr functions (which cost ~10 us per call)."""
+    triton = pytest.importorskip("triton")
+    from megatron_trace.kernels.dispatch import cdiv, next_pow2
+
+    for n in [*range(0, 70), 127, 128, 129, 1023, 1024, 1025, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_pow2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 100):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
