@@ -76,7 +76,8 @@ def _storage_view(weights: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def stacked(weights: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(weights)``: the same values and gradients, without a copy where ``pack`` laid them out."""
+    """``torch.stack(weights)``: the same values and gradients, without a copy where ``pack`` laid them out (the
+    result then shares the weights' storage: read it, never write into it)."""
     view = _storage_view(weights) if weights and VIEWS else None
     if view is None:
         return torch.stack(weights)
