@@ -25,6 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megatron_trace.formats import Quantizer  # noqa: E402
 from megatron_trace.kernels import fused, ops  # noqa: E402
 from megatron_trace.kernels.checks import FiniteCounter  # noqa: E402
+from megatron_trace.megatron import expert_weights  # noqa: E402
+
+
+class _Expert(torch.nn.Module):
+    """One expert's registry layout as in Megatron's SequentialMLP (``linear_fc1.weight``), tiny."""
+
+    def __init__(self, device):
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(16, 32, bias=False, device=device)
 
 
 def cases(device: str, k: int) -> dict:
@@ -35,6 +44,8 @@ def cases(device: str, k: int) -> dict:
     w = torch.randn(8, 64, k, device=device).to(torch.bfloat16)
     counter = FiniteCounter("bench")
     rec = fused.quantize(x, q_row, record=True, check_finite=False)[1]
+    experts = torch.nn.ModuleList(_Expert(device) for _ in range(128))  # the local experts of a 30B-A3B layer
+    expert_weights.pack(expert_weights.of(experts, "linear_fc1"))
 
     def weights_given():  # session 20's ``quantize_weights``: per-expert amax by torch ops, a given per-row amax
         amax = ops.abs_max(w, start_dim=1)[..., None, None]
@@ -49,6 +60,10 @@ def cases(device: str, k: int) -> dict:
         "fake_quant_weights_given_amax": weights_given,
         "guided_fake_quant_rows": lambda: fused.fake_quantize(x, q_row, guidance=rec, check_finite=counter),
         "abs_max": lambda: ops.abs_max(w, start_dim=1),
+        "expert_weights_getattr (128; session 21)": lambda: [e.linear_fc1.weight for e in experts],
+        "expert_weights.of (128)": lambda: expert_weights.of(experts, "linear_fc1"),
+        "expert_weights.stacked (128; with gradient)": lambda: expert_weights.stacked(
+            expert_weights.of(experts, "linear_fc1")),
     }
 
 

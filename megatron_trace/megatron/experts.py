@@ -221,12 +221,12 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
         forward). Call again after something re-seats the parameters (a module ``.to()`` that copies), before
         the optimizer is built."""
         for name in ("linear_fc1", "linear_fc2"):
-            expert_weights.pack([getattr(e, name).weight for e in self.local_experts])
+            expert_weights.pack(expert_weights.of(self.local_experts, name))
 
     def _stacked(self, name: str) -> torch.Tensor:
         """[E_local, M, K] fake-quantized weights of ``linear_fc1`` or ``linear_fc2`` (computed once per
         ``reuse_weight_quant`` scope)."""
-        weights = [getattr(e, name).weight for e in self.local_experts]
+        weights = expert_weights.of(self.local_experts, name)
         make = lambda: self.quantize_weights(expert_weights.stacked(weights))  # noqa: E731
         if self._weight_reuse is None or not self.trace_quantizes("weights"):
             return make()

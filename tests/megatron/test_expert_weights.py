@@ -51,6 +51,50 @@ def test_re_seated_or_unpacked_weights_fall_back_to_the_stack():
     assert view.shape == (3, 4, 5)
 
 
+@pytest.mark.parametrize("reseat", ["transposed", "reshaped", "other dtype", "empty"])
+def test_weights_at_the_packed_addresses_but_another_layout_fall_back_to_the_stack(reseat):
+    weights = _params()
+    expert_weights.pack(weights)
+    w = weights[3]
+    if reseat == "transposed":  # same address, not contiguous
+        w.data = w.data.t()
+    elif reseat == "reshaped":  # same address and size, another shape
+        w.data = w.data.reshape(8, 6)
+    elif reseat == "other dtype":  # same address and shape, another dtype of the same size
+        w.requires_grad_(False)
+        w.data = w.data.view(torch.int32)
+    else:
+        for p in weights:
+            p.data = p.data[:0]
+    if reseat in ("reshaped", "transposed"):
+        with pytest.raises(RuntimeError):  # torch.stack itself refuses: the view must not hide it
+            expert_weights.stacked(weights)
+        assert expert_weights._storage_view(weights) is None
+    elif reseat == "other dtype":
+        assert expert_weights._storage_view(weights) is None
+        assert torch.equal(expert_weights.stacked(weights), torch.stack(weights))
+    else:
+        assert expert_weights.stacked(weights).shape == (4, 0, 8)
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self, parametrized=False):
+        super().__init__()
+        self.linear_fc1 = torch.nn.Linear(3, 2, bias=False)
+        if parametrized:  # the weight becomes a property of a generated class, not a registered parameter
+            torch.nn.utils.parametrize.register_parametrization(self.linear_fc1, "weight", torch.nn.Identity())
+
+
+@pytest.mark.parametrize("parametrized", [False, True])
+def test_of_reads_the_weights_getattr_reads(parametrized):
+    experts = torch.nn.ModuleList(_Expert(parametrized) for _ in range(3))
+    want = [e.linear_fc1.weight for e in experts]
+    got = expert_weights.of(experts, "linear_fc1")
+    assert len(got) == 3 and all(torch.equal(a, b) for a, b in zip(got, want))
+    if not parametrized:
+        assert all(a is b for a, b in zip(got, want))
+
+
 def test_pack_rejects_mixed_shapes():
     with pytest.raises(ValueError, match=r"one shape, dtype and device.*\(6, 8\).*\(6, 9\)"):
         expert_weights.pack(_params(2) + _params(1, shape=(6, 9)))
@@ -62,8 +106,9 @@ def test_the_torch_experts_are_packed_and_a_checkpoint_load_keeps_it():
     model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig()))
     experts = model.decoder.layers[0].mlp.experts
     for name in ("linear_fc1", "linear_fc2"):
-        weights = [getattr(e, name).weight for e in experts.local_experts]
+        weights = expert_weights.of(experts.local_experts, name)
         assert len(weights) == EXPERTS
+        assert all(a is getattr(e, name).weight for a, e in zip(weights, experts.local_experts))
         assert expert_weights.stacked(weights).data_ptr() == weights[0].data_ptr()
     state = {k: v.clone() + 1 for k, v in model.state_dict().items()
              if isinstance(v, torch.Tensor) and v.is_floating_point()}
