@@ -67,6 +67,9 @@ def args_():
     p.add_argument("--stack-copy", action="store_true",
                    help="also time the TRACE-experts variants with their weights stacked by a copy each forward "
                         "(+stack: torch.stack, as before session 21's packed weights, expert_weights.VIEWS=False)")
+    p.add_argument("--late-weights", action="store_true",
+                   help="also time the TRACE-experts variants with their weights quantized after the dispatcher's "
+                        "host sync (+late: experts.EARLY_WEIGHTS=False, as before session 23)")
     p.add_argument("--gaps", action="store_true",
                    help="also profile one step per variant between two syncs: the GPU idle time and the host ops "
                         "that launched the kernel after each gap (_gaps.idle_gaps)")
@@ -142,16 +145,15 @@ def train_step_fn(model, data, step_guidance=None, trace: bool = False, micro_ba
     return step
 
 
-def _stack_copy(step):
-    """``step`` with ``expert_weights.VIEWS`` off: the experts' weights stacked by a copy, as before packing."""
-    from megatron_trace.megatron import expert_weights
+def _switched_off(step, module, flag: str):
+    """``step`` with the switch ``module.flag`` off while it runs (the path before a session's change)."""
 
     def run():
-        expert_weights.VIEWS = False
+        setattr(module, flag, False)
         try:
             return step()
         finally:
-            expert_weights.VIEWS = True
+            setattr(module, flag, True)
 
     return run
 
@@ -306,7 +308,7 @@ def main():
     init_world(device)
     from megatron_trace.config import TraceConfig
     from megatron_trace.kernels import select_kernel
-    from megatron_trace.megatron import trace_spec
+    from megatron_trace.megatron import expert_weights, experts, find_trace_layers, trace_spec
 
     cfg = moe_config(a, device)
     data = lm_batch(a, device)
@@ -326,6 +328,8 @@ def main():
         else:
             spec = trace_spec(stock_spec(cfg), tc)
         model = gpt(cfg, spec, a, device)
+        if tc is not None:  # (as a training script does once: exclusions, the experts' weight hooks)
+            find_trace_layers(model)
         sg = None
         if guided:
             sg, layers = guidance_for(model, tc, cfg, a, device, data)
@@ -335,9 +339,11 @@ def main():
         fns[name] = train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt)
         if trace and a.micro_batches > 1:  # the same model and optimizer, the weights quantized once per step
             fns[name.replace("[", "+reuse[")] = train_step_fn(model, data, sg, trace, a.micro_batches, True, opt)
-        if tc is not None and a.stack_copy:
-            fns[name.replace("[", "+stack[") if "[" in name else name + "+stack"] = _stack_copy(
-                train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt))
+        for on, tag, module, flag in ((a.stack_copy, "+stack", expert_weights, "VIEWS"),
+                                      (a.late_weights, "+late", experts, "EARLY_WEIGHTS")):
+            if tc is not None and on:
+                fns[name.replace("[", tag + "[") if "[" in name else name + tag] = _switched_off(
+                    train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt), module, flag)
         if trace and a.drain and device == "cuda":
             fns[name.replace("[", "+drain[")] = train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt,
                                                                drain=True)
@@ -358,8 +364,12 @@ def main():
     pairs += [(f"{v}{r}[{k}]", "bf16_grouped") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")
               for r in ("", "+reuse", "+drain")]
     pairs += [(f"{v}[{k}]", f"{v}+drain[{k}]") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
-    pairs += [(f"{v}[{k}]", f"{v}+stack[{k}]") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
-    pairs += [("bf16_grouped", "bf16_grouped+stack"), ("bf16_grouped+stack", "bf16_stock")]
+    for tag in ("+stack", "+late"):
+        pairs += [(f"{v}[{k}]", f"{v}{tag}[{k}]") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
+        pairs += [("bf16_grouped", f"bf16_grouped{tag}")]
+    pairs += [("bf16_grouped+stack", "bf16_stock")]
+    pairs += [(f"{v}+late[{k}]", "bf16_grouped+late") for v in ("fp4_qat", "trace_guided")
+              for k in a.kernels.split(",")]
     extra["round_ratio_median"] = {f"{x}/{y}": round(median([p / q for p, q in zip(times[x], times[y])]), 3)
                                    for x, y in pairs if x in times and y in times}
     base = ms.get("bf16_stock")

@@ -87,7 +87,8 @@ def find_trace_layers(model) -> TraceLayers:
     """Walk ``model`` (a module or a list of virtual-pipeline chunks) for TRACE experts and attentions.
 
     Also binds each experts module to its layer id, which applies ``TraceConfig.exclude_modules``
-    (Megatron never tells experts their layer), and raises ``ModulePatternError`` for a pattern that
+    (Megatron never tells experts their layer), hooks the torch experts' ``prepare_weights`` to the start of their
+    MoE layer, and raises ``ModulePatternError`` for a pattern that
     matches none of the model's routed experts / KV caches. Call it once after building the model; later calls
     on the same model (chunks) return the same result without walking it again (``trace_guidance`` and
     ``check_finite`` run per step)."""
@@ -114,6 +115,8 @@ def find_trace_layers(model) -> TraceLayers:
         raise ValueError(f"the model's TRACE modules disagree on their TraceConfig ({len(cfgs)} different)")
     layers = TraceLayers(moe, kv, cfgs.pop(), num_layers)
     _apply_exclusions(layers)
+    for m in moe.values():
+        m.experts.hook_moe_layer(m)  # the experts' weights quantized as their layer starts (prepare_weights)
     chunks[0].__dict__["_trace_layers"] = (tuple(chunks), layers)  # not a submodule: no state_dict entry
     return layers
 

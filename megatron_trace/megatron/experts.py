@@ -31,9 +31,13 @@ from . import expert_weights
 from .gemm import grouped_linear
 from .moe_step import FC1, FC2, ExpertRows
 from .sites import finite_checks, quantize_rows, quantize_rows_recorded, relabel
-from .weight_reuse import reuse_or_make
+from .weight_reuse import reuse_or_make, weights_key
 
 _DISPATCHERS = {"allgather": MoEAllGatherTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher}
+
+EARLY_WEIGHTS = True
+"""False: the experts' weights are fake-quantized inside the experts' forward only, after the dispatcher's host sync,
+even where a MoE layer hook is installed (``bench_qat_step --late-weights``)."""
 
 
 def check_expert_config(config) -> None:
@@ -64,6 +68,7 @@ class TraceExpertsCore:
     trace_config: TraceConfig
     _trace_step = None  # MoEStep while a trace_guidance context is open
     _weight_reuse = None  # dict while a reuse_weight_quant scope is open (``weight_reuse``)
+    _prepared = None  # {linear: (weights_key, fake-quantized [E, M, K])} from prepare_weights, for the next forward
     trace_layer: int | None = None  # layer id, told by find_trace_layers (Megatron never tells the experts)
 
     def _init_trace(self, trace_config: TraceConfig, pg_collection) -> None:
@@ -88,6 +93,10 @@ class TraceExpertsCore:
         for linear in (getattr(self, "linear_fc1", None), getattr(self, "linear_fc2", None)):
             if hasattr(linear, "trace_weight_quantizer"):  # TE variant: its linears fetch the weights
                 linear.trace_weight_quantizer = None if self._excluded else self._weight_q
+
+    def hook_moe_layer(self, moe) -> None:
+        """Install ``prepare_weights`` as a forward pre-hook of ``moe`` (this module's MoE layer) once; a no-op for
+        experts that fetch their weights per call (TE)."""
 
     def trace_quantizes(self, site: str) -> bool:
         """Whether this layer's experts quantize ``site`` (the config, less ``exclude_modules``)."""
@@ -223,10 +232,36 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
         for name in ("linear_fc1", "linear_fc2"):
             expert_weights.pack(expert_weights.of(self.local_experts, name))
 
-    def _stacked(self, name: str) -> torch.Tensor:
+    def hook_moe_layer(self, moe) -> None:
+        if not getattr(self, "_prepare_hooked", False):
+            moe.register_forward_pre_hook(_prepare_experts_weights)
+            self._prepare_hooked = True
+
+    def prepare_weights(self) -> None:
+        """Fake-quantize both linears' weights now, for this module's next forward.
+
+        ``find_trace_layers`` runs this as a forward pre-hook of the MoE layer, ahead of the router and the token
+        dispatcher's host sync. The host's work for the weights (listing and stacking them, the quantize call) then
+        overlaps the GPU's attention, and after the sync the host launches the expert GEMMs at once instead of
+        leaving the GPU idle while it prepares them. Same values and gradients: the forward uses the prepared
+        weights only if every weight still has the storage and version counter it had here (else it quantizes
+        again, as without the hook)."""
+        if not EARLY_WEIGHTS:
+            return
+        prepared = {}
+        for name in ("linear_fc1", "linear_fc2"):
+            weights = expert_weights.of(self.local_experts, name)
+            prepared[name] = (weights_key(weights), self._stacked(name, weights))
+        self._prepared = prepared
+
+    def _stacked(self, name: str, weights: list[torch.Tensor] | None = None) -> torch.Tensor:
         """[E_local, M, K] fake-quantized weights of ``linear_fc1`` or ``linear_fc2`` (computed once per
-        ``reuse_weight_quant`` scope)."""
-        weights = expert_weights.of(self.local_experts, name)
+        ``reuse_weight_quant`` scope; taken from ``prepare_weights`` where it ran for this forward)."""
+        if weights is None:
+            weights = expert_weights.of(self.local_experts, name)
+            kept = self._prepared.pop(name, None) if self._prepared else None
+            if kept is not None and kept[0] == weights_key(weights):
+                return kept[1]
         make = lambda: self.quantize_weights(expert_weights.stacked(weights))  # noqa: E731
         if self._weight_reuse is None or not self.trace_quantizes("weights"):
             return make()
@@ -239,4 +274,13 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
         return grouped_linear(h, self._stacked("linear_fc2").to(h.dtype), tokens_per_expert, self.gemm_impl)
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
-        return self._trace_forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        try:
+            return self._trace_forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        finally:
+            self._prepared = None  # (unused prepared weights are not kept past this forward)
+
+
+def _prepare_experts_weights(moe, args) -> None:
+    """Forward pre-hook of a MoE layer with TRACE torch experts (a module-level function: copies of the model
+    prepare their own experts)."""
+    moe.experts.prepare_weights()

@@ -15,7 +15,8 @@ import torch
 from .expert_weights import with_stack_gradient
 
 
-def _key(weights) -> tuple:
+def weights_key(weights) -> tuple:
+    """Storage addresses and version counters of ``weights``: changes with a re-seat or an in-place update."""
     return tuple((w.data_ptr(), w._version) for w in weights)
 
 
@@ -24,9 +25,9 @@ def reuse_or_make(cache: dict, name: str, weights: list[torch.Tensor], make) -> 
     hit = cache.get(name)
     if hit is None:
         out = make()
-        cache[name] = (_key(weights), out.detach())
+        cache[name] = (weights_key(weights), out.detach())
         return out
-    if hit[0] != _key(weights):
+    if hit[0] != weights_key(weights):
         raise RuntimeError(f"expert weights {name!r} changed inside reuse_weight_quant (an optimizer step or an "
                            "in-place update inside the scope): leave the scope before the optimizer step")
     return with_stack_gradient(hit[1], weights)
