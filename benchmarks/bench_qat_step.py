@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -67,6 +68,7 @@ def args_():
     p.add_argument("--stack-copy", action="store_true",
                    help="also time the TRACE-experts variants with their weights stacked by a copy each forward "
                         "(+stack: torch.stack, as before session 21's packed weights, expert_weights.VIEWS=False)")
+    p.add_argument("--host-profile-dir", help="with --host-profile: also write each variant's raw profile there")
     p.add_argument("--late-weights", action="store_true",
                    help="also time the TRACE-experts variants with their weights quantized after the dispatcher's "
                         "host sync (+late: experts.EARLY_WEIGHTS=False, as before session 23)")
@@ -216,9 +218,10 @@ def step_gaps(fn, top: int = 20) -> dict:
         return idle_gaps(tmp.name, top)
 
 
-def host_profile(fn, top: int = 25) -> dict:
+def host_profile(fn, top: int = 25, dump: str | None = None) -> dict:
     """One step under cProfile (after one warm-up, synchronized): the functions with the most host time,
-    by own time (tottime) and, for the project's functions, by cumulative time."""
+    by own time (tottime) and, for the project's functions, by cumulative time; ``dump``: also the raw
+    profile there (``pstats.Stats(dump).print_callees(...)`` for what a function spends its time on)."""
     import cProfile
     import pstats
 
@@ -231,6 +234,8 @@ def host_profile(fn, top: int = 25) -> dict:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     prof.disable()
+    if dump:
+        prof.dump_stats(dump)
     st = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
     name = lambda k: f"{os.path.basename(k[0])}:{k[1]} {k[2]}"  # noqa: E731
     rows = [(name(k), v[1], v[2], v[3], "megatron_trace" in k[0]) for k, v in st.items()]
@@ -357,7 +362,8 @@ def main():
         if a.gaps and device == "cuda":
             extra.setdefault("gaps", {})[name] = step_gaps(fn, a.profile_top)
         if a.host_profile:
-            extra.setdefault("host_profile", {})[name] = host_profile(fn)
+            dump = a.host_profile_dir and os.path.join(a.host_profile_dir, re.sub(r"\W", "_", name) + ".pstats")
+            extra.setdefault("host_profile", {})[name] = host_profile(fn, dump=dump)
         if a.sync_sites and device == "cuda":
             extra.setdefault("sync_sites", {})[name] = sync_sites(fn)
     pairs = [(f"trace_guided{r}[{k}]", f"fp4_qat{r}[{k}]") for k in a.kernels.split(",") for r in ("", "+reuse")]
