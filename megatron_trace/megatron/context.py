@@ -88,10 +88,9 @@ def find_trace_layers(model) -> TraceLayers:
 
     Also binds each experts module to its layer id, which applies ``TraceConfig.exclude_modules``
     (Megatron never tells experts their layer), hooks the torch experts' ``prepare_weights`` to the start of their
-    MoE layer, and raises ``ModulePatternError`` for a pattern that
-    matches none of the model's routed experts / KV caches. Call it once after building the model; later calls
-    on the same model (chunks) return the same result without walking it again (``trace_guidance`` and
-    ``check_finite`` run per step)."""
+    MoE layer, and raises ``ModulePatternError`` for a pattern that matches none of the model's routed experts /
+    KV caches. Call it once after building the model; later calls on the same model (chunks) return the same
+    result without walking it again (``trace_guidance`` and ``check_finite`` run per step)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     cached = chunks[0].__dict__.get("_trace_layers")
     if cached is not None and len(cached[0]) == len(chunks) and all(a is b for a, b in zip(cached[0], chunks)):
