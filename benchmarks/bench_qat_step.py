@@ -147,6 +147,16 @@ def train_step_fn(model, data, step_guidance=None, trace: bool = False, micro_ba
     return step
 
 
+def _allocator_facts() -> dict:
+    """What the caching allocator did over the whole run: retries (a failed allocation frees the cache and
+    synchronizes, which would slow the step it lands in) and cudaMalloc / cudaFree calls."""
+    st = torch.cuda.memory_stats()
+    return {"num_alloc_retries": st.get("num_alloc_retries"), "num_device_alloc": st.get("num_device_alloc"),
+            "num_device_free": st.get("num_device_free"),
+            "peak_reserved_gb": round(st.get("reserved_bytes.all.peak", 0) / 2**30, 2),
+            "total_gb": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 2)}
+
+
 def _switched_off(step, module, flag: str):
     """``step`` with the switch ``module.flag`` off while it runs (the path before a session's change)."""
 
@@ -386,6 +396,8 @@ def main():
         "preset": a.preset, "shape": {k: getattr(a, k) for k in SHAPE}, "gc": a.gc, "micro_batches": a.micro_batches,
         "warmup": a.warmup, "reps": a.reps, "kernel_resolved": resolved, **extra,
         "step_ms": {k: round(v, 3) for k, v in ms.items()},
+        "step_ms_rounds": {k: [round(t, 2) for t in v] for k, v in times.items()},
+        "cuda_memory": _allocator_facts() if device == "cuda" else None,
         "ratio_vs_bf16_stock": {k: round(v / base, 3) for k, v in ms.items()} if base else None,
         "ratio_vs_bf16_grouped": ({k: round(v / ms["bf16_grouped"], 3) for k, v in ms.items()}
                                   if "bf16_grouped" in ms else None),
