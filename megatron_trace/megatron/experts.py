@@ -281,6 +281,6 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
 
 
 def _prepare_experts_weights(moe, args) -> None:
-    """Forward pre-hook of a MoE layer with TRACE torch experts (a module-level function: copies of the model
-    prepare their own experts)."""
+    """Forward pre-hook of a MoE layer with TRACE torch experts: prepares the experts of the layer it is called
+    with (a module-level function, not a closure over one experts module)."""
     moe.experts.prepare_weights()

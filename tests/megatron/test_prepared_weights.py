@@ -91,3 +91,4 @@ def test_the_hook_is_installed_once():
     moe.experts.hook_moe_layer(moe)
     find_trace_layers(model)
     assert len(moe._forward_pre_hooks) == before >= 1
+
