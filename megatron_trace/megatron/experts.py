@@ -232,8 +232,10 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
         for name in ("linear_fc1", "linear_fc2"):
             expert_weights.pack(expert_weights.of(self.local_experts, name))
 
+    _prepare_hooked = False  # hook_moe_layer ran (once per module)
+
     def hook_moe_layer(self, moe) -> None:
-        if not getattr(self, "_prepare_hooked", False):
+        if not self._prepare_hooked:
             moe.register_forward_pre_hook(_prepare_experts_weights)
             self._prepare_hooked = True
 
