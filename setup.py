@@ -18,6 +18,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["megatron_trace", "megatron_trace.*"]),
+    package_data={"megatron_trace.kernels": ["*.cu"]},  # (CUDA sources compiled at run time by NVRTC)
     python_requires=">=3.10",
     install_requires=["torch>=2.6", "safetensors>=0.4"],
     extras_require=EXTRAS,

@@ -23,7 +23,7 @@ import torch
 from _timing import copy_bandwidth, graph_ms, machine, median_ms
 
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels import dequant_triton, fused, moe_triton
+from megatron_trace.kernels import dequant_triton, fused, moe_mma, moe_triton
 
 SHAPES = {  # name: (experts, K, N) as in torch._grouped_mm's mat_b [E, K, N]
     "qwen3_fc1": (128, 2048, 1536),
@@ -117,6 +117,16 @@ def run_shape(name, e, k, n, tokens, bw, fmts, sweep):
                    "bf16_weight_frac_copy": round(2 * w.numel() / (ms_bf16 * 1e-3) / bw, 3),
                    "rel_err_vs_bf16_dequant": round(rel, 5),
                    "all_us": {kk: round(v * 1e3, 1) for kk, v in timings.items()}}
+            if moe_mma.unsupported(x, wq) is None:  # the CUDA (mma.sync) kernel
+                ms_mma = _time(lambda x=x, wq=wq, offs=offs: moe_mma.grouped_mm(x, wq, offs))
+                y = moe_mma.grouped_mm(x, wq, offs)
+                row.update(mma_us=round(ms_mma * 1e3, 1), mma_speedup=round(ms_bf16 / ms_mma, 2),
+                           mma_weight_frac_copy=round(wbytes / (ms_mma * 1e-3) / bw, 3),
+                           mma_rel_err_vs_bf16_dequant=round(float((y.float() - ref.float()).norm()
+                                                                   / ref.float().norm()), 5))
+                print(f"{name:10s} tpe={tpe:4d} {fmt}: mma {row['mma_us']:8.1f} us x{row['mma_speedup']:5.2f} "
+                      f"w-read {row['mma_weight_frac_copy']:.2f} of copy err {row['mma_rel_err_vs_bf16_dequant']:.1e}",
+                      file=sys.stderr)
             rows.append(row)
             print(f"{name:10s} tpe={tpe:4d} {fmt}: bf16 {row['bf16_us']:8.1f} us  fp4 {row['fp4_us']:8.1f} us "
                   f"(default {row['fp4_default_us']:8.1f})  x{row['speedup']:5.2f}  "

@@ -6,7 +6,7 @@ graph replays, each with a fresh prefill. Prints one JSON line per point: ms per
 included (what a rollout loop gets; the first ``WARMUP_STEPS`` untimed), and the tokens both loops generated agree
 on. Usage (H200, carry .whl):
     python3 benchmarks/bench_static_decode.py [--modes bf16,fp4] [--batches 8,64] [--prompts 1024,8192] [--steps 64]
-        [--shape qwen3-30b-a3b] [--compile layers] [--graph-only] [--gemm-grid auto|full]
+        [--shape qwen3-30b-a3b] [--compile layers] [--graph-only] [--gemm-grid auto|full] [--gemm auto|mma|triton]
         (--compile: TORCHDYNAMO_DISABLE=0)
 The prefill runs in chunks of ``PREFILL_TOKENS`` tokens (batch x chunk).
 """
@@ -20,7 +20,7 @@ import time
 import torch
 from bench_decode import MODEL, SHAPES, build_backends, model_config
 
-from megatron_trace.kernels import moe_triton
+from megatron_trace.kernels import moe_mma, moe_triton
 from megatron_trace.rollout.static_decode import StaticDecode
 
 WARMUP_STEPS = 4
@@ -67,7 +67,11 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--gemm-grid", choices=("auto", "full"), default="auto",
                    help="the FP4 expert GEMM's launch: auto (default: the compact grid and K slices of moe_slices) or "
                         "full (a program per column tile and expert, one K slice: before session 15)")
+    p.add_argument("--gemm", choices=("auto", "mma", "triton"), default="auto",
+                   help="the FP4 expert GEMM: auto (fp4_grouped_mm's default: Triton), mma (the CUDA kernel where "
+                        "moe_mma.preferred: moe_mma.AUTO on) or triton")
     a = p.parse_args(argv)
+    moe_mma.AUTO = a.gemm == "mma"
     moe_triton.AUTO_K_SLICES = moe_triton.COMPACT = a.gemm_grid == "auto"
     dims = dict(SHAPES.get(a.shape, MODEL))
     prompts = [int(v) for v in a.prompts.split(",")]
@@ -78,7 +82,8 @@ def main(argv=None) -> list[dict]:
         for mode, be in backends.items():
             replay, toks_g = run_loop(be, batch, prompt, a.steps, graph=True, seed=batch)
             row = {"bench": "static_decode", "mode": mode, "batch": batch, "prompt": prompt, "steps": a.steps,
-                   "shape": a.shape, "compile": a.compile, "gemm_grid": a.gemm_grid, "graph_ms": round(replay * 1e3, 3),
+                   "shape": a.shape, "compile": a.compile, "gemm_grid": a.gemm_grid, "gemm": a.gemm,
+                   "graph_ms": round(replay * 1e3, 3),
                    "graph_tok_s": round(batch / replay, 1)}
             if not a.graph_only:
                 eager, toks_e = run_loop(be, batch, prompt, a.steps, graph=False, seed=batch)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# NOT RUN in session 23: the request was refused and too little device time was left to start a machine.
+# Not run in session 23 (refused); run in session 24 as part of device_s24_call7.sh (results/s24/call7).
 # Session 23, call 5: is the guided step's bimodality (113-118 vs 122-128 ms) the benchmark's own doing? Per-round
 # step times and the caching allocator's retries / cudaMalloc counts, with the three models resident, then with
 # only the two FP4 models.

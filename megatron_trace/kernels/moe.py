@@ -60,17 +60,27 @@ def grouped_mm_reference(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype:
     return y.to(out_dtype)
 
 
+GEMMS = ("auto", "mma", "triton")
+
+
 def fp4_grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-                   kernel: str | Kernel = "auto") -> torch.Tensor:
+                   kernel: str | Kernel = "auto", gemm: str = "auto") -> torch.Tensor:
     """Grouped ``x_e @ W_e^T`` with FP4 expert weights (see the module docstring for the layout).
 
     ``x``: bf16/fp16 [T, K] (W4A16) or an FP4Tensor [T, K] (W4A4 emulation: dequantized to bf16 first).
-    The Triton path (CUDA) dequantizes the weights in registers; results match the reference within
-    bf16/accumulation-order tolerance (not bit for bit).
+    The GPU paths dequantize the weights in registers; results match the reference within bf16/accumulation-order
+    tolerance (not bit for bit). ``gemm`` picks the GPU kernel: ``"mma"`` the CUDA kernel (``moe_mma``; an error
+    names why where it cannot run), ``"triton"`` the Triton kernel, ``"auto"`` the Triton kernel unless
+    ``moe_mma.AUTO`` is on and ``moe_mma.preferred`` holds.
     """
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm={gemm!r} is not one of {GEMMS}")
     dev = weight.codes.device
     if select_kernel(kernel, dev) is Kernel.REFERENCE:
         return grouped_mm_reference(x, weight, offs, out_dtype=out_dtype)
-    from . import moe_triton
+    from . import moe_mma, moe_triton
 
+    if gemm == "mma" or (gemm == "auto" and moe_mma.preferred(x.shape[0], weight)
+                         and moe_mma.unsupported(x, weight, out_dtype) is None):
+        return moe_mma.grouped_mm(x, weight, offs, out_dtype=out_dtype)
     return moe_triton.grouped_mm(x, weight, offs, out_dtype=out_dtype)

@@ -1,0 +1,145 @@
+"""The CUDA (mma.sync) FP4-weight grouped GEMM on the GPU (skipped elsewhere): it matches dequantize-then-matmul in
+fp32 within accumulation-order tolerance, zeroes the rows no expert owns, gives the same bits on every launch, and
+``fp4_grouped_mm`` picks it only where ``moe_mma.unsupported`` is None."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_trace.formats import Quantizer
+from megatron_trace.kernels import fp4_grouped_mm, grouped_mm_reference, moe_mma
+
+if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
+    pytest.skip("needs an sm_90+ GPU (the kernel multiplies bf16x2)", allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+TOL = 1e-5
+"""Relative error against the fp32 reference with fp32 output: the weight values are exact, so only the order of
+the fp32 sums (the MMA's and the reference's) differs."""
+
+
+def _case(fmt, per_row, e, n, k, tokens_per_expert, seed=0, tail=3, scale=0.02):
+    gen = torch.Generator().manual_seed(seed)
+    wq = Quantizer(fmt, per_row=per_row).quantize((torch.randn(e, n, k, generator=gen) * scale).cuda())
+    tpe = torch.tensor(tokens_per_expert)
+    offs = tpe.cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(int(tpe.sum()) + tail, k, generator=gen).to(torch.bfloat16).cuda()
+    return x, wq, offs
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp(min=1e-30))
+
+
+@pytest.mark.parametrize("fmt,per_row", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+@pytest.mark.parametrize("shape", [
+    (5, 256, 512, [1, 0, 17, 3, 40]),     # every pass kind: 1 token, none, 8 < t <= 16 + 1, 3, several passes
+    (3, 288, 768, [8, 9, 16]),            # N not a multiple of the CTA's 256 rows; K = 3 x 256 (odd step count)
+    (4, 64, 2048, [2, 1, 5, 16]),         # one CTA, most warps idle; Qwen3's K
+], ids=["k512", "k768", "k2048"])
+def test_matches_reference(fmt, per_row, shape):
+    e, n, k, tpe = shape
+    x, wq, offs = _case(fmt, per_row, e, n, k, tpe)
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    y = moe_mma.grouped_mm(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(y, ref) < TOL, _rel(y, ref)
+    assert torch.equal(y[-3:], torch.zeros_like(y[-3:]))
+
+
+@pytest.mark.parametrize("k", [256, 768, 1024], ids=["1step", "3steps", "4steps"])
+def test_a_cta_streams_several_row_blocks(monkeypatch, k):
+    """One CTA per expert takes every block of 256 rows (the last one partial: some warps have one block fewer),
+    with the steps of consecutive blocks in one pipeline, odd step counts included."""
+    monkeypatch.setattr(moe_mma, "CTAS_PER_SM", 0)
+    x, wq, offs = _case("nvfp4", True, 3, 800, k, [2, 19, 1])
+    assert moe_mma.row_blocks_per_cta(3, 800, "cuda") == 4
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    y = moe_mma.grouped_mm(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(y, ref) < TOL
+    assert torch.equal(y[-3:], torch.zeros_like(y[-3:]))
+
+
+def test_bf16_out_rounds_the_fp32_result():
+    x, wq, offs = _case("nvfp4", False, 4, 256, 1024, [3, 12, 0, 20])
+    y32 = moe_mma.grouped_mm(x, wq, offs, out_dtype=torch.float32)
+    y16 = moe_mma.grouped_mm(x, wq, offs)
+    assert y16.dtype == torch.bfloat16
+    assert torch.equal(y16, y32.to(torch.bfloat16))
+
+
+def test_long_k_takes_8_token_passes():
+    k = 7168  # DeepSeek-V3's hidden size: 16 token rows do not fit in shared memory
+    assert moe_mma.token_tile(k) == 8
+    x, wq, offs = _case("nvfp4", False, 3, 64, k, [7, 19, 1])
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(moe_mma.grouped_mm(x, wq, offs, out_dtype=torch.float32), ref) < TOL
+
+
+def test_repeated_launches_give_identical_bits():
+    x, wq, offs = _case("nvfp4", False, 16, 512, 2048, [1, 4, 16, 9] * 4)
+    first = moe_mma.grouped_mm(x, wq, offs)
+    for _ in range(20):
+        assert torch.equal(moe_mma.grouped_mm(x, wq, offs), first)
+
+
+def test_w4a4_int64_offsets_and_no_tokens():
+    x, wq, offs = _case("nvfp4", False, 4, 256, 512, [2, 0, 5, 1])
+    xq = Quantizer("nvfp4").quantize(x)
+    ref = grouped_mm_reference(xq, wq, offs, out_dtype=torch.float32)
+    # (FP4 activations are dequantized to bf16 first, as in the Triton kernel: bf16 rounding)
+    assert _rel(moe_mma.grouped_mm(xq, wq, offs.long(), out_dtype=torch.float32), ref) < 1e-2
+    assert moe_mma.grouped_mm(x[:0], wq, torch.zeros_like(offs)).shape == (0, 256)
+
+
+def test_special_scales_and_codes():
+    """All-zero blocks (scale 0), the largest and the subnormal e4m3 scales, every pair of codes: exact products."""
+    x, wq, offs = _case("nvfp4", False, 2, 64, 512, [5, 11], scale=1.0)
+    sc = wq.block_scales.view(torch.uint8).clone()  # [E, N, K/16]
+    sc[0, :8] = 0                  # zero scales
+    sc[0, 8:16] = 0x7E             # 448, the largest finite e4m3
+    sc[1, :8] = torch.arange(1, 9, dtype=torch.uint8, device="cuda")[:, None]  # e4m3 subnormals 2^-9 .. 7 * 2^-9, 2^-6
+    codes = wq.codes.clone()       # [E, N, K/2]: K/2 = 256 bytes, every byte value once per row
+    codes[1, 8:24] = torch.arange(256, dtype=torch.uint8, device="cuda").expand(16, 256)
+    w = dataclasses.replace(wq, codes=codes, block_scales=sc.view(wq.block_scales.dtype))
+    ref = grouped_mm_reference(x, w, offs, out_dtype=torch.float32)
+    assert _rel(moe_mma.grouped_mm(x, w, offs, out_dtype=torch.float32), ref) < TOL
+
+
+def test_nan_block_scale_gives_nan_rows():
+    """A NaN scale byte (e4m3 0x7F) makes its weight row's outputs NaN, as dequantize-then-matmul does."""
+    x, wq, offs = _case("nvfp4", False, 2, 64, 512, [3, 2])
+    sc = wq.block_scales.view(torch.uint8).clone()
+    sc[0, 5, 7] = 0x7F
+    sc[1, 40, 31] = 0xFF
+    w = dataclasses.replace(wq, block_scales=sc.view(wq.block_scales.dtype))
+    ref = grouped_mm_reference(x, w, offs, out_dtype=torch.float32)
+    y = moe_mma.grouped_mm(x, w, offs, out_dtype=torch.float32)
+    assert torch.equal(y.isnan(), ref.isnan()) and int(y.isnan().sum()) == 3 + 2
+    assert _rel(y.nan_to_num(0.0), ref.nan_to_num(0.0)) < TOL
+
+
+def test_unsupported_calls_are_named():
+    x, wq, offs = _case("nvfp4", False, 2, 48, 512, [1, 1])  # N % 32 != 0
+    assert "N=48" in moe_mma.unsupported(x, wq)
+    with pytest.raises(ValueError, match="N=48"):
+        moe_mma.grouped_mm(x, wq, offs)
+    assert "float16" in moe_mma.unsupported(x[:, :256], _case("nvfp4", False, 2, 64, 256, [1, 1])[1], torch.float16)
+    x, wq, offs = _case("nvfp4", False, 2, 64, 320, [1, 1])
+    assert "K=320" in moe_mma.unsupported(x, wq)
+    # fp4_grouped_mm falls back to the Triton kernel there
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(fp4_grouped_mm(x, wq, offs, out_dtype=torch.float32, gemm="auto"), ref) < 2e-3
+
+
+def test_fp4_grouped_mm_picks_the_cuda_kernel_where_asked(monkeypatch):
+    x, wq, offs = _case("nvfp4", False, 8, 256, 1024, [2] * 8)
+    ref = moe_mma.grouped_mm(x, wq, offs)
+    assert torch.equal(fp4_grouped_mm(x, wq, offs, gemm="mma"), ref)
+    from megatron_trace.kernels import moe_triton
+
+    assert torch.equal(fp4_grouped_mm(x, wq, offs), moe_triton.grouped_mm(x, wq, offs))  # auto: Triton by default
+    monkeypatch.setattr(moe_mma, "AUTO", True)
+    assert torch.equal(fp4_grouped_mm(x, wq, offs), ref)  # 2 tokens per expert, every expert active
