@@ -139,7 +139,6 @@ __device__ __forceinline__ void load_step(Step& st, const Args& a, long long row
     }
 }
 
-// MMAs of one step: NT token tiles of 8 (B operands from the permuted token rows in shared memory)
 // Where token granule G (8 elements) sits in its shared-memory row: bit 0 flipped in the upper half of each 16. The
 // 8 lanes of one 16-byte load phase (g in {0, 1}, q = 0..3, the same word) then hit 8 different bank groups, with
 // rows 2 K + 32 bytes apart.
@@ -159,6 +158,7 @@ __device__ __forceinline__ u32 nvfp4_scales2(u32 v) {
 // Nonzero where one of the 4 e4m3 bytes of v is NaN (low 7 bits all set).
 __device__ __forceinline__ u32 nan_bytes(u32 v) { return ((v & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u; }
 
+// MMAs of one step: NT token tiles of 8 (B operands from the permuted token rows in shared memory)
 template <int NT, int MX>
 __device__ __forceinline__ void mma_step(float (&acc)[2][2][4], const Step& st, const u8* xs, int stride, int g,
                                          int q, int u, u32& bad) {
@@ -170,7 +170,6 @@ __device__ __forceinline__ void mma_step(float (&acc)[2][2][4], const Step& st, 
             for (int h = 0; h < 2; ++h)
                 if (nan_bytes(st.s[t][h])) bad |= 1u << (2 * t + h);
     }
-#pragma unroll
     // x granule of word m: G = 32 u + 16 (m / 4) + 4 q + m % 4, stored at swizzle(G) = G ^ (q / 2) (bit 3 of G is
     // q / 2): rows g of token tile n at xs + (8 n + g) stride, so the flip is +-16 bytes by the parity of m
     const int flip = (q >> 1) * 16;
