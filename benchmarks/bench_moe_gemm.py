@@ -1,9 +1,10 @@
-"""FP4-weight grouped GEMM (Triton, W4A16) vs bf16 ``torch._grouped_mm`` at MoE decode shapes.
+"""FP4-weight grouped GEMMs (Triton and CUDA, W4A16) vs bf16 ``torch._grouped_mm`` at MoE decode shapes.
 
 All experts get the same number of tokens (1..256). Prints one JSON line: per shape and tokens per
 expert, the bf16 time, the best FP4 time over the candidate configs (and which), the speedup, and
 the weight-read rate as a fraction of the copy bandwidth measured in the same run, and the default config on the
-full grid (``fp4_default_full_grid_us``: a program per (column tile, expert), the launch before session 15). Usage:
+full grid (``fp4_default_full_grid_us``: a program per (column tile, expert), the launch before session 15); where it
+runs, the CUDA kernel too (``moe_mma``, session 24: ``mma_us``, ``mma_speedup``, ``mma_weight_frac_copy``). Usage:
     python benchmarks/bench_moe_gemm.py [--shapes qwen3_fc1,qwen3_fc2,dsv3_fc1] [--tokens 1,4,16,64,256]
     python benchmarks/bench_moe_gemm.py --sweep   # launch-config grid: one JSON line per (shape, tpe, config),
                                                   # then the best config per (shape, tpe) (< 150 s on one H200)

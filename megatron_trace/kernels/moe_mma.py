@@ -89,14 +89,15 @@ def unsupported(x, weight: FP4Tensor, out_dtype: torch.dtype | None = None) -> s
         return f"K={k} must be a multiple of 256 and N={n} of 32"
     if not token_tile(k):
         return f"K={k} is too long for 8 token rows in {SMEM_LIMIT} bytes of shared memory"
-    dt = out_dtype or (torch.bfloat16 if isinstance(x, FP4Tensor) else x.dtype)
+    dt = out_dtype or torch.bfloat16  # (x is converted to bf16 first, as in the Triton kernel)
     if dt not in OUT_DTYPES:
         return f"out_dtype {dt} (supported: bfloat16, float32)"
     return None
 
 
 DEFINES: tuple[str, ...] = ()
-"""Extra ``NAME=value`` macros for the source (``MIN_BLOCKS``, ``SKIP_DEQUANT``: benchmark variants)."""
+"""Extra ``NAME=value`` macros for the source (``MIN_BLOCKS``, ``SKIP_DEQUANT``, ``PROBE_CONTIGUOUS``: the build
+variants ``benchmarks/bench_moe_mma.py`` times; the last two give wrong numbers)."""
 
 
 @functools.cache
@@ -125,7 +126,7 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     xd = _dense_x(x)
     e, n, k = check_grouped_args(xd, weight, offs)
     xd = xd.to(torch.bfloat16).contiguous()
-    out_dtype = out_dtype or xd.dtype
+    out_dtype = out_dtype or torch.bfloat16
     t = xd.shape[0]
     y = torch.empty(t, n, dtype=out_dtype, device=xd.device)
     if t == 0:
