@@ -304,39 +304,34 @@ fp4_w4a16_mma(const u16* x, const u8* codes, const u8* scales, const float* gama
     const long long base = (long long)e * N + first;
 #define ROWS_OF(j) (base + (long long)((j) / steps) * ROWS_PER_CTA)
     Step s0, s1;
-    // the first pass's first two steps are in flight while the tokens are staged
-    if (total > 0) load_step(s0, a, ROWS_OF(0), g, q, 0);
-    if (total > 1) load_step(s1, a, ROWS_OF(1), g, q, 1 % steps);
+    auto load_first = [&]() {
+        if (total > 0) load_step(s0, a, ROWS_OF(0), g, q, 0);
+        if (total > 1) load_step(s1, a, ROWS_OF(1), g, q, 1 % steps);
+    };
+    load_first();  // (the first pass's first two steps are in flight while the tokens are staged)
     for (int t0 = t_begin; t0 < t_end; t0 += tt) {
         const int count = min(tt, t_end - t0);
         const bool two = count > 8;  // (tt == 16)
         __syncthreads();  // (the previous pass's readers are done with xs)
         fill_tokens(xs, a, t0, count, stride);
         __syncthreads();
-        if (t0 != t_begin) {
-            if (total > 0) load_step(s0, a, ROWS_OF(0), g, q, 0);
-            if (total > 1) load_step(s1, a, ROWS_OF(1), g, q, 1 % steps);
-        }
+        if (t0 != t_begin) load_first();
         float acc[2][2][4];
         u32 bad;  // bit 2 t + h: a NaN block scale in row (t, h) of this lane's K part
         clear(acc, bad);
-        for (int j = 0; j < total; j += 2) {
-            int u = j % steps;
-            run_step<MX>(acc, s0, xs, stride, g, q, u, bad, two);
-            if (j + 2 < total) load_step(s0, a, ROWS_OF(j + 2), g, q, (j + 2) % steps);
+        // step jj from buffer st, which then loads step jj + 2; a block's last step stores its rows
+        auto advance = [&](Step& st, int jj) {
+            const int u = jj % steps;
+            run_step<MX>(acc, st, xs, stride, g, q, u, bad, two);
+            if (jj + 2 < total) load_step(st, a, ROWS_OF(jj + 2), g, q, (jj + 2) % steps);
             if (u == steps - 1) {
-                store_tile(a, acc, bad, e, first + (long long)(j / steps) * ROWS_PER_CTA, g, q, t0, count);
+                store_tile(a, acc, bad, e, first + (long long)(jj / steps) * ROWS_PER_CTA, g, q, t0, count);
                 clear(acc, bad);
             }
-            if (j + 1 < total) {
-                u = (j + 1) % steps;
-                run_step<MX>(acc, s1, xs, stride, g, q, u, bad, two);
-                if (j + 3 < total) load_step(s1, a, ROWS_OF(j + 3), g, q, (j + 3) % steps);
-                if (u == steps - 1) {
-                    store_tile(a, acc, bad, e, first + (long long)((j + 1) / steps) * ROWS_PER_CTA, g, q, t0, count);
-                    clear(acc, bad);
-                }
-            }
+        };
+        for (int j = 0; j < total; j += 2) {
+            advance(s0, j);
+            if (j + 1 < total) advance(s1, j + 1);
         }
     }
 #undef ROWS_OF
