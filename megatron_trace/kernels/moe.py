@@ -40,6 +40,18 @@ def _dense_x(x) -> torch.Tensor:
     return x.dequantize(torch.float32) if isinstance(x, FP4Tensor) else x
 
 
+def gpu_activations(x) -> torch.Tensor:
+    """The GPU GEMMs' activations: bf16 with unit stride along K (their MMAs run bf16 x bf16 -> fp32); FP4
+    activations (W4A4 emulation) dequantized to bf16 first by the Triton dequantize."""
+    if isinstance(x, FP4Tensor):
+        from .dequant_triton import dequantize
+
+        x = dequantize(x, torch.bfloat16)
+    if x.dtype != torch.bfloat16:
+        x = x.to(torch.bfloat16)
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def grouped_mm_reference(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None):
     """Dequantize the weights, then per expert ``x_e.float() @ W_e.float().T``; cast to ``out_dtype``.
 

@@ -23,7 +23,7 @@ import torch
 
 from ..formats.tensor import FP4Tensor
 from .dispatch import cdiv, sm_count
-from .moe import _dense_x, check_grouped_args
+from .moe import check_grouped_args, gpu_activations
 
 logger = logging.getLogger(__name__)
 
@@ -119,13 +119,10 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     why = unsupported(x, weight, out_dtype)
     if why:
         raise ValueError(f"the CUDA FP4 grouped GEMM cannot run this call: {why}")
-    if isinstance(x, FP4Tensor):
-        from .dequant_triton import dequantize
-
-        x = dequantize(x, torch.bfloat16)
-    xd = _dense_x(x)
+    xd = gpu_activations(x)
     e, n, k = check_grouped_args(xd, weight, offs)
-    xd = xd.to(torch.bfloat16).contiguous()
+    if xd.stride(0) % 8:  # (16-byte loads of each token row)
+        xd = xd.contiguous()
     out_dtype = out_dtype or torch.bfloat16
     t = xd.shape[0]
     y = torch.empty(t, n, dtype=out_dtype, device=xd.device)

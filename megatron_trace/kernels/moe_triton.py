@@ -37,7 +37,7 @@ from ..formats.tensor import FP4Tensor
 from . import moe_slices
 from . import triton_fp4 as f
 from .dispatch import cdiv, next_pow2
-from .moe import _dense_x, check_grouped_args
+from .moe import check_grouped_args, gpu_activations
 
 # Elementwise over uint16 code groups (4 codes each), two per register ($4); $5: their two bf16 scales.
 # Out $q = bf16x2 of code q of each group (16 bits apart in $4) times its scale.
@@ -378,16 +378,8 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
 
     The config and the slices are chosen from x's rows and the expert count, so no host sync is needed.
     """
-    if isinstance(x, FP4Tensor):
-        from .dequant_triton import dequantize
-
-        x = dequantize(x, torch.bfloat16)  # W4A4 emulation: FP4 activations -> bf16 first
-    xd = _dense_x(x)
+    xd = gpu_activations(x)  # (bf16; W4A4 emulation: FP4 activations dequantized first)
     e, n, k = check_grouped_args(xd, weight, offs)
-    if xd.dtype != torch.bfloat16:
-        xd = xd.to(torch.bfloat16)  # the MMA runs bf16 x bf16 -> fp32
-    if xd.stride(-1) != 1:
-        xd = xd.contiguous()
     out_dtype = out_dtype or xd.dtype
     t = xd.shape[0]
     if t == 0:
