@@ -9,10 +9,10 @@ import pytest
 
 @pytest.fixture(scope="module")
 def sass(bench_module):
+    pytest.importorskip("triton", reason="the disassembler comes with triton (make test installs it)")
     mod = bench_module("sass_moe_mma")
     if mod.nvrtc_library() is None:
         pytest.skip("needs NVRTC: pip install nvidia-cuda-nvrtc==13.0.* (make test installs it)")
-    pytest.importorskip("triton", reason="the disassembler comes with triton")
     return mod
 
 
