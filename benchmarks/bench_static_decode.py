@@ -68,10 +68,11 @@ def main(argv=None) -> list[dict]:
                    help="the FP4 expert GEMM's launch: auto (default: the compact grid and K slices of moe_slices) or "
                         "full (a program per column tile and expert, one K slice: before session 15)")
     p.add_argument("--gemm", choices=("auto", "mma", "triton"), default="auto",
-                   help="the FP4 expert GEMM: auto (fp4_grouped_mm's default: Triton), mma (the CUDA kernel where "
-                        "moe_mma.preferred: moe_mma.AUTO on) or triton")
+                   help="the FP4 expert GEMM: auto (the default: moe_mma.AUTO as it is, on since session 26), mma "
+                        "(the packed CUDA kernel where moe_mma.preferred: moe_mma.AUTO on) or triton (AUTO off)")
     a = p.parse_args(argv)
-    moe_mma.AUTO = a.gemm == "mma"
+    if a.gemm != "auto":
+        moe_mma.AUTO = a.gemm == "mma"
     moe_triton.AUTO_K_SLICES = moe_triton.COMPACT = a.gemm_grid == "auto"
     dims = dict(SHAPES.get(a.shape, MODEL))
     prompts = [int(v) for v in a.prompts.split(",")]

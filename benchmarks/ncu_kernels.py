@@ -4,7 +4,7 @@ Everything is compiled and warmed up first; only the region between ``cudaProfil
 the kernels to profile, once each, with an NVTX range named after the op. Usage (``bash
 benchmarks/sessions/device_s7_ncu.sh`` writes the report):
     ncu --profile-from-start off --nvtx --print-nvtx-rename kernel ... python3 benchmarks/ncu_kernels.py
-    python3 benchmarks/ncu_kernels.py --ops quant        # or gemm, or all (default)
+    python3 benchmarks/ncu_kernels.py --ops quant        # or gemm, mma, attn, all (default: all but mma)
     python3 benchmarks/ncu_kernels.py --only 'guided|fc1_t16'   # the ops whose name matches
 """
 
@@ -55,6 +55,32 @@ def gemm_ops(tokens=(1, 16)) -> dict:
     return ops
 
 
+def mma_ops(tokens=(1, 16), variants=("", "SKIP_DEQUANT=1")) -> dict:
+    """The CUDA GEMM (``moe_mma``) at Qwen3's FC1, NVFP4 and MXFP4, in its build variants (``moe_mma.DEFINES``)."""
+    from megatron_trace.kernels import moe_mma
+
+    def run(x, wq, offs, defines):
+        moe_mma.DEFINES = defines
+        try:
+            return moe_mma.grouped_mm(x, wq, offs)
+        finally:
+            moe_mma.DEFINES = ()
+
+    e, k, n = GEMM_SHAPES["qwen3_fc1"]
+    w = torch.randn(e, n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+    ops = {}
+    for fmt in ("nvfp4", "mxfp4"):
+        wq = fused.quantize(w, Quantizer(fmt), check_finite=False)[0]
+        for tpe in tokens:
+            x = torch.randn(tpe * e, k, device="cuda", dtype=torch.bfloat16)
+            offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * tpe
+            for var in variants:
+                defines = tuple(d for d in var.split("+") if d)
+                name = f"mma_{fmt}_fc1_t{tpe}" + (f"_{var}" if var else "")
+                ops[name] = lambda x=x, wq=wq, offs=offs, d=defines: run(x, wq, offs, d)
+    return ops
+
+
 def attn_ops(points=((8, 8192), (64, 8192)), hq=16, hkv=4, d=128) -> dict:
     import torch.nn.functional as F
 
@@ -76,7 +102,7 @@ def attn_ops(points=((8, 8192), (64, 8192)), hq=16, hkv=4, d=128) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--ops", default="all", choices=("all", "quant", "gemm", "attn"))
+    p.add_argument("--ops", default="all", choices=("all", "quant", "gemm", "attn", "mma"))
     p.add_argument("--rows", type=int, default=32768)
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--only", default="", help="regex: profile only the ops whose name matches")
@@ -88,6 +114,8 @@ def main(argv=None) -> None:
         ops.update(gemm_ops())
     if a.ops in ("all", "attn"):
         ops.update(attn_ops())
+    if a.ops == "mma":
+        ops.update(mma_ops())
     if a.only:
         ops = {n: fn for n, fn in ops.items() if re.search(a.only, n)}
     for fn in ops.values():  # compile and warm up outside the profiled region

@@ -2,8 +2,9 @@
 
 NVRTC comes from the ``nvidia-cuda-nvrtc`` wheel (``pip install nvidia-cuda-nvrtc==13.0.*``, about 90 MB; the GPU
 box's is the one PyTorch's CUDA wheel loads), the disassembler from Triton's package. Per format (and ``-D`` macro
-set): registers and spills (``ptxas -v``), CTAs resident per multiprocessor, and the SASS by opcode.
-``python benchmarks/sass_moe_mma.py [--defines SKIP_DEQUANT=1]`` prints one JSON row per format.
+set), for both layouts and both work splits at K = 2048: registers and spills (``ptxas -v``), CTAs resident per
+multiprocessor, and the SASS by opcode. ``python benchmarks/sass_moe_mma.py [--defines SKIP_DEQUANT=1]`` prints one
+JSON row per build.
 """
 
 from __future__ import annotations
@@ -36,15 +37,17 @@ def nvrtc_library() -> Path | None:
     return None
 
 
-def compile_source(mx: bool, defines: tuple[str, ...] = ()) -> tuple[bytes, str]:
-    """(sm_90 cubin, NVRTC log with ptxas's -v lines) of ``fp4_w4a16_mma<mx>``."""
+def compile_source(mx: bool, defines: tuple[str, ...] = (), packed: bool = False, balanced: bool = True,
+                   steps: int = 8) -> tuple[bytes, str]:
+    """(sm_90 cubin, NVRTC log with ptxas's -v lines) of ``fp4_w4a16_mma<mx, packed, balanced, steps>`` (steps =
+    K / 256: 8 is Qwen3-30B-A3B's FC1)."""
     lib_path = nvrtc_library()
     if lib_path is None:
         raise RuntimeError("NVRTC is not installed: pip install nvidia-cuda-nvrtc==13.0.*")
     ctypes.CDLL(str(lib_path.parent / next(p.name for p in lib_path.parent.glob("libnvrtc-builtins.so.*")
                                            if ".alt." not in p.name)), mode=ctypes.RTLD_GLOBAL)
     lib = ctypes.CDLL(str(lib_path))
-    name = f"fp4_w4a16_mma<{int(mx)}>".encode()
+    name = f"fp4_w4a16_mma<{int(mx)}, {int(packed)}, {int(balanced)}, {steps}>".encode()
     prog = ctypes.c_void_p()
     src = moe_mma.SOURCE.read_text().encode()
     _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"moe_mma.cu", 0, None, None))
@@ -86,21 +89,23 @@ def usage(log: str) -> tuple[int, int]:
     return regs, spills
 
 
-def function_sass(cubin: bytes, mx: bool) -> list[str]:
-    """The SASS instructions of ``fp4_w4a16_mma<mx>`` (the cubin holds both instantiations)."""
+def function_sass(cubin: bytes, mx: bool, packed: bool = False, balanced: bool = True, steps: int = 8) -> list[str]:
+    """The SASS instructions of ``fp4_w4a16_mma<mx, packed, balanced, steps>``."""
     text = disassemble(cubin)
-    mangled = f"_Z13fp4_w4a16_mmaILi{int(mx)}E"
+    mangled = f"_Z13fp4_w4a16_mmaILi{int(mx)}ELi{int(packed)}ELi{int(balanced)}ELi{steps}E"
     sections = re.split(r"\n\s*\.text\.", text)
     body = next(s for s in sections if s.startswith(mangled))
     return [m.group(1).strip() for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+([^;]+);", body)]
 
 
-def report(mx: bool, defines: tuple[str, ...] = ()) -> dict:
-    cubin, log = compile_source(mx, defines)
+def report(mx: bool, defines: tuple[str, ...] = (), packed: bool = False, balanced: bool = True) -> dict:
+    cubin, log = compile_source(mx, defines, packed, balanced)
     regs, spills = usage(log)
-    sass = function_sass(cubin, mx)
-    smem = moe_mma.token_tile(2048) * (2 * 2048 + 32)  # (Qwen3-30B-A3B's FC1: K = 2048)
-    return {"fmt": "mxfp4" if mx else "nvfp4", "defines": list(defines), "registers": regs, "spill_bytes": spills,
+    sass = function_sass(cubin, mx, packed, balanced)
+    smem = moe_mma.token_tile(2048) * (2 * 2048 + 32)  # (Qwen3-30B-A3B's FC1: K = 2048, 128 experts)
+    smem += moe_mma.balanced_smem(128) if balanced else 0
+    return {"fmt": "mxfp4" if mx else "nvfp4", "packed": packed, "balanced": balanced, "defines": list(defines),
+            "registers": regs, "spill_bytes": spills,
             "ctas_per_sm_k2048": resident_programs(regs, smem, moe_mma.THREADS // 32), "instructions": len(sass),
             "ops": op_counts(sass, 14)}
 
@@ -110,7 +115,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--defines", default="", help="comma-separated NAME=value macros")
     a = p.parse_args(argv)
     defines = tuple(d for d in a.defines.split(",") if d)
-    rows = [report(mx, defines) for mx in (False, True)]
+    rows = [report(mx, defines, packed, balanced) for balanced in (False, True) for packed in (False, True)
+            for mx in (False, True)]
     for row in rows:
         print(json.dumps(row))
     return rows

@@ -16,8 +16,9 @@ from .dispatch import Kernel, select_kernel
 
 def check_grouped_args(x, weight: FP4Tensor, offs: torch.Tensor) -> tuple[int, int, int]:
     """Validate shapes/dtypes of a grouped FP4 GEMM; returns (E, N, K)."""
-    if not isinstance(weight, FP4Tensor):
-        raise TypeError(f"weight must be an FP4Tensor of shape [E, N, K], got {type(weight).__name__}")
+    if not isinstance(weight, FP4Tensor) and type(weight).__name__ != "PackedWeight":
+        raise TypeError(f"weight must be an FP4Tensor of shape [E, N, K] (or moe_mma.PackedWeight), got "
+                        f"{type(weight).__name__}")
     if len(weight.shape) != 3:
         raise ValueError(f"weight.shape={tuple(weight.shape)} must be [experts, N, K]")
     e, n, k = weight.shape
@@ -75,24 +76,34 @@ def grouped_mm_reference(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype:
 GEMMS = ("auto", "mma", "triton")
 
 
-def fp4_grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-                   kernel: str | Kernel = "auto", gemm: str = "auto") -> torch.Tensor:
+def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
+                   kernel: str | Kernel = "auto", gemm: str = "auto", packed=None) -> torch.Tensor:
     """Grouped ``x_e @ W_e^T`` with FP4 expert weights (see the module docstring for the layout).
 
     ``x``: bf16/fp16 [T, K] (W4A16) or an FP4Tensor [T, K] (W4A4 emulation: dequantized to bf16 first).
+    ``weight``: an FP4Tensor [E, N, K], or the same in ``moe_mma.pack``'s layout (a ``moe_mma.PackedWeight``: only
+    the CUDA kernel reads it; elsewhere it is unpacked first). ``packed``: optionally, ``weight`` packed too, for the
+    CUDA kernel where it runs.
     The GPU paths dequantize the weights in registers; results match the reference within bf16/accumulation-order
     tolerance (not bit for bit). ``gemm`` picks the GPU kernel: ``"mma"`` the CUDA kernel (``moe_mma``; an error
     names why where it cannot run), ``"triton"`` the Triton kernel, ``"auto"`` the Triton kernel unless
-    ``moe_mma.AUTO`` is on and ``moe_mma.preferred`` holds.
+    ``moe_mma.AUTO`` is on, the packed weights are given and ``moe_mma.preferred`` holds.
     """
     if gemm not in GEMMS:
         raise ValueError(f"gemm={gemm!r} is not one of {GEMMS}")
-    dev = weight.codes.device
-    if select_kernel(kernel, dev) is Kernel.REFERENCE:
-        return grouped_mm_reference(x, weight, offs, out_dtype=out_dtype)
     from . import moe_mma, moe_triton
 
-    if gemm == "mma" or (gemm == "auto" and moe_mma.preferred(x.shape[0], weight)
-                         and moe_mma.unsupported(x, weight, out_dtype) is None):
+    if isinstance(weight, moe_mma.PackedWeight):
+        packed, weight = weight, None
+    dev = (packed if weight is None else weight).codes.device
+    if select_kernel(kernel, dev) is Kernel.REFERENCE:
+        return grouped_mm_reference(x, moe_mma.unpack(packed) if weight is None else weight, offs, out_dtype=out_dtype)
+    if packed is not None:
+        if gemm == "mma" or (gemm == "auto" and moe_mma.unsupported(x, packed, out_dtype) is None
+                             and (weight is None or moe_mma.preferred(x.shape[0], packed))):
+            return moe_mma.grouped_mm(x, packed, offs, out_dtype=out_dtype)  # (gemm="mma" raises where it cannot run)
+        if weight is None:
+            weight = moe_mma.unpack(packed)
+    if gemm == "mma":
         return moe_mma.grouped_mm(x, weight, offs, out_dtype=out_dtype)
     return moe_triton.grouped_mm(x, weight, offs, out_dtype=out_dtype)

@@ -3,8 +3,8 @@
 // registers and fed to mma.sync m16n8k16 (bf16 in, fp32 accumulate). Compiled at run time by NVRTC
 // (moe_mma.py); no headers.
 //
-// Work split. A CTA (8 warps) takes `tiles` blocks of 256 weight rows of one expert; in each block a warp takes 32
-// rows (two m16 tiles). The weight rows are the MMA's M side and the tokens its N side (8 or 16 per pass), so one
+// Work split. A CTA (8 warps) takes blocks of 256 weight rows of one expert (a segment; see the kernel for how the
+// blocks are dealt to CTAs); in each block a warp takes 32 rows (two m16 tiles). The weight rows are the MMA's M side and the tokens its N side (8 or 16 per pass), so one
 // token per expert still reads each weight byte once. Each thread (lane = 4 g + q) streams rows g and g + 8 of each
 // m16 tile, 64 of every 256 k (32 bytes per row) per step; the quad's lanes read adjacent bytes. A warp's steps over
 // all its row blocks form one sequence with the next two steps always in flight (a register double buffer), so the
@@ -13,6 +13,13 @@
 // 8 codes of one word (k0 .. k0 + 7) fill two MMA k-steps in the order (k0, k0+4), (k0+1, k0+5) | (k0+2, k0+6),
 // (k0+3, k0+7). The token rows are stored in shared memory permuted the same way: one 16-byte shared load gives
 // the B operands of both k-steps.
+//
+// Weight layouts. The plain one is FP4Tensor's (codes [E, N, K/2], scales [E, N, K/16 or K/32]). The packed one
+// (moe_mma.pack) stores each warp's step (32 rows x 256 k) as one contiguous 4 KB: load i (t, h, half) of lane l at
+// 512 i + 16 l, the bytes the plain layout has there. Its block scales follow the same order: lane l's 16 (NVFP4) or
+// 8 (MXFP4) bytes of a step are one load. Every load of a warp then covers 512 contiguous bytes (the plain layout:
+// 8 rows x 64 bytes per code load, 8 rows x 8 bytes per scale load), and a warp streams its 32 rows' codes as one
+// sequence.
 //
 // Dequantization: code c = s e1 e0 m placed as bf16 bits (c & 7) << 6 | (c & 8) << 12 is exactly value * 2^-126;
 // times the block scale * 2^64 (exact in bf16) that is value * scale * 2^-62, normal and exact. The epilogue
@@ -116,9 +123,30 @@ struct Args {
 // this thread's weights of step u: per row, bytes 128 u + 16 q and 128 u + 64 + 16 q (16 each), so the 4 lanes of a
 // quad read 64 contiguous bytes per load (k of word m: k0 = 256 u + 128 (m / 4) + 32 q + 8 (m % 4)); and their block
 // scales, packed so that word m's is byte m / 2 (NVFP4: 16 k per block) or m / 4 (MXFP4: 32 k)
+template <int PACKED>
 __device__ __forceinline__ void load_step(Step& st, const Args& a, long long row0, int g, int q, int u) {
     const int kb = a.K / 2;                         // bytes per row
     const int sb = a.K / (a.mx ? 32 : 16);          // scale bytes per row
+    if (PACKED) {  // (row0 is a multiple of 32: the warp's step is 4 KB block row0 / 32 * steps + u, at row0 kb + 4096 u)
+        const int lane = 4 * g + q;
+        const u32* p = (const u32*)(a.codes + row0 * kb + u * 4096 + lane * 16);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            Words4 v0 = ldg_stream(p + 256 * i), v1 = ldg_stream(p + 256 * i + 128);  // (i = 2 t + h; +512 bytes)
+            u32* w = st.w[i >> 1][i & 1];
+            w[0] = v0.x; w[1] = v0.y; w[2] = v0.z; w[3] = v0.w; w[4] = v1.x; w[5] = v1.y; w[6] = v1.z; w[7] = v1.w;
+        }
+        if (a.mx) {
+            const u32* s = (const u32*)(a.scales + row0 * sb + u * 256 + lane * 8);
+            u32 x, y;
+            asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(x), "=r"(y) : "l"(s));
+            st.s[0][0] = x; st.s[0][1] = x >> 16; st.s[1][0] = y; st.s[1][1] = y >> 16;
+        } else {
+            Words4 v = ldg_stream((const u32*)(a.scales + row0 * sb + u * 512 + lane * 16));
+            st.s[0][0] = v.x; st.s[0][1] = v.y; st.s[1][0] = v.z; st.s[1][1] = v.w;
+        }
+        return;
+    }
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
 #pragma unroll
@@ -279,34 +307,47 @@ __device__ __forceinline__ void run_step(float (&acc)[2][2][4], const Step& st, 
     else mma_step<1, MX>(acc, st, xs, stride, g, q, u, bad);
 }
 
-template <int MX>  // 0: NVFP4, 1: MXFP4
-__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
-fp4_w4a16_mma(const u16* x, const u8* codes, const u8* scales, const float* gamax, void* y, const int* offs,
-              int T, int N, int K, int E, int sx, int sy, int gmode, int out_f32, int tt, int tiles) {
-    extern __shared__ __align__(16) u8 xs[];
-    Args a{x, codes, scales, gamax, y, offs, T, N, K, E, sx, sy, MX, gmode, out_f32};
-    const int e = blockIdx.y;
-    const long long n_cta = (long long)blockIdx.x * ROWS_PER_CTA * tiles;
-    if (e == E) {  // the rows past offs[E - 1] belong to no expert: zeros
-        const int t_end = offs[E - 1];
-        const int cols = (int)min((long long)ROWS_PER_CTA * tiles, N - n_cta);
-        for (long long i = threadIdx.x; i < (long long)(T - t_end) * cols; i += blockDim.x)
-            store(a, t_end + (int)(i / cols), n_cta + i % cols, 0.0f);
-        return;
+// Rows past offs[E - 1] belong to no expert: zeros in columns col0 .. col0 + cols.
+__device__ __forceinline__ void zero_rows(const Args& a, long long col0, long long cols) {
+    const int t_end = a.offs[a.E - 1];
+    if (cols <= 0) return;
+    for (long long i = threadIdx.x; i < (long long)(a.T - t_end) * cols; i += blockDim.x)
+        store(a, t_end + (int)(i / cols), col0 + i % cols, 0.0f);
+}
+
+// The segment a CTA works on: expert e's row blocks b0 .. b0 + tiles. SPLIT 0: e = blockIdx.y, b0 = blockIdx.x
+// tiles (so nothing of it needs a register); SPLIT 1: read from shared memory at each use (seg: e, b0, tiles), for
+// the same reason (the pipeline takes all 128 registers).
+template <int SPLIT>
+struct Seg {
+    const volatile long long* seg;
+    int tiles0;
+    __device__ __forceinline__ int e() const { return SPLIT ? (int)seg[0] : (int)blockIdx.y; }
+    __device__ __forceinline__ long long n_cta() const {
+        return (SPLIT ? seg[1] : (long long)blockIdx.x * tiles0) * ROWS_PER_CTA;
     }
-    const int t_begin = e ? offs[e - 1] : 0, t_end = offs[e];
+    __device__ __forceinline__ int tiles() const { return SPLIT ? (int)seg[2] : tiles0; }
+};
+
+// One segment (expert e's weight rows n_cta .. n_cta + 256 tiles) for all of its tokens, in passes of up to tt
+// tokens. Called by the whole CTA.
+template <int MX, int PACKED, int SPLIT, int STEPS>
+__device__ __forceinline__ void segment(const Args& a, u8* xs, const Seg<SPLIT>& sg, int tt) {
+    const int t_begin = sg.e() ? a.offs[sg.e() - 1] : 0, t_end = a.offs[sg.e()];
     if (t_end <= t_begin) return;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
-    const int stride = 2 * K + 32, steps = K / 256;
-    const long long first = n_cta + warp * ROWS_PER_WARP;  // this warp's rows: first + 256 i .. + 31
-    const int mine = first < N ? (int)min((long long)tiles, (N - first + ROWS_PER_CTA - 1) / ROWS_PER_CTA) : 0;
+    const int stride = 2 * a.K + 32, steps = STEPS ? STEPS : a.K / 256;
+    // this warp's rows: FIRST + 256 i .. + 31 of the expert, BASE + 256 i .. of all experts' rows
+#define FIRST (sg.n_cta() + warp * ROWS_PER_WARP)
+#define BASE ((long long)sg.e() * a.N + FIRST)
+    const int mine = FIRST < a.N ? (int)min((long long)sg.tiles(), (a.N - FIRST + ROWS_PER_CTA - 1) / ROWS_PER_CTA)
+                                 : 0;
     const int total = mine * steps;  // the warp's steps, block-major
-    const long long base = (long long)e * N + first;
-#define ROWS_OF(j) (base + (long long)((j) / steps) * ROWS_PER_CTA)
+#define ROWS_OF(j) (BASE + (long long)((j) / steps) * ROWS_PER_CTA)
     Step s0, s1;
     auto load_first = [&]() {
-        if (total > 0) load_step(s0, a, ROWS_OF(0), g, q, 0);
-        if (total > 1) load_step(s1, a, ROWS_OF(1), g, q, 1 % steps);
+        if (total > 0) load_step<PACKED>(s0, a, ROWS_OF(0), g, q, 0);
+        if (total > 1) load_step<PACKED>(s1, a, ROWS_OF(1), g, q, 1 % steps);
     };
     load_first();  // (the first pass's first two steps are in flight while the tokens are staged)
     for (int t0 = t_begin; t0 < t_end; t0 += tt) {
@@ -323,9 +364,9 @@ fp4_w4a16_mma(const u16* x, const u8* codes, const u8* scales, const float* gama
         auto advance = [&](Step& st, int jj) {
             const int u = jj % steps;
             run_step<MX>(acc, st, xs, stride, g, q, u, bad, two);
-            if (jj + 2 < total) load_step(st, a, ROWS_OF(jj + 2), g, q, (jj + 2) % steps);
+            if (jj + 2 < total) load_step<PACKED>(st, a, ROWS_OF(jj + 2), g, q, (jj + 2) % steps);
             if (u == steps - 1) {
-                store_tile(a, acc, bad, e, first + (long long)(jj / steps) * ROWS_PER_CTA, g, q, t0, count);
+                store_tile(a, acc, bad, sg.e(), FIRST + (long long)(jj / steps) * ROWS_PER_CTA, g, q, t0, count);
                 clear(acc, bad);
             }
         };
@@ -335,9 +376,102 @@ fp4_w4a16_mma(const u16* x, const u8* codes, const u8* scales, const float* gama
         }
     }
 #undef ROWS_OF
+#undef BASE
+#undef FIRST
 }
 
-template __global__ void fp4_w4a16_mma<0>(const u16*, const u8*, const u8*, const float*, void*, const int*, int, int,
-                                          int, int, int, int, int, int, int, int);
-template __global__ void fp4_w4a16_mma<1>(const u16*, const u8*, const u8*, const float*, void*, const int*, int, int,
-                                          int, int, int, int, int, int, int, int);
+// Inclusive prefix sums over the experts of cost(e) = row blocks x passes (ceil(tokens / tt)): cost[e], and the total
+// returned to every thread. A block-wide scan in rounds of blockDim.x experts.
+__device__ long long scan_costs(long long* cost, long long* warp_sums, const Args& a, int tt, int nblk) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    long long carry = 0;
+    for (int e0 = 0; e0 < a.E; e0 += blockDim.x) {
+        const int e = e0 + threadIdx.x;
+        long long v = 0;
+        if (e < a.E) {
+            const int n = a.offs[e] - (e ? a.offs[e - 1] : 0);
+            v = n > 0 ? (long long)nblk * ((n + tt - 1) / tt) : 0;
+        }
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+            const long long t = __shfl_up_sync(0xFFFFFFFFu, v, d);
+            if (lane >= d) v += t;
+        }
+        if (lane == 31) warp_sums[warp] = v;
+        __syncthreads();
+        long long before = carry, round = 0;
+        for (int i = 0; i < WARPS; ++i) {
+            before += i < warp ? warp_sums[i] : 0;
+            round += warp_sums[i];
+        }
+        if (e < a.E) cost[e] = before + v;
+        carry += round;
+        __syncthreads();
+    }
+    return carry;
+}
+
+// SPLIT 0: CTA (x, e) takes row blocks x tiles .. of expert e (y = E: the rows of no expert). SPLIT 1, the balanced
+// split: the blocks of all experts in expert order, each costing its expert's passes, are dealt to the gridDim.x CTAs
+// of y = 0 in equal contiguous shares of cost (ceil(total / CTAs)); a share may span several experts (a segment
+// each). Experts without tokens cost nothing, so no CTA idles on them. y = 1 zeroes the rows of no expert.
+// MX 0: NVFP4, 1: MXFP4; PACKED: the weights in moe_mma.pack's layout; STEPS: K / 256 where known at compile time
+// (0: from K; a constant divides without a register for the reciprocal)
+template <int MX, int PACKED, int SPLIT, int STEPS>
+__global__ void __launch_bounds__(WARPS * 32, MIN_BLOCKS)
+fp4_w4a16_mma(const u16* x, const u8* codes, const u8* scales, const float* gamax, void* y, const int* offs,
+              int T, int N, int K, int E, int sx, int sy, int gmode, int out_f32, int tt, int tiles) {
+    extern __shared__ __align__(16) u8 xs[];
+    Args a{x, codes, scales, gamax, y, offs, T, N, K, E, sx, sy, MX, gmode, out_f32};
+    if (blockIdx.y == (SPLIT ? 1 : E)) {
+        const long long cols = SPLIT ? (N + gridDim.x - 1) / gridDim.x : (long long)ROWS_PER_CTA * tiles;
+        const long long col0 = (long long)blockIdx.x * cols;
+        zero_rows(a, col0, min(cols, N - col0));
+        return;
+    }
+    // SPLIT 1, after the token rows in shared memory: the experts' cost prefix (E entries), the scan's warp sums
+    // (then this CTA's share [lo, hi) of the cost), and the current segment
+    long long* cost = (long long*)(xs + tt * (2 * K + 32));
+    long long* scratch = cost + E;
+    long long* seg = scratch + WARPS;
+    if (!SPLIT) {
+        segment<MX, PACKED, 0, STEPS>(a, xs, Seg<0>{seg, tiles}, tt);
+        return;
+    }
+    const int nblk = (N + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
+    const long long total = scan_costs(cost, scratch, a, tt, nblk);
+    const long long share = (total + gridDim.x - 1) / gridDim.x;
+    if ((long long)blockIdx.x * share >= total) return;
+    if (threadIdx.x == 0) {  // the first expert whose inclusive prefix passes lo
+        const long long lo = (long long)blockIdx.x * share;
+        int e = 0, top = E - 1;
+        while (e < top) {
+            const int mid = (e + top) / 2;
+            if (cost[mid] > lo) top = mid;
+            else e = mid + 1;
+        }
+        scratch[0] = lo, scratch[1] = min(total, lo + share), seg[0] = e;
+    }
+    for (;;) {  // one segment per round; thread 0 finds it, everyone reads it from shared memory
+        __syncthreads();  // (everyone is done with the previous segment)
+        if (threadIdx.x == 0) {
+            const long long lo = scratch[0], hi = scratch[1];
+            int e = (int)seg[0];
+            long long b0 = 0, b1 = 0;
+            for (; e < E; ++e) {
+                const long long c0 = e ? cost[e - 1] : 0;
+                if (c0 >= hi) break;
+                const long long p = (cost[e] - c0) / nblk;  // this expert's passes (0: no tokens)
+                b0 = p && lo > c0 ? (lo - c0 + p - 1) / p : 0;  // its blocks whose cost starts in [lo, hi)
+                b1 = p ? min((long long)nblk, (hi - c0 + p - 1) / p) : 0;
+                if (b0 < b1) break;
+            }
+            seg[0] = e, seg[1] = b0, seg[2] = b0 < b1 ? b1 - b0 : 0;
+        }
+        __syncthreads();
+        if (((volatile long long*)seg)[2] == 0) return;
+        segment<MX, PACKED, 1, STEPS>(a, xs, Seg<1>{seg, 0}, tt);
+        __syncthreads();
+        if (threadIdx.x == 0) seg[0] += 1;
+    }
+}

@@ -3,11 +3,16 @@
 The same contract as ``moe_triton.grouped_mm`` (layout in ``moe``): ``y = x_e @ W_e^T`` in fp32, rows past
 ``offs[-1]`` zero. It is written for decode, 1-16 tokens per expert, where the Triton kernel streams the weights at
 about half the copy bandwidth (its MMA waits). Weights are streamed once per pass of up to 16 tokens (8 where K is
-too long for 16 token rows in shared memory); an expert with more tokens takes more passes. On the H200 it streams
-them at 0.57-0.64 of the copy bandwidth with every expert busy (session 24), not the 0.8 the issue asks for: without
-any dequantization the same pipeline reaches only 0.66-0.70 (a register double buffer at two CTAs per
-multiprocessor keeps too few bytes in flight). ``fp4_grouped_mm`` runs it with ``gemm="mma"`` (``AUTO``: not by
-default). ``unsupported`` says why a call cannot run here.
+too long for 16 token rows in shared memory); an expert with more tokens takes more passes.
+
+It reads the weights as FP4Tensor stores them or, faster, in its own layout (``pack``: every warp load 512 contiguous
+bytes). The row blocks of all experts with tokens are dealt to one wave of CTAs in equal shares of work
+(``BALANCED``). On the H200 (session 26), with the same tokens on every expert, the packed layout streams Qwen3's FC1
+at 0.69-0.73 of the copy bandwidth at 1-4 tokens per expert (3.5-3.9x bf16 ``torch._grouped_mm``); without
+dequantizing, the same pipeline reaches 0.77-0.84, so the dequantization's instructions are what is left. Under
+random top-8 routing it takes 0.71-0.84x the Triton kernel's time at 4-128 tokens per batch on FC1.
+``fp4_grouped_mm`` runs it with ``gemm="mma"``, or with ``gemm="auto"`` where ``AUTO`` is on, the caller passes the
+packed weights and ``preferred`` holds. ``unsupported`` says why a call cannot run here.
 
 Compiled with ``torch.cuda._compile_kernel`` (PyTorch's NVRTC wrapper; a private API, present from torch 2.8): no
 build step, no toolkit beyond the NVRTC library PyTorch's CUDA wheels ship with.
@@ -15,6 +20,7 @@ build step, no toolkit beyond the NVRTC library PyTorch's CUDA wheels ship with.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
@@ -36,15 +42,91 @@ SMEM_LIMIT = 113 * 1024
 OUT_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def token_tile(k: int) -> int:
-    """Token rows per pass for reduction length ``k`` (0: K too long for 8 rows)."""
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """An [E, N, K] FP4 weight's codes and block scales in the kernel's packed layout (``pack``): each warp's 32 rows
+    x 256 k of one step are one contiguous 4 KB of codes, and their scales one contiguous 512 (NVFP4) or 256 (MXFP4)
+    bytes, so that every load of a warp reads 512 contiguous bytes. The same bytes as the FP4Tensor, permuted."""
+
+    fmt: str
+    shape: tuple[int, int, int]
+    codes: torch.Tensor  # flat, the FP4Tensor's dtype
+    block_scales: torch.Tensor  # flat, the FP4Tensor's dtype
+    global_amax: torch.Tensor | None
+
+    @property
+    def block_size(self) -> int:
+        return 32 if self.fmt == "mxfp4" else 16
+
+
+def _pack_views(e: int, n: int, k: int, mx: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(codes view, scales view, scales permutation) of the plain layout; the codes permutation is ``CODES_ORDER``.
+    Codes [e, n/32, t, h, g, step, half, q, 16 bytes]: row 16 t + 8 h + g of the warp's 32, byte 128 step + 64 half +
+    16 q + b of the row (what lane 4 g + q loads for (t, h, half)). Scales: byte 8 half + 2 q + b of the row's 16 per
+    step (NVFP4), or 4 half + q of its 8 (MXFP4)."""
+    steps = k // 256
+    codes = (e, n // 32, 2, 2, 8, steps, 2, 4, 16)
+    if mx:
+        return codes, (e, n // 32, 2, 2, 8, steps, 2, 4), (0, 1, 5, 4, 7, 2, 3, 6)
+    return codes, (e, n // 32, 2, 2, 8, steps, 2, 4, 2), (0, 1, 5, 4, 7, 2, 3, 6, 8)
+
+
+CODES_ORDER = (0, 1, 5, 2, 3, 6, 4, 7, 8)
+"""[e, tile, step, t, h, half, g, q, b]: load (t, h, half) of lane 4 g + q at 512 (4 t + 2 h + half) + 16 (4 g + q)."""
+
+
+def pack(weight: FP4Tensor) -> PackedWeight:
+    """``weight`` (NVFP4 or MXFP4, [E, N, K], N a multiple of 32 and K of 256) in the kernel's packed layout: a
+    permutation of its bytes, one copy. ``grouped_mm`` takes either; the packed one streams faster (BENCHMARKS.md,
+    session 26). Pack once per weight update, not per call. Raises ``ValueError`` for shapes the kernel cannot run."""
+    if weight.fmt not in ("nvfp4", "mxfp4") or len(weight.shape) != 3:
+        raise ValueError(f"pack needs an NVFP4 or MXFP4 weight of shape [E, N, K], got {weight.fmt} "
+                         f"{tuple(weight.shape)}")
+    e, n, k = weight.shape
+    if k % 256 or n % 32:
+        raise ValueError(f"pack needs K a multiple of 256 and N of 32, got K={k}, N={n}")
+    cv, sv, sp = _pack_views(e, n, k, weight.fmt == "mxfp4")
+    codes = weight.codes.reshape(cv).permute(CODES_ORDER).contiguous().flatten()
+    scales = weight.block_scales.reshape(sv).permute(sp).contiguous().flatten()
+    return PackedWeight(weight.fmt, (e, n, k), codes, scales, weight.global_amax)
+
+
+def unpack(packed: PackedWeight) -> FP4Tensor:
+    """The FP4Tensor ``pack`` was given."""
+    e, n, k = packed.shape
+    cv, sv, sp = _pack_views(e, n, k, packed.fmt == "mxfp4")
+    codes = packed.codes.view([cv[i] for i in CODES_ORDER]).permute(_inverse(CODES_ORDER)).reshape(e, n, k // 2)
+    scales = packed.block_scales.view([sv[i] for i in sp]).permute(_inverse(sp)).reshape(e, n, -1)
+    return FP4Tensor(block_scales=scales, global_amax=packed.global_amax, shape=torch.Size((e, n, k)), fmt=packed.fmt,
+                     codes=codes)
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(order.index(i) for i in range(len(order)))
+
+
+def token_tile(k: int, experts: int | None = None) -> int:
+    """Token rows per pass for reduction length ``k`` (0: K too long for 8 rows); with ``experts``, next to the
+    balanced split's ``balanced_smem(experts)`` bytes."""
     for tt in (16, 8):
-        if tt * (2 * k + 32) <= SMEM_LIMIT:
+        if tt * (2 * k + 32) + (balanced_smem(experts) if experts is not None else 0) <= SMEM_LIMIT:
             return tt
     return 0
 
 
+def balanced_smem(experts: int) -> int:
+    """Shared memory of the balanced split after the token rows: the experts' cost prefix, the scan's 8 warp sums,
+    the CTA's share (8 bytes each)."""
+    return 8 * (experts + 8 + 2)
+
+
 CTAS_PER_SM = 2  # (MIN_BLOCKS in the source: 128 registers per thread)
+BALANCED = True
+"""The kernel deals the row blocks of all experts with tokens to one wave of CTAs in equal shares of work (blocks x
+passes; experts without tokens take no CTA), instead of one grid row of CTAs per expert (``row_blocks_per_cta``),
+where routing that leaves experts empty idles their CTAs' multiprocessors (session 24's end-to-end decode)."""
+GRID_CTAS: int | None = None
+"""CTAs of the balanced split (None: ``CTAS_PER_SM`` per multiprocessor, one wave). Tests set it small."""
 
 
 def row_blocks_per_cta(experts: int, n: int, device) -> int:
@@ -55,24 +137,25 @@ def row_blocks_per_cta(experts: int, n: int, device) -> int:
     return cdiv(cdiv(n, ROWS_PER_CTA), per_expert)
 
 
-AUTO = False
-"""Whether ``fp4_grouped_mm(gemm="auto")`` runs this kernel where ``preferred``. Off: on the H200 (BENCHMARKS.md,
-session 24) it beat the Triton kernel on its own with the same tokens on every expert (Qwen3-30B-A3B's FC1: 0.58
-against 0.51 of the copy bandwidth, NVFP4; 0.64 against 0.53, MXFP4), but not in the end-to-end decode, where routing
-leaves experts empty or busier than one 16-token pass. ``gemm="mma"`` runs it anyway."""
-MAX_MEAN_TOKENS = 16
+AUTO = True
+"""Whether ``fp4_grouped_mm(gemm="auto")`` runs this kernel where ``preferred`` and the caller has the weights in
+``pack``'s layout too (``packed=``; the rollout's ``ExpertWeightStore.packed`` provides them while this is on). On:
+session 26 measured the end-to-end FP4 decode of the Qwen3-30B-A3B-shaped model (graph-replayed steps) 3.5-5% faster
+with it at batch 4-64 than with the Triton GEMM, and unchanged at 256 (where it is not preferred)."""
+MIN_MEAN_TOKENS, MAX_MEAN_TOKENS = 0.25, 8
 
 
-def preferred(rows: int, weight: FP4Tensor) -> bool:
-    """Where ``gemm="auto"`` would run this kernel with ``AUTO`` on: decode sizes with every expert likely to have
-    tokens (experts <= rows <= MAX_MEAN_TOKENS x experts) and K short enough for 16-token passes. Few active experts
-    are the Triton kernel's (its K slices and compact grid); at DeepSeek-V3's K = 7168 (8-token passes) the Triton
-    kernel was faster."""
+def preferred(rows: int, weight: FP4Tensor | PackedWeight) -> bool:
+    """Where ``gemm="auto"`` runs this kernel with ``AUTO`` on: decode sizes where the balanced split has work for
+    most multiprocessors and one 16-token pass holds most experts (MIN_MEAN_TOKENS x experts <= rows <=
+    MAX_MEAN_TOKENS x experts; session 26's routing bench), and K short enough for 16-token passes. Fewer rows are
+    the Triton kernel's (its K slices spread a few experts over more programs); at DeepSeek-V3's K = 7168 (8-token
+    passes) the Triton kernel was faster (session 24)."""
     experts, _, k = weight.shape
-    return AUTO and experts <= rows <= MAX_MEAN_TOKENS * experts and token_tile(k) == 16
+    return AUTO and MIN_MEAN_TOKENS * experts <= rows <= MAX_MEAN_TOKENS * experts and token_tile(k) == 16
 
 
-def unsupported(x, weight: FP4Tensor, out_dtype: torch.dtype | None = None) -> str | None:
+def unsupported(x, weight: FP4Tensor | PackedWeight, out_dtype: torch.dtype | None = None) -> str | None:
     """Why ``grouped_mm`` cannot run this call (None: it can)."""
     dev = weight.codes.device
     if dev.type != "cuda":
@@ -101,11 +184,12 @@ variants ``benchmarks/bench_moe_mma.py`` times; the last two give wrong numbers)
 
 
 @functools.cache
-def _kernel(device_index: int, mx: bool, defines: tuple[str, ...] = ()):
+def _kernel(device_index: int, mx: bool, packed: bool, balanced: bool, steps: int, defines: tuple[str, ...] = ()):
+    """The kernel for one format, layout, split and K / 256 (a constant in the build: one compile per K)."""
     from torch.cuda import _compile_kernel
 
     with torch.cuda.device(device_index):
-        name = f"fp4_w4a16_mma<{int(mx)}>"
+        name = f"fp4_w4a16_mma<{int(mx)}, {int(packed)}, {int(balanced)}, {steps}>"
         opts = ["-std=c++17", *(f"-D{d}" for d in defines)]
         kern = _compile_kernel(SOURCE.read_text(), name, nvcc_options=opts)
         kern.set_shared_memory_config(SMEM_LIMIT)
@@ -113,9 +197,11 @@ def _kernel(device_index: int, mx: bool, defines: tuple[str, ...] = ()):
     return kern
 
 
-def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def grouped_mm(x, weight: FP4Tensor | PackedWeight, offs: torch.Tensor, *,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """W4A16 grouped GEMM (``moe`` has the layout): bf16 or fp32 out. ``x`` may be an FP4Tensor (W4A4 emulation:
-    dequantized to bf16 first). Raises ``ValueError`` naming the reason where ``unsupported`` is not None."""
+    dequantized to bf16 first). ``weight`` as an FP4Tensor or in ``pack``'s layout (the same bits out). Raises
+    ``ValueError`` naming the reason where ``unsupported`` is not None."""
     why = unsupported(x, weight, out_dtype)
     if why:
         raise ValueError(f"the CUDA FP4 grouped GEMM cannot run this call: {why}")
@@ -137,13 +223,18 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     g_arg = scales if g is None else g.float().contiguous()
     tt = token_tile(k)
     dev = xd.device.index if xd.device.index is not None else torch.cuda.current_device()
-    kern = _kernel(dev, weight.fmt == "mxfp4", DEFINES)
-    tiles = row_blocks_per_cta(e, n, xd.device)
+    smem = tt * (2 * k + 32)
+    balanced = BALANCED and token_tile(k, e) == tt  # (else its shared memory would cost token rows per pass)
+    kern = _kernel(dev, weight.fmt == "mxfp4", isinstance(weight, PackedWeight), balanced, k // 256, DEFINES)
+    if balanced:  # (grid row 1 zeroes the rows of no expert)
+        tiles, grid = 0, (max(1, GRID_CTAS or CTAS_PER_SM * sm_count(xd.device)), 2, 1)
+        smem += balanced_smem(e)
+    else:
+        tiles = row_blocks_per_cta(e, n, xd.device)
+        grid = (cdiv(n, ROWS_PER_CTA * tiles), e + 1, 1)
     args = [xd, codes, scales, g_arg, y, offs32.contiguous(), t, n, k, e, xd.stride(0), y.stride(0), gmode,
             int(out_dtype == torch.float32), tt, tiles]
-    kern(grid=(cdiv(n, ROWS_PER_CTA * tiles), e + 1, 1), block=(THREADS, 1, 1), args=args,
-         shared_mem=tt * (2 * k + 32),
-         stream=torch.cuda.current_stream(xd.device))
+    kern(grid=grid, block=(THREADS, 1, 1), args=args, shared_mem=smem, stream=torch.cuda.current_stream(xd.device))
     return y
 
 

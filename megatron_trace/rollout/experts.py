@@ -23,7 +23,7 @@ import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from ..formats import FP4Tensor, Quantizer
-from ..kernels import Kernel, select_kernel
+from ..kernels import Kernel, moe_mma, select_kernel
 from .fp4_moe import grouped_experts_forward, w4a4_experts_forward
 from .recorder import GuidanceRecorder
 
@@ -93,6 +93,9 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         forward, extra = grouped_experts_forward, {"compiled": num.compiled}
         if fp4 and num.weight_store is not None:
             fc1, fc2 = num.weight_store.stacked(layer, FC1), num.weight_store.stacked(layer, FC2)
+            if moe_mma.AUTO:  # (the CUDA GEMM reads its own layout)
+                extra.update(packed_fc1=num.weight_store.packed(layer, FC1),
+                             packed_fc2=num.weight_store.packed(layer, FC2))
         if rec is not None and rec.compact:  # the quantize pass writes the compact records too
             extra.update(record_fc1=rec.wants(layer, "expert_fc1_in"), record_fc2=rec.wants(layer, "expert_fc2_in"))
     res = forward(
@@ -124,6 +127,7 @@ class ExpertWeightStore:
         self.quantizer = quantizer
         self._w: dict[tuple[int, int, str], FP4Tensor] = {}
         self._stacked: dict[tuple[int, str], FP4Tensor] = {}
+        self._packed: dict[tuple[int, str], moe_mma.PackedWeight | None] = {}
 
     @staticmethod
     def _param_slice(experts, expert: int, which: str) -> torch.Tensor:
@@ -145,6 +149,7 @@ class ExpertWeightStore:
             param.copy_(q.dequantize(param.dtype))
         self._w[(layer, expert, which)] = q
         self._stacked.pop((layer, which), None)
+        self._packed.pop((layer, which), None)
 
     def stacked(self, layer: int, which: str) -> FP4Tensor:
         """All experts of a layer as one FP4Tensor [E, N, K] (global amax [E, N, 1] per row; cached until a
@@ -164,6 +169,16 @@ class ExpertWeightStore:
                 block_scales=torch.stack([q.block_scales.view(torch.uint8) for q in qs]).view(qs[0].block_scales.dtype),
                 global_amax=amax, shape=(len(qs), *qs[0].shape), fmt=qs[0].fmt)
         return self._stacked[key]
+
+    def packed(self, layer: int, which: str) -> moe_mma.PackedWeight | None:
+        """``stacked(layer, which)`` in the CUDA GEMM's layout (``kernels.moe_mma.pack``; cached the same way), or
+        None where the shape has no such layout (N not a multiple of 32 or K of 256)."""
+        key = (layer, which)
+        if key not in self._packed:
+            w = self.stacked(layer, which)
+            _, n, k = w.shape
+            self._packed[key] = moe_mma.pack(w) if n % 32 == 0 and k % 256 == 0 else None
+        return self._packed[key]
 
     def get(self, layer: int, expert: int, which: str) -> FP4Tensor:
         try:

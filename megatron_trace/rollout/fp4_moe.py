@@ -286,6 +286,8 @@ def grouped_experts_forward(
     record_fc1: bool = False,
     record_fc2: bool = False,
     compiled: bool = False,
+    packed_fc1=None,
+    packed_fc2=None,
 ) -> ExpertsOutput:
     """The GPU path of ``w4a4_experts_forward``: one grouped GEMM per matrix kind, no host sync.
 
@@ -299,6 +301,8 @@ def grouped_experts_forward(
     The routing (``_routing``) is one Triton launch at decode sizes (``kernels.moe_routing_triton``).
     ``compiled``: the routing, row permutations, gate and weighted sum around the GEMMs (about fifteen small
     kernels per layer in eager PyTorch) run through Inductor, rounding where the eager functions round.
+    ``packed_fc1`` / ``packed_fc2``: the FP4 weights in ``kernels.moe_mma.pack``'s layout too, for the CUDA GEMM
+    where ``fp4_grouped_mm`` picks it (``moe_mma.AUTO``).
     """
     from ..kernels import fp4_grouped_mm
 
@@ -310,12 +314,14 @@ def grouped_experts_forward(
         q1, r1, x = _quantize_dequantize(x, activation_quantizer, record_fc1)
     order, offs, inv = routing(top_k_index, fc1.shape[0])
 
-    def gemm(a, w):
-        return fp4_grouped_mm(a, w, offs, kernel="triton") if isinstance(w, FP4Tensor) else _grouped_dense(a, w, offs)
+    def gemm(a, w, packed):
+        if isinstance(w, FP4Tensor):
+            return fp4_grouped_mm(a, w, offs, kernel="triton", packed=packed)
+        return _grouped_dense(a, w, offs)
 
-    act = gated_rows(gemm(sorted_rows(x, order, k), fc1), inv, apply_gate)  # [T*k, F] in (token, slot) order
+    act = gated_rows(gemm(sorted_rows(x, order, k), fc1, packed_fc1), inv, apply_gate)  # [T*k, F], (token, slot)
     if quantize_fc2:
         q2, r2, act = _quantize_dequantize(act.view(tokens, k, -1), activation_quantizer, record_fc2)
         act = act.view(tokens * k, -1)
-    y = gemm(act[order], fc2)  # [T*k, H] sorted by expert
+    y = gemm(act[order], fc2, packed_fc2)  # [T*k, H] sorted by expert
     return ExpertsOutput(combine(y, inv, top_k_weights, hidden.dtype), q1, q2, r1, r2)

@@ -54,6 +54,7 @@ def test_a_cta_streams_several_row_blocks(monkeypatch, k):
     """One CTA per expert takes every block of 256 rows (the last one partial: some warps have one block fewer),
     with the steps of consecutive blocks in one pipeline, odd step counts included."""
     monkeypatch.setattr(moe_mma, "CTAS_PER_SM", 0)
+    monkeypatch.setattr(moe_mma, "BALANCED", False)
     x, wq, offs = _case("nvfp4", True, 3, 800, k, [2, 19, 1])
     assert moe_mma.row_blocks_per_cta(3, 800, "cuda") == 4
     ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
@@ -140,6 +141,84 @@ def test_fp4_grouped_mm_picks_the_cuda_kernel_where_asked(monkeypatch):
     assert torch.equal(fp4_grouped_mm(x, wq, offs, gemm="mma"), ref)
     from megatron_trace.kernels import moe_triton
 
-    assert torch.equal(fp4_grouped_mm(x, wq, offs), moe_triton.grouped_mm(x, wq, offs))  # auto: Triton by default
+    triton = moe_triton.grouped_mm(x, wq, offs)
+    packed = moe_mma.pack(wq)
+    monkeypatch.setattr(moe_mma, "AUTO", False)
+    assert torch.equal(fp4_grouped_mm(x, wq, offs), triton)  # auto: Triton with AUTO off
+    assert torch.equal(fp4_grouped_mm(x, wq, offs, packed=packed), triton)
+    assert torch.equal(fp4_grouped_mm(x, packed, offs), ref)  # only the CUDA kernel reads the packed layout
+    assert torch.equal(fp4_grouped_mm(x, packed, offs, gemm="triton"), triton)  # (unpacked first)
     monkeypatch.setattr(moe_mma, "AUTO", True)
-    assert torch.equal(fp4_grouped_mm(x, wq, offs), ref)  # 2 tokens per expert, every expert active
+    assert torch.equal(fp4_grouped_mm(x, wq, offs), triton)  # AUTO takes the CUDA kernel only with packed weights
+    assert torch.equal(fp4_grouped_mm(x, wq, offs, packed=packed), ref)  # 2 tokens per expert: preferred
+    assert torch.equal(fp4_grouped_mm(x[:1], wq, offs.clamp(max=1), packed=packed),  # 1 row, 8 experts: not
+                       moe_triton.grouped_mm(x[:1], wq, offs.clamp(max=1)))
+
+
+@pytest.mark.parametrize("fmt,per_row", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+@pytest.mark.parametrize("shape", [
+    (5, 256, 512, [1, 0, 17, 3, 40]),
+    (3, 288, 768, [8, 9, 16]),
+    (3, 800, 1024, [2, 19, 1]),           # several row blocks per CTA (4 on the H200 with 3 experts)
+    (3, 64, 7168, [7, 19, 1]),            # 8-token passes
+], ids=["k512", "k768", "k1024-blocks", "k7168"])
+def test_packed_weights_give_the_same_bits(fmt, per_row, shape):
+    """The packed layout only moves bytes: the kernel's arithmetic and its order are the same, so are the bits."""
+    e, n, k, tpe = shape
+    x, wq, offs = _case(fmt, per_row, e, n, k, tpe)
+    packed = moe_mma.pack(wq)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        y = moe_mma.grouped_mm(x, wq, offs, out_dtype=out_dtype)
+        assert torch.equal(moe_mma.grouped_mm(x, packed, offs, out_dtype=out_dtype), y)
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(moe_mma.grouped_mm(x, packed, offs, out_dtype=torch.float32), ref) < TOL
+    assert torch.equal(moe_mma.unpack(packed).codes, wq.codes)
+
+
+def test_packed_nan_scale_and_special_scales():
+    x, wq, offs = _case("nvfp4", False, 2, 64, 512, [3, 2], scale=1.0)
+    sc = wq.block_scales.view(torch.uint8).clone()
+    sc[0, 5, 7] = 0x7F              # NaN
+    sc[1, :8] = torch.arange(1, 9, dtype=torch.uint8, device="cuda")[:, None]  # subnormals
+    sc[1, 8:16] = 0x7E              # 448
+    w = dataclasses.replace(wq, block_scales=sc.view(wq.block_scales.dtype))
+    y = moe_mma.grouped_mm(x, w, offs, out_dtype=torch.float32)
+    yp = moe_mma.grouped_mm(x, moe_mma.pack(w), offs, out_dtype=torch.float32)
+    assert torch.equal(yp.isnan(), y.isnan()) and int(yp.isnan().sum()) == 3
+    assert torch.equal(yp.nan_to_num(0.0), y.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 7, None], ids=["1cta", "3ctas", "7ctas", "wave"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_balanced_split_gives_the_grid_split_bits(monkeypatch, fmt, ctas):
+    """The balanced split deals row blocks (x passes) of all experts to CTAs, a CTA's share spanning several
+    experts, parts of an expert, or nothing; each output still comes from the same arithmetic, so the bits equal the
+    one-grid-row-per-expert split's. Empty experts, one expert with several 16-token passes, rows of no expert."""
+    monkeypatch.setattr(moe_mma, "GRID_CTAS", ctas)
+    x, wq, offs = _case(fmt, fmt == "nvfp4", 9, 800, 512, [0, 1, 0, 0, 37, 2, 0, 16, 5])
+    for weight in (wq, moe_mma.pack(wq)):
+        monkeypatch.setattr(moe_mma, "BALANCED", False)
+        grid = moe_mma.grouped_mm(x, weight, offs, out_dtype=torch.float32)
+        monkeypatch.setattr(moe_mma, "BALANCED", True)
+        assert torch.equal(moe_mma.grouped_mm(x, weight, offs, out_dtype=torch.float32), grid)
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(grid, ref) < TOL and torch.equal(grid[-3:], torch.zeros_like(grid[-3:]))
+
+
+def test_balanced_split_under_random_routing():
+    """A decode batch's routing (random top-8 of 64 experts, some empty) on a full wave of CTAs."""
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.bincount(torch.rand(16, 64, generator=gen).topk(8, dim=1).indices.flatten(), minlength=64)
+    assert int((counts == 0).sum()) == 6 and int(counts.max()) == 5
+    x, wq, offs = _case("nvfp4", False, 64, 256, 1024, counts.tolist())
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(moe_mma.grouped_mm(x, moe_mma.pack(wq), offs, out_dtype=torch.float32), ref) < TOL
+
+
+def test_balanced_split_falls_back_where_its_shared_memory_costs_token_rows():
+    """At K = 3584 the 16 token rows fill the shared memory; 128 experts' cost prefix would halve them, so the kernel
+    keeps one grid row per expert there (and still gives the reference's numbers)."""
+    assert moe_mma.token_tile(3584) == 16 and moe_mma.token_tile(3584, 128) == 8
+    x, wq, offs = _case("mxfp4", False, 128, 32, 3584, [1] * 127 + [17])
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(moe_mma.grouped_mm(x, wq, offs, out_dtype=torch.float32), ref) < TOL

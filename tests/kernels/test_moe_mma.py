@@ -23,15 +23,22 @@ def test_token_tile_fits_two_ctas_per_multiprocessor():
     assert moe_mma.token_tile(2048) == 16 and moe_mma.token_tile(3584) == 16
     assert moe_mma.token_tile(3840) == 8 and moe_mma.token_tile(7168) == 8
     assert moe_mma.token_tile(8192) == 0
+    # with the balanced split's cost prefix next to the token rows
+    assert moe_mma.token_tile(2048, 256) == 16 and moe_mma.token_tile(3584, 128) == 8
+    assert moe_mma.token_tile(7168, 64) == 8 and moe_mma.token_tile(7168, 256) == 0
+    for k, e in ((2048, 128), (3584, 32), (7168, 64)):
+        assert moe_mma.token_tile(k, e) * (2 * k + 32) + moe_mma.balanced_smem(e) <= moe_mma.SMEM_LIMIT
     for k in (2048, 7168):
         assert 2 * (moe_mma.token_tile(k) * (2 * k + 32) + 1024) <= 228 * 1024
 
 
 def test_preferred_only_for_decode_sizes_with_16_token_passes(monkeypatch):
+    """8 experts: 2 to 64 rows (a quarter to 8 tokens per expert on average)."""
     w = _weight(e=8, k=2048)
-    assert not moe_mma.preferred(64, w)  # (AUTO off by default)
+    monkeypatch.setattr(moe_mma, "AUTO", False)
+    assert not moe_mma.preferred(64, w)
     monkeypatch.setattr(moe_mma, "AUTO", True)
-    assert [moe_mma.preferred(r, w) for r in (7, 8, 64, 128, 129)] == [False, True, True, True, False]
+    assert [moe_mma.preferred(r, w) for r in (1, 2, 8, 64, 65)] == [False, True, True, True, False]
     assert not moe_mma.preferred(64, _weight(e=8, k=7168))
 
 
@@ -49,3 +56,55 @@ def test_fp4_grouped_mm_names_a_bad_gemm_and_runs_the_reference_on_the_cpu():
     with pytest.raises(ValueError, match="gemm='cutlass' is not one of"):
         fp4_grouped_mm(x, w, offs, gemm="cutlass")
     assert torch.equal(fp4_grouped_mm(x, w, offs, gemm="mma"), grouped_mm_reference(x, w, offs))
+
+
+@pytest.mark.parametrize("fmt,per_row", [("nvfp4", False), ("nvfp4", True), ("mxfp4", False)])
+def test_pack_puts_each_byte_where_the_kernel_loads_it(fmt, per_row):
+    """Packed byte at 4096 blk + 512 (4 t + 2 h + half) + 16 (4 g + q) + b, blk = tile x steps + step, is byte 128
+    step + 64 half + 16 q + b of row 32 tile + 16 t + 8 h + g; lane 4 g + q's scales of a step are contiguous in the
+    order the kernel's Step holds them. Every position checked against that formula; unpack inverts pack."""
+    e, n, k = 2, 64, 768
+    w = Quantizer(fmt, per_row=per_row).quantize(torch.randn(e, n, k))
+    p = moe_mma.pack(w)
+    codes, scales = w.codes.view(torch.uint8), w.block_scales.view(torch.uint8)
+    pc, ps = p.codes.view(torch.uint8), p.block_scales.view(torch.uint8)
+    steps, mx = k // 256, fmt == "mxfp4"
+    assert pc.numel() == codes.numel() and ps.numel() == scales.numel()
+    idx = torch.arange(pc.numel())
+    b, lane, load, blk = idx % 16, idx // 16 % 32, idx // 512 % 8, idx // 4096
+    g, q, t, h, half = lane // 4, lane % 4, load // 4, load // 2 % 2, load % 2
+    ex, tile, step = blk // (n // 32 * steps), blk // steps % (n // 32), blk % steps
+    row = 32 * tile + 16 * t + 8 * h + g
+    assert torch.equal(pc, codes[ex, row, 128 * step + 64 * half + 16 * q + b])
+    per_lane = 8 if mx else 16  # scale bytes of one lane per step
+    idx = torch.arange(ps.numel())
+    sb, lane, blk = idx % per_lane, idx // per_lane % 32, idx // (32 * per_lane)
+    g, q, ex, tile, step = lane // 4, lane % 4, blk // (n // 32 * steps), blk // steps % (n // 32), blk % steps
+    if mx:  # word (t, h): bytes q and 4 + q of the step's 8
+        t, h, half, col = sb // 4, sb // 2 % 2, sb % 2, 8 * step + 4 * (sb % 2) + q
+    else:   # word (t, h): bytes 2 q, 2 q + 1, 8 + 2 q, 9 + 2 q of the step's 16
+        t, h, half = sb // 8, sb // 4 % 2, sb // 2 % 2
+        col = 16 * step + 8 * half + 2 * q + sb % 2
+    assert torch.equal(ps, scales[ex, 32 * tile + 16 * t + 8 * h + g, col])
+    back = moe_mma.unpack(p)
+    assert torch.equal(back.codes, w.codes) and back.shape == w.shape and back.fmt == w.fmt
+    assert torch.equal(back.block_scales.view(torch.uint8), scales)
+    assert back.global_amax is w.global_amax
+
+
+def test_pack_names_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="N=48"):
+        moe_mma.pack(Quantizer("nvfp4").quantize(torch.randn(2, 48, 512)))
+    with pytest.raises(ValueError, match="K=320"):
+        moe_mma.pack(Quantizer("nvfp4").quantize(torch.randn(2, 64, 320)))
+    with pytest.raises(ValueError, match=r"\[E, N, K\]"):
+        moe_mma.pack(Quantizer("nvfp4").quantize(torch.randn(64, 512)))
+
+
+def test_fp4_grouped_mm_on_the_cpu_unpacks_packed_weights():
+    w = _weight()
+    x = torch.randn(4, 512).to(torch.bfloat16)
+    offs = torch.tensor([1, 2, 3, 4], dtype=torch.int32)
+    ref = grouped_mm_reference(x, w, offs)
+    assert torch.equal(fp4_grouped_mm(x, moe_mma.pack(w), offs), ref)
+    assert torch.equal(fp4_grouped_mm(x, w, offs, packed=moe_mma.pack(w)), ref)

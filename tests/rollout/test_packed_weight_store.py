@@ -1,0 +1,47 @@
+"""The rollout's FP4 expert weights in the CUDA GEMM's layout (``ExpertWeightStore.packed``): the packed copy of the
+stacked weights, cached until a weight of that layer changes, None where the shape has no packed layout."""
+
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.kernels import moe_mma
+from megatron_trace.rollout.experts import ExpertWeightStore
+
+
+class _Experts(torch.nn.Module):
+    def __init__(self, e, h, ffn, gen):
+        super().__init__()
+        self.gate_up_proj = torch.nn.Parameter(torch.randn(e, 2 * ffn, h, generator=gen) * h**-0.5)
+        self.down_proj = torch.nn.Parameter(torch.randn(e, h, ffn, generator=gen) * ffn**-0.5)
+
+
+def _store(e=4, h=256, ffn=128, seed=0):
+    m = _Experts(e, h, ffn, torch.Generator().manual_seed(seed))
+    store = ExpertWeightStore(TraceConfig().weight_quantizer())
+    for ex in range(e):
+        store.quantize_from_params(m, 0, ex, "fc1")
+        store.quantize_from_params(m, 0, ex, "fc2")
+    return m, store
+
+
+def test_packed_is_the_stacked_weight_packed_and_cached_until_a_set():
+    m, store = _store()
+    p = store.packed(0, "fc1")
+    assert p is store.packed(0, "fc1")
+    back = moe_mma.unpack(p)
+    stacked = store.stacked(0, "fc1")
+    assert torch.equal(back.codes, stacked.codes) and torch.equal(back.global_amax, stacked.global_amax)
+    assert torch.equal(back.block_scales.view(torch.uint8), stacked.block_scales.view(torch.uint8))
+    fc2 = store.packed(0, "fc2")
+    with torch.no_grad():
+        m.gate_up_proj[2] *= 2
+    store.quantize_from_params(m, 0, 2, "fc1")
+    fresh = store.packed(0, "fc1")
+    assert fresh is not p and store.packed(0, "fc2") is fc2
+    assert torch.equal(moe_mma.unpack(fresh).codes[2], store.get(0, 2, "fc1").codes)
+
+
+def test_packed_is_none_where_the_shape_has_no_packed_layout():
+    _, store = _store(h=192, ffn=256)
+    assert store.packed(0, "fc1") is None  # K = 192: not a multiple of 256
+    assert store.packed(0, "fc2") is not None  # N = 192, K = 256
