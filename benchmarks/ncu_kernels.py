@@ -56,7 +56,8 @@ def gemm_ops(tokens=(1, 16)) -> dict:
 
 
 def mma_ops(tokens=(1, 16), variants=("", "SKIP_DEQUANT=1")) -> dict:
-    """The CUDA GEMM (``moe_mma``) at Qwen3's FC1, NVFP4 and MXFP4, in its build variants (``moe_mma.DEFINES``)."""
+    """The CUDA GEMM (``moe_mma``) at Qwen3's FC1, NVFP4 and MXFP4, in its build variants (``moe_mma.DEFINES``), on
+    the plain and the packed (``moe_mma.pack``, names ``..._packed``) layout."""
     from megatron_trace.kernels import moe_mma
 
     def run(x, wq, offs, defines):
@@ -74,10 +75,10 @@ def mma_ops(tokens=(1, 16), variants=("", "SKIP_DEQUANT=1")) -> dict:
         for tpe in tokens:
             x = torch.randn(tpe * e, k, device="cuda", dtype=torch.bfloat16)
             offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * tpe
-            for var in variants:
+            for var, (layout, wl) in [(v, lw) for v in variants for lw in (("", wq), ("_packed", moe_mma.pack(wq)))]:
                 defines = tuple(d for d in var.split("+") if d)
-                name = f"mma_{fmt}_fc1_t{tpe}" + (f"_{var}" if var else "")
-                ops[name] = lambda x=x, wq=wq, offs=offs, d=defines: run(x, wq, offs, d)
+                name = f"mma_{fmt}_fc1_t{tpe}{layout}" + (f"_{var}" if var else "")
+                ops[name] = lambda x=x, wl=wl, offs=offs, d=defines: run(x, wl, offs, d)
     return ops
 
 
