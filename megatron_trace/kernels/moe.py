@@ -91,7 +91,7 @@ def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | No
     """
     if gemm not in GEMMS:
         raise ValueError(f"gemm={gemm!r} is not one of {GEMMS}")
-    from . import moe_mma, moe_triton
+    from . import moe_mma
 
     if isinstance(weight, moe_mma.PackedWeight):
         packed, weight = weight, None
@@ -106,4 +106,6 @@ def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | No
             weight = moe_mma.unpack(packed)
     if gemm == "mma":
         return moe_mma.grouped_mm(x, weight, offs, out_dtype=out_dtype)
+    from . import moe_triton  # (imports triton)
+
     return moe_triton.grouped_mm(x, weight, offs, out_dtype=out_dtype)
