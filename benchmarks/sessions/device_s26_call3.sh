@@ -9,13 +9,5 @@ timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe_mma_gpu.
 for fmt in nvfp4 mxfp4; do
   timeout 200 python3 benchmarks/bench_moe_mma.py --fmt $fmt --tokens 1,4,8,16 --variants ,SPLIT_LOADS=0 --packed \
       > "$OUT/moe_mma_split_$fmt.json" 2> "$OUT/moe_mma_split_${fmt}_err.txt"; echo "bench $fmt rc=$?"
-  python3 - "$OUT/moe_mma_split_$fmt.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("copy TB/s", d["copy_TBps"])
-for r in d["results"]:
-    v = " ".join(f"{k}={x['us']}us/{x['weight_frac_copy']}/{x['speedup_vs_bf16']}x" for k, x in r.items()
-                 if isinstance(x, dict))
-    print(r["shape"], r["fmt"], r["tok_per_expert"], "bf16", r["bf16_us"], "triton", r["triton_us"], v)
-PY
+  python3 benchmarks/moe_mma_summary.py "$OUT/moe_mma_split_$fmt.json"
 done

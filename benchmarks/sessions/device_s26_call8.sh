@@ -7,15 +7,7 @@ set -o pipefail
 for fmt in nvfp4 mxfp4; do
   timeout 120 python3 benchmarks/bench_moe_mma.py --fmt $fmt --tokens 1,4,8,16 --variants ,SKIP_DEQUANT=1 --packed \
       > "$OUT/moe_mma_final_$fmt.json" 2> "$OUT/moe_mma_final_${fmt}_err.txt"; echo "bench $fmt rc=$?"
-  python3 - "$OUT/moe_mma_final_$fmt.json" <<'PY'
-import json, sys
-d = json.load(open(sys.argv[1]))
-print("copy TB/s", d["copy_TBps"])
-for r in d["results"]:
-    v = " ".join(f"{k}={x['us']}us/{x['weight_frac_copy']}/{x['speedup_vs_bf16']}x" for k, x in r.items()
-                 if isinstance(x, dict))
-    print(r["shape"], r["fmt"], r["tok_per_expert"], "bf16", r["bf16_us"], "triton", r["triton_us"], v)
-PY
+  python3 benchmarks/moe_mma_summary.py "$OUT/moe_mma_final_$fmt.json"
 done
 timeout 150 ncu --clock-control none --profile-from-start off --nvtx --print-nvtx-rename kernel \
     --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
