@@ -3,12 +3,13 @@
 // registers and fed to mma.sync m16n8k16 (bf16 in, fp32 accumulate). Compiled at run time by NVRTC
 // (moe_mma.py); no headers.
 //
-// Work split. A CTA (8 warps) takes blocks of 256 weight rows of one expert (a segment; see the kernel for how the
-// blocks are dealt to CTAs); in each block a warp takes 32 rows (two m16 tiles). The weight rows are the MMA's M side and the tokens its N side (8 or 16 per pass), so one
-// token per expert still reads each weight byte once. Each thread (lane = 4 g + q) streams rows g and g + 8 of each
-// m16 tile, 64 of every 256 k (32 bytes per row) per step; the quad's lanes read adjacent bytes. A warp's steps over
-// all its row blocks form one sequence with the next two steps always in flight (a register double buffer), so the
-// loads of a block's first steps overlap the previous block's last MMAs.
+// Work split. A CTA (8 warps) takes blocks of 256 weight rows of one expert (a segment; the kernel's comment says
+// how blocks are dealt to CTAs); in each block a warp takes 32 rows (two m16 tiles). The weight rows are the MMA's M
+// side and the tokens its N side (8 or 16 per pass), so one token per expert still reads each weight byte once.
+// Each thread (lane = 4 g + q) streams rows g and g + 8 of each m16 tile, 64 of every 256 k (32 bytes per row) per
+// step; the quad's lanes read adjacent bytes. A warp's steps over all its row blocks form one sequence with the next
+// two steps always in flight (a register double buffer), so the loads of a block's first steps overlap the previous
+// block's last MMAs.
 // The MMA does not care in which order k is summed: the MMA's k slots of lane q take lane q's own k, and a thread's
 // 8 codes of one word (k0 .. k0 + 7) fill two MMA k-steps in the order (k0, k0+4), (k0+1, k0+5) | (k0+2, k0+6),
 // (k0+3, k0+7). The token rows are stored in shared memory permuted the same way: one 16-byte shared load gives
@@ -127,7 +128,7 @@ template <int PACKED>
 __device__ __forceinline__ void load_step(Step& st, const Args& a, long long row0, int g, int q, int u) {
     const int kb = a.K / 2;                         // bytes per row
     const int sb = a.K / (a.mx ? 32 : 16);          // scale bytes per row
-    if (PACKED) {  // (row0 is a multiple of 32: the warp's step is 4 KB block row0 / 32 * steps + u, at row0 kb + 4096 u)
+    if (PACKED) {  // (row0: a multiple of 32; the warp's step is 4 KB block row0 / 32 * steps + u, at row0 kb + 4096 u)
         const int lane = 4 * g + q;
         const u32* p = (const u32*)(a.codes + row0 * kb + u * 4096 + lane * 16);
 #pragma unroll
