@@ -8,8 +8,8 @@ too long for 16 token rows in shared memory); an expert with more tokens takes m
 It reads the weights as FP4Tensor stores them or, faster, in its own layout (``pack``: every warp load 512 contiguous
 bytes). The row blocks of all experts with tokens are dealt to one wave of CTAs in equal shares of work
 (``BALANCED``). On the H200 (session 26), with the same tokens on every expert, the packed layout streams Qwen3's FC1
-at 0.69-0.73 of the copy bandwidth at 1-4 tokens per expert (3.5-3.9x bf16 ``torch._grouped_mm``); without
-dequantizing, the same pipeline reaches 0.77-0.84, so the dequantization's instructions are what is left. Under
+at 0.70-0.73 of the copy bandwidth at 1-4 tokens per expert (3.5-4.1x bf16 ``torch._grouped_mm``); without
+dequantizing, the same pipeline reaches 0.73-0.84, so the dequantization's instructions are what is left. Under
 random top-8 routing it takes 0.71-0.84x the Triton kernel's time at 4-128 tokens per batch on FC1.
 ``fp4_grouped_mm`` runs it with ``gemm="mma"``, or with ``gemm="auto"`` where ``AUTO`` is on, the caller passes the
 packed weights and ``preferred`` holds. ``unsupported`` says why a call cannot run here.
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..formats.registry import get_format
 from ..formats.tensor import FP4Tensor
 from .dispatch import cdiv, sm_count
 from .moe import check_grouped_args, gpu_activations
@@ -56,7 +57,7 @@ class PackedWeight:
 
     @property
     def block_size(self) -> int:
-        return 32 if self.fmt == "mxfp4" else 16
+        return get_format(self.fmt).block_size
 
 
 def _pack_views(e: int, n: int, k: int, mx: bool) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

@@ -171,8 +171,9 @@ class ExpertWeightStore:
         return self._stacked[key]
 
     def packed(self, layer: int, which: str) -> moe_mma.PackedWeight | None:
-        """``stacked(layer, which)`` in the CUDA GEMM's layout (``kernels.moe_mma.pack``; cached the same way), or
-        None where the shape has no such layout (N not a multiple of 32 or K of 256)."""
+        """``stacked(layer, which)`` in the CUDA GEMM's layout (``kernels.moe_mma.pack``: one more copy of the layer's
+        FP4 payload, cached the same way), or None where the shape has no such layout (N not a multiple of 32 or K of
+        256)."""
         key = (layer, which)
         if key not in self._packed:
             w = self.stacked(layer, which)
