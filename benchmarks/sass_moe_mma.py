@@ -103,7 +103,7 @@ def report(mx: bool, defines: tuple[str, ...] = (), packed: bool = False, balanc
     regs, spills = usage(log)
     sass = function_sass(cubin, mx, packed, balanced)
     smem = moe_mma.token_tile(2048) * (2 * 2048 + 32)  # (Qwen3-30B-A3B's FC1: K = 2048, 128 experts)
-    smem += moe_mma.balanced_smem(128) if balanced else 0
+    smem += moe_mma.BALANCED_SMEM if balanced else 0
     return {"fmt": "mxfp4" if mx else "nvfp4", "packed": packed, "balanced": balanced, "defines": list(defines),
             "registers": regs, "spill_bytes": spills,
             "ctas_per_sm_k2048": resident_programs(regs, smem, moe_mma.THREADS // 32), "instructions": len(sass),

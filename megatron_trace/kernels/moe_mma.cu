@@ -339,7 +339,7 @@ __device__ __forceinline__ void segment(const Args& a, u8* xs, const Seg<SPLIT>&
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
     const int stride = 2 * a.K + 32, steps = STEPS ? STEPS : a.K / 256;
     // this warp's rows: FIRST + 256 i .. + 31 of the expert, BASE + 256 i .. of all experts' rows
-#define FIRST (sg.n_cta() + warp * ROWS_PER_WARP)
+#define FIRST (sg.n_cta() + (unsigned)(warp * ROWS_PER_WARP))
 #define BASE ((long long)sg.e() * a.N + FIRST)
     const int mine = FIRST < a.N ? (int)min((long long)sg.tiles(), (a.N - FIRST + ROWS_PER_CTA - 1) / ROWS_PER_CTA)
                                  : 0;
@@ -381,41 +381,53 @@ __device__ __forceinline__ void segment(const Args& a, u8* xs, const Seg<SPLIT>&
 #undef FIRST
 }
 
-// Inclusive prefix sums over the experts of cost(e) = row blocks x passes (ceil(tokens / tt)): cost[e], and the total
-// returned to every thread. A block-wide scan in rounds of blockDim.x experts.
-__device__ long long scan_costs(long long* cost, long long* warp_sums, const Args& a, int tt, int nblk) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    long long carry = 0;
-    for (int e0 = 0; e0 < a.E; e0 += blockDim.x) {
-        const int e = e0 + threadIdx.x;
-        long long v = 0;
-        if (e < a.E) {
-            const int n = a.offs[e] - (e ? a.offs[e - 1] : 0);
-            v = n > 0 ? (long long)nblk * ((n + tt - 1) / tt) : 0;
-        }
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-            const long long t = __shfl_up_sync(0xFFFFFFFFu, v, d);
-            if (lane >= d) v += t;
-        }
-        if (lane == 31) warp_sums[warp] = v;
-        __syncthreads();
-        long long before = carry, round = 0;
-        for (int i = 0; i < WARPS; ++i) {
-            before += i < warp ? warp_sums[i] : 0;
-            round += warp_sums[i];
-        }
-        if (e < a.E) cost[e] = before + v;
-        carry += round;
-        __syncthreads();
+// The balanced split's next segment for this CTA: the lowest expert above `after` (-1: any) with row blocks whose
+// cost starts in the CTA's share [lo, hi), written to seg (e, first block, blocks; blocks 0: none left). Each
+// expert's cost is its row blocks x passes (ceil(tokens / tt)); thread t takes expert t (E <= blockDim.x), a block
+// scan gives the prefix, and the share is [x share, (x + 1) share) with share = ceil(total / CTAs). All of it is
+// computed again for every segment, so nothing of it stays in registers through one (the pipeline takes all 128).
+// scratch: the scan's WARPS sums, then the int the CTA's threads pick the lowest expert with.
+__device__ __forceinline__ void next_segment(const Args& a, int tt, int nblk, int after, long long* scratch,
+                                             long long* seg) {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    int* pick = (int*)(scratch + WARPS);
+    if (t == 0) *pick = a.E;
+    long long p = 0;  // expert t's passes
+    if (t < a.E) {
+        const int n = a.offs[t] - (t ? a.offs[t - 1] : 0);
+        p = n > 0 ? (n + tt - 1) / tt : 0;
     }
-    return carry;
+    long long v = nblk * p;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+        const long long u = __shfl_up_sync(0xFFFFFFFFu, v, d);
+        if (lane >= d) v += u;
+    }
+    if (lane == 31) scratch[warp] = v;
+    __syncthreads();
+    long long c0 = v - nblk * p, total = 0;  // (c0: the cost before expert t)
+    for (int i = 0; i < WARPS; ++i) {
+        c0 += i < warp ? scratch[i] : 0;
+        total += scratch[i];
+    }
+    const long long share = (total + gridDim.x - 1) / gridDim.x;
+    const long long lo = (long long)blockIdx.x * share, hi = min(total, lo + share);
+    long long b0 = 0, b1 = 0;  // expert t's blocks whose cost starts in [lo, hi)
+    if (p && t > after && lo < hi) {
+        b0 = lo > c0 ? (lo - c0 + p - 1) / p : 0;
+        b1 = hi > c0 ? min((long long)nblk, (hi - c0 + p - 1) / p) : 0;
+        if (b0 < b1) atomicMin(pick, t);
+    }
+    __syncthreads();
+    const int e = *pick;
+    if (e == a.E ? t == 0 : t == e) seg[0] = e, seg[1] = b0, seg[2] = e == a.E ? 0 : b1 - b0;
+    __syncthreads();
 }
 
 // SPLIT 0: CTA (x, e) takes row blocks x tiles .. of expert e (y = E: the rows of no expert). SPLIT 1, the balanced
-// split: the blocks of all experts in expert order, each costing its expert's passes, are dealt to the gridDim.x CTAs
-// of y = 0 in equal contiguous shares of cost (ceil(total / CTAs)); a share may span several experts (a segment
-// each). Experts without tokens cost nothing, so no CTA idles on them. y = 1 zeroes the rows of no expert.
+// split (E <= 256): the blocks of all experts in expert order, each costing its expert's passes, are dealt to the
+// gridDim.x CTAs of y = 0 in equal contiguous shares of cost; a share may span several experts (a segment each,
+// next_segment). Experts without tokens cost nothing, so no CTA idles on them. y = 1 zeroes the rows of no expert.
 // MX 0: NVFP4, 1: MXFP4; PACKED: the weights in moe_mma.pack's layout; STEPS: K / 256 where known at compile time
 // (0: from K; a constant divides without a register for the reciprocal)
 template <int MX, int PACKED, int SPLIT, int STEPS>
@@ -430,49 +442,17 @@ fp4_w4a16_mma(const u16* x, const u8* codes, const u8* scales, const float* gama
         zero_rows(a, col0, min(cols, N - col0));
         return;
     }
-    // SPLIT 1, after the token rows in shared memory: the experts' cost prefix (E entries), the scan's warp sums
-    // (then this CTA's share [lo, hi) of the cost), and the current segment
-    long long* cost = (long long*)(xs + tt * (2 * K + 32));
-    long long* scratch = cost + E;
-    long long* seg = scratch + WARPS;
+    // SPLIT 1, after the token rows in shared memory: next_segment's scratch and the current segment
+    long long* scratch = (long long*)(xs + tt * (2 * K + 32));
+    long long* seg = scratch + WARPS + 1;
     if (!SPLIT) {
         segment<MX, PACKED, 0, STEPS>(a, xs, Seg<0>{seg, tiles}, tt);
         return;
     }
     const int nblk = (N + ROWS_PER_CTA - 1) / ROWS_PER_CTA;
-    const long long total = scan_costs(cost, scratch, a, tt, nblk);
-    const long long share = (total + gridDim.x - 1) / gridDim.x;
-    if ((long long)blockIdx.x * share >= total) return;
-    if (threadIdx.x == 0) {  // the first expert whose inclusive prefix passes lo
-        const long long lo = (long long)blockIdx.x * share;
-        int e = 0, top = E - 1;
-        while (e < top) {
-            const int mid = (e + top) / 2;
-            if (cost[mid] > lo) top = mid;
-            else e = mid + 1;
-        }
-        scratch[0] = lo, scratch[1] = min(total, lo + share), seg[0] = e;
-    }
-    for (;;) {  // one segment per round; thread 0 finds it, everyone reads it from shared memory
-        __syncthreads();  // (everyone is done with the previous segment)
-        if (threadIdx.x == 0) {
-            const long long lo = scratch[0], hi = scratch[1];
-            int e = (int)seg[0];
-            long long b0 = 0, b1 = 0;
-            for (; e < E; ++e) {
-                const long long c0 = e ? cost[e - 1] : 0;
-                if (c0 >= hi) break;
-                const long long p = (cost[e] - c0) / nblk;  // this expert's passes (0: no tokens)
-                b0 = p && lo > c0 ? (lo - c0 + p - 1) / p : 0;  // its blocks whose cost starts in [lo, hi)
-                b1 = p ? min((long long)nblk, (hi - c0 + p - 1) / p) : 0;
-                if (b0 < b1) break;
-            }
-            seg[0] = e, seg[1] = b0, seg[2] = b0 < b1 ? b1 - b0 : 0;
-        }
-        __syncthreads();
+    for (int after = -1;; after = (int)((volatile long long*)seg)[0]) {  // one segment per round
+        next_segment(a, tt, nblk, after, scratch, seg);
         if (((volatile long long*)seg)[2] == 0) return;
         segment<MX, PACKED, 1, STEPS>(a, xs, Seg<1>{seg, 0}, tt);
-        __syncthreads();
-        if (threadIdx.x == 0) seg[0] += 1;
     }
 }

@@ -106,26 +106,25 @@ def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(order.index(i) for i in range(len(order)))
 
 
-def token_tile(k: int, experts: int | None = None) -> int:
-    """Token rows per pass for reduction length ``k`` (0: K too long for 8 rows); with ``experts``, next to the
-    balanced split's ``balanced_smem(experts)`` bytes."""
+def token_tile(k: int, balanced: bool = False) -> int:
+    """Token rows per pass for reduction length ``k`` (0: K too long for 8 rows); ``balanced``: next to the balanced
+    split's ``BALANCED_SMEM`` bytes."""
     for tt in (16, 8):
-        if tt * (2 * k + 32) + (balanced_smem(experts) if experts is not None else 0) <= SMEM_LIMIT:
+        if tt * (2 * k + 32) + (BALANCED_SMEM if balanced else 0) <= SMEM_LIMIT:
             return tt
     return 0
 
 
-def balanced_smem(experts: int) -> int:
-    """Shared memory of the balanced split after the token rows: the experts' cost prefix, the scan's 8 warp sums,
-    the CTA's share (8 bytes each)."""
-    return 8 * (experts + 8 + 2)
+BALANCED_SMEM = 8 * (8 + 1 + 3)
+"""Shared memory of the balanced split after the token rows: the scan's 8 warp sums, the expert pick, the segment."""
 
 
 CTAS_PER_SM = 2  # (MIN_BLOCKS in the source: 128 registers per thread)
 BALANCED = True
 """The kernel deals the row blocks of all experts with tokens to one wave of CTAs in equal shares of work (blocks x
 passes; experts without tokens take no CTA), instead of one grid row of CTAs per expert (``row_blocks_per_cta``),
-where routing that leaves experts empty idles their CTAs' multiprocessors (session 24's end-to-end decode)."""
+where routing that leaves experts empty idles their CTAs' multiprocessors (session 24's end-to-end decode). Up to
+``THREADS`` experts (a thread per expert)."""
 GRID_CTAS: int | None = None
 """CTAs of the balanced split (None: ``CTAS_PER_SM`` per multiprocessor, one wave). Tests set it small."""
 
@@ -225,11 +224,11 @@ def grouped_mm(x, weight: FP4Tensor | PackedWeight, offs: torch.Tensor, *,
     tt = token_tile(k)
     dev = xd.device.index if xd.device.index is not None else torch.cuda.current_device()
     smem = tt * (2 * k + 32)
-    balanced = BALANCED and token_tile(k, e) == tt  # (else its shared memory would cost token rows per pass)
+    balanced = BALANCED and e <= THREADS and token_tile(k, True) == tt  # (not at the cost of token rows)
     kern = _kernel(dev, weight.fmt == "mxfp4", isinstance(weight, PackedWeight), balanced, k // 256, DEFINES)
     if balanced:  # (grid row 1 zeroes the rows of no expert)
         tiles, grid = 0, (max(1, GRID_CTAS or CTAS_PER_SM * sm_count(xd.device)), 2, 1)
-        smem += balanced_smem(e)
+        smem += BALANCED_SMEM
     else:
         tiles = row_blocks_per_cta(e, n, xd.device)
         grid = (cdiv(n, ROWS_PER_CTA * tiles), e + 1, 1)

@@ -215,10 +215,21 @@ def test_balanced_split_under_random_routing():
     assert _rel(moe_mma.grouped_mm(x, moe_mma.pack(wq), offs, out_dtype=torch.float32), ref) < TOL
 
 
-def test_balanced_split_falls_back_where_its_shared_memory_costs_token_rows():
-    """At K = 3584 the 16 token rows fill the shared memory; 128 experts' cost prefix would halve them, so the kernel
-    keeps one grid row per expert there (and still gives the reference's numbers)."""
-    assert moe_mma.token_tile(3584) == 16 and moe_mma.token_tile(3584, 128) == 8
-    x, wq, offs = _case("mxfp4", False, 128, 32, 3584, [1] * 127 + [17])
+def test_more_experts_than_threads_take_one_grid_row_each():
+    """The balanced split gives each of its 256 threads one expert; with 300 experts the kernel keeps one grid row of
+    CTAs per expert (and every expert's rows are still computed)."""
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.randint(0, 3, (300,), generator=gen)
+    x, wq, offs = _case("mxfp4", False, 300, 32, 256, counts.tolist())
     ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
-    assert _rel(moe_mma.grouped_mm(x, wq, offs, out_dtype=torch.float32), ref) < TOL
+    assert _rel(moe_mma.grouped_mm(x, moe_mma.pack(wq), offs, out_dtype=torch.float32), ref) < TOL
+
+
+def test_deepseek_v3_k_on_the_balanced_split():
+    """K = 7168 takes 8-token passes; with 256 experts the balanced split still fits beside the token rows: an expert
+    with 19 tokens takes 3 passes, most experts none."""
+    counts = [0] * 256
+    counts[3], counts[100], counts[255] = 19, 1, 8
+    x, wq, offs = _case("nvfp4", False, 256, 32, 7168, counts)
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(moe_mma.grouped_mm(x, moe_mma.pack(wq), offs, out_dtype=torch.float32), ref) < TOL

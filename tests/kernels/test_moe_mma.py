@@ -23,11 +23,11 @@ def test_token_tile_fits_two_ctas_per_multiprocessor():
     assert moe_mma.token_tile(2048) == 16 and moe_mma.token_tile(3584) == 16
     assert moe_mma.token_tile(3840) == 8 and moe_mma.token_tile(7168) == 8
     assert moe_mma.token_tile(8192) == 0
-    # with the balanced split's cost prefix next to the token rows
-    assert moe_mma.token_tile(2048, 256) == 16 and moe_mma.token_tile(3584, 128) == 8
-    assert moe_mma.token_tile(7168, 64) == 8 and moe_mma.token_tile(7168, 256) == 0
-    for k, e in ((2048, 128), (3584, 32), (7168, 64)):
-        assert moe_mma.token_tile(k, e) * (2 * k + 32) + moe_mma.balanced_smem(e) <= moe_mma.SMEM_LIMIT
+    # the balanced split's few words next to the token rows never cost token rows
+    for k in range(256, 7169, 256):
+        tt = moe_mma.token_tile(k)
+        assert moe_mma.token_tile(k, balanced=True) == tt
+        assert tt * (2 * k + 32) + moe_mma.BALANCED_SMEM <= moe_mma.SMEM_LIMIT
     for k in (2048, 7168):
         assert 2 * (moe_mma.token_tile(k) * (2 * k + 32) + 1024) <= 228 * 1024
 
