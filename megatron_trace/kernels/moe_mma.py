@@ -142,17 +142,19 @@ AUTO = True
 ``pack``'s layout too (``packed=``; the rollout's ``ExpertWeightStore.packed`` provides them while this is on). On:
 session 26 measured the end-to-end FP4 decode of the Qwen3-30B-A3B-shaped model (graph-replayed steps) 3.5-5% faster
 with it at batch 4-64 than with the Triton GEMM, and unchanged at 256 (where it is not preferred)."""
-MIN_MEAN_TOKENS, MAX_MEAN_TOKENS = 0.25, 8
+MIN_ROWS = 32
 
 
 def preferred(rows: int, weight: FP4Tensor | PackedWeight) -> bool:
     """Where ``gemm="auto"`` runs this kernel with ``AUTO`` on: decode sizes where the balanced split has work for
-    most multiprocessors and one 16-token pass holds most experts (MIN_MEAN_TOKENS x experts <= rows <=
-    MAX_MEAN_TOKENS x experts; session 26's routing bench), and K short enough for 16-token passes. Fewer rows are
-    the Triton kernel's (its K slices spread a few experts over more programs); at DeepSeek-V3's K = 7168 (8-token
-    passes) the Triton kernel was faster (session 24)."""
+    most multiprocessors and one token pass holds most experts: MIN_ROWS <= rows <= tt / 2 x experts for token
+    passes of tt (16, or 8 where K is long). Session 26's routing bench (random top-8) measured the packed kernel
+    faster than the Triton kernel from 4 to 128 tokens per batch (32 to 1024 rows) at Qwen3-30B-A3B's FC1 (tt 16,
+    128 experts) and DeepSeek-V3's (tt 8, 256 experts), and slower at 1 and 256 tokens. Needs at most ``THREADS``
+    experts (the balanced split)."""
     experts, _, k = weight.shape
-    return AUTO and MIN_MEAN_TOKENS * experts <= rows <= MAX_MEAN_TOKENS * experts and token_tile(k) == 16
+    tt = token_tile(k, balanced=True)
+    return AUTO and experts <= THREADS and tt > 0 and MIN_ROWS <= rows <= tt // 2 * experts
 
 
 def unsupported(x, weight: FP4Tensor | PackedWeight, out_dtype: torch.dtype | None = None) -> str | None:

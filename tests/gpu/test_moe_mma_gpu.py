@@ -136,7 +136,7 @@ def test_unsupported_calls_are_named():
 
 
 def test_fp4_grouped_mm_picks_the_cuda_kernel_where_asked(monkeypatch):
-    x, wq, offs = _case("nvfp4", False, 8, 256, 1024, [2] * 8)
+    x, wq, offs = _case("nvfp4", False, 8, 256, 1024, [4] * 8)
     ref = moe_mma.grouped_mm(x, wq, offs)
     assert torch.equal(fp4_grouped_mm(x, wq, offs, gemm="mma"), ref)
     from megatron_trace.kernels import moe_triton
@@ -150,7 +150,7 @@ def test_fp4_grouped_mm_picks_the_cuda_kernel_where_asked(monkeypatch):
     assert torch.equal(fp4_grouped_mm(x, packed, offs, gemm="triton"), triton)  # (unpacked first)
     monkeypatch.setattr(moe_mma, "AUTO", True)
     assert torch.equal(fp4_grouped_mm(x, wq, offs), triton)  # AUTO takes the CUDA kernel only with packed weights
-    assert torch.equal(fp4_grouped_mm(x, wq, offs, packed=packed), ref)  # 2 tokens per expert: preferred
+    assert torch.equal(fp4_grouped_mm(x, wq, offs, packed=packed), ref)  # 32 rows, 4 per expert: preferred
     assert torch.equal(fp4_grouped_mm(x[:1], wq, offs.clamp(max=1), packed=packed),  # 1 row, 8 experts: not
                        moe_triton.grouped_mm(x[:1], wq, offs.clamp(max=1)))
 

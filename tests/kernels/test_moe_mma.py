@@ -32,14 +32,18 @@ def test_token_tile_fits_two_ctas_per_multiprocessor():
         assert 2 * (moe_mma.token_tile(k) * (2 * k + 32) + 1024) <= 228 * 1024
 
 
-def test_preferred_only_for_decode_sizes_with_16_token_passes(monkeypatch):
-    """8 experts: 2 to 64 rows (a quarter to 8 tokens per expert on average)."""
+def test_preferred_for_decode_sizes():
+    """From 32 rows to half a token pass per expert on average: 16-token passes at K = 2048, 8 at K = 7168."""
     w = _weight(e=8, k=2048)
+    assert [moe_mma.preferred(r, w) for r in (31, 32, 64, 65)] == [False, True, True, False]
+    w = _weight(e=64, k=7168)
+    assert [moe_mma.preferred(r, w) for r in (31, 32, 256, 257)] == [False, True, True, False]
+    assert not moe_mma.preferred(64, _weight(e=300, k=256))  # (more experts than the balanced split's threads)
+
+
+def test_preferred_only_with_auto(monkeypatch):
     monkeypatch.setattr(moe_mma, "AUTO", False)
-    assert not moe_mma.preferred(64, w)
-    monkeypatch.setattr(moe_mma, "AUTO", True)
-    assert [moe_mma.preferred(r, w) for r in (1, 2, 8, 64, 65)] == [False, True, True, True, False]
-    assert not moe_mma.preferred(64, _weight(e=8, k=7168))
+    assert not moe_mma.preferred(64, _weight(e=8, k=2048))
 
 
 def test_unsupported_on_the_cpu_names_the_device():
