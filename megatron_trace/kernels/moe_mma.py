@@ -10,7 +10,8 @@ bytes). The row blocks of all experts with tokens are dealt to one wave of CTAs 
 (``BALANCED``). On the H200 (session 26), with the same tokens on every expert, the packed layout streams Qwen3's FC1
 at 0.70-0.73 of the copy bandwidth at 1-4 tokens per expert (3.5-4.1x bf16 ``torch._grouped_mm``); without
 dequantizing, the same pipeline reaches 0.73-0.84, so the dequantization's instructions are what is left. Under
-random top-8 routing it takes 0.71-0.84x the Triton kernel's time at 4-128 tokens per batch on FC1.
+random top-8 routing it takes 0.71-0.84x the Triton kernel's time at 4-128 tokens per batch on that FC1, 0.68-0.77x
+on DeepSeek-V3's.
 ``fp4_grouped_mm`` runs it with ``gemm="mma"``, or with ``gemm="auto"`` where ``AUTO`` is on, the caller passes the
 packed weights and ``preferred`` holds. ``unsupported`` says why a call cannot run here.
 
