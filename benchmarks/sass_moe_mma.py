@@ -41,25 +41,32 @@ def compile_source(mx: bool, defines: tuple[str, ...] = (), packed: bool = False
                    steps: int = 8) -> tuple[bytes, str]:
     """(sm_90 cubin, NVRTC log with ptxas's -v lines) of ``fp4_w4a16_mma<mx, packed, balanced, steps>`` (steps =
     K / 256: 8 is Qwen3-30B-A3B's FC1)."""
+    name = f"fp4_w4a16_mma<{int(mx)}, {int(packed)}, {int(balanced)}, {steps}>"
+    return compile_named(moe_mma.SOURCE.read_text(), name, defines)
+
+
+def compile_named(source: str, name: str, defines: tuple[str, ...] = (), arch: str = "sm_90") -> tuple[bytes, str]:
+    """(cubin, the ptxas -v lines of ``name``) of ``source`` built for ``arch`` with NVRTC."""
     lib_path = nvrtc_library()
     if lib_path is None:
         raise RuntimeError("NVRTC is not installed: pip install nvidia-cuda-nvrtc==13.0.*")
     ctypes.CDLL(str(lib_path.parent / next(p.name for p in lib_path.parent.glob("libnvrtc-builtins.so.*")
                                            if ".alt." not in p.name)), mode=ctypes.RTLD_GLOBAL)
     lib = ctypes.CDLL(str(lib_path))
-    name = f"fp4_w4a16_mma<{int(mx)}, {int(packed)}, {int(balanced)}, {steps}>".encode()
     prog = ctypes.c_void_p()
-    src = moe_mma.SOURCE.read_text().encode()
-    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"moe_mma.cu", 0, None, None))
+    src = source.encode()
+    name = name.encode()
+    _check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), src, b"kernel.cu", 0, None, None))
     _check(lib, lib.nvrtcAddNameExpression(prog, name))
-    opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"--ptxas-options=-v", *(f"-D{d}".encode() for d in defines)]
+    opts = [f"--gpu-architecture={arch}".encode(), b"-std=c++17", b"--ptxas-options=-v",
+            *(f"-D{d}".encode() for d in defines)]
     res = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
     size = ctypes.c_size_t()
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, log)
     if res != 0:
-        raise RuntimeError(f"moe_mma.cu does not compile:\n{log.value.decode()}")
+        raise RuntimeError(f"{name.decode()} does not compile:\n{log.value.decode()}")
     _check(lib, lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)))
     cubin = ctypes.create_string_buffer(size.value)
     _check(lib, lib.nvrtcGetCUBIN(prog, cubin))

@@ -97,18 +97,22 @@ __device__ __forceinline__ u32 mxfp4_scale2(u32 b) {
     return h | (h << 16);
 }
 
-// 8 codes of one word (code i at bits 4i) -> bf16x2 pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7), each times s2.
-__device__ __forceinline__ void dequant8(u32 w, u32 s2, u32* p) {
+// 8 codes of one word (code i at bits 4i) -> bf16x2 pairs (c0, c4), (c1, c5), (c2, c6), (c3, c7); pairs 0 and 2
+// times sa, 1 and 3 times sb (moe_wgmma.cu's words hold two weight rows: even pairs one, odd pairs the other).
+__device__ __forceinline__ void dequant8_rows(u32 w, u32 sa, u32 sb, u32* p) {
 #if SKIP_DEQUANT
-    p[0] = w; p[1] = w ^ s2; p[2] = w >> 8; p[3] = w << 8;
+    p[0] = w; p[1] = w ^ sa; p[2] = w >> 8; p[3] = w << 8;
     return;
 #endif
     u32 w2 = w >> 8;
-    p[0] = mul_bf16x2(((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, s2);
-    p[1] = mul_bf16x2(((w & 0x00F000F0u) * 0x104u) & 0x81C081C0u, s2);
-    p[2] = mul_bf16x2(((w2 & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, s2);
-    p[3] = mul_bf16x2(((w2 & 0x00F000F0u) * 0x104u) & 0x81C081C0u, s2);
+    p[0] = mul_bf16x2(((w & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, sa);
+    p[1] = mul_bf16x2(((w & 0x00F000F0u) * 0x104u) & 0x81C081C0u, sb);
+    p[2] = mul_bf16x2(((w2 & 0x000F000Fu) * 0x1040u) & 0x81C081C0u, sa);
+    p[3] = mul_bf16x2(((w2 & 0x00F000F0u) * 0x104u) & 0x81C081C0u, sb);
 }
+
+// The same with one scale for all 8 codes (one weight row).
+__device__ __forceinline__ void dequant8(u32 w, u32 s2, u32* p) { dequant8_rows(w, s2, s2, p); }
 
 __device__ __forceinline__ u16 f32_to_bf16(float v) {
     u16 h;

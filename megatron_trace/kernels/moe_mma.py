@@ -55,6 +55,8 @@ class PackedWeight:
     codes: torch.Tensor  # flat, the FP4Tensor's dtype
     block_scales: torch.Tensor  # flat, the FP4Tensor's dtype
     global_amax: torch.Tensor | None
+    layout: str = "mma"
+    """"mma": ``pack``'s (this module's kernel); "wgmma": ``moe_wgmma.pack``'s (the large-token kernel)."""
 
     @property
     def block_size(self) -> int:
@@ -94,7 +96,11 @@ def pack(weight: FP4Tensor) -> PackedWeight:
 
 
 def unpack(packed: PackedWeight) -> FP4Tensor:
-    """The FP4Tensor ``pack`` was given."""
+    """The FP4Tensor ``pack`` (or ``moe_wgmma.pack``, by ``packed.layout``) was given."""
+    if packed.layout == "wgmma":
+        from . import moe_wgmma
+
+        return moe_wgmma.unpack(packed)
     e, n, k = packed.shape
     cv, sv, sp = _pack_views(e, n, k, packed.fmt == "mxfp4")
     codes = packed.codes.view([cv[i] for i in CODES_ORDER]).permute(_inverse(CODES_ORDER)).reshape(e, n, k // 2)
@@ -160,6 +166,8 @@ def preferred(rows: int, weight: FP4Tensor | PackedWeight) -> bool:
 
 def unsupported(x, weight: FP4Tensor | PackedWeight, out_dtype: torch.dtype | None = None) -> str | None:
     """Why ``grouped_mm`` cannot run this call (None: it can)."""
+    if isinstance(weight, PackedWeight) and weight.layout != "mma":
+        return f"weight packed for {weight.layout!r} (moe_wgmma), not this kernel's 'mma' layout"
     dev = weight.codes.device
     if dev.type != "cuda":
         return f"weights are on {dev}, the CUDA kernel needs a GPU"

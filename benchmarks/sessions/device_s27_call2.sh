@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Session 27, call 2: the new wgmma FP4 grouped GEMM (kernels/moe_wgmma) first run: its GPU tests, then its time at
+# 64-256 tokens per expert on Qwen3's FC1 / FC2 against bf16 torch._grouped_mm and the Triton kernel.
+source benchmarks/_device_env.sh > /dev/null 2>&1
+timeout 240 python3 -m pytest -q -p no:cacheprovider -x -rfEs --tb=short tests/gpu/test_moe_wgmma_gpu.py \
+    > "$OUT/pytest.txt" 2>&1; echo "pytest rc=$? after ${SECONDS}s"
+grep -E "^(FAILED|ERROR)|Error|error" "$OUT/pytest.txt" | head -20; tail -3 "$OUT/pytest.txt"
+timeout 300 python3 benchmarks/bench_moe_wgmma.py --shapes qwen3_fc1,qwen3_fc2 --tokens 64,256 \
+    --variants ",SKIP_DEQUANT=1" > "$OUT/bench_wgmma.json" 2> "$OUT/bench_wgmma.err"; echo "bench rc=$? after ${SECONDS}s"
+tail -5 "$OUT/bench_wgmma.err" | cut -c1-1500

@@ -1,0 +1,193 @@
+// FP4-weight grouped GEMM for many tokens per expert (prefill, 64+) on sm_90a: wgmma with the dequantized weights as
+// the register A operand. Compiled together with moe_mma.cu (its helpers: loads, dequant8_rows, the NVFP4 / MXFP4
+// scale conversions, column_scale, store, zero_rows); moe_wgmma.py builds and launches it.
+//
+// Work split. CTA (x, e) of 2 warpgroups takes weight rows 128 x .. 128 x + 127 of expert e (warpgroup w: 64 of
+// them, the wgmma's M side; warp i of a warpgroup its rows 16 i .. 16 i + 15 as in an m16 MMA fragment) and all of
+// e's tokens, in tiles of BT (the N side). K runs in stages of 64: the stage's token tile [BT x 64] goes to shared
+// memory by cp.async (XS stages in flight, 128-byte swizzle: row r's 16-byte chunk c at r * 128 + (c ^ r % 8) * 16,
+// the layout wgmma's descriptor names), the weights stream straight to registers 4 stages ahead, and each warpgroup
+// issues 4 (k16) x BT / 128 wgmma.m64n128k16 per stage, one commit group, and waits for the previous stage's group
+// only (its A registers are then free; the dequantization of stage s + 1 overlaps the MMAs of stage s).
+//
+// Weight layout (moe_wgmma.pack): per 16-row group and stage, 512 bytes of codes, lane l = 4 g + q's 16 at 16 l:
+// word j (k16 step j of the stage) holds the 8 codes of lane l's A fragment, nibble 4 kp + 2 kh + rh = the code of
+// row g + 8 rh, k = 16 j + 8 kh + 2 q + kp, so dequant8_rows gives the fragment's 4 registers in order. Block scales
+// per 16-row group and stage: NVFP4 64 bytes, lane l's u16 at 2 l = (row g, block q), (row g + 8, block q); MXFP4 32
+// bytes, (row g, block b), (row g + 8, block b) at 4 g + 2 b. A lane takes step j's scales from lane 4 g + j (NVFP4)
+// or 4 g + j / 2 (MXFP4) by shuffle.
+
+#ifndef XS
+#define XS 4  // token-tile stages in shared memory (the refill of stage s + XS - 2 goes where stage s - 2 was)
+#endif
+#define WG_THREADS 256
+#define WG_ROWS 128
+
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
+// Keeps r live and in place up to here (an in-flight wgmma still reads or writes it).
+__device__ __forceinline__ void hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void hold(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
+
+__device__ __forceinline__ void cp_async16(u8* dst, const void* src, u32 bytes) {  // (bytes 0: zeros)
+    const u32 d = (u32)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// wgmma descriptor of a K-major bf16 tile in 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart.
+__device__ __forceinline__ unsigned long long smem_desc(const u8* p) {
+    const u32 addr = (u32)__cvta_generic_to_shared(p);
+    return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | ((unsigned long long)(1024 >> 4) << 32) |
+           (1ull << 62);
+}
+
+// d (64 rows x 128 tokens, fp32 fragments) += a (bf16 A fragment) x the tile desc names.
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32* a, unsigned long long desc) {
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0; wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0; }"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
+}
+
+// Stage s of the token tile t0 .. t0 + BT (rows past t_end: zeros) -> slot, 128-byte swizzled.
+template <int BT>
+__device__ __forceinline__ void load_x_stage(u8* slot, const Args& a, int t0, int t_end, int s) {
+#pragma unroll
+    for (int i = threadIdx.x; i < BT * 8; i += WG_THREADS) {
+        const int r = i >> 3, c = i & 7, t = t0 + r;
+        const u16* src = a.x + (long long)(t < t_end ? t : t0) * a.sx + s * 64 + c * 8;
+        cp_async16(slot + r * 128 + ((c ^ (r & 7)) << 4), src, t < t_end ? 16u : 0u);
+    }
+}
+
+// One stage's A fragments (4 k16 steps x 4 registers) from this lane's 4 code words and its scale u16.
+template <int MX>
+__device__ __forceinline__ void dequant_stage(u32 (&A)[4][4], const Words4& w, u32 sc, int lane, u32& bad) {
+    u32 conv = sc;  // NVFP4: bf16x2 (row g, row g + 8) of block q; MXFP4: the raw bytes of block q % 2
+    if (!MX) {
+        bad |= nan_bytes(sc);
+        conv = nvfp4_scales2(sc);
+    }
+    const u32 words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+        const u32 v = __shfl_sync(0xFFFFFFFFu, conv, (lane & ~3) | (MX ? j >> 1 : j));
+        const u32 sa = MX ? mxfp4_scale2(v & 0xFFu) : __byte_perm(v, 0, 0x1010);
+        const u32 sb = MX ? mxfp4_scale2((v >> 8) & 0xFFu) : __byte_perm(v, 0, 0x3232);
+        dequant8_rows(words[j], sa, sb, A[j]);
+    }
+}
+
+// MX 0: NVFP4, 1: MXFP4; BT: token tile (128 or 256); STEPS: K / 64 (a multiple of 4). Grid (N / 128, E + 1):
+// row E zeroes the rows of no expert. Dynamic shared memory: XS x BT x 128 bytes + 1024 (alignment).
+template <int MX, int BT, int STEPS>
+__global__ void __launch_bounds__(WG_THREADS, 1)
+fp4_w4a16_wgmma(const u16* x, const u8* codes, const u8* scales, const float* gamax, void* y, const int* offs,
+                int T, int N, int K, int E, int sx, int sy, int gmode, int out_f32) {
+    extern __shared__ __align__(16) u8 smem_raw[];
+    u8* xs = (u8*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
+    Args a{x, codes, scales, gamax, y, offs, T, N, K, E, sx, sy, MX, gmode, out_f32};
+    if ((int)blockIdx.y == E) {
+        zero_rows(a, (long long)blockIdx.x * WG_ROWS, WG_ROWS);
+        return;
+    }
+    const int e = blockIdx.y, t_begin = e ? offs[e - 1] : 0, t_end = offs[e];
+    if (t_end <= t_begin) return;
+    const int tid = threadIdx.x, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
+    const long long row0 = (long long)blockIdx.x * WG_ROWS + (tid >> 7) * 64 + warp * 16;  // the warp's 16 rows
+    const long long grp = ((long long)e * N + row0) / 16;                                   // their 16-row group
+    const u32* wp = (const u32*)(codes + grp * STEPS * 512) + lane * 4;                     // + 128 words a stage
+    const u8* sp = scales + grp * STEPS * (MX ? 32 : 64) + (MX ? 4 * g + 2 * (q & 1) : 2 * lane);
+    constexpr int SB = MX ? 32 : 64;  // scale bytes of a 16-row group's stage
+    constexpr int NH = BT / 128;
+    for (int t0 = t_begin; t0 < t_end; t0 += BT) {
+        float acc[NH][64];
+#pragma unroll
+        for (int h = 0; h < NH; ++h)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+        u32 bad = 0, A[2][4][4];
+        Words4 wq[4];
+        u32 sc[4];
+        __syncthreads();  // (the previous tile's wgmmas are done with the slots)
+#pragma unroll
+        for (int s = 0; s < XS - 2; ++s) {
+            if (s < STEPS) load_x_stage<BT>(xs + s * BT * 128, a, t0, t_end, s);
+            cp_async_commit();
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            wq[u] = ldg_stream(wp + u * 128);
+            sc[u] = ldg_u16(sp + u * SB);
+        }
+        for (int s0 = 0; s0 < STEPS; s0 += 4) {
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+                const int s = s0 + u;
+                cp_async_wait<XS - 3>();  // (stage s landed; this thread's part)
+                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (cp.async writes -> wgmma reads)
+                __syncthreads();  // (all parts; both warpgroups past stage s - 1's wait: stage s - 2's slot is free)
+                if (s + XS - 2 < STEPS) load_x_stage<BT>(xs + ((s + XS - 2) % XS) * BT * 128, a, t0, t_end, s + XS - 2);
+                cp_async_commit();
+                dequant_stage<MX>(A[u & 1], wq[u], sc[u], lane, bad);
+                if (s + 4 < STEPS) {
+                    wq[u] = ldg_stream(wp + (s + 4) * 128);
+                    sc[u] = ldg_u16(sp + (s + 4) * SB);
+                }
+#pragma unroll
+                for (int h = 0; h < NH; ++h)
+#pragma unroll
+                    for (int i = 0; i < 64; ++i) hold(acc[h][i]);
+                wgmma_fence();
+                const u8* slot = xs + (s % XS) * BT * 128;
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int h = 0; h < NH; ++h) wgmma_n128(acc[h], A[u & 1][j], smem_desc(slot + h * 16384 + j * 32));
+                wgmma_commit();
+                wgmma_wait<1>();  // (stage s - 1's group: its A registers, A[(u + 1) & 1], are free again)
+#pragma unroll
+                for (int j = 0; j < 4; ++j)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) hold(A[(u + 1) & 1][j][i]);
+            }
+        }
+        wgmma_wait<0>();
+#pragma unroll
+        for (int h = 0; h < NH; ++h)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) hold(acc[h][i]);
+        // acc[h][4 n + i]: row g + 8 (i / 2), token 128 h + 8 n + 2 q + i % 2; a NaN block scale of a row in any
+        // lane of the quad (each holds one block of the row's stages) makes the row NaN
+        bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, 1);
+        bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, 2);
+        const float nan = __int_as_float(0x7FC00000);
+        const float cs0 = (bad & 0x80u) ? nan : column_scale(a, e, row0 + g);
+        const float cs1 = (bad & 0x8000u) ? nan : column_scale(a, e, row0 + g + 8);
+#pragma unroll
+        for (int h = 0; h < NH; ++h)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                const int tok = t0 + 128 * h + 8 * (i >> 2) + 2 * q + (i & 1);
+                if (tok < t_end) store(a, tok, row0 + g + 8 * ((i >> 1) & 1), acc[h][i] * ((i & 2) ? cs1 : cs0));
+            }
+    }
+}
