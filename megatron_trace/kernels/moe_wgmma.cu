@@ -4,9 +4,12 @@
 //
 // Work split. CTA (x, e) of 2 warpgroups takes weight rows 128 x .. 128 x + 127 of expert e (warpgroup w: 64 of
 // them, the wgmma's M side; warp i of a warpgroup its rows 16 i .. 16 i + 15 as in an m16 MMA fragment) and all of
-// e's tokens, in tiles of BT (the N side). K runs in stages of 64: the stage's token tile [BT x 64] goes to shared
-// memory by cp.async (XS stages in flight, 128-byte swizzle: row r's 16-byte chunk c at r * 128 + (c ^ r % 8) * 16,
-// the layout wgmma's descriptor names), the weights stream straight to registers 4 stages ahead, and each warpgroup
+// e's tokens, in tiles of BT (the N side). K runs in stages of 64: the stage's token tile [BT x 64] comes to shared
+// memory by one TMA copy (XS slots, XS - 2 stages ahead, an mbarrier each; 128-byte swizzle: row r's 16-byte chunk c at
+// r * 128 + (c ^ r % 8) * 16, the layout wgmma's descriptor names; token rows past T read as zeros, rows of other
+// experts are computed and not stored). TMA writes through the async proxy that wgmma reads by, so no proxy fence
+// is needed (one after cp.async costs a MEMBAR that waits for the weight loads in flight: session 27, call 2). The
+// weights stream straight to registers 4 stages ahead, and each warpgroup
 // issues 4 (k16) x BT / 128 wgmma.m64n128k16 per stage, one commit group, and waits for the previous stage's group
 // only (its A registers are then free; the dequantization of stage s + 1 overlaps the MMAs of stage s).
 //
@@ -32,13 +35,27 @@ __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sy
 __device__ __forceinline__ void hold(float& r) { asm volatile("" : "+f"(r)::"memory"); }
 __device__ __forceinline__ void hold(u32& r) { asm volatile("" : "+r"(r)::"memory"); }
 
-__device__ __forceinline__ void cp_async16(u8* dst, const void* src, u32 bytes) {  // (bytes 0: zeros)
-    const u32 d = (u32)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(bytes) : "memory");
+// The CUtensorMap of x (cuTensorMapEncodeTiled on the host; a kernel parameter).
+struct alignas(64) TensorMap { unsigned long long v[16]; };
+
+__device__ __forceinline__ u32 smem_addr(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bar_init(unsigned long long* bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ bool bar_try_wait(unsigned long long* bar, u32 parity) {
+    u32 ok;
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(ok) : "r"(smem_addr(bar)), "r"(parity) : "memory");
+    return ok;
+}
+// Rows t0 .. t0 + BT, k 64 s .. + 63 of x -> slot, completing on bar (one thread).
+template <int BT>
+__device__ __forceinline__ void tma_x_stage(u8* slot, unsigned long long* bar, const TensorMap* xmap, int t0, int s) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(BT * 128)
+                 : "memory");
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
+                 "[%4];" ::"r"(smem_addr(slot)), "l"(xmap), "r"(64 * s), "r"(t0), "r"(smem_addr(bar)) : "memory");
+}
 
 // wgmma descriptor of a K-major bf16 tile in 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart.
 __device__ __forceinline__ unsigned long long smem_desc(const u8* p) {
@@ -67,24 +84,15 @@ __device__ __forceinline__ void wgmma_n128(float (&d)[64], const u32* a, unsigne
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
 
-// Stage s of the token tile t0 .. t0 + BT (rows past t_end: zeros) -> slot, 128-byte swizzled.
-template <int BT>
-__device__ __forceinline__ void load_x_stage(u8* slot, const Args& a, int t0, int t_end, int s) {
-#pragma unroll
-    for (int i = threadIdx.x; i < BT * 8; i += WG_THREADS) {
-        const int r = i >> 3, c = i & 7, t = t0 + r;
-        const u16* src = a.x + (long long)(t < t_end ? t : t0) * a.sx + s * 64 + c * 8;
-        cp_async16(slot + r * 128 + ((c ^ (r & 7)) << 4), src, t < t_end ? 16u : 0u);
-    }
-}
-
 // One stage's A fragments (4 k16 steps x 4 registers) from this lane's 4 code words and its scale u16.
 template <int MX>
 __device__ __forceinline__ void dequant_stage(u32 (&A)[4][4], const Words4& w, u32 sc, int lane, u32& bad) {
     u32 conv = sc;  // NVFP4: bf16x2 (row g, row g + 8) of block q; MXFP4: the raw bytes of block q % 2
-    if (!MX) {
-        bad |= nan_bytes(sc);
-        conv = nvfp4_scales2(sc);
+    if (!MX) {  // (a NaN byte is zeroed first: its row is NaN anyway, and nvfp4_scales2 would spill it into the
+                // other half, the other row)
+        const u32 nb = nan_bytes(sc);
+        bad |= nb;
+        conv = nvfp4_scales2(sc & ~((nb >> 7) * 0xFFu));
     }
     const u32 words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
@@ -97,13 +105,15 @@ __device__ __forceinline__ void dequant_stage(u32 (&A)[4][4], const Words4& w, u
 }
 
 // MX 0: NVFP4, 1: MXFP4; BT: token tile (128 or 256); STEPS: K / 64 (a multiple of 4). Grid (N / 128, E + 1):
-// row E zeroes the rows of no expert. Dynamic shared memory: XS x BT x 128 bytes + 1024 (alignment).
+// row E zeroes the rows of no expert. xmap: x [T, K] bf16, box 64 x BT, 128-byte swizzle. Dynamic shared memory: XS x BT x
+// 128 bytes + XS mbarriers + 1024 (alignment).
 template <int MX, int BT, int STEPS>
 __global__ void __launch_bounds__(WG_THREADS, 1)
-fp4_w4a16_wgmma(const u16* x, const u8* codes, const u8* scales, const float* gamax, void* y, const int* offs,
+fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* codes, const u8* scales, const float* gamax, void* y, const int* offs,
                 int T, int N, int K, int E, int sx, int sy, int gmode, int out_f32) {
     extern __shared__ __align__(16) u8 smem_raw[];
     u8* xs = (u8*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
+    unsigned long long* full = (unsigned long long*)(xs + XS * BT * 128);  // slot i's stage has landed
     Args a{x, codes, scales, gamax, y, offs, T, N, K, E, sx, sy, MX, gmode, out_f32};
     if ((int)blockIdx.y == E) {
         zero_rows(a, (long long)blockIdx.x * WG_ROWS, WG_ROWS);
@@ -118,7 +128,13 @@ fp4_w4a16_wgmma(const u16* x, const u8* codes, const u8* scales, const float* ga
     const u8* sp = scales + grp * STEPS * (MX ? 32 : 64) + (MX ? 4 * g + 2 * (q & 1) : 2 * lane);
     constexpr int SB = MX ? 32 : 64;  // scale bytes of a 16-row group's stage
     constexpr int NH = BT / 128;
-    for (int t0 = t_begin; t0 < t_end; t0 += BT) {
+    if (tid == 0) {
+        for (int i = 0; i < XS; ++i) bar_init(full + i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    u32 n0 = 0;  // stages this CTA has loaded before this tile (slot n % XS, its barrier's phase n / XS)
+    for (int t0 = t_begin; t0 < t_end; t0 += BT, n0 += STEPS) {
         float acc[NH][64];
 #pragma unroll
         for (int h = 0; h < NH; ++h)
@@ -128,11 +144,11 @@ fp4_w4a16_wgmma(const u16* x, const u8* codes, const u8* scales, const float* ga
         Words4 wq[4];
         u32 sc[4];
         __syncthreads();  // (the previous tile's wgmmas are done with the slots)
-#pragma unroll
-        for (int s = 0; s < XS - 2; ++s) {
-            if (s < STEPS) load_x_stage<BT>(xs + s * BT * 128, a, t0, t_end, s);
-            cp_async_commit();
-        }
+        if (tid == 0)
+            for (int s = 0; s < XS - 2 && s < STEPS; ++s) {
+                const u32 n = n0 + s;
+                tma_x_stage<BT>(xs + (n % XS) * BT * 128, full + n % XS, &xmap, t0, s);
+            }
 #pragma unroll
         for (int u = 0; u < 4; ++u) {
             wq[u] = ldg_stream(wp + u * 128);
@@ -142,11 +158,12 @@ fp4_w4a16_wgmma(const u16* x, const u8* codes, const u8* scales, const float* ga
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const int s = s0 + u;
-                cp_async_wait<XS - 3>();  // (stage s landed; this thread's part)
-                asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // (cp.async writes -> wgmma reads)
-                __syncthreads();  // (all parts; both warpgroups past stage s - 1's wait: stage s - 2's slot is free)
-                if (s + XS - 2 < STEPS) load_x_stage<BT>(xs + ((s + XS - 2) % XS) * BT * 128, a, t0, t_end, s + XS - 2);
-                cp_async_commit();
+                const u32 n = n0 + s;
+                __syncthreads();  // (both warpgroups past stage s - 1's wait: stage s - 2's slot is free)
+                if (tid == 0 && s + XS - 2 < STEPS) {
+                    const u32 m = n + XS - 2;
+                    tma_x_stage<BT>(xs + (m % XS) * BT * 128, full + m % XS, &xmap, t0, s + XS - 2);
+                }
                 dequant_stage<MX>(A[u & 1], wq[u], sc[u], lane, bad);
                 if (s + 4 < STEPS) {
                     wq[u] = ldg_stream(wp + (s + 4) * 128);
@@ -157,7 +174,9 @@ fp4_w4a16_wgmma(const u16* x, const u8* codes, const u8* scales, const float* ga
 #pragma unroll
                     for (int i = 0; i < 64; ++i) hold(acc[h][i]);
                 wgmma_fence();
-                const u8* slot = xs + (s % XS) * BT * 128;
+                while (!bar_try_wait(full + n % XS, (n / XS) & 1)) {
+                }
+                const u8* slot = xs + (n % XS) * BT * 128;
 #pragma unroll
                 for (int j = 0; j < 4; ++j)
 #pragma unroll

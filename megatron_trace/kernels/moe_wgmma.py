@@ -14,6 +14,7 @@ one lane's A fragment of one k16 step); ``PackedWeight.layout`` is then ``"wgmma
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 from pathlib import Path
@@ -116,7 +117,38 @@ def token_tile(rows: int, experts: int) -> int:
 
 
 def shared_memory(bt: int) -> int:
-    return X_STAGES * bt * 128 + 1024  # (+ 1024: the tiles start 1024-aligned)
+    return X_STAGES * (bt * 128 + 8) + 1024  # (token slots and their mbarriers; + 1024: the slots start 1024-aligned)
+
+
+_TMAP_BF16, _TMAP_SWIZZLE_128B, _TMAP_L2_256B = 9, 3, 3  # (CUtensorMapDataType, CUtensorMapSwizzle, ...L2promotion)
+
+
+def tensor_map(x: torch.Tensor, bt: int) -> ctypes.Array:
+    """The CUtensorMap of bf16 x [T, K] (row stride a multiple of 8 elements) for TMA boxes of 64 k x ``bt`` rows in
+    128-byte swizzle, rows past T read as zeros (``cuTensorMapEncodeTiled``; a kernel parameter, so CUDA graphs
+    capture it by value)."""
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    tmap = (ctypes.c_uint64 * 16)()
+    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    res = lib.cuTensorMapEncodeTiled(
+        ctypes.byref(tmap), _TMAP_BF16, 2, ctypes.c_void_p(x.data_ptr()), u64x2(x.shape[1], x.shape[0]),
+        (ctypes.c_uint64 * 1)(x.stride(0) * 2), u32x2(64, bt), u32x2(1, 1), 0, _TMAP_SWIZZLE_128B, _TMAP_L2_256B, 0)
+    if res != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {res} for x {tuple(x.shape)} stride "
+                           f"{x.stride()}, box 64 x {bt}")
+    return tmap
+
+
+def _launch(kern, grid: tuple[int, int, int], smem: int, stream, tmap, args: list) -> None:
+    """cuLaunchKernel with the tensor map by value first (torch's launcher passes tensors and scalars only)."""
+    keep = [tmap]
+    for a in args:
+        keep.append(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a))
+    params = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
+    lib = torch.cuda._utils._get_gpu_runtime_library()
+    res = lib.cuLaunchKernel(kern.func, *grid, THREADS, 1, 1, smem, ctypes.c_void_p(stream.cuda_stream), params, None)
+    if res != 0:
+        raise RuntimeError(f"cuLaunchKernel failed with CUresult {res}")
 
 
 @functools.cache
@@ -165,6 +197,6 @@ def grouped_mm(x, weight: moe_mma.PackedWeight, offs: torch.Tensor, *, out_dtype
     kern = _kernel(dev, weight.fmt == "mxfp4", bt, k // 64, DEFINES)
     args = [xd, codes, scales, g_arg, y, offs32.contiguous(), t, n, k, e, xd.stride(0), y.stride(0), gmode,
             int(out_dtype == torch.float32)]
-    kern(grid=(cdiv(n, ROWS_PER_CTA), e + 1, 1), block=(THREADS, 1, 1), args=args, shared_mem=shared_memory(bt),
-         stream=torch.cuda.current_stream(xd.device))
+    _launch(kern, (cdiv(n, ROWS_PER_CTA), e + 1, 1), shared_memory(bt), torch.cuda.current_stream(xd.device),
+            tensor_map(xd, bt), args)
     return y

@@ -103,3 +103,13 @@ def test_nan_block_scale_gives_nan_rows():
     y = moe_wgmma.grouped_mm(x, moe_wgmma.pack(w), offs, out_dtype=torch.float32)
     assert torch.equal(y.isnan(), ref.isnan()) and int(y.isnan().sum()) == 3 + 140
     assert _rel(y.nan_to_num(0.0), ref.nan_to_num(0.0)) < TOL
+
+
+def test_strided_activations_and_rows_past_the_end():
+    """x a column slice of a wider tensor (the tensor map's row stride), the last tile running past T (zeros)."""
+    x, wq, p, offs = _case("mxfp4", False, 3, 128, 512, [5, 0, 200], tail=0)
+    wide = torch.zeros(x.shape[0], 640, dtype=x.dtype, device="cuda")
+    wide[:, 64:576] = x
+    xs = wide[:, 64:576]
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert _rel(moe_wgmma.grouped_mm(xs, p, offs, out_dtype=torch.float32, bt=256), ref) < TOL
