@@ -25,6 +25,8 @@
 #endif
 #define WG_THREADS 256
 #define WG_ROWS 128
+// the token slots, or the epilogue's fp32 tile where that is larger (the mbarriers follow)
+#define SLOTS_BYTES(BT) (XS * (BT) * 128 > (BT) * (128 * 4 + 16) ? XS * (BT) * 128 : (BT) * (128 * 4 + 16))
 
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -104,16 +106,42 @@ __device__ __forceinline__ void dequant_stage(u32 (&A)[4][4], const Words4& w, u
     }
 }
 
+// The CTA's outputs (acc[h][4 n + i]: row g + 8 (i / 2) of the warp's 16, token 128 h + 8 n + 2 q + i % 2) through
+// shared memory: [tokens x 128 rows] of ES-byte outputs, rows 128 ES + 16 bytes apart (the padding puts the quad's 4
+// tokens in different banks), then each of the count tokens' 128 outputs as 16-byte stores (call 3's direct 2-byte
+// stores were scattered). ES a constant: the 64 addresses per h are immediates.
+template <int NH, int ES>
+__device__ __forceinline__ void store_tile_wg(const float (&acc)[NH][64], u8* tile, void* y, int sy, int t0, int count,
+                                              int warp, int g, int q, float cs0, float cs1) {
+    constexpr int STRIDE = 128 * ES + 16, CHUNKS = 8 * ES;  // (16-byte chunks per token)
+    u8* base = tile + 2 * q * STRIDE + (((threadIdx.x >> 7) * 64 + warp * 16 + g) * ES);
+#pragma unroll
+    for (int h = 0; h < NH; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) {
+            u8* dst = base + (128 * h + 8 * (i >> 2) + (i & 1)) * STRIDE + 8 * ((i >> 1) & 1) * ES;
+            const float v = acc[h][i] * ((i & 2) ? cs1 : cs0);
+            if (ES == 4) *(float*)dst = v;
+            else *(u16*)dst = f32_to_bf16(v);
+        }
+    __syncthreads();
+    u8* yb = (u8*)y + ((long long)t0 * sy + (long long)blockIdx.x * WG_ROWS) * ES;
+    for (int c = threadIdx.x; c < count * CHUNKS; c += WG_THREADS) {
+        const int tl = c / CHUNKS, part = c % CHUNKS;
+        *(Words4*)(yb + (long long)tl * sy * ES + part * 16) = *(const Words4*)(tile + tl * STRIDE + part * 16);
+    }
+}
+
 // MX 0: NVFP4, 1: MXFP4; BT: token tile (128 or 256); STEPS: K / 64 (a multiple of 4). Grid (N / 128, E + 1):
 // row E zeroes the rows of no expert. xmap: x [T, K] bf16, box 64 x BT, 128-byte swizzle. Dynamic shared memory: XS x BT x
-// 128 bytes + XS mbarriers + 1024 (alignment).
+// 128 bytes (or the epilogue's BT x 528, if larger) + XS mbarriers + 1024 (alignment).
 template <int MX, int BT, int STEPS>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* codes, const u8* scales, const float* gamax, void* y, const int* offs,
                 int T, int N, int K, int E, int sx, int sy, int gmode, int out_f32) {
     extern __shared__ __align__(16) u8 smem_raw[];
     u8* xs = (u8*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
-    unsigned long long* full = (unsigned long long*)(xs + XS * BT * 128);  // slot i's stage has landed
+    unsigned long long* full = (unsigned long long*)(xs + SLOTS_BYTES(BT));  // slot i's stage has landed
     Args a{x, codes, scales, gamax, y, offs, T, N, K, E, sx, sy, MX, gmode, out_f32};
     if ((int)blockIdx.y == E) {
         zero_rows(a, (long long)blockIdx.x * WG_ROWS, WG_ROWS);
@@ -201,12 +229,8 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
         const float nan = __int_as_float(0x7FC00000);
         const float cs0 = (bad & 0x80u) ? nan : column_scale(a, e, row0 + g);
         const float cs1 = (bad & 0x8000u) ? nan : column_scale(a, e, row0 + g + 8);
-#pragma unroll
-        for (int h = 0; h < NH; ++h)
-#pragma unroll
-            for (int i = 0; i < 64; ++i) {
-                const int tok = t0 + 128 * h + 8 * (i >> 2) + 2 * q + (i & 1);
-                if (tok < t_end) store(a, tok, row0 + g + 8 * ((i >> 1) & 1), acc[h][i] * ((i & 2) ? cs1 : cs0));
-            }
+        __syncthreads();  // (both warpgroups are done with the token slots: the epilogue's tile goes there)
+        if (out_f32) store_tile_wg<NH, 4>(acc, xs, y, sy, t0, min(BT, t_end - t0), warp, g, q, cs0, cs1);
+        else store_tile_wg<NH, 2>(acc, xs, y, sy, t0, min(BT, t_end - t0), warp, g, q, cs0, cs1);
     }
 }

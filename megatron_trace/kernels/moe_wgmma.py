@@ -116,8 +116,13 @@ def token_tile(rows: int, experts: int) -> int:
     return 256 if rows > 128 * max(experts, 1) else 128
 
 
-def shared_memory(bt: int) -> int:
-    return X_STAGES * (bt * 128 + 8) + 1024  # (token slots and their mbarriers; + 1024: the slots start 1024-aligned)
+def shared_memory(bt: int, stages: int = X_STAGES) -> int:
+    """Token slots (or the epilogue's fp32 tile where larger), their mbarriers, 1024 for the slots' alignment."""
+    return max(stages * bt * 128, bt * (128 * 4 + 16)) + 8 * stages + 1024
+
+
+def _stages(defines: tuple[str, ...]) -> int:
+    return next((int(d.split("=")[1]) for d in defines if d.startswith("XS=")), X_STAGES)
 
 
 _TMAP_BF16, _TMAP_SWIZZLE_128B, _TMAP_L2_256B = 9, 3, 3  # (CUtensorMapDataType, CUtensorMapSwizzle, ...L2promotion)
@@ -161,7 +166,7 @@ def _kernel(device_index: int, mx: bool, bt: int, stages: int, defines: tuple[st
         src = moe_mma.SOURCE.read_text() + "\n" + SOURCE.read_text()
         kern = _compile_kernel(src, name, compute_capability="90a",
                                nvcc_options=["-std=c++17", *(f"-D{d}" for d in defines)])
-        kern.set_shared_memory_config(shared_memory(bt))
+        kern.set_shared_memory_config(shared_memory(bt, _stages(defines)))
     logger.info("compiled %s for cuda:%d", name, device_index)
     return kern
 
@@ -197,6 +202,7 @@ def grouped_mm(x, weight: moe_mma.PackedWeight, offs: torch.Tensor, *, out_dtype
     kern = _kernel(dev, weight.fmt == "mxfp4", bt, k // 64, DEFINES)
     args = [xd, codes, scales, g_arg, y, offs32.contiguous(), t, n, k, e, xd.stride(0), y.stride(0), gmode,
             int(out_dtype == torch.float32)]
-    _launch(kern, (cdiv(n, ROWS_PER_CTA), e + 1, 1), shared_memory(bt), torch.cuda.current_stream(xd.device),
+    _launch(kern, (cdiv(n, ROWS_PER_CTA), e + 1, 1), shared_memory(bt, _stages(DEFINES)),
+            torch.cuda.current_stream(xd.device),
             tensor_map(xd, bt), args)
     return y
