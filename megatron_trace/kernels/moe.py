@@ -73,7 +73,7 @@ def grouped_mm_reference(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype:
     return y.to(out_dtype)
 
 
-GEMMS = ("auto", "mma", "triton")
+GEMMS = ("auto", "mma", "wgmma", "triton")
 
 
 def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
@@ -81,13 +81,14 @@ def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | No
     """Grouped ``x_e @ W_e^T`` with FP4 expert weights (see the module docstring for the layout).
 
     ``x``: bf16/fp16 [T, K] (W4A16) or an FP4Tensor [T, K] (W4A4 emulation: dequantized to bf16 first).
-    ``weight``: an FP4Tensor [E, N, K], or the same in ``moe_mma.pack``'s layout (a ``moe_mma.PackedWeight``: only
-    the CUDA kernel reads it; elsewhere it is unpacked first). ``packed``: optionally, ``weight`` packed too, for the
-    CUDA kernel where it runs.
+    ``weight``: an FP4Tensor [E, N, K], or the same in ``moe_mma.pack``'s or ``moe_wgmma.pack``'s layout (a
+    ``moe_mma.PackedWeight``: only the CUDA kernels read it; elsewhere it is unpacked first). ``packed``: optionally,
+    ``weight`` packed too, for the CUDA kernel of its layout where it runs.
     The GPU paths dequantize the weights in registers; results match the reference within bf16/accumulation-order
-    tolerance (not bit for bit). ``gemm`` picks the GPU kernel: ``"mma"`` the CUDA kernel (``moe_mma``; an error
-    names why where it cannot run), ``"triton"`` the Triton kernel, ``"auto"`` the Triton kernel unless
-    ``moe_mma.AUTO`` is on, the packed weights are given and ``moe_mma.preferred`` holds.
+    tolerance (not bit for bit). ``gemm`` picks the GPU kernel: ``"mma"`` the CUDA decode kernel (``moe_mma``),
+    ``"wgmma"`` the CUDA prefill kernel (``moe_wgmma``; both: an error names why where it cannot run), ``"triton"``
+    the Triton kernel, ``"auto"`` the Triton kernel unless the packed weights of a CUDA kernel are given, its ``AUTO``
+    is on and its ``preferred`` holds.
     """
     if gemm not in GEMMS:
         raise ValueError(f"gemm={gemm!r} is not one of {GEMMS}")
@@ -95,9 +96,18 @@ def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | No
 
     if isinstance(weight, moe_mma.PackedWeight):
         packed, weight = weight, None
+    if gemm == "wgmma" and (packed is None or packed.layout != "wgmma"):
+        raise ValueError("gemm='wgmma' needs the weights in moe_wgmma.pack's layout (weight= or packed=)")
     dev = (packed if weight is None else weight).codes.device
     if select_kernel(kernel, dev) is Kernel.REFERENCE:
         return grouped_mm_reference(x, moe_mma.unpack(packed) if weight is None else weight, offs, out_dtype=out_dtype)
+    if packed is not None and packed.layout == "wgmma":
+        from . import moe_wgmma
+
+        if gemm == "wgmma" or (gemm == "auto" and moe_wgmma.unsupported(x, packed, out_dtype) is None
+                               and moe_wgmma.preferred(x.shape[0], packed)):
+            return moe_wgmma.grouped_mm(x, packed, offs, out_dtype=out_dtype)
+        weight, packed = (moe_wgmma.unpack(packed) if weight is None else weight), None
     if packed is not None:
         if gemm == "mma" or (gemm == "auto" and moe_mma.unsupported(x, packed, out_dtype) is None
                              and (weight is None or moe_mma.preferred(x.shape[0], packed))):

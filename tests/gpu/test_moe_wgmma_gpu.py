@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels import grouped_mm_reference, moe_triton, moe_wgmma
+from megatron_trace.kernels import fp4_grouped_mm, grouped_mm_reference, moe_triton, moe_wgmma
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 GPU (wgmma, built for sm_90a)", allow_module_level=True)
@@ -113,3 +113,18 @@ def test_strided_activations_and_rows_past_the_end():
     xs = wide[:, 64:576]
     ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
     assert _rel(moe_wgmma.grouped_mm(xs, p, offs, out_dtype=torch.float32, bt=256), ref) < TOL
+
+
+def test_fp4_grouped_mm_runs_it_where_preferred(monkeypatch):
+    """packed= in this layout: the wgmma kernel from 128 tokens per expert (the same bits as calling it), the Triton
+    kernel below that or with AUTO off; gemm="wgmma" forces it."""
+    x, wq, p, offs = _case("nvfp4", False, 2, 128, 512, [130, 140])
+    y = moe_wgmma.grouped_mm(x, p, offs, out_dtype=torch.float32)
+    assert torch.equal(fp4_grouped_mm(x, wq, offs, packed=p, out_dtype=torch.float32), y)
+    assert torch.equal(fp4_grouped_mm(x, p, offs, out_dtype=torch.float32), y)
+    tri = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32)
+    assert torch.equal(fp4_grouped_mm(x[:200], wq, offs.clamp(max=200), packed=p, out_dtype=torch.float32),
+                       moe_triton.grouped_mm(x[:200], wq, offs.clamp(max=200), out_dtype=torch.float32))
+    monkeypatch.setattr(moe_wgmma, "AUTO", False)
+    assert torch.equal(fp4_grouped_mm(x, wq, offs, packed=p, out_dtype=torch.float32), tri)
+    assert torch.equal(fp4_grouped_mm(x, wq, offs, packed=p, out_dtype=torch.float32, gemm="wgmma"), y)

@@ -62,10 +62,26 @@ def test_unsupported_calls_are_named_and_the_reference_runs_on_the_cpu():
 
 
 def test_token_tile():
-    assert moe_wgmma.token_tile(128 * 128, 128) == 128 and moe_wgmma.token_tile(128 * 128 + 1, 128) == 256
+    assert moe_wgmma.token_tile(192 * 128, 128) == 128 and moe_wgmma.token_tile(192 * 128 + 1, 128) == 256
     assert moe_wgmma.shared_memory(256) == 256 * 528 + 32 + 1024 <= 227 * 1024  # (the fp32 epilogue tile)
     assert moe_wgmma.shared_memory(128) == 128 * 528 + 32 + 1024
 
 
 def test_source_is_package_data():
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in moe_wgmma.SOURCE.read_text()
+
+
+def test_preferred_from_128_tokens_per_expert(monkeypatch):
+    p = moe_wgmma.pack(Quantizer("nvfp4").quantize(torch.randn(4, 128, 256)))
+    assert [moe_wgmma.preferred(r, p) for r in (511, 512)] == [False, True]
+    monkeypatch.setattr(moe_wgmma, "AUTO", False)
+    assert not moe_wgmma.preferred(512, p)
+
+
+def test_gemm_wgmma_needs_its_layout():
+    w = Quantizer("nvfp4").quantize(torch.randn(2, 128, 256))
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    offs = torch.tensor([1, 3], dtype=torch.int32)
+    with pytest.raises(ValueError, match="gemm='wgmma' needs the weights in moe_wgmma.pack's layout"):
+        fp4_grouped_mm(x, w, offs, gemm="wgmma")
+    assert torch.equal(fp4_grouped_mm(x, w, offs, packed=moe_wgmma.pack(w)), grouped_mm_reference(x, w, offs))
