@@ -112,9 +112,9 @@ def unsupported(x, weight, out_dtype: torch.dtype | None = None) -> str | None:
 
 
 def token_tile(rows: int, experts: int) -> int:
-    """Tokens per CTA tile: 256 where the experts average more than 192 tokens, else 128 (session 27, call 4: 128 was
-    the faster tile at 128 tokens per expert, 256 at 256; between them not measured)."""
-    return 256 if rows > 192 * max(experts, 1) else 128
+    """Tokens per CTA tile: 256 where the experts average more than 128 tokens, else 128 (session 27, calls 4-5,
+    Qwen3-30B-A3B's FC1 / FC2: 128 the faster tile at 128 tokens per expert, 256 at 192 and 256)."""
+    return 256 if rows > 128 * max(experts, 1) else 128
 
 
 AUTO = True

@@ -62,7 +62,7 @@ def test_unsupported_calls_are_named_and_the_reference_runs_on_the_cpu():
 
 
 def test_token_tile():
-    assert moe_wgmma.token_tile(192 * 128, 128) == 128 and moe_wgmma.token_tile(192 * 128 + 1, 128) == 256
+    assert moe_wgmma.token_tile(128 * 128, 128) == 128 and moe_wgmma.token_tile(128 * 128 + 1, 128) == 256
     assert moe_wgmma.shared_memory(256) == 256 * 528 + 32 + 1024 <= 227 * 1024  # (the fp32 epilogue tile)
     assert moe_wgmma.shared_memory(128) == 128 * 528 + 32 + 1024
 
