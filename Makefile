@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # The Triton kernels' tests also run on CPU, in Triton's interpreter (same Triton as the GPU box).
 TRITON_SPEC ?= triton==3.6.0
-# NVRTC (no GPU needed) cross-compiles the CUDA GEMM (kernels/moe_mma.cu) for sm_90 in the SASS tests.
+# NVRTC (no GPU needed) cross-compiles the CUDA GEMMs (kernels/moe_mma.cu, moe_wgmma.cu) for sm_90(a) in the SASS tests.
 NVRTC_SPEC ?= nvidia-cuda-nvrtc==13.0.88
 STAMP := $(VENV)/.installed
 # SGLang 0.5.10 pins torch 2.9.1; its Python registries import beside torch 2.14.1 in a separate venv.
@@ -34,8 +34,8 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/kernels
 	$(PY) -m pip install -q "$(NVRTC_SPEC)"
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/benchmarks/test_sass_kv_attention.py \
-		tests/benchmarks/test_sass_moe_gemm.py tests/benchmarks/test_sass_moe_mma.py tests/benchmarks/test_sass_quant.py \
-		tests/benchmarks/test_bench_quant.py
+		tests/benchmarks/test_sass_moe_gemm.py tests/benchmarks/test_sass_moe_mma.py tests/benchmarks/test_sass_moe_wgmma.py \
+		tests/benchmarks/test_sass_quant.py tests/benchmarks/test_bench_quant.py
 	bash tests/sglang/setup_venv.sh $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 
