@@ -216,22 +216,12 @@ def grouped_mm(x, weight: FP4Tensor | PackedWeight, offs: torch.Tensor, *,
     why = unsupported(x, weight, out_dtype)
     if why:
         raise ValueError(f"the CUDA FP4 grouped GEMM cannot run this call: {why}")
-    xd = gpu_activations(x)
-    e, n, k = check_grouped_args(xd, weight, offs)
-    if xd.stride(0) % 8:  # (16-byte loads of each token row)
-        xd = xd.contiguous()
-    out_dtype = out_dtype or torch.bfloat16
+    xd, y, offs32 = launch_operands(x, weight, offs, out_dtype)
+    e, n, k = weight.shape
     t = xd.shape[0]
-    y = torch.empty(t, n, dtype=out_dtype, device=xd.device)
     if t == 0:
         return y
-    offs32 = offs if offs.dtype == torch.int32 else offs.to(torch.int32)
-    g = weight.global_amax
-    gmode = 0 if g is None else (1 if g.dim() == 0 else 2)
-    codes = _aligned(weight.codes.contiguous().view(torch.uint8))
-    scales = _aligned(weight.block_scales.contiguous().view(torch.uint8))
-    xd = _aligned(xd)
-    g_arg = scales if g is None else g.float().contiguous()
+    codes, scales, g_arg, gmode = weight_operands(weight)
     tt = token_tile(k)
     dev = xd.device.index if xd.device.index is not None else torch.cuda.current_device()
     smem = tt * (2 * k + 32)
@@ -243,10 +233,30 @@ def grouped_mm(x, weight: FP4Tensor | PackedWeight, offs: torch.Tensor, *,
     else:
         tiles = row_blocks_per_cta(e, n, xd.device)
         grid = (cdiv(n, ROWS_PER_CTA * tiles), e + 1, 1)
-    args = [xd, codes, scales, g_arg, y, offs32.contiguous(), t, n, k, e, xd.stride(0), y.stride(0), gmode,
-            int(out_dtype == torch.float32), tt, tiles]
+    args = [xd, codes, scales, g_arg, y, offs32, t, n, k, e, xd.stride(0), y.stride(0), gmode,
+            int(y.dtype == torch.float32), tt, tiles]
     kern(grid=grid, block=(THREADS, 1, 1), args=args, shared_mem=smem, stream=torch.cuda.current_stream(xd.device))
     return y
+
+
+def launch_operands(x, weight, offs: torch.Tensor, out_dtype: torch.dtype | None):
+    """(x as bf16 rows the kernels' 16-byte loads can read, the output [T, N], int32 offs) of a CUDA GEMM call
+    (shared with ``moe_wgmma``)."""
+    xd = gpu_activations(x)
+    _, n, _ = check_grouped_args(xd, weight, offs)
+    if xd.stride(0) % 8 or xd.stride(1) != 1:  # (16-byte loads of each token row)
+        xd = xd.contiguous()
+    y = torch.empty(xd.shape[0], n, dtype=out_dtype or torch.bfloat16, device=xd.device)
+    return _aligned(xd), y, (offs if offs.dtype == torch.int32 else offs.to(torch.int32)).contiguous()
+
+
+def weight_operands(weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(codes, scales as 16-byte-aligned bytes, the global amax argument, its mode: 0 none, 1 per tensor, 2 per row)."""
+    g = weight.global_amax
+    codes = _aligned(weight.codes.contiguous().view(torch.uint8))
+    scales = _aligned(weight.block_scales.contiguous().view(torch.uint8))
+    mode = 0 if g is None else (1 if g.dim() == 0 else 2)
+    return codes, scales, scales if g is None else g.float().contiguous(), mode
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,6 @@ from ..formats import e2m1
 from ..formats.tensor import FP4Tensor
 from . import moe_mma
 from .dispatch import cdiv
-from .moe import check_grouped_args, gpu_activations
 
 logger = logging.getLogger(__name__)
 
@@ -192,30 +191,19 @@ def grouped_mm(x, weight: moe_mma.PackedWeight, offs: torch.Tensor, *, out_dtype
     why = unsupported(x, weight, out_dtype)
     if why:
         raise ValueError(f"the wgmma FP4 grouped GEMM cannot run this call: {why}")
-    xd = gpu_activations(x)
-    e, n, k = check_grouped_args(xd, weight, offs)
-    if xd.stride(0) % 8 or xd.stride(1) != 1:  # (16-byte loads of each token row)
-        xd = xd.contiguous()
-    out_dtype = out_dtype or torch.bfloat16
+    xd, y, offs32 = moe_mma.launch_operands(x, weight, offs, out_dtype)
+    e, n, k = weight.shape
     t = xd.shape[0]
-    y = torch.empty(t, n, dtype=out_dtype, device=xd.device)
     if t == 0:
         return y
     bt = bt or token_tile(t, e)
     if bt not in TOKEN_TILES:
         raise ValueError(f"bt={bt} must be one of {TOKEN_TILES}")
-    offs32 = offs if offs.dtype == torch.int32 else offs.to(torch.int32)
-    g = weight.global_amax
-    gmode = 0 if g is None else (1 if g.dim() == 0 else 2)
-    codes = moe_mma._aligned(weight.codes.view(torch.uint8))
-    scales = moe_mma._aligned(weight.block_scales.view(torch.uint8))
-    xd = moe_mma._aligned(xd)
-    g_arg = scales if g is None else g.float().contiguous()
+    codes, scales, g_arg, gmode = moe_mma.weight_operands(weight)
     dev = xd.device.index if xd.device.index is not None else torch.cuda.current_device()
     kern = _kernel(dev, weight.fmt == "mxfp4", bt, k // 64, DEFINES)
-    args = [xd, codes, scales, g_arg, y, offs32.contiguous(), t, n, k, e, xd.stride(0), y.stride(0), gmode,
-            int(out_dtype == torch.float32)]
+    args = [xd, codes, scales, g_arg, y, offs32, t, n, k, e, xd.stride(0), y.stride(0), gmode,
+            int(y.dtype == torch.float32)]
     _launch(kern, (cdiv(n, ROWS_PER_CTA), e + 1, 1), shared_memory(bt, _stages(DEFINES)),
-            torch.cuda.current_stream(xd.device),
-            tensor_map(xd, bt), args)
+            torch.cuda.current_stream(xd.device), tensor_map(xd, bt), args)
     return y

@@ -1,7 +1,8 @@
 """The wgmma FP4 grouped GEMM's sm_90a build, cross-compiled on the CPU with NVRTC (``benchmarks/sass_moe_wgmma.py``):
 every format and token tile compiles without spills in one CTA's registers, the MMAs are one HGMMA 64 x tile x 16 per
-k16 step with the A operand in registers, each stage's group is left running while the next is prepared (a wait for all but one), and
-no memory barrier stalls the loop (the TMA token loads need no proxy fence: session 27, call 2's cp.async did)."""
+k16 step with the A operand in registers, each stage's group is left running while the next is prepared (a wait for
+all but one), and no memory barrier stalls the loop (the TMA token loads need no proxy fence: session 27, call 2's
+cp.async did)."""
 
 from __future__ import annotations
 
