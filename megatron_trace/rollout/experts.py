@@ -23,12 +23,18 @@ import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from ..formats import FP4Tensor, Quantizer
-from ..kernels import Kernel, moe_mma, select_kernel
+from ..kernels import Kernel, moe_mma, moe_wgmma, select_kernel
 from .fp4_moe import grouped_experts_forward, w4a4_experts_forward
 from .recorder import GuidanceRecorder
 
 EXPERTS_IMPLEMENTATION = "megatron_trace_rollout"
 FC1, FC2 = "fc1", "fc2"
+PREFILL_WGMMA = False
+"""Prefill-sized expert calls (``moe_wgmma.preferred``: from 128 routed rows per expert on average) run the wgmma GEMM
+on a second packed copy of the layer's FP4 experts (``ExpertWeightStore.packed(..., layout="wgmma")``). That copy is
+one more FP4 payload per layer (about 0.56 bytes per expert parameter in NVFP4), kept until the layer's weights
+change, which is why this is off by default. On one H200 the GEMM is 1.5-1.7x faster than the Triton kernel at 128-256
+tokens per expert on Qwen3-30B-A3B's shapes (BENCHMARKS.md, session 27)."""
 
 
 @dataclass
@@ -93,9 +99,10 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         forward, extra = grouped_experts_forward, {"compiled": num.compiled}
         if fp4 and num.weight_store is not None:
             fc1, fc2 = num.weight_store.stacked(layer, FC1), num.weight_store.stacked(layer, FC2)
-            if moe_mma.AUTO:  # (the CUDA GEMM reads its own layout)
-                extra.update(packed_fc1=num.weight_store.packed(layer, FC1),
-                             packed_fc2=num.weight_store.packed(layer, FC2))
+            layout = _packed_layout(hidden_states.shape[0] * top_k_index.shape[1], fc1, num.weight_store, layer)
+            if layout:  # (the CUDA GEMMs read their own layouts)
+                extra.update(packed_fc1=num.weight_store.packed(layer, FC1, layout),
+                             packed_fc2=num.weight_store.packed(layer, FC2, layout))
         if rec is not None and rec.compact:  # the quantize pass writes the compact records too
             extra.update(record_fc1=rec.wants(layer, "expert_fc1_in"), record_fc2=rec.wants(layer, "expert_fc2_in"))
     res = forward(
@@ -112,7 +119,19 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return res.out
 
 
+def _packed_layout(rows: int, fc1: FP4Tensor, store: ExpertWeightStore, layer: int) -> str | None:
+    """The packed layout the experts forward passes for ``rows`` routed rows: "wgmma" at prefill sizes where
+    ``PREFILL_WGMMA`` is on and both matrices have that layout, else "mma" where ``moe_mma.AUTO`` is on, else None."""
+    if (PREFILL_WGMMA and moe_wgmma.AUTO and moe_wgmma.preferred(rows, fc1)
+            and store.packed(layer, FC1, "wgmma") is not None and store.packed(layer, FC2, "wgmma") is not None):
+        return "wgmma"
+    return "mma" if moe_mma.AUTO else None
+
+
 ExpertsInterface.register(EXPERTS_IMPLEMENTATION, rollout_experts_forward)
+
+
+PACKED_LAYOUTS = ("mma", "wgmma")
 
 
 class ExpertWeightStore:
@@ -127,7 +146,7 @@ class ExpertWeightStore:
         self.quantizer = quantizer
         self._w: dict[tuple[int, int, str], FP4Tensor] = {}
         self._stacked: dict[tuple[int, str], FP4Tensor] = {}
-        self._packed: dict[tuple[int, str], moe_mma.PackedWeight | None] = {}
+        self._packed: dict[tuple[int, str, str], moe_mma.PackedWeight | None] = {}
 
     @staticmethod
     def _param_slice(experts, expert: int, which: str) -> torch.Tensor:
@@ -149,7 +168,8 @@ class ExpertWeightStore:
             param.copy_(q.dequantize(param.dtype))
         self._w[(layer, expert, which)] = q
         self._stacked.pop((layer, which), None)
-        self._packed.pop((layer, which), None)
+        for layout in PACKED_LAYOUTS:
+            self._packed.pop((layer, which, layout), None)
 
     def stacked(self, layer: int, which: str) -> FP4Tensor:
         """All experts of a layer as one FP4Tensor [E, N, K] (global amax [E, N, 1] per row; cached until a
@@ -170,15 +190,19 @@ class ExpertWeightStore:
                 global_amax=amax, shape=(len(qs), *qs[0].shape), fmt=qs[0].fmt)
         return self._stacked[key]
 
-    def packed(self, layer: int, which: str) -> moe_mma.PackedWeight | None:
-        """``stacked(layer, which)`` in the CUDA GEMM's layout (``kernels.moe_mma.pack``: one more copy of the layer's
-        FP4 payload, cached the same way), or None where the shape has no such layout (N not a multiple of 32 or K of
-        256)."""
-        key = (layer, which)
+    def packed(self, layer: int, which: str, layout: str = "mma") -> moe_mma.PackedWeight | None:
+        """``stacked(layer, which)`` in a CUDA GEMM's layout: "mma" (``kernels.moe_mma.pack``, the decode GEMM) or
+        "wgmma" (``kernels.moe_wgmma.pack``, the prefill GEMM). Each is one more copy of the layer's FP4 payload,
+        cached the same way. None where the shape has no such layout (N not a multiple of 32 / 128, or K of 256)."""
+        if layout not in PACKED_LAYOUTS:
+            raise ValueError(f"layout={layout!r} is not one of {PACKED_LAYOUTS}")
+        key = (layer, which, layout)
         if key not in self._packed:
             w = self.stacked(layer, which)
             _, n, k = w.shape
-            self._packed[key] = moe_mma.pack(w) if n % 32 == 0 and k % 256 == 0 else None
+            rows = 32 if layout == "mma" else moe_wgmma.ROWS_PER_CTA
+            ok = n % rows == 0 and k % 256 == 0
+            self._packed[key] = ((moe_mma.pack if layout == "mma" else moe_wgmma.pack)(w) if ok else None)
         return self._packed[key]
 
     def get(self, layer: int, expert: int, which: str) -> FP4Tensor:

@@ -339,3 +339,40 @@ def test_grouped_experts_path_with_packed_weights(monkeypatch):
     assert calls == ["PackedWeight", "PackedWeight"]
     assert torch.equal(got.fc1_in.codes, ref.fc1_in.codes)
     assert rel_err(got.out, ref.out) < 5e-2
+
+
+def test_grouped_experts_path_with_prefill_packed_weights(monkeypatch):
+    """At prefill sizes (512 x 4 rows over 16 experts: 128 per expert) the experts forward runs the wgmma GEMM on the
+    store's "wgmma" copy for both matrices, matching the emulation as the Triton path does."""
+    from megatron_trace.kernels import moe_wgmma
+
+    gen = torch.Generator(device=DEV).manual_seed(8)
+    e, h, ffn, tokens, k = 16, 512, 256, 512, 4
+    store = ExpertWeightStore(TraceConfig().weight_quantizer())
+
+    class _Experts(torch.nn.Module):
+        pass
+
+    m = _Experts()
+    m.gate_up_proj = torch.nn.Parameter((torch.randn(e, 2 * ffn, h, generator=gen, device=DEV) * h**-0.5)
+                                        .to(torch.bfloat16))
+    m.down_proj = torch.nn.Parameter((torch.randn(e, h, ffn, generator=gen, device=DEV) * ffn**-0.5)
+                                     .to(torch.bfloat16))
+    for ex in range(e):
+        store.quantize_from_params(m, 0, ex, "fc1")
+        store.quantize_from_params(m, 0, ex, "fc2")
+    hidden = torch.randn(tokens, h, generator=gen, device=DEV).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=gen, device=DEV)[:k] for _ in range(tokens)])
+    wts = torch.softmax(torch.randn(tokens, k, generator=gen, device=DEV), -1)
+    aq = TraceConfig().activation_quantizer()
+    ref = w4a4_experts_forward(hidden, idx, wts, m.gate_up_proj.data, m.down_proj.data, activation_quantizer=aq)
+    assert moe_wgmma.preferred(tokens * k, store.stacked(0, "fc1"))
+    calls = []
+    real = moe_wgmma.grouped_mm
+    monkeypatch.setattr(moe_wgmma, "grouped_mm", lambda *a, **kw: calls.append(a[1].layout) or real(*a, **kw))
+    got = grouped_experts_forward(hidden, idx, wts, store.stacked(0, "fc1"), store.stacked(0, "fc2"),
+                                  activation_quantizer=aq, packed_fc1=store.packed(0, "fc1", "wgmma"),
+                                  packed_fc2=store.packed(0, "fc2", "wgmma"))
+    assert calls == ["wgmma", "wgmma"]
+    assert torch.equal(got.fc1_in.codes, ref.fc1_in.codes)
+    assert rel_err(got.out, ref.out) < 5e-2

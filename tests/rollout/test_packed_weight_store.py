@@ -45,3 +45,38 @@ def test_packed_is_none_where_the_shape_has_no_packed_layout():
     _, store = _store(h=192, ffn=256)
     assert store.packed(0, "fc1") is None  # K = 192: not a multiple of 256
     assert store.packed(0, "fc2") is not None  # N = 192, K = 256
+
+
+def test_the_prefill_layout_is_cached_beside_the_decode_one_and_dropped_on_a_set():
+    from megatron_trace.kernels import moe_wgmma
+
+    m, store = _store(e=2, h=256, ffn=128)
+    w = store.packed(0, "fc1", "wgmma")
+    assert w.layout == "wgmma" and w is store.packed(0, "fc1", "wgmma") and store.packed(0, "fc1").layout == "mma"
+    back = moe_wgmma.unpack(w)
+    assert torch.equal(back.codes, store.stacked(0, "fc1").codes)
+    store.quantize_from_params(m, 0, 1, "fc1")
+    assert store.packed(0, "fc1", "wgmma") is not w
+    _, small = _store(e=2, h=256, ffn=64)
+    assert small.packed(0, "fc2", "wgmma") is None  # K = 64
+    assert small.packed(0, "fc1", "wgmma") is not None  # N = 128, K = 256
+    import pytest
+
+    with pytest.raises(ValueError, match="layout='cutlass' is not one of"):
+        store.packed(0, "fc1", "cutlass")
+
+
+def test_prefill_sized_calls_take_the_wgmma_layout_only_when_asked(monkeypatch):
+    from megatron_trace.kernels import moe_wgmma
+    from megatron_trace.rollout import experts
+
+    _, store = _store(e=4, h=256, ffn=256)
+    fc1 = store.stacked(0, "fc1")
+    assert experts._packed_layout(4 * 128, fc1, store, 0) == "mma"  # (PREFILL_WGMMA off by default)
+    monkeypatch.setattr(experts, "PREFILL_WGMMA", True)
+    assert experts._packed_layout(4 * 128, fc1, store, 0) == "wgmma"
+    assert experts._packed_layout(4 * 128 - 1, fc1, store, 0) == "mma"
+    monkeypatch.setattr(moe_mma, "AUTO", False)
+    assert experts._packed_layout(64, fc1, store, 0) is None
+    monkeypatch.setattr(moe_wgmma, "AUTO", False)
+    assert experts._packed_layout(4 * 128, fc1, store, 0) is None
