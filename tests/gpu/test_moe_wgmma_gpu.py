@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels import fp4_grouped_mm, grouped_mm_reference, moe_triton, moe_wgmma
+from megatron_trace.kernels import fp4_grouped_mm, grouped_mm_reference, moe_wgmma
 
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an sm_90 GPU (wgmma, built for sm_90a)", allow_module_level=True)
@@ -69,6 +69,8 @@ def test_repeated_launches_give_identical_bits():
 
 def test_long_k_and_strided_w4a4_activations():
     """DeepSeek-V3's K = 7168 (112 stages); FP4 activations dequantized to bf16 first; int64 offsets."""
+    from megatron_trace.kernels import moe_triton  # (imports triton: after the module's GPU skip)
+
     x, wq, p, offs = _case("nvfp4", False, 3, 128, 7168, [70, 260, 5])
     ref = moe_triton.grouped_mm(x, wq, offs, out_dtype=torch.float32)
     assert _rel(moe_wgmma.grouped_mm(x, p, offs.long(), out_dtype=torch.float32), ref) < TOL
@@ -118,6 +120,8 @@ def test_strided_activations_and_rows_past_the_end():
 def test_fp4_grouped_mm_runs_it_where_preferred(monkeypatch):
     """packed= in this layout: the wgmma kernel from 128 tokens per expert (the same bits as calling it), the Triton
     kernel below that or with AUTO off; gemm="wgmma" forces it."""
+    from megatron_trace.kernels import moe_triton  # (imports triton: after the module's GPU skip)
+
     x, wq, p, offs = _case("nvfp4", False, 2, 128, 512, [130, 140])
     y = moe_wgmma.grouped_mm(x, p, offs, out_dtype=torch.float32)
     assert torch.equal(fp4_grouped_mm(x, wq, offs, packed=p, out_dtype=torch.float32), y)
