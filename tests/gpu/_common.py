@@ -80,3 +80,38 @@ def capture_decode_step(be, new_cache, ids, tok, pos):
         with torch.cuda.graph(g):
             out = step(cache)
     return g, out, want, cache
+
+
+def grouped_gemm_case(fmt, per_row, e, n, k, tokens_per_expert, seed=0, tail=3, scale=0.02):
+    """(x bf16 [sum + tail, K], the FP4 weight [E, N, K], int32 offs) on the GPU: a grouped FP4 GEMM test case with
+    ``tail`` rows that no expert owns."""
+    from megatron_trace.formats import Quantizer
+
+    gen = torch.Generator().manual_seed(seed)
+    wq = Quantizer(fmt, per_row=per_row).quantize((torch.randn(e, n, k, generator=gen) * scale).cuda())
+    tpe = torch.tensor(tokens_per_expert)
+    offs = tpe.cumsum(0).to(torch.int32).cuda()
+    x = torch.randn(int(tpe.sum()) + tail, k, generator=gen).to(torch.bfloat16).cuda()
+    return x, wq, offs
+
+
+def experts_case(seed, e, h, ffn, tokens, k):
+    """(experts module with bf16 gate_up_proj / down_proj, its ExpertWeightStore of layer 0, hidden, top-k ids,
+    top-k weights) on the GPU: random experts and routing for the rollout's experts forward."""
+    from megatron_trace.config import TraceConfig
+    from megatron_trace.rollout.experts import ExpertWeightStore
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    store = ExpertWeightStore(TraceConfig().weight_quantizer())
+    m = torch.nn.Module()
+    m.gate_up_proj = torch.nn.Parameter((torch.randn(e, 2 * ffn, h, generator=gen, device="cuda") * h**-0.5)
+                                        .to(torch.bfloat16))
+    m.down_proj = torch.nn.Parameter((torch.randn(e, h, ffn, generator=gen, device="cuda") * ffn**-0.5)
+                                     .to(torch.bfloat16))
+    for ex in range(e):
+        store.quantize_from_params(m, 0, ex, "fc1")
+        store.quantize_from_params(m, 0, ex, "fc2")
+    hidden = torch.randn(tokens, h, generator=gen, device="cuda").to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(e, generator=gen, device="cuda")[:k] for _ in range(tokens)])
+    wts = torch.softmax(torch.randn(tokens, k, generator=gen, device="cuda"), -1)
+    return m, store, hidden, idx, wts

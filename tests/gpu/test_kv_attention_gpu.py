@@ -30,7 +30,7 @@ from megatron_trace.rollout.fp4_moe import grouped_experts_forward, w4a4_experts
 from megatron_trace.rollout.kv_cache import FP4KVCache  # noqa: E402
 
 from ..kernels._gpu import rows_view  # noqa: E402
-from ._common import rel_err  # noqa: E402
+from ._common import experts_case, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -308,24 +308,8 @@ def test_grouped_experts_path_with_packed_weights(monkeypatch):
     Triton path does."""
     from megatron_trace.kernels import moe_mma
 
-    gen = torch.Generator(device=DEV).manual_seed(7)
-    e, h, ffn, tokens, k = 16, 512, 256, 24, 4
-    store = ExpertWeightStore(TraceConfig().weight_quantizer())
-
-    class _Experts(torch.nn.Module):
-        pass
-
-    m = _Experts()
-    m.gate_up_proj = torch.nn.Parameter((torch.randn(e, 2 * ffn, h, generator=gen, device=DEV) * h**-0.5)
-                                        .to(torch.bfloat16))
-    m.down_proj = torch.nn.Parameter((torch.randn(e, h, ffn, generator=gen, device=DEV) * ffn**-0.5)
-                                     .to(torch.bfloat16))
-    for ex in range(e):
-        store.quantize_from_params(m, 0, ex, "fc1")
-        store.quantize_from_params(m, 0, ex, "fc2")
-    hidden = torch.randn(tokens, h, generator=gen, device=DEV).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(e, generator=gen, device=DEV)[:k] for _ in range(tokens)])
-    wts = torch.softmax(torch.randn(tokens, k, generator=gen, device=DEV), -1)
+    m, store, hidden, idx, wts = experts_case(7, 16, 512, 256, 24, 4)
+    tokens, k = 24, 4
     aq = TraceConfig().activation_quantizer()
     ref = w4a4_experts_forward(hidden, idx, wts, m.gate_up_proj.data, m.down_proj.data, activation_quantizer=aq)
     monkeypatch.setattr(moe_mma, "AUTO", True)
@@ -346,24 +330,8 @@ def test_grouped_experts_path_with_prefill_packed_weights(monkeypatch):
     store's "wgmma" copy for both matrices, matching the emulation as the Triton path does."""
     from megatron_trace.kernels import moe_wgmma
 
-    gen = torch.Generator(device=DEV).manual_seed(8)
-    e, h, ffn, tokens, k = 16, 512, 256, 512, 4
-    store = ExpertWeightStore(TraceConfig().weight_quantizer())
-
-    class _Experts(torch.nn.Module):
-        pass
-
-    m = _Experts()
-    m.gate_up_proj = torch.nn.Parameter((torch.randn(e, 2 * ffn, h, generator=gen, device=DEV) * h**-0.5)
-                                        .to(torch.bfloat16))
-    m.down_proj = torch.nn.Parameter((torch.randn(e, h, ffn, generator=gen, device=DEV) * ffn**-0.5)
-                                     .to(torch.bfloat16))
-    for ex in range(e):
-        store.quantize_from_params(m, 0, ex, "fc1")
-        store.quantize_from_params(m, 0, ex, "fc2")
-    hidden = torch.randn(tokens, h, generator=gen, device=DEV).to(torch.bfloat16)
-    idx = torch.stack([torch.randperm(e, generator=gen, device=DEV)[:k] for _ in range(tokens)])
-    wts = torch.softmax(torch.randn(tokens, k, generator=gen, device=DEV), -1)
+    m, store, hidden, idx, wts = experts_case(8, 16, 512, 256, 512, 4)
+    tokens, k = 512, 4
     aq = TraceConfig().activation_quantizer()
     ref = w4a4_experts_forward(hidden, idx, wts, m.gate_up_proj.data, m.down_proj.data, activation_quantizer=aq)
     assert moe_wgmma.preferred(tokens * k, store.stacked(0, "fc1"))

@@ -12,6 +12,8 @@ import torch
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels import fp4_grouped_mm, grouped_mm_reference, moe_mma
 
+from ._common import grouped_gemm_case
+
 if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0):
     pytest.skip("needs an sm_90+ GPU (the kernel multiplies bf16x2)", allow_module_level=True)
 
@@ -22,12 +24,7 @@ the fp32 sums (the MMA's and the reference's) differs."""
 
 
 def _case(fmt, per_row, e, n, k, tokens_per_expert, seed=0, tail=3, scale=0.02):
-    gen = torch.Generator().manual_seed(seed)
-    wq = Quantizer(fmt, per_row=per_row).quantize((torch.randn(e, n, k, generator=gen) * scale).cuda())
-    tpe = torch.tensor(tokens_per_expert)
-    offs = tpe.cumsum(0).to(torch.int32).cuda()
-    x = torch.randn(int(tpe.sum()) + tail, k, generator=gen).to(torch.bfloat16).cuda()
-    return x, wq, offs
+    return grouped_gemm_case(fmt, per_row, e, n, k, tokens_per_expert, seed, tail, scale)
 
 
 def _rel(a, b):
