@@ -1,17 +1,17 @@
-// FP4-weight grouped GEMM for many tokens per expert (prefill, 64+) on sm_90a: wgmma with the dequantized weights as
+// FP4-weight grouped GEMM for many tokens per expert (prefill, 128+) on sm_90a: wgmma with the dequantized weights as
 // the register A operand. Compiled together with moe_mma.cu (its helpers: loads, dequant8_rows, the NVFP4 / MXFP4
 // scale conversions, column_scale, store, zero_rows); moe_wgmma.py builds and launches it.
 //
 // Work split. CTA (x, e) of 2 warpgroups takes weight rows 128 x .. 128 x + 127 of expert e (warpgroup w: 64 of
 // them, the wgmma's M side; warp i of a warpgroup its rows 16 i .. 16 i + 15 as in an m16 MMA fragment) and all of
 // e's tokens, in tiles of BT (the N side). K runs in stages of 64: the stage's token tile [BT x 64] comes to shared
-// memory by one TMA copy (XS slots, XS - 2 stages ahead, an mbarrier each; 128-byte swizzle: row r's 16-byte chunk c at
-// r * 128 + (c ^ r % 8) * 16, the layout wgmma's descriptor names; token rows past T read as zeros, rows of other
-// experts are computed and not stored). TMA writes through the async proxy that wgmma reads by, so no proxy fence
-// is needed (one after cp.async costs a MEMBAR that waits for the weight loads in flight: session 27, call 2). The
-// weights stream straight to registers 4 stages ahead, and each warpgroup
-// issues 4 (k16) wgmma.m64n{BT}k16 per stage, one commit group, and waits for the previous stage's group
-// only (its A registers are then free; the dequantization of stage s + 1 overlaps the MMAs of stage s).
+// memory by one TMA copy (XS slots, XS - 2 stages ahead, an mbarrier each; 128-byte swizzle: row r's 16-byte chunk c
+// at r * 128 + (c ^ r % 8) * 16, the layout wgmma's descriptor names; token rows past T read as zeros, rows of other
+// experts are computed and not stored). TMA writes through the async proxy that wgmma reads by, so no proxy fence is
+// needed (one after cp.async costs a MEMBAR that waits for the weight loads in flight: session 27, call 2). The
+// weights stream straight to registers 4 stages ahead, and each warpgroup issues 4 (k16) wgmma.m64n{BT}k16 per
+// stage, one commit group, and waits for the previous stage's group only (its A registers are then free; the
+// dequantization of stage s + 1 overlaps the MMAs of stage s).
 //
 // Weight layout (moe_wgmma.pack): per 16-row group and stage, 512 bytes of codes, lane l = 4 g + q's 16 at 16 l:
 // word j (k16 step j of the stage) holds the 8 codes of lane l's A fragment, nibble 4 kp + 2 kh + rh = the code of
@@ -59,8 +59,9 @@ template <int BT>
 __device__ __forceinline__ void tma_x_stage(u8* slot, unsigned long long* bar, const TensorMap* xmap, int t0, int s) {
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(BT * 128)
                  : "memory");
-    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], "
-                 "[%4];" ::"r"(smem_addr(slot)), "l"(xmap), "r"(64 * s), "r"(t0), "r"(smem_addr(bar)) : "memory");
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                 "[%0], [%1, {%2, %3}], [%4];"
+                 ::"r"(smem_addr(slot)), "l"(xmap), "r"(64 * s), "r"(t0), "r"(smem_addr(bar)) : "memory");
 }
 
 // wgmma descriptor of a K-major bf16 tile in 128-byte swizzle: rows of 128 bytes, 8-row groups 1024 bytes apart.
@@ -136,8 +137,9 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], const u32* a, unsign
           "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
           "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
           "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-          "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
+          "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]),
+          "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]),
+          "+f"(d[118]), "+f"(d[119]),
           "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "n"(1));
 }
@@ -169,12 +171,13 @@ __device__ __forceinline__ void store_tile_wg(const float (&acc)[NH][64], u8* ti
 }
 
 // MX 0: NVFP4, 1: MXFP4; BT: token tile (128 or 256); STEPS: K / 64 (a multiple of 4). Grid (N / 128, E + 1):
-// row E zeroes the rows of no expert. xmap: x [T, K] bf16, box 64 x BT, 128-byte swizzle. Dynamic shared memory: XS x BT x
-// 128 bytes (or the epilogue's BT x 528, if larger) + XS mbarriers + 1024 (alignment).
+// row E zeroes the rows of no expert. xmap: x [T, K] bf16, box 64 x BT, 128-byte swizzle. Dynamic shared memory:
+// XS x BT x 128 bytes (or the epilogue's BT x 528, if larger) + XS mbarriers + 1024 (alignment).
 template <int MX, int BT, int STEPS>
 __global__ void __launch_bounds__(WG_THREADS, 1)
-fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* codes, const u8* scales, const float* gamax, void* y, const int* offs,
-                int T, int N, int K, int E, int sx, int sy, int gmode, int out_f32) {
+fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* codes, const u8* scales,
+                const float* gamax, void* y, const int* offs, int T, int N, int K, int E, int sx, int sy, int gmode,
+                int out_f32) {
     extern __shared__ __align__(16) u8 smem_raw[];
     u8* xs = (u8*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
     unsigned long long* full = (unsigned long long*)(xs + SLOTS_BYTES(BT));  // slot i's stage has landed

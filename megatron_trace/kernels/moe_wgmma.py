@@ -3,10 +3,13 @@ use by NVRTC together with ``moe_mma.cu`` (whose helpers it uses).
 
 The same contract as ``moe_mma.grouped_mm`` (layout in ``moe``): ``y = x_e @ W_e^T`` in fp32, cast once, rows past
 ``offs[-1]`` zero. ``moe_mma``'s kernel streams the weights once per pass of up to 16 tokens on mma.sync, which suits
-decode; at prefill sizes (64 to hundreds of tokens per expert) the GEMM is bound by the tensor cores instead, and
-Hopper's fast path to them is wgmma. Here a CTA (two warpgroups) takes 128 weight rows of one expert and its tokens in
-tiles of 128 or 256: the weights are dequantized in registers into wgmma's A operand (rows = M), the token tile sits in
-shared memory (N), and the dequantization of one K stage overlaps the MMAs of the previous one.
+decode; at prefill sizes (hundreds of tokens per expert) the GEMM is bound by the tensor cores instead, and Hopper's
+fast path to them is wgmma. Here a CTA (two warpgroups) takes 128 weight rows of one expert and its tokens in tiles of
+128 or 256: the weights are dequantized in registers into wgmma's A operand (rows = M), the token tile comes by TMA to
+shared memory (N), and the dequantization of one K stage overlaps the MMAs of the previous one. On one H200 (session
+27, NVFP4, the same tokens on every expert) it runs at 1.22x / 1.03x bf16 ``torch._grouped_mm`` on Qwen3-30B-A3B's
+FC1 at 128 / 256 tokens per expert (the Triton kernel: 0.92x / 0.60x), 1.02x / 0.95x on its FC2, 1.05x on
+DeepSeek-V3's FC1 at 256.
 
 Weights must be in this module's layout (``pack``: a nibble permutation of the FP4Tensor, so that each 32-bit word is
 one lane's A fragment of one k16 step); ``PackedWeight.layout`` is then ``"wgmma"``.
