@@ -21,3 +21,13 @@ def bench_module():
             sys.path.remove(str(BENCHMARKS))
 
     return load
+
+
+def nvrtc_bench(bench_module, name: str):
+    """The benchmark module ``name`` that cross-compiles CUDA with NVRTC and disassembles with Triton's tools;
+    skips where either is missing."""
+    pytest.importorskip("triton", reason="the disassembler comes with triton (make test installs it)")
+    mod = bench_module(name)
+    if mod.nvrtc_library() is None:
+        pytest.skip("needs NVRTC: pip install nvidia-cuda-nvrtc==13.0.* (make test installs it)")
+    return mod

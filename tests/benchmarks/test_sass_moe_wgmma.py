@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from .conftest import nvrtc_bench
+
 
 @pytest.fixture(scope="module")
 def sass(bench_module):
-    pytest.importorskip("triton", reason="the disassembler comes with triton (make test installs it)")
-    mod = bench_module("sass_moe_wgmma")
-    if mod.nvrtc_library() is None:
-        pytest.skip("needs NVRTC: pip install nvidia-cuda-nvrtc==13.0.* (make test installs it)")
-    return mod
+    return nvrtc_bench(bench_module, "sass_moe_wgmma")
 
 
 @pytest.mark.parametrize("mx,bt,stages", [(False, 256, 32), (True, 256, 32), (False, 128, 12), (True, 128, 112)],
