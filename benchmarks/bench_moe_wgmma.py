@@ -4,10 +4,11 @@ Triton kernel.
 All experts get the same number of tokens. Per shape and tokens per expert: device time per call (CUDA graphs, the L2
 flushed before each call), TFLOP/s, the speedup against bf16, and the error against the fp32 reference (DeepSeek-V3's
 shape: against the Triton kernel's fp32 output). Variants are ``moe_wgmma.DEFINES`` macro sets (``XS=5``: five token
-stages; ``SKIP_DEQUANT=1``: no dequantization, wrong numbers, the time of everything else). Prints one JSON line.
+stages; ``SKIP_DEQUANT=1``: no dequantization, wrong numbers, the time of everything else). ``--grids persistent,items``
+also times one CTA per 128-row x expert item (keys ``.../items``) beside the persistent grid. Prints one JSON line.
 Usage:
     python benchmarks/bench_moe_wgmma.py [--shapes qwen3_fc1,qwen3_fc2] [--tokens 64,128,256] [--fmt nvfp4]
-        [--tiles 128,256] [--variants ,SKIP_DEQUANT=1]
+        [--tiles 128,256] [--variants ,SKIP_DEQUANT=1] [--grids persistent,items]
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main(argv=None) -> dict:
     p.add_argument("--fmt", default="nvfp4")
     p.add_argument("--tiles", default="128,256")
     p.add_argument("--variants", default="", help="comma-separated; each a '+'-joined list of NAME=value macros")
+    p.add_argument("--grids", default="persistent", help="persistent and/or items (one CTA per item)")
     p.add_argument("--no-triton", action="store_true")
     a = p.parse_args(argv)
     variants = [tuple(v for v in var.split("+") if v) for var in a.variants.split(",")]
@@ -55,18 +57,20 @@ def main(argv=None) -> dict:
             if not a.no_triton:
                 us = graph_ms(lambda x=x, offs=offs, wq=wq: moe_triton.grouped_mm(x, wq, offs)) * 1e3
                 row["triton"] = {"us": round(us, 1), "speedup_vs_bf16": round(bf16_us / us, 3)}
-            for var in variants:
+            for var, grid, bt in [(v, g, int(t)) for v in variants for g in a.grids.split(",")
+                                  for t in a.tiles.split(",")]:
                 moe_wgmma.DEFINES = var
-                for bt in [int(t) for t in a.tiles.split(",")]:
-                    us = graph_ms(lambda x=x, offs=offs, bt=bt, p=packed: moe_wgmma.grouped_mm(x, p, offs, bt=bt))
-                    us *= 1e3
-                    y = moe_wgmma.grouped_mm(x, packed, offs, out_dtype=torch.float32, bt=bt)
-                    err = float((y - ref).norm() / ref.norm())
-                    row[f"wgmma{bt}:{'+'.join(var) or 'default'}"] = {
-                        "us": round(us, 1), "tflops": round(flop / us / 1e6, 1),
-                        "speedup_vs_bf16": round(bf16_us / us, 3), "rel_err": float(f"{err:.2e}")}
-                    del y
-            moe_wgmma.DEFINES = ()
+                moe_wgmma.PERSISTENT = grid == "persistent"
+                us = graph_ms(lambda x=x, offs=offs, bt=bt, p=packed: moe_wgmma.grouped_mm(x, p, offs, bt=bt))
+                us *= 1e3
+                y = moe_wgmma.grouped_mm(x, packed, offs, out_dtype=torch.float32, bt=bt)
+                err = float((y - ref).norm() / ref.norm())
+                key = f"wgmma{bt}:{'+'.join(var) or 'default'}" + ("" if moe_wgmma.PERSISTENT else "/items")
+                row[key] = {
+                    "us": round(us, 1), "tflops": round(flop / us / 1e6, 1),
+                    "speedup_vs_bf16": round(bf16_us / us, 3), "rel_err": float(f"{err:.2e}")}
+                del y
+            moe_wgmma.DEFINES, moe_wgmma.PERSISTENT = (), True
             rows.append(row)
             print(json.dumps(row), file=sys.stderr)
             del x, ref

@@ -2,16 +2,17 @@
 // the register A operand. Compiled together with moe_mma.cu (its helpers: loads, dequant8_rows, the NVFP4 / MXFP4
 // scale conversions, column_scale, store, zero_rows); moe_wgmma.py builds and launches it.
 //
-// Work split. CTA (x, e) of 2 warpgroups takes weight rows 128 x .. 128 x + 127 of expert e (warpgroup w: 64 of
-// them, the wgmma's M side; warp i of a warpgroup its rows 16 i .. 16 i + 15 as in an m16 MMA fragment) and all of
-// e's tokens, in tiles of BT (the N side). K runs in stages of 64: the stage's token tile [BT x 64] comes to shared
-// memory by one TMA copy (XS slots, XS - 2 stages ahead, an mbarrier each; 128-byte swizzle: row r's 16-byte chunk c
-// at r * 128 + (c ^ r % 8) * 16, the layout wgmma's descriptor names; token rows past T read as zeros, rows of other
-// experts are computed and not stored). TMA writes through the async proxy that wgmma reads by, so no proxy fence is
-// needed (one after cp.async costs a MEMBAR that waits for the weight loads in flight: session 27, call 2). The
-// weights stream straight to registers 4 stages ahead, and each warpgroup issues 4 (k16) wgmma.m64n{BT}k16 per
-// stage, one commit group, and waits for the previous stage's group only (its A registers are then free; the
-// dequantization of stage s + 1 overlaps the MMAs of stage s).
+// Work split. An item (x, e) is weight rows 128 x .. 128 x + 127 of expert e (warpgroup w: 64 of them, the wgmma's M
+// side; warp i of a warpgroup its rows 16 i .. 16 i + 15 as in an m16 MMA fragment) and all of e's tokens, in tiles
+// of BT (the N side). A CTA of 2 warpgroups, one per multiprocessor, takes items from a counter until none are left
+// (next_tile), and loads the next tile's first stages under the current tile's last.
+// K runs in stages of 64: the stage's token tile [BT x 64] comes to shared memory by one TMA copy (XS slots, XS - 2
+// stages ahead, an mbarrier each; 128-byte swizzle: row r's 16-byte chunk c at r * 128 + (c ^ r % 8) * 16, the layout
+// wgmma's descriptor names; token rows past T read as zeros, rows of other experts are computed and not stored). TMA
+// writes through the async proxy that wgmma reads by, so no proxy fence is needed (one after cp.async costs a MEMBAR
+// that waits for the weight loads in flight: session 27, call 2). The weights stream straight to registers 4 stages
+// ahead, and each warpgroup issues 4 (k16) wgmma.m64n{BT}k16 per stage, one commit group, and waits for the previous
+// stage's group only (its A registers are then free; the dequantization of stage s + 1 overlaps the MMAs of stage s).
 //
 // Weight layout (moe_wgmma.pack): per 16-row group and stage, 512 bytes of codes, lane l = 4 g + q's 16 at 16 l:
 // word j (k16 step j of the stage) holds the 8 codes of lane l's A fragment, nibble 4 kp + 2 kh + rh = the code of
@@ -29,8 +30,10 @@
 #endif
 #define WG_THREADS 256
 #define WG_ROWS 128
-// the token slots, or the epilogue's fp32 tile where that is larger (the mbarriers follow)
-#define SLOTS_BYTES(BT) (XS * (BT) * 128 > (BT) * (128 * 4 + 16) ? XS * (BT) * 128 : (BT) * (128 * 4 + 16))
+#define SLOTS_BYTES(BT) (XS * (BT) * 128)
+// the epilogue's tile, beside the slots (the next tile's first stages land there while it drains): BT tokens of bf16
+// outputs, or 128 of fp32 a pass (the mbarriers follow)
+#define EPI_BYTES(BT) ((BT) * (128 * 2 + 16) > 128 * (128 * 4 + 16) ? (BT) * (128 * 2 + 16) : 128 * (128 * 4 + 16))
 
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
@@ -146,95 +149,148 @@ __device__ __forceinline__ void wgmma_n256(float (&d)[128], const u32* a, unsign
 
 // The CTA's outputs (acc[h][4 n + i]: row g + 8 (i / 2) of the warp's 16, token 128 h + 8 n + 2 q + i % 2) through
 // shared memory: [tokens x 128 rows] of ES-byte outputs, rows 128 ES + 16 bytes apart (the padding puts the quad's 4
-// tokens in different banks), then each of the count tokens' 128 outputs as 16-byte stores (call 3's direct 2-byte
-// stores were scattered). ES a constant: the 64 addresses per h are immediates.
+// tokens in different banks), then each of the count tokens' 128 outputs (rows col0 ..) as 16-byte stores (call 3's
+// direct 2-byte stores were scattered). bf16 in one pass, fp32 in 128-token passes (EPI_BYTES). ES a constant: the
+// 64 addresses per h are immediates.
 template <int NH, int ES>
-__device__ __forceinline__ void store_tile_wg(const float (&acc)[NH][64], u8* tile, void* y, int sy, int t0, int count,
-                                              int warp, int g, int q, float cs0, float cs1) {
-    constexpr int STRIDE = 128 * ES + 16, CHUNKS = 8 * ES;  // (16-byte chunks per token)
+__device__ __forceinline__ void store_tile_wg(const float (&acc)[NH][64], u8* tile, void* y, int sy, int t0,
+                                              long long col0, int count, int warp, int g, int q, float cs0,
+                                              float cs1) {
+    constexpr int STRIDE = 128 * ES + 16, CHUNKS = 8 * ES, HP = ES == 4 ? 1 : NH;  // (16-byte chunks per token)
     u8* base = tile + 2 * q * STRIDE + (((threadIdx.x >> 7) * 64 + warp * 16 + g) * ES);
+    u8* yb = (u8*)y + ((long long)t0 * sy + col0) * ES;
 #pragma unroll
-    for (int h = 0; h < NH; ++h)
+    for (int h0 = 0; h0 < NH; h0 += HP) {
+        if (h0) __syncthreads();  // (the previous pass has left the tile)
 #pragma unroll
-        for (int i = 0; i < 64; ++i) {
-            u8* dst = base + (128 * h + 8 * (i >> 2) + (i & 1)) * STRIDE + 8 * ((i >> 1) & 1) * ES;
-            const float v = acc[h][i] * ((i & 2) ? cs1 : cs0);
-            if (ES == 4) *(float*)dst = v;
-            else *(u16*)dst = f32_to_bf16(v);
+        for (int h = h0; h < h0 + HP; ++h)
+#pragma unroll
+            for (int i = 0; i < 64; ++i) {
+                u8* dst = base + (128 * (h - h0) + 8 * (i >> 2) + (i & 1)) * STRIDE + 8 * ((i >> 1) & 1) * ES;
+                const float v = acc[h][i] * ((i & 2) ? cs1 : cs0);
+                if (ES == 4) *(float*)dst = v;
+                else *(u16*)dst = f32_to_bf16(v);
+            }
+        __syncthreads();
+        const int n = min(count - 128 * h0, 128 * HP);
+        for (int c = threadIdx.x; c < n * CHUNKS; c += WG_THREADS) {
+            const int tl = c / CHUNKS, part = c % CHUNKS;
+            *(Words4*)(yb + (long long)(128 * h0 + tl) * sy * ES + part * 16) =
+                *(const Words4*)(tile + tl * STRIDE + part * 16);
         }
-    __syncthreads();
-    u8* yb = (u8*)y + ((long long)t0 * sy + (long long)blockIdx.x * WG_ROWS) * ES;
-    for (int c = threadIdx.x; c < count * CHUNKS; c += WG_THREADS) {
-        const int tl = c / CHUNKS, part = c % CHUNKS;
-        *(Words4*)(yb + (long long)tl * sy * ES + part * 16) = *(const Words4*)(tile + tl * STRIDE + part * 16);
     }
 }
 
-// MX 0: NVFP4, 1: MXFP4; BT: token tile (128 or 256); STEPS: K / 64 (a multiple of 4). Grid (N / 128, E + 1):
-// row E zeroes the rows of no expert. xmap: x [T, K] bf16, box 64 x BT, 128-byte swizzle. Dynamic shared memory:
-// XS x BT x 128 bytes (or the epilogue's BT x 528, if larger) + XS mbarriers + 1024 (alignment).
+// Thread 0 takes the next item from the counter ctr[0] (its register, in flight until used; the other threads' stays
+// 0), and later posts it to this CTA's mailbox ctr[1 + blockIdx.x]. Predicated, not branches: ptxas serializes every
+// wgmma of a kernel where a divergent path may touch their registers.
+__device__ __forceinline__ u32 take_item(int* ctr) {
+    u32 r = 0;
+    asm volatile("{ .reg .pred p; setp.eq.u32 p, %2, 0; @p atom.global.add.u32 %0, [%1], 1; }"
+                 : "+r"(r) : "l"(ctr), "r"((u32)threadIdx.x) : "memory");
+    return r;
+}
+__device__ __forceinline__ void post_item(int* ctr, u32 item) {
+    asm volatile("{ .reg .pred p; setp.eq.u32 p, %2, 0; @p st.global.u32 [%0], %1; }"
+                 ::"l"(ctr + 1 + blockIdx.x), "r"(item), "r"((u32)threadIdx.x) : "memory");
+}
+
+// The tile after c, in every thread: c's item's next token tile, else the first tile of the next item with tokens.
+// CTA b's first item is b, then the counter ctr[0] (G at launch) hands the items out in order; each CTA holds one
+// taken ahead (pend, thread 0's), so that the atomic's latency passes during a tile. False: none left. The mailbox is
+// global memory: read from shared memory, the item would count as divergent to ptxas, and the kernel's wgmmas
+// serialized (ptxas's C7520: the SASS test checks the wait that keeps one group running).
+struct Tile { int p, t0, t_end; };
+template <int BT>
+__device__ __forceinline__ bool next_tile(Tile& c, const int* offs, int items, int nx, int* ctr, u32& pend) {
+    c.t0 += BT;
+    while (c.t0 >= c.t_end) {
+        post_item(ctr, pend);
+        pend = take_item(ctr);
+        __syncthreads();
+        c.p = ctr[1 + blockIdx.x];
+        __syncthreads();  // (every thread has read it before the next one is posted)
+        if (c.p >= items) return false;
+        const int e = c.p / nx;
+        c.t0 = e ? offs[e - 1] : 0;
+        c.t_end = offs[e];
+    }
+    return true;
+}
+
+// MX 0: NVFP4, 1: MXFP4; BT: token tile (128 or 256); STEPS: K / 64 (a multiple of 4). Grid (G, 1): the CTAs take
+// the N / 128 x E items (item p: expert p / nx, its weight rows 128 (p % nx) .. + 127) in order from the counter
+// ctr[0], CTA b's first one b (ctr: 1 + G ints, all G at launch; persistent with G = the multiprocessors; G = the
+// items is one each); CTAs b < N / 128 first zero the rows of no expert. A tile's last stages already load the next
+// tile's first token stages and weights, so they land while this one's MMAs finish and its outputs drain. xmap:
+// x [T, K] bf16, box 64 x BT, 128-byte swizzle. Dynamic shared memory: XS x BT x 128 bytes of slots, EPI_BYTES(BT),
+// XS mbarriers, 1024 (alignment).
 template <int MX, int BT, int STEPS>
 __global__ void __launch_bounds__(WG_THREADS, 1)
 fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* codes, const u8* scales,
                 const float* gamax, void* y, const int* offs, int T, int N, int K, int E, int sx, int sy, int gmode,
-                int out_f32) {
+                int out_f32, int* ctr) {
     extern __shared__ __align__(16) u8 smem_raw[];
     u8* xs = (u8*)(((unsigned long long)smem_raw + 1023) & ~1023ull);
-    unsigned long long* full = (unsigned long long*)(xs + SLOTS_BYTES(BT));  // slot i's stage has landed
+    u8* epi = xs + SLOTS_BYTES(BT);
+    unsigned long long* full = (unsigned long long*)(epi + EPI_BYTES(BT));  // slot i's stage has landed
     Args a{x, codes, scales, gamax, y, offs, T, N, K, E, sx, sy, MX, gmode, out_f32};
-    if ((int)blockIdx.y == E) {
-        zero_rows(a, (long long)blockIdx.x * WG_ROWS, WG_ROWS);
-        return;
-    }
-    const int e = blockIdx.y, t_begin = e ? offs[e - 1] : 0, t_end = offs[e];
-    if (t_end <= t_begin) return;
+    const int nx = N / WG_ROWS, items = nx * E;
+    for (int z = blockIdx.x; z < nx; z += gridDim.x) zero_rows(a, (long long)z * WG_ROWS, WG_ROWS);
+    Tile cur{-1, -BT, 0};
+    u32 pend = blockIdx.x;
+    if (!next_tile<BT>(cur, offs, items, nx, ctr, pend)) return;
     const int tid = threadIdx.x, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
-    const long long row0 = (long long)blockIdx.x * WG_ROWS + (tid >> 7) * 64 + warp * 16;  // the warp's 16 rows
-    const long long grp = ((long long)e * N + row0) / 16;                                   // their 16-row group
-    const u32* wp = (const u32*)(codes + grp * STEPS * 512) + lane * 4;                     // + 128 words a stage
-    const u8* sp = scales + grp * STEPS * (MX ? 32 : 64) + (MX ? 4 * g + 2 * (q & 1) : 2 * lane);
-    constexpr int SB = MX ? 32 : 64;  // scale bytes of a 16-row group's stage
+    const int sub = (tid >> 7) * 4 + warp;  // the warp's 16-row group of the item's 8 (rows 16 sub .. + 15)
+    constexpr int SB = MX ? 32 : 64;        // scale bytes of a 16-row group's stage
     constexpr int NH = BT / 128;
+    // item p's 16-row group: 512 code bytes a stage (this lane's 16 at 16 lane), SB scale bytes a stage
+    const u8* wbase = codes + (long long)sub * STEPS * 512 + lane * 16;
+    const u8* sbase = scales + (long long)sub * STEPS * SB + (MX ? 4 * g + 2 * (q & 1) : 2 * lane);
+#define W_AT(p, s) ((const u32*)(wbase + ((long long)(p) * 8 * STEPS + (s)) * 512))
+#define S_AT(p, s) (sbase + ((long long)(p) * 8 * STEPS + (s)) * SB)
     if (tid == 0) {
         for (int i = 0; i < XS; ++i) bar_init(full + i, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int s = 0; s < XS - 2; ++s) tma_x_stage<BT>(xs + s * BT * 128, full + s, &xmap, cur.t0, s);
     }
-    __syncthreads();
+    Words4 wq[4];
+    u32 sc[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+        wq[u] = ldg_stream(W_AT(cur.p, u));
+        sc[u] = ldg_u16(S_AT(cur.p, u));
+    }
     u32 n0 = 0;  // stages this CTA has loaded before this tile (slot n % XS, its barrier's phase n / XS)
-    for (int t0 = t_begin; t0 < t_end; t0 += BT, n0 += STEPS) {
+    while (true) {
         float acc[NH][64];
 #pragma unroll
         for (int h = 0; h < NH; ++h)
 #pragma unroll
             for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
+        Tile nxt = cur;
+        const bool more = next_tile<BT>(nxt, offs, items, nx, ctr, pend);
         u32 bad = 0, A[2][4][4];
-        Words4 wq[4];
-        u32 sc[4];
-        __syncthreads();  // (the previous tile's wgmmas are done with the slots)
-        if (tid == 0)
-            for (int s = 0; s < XS - 2 && s < STEPS; ++s) {
-                const u32 n = n0 + s;
-                tma_x_stage<BT>(xs + (n % XS) * BT * 128, full + n % XS, &xmap, t0, s);
-            }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            wq[u] = ldg_stream(wp + u * 128);
-            sc[u] = ldg_u16(sp + u * SB);
-        }
         for (int s0 = 0; s0 < STEPS; s0 += 4) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
                 const int s = s0 + u;
                 const u32 n = n0 + s;
                 __syncthreads();  // (both warpgroups past stage s - 1's wait: stage s - 2's slot is free)
-                if (tid == 0 && s + XS - 2 < STEPS) {
+                if (tid == 0) {
                     const u32 m = n + XS - 2;
-                    tma_x_stage<BT>(xs + (m % XS) * BT * 128, full + m % XS, &xmap, t0, s + XS - 2);
+                    if (s + XS - 2 < STEPS)
+                        tma_x_stage<BT>(xs + (m % XS) * BT * 128, full + m % XS, &xmap, cur.t0, s + XS - 2);
+                    else if (more)  // (the next tile's first stages)
+                        tma_x_stage<BT>(xs + (m % XS) * BT * 128, full + m % XS, &xmap, nxt.t0, s + XS - 2 - STEPS);
                 }
                 dequant_stage<MX>(A[u & 1], wq[u], sc[u], lane, bad);
                 if (s + 4 < STEPS) {
-                    wq[u] = ldg_stream(wp + (s + 4) * 128);
-                    sc[u] = ldg_u16(sp + (s + 4) * SB);
+                    wq[u] = ldg_stream(W_AT(cur.p, s + 4));
+                    sc[u] = ldg_u16(S_AT(cur.p, s + 4));
+                } else if (more) {
+                    wq[u] = ldg_stream(W_AT(nxt.p, s + 4 - STEPS));
+                    sc[u] = ldg_u16(S_AT(nxt.p, s + 4 - STEPS));
                 }
 #pragma unroll
                 for (int h = 0; h < NH; ++h)
@@ -270,10 +326,17 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
         bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, 1);
         bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, 2);
         const float nan = __int_as_float(0x7FC00000);
+        const int e = cur.p / nx;
+        const long long col0 = (long long)(cur.p - e * nx) * WG_ROWS, row0 = col0 + 16 * sub;
         const float cs0 = (bad & 0x80u) ? nan : column_scale(a, e, row0 + g);
         const float cs1 = (bad & 0x8000u) ? nan : column_scale(a, e, row0 + g + 8);
-        __syncthreads();  // (both warpgroups are done with the token slots: the epilogue's tile goes there)
-        if (out_f32) store_tile_wg<NH, 4>(acc, xs, y, sy, t0, min(BT, t_end - t0), warp, g, q, cs0, cs1);
-        else store_tile_wg<NH, 2>(acc, xs, y, sy, t0, min(BT, t_end - t0), warp, g, q, cs0, cs1);
+        const int count = min(BT, cur.t_end - cur.t0);
+        if (out_f32) store_tile_wg<NH, 4>(acc, epi, y, sy, cur.t0, col0, count, warp, g, q, cs0, cs1);
+        else store_tile_wg<NH, 2>(acc, epi, y, sy, cur.t0, col0, count, warp, g, q, cs0, cs1);
+        if (!more) break;
+        cur = nxt;
+        n0 += STEPS;
     }
+#undef W_AT
+#undef S_AT
 }

@@ -6,10 +6,11 @@ The same contract as ``moe_mma.grouped_mm`` (layout in ``moe``): ``y = x_e @ W_e
 decode; at prefill sizes (hundreds of tokens per expert) the GEMM is bound by the tensor cores instead, and Hopper's
 fast path to them is wgmma. Here a CTA (two warpgroups) takes 128 weight rows of one expert and its tokens in tiles of
 128 or 256: the weights are dequantized in registers into wgmma's A operand (rows = M), the token tile comes by TMA to
-shared memory (N), and the dequantization of one K stage overlaps the MMAs of the previous one. On one H200 (session
-27, NVFP4, the same tokens on every expert) it runs at 1.22x / 1.03x bf16 ``torch._grouped_mm`` on Qwen3-30B-A3B's
-FC1 at 128 / 256 tokens per expert (the Triton kernel: 0.92x / 0.60x), 1.02x / 0.95x on its FC2, 1.05x on
-DeepSeek-V3's FC1 at 256.
+shared memory (N), and the dequantization of one K stage overlaps the MMAs of the previous one. The grid is persistent
+(``PERSISTENT``): one CTA per multiprocessor takes the 128-row x expert items from a counter and starts the next tile's
+loads under the current one's last stages. On one H200 (session 28, NVFP4, the same tokens on every expert) it runs at
+1.19x / 1.06x bf16 ``torch._grouped_mm`` on Qwen3-30B-A3B's FC1 at 128 / 256 tokens per expert (the Triton kernel:
+0.89x / 0.60x), 1.12x / 1.02x on its FC2, 1.14x / 1.05x on DeepSeek-V3's FC1.
 
 Weights must be in this module's layout (``pack``: a nibble permutation of the FP4Tensor, so that each 32-bit word is
 one lane's A fragment of one k16 step); ``PackedWeight.layout`` is then ``"wgmma"``.
@@ -27,7 +28,6 @@ import torch
 from ..formats import e2m1
 from ..formats.tensor import FP4Tensor
 from . import moe_mma
-from .dispatch import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,9 @@ AUTO = True
 """Whether ``fp4_grouped_mm(gemm="auto")`` runs this kernel where ``preferred`` and the caller passes weights in this
 layout (``packed=``)."""
 MIN_TOKENS_PER_EXPERT = 128
+PERSISTENT = True
+"""One CTA per multiprocessor, each taking the next 128-row x expert item from a counter as it finishes one and
+starting the next tile's loads under the current one's last stages (False: a CTA per item)."""
 
 
 def preferred(rows: int, weight) -> bool:
@@ -132,8 +135,9 @@ def preferred(rows: int, weight) -> bool:
 
 
 def shared_memory(bt: int, stages: int = X_STAGES) -> int:
-    """Token slots (or the epilogue's fp32 tile where larger), their mbarriers, 1024 for the slots' alignment."""
-    return max(stages * bt * 128, bt * (128 * 4 + 16)) + 8 * stages + 1024
+    """Token slots, the epilogue's tile (``bt`` tokens of bf16 or 128 of fp32), the slots' mbarriers, 1024 for the
+    slots' alignment."""
+    return stages * bt * 128 + max(bt * (128 * 2 + 16), 128 * (128 * 4 + 16)) + 8 * stages + 1024
 
 
 def _stages(defines: tuple[str, ...]) -> int:
@@ -171,6 +175,13 @@ def _launch(kern, grid: tuple[int, int, int], smem: int, stream, tmap, args: lis
         raise RuntimeError(f"cuLaunchKernel failed with CUresult {res}")
 
 
+def ctas(items: int, device: torch.device) -> int:
+    """The grid for ``items`` (N / 128 x E) CTA tiles: at most one CTA per multiprocessor where ``PERSISTENT``."""
+    if not PERSISTENT:
+        return items
+    return min(items, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
 @functools.cache
 def _kernel(device_index: int, mx: bool, bt: int, stages: int, defines: tuple[str, ...] = ()):
     """The kernel for one format, token tile and K / 64 (one compile each)."""
@@ -187,10 +198,13 @@ def _kernel(device_index: int, mx: bool, bt: int, stages: int, defines: tuple[st
 
 
 def grouped_mm(x, weight: moe_mma.PackedWeight, offs: torch.Tensor, *, out_dtype: torch.dtype | None = None,
-               bt: int | None = None) -> torch.Tensor:
+               bt: int | None = None, grid: int | None = None) -> torch.Tensor:
     """W4A16 grouped GEMM on ``pack``'s weights: bf16 or fp32 out. ``x`` may be an FP4Tensor (W4A4 emulation:
-    dequantized to bf16 first). ``bt`` overrides ``token_tile``. Raises ``ValueError`` naming the reason where
-    ``unsupported`` is not None."""
+    dequantized to bf16 first). ``bt`` overrides ``token_tile``, ``grid`` the number of CTAs (``ctas``; any
+    positive number gives the same bits). Raises ``ValueError`` naming the reason where ``unsupported`` is not
+    None."""
+    if grid is not None and grid < 1:
+        raise ValueError(f"grid={grid} must be a positive number of CTAs")
     why = unsupported(x, weight, out_dtype)
     if why:
         raise ValueError(f"the wgmma FP4 grouped GEMM cannot run this call: {why}")
@@ -205,8 +219,11 @@ def grouped_mm(x, weight: moe_mma.PackedWeight, offs: torch.Tensor, *, out_dtype
     codes, scales, g_arg, gmode = moe_mma.weight_operands(weight)
     dev = xd.device.index if xd.device.index is not None else torch.cuda.current_device()
     kern = _kernel(dev, weight.fmt == "mxfp4", bt, k // 64, DEFINES)
+    grid = grid or ctas(n // ROWS_PER_CTA * e, xd.device)
+    # the next item to hand out (CTA b's first is b), then a mailbox per CTA
+    ctr = torch.full((1 + grid,), grid, dtype=torch.int32, device=xd.device)
     args = [xd, codes, scales, g_arg, y, offs32, t, n, k, e, xd.stride(0), y.stride(0), gmode,
-            int(y.dtype == torch.float32)]
-    _launch(kern, (cdiv(n, ROWS_PER_CTA), e + 1, 1), shared_memory(bt, _stages(DEFINES)),
+            int(y.dtype == torch.float32), ctr]
+    _launch(kern, (grid, 1, 1), shared_memory(bt, _stages(DEFINES)),
             torch.cuda.current_stream(xd.device), tensor_map(xd, bt), args)
     return y

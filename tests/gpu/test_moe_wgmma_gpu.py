@@ -65,6 +65,24 @@ def test_repeated_launches_give_identical_bits():
         assert torch.equal(moe_wgmma.grouped_mm(x, p, offs), first)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("bt", [128, 256])
+def test_any_grid_gives_the_same_bits(bt, out_dtype):
+    """The persistent grid (one CTA per multiprocessor, each looping over items and loading the next tile's first
+    stages under the current one's last): 1, 2, 7 CTAs, the default and one per item give the same bits, with tiles
+    of several sizes, experts without tokens and rows no expert owns between them."""
+    tpe = [0, 300, 1, 0, 0, 256, 77, 513, 0, 128, 129, 3] * 4
+    x, wq, p, offs = _case("nvfp4", True, len(tpe), 512, 768, tpe, tail=5)
+    items = len(tpe) * 512 // moe_wgmma.ROWS_PER_CTA
+    ref = moe_wgmma.grouped_mm(x, p, offs, out_dtype=out_dtype, bt=bt, grid=items)
+    assert _rel(ref, grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)) < (TOL if out_dtype == torch.float32
+                                                                                    else 1e-2)
+    assert torch.equal(ref[-5:], torch.zeros_like(ref[-5:]))
+    for grid in (1, 2, 7, None):
+        y = moe_wgmma.grouped_mm(x, p, offs, out_dtype=out_dtype, bt=bt, grid=grid)
+        assert torch.equal(y, ref), grid
+
+
 def test_long_k_and_strided_w4a4_activations():
     """DeepSeek-V3's K = 7168 (112 stages); FP4 activations dequantized to bf16 first; int64 offsets."""
     from megatron_trace.kernels import moe_triton  # (imports triton: after the module's GPU skip)

@@ -58,13 +58,16 @@ def test_unsupported_calls_are_named_and_the_reference_runs_on_the_cpu():
     assert "'wgmma'" in moe_mma.unsupported(x, p)  # (the decode kernel names the other layout)
     with pytest.raises(ValueError, match="wgmma FP4 grouped GEMM cannot run this call.*cpu"):
         moe_wgmma.grouped_mm(x, p, offs)
+    with pytest.raises(ValueError, match="grid=0 must be a positive number of CTAs"):
+        moe_wgmma.grouped_mm(x, p, offs, grid=0)
     assert torch.equal(fp4_grouped_mm(x, p, offs), grouped_mm_reference(x, w, offs))
 
 
 def test_token_tile():
     assert moe_wgmma.token_tile(128 * 128, 128) == 128 and moe_wgmma.token_tile(128 * 128 + 1, 128) == 256
-    assert moe_wgmma.shared_memory(256) == 256 * 528 + 32 + 1024 <= 227 * 1024  # (the fp32 epilogue tile)
-    assert moe_wgmma.shared_memory(128) == 128 * 528 + 32 + 1024
+    # 4 token slots beside the epilogue's tile (256 tokens of bf16, or 128 of fp32 a pass), within one CTA's 227 KiB
+    assert moe_wgmma.shared_memory(256) == 4 * 256 * 128 + 256 * 272 + 32 + 1024 <= 227 * 1024
+    assert moe_wgmma.shared_memory(128) == 4 * 128 * 128 + 128 * 528 + 32 + 1024
 
 
 def test_source_is_package_data():
