@@ -271,7 +271,6 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
         Tile nxt = cur;
         const bool more = next_tile<BT>(nxt, offs, items, nx, ctr, pend);
         u32 bad = 0, A[2][4][4];
-        const bool half = NH == 2 && cur.t_end - cur.t0 <= 128;  // (a last tile of <= 128 tokens: its first half only)
         for (int s0 = 0; s0 < STEPS; s0 += 4) {
 #pragma unroll
             for (int u = 0; u < 4; ++u) {
@@ -301,18 +300,14 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
                 while (!bar_try_wait(full + n % XS, (n / XS) & 1)) {
                 }
                 const u8* slot = xs + (n % XS) * BT * 128;
-                if (half)
 #pragma unroll
-                    for (int j = 0; j < 4; ++j) wgmma_n128(acc[0], A[u & 1][j], smem_desc(slot + j * 32));
-                else
+                for (int j = 0; j < 4; ++j)
+                    if (NH == 2 && N256)
+                        wgmma_n256(*(float(*)[128])acc, A[u & 1][j], smem_desc(slot + j * 32));
+                    else
 #pragma unroll
-                    for (int j = 0; j < 4; ++j)
-                        if (NH == 2 && N256)
-                            wgmma_n256(*(float(*)[128])acc, A[u & 1][j], smem_desc(slot + j * 32));
-                        else
-#pragma unroll
-                            for (int h = 0; h < NH; ++h)
-                                wgmma_n128(acc[h], A[u & 1][j], smem_desc(slot + h * 16384 + j * 32));
+                        for (int h = 0; h < NH; ++h)
+                            wgmma_n128(acc[h], A[u & 1][j], smem_desc(slot + h * 16384 + j * 32));
                 wgmma_commit();
                 wgmma_wait<1>();  // (stage s - 1's group: its A registers, A[(u + 1) & 1], are free again)
 #pragma unroll
