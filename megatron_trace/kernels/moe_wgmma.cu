@@ -218,6 +218,79 @@ __device__ __forceinline__ bool next_tile(Tile& c, const int* offs, int items, i
     return true;
 }
 
+// Code and scale words of stage s of item p's 16-row group (wbase, sbase: this lane's in item 0).
+template <int STEPS>
+__device__ __forceinline__ const u32* w_at(const u8* wbase, int p, int s) {
+    return (const u32*)(wbase + ((long long)p * 8 * STEPS + s) * 512);
+}
+template <int MX, int STEPS>
+__device__ __forceinline__ const u8* s_at(const u8* sbase, int p, int s) {
+    return sbase + ((long long)p * 8 * STEPS + s) * (MX ? 32 : 64);
+}
+
+// One tile's MMAs: acc += the dequantized weights of cur's item x its token tile, over all STEPS stages (the stages
+// this CTA loaded before it: n0), running the MMAs W tokens wide (BT, or 128 for a last tile of at most 128 tokens: a
+// separate copy of the loop, so that no branch sits between the wgmmas in flight). Stage s + 4's weights and stage
+// s + XS - 2's token rows load at stage s, the next tile's (nxt, where more) past the end.
+template <int MX, int BT, int STEPS, int W>
+__device__ __forceinline__ void mma_tile(float (&acc)[BT / 128][64], u32& bad, Words4 (&wq)[4], u32 (&sc)[4], u8* xs,
+                                         unsigned long long* full, const TensorMap* xmap, const Tile& cur,
+                                         const Tile& nxt, bool more, u32 n0, const u8* wbase, const u8* sbase,
+                                         int lane, int tid) {
+    constexpr int NH = BT / 128;
+    u32 A[2][4][4];
+    for (int s0 = 0; s0 < STEPS; s0 += 4) {
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int s = s0 + u;
+            const u32 n = n0 + s;
+            __syncthreads();  // (both warpgroups past stage s - 1's wait: stage s - 2's slot is free)
+            if (tid == 0) {
+                const u32 m = n + XS - 2;
+                if (s + XS - 2 < STEPS)
+                    tma_x_stage<BT>(xs + (m % XS) * BT * 128, full + m % XS, xmap, cur.t0, s + XS - 2);
+                else if (more)  // (the next tile's first stages)
+                    tma_x_stage<BT>(xs + (m % XS) * BT * 128, full + m % XS, xmap, nxt.t0, s + XS - 2 - STEPS);
+            }
+            dequant_stage<MX>(A[u & 1], wq[u], sc[u], lane, bad);
+            if (s + 4 < STEPS) {
+                wq[u] = ldg_stream(w_at<STEPS>(wbase, cur.p, s + 4));
+                sc[u] = ldg_u16(s_at<MX, STEPS>(sbase, cur.p, s + 4));
+            } else if (more) {
+                wq[u] = ldg_stream(w_at<STEPS>(wbase, nxt.p, s + 4 - STEPS));
+                sc[u] = ldg_u16(s_at<MX, STEPS>(sbase, nxt.p, s + 4 - STEPS));
+            }
+#pragma unroll
+            for (int h = 0; h < NH; ++h)
+#pragma unroll
+                for (int i = 0; i < 64; ++i) hold(acc[h][i]);
+            wgmma_fence();
+            while (!bar_try_wait(full + n % XS, (n / XS) & 1)) {
+            }
+            const u8* slot = xs + (n % XS) * BT * 128;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                if (W == 256 && N256)
+                    wgmma_n256(*(float(*)[128])acc, A[u & 1][j], smem_desc(slot + j * 32));
+                else
+#pragma unroll
+                    for (int h = 0; h < W / 128; ++h)
+                        wgmma_n128(acc[h], A[u & 1][j], smem_desc(slot + h * 16384 + j * 32));
+            wgmma_commit();
+            wgmma_wait<1>();  // (stage s - 1's group: its A registers, A[(u + 1) & 1], are free again)
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) hold(A[(u + 1) & 1][j][i]);
+        }
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int h = 0; h < NH; ++h)
+#pragma unroll
+        for (int i = 0; i < 64; ++i) hold(acc[h][i]);
+}
+
 // MX 0: NVFP4, 1: MXFP4; BT: token tile (128 or 256); STEPS: K / 64 (a multiple of 4). Grid (G, 1): the CTAs take
 // the N / 128 x E items (item p: expert p / nx, its weight rows 128 (p % nx) .. + 127) in order from the counter
 // ctr[0], CTA b's first one b (ctr: 1 + G ints, all G at launch; persistent with G = the multiprocessors; G = the
@@ -247,8 +320,6 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
     // item p's 16-row group: 512 code bytes a stage (this lane's 16 at 16 lane), SB scale bytes a stage
     const u8* wbase = codes + (long long)sub * STEPS * 512 + lane * 16;
     const u8* sbase = scales + (long long)sub * STEPS * SB + (MX ? 4 * g + 2 * (q & 1) : 2 * lane);
-#define W_AT(p, s) ((const u32*)(wbase + ((long long)(p) * 8 * STEPS + (s)) * 512))
-#define S_AT(p, s) (sbase + ((long long)(p) * 8 * STEPS + (s)) * SB)
     if (tid == 0) {
         for (int i = 0; i < XS; ++i) bar_init(full + i, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -258,8 +329,8 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
     u32 sc[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-        wq[u] = ldg_stream(W_AT(cur.p, u));
-        sc[u] = ldg_u16(S_AT(cur.p, u));
+        wq[u] = ldg_stream(w_at<STEPS>(wbase, cur.p, u));
+        sc[u] = ldg_u16(s_at<MX, STEPS>(sbase, cur.p, u));
     }
     u32 n0 = 0;  // stages this CTA has loaded before this tile (slot n % XS, its barrier's phase n / XS)
     while (true) {
@@ -270,57 +341,13 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
             for (int i = 0; i < 64; ++i) acc[h][i] = 0.0f;
         Tile nxt = cur;
         const bool more = next_tile<BT>(nxt, offs, items, nx, ctr, pend);
-        u32 bad = 0, A[2][4][4];
-        for (int s0 = 0; s0 < STEPS; s0 += 4) {
-#pragma unroll
-            for (int u = 0; u < 4; ++u) {
-                const int s = s0 + u;
-                const u32 n = n0 + s;
-                __syncthreads();  // (both warpgroups past stage s - 1's wait: stage s - 2's slot is free)
-                if (tid == 0) {
-                    const u32 m = n + XS - 2;
-                    if (s + XS - 2 < STEPS)
-                        tma_x_stage<BT>(xs + (m % XS) * BT * 128, full + m % XS, &xmap, cur.t0, s + XS - 2);
-                    else if (more)  // (the next tile's first stages)
-                        tma_x_stage<BT>(xs + (m % XS) * BT * 128, full + m % XS, &xmap, nxt.t0, s + XS - 2 - STEPS);
-                }
-                dequant_stage<MX>(A[u & 1], wq[u], sc[u], lane, bad);
-                if (s + 4 < STEPS) {
-                    wq[u] = ldg_stream(W_AT(cur.p, s + 4));
-                    sc[u] = ldg_u16(S_AT(cur.p, s + 4));
-                } else if (more) {
-                    wq[u] = ldg_stream(W_AT(nxt.p, s + 4 - STEPS));
-                    sc[u] = ldg_u16(S_AT(nxt.p, s + 4 - STEPS));
-                }
-#pragma unroll
-                for (int h = 0; h < NH; ++h)
-#pragma unroll
-                    for (int i = 0; i < 64; ++i) hold(acc[h][i]);
-                wgmma_fence();
-                while (!bar_try_wait(full + n % XS, (n / XS) & 1)) {
-                }
-                const u8* slot = xs + (n % XS) * BT * 128;
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-                    if (NH == 2 && N256)
-                        wgmma_n256(*(float(*)[128])acc, A[u & 1][j], smem_desc(slot + j * 32));
-                    else
-#pragma unroll
-                        for (int h = 0; h < NH; ++h)
-                            wgmma_n128(acc[h], A[u & 1][j], smem_desc(slot + h * 16384 + j * 32));
-                wgmma_commit();
-                wgmma_wait<1>();  // (stage s - 1's group: its A registers, A[(u + 1) & 1], are free again)
-#pragma unroll
-                for (int j = 0; j < 4; ++j)
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) hold(A[(u + 1) & 1][j][i]);
-            }
-        }
-        wgmma_wait<0>();
-#pragma unroll
-        for (int h = 0; h < NH; ++h)
-#pragma unroll
-            for (int i = 0; i < 64; ++i) hold(acc[h][i]);
+        u32 bad = 0;
+        if (NH == 2 && cur.t_end - cur.t0 <= 128)  // (a last tile of <= 128 tokens: m64n128k16 on its first half)
+            mma_tile<MX, BT, STEPS, 128>(acc, bad, wq, sc, xs, full, &xmap, cur, nxt, more, n0, wbase, sbase, lane,
+                                         tid);
+        else
+            mma_tile<MX, BT, STEPS, BT>(acc, bad, wq, sc, xs, full, &xmap, cur, nxt, more, n0, wbase, sbase, lane,
+                                        tid);
         // acc[h][4 n + i]: row g + 8 (i / 2), token 128 h + 8 n + 2 q + i % 2; a NaN block scale of a row in any
         // lane of the quad (each holds one block of the row's stages) makes the row NaN
         bad |= __shfl_xor_sync(0xFFFFFFFFu, bad, 1);
@@ -337,6 +364,4 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
         cur = nxt;
         n0 += STEPS;
     }
-#undef W_AT
-#undef S_AT
 }

@@ -6,6 +6,8 @@ cp.async did)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from .conftest import nvrtc_bench
@@ -23,8 +25,12 @@ def test_builds_keep_the_pipeline(sass, mx, bt, stages):
     assert row["spill_bytes"] == 0 and row["registers"] <= 255, row
     regs, _, body = sass.build(mx, bt, stages)
     hgmma = [ins for ins in body if ins.startswith("HGMMA")]
-    # 4 k16 steps per stage, one m64n{bt}k16 each, unrolled 4 stages deep
-    assert len(hgmma) == 4 * 4 and all(ins.startswith(f"HGMMA.64x{bt}x16.F32.BF16 R") for ins in hgmma), hgmma[:2]
+    # 4 k16 steps per stage, one m64n{bt}k16 each, unrolled 4 stages deep; a last 256-token tile of at most 128 tokens
+    # in its own copy of the loop, m64n128k16 (session 28, call 4: a branch between the wgmmas instead made ptxas join
+    # the paths with no-op HGMMAs, and every tile 1.2x slower)
+    widths = Counter(ins.split()[0] for ins in hgmma)
+    assert widths == Counter({f"HGMMA.64x{bt}x16.F32.BF16": 16, **({"HGMMA.64x128x16.F32.BF16": 16} if bt == 256
+                                                                    else {})}), widths
     assert all("gdesc" in ins.split(",")[2] for ins in hgmma)  # (A from registers, B by descriptor)
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in row["hgmma_waits"], row
     assert row["membar"] == 0 and row["tma_loads"] >= 1, row
