@@ -30,6 +30,7 @@ SHAPES = {  # name: (experts, K, N) as in torch._grouped_mm's mat_b [E, K, N]
     "qwen3_fc1": (128, 2048, 1536),
     "qwen3_fc2": (128, 768, 2048),
     "dsv3_fc1": (256, 7168, 4096),
+    "dsv3_fc2": (256, 2048, 7168),
 }
 SMALL = [(64, 256, 16, 4, 1), (64, 128, 16, 4, 3), (128, 128, 16, 8, 1), (128, 256, 16, 8, 1), (64, 256, 16, 4, 2)]
 MID = [(64, 256, 32, 4, 1), (64, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
@@ -221,7 +222,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="qwen3_fc1,qwen3_fc2,dsv3_fc1")
     p.add_argument("--tokens", default="1,2,4,8,16,32,64,128,256")
-    p.add_argument("--big-tokens", default="1,4,16,64,256", help="tokens per expert for dsv3_fc1")
+    p.add_argument("--big-tokens", default="1,4,16,64,256", help="tokens per expert for the dsv3 shapes")
     p.add_argument("--fmts", default="nvfp4,mxfp4")
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--sweep", action="store_true", help="time the launch-config grid (SWEEP) instead")
@@ -239,8 +240,9 @@ def main(argv=None) -> dict:
     rows = []
     for name in args.shapes.split(","):
         e, k, n = SHAPES[name]
-        fmts = args.fmts.split(",") if name != "dsv3_fc1" else ["nvfp4"]
-        toks = [int(v) for v in args.big_tokens.split(",")] if name == "dsv3_fc1" else tokens
+        big = name.startswith("dsv3")
+        fmts = ["nvfp4"] if big else args.fmts.split(",")
+        toks = [int(v) for v in args.big_tokens.split(",")] if big else tokens
         rows += run_shape(name, e, k, n, toks, bw, fmts, not args.no_sweep)
         torch.cuda.empty_cache()
     res = {"bench": "moe_gemm", "copy_TBps": round(bw / 1e12, 3), "machine": machine(), "timer": args.timer,
