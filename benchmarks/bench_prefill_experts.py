@@ -3,9 +3,10 @@ quantization, routing, both grouped GEMMs, gate, combine) with the Triton GEMM a
 (``experts.PREFILL_WGMMA``'s path: the store's "wgmma" copy), and bf16 weights (``torch._grouped_mm``) for reference.
 
 One Qwen3-30B-A3B-shaped MoE layer (128 experts, hidden 2048, expert FFN 768, top-8), random weights, random top-8
-routing of ``tokens`` prompt tokens. Prints one JSON line: device time per call (CUDA graphs, L2 flushed), and the
-output's relative difference between the two FP4 paths. ``wgmma_items_us``: the wgmma GEMM with one CTA per 128-row x
-expert item instead of its persistent grid. Usage (H200):
+routing of ``tokens`` prompt tokens; the wgmma GEMM runs at every size (``MIN_TOKENS_PER_EXPERT`` 0). Prints one
+JSON line: device time per call (CUDA graphs, L2 flushed), and the output's relative difference between the two FP4
+paths. ``wgmma_items_us``: the wgmma GEMM with one CTA per 128-row x expert item instead of its persistent grid.
+Usage (H200):
     python3 benchmarks/bench_prefill_experts.py [--tokens 2048,4096,8192]
 """
 
@@ -46,8 +47,9 @@ def main(argv=None) -> dict:
             return grouped_experts_forward(hidden, idx, wts, f1, f2, activation_quantizer=aq, packed_fc1=packed1,
                                            packed_fc2=packed2).out
 
-        auto = moe_mma.AUTO
+        auto, min_tpe = moe_mma.AUTO, moe_wgmma.MIN_TOKENS_PER_EXPERT
         moe_mma.AUTO = False  # (the decode GEMM is not preferred at these sizes anyway)
+        moe_wgmma.MIN_TOKENS_PER_EXPERT = 0  # (the wgmma GEMM at every size: where should the dispatch start?)
         tri_us = graph_ms(run) * 1e3
         wg_us = graph_ms(lambda: run(w1, w2)) * 1e3
         moe_wgmma.PERSISTENT = False
@@ -55,7 +57,7 @@ def main(argv=None) -> dict:
         moe_wgmma.PERSISTENT = True
         bf_us = graph_ms(lambda: run(f1=fc1_bf16, f2=fc2_bf16)) * 1e3
         diff = float((run(w1, w2).float() - run().float()).norm() / run().float().norm())
-        moe_mma.AUTO = auto
+        moe_mma.AUTO, moe_wgmma.MIN_TOKENS_PER_EXPERT = auto, min_tpe
         row = {"tokens": t, "tok_per_expert": t * TOP_K / E, "triton_us": round(tri_us, 1), "wgmma_us": round(wg_us, 1),
                "wgmma_items_us": round(items_us, 1), "bf16_weights_us": round(bf_us, 1),
                "wgmma_vs_triton": round(tri_us / wg_us, 3), "wgmma_vs_bf16": round(bf_us / wg_us, 3),
