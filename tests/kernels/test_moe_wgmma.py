@@ -74,9 +74,9 @@ def test_source_is_package_data():
     assert "wgmma.mma_async.sync.aligned.m64n128k16" in moe_wgmma.SOURCE.read_text()
 
 
-def test_preferred_from_128_tokens_per_expert(monkeypatch):
+def test_preferred_from_64_tokens_per_expert(monkeypatch):
     p = moe_wgmma.pack(Quantizer("nvfp4").quantize(torch.randn(4, 128, 256)))
-    assert [moe_wgmma.preferred(r, p) for r in (511, 512)] == [False, True]
+    assert [moe_wgmma.preferred(r, p) for r in (255, 256)] == [False, True]
     monkeypatch.setattr(moe_wgmma, "AUTO", False)
     assert not moe_wgmma.preferred(512, p)
 

@@ -74,8 +74,8 @@ def test_prefill_sized_calls_take_the_wgmma_layout_only_when_asked(monkeypatch):
     fc1 = store.stacked(0, "fc1")
     assert experts._packed_layout(4 * 128, fc1, store, 0) == "mma"  # (PREFILL_WGMMA off by default)
     monkeypatch.setattr(experts, "PREFILL_WGMMA", True)
-    assert experts._packed_layout(4 * 128, fc1, store, 0) == "wgmma"
-    assert experts._packed_layout(4 * 128 - 1, fc1, store, 0) == "mma"
+    assert experts._packed_layout(4 * 64, fc1, store, 0) == "wgmma"
+    assert experts._packed_layout(4 * 64 - 1, fc1, store, 0) == "mma"
     monkeypatch.setattr(moe_mma, "AUTO", False)
     assert experts._packed_layout(64, fc1, store, 0) is None
     monkeypatch.setattr(moe_wgmma, "AUTO", False)
