@@ -4,7 +4,9 @@ device-call logs.
 ``python3 benchmarks/summarize_rows.py attn FILE.jsonl`` (times of every kernel, the fast kernel's ratios),
 ``... fast FILE.jsonl`` (the fast kernel's variants: masks, intervals, readable rows, launch configs) or
 ``... decode FILE.jsonl`` (GPU ms per step, attention and MoE ms, eager tokens/s per mode, batch and context) or
-``... skew FILE.jsonl`` (the GEMM's default launch and its times per variant, BT 32-128 left out).
+``... skew FILE.jsonl`` (the GEMM's default launch and its times per variant, BT 32-128 left out) or
+``... wgmma FILE.json`` (``bench_moe_wgmma.py``: per shape, format and tokens per expert, the bf16 time and each
+kernel's time, speedup and error).
 """
 
 from __future__ import annotations
@@ -44,9 +46,17 @@ def skew(row: dict) -> str | None:
             f"{row['default_programs']} {times}")
 
 
+def wgmma(row: dict) -> str | None:
+    if row.get("bench") != "moe_wgmma":
+        return None
+    return "\n".join(f"{r['shape']} {r['fmt']} {r['tok_per_expert']} bf16 {r['bf16_us']} " + str(
+        {k: (v["us"], v["speedup_vs_bf16"], v.get("rel_err")) for k, v in r.items() if isinstance(v, dict)})
+        for r in row["results"])
+
+
 def main(argv=None) -> None:
     kind, path = (argv or sys.argv[1:])[:2]
-    fmt = {"attn": attn, "fast": fast, "decode": decode, "skew": skew}[kind]
+    fmt = {"attn": attn, "fast": fast, "decode": decode, "skew": skew, "wgmma": wgmma}[kind]
     for line in open(path):
         out = fmt(json.loads(line))
         if out:

@@ -11,10 +11,5 @@ timeout 200 python3 benchmarks/bench_moe_wgmma.py --shapes qwen3_fc1,qwen3_fc2 -
     > "$OUT/bench_qwen3.json" 2> "$OUT/bench_qwen3.err"; echo "bench rc=$? after ${SECONDS}s"
 timeout 100 python3 benchmarks/bench_prefill_experts.py --tokens 2048,4096,8192 > "$OUT/bench_prefill.json" \
     2> "$OUT/bench_prefill.err"; echo "bench prefill rc=$? after ${SECONDS}s"
-python3 - "$OUT" <<'PY'
-import json, sys
-for r in json.load(open(f"{sys.argv[1]}/bench_qwen3.json"))["results"]:
-    print(r["shape"], r["tok_per_expert"], "bf16", r["bf16_us"], {k: (v["us"], v["speedup_vs_bf16"], v.get("rel_err"))
-          for k, v in r.items() if isinstance(v, dict)})
-PY
+python3 benchmarks/summarize_rows.py wgmma "$OUT/bench_qwen3.json"
 tail -3 "$OUT/bench_prefill.err" | cut -c1-600

@@ -3,18 +3,5 @@
 # runs its own copy of the stage loop, m64n128k16 on the tile's first half (mma_tile<..., 128>). The wgmma GPU tests,
 # Qwen3's FC1 / FC2 at 256 and 320 (= 256 + 64) tokens per expert, and the rollout's experts forward at prefill sizes
 # (random routing: about half the experts have a second, short tile at 4096 tokens).
-source benchmarks/_device_env.sh > /dev/null 2>&1
-timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 -rfEs --tb=short tests/gpu/test_moe_wgmma_gpu.py \
-    tests/kernels/test_moe_wgmma.py > "$OUT/pytest.txt" 2>&1
-echo "pytest rc=$? after ${SECONDS}s"; grep -E "^(FAILED|ERROR)" "$OUT/pytest.txt" | head -20; tail -1 "$OUT/pytest.txt"
-timeout 200 python3 benchmarks/bench_moe_wgmma.py --shapes qwen3_fc1,qwen3_fc2 --tokens 256,320 --tiles 256 \
-    > "$OUT/bench_qwen3.json" 2> "$OUT/bench_qwen3.err"; echo "bench rc=$? after ${SECONDS}s"
-timeout 100 python3 benchmarks/bench_prefill_experts.py --tokens 2048,4096,8192 > "$OUT/bench_prefill.json" \
-    2> "$OUT/bench_prefill.err"; echo "bench prefill rc=$? after ${SECONDS}s"
-python3 - "$OUT" <<'PY'
-import json, sys
-for r in json.load(open(f"{sys.argv[1]}/bench_qwen3.json"))["results"]:
-    print(r["shape"], r["tok_per_expert"], "bf16", r["bf16_us"], {k: (v["us"], v["speedup_vs_bf16"], v.get("rel_err"))
-          for k, v in r.items() if isinstance(v, dict)})
-PY
-tail -3 "$OUT/bench_prefill.err" | cut -c1-600
+# The same commands as call 4:
+bash "$(dirname "$0")/device_s28_call4.sh"

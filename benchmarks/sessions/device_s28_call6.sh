@@ -10,14 +10,7 @@ timeout 120 python3 benchmarks/bench_moe_wgmma.py --shapes qwen3_fc1,qwen3_fc2 -
     > "$OUT/bench_small.json" 2> "$OUT/bench_small.err"; echo "bench small rc=$? after ${SECONDS}s"
 timeout 150 python3 benchmarks/bench_moe_wgmma.py --shapes dsv3_fc2 --tokens 128,256 --no-triton \
     > "$OUT/bench_dsv3_fc2.json" 2> "$OUT/bench_dsv3_fc2.err"; echo "bench dsv3_fc2 rc=$? after ${SECONDS}s"
-python3 - "$OUT" <<'PY'
-import json, sys
-for f in ("bench_mxfp4", "bench_small", "bench_dsv3_fc2"):
-    try:
-        for r in json.load(open(f"{sys.argv[1]}/{f}.json"))["results"]:
-            print(r["shape"], r["fmt"], r["tok_per_expert"], "bf16", r["bf16_us"],
-                  {k: (v["us"], v["speedup_vs_bf16"], v.get("rel_err")) for k, v in r.items() if isinstance(v, dict)})
-    except Exception as exc:
-        print(f, "failed:", exc)
-PY
+python3 benchmarks/summarize_rows.py wgmma "$OUT/bench_mxfp4.json"
+python3 benchmarks/summarize_rows.py wgmma "$OUT/bench_small.json"
+python3 benchmarks/summarize_rows.py wgmma "$OUT/bench_dsv3_fc2.json"
 tail -2 "$OUT/bench_dsv3_fc2.err" | cut -c1-400
