@@ -16,7 +16,8 @@ bf16); ``fp4`` = TRACE numerics (W4A4 emulation: activations quantized by the Tr
 weights read packed by the Triton W4A16 grouped GEMM, FP4 KV cache quantized by Triton and read by the fused
 FP4-KV decode attention kernel); ``fp4u`` = ``fp4`` with the FP4 history dequantized to bf16, then SDPA.
 ``--generate-batches``: also times ``HFRolloutBackend.generate`` (recorder included) on short prompts, and in FP4
-modes without recording (``capture_share``: the part of the rollout time the guidance capture costs).
+modes without recording (``capture_share``: the part of the rollout time the guidance capture costs);
+``--gen-prefill-wgmma`` and with ``experts.PREFILL_WGMMA`` on (prefill-sized expert GEMMs on the wgmma kernel).
 ``--profile``: per point, the share of GPU time in attention (of which the KV update/dequantize and the
 attention kernels) vs the MoE block (torch.profiler over eager steps), and ``--attn-micro`` a per-layer
 attention micro-benchmark (bf16 SDPA, FP4 dequantize + SDPA, fused FP4 decode attention kernel).
@@ -41,7 +42,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from megatron_trace.config import TraceConfig
-from megatron_trace.rollout import HFRolloutBackend, SamplingParams
+from megatron_trace.rollout import HFRolloutBackend, SamplingParams, experts
 from megatron_trace.rollout.kv_cache import FP4KVCache
 
 logger = logging.getLogger("bench_decode")
@@ -352,11 +353,12 @@ def measure_generate(be, mode, batch, args) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, be.vocab_size, (args.gen_prompt,), generator=g).tolist() for _ in range(batch)]
     sp = SamplingParams(max_new_tokens=args.gen_tokens, seed=0, stop_token_ids=())
-    fused, guided = be.fused_kv_attention, sorted(be._guided_layer_ids)
+    fused, guided, prefill_wgmma = be.fused_kv_attention, sorted(be._guided_layer_ids), experts.PREFILL_WGMMA
     be.fused_kv_attention = fused and mode != "fp4u"
 
-    def timed(capture: bool, prof=None):
+    def timed(capture, prof=None):  # capture: True, False, or "wgmma" (True with experts.PREFILL_WGMMA on)
         be.set_guided_layers(guided if capture else [])
+        experts.PREFILL_WGMMA = capture == "wgmma"
         _sync(be.device)
         if prof is not None:
             prof.enable()
@@ -371,9 +373,11 @@ def measure_generate(be, mode, batch, args) -> dict:
     try:
         sites = len(be.guided_sites)
         captures = [True, False] if sites else [True]
+        if args.gen_prefill_wgmma and mode != "bf16":
+            captures.append("wgmma")
         for c in captures:  # warm-up at full length, both ways: Triton compiles no kernel variant in a timed call
             timed(c)
-        secs: dict[bool, list[float]] = {c: [] for c in captures}
+        secs: dict = {c: [] for c in captures}
         manual = args.gen_gc == "manual"
         if manual:  # like Megatron-LM's --manual-gc: no collection inside a timed generate
             gc.collect()
@@ -403,9 +407,14 @@ def measure_generate(be, mode, batch, args) -> dict:
                        capture_shares=[round(v, 3) for v in shares], secs_no_capture=[round(v, 3) for v in secs[False]])
             if args.profile_generate:
                 row["capture_hot"] = _capture_hot(timed)
+        if "wgmma" in secs:
+            row.update(sec_prefill_wgmma=round(statistics.median(secs["wgmma"]), 3),
+                       prefill_wgmma_speedup=round(sec / statistics.median(secs["wgmma"]), 3),
+                       secs_prefill_wgmma=[round(v, 3) for v in secs["wgmma"]])
     finally:
         be.fused_kv_attention = fused
         be.set_guided_layers(guided)
+        experts.PREFILL_WGMMA = prefill_wgmma
     return row
 
 
@@ -471,6 +480,8 @@ def parse_args(argv):
     p.add_argument("--gen-gc", choices=("auto", "manual"), default="auto",
                    help="manual: Python's GC frozen and disabled inside the timed generate calls, collected between")
     p.add_argument("--profile-generate", action="store_true", help="cProfile: where capture's host time goes")
+    p.add_argument("--gen-prefill-wgmma", action="store_true",
+                   help="FP4 modes: also time generate with experts.PREFILL_WGMMA on (sec_prefill_wgmma)")
     p.add_argument("--budget-s", type=float, default=0.0, help="stop adding points after this many seconds")
     p.add_argument("--out", default=None, help="append JSON lines to this file")
     p.add_argument("--shape", choices=tuple(SHAPES), default="default",
