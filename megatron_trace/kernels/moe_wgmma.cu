@@ -218,6 +218,9 @@ __device__ __forceinline__ bool next_tile(Tile& c, const int* offs, int items, i
     return true;
 }
 
+// Scale bytes of a 16-row group's stage: NVFP4 4 blocks x 16 rows, MXFP4 2 x 16.
+#define STAGE_SCALE_BYTES(MX) ((MX) ? 32 : 64)
+
 // Code and scale words of stage s of item p's 16-row group (wbase, sbase: this lane's in item 0).
 template <int STEPS>
 __device__ __forceinline__ const u32* w_at(const u8* wbase, int p, int s) {
@@ -225,7 +228,7 @@ __device__ __forceinline__ const u32* w_at(const u8* wbase, int p, int s) {
 }
 template <int MX, int STEPS>
 __device__ __forceinline__ const u8* s_at(const u8* sbase, int p, int s) {
-    return sbase + ((long long)p * 8 * STEPS + s) * (MX ? 32 : 64);
+    return sbase + ((long long)p * 8 * STEPS + s) * STAGE_SCALE_BYTES(MX);
 }
 
 // One tile's MMAs: acc += the dequantized weights of cur's item x its token tile, over all STEPS stages (the stages
@@ -315,11 +318,10 @@ fp4_w4a16_wgmma(const __grid_constant__ TensorMap xmap, const u16* x, const u8* 
     if (!next_tile<BT>(cur, offs, items, nx, ctr, pend)) return;
     const int tid = threadIdx.x, warp = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, q = lane & 3;
     const int sub = (tid >> 7) * 4 + warp;  // the warp's 16-row group of the item's 8 (rows 16 sub .. + 15)
-    constexpr int SB = MX ? 32 : 64;        // scale bytes of a 16-row group's stage
     constexpr int NH = BT / 128;
-    // item p's 16-row group: 512 code bytes a stage (this lane's 16 at 16 lane), SB scale bytes a stage
+    // item p's 16-row group: 512 code bytes a stage (this lane's 16 at 16 lane), STAGE_SCALE_BYTES scale bytes
     const u8* wbase = codes + (long long)sub * STEPS * 512 + lane * 16;
-    const u8* sbase = scales + (long long)sub * STEPS * SB + (MX ? 4 * g + 2 * (q & 1) : 2 * lane);
+    const u8* sbase = scales + (long long)sub * STEPS * STAGE_SCALE_BYTES(MX) + (MX ? 4 * g + 2 * (q & 1) : 2 * lane);
     if (tid == 0) {
         for (int i = 0; i < XS; ++i) bar_init(full + i, 1);
         asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
