@@ -17,7 +17,8 @@ weights read packed by the Triton W4A16 grouped GEMM, FP4 KV cache quantized by 
 FP4-KV decode attention kernel); ``fp4u`` = ``fp4`` with the FP4 history dequantized to bf16, then SDPA.
 ``--generate-batches``: also times ``HFRolloutBackend.generate`` (recorder included) on short prompts, and in FP4
 modes without recording (``capture_share``: the part of the rollout time the guidance capture costs);
-``--gen-prefill-wgmma`` and with ``experts.PREFILL_WGMMA`` on (prefill-sized expert GEMMs on the wgmma kernel).
+``--gen-prefill-wgmma`` and with ``experts.PREFILL_WGMMA`` on (prefill-sized expert GEMMs on the wgmma kernel);
+``--gen-dense-off``: and with ``experts.DENSE_FROM`` None (prefill-sized expert GEMMs on the FP4 codes).
 ``--profile``: per point, the share of GPU time in attention (of which the KV update/dequantize and the
 attention kernels) vs the MoE block (torch.profiler over eager steps), and ``--attn-micro`` a per-layer
 attention micro-benchmark (bf16 SDPA, FP4 dequantize + SDPA, fused FP4 decode attention kernel).
@@ -354,11 +355,13 @@ def measure_generate(be, mode, batch, args) -> dict:
     prompts = [torch.randint(3, be.vocab_size, (args.gen_prompt,), generator=g).tolist() for _ in range(batch)]
     sp = SamplingParams(max_new_tokens=args.gen_tokens, seed=0, stop_token_ids=())
     fused, guided, prefill_wgmma = be.fused_kv_attention, sorted(be._guided_layer_ids), experts.PREFILL_WGMMA
+    dense_from = experts.DENSE_FROM
     be.fused_kv_attention = fused and mode != "fp4u"
 
-    def timed(capture, prof=None):  # capture: True, False, or "wgmma" (True with experts.PREFILL_WGMMA on)
-        be.set_guided_layers(guided if capture else [])
+    def timed(capture, prof=None):  # capture: True, False, "wgmma" (True with experts.PREFILL_WGMMA on) or
+        be.set_guided_layers(guided if capture else [])  # "dense_off" (True with experts.DENSE_FROM None)
         experts.PREFILL_WGMMA = capture == "wgmma"
+        experts.DENSE_FROM = None if capture == "dense_off" else dense_from
         _sync(be.device)
         if prof is not None:
             prof.enable()
@@ -375,6 +378,8 @@ def measure_generate(be, mode, batch, args) -> dict:
         captures = [True, False] if sites else [True]
         if args.gen_prefill_wgmma and mode != "bf16":
             captures.append("wgmma")
+        if args.gen_dense_off and mode != "bf16":
+            captures.append("dense_off")
         for c in captures:  # warm-up at full length, both ways: Triton compiles no kernel variant in a timed call
             timed(c)
         secs: dict = {c: [] for c in captures}
@@ -411,10 +416,15 @@ def measure_generate(be, mode, batch, args) -> dict:
             row.update(sec_prefill_wgmma=round(statistics.median(secs["wgmma"]), 3),
                        prefill_wgmma_speedup=round(sec / statistics.median(secs["wgmma"]), 3),
                        secs_prefill_wgmma=[round(v, 3) for v in secs["wgmma"]])
+        if "dense_off" in secs:
+            row.update(sec_dense_off=round(statistics.median(secs["dense_off"]), 3),
+                       dense_speedup=round(statistics.median(secs["dense_off"]) / sec, 3),
+                       secs_dense_off=[round(v, 3) for v in secs["dense_off"]])
     finally:
         be.fused_kv_attention = fused
         be.set_guided_layers(guided)
         experts.PREFILL_WGMMA = prefill_wgmma
+        experts.DENSE_FROM = dense_from
     return row
 
 
@@ -482,6 +492,9 @@ def parse_args(argv):
     p.add_argument("--profile-generate", action="store_true", help="cProfile: where capture's host time goes")
     p.add_argument("--gen-prefill-wgmma", action="store_true",
                    help="FP4 modes: also time generate with experts.PREFILL_WGMMA on (sec_prefill_wgmma)")
+    p.add_argument("--gen-dense-off", action="store_true",
+                   help="FP4 modes: also time generate with experts.DENSE_FROM None, the expert GEMMs on the FP4 "
+                        "codes at every size (sec_dense_off; dense_speedup: sec_dense_off / sec)")
     p.add_argument("--budget-s", type=float, default=0.0, help="stop adding points after this many seconds")
     p.add_argument("--out", default=None, help="append JSON lines to this file")
     p.add_argument("--shape", choices=tuple(SHAPES), default="default",

@@ -36,6 +36,20 @@ one more FP4 payload per layer (about 0.56 bytes per expert parameter in NVFP4),
 change, which is why this is off by default. On one H200 a Qwen3-30B-A3B-shaped layer's experts forward runs
 1.10-1.38x faster than on the Triton GEMM at 1K-8K prompt tokens, and ``generate`` with 2048-token prompts 1.04-1.10x
 faster (BENCHMARKS.md, session 28)."""
+DENSE_FROM = 80
+"""From this many routed rows per expert on average (``DENSE_FROM_WGMMA`` where ``PREFILL_WGMMA`` is on), the FP4
+experts' two GEMMs read the layer's dequantized weights, which the module's parameters hold (``ExpertWeightStore.set``
+writes them), with ``torch._grouped_mm`` instead of the FP4 codes. The numbers are the emulation's: the exact FP4
+weight values in the model dtype, the same activation quantization and records. Hopper has no FP4 tensor cores, so
+at prefill sizes the FP4 kernels' dequantization costs more than the weight bytes they save (BENCHMARKS.md, session
+29). None: never."""
+DENSE_FROM_WGMMA = 256
+
+
+def _dense_gemms(rows: int, num_experts: int) -> bool:
+    """Whether ``rows`` routed rows over ``num_experts`` experts run on the dequantized weights (``DENSE_FROM``)."""
+    start = DENSE_FROM_WGMMA if PREFILL_WGMMA else DENSE_FROM
+    return start is not None and rows >= start * max(num_experts, 1)
 
 
 @dataclass
@@ -98,9 +112,10 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     forward, fc1, fc2, extra = w4a4_experts_forward, self.gate_up_proj, self.down_proj, {}
     if _fast_path(num, hidden_states):
         forward, extra = grouped_experts_forward, {"compiled": num.compiled}
-        if fp4 and num.weight_store is not None:
+        rows = hidden_states.shape[0] * top_k_index.shape[1]
+        if fp4 and num.weight_store is not None and not _dense_gemms(rows, fc1.shape[0]):
             fc1, fc2 = num.weight_store.stacked(layer, FC1), num.weight_store.stacked(layer, FC2)
-            layout = _packed_layout(hidden_states.shape[0] * top_k_index.shape[1], fc1, num.weight_store, layer)
+            layout = _packed_layout(rows, fc1, num.weight_store, layer)
             if layout:  # (the CUDA GEMMs read their own layouts)
                 extra.update(packed_fc1=num.weight_store.packed(layer, FC1, layout),
                              packed_fc2=num.weight_store.packed(layer, FC2, layout))

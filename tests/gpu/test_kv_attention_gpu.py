@@ -344,3 +344,43 @@ def test_grouped_experts_path_with_prefill_packed_weights(monkeypatch):
     assert calls == ["wgmma", "wgmma"]
     assert torch.equal(got.fc1_in.codes, ref.fc1_in.codes)
     assert rel_err(got.out, ref.out) < 5e-2
+
+
+@pytest.mark.parametrize("tokens, dense", [(96, False), (320, True)])
+def test_prefill_sized_experts_forward_reads_the_dequantized_weights(monkeypatch, tokens, dense):
+    """From ``experts.DENSE_FROM`` routed rows per expert on average (320 x 4 rows over 16 experts: 80), the hf
+    backend's FP4 experts forward runs both GEMMs with ``torch._grouped_mm`` on the module's dequantized weights:
+    the numbers of ``grouped_experts_forward`` on those weights bit for bit, with the same activation records. Below
+    it (96 x 4: 24 per expert) it reads the FP4 codes, within the GEMM tolerance of the same numbers."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from megatron_trace.rollout import experts
+    from megatron_trace.rollout.recorder import GuidanceRecorder
+
+    e, h, ffn, k = 16, 512, 256, 4
+    m0, store, hidden, idx, wts = experts_case(9, e, h, ffn, tokens, k)
+    m = Qwen3MoeExperts(Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=ffn, num_experts=e,
+                                       num_experts_per_tok=k)).to(device=DEV, dtype=torch.bfloat16)
+    with torch.no_grad():  # (the dequantized values, as HFRolloutBackend keeps them)
+        m.gate_up_proj.copy_(m0.gate_up_proj)
+        m.down_proj.copy_(m0.down_proj)
+    aq = TraceConfig().activation_quantizer()
+    assert experts._dense_gemms(tokens * k, e) == dense
+    want = grouped_experts_forward(hidden, idx, wts, m.gate_up_proj.data, m.down_proj.data, activation_quantizer=aq,
+                                   apply_gate=m._apply_gate)
+    calls = []
+    real = torch._grouped_mm
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    rec = GuidanceRecorder(1, {(0, "expert_fc1_in"), (0, "expert_fc2_in")}, compact=False)
+    num = experts.RolloutNumerics(layer_of={id(m): 0}, activation_quantizer=aq, quantize_fc1=True, quantize_fc2=True,
+                                  recorder=rec, kernel="auto", weight_store=store)
+    with torch.no_grad(), experts.active_numerics(num):
+        got = experts.rollout_experts_forward(m, hidden, idx, wts)
+    assert len(calls) == (2 if dense else 0)
+    (fc1_rec,) = rec._records[(0, "expert_fc1_in")]
+    assert torch.equal(fc1_rec.codes[0], want.fc1_in.codes)
+    if dense:
+        assert torch.equal(got, want.out)
+    else:
+        assert rel_err(got, want.out) < 5e-2

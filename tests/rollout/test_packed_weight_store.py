@@ -80,3 +80,16 @@ def test_prefill_sized_calls_take_the_wgmma_layout_only_when_asked(monkeypatch):
     assert experts._packed_layout(64, fc1, store, 0) is None
     monkeypatch.setattr(moe_wgmma, "AUTO", False)
     assert experts._packed_layout(4 * 128, fc1, store, 0) is None
+
+
+def test_prefill_sized_calls_read_the_dequantized_weights(monkeypatch):
+    from megatron_trace.rollout import experts
+
+    start = experts.DENSE_FROM
+    assert experts._dense_gemms(start * 16, 16) and not experts._dense_gemms(start * 16 - 1, 16)
+    monkeypatch.setattr(experts, "PREFILL_WGMMA", True)  # (the wgmma GEMM keeps the sizes where it is faster)
+    start = experts.DENSE_FROM_WGMMA
+    assert start > experts.DENSE_FROM
+    assert experts._dense_gemms(start * 16, 16) and not experts._dense_gemms(start * 16 - 1, 16)
+    monkeypatch.setattr(experts, "DENSE_FROM_WGMMA", None)
+    assert not experts._dense_gemms(10**9, 16)

@@ -1,0 +1,138 @@
+"""GPU kernels of one prefill-heavy ``HFRolloutBackend.generate`` (capture on), by total time and by kind: where FP4
+prefill on Hopper loses to BF16. Per variant one JSON line: the generate's wall time, its GPU kernel time, the time
+per kind of kernel (``KINDS``, matched on the kernel name), the top kernels, the Python lines whose ops launch the
+most GPU time (with their input shapes), and where the device sat idle (``_gaps.idle_gaps``).
+Variants (``VARIANTS``): bf16; fp4 as configured; fp4 with the experts' GEMMs on the FP4 codes at every size
+(``dense_off``: ``experts.DENSE_FROM`` None, the Triton GEMM); the same with ``experts.PREFILL_WGMMA`` (``wgmma``);
+fp4 without capture (``nocap``). Usage (H200, carry .whl):
+    python3 benchmarks/profile_prefill.py [--variants bf16,fp4,dense_off,wgmma,nocap] [--batch 8] [--prompt 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+from _gaps import idle_gaps
+from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config
+from torch.profiler import ProfilerActivity, profile
+
+from megatron_trace.rollout import SamplingParams, experts
+
+KINDS = (  # (kind, substrings of the kernel name), first match wins
+    ("experts_gemm", ("moe_wgmma", "moe_mma", "_moe_", "grouped_mm", "grouped_gemm", "cutlass3x")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "softmax")),
+    ("fp4_quant", ("quant", "fp4", "_rne", "guided", "record")),
+    ("dense_gemm", ("gemm", "sm90_xmma", "nvjet", "cublas", "cutlass")),
+    ("copy_cast", ("copy", "cast", "to_copy", "elementwise_kernel_with_index", "cat", "index")),
+    ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "silu", "mul", "add")),
+)
+
+
+def kind_of(name: str) -> str:
+    low = name.lower()
+    for kind, keys in KINDS:
+        if any(k in low for k in keys):
+            return kind
+    return "other"
+
+
+VARIANTS = {  # variant -> the experts module's settings it runs with (the rest as configured)
+    "bf16": {}, "fp4": {}, "nocap": {}, "dense_off": {"DENSE_FROM": None},
+    "wgmma": {"PREFILL_WGMMA": True, "DENSE_FROM_WGMMA": None},
+}
+
+
+def launch_sites(prof, top: int) -> list:
+    """The Python lines (the innermost in megatron_trace or transformers) whose ops launch the most GPU time."""
+    sites: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or e.self_device_time_total <= 0:
+            continue
+        p, where = e.cpu_parent, "?"
+        while p is not None:
+            if "megatron_trace/" in p.name or "transformers/" in p.name:
+                where = p.name.split("/")[-1]
+                break
+            p = p.cpu_parent
+        row = sites.setdefault(f"{where} {e.name} {e.input_shapes[:2]}", [0.0, 0])
+        row[0] += e.self_device_time_total
+        row[1] += 1
+    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
+    return [[k[:120], round(us / 1e3, 3), n] for k, (us, n) in ranked]
+
+
+def run(be, variant: str, batch: int, prompt: int, tokens: int, top: int, reps: int) -> dict:
+    g = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(3, be.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+    sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
+    guided = sorted(be._guided_layer_ids)
+    saved = {k: getattr(experts, k) for k in VARIANTS[variant]}
+    be.set_guided_layers([] if variant == "nocap" else guided)
+    for k, v in VARIANTS[variant].items():
+        setattr(experts, k, v)
+    try:
+        be.generate(prompts, sp)  # warm-up: every kernel variant compiled
+        walls = []
+        for _ in range(reps):
+            _sync(be.device)
+            t0 = time.perf_counter()
+            be.generate(prompts, sp)
+            _sync(be.device)
+            walls.append(time.perf_counter() - t0)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if be.device.type == "cuda" else [])
+        with profile(activities=acts, with_stack=True, record_shapes=True) as prof:
+            be.generate(prompts, sp)
+            _sync(be.device)
+    finally:
+        be.set_guided_layers(guided)
+        for k, v in saved.items():
+            setattr(experts, k, v)
+    rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
+            if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
+    rows.sort(key=lambda r: -r[1])
+    kinds: dict[str, float] = {}
+    for name, us, _ in rows:
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + us
+    with tempfile.TemporaryDirectory() as tmp:  # (the device's idle gaps, from the profile's Chrome trace)
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        gaps = idle_gaps(path, top=12, min_us=50.0)
+    return {"bench": "prefill_kernels", "variant": variant, "batch": batch, "prompt": prompt, "new_tokens": tokens,
+            "wall_ms": round(statistics.median(walls) * 1e3, 2),
+            "walls_ms": [round(w * 1e3, 1) for w in walls], "gpu_ms": round(sum(r[1] for r in rows) / 1e3, 2),
+            "kinds_ms": {k: round(v / 1e3, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [[name[:100], round(us / 1e3, 3), n, kind_of(name)] for name, us, n in rows[:top]],
+            "sites": launch_sites(prof, top), "idle": gaps}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--reps", type=int, default=3, help="unprofiled generates timed (wall_ms: their median)")
+    p.add_argument("--static-decode", choices=("auto", "off", "eager", "graph"), default="off",
+                   help="HFRolloutBackend(static_decode=...) (auto, the backend's default: CUDA graphs for FP4)")
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (no kernels to list)")
+    a = p.parse_args(argv)
+    variants = a.variants.split(",")
+    modes = sorted({"bf16" if v == "bf16" else "fp4" for v in variants})
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backends = build_backends(model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + a.tokens + 64), modes,
+                              device, dtype, static_decode=a.static_decode)
+    for v in variants:
+        be = backends["bf16" if v == "bf16" else "fp4"]
+        print(json.dumps(run(be, v, a.batch, a.prompt, a.tokens, a.top, a.reps)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
