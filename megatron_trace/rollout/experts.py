@@ -30,16 +30,16 @@ from .recorder import GuidanceRecorder
 EXPERTS_IMPLEMENTATION = "megatron_trace_rollout"
 FC1, FC2 = "fc1", "fc2"
 PREFILL_WGMMA = False
-"""Prefill-sized expert calls (``moe_wgmma.preferred``: from 64 routed rows per expert on average) run the wgmma GEMM
-on a second packed copy of the layer's FP4 experts (``ExpertWeightStore.packed(..., layout="wgmma")``). That copy is
-one more FP4 payload per layer (about 0.56 bytes per expert parameter in NVFP4), kept until the layer's weights
-change, which is why this is off by default. On one H200 a Qwen3-30B-A3B-shaped layer's experts forward runs
-1.10-1.38x faster than on the Triton GEMM at 1K-8K prompt tokens, and ``generate`` with 2048-token prompts 1.04-1.10x
-faster (BENCHMARKS.md, session 28)."""
+"""Expert calls from 64 routed rows per expert on average (``moe_wgmma.preferred``) up to ``DENSE_FROM_WGMMA`` run the
+wgmma GEMM on a second packed copy of the layer's FP4 experts (``ExpertWeightStore.packed(..., layout="wgmma")``).
+That copy is one more FP4 payload per layer (about 0.56 bytes per expert parameter in NVFP4), kept until the layer's
+weights change, which is why this is off by default. On one H200 a Qwen3-30B-A3B-shaped layer's experts forward runs
+1.03-1.11x faster than on the dequantized weights (``DENSE_FROM``) at 64-128 tokens per expert, as fast at 160-256,
+and 0.96-0.97x at 512-1024 (BENCHMARKS.md, session 29)."""
 DENSE_FROM = 80
 """From this many routed rows per expert on average (``DENSE_FROM_WGMMA`` where ``PREFILL_WGMMA`` is on), the FP4
 experts' two GEMMs read the layer's dequantized weights, which the module's parameters hold (``ExpertWeightStore.set``
-writes them), with ``torch._grouped_mm`` instead of the FP4 codes. The numbers are the emulation's: the exact FP4
+writes them), with ``torch._grouped_mm`` instead of the FP4 codes. The arithmetic is the emulation's: the exact FP4
 weight values in the model dtype, the same activation quantization and records. Hopper has no FP4 tensor cores, so
 at prefill sizes the FP4 kernels' dequantization costs more than the weight bytes they save (BENCHMARKS.md, session
 29). None: never."""
