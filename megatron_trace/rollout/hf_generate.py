@@ -27,7 +27,7 @@ finished rows only (masked, not in the output: the same ``RolloutBatch``)."""
 GRAPH_FROM_NEW_TOKENS = 4
 """``static_decode="auto"`` captures the decode step's CUDA graph only for a ``generate`` of at least this many new
 tokens; shorter ones run the same fixed-buffer steps eagerly. The capture costs three host passes of the step (two
-warm-ups and the capture): on the H200 a generate of 1 new token after 2048-token prompts took 1.3-1.9x as long with
+warm-ups and the capture): on the H200 a generate of 1 new token after 2048-token prompts took 1.15-1.9x as long with
 the capture, and from 4 new tokens the graph was as fast or faster (BENCHMARKS.md, session 29)."""
 
 
