@@ -1,7 +1,6 @@
 """When a CUDA graph of the decode step pays for its capture: ``HFRolloutBackend.generate`` with its decode steps
-captured and replayed (``static_decode="graph"``, the CUDA default: two warm-up steps and a capture per generate),
-run eagerly on the same fixed buffers ("eager"), on the dynamic cache ("off"), or as "auto" on CUDA does (the graph
-from ``hf_generate.GRAPH_FROM_NEW_TOKENS`` new tokens, eager below), against the number of new tokens.
+captured and replayed (``static_decode="graph"``, the CUDA default: one capture per generate),
+run eagerly on the same fixed buffers ("eager"), or on the dynamic cache ("off"), against the number of new tokens.
 
 The decode benchmark's ~2.1B Qwen3-MoE (random weights), capture on. Per (mode, new tokens) one JSON line: the
 median seconds of ``--reps`` generates per variant, the variants interleaved. Usage (H200, carry .whl):
@@ -19,21 +18,19 @@ import torch
 from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config
 
 from megatron_trace.rollout import SamplingParams
-from megatron_trace.rollout.hf_generate import GRAPH_FROM_NEW_TOKENS
 
-VARIANTS = ("graph", "eager", "off", "auto")
+VARIANTS = ("graph", "eager", "off")
 
 
 def point(be, batch: int, prompt: int, tokens: int, reps: int, variants) -> dict:
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(3, be.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
-    saved, secs = (be.static_decode, be.graph_from_new_tokens), {v: [] for v in variants}
+    saved, secs = be.static_decode, {v: [] for v in variants}
     try:
         for rep in range(reps + 1):  # (round 0: warm-up)
             for v in variants:
-                be.static_decode = "graph" if v == "auto" else v
-                be.graph_from_new_tokens = GRAPH_FROM_NEW_TOKENS if v == "auto" else 1
+                be.static_decode = v
                 _sync(be.device)
                 t0 = time.perf_counter()
                 be.generate(prompts, sp)
@@ -41,7 +38,7 @@ def point(be, batch: int, prompt: int, tokens: int, reps: int, variants) -> dict
                 if rep:
                     secs[v].append(time.perf_counter() - t0)
     finally:
-        be.static_decode, be.graph_from_new_tokens = saved
+        be.static_decode = saved
     return {f"{v}_s": round(statistics.median(s), 4) for v, s in secs.items()} | {"secs": secs}
 
 
@@ -57,7 +54,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    variants = [v for v in a.variants.split(",") if device.type == "cuda" or v not in ("graph", "auto")]
+    variants = [v for v in a.variants.split(",") if device.type == "cuda" or v != "graph"]
     tokens = [int(t) for t in a.tokens.split(",")]
     backends = build_backends(model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + max(tokens) + 64),
                               a.modes.split(","), device, dtype, static_decode="eager")

@@ -111,13 +111,12 @@ class HFRolloutBackend:
         the RL mismatch is the same within seed noise (BENCHMARKS.md, session 5).
     static_decode: "auto" (default), "off", "eager" or "graph": ``generate``'s decode steps run on fixed buffers
         (``rollout.static_decode``: a static KV cache of prompt + ``max_new_tokens`` rows, the recorder's static
-        buffers); "graph" captures the step in a CUDA graph once per ``generate`` and replays it (the eager loop is
+        buffers); "graph" captures the step in a CUDA graph once per ``generate``, after its first step (run eagerly,
+        the capture's warm-up), and replays it (the eager loop is
         host-bound on the GPU: 5-15x the tokens/s on the H200, BENCHMARKS.md session 14). "auto": "graph" on CUDA
         where ``fused_kv_attention`` is on and K and V are both FP4 or both not (every decode step's attention is
         then a kernel over the static buffers: the FP4 one, or the dense one for BF16 layers; only one of K, V
-        in FP4 would take SDPA's masked path over all buffer rows), else "off" (the growing cache). A "graph" from
-        "auto" captures only for ``max_new_tokens`` >= ``hf_generate.GRAPH_FROM_NEW_TOKENS`` (4): shorter
-        generates run the fixed-buffer steps eagerly, as the capture costs more than it saves there.
+        in FP4 would take SDPA's masked path over all buffer rows), else "off" (the growing cache).
     compile: ``torch.compile`` the transformers code around this package's (``rollout.compiled``). True or
         "modules": every RMSNorm and MoE router (Inductor fuses each into one or two kernels); "layers": every
         decoder layer (RoPE, residual adds and norms fused too; this package's experts, attention and KV cache run
@@ -189,11 +188,9 @@ class HFRolloutBackend:
         self.fast_kv_attention = fast_kv_attention
         self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
             else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
-        self.graph_from_new_tokens = 1  # a "graph" generate of fewer new tokens runs its steps eagerly ("auto": 4)
         if static_decode == "auto":  # graphs where every decode attention is a kernel over the static buffers
             kernels = self.fused_kv_attention and self._quantizes("kv_k") == self._quantizes("kv_v")
             static_decode = "graph" if self.device.type == "cuda" and kernels else "off"
-            self.graph_from_new_tokens = hf_generate.GRAPH_FROM_NEW_TOKENS
         self.static_decode = static_decode
         if compile not in COMPILE_CHOICES:
             raise ValueError(f"compile={compile!r} must be one of {COMPILE_CHOICES}")

@@ -24,11 +24,6 @@ STATIC_DONE_CHECK = 8
 """With ``static_decode``, whether every row has stopped is read back every this many steps, not every step: the
 read waits for the GPU, so the host could not queue the next replay meanwhile. The steps after the last stop feed
 finished rows only (masked, not in the output: the same ``RolloutBatch``)."""
-GRAPH_FROM_NEW_TOKENS = 4
-"""``static_decode="auto"`` captures the decode step's CUDA graph only for a ``generate`` of at least this many new
-tokens; shorter ones run the same fixed-buffer steps eagerly. The capture costs three host passes of the step (two
-warm-ups and the capture): on the H200 a generate of 1 new token after 2048-token prompts took 1.15-1.9x as long with
-the capture, and from 4 new tokens the graph was as fast or faster (BENCHMARKS.md, session 29)."""
 
 
 def generate(be, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
@@ -81,8 +76,6 @@ def _decode(be, ids, attn, sampling, gen, stop, cache, recorder, fork: PrefixFor
     runner = None
     if be.static_decode != "off":
         runner = StaticDecode(be, cache, attn, pos[:, -1:], recorder)  # (every row's, forked or not)
-        if be.static_decode == "graph" and sampling.max_new_tokens >= be.graph_from_new_tokens:
-            runner.capture()
     done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
     nonfinite = torch.zeros_like(done)  # rows with NaN/Inf logits, checked once at the end (no per-step sync)
     toks, lps, alives = [], [], []
@@ -98,6 +91,8 @@ def _decode(be, ids, attn, sampling, gen, stop, cache, recorder, fork: PrefixFor
         # feed the sampled token (after the last sample too, so every position has routing/guidance)
         if runner is not None:
             logits = runner.step(toks[-1].unsqueeze(1), alive)
+            if be.static_decode == "graph" and runner.graph is None and not last:
+                runner.capture(warmup=0)  # (the first step ran eagerly: it was the warm-up)
         else:
             attn = torch.cat([attn, alive.unsqueeze(1)], 1)
             pos = pos[:, -1:] + 1

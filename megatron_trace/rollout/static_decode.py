@@ -55,8 +55,9 @@ class StaticDecode:
         self._logits: torch.Tensor | None = None  # the captured forward's output buffer
 
     def capture(self, warmup: int = 2) -> None:
-        """Record ``forward`` in a CUDA graph (after ``warmup`` runs on a side stream: Triton compiles, workspaces);
-        later steps replay it. The warm-up and capture runs write K/V at the next row, which its step rewrites."""
+        """Record ``forward`` in a CUDA graph (after ``warmup`` runs on a side stream: Triton compiles, workspaces;
+        0 where a ``step`` ran already, as ``generate`` does); later steps replay it. The warm-up runs write K/V at
+        the next row, which its step rewrites; the capture itself runs nothing."""
         if not self.tokens.is_cuda:
             raise ValueError(f"capture needs the backend on CUDA, got {self.tokens.device}")
         self.cache.decode_position().fill_(self.row)

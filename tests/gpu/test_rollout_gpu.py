@@ -235,7 +235,6 @@ def test_default_decode_on_cuda_is_the_graph_and_matches_the_growing_cache(mode)
         be = HFRolloutBackend(tiny_model(tiny_config(**CFG), seed=3), mode=mode, dtype=torch.bfloat16,
                               device="cuda", static_decode=static)
         assert be.static_decode == ("graph" if static == "auto" else "off")
-        assert be.graph_from_new_tokens == (4 if static == "auto" else 1)
         outs[static] = be.generate(prompts, sampling)
     a, b = outs["auto"], outs["off"]
     rows, first = torch.arange(3), b.prompt_lens  # each row's first new token
@@ -245,29 +244,27 @@ def test_default_decode_on_cuda_is_the_graph_and_matches_the_growing_cache(mode)
     assert (a.tokens == b.tokens).float().mean() > 0.8
 
 
-def test_auto_graph_runs_short_generates_eagerly(monkeypatch):
-    """``static_decode="auto"`` on CUDA captures the decode step only from ``hf_generate.GRAPH_FROM_NEW_TOKENS`` new
-    tokens. A shorter generate runs the same fixed-buffer steps eagerly: no capture, and the rollout of
+def test_graph_generate_captures_after_its_first_step(monkeypatch):
+    """``static_decode="graph"``: generate runs its first decode step eagerly (the capture's warm-up), then captures
+    once, without warm-up runs, and replays. A generate of one new token captures nothing: the rollout of
     ``static_decode="eager"`` bit for bit (tokens, log-probs, guidance)."""
-    from megatron_trace.rollout import hf_generate
     from megatron_trace.rollout.static_decode import StaticDecode
 
     captures = []
     real = StaticDecode.capture
-    monkeypatch.setattr(StaticDecode, "capture", lambda self, *a, **kw: captures.append(1) or real(self, *a, **kw))
+    monkeypatch.setattr(StaticDecode, "capture", lambda self, *a, **kw: captures.append((self.row, kw)) or
+                        real(self, *a, **kw))
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12]]
-    short = SamplingParams(max_new_tokens=hf_generate.GRAPH_FROM_NEW_TOKENS - 1, temperature=0.0)
     backends, outs = {}, {}
-    for static in ("auto", "eager"):
+    for static in ("graph", "eager"):
         backends[static] = HFRolloutBackend(tiny_model(tiny_config(**CFG), seed=3), mode="fp4",
                                             trace_config=TraceConfig(guided_layers="all"), dtype=torch.bfloat16,
                                             device="cuda", static_decode=static)
-        outs[static] = backends[static].generate(prompts, short)
+        outs[static] = backends[static].generate(prompts, SamplingParams(max_new_tokens=1, temperature=0.0))
     assert captures == []
-    a, b = outs["auto"], outs["eager"]
+    a, b = outs["graph"], outs["eager"]
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logprobs, b.logprobs)
     for key, sg in b.guidance.items():
         assert torch.equal(a.guidance[key].record.mantissa_bits, sg.record.mantissa_bits), key
-    backends["auto"].generate(prompts, SamplingParams(max_new_tokens=hf_generate.GRAPH_FROM_NEW_TOKENS,
-                                                      temperature=0.0))
-    assert captures == [1]
+    backends["graph"].generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
+    assert captures == [(7, {"warmup": 0})]  # (6 prompt rows, then the first new token's row)
