@@ -1,7 +1,7 @@
 """GPU kernels of one prefill-heavy ``HFRolloutBackend.generate`` (capture on), by total time and by kind: where FP4
 prefill on Hopper loses to BF16. Per variant one JSON line: the generate's wall time, its GPU kernel time, the time
-per kind of kernel (``KINDS``, matched on the kernel name), the top kernels, the Python lines whose ops launch the
-most GPU time (with their input shapes), and where the device sat idle (``_gaps.idle_gaps``).
+per kind of kernel (``KINDS``, matched on the kernel name), the top kernels, the ops (with their input shapes)
+whose kernels take the most GPU time, and where the device sat idle (``_gaps.idle_gaps``).
 Variants (``VARIANTS``): bf16; fp4 as configured; fp4 with the experts' GEMMs on the FP4 codes at every size
 (``dense_off``: ``experts.DENSE_FROM`` None, the Triton GEMM); the same with ``experts.PREFILL_WGMMA`` (``wgmma``);
 fp4 without capture (``nocap``). Usage (H200, carry .whl):
@@ -48,23 +48,13 @@ VARIANTS = {  # variant -> the experts module's settings it runs with (the rest 
 }
 
 
-def launch_sites(prof, top: int) -> list:
-    """The Python lines (the innermost in megatron_trace or transformers) whose ops launch the most GPU time."""
-    sites: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CPU or e.self_device_time_total <= 0:
-            continue
-        p, where = e.cpu_parent, "?"
-        while p is not None:
-            if "megatron_trace/" in p.name or "transformers/" in p.name:
-                where = p.name.split("/")[-1]
-                break
-            p = p.cpu_parent
-        row = sites.setdefault(f"{where} {e.name} {e.input_shapes[:2]}", [0.0, 0])
-        row[0] += e.self_device_time_total
-        row[1] += 1
-    ranked = sorted(sites.items(), key=lambda kv: -kv[1][0])[:top]
-    return [[k[:120], round(us / 1e3, 3), n] for k, (us, n) in ranked]
+def launching_ops(prof, top: int) -> list:
+    """The ops (with their input shapes) whose own kernels take the most GPU time."""
+    ops = [e for e in prof.key_averages(group_by_input_shape=True)
+           if e.device_type == torch.autograd.DeviceType.CPU and e.self_device_time_total > 0]
+    ops.sort(key=lambda e: -e.self_device_time_total)
+    return [[f"{e.key} {e.input_shapes[:2]}"[:120], round(e.self_device_time_total / 1e3, 3), e.count]
+            for e in ops[:top]]
 
 
 def run(be, variant: str, batch: int, prompt: int, tokens: int, top: int, reps: int) -> dict:
@@ -86,7 +76,7 @@ def run(be, variant: str, batch: int, prompt: int, tokens: int, top: int, reps: 
             _sync(be.device)
             walls.append(time.perf_counter() - t0)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if be.device.type == "cuda" else [])
-        with profile(activities=acts, with_stack=True, record_shapes=True) as prof:
+        with profile(activities=acts, record_shapes=True) as prof:
             be.generate(prompts, sp)
             _sync(be.device)
     finally:
@@ -108,7 +98,7 @@ def run(be, variant: str, batch: int, prompt: int, tokens: int, top: int, reps: 
             "walls_ms": [round(w * 1e3, 1) for w in walls], "gpu_ms": round(sum(r[1] for r in rows) / 1e3, 2),
             "kinds_ms": {k: round(v / 1e3, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
             "top": [[name[:100], round(us / 1e3, 3), n, kind_of(name)] for name, us, n in rows[:top]],
-            "sites": launch_sites(prof, top), "idle": gaps}
+            "ops": launching_ops(prof, top), "idle": gaps}
 
 
 def main(argv=None) -> None:
