@@ -131,6 +131,12 @@ def decode_step(be: HFRolloutBackend, model, cache, tok, pos, pad=None):
     return out.logits[:, -1]
 
 
+def random_prompts(be: HFRolloutBackend, batch: int, prompt: int) -> list[list[int]]:
+    """``batch`` prompts of ``prompt`` random token ids (seeded by ``batch``: the same prompts in every script)."""
+    g = torch.Generator().manual_seed(batch)
+    return [torch.randint(3, be.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+
+
 def _sync(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
@@ -351,8 +357,7 @@ def measure_generate(be, mode, batch, args) -> dict:
     also without guidance recording (``set_guided_layers([])``), interleaved over ``--gen-reps`` rounds:
     ``capture_share`` = the median over rounds of the share of the generate time that capturing costs.
     ``--profile-generate``: also the host functions (cProfile) that take the most extra time when capturing."""
-    g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, be.vocab_size, (args.gen_prompt,), generator=g).tolist() for _ in range(batch)]
+    prompts = random_prompts(be, batch, args.gen_prompt)
     sp = SamplingParams(max_new_tokens=args.gen_tokens, seed=0, stop_token_ids=())
     fused, guided, prefill_wgmma = be.fused_kv_attention, sorted(be._guided_layer_ids), experts.PREFILL_WGMMA
     dense_from = experts.DENSE_FROM

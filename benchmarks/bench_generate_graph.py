@@ -15,7 +15,7 @@ import statistics
 import time
 
 import torch
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config
+from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
 
 from megatron_trace.rollout import SamplingParams
 
@@ -23,8 +23,7 @@ VARIANTS = ("graph", "eager", "off")
 
 
 def point(be, batch: int, prompt: int, tokens: int, reps: int, variants) -> dict:
-    g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, be.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+    prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
     saved, secs = be.static_decode, {v: [] for v in variants}
     try:

@@ -16,14 +16,13 @@ import pstats
 import time
 
 import torch
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config
+from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
 
 from megatron_trace.rollout import SamplingParams
 
 
 def profile(be, batch: int, prompt: int, tokens: int, top: int) -> dict:
-    g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, be.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+    prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
     be.generate(prompts, sp)  # warm-up at full length: every Triton kernel variant compiled before the timed call
     _sync(be.device)

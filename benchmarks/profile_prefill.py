@@ -19,15 +19,15 @@ import time
 
 import torch
 from _gaps import idle_gaps
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config
+from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_trace.rollout import SamplingParams, experts
 
 KINDS = (  # (kind, substrings of the kernel name), first match wins
-    ("experts_gemm", ("moe_wgmma", "moe_mma", "_moe_", "grouped_mm", "grouped_gemm", "cutlass3x")),
+    ("experts_gemm", ("fp4_gemm", "fp4_w4a16", "_moe_", "grouped_mm", "grouped_gemm", "cutlass3x")),
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "softmax")),
-    ("fp4_quant", ("quant", "fp4", "_rne", "guided", "record")),
+    ("fp4_quant", ("quant", "pair_kernel", "fp4", "_rne", "guided", "record")),
     ("dense_gemm", ("gemm", "sm90_xmma", "nvjet", "cublas", "cutlass")),
     ("copy_cast", ("copy", "cast", "to_copy", "elementwise_kernel_with_index", "cat", "index")),
     ("elementwise", ("elementwise", "vectorized", "reduce", "norm", "silu", "mul", "add")),
@@ -58,8 +58,7 @@ def launching_ops(prof, top: int) -> list:
 
 
 def run(be, variant: str, batch: int, prompt: int, tokens: int, top: int, reps: int) -> dict:
-    g = torch.Generator().manual_seed(batch)
-    prompts = [torch.randint(3, be.vocab_size, (prompt,), generator=g).tolist() for _ in range(batch)]
+    prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
     guided = sorted(be._guided_layer_ids)
     saved = {k: getattr(experts, k) for k in VARIANTS[variant]}
