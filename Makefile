@@ -35,7 +35,7 @@ test: $(STAMP)
 	$(PY) -m pip install -q "$(NVRTC_SPEC)"
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/benchmarks/test_sass_kv_attention.py \
 		tests/benchmarks/test_sass_moe_gemm.py tests/benchmarks/test_sass_moe_mma.py tests/benchmarks/test_sass_moe_wgmma.py \
-		tests/benchmarks/test_sass_quant.py tests/benchmarks/test_bench_quant.py
+		tests/benchmarks/test_sass_quant.py tests/benchmarks/test_bench_quant.py tests/benchmarks/test_bench_host_overhead.py
 	bash tests/sglang/setup_venv.sh $(SGLANG_VENV)
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 

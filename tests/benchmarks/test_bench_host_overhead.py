@@ -22,6 +22,7 @@ def test_smoke_run_reports_every_op(tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert set(out["host_us_per_call"]) == {"torch_add (reference point)", "fake_quant_rows", "abs_max",
                                             "fake_quant_rows_unchecked", "fake_quant_weights", "guided_fake_quant_rows",
-                                            "fake_quant_weights_given_amax"}
+                                            "fake_quant_weights_given_amax", "expert_weights_getattr (128; session 21)",
+                                            "expert_weights.of (128)", "expert_weights.stacked (128; with gradient)"}
     assert all(v > 0 for v in out["host_us_per_call"].values())
     assert out["cprofile"]["abs_max"] and all(len(row) == 3 for row in out["cprofile"]["abs_max"])
