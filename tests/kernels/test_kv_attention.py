@@ -152,6 +152,35 @@ def test_fast_path_matches_reference(name, b, hq, hkv, t, d, block_t, splits):
 
 
 @needs_triton
+@pytest.mark.parametrize("slack", [0.0, 8.0])
+def test_fast_path_running_max_across_growing_scores(slack, monkeypatch):
+    """The fast path's online softmax keeps its running max while a tile's scores grow by at most
+    ``RESCALE_SLACK`` (log2 units; weights up to 2**8) and moves it when they grow by more: tile maxima that
+    climb by about 5, 15 and 2 over the 4 tiles of one split give the reference's result over the fp32 K/V within
+    bf16 rounding, at slack 8 and at 0 (a rescale whenever the max grows)."""
+    from megatron_trace.kernels import kv_attention_plan
+
+    monkeypatch.setattr(kv_attention_plan, "RESCALE_SLACK", slack)
+    d, bt, log2e = 64, 16, 1.4426950408889634
+    g = torch.Generator().manual_seed(5)
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    top = torch.tensor([1.0, 6.0, 21.0, 23.0]).repeat_interleave(bt)  # head 0's tile maxima, log2 units
+    a = top * (0.5 + 0.5 * torch.arange(4 * bt).remainder(bt) / (bt - 1)) / log2e
+    kx = a[:, None] * u[None, :] + 0.05 * torch.randn(4 * bt, d, generator=g)
+    q = (8.0 * u[None, :] * torch.tensor([1.0, 0.5, -0.25, 0.75])[:, None]).to(torch.bfloat16)[None]  # [1, 4, D]
+    quant = Quantizer("nvfp4", per_row=True)
+    k = quant.quantize(kx[None, None].to(DEVICE))
+    v = quant.quantize(torch.randn(1, 1, 4 * bt, d, generator=g).to(DEVICE))
+    s = (k.dequantize(torch.float32)[0, 0].cpu() @ q[0, 0].float()) * d**-0.5 * log2e
+    grow = s.reshape(4, bt).amax(1).diff()
+    assert (grow > 8).any() and ((grow > 0) & (grow <= 8)).any()  # both kinds of tile occur
+    got = kv_attention_triton.decode_attention(q.to(DEVICE), k, v, scale=d**-0.5, exact=False, block_t=bt, splits=1)
+    assert torch.isfinite(got).all()
+    assert _rel(got, reference_attention(q.to(DEVICE), k, v, scale=d**-0.5, kv_dtype=torch.float32)) < TIGHT
+
+
+@needs_triton
 @pytest.mark.parametrize("t_len,width", [(40, 45), (41, 45), (40, 48)], ids=["t40", "t41", "t40_viewed"])
 @pytest.mark.parametrize("words", [True, False], ids=["mask_words", "mask_bytes"])
 @pytest.mark.parametrize("exact", [False, True])
