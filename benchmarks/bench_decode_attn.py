@@ -19,7 +19,7 @@ with the KV bytes each reads (bf16 bytes for bf16, the FP4 bytes for the others)
 the copy bandwidth (``*_frac_copy``), and the fused kernels' relative errors against SDPA over the bf16
 dequantized K/V (``*_rel_err``; the fast one also against fp32 K/V, its own values: ``fast_rel_err_fp32``).
 Used by ``bench_decode.py --attn-micro``; alone: ``python benchmarks/bench_decode_attn.py [--batches ..]
-[--lengths ..] [--heads HQ,HKV,D] [--alt BT,warps,stages,max_registers ..] [--mask] [--slack S]``.
+[--lengths ..] [--heads HQ,HKV,D] [--alt BT,warps,stages,max_registers ..] [--mask]``.
 """
 
 from __future__ import annotations
@@ -187,13 +187,7 @@ def main(argv=None):
     p.add_argument("--mask", action="store_true",
                    help="also time the fast kernel with an all-attended kv_mask (the rollout's decode passes one), "
                         "read as int32 words (default) and as bytes")
-    p.add_argument("--slack", type=float, default=None,
-                   help="kv_attention_plan.RESCALE_SLACK for the fast kernel (0: rescale at every tile)")
     args = p.parse_args(argv)
-    if args.slack is not None:
-        from megatron_trace.kernels import kv_attention_plan
-
-        kv_attention_plan.RESCALE_SLACK = args.slack
     model = dict(MODEL)
     if args.heads:
         model["num_attention_heads"], model["num_key_value_heads"], model["head_dim"] = map(int, args.heads.split(","))

@@ -3,9 +3,7 @@
 For each launch config: ``ptxas -v`` (Triton's bundled ptxas) on the kernel's PTX gives registers per thread
 and spill bytes; ``nvdisasm`` on the cubin gives the SASS of the tile loop (the instructions between the
 loop's label and its backward branch), reported per cached K/V element (``2 * BT * head_dim`` per trip);
-``resident``: programs per multiprocessor that registers and shared memory allow (``FAST_RESIDENT``);
-``skipped_sass``: loop instructions a forward branch jumps over (the lazy softmax's rescale), and the count per
-element without them.
+``resident``: programs per multiprocessor that registers and shared memory allow (``FAST_RESIDENT``).
 The specialization is the one a launch on an ``FP4KVCache`` gets (16-divisible strides except a scale row
 shorter than 16 bytes, per-row amax stride 1).
 ``python benchmarks/sass_kv_attention.py [--d 128] [--fmt nvfp4] [--configs 64,4,2 32,4,2]`` prints one JSON row
@@ -60,8 +58,7 @@ def signature(fn, const: dict, ptr_type, aligned, floats=()) -> tuple[dict, dict
 
 
 def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, g: int = 4, hkv: int = 4,
-                   fn=None, maxnreg: int | None = None, mask: str | None = None, aligned_rows: bool = False,
-                   slack: float | None = None):
+                   fn=None, maxnreg: int | None = None, mask: str | None = None, aligned_rows: bool = False):
     """The compiled kernel (``triton.compile`` for sm_90a) of one config; constexprs as ``decode_attention``."""
     fn = fn or (kt.fp4kv_decode_attn_fast_kernel if fast else kt.fp4kv_decode_attn_kernel)
     bs = 16 if fmt == "nvfp4" else 32
@@ -70,8 +67,7 @@ def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: in
                  HAS_MASK=mask in ("words", "bytes"), MASK_WORDS=mask == "words",
                  F32_DOT=False, TILES=0)
     sw = 4 if (d // bs) % 4 == 0 else 2 if (d // bs) % 2 == 0 else 1  # an FP4KVCache's (``plan.scale_word``)
-    fast_const = dict(D=d, DG=kt._group_cols(d), DEQ_ASM=True, SW=sw,
-                      SLACK=kv_attention_plan.RESCALE_SLACK if slack is None else slack)
+    fast_const = dict(D=d, DG=kt._group_cols(d), DEQ_ASM=True, SW=sw)
     const.update(fast_const if fast else dict(NB=d // bs, FAST_DIV=True))
     if fmt == "nvfp4":
         const.update(skg_t=1, svg_t=1)  # per-row amax [B, H, T, 1]: stride 1, specialized by the JIT
@@ -149,40 +145,11 @@ def loop_sass(cubin: bytes) -> list[str]:
     return [re.sub(r"\s*/\*[0-9a-f]+\*/\s*", " ", x).strip() for x in best]
 
 
-def _label_addresses(text: str) -> dict[str, int]:
-    """Label -> the address of the first instruction after it, in ``nvdisasm -c`` text."""
-    out, pending = {}, []
-    for ln in text.splitlines():
-        if re.match(r"^\.L_x_\d+:", ln):
-            pending.append(ln.split(":")[0])
-        elif (m := re.search(r"/\*([0-9a-f]{4,})\*/", ln)) and pending:
-            out.update({lab: int(m.group(1), 16) for lab in pending})
-            pending = []
-    return out
-
-
-def forward_skips(cubin: bytes, body: list[str]) -> int:
-    """Instructions of the loop ``body`` (``loop_sass``) that its forward branches to a label inside it jump
-    over: e.g. the lazy softmax's rescale, run about once per split (``kv_attention_plan.RESCALE_SLACK``)."""
-    text = disassemble(cubin)
-    labels = _label_addresses(text)
-    ins = [(int(m.group(1), 16), ln) for ln in text.splitlines() if (m := re.search(r"/\*([0-9a-f]{4,})\*/", ln))]
-    first = next(i for i, (_, ln) in enumerate(ins) if re.sub(r"\s*/\*[0-9a-f]+\*/\s*", " ", ln).strip() == body[0])
-    hi = ins[first + len(body) - 1][0]
-    skipped = set()
-    for a, ln in ins[first:first + len(body)]:
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", ln)
-        if m and a < labels.get(m.group(1), -1) <= hi:
-            skipped.update(b for b, _ in ins if a < b < labels[m.group(1)])
-    return len(skipped)
-
-
 def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, maxnreg: int | None = None,
            mask: str | None = None, aligned_rows: bool = False) -> dict:
     k = compile_kernel(fast, d, fmt, bt, warps, stages, maxnreg=maxnreg, mask=mask, aligned_rows=aligned_rows)
     regs, spills = ptxas_usage(k.asm["ptx"], maxnreg)
     body = loop_sass(k.asm["cubin"])
-    skips = forward_skips(k.asm["cubin"], body)
     top = op_counts(body, 12)
     smem = k.metadata.shared
     resident = resident_programs(regs, smem, warps)
@@ -190,8 +157,7 @@ def report(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: int, maxnr
             "num_stages": stages, "max_registers": maxnreg, "mask": mask, "aligned_rows": aligned_rows,
             "registers": regs, "spill_bytes": spills,
             "shared_bytes": smem, "resident": resident, "loop_sass": len(body),
-            "sass_per_element": round(len(body) * warps * 32 / (2 * bt * d), 2), "skipped_sass": skips,
-            "sass_per_element_skipping": round((len(body) - skips) * warps * 32 / (2 * bt * d), 2), "top_ops": top}
+            "sass_per_element": round(len(body) * warps * 32 / (2 * bt * d), 2), "top_ops": top}
 
 
 def main(argv=None):

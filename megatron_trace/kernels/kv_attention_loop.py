@@ -117,33 +117,6 @@ def _online_softmax(s, tmask, m_i, l_i, BASE2: tl.constexpr = False, ASM: tl.con
 
 
 @triton.jit
-def _stale_max(s, tmask, m_i, SLACK: tl.constexpr):
-    """The lazy online softmax's first half for one tile of scores s [GP, BT] in units of log2: (s masked, the
-    new running max, whether to rescale). The accumulators keep an old max m_i as long as no row's max grew by
-    more than ``SLACK`` (weights 2**(s - m_i) <= 2**SLACK); past that every row moves to its new max (m_i = -inf
-    rows that attend something included). SLACK 0: every tile moves (the eager online softmax)."""
-    s = tl.where(tmask[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    grew = tl.max((m_new > m_i + SLACK).to(tl.int32), 0)  # (-inf > -inf: a row that attends nothing yet stays)
-    return s, m_new, grew
-
-
-@triton.jit
-def _weights(s, m_i, l_i, ASM: tl.constexpr):
-    """(2**(s - m_i) [GP, BT], l_i + their row sums) against the running max m_i (0 where m_i = -inf)."""
-    m_safe = tl.where(m_i == float("-inf"), 0.0, m_i)
-    p = _exp(s - m_safe[:, None], True, ASM)
-    return p, l_i + tl.sum(p, 1)
-
-
-@triton.jit
-def _rescale(m_i, m_new, ASM: tl.constexpr):
-    """2**(m_i - m_new) [GP] (0 where m_i = -inf; 1 where both are)."""
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return _exp(m_i - m_safe, True, ASM)
-
-
-@triton.jit
 def _query_rows(q_ptr, b, h, sq_b, sq_h, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
     """(q [GP, D] of KV head h's G query heads (rows past G zero), g, their mask, d, and the online softmax's
     initial max, sum and accumulator)."""

@@ -13,10 +13,6 @@ from .dispatch import cdiv, sm_count
 MASK_AS_WORDS = True
 """``kv_mask`` is read as int32 words of 4 tokens: a 4-byte load that cp.async copies ahead of the tile loop (a
 byte per token could not be; the rollout's decode passes the mask on every call). False: bytes (for A/B)."""
-RESCALE_SLACK = 8.0
-"""Fast path: the online softmax keeps its running max (and skips rescaling the accumulators) until a row's max
-grows past it by more than this, in units of log2 (the softmax weights then stay <= 2**8; FlashAttention-4's
-conditional rescaling). 0.0: rescale at every tile."""
 SPLIT_WAVES = 4
 """Exact path: splits along T are chosen so that about this many programs per multiprocessor run."""
 FAST_CONFIGS = {32: (64, 1, 2, None), 64: (32, 1, 2, None), 128: (32, 1, 3, None), 256: (64, 4, 2, None)}
@@ -29,19 +25,17 @@ where session 8's (128, 4, 3, cap 128) took 25.9 / 136.9 / 73.6 / 505.4. head_di
 at batch 8 / 64 and 8K (was (64, 2, 2): 24.2 / 145.9; more warps split the V MMA's N = D/4 = 16 columns,
 replicating the dequantization). head_dim 32 (64, 1, 2): 29.2 / 168.0 (was 47.5 / 306.3; still slower than bf16
 SDPA there). head_dim 256: not swept."""
-FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (32, 32, 1, 2, None): 16, (32, 64, 1, 2, None): 8, (32, 32, 1, 3, None): 16,
-                 (64, 64, 2, 2, None): 4, (64, 64, 1, 2, None): 8, (64, 64, 1, 3, None): 10,
-                 (64, 32, 1, 2, None): 17, (64, 32, 1, 3, None): 17, (256, 64, 4, 2, None): 2,
+FAST_RESIDENT = {(32, 64, 2, 2, None): 6, (32, 32, 1, 2, None): 14, (32, 64, 1, 2, None): 12, (32, 32, 1, 3, None): 16,
+                 (64, 64, 2, 2, None): 4, (64, 64, 1, 2, None): 8, (64, 64, 1, 3, None): 12,
+                 (64, 32, 1, 2, None): 16, (64, 32, 1, 3, None): 15, (256, 64, 4, 2, None): 2,
                  **{(128, bt, nw, ns, mr): r for bt, nw, ns, mr, r in (
                      (128, 4, 2, None, 3), (128, 4, 3, None, 3), (128, 4, 4, None, 3), (128, 4, 2, 128, 4),
                      (128, 4, 3, 128, 4), (64, 4, 2, None, 4), (64, 4, 3, None, 4), (64, 2, 3, None, 4),
-                     (32, 1, 2, None, 9), (32, 1, 3, None, 9), (64, 1, 2, None, 8), (16, 1, 3, None, 12),
-                     (32, 1, 4, None, 9), (64, 1, 3, None, 8), (64, 2, 2, None, 4), (128, 2, 2, None, 4))}}
+                     (32, 1, 2, None, 8), (32, 1, 3, None, 8), (64, 1, 2, None, 8), (16, 1, 3, None, 11),
+                     (32, 1, 4, None, 8), (64, 1, 3, None, 8))}}
 """Programs of the fast kernel resident per multiprocessor on sm_90, keyed (head_dim row of ``FAST_CONFIGS``, BT,
 num_warps, num_stages, max_registers), from registers and shared memory (``sass_kv_attention.py``'s
-``resident``), for ``fast_splits``; other configs count 2. Session 30's lazy rescale (``RESCALE_SLACK``) moved
-head_dim 128's (32, 1, 3) from 255 registers (8 programs) to 214 (9), head_dim 32's (64, 1, 2) from 168 (12) to
-236 (8)."""
+``resident``), for ``fast_splits``; other configs count 2."""
 
 
 def config_key(d: int) -> int:

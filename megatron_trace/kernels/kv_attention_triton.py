@@ -52,12 +52,9 @@ from .kv_attention_loop import (
     _online_softmax,
     _program,
     _query_rows,
-    _rescale,
-    _stale_max,
     _store_ml,
     _tile_rows,
     _trip_count,
-    _weights,
 )
 from .moe_triton import _dequant, _scale_f32
 
@@ -241,7 +238,7 @@ def fp4kv_decode_attn_fast_kernel(
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
     B: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
     LOAD_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr,
-    F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr, TILES: tl.constexpr, SLACK: tl.constexpr,
+    F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr, TILES: tl.constexpr,
 ):
     """Fast path (see the module docstring): like ``fp4kv_decode_attn_kernel`` on K/V operands
     value * block scale * 2**-62 in 4 code-group parts; k_fac / v_fac: per-row factors with 2**62 folded in.
@@ -273,23 +270,13 @@ def fp4kv_decode_attn_fast_kernel(
         s = _dot_acc(q2, tl.trans(k2), s, F32_DOT)
         s = _dot_acc(q3, tl.trans(k3), s, F32_DOT)
         s = s * _row_factor(kg, t, tmask, skg_t, k_fac, FMT)[None, :]  # * 2**62 / S_enc * sm_scale * log2(e)
-        if SLACK < 0:
-            p, alpha, m_i, l_i = _online_softmax(s, attend, m_i, l_i, True, DEQ_ASM)
-            a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
-        else:
-            s, m_new, grew = _stale_max(s, attend, m_i, SLACK)
-            if grew > 0:  # (one warp per program: a uniform branch; with SLACK 8 about once per split)
-                alpha = _rescale(m_i, m_new, DEQ_ASM)
-                a0, a1, a2, a3 = a0 * alpha[:, None], a1 * alpha[:, None], a2 * alpha[:, None], a3 * alpha[:, None]
-                l_i = l_i * alpha
-                m_i = m_new
-            p, l_i = _weights(s, m_i, l_i, DEQ_ASM)
+        p, alpha, m_i, l_i = _online_softmax(s, attend, m_i, l_i, True, DEQ_ASM)
         pv = _mma_in(p * _row_factor(vg, t, tmask, svg_t, v_fac, FMT)[None, :], F32_DOT)  # * 2**62 / S_enc
         v0, v1, v2, v3 = _fp4_groups(vc, vs, t, tmask, svc_t, svs_t, FMT, D, DG, B, DEQ_ASM, SW)
-        a0 = _dot_acc(pv, v0, a0, F32_DOT)
-        a1 = _dot_acc(pv, v1, a1, F32_DOT)
-        a2 = _dot_acc(pv, v2, a2, F32_DOT)
-        a3 = _dot_acc(pv, v3, a3, F32_DOT)
+        a0 = _dot_acc(pv, v0, a0 * alpha[:, None], F32_DOT)
+        a1 = _dot_acc(pv, v1, a1 * alpha[:, None], F32_DOT)
+        a2 = _dot_acc(pv, v2, a2 * alpha[:, None], F32_DOT)
+        a3 = _dot_acc(pv, v3, a3 * alpha[:, None], F32_DOT)
     row = (b * (HKV * G) + h * G + g) * SPLITS + split  # [GP] index into [B, Hq, S]
     out = acc_ptr + row[:, None] * D + 4 * c[None, :]  # acc[.., 4c + q] <- a_q
     tl.store(out, a0, mask=qm)
@@ -407,7 +394,7 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     if fast:
         fp4kv_decode_attn_fast_kernel[(bsz * hkv, splits)](
             *args, *_row_factors(k.fmt, float(scale)), *strides, D=d, DG=_group_cols(d), DEQ_ASM=q.is_cuda,
-            SW=plan.scale_word(q.is_cuda, k.fmt, d, k.block_size, ks, vs), SLACK=plan.RESCALE_SLACK,
+            SW=plan.scale_word(q.is_cuda, k.fmt, d, k.block_size, ks, vs),
             num_stages=num_stages, **common, **({"maxnreg": max_registers} if max_registers and q.is_cuda else {}))
     else:
         fp4kv_decode_attn_kernel[(bsz * hkv, splits)](
