@@ -4,7 +4,8 @@ per kind of kernel (``KINDS``, matched on the kernel name), the top kernels, the
 whose kernels take the most GPU time, and where the device sat idle (``_gaps.idle_gaps``).
 Variants (``VARIANTS``): bf16; fp4 as configured; fp4 with the experts' GEMMs on the FP4 codes at every size
 (``dense_off``: ``experts.DENSE_FROM`` None, the Triton GEMM); the same with ``experts.PREFILL_WGMMA`` (``wgmma``);
-fp4 without capture (``nocap``). Usage (H200, carry .whl):
+fp4 without capture (``nocap``); fp4 and bf16 with the experts combine in PyTorch ops (``torch_combine``,
+``bf16_torch_combine``: ``fp4_moe.COMBINE_KERNEL`` False). Usage (H200, carry .whl):
     python3 benchmarks/profile_prefill.py [--variants bf16,fp4,dense_off,wgmma,nocap] [--batch 8] [--prompt 2048]
 """
 
@@ -22,7 +23,7 @@ from _gaps import idle_gaps
 from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
 from torch.profiler import ProfilerActivity, profile
 
-from megatron_trace.rollout import SamplingParams, experts
+from megatron_trace.rollout import SamplingParams, experts, fp4_moe
 
 KINDS = (  # (kind, substrings of the kernel name), first match wins
     ("experts_gemm", ("fp4_gemm", "fp4_w4a16", "_moe_", "grouped_mm", "grouped_gemm", "cutlass3x")),
@@ -42,9 +43,10 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-VARIANTS = {  # variant -> the experts module's settings it runs with (the rest as configured)
-    "bf16": {}, "fp4": {}, "nocap": {}, "dense_off": {"DENSE_FROM": None},
-    "wgmma": {"PREFILL_WGMMA": True, "DENSE_FROM_WGMMA": None},
+VARIANTS = {  # variant -> the (module, setting)s it runs with (the rest as configured); bf16* run the BF16 backend
+    "bf16": {}, "bf16_torch_combine": {(fp4_moe, "COMBINE_KERNEL"): False}, "fp4": {},
+    "torch_combine": {(fp4_moe, "COMBINE_KERNEL"): False}, "nocap": {}, "dense_off": {(experts, "DENSE_FROM"): None},
+    "wgmma": {(experts, "PREFILL_WGMMA"): True, (experts, "DENSE_FROM_WGMMA"): None},
 }
 
 
@@ -61,10 +63,10 @@ def run(be, variant: str, batch: int, prompt: int, tokens: int, top: int, reps: 
     prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
     guided = sorted(be._guided_layer_ids)
-    saved = {k: getattr(experts, k) for k in VARIANTS[variant]}
+    saved = {(mod, k): getattr(mod, k) for mod, k in VARIANTS[variant]}
     be.set_guided_layers([] if variant == "nocap" else guided)
-    for k, v in VARIANTS[variant].items():
-        setattr(experts, k, v)
+    for (mod, k), v in VARIANTS[variant].items():
+        setattr(mod, k, v)
     try:
         be.generate(prompts, sp)  # warm-up: every kernel variant compiled
         walls = []
@@ -80,8 +82,8 @@ def run(be, variant: str, batch: int, prompt: int, tokens: int, top: int, reps: 
             _sync(be.device)
     finally:
         be.set_guided_layers(guided)
-        for k, v in saved.items():
-            setattr(experts, k, v)
+        for (mod, k), v in saved.items():
+            setattr(mod, k, v)
     rows = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
             if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
     rows.sort(key=lambda r: -r[1])
@@ -113,13 +115,13 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (no kernels to list)")
     a = p.parse_args(argv)
     variants = a.variants.split(",")
-    modes = sorted({"bf16" if v == "bf16" else "fp4" for v in variants})
+    modes = sorted({"bf16" if v.startswith("bf16") else "fp4" for v in variants})
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backends = build_backends(model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + a.tokens + 64), modes,
                               device, dtype, static_decode=a.static_decode)
     for v in variants:
-        be = backends["bf16" if v == "bf16" else "fp4"]
+        be = backends["bf16" if v.startswith("bf16") else "fp4"]
         print(json.dumps(run(be, v, a.batch, a.prompt, a.tokens, a.top, a.reps)), flush=True)
 
 

@@ -246,8 +246,27 @@ def _gated_rows(h: torch.Tensor, inv: torch.Tensor, apply_gate: Callable) -> tor
     return apply_gate(h)[inv]
 
 
+COMBINE_KERNEL = True
+"""``_combine`` on CUDA runs the one-launch Triton kernel (False: the PyTorch ops, for A/B)."""
+
+
 def _combine(y: torch.Tensor, inv: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fc2 outputs in expert order [T*k, H] -> sum over the slots of router weight x output, [T, H] in ``dtype``."""
+    """fc2 outputs in expert order [T*k, H] -> sum over the slots of router weight x output, [T, H] in ``dtype``.
+
+    On CUDA with Triton: one launch (``kernels.moe_combine_triton``) instead of the gather, multiply and sum,
+    which write [T, k, H] each; the same bits as ``_combine_torch`` (tests/gpu/test_moe_combine_gpu.py)."""
+    from ..kernels.dispatch import triton_available
+
+    if COMBINE_KERNEL and y.is_cuda and triton_available():
+        from ..kernels import moe_combine_triton
+
+        return moe_combine_triton.combine(y, inv, top_k_weights, dtype)
+    return _combine_torch(y, inv, top_k_weights, dtype)
+
+
+def _combine_torch(y: torch.Tensor, inv: torch.Tensor, top_k_weights: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``_combine`` in PyTorch ops: products rounded to y's dtype, the sum over the k slots in fp32, one rounding."""
     tokens, k = top_k_weights.shape
     return (y[inv].view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(1).to(dtype)
 
@@ -269,7 +288,7 @@ def _compiled_ops() -> tuple[Callable, ...]:
             return _routing(top_k_index, num_experts)
         return routing_torch(top_k_index, num_experts)
 
-    return (routing, *(compile_like_eager(fn) for fn in _EAGER[1:]))
+    return (routing, *(compile_like_eager(fn) for fn in (_sorted_rows, _gated_rows, _combine_torch)))
 
 
 def grouped_experts_forward(
