@@ -1,0 +1,80 @@
+"""Where a prefill-heavy ``HFRolloutBackend.generate`` spends its host time: cProfile of one generate per mode.
+
+At batch 8 with 2048-token prompts the FP4 generate's wall time (175-205 ms on the H200) is about twice its GPU
+kernel time (81 ms; BENCHMARKS.md, session 30), so the host decides it. Per mode one JSON line: the generate's wall
+time (median of ``--reps`` unprofiled runs after a warm-up), the profiled one's, and the ``--top`` functions by own
+time and by cumulative time (file:line(function), calls, seconds). A CUDA sync shows as the time of the call that
+waits (``synchronize``, ``item``, ``tolist``, ``cpu``). Usage (H200, carry .whl):
+    python3 benchmarks/profile_host.py [--modes bf16,fp4] [--batch 8] [--prompt 2048] [--tokens 1] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+
+import torch
+from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
+
+from megatron_trace.rollout import SamplingParams
+
+
+def _rows(stats: pstats.Stats, key: str, top: int) -> list:
+    """[[file:line(function), calls, own s, cumulative s]] of the ``top`` entries by ``key`` (tottime/cumtime)."""
+    col = 2 if key == "tottime" else 3
+    rows = [[f"{fn[0].rsplit('/', 2)[-1]}:{fn[1]}({fn[2]})", st[1], round(st[2], 4), round(st[3], 4)]
+            for fn, st in stats.stats.items()]
+    return sorted(rows, key=lambda r: -r[col])[:top]
+
+
+def run(be, mode: str, batch: int, prompt: int, tokens: int, reps: int, top: int) -> dict:
+    prompts = random_prompts(be, batch, prompt)
+    sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
+    be.generate(prompts, sp)  # warm-up: every kernel compiled
+    walls = []
+    for _ in range(reps):
+        _sync(be.device)
+        t0 = time.perf_counter()
+        be.generate(prompts, sp)
+        _sync(be.device)
+        walls.append(time.perf_counter() - t0)
+    prof = cProfile.Profile()
+    _sync(be.device)
+    t0 = time.perf_counter()
+    prof.enable()
+    be.generate(prompts, sp)
+    _sync(be.device)
+    prof.disable()
+    profiled = time.perf_counter() - t0
+    stats = pstats.Stats(prof)
+    return {"bench": "generate_host", "mode": mode, "batch": batch, "prompt": prompt, "new_tokens": tokens,
+            "wall_ms": round(statistics.median(walls) * 1e3, 1), "walls_ms": [round(w * 1e3, 1) for w in walls],
+            "profiled_ms": round(profiled * 1e3, 1), "calls": stats.total_calls,
+            "by_own_time": _rows(stats, "tottime", top), "by_cumulative": _rows(stats, "cumtime", top)}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="bf16,fp4")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=1)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    a = p.parse_args(argv)
+    modes = a.modes.split(",")
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backends = build_backends(model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + a.tokens + 64), modes,
+                              device, dtype)
+    for m in modes:
+        print(json.dumps(run(backends[m], m, a.batch, a.prompt, a.tokens, a.reps, a.top)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
