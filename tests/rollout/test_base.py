@@ -42,6 +42,26 @@ def test_check_prompts_accepts_tensors():
     check_prompts([torch.tensor([1, 2]), [3]], vocab_size=4)
 
 
+@pytest.mark.parametrize("bad,ids", [(-1, "[-1]"), (128, "[128]"), (True, "[True]"), (3.0, "[3.0]")])
+def test_check_prompts_names_the_bad_ids_among_many(bad, ids):
+    """One bad id (out of range, a bool, a float) among 5000 valid ones is found and named."""
+    prompt = list(range(100)) * 50
+    check_prompts([prompt], vocab_size=128)
+    prompt[4321] = bad
+    with pytest.raises(ValueError, match=rf"prompts\[0\] has token id\(s\) \{ids[:-1]}\]"):
+        check_prompts([prompt], vocab_size=128)
+
+
+def test_check_prompts_accepts_int_subclasses():
+    """An int subclass (not bool) is an id."""
+    import enum
+
+    class Tok(enum.IntEnum):
+        A = 3
+
+    check_prompts([[Tok.A, 5]], vocab_size=8)
+
+
 def test_rollout_batch_validates_shapes():
     z = torch.zeros(2, 5)
     ok = dict(tokens=torch.zeros(2, 5, dtype=torch.long), prompt_lens=torch.tensor([2, 3]),
