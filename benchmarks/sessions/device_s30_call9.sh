@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 30, call 9: call 8's cProfile counted 81K Python calls in the FP4 generate against 45K in BF16 (batch 8,
-# 2048-token prompts, 1 new token): the same profile with the top 80 functions by calls, and the FP4 one also
-# with static_decode off, for the per-call spread. Then the combine's and rollout's GPU tests at the final code.
+# 2048-token prompts, 1 new token): the same profile with the top 80 functions by calls. Then the combine's and
+# rollout's GPU tests at the final code.
 source benchmarks/_device_env.sh
 exec > >(tee -a "$OUT/log.txt") 2>&1
 nvidia-smi --query-gpu=name,clocks.max.sm,clocks.max.mem --format=csv,noheader
