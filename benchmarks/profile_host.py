@@ -4,9 +4,9 @@ At batch 8 with 2048-token prompts the FP4 generate's wall time (175-205 ms on t
 kernel time (81 ms; BENCHMARKS.md, session 30), so the host decides it. Per mode one JSON line: the generate's wall
 time (median of ``--reps`` unprofiled runs after a warm-up), the profiled one's, and the ``--top`` functions by own
 time, by cumulative time and by calls (file:line(function), calls, seconds). A CUDA sync shows as the time of the
-call that waits (``synchronize``, ``item``, ``tolist``, ``cpu``). cProfile's own cost per Python call inflates code that makes
-many small calls: ``rollout.base.check_prompts`` (33K ``isinstance`` calls) showed 7 ms here, 0.74 ms unprofiled
-(CPU, 8 x 2048 ids). Usage (H200, carry .whl):
+call that waits (``synchronize``, ``item``, ``tolist``, ``cpu``). cProfile's own cost per Python call inflates code
+that makes many small calls: ``rollout.base.check_prompts`` (33K ``isinstance`` calls) showed 7 ms here, 0.74 ms
+unprofiled (CPU, 8 x 2048 ids). Usage (H200, carry .whl):
     python3 benchmarks/profile_host.py [--modes bf16,fp4] [--batch 8] [--prompt 2048] [--tokens 1] [--top 25]
 """
 
