@@ -142,6 +142,20 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
+def generate_walls(be: HFRolloutBackend, prompts, sp, reps: int) -> list[float]:
+    """Seconds of ``reps`` ``be.generate(prompts, sp)`` calls, synced, after one untimed warm-up (every kernel
+    variant compiled)."""
+    be.generate(prompts, sp)
+    walls = []
+    for _ in range(reps):
+        _sync(be.device)
+        t0 = time.perf_counter()
+        be.generate(prompts, sp)
+        _sync(be.device)
+        walls.append(time.perf_counter() - t0)
+    return walls
+
+
 def time_eager(be, model, cache, tok, pos, warmup: int, steps: int, pad=None) -> float:
     """Seconds per decode step, host loop included (argmax feeds the next token: no host sync inside)."""
     dev = be.device

@@ -20,7 +20,7 @@ import statistics
 import time
 
 import torch
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
+from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, generate_walls, model_config, random_prompts
 
 from megatron_trace.rollout import SamplingParams
 
@@ -37,14 +37,7 @@ def _rows(stats: pstats.Stats, key: str, top: int) -> list:
 def run(be, mode: str, batch: int, prompt: int, tokens: int, reps: int, top: int) -> dict:
     prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
-    be.generate(prompts, sp)  # warm-up: every kernel compiled
-    walls = []
-    for _ in range(reps):
-        _sync(be.device)
-        t0 = time.perf_counter()
-        be.generate(prompts, sp)
-        _sync(be.device)
-        walls.append(time.perf_counter() - t0)
+    walls = generate_walls(be, prompts, sp, reps)
     prof = cProfile.Profile()
     _sync(be.device)
     t0 = time.perf_counter()

@@ -16,11 +16,10 @@ import json
 import os
 import statistics
 import tempfile
-import time
 
 import torch
 from _gaps import idle_gaps
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
+from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, generate_walls, model_config, random_prompts
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_trace.rollout import SamplingParams, experts, fp4_moe
@@ -68,14 +67,7 @@ def run(be, variant: str, batch: int, prompt: int, tokens: int, top: int, reps: 
     for (mod, k), v in VARIANTS[variant].items():
         setattr(mod, k, v)
     try:
-        be.generate(prompts, sp)  # warm-up: every kernel variant compiled
-        walls = []
-        for _ in range(reps):
-            _sync(be.device)
-            t0 = time.perf_counter()
-            be.generate(prompts, sp)
-            _sync(be.device)
-            walls.append(time.perf_counter() - t0)
+        walls = generate_walls(be, prompts, sp, reps)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if be.device.type == "cuda" else [])
         with profile(activities=acts, record_shapes=True) as prof:
             be.generate(prompts, sp)
