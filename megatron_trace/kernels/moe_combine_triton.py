@@ -80,7 +80,8 @@ def combine_reference(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
 
 def combine(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
             order: str = ORDER) -> torch.Tensor:
-    """``combine_reference`` in one launch (CUDA, or Triton's CPU interpreter); no host sync."""
+    """``combine_reference`` in one launch (CUDA, or Triton's CPU interpreter); no host sync. ``inv`` must be a
+    permutation of [0, T*k) (the routing's): its values are not checked, as that would sync."""
     _check(y, inv, weights, order)
     tokens, k = weights.shape
     h = y.shape[1]
