@@ -24,8 +24,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from megatron_trace.rollout import SamplingParams, experts, fp4_moe
 
-KINDS = (  # (kind, substrings of the kernel name), first match wins
-    ("experts_gemm", ("fp4_gemm", "fp4_w4a16", "_moe_", "grouped_mm", "grouped_gemm", "cutlass3x")),
+KINDS = (  # (kind, substrings of the kernel name), first match wins; "enable_3x_kernel": PyTorch's CUTLASS kernels
+    # (its bf16 grouped GEMM: sessions 29-30 counted them under dense_gemm)
+    ("experts_gemm", ("fp4_gemm", "fp4_w4a16", "_moe_", "grouped_mm", "grouped_gemm", "cutlass3x", "enable_3x_kernel")),
     ("attention", ("flash", "fmha", "attention", "attn", "sdpa", "softmax")),
     ("fp4_quant", ("quant", "pair_kernel", "fp4", "_rne", "guided", "record")),
     ("dense_gemm", ("gemm", "sm90_xmma", "nvjet", "cublas", "cutlass")),
