@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import cProfile
 import gc
+import os
 import platform
+import pstats
 import time
 
 import torch
@@ -138,3 +141,29 @@ def machine() -> dict:
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
     }
+
+
+def host_us(fn, calls: int, device: str, warmup: int = 20) -> float:
+    """Wall microseconds per call over ``calls`` calls after ``warmup`` calls, no sync between calls."""
+    for _ in range(warmup):
+        fn()
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = time.perf_counter() - t0
+    sync()
+    return t / calls * 1e6
+
+
+def profile_op(fn, calls: int, top: int = 25) -> list:
+    """[function, calls, own us per op call] of the ``top`` functions by own time over ``calls`` calls."""
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    st = pstats.Stats(prof).stats
+    rows = sorted(((f"{os.path.basename(k[0])}:{k[1]} {k[2]}", v[1], v[2]) for k, v in st.items()), key=lambda r: -r[2])
+    return [[name, n, round(t / calls * 1e6, 2)] for name, n, t in rows[:top]]

@@ -83,6 +83,26 @@ def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0, com
     return {m: built["fp4" if m.startswith("fp4") else "bf16"] for m in modes}
 
 
+def generate_parser(doc: str, *, batch: int, prompt: int, tokens: int) -> argparse.ArgumentParser:
+    """The generate benchmarks' common options (modes, batch, prompt, new tokens, --smoke), with these defaults."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--modes", default="bf16,fp4")
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--prompt", type=int, default=prompt)
+    p.add_argument("--tokens", type=int, default=tokens)
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
+    return p
+
+
+def backends_of(a: argparse.Namespace, **kwargs) -> dict[str, HFRolloutBackend]:
+    """``build_backends`` for ``generate_parser``'s options: the benchmark model on the GPU in bf16 (``--smoke``: the
+    tiny one on the CPU in fp32), room for the prompt and the new tokens; ``kwargs`` to ``build_backends``."""
+    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + a.tokens + 64)
+    return build_backends(cfg, a.modes.split(","), device, dtype, **kwargs)
+
+
 def param_count(be: HFRolloutBackend) -> int:
     return sum(p.numel() for p in be.model.parameters())
 

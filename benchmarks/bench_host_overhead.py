@@ -11,16 +11,15 @@ On CPU (``--smoke``, Triton's interpreter: ``TRITON_INTERPRET=1``) only that the
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
 import os
-import pstats
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from _timing import host_us, profile_op  # noqa: E402
 
 from megatron_trace.formats import Quantizer  # noqa: E402
 from megatron_trace.kernels import fused, ops  # noqa: E402
@@ -65,32 +64,6 @@ def cases(device: str, k: int) -> dict:
         "expert_weights.stacked (128; with gradient)": lambda: expert_weights.stacked(
             expert_weights.of(experts, "linear_fc1")),
     }
-
-
-def host_us(fn, calls: int, device: str, warmup: int = 20) -> float:
-    """Wall microseconds per call over ``calls`` calls after ``warmup`` calls, no sync between calls."""
-    for _ in range(warmup):
-        fn()
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = time.perf_counter() - t0
-    sync()
-    return t / calls * 1e6
-
-
-def profile_op(fn, calls: int, top: int = 15) -> list:
-    """[function, calls, own us per op call] of the ``top`` functions by own time over ``calls`` calls."""
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(calls):
-        fn()
-    prof.disable()
-    st = pstats.Stats(prof).stats
-    rows = sorted(((f"{os.path.basename(k[0])}:{k[1]} {k[2]}", v[1], v[2]) for k, v in st.items()), key=lambda r: -r[2])
-    return [[name, n, round(t / calls * 1e6, 2)] for name, n, t in rows[:top]]
 
 
 def main(argv=None) -> dict:

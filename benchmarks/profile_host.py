@@ -12,15 +12,13 @@ unprofiled (CPU, 8 x 2048 ids). Usage (H200, carry .whl):
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import json
 import pstats
 import statistics
 import time
 
-import torch
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, generate_walls, model_config, random_prompts
+from bench_decode import _sync, backends_of, generate_parser, generate_walls, random_prompts
 
 from megatron_trace.rollout import SamplingParams
 
@@ -55,20 +53,12 @@ def run(be, mode: str, batch: int, prompt: int, tokens: int, reps: int, top: int
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default="bf16,fp4")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--prompt", type=int, default=2048)
-    p.add_argument("--tokens", type=int, default=1)
+    p = generate_parser(__doc__, batch=8, prompt=2048, tokens=1)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
-    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU")
     a = p.parse_args(argv)
     modes = a.modes.split(",")
-    device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    backends = build_backends(model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + a.tokens + 64), modes,
-                              device, dtype)
+    backends = backends_of(a)
     for m in modes:
         print(json.dumps(run(backends[m], m, a.batch, a.prompt, a.tokens, a.reps, a.top)), flush=True)
 

@@ -138,6 +138,53 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
     return t, rec, res
 
 
+class RowWriter:
+    """``quantize(x, quantizer, check_finite=False, out=out, out_row=out_row)`` kept for repeated calls: a static KV
+    cache writes one token per layer and step into the same buffer views at a device row. The checks and the launch
+    arguments are those of the first call (``x``), so a call costs about one Triton launch of host time. ``fits``
+    says whether other rows can take the kept launch; calling it with rows that do not raises ``ValueError``."""
+
+    def __init__(self, x: torch.Tensor, quantizer: Quantizer, out: FP4Tensor, out_row: torch.Tensor):
+        check_x(x)
+        if not writes_at(x, quantizer):
+            raise ValueError("RowWriter needs rows writes_at() takes (NVFP4 per row or MXFP4, RNE, bf16/fp16/fp32 "
+                             f"rows of whole blocks); got quantizer {quantizer}, x {x.dtype} {tuple(x.shape)}")
+        x2d = rows_of(x)
+        if x2d.data_ptr() != x.data_ptr():
+            raise ValueError(f"RowWriter needs rows that are a view of x (x {tuple(x.shape)}, strides {x.stride()})")
+        into = _into(out, x, quantizer, True)
+        m, k = x2d.shape
+        fmt = quantizer.format
+        nb = k // fmt.block_size
+        step = qk.into_step(into, m, {"codes": nb * fmt.block_size // 2, "scales": nb, "g": 1}, x.device)
+        g_mode = qk.G_ROW_COMPUTE if quantizer.fmt == "nvfp4" else qk.G_NONE
+        from . import pair_launch
+
+        spare = torch.empty(1, dtype=torch.uint8, device=x.device)
+        self._run = pair_launch.prepare(
+            x2d, into, g=into.get("g"), scales_in=None, guide=None, err=None, spare=spare,
+            fmt=qk.fmt_id(quantizer.fmt, quantizer.scale_rule), block=fmt.block_size, mode=qk.RNE, g_mode=g_mode,
+            write_codes=True, write_scales=True, write_bits=False, write_mask=False, fast_div=qk.FAST_DIV,
+            out_step=step, out_row=out_row)
+        self.quantizer, self.out_row, self.m, self.k = quantizer, out_row, m, k
+        self._layout = (tuple(x.shape), x.stride(), x.dtype, x.device)
+        self._align = 2 * x.element_size()
+
+    def fits(self, x: torch.Tensor, quantizer: Quantizer, out_row: torch.Tensor) -> bool:
+        """Whether ``self(x)`` is ``quantize(x, quantizer, out=<this writer's out>, out_row=out_row)``: the same
+        quantizer and row tensor, and x laid out like the first rows (shape, strides, dtype, device, alignment)."""
+        return (out_row is self.out_row and (quantizer is self.quantizer or quantizer == self.quantizer)
+                and (tuple(x.shape), x.stride(), x.dtype, x.device) == self._layout
+                and x.data_ptr() % self._align == 0)
+
+    def __call__(self, x: torch.Tensor) -> None:
+        if (tuple(x.shape), x.stride(), x.dtype, x.device) != self._layout or x.data_ptr() % self._align:
+            raise ValueError(f"RowWriter was set up for rows {self._layout[:3]} on {self._layout[3]}, "
+                             f"{self._align}-byte aligned; got {tuple(x.shape)} strides {x.stride()} {x.dtype} on "
+                             f"{x.device} at {x.data_ptr()}")
+        self._run(x.view(self.m, self.k))
+
+
 def writes_at(x: torch.Tensor, quantizer: Quantizer) -> bool:
     """Whether ``quantize(x, quantizer, out=..., out_row=...)`` applies: RNE, no per-tensor amax (NVFP4 per row,
     or MXFP4: the kernel writes every output at the device row), and rows the pair kernel takes."""

@@ -16,7 +16,8 @@ on DeepSeek-V3's.
 packed weights and ``preferred`` holds. ``unsupported`` says why a call cannot run here.
 
 Compiled with ``torch.cuda._compile_kernel`` (PyTorch's NVRTC wrapper; a private API, present from torch 2.8): no
-build step, no toolkit beyond the NVRTC library PyTorch's CUDA wheels ship with.
+build step, no toolkit beyond the NVRTC library PyTorch's CUDA wheels ship with. Launched by ``cuda_launch`` (torch's
+launcher costs about 50 us of host per call).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 
 from ..formats.registry import get_format
 from ..formats.tensor import FP4Tensor
+from . import cuda_launch
 from .dispatch import cdiv, sm_count
 from .moe import check_grouped_args, gpu_activations
 
@@ -171,7 +173,7 @@ def unsupported(x, weight: FP4Tensor | PackedWeight, out_dtype: torch.dtype | No
     dev = weight.codes.device
     if dev.type != "cuda":
         return f"weights are on {dev}, the CUDA kernel needs a GPU"
-    cap = torch.cuda.get_device_capability(dev)
+    cap = _capability(dev.index if dev.index is not None else torch.cuda.current_device())
     if cap < (9, 0):
         return f"compute capability {cap[0]}.{cap[1]} < 9.0 (the dequantization uses bf16x2 multiplies)"
     if not hasattr(torch.cuda, "_compile_kernel"):
@@ -187,6 +189,11 @@ def unsupported(x, weight: FP4Tensor | PackedWeight, out_dtype: torch.dtype | No
     if dt not in OUT_DTYPES:
         return f"out_dtype {dt} (supported: bfloat16, float32)"
     return None
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
 
 
 DEFINES: tuple[str, ...] = ()
@@ -235,7 +242,7 @@ def grouped_mm(x, weight: FP4Tensor | PackedWeight, offs: torch.Tensor, *,
         grid = (cdiv(n, ROWS_PER_CTA * tiles), e + 1, 1)
     args = [xd, codes, scales, g_arg, y, offs32, t, n, k, e, xd.stride(0), y.stride(0), gmode,
             int(y.dtype == torch.float32), tt, tiles]
-    kern(grid=grid, block=(THREADS, 1, 1), args=args, shared_mem=smem, stream=torch.cuda.current_stream(xd.device))
+    cuda_launch.launch(kern.func, grid, (THREADS, 1, 1), smem, cuda_launch.current_stream(xd.device), args)
     return y
 
 

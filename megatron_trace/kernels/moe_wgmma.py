@@ -27,7 +27,8 @@ import torch
 
 from ..formats import e2m1
 from ..formats.tensor import FP4Tensor
-from . import moe_mma
+from . import cuda_launch, moe_mma
+from .dispatch import sm_count
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +103,7 @@ def unsupported(x, weight, out_dtype: torch.dtype | None = None) -> str | None:
     dev = weight.codes.device
     if dev.type != "cuda":
         return f"weights are on {dev}, the CUDA kernel needs a GPU"
-    cap = torch.cuda.get_device_capability(dev)
+    cap = moe_mma._capability(dev.index if dev.index is not None else torch.cuda.current_device())
     if cap != (9, 0):
         return f"compute capability {cap[0]}.{cap[1]}: wgmma is built for sm_90a (9.0) only"
     if not hasattr(torch.cuda, "_compile_kernel"):
@@ -154,7 +155,7 @@ def tensor_map(x: torch.Tensor, bt: int) -> ctypes.Array:
     """The CUtensorMap of bf16 x [T, K] (row stride a multiple of 8 elements) for TMA boxes of 64 k x ``bt`` rows in
     128-byte swizzle, rows past T read as zeros (``cuTensorMapEncodeTiled``; a kernel parameter, so CUDA graphs
     capture it by value)."""
-    lib = torch.cuda._utils._get_gpu_runtime_library()
+    lib = cuda_launch.driver()
     tmap = (ctypes.c_uint64 * 16)()
     u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
     res = lib.cuTensorMapEncodeTiled(
@@ -166,23 +167,11 @@ def tensor_map(x: torch.Tensor, bt: int) -> ctypes.Array:
     return tmap
 
 
-def _launch(kern, grid: tuple[int, int, int], smem: int, stream, tmap, args: list) -> None:
-    """cuLaunchKernel with the tensor map by value first (torch's launcher passes tensors and scalars only)."""
-    keep = [tmap]
-    for a in args:
-        keep.append(ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a))
-    params = (ctypes.c_void_p * len(keep))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in keep])
-    lib = torch.cuda._utils._get_gpu_runtime_library()
-    res = lib.cuLaunchKernel(kern.func, *grid, THREADS, 1, 1, smem, ctypes.c_void_p(stream.cuda_stream), params, None)
-    if res != 0:
-        raise RuntimeError(f"cuLaunchKernel failed with CUresult {res}")
-
-
 def ctas(items: int, device: torch.device) -> int:
     """The grid for ``items`` (N / 128 x E) CTA tiles: at most one CTA per multiprocessor where ``PERSISTENT``."""
     if not PERSISTENT:
         return items
-    return min(items, torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(items, sm_count(device))
 
 
 @functools.cache
@@ -227,6 +216,6 @@ def grouped_mm(x, weight: moe_mma.PackedWeight, offs: torch.Tensor, *, out_dtype
     ctr = torch.full((1 + grid,), grid, dtype=torch.int32, device=xd.device)
     args = [xd, codes, scales, g_arg, y, offs32, t, n, k, e, xd.stride(0), y.stride(0), gmode,
             int(y.dtype == torch.float32), ctr]
-    _launch(kern, (grid, 1, 1), shared_memory(bt, _stages(DEFINES)),
-            torch.cuda.current_stream(xd.device), tensor_map(xd, bt), args)
+    cuda_launch.launch(kern.func, (grid, 1, 1), (THREADS, 1, 1), shared_memory(bt, _stages(DEFINES)),
+                       cuda_launch.current_stream(xd.device), [tensor_map(xd, bt), *args])  # (the map by value)
     return y

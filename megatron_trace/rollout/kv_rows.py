@@ -101,6 +101,15 @@ class StaticPosition:
         return self._pos
 
 
+def rows_view(x: torch.Tensor) -> bool:
+    """Whether x [..., head_dim] reads as rows [M, head_dim] without a copy (what ``fused.RowWriter`` launches on)."""
+    try:
+        x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return False
+    return True
+
+
 def _on_triton(kernel: str, x: torch.Tensor, quantizer: Quantizer) -> bool:
     """Whether ``kernels.quantize`` of x takes the Triton path (``kernels.select_kernel``)."""
     unsupported = "stochastic rounding has no Triton path" if quantizer.rounding != "rne" else None
@@ -114,6 +123,7 @@ class FP4Rows:
         self.kernel = kernel
         self.store = GrowingRows(reserve)
         self.meta: tuple[str, torch.dtype, int] | None = None  # fmt, scale dtype, head_dim
+        self._writer = None  # (fused.RowWriter, the codes buffer it writes) of the static decode writes
 
     @property
     def length(self) -> int:
@@ -169,13 +179,25 @@ class FP4Rows:
         """Quantize one token x [B, kv_heads, 1, head_dim] into row ``position`` (device int64 [1]) of the
         buffers, which must exist and fit it (a static cache after its prefill). On the Triton path (NVFP4 per
         row or MXFP4) one kernel writes codes, scales and amax at the row it reads from ``position``
-        (``fused.quantize(out_row=)``); else quantize, then ``index_copy_``."""
+        (``fused.quantize(out_row=)``, kept as a ``fused.RowWriter`` while the buffers, quantizer, row tensor and x's
+        layout stay the same: a decode step's write then costs one launch of host time); else quantize, then
+        ``index_copy_``."""
+        kept = self._writer
+        if kept is not None and kept[1] is self.store.bufs.get("codes") and kept[0].fits(x, quantizer, position):
+            kept[0](x)
+            return
         if self._writes_in_place(x, quantizer):
             from ..kernels import fused  # imports Triton
 
             if fused.writes_at(x, quantizer):
                 row0 = {name: buf[:, :, :1] for name, buf in self.store.bufs.items()}
-                fused.quantize(x, quantizer, check_finite=False, out=self._token_out(row0, x), out_row=position)
+                out = self._token_out(row0, x)
+                if not rows_view(x):
+                    fused.quantize(x, quantizer, check_finite=False, out=out, out_row=position)
+                    return
+                w = fused.RowWriter(x, quantizer, out, position)
+                self._writer = (w, self.store.bufs["codes"])  # (valid while the store keeps these buffers)
+                w(x)
                 return
         q = kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False)
         if self.meta != (q.fmt, q.block_scales.dtype, q.shape[-1]):
@@ -200,6 +222,7 @@ class FP4Rows:
         return self.store.nbytes()
 
     def select(self, index: torch.Tensor) -> None:
+        self._writer = None
         self.store.select(index)
 
 

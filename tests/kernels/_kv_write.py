@@ -25,17 +25,23 @@ def _map(t, fn):
 
 
 def count_out_writes(monkeypatch) -> list[bool]:
-    """Spy on ``fused.quantize``: one entry per call, True for the in-place decode writes (``out=``)."""
+    """Spy on ``fused.quantize`` and ``fused.RowWriter``'s calls: one entry per call, True for the in-place decode
+    writes (``out=``; a kept static decode write)."""
     from megatron_trace.kernels import fused  # imports Triton
 
     calls = []
-    real = fused.quantize
+    real, real_write = fused.quantize, fused.RowWriter.__call__
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("out") is not None)
         return real(*args, **kwargs)
 
+    def spy_write(self, x):
+        calls.append(True)
+        return real_write(self, x)
+
     monkeypatch.setattr(fused, "quantize", spy)
+    monkeypatch.setattr(fused.RowWriter, "__call__", spy_write)
     return calls
 
 

@@ -209,3 +209,63 @@ def test_static_decode_write_is_one_quantize_at_the_device_row(policy, writes):
     assert sum(writes[n:]) == (2 * 4 * 2 if policy != "nvfp4-tensor" else 2 * 4)  # static (+ growing) in place
     for site in ("kv_k", "kv_v"):
         assert_same_fp4(static.layers[0].fp4_history(site), grown.layers[0].fp4_history(site))
+
+
+@pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4"])
+def test_row_writer_equals_quantize_at_the_device_row(policy):
+    """``fused.RowWriter`` (a static cache's decode write kept across steps): for new rows and new device rows each
+    call, the buffers hold what ``fused.quantize(out=, out_row=)`` writes, bit for bit."""
+    q = QUANTIZERS[policy]
+    gen = torch.Generator().manual_seed(7)
+    rows = [random_rows((2, 1, 3, 64), torch.bfloat16, gen).to(DEVICE).transpose(1, 2) for _ in range(3)]
+    kept, base = _buffers(q, 2, 3, 6, 64), _buffers(q, 2, 3, 6, 64)
+    row = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    writer = fused.RowWriter(rows[0], q, _out(q, kept, 0, rows[0].shape), row)
+    for i, x in enumerate(rows):
+        row.fill_(2 * i + 1)
+        assert writer.fits(x, q, row)
+        writer(x)
+        fused.quantize(x, q, check_finite=False, out=_out(q, base, 0, x.shape), out_row=row)
+    for name in kept:
+        assert torch.equal(kept[name].cpu(), base[name].cpu()), name
+    written = (kept["codes"] != 0xAB).any(-1).any(0).any(0)  # per buffer row
+    assert written.tolist() == [False, True, False, True, False, True]
+
+
+def test_row_writer_names_rows_it_was_not_set_up_for():
+    q = QUANTIZERS["nvfp4-row"]
+    x = torch.randn(2, 3, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    row = torch.zeros(1, dtype=torch.long, device=DEVICE)
+    writer = fused.RowWriter(x, q, _out(q, _buffers(q, 2, 3, 5, 64), 0, x.shape), row)
+    other = torch.randn(2, 1, 3, 64, dtype=torch.bfloat16, device=DEVICE).transpose(1, 2)  # other strides
+    assert not writer.fits(other, q, row)
+    assert not writer.fits(x, q, torch.zeros_like(row))  # another row tensor
+    assert not writer.fits(x, QUANTIZERS["mxfp4"], row)
+    with pytest.raises(ValueError, match="set up for rows"):
+        writer(other)
+    with pytest.raises(ValueError, match="writes_at"):  # a per-tensor amax is not written at the device row
+        fused.RowWriter(x, QUANTIZERS["nvfp4-tensor"], _out(q, _buffers(q, 2, 3, 5, 64), 0, x.shape), row)
+
+
+def test_static_cache_keeps_one_writer_per_store(writes):
+    """A static cache's decode steps reuse each K/V store's ``RowWriter``; a batch selection drops it (new buffers),
+    and the rows stored after it still equal the growing cache's."""
+    q = QUANTIZERS["nvfp4-row"]
+    kv = steps(2, 3, 64, 5, torch.bfloat16, DEVICE, seed=8)
+    static, grown = kv_cache.FP4KVCache(1, q, static_rows=16), kv_cache.FP4KVCache(1, q)
+    static.update(*kv[0], 0)
+    grown.update(*kv[0], 0)
+    made = []
+    for i, (k, v) in enumerate(kv[1:]):
+        if i == 2:
+            index = torch.tensor([1, 0], device=DEVICE)
+            static.layers[0].batch_select_indices(index)
+            grown.layers[0].batch_select_indices(index)
+        static.decode_position().fill_(3 + i)
+        static.update(k, v, 0)
+        static.advance(1)
+        grown.update(k, v, 0)
+        made.append(static.layers[0]._rows["kv_k"]._writer[0])
+    assert made[0] is made[1] and made[2] is made[3] and made[1] is not made[2]
+    for site in ("kv_k", "kv_v"):
+        assert_same_fp4(static.layers[0].fp4_history(site), grown.layers[0].fp4_history(site))
