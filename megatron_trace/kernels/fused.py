@@ -146,12 +146,11 @@ class RowWriter:
 
     def __init__(self, x: torch.Tensor, quantizer: Quantizer, out: FP4Tensor, out_row: torch.Tensor):
         check_x(x)
-        if not writes_at(x, quantizer):
+        if not self.takes(x, quantizer):
             raise ValueError("RowWriter needs rows writes_at() takes (NVFP4 per row or MXFP4, RNE, bf16/fp16/fp32 "
-                             f"rows of whole blocks); got quantizer {quantizer}, x {x.dtype} {tuple(x.shape)}")
+                             f"rows of whole blocks) that are a view of x as rows; got quantizer {quantizer}, x "
+                             f"{x.dtype} {tuple(x.shape)} strides {x.stride()}")
         x2d = rows_of(x)
-        if x2d.data_ptr() != x.data_ptr():
-            raise ValueError(f"RowWriter needs rows that are a view of x (x {tuple(x.shape)}, strides {x.stride()})")
         into = _into(out, x, quantizer, True)
         m, k = x2d.shape
         fmt = quantizer.format
@@ -167,18 +166,32 @@ class RowWriter:
             write_codes=True, write_scales=True, write_bits=False, write_mask=False, fast_div=qk.FAST_DIV,
             out_step=step, out_row=out_row)
         self.quantizer, self.out_row, self.m, self.k = quantizer, out_row, m, k
-        self._layout = (tuple(x.shape), x.stride(), x.dtype, x.device)
+        self._layout = self._layout_of(x)
         self._align = 2 * x.element_size()
+
+    @staticmethod
+    def takes(x: torch.Tensor, quantizer: Quantizer) -> bool:
+        """Whether a writer can be set up for rows x: ``writes_at`` holds and x reads as rows without a copy."""
+        if not writes_at(x, quantizer):
+            return False
+        try:
+            x.view(-1, x.shape[-1])
+        except RuntimeError:
+            return False
+        return True
+
+    @staticmethod
+    def _layout_of(x: torch.Tensor) -> tuple:
+        return tuple(x.shape), x.stride(), x.dtype, x.device
 
     def fits(self, x: torch.Tensor, quantizer: Quantizer, out_row: torch.Tensor) -> bool:
         """Whether ``self(x)`` is ``quantize(x, quantizer, out=<this writer's out>, out_row=out_row)``: the same
         quantizer and row tensor, and x laid out like the first rows (shape, strides, dtype, device, alignment)."""
         return (out_row is self.out_row and (quantizer is self.quantizer or quantizer == self.quantizer)
-                and (tuple(x.shape), x.stride(), x.dtype, x.device) == self._layout
-                and x.data_ptr() % self._align == 0)
+                and self._layout_of(x) == self._layout and x.data_ptr() % self._align == 0)
 
     def __call__(self, x: torch.Tensor) -> None:
-        if (tuple(x.shape), x.stride(), x.dtype, x.device) != self._layout or x.data_ptr() % self._align:
+        if self._layout_of(x) != self._layout or x.data_ptr() % self._align:
             raise ValueError(f"RowWriter was set up for rows {self._layout[:3]} on {self._layout[3]}, "
                              f"{self._align}-byte aligned; got {tuple(x.shape)} strides {x.stride()} {x.dtype} on "
                              f"{x.device} at {x.data_ptr()}")

@@ -101,15 +101,6 @@ class StaticPosition:
         return self._pos
 
 
-def rows_view(x: torch.Tensor) -> bool:
-    """Whether x [..., head_dim] reads as rows [M, head_dim] without a copy (what ``fused.RowWriter`` launches on)."""
-    try:
-        x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return False
-    return True
-
-
 def _on_triton(kernel: str, x: torch.Tensor, quantizer: Quantizer) -> bool:
     """Whether ``kernels.quantize`` of x takes the Triton path (``kernels.select_kernel``)."""
     unsupported = "stochastic rounding has no Triton path" if quantizer.rounding != "rne" else None
@@ -192,7 +183,7 @@ class FP4Rows:
             if fused.writes_at(x, quantizer):
                 row0 = {name: buf[:, :, :1] for name, buf in self.store.bufs.items()}
                 out = self._token_out(row0, x)
-                if not rows_view(x):
+                if not fused.RowWriter.takes(x, quantizer):  # (rows that need a copy first)
                     fused.quantize(x, quantizer, check_finite=False, out=out, out_row=position)
                     return
                 w = fused.RowWriter(x, quantizer, out, position)
