@@ -3,8 +3,8 @@
 The kernels come from ``torch.cuda._compile_kernel``. Its launcher (``_CudaKernel.__call__``, torch 2.8-2.13) opens
 libcuda with ``ctypes.CDLL`` on every call, which dlopens and builds a ctypes class each time. That is about 50 us
 of host time per launch, several times the launch itself (BENCHMARKS.md, session 31). Here the library and its
-``cuLaunchKernel`` are looked up once. Arguments are passed as the kernels declare them: tensors as device
-pointers, Python ints as 32-bit ``int``, and ctypes values (a CUtensorMap) by value.
+``cuLaunchKernel`` are looked up once. Arguments are passed as the kernels declare them (``params``): tensors as
+device pointers, Python ints as 32-bit ``int``, and ctypes values (a CUtensorMap) by value.
 """
 
 from __future__ import annotations
@@ -37,16 +37,39 @@ def current_stream(device: torch.device) -> int:
 
 def launch(func, grid: tuple[int, int, int], block: tuple[int, int, int], shared_mem: int, stream: int,
            args: list) -> None:
-    """Launch the kernel ``func`` (a ``_compile_kernel`` result's ``.func``) on the raw ``stream`` handle. ``args``:
-    tensors (passed as device pointers), ints (32-bit) and ctypes values (passed by value), in the kernel's order.
-    Raises ``RuntimeError`` with the driver's message where the launch fails."""
-    keep = [a if isinstance(a, ctypes._SimpleCData | ctypes.Array | ctypes.Structure)
-            else ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
-    params = (ctypes.c_void_p * len(keep))(*[ctypes.addressof(v) for v in keep])
-    res = _launch_fn()(func, *grid, *block, shared_mem, stream, params, None)
+    """Launch the kernel ``func`` (a ``_compile_kernel`` result's ``.func``) on the raw ``stream`` handle with
+    ``params(args)``. Raises ``RuntimeError`` with the driver's message where the launch fails."""
+    keep = params(args)
+    res = _launch_fn()(func, *grid, *block, shared_mem, stream,
+                       (ctypes.c_void_p * len(keep))(*[ctypes.addressof(v) for v in keep]), None)
     if res:
         msg = ctypes.c_char_p()
         driver().cuGetErrorString(res, ctypes.byref(msg))
         raise RuntimeError(f"cuLaunchKernel failed with CUresult {res} "
                            f"({(msg.value or b'unknown error').decode()}): grid {grid}, block {block}, "
                            f"{shared_mem} bytes of shared memory")
+
+
+_BY_VALUE = (ctypes._SimpleCData, ctypes.Array, ctypes.Structure)
+
+
+def params(args: list) -> list:
+    """The kernel parameters of ``args``, in order: CUDA tensors as device pointers, ints (bools too) as 32-bit
+    ``int``, ctypes values as they are (passed by value). Raises ``ValueError`` / ``TypeError`` naming an argument
+    that is none of these or does not fit (an int outside int32 would wrap silently)."""
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, _BY_VALUE):
+            out.append(a)
+        elif isinstance(a, torch.Tensor):
+            if not a.is_cuda:
+                raise ValueError(f"kernel argument {i} is a tensor on {a.device}; the kernels read CUDA memory")
+            out.append(ctypes.c_void_p(a.data_ptr()))
+        elif isinstance(a, int):
+            if not -(2**31) <= a < 2**31:
+                raise ValueError(f"kernel argument {i} = {a} does not fit the kernel's 32-bit int")
+            out.append(ctypes.c_int(a))
+        else:
+            raise TypeError(f"kernel argument {i} is a {type(a).__name__}: expected a CUDA tensor, an int or a "
+                            "ctypes value")
+    return out
