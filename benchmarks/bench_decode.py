@@ -33,9 +33,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import cProfile
 import gc
 import json
 import logging
+import pstats
 import statistics
 import time
 
@@ -174,6 +176,18 @@ def generate_walls(be: HFRolloutBackend, prompts, sp, reps: int) -> list[float]:
         _sync(be.device)
         walls.append(time.perf_counter() - t0)
     return walls
+
+
+def profiled_generate(be: HFRolloutBackend, prompts, sp) -> tuple[float, pstats.Stats]:
+    """One ``be.generate(prompts, sp)`` under cProfile, synced before and after: (seconds, its stats)."""
+    prof = cProfile.Profile()
+    _sync(be.device)
+    t0 = time.perf_counter()
+    prof.enable()
+    be.generate(prompts, sp)
+    _sync(be.device)
+    prof.disable()
+    return time.perf_counter() - t0, pstats.Stats(prof)
 
 
 def time_eager(be, model, cache, tok, pos, warmup: int, steps: int, pad=None) -> float:

@@ -10,13 +10,10 @@ functions with the most own time, and the megatron_trace / transformers function
 from __future__ import annotations
 
 import argparse
-import cProfile
 import json
-import pstats
-import time
 
 import torch
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
+from bench_decode import MODEL, SMOKE_MODEL, build_backends, model_config, profiled_generate, random_prompts
 
 from megatron_trace.rollout import SamplingParams
 
@@ -25,15 +22,8 @@ def profile(be, batch: int, prompt: int, tokens: int, top: int) -> dict:
     prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
     be.generate(prompts, sp)  # warm-up at full length: every Triton kernel variant compiled before the timed call
-    _sync(be.device)
-    prof = cProfile.Profile()
-    t0 = time.perf_counter()
-    prof.enable()
-    be.generate(prompts, sp)
-    _sync(be.device)
-    prof.disable()
-    sec = time.perf_counter() - t0
-    stats = pstats.Stats(prof).stats
+    sec, stats = profiled_generate(be, prompts, sp)
+    stats = stats.stats
     rows = sorted(((v[2], v[1], f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}") for k, v in stats.items()), reverse=True)
     total = sum(v[2] for v in stats.values())
     ours = sorted(((v[3], v[1], f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}") for k, v in stats.items()

@@ -12,13 +12,11 @@ unprofiled (CPU, 8 x 2048 ids). Usage (H200, carry .whl):
 
 from __future__ import annotations
 
-import cProfile
 import json
 import pstats
 import statistics
-import time
 
-from bench_decode import _sync, backends_of, generate_parser, generate_walls, random_prompts
+from bench_decode import backends_of, generate_parser, generate_walls, profiled_generate, random_prompts
 
 from megatron_trace.rollout import SamplingParams
 
@@ -36,15 +34,7 @@ def run(be, mode: str, batch: int, prompt: int, tokens: int, reps: int, top: int
     prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
     walls = generate_walls(be, prompts, sp, reps)
-    prof = cProfile.Profile()
-    _sync(be.device)
-    t0 = time.perf_counter()
-    prof.enable()
-    be.generate(prompts, sp)
-    _sync(be.device)
-    prof.disable()
-    profiled = time.perf_counter() - t0
-    stats = pstats.Stats(prof)
+    profiled, stats = profiled_generate(be, prompts, sp)
     return {"bench": "generate_host", "mode": mode, "batch": batch, "prompt": prompt, "new_tokens": tokens,
             "wall_ms": round(statistics.median(walls) * 1e3, 1), "walls_ms": [round(w * 1e3, 1) for w in walls],
             "profiled_ms": round(profiled * 1e3, 1), "calls": stats.total_calls,
