@@ -93,11 +93,11 @@ class FP4KVLayer(DynamicLayer):
             rows.append(q)
             if rec is not None:
                 rec.add_heads_major(self.layer_idx, site, q)
-        else:  # recorded from the stored rows when the rollout ends (GuidanceRecorder.add_kv_history)
-            rows.quantize_append(x, self.quantizer)
-            if rec is not None:
-                rec.add_kv_history(self.layer_idx, site, rows.fp4)
-        return rows.dequantize(x.dtype) if read else None
+            return rows.dequantize(x.dtype) if read else None
+        history = rows.quantize_append(x, self.quantizer, read)
+        if rec is not None:  # recorded from the stored rows when the rollout ends
+            rec.add_kv_history(self.layer_idx, site, rows.fp4)
+        return history
 
     def _store_at(self, site: str, x: torch.Tensor, position: torch.Tensor, read: bool) -> torch.Tensor | None:
         """A static decode step: x [B, kv_heads, 1, head_dim] into row ``position`` -> every row of the buffers

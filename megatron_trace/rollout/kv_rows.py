@@ -3,8 +3,9 @@ allocated once at a static capacity), packed FP4 rows with their scales and per-
 model dtype (``kv_cache.FP4KVLayer`` holds one per K and V).
 
 On the Triton path a one-token append is one quantize launch that writes the token's codes, scales and amax straight
-into the buffers (``fused.quantize(out=)``); a prefill quantizes, then copies. Spare rows are zeros, which the
-decode attention may read (FP4 zeros decode to 0).
+into the buffers (``fused.quantize(out=)``); a prefill quantizes, then copies, and its attention reads the dequantized
+rows that the quantize pass wrote beside the codes. Spare rows are zeros, which the decode attention may read (FP4
+zeros decode to 0).
 """
 
 from __future__ import annotations
@@ -120,15 +121,25 @@ class FP4Rows:
     def length(self) -> int:
         return self.store.length
 
-    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer) -> None:
-        """Quantize x [B, kv_heads, t, head_dim] and append it.
+    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer, read: bool = False) -> torch.Tensor | None:
+        """Quantize x [B, kv_heads, t, head_dim] and append it; ``read``: return the whole history dequantized
+        (in x.dtype; else None).
 
         A one-token update on the Triton path is one kernel that writes codes, scales and amax straight into the
-        buffers (``_write_token``); else quantize, then copy (``append``)."""
+        buffers (``_write_token``); else quantize, then copy (``append``). A prefill (nothing stored yet) that is
+        read takes its dequantized rows from the quantize's own pass (``fused.quantize(deq_dtype=)``, the same bits
+        as dequantizing the stored rows) instead of a second kernel over them."""
         if x.shape[2] == 1 and self._writes_in_place(x, quantizer):
             self._write_token(x, quantizer)
+        elif read and self.length == 0 and _on_triton(self.kernel, x, quantizer):
+            from ..kernels import fused  # imports Triton
+
+            q, _, out = fused.quantize(x, quantizer, deq_dtype=x.dtype, check_finite=False)
+            self.append(q)
+            return out["deq"].view(x.shape)
         else:
             self.append(kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False))
+        return self.dequantize(x.dtype) if read else None
 
     def _writes_in_place(self, x: torch.Tensor, quantizer: Quantizer) -> bool:
         """Whether the buffers exist, are contiguous (one row step) and fit x's rows and format, and the quantize

@@ -14,7 +14,7 @@ import torch
 from megatron_trace.formats import FP4Tensor, Quantizer
 from megatron_trace.rollout import kv_cache, kv_rows
 
-from ._gpu import DEVICE, INTERPRET, assert_same_fp4, edge_rows, needs_triton, random_rows
+from ._gpu import DEVICE, INTERPRET, assert_same_fp4, edge_rows, needs_triton, random_rows, same_bits
 from ._kv_write import QUANTIZERS, assert_same_runs, assert_tokens_stored, count_out_writes, run, steps
 
 pytestmark = needs_triton
@@ -269,3 +269,32 @@ def test_static_cache_keeps_one_writer_per_store(writes):
     assert made[0] is made[1] and made[2] is made[3] and made[1] is not made[2]
     for site in ("kv_k", "kv_v"):
         assert_same_fp4(static.layers[0].fp4_history(site), grown.layers[0].fp4_history(site))
+
+
+@pytest.mark.parametrize(("dtype", "d"), [(torch.bfloat16, 64), (torch.float16, 128)], ids=["bf16-64", "fp16-128"])
+@pytest.mark.parametrize("policy", list(QUANTIZERS))
+@pytest.mark.parametrize("static", [False, True], ids=["growing", "static"])
+def test_prefill_reads_its_rows_from_the_quantize_pass(policy, dtype, d, static, monkeypatch):
+    """A prefill's history (nothing stored before) comes out of the quantize pass itself (``fused.quantize``
+    with ``deq_dtype``), no dequantize kernel after it: the same bits as dequantizing the rows it stored
+    (``ops.dequantize``), for edge rows (ties, zeros, subnormal, huge) and NaN/Inf rows too; a second chunk
+    dequantizes the stored history as before."""
+    q = QUANTIZERS[policy]
+    odd = torch.stack([t.transpose(1, 2).reshape(-1, d) for t in _odd_tokens(dtype, d)])  # [2, B*H, D]
+    x = odd.reshape(2, 2, 8, d).permute(1, 2, 0, 3)  # [B=2, H=8, t=2, D], not contiguous
+    dequantized = []
+    real = kv_rows.FP4Rows.dequantize
+    monkeypatch.setattr(kv_rows.FP4Rows, "dequantize",
+                        lambda self, *a, **k: dequantized.append(1) or real(self, *a, **k))
+    cache = kv_cache.FP4KVCache(1, q, static_rows=16 if static else None)
+    keys, values = cache.update(x, x.flip(0), 0)
+    assert not dequantized
+    for site, got in (("kv_k", keys), ("kv_v", values)):
+        want = kv_rows.kernel_dequantize(cache.layers[0].fp4_history(site), dtype, kernel="auto")
+        assert got.shape == x.shape and same_bits(got, want), site
+    more = random_rows((2, 8, 3, d), dtype, torch.Generator().manual_seed(9)).to(DEVICE)
+    if not static:  # (a static cache takes one prefill, then one-token decode writes)
+        keys, _ = cache.update(more, more, 0)
+        assert len(dequantized) == 2 and keys.shape[2] == 5
+        want = kv_rows.kernel_dequantize(cache.layers[0].fp4_history("kv_k"), dtype, kernel="auto")
+        assert same_bits(keys, want)
