@@ -8,7 +8,8 @@ module of ``HFRolloutBackend.model`` read ``time.perf_counter`` (no sync) and su
 ``Qwen3MoeExperts`` holds the rollout's experts forward (activation quantize, routing, GEMMs, combine, records);
 ``Qwen3MoeAttention``'s own time the rotary, the KV cache update and the attention call. Per mode one JSON line:
 the generate's wall (median of ``--reps``), the prefill's and the median decode step's host ms, and own ms per
-module class in each. ``--pieces``: also host us per call of layer 0's pieces at the decode batch (looped, no sync:
+module class in each (``--timed N``: N generates timed, the median prefill's figures and its generate's steps).
+``--pieces``: also host us per call of layer 0's pieces at the decode batch (looped, no sync:
 the experts module, its activation quantize + record, routing, GEMM and combine, the K+V token write of a static
 cache and the decode attention), and ``--cprofile`` the functions with the most own time in the named pieces.
 Usage (H200, carry .whl):
@@ -68,22 +69,33 @@ def _ms(step: dict[str, float]) -> dict[str, float]:
     return {k: round(v * 1e3, 3) for k, v in sorted(step.items(), key=lambda kv: -kv[1])}
 
 
-def run(be, mode: str, batch: int, prompt: int, tokens: int, reps: int) -> dict:
+def _median_of(steps: list[dict[str, float]]) -> dict[str, float]:
+    return sorted(steps, key=lambda s: s["(step)"])[len(steps) // 2] if steps else {}
+
+
+def run(be, mode: str, batch: int, prompt: int, tokens: int, reps: int, timed: int = 1) -> dict:
+    """One JSON row of ``mode``: ``timed`` generates under the hook timer; the prefill's figures are the median
+    prefill's (each generate's prefill host ms listed), the decode steps those of that generate."""
     prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
     walls = generate_walls(be, prompts, sp, reps)
     timer = ModuleHostTimer(be.model)
     timer.on = True
-    be.generate(prompts, sp)
+    runs = []
+    for _ in range(timed):
+        be.generate(prompts, sp)
+        runs.append(timer.steps)
+        timer.steps = []
     timer.on = False
     timer.remove()
-    prefill, decode = timer.steps[0], timer.steps[1:]
-    mid = sorted(decode, key=lambda s: s["(step)"])[len(decode) // 2] if decode else {}
+    prefill = _median_of([r[0] for r in runs])
+    decode = next(r for r in runs if r[0] is prefill)[1:]
     return {"bench": "step_host", "mode": mode, "batch": batch, "prompt": prompt, "new_tokens": tokens,
             "static_decode": be.static_decode, "generate_ms": round(statistics.median(walls) * 1e3, 1),
             "prefill_host_ms": round(prefill["(step)"] * 1e3, 2),
+            "prefill_host_ms_runs": [round(r[0]["(step)"] * 1e3, 2) for r in runs],
             "decode_step_host_ms": [round(s["(step)"] * 1e3, 2) for s in decode],
-            "prefill_own_ms": _ms(prefill), "decode_median_step_own_ms": _ms(mid)}
+            "prefill_own_ms": _ms(prefill), "decode_median_step_own_ms": _ms(_median_of(decode))}
 
 
 def pieces(be, mode: str, batch: int, rows: int, calls: int, cprofile: tuple[str, ...] = ()) -> dict:
@@ -140,6 +152,7 @@ def pieces(be, mode: str, batch: int, rows: int, calls: int, cprofile: tuple[str
 def main(argv=None) -> None:
     p = generate_parser(__doc__, batch=8, prompt=512, tokens=8)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--timed", type=int, default=1, help="generates under the hook timer (the prefill: their median)")
     p.add_argument("--static-decode", default="eager", choices=("eager", "off"))
     p.add_argument("--pieces", action="store_true", help="host us per call of layer 0's pieces (CUDA)")
     p.add_argument("--calls", type=int, default=500)
@@ -148,7 +161,7 @@ def main(argv=None) -> None:
     modes = a.modes.split(",")
     backends = backends_of(a, static_decode=a.static_decode)
     for m in modes:
-        print(json.dumps(run(backends[m], m, a.batch, a.prompt, a.tokens, a.reps)), flush=True)
+        print(json.dumps(run(backends[m], m, a.batch, a.prompt, a.tokens, a.reps, a.timed)), flush=True)
     if a.pieces and torch.cuda.is_available() and not a.smoke:
         rows = -(-(a.prompt + 16) // 16) * 16
         for m in modes:

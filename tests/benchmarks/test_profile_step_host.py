@@ -63,10 +63,12 @@ def _run(script: str, *args: str) -> list[dict]:
 
 
 def test_smoke_runs_report_both_modes():
-    rows = _run("profile_step_host.py")
+    rows = _run("profile_step_host.py", "--timed", "3")
     assert [r["mode"] for r in rows] == ["bf16", "fp4"]
     for r in rows:
         assert len(r["decode_step_host_ms"]) == 3  # one eager fixed-buffer step per fed token
         assert "Qwen3MoeExperts" in r["decode_median_step_own_ms"] and r["prefill_host_ms"] > 0
+        assert len(r["prefill_host_ms_runs"]) == 3 and r["prefill_host_ms"] == sorted(r["prefill_host_ms_runs"])[1]
+        assert abs(r["prefill_own_ms"]["(step)"] - r["prefill_host_ms"]) < 0.006  # the median prefill's own times
     rows = _run("profile_host.py", "--top", "3")
     assert [r["mode"] for r in rows] == ["bf16", "fp4"] and all(len(r["by_own_time"]) == 3 for r in rows)
