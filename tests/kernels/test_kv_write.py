@@ -298,3 +298,15 @@ def test_prefill_reads_its_rows_from_the_quantize_pass(policy, dtype, d, static,
         assert len(dequantized) == 2 and keys.shape[2] == 5
         want = kv_rows.kernel_dequantize(cache.layers[0].fp4_history("kv_k"), dtype, kernel="auto")
         assert same_bits(keys, want)
+
+
+@pytest.mark.parametrize(("dtype", "d"), [(torch.float32, 64), (torch.bfloat16, 40)], ids=["fp32-64", "bf16-40"])
+@pytest.mark.parametrize("policy", list(QUANTIZERS))
+def test_prefill_read_equals_the_reference_cache(policy, dtype, d):
+    """The one-pass prefill read for fp32 rows and for a head_dim that is not a whole number of blocks (the element
+    kernel, padded blocks): the reference cache's history, bit for bit."""
+    q = QUANTIZERS[policy]
+    x = random_rows((2, 5, 3, d), dtype, torch.Generator().manual_seed(10)).to(DEVICE).transpose(1, 2)
+    got = kv_cache.FP4KVCache(1, q).update(x, x, 0)
+    want = kv_cache.FP4KVCache(1, q, kernel="reference").update(x, x, 0)
+    assert all(same_bits(a, b) for a, b in zip(got, want, strict=True))
