@@ -76,6 +76,8 @@ def _median_of(steps: list[dict[str, float]]) -> dict[str, float]:
 def run(be, mode: str, batch: int, prompt: int, tokens: int, reps: int, timed: int = 1) -> dict:
     """One JSON row of ``mode``: ``timed`` generates under the hook timer; the prefill's figures are the median
     prefill's (each generate's prefill host ms listed), the decode steps those of that generate."""
+    if timed < 1:
+        raise ValueError(f"timed={timed}: at least one generate must be timed")
     prompts = random_prompts(be, batch, prompt)
     sp = SamplingParams(max_new_tokens=tokens, seed=0, stop_token_ids=())
     walls = generate_walls(be, prompts, sp, reps)
