@@ -58,8 +58,9 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     w = r.clamp(1.0 / IS_CLAMP, IS_CLAMP)
     has = mask.any(1)  # sequences with >= 1 response token
     ntok = mask.sum(1)
-    seq_abs = (d_all.abs() * mask).sum(1)[has] / ntok[has]
-    seq_sum = (d_all * mask).sum(1)[has]
+    d_in = torch.where(mask, d_all, 0.0)  # positions outside the mask may hold NaN / -inf: select, not multiply
+    seq_abs = d_in.abs().sum(1)[has] / ntok[has]
+    seq_sum = d_in.sum(1)[has]
     first = mask.long().argmax(1)[has]  # first response position of each sequence
     first_d = d_all[has].gather(1, first.unsqueeze(1)).squeeze(1).abs()
     p = f"{prefix}/"

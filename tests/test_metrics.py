@@ -73,6 +73,14 @@ def test_identical_logprobs_are_the_floor():
     assert m["mismatch/prob_pearson"] == pytest.approx(1.0)
 
 
+def test_mismatch_metrics_ignore_what_lies_outside_the_mask():
+    # NaN / -inf rollout log-probs at prompt or padding positions are selected away, not multiplied by 0
+    lr = LR.masked_fill(~MASK, float("nan"))
+    lr[0, 0] = float("-inf")
+    lt = _lt().masked_fill(~MASK, float("inf"))
+    assert mismatch_metrics(lt, lr, MASK) == mismatch_metrics(_lt(), LR, MASK)
+
+
 def test_ess_clamps_ratios_at_5():
     lr = torch.zeros(1, 2)
     lt = torch.tensor([[3.0, 0.0]])  # r = e^3 ~ 20 -> clamped to 5

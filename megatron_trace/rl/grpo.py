@@ -11,11 +11,16 @@ import torch
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
-    """rewards [N] (N = prompts * group_size, groups contiguous) -> advantages [N]."""
+    """rewards [N] (N = prompts * group_size, groups contiguous) -> advantages [N] (float32).
+
+    A group whose rewards are all equal carries no signal and gets advantage 0 exactly (the float mean of equal
+    values is not always that value, and ``(r - mean) / (std + eps)`` would then be a same-sign ~±1)."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()=} is not a multiple of {group_size=}")
-    r = rewards.float().view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)).view(-1)
+    r = rewards.double().view(-1, group_size)
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)
+    constant = (r == r[:, :1]).all(1, keepdim=True)
+    return torch.where(constant, 0.0, adv).float().view(-1)
 
 
 def policy_loss(
@@ -32,22 +37,26 @@ def policy_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip loss, averaged over all response tokens of the batch.
 
-    logp, logp_old, logp_rollout, mask: [B, T] (mask = response tokens); advantages: [B].
+    logp, logp_old, logp_rollout, mask: [B, T] (mask = response tokens); advantages: [B]. Positions outside the
+    mask take no part, whatever they hold (an engine's NaN / -inf at prompt or padding positions included).
     """
-    m = mask.float()
-    ratio = torch.exp(logp - logp_old.detach())
+    sel = mask.bool()
+    # outside the mask every reference log-prob is replaced by logp itself (ratio 1, weight 1, KL 0), so that
+    # NaN / inf there reach neither the loss nor, through 0 * inf, the gradient
+    logp_old = torch.where(sel, logp_old, logp).detach()
+    ratio = torch.exp(logp - logp_old)
     adv = advantages.unsqueeze(1)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     per_tok = -surrogate
     if tis_cap is not None:
-        w = torch.exp(logp_old.detach() - logp_rollout).clamp(max=tis_cap)
-        per_tok = per_tok * w
+        per_tok = per_tok * torch.exp(logp_old - torch.where(sel, logp_rollout, logp_old)).clamp(max=tis_cap)
     if kl_coef and logp_ref is not None:
-        d = logp_ref.detach() - logp
+        d = torch.where(sel, logp_ref, logp).detach() - logp
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)  # k3 estimator
-    n = m.sum().clamp(min=1)
-    loss = (per_tok * m).sum() / n
+    n = sel.sum().clamp(min=1)
+    loss = torch.where(sel, per_tok, 0.0).sum() / n
     with torch.no_grad():
         clipped = ((ratio - 1).abs() > clip_eps).float()
-        stats = {"rl/clip_frac": float((clipped * m).sum() / n), "rl/ratio_mean": float((ratio * m).sum() / n)}
+        stats = {"rl/clip_frac": float(torch.where(sel, clipped, 0.0).sum() / n),
+                 "rl/ratio_mean": float(torch.where(sel, ratio, 0.0).sum() / n)}
     return loss, stats

@@ -51,6 +51,19 @@ def test_group_advantages():
         group_advantages(r, 3)
 
 
+@pytest.mark.parametrize("value", [0.7, 7.3, 12.7, 100.3, -3.1, 1e-3])
+@pytest.mark.parametrize("group_size", [3, 5, 8])
+def test_group_advantages_of_a_constant_group_are_zero(value, group_size):
+    # float32 mean(r) of equal rewards is not always r: the group must still carry no signal
+    r = torch.cat([torch.full((group_size,), value), torch.arange(group_size, dtype=torch.float32) * value])
+    a = group_advantages(r, group_size)
+    assert a.dtype == torch.float32
+    assert torch.equal(a[:group_size], torch.zeros(group_size))
+    assert abs(float(a[group_size:].double().mean())) < 1e-6
+    std = float(r[group_size:].double().std(unbiased=False))
+    assert float(a[group_size:].double().std(unbiased=False)) == pytest.approx(std / (std + 1e-6), abs=1e-6)
+
+
 def test_policy_loss_ppo_clip_and_tis():
     logp_old = torch.log(torch.tensor([[0.5, 0.5]]))
     logp = (logp_old + torch.tensor([[0.5, 0.0]])).requires_grad_()
@@ -66,3 +79,25 @@ def test_policy_loss_ppo_clip_and_tis():
     lr = logp_old - 3.0
     loss_tis, _ = policy_loss(logp_old.clone(), logp_old, lr, adv, mask, tis_cap=5.0)
     assert loss_tis.item() == pytest.approx(-5.0)
+
+
+def test_policy_loss_ignores_what_lies_outside_the_mask():
+    # an engine may return NaN / -inf log-probs at prompt or padding positions: they must not reach loss or grads
+    g = torch.Generator().manual_seed(0)
+    logp_old = -torch.rand(2, 6, generator=g) - 0.1
+    lr = logp_old - 0.3 * torch.rand(2, 6, generator=g)
+    mask = torch.tensor([[False, True, True, True, False, False], [False, False, True, True, True, True]])
+    adv = torch.tensor([0.7, -1.2])
+    bad_lr = lr.masked_fill(~mask, float("nan"))
+    bad_lr[0, 0], bad_lr[1, 1] = float("-inf"), float("inf")
+    bad_old = logp_old.masked_fill(~mask, float("-inf"))
+    out = []
+    for old, roll in ((logp_old, lr), (bad_old, bad_lr)):
+        logp = (logp_old + 0.05).requires_grad_()
+        loss, stats = policy_loss(logp, old, roll, adv, mask, tis_cap=5.0, logp_ref=logp_old, kl_coef=0.1)
+        loss.backward()
+        out.append((loss.detach(), logp.grad, stats))
+    (l0, g0, s0), (l1, g1, s1) = out
+    assert torch.isfinite(l1) and torch.equal(l0, l1)
+    assert torch.equal(g0, g1) and torch.equal(g1[~mask], torch.zeros(int((~mask).sum())))
+    assert s0 == s1
