@@ -4,7 +4,8 @@ One row of ``k`` elements, ``kp = ceil(k / block) * block`` (K padded to the blo
 
   payload   kp / 8 bytes (compact: 1 mantissa bit per element) or kp / 2 (full: 4-bit codes)
   scales    kp / block bytes (one E4M3 / E8M0 byte per block)
-  amax      4 bytes (NVFP4 with a per-row fp32 global amax; 0 per row for per-tensor or MXFP4)
+  amax      4 bytes (NVFP4: an fp32 global amax per row; 0 for MXFP4, and 0 per row for a hand-built record
+            with one per-tensor amax: every recorder stores a per-tensor amax on each row, see ``config_fmt_kw``)
 
 Per element NVFP4 is 1 + 8/16 = 1.5 bits (compact) vs 4 + 8/16 = 4.5 bits (full): ratio 1/3,
 plus the per-row amax. Only the guidance itself is counted: the ``valid`` mask and the FC2
@@ -82,9 +83,11 @@ def bytes_per_layer(dims: ModelDims, sites: Iterable[str], **fmt_kw) -> dict[int
 
 
 def config_fmt_kw(config: TraceConfig) -> dict:
-    """The ``fmt``/``kv_fmt``/``compact``/``amax`` keywords that a TraceConfig implies."""
+    """The ``fmt``/``kv_fmt``/``compact``/``amax`` keywords that a TraceConfig implies. ``amax`` is always
+    ``per_row``: with ``activation_amax="per_tensor"`` each prefill or decode step has its own tensor amax, and
+    the recorders (rollout, SGLang capture, trainer) store it on every row of the step."""
     return dict(fmt=config.format, kv_fmt=config.kv_record_format, compact=config.cache_mode == "compact",
-                amax=config.activation_amax)
+                amax="per_row")
 
 
 def side_bytes(dims: ModelDims, layer: int, site: str, *, expert_id_bytes: int = 8) -> int:

@@ -153,6 +153,7 @@ class GuidanceCache:
             nbytes = _columns_nbytes(whole)
             if nbytes <= self.budget_bytes - self.host_bytes:
                 st.packed.append((_to_host(whole), nbytes))
+                st.views = {}  # rebuilt by the next get, with this part's samples
                 self._account(nbytes)
                 st.sample_ids.update(ids)
                 return
@@ -160,6 +161,14 @@ class GuidanceCache:
                 samples = samples.to_samples()
         plan = plan_flat(samples)
         n_mem = self._fit_in_memory(plan)
+        if n_mem < len(samples) and self.cache_dir is None:  # fail before anything of this put is kept
+            if not st.sample_ids:
+                del self._steps[int(step)]
+            raise RuntimeError(
+                f"guidance for step {step} exceeds the host budget of {self.budget_bytes} bytes "
+                f"({self.host_bytes} held, this put needs {plan.total}) and no cache_dir is set: "
+                "set TraceConfig.cache_dir (spill to disk) or raise cache_budget_mb"
+            )
         if n_mem:
             mem = FlatPlan(plan.metas[:n_mem], plan.parts[:n_mem], sum(m["nbytes"] for m in plan.metas[:n_mem]))
             host, event = self._stager.to_host(mem)
@@ -180,11 +189,6 @@ class GuidanceCache:
         return n
 
     def _spill(self, step: int, st: _Step, samples: Sequence[SampleGuidance]) -> None:
-        if self.cache_dir is None:
-            raise RuntimeError(
-                f"guidance for step {step} exceeds the host budget of {self.budget_bytes} bytes and no cache_dir "
-                "is set: set TraceConfig.cache_dir (spill to disk) or raise cache_budget_mb"
-            )
         path = self.cache_dir / f"guidance_step{step:08d}_part{len(st.shards):04d}.safetensors"
         size = write_shard(path, samples, step=step)
         st.shards.append((path, shard_index(path)))

@@ -115,7 +115,7 @@ def _kv_layers(cfg: Mapping, num_layers: int) -> tuple[int, ...]:
 def _dims_from_mapping(cfg: Mapping) -> ModelDims:
     num_layers = _need(cfg, "num_hidden_layers")
     hidden = _need(cfg, "hidden_size")
-    num_experts = _need(cfg, "num_experts", "n_routed_experts")
+    num_experts = _need(cfg, "num_experts", "n_routed_experts", "num_local_experts")  # transformers 5 saves the last
     if cfg.get("kv_lora_rank"):  # MLA: one latent row per token (see module docstring)
         kv_heads, head_dim, kv_v = 1, int(cfg["kv_lora_rank"]) + _need(cfg, "qk_rope_head_dim"), False
     else:

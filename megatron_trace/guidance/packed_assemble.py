@@ -16,7 +16,7 @@ import torch
 
 from ..formats import CompactGuidance, FullGuidance, get_format
 from .packed import Column, PackedGuidance, PackedRouting, _Packed, ranges
-from .records import _per_row, row_hashes, token_mask
+from .records import _per_row, count_all_missing, reject_bad_scales, row_hashes, token_mask
 from .routing import RoutingMismatchError
 from .site import FallbackCounter, SiteGuidance, SiteKey
 
@@ -133,8 +133,10 @@ def assemble_packed(
     for c, bs, js in _rows_by_column(parts, loc):
         by_key.setdefault(c.key, []).append((c, bs, js))
     scatter, out = _Scatter(mask), {}
+    if keys is None and not by_key:
+        count_all_missing(scatter.tokens, counter)
     for key in sorted(by_key) if keys is None else keys:
-        sg = _assemble_key(by_key.get(key, []), status, mask, scatter, counter)
+        sg = _assemble_key(key, by_key.get(key, []), status, mask, scatter, counter)
         if sg is not None:
             out[key] = sg
     bad = Counter(s for s in status if s != "ok")
@@ -146,7 +148,7 @@ def assemble_packed(
 _REASONS = ("missing", "token_hash", "version", "shape")  # row states 0..3; 4: used
 
 
-def _assemble_key(groups, status, mask, scatter: _Scatter, counter: FallbackCounter) -> SiteGuidance | None:
+def _assemble_key(key, groups, status, mask, scatter: _Scatter, counter: FallbackCounter) -> SiteGuidance | None:
     if not groups:
         counter.add(0, {"missing": sum(scatter.tokens)})
         return None
@@ -176,7 +178,7 @@ def _assemble_key(groups, status, mask, scatter: _Scatter, counter: FallbackCoun
                   shape=(*mask.shape, *t.meta["shape"]), fmt=t.meta["fmt"])
     rec = (CompactGuidance(mantissa_bits=buf["payload"], **common) if t.meta["mode"] == "compact"
            else FullGuidance(codes=buf["payload"], **common))
-    return SiteGuidance(rec, buf["valid"], buf.get("expert_ids"))
+    return reject_bad_scales(key, SiteGuidance(rec, buf["valid"], buf.get("expert_ids")), counter)
 
 
 def _zeros(t: Column, mask: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -144,7 +144,7 @@ def _site_tensor_bytes(dims: ModelDims, site: str, tokens: int, config: TraceCon
     out = {"payload": n * (kp // 8 if config.cache_mode == "compact" else kp // 2), "scales": n * (kp // block),
            "valid": tokens * (rows if site == "expert_fc2_in" else 1)}  # bool [L] or [L, topk]
     if fmt == "nvfp4":
-        out["amax"] = n * 4 if config.activation_amax == "per_row" else 4  # fp32 per row, or one per record
+        out["amax"] = n * 4  # fp32 per row (a per-tensor amax too: the recorders store it on each row)
     if site == "expert_fc2_in":
         out["expert_ids"] = n * _ID_BYTES
     return out
@@ -184,10 +184,7 @@ def _wire_fields(dims: ModelDims, config: TraceConfig, sample_tokens: list[int],
     for layer in sorted(layers):
         for site in sorted(config.guided_sites):
             if dims.has_site(layer, site):
-                parts = _site_tensor_bytes(dims, site, tokens, config)
-                if "amax" in parts and config.activation_amax != "per_row":
-                    parts["amax"] = 4 * len(sample_tokens)  # one fp32 per sample (member) of the column
-                fields += list(parts.values())
+                fields += list(_site_tensor_bytes(dims, site, tokens, config).values())
     if config.routing_replay:
         id_bytes = 1 if dims.num_experts <= 256 else 2 if dims.num_experts <= 32768 else 4
         fields += [tokens * dims.topk * id_bytes] * len(dims.moe_layers)

@@ -92,7 +92,8 @@ class SiteRecord:
     def layout(self) -> tuple:
         """What must agree between samples assembled into one batch (everything but L)."""
         r = self.record
-        return (type(r).__name__, r.fmt, tuple(r.shape[1:]), tuple(self.valid.shape[1:]), self.expert_ids is not None)
+        return (type(r).__name__, r.fmt, tuple(r.shape[1:]), tuple(self.valid.shape[1:]), self.expert_ids is not None,
+                r.global_amax is not None)
 
 
 @dataclass(frozen=True)
@@ -249,9 +250,11 @@ def assemble(
     if len(samples) != B:
         raise ValueError(f"{len(samples)} samples for a batch of {B} rows")
     status = _row_status(samples, token_ids, mask, _per_row(versions, B, "versions"))
+    tokens = mask.sum(1).tolist()
     if keys is None:
         keys = sorted({k for s in samples if s is not None for k in s.sites})
-    tokens = mask.sum(1).tolist()
+        if not keys:
+            count_all_missing(tokens, counter)
     out = {}
     for key in keys:
         recs = [s.sites.get(key) if s is not None else None for s in samples]
@@ -262,6 +265,14 @@ def assemble(
     if bad:
         logger.info("guidance rejected for %d of %d samples: %s", sum(bad.values()), B, dict(bad))
     return out
+
+
+def count_all_missing(tokens: Sequence[int], counter: FallbackCounter) -> None:
+    """No sample of a micro-batch has guidance and the caller named no keys: every token counts as ``missing``
+    once (the sites are unknown), so coverage reads 0, not 1."""
+    if sum(tokens):
+        logger.warning("no guidance for any of the %d samples of this micro-batch", len(tokens))
+        counter.add(0, {"missing": sum(tokens)})
 
 
 def _assemble_site(key, recs, status, mask, tokens, counter) -> SiteGuidance | None:
@@ -287,7 +298,27 @@ def _assemble_site(key, recs, status, mask, tokens, counter) -> SiteGuidance | N
         t.record, buf["payload"], buf["scales"].view(t.record.block_scales.dtype), buf["amax"],
         (*mask.shape, *t.record.shape[1:]),
     )
-    return SiteGuidance(record, buf["valid"], buf["ids"])
+    return reject_bad_scales(key, SiteGuidance(record, buf["valid"], buf["ids"]), counter)
+
+
+def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) -> SiteGuidance:
+    """``sg`` with its valid rows whose block scales or global amax are NaN, Inf or negative made invalid (a
+    corrupt record, or an engine that quantized a non-finite row): counted as used before, now ``bad_scale``."""
+    r = sg.record
+    scales = r.block_scales.float()
+    ok = (scales.isfinite() & (scales >= 0)).all(-1)  # [B, S, ...rows]
+    if r.global_amax is not None:
+        g = r.global_amax.float()
+        g = g.squeeze(-1) if g.dim() else g
+        ok &= g.isfinite() & (g >= 0)
+    ok = ok.reshape(*sg.valid.shape, -1).all(-1)  # a KV token's heads share one valid flag
+    bad = int((sg.valid & ~ok).sum())
+    if not bad:
+        return sg
+    logger.warning("guidance %s: %d valid rows have a NaN, Inf or negative scale or amax: rejected", key, bad)
+    counter.used -= bad
+    counter.add(0, {"bad_scale": bad})
+    return SiteGuidance(r, sg.valid & ok, sg.expert_ids)
 
 
 def _empty_like_batch(t: SiteRecord, mask: torch.Tensor) -> dict:

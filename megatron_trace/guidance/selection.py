@@ -8,6 +8,7 @@ budget (see ``budget_layers``).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 from ..config import TraceConfig
 
@@ -31,7 +32,7 @@ def guided_layers(config: TraceConfig, num_layers: int, **budget_kw) -> tuple[in
             raise ValueError(f"guided_last_k={config.guided_last_k} exceeds num_layers={num_layers}")
         return tuple(range(num_layers - config.guided_last_k, num_layers))
     if policy == "fraction":
-        k = math.ceil(config.guided_fraction * num_layers)
+        k = math.ceil(Fraction(repr(config.guided_fraction)) * num_layers)  # as written: 0.28 * 25 is 7, not 8
         return tuple(range(num_layers - k, num_layers))
     if policy == "explicit":
         bad = [i for i in config.guided_layer_list if i >= num_layers]

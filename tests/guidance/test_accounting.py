@@ -79,6 +79,20 @@ def test_hf_configs_parse():
     assert (ds.num_layers, ds.hidden, ds.moe_ffn, ds.topk, ds.num_experts) == (61, 7168, 2048, 8, 256)
 
 
+def test_a_config_saved_by_transformers_parses(tmp_path):
+    # transformers 5 writes a Qwen3-MoE config.json with ``num_local_experts`` (its attribute_map), not num_experts
+    import json
+
+    from transformers import Qwen3MoeConfig
+
+    Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2).save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    dims = ModelDims.from_hf_config(tmp_path / "config.json")
+    assert (dims.num_experts, dims.topk, dims.moe_ffn, dims.kv_heads, dims.head_dim) == (8, 2, 32, 2, 16)
+    assert dims == ModelDims.from_hf_config({**saved, "num_experts": 8})
+
+
 def test_hf_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="num_experts"):
         ModelDims.from_hf_config({"num_hidden_layers": 2, "hidden_size": 8, "moe_intermediate_size": 4})

@@ -122,6 +122,31 @@ def test_over_budget_without_cache_dir_is_a_clear_error():
         cache.put(0, _step_samples(0))
 
 
+def test_a_put_over_budget_without_cache_dir_keeps_nothing():
+    samples = _step_samples(0)
+    cache = GuidanceCache(budget_bytes=_size(samples[:2]))  # two of the four would fit
+    with pytest.raises(RuntimeError, match=r"host budget of \d+ bytes \(0 held, this put needs \d+\)"):
+        cache.put(0, samples)
+    assert cache.host_bytes == 0 and cache.steps == []
+    cache.put(0, samples[:2])  # what fits can still be put, once
+    assert cache.host_bytes == _size(samples[:2])
+    with pytest.raises(ValueError, match="already has sample"):
+        cache.put(0, samples[:1])
+
+
+def test_get_sees_every_packed_put_of_a_step():
+    batch, _, tok, mask = make_batch(B=2, S=6, layers=(0,), sites=("expert_fc1_in",))
+    parts = [pack_guidance(batch, tok, version=3, attention_mask=mask, sample_ids=ids) for ids in ([0, 1], [10, 11])]
+    cache = GuidanceCache(budget_bytes=10**9)
+    cache.put(7, parts[0])
+    assert all(g is not None for g in cache.get(7, [0, 1]))  # builds the step's views
+    cache.put(7, parts[1])
+    for part in parts:
+        ids = list(part.table.ids)
+        for got, want in zip(cache.get(7, ids), part.to_samples()):
+            assert_samples_equal(got, want)
+
+
 def test_unknown_step_and_invalidate(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
     cache.put(3, _step_samples(3))

@@ -1,6 +1,8 @@
 """``planner.sample_bytes`` / ``shard_bytes`` against real records: the bytes that ``split_batch`` samples hold,
 that ``plan_flat`` lays out (host cache) and that ``GuidanceSync`` would send (``encode``'s payload)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,7 +20,8 @@ DIMS = ModelDims(num_layers=3, hidden=40, moe_ffn=24, topk=2, kv_heads=2, head_d
 
 
 def _batch(cfg: TraceConfig, B: int, S: int, gen) -> dict:
-    """Batch-major records of every guided (layer, site) DIMS has, from the config's own quantizer."""
+    """Batch-major records of every guided (layer, site) DIMS has, from the config's own quantizer, with a
+    per-tensor amax stored on every row as the recorders store it."""
     q, out = cfg.activation_quantizer(), {}
     for layer in guided_layers(cfg, DIMS.num_layers):
         for site in cfg.guided_sites:
@@ -27,6 +30,8 @@ def _batch(cfg: TraceConfig, B: int, S: int, gen) -> dict:
             rows, k = DIMS.site_rows(site)
             shape = (B, S, k) if site == "expert_fc1_in" else (B, S, rows, k)
             rec = q.quantize(torch.randn(shape, generator=gen)).guidance(cfg.cache_mode == "compact")
+            if rec.global_amax is not None and rec.global_amax.dim() == 0:
+                rec = dataclasses.replace(rec, global_amax=rec.global_amax.expand(*shape[:-1], 1).contiguous())
             fc2 = site == "expert_fc2_in"
             ids = torch.randint(0, DIMS.num_experts, (B, S, rows), generator=gen) if fc2 else None
             out[(layer, site)] = SiteGuidance(rec, torch.ones(shape[:-1] if fc2 else (B, S), dtype=torch.bool), ids)

@@ -256,3 +256,82 @@ def test_zero_length_sample_round_trips():
     counter = FallbackCounter()
     assemble(samples, tok, versions=0, counter=counter, attention_mask=mask)
     assert counter.coverage == 1.0 and counter.used == 13 * 2 * (3 + 3)  # 2 layers x (fc1, kv_k, kv_v, 3 fc2 rows)
+
+
+def _corrupt(sg, fmt):
+    """``sg`` with row (0, 1) of a NaN amax (NVFP4) or NaN scale byte (MXFP4), row (0, 2) an Inf amax / a
+    negative scale (NVFP4) and row (1, 0) a NaN scale byte."""
+    import dataclasses
+
+    from megatron_trace.guidance.site import SiteGuidance
+
+    r = sg.record
+    scales = r.block_scales.view(torch.uint8).clone()
+    scales[1, 0, ..., 0] = 0xFF  # NaN in E4M3 and E8M0
+    amax = None if r.global_amax is None else r.global_amax.clone()
+    if fmt == "nvfp4":
+        amax[0, 1] = float("nan")
+        amax[0, 2] = float("inf")
+        scales[0, 3, ..., 1] = 0xB8  # E4M3 -1.0
+    else:
+        scales[0, 1, ..., 0] = scales[0, 2, ..., 1] = 0xFF
+    return SiteGuidance(dataclasses.replace(r, block_scales=scales.view(r.block_scales.dtype), global_amax=amax),
+                        sg.valid, sg.expert_ids)
+
+
+@pytest.mark.parametrize("path", ["samples", "columns"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_rows_with_a_nan_inf_or_negative_scale_are_rejected_and_counted(fmt, path):
+    from megatron_trace.guidance.packed_assemble import assemble_packed
+    from megatron_trace.guidance.records import pack_guidance
+
+    batch, acts, tok, mask = make_batch(B=2, S=6, lengths=[6, 6], layers=(0,), fmt=fmt,
+                                        sites=("expert_fc1_in", "kv_k"))
+    key = (0, "expert_fc1_in")
+    batch[key] = _corrupt(batch[key], fmt)
+    bad = {(0, 1), (0, 2), (1, 0)} | ({(0, 3)} if fmt == "nvfp4" else set())
+    counter = FallbackCounter()
+    if path == "samples":
+        out = assemble(split_batch(batch, tok, version=0, attention_mask=mask), tok, versions=0, counter=counter)
+    else:
+        out = assemble_packed([pack_guidance(batch, tok, version=0, attention_mask=mask)], [0, 1], tok, versions=0,
+                              counter=counter)
+    want = torch.ones(2, 6, dtype=torch.bool)
+    for b, s in bad:
+        want[b, s] = False
+    assert torch.equal(out[key].valid, want)
+    assert out[(0, "kv_k")].valid.all()  # the other site untouched
+    assert counter.fallback == {"bad_scale": len(bad)}
+    assert counter.used == 12 - len(bad) + 12  # + the kv_k tokens
+
+
+def test_an_nvfp4_record_without_amax_is_a_layout_mismatch():
+    import dataclasses
+
+    from megatron_trace.guidance.records import SiteRecord
+
+    batch, _, tok, mask = make_batch(B=2, S=5, lengths=[5, 5], layers=(0,), sites=("expert_fc1_in",))
+    key = (0, "expert_fc1_in")
+    samples = split_batch(batch, tok, version=0, attention_mask=mask)
+    r = samples[1].sites[key]
+    noamax = SiteRecord(dataclasses.replace(r.record, global_amax=None), r.valid)
+    samples[1] = SampleGuidance(1, 0, samples[1].token_hash, 5, {key: noamax})
+    counter = FallbackCounter()
+    out = assemble(samples, tok, versions=0, counter=counter)
+    assert counter.fallback == {"shape": 5} and counter.used == 5
+    assert out[key].valid[0].all() and not out[key].valid[1].any()
+
+
+@pytest.mark.parametrize("path", ["samples", "columns"])
+def test_a_micro_batch_without_any_guidance_has_coverage_zero(path):
+    from megatron_trace.guidance.packed_assemble import assemble_packed
+    from megatron_trace.guidance.records import pack_guidance
+
+    batch, _, tok, mask = make_batch(B=2, S=5, lengths=[5, 4], layers=(0,), sites=("expert_fc1_in",))
+    counter = FallbackCounter()
+    if path == "samples":
+        out = assemble([None, None], tok, versions=0, counter=counter, attention_mask=mask)
+    else:
+        parts = [pack_guidance(batch, tok, version=0, attention_mask=mask, sample_ids=[7, 8])]
+        out = assemble_packed(parts, [None, 3], tok, versions=0, counter=counter, attention_mask=mask)
+    assert out == {} and counter.fallback == {"missing": 9} and counter.coverage == 0.0

@@ -194,3 +194,19 @@ def test_nonfinite_activations_fail_the_batch_loudly(mode, temperature):
         be.model.model.embed_tokens.weight[PROMPTS[2][0]] = float("nan")  # only the third prompt sees it
     with pytest.raises(NonFiniteError, match="NaN|non-finite"):
         be.generate(PROMPTS, SamplingParams(max_new_tokens=3, seed=0, temperature=temperature))
+
+
+@pytest.mark.parametrize("amax", ["per_row", "per_tensor"])
+@pytest.mark.parametrize("mode", ["compact", "full"])
+def test_recorded_bytes_equal_the_planners(amax, mode):
+    # the planner sizes what the rollout records: a per-tensor amax is stored on every row of its step
+    from megatron_trace.guidance.model_dims import ModelDims
+    from megatron_trace.guidance.planner import sample_bytes
+    from megatron_trace.guidance.records import split_batch
+
+    cfg = TraceConfig(guided_layers="all", cache_mode=mode, activation_amax=amax)
+    out = backend(config=cfg).generate(PROMPTS, SamplingParams(max_new_tokens=4, seed=0))
+    samples = split_batch(out.guidance, out.tokens, version=0, attention_mask=out.attention_mask)
+    dims = ModelDims.from_hf_config(tiny_config().to_dict())
+    for s, n in zip(samples, out.attention_mask.sum(1).tolist(), strict=True):
+        assert s.guidance_nbytes() == sample_bytes(dims, cfg, n)["guidance"]
