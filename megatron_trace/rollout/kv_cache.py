@@ -114,7 +114,9 @@ class FP4KVLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        defer = self.fused_decode and key_states.shape[-2] == 1
+        # a decode step (one new row after a prefill); a prefill of one token per row is a prefill (it attends
+        # its own row only: a static cache's deferred history would be all its rows, zeros included)
+        defer = self.fused_decode and key_states.shape[-2] == 1 and self._length > 0
         if self.static is not None and key_states.shape[-2] == 1 and self._length:  # lengths: advance()
             position = self.static.tensor(key_states.device)
             keys = self._store_at("kv_k", key_states, position, read=not defer)

@@ -167,6 +167,20 @@ def test_generate_with_static_decode_returns_the_same_rollout(cache_mode, new_to
             assert x.shape == y.shape and (x.view(torch.uint8) == y.view(torch.uint8)).float().mean() > 0.999, key
 
 
+@pytest.mark.parametrize("mode", ["fp4", "bf16"])
+@pytest.mark.parametrize("static, fused", [("off", True), ("eager", False), ("eager", True)])
+def test_prompts_of_one_token_give_the_default_rollout(mode, static, fused):
+    """A prefill of one token per row is a prefill, not a decode step: with the fused decode attention on a static
+    cache it must not attend the static buffers' zero rows."""
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+    for prompts in ([[40]], [[40], [7]]):
+        ref = HFRolloutBackend(tiny_model(seed=4), mode=mode, dtype=torch.float32).generate(prompts, sampling)
+        got = HFRolloutBackend(tiny_model(seed=4), mode=mode, dtype=torch.float32, static_decode=static,
+                               fused_kv_attention=fused).generate(prompts, sampling)
+        assert torch.equal(got.tokens, ref.tokens)
+        assert torch.allclose(got.logprobs, ref.logprobs, atol=1e-5)
+
+
 def test_static_decode_graph_needs_cuda():
     assert HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32).static_decode == "off"  # auto
     with pytest.raises(ValueError, match="static_decode='graph' captures CUDA graphs"):
