@@ -29,6 +29,9 @@ import torch
 from ..formats import FP4Tensor
 from ..guidance.site import SiteGuidance, SiteKey
 
+MIN_TEMPERATURE = 1e-5
+"""The smallest temperature above 0 (vLLM's and SGLang's greedy threshold)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
@@ -46,8 +49,9 @@ class SamplingParams:
     def __post_init__(self):
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"SamplingParams.temperature={t!r} must be a finite number >= 0 (0 = greedy)")
+        if isinstance(t, bool) or not isinstance(t, int | float) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+            raise ValueError(f"SamplingParams.temperature={t!r} must be 0 (greedy) or a finite number >= "
+                             f"{MIN_TEMPERATURE} (smaller ones overflow the scaled logits)")
         p = self.top_p
         if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
             raise ValueError(f"SamplingParams.top_p={p!r} must be in (0, 1]")
@@ -57,8 +61,9 @@ class SamplingParams:
         bad = [s for s in self.stop_token_ids if isinstance(s, bool) or not isinstance(s, int) or s < 0]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids has invalid id(s) {bad}: ids are ints >= 0")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"SamplingParams.seed={self.seed!r} must be an int or None")
+        sd = self.seed
+        if sd is not None and (isinstance(sd, bool) or not isinstance(sd, int) or not 0 <= sd < 2**63):
+            raise ValueError(f"SamplingParams.seed={sd!r} must be None or an int in [0, 2**63)")
 
     @property
     def greedy(self) -> bool:

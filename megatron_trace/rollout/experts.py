@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from ..formats import FP4Tensor, Quantizer
+from ..formats import FP4Tensor, NonFiniteError, Quantizer
 from ..kernels import Kernel, moe_mma, moe_wgmma, select_kernel
 from .fp4_moe import grouped_experts_forward, w4a4_experts_forward
 from .recorder import GuidanceRecorder
@@ -173,13 +173,21 @@ class ExpertWeightStore:
         w = self._param_slice(experts, expert, which)
         self.set(experts, layer, expert, which, self.quantizer.quantize(w.detach()))
 
-    def set(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
+    def check(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
+        """What ``set`` checks, without changing anything: shape, format, finite scales and amax."""
         param = self._param_slice(experts, expert, which)
         if tuple(q.shape) != tuple(param.shape):
             raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which} has shape {q.shape}, "
                              f"the model expects {tuple(param.shape)}")
         if q.fmt != self.quantizer.fmt:
             raise ValueError(f"FP4 weight format {q.fmt!r} != the rollout's weight format {self.quantizer.fmt!r}")
+        for name, t in (("block scales", q.block_scales), ("global amax", q.global_amax)):
+            if t is not None and not bool(torch.isfinite(t.float()).all()):
+                raise NonFiniteError(f"FP4 weight for layer {layer} expert {expert} {which}: its {name} hold NaN/Inf")
+
+    def set(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
+        self.check(experts, layer, expert, which, q)
+        param = self._param_slice(experts, expert, which)
         with torch.no_grad():
             param.copy_(q.dequantize(param.dtype))
         self._w[(layer, expert, which)] = q

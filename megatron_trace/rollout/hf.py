@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, 
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..config import TraceConfig
-from ..formats import FP4Tensor
+from ..formats import FP4Tensor, NonFiniteError
 from ..guidance.selection import guided_layers
 from ..guidance.site import SiteKey
 from ..kernels import Kernel, select_kernel
@@ -188,6 +188,11 @@ class HFRolloutBackend:
         self.fast_kv_attention = fast_kv_attention
         self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
             else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
+        if static_decode in ("eager", "graph") and self.config.kv_format and (
+                self._quantizes("kv_k") or self._quantizes("kv_v")):
+            raise ValueError(f"static_decode={static_decode!r} needs the activation quantizer's KV format: "
+                             f"kv_format={self.config.kv_format!r} quantizes K/V on the reference path only "
+                             "(static_decode='off' or 'auto' runs it)")
         if static_decode == "auto":  # graphs where every decode attention is a kernel over the static buffers
             kernels = self.fused_kv_attention and self._quantizes("kv_k") == self._quantizes("kv_v")
             static_decode = "graph" if self.device.type == "cuda" and kernels else "off"
@@ -227,7 +232,7 @@ class HFRolloutBackend:
             raise ValueError(f"guided layer id(s) {bad} outside 0..{self.num_layers - 1}")
         sites = [s for s in self.config.guided_sites if self._quantizes(s)]
         guided = {(layer, s) for layer in layer_ids for s in sites if s.startswith("kv_") or layer in self._experts}
-        self._guided_layer_ids = {k[0] for k in guided}  # the policy's layers (the recipe), exclusions aside
+        self._guided_layer_ids = set(layer_ids)  # the policy's layers (the recipe), as the trainer lists them
         self.guided_sites: set[SiteKey] = {k for k in guided if not self._bf16_site(*k)}
 
     # ---- manifest -----------------------------------------------------------------------------
@@ -358,18 +363,16 @@ class HFRolloutBackend:
             if layer not in self.bf16_expert_layers:  # excluded experts are used as they come
                 halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
         self._check_shapes(dense)
+        _check_finite(dense)
         requant = self._check_pairs(halves, fp4)
+        packed = self._check_fp4(fp4)
         with torch.no_grad():
             for target, value, _ in dense:
                 target.copy_(value.to(target.device))
             if self.weight_store is not None:
                 self._quantize_experts(requant)
-                for (layer, e), parts in fp4.items():
-                    m = self._experts[layer]
-                    if "gate_proj" in parts:
-                        self.weight_store.set(m, layer, e, FC1, join_fc1(parts["gate_proj"], parts["up_proj"]))
-                    if "down_proj" in parts:
-                        self.weight_store.set(m, layer, e, FC2, parts["down_proj"])
+                for layer, e, which, q in packed:
+                    self.weight_store.set(self._experts[layer], layer, e, which, q)
         self.policy_version = new_version
         logger.debug("update_weights: %d tensors, version %d", len(weights), self.policy_version)
 
@@ -380,6 +383,18 @@ class HFRolloutBackend:
                 raise TypeError(f"{name!r}: expected a torch.Tensor or FP4Tensor, got {type(value).__name__}")
             if tuple(value.shape) != tuple(target.shape):
                 raise ValueError(f"{name!r}: shape {tuple(value.shape)} != the model's {tuple(target.shape)}")
+
+    def _check_fp4(self, fp4) -> list[tuple[int, int, str, FP4Tensor]]:
+        """(layer, expert, FC1 | FC2, value) of every FP4 update, each checked as ``ExpertWeightStore.set`` will."""
+        out = []
+        for (layer, e), parts in fp4.items():
+            if "gate_proj" in parts:
+                out.append((layer, e, FC1, join_fc1(parts["gate_proj"], parts["up_proj"])))
+            if "down_proj" in parts:
+                out.append((layer, e, FC2, parts["down_proj"]))
+        for layer, e, which, q in out:
+            self.weight_store.check(self._experts[layer], layer, e, which, q)
+        return out
 
     def _check_pairs(self, halves, fp4) -> set[tuple[int, int, str]]:
         if self.weight_store is None:
@@ -392,3 +407,17 @@ class HFRolloutBackend:
             if ("gate_proj" in parts) != ("up_proj" in parts):
                 raise ValueError(f"layer {layer} expert {e}: FP4 fc1 needs gate_proj and up_proj together")
         return set(halves)
+
+
+def _check_finite(dense) -> None:
+    """Refuse an update whose floating-point values hold NaN/Inf, naming the weights (one host sync per device)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for _, value, name in dense:
+        if value.is_floating_point():
+            by_device.setdefault(value.device, []).append((name, value))
+    for items in by_device.values():
+        bad = torch.stack([~torch.isfinite(v).all() for _, v in items]).tolist()
+        names = [name for (name, _), b in zip(items, bad) if b]
+        if names:
+            raise NonFiniteError(f"update_weights: {len(names)} weight(s) hold NaN/Inf, e.g. {names[:3]}; "
+                                 "nothing was updated")

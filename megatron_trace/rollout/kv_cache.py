@@ -58,7 +58,7 @@ class FP4KVLayer(DynamicLayer):
         self.mask_holes = FiniteCounter("interval mask rows with a hole")  # (the cache's layers share one)
         self.layer_idx = layer_idx
         reference_only = not isinstance(quantizer, Quantizer)  # SGLang's KV format: no Triton, no fused decode
-        if reference_only and static is not None:
+        if reference_only and static is not None and (quantize_k or quantize_v):
             raise ValueError("static_rows needs the activation quantizer's KV format, not kv_format='sglang_kvfp4'")
         plain = not quantize_k and not quantize_v and static is not None  # dense decode attention
         self.fused_decode = fused_decode and not reference_only and (quantize_k and quantize_v or plain)

@@ -61,6 +61,18 @@ def test_a_layer_quantized_on_one_side_only_fires():
     check_module_sets(trainer_quantized_modules(layers), same.module_audit().quantized)
 
 
+@pytest.mark.usefixtures("world1")
+def test_a_hybrid_model_with_expert_sites_only_has_one_recipe():
+    """A dense layer 0 and no KV site: the guided layers are the policy's on both sides (layer 0 included, though
+    it has no site to guide), so the recipes agree."""
+    cfg = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"),
+                      guided_sites=("expert_fc1_in", "expert_fc2_in"), guided_layers="all")
+    layers, be = _trainer(cfg, moe_layer_freq=[0, 1, 1, 1]), _hf(cfg, mlp_only_layers=[0])
+    assert be.recipe().guided_layers == trainer_recipe(layers).guided_layers == tuple(range(LAYERS))
+    check_recipe(trainer_recipe(layers), be.recipe())
+    assert not any(layer == 0 for layer, _ in be.guided_sites)
+
+
 def test_dense_router_embeddings_and_lm_head_are_reported_bf16():
     audit = _hf(mlp_only_layers=[0]).module_audit()
     bf16 = set(audit.bf16)

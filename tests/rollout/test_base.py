@@ -17,6 +17,9 @@ from megatron_trace.rollout.base import RolloutBatch, SamplingParams, check_prom
         (dict(stop_token_ids=(3, -1)), "stop_token_ids"),
         (dict(stop_token_ids=(True,)), "stop_token_ids"),
         (dict(seed="7"), "seed"),
+        (dict(seed=2**64), "seed"),
+        (dict(seed=-1), "seed"),
+        (dict(temperature=1e-40), r"temperature=1e-40 must be 0 \(greedy\) or a finite number >= 1e-05"),
     ],
 )
 def test_sampling_params_reject_bad_values(kw, field):

@@ -181,6 +181,19 @@ def test_prompts_of_one_token_give_the_default_rollout(mode, static, fused):
         assert torch.allclose(got.logprobs, ref.logprobs, atol=1e-5)
 
 
+def test_sglang_kv_format_and_static_decode():
+    """SGLang's KV format quantizes on the reference path only: a static decode with it is refused when the
+    backend is built; a BF16 backend of the same config (nothing quantized) runs its static decode."""
+    cfg = TraceConfig(kv_format="sglang_kvfp4", guided_layers="all")
+    with pytest.raises(ValueError, match=r"static_decode='eager' needs the activation quantizer's KV format"):
+        HFRolloutBackend(tiny_model(seed=4), mode="fp4", trace_config=cfg, dtype=torch.float32, static_decode="eager")
+    sampling = SamplingParams(max_new_tokens=4, temperature=0.0)
+    outs = [HFRolloutBackend(tiny_model(seed=4), mode="bf16", trace_config=cfg, dtype=torch.float32,
+                             static_decode=static).generate([[3, 4, 5], [9]], sampling) for static in ("off", "eager")]
+    assert torch.equal(outs[0].tokens, outs[1].tokens)
+    assert torch.allclose(outs[0].logprobs, outs[1].logprobs, atol=1e-5)
+
+
 def test_static_decode_graph_needs_cuda():
     assert HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32).static_decode == "off"  # auto
     with pytest.raises(ValueError, match="static_decode='graph' captures CUDA graphs"):

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,12 +53,30 @@ def test_fc1_split_join_round_trip():
     ("half_fc1", ValueError, "gate_proj and up_proj together"),
     ("bad_expert", KeyError, "no routed expert 8"),
     ("fp4_in_bf16_mode", ValueError, "mode='fp4'"),
+    ("fp4_shape", ValueError, r"expert 1 fc2 has shape \(64, 40\), the model expects \(64, 32\)"),
+    ("fc1_amax", ValueError, "share one global amax"),
+    ("fp4_nan_scale", ValueError, "expert 1 fc2: its block scales hold NaN/Inf"),
+    ("nan_expert", ValueError, r"hold NaN/Inf, e.g. \['model.layers.0.mlp.experts.1.gate_proj.weight'\]"),
+    ("nan_dense", ValueError, r"\['model.layers.1.self_attn.q_proj.weight'\]; nothing was updated"),
 ])
 def test_update_weights_rejects_bad_input_before_copying(case, err, match):
     be = _backend(mode="bf16" if case == "fp4_in_bf16_mode" else "fp4")
     before = {k: v.clone() for k, v in be.model.state_dict().items()}
     q = TraceConfig().weight_quantizer().quantize(torch.randn(32, 64))
     good = ("model.norm.weight", torch.zeros(64))
+    stored = be.expert_weight_fp4(0, 1, "fc2") if be.mode == "fp4" else None
+    wq = TraceConfig().weight_quantizer()
+    gate, up = wq.quantize(torch.randn(32, 64)), wq.quantize(torch.randn(32, 64))
+    nan_scale = wq.quantize(torch.randn(64, 32))
+    nan_scale = dataclasses.replace(nan_scale, block_scales=nan_scale.block_scales.view(torch.uint8).index_fill(
+        1, torch.tensor([0]), 0x7F).view(nan_scale.block_scales.dtype))  # E4M3 NaN
+    nan_w = torch.zeros(32, 64)
+    nan_w[3, 5] = float("nan")
+    e1 = "model.layers.0.mlp.experts.1."
+    pairs = {
+        "fc1_amax": [(e1 + "gate_proj.weight", gate), (e1 + "up_proj.weight", up)],
+        "nan_expert": [(e1 + "gate_proj.weight", nan_w), (e1 + "up_proj.weight", torch.zeros(32, 64))],
+    }
     bad = {
         "unknown": ("model.layers.0.mlp.shared_expert.weight", torch.zeros(1)),
         "shape": ("model.norm.weight", torch.zeros(63)),
@@ -64,8 +84,13 @@ def test_update_weights_rejects_bad_input_before_copying(case, err, match):
         "half_fc1": ("model.layers.0.mlp.experts.1.up_proj.weight", torch.zeros(32, 64)),
         "bad_expert": ("model.layers.0.mlp.experts.8.up_proj.weight", torch.zeros(32, 64)),
         "fp4_in_bf16_mode": ("model.layers.0.mlp.experts.1.down_proj.weight", q),
-    }[case]
+        "fp4_shape": (e1 + "down_proj.weight", wq.quantize(torch.randn(64, 40))),
+        "fp4_nan_scale": (e1 + "down_proj.weight", nan_scale),
+        "nan_dense": ("model.layers.1.self_attn.q_proj.weight", torch.full((64, 64), float("inf"))),
+    }.get(case)
     with pytest.raises(err, match=match):
-        be.update_weights([good, bad])
+        be.update_weights([good, *pairs.get(case, [bad])])  # everything is checked before anything is copied
     after = be.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before) and be.policy_version == 0
+    if stored is not None:
+        assert torch.equal(be.expert_weight_fp4(0, 1, "fc2").codes, stored.codes)
