@@ -252,6 +252,7 @@ class MoEStep:
         c = self.fc1
         if c.sg is None or not self._fits(c, batch, full_s):
             self.state.count(self.layer, FC1, 0, {c.reason or SHAPE: n})
+            self.fc1 = CheckedSite(None, c.reason or SHAPE)  # the experts then round on their own (all_valid off)
             return None
         rec = _on(c.sg.record, device)
         if c.all_valid:
@@ -274,6 +275,7 @@ class MoEStep:
         c = self.fc2
         if c.sg is None or not self._fits(c, batch, full_s):
             self.state.count(self.layer, FC2, 0, {c.reason or SHAPE: n})
+            self.fc2 = CheckedSite(None, c.reason or SHAPE)
             return None
         sg = c.sg
         ids = sg.expert_ids.to(device)  # [B, S, topk]

@@ -189,6 +189,31 @@ def test_guidance_that_does_not_fit_is_rejected(rollout):
         _run(_model(tc), data, StepGuidance(sites=sites, routing=roll.routing, fallback="fail"))
 
 
+@pytest.mark.parametrize("site", ["expert_fc1_in", "expert_fc2_in"])
+def test_guidance_of_another_batch_shape_leaves_the_trainers_own_rounding(rollout, site):
+    """Records of a [2, 16] batch for a [1, 16] micro-batch: rejected (counted ``shape``), and the experts round
+    exactly as with no guidance at all (not as guided rows of an empty record)."""
+    tc = TraceConfig(guided_layers="last_k", guided_last_k=2, routing_replay=False)
+    _, data, roll = rollout
+    one = tuple(t[:1] if t.dim() == 2 else t for t in data)
+    sites = {k: v for k, v in roll.sites.items() if k[1] == site}
+    model = _model(tc)
+    own = _run(model, one)
+    h = _run(model, one, StepGuidance(sites=sites))
+    assert h.counter.used == 0 and h.counter.fallback["shape"] == len(GUIDED) * 16 * (
+        1 if site == "expert_fc1_in" else TOPK)
+    for key in own.recorded().sites:
+        a, b = own.recorded().sites[key], h.recorded().sites[key]
+        assert torch.equal(a.record.codes, b.record.codes), key
+    tokens, pos, mask, _ = one
+    with torch.no_grad():
+        with trace_guidance(model):
+            want = model(tokens, pos, mask)
+        with trace_guidance(model, StepGuidance(sites=sites)):
+            got = model(tokens, pos, mask)
+    assert torch.equal(got, want)
+
+
 def _routing_maps(model):
     maps, hooks = {}, []
     for i, layer in enumerate(model.decoder.layers):
