@@ -51,6 +51,13 @@ class Quantizer:
     def quantize(self, x: torch.Tensor, *, global_amax=None, generator=None) -> FP4Tensor:
         return self._quantize(x, global_amax=global_amax, generator=generator)[0]
 
+    def quantize_with_clip_mask(self, x: torch.Tensor, *, guidance=None, global_amax=None
+                                ) -> tuple[FP4Tensor, torch.Tensor]:
+        """``quantize`` (``guided_quantize`` with ``guidance``) and the bool mask (x's shape) of the elements
+        inside the clip range, |x / s| <= 6: where ``ste_clip``'s straight-through gradient passes."""
+        q, z = self._quantize(x, global_amax=global_amax, guidance=guidance)
+        return q, clip_mask(z, x.shape[-1])
+
     def guided_quantize(self, x: torch.Tensor, guidance: FullGuidance | CompactGuidance) -> FP4Tensor:
         return block.guided_quantize_with_z(self.format, x, guidance)[0]
 
@@ -70,14 +77,18 @@ class _FakeQuant(torch.autograd.Function):
     def forward(ctx, x, quantizer: Quantizer, guidance, global_amax, generator):
         q, z = quantizer._quantize(x.detach(), global_amax=global_amax, generator=generator, guidance=guidance)
         if quantizer.ste_clip:
-            inside = (z.abs() <= 6.0).flatten(-2)[..., : x.shape[-1]]
-            ctx.save_for_backward(inside)
+            ctx.save_for_backward(clip_mask(z, x.shape[-1]))
         ctx.ste_clip = quantizer.ste_clip
         return q.dequantize(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         return ste_backward(ctx, grad)
+
+
+def clip_mask(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Elements of the scaled blocks ``z`` [..., blocks, block] inside the clip range, as [..., k] (K padding cut)."""
+    return (z.abs() <= 6.0).flatten(-2)[..., :k]
 
 
 def ste_backward(ctx, grad):

@@ -19,17 +19,20 @@ from .rows import RowGuidance, take
 
 class _StraightThrough(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, value):
+    def forward(ctx, x, value, inside):
+        ctx.save_for_backward(inside)
         return value
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        (inside,) = ctx.saved_tensors
+        return (grad if inside is None else grad * inside.to(grad.dtype)), None, None
 
 
-def straight_through(x: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """``value`` in the forward, identity gradient to ``x`` in the backward."""
-    return _StraightThrough.apply(x, value.detach())
+def straight_through(x: torch.Tensor, value: torch.Tensor, inside: torch.Tensor | None = None) -> torch.Tensor:
+    """``value`` in the forward; in the backward the identity gradient to ``x``, zero where ``inside`` (bool, x's
+    shape) is False (``Quantizer.ste_clip``)."""
+    return _StraightThrough.apply(x, value.detach(), inside)
 
 
 def safe_amax(amax: torch.Tensor | None) -> torch.Tensor | None:
@@ -103,23 +106,25 @@ def quantize_rows(
 def quantize_rows_recorded(
     quantizer: Quantizer, x: torch.Tensor, guidance: RowGuidance | None = None, *, global_amax=None
 ) -> tuple[torch.Tensor, FP4Tensor]:
-    """Like ``quantize_rows`` but also returns the FP4 rows used (for recording).
-
-    The gradient is the plain straight-through identity (``ste_clip`` is not applied here).
-    """
+    """Like ``quantize_rows`` (the same values and gradient, ``ste_clip`` included) but also returns the FP4
+    rows used (for recording)."""
     xd = x.detach()
     if x.shape[0] == 0:
         return x.clone(), empty_rows(quantizer, x)
     if guidance is None or not bool(guidance.valid.any()):
-        q = quantizer.quantize(xd, global_amax=safe_amax(global_amax))
+        q, inside = quantizer.quantize_with_clip_mask(xd, global_amax=safe_amax(global_amax))
     else:
         amax = _own_amax(quantizer, x, global_amax)
         g, r = _split(guidance.valid)
-        parts = [(g, quantizer.guided_quantize(xd.index_select(0, g), take(guidance, g).record))]
+        parts = [(g, *quantizer.quantize_with_clip_mask(xd.index_select(0, g), guidance=take(guidance, g).record))]
         if r.numel():
-            parts.append((r, quantizer.quantize(xd.index_select(0, r), global_amax=_rows_of(amax, r))))
-        q = merge_rows(parts, x.shape)
-    return straight_through(x, q.dequantize(x.dtype)), q
+            parts.append((r, *quantizer.quantize_with_clip_mask(xd.index_select(0, r),
+                                                                 global_amax=_rows_of(amax, r))))
+        q = merge_rows([(i, rows) for i, rows, _ in parts], x.shape)
+        inside = torch.empty(x.shape, dtype=torch.bool, device=x.device)
+        for i, _, mask in parts:
+            inside.index_copy_(0, i, mask)
+    return straight_through(x, q.dequantize(x.dtype), inside if quantizer.ste_clip else None), q
 
 
 def merge_rows(parts: list[tuple[torch.Tensor, FP4Tensor]], shape) -> FP4Tensor:

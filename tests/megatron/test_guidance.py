@@ -221,6 +221,33 @@ def _routing_maps(model):
     return maps, hooks
 
 
+@pytest.mark.parametrize("ste_clip", [False, True])
+def test_a_recording_step_has_the_gradient_of_a_plain_step(rollout, ste_clip):
+    """Recording (``record=True``) changes no value and no gradient, ``ste_clip`` included, with and without
+    guidance; and ste_clip does zero some gradient."""
+    tc = TraceConfig(guided_layers="last_k", guided_last_k=2, ste_clip=ste_clip, routing_replay=False)
+    _, data, roll = rollout
+    tokens, pos, mask, _ = data
+    model = _model(tc)
+    grads = {}
+    for guided in (False, True):
+        for record in (False, True):
+            model.zero_grad(set_to_none=True)
+            with trace_guidance(model, StepGuidance(sites=roll.sites) if guided else None, record=record):
+                model(tokens, pos, mask).float().pow(2).mean().backward()
+            grads[guided, record] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for guided in (False, True):
+        a, b = grads[guided, False], grads[guided, True]
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), guided
+    if ste_clip:
+        plain = _model(TraceConfig(guided_layers="last_k", guided_last_k=2, routing_replay=False))
+        plain.zero_grad(set_to_none=True)
+        with trace_guidance(plain, record=True):
+            plain(tokens, pos, mask).float().pow(2).mean().backward()
+        assert any(not torch.equal(p.grad, grads[False, True][n]) for n, p in plain.named_parameters()
+                   if p.grad is not None)
+
+
 def test_routing_replay_uses_the_rollouts_choices():
     tc = TraceConfig(guided_layers="none")
     data = batch()
