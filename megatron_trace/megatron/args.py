@@ -3,8 +3,8 @@
 
 Every ``--trace-*`` flag defaults to "not given" and then takes the TraceConfig default (or the
 value of ``--trace-config FILE.json``), so ``trace_args_from_config`` round-trips any config.
-``--trace-guided-layers`` takes a policy (none, all, last_k, fraction, budget) or a comma list of
-layer ids (the explicit policy).
+``--trace-guided-layers`` takes a policy (none, all, last_k, fraction) or a comma list of layer ids (the
+explicit policy). ``budget`` parses, but a launch refuses it: it needs a measured mismatch profile (``cli.plan``).
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trace-activation-amax", choices=("per_row", "per_tensor"), default=None)
     g.add_argument("--trace-guided-sites", type=_site_list(ACTIVATION_SITES), default=None)
     g.add_argument("--trace-guided-layers", type=_layers, default=None,
-                   help="Layer policy (none, all, last_k, fraction, budget) or a comma list of layer ids.")
+                   help="Layer policy (none, all, last_k, fraction) or a comma list of layer ids "
+                        "(budget: plan it with megatron_trace.cli.plan, pass the list it prints).")
     g.add_argument("--trace-guided-last-k", type=int, default=None)
     g.add_argument("--trace-guided-fraction", type=float, default=None)
     g.add_argument("--trace-budget-bytes-per-token", type=float, default=None)
@@ -154,8 +155,13 @@ def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
 
 
 def _check_against_model(cfg: TraceConfig, args) -> None:
+    if cfg.enabled and cfg.guided_layers == "budget":
+        raise ValueError(
+            "--trace-guided-layers budget picks layers from a measured per-layer mismatch profile, which a launch "
+            "does not have: run `python -m megatron_trace.cli.plan --hf-config CONFIG --layer-policy budget=BYTES "
+            "--mismatch-profile PROFILE.json` and pass the layers it prints (--trace-guided-layers 20,21,...)")
     num_layers = getattr(args, "num_layers", None)
-    if cfg.enabled and num_layers and cfg.guided_layers != "budget":
+    if cfg.enabled and num_layers:
         try:
             guided_layers(cfg, int(num_layers))
         except ValueError as e:

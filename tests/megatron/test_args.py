@@ -25,7 +25,7 @@ CONFIGS = [
                 min_coverage=0.9, routing_replay=False, kernel="reference", cache_budget_mb=12.5, cache_dir="/tmp/c"),
     TraceConfig(sites=("expert_fc1_in", "weights"), guided_sites=("expert_fc1_in",), guided_layers="explicit",
                 guided_layer_list=(1, 3)),
-    TraceConfig(guided_layers="budget", budget_bytes_per_token=7500.0),
+    TraceConfig(guided_layers="budget", budget_bytes_per_token=7500.0, enabled=False),
     TraceConfig(kv_format="sglang_kvfp4"),
 ]
 
@@ -65,6 +65,8 @@ def test_config_file_is_the_base_and_flags_override(tmp_path):
     (["--trace-fp4", "--trace-guided-layers", "last_k"], "needs guided_last_k >= 1"),
     (["--trace-fp4", "--trace-sites", "weights", "--trace-guided-sites", "kv_k"], "not a quantized site"),
     (["--trace-fp4", "--trace-min-coverage", "2"], "min_coverage=2.0 must be in"),
+    (["--trace-fp4", "--trace-guided-layers", "budget", "--trace-budget-bytes-per-token", "8"],
+     r"budget picks layers from a measured .*cli\.plan"),
 ])
 def test_invalid_combinations_name_the_value(argv, match):
     with pytest.raises(ValueError, match=match) as e:
