@@ -37,6 +37,14 @@ _PATTERN = re.compile(r"[A-Za-z0-9_.*-]+")
 """Module patterns: canonical HF module names with ``*`` wildcards (ModelOpt semantics, full match)."""
 
 
+_BOOLS = ("enabled", "ste_clip", "routing_replay")
+_INTS = ("guided_last_k", "version")
+_FLOATS = ("guided_fraction", "budget_bytes_per_token", "cache_budget_mb", "min_coverage")
+_STRS = ("format", "kv_format", "mxfp4_scale_rule", "activation_amax", "guided_layers", "cache_mode", "cache_dir",
+         "rounding", "fallback", "kernel", "finite_check")
+_TUPLES = ("sites", "guided_sites", "guided_layer_list", "exclude_modules")
+
+
 def _choice(name: str, value: Any, valid: tuple) -> None:
     if value not in valid:
         raise ValueError(f"TraceConfig.{name}={value!r} is not one of {valid}")
@@ -72,11 +80,9 @@ class TraceConfig:
     version: int = CONFIG_VERSION
 
     def __post_init__(self):
+        self._check_types()
         # Hydra/OmegaConf hand lists; normalise to tuples so the config stays hashable-ish.
-        if isinstance(self.exclude_modules, str):
-            raise ValueError(f"TraceConfig.exclude_modules={self.exclude_modules!r} must be a list of patterns, "
-                             "not one string")
-        for name in ("sites", "guided_sites", "guided_layer_list", "exclude_modules"):
+        for name in _TUPLES:
             object.__setattr__(self, name, tuple(getattr(self, name)))
         if self.version != CONFIG_VERSION:
             raise ValueError(f"TraceConfig.version={self.version} is not supported (this build reads {CONFIG_VERSION})")
@@ -120,6 +126,34 @@ class TraceConfig:
             if not isinstance(p, str) or not _PATTERN.fullmatch(p):
                 raise ValueError(f"TraceConfig.exclude_modules has {p!r}: a pattern is a module name such as "
                                  "'model.layers.0.mlp.experts' with '*' wildcards (letters, digits, _ - . *)")
+
+    def _check_types(self) -> None:
+        """bool / int / float / str fields of those types (a JSON "false" is not False), lists not one string."""
+        def bad(name, want):
+            v = getattr(self, name)
+            return ValueError(f"TraceConfig.{name}={v!r} must be {want}, got {type(v).__name__}")
+
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool")
+        for name in _INTS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise bad(name, "an int")
+        for name in _FLOATS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise bad(name, "a number")
+            object.__setattr__(self, name, float(v))
+        for name in _STRS:
+            if not isinstance(getattr(self, name), str):
+                raise bad(name, "a string")
+        for name in _TUPLES:
+            if isinstance(getattr(self, name), str | bytes):
+                raise bad(name, "a list (not one string)")
+        ids = list(self.guided_layer_list)
+        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
+            raise ValueError(f"TraceConfig.guided_layer_list={ids!r} must hold int layer ids")
 
     # ---- quantizers -------------------------------------------------------------------------
     def weight_quantizer(self) -> Quantizer:
