@@ -3,11 +3,18 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from ..config import KV_SITES
+from .args import trace_config_from_args
 from .context import check_finite, find_trace_layers
 from .experts import TraceSequentialMLP
+
+logger = logging.getLogger(__name__)
 
 
 @contextmanager
@@ -40,9 +47,21 @@ def trace_train_step(args, model) -> Iterator[None]:
     """Megatron-LM's ``train_step`` around ``forward_backward_func`` (patches/): with ``--trace-fp4``, the
     micro-batches run inside ``reuse_weight_quant`` when ``--trace-reuse-weight-quant`` is given, and the step's
     deferred NaN/Inf check (``check_finite``) runs after the last backward, before the optimizer step."""
-    if not getattr(args, "trace_fp4", False):
+    if not getattr(args, "trace_fp4", False) or not _stage_has_sites(args, model):
         yield
         return
     with reuse_weight_quant(model) if getattr(args, "trace_reuse_weight_quant", False) else nullcontext():
         yield
     check_finite(model)
+
+
+def _stage_has_sites(args, model) -> bool:
+    """Whether this pipeline stage should hold TRACE modules: it has MoE layers, or K/V are quantized (every
+    layer attends). A stage of dense layers with no KV site has none, and its step is a plain step."""
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    if any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules()):
+        return True
+    if any(site in trace_config_from_args(args).sites for site in KV_SITES):
+        return True
+    logger.info("--trace-fp4: this pipeline stage has no MoE layer and K/V are not quantized: nothing to check")
+    return False

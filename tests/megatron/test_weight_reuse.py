@@ -93,3 +93,23 @@ def test_megatron_lm_train_step_scope_follows_the_flags():
                 model(*data[:3], labels=data[3]).float().mean().backward()
             assert all(bool(m._weight_reuse) == reused for m in experts), flags
         assert all(m._weight_reuse is None for m in experts)
+
+
+def test_a_pipeline_stage_without_trace_sites_runs_a_plain_step():
+    """A stage of dense layers only (moe_layer_freq) with K/V unquantized has no TRACE module: the step hook
+    passes it through; the same stage with K/V quantized but built without the TRACE spec is an error."""
+    import argparse
+
+    from megatron_trace.megatron import add_trace_args, trace_spec_from_args, trace_train_step
+
+    parse = lambda flags: add_trace_args(argparse.ArgumentParser()).parse_args(flags)  # noqa: E731
+    experts_only = parse(["--trace-fp4", "--trace-sites", "expert_fc1_in,expert_fc2_in,weights"])
+    cfg = tiny_config(num_layers=2, moe_layer_freq=[0, 0])  # the dense first stage of a pipeline
+    model = build_model(cfg, trace_spec_from_args(experts_only, stock_spec(cfg)))
+    data = batch()
+    for flags in (experts_only, parse(["--trace-fp4", "--trace-sites", "expert_fc1_in,weights",
+                                       "--trace-reuse-weight-quant"])):
+        with trace_train_step(flags, [model]):
+            model(*data[:3], labels=data[3]).float().mean().backward()
+    with pytest.raises(ValueError, match="no TRACE modules"), trace_train_step(parse(["--trace-fp4"]), [model]):
+        model(*data[:3], labels=data[3]).float().mean().backward()
