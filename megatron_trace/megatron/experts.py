@@ -40,9 +40,15 @@ EARLY_WEIGHTS = True
 even where a MoE layer hook is installed (``bench_qat_step --late-weights``)."""
 
 
-def check_expert_config(config) -> None:
+def check_expert_config(config, trace_config: TraceConfig | None = None) -> None:
     """Reject Megatron options the TRACE experts do not implement (clear errors at build time)."""
     problems = []
+    ep = config.expert_model_parallel_size or 1
+    if ep > 1 and trace_config is not None and trace_config.format == "nvfp4" and \
+            trace_config.activation_amax == "per_tensor" and trace_config.quantizes(FC2):
+        problems.append(f"activation_amax='per_tensor' with expert_model_parallel_size={ep}: a rank's FC2 rows are "
+                        "spread over the expert-parallel ranks, so one amax over them would depend on the EP size "
+                        "(use activation_amax='per_row', the default and batch-invariant, or EP 1)")
     if config.add_bias_linear:
         problems.append("add_bias_linear=True (use --disable-bias-linear)")
     if config.moe_apply_probs_on_input:
@@ -74,7 +80,7 @@ class TraceExpertsCore:
     def _init_trace(self, trace_config: TraceConfig, pg_collection) -> None:
         if not isinstance(trace_config, TraceConfig):
             raise TypeError(f"trace_config must be a TraceConfig, got {type(trace_config).__name__}")
-        check_expert_config(self.config)
+        check_expert_config(self.config, trace_config)
         self.trace_config = trace_config
         self._trace_pg = pg_collection
         self._act_q = trace_config.activation_quantizer()

@@ -192,3 +192,18 @@ def test_local_payload_permutation_equals_the_dispatcher(dispatcher):
     assert torch.equal(rows, want_rows)
     assert torch.as_tensor(counts).tolist() == torch.as_tensor(want_counts).tolist()
     assert torch.equal(back, want_back) and torch.equal(back, payload.float())
+
+
+def test_expert_options_trace_does_not_implement_are_named_at_build_time():
+    from megatron_trace.megatron.experts import check_expert_config
+
+    ep2 = tiny_config(expert_model_parallel_size=2)
+    check_expert_config(ep2, TraceConfig())  # per-row amax: batch-invariant, any EP size
+    check_expert_config(ep2, TraceConfig(format="mxfp4", activation_amax="per_tensor"))  # MXFP4 has no global amax
+    check_expert_config(tiny_config(), TraceConfig(activation_amax="per_tensor"))
+    check_expert_config(ep2, TraceConfig(activation_amax="per_tensor", sites=("expert_fc1_in", "weights"),
+                                         guided_sites=("expert_fc1_in",)))  # FC1 carries its source rank's amax
+    with pytest.raises(ValueError, match=r"per_tensor' with expert_model_parallel_size=2: .*\(use activation_amax"):
+        check_expert_config(ep2, TraceConfig(activation_amax="per_tensor"))
+    with pytest.raises(ValueError, match="add_bias_linear=True"):
+        check_expert_config(tiny_config(add_bias_linear=True), TraceConfig())
