@@ -35,8 +35,9 @@ from .step import (
 class KVStep:
     """TRACE state of one attention layer for one step."""
 
-    def __init__(self, state: StepState, layer: int, sites: dict[str, CheckedSite], tp_rank: int):
-        self.state, self.layer, self.sites, self.tp_rank = state, layer, sites, tp_rank
+    def __init__(self, state: StepState, layer: int, sites: dict[str, CheckedSite], first_head: int):
+        self.state, self.layer, self.sites = state, layer, sites
+        self.first_head = first_head  # the model's index of this rank's first KV head (``TraceKVCore.kv_heads``)
 
     def rows(self, site: str, x: torch.Tensor) -> RowGuidance | None:
         """Guidance for the rows of x [S, B, g, hd] (g local KV heads), counted per token."""
@@ -66,7 +67,7 @@ class KVStep:
     def _local_rows(self, c: CheckedSite, S: int, B: int, g: int, device) -> RowGuidance:
         """The rows of x [S, B, g, hd] in its order (token-major, then this rank's g KV heads): one gather each."""
         r = c.sg.record
-        heads, local, whole = r.shape[2], slice(self.tp_rank * g, (self.tp_rank + 1) * g), slice(0, S)
+        heads, local, whole = r.shape[2], slice(self.first_head, self.first_head + g), slice(0, S)
         row = self.state.token_index(B, S, whole, device, heads, local)
         gather = lambda t: t.to(device).reshape(B * S * heads, *t.shape[3:]).index_select(0, row)  # noqa: E731
         rec = map_record(r, gather, (row.numel(), r.shape[-1]))
@@ -100,12 +101,17 @@ class TraceKVCore:
         """Whether this layer quantizes ``site`` (the config, less ``exclude_modules``)."""
         return not self._excluded and self.trace_config.quantizes(site)
 
-    def kv_tp_rank(self) -> int:
-        """This rank's index among the tensor-parallel ranks that split the KV heads."""
+    trace_kv_groups: int | None = None  # the model's KV heads, told by find_trace_layers (see ``kv_heads``)
+
+    def kv_heads(self) -> tuple[int, int]:
+        """(the model's KV heads G, the index of this rank's first one). Megatron hands core attention a config
+        with num_query_groups = TP size when G < TP (each KV head then replicated on TP / G ranks), so G comes
+        from the attention module (``find_trace_layers``); rank r holds heads from r * G // TP."""
         group = getattr(self, "tp_group", None) or getattr(self, "_tp_group", None)  # local / TE attention
         if group is None:
             raise ValueError(f"{type(self).__name__} has no tensor-parallel group")
-        return group.rank()
+        heads = self.trace_kv_groups or self.config.num_query_groups or self.config.num_attention_heads
+        return heads, group.rank() * heads // group.size()
 
     def quantize_kv(self, site: str, x: torch.Tensor) -> torch.Tensor:
         """x [S, B, g, hd] -> fake-quantized, one row per (token, KV head)."""

@@ -108,6 +108,8 @@ def find_trace_layers(model) -> TraceLayers:
                 _claim(kv, m.layer_number - 1, m, name)
                 cfgs.add(m.trace_config)
                 num_layers = m.config.num_layers
+            elif isinstance(getattr(m, "core_attention", None), TraceKVCore):  # its config has the real KV heads
+                m.core_attention.trace_kv_groups = m.config.num_query_groups
     if not cfgs:
         raise ValueError("the model has no TRACE modules: build it with megatron_trace.megatron's spec")
     if len(cfgs) > 1:
@@ -429,14 +431,14 @@ def _moe_step(state: StepState, step: StepGuidance, layer: int, moe: MoELayer) -
 
 
 def _kv_step(state: StepState, step: StepGuidance, layer: int, attn) -> KVStep:
-    c = attn.config
-    rows = (c.num_query_groups or c.num_attention_heads, c.kv_channels)
+    heads, first = attn.kv_heads()
+    rows = (heads, attn.config.kv_channels)
     checked = {
         s: check_site(step.sites.get((layer, s)), site=s, layer=layer, rows=rows, config=state.config,
                       compact=state.compact, fail=state.fallback == "fail" and state.is_guided(layer, s))
         for s in KV_SITES
     }
-    return KVStep(state, layer, checked, attn.kv_tp_rank())
+    return KVStep(state, layer, checked, first)
 
 
 def _check_coverage(state: StepState, step: StepGuidance) -> None:

@@ -89,7 +89,8 @@ def _run_tp(rank, world, port, workdir):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     init_parallel(tp=world)
     shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
-    cfg = tiny_config(tensor_model_parallel_size=world, sequence_parallel=True, expert_tensor_parallel_size=1)
+    cfg = tiny_config(tensor_model_parallel_size=world, sequence_parallel=True, expert_tensor_parallel_size=1,
+                      num_query_groups=shared["groups"])
     model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]))  # CPU init: TP=1's weights
     model.eval()
     tokens, pos, mask, _ = batch(seed=0)

@@ -83,11 +83,13 @@ def test_ep2_equals_ep1(ep1, dispatcher):
         assert not torch.equal(got["guided"]["logits"], got["rne"]["logits"])  # guidance changed the forward
 
 
-def test_tensor_and_sequence_parallel_slice_guidance_like_the_tokens(tmp_path):
+@pytest.mark.parametrize("groups", [2, 1], ids=["kv-heads-split", "kv-head-replicated"])
+def test_tensor_and_sequence_parallel_slice_guidance_like_the_tokens(tmp_path, groups):
     """TP=2 + sequence parallel: each rank takes its sequence shard of the MoE guidance and routing and its KV
-    heads; logits match TP=1 up to the reduction order (a wrong slice would put other tokens' scales here)."""
+    heads; logits match TP=1 up to the reduction order (a wrong slice would put other tokens' scales here).
+    With 1 KV head (< TP) Megatron replicates it on both ranks (and tells core attention 2 groups)."""
     tc = TraceConfig(guided_layers="all")
-    cfg = tiny_config()
+    cfg = tiny_config(num_query_groups=groups)
     model = build_model(cfg, trace_spec(stock_spec(cfg), tc))
     rollout = build_model(cfg, trace_spec(stock_spec(cfg), tc))
     perturb_non_experts(rollout, 0.01)
@@ -96,7 +98,7 @@ def test_tensor_and_sequence_parallel_slice_guidance_like_the_tokens(tmp_path):
     guidance = {"sites": roll.sites, "routing": roll.routing}
     ref = {"rne": _record(model, data, StepGuidance(routing=roll.routing)),
            "guided": _record(model, data, StepGuidance(**guidance))}
-    torch.save({"trace_config": tc, "guidance": guidance}, tmp_path / "shared.pt")
+    torch.save({"trace_config": tc, "guidance": guidance, "groups": groups}, tmp_path / "shared.pt")
     results = _spawn(tp_worker, tmp_path)
     vocab = ref["rne"]["logits"].shape[-1] // WORLD
     for rank, got in enumerate(results):
