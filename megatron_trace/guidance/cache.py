@@ -102,6 +102,9 @@ class _HostStager:
         return host, event
 
 
+SHARD_PREFIX = "guidance_step"
+
+
 class GuidanceCache:
     """Host cache of ``SampleGuidance`` per RL step under a byte budget, spilling to ``cache_dir``."""
 
@@ -113,6 +116,11 @@ class GuidanceCache:
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_tmp(self.cache_dir)
+            old = list(self.cache_dir.glob(f"{SHARD_PREFIX}*.safetensors"))
+            if old:  # a previous run's (never read: its samples are not this run's)
+                logger.warning("guidance cache_dir %s holds %d shard(s) (%.1f MiB) of an earlier run: they are not "
+                               "read, and a step of this run may overwrite one; delete them or use another cache_dir",
+                               self.cache_dir, len(old), sum(p.stat().st_size for p in old) / 2**20)
         self._steps: dict[int, _Step] = {}
         self._stager = _HostStager()
         self.host_bytes = 0
@@ -189,7 +197,7 @@ class GuidanceCache:
         return n
 
     def _spill(self, step: int, st: _Step, samples: Sequence[SampleGuidance]) -> None:
-        path = self.cache_dir / f"guidance_step{step:08d}_part{len(st.shards):04d}.safetensors"
+        path = self.cache_dir / f"{SHARD_PREFIX}{step:08d}_part{len(st.shards):04d}.safetensors"
         size = write_shard(path, samples, step=step)
         st.shards.append((path, shard_index(path)))
         self.disk_bytes += size
@@ -250,6 +258,11 @@ class GuidanceCache:
             if path.exists():
                 self.disk_bytes -= path.stat().st_size
                 path.unlink()
+
+    def close(self) -> None:
+        """Drop every step held (their shards deleted): the end of a run."""
+        for step in self.steps:
+            self.drop(step)
 
     def invalidate(self, step: int) -> None:
         """Discard an interrupted step's partial data; a later ``put`` can redo it."""

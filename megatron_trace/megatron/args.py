@@ -2,7 +2,9 @@
 ``trace_config_from_args(args)`` -> ``TraceConfig``.
 
 Every ``--trace-*`` flag defaults to "not given" and then takes the TraceConfig default (or the
-value of ``--trace-config FILE.json``), so ``trace_args_from_config`` round-trips any config.
+value of ``--trace-config FILE.json``), so ``trace_args_from_config`` round-trips any config. The one exception
+is ``enabled``: only ``--trace-fp4`` turns TRACE on (a file's ``"enabled"`` is ignored), so a launch script
+without the flag always trains as stock Megatron.
 ``--trace-guided-layers`` takes a policy (none, all, last_k, fraction) or a comma list of layer ids (the
 explicit policy). ``budget`` parses, but a launch refuses it: it needs a measured mismatch profile (``cli.plan``).
 """

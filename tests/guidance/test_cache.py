@@ -224,6 +224,17 @@ def test_not_a_guidance_shard(tmp_path):
         shard_index(p)
 
 
+def test_close_deletes_the_spilled_shards_and_a_new_cache_warns_of_old_ones(tmp_path, caplog):
+    cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    cache.put(3, _step_samples(3))
+    cache.put(4, _step_samples(4))
+    assert len(list(tmp_path.iterdir())) == 2
+    GuidanceCache(budget_bytes=0, cache_dir=tmp_path)  # another run on the same directory
+    assert "holds 2 shard(s)" in caplog.text and "of an earlier run" in caplog.text
+    cache.close()
+    assert cache.steps == [] and cache.disk_bytes == 0 and not list(tmp_path.iterdir())
+
+
 def test_stale_temp_files_are_removed_on_start(tmp_path):
     stale = tmp_path / f"guidance_step00000001_part0000.safetensors.tmp{os.getpid()}"
     stale.write_bytes(b"half")

@@ -104,6 +104,10 @@ def test_exclude_modules_errors():
     with pytest.raises(ValueError, match="keeps layer 0's experts in BF16"):
         engine_tensors([("model.layers.0.mlp.experts.1.down_proj.weight", q)], bf16_layers={0})
     assert engine_tensors([("model.layers.1.mlp.experts.1.down_proj.weight", q)], bf16_layers={0})
+    bf16 = ("model.layers.1.mlp.experts.1.down_proj.weight", torch.zeros(64, 32))
+    with pytest.raises(ValueError, match="holds layer 1's routed experts as packed NVFP4; send FP4 values"):
+        engine_tensors([bf16], bf16_layers={0}, fp4_layers={1, 2})
+    assert engine_tensors([bf16, ("model.norm.weight", torch.ones(64))], bf16_layers={1}, fp4_layers={0, 2})
 
 
 def test_guidance_specs_follow_the_policy_and_kv_dtype():

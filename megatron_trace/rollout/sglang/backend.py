@@ -206,7 +206,8 @@ class SGLangRolloutBackend:
         elif self.trainer_recipe is not None:
             raise RecipeMismatchError(f"update_weights to version {new_version} without the trainer's recipe "
                                       f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
-        named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers)
+        fp4 = set(self.moe_layers) - self.bf16_expert_layers if self.config.quantizes("weights") else ()
+        named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
         if self.weights_group is not None:
             self.weights_group.send(named)
         else:

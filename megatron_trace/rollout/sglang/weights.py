@@ -25,14 +25,21 @@ logger = logging.getLogger(__name__)
 
 
 def engine_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], dtype: torch.dtype = torch.bfloat16,
-                   bf16_layers: Collection[int] = ()) -> list[tuple[str, torch.Tensor]]:
+                   bf16_layers: Collection[int] = (), fp4_layers: Collection[int] = ()
+                   ) -> list[tuple[str, torch.Tensor]]:
     """HF-named values -> (name, tensor) pairs for SGLang's ``load_weights`` (no input_scale: kept as loaded).
 
     ``bf16_layers``: layers whose experts the engine serves in BF16 (``TraceConfig.exclude_modules``):
-    FP4 values for them are an error (send BF16, e.g. ``bridge.fp4_stream(..., bf16_layers=...)``)."""
+    FP4 values for them are an error (send BF16, e.g. ``bridge.fp4_stream(..., bf16_layers=...)``).
+    ``fp4_layers``: layers whose experts the engine holds as packed NVFP4: BF16 values for them are an error
+    (the engine's expert parameters are uint8; send ``bridge.fp4_stream``'s FP4 values)."""
     out = []
     for name, value in named:
         if not isinstance(value, FP4Tensor):
+            parsed = parse_expert_name(name)
+            if parsed is not None and parsed[0] in fp4_layers:
+                raise ValueError(f"{name!r}: the engine holds layer {parsed[0]}'s routed experts as packed NVFP4; "
+                                 "send FP4 values (bridge.fp4_stream), not BF16")
             t = value.detach()
             out.append((name, t.to(dtype) if t.is_floating_point() else t))
             continue
