@@ -91,8 +91,8 @@ class SyncStats:
                 f"{p}/buckets": float(self.buckets), f"{p}/seconds": self.seconds}
 
 
-def _cast(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return value.detach().to(dtype) if value.is_floating_point() else value.detach()
+def _cast(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value.detach()
 
 
 def bf16_stream(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = torch.bfloat16
@@ -103,9 +103,11 @@ def bf16_stream(named: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype = 
 
 
 def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
-               dtype: torch.dtype = torch.bfloat16, bf16_layers: Collection[int] = (), kernel: str = "auto",
+               dtype: torch.dtype | None = torch.bfloat16, bf16_layers: Collection[int] = (), kernel: str = "auto",
                batch_bytes: int = QUANT_BATCH_BYTES) -> Iterator[tuple[str, WeightValue]]:
-    """Routed-expert weights as FP4 (quantized from the values as given), the rest cast to ``dtype``.
+    """Routed-expert weights as FP4, quantized from their values cast to ``dtype`` (what a ``dtype`` trainer's
+    forward fake-quantizes, and what a rollout quantizes from a ``bf16_stream``; ``dtype=None``: as given), the
+    rest cast to ``dtype``.
 
     ``bf16_layers``: layers whose experts stay BF16 (``TraceConfig.exclude_modules``; the rollout's
     ``bf16_expert_layers``): their expert weights are cast like the rest. ``kernel``: as
@@ -121,7 +123,7 @@ def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
         if parsed is None or parsed[0] in bf16_layers:
             yield name, _cast(value, dtype)
             continue
-        yield from batch.add(*parsed, value.detach())
+        yield from batch.add(*parsed, _cast(value, dtype))
     yield from batch.flush()
     if batch.halves:
         raise ValueError(f"expert fc1 halves without their partner (gate_proj and up_proj must both be sent): "

@@ -71,6 +71,21 @@ def test_fp4_stream_quantizes_fc1_as_one_matrix():
         sync_weights(_rollout(), [], fmt="fp4")
 
 
+def test_fp4_stream_of_fp32_weights_quantizes_what_a_bf16_trainer_does():
+    """An fp32 stream (e.g. an fp32 HF directory): the experts are rounded to ``dtype`` before quantizing, so the
+    codes equal the bf16 sync path's (the rollout quantizes the bf16 tensor) and a bf16 trainer's fake-quant."""
+    w = dict(checkpoint_tensors(tiny_model(seed=1, dtype=torch.float32)))
+    p = "model.layers.1.mlp.experts.2."
+    fc1 = torch.cat([w[p + "gate_proj.weight"], w[p + "up_proj.weight"]])
+    out = dict(fp4_stream(w.items(), WQ))
+    got = torch.cat([out[p + "gate_proj.weight"].codes, out[p + "up_proj.weight"].codes])
+    assert torch.equal(got, WQ.quantize(fc1.bfloat16()).codes)
+    assert not torch.equal(got, WQ.quantize(fc1).codes)  # the fp32 values would give other codes here
+    raw = dict(fp4_stream(w.items(), WQ, dtype=None))  # dtype=None: as given (an fp32 trainer)
+    assert torch.equal(torch.cat([raw[p + "gate_proj.weight"].codes, raw[p + "up_proj.weight"].codes]),
+                       WQ.quantize(fc1).codes)
+
+
 def _per_expert(w: dict, quantizer) -> dict:
     """An independent computation: one ``Quantizer.quantize`` call per expert matrix (fc1 = [gate; up])."""
     out = {}

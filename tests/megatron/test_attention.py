@@ -65,7 +65,7 @@ def test_kv_guidance_takes_this_ranks_heads():
     valid = torch.ones(B, S, dtype=torch.bool)
     valid[1, 3] = False
     state = StepState(config=tc, counter=FallbackCounter(), fallback="rne", guided_layers=frozenset({0}))
-    step = KVStep(state, 0, {"kv_k": CheckedSite(SiteGuidance(rec, valid), MASK)}, tp_rank=1)
+    step = KVStep(state, 0, {"kv_k": CheckedSite(SiteGuidance(rec, valid), MASK)}, first_head=2)
     local = full[:, :, 2:].transpose(0, 1).contiguous()  # this rank's K [S, B, 2, hd]
     rows = step.rows("kv_k", local)
     assert rows.record.shape == (S * B * 2, HD)
