@@ -25,6 +25,12 @@ def check_supported(hf_config) -> None:
         raise NotImplementedError(f"rope_type={rope.get('rope_type')!r}: only the default RoPE is mapped")
     if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", False):
         raise NotImplementedError("sliding-window attention is not mapped")
+    if getattr(hf_config, "attention_bias", False):
+        raise NotImplementedError("attention_bias=True: the q/k/v/o projection biases are not mapped (o_proj's has "
+                                  "no Megatron counterpart without add_bias_linear)")
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise NotImplementedError(f"hidden_act={act!r}: the experts and MLPs are mapped as SwiGLU (silu) only")
 
 
 def rope_theta(hf_config) -> float:
@@ -61,7 +67,7 @@ def transformer_config_from_hf(
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=bool(getattr(c, "attention_bias", False)),
+        add_qkv_bias=False,  # (attention_bias is refused by check_supported)
         rotary_interleaved=False,
         attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
         hidden_dropout=0.0,

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..rollout.hf_weights import clear_weight_files
 from .config import gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
 
 logger = logging.getLogger(__name__)
@@ -249,5 +250,6 @@ def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge) 
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     if rank == 0:
         os.makedirs(path, exist_ok=True)
+        clear_weight_files(path)
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
         bridge.hf_config.save_pretrained(path)

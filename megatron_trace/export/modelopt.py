@@ -26,7 +26,7 @@ import torch
 
 from ..formats import NVFP4_BLOCK, FP4Tensor
 from ..formats.nvfp4 import decode_scale_from_amax
-from ..rollout.hf_weights import parse_expert_name
+from ..rollout.hf_weights import clear_weight_files, parse_expert_name
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ def save_modelopt_checkpoint(
         raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")
     state, exclude = build_modelopt_state(named, input_amax, trace_extras=trace_extras)
     os.makedirs(out_dir, exist_ok=True)
+    clear_weight_files(out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
     qcfg = quant_config_dict(exclude, trace_config=trace_config)

@@ -10,12 +10,16 @@ amax); shipped in FP4 it is split by rows into gate and up parts that share that
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
 from ..formats import FP4Tensor
+
+logger = logging.getLogger(__name__)
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -77,3 +81,17 @@ def join_fc1(gate: FP4Tensor, up: FP4Tensor) -> FP4Tensor:
         gate.block_scales.dtype)
     return dataclasses.replace(gate, codes=torch.cat([gate.codes, up.codes]), block_scales=scales,
                                shape=(gate.shape[0] + up.shape[0], *gate.shape[1:]))
+
+
+def clear_weight_files(directory) -> list[str]:
+    """Delete the safetensors weights (``model*.safetensors``) and index of an earlier checkpoint in
+    ``directory`` before a new one is written there (a stale index would make loaders read the old shards);
+    returns the names removed."""
+    d = Path(directory)
+    stale = sorted(p for p in [*d.glob("model*.safetensors"), d / "model.safetensors.index.json"] if p.is_file())
+    for p in stale:
+        p.unlink()
+    if stale:
+        logger.warning("%s: removed %d weight file(s) of an earlier checkpoint: %s", d, len(stale),
+                       [p.name for p in stale][:5])
+    return [p.name for p in stale]

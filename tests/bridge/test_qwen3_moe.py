@@ -46,6 +46,10 @@ def test_transformer_config_router_settings():
     assert c.moe_aux_loss_coeff > 0 and c.expert_model_parallel_size == 2
     with pytest.raises(NotImplementedError, match="dense"):
         transformer_config_from_hf(tiny_config(mlp_only_layers=[0]))
+    with pytest.raises(NotImplementedError, match="attention_bias=True"):  # o_proj.bias would be dropped
+        transformer_config_from_hf(tiny_config(attention_bias=True))
+    with pytest.raises(NotImplementedError, match="hidden_act='gelu'"):  # the MLPs would run silu
+        transformer_config_from_hf(tiny_config(hidden_act="gelu"))
 
 
 def test_hf_checkpoint_gives_transformers_logits(ckpt):

@@ -132,6 +132,22 @@ def test_sharded_round_trip(tmp_path):
                for k in state)
 
 
+def test_a_new_export_replaces_an_earlier_sharded_one(tmp_path):
+    """An earlier sharded checkpoint in the directory: its index and shards are removed, so loaders read the new
+    single file (a stale index would point them at the old shards)."""
+    old = list(fp4_stream(tiny_named_weights(1), QUANT))
+    save_modelopt_checkpoint(tmp_path, old, tiny_hf_config(), input_amax=2.0, max_shard_bytes=4096)
+    (tmp_path / "notes.txt").write_text("kept")
+    new = list(fp4_stream(tiny_named_weights(2), QUANT))
+    save_modelopt_checkpoint(tmp_path, new, tiny_hf_config(), input_amax=2.0)
+    assert sorted(f for f in os.listdir(tmp_path) if "safetensors" in f) == ["model.safetensors"]
+    assert (tmp_path / "notes.txt").read_text() == "kept"
+    want, _ = build_modelopt_state(new, input_amax=2.0)
+    got = load_modelopt_state(tmp_path)
+    key = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert got.keys() == want.keys() and torch.equal(got[key], want[key])
+
+
 def test_errors_name_the_problem():
     w = torch.randn(16, 32)
     with pytest.raises(ValueError, match="per-tensor"):
