@@ -24,8 +24,10 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from ..config import TraceConfig
 from ..formats import NVFP4_BLOCK, FP4Tensor
 from ..formats.nvfp4 import decode_scale_from_amax
+from ..manifest import experts_name, module_excluded
 from ..rollout.hf_weights import clear_weight_files, parse_expert_name
 
 logger = logging.getLogger(__name__)
@@ -87,29 +89,40 @@ def build_modelopt_state(
     *,
     trace_extras: bool = False,
     dtype: torch.dtype = torch.bfloat16,
+    trace_config: TraceConfig | None = None,
 ) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Checkpoint tensors and ``exclude_modules`` from HF-named weights.
 
     Routed-expert weights must be ``FP4Tensor`` (e.g. ``bridge.fp4_stream``: gate/up halves sharing one
-    amax), everything else a tensor (stored in ``dtype`` if floating). ``input_amax``: the static
-    activation amax per expert Linear prefix (``model.layers.L.mlp.experts.E.gate_proj``) or one float
-    for all (e.g. the largest per-row amax the rollout recorded).
+    amax), except those of layers ``trace_config.exclude_modules`` keeps in BF16 (``fp4_stream(...,
+    bf16_layers=...)``), which are tensors and listed as excluded (``model.layers.L.mlp.experts``); everything
+    else a tensor (stored in ``dtype`` if floating). ``input_amax``: the static activation amax per expert
+    Linear prefix (``model.layers.L.mlp.experts.E.gate_proj``) or one float for all (e.g. the largest per-row
+    amax the rollout recorded).
     """
     state: dict[str, torch.Tensor] = {}
     bf16_2d: list[str] = []
+    bf16_experts: set[int] = set()
     for name, value in named:
         parsed = parse_expert_name(name)
-        if parsed is None:
+        bf16_expert = parsed is not None and trace_config is not None and module_excluded(
+            trace_config, experts_name(parsed[0]))
+        if parsed is None or bf16_expert:
             if isinstance(value, FP4Tensor):
-                raise ValueError(f"{name!r}: only routed-expert weights are exported as NVFP4 (got an FP4Tensor)")
+                what = f"TraceConfig.exclude_modules keeps layer {parsed[0]}'s experts in BF16" if bf16_expert \
+                    else "only routed-expert weights are exported as NVFP4"
+                raise ValueError(f"{name!r}: {what} (got an FP4Tensor)")
             t = value.detach()
             state[name] = t.to(dtype) if t.is_floating_point() else t
-            if t.dim() == 2:
+            if bf16_expert:
+                bf16_experts.add(parsed[0])
+            elif t.dim() == 2:
                 bf16_2d.append(name)
             continue
         if not isinstance(value, FP4Tensor):
             raise TypeError(f"{name!r}: routed-expert weights must be FP4Tensor (quantize with "
-                            f"TraceConfig.weight_quantizer()), got {type(value).__name__}")
+                            f"TraceConfig.weight_quantizer(); BF16 experts only for layers "
+                            f"TraceConfig.exclude_modules keeps), got {type(value).__name__}")
         prefix = _expert_prefix(name)
         if isinstance(input_amax, Mapping):
             if prefix not in input_amax:
@@ -119,7 +132,7 @@ def build_modelopt_state(
         else:
             a = input_amax
         state.update(modelopt_linear_tensors(prefix, value, a, trace_extras=trace_extras))
-    return state, exclude_modules_of(bf16_2d)
+    return state, sorted([*exclude_modules_of(bf16_2d), *(experts_name(i) for i in bf16_experts)])
 
 
 def quant_config_dict(exclude_modules: list[str], *, kv_cache_quant_algo: str | None = None,
@@ -163,7 +176,8 @@ def save_modelopt_checkpoint(
 
     if "quantization_config" in hf_config:
         raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")
-    state, exclude = build_modelopt_state(named, input_amax, trace_extras=trace_extras)
+    cfg = TraceConfig.from_dict(trace_config) if trace_config is not None else None
+    state, exclude = build_modelopt_state(named, input_amax, trace_extras=trace_extras, trace_config=cfg)
     os.makedirs(out_dir, exist_ok=True)
     clear_weight_files(out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:

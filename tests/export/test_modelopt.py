@@ -148,6 +148,27 @@ def test_a_new_export_replaces_an_earlier_sharded_one(tmp_path):
     assert got.keys() == want.keys() and torch.equal(got[key], want[key])
 
 
+def test_experts_kept_bf16_by_exclude_modules_are_exported_bf16_and_excluded(tmp_path):
+    """``TraceConfig.exclude_modules`` experts come as BF16 (``fp4_stream(..., bf16_layers=...)``, as the weight
+    sync sends them): stored in bf16 and listed in ``exclude_modules``; FP4 values for them are refused."""
+    cfg = TraceConfig(exclude_modules=("model.layers.0.mlp.experts",))
+    named = list(fp4_stream(tiny_named_weights(), QUANT, bf16_layers=(0,)))
+    qcfg = save_modelopt_checkpoint(tmp_path, named, tiny_hf_config(), input_amax=2.0, trace_config=cfg.to_dict())
+    assert "model.layers.0.mlp.experts" in qcfg["quantization"]["exclude_modules"]
+    assert not any(".experts." in m for m in qcfg["quantization"]["exclude_modules"])  # not per expert Linear
+    state = load_modelopt_state(tmp_path)
+    w = dict(named)
+    key = "model.layers.0.mlp.experts.1.up_proj.weight"
+    assert state[key].dtype == torch.bfloat16 and torch.equal(state[key], w[key])
+    assert "model.layers.0.mlp.experts.1.up_proj.weight_scale" not in state
+    assert "model.layers.1.mlp.experts.1.up_proj.weight_scale" in state
+    with pytest.raises(ValueError, match="keeps layer 0's experts in BF16 \\(got an FP4Tensor\\)"):
+        save_modelopt_checkpoint(tmp_path, list(fp4_stream(tiny_named_weights(), QUANT)), tiny_hf_config(),
+                                 input_amax=2.0, trace_config=cfg.to_dict())
+    with pytest.raises(TypeError, match="BF16 experts only for layers"):  # BF16 experts without the exclusion
+        save_modelopt_checkpoint(tmp_path, named, tiny_hf_config(), input_amax=2.0)
+
+
 def test_errors_name_the_problem():
     w = torch.randn(16, 32)
     with pytest.raises(ValueError, match="per-tensor"):
