@@ -109,9 +109,10 @@ def _problem(s: SampleRouting | None, tokens: torch.Tensor, version: int) -> str
     return None
 
 
-# ---- flat form (sync) ---------------------------------------------------------------------------
+# ---- flat layout (the planner's byte sizes) -------------------------------------------------------
 def plan_routing(samples: Sequence[SampleRouting]) -> tuple[list[dict], int]:
-    """(metas with each tensor's offset, total bytes) of the flat form of ``samples``."""
+    """(metas with each tensor's offset, total bytes) of ``samples`` laid out flat, each tensor 16-byte aligned
+    (``planner.sample_bytes``'s ``routing``; ``GuidanceSync`` sends routing in columns, ``guidance.wire``)."""
     metas, off = [], 0
     for s in samples:
         table = []
@@ -121,35 +122,3 @@ def plan_routing(samples: Sequence[SampleRouting]) -> tuple[list[dict], int]:
         metas.append({"sample_id": s.sample_id, "version": s.version, "token_hash": s.token_hash,
                       "num_tokens": s.num_tokens, "tensors": table})
     return metas, off
-
-
-def write_routing(samples: Sequence[SampleRouting], metas: Sequence[dict], out: torch.Tensor) -> None:
-    """Copy ``samples`` into ``out`` (uint8) at the offsets of ``plan_routing``."""
-    for s, m in zip(samples, metas):
-        for (_, _, _, o), (_, t) in zip(m["tensors"], sorted(s.experts.items())):
-            out[o : o + t.nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
-
-
-def flatten_routing(samples: Sequence[SampleRouting], device=None) -> tuple[list[dict], torch.Tensor]:
-    """(metas, one uint8 buffer) for ``samples``; each tensor 16-byte aligned."""
-    metas, total = plan_routing(samples)
-    buf = torch.zeros(total, dtype=torch.uint8, device=device if device is not None else "cpu")
-    write_routing(samples, metas, buf)
-    return metas, buf
-
-
-def unflatten_routing(metas: Sequence[dict], buf: torch.Tensor) -> list[SampleRouting]:
-    """Inverse of ``flatten_routing`` (views into ``buf``); raises ``ValueError`` on a bad table."""
-    out = []
-    for m in metas:
-        experts = {}
-        for layer, dt, shape, o in m["tensors"]:
-            dtype = _DTYPES[dt]
-            n = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-            if o < 0 or o % ALIGN or o + n > buf.numel():
-                raise ValueError(f"routing of sample {m.get('sample_id')}: layer {layer} at {o}+{n} outside "
-                                 f"{buf.numel()} bytes")
-            experts[int(layer)] = buf[o : o + n].view(dtype).view(shape)
-        out.append(SampleRouting(int(m["sample_id"]), int(m["version"]), str(m["token_hash"]),
-                                 int(m["num_tokens"]), experts))
-    return out

@@ -1,4 +1,5 @@
-"""Serialisation of ``SampleGuidance``: named tensors (safetensors shards) and flat bytes (sync, host cache).
+"""Serialisation of ``SampleGuidance``: named tensors (safetensors shards) and flat bytes (the host cache;
+``GuidanceSync`` sends columns instead, ``guidance.wire``).
 
 Named tensors of one sample, ``"{layer}/{site}/{field}"``:
   payload     uint8    packed codes (full) or mantissa bits (compact)

@@ -3,7 +3,10 @@
 Like the weight-update group of RL frameworks, guidance travels on its own group (``new_group``
 over the given global ranks, with its own timeout), NCCL on GPU and gloo on CPU; tensors live on
 the backend's device. Per destination and chunk, three messages: a small int64 tensor ``[magic, header
-bytes, payload bytes, chunks still to come]``, the JSON header as uint8, then one flat uint8 payload.
+bytes, payload bytes, chunks still to come, transfer number]``, the JSON header as uint8, then one flat uint8
+payload. The transfer number (per destination, from 0) keeps both sides in step: a chunk of another transfer
+is an error naming both numbers, and a rejected chunk's transfer is read to its end before ``receive`` raises,
+so the next transfer starts clean.
 The chunk travels in columns (``guidance.wire``, protocol 4): per (layer, site) and field one tensor
 holding the rows of all the chunk's samples, the same per routing layer, and a compact header (per
 sample: id, version, token hash, tokens; per column: format, mode, row shape, dtypes, offsets,
@@ -29,7 +32,9 @@ with a few index operations per site; ``shard.samples`` / ``shard.routing`` give
 
 Nothing is partially applied: ``receive`` returns only after the whole payload arrived and its
 sizes, offsets (and, with ``verify``, every field's checksum) were checked; otherwise it raises
-``GuidanceSyncError``. A peer that never sends makes ``receive`` fail after the group timeout
+``GuidanceSyncError``. A receiver with ``verify`` refuses fields without a checksum (a sender with
+``verify=False``): ``verify=False`` on both sides trusts the transport, sizes included.
+A peer that never sends makes ``receive`` fail after the group timeout
 (gloo) with an error naming the rank; NCCL enforces the timeout through its watchdog.
 ``GuidanceSync`` must be constructed by every process of the default group (``new_group`` is
 collective), with the same arguments.
@@ -57,6 +62,7 @@ from .site import FallbackCounter, SiteGuidance, SiteKey
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x54524143  # "TRAC"
+SIZES = 5  # the size message: magic, header bytes, payload bytes, chunks still to come, transfer number
 PROTOCOL = 4  # 4: columnar chunks (wire.py), CRC-32 per field; 3: per-sample tensors, CRC-32 per sample span
 
 
@@ -218,6 +224,7 @@ class GuidanceSync:
         self.rank = dist.get_rank()
         self.group = dist.new_group(ranks=sorted(ranks), timeout=timeout, backend=backend)
         self.last_stats: TransferStats | None = None  # of the last send / receive on this rank
+        self._transfers: dict[int, int] = {}  # transfers started per peer (sender: per trainer rank)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     # ---- rollout side -----------------------------------------------------------------------
@@ -244,14 +251,16 @@ class GuidanceSync:
         for dst, units in per_dst.items():
             sent[dst] = 0
             chunks = chunk_units(units, chunk_bytes)
+            seq = self._transfers.get(dst, 0)
+            self._transfers[dst] = seq + 1
+            what = f"sending guidance transfer {seq} to trainer rank {dst}"
             for i, chunk in enumerate(chunks):
-                msgs, staged = self._encode_units(chunk, len(chunks) - 1 - i, self.device)
+                msgs, staged = self._encode_units(chunk, len(chunks) - 1 - i, self.device, seq)
                 held = staged + sum(t.numel() * t.element_size() for t in msgs)
                 stats.peak_bytes = max(stats.peak_bytes, held)
-                works = [dist.isend(t.to(self.device, non_blocking=True), dst=dst, group=self.group) for t in msgs]
-                for w in works:  # one chunk in flight: its buffers are freed before the next is built
-                    self._wait(w, f"sending guidance to trainer rank {dst}")
                 sent[dst] += int(msgs[0][2])
+                self._send_chunk(msgs, dst, what)
+                del msgs  # one chunk in flight: its buffers are freed before the next is built
                 stats.chunks += 1
         stats.payload_bytes = sum(sent.values())
         self.last_stats = stats
@@ -259,12 +268,18 @@ class GuidanceSync:
                     len(samples), len(routing), sent, stats.chunks, stats.peak_bytes)
         return sent
 
+    def _send_chunk(self, msgs: list[torch.Tensor], dst: int, what: str) -> None:
+        works = self._call(lambda: [dist.isend(t.to(self.device, non_blocking=True), dst=dst, group=self.group)
+                                    for t in msgs], what)
+        for w in works:
+            self._wait(w, what)
+
     def encode(self, samples: Sequence[SampleGuidance], routing: Sequence[SampleRouting] = ()) -> list[torch.Tensor]:
         """The host messages of one chunk (the last): sizes, header, payload (omitted when empty)."""
-        return self._encode_units(_units(samples, routing), 0, torch.device("cpu"))[0]
+        return self._encode_units(_units(samples, routing), 0, torch.device("cpu"), 0)[0]
 
     def _encode_units(
-        self, units: Sequence[_Unit], chunks_left: int, device: torch.device
+        self, units: Sequence[_Unit], chunks_left: int, device: torch.device, seq: int
     ) -> tuple[list[torch.Tensor], int]:
         """(messages with the payload on ``device``, bytes staged on the samples' device on the way, or 0)."""
         guidance = wire.plan_section([u.guidance for u in units if u.guidance is not None], "guidance")
@@ -282,7 +297,7 @@ class GuidanceSync:
             wire.add_field_checksums(sections, payload)
         header = json.dumps(head, separators=(",", ":")).encode()
         msgs = [
-            torch.tensor([MAGIC, len(header), payload.numel(), chunks_left], dtype=torch.int64),
+            torch.tensor([MAGIC, len(header), payload.numel(), chunks_left, seq], dtype=torch.int64),
             torch.frombuffer(bytearray(header), dtype=torch.uint8),
         ]
         return (msgs + [payload] if payload.numel() else msgs), staged
@@ -297,18 +312,36 @@ class GuidanceSync:
         if self.rank not in self.dsts:
             raise RuntimeError(f"receive() runs on trainer ranks {self.dsts}, this is rank {self.rank}")
         shard, held = GuidanceShard(), 0
+        seq = self._transfers.get(self.src, 0)
+        self._transfers[self.src] = seq + 1
+        left, error = None, None
         while True:
-            sizes = self._recv(torch.empty(4, dtype=torch.int64, device=self.device), "the size message").tolist()
+            sizes = self._recv(torch.empty(SIZES, dtype=torch.int64, device=self.device),
+                               "the size message").tolist()
             if sizes[0] != MAGIC or sizes[1] <= 0 or sizes[2] < 0 or sizes[3] < 0:
                 raise GuidanceSyncError(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?)")
+            if sizes[4] != seq or (left is not None and sizes[3] != left - 1):
+                raise GuidanceSyncError(
+                    f"guidance from rank {self.src} out of step: got transfer {sizes[4]} with {sizes[3]} chunk(s) "
+                    f"to come, expected transfer {seq}" + ("" if left is None else f" with {left - 1}") +
+                    " (a transfer failed midway, or one side restarted: recreate GuidanceSync on both sides)")
+            left = sizes[3]
             header = self._recv(torch.empty(sizes[1], dtype=torch.uint8, device=self.device), "the header")
             payload = (host_buffer(sizes[2]) if self.device.type == "cpu"
                        else torch.empty(sizes[2], dtype=torch.uint8, device=self.device))
             if sizes[2]:
                 payload = self._recv(payload, "the payload")
+            if error is None:
+                try:
+                    guidance, routing = self._decode(header, payload)
+                except GuidanceSyncError as e:  # read the transfer to its end: the next one starts in step
+                    error, shard = e, GuidanceShard()
+            if error is not None:
+                if sizes[3] == 0:
+                    raise error
+                continue
             held += sizes[2]  # received samples are views into their chunk's payload
             shard.stats.peak_bytes = max(shard.stats.peak_bytes, held + sizes[1])
-            guidance, routing = self._decode(header, payload)
             if guidance is not None:
                 shard.parts.append(guidance)
                 shard.stats.samples += len(guidance.table)
@@ -333,12 +366,17 @@ class GuidanceSync:
             raise GuidanceSyncError(f"guidance from rank {self.src} rejected, nothing applied: {e}") from e
 
     def _recv(self, t: torch.Tensor, what: str) -> torch.Tensor:
-        self._wait(dist.irecv(t, src=self.src, group=self.group), f"receiving {what} from rollout rank {self.src}")
+        what = f"receiving {what} from rollout rank {self.src}"
+        self._wait(self._call(lambda: dist.irecv(t, src=self.src, group=self.group), what), what)
         return t
 
     def _wait(self, work, what: str) -> None:
+        self._call(work.wait, what)
+
+    def _call(self, fn, what: str):
+        """``fn()``; a transport error (a missing, crashed or late peer) as ``GuidanceSyncError`` naming ``what``."""
         try:
-            work.wait()
+            return fn()
         except RuntimeError as e:
             raise GuidanceSyncError(
                 f"guidance sync failed while {what} (timeout {self.timeout}): the peer is missing, crashed or "

@@ -289,7 +289,12 @@ def decode(head: dict, payload: torch.Tensor, *, verify: bool) -> tuple[PackedGu
         shared: dict = {}
         out[kind] = cls(table, [_decode_column(c, kind, table, payload, checks, shared) for c in sec["columns"]])
     if verify:  # every field before any sample is returned: all or nothing
-        want = [c for c in checks if c[3] is not None]
+        unchecked = [c[0] for c in checks if c[3] is None]
+        if unchecked:
+            first = unchecked[0].replace(" checksum mismatch", "")
+            raise RecordFormatError(f"{len(unchecked)} field(s) without a checksum, e.g. {first}: the sender runs "
+                                    "verify=False; give both sides the same verify")
+        want = checks
         host = payload if payload.device.type == "cpu" else payload.cpu()
         for (what, _, _, crc), got in zip(want, checksums([host[o : o + n] for _, o, n, _ in want])):
             if got != crc:

@@ -49,12 +49,15 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None
         except ValueError as e:
             assert "missing peer" in str(e), str(e)
         timeout = timedelta(seconds=3 if scenario == "missing_sender" else 60)
-        sync = GuidanceSync(0, list(range(1, world)), timeout=timeout)
+        verify = not (scenario == "unchecked_sender" and rank == 0)
+        sync = GuidanceSync(0, list(range(1, world)), timeout=timeout, verify=verify)
         samples = rollout_samples(B=5)
         if scenario == "missing_sender":
             msg = _missing_sender(rank, sync)
-        elif scenario in ("corrupt", "corrupt_routing", "bad_magic", "old_protocol"):
+        elif scenario in ("corrupt", "corrupt_routing", "bad_magic", "old_protocol", "unchecked_sender"):
             msg = _tampered(rank, sync, samples, scenario)
+        elif scenario == "resync":
+            msg = _resync(rank, sync, samples)
         else:
             msg = _transfer(rank, world, sync, samples, scenario)
         result.write_text(msg)
@@ -134,6 +137,8 @@ def _tampered(rank, sync, samples, scenario) -> str:
             msgs[2][len(msgs[2]) // 2] ^= 0x10
         elif scenario == "corrupt_routing":  # the last routing byte
             msgs[2][-1] ^= 0x01
+        elif scenario == "unchecked_sender":  # a sender with verify=False: no checksums to check the byte
+            msgs[2][len(msgs[2]) // 2] ^= 0x10
         elif scenario == "old_protocol":  # a sender of wire format 2 (blake2b checksums)
             head = json.loads(bytes(msgs[1].tolist()))
             head["protocol"] = 2
@@ -150,8 +155,39 @@ def _tampered(rank, sync, samples, scenario) -> str:
         got = sync.receive()
     except GuidanceSyncError as e:
         want = {"corrupt": "checksum", "corrupt_routing": "routing checksum mismatch",
+                "unchecked_sender": "without a checksum, e.g. guidance in column",
                 "old_protocol": f"protocol 2 from the rollout rank, this trainer speaks {PROTOCOL}"}.get(
                     scenario, "bad size")
         assert want in str(e), str(e)
         return f"OK rejected: {want}"
     return f"FAIL accepted {len(got)} tampered samples"
+
+
+def _resync(rank, sync, samples) -> str:
+    """Transfer 0 in 3 chunks whose first is corrupt, then transfer 1: the receiver rejects transfer 0 whole
+    (reading it to its end) and gets transfer 1's samples, not transfer 0's leftover chunks."""
+    from megatron_trace.guidance.sync import _units, chunk_units
+
+    first, second = samples[:3], samples[3:]
+    if rank == 0:
+        chunks = chunk_units(_units(first, ()), 1)  # one sample per chunk
+        seq = sync._transfers.get(1, 0)
+        sync._transfers[1] = seq + 1
+        for i, chunk in enumerate(chunks):
+            msgs, _ = sync._encode_units(chunk, len(chunks) - 1 - i, sync.device, seq)
+            if i == 0:
+                msgs[2][0] ^= 0x10  # the first field's first byte
+            for t in msgs:
+                dist.send(t, dst=1, group=sync.group)
+        sync.send(second, chunk_bytes=1)
+        return "OK sent"
+    try:
+        sync.receive()
+        return "FAIL the corrupt transfer was accepted"
+    except GuidanceSyncError as e:
+        assert "checksum" in str(e), str(e)
+    got = sync.receive()
+    assert [s.sample_id for s in got] == [s.sample_id for s in second], [s.sample_id for s in got]
+    for a, b in zip(got, second):
+        assert_samples_equal(a, b)
+    return f"OK resynced {[s.sample_id for s in got]}"

@@ -52,10 +52,15 @@ def test_missing_sender_times_out_with_a_clear_error(tmp_path):
     assert out[1].startswith("OK timed out")
 
 
-@pytest.mark.parametrize("scenario", ["corrupt", "corrupt_routing", "bad_magic", "old_protocol"])
+@pytest.mark.parametrize("scenario", ["corrupt", "corrupt_routing", "bad_magic", "old_protocol", "unchecked_sender"])
 def test_tampered_transfer_is_rejected_whole(tmp_path, scenario):
     out = _run(2, scenario, tmp_path)
     assert out[1].startswith("OK rejected")
+
+
+def test_a_rejected_transfer_leaves_the_next_one_in_step(tmp_path):
+    out = _run(2, "resync", tmp_path)
+    assert out[1] == f"OK resynced {[s.sample_id for s in rollout_samples(5)[3:]]}"
 
 
 def test_assign_destinations_validates():
