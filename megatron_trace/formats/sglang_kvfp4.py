@@ -35,7 +35,7 @@ import torch
 
 from . import block, e2m1
 from .constants import E2M1_MAX, E8M0_BIAS
-from .quantizer import ste_backward
+from .quantizer import clip_mask, ste_backward
 from .tensor import CompactGuidance, FP4Tensor, FullGuidance, GuidanceMismatchError
 
 NAME = "sglang_kvfp4"
@@ -192,6 +192,13 @@ class SGLangKVQuantizer:
     def guided_quantize(self, x: torch.Tensor, guidance: FullGuidance | CompactGuidance) -> FP4Tensor:
         return guided_quantize(x, guidance)
 
+    def quantize_with_clip_mask(self, x: torch.Tensor, *, guidance=None, global_amax=None
+                                ) -> tuple[FP4Tensor, torch.Tensor]:
+        """As ``Quantizer.quantize_with_clip_mask``: the FP4 rows and the mask |x / s| <= 6 (x's shape)."""
+        q = self.quantize(x, global_amax=global_amax) if guidance is None else self.guided_quantize(x, guidance)
+        z = FORMAT.scale_values(block.to_blocks(x, BLOCK), q.block_scales, None)
+        return q, clip_mask(z, x.shape[-1])
+
     def fake_quantize(self, x: torch.Tensor, *, guidance=None, global_amax=None, generator=None) -> torch.Tensor:
         """Quantize-dequantize ``x`` (guided if ``guidance`` is given) with a straight-through gradient."""
         if global_amax is not None:
@@ -202,12 +209,10 @@ class SGLangKVQuantizer:
 class _SGLangKVFakeQuant(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, quantizer: SGLangKVQuantizer, guidance, _unused1, _unused2):
-        xd = x.detach()
-        q = quantizer.quantize(xd) if guidance is None else quantizer.guided_quantize(xd, guidance)
+        q, inside = quantizer.quantize_with_clip_mask(x.detach(), guidance=guidance)
         ctx.ste_clip = quantizer.ste_clip
         if quantizer.ste_clip:
-            z = quantizer.format.scale_values(block.to_blocks(xd, BLOCK), q.block_scales, None)
-            ctx.save_for_backward((z.abs() <= 6.0).flatten(-2)[..., : x.shape[-1]])
+            ctx.save_for_backward(inside)
         return q.dequantize(x.dtype)
 
     @staticmethod
