@@ -63,7 +63,9 @@ class NVFP4Format:
                 raise ValueError(f"a given global_amax must be finite and > 0, got {g.flatten()[:4].tolist()}")
             return g
         a = x.detach().float().abs()
-        return a.amax(-1, keepdim=True) if per_row else a.amax()
+        if per_row:
+            return a.amax(-1, keepdim=True)
+        return a.amax() if a.numel() else a.new_zeros(())  # no element (e.g. an EP rank without tokens): 0
 
     def check_global_amax(self, g, x: torch.Tensor) -> None:
         if g is None or not isinstance(g, torch.Tensor):

@@ -64,6 +64,8 @@ class Quantizer:
     def _quantize(self, x, *, global_amax=None, generator=None, guidance=None):
         if guidance is not None:
             return block.guided_quantize_with_z(self.format, x, guidance)
+        if global_amax is not None and self.fmt != "nvfp4":
+            raise ValueError(f"{self.fmt.upper()} has no global amax: pass global_amax=None")
         kw = {"global_amax": global_amax, "per_row": self.per_row} if self.fmt == "nvfp4" else {}
         return block.quantize_with_z(self.format, x, rounding=self.rounding, generator=generator, **kw)
 

@@ -248,7 +248,10 @@ def compact_kernel(codes_ptr, bits_ptr, n_out, BLOCK: tl.constexpr):
 
 
 def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``t.dequantize(dtype)`` on the GPU."""
+    """``t.dequantize(dtype)`` on the GPU (dtype bf16, fp16 or fp32; ``ops.dequantize`` takes others)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"the Triton dequantize writes bfloat16, float16 or float32, not {dtype} "
+                        "(ops.dequantize with kernel='auto' runs the reference for it)")
     fmt = get_format(t.fmt)
     k = t.shape[-1]
     lead = tuple(t.shape[:-1])

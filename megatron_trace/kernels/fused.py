@@ -33,6 +33,11 @@ def rows_of(x: torch.Tensor) -> torch.Tensor:
     return x2d if x2d.stride(-1) == 1 else x2d.contiguous()
 
 
+def _rows(t: torch.Tensor, lead: tuple) -> torch.Tensor:
+    """Kernel output rows [M, W] as [*lead, W] (also for M = 0)."""
+    return t.reshape(*lead, t.shape[-1])
+
+
 def _err(check_finite, device) -> torch.Tensor | None:
     """The NaN/Inf counter the kernels add into: a fresh one (``True``: checked now), the site's deferred
     ``FiniteCounter``, or None (unchecked)."""
@@ -114,7 +119,8 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
         x2d, fmt=qk.fmt_id(quantizer.fmt, quantizer.scale_rule), block=fmt.block_size, mode=qk.RNE, g_mode=g_mode,
         g=g, write_codes=write_codes, write_scales=write_codes, write_bits=record, deq_dtype=deq_dtype,
         write_mask=want_mask,
-        err=None if own_count else err, into=into, into_row=out_row,  # (the amax's pass counted NaN/Inf)
+        # the amax's pass counted NaN/Inf: this launch counts into a scratch counter, but still passes them through
+        err=torch.zeros_like(err) if own_count and err is not None else err, into=into, into_row=out_row,
     )
     _raise_if_bad(err, x, check_finite)
     lead = tuple(x.shape[:-1])
@@ -128,12 +134,12 @@ def quantize(x, quantizer: Quantizer, *, global_amax=None, record: bool = False,
         t = dataclasses.replace(out, global_amax=g_store)
     else:
         t = FP4Tensor(
-            codes=res["codes"].reshape(*lead, -1), block_scales=res["scales"].reshape(*lead, -1).view(fmt.scale_dtype),
+            codes=_rows(res["codes"], lead), block_scales=_rows(res["scales"], lead).view(fmt.scale_dtype),
             global_amax=g_store, shape=tuple(x.shape), fmt=quantizer.fmt,
         )
     rec = None
     if record:
-        rec = CompactGuidance(mantissa_bits=res["bits"].reshape(*lead, -1), block_scales=t.block_scales,
+        rec = CompactGuidance(mantissa_bits=_rows(res["bits"], lead), block_scales=t.block_scales,
                               global_amax=t.global_amax, shape=t.shape, fmt=t.fmt)
     return t, rec, res
 
@@ -247,7 +253,8 @@ def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: 
     m = x2d.shape[0]
     full = isinstance(guidance, FullGuidance)
     payload = guidance.codes if full else guidance.mantissa_bits
-    scales = guidance.block_scales.to(dev, non_blocking=True).view(torch.uint8).reshape(m, -1).contiguous()
+    scales = guidance.block_scales.to(dev, non_blocking=True).view(torch.uint8)
+    scales = scales.reshape(m, scales.shape[-1]).contiguous()
     g_mode, g = qk.G_NONE, None
     if guidance.global_amax is not None:
         ga = guidance.global_amax.to(dev, non_blocking=True)
@@ -255,14 +262,15 @@ def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: 
     err = _err(check_finite, dev)
     out = qk.run_quant(
         x2d, fmt=qk.fmt_id(fmt.name), block=fmt.block_size, mode=qk.GUIDED_FULL if full else qk.GUIDED_COMPACT,
-        g_mode=g_mode, g=g, scales_in=scales, guide=payload.to(dev, non_blocking=True).reshape(m, -1).contiguous(),
+        g_mode=g_mode, g=g, scales_in=scales,
+        guide=payload.to(dev, non_blocking=True).reshape(m, payload.shape[-1]).contiguous(),
         write_codes=write_codes, write_scales=False, deq_dtype=deq_dtype, write_mask=want_mask, err=err,
     )
     _raise_if_bad(err, x, check_finite)
     t = None
     if write_codes:
         lead = tuple(x.shape[:-1])
-        t = FP4Tensor(codes=out["codes"].reshape(*lead, -1), block_scales=guidance.block_scales,
+        t = FP4Tensor(codes=_rows(out["codes"], lead), block_scales=guidance.block_scales,
                       global_amax=guidance.global_amax, shape=tuple(x.shape), fmt=fmt.name)
     return t, out
 
@@ -280,6 +288,7 @@ class _FakeQuant(torch.autograd.Function):
         xd = x.detach()
         clip = quantizer.ste_clip
         if guidance is not None:
+            ref_block.check_guidance(quantizer.format, xd, guidance)  # the quantizer's format, as the reference
             _, out = guided(xd, guidance, write_codes=False, deq_dtype=x.dtype, want_mask=clip,
                             check_finite=check_finite)
         else:

@@ -98,9 +98,13 @@ def _stacked_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax, 1.0).expand(*x.shape[:-1], 1)
 
 
+DEQ_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
 def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32, *, kernel: str | Kernel = "auto") -> torch.Tensor:
-    """``t.dequantize(dtype)``."""
-    if select_kernel(kernel, t.codes.device) is Kernel.REFERENCE:
+    """``t.dequantize(dtype)`` (the Triton kernels write bf16 / fp16 / fp32)."""
+    other = None if dtype in DEQ_DTYPES else f"dequantize writes {DEQ_DTYPES}, not {dtype}"
+    if select_kernel(kernel, t.codes.device, unsupported=other) is Kernel.REFERENCE:
         return t.dequantize(dtype)
     from . import dequant_triton as dequant
 

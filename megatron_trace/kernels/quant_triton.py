@@ -368,7 +368,10 @@ def pair_ok(x2d, block, deq_dtype) -> bool:
 
 def absmax(x2d: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
     """max|x| over the whole tensor as a 0-d fp32 tensor (a partial max per program, then torch.amax)."""
+    x2d = x2d if x2d.is_contiguous() else x2d.contiguous()  # the kernel reads numel() elements from data_ptr
     n = x2d.numel()
+    if n == 0:
+        return torch.zeros((), dtype=torch.float32, device=x2d.device)  # as the reference: no element, amax 0
     parts = torch.empty(cdiv(n, ABSMAX_BLOCK), dtype=torch.float32, device=x2d.device)
     dummy = err if err is not None else parts
     absmax_kernel[(parts.numel(),)](x2d, n, parts, dummy, BLOCK=ABSMAX_BLOCK, CHECK_FINITE=err is not None,

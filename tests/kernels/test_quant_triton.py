@@ -498,3 +498,89 @@ def test_block_scales_at_every_e4m3_rounding_boundary(g_scale):
     t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
     assert_same_fp4(t, ref)
     assert_same_fp4(rec, ref.guidance(compact=True))
+
+
+def _views(dtype):
+    """(name, x) non-contiguous views whose rows have unit stride along K: a column slice of wider rows, one
+    half of a chunk, rows of an expanded (stride-0) tensor."""
+    wide = _inputs((5, 80), dtype, 21)
+    return [("column-slice", wide[:, :48]), ("chunk", wide.chunk(2, -1)[1]),
+            ("expanded", _inputs((1, 32), dtype, 22).expand(4, 32))]
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_non_contiguous_rows_are_read_through_their_strides(policy):
+    """The per-tensor amax pass reads the view's own elements (not numel() elements from data_ptr); a NaN
+    outside the view is not x's, one inside is."""
+    q = POLICIES[policy]
+    for name, x in _views(torch.bfloat16):
+        assert not x.is_contiguous(), name
+        t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
+        ref = q.quantize(x.contiguous())
+        assert_same_fp4(t, ref)
+        assert same_bits(fused.fake_quantize(x.to(DEVICE), q).cpu(), q.fake_quantize(x.contiguous()))
+    wide = _inputs((5, 80), torch.bfloat16, 23)
+    wide[2, 70] = float("nan")  # outside the view
+    x = wide[:, :48]
+    assert same_bits(fused.quantize(x.to(DEVICE), q)[0].codes, q.quantize(x.contiguous()).codes)
+    wide[2, 7] = float("nan")  # inside
+    with pytest.raises(NonFiniteError):
+        fused.quantize(x.to(DEVICE), q)
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("shape", [(0, 32), (2, 0, 40)], ids=str)
+def test_zero_rows_give_the_references_empty_results(policy, shape):
+    """An expert-parallel rank can receive no tokens: every entry point returns empty tensors of the
+    reference's shapes."""
+    q = POLICIES[policy]
+    x = torch.zeros(shape, dtype=torch.bfloat16)
+    ref = q.quantize(x)
+    t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
+    assert_same_fp4(t, ref)
+    assert_same_fp4(rec, ref.guidance(compact=True))
+    for compact in (False, True):
+        record = _to(ref.guidance(compact=compact), DEVICE)
+        g, _ = fused.guided(x.to(DEVICE), record)
+        assert_same_fp4(g, q.guided_quantize(x, ref.guidance(compact=compact)))
+        assert fused.fake_quantize(x.to(DEVICE), q, guidance=record).shape == shape
+    assert fused.fake_quantize(x.to(DEVICE), q).shape == shape
+
+
+def test_a_record_of_another_format_is_refused_like_the_reference():
+    from megatron_trace.formats import GuidanceMismatchError
+
+    x = _inputs((4, 64), torch.bfloat16, 24)
+    record = Quantizer("mxfp4").quantize(x).guidance(compact=True)
+    q = POLICIES["nvfp4-row"]
+    with pytest.raises(GuidanceMismatchError, match="'mxfp4' != quantizer format 'nvfp4'"):
+        q.fake_quantize(x, guidance=record)
+    with pytest.raises(GuidanceMismatchError, match="'mxfp4' != quantizer format 'nvfp4'"):
+        fused.fake_quantize(x.to(DEVICE), q, guidance=_to(record, DEVICE))
+    for quantize in (lambda: Quantizer("mxfp4").quantize(x, global_amax=2.0),
+                     lambda: fused.quantize(x.to(DEVICE), Quantizer("mxfp4"), global_amax=2.0)):
+        with pytest.raises(ValueError, match="MXFP4 has no global amax"):
+            quantize()
+
+
+@pytest.mark.parametrize("stacked", [False, True], ids=["tensor", "stacked"])
+def test_deferred_nan_stays_nan_with_a_per_tensor_amax(stacked):
+    """NaN without Inf leaves a per-tensor amax finite: the fake-quant launch after the (counting) amax pass still
+    passes the NaN through, and the counter holds it once."""
+    q = POLICIES["nvfp4-tensor"]
+    x = _inputs((4, 3, 32), torch.bfloat16, 25) if stacked else _inputs((6, 64), torch.bfloat16, 25)
+    idx = (2, 1, 7) if stacked else (1, 5)
+    x[idx] = float("nan")
+    counter = FiniteCounter("layer 0 weights")
+    y = fused.fake_quantize(x.to(DEVICE), q, stacked=stacked, check_finite=counter).cpu()
+    assert torch.isnan(y[idx]) and int(torch.isnan(y).sum()) == 1
+    assert int(counter.tensor(DEVICE).item()) == 1
+
+
+def test_dequantize_to_other_dtypes():
+    from megatron_trace.kernels import ops
+
+    t = POLICIES["nvfp4-row"].quantize(_inputs((3, 32), torch.float32, 26))
+    with pytest.raises(TypeError, match="writes bfloat16, float16 or float32, not torch.float64"):
+        dequant_triton.dequantize(_to(t, DEVICE), torch.float64)
+    assert same_bits(ops.dequantize(t, torch.float64), t.dequantize(torch.float64))
