@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Proposed for the next session with a device (sessions 31 and 32 could not run it: no device time left in 31, no
-# device lent in 32). Carry .whl, build/ab_s30 and build/ab_s31, made by
+# Proposed for the next session with a device (sessions 31-33 could not run it: no device time left in 31, no
+# device lent in 32 and 33). Carry .whl, build/ab_s30 and build/ab_s31, made by
 #   for c in 2f30281:ab_s30 ff954f8:ab_s31; do d=build/${c#*:}; rm -rf $d; mkdir -p $d
 #     git archive ${c%:*} megatron_trace | tar -x -C $d; done
 # 1. The GPU tests of the code changed since the last GPU run: session 31's 914fa7e (RowWriter.takes) and 6d02457
@@ -14,6 +14,10 @@ source benchmarks/_device_env.sh
 exec > >(tee -a "$OUT/log.txt") 2>&1
 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -rf --tb=short tests/gpu/test_cuda_launch_gpu.py \
     tests/gpu/test_kv_write_gpu.py tests/kernels/test_kv_write.py tests/gpu/test_rollout_gpu.py 2>&1 | tail -6
+# session 33's host-side kernel fixes on the GPU path (strided per-tensor amax, zero rows, deferred NaN with a
+# per-tensor amax, a record of another format, dequantize dtypes); the one-token prefill is in test_rollout_gpu
+timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 -rf --tb=short tests/kernels/test_quant_triton.py \
+    -k "non_contiguous or zero_rows or another_format or deferred_nan_stays or other_dtypes" 2>&1 | tail -4
 NEW="$PYTHONPATH"
 declare -A PATHS=([s30]="/tmp/site:$PWD/build/ab_s30:$PWD/benchmarks" [s31]="/tmp/site:$PWD/build/ab_s31:$PWD/benchmarks"
                   [new]="$NEW")

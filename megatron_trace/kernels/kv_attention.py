@@ -48,6 +48,8 @@ def aligned_rows(t_len: int, readable_rows: int | None) -> int:
 def check_args(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, lengths, kv_mask=None, starts=None) -> None:
     if not (isinstance(k, FP4Tensor) and isinstance(v, FP4Tensor)):
         raise TypeError(f"k and v must be FP4Tensor, got {type(k).__name__}, {type(v).__name__}")
+    if (k.fmt, k.block_size) != (v.fmt, v.block_size):
+        raise ValueError(f"k ({k.fmt}) and v ({v.fmt}) must share one FP4 format: the kernel decodes both alike")
     _check_layout(q, tuple(k.shape), tuple(v.shape), lengths, kv_mask, starts)
     d = q.shape[-1]
     if d % k.block_size:
@@ -110,6 +112,8 @@ def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None
         return reference_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, kv_dtype=kv_dtype,
                                    starts=starts)
     check_args(q, k, v, lengths, kv_mask, starts)
+    if k.shape[2] == 0:  # no history: the reference's (empty) weighted sum
+        return torch.zeros_like(q)
     from . import kv_attention_triton
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -136,6 +140,8 @@ def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     check_dense_args(q, k, v, lengths, kv_mask, starts)
     if select_kernel(kernel, k.device) is Kernel.REFERENCE:
         return _softmax_attention(q, k, v, scale, lengths, kv_mask, starts)
+    if k.shape[2] == 0:  # no history: the reference's (empty) weighted sum
+        return torch.zeros_like(q)
     from . import kv_attention_dense_triton
 
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -54,7 +54,7 @@ def _program(len_ptr, first_ptr, T, R, chunk, n_tiles, HKV: tl.constexpr, BT: tl
     b = (pid // HKV).to(tl.int64)
     h = (pid % HKV).to(tl.int64)
     if HAS_LEN:
-        n = tl.load(len_ptr + b).to(tl.int32)
+        n = tl.minimum(tl.load(len_ptr + b).to(tl.int32), T)  # a length past T attends T rows (the reference)
     else:
         n = T
     start = split * chunk

@@ -101,6 +101,14 @@ def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | No
     dev = (packed if weight is None else weight).codes.device
     if select_kernel(kernel, dev) is Kernel.REFERENCE:
         return grouped_mm_reference(x, moe_mma.unpack(packed) if weight is None else weight, offs, out_dtype=out_dtype)
+    y = _gpu_grouped_mm(x, weight, offs, out_dtype, gemm, packed)
+    want = out_dtype or (torch.bfloat16 if isinstance(x, FP4Tensor) else x.dtype)  # the reference's dtype
+    return y if y.dtype == want else y.to(want)  # (the GPU kernels write bf16 unless asked otherwise)
+
+
+def _gpu_grouped_mm(x, weight, offs, out_dtype, gemm, packed) -> torch.Tensor:
+    from . import moe_mma
+
     if packed is not None and packed.layout == "wgmma":
         from . import moe_wgmma
 

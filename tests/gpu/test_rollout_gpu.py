@@ -223,12 +223,14 @@ def test_generate_with_graph_decode_equals_its_eager_static_steps():
         assert torch.equal(a.guidance[key].record.mantissa_bits, sg.record.mantissa_bits), key
 
 
+@pytest.mark.parametrize("prompts", [[[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]], [[5], [11], [13]]],
+                         ids=["mixed", "one-token"])
 @pytest.mark.parametrize("mode", ["bf16", "fp4"])
-def test_default_decode_on_cuda_is_the_graph_and_matches_the_growing_cache(mode):
+def test_default_decode_on_cuda_is_the_graph_and_matches_the_growing_cache(mode, prompts):
     """``static_decode="auto"`` is "graph" on CUDA (the fused FP4 / dense decode attention on): its rollout's first
     new token and log-prob are the default loop's over the growing cache (SDPA for BF16 layers), and greedy tokens
-    stay equal while the logits are not near a tie (random weights: most steps)."""
-    prompts = [[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]]
+    stay equal while the logits are not near a tie (random weights: most steps). One-token prompts: the prefill is
+    a prefill, not a deferred decode step over the static buffers' zero rows."""
     sampling = SamplingParams(max_new_tokens=8, temperature=0.0)
     outs = {}
     for static in ("auto", "off"):

@@ -72,7 +72,7 @@ def rows_view(t, n: int):
 
     g = t.global_amax
     return dataclasses.replace(t, codes=t.codes[:, :, :n], block_scales=t.block_scales[:, :, :n],
-                               global_amax=None if g is None or g.dim() == 0 else g[:, :, :n],
+                               global_amax=g if g is None or g.dim() == 0 else g[:, :, :n],
                                shape=(*t.shape[:2], n, t.shape[3]))
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, reference_attention
 
-from ._gpu import DEVICE, HAS_TRITON, INTERPRET, needs_triton, random_rows, rows_view
+from ._gpu import DEVICE, HAS_TRITON, INTERPRET, needs_cuda, needs_triton, random_rows, rows_view
 
 if DEVICE is not None:
     from megatron_trace.kernels import kv_attention_combine, kv_attention_debug, kv_attention_triton
@@ -201,6 +201,38 @@ def test_lengths_and_left_padding_masks(exact, words, t_len, width, monkeypatch)
     got = kv_attention_triton.decode_attention(q, k, v, scale=64**-0.5, kv_mask=mask, exact=exact, block_t=16,
                                                splits=3)
     _check(got, q, k, v, exact, kv_mask=mask)
+
+
+@needs_triton
+@pytest.mark.parametrize("exact", [False, True])
+def test_lengths_past_the_history_attend_the_whole_history(exact):
+    """A length > T attends the T rows (as the reference's mask does), never the rows past T of the storage."""
+    q, k, v = _kv_case("nvfp4_row", 2, 8, 2, 24, 64, seed=9)
+    lengths = torch.tensor([24, 28], device=DEVICE)
+    got = kv_attention_triton.decode_attention(q, k, v, scale=64**-0.5, lengths=lengths, exact=exact, block_t=16,
+                                               splits=2)
+    _check(got, q, k, v, exact, lengths=torch.tensor([24, 24], device=DEVICE))
+
+
+@needs_cuda
+def test_an_empty_history_gives_the_references_zeros():
+    q, k, v = _case(4, t=0)
+    q, k, v = q.to("cuda"), *(dataclasses.replace(t, **{f: getattr(t, f).to("cuda") for f in
+                                                        ("codes", "block_scales", "global_amax")}) for t in (k, v))
+    want = reference_attention(q, k, v)
+    assert torch.equal(fp4kv_decode_attention(q, k, v, kernel="triton"), want)
+    kd, vd = k.dequantize(q.dtype), v.dequantize(q.dtype)
+    from megatron_trace.kernels.kv_attention import dense_decode_attention
+
+    assert torch.equal(dense_decode_attention(q, kd, vd, kernel="triton"), dense_decode_attention(q, kd, vd))
+
+
+def test_k_and_v_of_different_formats_are_refused():
+    q, k, _ = _case(3, fmt="nvfp4")
+    _, _, v = _case(3, fmt="mxfp4")
+    for kernel in ("reference", "auto"):
+        with pytest.raises(ValueError, match=r"k \(nvfp4\) and v \(mxfp4\) must share one FP4 format"):
+            fp4kv_decode_attention(q, k, v, kernel=kernel)
 
 
 def _interval_rows(t_len, device):

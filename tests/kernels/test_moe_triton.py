@@ -79,6 +79,18 @@ def test_uneven_k_and_n_and_w4a4():
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_the_result_has_the_references_dtype(dtype):
+    """fp16 / fp32 activations: every GPU path (bf16 MMAs inside) returns the reference's dtype (x's)."""
+    x, wq, offs = _case("nvfp4", False, 3, 64, 128, [2, 5, 1], seed=3)
+    x = x.to(dtype)
+    ref = grouped_mm_reference(x, wq, offs)
+    for gemm in ("triton", "auto"):
+        y = fp4_grouped_mm(x, wq, offs, gemm=gemm)
+        assert y.dtype == ref.dtype == dtype and _rel(y, ref) < 1e-2, gemm
+
+
+@needs_cuda
 def test_decode_shape_qwen3_fc1_one_token_per_expert():
     x, wq, offs = _case("nvfp4", False, 128, 1536, 2048, [1] * 128, seed=2)
     ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
