@@ -14,10 +14,13 @@ source benchmarks/_device_env.sh
 exec > >(tee -a "$OUT/log.txt") 2>&1
 timeout 240 python3 -m pytest -q -p no:cacheprovider -n 8 -rf --tb=short tests/gpu/test_cuda_launch_gpu.py \
     tests/gpu/test_kv_write_gpu.py tests/kernels/test_kv_write.py tests/gpu/test_rollout_gpu.py 2>&1 | tail -6
-# session 33's host-side kernel fixes on the GPU path (strided per-tensor amax, zero rows, deferred NaN with a
-# per-tensor amax, a record of another format, dequantize dtypes); the one-token prefill is in test_rollout_gpu
+# session 33's kernel entry-point fixes on the GPU path (strided per-tensor amax, zero rows, deferred NaN with a
+# per-tensor amax, a record of another format, dequantize dtypes, the MoE GEMM's dtype, decode attention lengths
+# past T / an empty history / K and V formats; the one-token prefill is in test_rollout_gpu)
 timeout 120 python3 -m pytest -q -p no:cacheprovider -n 8 -rf --tb=short tests/kernels/test_quant_triton.py \
-    -k "non_contiguous or zero_rows or another_format or deferred_nan_stays or other_dtypes" 2>&1 | tail -4
+    tests/kernels/test_moe_triton.py tests/kernels/test_kv_attention.py \
+    -k "non_contiguous or zero_rows or another_format or deferred_nan_stays or other_dtypes or references_dtype \
+        or past_the_history or empty_history or different_formats" 2>&1 | tail -4
 NEW="$PYTHONPATH"
 declare -A PATHS=([s30]="/tmp/site:$PWD/build/ab_s30:$PWD/benchmarks" [s31]="/tmp/site:$PWD/build/ab_s31:$PWD/benchmarks"
                   [new]="$NEW")
