@@ -1,9 +1,9 @@
 """Alarms on the train-rollout mismatch: a CI gate, a trend alarm, topology tags, phases, sentinels.
 
-* ``check_mismatch_gate``: ``--max-logprob-abs-diff`` (slime's CI check; default off) raises
-  ``MismatchGateError`` when ``mismatch/logprob_abs_diff`` exceeds the bound.
+* ``check_mismatch_gate``: ``max_abs_diff`` (the demo's ``rl.max_logprob_abs_diff``; slime's CI check; off by
+  default) raises ``MismatchGateError`` when ``mismatch/logprob_abs_diff`` exceeds the bound.
 * ``TrendAlarm``: least-squares slope of a metric over the last N steps; a rising mismatch is a
-  framework bug even when each value looks small (NeMo-RL#1801).
+  framework bug even when each value looks small (NeMo-RL#1801). A NaN/Inf value fires at once.
 * ``phase_metrics``: the mismatch of prefill positions (the first response token, sampled from the
   prompt's forward) and decode positions separately; with a quantized KV cache they can diverge
   (sglang#25790). ``step_mismatch_metrics`` is the one call per step (adds it when the KV cache
@@ -85,19 +85,34 @@ class TrendAlarm:
         self._count = 0
 
     def update(self, metrics: dict[str, float], step: int | None = None) -> dict[str, float]:
-        self._steps.append(float(self._count if step is None else step))
+        at = float(self._count if step is None else step)
         self._count += 1
-        self._values.append(float(metrics[self.key]))
+        value = float(metrics[self.key])
+        if math.isfinite(value):  # a NaN/Inf fires at once and stays out of the window (its slope would be NaN)
+            self._steps.append(at)
+            self._values.append(value)
         full = len(self._values) == self.window
         slope = least_squares_slope(list(self._values), list(self._steps))
-        fired = full and slope > self.max_slope
+        fired = not math.isfinite(value) or (full and slope > self.max_slope)
         if fired:
-            msg = (f"{self.key} rises by {slope:.3g}/step over the last {self.window} steps "
+            msg = (f"{self.key} is {value} at step {at:g}" if not math.isfinite(value) else
+                   f"{self.key} rises by {slope:.3g}/step over the last {self.window} steps "
                    f"(alarm above {self.max_slope:.3g}/step): from {self._values[0]:.4g} to {self._values[-1]:.4g}")
             if self.raise_on_alarm:
                 raise MismatchGateError(msg)
             logger.warning(msg)
         return {f"{self.key}/slope": slope, f"alarm/{self.key.replace('/', '_')}_rising": float(fired)}
+
+    def state_dict(self) -> dict:
+        """The window and step count (a checkpoint's part: a resumed run keeps watching the same trend)."""
+        return {"steps": list(self._steps), "values": list(self._values), "count": self._count}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["steps"]) != len(state["values"]) or len(state["values"]) > self.window:
+            raise ValueError(f"a trend window of {len(state['values'])} values does not fit window={self.window}")
+        self._steps = deque((float(v) for v in state["steps"]), maxlen=self.window)
+        self._values = deque((float(v) for v in state["values"]), maxlen=self.window)
+        self._count = int(state["count"])
 
 
 def topology_prefix(*, tp: int = 1, ep: int = 1, dp: int = 1, pp: int = 1, cp: int = 1) -> str:

@@ -1,7 +1,7 @@
 """The embedded CPU demo (``make demo``): SFT warm-up, then a short GRPO run of every arm, then the report.
 
 Everything a run writes goes to ``output_dir``: metrics.jsonl, summary.md, PNG plots, TensorBoard
-events (tb/), demo.log, per-arm checkpoints.
+events (tb/), the log (hydra/rl_demo.log, from the Hydra entry point), per-arm checkpoints.
 """
 
 from __future__ import annotations
@@ -56,10 +56,14 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
         sft: SFTConfig, init_from: str | None = None, sft_cache: Path | None = None, device: str = "cpu",
         resume: bool = False, progress: bool = True) -> dict:
     """Run every arm with the same seed and prompts; returns the per-arm metrics rows."""
-    from megatron.core.transformer.moe.router_replay import RouterReplay
     from tqdm.auto import tqdm
 
     out_dir = Path(out_dir)
+    if device not in DEVICES:
+        raise ValueError(f"device={device!r} must be one of {DEVICES}")
+    arm_specs = {name: make_arm(name, trace) for name in arms}  # every arm name checked before any work
+    if init_from and not (Path(init_from) / "config.json").is_file():
+        raise FileNotFoundError(f"init_from={str(init_from)!r} is not a HF checkpoint directory (no config.json)")
     out_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     task = get_task(task_name)
@@ -75,29 +79,59 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
         logger.info("SFT checkpoint ready in %s; no arms to run", hf_dir)
         return {}
     init_distributed(device)
-    writer = report.MetricsWriter(out_dir)
-    if not resume and writer.path.exists():
-        writer.path.unlink()
-    for name in arms:
-        arm = make_arm(name, trace)
-        RouterReplay.clear_global_router_replay_instances()
-        run_ = GRPORun(arm, rl, task, hf_dir, out_dir=out_dir / name, cache_dir=out_dir / "cache" / name, device=device)
-        ckpt = out_dir / name / "ckpt.pt"
-        ckpt.parent.mkdir(parents=True, exist_ok=True)
-        if resume and ckpt.exists():
-            run_.load(ckpt)
-        start_acc = run_.evaluate() if run_.state.step == 0 else None
-        for _ in tqdm(range(run_.state.step, rl.steps), desc=f"RL {name:<10}", disable=not progress):
-            m = run_.step()
-            if start_acc is not None:
-                m["eval/accuracy_start"], start_acc = start_acc, None
-            if run_.state.step == rl.steps:
-                m["eval/accuracy"] = run_.evaluate()
-            writer.write(name, run_.state.step - 1, m)
-            if rl.checkpoint_every and run_.state.step % rl.checkpoint_every == 0:
-                run_.save(ckpt)
+    writer = report.MetricsWriter(out_dir, fresh=not resume)
+    try:
+        for name, arm in arm_specs.items():
+            _run_arm(name, arm, rl, task, hf_dir, out_dir, writer, device=device, resume=resume, progress=progress)
+    except BaseException:  # e.g. the mismatch gate: summarize the rows so far, then fail
+        writer.close()
+        if writer.path.exists():
+            try:
+                _summarize(writer.path, out_dir, task_name, len(arms), rl.steps)
+            except Exception:
+                logger.exception("no summary of the rows so far")
+        raise
     writer.close()
-    by_arm = report.load(writer.path)
+    by_arm = _summarize(writer.path, out_dir, task_name, len(arms), rl.steps)
+    logger.info("demo finished in %.1f s; outputs in %s", time.perf_counter() - t0, out_dir)
+    return by_arm
+
+
+DEVICES = ("cpu", "cuda")
+
+
+def _run_arm(name, arm, rl: RLConfig, task, hf_dir: str, out_dir: Path, writer, *, device: str, resume: bool,
+             progress: bool) -> None:
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+    from tqdm.auto import tqdm
+
+    from ..monitor import MismatchGateError
+
+    RouterReplay.clear_global_router_replay_instances()
+    run_ = GRPORun(arm, rl, task, hf_dir, out_dir=out_dir / name, cache_dir=out_dir / "cache" / name, device=device)
+    ckpt = out_dir / name / "ckpt.pt"
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    if resume and ckpt.exists():
+        run_.load(ckpt)
+    writer.truncate(name, run_.state.step)  # rows of steps after the checkpoint are redone
+    start_acc = run_.evaluate() if run_.state.step == 0 else None
+    for _ in tqdm(range(run_.state.step, rl.steps), desc=f"RL {name:<10}", disable=not progress):
+        try:
+            m = run_.step()
+        except MismatchGateError:
+            writer.write(name, run_.state.step - 1, run_.last_metrics)  # the failing step's row, then the error
+            raise
+        if start_acc is not None:
+            m["eval/accuracy_start"], start_acc = start_acc, None
+        if run_.state.step == rl.steps:
+            m["eval/accuracy"] = run_.evaluate()
+        writer.write(name, run_.state.step - 1, m)
+        if rl.checkpoint_every and run_.state.step % rl.checkpoint_every == 0:
+            run_.save(ckpt)
+
+
+def _summarize(path: Path, out_dir: Path, task_name: str, n_arms: int, steps: int) -> dict:
+    by_arm = report.load(path)
     table = report.markdown_table(report.summary_rows(by_arm))
     try:
         plots = report.plot(by_arm, out_dir)
@@ -105,8 +139,7 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
         logger.warning("matplotlib is not installed: no plots (pip install 'megatron_trace[examples]')")
         plots = []
     (out_dir / "summary.md").write_text(
-        f"# TRACE demo: {task_name}, {len(arms)} arms, {rl.steps} RL steps\n\n{table}\n\n"
+        f"# TRACE demo: {task_name}, {n_arms} arms, {steps} RL steps\n\n{table}\n\n"
         + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n"
     )
-    logger.info("demo finished in %.1f s; outputs in %s", time.perf_counter() - t0, out_dir)
     return by_arm

@@ -34,6 +34,8 @@ from .tasks import CharTokenizer, Task
 
 logger = logging.getLogger(__name__)
 
+SENTINEL_STEP = -1  # the guidance cache's step id of the sentinel's own records (dropped after use)
+
 
 @dataclass(frozen=True, kw_only=True)
 class RLConfig:
@@ -60,12 +62,37 @@ class RLConfig:
     compile_rollout: bool | str = False  # hf rollout's compile: false | true/modules | layers (rollout.compiled)
     static_decode: str = "auto"  # hf rollout's decode loop: auto (CUDA graphs on CUDA) | off | eager | graph
 
+    def __post_init__(self):
+        def need(ok: bool, name: str, want: str):
+            if not ok:
+                raise ValueError(f"RLConfig.{name}={getattr(self, name)!r} must be {want}")
+
+        for name in ("steps", "prompts_per_step", "group_size", "eval_problems", "trend_window"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= (2 if name == "trend_window" else 1), name,
+                 f"an int >= {2 if name == 'trend_window' else 1}")
+        for name in ("quant_metrics_every", "checkpoint_every", "sentinel_prompts", "seed"):
+            v = getattr(self, name)
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, "an int >= 0 (0: off)")
+        need(self.lr > 0, "lr", "> 0")
+        need(self.clip_eps > 0, "clip_eps", "> 0")
+        need(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "None (off) or > 0")
+        need(self.temperature >= 0, "temperature", ">= 0 (0: greedy)")
+        need(self.weight_sync in WEIGHT_SYNCS, "weight_sync", f"one of {WEIGHT_SYNCS}")
+        for name in ("max_logprob_abs_diff", "sentinel_max_abs_diff"):
+            need(getattr(self, name) is None or getattr(self, name) >= 0, name, "None (off) or >= 0")
+        need(self.kl_coef == 0, "kl_coef", "0: this driver keeps no reference policy (the paper's GRPO + "
+             "truncated IS has no KL term)")
+
+
+WEIGHT_SYNCS = ("auto", "bf16", "fp4")
+
 
 @dataclass
 class ArmState:
     step: int = 0
     version: int = 0
-    history: list = field(default_factory=list)
+    history: dict = field(default_factory=dict)  # the trend alarm's window (``TrendAlarm.state_dict``)
 
 
 def keep_for_arm(full: dict, arm: Arm, num_layers: int) -> dict:
@@ -103,6 +130,7 @@ class GRPORun:
         self.num_layers = self.policy.hf_config.num_hidden_layers
         self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)
         self.state = ArmState()
+        self.last_metrics: dict | None = None  # the last step's row, also when it failed the mismatch gate
         self.trend = TrendAlarm(window=cfg.trend_window, max_slope=cfg.trend_max_slope)
         from megatron.core import parallel_state as ps
 
@@ -199,11 +227,14 @@ class GRPORun:
         return replay_routing(self.policy.model, sg.routing)
 
     def _sentinel_logprobs(self, batch) -> torch.Tensor:
-        from ..megatron import StepGuidance
-
-        sg = StepGuidance(routing=batch.routing if self.cfg.routing_replay else {}, token_mask=batch.attention_mask)
-        with torch.no_grad(), self._trainer_context(sg):
-            return self.policy.logprobs(batch.tokens)
+        """The trainer's log-probs of the sentinel rollout, guided by that rollout's own records: what the arm
+        computes in training (and its fallback / coverage settings hold)."""
+        sg, _, _ = self._guidance(SENTINEL_STEP, batch, batch.guidance)
+        try:
+            with torch.no_grad(), self._trainer_context(sg):
+                return self.policy.logprobs(batch.tokens)
+        finally:
+            self.cache.drop(SENTINEL_STEP)
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> dict:
@@ -243,17 +274,19 @@ class GRPORun:
         metrics.update(self._sync_weights())
         if self.sentinel is not None:
             metrics.update(self.sentinel.run(self.rollout, self._sentinel_logprobs))
-        check_mismatch_gate(metrics, cfg.max_logprob_abs_diff)
         t_end = time.perf_counter()
         metrics.update({"time/step_s": t_end - t0, "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll,
                         "time/guidance_s": t_guid, "time/sync_s": t_end - t_train,
                         "policy_version": float(self.state.version)})
         metrics.update({f"topology/{k}": float(v) for k, v in self.topology.items()})  # mismatch depends on it
         self.state.step += 1
+        self.last_metrics = metrics  # (the row of a step that fails the gate below)
+        check_mismatch_gate(metrics, cfg.max_logprob_abs_diff)
         return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, path: Path) -> None:
+        self.state.history = self.trend.state_dict()
         torch.save({"policy": self.policy.state_dict(), "state": dataclasses.asdict(self.state),
                     "arm": self.arm.name, "trace": self.arm.trace.to_dict()}, path)
 
@@ -264,6 +297,8 @@ class GRPORun:
             raise ValueError(f"checkpoint {path} is for arm {ck['arm']!r} with another TraceConfig")
         self.policy.load_state_dict(ck["policy"])
         self.state = ArmState(**ck["state"])
+        if self.state.history:
+            self.trend.load_state_dict(self.state.history)
         for step in self.cache.steps:
             self.cache.invalidate(step)
         self._sync_weights()

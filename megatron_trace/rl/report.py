@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import shutil
 from collections import defaultdict
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 SUMMARY_KEYS = (
     ("reward", "final reward (last 3 steps)"),
@@ -23,11 +27,27 @@ SUMMARY_KEYS = (
 class MetricsWriter:
     """Appends one JSON line per (arm, step) and mirrors scalars to TensorBoard when available."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, *, fresh: bool = False):
+        """``fresh``: start over (an earlier run's metrics.jsonl and TensorBoard events removed)."""
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         self._tb = {}
+        if fresh:
+            self.path.unlink(missing_ok=True)
+            shutil.rmtree(self.out_dir / "tb", ignore_errors=True)
+
+    def truncate(self, arm: str, step: int) -> None:
+        """Drop ``arm``'s rows of steps >= ``step`` (a resumed run redoes them; they are not counted twice).
+        TensorBoard keeps its events: a redone step appears there twice."""
+        if not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines(keepends=True)
+        keep = [ln for ln in lines if not ((r := json.loads(ln))["arm"] == arm and r["step"] >= step)]
+        if len(keep) != len(lines):
+            logger.info("%s: dropping %d row(s) of steps >= %d (redone after the resume)", arm,
+                        len(lines) - len(keep), step)
+            self.path.write_text("".join(keep))
 
     def write(self, arm: str, step: int, metrics: dict) -> None:
         row = {"arm": arm, "step": step, **{k: _clean(v) for k, v in metrics.items()}}

@@ -67,6 +67,19 @@ def test_trend_alarm_fires_on_a_rising_mismatch_only(caplog):
         strict.update({"mismatch/logprob_abs_diff": 0.3})
 
 
+def test_trend_alarm_fires_on_a_non_finite_value_and_keeps_watching():
+    key, flag = "mismatch/logprob_abs_diff", "alarm/mismatch_logprob_abs_diff_rising"
+    alarm = TrendAlarm(window=4, max_slope=0.01)
+    values = [0.5, 0.9, float("nan"), 1.3, 1.7, 2.1]  # rising 0.4/step around a NaN
+    flags = [alarm.update({key: v}, step=i)[flag] for i, v in enumerate(values)]
+    assert flags == [0.0, 0.0, 1.0, 0.0, 1.0, 1.0]  # the NaN at once; the rise once the window is full again
+    copy = TrendAlarm(window=4, max_slope=0.01)
+    copy.load_state_dict(alarm.state_dict())  # a checkpoint's window: the next value gives the same verdict
+    assert copy.update({key: 2.5}, step=6) == alarm.update({key: 2.5}, step=6)
+    with pytest.raises(ValueError, match="does not fit window=2"):
+        TrendAlarm(window=2).load_state_dict(alarm.state_dict())
+
+
 def test_first_token_and_prefill_decode_are_reported_separately():
     m = step_mismatch_metrics(_lt(0.8, 0.1), LR, MASK, kv_quantized=True)
     assert m["mismatch/first_token_abs_diff"] == pytest.approx(0.8)

@@ -107,6 +107,59 @@ def test_mismatch_gate_fails_the_step(megatron_cpu, ckpt, tmp_path):
                 cache_dir=tmp_path / "c")
     with pytest.raises(MismatchGateError, match="logprob_abs_diff"):
         r.step()
+    assert r.last_metrics["mismatch/logprob_abs_diff"] > 1e-12 and r.state.step == 1
+    # the demo writes the failing step's row and the summary of the rows so far, then fails
+    with pytest.raises(MismatchGateError):
+        run(out_dir=tmp_path / "demo", task_name="add", arms=["fp4_naive"], trace=TraceConfig(), rl=gated,
+            model=MODEL, sft=SFTConfig(steps=5), init_from=ckpt, progress=False)
+    rows = report.load(tmp_path / "demo" / "metrics.jsonl")["fp4_naive"]
+    assert [r["step"] for r in rows] == [0] and (tmp_path / "demo" / "summary.md").exists()
+
+
+def test_a_resumed_demo_redoes_the_steps_after_its_checkpoint_once(megatron_cpu, ckpt, tmp_path):
+    """Checkpoint at step 2 of 3, then resume: step 2's row is redone, not duplicated, and the trend alarm sees
+    the same window as the straight run (it is in the checkpoint)."""
+    kw = dict(task_name="add", arms=["trace"], trace=TraceConfig(), model=MODEL, sft=SFTConfig(steps=5),
+              init_from=ckpt, progress=False)
+    cfg = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, checkpoint_every=2, trend_window=3)
+    straight = run(out_dir=tmp_path, rl=cfg, **kw)["trace"]
+    resumed = run(out_dir=tmp_path, rl=cfg, resume=True, **kw)["trace"]
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    for key in ("mismatch/logprob_abs_diff", "mismatch/logprob_abs_diff/slope", "reward"):
+        assert resumed[2][key] == straight[2][key], key
+
+
+def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
+    """fallback='fail' and min_coverage hold for the sentinel's pass too: it is guided by its own rollout."""
+    cfg = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=2)
+    r = GRPORun(make_arm("trace", TraceConfig(fallback="fail", min_coverage=0.99)), cfg, get_task("add"), ckpt,
+                out_dir=tmp_path, cache_dir=tmp_path / "c")
+    m = r.step()
+    assert m["guidance/trainer/coverage"] == 1.0 and math.isfinite(m["sentinel/logprob_abs_diff"])
+    assert r.cache.steps == []
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(steps=0), "steps=0 must be an int >= 1"), (dict(group_size=0), "group_size=0"),
+    (dict(sentinel_prompts=-2), "sentinel_prompts=-2 must be an int >= 0"),
+    (dict(checkpoint_every=-1), "checkpoint_every=-1"), (dict(kl_coef=0.1), "keeps no reference policy"),
+    (dict(weight_sync="int4"), "weight_sync='int4' must be one of"), (dict(lr=0.0), "lr=0.0 must be > 0"),
+])
+def test_bad_rl_settings_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        RLConfig(**kw)
+
+
+def test_bad_demo_arguments_fail_before_any_work(tmp_path):
+    kw = dict(out_dir=tmp_path, task_name="add", trace=TraceConfig(), rl=RL, model=MODEL, sft=SFTConfig(steps=5),
+              progress=False)
+    with pytest.raises(ValueError, match="arm='trcae'"):
+        run(arms=["bf16", "trcae"], init_from=str(tmp_path), **kw)
+    with pytest.raises(ValueError, match="device='gpu' must be one of"):
+        run(arms=["bf16"], device="gpu", **kw)
+    with pytest.raises(FileNotFoundError, match="not a HF checkpoint directory"):
+        run(arms=["bf16"], init_from=str(tmp_path / "nowhere"), **kw)
+    assert not (tmp_path / "metrics.jsonl").exists()
 
 
 def test_resume_invalidates_guidance_of_the_interrupted_step(megatron_cpu, ckpt, tmp_path):
