@@ -55,6 +55,9 @@ def check_expert_config(config, trace_config: TraceConfig | None = None) -> None
         problems.append("moe_apply_probs_on_input=True (the routing weight is applied after FC2)")
     if (config.expert_tensor_parallel_size or 1) > 1:
         problems.append(f"expert_tensor_parallel_size={config.expert_tensor_parallel_size} (supported: 1)")
+    if getattr(config, "delay_wgrad_compute", False):
+        problems.append("delay_wgrad_compute=True (TE's deferred weight gradient bypasses the fake-quant "
+                        "straight-through path)")
     if config.fp8 or config.fp4:
         problems.append("Megatron's own fp8/fp4 recipes (TRACE quantizes the experts itself)")
     if config.moe_token_dispatcher_type not in _DISPATCHERS:

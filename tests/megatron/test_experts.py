@@ -207,3 +207,7 @@ def test_expert_options_trace_does_not_implement_are_named_at_build_time():
         check_expert_config(ep2, TraceConfig(activation_amax="per_tensor"))
     with pytest.raises(ValueError, match="add_bias_linear=True"):
         check_expert_config(tiny_config(add_bias_linear=True), TraceConfig())
+    deferred = tiny_config()
+    deferred.delay_wgrad_compute = True  # (its own checks need EP comm overlap; set after them)
+    with pytest.raises(ValueError, match="delay_wgrad_compute=True"):
+        check_expert_config(deferred, TraceConfig())

@@ -95,6 +95,13 @@ def test_native_engine_reports_static_activation_scales():
         SGLangRolloutBackend(None, cfg, HF, native=True, recipe=trainer_recipe(cfg))
 
 
+def test_native_engine_refuses_an_nccl_weights_group():
+    """update_weights_from_distributed does not re-run the native MoE's post-processing: refused when built."""
+    with pytest.raises(ValueError, match="update_weights_from_distributed does not re-derive them"):
+        SGLangRolloutBackend(None, CFG, HF, native=True, weights_group=object())
+    assert SGLangRolloutBackend(None, CFG, HF, native=False, weights_group=object()).weights_group is not None
+
+
 def test_exclude_modules_errors():
     with pytest.raises(ModulePatternError, match="model.layers.9"):
         SGLangRolloutBackend(None, CFG.replace(exclude_modules=("model.layers.9.mlp.experts",)), HF)

@@ -43,9 +43,9 @@ def test_native_moe_method_delegates_to_sglangs_modelopt_method(quant, monkeypat
     platform check (a real device query inside SGLang) then refuses this CPU machine."""
     monkeypatch.setattr(native, "device_capability", lambda: (10, 0))
     with pytest.raises(ValueError, match="Blackwell"):
-        quant.TraceNvFp4MoEMethod(quant.TraceQuantConfig(CFG))
+        quant.TraceModelOptNvFp4MoEMethod(quant.TraceQuantConfig(CFG))
     monkeypatch.setattr(native, "device_capability", lambda: (9, 0))
-    assert quant.TraceNvFp4MoEMethod(quant.TraceQuantConfig(CFG)).native is False
+    assert quant.TraceModelOptNvFp4MoEMethod(quant.TraceQuantConfig(CFG)).native is False
     # the fc1 record is a no-op without a capture or without a usable static input amax (no host sync)
     native.record_fc1_input(None, types.SimpleNamespace(layer_id=0), torch.zeros(2, 32))
 

@@ -100,7 +100,7 @@ def _moe_layer(registered, qcfg):
     layer.num_experts, layer.num_local_experts, layer.layer_id, layer.moe_ep_rank, layer.moe_ep_size = E, E, 0, 0, 1
     layer.moe_runner_config = types.SimpleNamespace(activation="silu", is_gated=True,
                                                     apply_router_weight_on_input=False)
-    method = registered.TraceNvFp4MoEMethod(cfg)
+    method = registered.TraceModelOptNvFp4MoEMethod(cfg)
     method.create_weights(layer, E, H, F, torch.bfloat16, weight_loader=None)
     method.create_moe_runner(layer, layer.moe_runner_config)
     return method, layer
@@ -140,6 +140,28 @@ def test_weight_loader_signature_is_fused_moe_s(registered):
     sched = source_signature("sglang.srt.managers.scheduler", "run_scheduler_process")
     assert len(sched) == 10  # our wrapper forwards *args unchanged
     assert "trace_config" in inspect.signature(run_scheduler_process).parameters
+
+
+def _sglang_source(module: str) -> str:
+    import importlib.util
+    import os
+
+    root = os.path.dirname(importlib.util.find_spec("sglang").origin)  # parent packages are not imported
+    return open(os.path.join(root, *module.split(".")[1:]) + ".py").read()
+
+
+def test_sglang_picks_its_modelopt_and_v2_loaders_for_our_methods(registered):
+    """SGLang chooses weight loaders by class *name*: FusedMoE's ModelOpt branch needs "ModelOpt" in the MoE
+    method's name (else every ``*weight_scale*`` tensor raises "quant method must be one of ..."), and a Linear
+    method must be listed in ``WEIGHT_LOADER_V2_SUPPORTED`` (else fused QKV / gate-up Linears get the v1 loader,
+    which cannot load per-tensor scales)."""
+    from sglang.srt.layers import linear
+
+    fused_moe = _sglang_source("sglang.srt.layers.moe.fused_moe_triton.layer")
+    assert 'if "ModelOpt" in method.__class__.__name__:' in fused_moe
+    assert "ModelOpt" in registered.TraceModelOptNvFp4MoEMethod.__name__
+    assert "in WEIGHT_LOADER_V2_SUPPORTED" in _sglang_source("sglang.srt.layers.linear")
+    assert registered.TraceNvFp4LinearMethod.__name__ in linear.WEIGHT_LOADER_V2_SUPPORTED
 
 
 def test_emulated_moe_apply_bit_identical_to_reference(registered):

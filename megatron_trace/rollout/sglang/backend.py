@@ -79,6 +79,10 @@ class SGLangRolloutBackend:
         self.kv_cache_dtype = default_kv_cache_dtype(trace_config) if kv_cache_dtype is None else kv_cache_dtype
         self.accept_kv_format_mismatch = accept_kv_format_mismatch
         self.native = native_fp4_available() if native is None else native
+        if self.native and weights_group is not None and trace_config.quantizes("weights"):
+            raise ValueError("the native NVFP4 MoE derives tensors from its weights at load, and SGLang's "
+                             "update_weights_from_distributed does not re-derive them: sync in-process "
+                             "(weights_group=None: update_weights_from_tensor with the TRACE loader)")
         self.moe_layers, _ = qwen3_moe_modules(hf_config)
         excluded = excluded_modules(trace_config, moe_layers=self.moe_layers, attention_layers=range(self.num_layers))
         self.bf16_expert_layers = frozenset(i for i in self.moe_layers if experts_name(i) in excluded)

@@ -32,12 +32,13 @@ def register(trace_config: TraceConfig | dict | None = None) -> None:
 
     The method is put first in ``QUANTIZATION_METHODS`` so that its ``override_quantization_method``
     keeps ``trace_nvfp4`` for ModelOpt NVFP4 checkpoints (ModelOpt's own override would switch them
-    to ``modelopt_fp4``).
+    to ``modelopt_fp4``), and its Linear method joins ``WEIGHT_LOADER_V2_SUPPORTED`` (chosen by class name).
     """
+    from sglang.srt.layers import linear
     from sglang.srt.layers import quantization as q
     from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
 
-    from .quant import METHOD_NAME, TraceQuantConfig, set_runtime_config
+    from .quant import METHOD_NAME, TraceNvFp4LinearMethod, TraceQuantConfig, set_runtime_config
 
     if isinstance(trace_config, dict):
         trace_config = TraceConfig.from_dict(trace_config)
@@ -50,6 +51,8 @@ def register(trace_config: TraceConfig | dict | None = None) -> None:
             registry.update(rest)
     if METHOD_NAME not in QUANTIZATION_CHOICES:
         add_quantization_method_choices([METHOD_NAME])
+    if TraceNvFp4LinearMethod.__name__ not in linear.WEIGHT_LOADER_V2_SUPPORTED:  # (its parameters are v2's)
+        linear.WEIGHT_LOADER_V2_SUPPORTED.append(TraceNvFp4LinearMethod.__name__)
 
 
 def run_scheduler_process(*args, trace_config: dict | None = None, **kwargs):

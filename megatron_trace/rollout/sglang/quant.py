@@ -1,16 +1,20 @@
 """The TRACE quantization method for SGLang 0.5.10 (``--quantization trace_nvfp4``). Imports sglang.
 
 Checkpoint layout = ModelOpt NVFP4 (``export.modelopt``), plus optional exact ``weight_global_amax``.
-Routed experts: ``TraceNvFp4MoEMethod`` (a ``ModelOptNvFp4FusedMoEMethod``, so SGLang's FusedMoE
-weight loader and top-k scaling treat it as ModelOpt NVFP4):
+Routed experts: ``TraceModelOptNvFp4MoEMethod`` (a ``ModelOptNvFp4FusedMoEMethod``, so SGLang's FusedMoE
+weight loader and top-k scaling treat it as ModelOpt NVFP4; the loader picks its ModelOpt branch by class *name*,
+``"ModelOpt" in method.__class__.__name__``, hence the name):
   * capability >= 10 (Blackwell): SGLang's native NVFP4 MoE kernels (``native=True``), the fc1
     input recorded from SGLang's own quantize op (``native.py``; UNVERIFIED, no such GPU here);
   * elsewhere: W4A4 emulation, ``fp4_moe.w4a4_experts_forward`` (the hf backend's numerics) on the
     packed weights, per-row RNE activations; guidance rows go to ``capture.active_capture()``.
 ``TraceConfig.exclude_modules`` experts get no method: SGLang's BF16 ``UnquantizedFusedMoEMethod``.
+Other quantized Linears: ``TraceNvFp4LinearMethod``, registered for SGLang's v2 weight loader (``register``; the
+v1 loaders of fused QKV / gate-up Linears cannot load per-tensor scales).
 No derived tensor is kept in the emulated path, so in-place weight updates (update_weights_from_*)
-need no post-processing; the native path re-runs ``process_weights_after_loading`` after a sync
-(``weights.load_and_postprocess``).
+need no post-processing; the native path re-runs ``process_weights_after_loading`` after an in-process sync
+(``weights.load_and_postprocess``), which ``update_weights_from_distributed`` does not call: the backend refuses
+an NCCL weights group with the native path.
 """
 
 from __future__ import annotations
@@ -119,7 +123,7 @@ class TraceQuantConfig(ModelOptFp4Config):
         from sglang.srt.layers.moe.fused_moe_triton import FusedMoE  # needs the CUDA kernels package
 
         if isinstance(layer, FusedMoE) and not (self.is_layer_excluded(prefix) or trace_excludes(self.trace, prefix)):
-            return TraceNvFp4MoEMethod(self)
+            return TraceModelOptNvFp4MoEMethod(self)
         return None  # FusedMoE falls back to UnquantizedFusedMoEMethod (BF16)
 
 
@@ -181,7 +185,7 @@ def _create_linear_params(layer, k: int, output_partition_sizes: list[int], weig
     layer.register_parameter("weight_scale", mw(torch.empty(n, k // 16, dtype=torch.float8_e4m3fn)))
 
 
-class TraceNvFp4MoEMethod(ModelOptNvFp4FusedMoEMethod):
+class TraceModelOptNvFp4MoEMethod(ModelOptNvFp4FusedMoEMethod):
     """Routed experts in NVFP4 (see the module docstring). Parameter names and shapes = ModelOpt's."""
 
     def __init__(self, quant_config: TraceQuantConfig):
