@@ -42,6 +42,8 @@ class KVStep:
     def rows(self, site: str, x: torch.Tensor) -> RowGuidance | None:
         """Guidance for the rows of x [S, B, g, hd] (g local KV heads), counted per token."""
         st = self.state
+        if site == KV_SITES[0]:
+            st.forward_seen(self.layer, "kv")
         if site not in st.config.guided_sites:
             return None
         S, B, g = x.shape[0], x.shape[1], x.shape[2]

@@ -1,9 +1,14 @@
-"""The per-step guidance context: what an RL driver sets around a forward (and its backward).
+"""The per-step guidance context: what an RL driver sets around one micro-batch's forward (and its backward).
 
-    step = StepGuidance(sites=assembled, routing=routing_by_layer, counter=FallbackCounter())
-    with trace_guidance(model, step) as h:
-        loss = forward_backward(...)
-    log(h.counter.as_dict())
+    for mb in micro_batches:  # one context per micro-batch: its records and routing
+        step = StepGuidance(sites=assembled[mb], routing=routing[mb], counter=counter)
+        with trace_guidance(model, step) as h:
+            loss = model(*mb.inputs)  # (or forward_backward_func with num_microbatches=1)
+            loss.backward()
+    log(counter.as_dict())
+
+A second forward inside one context (another micro-batch) raises: it would replay this micro-batch's routing and
+round toward its codes. Megatron's recompute pass is not a second forward.
 
 Guidance is keyed by layer id (Megatron ``layer_number - 1``, pipeline offset included) and
 bound to the live modules found by walking the model; MTP layers are skipped. Every rank of an
@@ -26,7 +31,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
-from ..kernels.checks import FiniteCounter, count_ready, count_tensors, host_values, raise_if_bad
+from ..kernels.checks import FiniteCounter, count_ready, count_tensors, host_values, raise_if_bad, read_and_reset
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
@@ -192,6 +197,7 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
         recorder=Recorder(cfg.cache_mode == "compact" if compact is None else compact) if record else None,
     )
     _check_keys(step, layers)
+    _check_context_parallel(step, layers)
     if any(m.experts._trace_step is not None for m in layers.moe.values()) or any(
         m._trace_step is not None for m in layers.kv.values()
     ):
@@ -209,6 +215,9 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
             bound.append(attn)
         _step_facts([m._trace_step for m in bound])
         yield TraceStep(state, layers)
+    except BaseException:
+        read_and_reset(_finite_counters(layers))  # this step's NaN/Inf counts must not fail the next step
+        raise
     finally:
         for h in hooks:
             h.remove()
@@ -221,9 +230,23 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
                 rr.clear_router_replay_action()
     counters = _finite_counters(layers)
     # one read: row counts, deferred checks, NaN/Inf counts, after their producers (not the whole backward)
-    counts = state.resolve(extra=count_tensors(counters), extra_ready=count_ready(counters))
+    try:
+        counts = state.resolve(extra=count_tensors(counters), extra_ready=count_ready(counters))
+    except BaseException:
+        read_and_reset(counters)
+        raise
+    raise_if_bad(counters, when="in this trace_guidance step", counts=counts)  # (NaN/Inf before coverage)
     _check_coverage(state, step)
-    raise_if_bad(counters, when="in this trace_guidance step", counts=counts)
+
+
+def _check_context_parallel(step: StepGuidance, layers: TraceLayers) -> None:
+    """Guidance and routing rows are taken as contiguous sequence shards: context parallelism (its load-balanced
+    chunks are not contiguous) is refused when the step carries any."""
+    modules = [*layers.moe.values(), *layers.kv.values()]
+    cp = max((getattr(m.config, "context_parallel_size", 1) or 1 for m in modules), default=1)
+    if cp > 1 and (step.sites or step.routing):
+        raise ValueError(f"context_parallel_size={cp}: guidance and routing replay take each rank's tokens as one "
+                         "contiguous shard, which context parallelism's chunks are not (not supported yet)")
 
 
 def guidance_to(step: StepGuidance, device, layers=None) -> StepGuidance:

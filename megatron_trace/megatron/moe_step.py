@@ -164,6 +164,7 @@ class MoEStep:
             rr.set_router_replay_action(RouterReplayAction.RECORD)
 
     def router_hook(self, router, args, output):
+        self.state.forward_seen(self.layer, "moe")
         hidden = args[0]  # [S, B, H]
         _, routing_map = output  # [T, E] bool
         S, B = hidden.shape[0], hidden.shape[1]

@@ -76,6 +76,17 @@ class StepState:
     deferred: list = field(default_factory=list)  # (bool device tensor: bad, message) checked by ``resolve``
     index_cache: dict = field(default_factory=dict)  # row orders of this step's layouts (``token_index``)
     ready: ReadyPoint = field(default_factory=ReadyPoint)  # where the pending / deferred tensors are final
+    forwards: Counter = field(default_factory=Counter)  # (layer, "moe" | "kv") -> forwards seen (``forward_seen``)
+
+    def forward_seen(self, layer: int, what: str) -> None:
+        """A layer's forward began (its recompute pass aside): a second one in this context raises."""
+        if in_recompute():
+            return
+        key = (layer, what)
+        if self.forwards[key]:
+            raise RuntimeError(f"layer {layer} ran a second forward inside one trace_guidance context: its "
+                               "guidance and routing belong to one micro-batch; enter a context per micro-batch")
+        self.forwards[key] += 1
 
     def is_guided(self, layer: int, site: str) -> bool:
         c = self.config

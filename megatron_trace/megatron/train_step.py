@@ -22,7 +22,8 @@ def reuse_weight_quant(model) -> Iterator[None]:
     """Fake-quantize the routed experts' weights once for all micro-batches run inside (gradient accumulation):
     ``with reuse_weight_quant(model): for mb in micro_batches: forward + backward``, then the optimizer step
     outside. Same gradients bit for bit (straight-through, ``TraceConfig.ste_clip=False``); the kept weights
-    cost one bf16 copy of the local experts until the scope exits. Torch experts only (TE fetches its own)."""
+    cost one bf16 copy of the local experts until the scope exits. Torch experts only (TE fetches its own).
+    An optimizer step inside the scope is an error that is not always detected (``weight_reuse``)."""
     layers = find_trace_layers(model)
     experts = [moe.experts for moe in layers.moe.values()]
     if layers.config.ste_clip:

@@ -4,8 +4,10 @@ Inside the scope the first forward of an experts module fake-quantizes its stack
 the value; later forwards return that value through ``expert_weights.with_stack_gradient``, whose backward is the
 straight-through gradient of the fake-quantizer (``TraceConfig.ste_clip=False``): the same gradients, bit for bit,
 without the stack, amax and quantize passes. The scope's contract: no optimizer step inside it. Each reuse checks
-that every weight still has the storage and version counter it had (an in-place update through the parameter
-raises).
+that every weight still has the storage and version counter it had: an in-place update through the parameter
+raises, but a write through ``.data`` or a shared buffer (what Megatron's optimizers do: the fp16 main-param
+copy-back, the distributed optimizer's parameter buffer) changes neither and is NOT detected. Megatron-LM's
+``train_step`` (``trace_train_step``) closes the scope before ``optimizer.step()``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,6 @@ def reuse_or_make(cache: dict, name: str, weights: list[torch.Tensor], make) -> 
         cache[name] = (weights_key(weights), out.detach())
         return out
     if hit[0] != weights_key(weights):
-        raise RuntimeError(f"expert weights {name!r} changed inside reuse_weight_quant (an optimizer step or an "
-                           "in-place update inside the scope): leave the scope before the optimizer step")
+        raise RuntimeError(f"expert weights {name!r} changed inside reuse_weight_quant (an in-place update inside "
+                           "the scope): leave the scope before any weight update (optimizer.step() included)")
     return with_stack_gradient(hit[1], weights)

@@ -11,6 +11,7 @@ from megatron_trace.megatron import (
     GuidanceCoverageError,
     GuidanceFallbackError,
     StepGuidance,
+    find_trace_layers,
     trace_guidance,
     trace_spec,
 )
@@ -327,3 +328,44 @@ def test_guidance_for_layers_elsewhere_is_ignored(rollout):
     sites = {**roll.sites, (9, "kv_k"): roll.sites[(0, "kv_k")]}
     h = _run(_model(tc), data, StepGuidance(sites=sites, routing={**roll.routing, 9: roll.routing[0]}))
     assert h.counter.used > 0
+
+
+def test_a_second_forward_in_one_context_is_refused(rollout):
+    """One context per micro-batch: a second forward would replay this micro-batch's routing and round toward its
+    codes (the recompute pass is not a second forward: tests/operability/test_recompute.py)."""
+    tc, data, roll = rollout
+    model = _model(tc)
+    tokens, pos, mask, _ = data
+    with pytest.raises(RuntimeError, match="second forward inside one trace_guidance context"), torch.no_grad():
+        with trace_guidance(model, StepGuidance(sites=roll.sites, routing=roll.routing)):
+            model(tokens, pos, mask)
+            model(tokens, pos, mask)
+    _run(model, data, StepGuidance(sites=roll.sites, routing=roll.routing))  # the model is usable after
+
+
+def test_a_failed_step_does_not_leave_its_nan_count_to_the_next(rollout):
+    """The deferred NaN/Inf counters of a step that raised are reset with it (the next clean step passes)."""
+    tc, data, _ = rollout
+    model = _model(tc)
+    tokens, pos, mask, _ = data
+    with pytest.raises(KeyError), torch.no_grad(), trace_guidance(model):
+        model(tokens, pos, mask)
+        moe = next(iter(find_trace_layers(model).moe.values()))
+        moe.experts._finite["expert_fc1_in"].add_bad(torch.ones(1))  # what a Triton quantize adds on a NaN
+        raise KeyError("the body failed")
+    _run(model, data)  # no NonFiniteError from the failed step
+
+
+def test_context_parallel_guidance_is_refused(rollout):
+    """CP's load-balanced sequence chunks are not the contiguous shards guidance rows are cut into. (CP needs TE
+    attention, not buildable here: the built model's config is told CP=2 afterwards.)"""
+    tc, data, roll = rollout
+    model = _model(tc)
+    for m in model.modules():
+        if hasattr(m, "config"):
+            m.config.context_parallel_size = 2
+    with pytest.raises(ValueError, match="context_parallel_size=2"):
+        with trace_guidance(model, StepGuidance(routing=roll.routing)):
+            pass
+    with trace_guidance(model):  # the trainer's own rounding alone is fine
+        pass
