@@ -66,23 +66,39 @@ def args_(argv=None):
     for k, v in (SMOKE if a.smoke else DEFAULTS).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
+    bad = [m for m in a.modes.split(",") if m not in MODES]
+    if bad or not a.modes:
+        p.error(f"--modes {a.modes!r}: each mode must be one of {MODES}")
+    try:
+        ep_sizes(a)
+    except ValueError as e:
+        p.error(str(e))
     return a
+
+
+MODES = ("weak", "strong")
 
 
 def ep_sizes(a) -> list[int]:
     if a.eps:
-        return [int(e) for e in a.eps.split(",")]
-    out, e = [], 1
-    while e <= a.max_ep:
-        out.append(e)
-        e *= 2
+        try:
+            out = [int(e) for e in a.eps.split(",")]
+        except ValueError:
+            out = []
+    else:
+        out, e = [], 1
+        while e <= a.max_ep:
+            out.append(e)
+            e *= 2
+    if not out or min(out) < 1:
+        raise ValueError(f"--eps {a.eps!r} / --max-ep {a.max_ep}: EP sizes must be ints >= 1 (at least one)")
     return out
 
 
 def check_sizes(a, ep: int) -> None:
     if a.experts % ep:
         raise ValueError(f"--experts {a.experts} must be a multiple of EP={ep}")
-    if "strong" in a.modes and a.global_batch % ep:
+    if "strong" in a.modes.split(",") and a.global_batch % ep:
         raise ValueError(f"--global-batch {a.global_batch} must be a multiple of EP={ep} (strong scaling)")
 
 

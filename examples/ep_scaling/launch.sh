@@ -7,5 +7,9 @@ EP="${1:?usage: launch.sh EP [ep_scaling.py args]}"; shift
 OUT="${OUT:-outputs/ep_scaling}"; mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 TORCHDYNAMO_DISABLE=1 \
     PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-torchrun --standalone --nnodes 1 --nproc-per-node "$EP" benchmarks/ep_scaling.py --out "$OUT/ep_scaling.jsonl" "$@" \
+# one host: world = EP GPUs; several hosts: RDZV="--nnodes N --rdzv-backend c10d --rdzv-endpoint HOST:PORT" and
+# NPROC_PER_NODE = GPUs per host (world = EP = N x NPROC_PER_NODE)
+# shellcheck disable=SC2086
+torchrun ${RDZV:---standalone} --nproc-per-node "${NPROC_PER_NODE:-$EP}" benchmarks/ep_scaling.py \
+    --out "$OUT/ep_scaling.jsonl" "$@" \
     2>&1 | tee "$OUT/ep$EP.log"

@@ -75,10 +75,17 @@ def _adjacent(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (ia - ib).abs() == 1
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
+    return n
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", type=int, default=256)
-    p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--rows", type=_positive, default=256)
+    p.add_argument("--k", type=_positive, default=2048)
     p.add_argument("--noise", type=float, default=0.01, help="trainer perturbation, relative to the tensor's std")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)

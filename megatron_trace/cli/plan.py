@@ -129,6 +129,9 @@ def format_table(dims: ModelDims, rl: RLSettings, rows: list[dict]) -> str:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
+    chosen = {(r["policy"], tuple(r["layers"])) for r in rows if r["policy"].startswith("budget")}
+    for policy, layers in sorted(chosen):  # what --trace-guided-layers takes
+        lines.append(f"{policy} guides layers {','.join(map(str, layers)) or '(none)'}")
     return "\n".join(lines)
 
 
@@ -141,7 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bandwidth-gbps", type=float, default=400.0, help="rollout->trainer link, gigabits/s")
     p.add_argument("--steps-in-flight", type=int, default=1, help="steps held on the host at once (async RL)")
     p.add_argument("--format", choices=FORMATS, default="nvfp4")
-    p.add_argument("--amax", choices=AMAX_MODES, default="per_row", help="NVFP4 activation global amax")
+    p.add_argument("--amax", choices=AMAX_MODES, default="per_row",
+                   help="NVFP4 activation global amax (the sizes do not change: the recorders store it per row)")
     p.add_argument("--sites", default=",".join(ACTIVATION_SITES), help="comma list of guided sites")
     p.add_argument("--modes", default="full,compact", help=f"comma list of {CACHE_MODES}")
     p.add_argument("--layer-policy", action="append", dest="policies", help=f"repeatable; default {DEFAULT_POLICIES}")

@@ -86,3 +86,27 @@ def test_plot_table_and_projection(points, tmp_path):
     for p in projection:
         assert set(p["sync_seconds"]) == {"guidance sync (measured)", "raw send (measured)", "400 Gbit/s link"}
         assert p["sync_payload_bytes_per_rank"] > p["guidance_bytes_per_rank"] > 0
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--modes", "weak,strng"], "each mode must be one of"),
+    (["--eps", "0"], "EP sizes must be ints >= 1"),
+    (["--max-ep", "0"], "EP sizes must be ints >= 1"),
+    (["--eps", "2,x"], "EP sizes must be ints >= 1"),
+])
+def test_bad_arguments_are_named(argv, match, capsys):
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.ep_scaling import args_
+
+    with pytest.raises(SystemExit):
+        args_(argv)
+    assert match in capsys.readouterr().err
+
+
+def test_demo_quant_sizes_must_be_positive(capsys):
+    from megatron_trace.cli.demo_quant import main
+
+    for argv in (["--rows", "0"], ["--k", "-1"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+        assert "must be >= 1" in capsys.readouterr().err

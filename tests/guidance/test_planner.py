@@ -169,6 +169,10 @@ def test_cli_budget_policy(tmp_path, capsys):
     assert rc == 0
     (row,) = json.loads(capsys.readouterr().out)["rows"]
     assert 0 < row["bytes_per_token"] <= 20000
+    # the table prints the chosen layers as --trace-guided-layers takes them
+    assert plan.main(["--hf-config", str(Q35), "--layer-policy", "budget=20000", "--mismatch-profile", str(prof),
+                      "--modes", "compact"]) == 0
+    assert f"budget=20000 guides layers {','.join(map(str, row['layers']))}" in capsys.readouterr().out
 
 
 def test_cli_errors(capsys):
