@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from .formats import CompactGuidance, FP4Tensor, FullGuidance, Quantizer, e2m1, get_format
-from .guidance.site import FallbackCounter, SiteGuidance
+from .guidance.site import NOT_GUIDED, FallbackCounter, SiteGuidance
 
 IS_CLAMP = 5.0
 """ESS weights are r clamped to [1/5, 5] (the paper's IS cap)."""
@@ -173,17 +173,15 @@ def quant_metrics(counts: dict[tuple[int, str], QuantCounts], prefix: str = "qua
     return out
 
 
-NOT_GUIDED_REASON = "not_guided_layer"
-"""The fallback reason of rows at layers outside the layer policy (``megatron.step.NOT_GUIDED``)."""
+NOT_GUIDED_REASON = NOT_GUIDED
+"""The fallback reason of rows at layers outside the layer policy (``guidance.site.NOT_GUIDED``)."""
 
 
 def guidance_coverage(counter: FallbackCounter) -> float:
     """Rows at guided sites that had a valid record / rows at guided sites (1.0 when there are none).
 
-    Rows of layers outside the layer policy are not guided sites and are left out."""
-    fell = sum(v for k, v in counter.fallback.items() if k != NOT_GUIDED_REASON)
-    total = counter.used + fell
-    return counter.used / total if total else 1.0
+    Rows of layers outside the layer policy are not guided sites and are left out (``FallbackCounter.coverage``)."""
+    return counter.coverage
 
 
 def guided_fallback_rate(counter: FallbackCounter, prefix: str = "quant") -> dict[str, float]:

@@ -12,6 +12,7 @@ from megatron_trace.guidance.site import FallbackCounter, SiteGuidance
 from megatron_trace.metrics import (
     QuantCounts,
     cache_metrics,
+    guidance_step_metrics,
     guided_fallback_rate,
     mismatch_metrics,
     quant_counts,
@@ -176,4 +177,7 @@ def test_trainer_counts_from_guidance():
 def test_fallback_and_cache_metrics():
     assert guided_fallback_rate(FallbackCounter(used=3, fallback=Counter(missing=1))) == {
         "quant/guided_fallback_rate": 0.25}
+    # rows of layers outside the policy are not guided sites: no log reports them as missing coverage
+    c = FallbackCounter(used=6, fallback=Counter(not_guided_layer=6, missing=2))
+    assert c.coverage == c.as_dict()["guidance/coverage"] == guidance_step_metrics(c)["guidance/coverage"] == 0.75
     assert cache_metrics(1024, 4096) == {"cache/bytes_per_token": 1024.0, "cache/bytes_per_token_full": 4096.0}

@@ -23,6 +23,9 @@ import torch
 
 from ..formats import CompactGuidance, FullGuidance
 
+NOT_GUIDED = "not_guided_layer"
+"""The fallback reason of rows at layers outside the layer policy (not guided sites: not in the coverage)."""
+
 SiteKey = tuple[int, str]
 """(layer id from 0, site name): guidance is keyed by module identity, never by list position."""
 
@@ -60,8 +63,9 @@ class FallbackCounter:
 
     @property
     def coverage(self) -> float:
-        total = self.used + sum(self.fallback.values())
-        return self.used / total if total else 1.0
+        """Rows used / rows at guided sites (rows of layers outside the layer policy, ``NOT_GUIDED``, left out)."""
+        fell = sum(v for k, v in self.fallback.items() if k != NOT_GUIDED)
+        return self.used / (self.used + fell) if self.used + fell else 1.0
 
     def as_dict(self, prefix: str = "guidance") -> dict[str, float]:
         d = {f"{prefix}/coverage": self.coverage, f"{prefix}/rows_used": float(self.used)}

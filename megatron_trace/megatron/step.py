@@ -29,14 +29,13 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 
 from ..config import TraceConfig
 from ..formats import CompactGuidance, FullGuidance, e2m1
-from ..guidance.site import FallbackCounter, SiteGuidance
+from ..guidance.site import NOT_GUIDED, FallbackCounter, SiteGuidance
 from ..kernels.checks import ReadyPoint, host_values
 from ..manifest import KV_SITES
 from .rows import Record, RowGuidance, map_record, token_major
 
 logger = logging.getLogger(__name__)
 
-NOT_GUIDED = "not_guided_layer"
 MISSING = "missing"
 SHAPE = "shape"
 FORMAT = "format"

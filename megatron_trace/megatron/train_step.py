@@ -51,6 +51,7 @@ def trace_train_step(args, model) -> Iterator[None]:
     if not getattr(args, "trace_fp4", False) or not _stage_has_sites(args, model):
         yield
         return
+    find_trace_layers(model)  # binds the experts' layer ids (exclude_modules needs them) before the first forward
     with reuse_weight_quant(model) if getattr(args, "trace_reuse_weight_quant", False) else nullcontext():
         yield
     check_finite(model)

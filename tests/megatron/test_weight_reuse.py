@@ -113,3 +113,20 @@ def test_a_pipeline_stage_without_trace_sites_runs_a_plain_step():
             model(*data[:3], labels=data[3]).float().mean().backward()
     with pytest.raises(ValueError, match="no TRACE modules"), trace_train_step(parse(["--trace-fp4"]), [model]):
         model(*data[:3], labels=data[3]).float().mean().backward()
+
+
+def test_megatron_lm_step_with_excluded_modules_binds_the_layers_first():
+    """--trace-exclude-modules needs the experts' layer ids at the first forward: the step hook binds them."""
+    import argparse
+
+    from megatron_trace.megatron import add_trace_args, trace_spec_from_args, trace_train_step
+
+    args = add_trace_args(argparse.ArgumentParser()).parse_args(
+        ["--trace-fp4", "--trace-exclude-modules", "model.layers.0.*"])
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec_from_args(args, stock_spec(cfg)))
+    data = batch()
+    with trace_train_step(args, [model]):
+        model(*data[:3], labels=data[3]).float().mean().backward()
+    experts = [m for m in model.modules() if hasattr(m, "trace_quantizes") and hasattr(m, "_weight_reuse")]
+    assert [e.trace_quantizes("weights") for e in experts] == [False, True, True, True]
