@@ -190,7 +190,10 @@ class ExpertWeightStore:
         param = self._param_slice(experts, expert, which)
         with torch.no_grad():
             param.copy_(q.dequantize(param.dtype))
-        self._w[(layer, expert, which)] = q
+        own = lambda t: None if t is None else t.detach().contiguous().clone()  # noqa: E731
+        # a copy: the caller's tensors may be views of a receive buffer that the next bucket overwrites
+        self._w[(layer, expert, which)] = FP4Tensor(codes=own(q.codes), block_scales=own(q.block_scales),
+                                                    global_amax=own(q.global_amax), shape=tuple(q.shape), fmt=q.fmt)
         self._stacked.pop((layer, which), None)
         for layout in PACKED_LAYOUTS:
             self._packed.pop((layer, which, layout), None)

@@ -51,7 +51,7 @@ from .audit import backend_recipe, effective_config, hf_module_audit
 from .base import RolloutBatch, SamplingParams, WeightValue
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
-from .hf_weights import join_fc1, parse_expert_name
+from .hf_weights import FUSED_EXPERTS, join_fc1, parse_expert_name
 from .kv_cache import FP4KVCache
 from .recorder import GuidanceRecorder
 
@@ -338,6 +338,11 @@ class HFRolloutBackend:
         dense, halves, fp4 = [], {}, {}
         for name, value in weights:
             parsed = parse_expert_name(name)
+            fused = FUSED_EXPERTS.match(name)
+            if fused and self.weight_store is not None and int(fused.group(1)) not in self.bf16_expert_layers:
+                raise ValueError(f"{name!r}: FP4 experts are updated per expert (they are re-quantized from those "
+                                 "names): send hf_weights.checkpoint_tensors(model)'s names, "
+                                 "'model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight'")
             if parsed is None:
                 if isinstance(value, FP4Tensor):
                     raise ValueError(f"{name!r}: FP4 weights are accepted for routed experts only")

@@ -30,6 +30,10 @@ def parse_expert_name(name: str) -> tuple[int, int, str] | None:
     return (int(m.group(1)), int(m.group(2)), m.group(3)) if m else None
 
 
+FUSED_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+"""transformers' fused expert parameters ([E, ...]); on disk and on the wire experts are per expert."""
+
+
 def expert_name(layer: int, expert: int, proj: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
 

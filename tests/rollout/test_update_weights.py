@@ -94,3 +94,28 @@ def test_update_weights_rejects_bad_input_before_copying(case, err, match):
     assert all(torch.equal(before[k], after[k]) for k in before) and be.policy_version == 0
     if stored is not None:
         assert torch.equal(be.expert_weight_fp4(0, 1, "fc2").codes, stored.codes)
+
+
+def test_fused_expert_names_are_refused_in_fp4_mode():
+    """transformers' fused ``experts.gate_up_proj`` would be copied unquantized past the FP4 store."""
+    new = dict(tiny_model(seed=1).named_parameters())
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    be = _backend()
+    with pytest.raises(ValueError, match="FP4 experts are updated per expert"):
+        be.update_weights([(name, new[name].detach())])
+    assert be.policy_version == 0
+    bf16 = _backend(mode="bf16")  # nothing quantized: the fused tensor is the weight
+    bf16.update_weights([(name, new[name].detach())])
+    assert torch.equal(bf16.model.model.layers[0].mlp.experts.gate_up_proj, new[name])
+
+
+def test_fp4_updates_are_copied_not_kept_as_views():
+    """A receive buffer reused for the next bucket must not change the store (what the CUDA decode reads)."""
+    be = _backend()
+    q = TraceConfig().weight_quantizer().quantize(torch.randn(64, 32))
+    be.update_weights([("model.layers.1.mlp.experts.2.down_proj.weight", q)])
+    want = q.codes.clone()
+    q.codes.zero_()  # the caller's buffer is reused
+    got = be.expert_weight_fp4(1, 2, "fc2")
+    assert torch.equal(got.codes, want) and got.codes.data_ptr() != q.codes.data_ptr()
+    assert torch.equal(be.model.model.layers[1].mlp.experts.down_proj[2], got.dequantize())
