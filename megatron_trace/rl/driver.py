@@ -27,7 +27,7 @@ from ..guidance.records import pack_guidance
 from ..guidance.site import FallbackCounter, SiteGuidance
 from ..metrics import guidance_step_metrics, quant_counts, quant_metrics
 from ..monitor import SentinelCheck, TrendAlarm, check_mismatch_gate, step_mismatch_metrics
-from ..rollout.base import SamplingParams
+from ..rollout.base import MIN_TEMPERATURE, SamplingParams
 from .arms import Arm
 from .grpo import group_advantages, policy_loss
 from .tasks import CharTokenizer, Task
@@ -77,7 +77,8 @@ class RLConfig:
         need(self.lr > 0, "lr", "> 0")
         need(self.clip_eps > 0, "clip_eps", "> 0")
         need(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "None (off) or > 0")
-        need(self.temperature >= 0, "temperature", ">= 0 (0: greedy)")
+        need(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf"), "temperature",
+             f"0 (greedy) or >= {MIN_TEMPERATURE}")
         need(self.weight_sync in WEIGHT_SYNCS, "weight_sync", f"one of {WEIGHT_SYNCS}")
         for name in ("max_logprob_abs_diff", "sentinel_max_abs_diff"):
             need(getattr(self, name) is None or getattr(self, name) >= 0, name, "None (off) or >= 0")
@@ -252,7 +253,7 @@ class GRPORun:
         record = self.arm.trainer_fp4 and cfg.quant_metrics_every and step % cfg.quant_metrics_every == 0
         self.policy.optimizer.zero_grad()
         with self._trainer_context(sg, record=bool(record)) as h:
-            logp = self.policy.logprobs(batch.tokens)
+            logp = self.policy.logprobs(batch.tokens, cfg.temperature)  # the rollout's log-probs are at T too
             loss, stats = policy_loss(logp, logp.detach(), batch.logprobs, adv, batch.response_mask,
                                       clip_eps=cfg.clip_eps, tis_cap=cfg.tis_cap)
             loss.backward()

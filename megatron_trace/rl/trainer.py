@@ -81,14 +81,16 @@ class MegatronPolicy:
                     m.pack_weights()
         self.optimizer = MasterAdamW(self.model.parameters(), lr=lr)
 
-    def logprobs(self, tokens: torch.Tensor) -> torch.Tensor:
-        """log pi(tokens[b, t] | tokens[b, :t]) for t >= 1, float32 [B, S] (0 at t = 0)."""
+    def logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+        """log pi(tokens[b, t] | tokens[b, :t]) at the sampling ``temperature`` (logits / T; T = 0, greedy: T = 1,
+        the rollout's convention) for t >= 1, float32 [B, S] (0 at t = 0)."""
         b, s = tokens.shape
         pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
         mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=tokens.device).triu(1)  # True = masked
         logits = self.model(tokens, pos, mask)  # [B, S, V]
         tokens = tokens.to(logits.device)
-        lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+        scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+        lp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
         return torch.nn.functional.pad(lp, (1, 0))
 
     def export_hf_weights(self):

@@ -9,8 +9,10 @@ selected (layer, site) pairs (TRACE). Shapes are batch-major and right-padded:
   prompt_lens     int64 [B]
   response_lens   int64 [B]             sampled tokens, the stop token included
   response_mask   bool  [B, S]          True on response tokens
-  logprobs        float32 [B, S]        ``logprobs[b, t] = log mu(tokens[b, t] | tokens[b, :t])`` on
-                                        response tokens, 0 elsewhere
+  logprobs        float32 [B, S]        ``log_softmax(logits / T)[tokens[b, t]]`` given ``tokens[b, :t]`` on
+                                        response tokens, 0 elsewhere: the full distribution at the sampling
+                                        temperature T (before top-p; T = 1 when greedy), what a trainer
+                                        recomputes from its logits / T
   routing[layer]  int64 [B, S, topk]    experts chosen for the token at position t (as input)
   guidance[(layer, site)]  SiteGuidance (layout in ``megatron_trace.guidance.site``)
 
@@ -38,7 +40,8 @@ class SamplingParams:
     """How to sample. ``temperature == 0`` is greedy; ``top_p`` keeps the smallest set of
     most likely tokens whose probability reaches ``top_p``. Generation of a sequence ends after
     a token in ``stop_token_ids`` (kept in the response) or after ``max_new_tokens`` tokens.
-    ``seed`` makes sampling reproducible (None: fresh randomness)."""
+    ``seed`` makes sampling reproducible (None: fresh randomness) for the same batch: one generator serves the
+    whole batch, so a prompt's sample depends on its batch (unlike per-request seeds in vLLM / SGLang)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -227,3 +227,17 @@ def test_sglang_kv_format_records_guide_the_trainer_exactly(megatron_cpu, ckpt, 
         assert m[f"guidance/trainer/coverage/{site}"] == 1.0
     assert m["quant/guided/code_mismatch_rate"] < 1e-3
     assert m["guidance/trainer/coverage"] == 1.0 and "guidance/trainer/fallback/format" not in m
+
+
+def test_the_trainer_scores_at_the_sampling_temperature(megatron_cpu, ckpt, tmp_path):
+    """The rollout's log-probs are log_softmax(logits / T): at T=0.7 the BF16 arm's mismatch stays at the BF16
+    noise level (without /T in the trainer it was ~100x larger)."""
+    diffs = {}
+    for t in (1.0, 0.7):
+        cfg = RLConfig(steps=1, prompts_per_step=4, group_size=2, eval_problems=4, temperature=t, sentinel_prompts=0)
+        r = GRPORun(make_arm("bf16", TraceConfig()), cfg, get_task("add"), ckpt, out_dir=tmp_path / str(t),
+                    cache_dir=tmp_path / f"c{t}")
+        diffs[t] = r.step()["mismatch/logprob_abs_diff"]
+    assert diffs[0.7] < 5 * diffs[1.0] + 1e-3, diffs
+    with pytest.raises(ValueError, match="temperature=1e-06 must be 0 \\(greedy\\) or >= 1e-05"):
+        RLConfig(temperature=1e-6)
