@@ -88,7 +88,8 @@ def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | No
     tolerance (not bit for bit). ``gemm`` picks the GPU kernel: ``"mma"`` the CUDA decode kernel (``moe_mma``),
     ``"wgmma"`` the CUDA prefill kernel (``moe_wgmma``; both: an error names why where it cannot run), ``"triton"``
     the Triton kernel, ``"auto"`` the Triton kernel unless the packed weights of a CUDA kernel are given, its ``AUTO``
-    is on and its ``preferred`` holds.
+    is on and its ``preferred`` holds (mma weights given as ``weight`` itself, not ``packed=``, take the mma kernel
+    wherever its ``unsupported`` is None: there is no FP4Tensor to hand the Triton kernel without unpacking).
     """
     if gemm not in GEMMS:
         raise ValueError(f"gemm={gemm!r} is not one of {GEMMS}")

@@ -173,9 +173,13 @@ def unsupported(x, weight: FP4Tensor | PackedWeight, out_dtype: torch.dtype | No
     dev = weight.codes.device
     if dev.type != "cuda":
         return f"weights are on {dev}, the CUDA kernel needs a GPU"
-    cap = _capability(dev.index if dev.index is not None else torch.cuda.current_device())
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    cap = _capability(index)
     if cap < (9, 0):
         return f"compute capability {cap[0]}.{cap[1]} < 9.0 (the dequantization uses bf16x2 multiplies)"
+    smem = _shared_memory_optin(index)
+    if smem < SMEM_LIMIT:  # e.g. sm_120 (RTX 50xx, GB10): 99 KiB per block
+        return f"the GPU allows {smem} bytes of shared memory per block, the kernel takes {SMEM_LIMIT}"
     if not hasattr(torch.cuda, "_compile_kernel"):
         return f"torch {torch.__version__} has no torch.cuda._compile_kernel (NVRTC; torch >= 2.8)"
     if weight.fmt not in ("nvfp4", "mxfp4") or len(weight.shape) != 3:
@@ -194,6 +198,13 @@ def unsupported(x, weight: FP4Tensor | PackedWeight, out_dtype: torch.dtype | No
 @functools.cache
 def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def _shared_memory_optin(device_index: int) -> int:
+    """The most shared memory one block may opt in to on the device (bytes)."""
+    props = torch.cuda.get_device_properties(device_index)
+    return int(getattr(props, "shared_memory_per_block_optin", SMEM_LIMIT))
 
 
 DEFINES: tuple[str, ...] = ()
@@ -252,7 +263,8 @@ def launch_operands(x, weight, offs: torch.Tensor, out_dtype: torch.dtype | None
     xd = gpu_activations(x)
     _, n, _ = check_grouped_args(xd, weight, offs)
     if xd.stride(0) % 8 or xd.stride(1) != 1:  # (16-byte loads of each token row)
-        xd = xd.contiguous()
+        # a fresh tensor: .contiguous() keeps a [1, K] view's odd row stride (a size-1 dim's stride is free)
+        xd = torch.empty(xd.shape, dtype=xd.dtype, device=xd.device).copy_(xd)
     y = torch.empty(xd.shape[0], n, dtype=out_dtype or torch.bfloat16, device=xd.device)
     return _aligned(xd), y, (offs if offs.dtype == torch.int32 else offs.to(torch.int32)).contiguous()
 

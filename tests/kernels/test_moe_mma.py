@@ -53,6 +53,21 @@ def test_unsupported_on_the_cpu_names_the_device():
         moe_mma.grouped_mm(torch.zeros(2, 512), w, torch.tensor([1, 1, 2, 2], dtype=torch.int32))
 
 
+def test_unsupported_where_the_gpu_has_too_little_shared_memory(monkeypatch):
+    """sm_120 (RTX 50xx, GB10) opts in to 99 KiB per block, the kernel takes SMEM_LIMIT: auto must not pick it.
+    (The device queries are stand-ins: no GPU here.)"""
+    import types
+
+    monkeypatch.setattr(moe_mma, "_capability", lambda index: (12, 0))
+    weight = types.SimpleNamespace(codes=types.SimpleNamespace(device=torch.device("cuda", 0)), fmt="nvfp4",
+                                   shape=(4, 64, 512))
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", lambda *a, **k: None, raising=False)
+    monkeypatch.setattr(moe_mma, "_shared_memory_optin", lambda index: 101376)
+    assert "101376 bytes of shared memory per block" in moe_mma.unsupported(None, weight)
+    monkeypatch.setattr(moe_mma, "_shared_memory_optin", lambda index: 232448)  # an H200
+    assert moe_mma.unsupported(None, weight) is None
+
+
 def test_fp4_grouped_mm_names_a_bad_gemm_and_runs_the_reference_on_the_cpu():
     w = _weight()
     x = torch.randn(4, 512).to(torch.bfloat16)
