@@ -305,8 +305,12 @@ def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) 
     """``sg`` with its valid rows whose block scales or global amax are NaN, Inf or negative made invalid (a
     corrupt record, or an engine that quantized a non-finite row): counted as used before, now ``bad_scale``."""
     r = sg.record
-    scales = r.block_scales.float()
-    ok = (scales.isfinite() & (scales >= 0)).all(-1)  # [B, S, ...rows]
+    u = r.block_scales.view(torch.uint8)  # the bytes: no float conversion of every scale
+    if r.block_scales.dtype == torch.float8_e4m3fn:
+        bad_byte = (u == 0x7F) | (u > 0x80)  # NaN (0x7F, 0xFF) or negative (0x80 = -0 is a zero)
+    else:  # E8M0: 0xFF is NaN, there is no sign
+        bad_byte = u == 0xFF
+    ok = ~bad_byte.any(-1)  # [B, S, ...rows]
     if r.global_amax is not None:
         g = r.global_amax.float()
         g = g.squeeze(-1) if g.dim() else g
