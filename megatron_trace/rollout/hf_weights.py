@@ -40,13 +40,13 @@ def expert_name(layer: int, expert: int, proj: str) -> str:
 
 def checkpoint_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's weights under their HF checkpoint names (experts split per expert), as views."""
-    fused = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
     for name, t in model.state_dict().items():
-        m = fused.match(name)
+        m = FUSED_EXPERTS.match(name)
         if m is None:
             yield name, t
             continue
-        prefix, which = m.groups()
+        layer, which = m.groups()
+        prefix = f"model.layers.{layer}.mlp.experts"
         for e in range(t.shape[0]):
             if which == "down_proj":
                 yield f"{prefix}.{e}.down_proj.weight", t[e]
