@@ -10,6 +10,11 @@ and, per RL step, give the rollout's guidance::
     with trace_guidance(model, StepGuidance(sites=..., routing=...)) as h:
         ...forward and backward...
 
+or, around Megatron's ``forward_backward_func`` (pipeline schedules included), one StepGuidance per micro-batch::
+
+    with trace_guidance(model_chunks, [StepGuidance(...) for mb in micro_batches]) as h:
+        forward_backward_func(..., num_microbatches=len(micro_batches))
+
 Megatron-LM: ``add_trace_args`` (extra_args_provider) + ``trace_config_from_args``; see patches/.
 """
 

@@ -29,6 +29,7 @@ from .step import (
     StepState,
     counted_total,
     counted_valid,
+    site_on,
 )
 
 
@@ -38,12 +39,22 @@ class KVStep:
     def __init__(self, state: StepState, layer: int, sites: dict[str, CheckedSite], first_head: int):
         self.state, self.layer, self.sites = state, layer, sites
         self.first_head = first_head  # the model's index of this rank's first KV head (``TraceKVCore.kv_heads``)
+        self._host: dict[str, CheckedSite] | None = None  # the sites as given, while held (``hold``)
+
+    def hold(self, device) -> None:
+        """This micro-batch's records on ``device`` for its forward or recompute pass (``MicroBatchQueue``)."""
+        if self._host is None:
+            self._host = self.sites
+            self.sites = {site: site_on(c, device) for site, c in self.sites.items()}
+
+    def release(self, keep_records: bool) -> None:
+        """Back to the host records unless ``keep_records`` (a recompute pass will come)."""
+        if not keep_records and self._host is not None:
+            self.sites, self._host = self._host, None
 
     def rows(self, site: str, x: torch.Tensor) -> RowGuidance | None:
         """Guidance for the rows of x [S, B, g, hd] (g local KV heads), counted per token."""
         st = self.state
-        if site == KV_SITES[0]:
-            st.forward_seen(self.layer, "kv")
         if site not in st.config.guided_sites:
             return None
         S, B, g = x.shape[0], x.shape[1], x.shape[2]

@@ -1,14 +1,24 @@
-"""The per-step guidance context: what an RL driver sets around one micro-batch's forward (and its backward).
+"""The per-step guidance context: what an RL driver sets around the forward (and backward) of its micro-batches.
 
-    for mb in micro_batches:  # one context per micro-batch: its records and routing
+One context per micro-batch::
+
+    for mb in micro_batches:
         step = StepGuidance(sites=assembled[mb], routing=routing[mb], counter=counter)
         with trace_guidance(model, step) as h:
-            loss = model(*mb.inputs)  # (or forward_backward_func with num_microbatches=1)
+            loss = model(*mb.inputs)
             loss.backward()
     log(counter.as_dict())
 
-A second forward inside one context (another micro-batch) raises: it would replay this micro-batch's routing and
-round toward its codes. Megatron's recompute pass is not a second forward.
+or one context around Megatron's schedule, with one ``StepGuidance`` per micro-batch in the order the data
+iterator yields them (pipeline 1F1B and interleaved schedules included)::
+
+    steps = [StepGuidance(sites=assembled[mb], routing=routing[mb], counter=counter) for mb in micro_batches]
+    with trace_guidance(model, steps) as h:
+        forward_backward_func(..., num_microbatches=len(steps), forward_only=False)
+
+Each layer's k-th forward takes step k (``microbatch.MicroBatchQueue``); a forward beyond the steps given raises
+(it would replay another micro-batch's routing and round toward its codes), and so do steps left unused.
+Megatron's recompute pass is not a forward: it reuses the records and routing of the micro-batch it recomputes.
 
 Guidance is keyed by layer id (Megatron ``layer_number - 1``, pipeline offset included) and
 bound to the live modules found by walking the model; MTP layers are skipped. Every rank of an
@@ -21,7 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -30,15 +41,16 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
-from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
+from ..guidance.site import NOT_GUIDED, FallbackCounter, SiteGuidance, SiteKey
 from ..kernels.checks import FiniteCounter, count_ready, count_tensors, host_values, raise_if_bad, read_and_reset
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
 from .gemm import to_device_async
+from .microbatch import MicroBatchQueue, check_all_ran
 from .moe_step import FC1, FC2, MoEStep
 from .recording import Recorder
-from .step import GuidanceCoverageError, StepState, check_site
+from .step import GuidanceCoverageError, StepState, check_site, record_to, resolve_states
 
 logger = logging.getLogger(__name__)
 
@@ -153,76 +165,115 @@ def _claim(d: dict, layer: int, module, name: str) -> None:
 
 
 class TraceStep:
-    """What ``trace_guidance`` yields: the counter, per-site stats and (when recording) the records."""
+    """What ``trace_guidance`` yields: the counter, per-site stats and (when recording) the records, of every
+    micro-batch the context ran (``microbatch(i)``: of one)."""
 
-    def __init__(self, state: StepState, layers: TraceLayers):
-        self.state, self.layers = state, layers
+    def __init__(self, states: Sequence[StepState], layers: TraceLayers):
+        self.states, self.layers = list(states), layers
+
+    def microbatch(self, i: int) -> TraceStep:
+        """The same, for micro-batch ``i`` (the i-th ``StepGuidance`` given) alone."""
+        if not -len(self.states) <= i < len(self.states):
+            raise IndexError(f"micro-batch {i} of {len(self.states)}")
+        return TraceStep([self.states[i]], self.layers)
 
     @property
     def counter(self) -> FallbackCounter:
-        self.state.resolve()
-        return self.state.counter
+        """The micro-batches' counter (one object if they share it, else their sum)."""
+        for st in self.states:
+            st.resolve()
+        counters = list({id(st.counter): st.counter for st in self.states}.values())
+        if len(counters) == 1:
+            return counters[0]
+        total = FallbackCounter()
+        for c in counters:
+            total.add(c.used, c.fallback)
+        return total
 
     def stats(self) -> dict:
         """Rows by (layer, site, reason); reason "used" for guided rows."""
-        self.state.resolve()
-        return dict(self.state.stats)
+        total = Counter()
+        for st in self.states:
+            st.resolve()
+            total.update(st.stats)
+        return dict(total)
 
     def coverage(self) -> float:
         """Used rows / rows at guided layers (rows of layers outside the policy excluded)."""
-        return self.state.coverage_at_guided()
+        return _coverage(self.stats())
 
     def recorded(self) -> StepGuidance:
         """The codes the modules used in this step's forward, as guidance (needs ``record=True``)."""
-        rec = self.state.recorder
+        if len(self.states) > 1:
+            raise ValueError(f"this context ran {len(self.states)} micro-batches: take each one's records with "
+                             "h.microbatch(i).recorded()")
+        rec = self.states[0].recorder
         if rec is None:
             raise ValueError("nothing recorded: enter trace_guidance(..., record=True)")
         return StepGuidance(sites=dict(rec.sites), routing=dict(rec.routing))
 
 
+def _coverage(stats: Mapping) -> float:
+    used = sum(v for (_, _, reason), v in stats.items() if reason == "used")
+    fell = sum(v for (_, _, reason), v in stats.items() if reason not in ("used", NOT_GUIDED))
+    return used / (used + fell) if used + fell else 1.0
+
+
 @contextmanager
-def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = False,
+def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = None, *, record: bool = False,
                    compact: bool | None = None) -> Iterator[TraceStep]:
     """Guided rounding (where ``step`` has records), routing replay and optional recording for one step.
 
-    ``step=None`` runs the trainer's own rounding (and records, with ``record=True``). ``compact``
-    chooses the recorded kind (default: the config's cache_mode).
+    ``step``: one micro-batch's guidance, or a list with one per micro-batch in the order they run (Megatron's
+    ``forward_backward_func`` inside the context; see the module docstring). ``step=None`` runs the trainer's own
+    rounding (and records, with ``record=True``). ``compact`` chooses the recorded kind (default: the config's
+    cache_mode).
     """
     layers = find_trace_layers(model)
-    step = _on_model_device(step if step is not None else StepGuidance(), layers)
+    steps = _micro_batches(step)
+    steps = [_on_model_device(s, layers, records=len(steps) == 1) for s in steps]
     cfg = layers.config
-    state = StepState(
-        config=cfg, counter=step.counter, fallback=step.fallback or cfg.fallback,
-        guided_layers=frozenset(guided_layers(cfg, layers.num_layers)), token_mask=step.token_mask,
+    states = [StepState(
+        config=cfg, counter=s.counter, fallback=s.fallback or cfg.fallback,
+        guided_layers=frozenset(guided_layers(cfg, layers.num_layers)), token_mask=s.token_mask,
         recorder=Recorder(cfg.cache_mode == "compact" if compact is None else compact) if record else None,
-    )
-    _check_keys(step, layers)
-    _check_context_parallel(step, layers)
+    ) for s in steps]
+    for s in steps:
+        _check_keys(s, layers)
+        _check_context_parallel(s, layers)
     if any(m.experts._trace_step is not None for m in layers.moe.values()) or any(
         m._trace_step is not None for m in layers.kv.values()
     ):
         raise RuntimeError("trace_guidance contexts do not nest: this model is already inside one")
-    hooks, bound = [], []
+    hooks, queues, gpu = [], [], _model_gpu(layers)
     try:
         for layer, moe in layers.moe.items():
-            ms = _moe_step(_layer_state(state, moe.experts, (FC1, FC2, "weights")), step, layer, moe)
-            moe.experts._trace_step = ms
-            bound.append(moe.experts)
-            hooks.append(moe.router.register_forward_pre_hook(ms.router_pre_hook))
-            hooks.append(moe.router.register_forward_hook(ms.router_hook))
+            q = MicroBatchQueue(layer, [
+                _moe_step(_layer_state(st, moe.experts, (FC1, FC2, "weights")), s, layer, moe)
+                for st, s in zip(states, steps)
+            ], bind=lambda ms, e=moe.experts: setattr(e, "_trace_step", ms), device=gpu)
+            queues.append(q)
+            hooks.append(moe.router.register_forward_pre_hook(
+                lambda router, args, q=q: q.select().router_pre_hook(router, args)))
+            hooks.append(moe.router.register_forward_hook(
+                lambda router, args, out, q=q: q.current.router_hook(router, args, out)))
         for layer, attn in layers.kv.items():
-            attn._trace_step = _kv_step(_layer_state(state, attn, KV_SITES), step, layer, attn)
-            bound.append(attn)
-        _step_facts([m._trace_step for m in bound])
-        yield TraceStep(state, layers)
+            q = MicroBatchQueue(layer, [
+                _kv_step(_layer_state(st, attn, KV_SITES), s, layer, attn) for st, s in zip(states, steps)
+            ], bind=lambda ks, a=attn: setattr(a, "_trace_step", ks), device=gpu)
+            queues.append(q)
+            hooks.append(attn.register_forward_pre_hook(q.pre_hook))
+        _step_facts([st for q in queues for st in q.steps])
+        yield TraceStep(states, layers)
+        check_all_ran(queues)
     except BaseException:
         read_and_reset(_finite_counters(layers))  # this step's NaN/Inf counts must not fail the next step
         raise
     finally:
         for h in hooks:
             h.remove()
-        for m in bound:
-            m._trace_step = None
+        for q in queues:
+            q.unbind()
         for moe in layers.moe.values():
             rr = moe.router.router_replay
             if rr is not None:
@@ -231,12 +282,30 @@ def trace_guidance(model, step: StepGuidance | None = None, *, record: bool = Fa
     counters = _finite_counters(layers)
     # one read: row counts, deferred checks, NaN/Inf counts, after their producers (not the whole backward)
     try:
-        counts = state.resolve(extra=count_tensors(counters), extra_ready=count_ready(counters))
+        counts = resolve_states(states, extra=count_tensors(counters), extra_ready=count_ready(counters))
     except BaseException:
         read_and_reset(counters)
         raise
     raise_if_bad(counters, when="in this trace_guidance step", counts=counts)  # (NaN/Inf before coverage)
-    _check_coverage(state, step)
+    for st, s in zip(states, steps):
+        _check_coverage(st, s)
+
+
+def _micro_batches(step) -> list[StepGuidance]:
+    if step is None:
+        return [StepGuidance()]
+    if isinstance(step, StepGuidance):
+        return [step]
+    if isinstance(step, (str, bytes, Mapping)) or not isinstance(step, Sequence):
+        raise TypeError(f"trace_guidance takes a StepGuidance, a list of them (one per micro-batch) or None, got "
+                        f"{type(step).__name__}")
+    steps = list(step)
+    if not steps:
+        raise ValueError("trace_guidance got an empty list of micro-batches' guidance")
+    bad = [type(s).__name__ for s in steps if not isinstance(s, StepGuidance)]
+    if bad:
+        raise TypeError(f"trace_guidance's list must hold StepGuidance objects, got {bad[:3]}")
+    return steps
 
 
 def _check_context_parallel(step: StepGuidance, layers: TraceLayers) -> None:
@@ -249,34 +318,36 @@ def _check_context_parallel(step: StepGuidance, layers: TraceLayers) -> None:
                          "contiguous shard, which context parallelism's chunks are not (not supported yet)")
 
 
-def guidance_to(step: StepGuidance, device, layers=None) -> StepGuidance:
+def guidance_to(step: StepGuidance, device, layers=None, records: bool = True) -> StepGuidance:
     """``step`` with every tensor on ``device`` (records, valid flags, expert ids, routing, token mask; only those
-    of ``layers`` when given); host tensors go to a GPU from pinned memory without blocking the host. Same
-    counter object."""
+    of ``layers`` when given; the records left where they are without ``records``); host tensors go to a GPU from
+    pinned memory without blocking the host. Same counter object."""
     device = torch.device(device)
     mv = lambda t: t if t is None else to_device_async(t, device)  # noqa: E731
     held = (lambda layer: True) if layers is None else set(layers).__contains__
-    sites = {key: dataclasses.replace(sg, record=_record_to(sg.record, mv), valid=mv(sg.valid),
-                                      expert_ids=mv(sg.expert_ids)) if held(key[0]) else sg
+    sites = {key: dataclasses.replace(sg, record=record_to(sg.record, mv) if records else sg.record,
+                                      valid=mv(sg.valid), expert_ids=mv(sg.expert_ids)) if held(key[0]) else sg
              for key, sg in step.sites.items()}
     routing = {layer: mv(r) if held(layer) else r for layer, r in step.routing.items()}
     return dataclasses.replace(step, sites=sites, routing=routing, token_mask=mv(step.token_mask))
 
 
-def _record_to(record, mv):
-    tensors = {f.name: mv(getattr(record, f.name)) for f in dataclasses.fields(record)
-               if isinstance(getattr(record, f.name), torch.Tensor)}
-    return dataclasses.replace(record, **tensors)
-
-
-def _on_model_device(step: StepGuidance, layers: TraceLayers) -> StepGuidance:
-    """Host guidance (e.g. assembled from the host cache) copied to the model's GPU once, at the context entry:
-    the forward's own copies from pageable memory would each wait for the stream, mid-forward."""
+def _model_gpu(layers: TraceLayers) -> torch.device | None:
+    """The GPU the TRACE modules' parameters are on (None: not on a GPU)."""
     modules = [*layers.moe.values(), *layers.kv.values()]
     device = next((p.device for m in modules for p in m.parameters()), None)
-    if device is None or device.type != "cuda":
+    return device if device is not None and device.type == "cuda" else None
+
+
+def _on_model_device(step: StepGuidance, layers: TraceLayers, records: bool = True) -> StepGuidance:
+    """Host guidance (e.g. assembled from the host cache) copied to the model's GPU once, at the context entry:
+    the forward's own copies from pageable memory would each wait for the stream, mid-forward. Without
+    ``records`` (several micro-batches) the records stay on the host: each layer brings its own to the GPU as its
+    forward of that micro-batch begins (``MicroBatchQueue``), so the GPU never holds every micro-batch's."""
+    device = _model_gpu(layers)
+    if device is None:
         return step
-    return guidance_to(step, device, layers=(*layers.moe, *layers.kv))  # this rank's layers (pipeline stages)
+    return guidance_to(step, device, layers=(*layers.moe, *layers.kv), records=records)  # this rank's layers
 
 
 def check_finite(model) -> None:
@@ -347,10 +418,11 @@ def _distinct_padding(routing: torch.Tensor, padding: torch.Tensor) -> torch.Ten
 
 
 def _routing_groups(steps) -> list[tuple[list, torch.Tensor]]:
-    """The layers' routing indices stacked by shape and device: (layers, int64 [L, B, S, topk])."""
+    """The layers' routing indices stacked by shape, device and micro-batch token mask: (layers, int64
+    [L, B, S, topk])."""
     by_kind: dict = {}
     for st in steps:
-        by_kind.setdefault((tuple(st.routing.shape), st.routing.device), []).append(st)
+        by_kind.setdefault((tuple(st.routing.shape), st.routing.device, id(st.state.token_mask)), []).append(st)
     return [(group, torch.stack([st.routing for st in group])) for group in by_kind.values()]
 
 
@@ -466,6 +538,7 @@ def _kv_step(state: StepState, step: StepGuidance, layer: int, attn) -> KVStep:
 
 def _check_coverage(state: StepState, step: StepGuidance) -> None:
     need = step.min_coverage if step.min_coverage is not None else state.config.min_coverage
-    cov = state.coverage_at_guided()
+    state.resolve()
+    cov = _coverage(state.stats)
     if cov < need:
         raise GuidanceCoverageError(f"guidance coverage {cov:.4f} at guided sites is below min_coverage={need}")

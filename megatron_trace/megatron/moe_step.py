@@ -52,6 +52,7 @@ from .step import (
     flat_record,
     flat_rows,
     local_seq,
+    site_on,
 )
 
 FC1, FC2 = "expert_fc1_in", "expert_fc2_in"
@@ -135,6 +136,20 @@ class MoEStep:
         self.routing_distinct = routing is None  # top-k distinct experts per token (replay: found per step)
         self._fwd: _Forward | None = None
         self._replay_slots = None
+        self._host: tuple[CheckedSite, CheckedSite] | None = None  # fc1, fc2 as given, while held (``hold``)
+
+    def hold(self, device) -> None:
+        """This micro-batch's records on ``device`` for its forward or recompute pass (``MicroBatchQueue``)."""
+        if self._host is None:
+            self._host = (self.fc1, self.fc2)
+            self.fc1, self.fc2 = site_on(self.fc1, device), site_on(self.fc2, device)
+
+    def release(self, keep_records: bool) -> None:
+        """Drop the forward's data and, unless ``keep_records`` (a recompute pass will come), the device records."""
+        self._fwd = None
+        if not keep_records and self._host is not None:
+            self.fc1, self.fc2 = self._host
+            self._host = None
 
     # ---- router hooks --------------------------------------------------------------------------
     def _seq(self, hidden_seq: int, full_seq: int) -> slice:
@@ -164,7 +179,6 @@ class MoEStep:
             rr.set_router_replay_action(RouterReplayAction.RECORD)
 
     def router_hook(self, router, args, output):
-        self.state.forward_seen(self.layer, "moe")
         hidden = args[0]  # [S, B, H]
         _, routing_map = output  # [T, E] bool
         S, B = hidden.shape[0], hidden.shape[1]

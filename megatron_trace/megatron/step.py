@@ -19,6 +19,7 @@ guidance and routing but is not counted again (``in_recompute``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections import Counter
@@ -32,6 +33,7 @@ from ..formats import CompactGuidance, FullGuidance, e2m1
 from ..guidance.site import NOT_GUIDED, FallbackCounter, SiteGuidance
 from ..kernels.checks import ReadyPoint, host_values
 from ..manifest import KV_SITES
+from .gemm import to_device_async
 from .rows import Record, RowGuidance, map_record, token_major
 
 logger = logging.getLogger(__name__)
@@ -75,18 +77,6 @@ class StepState:
     deferred: list = field(default_factory=list)  # (bool device tensor: bad, message) checked by ``resolve``
     index_cache: dict = field(default_factory=dict)  # row orders of this step's layouts (``token_index``)
     ready: ReadyPoint = field(default_factory=ReadyPoint)  # where the pending / deferred tensors are final
-    forwards: Counter = field(default_factory=Counter)  # (layer, "moe" | "kv") -> forwards seen (``forward_seen``)
-
-    def forward_seen(self, layer: int, what: str) -> None:
-        """A layer's forward began (its recompute pass aside): a second one in this context raises."""
-        if in_recompute():
-            return
-        key = (layer, what)
-        if self.forwards[key]:
-            raise RuntimeError(f"layer {layer} ran a second forward inside one trace_guidance context: its "
-                               "guidance and routing belong to one micro-batch; enter a context per micro-batch")
-        self.forwards[key] += 1
-
     def is_guided(self, layer: int, site: str) -> bool:
         c = self.config
         return layer in self.guided_layers and site in c.guided_sites and c.quantizes(site)
@@ -124,25 +114,7 @@ class StepState:
         ``extra``'s, whose values are returned). The read waits for the state's ready point (and
         ``extra_ready``, the points of ``extra``: ``checks.count_ready``), not for the whole stream; without
         ``extra_ready`` an ``extra`` is read after the whole stream."""
-        pending, deferred = list(self.pending), list(self.deferred)
-        self.pending.clear()  # in place: layer views of this state (``dataclasses.replace``) share the list
-        self.deferred.clear()
-        tensors = [v for _, _, u, r in pending for v in (u, *r.values()) if isinstance(v, torch.Tensor)]
-        own = tensors + [b for b, _ in deferred]
-        ready = None if extra and extra_ready is None else [self.ready] * bool(own) + list(extra_ready or ())
-        values = host_values(own + list(extra), ready=ready)
-        extra_values = values[len(values) - len(extra):]
-        values = values[: len(values) - len(extra)]
-        failed = [msg for (_, msg), bad in zip(deferred, values[len(tensors):]) if bad]
-        host = iter(values[: len(tensors)])
-        val = lambda v: next(host) if isinstance(v, torch.Tensor) else int(v)  # noqa: E731
-        for layer, site, used, reasons in pending:
-            used = val(used)
-            reasons = {k: n for k, n in ((k, val(v)) for k, v in reasons.items()) if n}
-            self._apply(layer, site, used, reasons)
-        if failed:
-            raise RuntimeError("; ".join(failed))
-        return extra_values
+        return resolve_states([self], extra, extra_ready)
 
     def _apply(self, layer: int, site: str, used: int, reasons: dict[str, int]) -> None:
         self.counter.add(used, reasons)
@@ -185,12 +157,6 @@ class StepState:
         """bool [n], all True: the valid flags of rows known (per step) to be valid; shared, never written."""
         return self.cached(("valid", n, torch.device(device)), lambda: torch.ones(n, dtype=torch.bool, device=device))
 
-    def coverage_at_guided(self) -> float:
-        self.resolve()
-        used = self.counter.used
-        fell = sum(v for k, v in self.counter.fallback.items() if k != NOT_GUIDED)
-        return used / (used + fell) if used + fell else 1.0
-
 
 def as_mode(record: Record, compact: bool) -> Record | None:
     """The record in the cache mode of the config: full -> compact is derived, compact -> full is impossible."""
@@ -212,6 +178,51 @@ class CheckedSite:
     sg: SiteGuidance | None
     reason: str | None
     all_valid: bool = False  # every row of sg is valid (found once per step, on the host)
+
+
+def resolve_states(states: list[StepState], extra: list[torch.Tensor] = (), extra_ready=None) -> list[int]:
+    """``StepState.resolve`` for several states (micro-batches) with one host read for all of them."""
+    taken = []
+    for st in states:
+        taken.append((st, list(st.pending), list(st.deferred)))
+        st.pending.clear()  # in place: layer views of a state (``dataclasses.replace``) share the list
+        st.deferred.clear()
+    tensors = [v for _, pending, _ in taken for _, _, u, r in pending for v in (u, *r.values())
+               if isinstance(v, torch.Tensor)]
+    flags = [b for _, _, deferred in taken for b, _ in deferred]
+    points = [st.ready for st, pending, deferred in taken if pending or deferred]
+    ready = None if extra and extra_ready is None else points * bool(tensors or flags) + list(extra_ready or ())
+    values = host_values(tensors + flags + list(extra), ready=ready)
+    extra_values = values[len(tensors) + len(flags):]
+    bad = iter(values[len(tensors): len(tensors) + len(flags)])
+    failed = [msg for _, _, deferred in taken for _, msg in deferred if next(bad)]
+    host = iter(values[: len(tensors)])
+    val = lambda v: next(host) if isinstance(v, torch.Tensor) else int(v)  # noqa: E731
+    for st, pending, _ in taken:
+        for layer, site, used, reasons in pending:
+            used = val(used)
+            reasons = {k: n for k, n in ((k, val(v)) for k, v in reasons.items()) if n}
+            st._apply(layer, site, used, reasons)
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return extra_values
+
+
+def record_to(record: Record, mv) -> Record:
+    """``record`` with ``mv`` applied to each of its tensors (a device move: shapes unchanged)."""
+    tensors = {f.name: mv(getattr(record, f.name)) for f in dataclasses.fields(record)
+               if isinstance(getattr(record, f.name), torch.Tensor)}
+    return dataclasses.replace(record, **tensors)
+
+
+def site_on(c: CheckedSite, device) -> CheckedSite:
+    """``c`` with its guidance tensors on ``device`` (None: left where they are); no copy where they are there."""
+    if c.sg is None or device is None:
+        return c
+    mv = lambda t: t if t is None else to_device_async(t, device)  # noqa: E731
+    sg = c.sg
+    return dataclasses.replace(c, sg=dataclasses.replace(sg, record=record_to(sg.record, mv), valid=mv(sg.valid),
+                                                         expert_ids=mv(sg.expert_ids)))
 
 
 def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[int, ...], config: TraceConfig,

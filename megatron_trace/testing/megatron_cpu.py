@@ -6,6 +6,7 @@ Megatron assumes CUDA in a few places (probed in shared/reference/megatron_cpu_p
   - ``moe_utils.te_general_gemm`` read unconditionally without Transformer Engine -> None
   - CUDA streams/events of the alltoall dispatcher -> no-op stand-ins (CPU work is synchronous)
   - alltoall split sizes must be numpy for all_to_all_single, done for CUDA tensors only -> also CPU
+  - the pipeline schedules' token counter ``torch.zeros([], device="cuda")`` -> on the CPU
 
 ``apply_cpu_shims()`` is explicit and idempotent; no product module calls it. On a GPU nothing
 here is used. Remove a shim when Megatron-Core stops needing it.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import types
 
 import torch
 
@@ -72,7 +74,26 @@ def apply_cpu_shims() -> None:
         return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
 
     tdisp.maybe_move_tensor_to_cpu = move_to_cpu
+    _schedules_on_cpu()
     _APPLIED = True
+
+
+class _TorchOnCpu(types.ModuleType):
+    """``torch`` as the pipeline schedules see it: ``zeros(..., device="cuda")`` made on the CPU."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+def _schedules_on_cpu() -> None:
+    """The schedules (``forward_backward_func``) make their token counter with a literal ``device="cuda"``."""
+    import megatron.core.pipeline_parallel.schedules as schedules
+
+    schedules.torch = _TorchOnCpu("torch")
 
 
 def fix_router_without_te() -> None:

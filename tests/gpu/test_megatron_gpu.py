@@ -307,3 +307,47 @@ def test_deferred_nan_check_names_the_site_and_keeps_the_nan(weights):
                 model(tokens, pos, mask)
             finally:
                 h.remove()
+
+
+def test_one_context_over_the_schedule_with_host_guidance(weights):
+    """Megatron's schedule over 4 micro-batches in one ``trace_guidance`` context, the guidance on the host (as the
+    cache assembles it), full activation recompute: each micro-batch's codes are its own rollout's at every guided
+    site (micro-batch 0's and 1's guidance swapped, they are not), and the layers' lazy copies of the records to
+    the GPU block the host nowhere (only the step's own resolutions do)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    n = 4
+    micro = [[t.to(DEVICE) for t in batch(seed=s)] for s in range(n)]
+    rollout = _model(weights)
+    perturb_non_experts(rollout, 0.01)
+    rolls = [_run(rollout, data)[2].recorded() for data in micro]
+    host = [move_step(r, "cpu") for r in rolls]
+    cfg = tiny_config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    model = build_model(cfg, trace_spec(stock_spec(cfg), GUIDED_ALL)).to(DEVICE)
+    model.load_state_dict(weights, strict=True)
+
+    def forward_step(data_iterator, model):
+        tokens, pos, mask, labels = next(data_iterator)
+        return model(tokens, pos, mask, labels=labels), lambda out: (out.float().mean(), {})
+
+    def step(guidance):
+        with trace_guidance(model, guidance, record=True, compact=False) as h:
+            get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(micro), model=[model],
+                                        num_microbatches=n, seq_length=micro[0][0].shape[1], micro_batch_size=2,
+                                        forward_only=False)
+        return h
+
+    step(host)  # warm-up
+    holder = {}
+    run = lambda: holder.setdefault("h", step(host))  # noqa: E731
+    syncs = _project_syncs(run) if DEVICE == "cuda" else run() and []  # (the CPU dry run has no sync mode)
+    h = holder["h"]
+    assert all(any(f in s for f in ("megatron/context.py", "megatron/step.py", "kernels/checks.py"))
+               for s in syncs), syncs
+    assert h.coverage() == 1.0 and not h.counter.fallback
+    for i, roll in enumerate(rolls):
+        got = h.microbatch(i).recorded()
+        assert all(mismatches(got.sites[key], roll.sites[key]) == 0 for key in KEYS), i
+    swapped = step([host[1], host[0], *host[2:]])
+    assert sum(mismatches(swapped.microbatch(0).recorded().sites[key], rolls[0].sites[key]) for key in KEYS) > 0
+    _metric("microbatch_queue_project_syncs", len(syncs))

@@ -1,0 +1,94 @@
+"""Which micro-batch's guidance a layer's forward uses when one ``trace_guidance`` context spans several
+micro-batches (Megatron's ``forward_backward_func`` with ``num_microbatches > 1``, pipeline 1F1B included).
+
+Each layer takes the micro-batches' steps in order: its k-th forward uses step k. Megatron's schedules run every
+model chunk's micro-batches in order, forwards and backwards alike, so a layer's k-th forward is micro-batch k
+whatever the interleaving across stages. A forward that runs inside an activation checkpoint (its first,
+gradient-free pass) is queued, and the recompute passes in the backward take the queued steps in the same order:
+micro-batches run without checkpointing (``num_microbatches_with_partial_activation_checkpoints``) are skipped
+correctly. The recompute pass is not counted as a forward.
+
+With several micro-batches a layer holds on the GPU only the records of the micro-batches it still needs: its
+step's records move there as the step is selected, and go back to the host copies (freeing the device copies)
+when the layer moves on, unless the backward will recompute that micro-batch. The step's per-forward data
+(``MoEStep``'s virtual tokens) is dropped then too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import torch
+from megatron.core.tensor_parallel.random import is_checkpointing
+
+from .step import in_recompute
+
+
+class MicroBatchQueue:
+    """The per-micro-batch steps (``MoEStep`` or ``KVStep``) of one layer; ``select`` picks the current one and
+    hands it to ``bind`` (the module that reads it)."""
+
+    def __init__(self, layer: int, steps: Sequence, bind: Callable[[object], None], device=None):
+        if not steps:
+            raise ValueError("a micro-batch queue needs at least one step")
+        self.layer, self.steps, self._bind, self.device = layer, list(steps), bind, device
+        self.forwards = 0  # forwards begun (recompute passes aside)
+        self._checkpointed: deque[int] = deque()  # micro-batches whose forward the backward will recompute
+        self._index: int | None = None  # the current step's micro-batch (None before the first forward)
+        self.current = self.steps[0]
+        bind(self.current)
+
+    def select(self):
+        """The step of the forward (or recompute pass) that begins now."""
+        n = len(self.steps)
+        if in_recompute():
+            if self._checkpointed:
+                i = self._checkpointed.popleft()
+            elif n == 1:
+                i = 0
+            else:
+                raise RuntimeError(f"layer {self.layer}: a recompute pass with no checkpointed forward left to "
+                                   f"replay (of {n} micro-batches); was the forward run outside this context?")
+        else:
+            i = self.forwards
+            if i >= n:
+                raise RuntimeError(_too_many(self.layer, n))
+            self.forwards += 1
+            if is_checkpointing() and not torch.is_grad_enabled():  # an activation checkpoint's first pass
+                self._checkpointed.append(i)
+        if n > 1:  # (one micro-batch: its records went to the GPU at the context entry)
+            prev = self._index
+            if prev is not None and prev != i:
+                self.steps[prev].release(keep_records=prev in self._checkpointed)
+            self.steps[i].hold(self.device)
+        self._index = i
+        self.current = self.steps[i]
+        self._bind(self.current)
+        return self.current
+
+    def pre_hook(self, module, args) -> None:
+        """Forward pre-hook of the module that reads the steps (the KV site's core attention)."""
+        self.select()
+
+    def unbind(self) -> None:
+        self._bind(None)
+
+
+def _too_many(layer: int, n: int) -> str:
+    if n == 1:
+        return (f"layer {layer} ran a second forward inside one trace_guidance context: its guidance and routing "
+                "belong to one micro-batch; enter a context per micro-batch, or give the context one StepGuidance "
+                "per micro-batch (a list)")
+    return (f"layer {layer} ran forward {n + 1} inside one trace_guidance context given guidance for {n} "
+            "micro-batches: give one StepGuidance per micro-batch the context runs")
+
+
+def check_all_ran(queues: Sequence[MicroBatchQueue]) -> None:
+    """With guidance for several micro-batches, every layer must have run each of them once (none left unused)."""
+    n = len(queues[0].steps) if queues else 1
+    short = sorted({q.layer for q in queues if q.forwards != n})
+    if n > 1 and short:
+        ran = sorted({q.forwards for q in queues if q.forwards != n})
+        raise ValueError(f"trace_guidance was given guidance for {n} micro-batches but layers {short} ran {ran} "
+                         "forwards: pass one StepGuidance per micro-batch of the forward_backward call")

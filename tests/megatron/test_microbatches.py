@@ -1,0 +1,215 @@
+"""One ``trace_guidance`` context around Megatron's ``forward_backward_func`` with one ``StepGuidance`` per
+micro-batch: the same gradients, records and counts, bit for bit, as one context per micro-batch, with and without
+activation recomputation (pipeline parallelism: test_pipeline.py)."""
+
+import pytest
+import torch
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.guidance.site import FallbackCounter
+from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
+
+from .harness import SEQ, batch, build_model, stock_spec, tiny_config
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+TC = TraceConfig(guided_layers="last_k", guided_last_k=2, sites=("expert_fc1_in", "expert_fc2_in", "weights",
+                                                                 "kv_k", "kv_v"))
+N = 4  # micro-batches (a power of two: the schedule's loss / N is exact, like the reference's)
+RECOMPUTE = {
+    "none": {},
+    "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "selective_moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
+    "selective_core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
+}
+
+
+def _model(**mcfg):
+    cfg = tiny_config(**mcfg)
+    return build_model(cfg, trace_spec(stock_spec(cfg), TC))
+
+
+@pytest.fixture(scope="module")
+def rollout():
+    return make_rollout()
+
+
+def make_rollout():
+    """N micro-batches and their rollout guidance (a slightly different model). Micro-batch 0 has padding at its
+    last 3 positions, replayed there as expert 0 twice (what the rollouts fill padding with); micro-batch 2 routes
+    its last real token to one expert twice, at the same positions: each micro-batch's padding must be its own."""
+    roll = _model(init_method_std=0.051)
+    micro = [batch(seed=s) for s in range(N)]
+    steps = []
+    for tokens, pos, mask, _ in micro:
+        with trace_guidance(roll, record=True, compact=False) as h, torch.no_grad():
+            roll(tokens, pos, mask)
+        steps.append(h.recorded())
+    masks = [None] * N
+    masks[0] = torch.ones(2, SEQ, dtype=torch.bool)
+    masks[0][:, -3:] = False
+    for layer, r in steps[0].routing.items():
+        r[:, -3:] = 0
+        steps[2].routing[layer][:, -1] = steps[2].routing[layer][:, -1, :1]
+    return micro, [(s, m) for s, m in zip(steps, masks)]
+
+
+def _steps(guidance, counter: FallbackCounter) -> list[StepGuidance]:
+    return [StepGuidance(sites=g.sites, routing=g.routing, token_mask=m, counter=counter) for g, m in guidance]
+
+
+def _grads(model) -> dict:
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _per_microbatch(model, micro, guidance):
+    """The reference: one context per micro-batch, forward and backward inside, the loss / N."""
+    counter, recorded, stats = FallbackCounter(), [], {}
+    for (tokens, pos, mask, labels), step in zip(micro, _steps(guidance, counter)):
+        with trace_guidance(model, step, record=True, compact=False) as h:
+            (model(tokens, pos, mask, labels=labels).float().mean() / N).backward()
+        recorded.append(h.recorded())
+        for key, v in h.stats().items():
+            stats[key] = stats.get(key, 0) + v
+    return _grads(model), recorded, stats, counter
+
+
+def forward_step(data_iterator, model):
+    tokens, pos, mask, labels = next(data_iterator)
+    return model(tokens, pos, mask, labels=labels), lambda out: (out.float().mean(), {})
+
+
+def _schedule(model, micro, num_microbatches=N):
+    return get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter(micro), model=[model], num_microbatches=num_microbatches,
+        seq_length=SEQ, micro_batch_size=2, forward_only=False)
+
+
+def _one_context(model, micro, guidance):
+    counter = FallbackCounter()
+    with trace_guidance(model, _steps(guidance, counter), record=True, compact=False) as h:
+        _schedule(model, micro)
+    return _grads(model), [h.microbatch(i).recorded() for i in range(N)], h.stats(), h.counter
+
+
+def _same_records(got, want) -> None:
+    assert got.routing.keys() == want.routing.keys() and got.sites.keys() == want.sites.keys()
+    for layer, r in want.routing.items():
+        assert torch.equal(got.routing[layer], r), layer
+    for key, sg in want.sites.items():
+        assert torch.equal(got.sites[key].record.codes, sg.record.codes), key
+        assert torch.equal(got.sites[key].record.block_scales, sg.record.block_scales), key
+
+
+@pytest.mark.parametrize("kind", list(RECOMPUTE))
+def test_one_context_over_the_schedule_equals_a_context_per_microbatch(rollout, kind):
+    micro, guidance = rollout
+    g0, r0, s0, c0 = _per_microbatch(_model(), micro, guidance)
+    g1, r1, s1, c1 = _one_context(_model(**RECOMPUTE[kind]), micro, guidance)
+    assert c0.used > 0 and c0.fallback["not_guided_layer"] > 0 and c0.fallback["invalid_row"] == 0
+    assert s1 == s0 and (c1.used, dict(c1.fallback)) == (c0.used, dict(c0.fallback))  # each row counted once
+    assert g1.keys() == g0.keys() and all(torch.equal(g1[n], g0[n]) for n in g0)
+    for got, want in zip(r1, r0):
+        _same_records(got, want)
+
+
+def test_the_microbatches_guidance_is_not_interchangeable(rollout):
+    """The check above has teeth: micro-batch 1's guidance in micro-batch 0's place changes the gradients."""
+    micro, guidance = rollout
+    g0, *_ = _one_context(_model(), micro, guidance)
+    g1, *_ = _one_context(_model(), micro, [guidance[1], guidance[0], *guidance[2:]])
+    assert any(not torch.equal(g1[n], g0[n]) for n in g0)
+
+
+def test_more_forwards_than_steps_raise(rollout):
+    micro, guidance = rollout
+    model = _model()
+    with pytest.raises(RuntimeError, match=f"ran forward {N} inside one trace_guidance context given guidance "
+                                           f"for {N - 1} micro-batches"):
+        with trace_guidance(model, _steps(guidance[:-1], FallbackCounter())):
+            _schedule(model, micro)
+    _one_context(model, micro, guidance)  # the model is usable after
+
+
+def test_steps_left_unused_raise(rollout):
+    micro, guidance = rollout
+    model = _model()
+    with pytest.raises(ValueError, match=rf"guidance for {N} micro-batches but layers \[0, 1, 2, 3\] ran \[{N - 1}\]"):
+        with trace_guidance(model, _steps(guidance, FallbackCounter())):
+            _schedule(model, micro, num_microbatches=N - 1)
+
+
+def test_bad_step_lists_are_refused(rollout):
+    _, guidance = rollout
+    model = _model()
+    with pytest.raises(ValueError, match="empty list"):
+        with trace_guidance(model, []):
+            pass
+    with pytest.raises(TypeError, match="must hold StepGuidance objects, got \\['dict'\\]"):
+        with trace_guidance(model, [{}]):
+            pass
+    with pytest.raises(TypeError, match="got dict"):
+        with trace_guidance(model, {0: None}):
+            pass
+    with trace_guidance(model, _steps(guidance[:2], FallbackCounter())) as h:
+        tokens, pos, mask, _ = batch()
+        with torch.no_grad():
+            model(tokens, pos, mask)
+            model(tokens, pos, mask)
+    with pytest.raises(ValueError, match=r"h.microbatch\(i\).recorded\(\)"):
+        h.recorded()
+    with pytest.raises(IndexError, match="micro-batch 2 of 2"):
+        h.microbatch(2)
+
+
+class _Step:
+    """A layer's step for one micro-batch, as ``MicroBatchQueue`` sees it: held on the device or not."""
+
+    def __init__(self):
+        self.held = False
+
+    def hold(self, device):
+        self.held = True
+
+    def release(self, keep_records):
+        self.held = self.held and keep_records
+
+
+@pytest.mark.parametrize("checkpointed", [(True, True, True, True), (False,) * 4, (True, False, True, False)],
+                         ids=["all", "none", "partial"])
+def test_the_queue_replays_the_recomputed_microbatch_and_holds_only_those_it_needs(checkpointed):
+    """Stage 0 of a 2-stage 1F1B schedule (F0 F1 B0 F2 B1 F3 B2 B3) through Megatron's activation checkpoint: each
+    recompute pass gets the micro-batch it recomputes (the forwards not checkpointed are skipped), and a layer holds
+    on the device only the current micro-batch's records and those a recompute pass still needs."""
+    from megatron.core import tensor_parallel
+
+    from megatron_trace.megatron.microbatch import MicroBatchQueue
+
+    steps = [_Step() for _ in range(N)]
+    seen = []
+    q = MicroBatchQueue(0, steps, bind=lambda s: None)
+
+    def layer(x):
+        seen.append(steps.index(q.select()))
+        return x * 2
+
+    outs = {}
+
+    def forward(i):
+        x = torch.ones(2, requires_grad=True)
+        outs[i] = tensor_parallel.checkpoint(layer, False, x) if checkpointed[i] else layer(x)
+        assert seen[-1] == i
+
+    def backward(i):
+        n = len(seen)
+        outs.pop(i).sum().backward()
+        assert seen[n:] == ([i] if checkpointed[i] else [])  # the recompute pass replays micro-batch i
+        pending = {j for j in outs if checkpointed[j]}
+        assert steps[seen[-1]].held
+        assert {j for j, s in enumerate(steps) if s.held} <= pending | {seen[-1]}
+
+    for op, i in [(forward, 0), (forward, 1), (backward, 0), (forward, 2), (backward, 1), (forward, 3),
+                  (backward, 2), (backward, 3)]:
+        op(i)
+    assert q.forwards == N and seen[:2] == [0, 1]
