@@ -238,8 +238,8 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
         guided_layers=frozenset(guided_layers(cfg, layers.num_layers)), token_mask=s.token_mask,
         recorder=Recorder(cfg.cache_mode == "compact" if compact is None else compact) if record else None,
     ) for s in steps]
+    _check_keys(steps, layers)
     for s in steps:
-        _check_keys(s, layers)
         _check_context_parallel(s, layers)
     if any(m.experts._trace_step is not None for m in layers.moe.values()) or any(
         m._trace_step is not None for m in layers.kv.values()
@@ -472,22 +472,29 @@ def trace_record(model, *, compact: bool | None = None):
     return trace_guidance(model, None, record=True, compact=compact)
 
 
-def _check_keys(step: StepGuidance, layers: TraceLayers) -> None:
+def _check_keys(steps: list[StepGuidance], layers: TraceLayers) -> None:
+    """Keys no module of this rank uses are logged (once for all micro-batches); routing missing for a MoE layer of
+    this rank raises, naming the micro-batch when there are several."""
     known = set(layers.moe) | set(layers.kv)
-    stray = sorted({k[0] for k in step.sites if k[0] not in known} | {k for k in step.routing if k not in layers.moe})
+    sites = {k for step in steps for k in step.sites}
+    routed = {k for step in steps for k in step.routing}
+    stray = sorted({k[0] for k in sites if k[0] not in known} | {k for k in routed if k not in layers.moe})
     outside = [k for k in stray if k >= layers.num_layers]
-    unused = sorted(k for k in step.sites if not layers.config.quantizes(k[1]))
+    unused = sorted(k for k in sites if not layers.config.quantizes(k[1]))
     if outside or unused:  # keys no rank of this model can use: a producer/consumer mismatch
         logger.warning("guidance keys that match no TRACE module are ignored: layers %s outside 0..%d, "
                        "sites not quantized %s", outside, layers.num_layers - 1, unused[:8])
     if stray:  # normal under pipeline parallelism: other stages hold these layers
         logger.debug("guidance for layers this rank does not hold is ignored: %s", stray)
-    if step.routing and not layers.config.routing_replay:
+    if routed and not layers.config.routing_replay:
         logger.warning("routing indices are ignored: TraceConfig.routing_replay=False")
-    elif step.routing:
-        missing = sorted(set(layers.moe) - set(step.routing))
+        return
+    for i, step in enumerate(steps):
+        missing = sorted(set(layers.moe) - set(step.routing)) if step.routing else []
         if missing:
-            raise ValueError(f"routing indices are missing for MoE layers {missing} (given for {sorted(step.routing)})")
+            which = f"micro-batch {i}: " if len(steps) > 1 else ""
+            raise ValueError(f"{which}routing indices are missing for MoE layers {missing} (given for "
+                             f"{sorted(step.routing)})")
 
 
 def _layer_state(state: StepState, module, sites: tuple[str, ...]) -> StepState:

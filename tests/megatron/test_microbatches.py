@@ -152,6 +152,11 @@ def test_bad_step_lists_are_refused(rollout):
     with pytest.raises(TypeError, match="got dict"):
         with trace_guidance(model, {0: None}):
             pass
+    partial = _steps(guidance[:2], FallbackCounter())
+    partial[1] = StepGuidance(sites=partial[1].sites, routing={k: v for k, v in partial[1].routing.items() if k})
+    with pytest.raises(ValueError, match=r"micro-batch 1: routing indices are missing for MoE layers \[0\]"):
+        with trace_guidance(model, partial):
+            pass
     with trace_guidance(model, _steps(guidance[:2], FallbackCounter())) as h:
         tokens, pos, mask, _ = batch()
         with torch.no_grad():
