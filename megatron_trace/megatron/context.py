@@ -526,6 +526,10 @@ def _moe_step(state: StepState, step: StepGuidance, layer: int, moe: MoELayer) -
         for s in (FC1, FC2)
     }
     ms = MoEStep(state, layer, moe, checked[FC1], checked[FC2], routing)
+    if ms.needs_dispatch and getattr(mcfg, "overlap_moe_expert_parallel_comm", False):
+        raise ValueError("guidance rows (and recording) are not supported with overlap_moe_expert_parallel_comm=True: "
+                         "its schedule runs the MoE layer's dispatch and experts as separate pieces on their own "
+                         "streams, which the guidance rows' dispatch has not been verified against")
     if ms.needs_dispatch and (mcfg.moe_expert_capacity_factor is not None or mcfg.moe_router_padding_for_quantization):
         raise ValueError("guidance rows follow the tokens only in dropless MoE "
                          "(moe_expert_capacity_factor=None, moe_router_padding_for_quantization=False)")

@@ -218,3 +218,18 @@ def test_the_queue_replays_the_recomputed_microbatch_and_holds_only_those_it_nee
                   (backward, 2), (backward, 3)]:
         op(i)
     assert q.forwards == N and seen[:2] == [0, 1]
+
+
+def test_guidance_refuses_the_expert_parallel_overlap_schedule(rollout):
+    """``overlap_moe_expert_parallel_comm`` (EP > 1 only; set here after the config's checks) runs the MoE layer in
+    pieces on their own streams: guidance rows are refused there, plain QAT steps (no context) are not."""
+    _, guidance = rollout
+    model = _model()
+    for layer in model.decoder.layers:
+        layer.mlp.config.overlap_moe_expert_parallel_comm = True
+    with pytest.raises(ValueError, match="not supported with overlap_moe_expert_parallel_comm=True"):
+        with trace_guidance(model, _steps(guidance[:1], FallbackCounter())):
+            pass
+    tokens, pos, mask, _ = batch()
+    with torch.no_grad():
+        assert torch.isfinite(model(tokens, pos, mask)).all()
