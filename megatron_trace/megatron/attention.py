@@ -47,9 +47,9 @@ class KVStep:
             self._host = self.sites
             self.sites = {site: site_on(c, device) for site, c in self.sites.items()}
 
-    def release(self, keep_records: bool) -> None:
-        """Back to the host records unless ``keep_records`` (a recompute pass will come)."""
-        if not keep_records and self._host is not None:
+    def release(self) -> None:
+        """Back to the host records (the device copies dropped)."""
+        if self._host is not None:
             self.sites, self._host = self._host, None
 
     def rows(self, site: str, x: torch.Tensor) -> RowGuidance | None:

@@ -37,6 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from megatron.core.tensor_parallel.random import _unset_checkpointing, is_checkpointing
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
@@ -62,9 +63,11 @@ class StepGuidance:
 
     sites: rollout records per (layer id, site). routing: rollout expert choices per layer id,
     int64 [B, S, topk] (replayed with Megatron's RouterReplay). counter: where the modules count
-    used rows and fallbacks (pass a fresh one; ``guidance.records.assemble`` counts on its own).
-    token_mask: bool [B, S], positions holding tokens (padding is not counted). fallback and
-    min_coverage override the model's TraceConfig when given.
+    used rows and fallbacks (one may be shared by micro-batches and steps: it adds up;
+    ``guidance.records.assemble`` counts on its own). token_mask: bool [B, S], positions holding tokens (padding
+    is not counted). fallback and min_coverage override the model's TraceConfig when given; min_coverage is
+    checked on the rows of the ``trace_guidance`` context it is given to (all its micro-batches; the strictest
+    value where they differ), not on a counter shared with other contexts.
     """
 
     sites: Mapping[SiteKey, SiteGuidance] = field(default_factory=dict)
@@ -169,26 +172,28 @@ class TraceStep:
     """What ``trace_guidance`` yields: the counter, per-site stats and (when recording) the records, of every
     micro-batch the context ran (``microbatch(i)``: of one)."""
 
-    def __init__(self, states: Sequence[StepState], layers: TraceLayers):
-        self.states, self.layers = list(states), layers
+    def __init__(self, states: Sequence[StepState], layers: TraceLayers, whole: bool = True):
+        self.states, self.layers, self._whole = list(states), layers, whole
 
     def microbatch(self, i: int) -> TraceStep:
         """The same, for micro-batch ``i`` (the i-th ``StepGuidance`` given) alone."""
         if not -len(self.states) <= i < len(self.states):
             raise IndexError(f"micro-batch {i} of {len(self.states)}")
-        return TraceStep([self.states[i]], self.layers)
+        return TraceStep([self.states[i]], self.layers, whole=len(self.states) == 1)
 
     @property
     def counter(self) -> FallbackCounter:
-        """The micro-batches' counter (one object if they share it, else their sum)."""
+        """The StepGuidance's own counter when every micro-batch of the context shares one (it also holds what the
+        caller counted into it before); else (``microbatch(i)`` of several, or micro-batches with counters of their
+        own) a new ``FallbackCounter`` of this view's rows."""
         for st in self.states:
             st.resolve()
-        counters = list({id(st.counter): st.counter for st in self.states}.values())
-        if len(counters) == 1:
-            return counters[0]
+        counters = {id(st.counter): st.counter for st in self.states}
+        if self._whole and len(counters) == 1:
+            return next(iter(counters.values()))
         total = FallbackCounter()
-        for c in counters:
-            total.add(c.used, c.fallback)
+        for (_, _, reason), v in self.stats().items():
+            total.add(v, None) if reason == "used" else total.add(0, {reason: v})
         return total
 
     def stats(self) -> dict:
@@ -200,7 +205,8 @@ class TraceStep:
         return dict(total)
 
     def coverage(self) -> float:
-        """Used rows / rows at guided layers (rows of layers outside the policy excluded)."""
+        """Used rows / rows at guided layers (rows of layers outside the policy excluded), over this context's rows
+        (what ``min_coverage`` is checked on; a counter shared with other contexts may hold more)."""
         return _coverage(self.stats())
 
     def recorded(self) -> StepGuidance:
@@ -269,6 +275,8 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
         check_all_ran(queues)
     except BaseException:
         read_and_reset(_finite_counters(layers))  # this step's NaN/Inf counts must not fail the next step
+        if is_checkpointing():  # an error inside a checkpoint's first pass leaves Megatron's flag set: the next
+            _unset_checkpointing()  # step's forwards would then pass for recompute passes
         raise
     finally:
         for h in hooks:
@@ -288,8 +296,7 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
         read_and_reset(counters)
         raise
     raise_if_bad(counters, when="in this trace_guidance step", counts=counts)  # (NaN/Inf before coverage)
-    for st, s in zip(states, steps):
-        _check_coverage(st, s)
+    _check_coverage(states, steps)
 
 
 def _micro_batches(step) -> list[StepGuidance]:
@@ -343,12 +350,20 @@ def _model_gpu(layers: TraceLayers) -> torch.device | None:
 def _on_model_device(step: StepGuidance, layers: TraceLayers, records: bool = True) -> StepGuidance:
     """Host guidance (e.g. assembled from the host cache) copied to the model's GPU once, at the context entry:
     the forward's own copies from pageable memory would each wait for the stream, mid-forward. Without
-    ``records`` (several micro-batches) the records stay on the host: each layer brings its own to the GPU as its
-    forward of that micro-batch begins (``MicroBatchQueue``), so the GPU never holds every micro-batch's."""
+    ``records`` (several micro-batches) the records stay on the host, pinned here: each layer brings its own to the
+    GPU as its forward of that micro-batch begins (``MicroBatchQueue``), so the GPU never holds every
+    micro-batch's."""
     device = _model_gpu(layers)
     if device is None:
         return step
-    return guidance_to(step, device, layers=(*layers.moe, *layers.kv), records=records)  # this rank's layers
+    mine = (*layers.moe, *layers.kv)  # this rank's layers
+    step = guidance_to(step, device, layers=mine, records=records)
+    if records:
+        return step
+    pin = lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory()  # noqa: E731  (once, not mid-forward:
+    return dataclasses.replace(step, sites={  # allocating pinned memory can wait for the device)
+        key: dataclasses.replace(sg, record=record_to(sg.record, pin)) if key[0] in mine else sg
+        for key, sg in step.sites.items()})
 
 
 def check_finite(model) -> None:
@@ -447,9 +462,15 @@ def _kv_step(state: StepState, step: StepGuidance, layer: int, attn) -> KVStep:
     return KVStep(state, layer, checked, first)
 
 
-def _check_coverage(state: StepState, step: StepGuidance) -> None:
-    need = step.min_coverage if step.min_coverage is not None else state.config.min_coverage
-    state.resolve()
-    cov = _coverage(state.stats)
+def _check_coverage(states: list[StepState], steps: list[StepGuidance]) -> None:
+    """``min_coverage`` (the strictest a StepGuidance gives, else the config's) over the context's rows: one
+    micro-batch, or all the micro-batches of a list."""
+    given = [s.min_coverage for s in steps if s.min_coverage is not None]
+    need = max(given) if given else states[0].config.min_coverage
+    stats = Counter()
+    for st in states:
+        st.resolve()
+        stats.update(st.stats)
+    cov = _coverage(stats)
     if cov < need:
         raise GuidanceCoverageError(f"guidance coverage {cov:.4f} at guided sites is below min_coverage={need}")

@@ -8,10 +8,11 @@ gradient-free pass) is queued, and the recompute passes in the backward take the
 micro-batches run without checkpointing (``num_microbatches_with_partial_activation_checkpoints``) are skipped
 correctly. The recompute pass is not counted as a forward.
 
-With several micro-batches a layer holds on the GPU only the records of the micro-batches it still needs: its
-step's records move there as the step is selected, and go back to the host copies (freeing the device copies)
-when the layer moves on, unless the backward will recompute that micro-batch. The step's per-forward data
-(``MoEStep``'s virtual tokens) is dropped then too.
+With several micro-batches a layer holds on the GPU the records of one micro-batch at a time: its step's records
+move there (from pinned host memory) as the step is selected, forward or recompute pass, and the device copies are
+dropped when the layer moves on, with the step's per-forward data (``MoEStep``'s virtual tokens). A micro-batch
+that is recomputed is copied again then: a forward-only run through activation checkpoints (whose recompute never
+comes) holds no more than any other.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ class MicroBatchQueue:
         if n > 1:  # (one micro-batch: its records went to the GPU at the context entry)
             prev = self._index
             if prev is not None and prev != i:
-                self.steps[prev].release(keep_records=prev in self._checkpointed)
+                self.steps[prev].release()
             self.steps[i].hold(self.device)
         self._index = i
         self.current = self.steps[i]

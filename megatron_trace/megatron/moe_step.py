@@ -144,10 +144,10 @@ class MoEStep:
             self._host = (self.fc1, self.fc2)
             self.fc1, self.fc2 = site_on(self.fc1, device), site_on(self.fc2, device)
 
-    def release(self, keep_records: bool) -> None:
-        """Drop the forward's data and, unless ``keep_records`` (a recompute pass will come), the device records."""
+    def release(self) -> None:
+        """Drop the forward's data and the device records (back to the host ones)."""
         self._fwd = None
-        if not keep_records and self._host is not None:
+        if self._host is not None:
             self.fc1, self.fc2 = self._host
             self._host = None
 
@@ -173,6 +173,9 @@ class MoEStep:
             idx = r.to(hidden.device).reshape(-1, r.shape[2]).index_select(0, token)  # [T, topk]
             # (the index range of every layer was checked once for the step: ``trace_guidance``)
             rr.set_target_indices(idx)
+            # (recompute passes replay from this step too, with REPLAY_FORWARD: Megatron's backward list, which
+            # set_target_indices appends to, would keep every call's indices until the context exits)
+            rr.replay_backward_list.clear()
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             self._replay_slots = idx
         elif self.state.recorder is not None and rr is not None:

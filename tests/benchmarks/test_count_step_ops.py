@@ -19,5 +19,5 @@ def test_guided_ops_are_attributed_to_the_guided_plumbing(tmp_path):
     qat, guided = out["fp4_qat"], out["trace_guided"]
     assert out["guided_minus_qat_ops"] == guided["total_ops"] - qat["total_ops"] > 0
     files = {line.split(":")[0] for line, _ in guided["top"]}
-    assert {"megatron/moe_step.py", "megatron/context.py"} <= files  # router hooks, step facts
+    assert {"megatron/moe_step.py", "megatron/facts.py"} <= files  # router hooks, step facts
     assert not any(line.startswith("megatron/moe_step.py") for line, _ in qat["top"])  # no guidance context

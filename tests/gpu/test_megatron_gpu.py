@@ -49,6 +49,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SITES = ("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v")
 KEYS = [(layer, s) for layer in range(LAYERS) for s in SITES]
 GUIDED_ALL = TraceConfig(guided_layers="all", cache_mode="full")
+STEP_SYNC_FILES = ("megatron/context.py", "megatron/facts.py", "megatron/step.py", "kernels/checks.py")  # the step's
+# own host reads: the facts up front, the counts and checks at the exit
 
 
 def _metric(name: str, value) -> None:
@@ -278,8 +280,7 @@ def test_qat_steps_block_the_host_only_at_the_step_boundary(weights):
     plain(), guided()  # warm-up (Triton compiles)
     assert _project_syncs(plain) == []
     syncs = _project_syncs(guided)
-    assert all(any(f in s for f in ("megatron/context.py", "megatron/step.py", "kernels/checks.py"))
-               for s in syncs), syncs
+    assert all(any(f in s for f in STEP_SYNC_FILES) for s in syncs), syncs
     assert len(syncs) <= 4, syncs
     _metric("guided_step_project_syncs", len(syncs))
 
@@ -341,8 +342,7 @@ def test_one_context_over_the_schedule_with_host_guidance(weights):
     step(host, record=False)  # warm-up
     run = lambda: step(host, record=False)  # noqa: E731
     syncs = _project_syncs(run) if DEVICE == "cuda" else run() and []  # (the CPU dry run has no sync mode)
-    assert all(any(f in s for f in ("megatron/context.py", "megatron/step.py", "kernels/checks.py"))
-               for s in syncs), syncs
+    assert all(any(f in s for f in STEP_SYNC_FILES) for s in syncs), syncs
     h = step(host)
     assert h.coverage() == 1.0 and not h.counter.fallback
     for i, roll in enumerate(rolls):

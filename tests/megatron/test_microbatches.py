@@ -177,8 +177,8 @@ class _Step:
     def hold(self, device):
         self.held = True
 
-    def release(self, keep_records):
-        self.held = self.held and keep_records
+    def release(self):
+        self.held = False
 
 
 @pytest.mark.parametrize("checkpointed", [(True, True, True, True), (False,) * 4, (True, False, True, False)],
@@ -186,7 +186,7 @@ class _Step:
 def test_the_queue_replays_the_recomputed_microbatch_and_holds_only_those_it_needs(checkpointed):
     """Stage 0 of a 2-stage 1F1B schedule (F0 F1 B0 F2 B1 F3 B2 B3) through Megatron's activation checkpoint: each
     recompute pass gets the micro-batch it recomputes (the forwards not checkpointed are skipped), and a layer holds
-    on the device only the current micro-batch's records and those a recompute pass still needs."""
+    on the device only the current micro-batch's records."""
     from megatron.core import tensor_parallel
 
     from megatron_trace.megatron.microbatch import MicroBatchQueue
@@ -210,9 +210,7 @@ def test_the_queue_replays_the_recomputed_microbatch_and_holds_only_those_it_nee
         n = len(seen)
         outs.pop(i).sum().backward()
         assert seen[n:] == ([i] if checkpointed[i] else [])  # the recompute pass replays micro-batch i
-        pending = {j for j in outs if checkpointed[j]}
-        assert steps[seen[-1]].held
-        assert {j for j, s in enumerate(steps) if s.held} <= pending | {seen[-1]}
+        assert steps[seen[-1]].held and sum(s.held for s in steps) == 1
 
     for op, i in [(forward, 0), (forward, 1), (backward, 0), (forward, 2), (backward, 1), (forward, 3),
                   (backward, 2), (backward, 3)]:
@@ -233,3 +231,62 @@ def test_guidance_refuses_the_expert_parallel_overlap_schedule(rollout):
     tokens, pos, mask, _ = batch()
     with torch.no_grad():
         assert torch.isfinite(model(tokens, pos, mask)).all()
+
+
+def test_megatrons_replay_list_does_not_grow_over_the_microbatches(rollout):
+    """The recompute passes replay from the step (REPLAY_FORWARD): Megatron's backward list, which its
+    ``set_target_indices`` appends to, would otherwise keep every router call's indices until the context exits."""
+    micro, guidance = rollout
+    model = _model(**RECOMPUTE["full"])
+    with trace_guidance(model, _steps(guidance, FallbackCounter())):
+        _schedule(model, micro)
+        assert [len(layer.mlp.router.router_replay.replay_backward_list) for layer in model.decoder.layers] == [0] * 4
+
+
+def test_an_error_inside_a_checkpoint_does_not_leak_into_the_next_step(rollout):
+    """A ``fallback='fail'`` error raised inside the MoE layer's activation checkpoint leaves Megatron's checkpointing
+    flag set (its first pass clears it only on success); the context clears it, so the next step's forwards are
+    forwards, not recompute passes, and count as in a fresh model."""
+    from megatron.core.tensor_parallel.random import is_checkpointing
+
+    from megatron_trace.megatron import GuidanceFallbackError
+
+    micro, guidance = rollout
+    model = _model(**RECOMPUTE["selective_moe"])
+    (g, m), (tokens, pos, mask, labels) = guidance[1], micro[1]
+    bad = StepGuidance(sites={k: v for k, v in g.sites.items() if k != (2, "expert_fc1_in")}, routing=g.routing,
+                       token_mask=m, fallback="fail")
+    with pytest.raises(GuidanceFallbackError, match="layer 2 site 'expert_fc1_in'"):
+        with trace_guidance(model, bad):
+            model(tokens, pos, mask, labels=labels).float().mean().backward()
+    assert not is_checkpointing()
+    model.zero_grad(set_to_none=True)
+    g0, r0, s0, _ = _per_microbatch(_model(), micro, guidance)
+    g1, r1, s1, _ = _one_context(model, micro, guidance)
+    assert s1 == s0 and all(torch.equal(g1[n], g0[n]) for n in g0)
+
+
+def test_coverage_and_counters_of_the_context_and_of_each_microbatch(rollout):
+    """``min_coverage`` is checked over the context's rows (all its micro-batches), ``h.coverage()`` is those rows',
+    and ``h.microbatch(i).counter`` holds micro-batch i's rows only (``h.counter``: the shared counter)."""
+    from megatron_trace.megatron import GuidanceCoverageError
+
+    micro, guidance = rollout
+    model = _model()
+    stripped = [(type(g)(sites={}, routing=g.routing), m) if i == 1 else (g, m) for i, (g, m) in enumerate(guidance)]
+    counter = FallbackCounter()
+    with trace_guidance(model, _steps(stripped, counter)) as h:
+        _schedule(model, micro)
+    cov = h.coverage()
+    assert 0 < cov < 1 and h.counter is counter and counter.coverage == cov
+    parts = [h.microbatch(i).counter for i in range(N)]
+    assert parts[1].used == 0 and sum(p.used for p in parts) == counter.used
+    assert [h.microbatch(i).coverage() for i in range(N)][1] == 0.0
+    steps = _steps(stripped, FallbackCounter())
+    steps[0].min_coverage = (cov + 1) / 2  # micro-batch 1's missing rows pull the step below it
+    with pytest.raises(GuidanceCoverageError, match=f"guidance coverage {cov:.4f} at guided sites is below"):
+        with trace_guidance(model, steps):
+            _schedule(model, micro)
+    steps[0].min_coverage = cov  # the whole step's coverage, not micro-batch 1's (0.0)
+    with trace_guidance(model, steps):
+        _schedule(model, micro)
