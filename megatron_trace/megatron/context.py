@@ -193,7 +193,10 @@ class TraceStep:
             return next(iter(counters.values()))
         total = FallbackCounter()
         for (_, _, reason), v in self.stats().items():
-            total.add(v, None) if reason == "used" else total.add(0, {reason: v})
+            if reason == "used":
+                total.add(v)
+            else:
+                total.add(0, {reason: v})
         return total
 
     def stats(self) -> dict:
@@ -360,10 +363,11 @@ def _on_model_device(step: StepGuidance, layers: TraceLayers, records: bool = Tr
     step = guidance_to(step, device, layers=mine, records=records)
     if records:
         return step
-    pin = lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory()  # noqa: E731  (once, not mid-forward:
-    return dataclasses.replace(step, sites={  # allocating pinned memory can wait for the device)
-        key: dataclasses.replace(sg, record=record_to(sg.record, pin)) if key[0] in mine else sg
-        for key, sg in step.sites.items()})
+    # pinned once here, not by each layer mid-forward (allocating pinned memory can wait for the device)
+    pin = lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory()  # noqa: E731
+    sites = {key: dataclasses.replace(sg, record=record_to(sg.record, pin)) if key[0] in mine else sg
+             for key, sg in step.sites.items()}
+    return dataclasses.replace(step, sites=sites)
 
 
 def check_finite(model) -> None:
