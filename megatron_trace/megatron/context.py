@@ -42,7 +42,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
-from ..guidance.site import NOT_GUIDED, FallbackCounter, SiteGuidance, SiteKey
+from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
 from ..kernels.checks import FiniteCounter, count_ready, count_tensors, raise_if_bad, read_and_reset
 from ..manifest import excluded_modules
 from .attention import KVStep, TraceKVCore
@@ -191,13 +191,7 @@ class TraceStep:
         counters = {id(st.counter): st.counter for st in self.states}
         if self._whole and len(counters) == 1:
             return next(iter(counters.values()))
-        total = FallbackCounter()
-        for (_, _, reason), v in self.stats().items():
-            if reason == "used":
-                total.add(v)
-            else:
-                total.add(0, {reason: v})
-        return total
+        return _rows_counter(self.stats())
 
     def stats(self) -> dict:
         """Rows by (layer, site, reason); reason "used" for guided rows."""
@@ -210,7 +204,7 @@ class TraceStep:
     def coverage(self) -> float:
         """Used rows / rows at guided layers (rows of layers outside the policy excluded), over this context's rows
         (what ``min_coverage`` is checked on; a counter shared with other contexts may hold more)."""
-        return _coverage(self.stats())
+        return _rows_counter(self.stats()).coverage
 
     def recorded(self) -> StepGuidance:
         """The codes the modules used in this step's forward, as guidance (needs ``record=True``)."""
@@ -223,10 +217,15 @@ class TraceStep:
         return StepGuidance(sites=dict(rec.sites), routing=dict(rec.routing))
 
 
-def _coverage(stats: Mapping) -> float:
-    used = sum(v for (_, _, reason), v in stats.items() if reason == "used")
-    fell = sum(v for (_, _, reason), v in stats.items() if reason not in ("used", NOT_GUIDED))
-    return used / (used + fell) if used + fell else 1.0
+def _rows_counter(stats: Mapping) -> FallbackCounter:
+    """A ``FallbackCounter`` of rows by (layer, site, reason) (``TraceStep.stats``)."""
+    total = FallbackCounter()
+    for (_, _, reason), v in stats.items():
+        if reason == "used":
+            total.add(v)
+        else:
+            total.add(0, {reason: v})
+    return total
 
 
 @contextmanager
@@ -274,7 +273,8 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
             queues.append(q)
             hooks.append(attn.register_forward_pre_hook(q.pre_hook))
         step_facts([st for q in queues for st in q.steps])
-        yield TraceStep(states, layers)
+        handle = TraceStep(states, layers)
+        yield handle
         check_all_ran(queues)
     except BaseException:
         read_and_reset(_finite_counters(layers))  # this step's NaN/Inf counts must not fail the next step
@@ -299,7 +299,7 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
         read_and_reset(counters)
         raise
     raise_if_bad(counters, when="in this trace_guidance step", counts=counts)  # (NaN/Inf before coverage)
-    _check_coverage(states, steps)
+    _check_coverage(handle, steps)
 
 
 def _micro_batches(step) -> list[StepGuidance]:
@@ -466,15 +466,11 @@ def _kv_step(state: StepState, step: StepGuidance, layer: int, attn) -> KVStep:
     return KVStep(state, layer, checked, first)
 
 
-def _check_coverage(states: list[StepState], steps: list[StepGuidance]) -> None:
+def _check_coverage(handle: TraceStep, steps: list[StepGuidance]) -> None:
     """``min_coverage`` (the strictest a StepGuidance gives, else the config's) over the context's rows: one
     micro-batch, or all the micro-batches of a list."""
     given = [s.min_coverage for s in steps if s.min_coverage is not None]
-    need = max(given) if given else states[0].config.min_coverage
-    stats = Counter()
-    for st in states:
-        st.resolve()
-        stats.update(st.stats)
-    cov = _coverage(stats)
+    need = max(given) if given else handle.layers.config.min_coverage
+    cov = handle.coverage()
     if cov < need:
         raise GuidanceCoverageError(f"guidance coverage {cov:.4f} at guided sites is below min_coverage={need}")
