@@ -8,13 +8,16 @@ one process, the rollout engine (hf backend) beside the Megatron trainer. Per st
   2. the arm keeps what TRACE would ship (its layers; mantissa bits in compact mode), which goes
      through the guidance cache (split per sample, stored, assembled for the micro-batch: records
      whose token hash or version does not match are rejected and counted);
-  3. the trainer recomputes log-probs with routing replay and guided rounding, takes one
-     PPO-clip step with the truncated IS correction, and records its own codes for the metrics;
+  3. the trainer recomputes log-probs with routing replay and guided rounding through Megatron's
+     ``forward_backward_func`` (``micro_batch_size`` rows per micro-batch, each with its own assembled
+     guidance, under one ``trace_guidance`` context), takes one PPO-clip step with the truncated IS
+     correction, and records its own codes for the metrics;
   4. the new weights go to the rollout (packed FP4 experts for FP4 rollouts).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -31,6 +34,7 @@ from ..rollout.base import MIN_TEMPERATURE, SamplingParams
 from .arms import Arm
 from .grpo import group_advantages, policy_loss
 from .tasks import CharTokenizer, Task
+from .trainer import batch_slices
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class RLConfig:
     steps: int = 20
     prompts_per_step: int = 16
     group_size: int = 8
+    micro_batch_size: int = 0  # trainer rows per micro-batch of Megatron's schedule (0: the step's whole batch)
     lr: float = 5e-5
     clip_eps: float = 0.2
     tis_cap: float | None = 5.0
@@ -71,10 +76,13 @@ class RLConfig:
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= (2 if name == "trend_window" else 1), name,
                  f"an int >= {2 if name == 'trend_window' else 1}")
-        for name in ("quant_metrics_every", "checkpoint_every", "sentinel_prompts", "seed"):
+        for name in ("quant_metrics_every", "checkpoint_every", "sentinel_prompts", "seed", "micro_batch_size"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, "an int >= 0 (0: off)")
         need(self.lr > 0, "lr", "> 0")
+        rows = self.prompts_per_step * self.group_size
+        need(not self.micro_batch_size or rows % self.micro_batch_size == 0, "micro_batch_size",
+             f"0 (one micro-batch) or a divisor of prompts_per_step * group_size = {rows}")
         need(self.clip_eps > 0, "clip_eps", "> 0")
         need(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "None (off) or > 0")
         need(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf"), "temperature",
@@ -185,52 +193,70 @@ class GRPORun:
         batch = self.rollout.generate([self.tok.encode(p.prompt, bos=True) for p in problems], self._sampling(0, 0.0))
         return sum(self.task.reward(p, self.tok.decode(r)) for p, r in zip(problems, batch.responses())) / len(problems)
 
-    def _guidance(self, step: int, batch, full: dict):
-        """Ship the arm's records through the cache and assemble them for the trainer's batch."""
+    def _guidance(self, step: int, batch, full: dict, micro_batch_size: int | None = None):
+        """Ship the arm's records through the cache and assemble them per trainer micro-batch (of
+        ``micro_batch_size`` rows; None: one): a ``StepGuidance`` for each, in order."""
         from ..megatron import StepGuidance
 
         keep = keep_for_arm(full, self.arm, self.num_layers)
         counter = FallbackCounter()
         mask = batch.attention_mask
         routing = batch.routing if self.cfg.routing_replay else {}
+        rows = batch_slices(mask.shape[0], micro_batch_size)
+
+        def part(sl: slice, sites: dict) -> StepGuidance:
+            return StepGuidance(sites=sites, routing={k: v[sl] for k, v in routing.items()}, token_mask=mask[sl])
+
         if not keep:
-            return StepGuidance(routing=routing, token_mask=mask), counter, 0.0
+            return [part(sl, {}) for sl in rows], counter, 0.0
         packed = pack_guidance(keep, batch.tokens, version=batch.policy_version, attention_mask=mask)
         self.cache.put(step, packed)  # device -> host (columns, or per sample and spilled beyond the budget)
-        sites = self.cache.assemble(step, list(packed.table.ids), batch.tokens.cpu(),
-                                    versions=batch.policy_version, counter=counter, attention_mask=mask.cpu())
-        tokens = int(mask.sum())
-        bpt = packed.guidance_nbytes() / max(tokens, 1)
-        return StepGuidance(sites=sites, routing=routing, token_mask=mask), counter, bpt
+        ids, tokens, host_mask = list(packed.table.ids), batch.tokens.cpu(), mask.cpu()
+        steps = [part(sl, self.cache.assemble(step, ids[sl], tokens[sl], versions=batch.policy_version,
+                                              counter=counter, attention_mask=host_mask[sl])) for sl in rows]
+        bpt = packed.guidance_nbytes() / max(int(mask.sum()), 1)
+        return steps, counter, bpt
 
-    def _quant_metrics(self, recorded, full: dict) -> dict:
+    def _quant_metrics(self, recorded: list, full: dict, micro_batch_size: int) -> dict:
+        """The trainer's recorded codes (one ``StepGuidance`` per micro-batch) against the rollout's full records."""
         counts, guided = {}, None
         guided_keys = set(keep_for_arm(full, self.arm, self.num_layers))
-        for key, sg in recorded.sites.items():
-            if key in full and not sg.compact:
-                c = quant_counts(sg.record, full[key].record, rows=full[key].valid & sg.valid)
-                counts[key] = c
-                if key in guided_keys:
-                    guided = c if guided is None else guided + c
+        for rec, sl in zip(recorded, batch_slices(micro_batch_size * len(recorded), micro_batch_size)):
+            for key, sg in rec.sites.items():
+                if key in full and not sg.compact:
+                    want = batch_rows(full[key], sl)
+                    c = quant_counts(sg.record, want.record, rows=want.valid & sg.valid)
+                    counts[key] = c if key not in counts else counts[key] + c
+                    if key in guided_keys:
+                        guided = c if guided is None else guided + c
         out = quant_metrics(counts)
         if guided is not None:
             out.update({f"quant/guided/{k}": v for k, v in guided.rates().items()})
         return out
 
     def _trainer_context(self, sg, record: bool = False):
-        """Guided rounding + routing replay (TRACE spec) or routing replay alone (stock spec)."""
-        if self.arm.trainer_fp4:
-            from ..megatron import trace_guidance
-
-            return trace_guidance(self.policy.model, sg, record=record, compact=False)
+        """Guided rounding + routing replay (TRACE spec: ``sg`` one StepGuidance or one per micro-batch) or routing
+        replay alone (stock spec: ``sg``'s routing is set at entry; the context yields ``replay(routing)``)."""
+        from ..megatron import StepGuidance, trace_guidance
         from .trainer import replay_routing
 
-        return replay_routing(self.policy.model, sg.routing)
+        if self.arm.trainer_fp4:
+            return trace_guidance(self.policy.model, sg, record=record, compact=False)
+        return replay_routing(self.policy.model, sg.routing if isinstance(sg, StepGuidance) else None)
+
+    def _weight_quant_once(self, micro_batches: int):
+        """FP4 QAT over several micro-batches: the experts' weights fake-quantized once for all of them (same
+        gradients bit for bit; ``reuse_weight_quant``)."""
+        from ..megatron import reuse_weight_quant
+
+        if self.arm.trainer_fp4 and micro_batches > 1 and not self.arm.trace.ste_clip:
+            return reuse_weight_quant(self.policy.model)
+        return contextlib.nullcontext()
 
     def _sentinel_logprobs(self, batch) -> torch.Tensor:
         """The trainer's log-probs of the sentinel rollout, guided by that rollout's own records: what the arm
         computes in training (and its fallback / coverage settings hold)."""
-        sg, _, _ = self._guidance(SENTINEL_STEP, batch, batch.guidance)
+        (sg,), _, _ = self._guidance(SENTINEL_STEP, batch, batch.guidance)
         try:
             with torch.no_grad(), self._trainer_context(sg):
                 return self.policy.logprobs(batch.tokens)
@@ -248,26 +274,37 @@ class GRPORun:
         adv = group_advantages(rewards, cfg.group_size)
         full = batch.guidance
         t_guid = time.perf_counter()
-        sg, counter, bpt = self._guidance(step, batch, full)
+        mbs = cfg.micro_batch_size or batch.tokens.shape[0]
+        steps, counter, bpt = self._guidance(step, batch, full, mbs)
         t_guid = time.perf_counter() - t_guid
         record = self.arm.trainer_fp4 and cfg.quant_metrics_every and step % cfg.quant_metrics_every == 0
+        mask, n_tokens = batch.response_mask, int(batch.response_mask.sum())
+
+        def loss_of(i: int, lp: torch.Tensor, sl: slice) -> torch.Tensor:  # micro-batch i's share of the loss
+            return policy_loss(lp, lp.detach(), batch.logprobs[sl], adv[sl], mask[sl], clip_eps=cfg.clip_eps,
+                               tis_cap=cfg.tis_cap, num_tokens=n_tokens)[0]
+
         self.policy.optimizer.zero_grad()
-        with self._trainer_context(sg, record=bool(record)) as h:
-            logp = self.policy.logprobs(batch.tokens, cfg.temperature)  # the rollout's log-probs are at T too
-            loss, stats = policy_loss(logp, logp.detach(), batch.logprobs, adv, batch.response_mask,
-                                      clip_eps=cfg.clip_eps, tis_cap=cfg.tis_cap)
-            loss.backward()
+        with self._trainer_context(steps, record=bool(record)) as h, self._weight_quant_once(len(steps)):
+            replay = None if self.arm.trainer_fp4 else (lambda i: h(steps[i].routing))  # stock: set per forward
+            logp = self.policy.forward_backward(batch.tokens, mbs, loss_of, temperature=cfg.temperature,
+                                                before_forward=replay)  # the rollout's log-probs are at T too
+        with torch.no_grad():  # the batch's loss and stats (the micro-batches' shares add up to it)
+            loss, stats = policy_loss(logp, logp, batch.logprobs, adv, mask, clip_eps=cfg.clip_eps,
+                                      tis_cap=cfg.tis_cap)
         grad_norm = self.policy.optimizer.step()
         t_train = time.perf_counter()
-        metrics = {"reward": float(rewards.mean()), "loss": float(loss.detach()), "grad_norm": grad_norm, **stats}
+        metrics = {"reward": float(rewards.mean()), "loss": float(loss), "grad_norm": grad_norm, **stats,
+                   "trainer/micro_batches": float(len(steps))}
         kv_fp4 = self.arm.rollout_mode == "fp4" and self.arm.trace.quantizes("kv_k")
-        metrics.update(step_mismatch_metrics(logp.detach(), batch.logprobs, batch.response_mask, kv_quantized=kv_fp4,
+        metrics.update(step_mismatch_metrics(logp, batch.logprobs, batch.response_mask, kv_quantized=kv_fp4,
                                              topology=None))
         metrics.update(self.trend.update(metrics, step))
         if self.arm.trainer_fp4:
             metrics.update(guidance_step_metrics(h.counter, h.stats(), prefix="guidance/trainer"))
             if record:
-                metrics.update(self._quant_metrics(h.recorded(), full))
+                recorded = [h.microbatch(i).recorded() for i in range(len(steps))]
+                metrics.update(self._quant_metrics(recorded, full, mbs))
         metrics.update(counter.as_dict("guidance/assembly"))
         metrics["cache/bytes_per_token"] = bpt
         self.cache.drop(step)
@@ -303,3 +340,16 @@ class GRPORun:
         for step in self.cache.steps:
             self.cache.invalidate(step)
         self._sync_weights()
+
+
+def batch_rows(sg: SiteGuidance, rows: slice) -> SiteGuidance:
+    """``sg``'s records of batch rows ``rows`` (a micro-batch's; every tensor is batch-major, a per-tensor
+    ``global_amax`` applies to all rows)."""
+    rec = sg.record
+    amax = rec.global_amax
+    payload = {f.name: getattr(rec, f.name)[rows] for f in dataclasses.fields(rec)
+               if f.name in ("codes", "mantissa_bits", "block_scales")}
+    rec = dataclasses.replace(rec, **payload, shape=(len(range(*rows.indices(rec.shape[0]))), *rec.shape[1:]),
+                              global_amax=amax[rows] if amax is not None and amax.dim() else amax)
+    return SiteGuidance(record=rec, valid=sg.valid[rows],
+                        expert_ids=None if sg.expert_ids is None else sg.expert_ids[rows])

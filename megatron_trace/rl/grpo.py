@@ -34,11 +34,14 @@ def policy_loss(
     tis_cap: float | None = 5.0,
     logp_ref: torch.Tensor | None = None,
     kl_coef: float = 0.0,
+    num_tokens: int | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip loss, averaged over all response tokens of the batch.
 
     logp, logp_old, logp_rollout, mask: [B, T] (mask = response tokens); advantages: [B]. Positions outside the
     mask take no part, whatever they hold (an engine's NaN / -inf at prompt or padding positions included).
+    ``num_tokens``: divide by this many tokens instead of the mask's (a micro-batch's share of the loss of the
+    batch that has ``num_tokens`` response tokens; the stats are shares too).
     """
     sel = mask.bool()
     # outside the mask every reference log-prob is replaced by logp itself (ratio 1, weight 1, KL 0), so that
@@ -53,7 +56,9 @@ def policy_loss(
     if kl_coef and logp_ref is not None:
         d = torch.where(sel, logp_ref, logp).detach() - logp
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)  # k3 estimator
-    n = sel.sum().clamp(min=1)
+    if num_tokens is not None and num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens} must be >= 0 (None: the mask's)")
+    n = sel.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
     loss = torch.where(sel, per_tok, 0.0).sum() / n
     with torch.no_grad():
         clipped = ((ratio - 1).abs() > clip_eps).float()

@@ -84,14 +84,43 @@ class MegatronPolicy:
     def logprobs(self, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
         """log pi(tokens[b, t] | tokens[b, :t]) at the sampling ``temperature`` (logits / T; T = 0, greedy: T = 1,
         the rollout's convention) for t >= 1, float32 [B, S] (0 at t = 0)."""
+        return token_logprobs(self.model(*model_inputs(tokens)), tokens, temperature)
+
+    def forward_backward(self, tokens: torch.Tensor, micro_batch_size: int, loss_of, *, temperature: float = 1.0,
+                         before_forward=None) -> torch.Tensor:
+        """One training step's forward and backward through Megatron's ``forward_backward_func`` over the
+        micro-batches of ``micro_batch_size`` rows of ``tokens`` [B, S] (B a multiple of it), in order.
+
+        ``loss_of(i, logp_i, rows_i)``: micro-batch ``i``'s share of the batch loss from its log-probs (as
+        ``logprobs``; rows_i: its slice of the batch); the shares add up to the batch loss (the schedule divides
+        each micro-batch's loss by their number: it is multiplied back here). ``before_forward(i)`` runs before
+        micro-batch i's forward (a stock model's routing replay). Returns the log-probs [B, S], detached.
+        """
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
         b, s = tokens.shape
-        pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-        mask = torch.ones(1, 1, s, s, dtype=torch.bool, device=tokens.device).triu(1)  # True = masked
-        logits = self.model(tokens, pos, mask)  # [B, S, V]
-        tokens = tokens.to(logits.device)
-        scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-        lp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
-        return torch.nn.functional.pad(lp, (1, 0))
+        if micro_batch_size < 1 or b % micro_batch_size:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch's {b} rows")
+        rows = batch_slices(b, micro_batch_size)
+        n, out = len(rows), [None] * len(rows)
+
+        def forward_step(data_iterator, model):
+            i = next(data_iterator)
+            part = tokens[rows[i]]
+            if before_forward is not None:
+                before_forward(i)
+
+            def loss_func(logits):
+                lp = token_logprobs(logits, part, temperature)
+                out[i] = lp.detach()
+                return loss_of(i, lp, rows[i]) * n, {}
+
+            return model(*model_inputs(part)), loss_func
+
+        get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(n)), model=[self.model],
+                                    num_microbatches=n, seq_length=s, micro_batch_size=micro_batch_size,
+                                    forward_only=False)
+        return torch.cat(out)
 
     def export_hf_weights(self):
         from ..bridge import export_hf_weights
@@ -107,18 +136,44 @@ class MegatronPolicy:
         self.optimizer.load_state_dict(sd["optimizer"])
 
 
+def batch_slices(rows: int, micro_batch_size: int | None) -> list[slice]:
+    """The row slices of the micro-batches of ``micro_batch_size`` rows (None: one) of a batch of ``rows``."""
+    mbs = micro_batch_size or rows
+    return [slice(i, i + mbs) for i in range(0, rows, mbs)]
+
+
+def model_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GPTModel's (input ids, position ids, causal mask; True = masked) for unpadded-left batches [B, S]."""
+    b, s = tokens.shape
+    pos = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+    return tokens, pos, torch.ones(1, 1, s, s, dtype=torch.bool, device=tokens.device).triu(1)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / T) of each next token (``MegatronPolicy.logprobs``): float32 [B, S], 0 at t = 0."""
+    tokens = tokens.to(logits.device)
+    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+    lp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(lp, (1, 0))
+
+
 @contextlib.contextmanager
-def replay_routing(model, routing: dict[int, torch.Tensor] | None):
+def replay_routing(model, routing: dict[int, torch.Tensor] | None = None):
     """Routing replay for a stock (non-TRACE) Megatron MoE model through Megatron's RouterReplay.
 
     ``routing[layer]``: int64 [B, S, topk] (the rollout's choices); keyed by the MoE layer's own
     number (``layer_number - 1``), never by list position. TP = 1 (tokens in Megatron's [S, B] order).
+    Yields ``replay(routing)``, which sets the indices of the next forward (a micro-batch's: call it before each
+    one); ``routing`` given here is set at entry. An empty ``routing`` replays nothing.
     """
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     routers = {m.layer_number - 1: m.router for m in model.modules() if isinstance(m, MoELayer)}
-    if routing:
+
+    def replay(routing: dict[int, torch.Tensor] | None) -> None:
+        if not routing:
+            return
         missing = sorted(set(routers) - set(routing))
         if missing:
             raise ValueError(f"routing indices are missing for MoE layers {missing}")
@@ -126,8 +181,10 @@ def replay_routing(model, routing: dict[int, torch.Tensor] | None):
             idx = routing[layer].transpose(0, 1).reshape(-1, routing[layer].shape[-1])  # [S*B, topk]
             router.router_replay.set_target_indices(idx)
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
     try:
-        yield
+        replay(routing)
+        yield replay
     finally:
         for router in routers.values():
             if router.router_replay is not None:
