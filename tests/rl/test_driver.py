@@ -15,6 +15,8 @@ from megatron_trace.rl.driver import GRPORun, RLConfig, keep_for_arm
 from megatron_trace.rl.sft import SFTConfig, TinyMoEConfig, sft_checkpoint
 from megatron_trace.rl.tasks import get_task
 
+from ._passes import check_micro_batches_match_one
+
 MODEL = TinyMoEConfig(num_layers=2, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
                       num_experts=4, top_k=2, moe_intermediate_size=32)
 RL = RLConfig(steps=3, prompts_per_step=4, group_size=4, eval_problems=16, checkpoint_every=0)
@@ -244,57 +246,10 @@ def test_the_trainer_scores_at_the_sampling_temperature(megatron_cpu, ckpt, tmp_
         RLConfig(temperature=1e-6)
 
 
-def _train_pass(r, batch, mbs: int, shift: int = 0):
-    """The step's trainer pass (as ``GRPORun.step``): log-probs, gradients and per-micro-batch records.
-    ``shift``: a stock model replays micro-batch (i + shift)'s routing in micro-batch i (wrong on purpose)."""
-    from megatron_trace.rl.grpo import policy_loss
-
-    steps, _, _ = r._guidance(100 + mbs, batch, batch.guidance, mbs)
-    n = int(batch.response_mask.sum())
-    adv = torch.linspace(-1, 1, batch.tokens.shape[0])
-
-    def loss_of(i, lp, sl):
-        return policy_loss(lp, lp.detach(), batch.logprobs[sl], adv[sl], batch.response_mask[sl], num_tokens=n)[0]
-
-    r.policy.optimizer.zero_grad()
-    with r._trainer_context(steps, record=r.arm.trainer_fp4) as h:
-        replay = None if r.arm.trainer_fp4 else (lambda i: h(steps[(i + shift) % len(steps)].routing))
-        logp = r.policy.forward_backward(batch.tokens, mbs, loss_of, before_forward=replay)
-    grads = {k: p.grad.clone() for k, p in r.policy.model.named_parameters() if p.grad is not None}
-    recorded = [h.microbatch(i).recorded() for i in range(len(steps))] if r.arm.trainer_fp4 else []
-    r.cache.drop(100 + mbs)
-    return logp, grads, recorded, (h.stats() if r.arm.trainer_fp4 else {})
-
-
 @pytest.mark.parametrize("arm", ["bf16", "trace_full"])
 def test_micro_batches_through_megatrons_schedule_match_one(megatron_cpu, ckpt, tmp_path, arm):
-    """The trainer pass over 4 micro-batches of Megatron's schedule (each with its own routing and assembled
-    guidance) computes the one-micro-batch pass's log-probs and gradients, counts the same rows, and the
-    trainer's codes at every guided site are the rollout's (its own micro-batch's)."""
-    r = GRPORun(make_arm(arm, TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
-    _, ids = r._prompts(0)
-    batch = r.rollout.generate(ids, r._sampling(0, 1.0))
-    b = batch.tokens.shape[0]
-    lp1, g1, rec1, st1 = _train_pass(r, batch, b)
-    lp4, g4, rec4, st4 = _train_pass(r, batch, b // 4)
-    sel = batch.response_mask
-    torch.testing.assert_close(lp4[sel], lp1[sel], rtol=0, atol=1e-5)
-    assert g4.keys() == g1.keys()
-    for k in g1:  # bf16 gradients summed over 4 micro-batches: within bf16's resolution (2^-8) of one pass
-        assert float((g4[k].float() - g1[k].float()).norm()) <= 2**-7 * float(g1[k].float().norm()), k
-    assert st4 == st1  # every row counted once, with the same outcome
-    if r.arm.trainer_fp4:
-        m = r._quant_metrics(rec4, batch.guidance, b // 4)
-        assert m["quant/guided/code_mismatch_rate"] == 0.0 and m["quant/guided/scale_mismatch_rate"] == 0.0
-        nan_free = lambda d: {k: "nan" if v != v else v for k, v in d.items()}  # noqa: E731
-        assert nan_free(m) == nan_free(r._quant_metrics(rec1, batch.guidance, b))
-        # the micro-batches' guidance is their own: micro-batch 1's records in 0's place would not match
-        assert r._quant_metrics([rec4[1], rec4[0], *rec4[2:]], batch.guidance, b // 4)[
-            "quant/guided/code_mismatch_rate"] > 0.1
-    else:  # each micro-batch replays its own routing: another's changes the log-probs
-        lp_wrong, *_ = _train_pass(r, batch, b // 4, shift=1)
-        assert (lp_wrong[sel] - lp1[sel]).abs().max() > 1e-2
-
+    check_micro_batches_match_one(GRPORun(make_arm(arm, TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path,
+                                          cache_dir=tmp_path / "c"))
 
 def test_a_micro_batched_step_runs_and_counts_its_micro_batches(megatron_cpu, ckpt, tmp_path):
     """A step over 4 micro-batches (the experts' weights fake-quantized once for all: ``reuse_weight_quant``)."""
