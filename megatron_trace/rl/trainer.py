@@ -18,21 +18,33 @@ logger = logging.getLogger(__name__)
 
 
 class MasterAdamW:
-    """AdamW on fp32 master copies of (bf16) parameters; the model keeps its own dtype."""
+    """AdamW on fp32 master copies of (bf16) parameters; the model keeps its own dtype.
+
+    Gradients accumulate in fp32 on the master copies (Megatron's ``main_grad``): each backward's gradient of a
+    parameter is added there as it is produced and the parameter's own ``.grad`` is freed, so micro-batches of one
+    step sum in fp32 (with one micro-batch: the backward's gradient, as it was)."""
 
     def __init__(self, params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)):
         self.params = [p for p in params if p.requires_grad]
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, betas=betas)
+        for p, m in zip(self.params, self.master):
+            p.register_post_accumulate_grad_hook(lambda p, m=m: self._accumulate(p, m))
+
+    @staticmethod
+    def _accumulate(p: torch.Tensor, m: torch.Tensor) -> None:
+        if m.grad is None:
+            m.grad = p.grad.float()
+        else:
+            m.grad.add_(p.grad)
+        p.grad = None
 
     def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
+        for p, m in zip(self.params, self.master):
+            p.grad = m.grad = None
 
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = 1.0) -> float:
-        for p, m in zip(self.params, self.master):
-            m.grad = None if p.grad is None else p.grad.float()
         grads = [m.grad for m in self.master if m.grad is not None]
         norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm)) if max_grad_norm else float(
             torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))

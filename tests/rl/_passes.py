@@ -23,7 +23,9 @@ def train_pass(r, batch, mbs: int, shift: int = 0):
     with r._trainer_context(steps, record=r.arm.trainer_fp4) as h:
         replay = None if r.arm.trainer_fp4 else (lambda i: h(steps[(i + shift) % len(steps)].routing))
         logp = r.policy.forward_backward(batch.tokens, mbs, loss_of, before_forward=replay)
-    grads = {k: p.grad.clone() for k, p in r.policy.model.named_parameters() if p.grad is not None}
+    opt, names = r.policy.optimizer, {id(p): k for k, p in r.policy.model.named_parameters()}
+    grads = {names[id(p)]: m.grad.clone() for p, m in zip(opt.params, opt.master)  # fp32, summed over the
+             if m.grad is not None}  # micro-batches (Megatron's main_grad)
     recorded = [h.microbatch(i).recorded() for i in range(len(steps))] if r.arm.trainer_fp4 else []
     r.cache.drop(100 + mbs)
     return logp, grads, recorded, (h.stats() if r.arm.trainer_fp4 else {})
@@ -32,8 +34,8 @@ def train_pass(r, batch, mbs: int, shift: int = 0):
 def check_micro_batches_match_one(r, *, logp_atol: float = 1e-5, grad_rel: float = 2**-7) -> dict:
     """The trainer pass over 4 micro-batches of Megatron's schedule (each with its own routing and assembled
     guidance) computes the one-micro-batch pass's log-probs (within ``logp_atol``) and gradients (within
-    ``grad_rel`` of each tensor's norm: on the CPU, bf16 gradients summed over 4 micro-batches are within bf16's
-    resolution, 2^-8, of one pass), counts the same rows, and the trainer's codes at every guided site are the
+    ``grad_rel`` of each tensor's norm: each backward's bf16 gradient is rounded once, 2^-9 relative, and the
+    micro-batches' are summed in fp32), counts the same rows, and the trainer's codes at every guided site are the
     rollout's (its own micro-batch's). Returns what it measured."""
     _, ids = r._prompts(0)
     batch = r.rollout.generate(ids, r._sampling(0, 1.0))

@@ -101,3 +101,39 @@ def test_policy_loss_ignores_what_lies_outside_the_mask():
     assert torch.isfinite(l1) and torch.equal(l0, l1)
     assert torch.equal(g0, g1) and torch.equal(g1[~mask], torch.zeros(int((~mask).sum())))
     assert s0 == s1
+
+
+def test_policy_loss_shares_of_micro_batches_add_up_to_the_batch_loss():
+    g = torch.Generator().manual_seed(3)
+    logp, roll = -torch.rand(8, 6, generator=g), -torch.rand(8, 6, generator=g)
+    mask = torch.rand(8, 6, generator=g) > 0.3
+    adv = torch.randn(8, generator=g)
+    whole, stats = policy_loss(logp, logp + 0.01, roll, adv, mask)
+    n = int(mask.sum())
+    parts = [policy_loss(logp[s], logp[s] + 0.01, roll[s], adv[s], mask[s], num_tokens=n) for s in (slice(0, 4),
+                                                                                                     slice(4, 8))]
+    torch.testing.assert_close(parts[0][0] + parts[1][0], whole)
+    for k, v in stats.items():
+        assert abs(parts[0][1][k] + parts[1][1][k] - v) < 1e-6, k
+    with pytest.raises(ValueError, match="num_tokens=-1 must be >= 0"):
+        policy_loss(logp, logp, roll, adv, mask, num_tokens=-1)
+
+
+def test_master_adamw_sums_the_backwards_gradients_in_fp32():
+    """Two backward passes (two micro-batches) of a bf16 parameter: the master gradient is the fp32 sum of the two
+    bf16 gradients, not their bf16 sum; the parameter holds no gradient of its own."""
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = MasterAdamW([w], lr=1e-3)
+    g1 = torch.tensor([1.0, 256.0, 1.0, 3.0], dtype=torch.bfloat16)
+    g2 = torch.tensor([2**-8, 1.0, -1.0, 2**-9], dtype=torch.bfloat16)
+    (w * g1).sum().backward()
+    (w * g2).sum().backward()
+    want = g1.float() + g2.float()
+    assert w.grad is None and torch.equal(opt.master[0].grad, want)
+    assert not torch.equal((g1 + g2).float(), want)  # the bf16 sum would round 1 + 2^-8 and 256 + 1
+    opt.zero_grad()
+    assert opt.master[0].grad is None
+    (w * g1).sum().backward()
+    assert torch.equal(opt.master[0].grad, g1.float())
