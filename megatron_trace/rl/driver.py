@@ -263,6 +263,25 @@ class GRPORun:
         finally:
             self.cache.drop(SENTINEL_STEP)
 
+    def train_pass(self, batch, adv: torch.Tensor, steps: list, *, record: bool = False):
+        """The step's forward and backward: Megatron's schedule over one micro-batch per ``StepGuidance`` of
+        ``steps`` (``_guidance``; their rows split the batch evenly), PPO-clip + TIS loss, gradients accumulated in
+        the optimizer's fp32 master grads. Returns (log-probs [B, S] detached, the ``trace_guidance`` handle; for a
+        stock model, its ``replay``)."""
+        cfg, mask = self.cfg, batch.response_mask
+        n_tokens, mbs = int(mask.sum()), batch.tokens.shape[0] // len(steps)
+
+        def loss_of(i: int, lp: torch.Tensor, sl: slice) -> torch.Tensor:  # micro-batch i's share of the loss
+            return policy_loss(lp, lp.detach(), batch.logprobs[sl], adv[sl], mask[sl], clip_eps=cfg.clip_eps,
+                               tis_cap=cfg.tis_cap, num_tokens=n_tokens)[0]
+
+        self.policy.optimizer.zero_grad()
+        with self._trainer_context(steps, record=record) as h, self._weight_quant_once(len(steps)):
+            replay = None if self.arm.trainer_fp4 else (lambda i: h(steps[i].routing))  # stock: set per forward
+            logp = self.policy.forward_backward(batch.tokens, mbs, loss_of, temperature=cfg.temperature,
+                                                before_forward=replay)  # the rollout's log-probs are at T too
+        return logp, h
+
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> dict:
         step, cfg, t0 = self.state.step, self.cfg, time.perf_counter()
@@ -277,20 +296,10 @@ class GRPORun:
         mbs = cfg.micro_batch_size or batch.tokens.shape[0]
         steps, counter, bpt = self._guidance(step, batch, full, mbs)
         t_guid = time.perf_counter() - t_guid
-        record = self.arm.trainer_fp4 and cfg.quant_metrics_every and step % cfg.quant_metrics_every == 0
-        mask, n_tokens = batch.response_mask, int(batch.response_mask.sum())
-
-        def loss_of(i: int, lp: torch.Tensor, sl: slice) -> torch.Tensor:  # micro-batch i's share of the loss
-            return policy_loss(lp, lp.detach(), batch.logprobs[sl], adv[sl], mask[sl], clip_eps=cfg.clip_eps,
-                               tis_cap=cfg.tis_cap, num_tokens=n_tokens)[0]
-
-        self.policy.optimizer.zero_grad()
-        with self._trainer_context(steps, record=bool(record)) as h, self._weight_quant_once(len(steps)):
-            replay = None if self.arm.trainer_fp4 else (lambda i: h(steps[i].routing))  # stock: set per forward
-            logp = self.policy.forward_backward(batch.tokens, mbs, loss_of, temperature=cfg.temperature,
-                                                before_forward=replay)  # the rollout's log-probs are at T too
+        record = bool(self.arm.trainer_fp4 and cfg.quant_metrics_every and step % cfg.quant_metrics_every == 0)
+        logp, h = self.train_pass(batch, adv, steps, record=record)
         with torch.no_grad():  # the batch's loss and stats (the micro-batches' shares add up to it)
-            loss, stats = policy_loss(logp, logp, batch.logprobs, adv, mask, clip_eps=cfg.clip_eps,
+            loss, stats = policy_loss(logp, logp, batch.logprobs, adv, batch.response_mask, clip_eps=cfg.clip_eps,
                                       tis_cap=cfg.tis_cap)
         grad_norm = self.policy.optimizer.step()
         t_train = time.perf_counter()

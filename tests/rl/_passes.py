@@ -5,27 +5,17 @@ from __future__ import annotations
 
 import torch
 
-from megatron_trace.rl.grpo import policy_loss
-
 
 def train_pass(r, batch, mbs: int, shift: int = 0):
-    """``GRPORun.step``'s trainer pass over micro-batches of ``mbs`` rows: (log-probs, gradients, each micro-batch's
-    recorded codes, row stats). ``shift``: a stock model replays micro-batch (i + shift)'s routing in micro-batch i
-    (wrong on purpose)."""
+    """``GRPORun.train_pass`` over micro-batches of ``mbs`` rows: (log-probs, fp32 gradients summed over the
+    micro-batches, each micro-batch's recorded codes, row stats). ``shift``: micro-batch i gets micro-batch
+    (i + shift)'s routing (wrong on purpose; a stock model)."""
     steps, _, _ = r._guidance(100 + mbs, batch, batch.guidance, mbs)
-    n = int(batch.response_mask.sum())
+    steps = steps[shift:] + steps[:shift]  # (a stock model reads only each micro-batch's routing)
     adv = torch.linspace(-1, 1, batch.tokens.shape[0], device=batch.tokens.device)
-
-    def loss_of(i, lp, sl):
-        return policy_loss(lp, lp.detach(), batch.logprobs[sl], adv[sl], batch.response_mask[sl], num_tokens=n)[0]
-
-    r.policy.optimizer.zero_grad()
-    with r._trainer_context(steps, record=r.arm.trainer_fp4) as h:
-        replay = None if r.arm.trainer_fp4 else (lambda i: h(steps[(i + shift) % len(steps)].routing))
-        logp = r.policy.forward_backward(batch.tokens, mbs, loss_of, before_forward=replay)
+    logp, h = r.train_pass(batch, adv, steps, record=r.arm.trainer_fp4)
     opt, names = r.policy.optimizer, {id(p): k for k, p in r.policy.model.named_parameters()}
-    grads = {names[id(p)]: m.grad.clone() for p, m in zip(opt.params, opt.master)  # fp32, summed over the
-             if m.grad is not None}  # micro-batches (Megatron's main_grad)
+    grads = {names[id(p)]: m.grad.clone() for p, m in zip(opt.params, opt.master) if m.grad is not None}
     recorded = [h.microbatch(i).recorded() for i in range(len(steps))] if r.arm.trainer_fp4 else []
     r.cache.drop(100 + mbs)
     return logp, grads, recorded, (h.stats() if r.arm.trainer_fp4 else {})
