@@ -7,12 +7,21 @@ GPU is available; without it they skip on a machine without CUDA.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 import torch
 
 DRYRUN = os.environ.get("MEGATRON_TRACE_GPU_DRYRUN") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else ("cpu" if DRYRUN else None)
+
+
+def metric(test: str, name: str, value) -> None:
+    """One measured value as a JSON line in ``$MEGATRON_TRACE_METRICS`` (when set)."""
+    path = os.environ.get("MEGATRON_TRACE_METRICS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, "name": name, "value": value, "device": DEVICE}) + "\n")
 
 
 def megatron_without_te() -> None:

@@ -12,7 +12,6 @@ Metrics go to the JSON-lines file ``$MEGATRON_TRACE_METRICS`` when set.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._common import DEVICE, megatron_without_te, move_step, perturb_non_experts, rel_err
+from ._common import DEVICE, megatron_without_te, metric, move_step, perturb_non_experts, rel_err
 
 if DEVICE is None:
     pytest.skip("needs CUDA (or MEGATRON_TRACE_GPU_DRYRUN=1 for a CPU dry run)", allow_module_level=True)
@@ -54,10 +53,7 @@ STEP_SYNC_FILES = ("megatron/context.py", "megatron/facts.py", "megatron/step.py
 
 
 def _metric(name: str, value) -> None:
-    path = os.environ.get("MEGATRON_TRACE_METRICS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": "megatron_gpu", "name": name, "value": value, "device": DEVICE}) + "\n")
+    metric("megatron_gpu", name, value)
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,12 @@ Measured differences go to ``$MEGATRON_TRACE_METRICS`` when set."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
 import pytest
 
-from ._common import DEVICE
+from ._common import DEVICE, metric
 
 if DEVICE is None:
     pytest.skip("needs CUDA (or MEGATRON_TRACE_GPU_DRYRUN=1 for a CPU dry run)", allow_module_level=True)
@@ -36,10 +35,7 @@ TOL = dict(logp_atol=1e-5 if DEVICE == "cpu" else 1e-3, grad_rel=2**-7)  # measu
 
 
 def _metric(name: str, value) -> None:
-    path = os.environ.get("MEGATRON_TRACE_METRICS")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps({"test": "rl_driver_gpu", "name": name, "value": value, "device": DEVICE}) + "\n")
+    metric("rl_driver_gpu", name, value)
 
 
 @pytest.fixture(scope="module")
