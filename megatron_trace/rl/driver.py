@@ -273,7 +273,7 @@ class GRPORun:
 
         def loss_of(i: int, lp: torch.Tensor, sl: slice) -> torch.Tensor:  # micro-batch i's share of the loss
             return policy_loss(lp, lp.detach(), batch.logprobs[sl], adv[sl], mask[sl], clip_eps=cfg.clip_eps,
-                               tis_cap=cfg.tis_cap, num_tokens=n_tokens)[0]
+                               tis_cap=cfg.tis_cap, num_tokens=n_tokens, stats=False)[0]  # (no host reads)
 
         self.policy.optimizer.zero_grad()
         with self._trainer_context(steps, record=record) as h, self._weight_quant_once(len(steps)):

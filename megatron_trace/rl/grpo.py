@@ -35,13 +35,15 @@ def policy_loss(
     logp_ref: torch.Tensor | None = None,
     kl_coef: float = 0.0,
     num_tokens: int | None = None,
+    stats: bool = True,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Token-level PPO-clip loss, averaged over all response tokens of the batch.
 
     logp, logp_old, logp_rollout, mask: [B, T] (mask = response tokens); advantages: [B]. Positions outside the
     mask take no part, whatever they hold (an engine's NaN / -inf at prompt or padding positions included).
     ``num_tokens``: divide by this many tokens instead of the mask's (a micro-batch's share of the loss of the
-    batch that has ``num_tokens`` response tokens; the stats are shares too).
+    batch that has ``num_tokens`` response tokens; the stats are shares too). ``stats=False``: no stats (they are
+    read on the host: a device sync each).
     """
     sel = mask.bool()
     # outside the mask every reference log-prob is replaced by logp itself (ratio 1, weight 1, KL 0), so that
@@ -60,8 +62,10 @@ def policy_loss(
         raise ValueError(f"num_tokens={num_tokens} must be >= 0 (None: the mask's)")
     n = sel.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
     loss = torch.where(sel, per_tok, 0.0).sum() / n
+    if not stats:
+        return loss, {}
     with torch.no_grad():
         clipped = ((ratio - 1).abs() > clip_eps).float()
-        stats = {"rl/clip_frac": float(torch.where(sel, clipped, 0.0).sum() / n),
-                 "rl/ratio_mean": float(torch.where(sel, ratio, 0.0).sum() / n)}
-    return loss, stats
+        out = {"rl/clip_frac": float(torch.where(sel, clipped, 0.0).sum() / n),
+               "rl/ratio_mean": float(torch.where(sel, ratio, 0.0).sum() / n)}
+    return loss, out

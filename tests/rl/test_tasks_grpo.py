@@ -115,6 +115,8 @@ def test_policy_loss_shares_of_micro_batches_add_up_to_the_batch_loss():
     torch.testing.assert_close(parts[0][0] + parts[1][0], whole)
     for k, v in stats.items():
         assert abs(parts[0][1][k] + parts[1][1][k] - v) < 1e-6, k
+    bare = policy_loss(logp[:4], logp[:4] + 0.01, roll[:4], adv[:4], mask[:4], num_tokens=n, stats=False)
+    assert bare[1] == {} and torch.equal(bare[0], parts[0][0])  # the same loss, no host reads for stats
     with pytest.raises(ValueError, match="num_tokens=-1 must be >= 0"):
         policy_loss(logp, logp, roll, adv, mask, num_tokens=-1)
 
