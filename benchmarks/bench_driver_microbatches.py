@@ -76,7 +76,8 @@ def main() -> None:
     p.add_argument("--config", default="gpu", help="examples/conf config name (demo | gpu)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--arms", default="bf16,trace")
-    p.add_argument("--mbs", default="256,64,32", help="micro-batch sizes (rows), each dividing the batch")
+    p.add_argument("--mbs", default=None, help="micro-batch sizes (rows), each dividing the batch (default: the "
+                   "batch's rows, a quarter and an eighth of them)")
     p.add_argument("--sft-steps", type=int, default=100)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--top", type=int, default=15)
@@ -89,7 +90,11 @@ def main() -> None:
     from megatron_trace.rl.tasks import get_task
 
     task_name, trace, model, sft, rl = _config(a.config, a.sft_steps)
-    sizes = [int(x) for x in a.mbs.split(",")]
+    rows = rl.prompts_per_step * rl.group_size
+    sizes = [int(x) for x in a.mbs.split(",")] if a.mbs else [rows, rows // 4, rows // 8]
+    bad = [m for m in sizes if m < 1 or rows % m]
+    if bad:
+        raise SystemExit(f"--mbs {bad}: each must divide the batch's {rows} rows ({a.config} config)")
     with tempfile.TemporaryDirectory() as tmp:
         task = get_task(task_name)
         ckpt = str(sft_checkpoint(Path(tmp) / "sft", task, model, sft, device=a.device))

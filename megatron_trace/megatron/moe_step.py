@@ -178,8 +178,11 @@ class MoEStep:
             rr.replay_backward_list.clear()
             rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
             self._replay_slots = idx
-        elif self.state.recorder is not None and rr is not None:
-            rr.set_router_replay_action(RouterReplayAction.RECORD)
+        elif rr is not None:  # this micro-batch routes itself: no replay left from the one before it
+            rr.clear_indices()
+            rr.clear_router_replay_action()
+            if self.state.recorder is not None:
+                rr.set_router_replay_action(RouterReplayAction.RECORD)
 
     def router_hook(self, router, args, output):
         hidden = args[0]  # [S, B, H]

@@ -76,13 +76,14 @@ class RLConfig:
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= (2 if name == "trend_window" else 1), name,
                  f"an int >= {2 if name == 'trend_window' else 1}")
-        for name in ("quant_metrics_every", "checkpoint_every", "sentinel_prompts", "seed", "micro_batch_size"):
+        for name in ("quant_metrics_every", "checkpoint_every", "sentinel_prompts", "seed"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, "an int >= 0 (0: off)")
         need(self.lr > 0, "lr", "> 0")
-        rows = self.prompts_per_step * self.group_size
-        need(not self.micro_batch_size or rows % self.micro_batch_size == 0, "micro_batch_size",
-             f"0 (one micro-batch) or a divisor of prompts_per_step * group_size = {rows}")
+        rows, mbs = self.prompts_per_step * self.group_size, self.micro_batch_size
+        need(isinstance(mbs, int) and not isinstance(mbs, bool) and (mbs == 0 or (mbs > 0 and rows % mbs == 0)),
+             "micro_batch_size", f"0 (the whole batch in one micro-batch) or a divisor of prompts_per_step * "
+             f"group_size = {rows}")
         need(self.clip_eps > 0, "clip_eps", "> 0")
         need(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "None (off) or > 0")
         need(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf"), "temperature",
@@ -202,6 +203,8 @@ class GRPORun:
         counter = FallbackCounter()
         mask = batch.attention_mask
         routing = batch.routing if self.cfg.routing_replay else {}
+        if micro_batch_size and mask.shape[0] % micro_batch_size:
+            raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch's {mask.shape[0]} rows")
         rows = batch_slices(mask.shape[0], micro_batch_size)
 
         def part(sl: slice, sites: dict) -> StepGuidance:
@@ -270,6 +273,10 @@ class GRPORun:
         stock model, its ``replay``)."""
         cfg, mask = self.cfg, batch.response_mask
         n_tokens, mbs = int(mask.sum()), batch.tokens.shape[0] // len(steps)
+        sizes = [s.token_mask.shape[0] for s in steps]
+        if mbs * len(steps) != batch.tokens.shape[0] or sizes != [mbs] * len(steps):
+            raise ValueError(f"the {len(steps)} micro-batches' guidance covers {sizes} rows: they must split the "
+                             f"batch's {batch.tokens.shape[0]} rows evenly, in order (GRPORun._guidance)")
 
         def loss_of(i: int, lp: torch.Tensor, sl: slice) -> torch.Tensor:  # micro-batch i's share of the loss
             return policy_loss(lp, lp.detach(), batch.logprobs[sl], adv[sl], mask[sl], clip_eps=cfg.clip_eps,

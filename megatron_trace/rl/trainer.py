@@ -112,7 +112,7 @@ class MegatronPolicy:
 
         b, s = tokens.shape
         if micro_batch_size < 1 or b % micro_batch_size:
-            raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch's {b} rows")
+            raise ValueError(f"micro_batch_size={micro_batch_size} must be >= 1 and divide the batch's {b} rows")
         rows = batch_slices(b, micro_batch_size)
         n, out = len(rows), [None] * len(rows)
 
@@ -184,7 +184,8 @@ def replay_routing(model, routing: dict[int, torch.Tensor] | None = None):
     routers = {m.layer_number - 1: m.router for m in model.modules() if isinstance(m, MoELayer)}
 
     def replay(routing: dict[int, torch.Tensor] | None) -> None:
-        if not routing:
+        if not routing:  # the next forward routes itself
+            clear()
             return
         missing = sorted(set(routers) - set(routing))
         if missing:
@@ -194,11 +195,14 @@ def replay_routing(model, routing: dict[int, torch.Tensor] | None = None):
             router.router_replay.set_target_indices(idx)
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    try:
-        replay(routing)
-        yield replay
-    finally:
+    def clear() -> None:
         for router in routers.values():
             if router.router_replay is not None:
                 router.router_replay.clear_indices()
                 router.router_replay.clear_router_replay_action()
+
+    try:
+        replay(routing)
+        yield replay
+    finally:
+        clear()

@@ -290,3 +290,30 @@ def test_coverage_and_counters_of_the_context_and_of_each_microbatch(rollout):
     steps[0].min_coverage = cov  # the whole step's coverage, not micro-batch 1's (0.0)
     with trace_guidance(model, steps):
         _schedule(model, micro)
+
+
+def test_a_microbatch_given_no_routing_routes_itself(rollout):
+    """Micro-batch 0 replays its rollout's routing, the others are given none: they route themselves, as in a
+    context where no micro-batch replays (no replay left over from the micro-batch before)."""
+    micro, guidance = rollout
+    model = _model()
+
+    def outputs(steps):
+        seen = []
+
+        def fwd(data_iterator, m):
+            tokens, pos, mask, labels = next(data_iterator)
+            out = m(tokens, pos, mask, labels=labels)
+            seen.append(out.detach().clone())
+            return out, lambda o: (o.float().mean(), {})
+
+        with trace_guidance(model, steps), torch.no_grad():
+            get_forward_backward_func()(forward_step_func=fwd, data_iterator=iter(micro), model=[model],
+                                        num_microbatches=N, seq_length=SEQ, micro_batch_size=2, forward_only=True)
+        return seen
+
+    own = outputs([StepGuidance() for _ in range(N)])
+    mixed = outputs([StepGuidance(routing=guidance[0][0].routing)] + [StepGuidance() for _ in range(N - 1)])
+    assert not torch.equal(mixed[0], own[0])  # replayed: the rollout model routes some tokens elsewhere
+    for i in range(1, N):
+        assert torch.equal(mixed[i], own[i]), i

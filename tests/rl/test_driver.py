@@ -259,6 +259,41 @@ def test_a_micro_batched_step_runs_and_counts_its_micro_batches(megatron_cpu, ck
     m = r.step()
     assert m["trainer/micro_batches"] == 4.0 and m["guidance/trainer/coverage"] == 1.0
     assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and r.cache.steps == []
-    with pytest.raises(ValueError, match=r"micro_batch_size=3 must be 0 \(one micro-batch\) or a divisor of "
-                                         r"prompts_per_step \* group_size = 16"):
+    with pytest.raises(ValueError, match=r"micro_batch_size=3 must be 0 \(the whole batch in one micro-batch\) or a "
+                                         r"divisor of prompts_per_step \* group_size = 16"):
         dataclasses.replace(RL, micro_batch_size=3)
+
+
+def test_a_stock_model_given_no_routing_routes_itself(megatron_cpu, ckpt, tmp_path):
+    from megatron_trace.rl.trainer import replay_routing
+
+    r = GRPORun(make_arm("bf16", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    _, ids = r._prompts(0)
+    batch = r.rollout.generate(ids, r._sampling(0, 1.0))
+    tokens, other = batch.tokens[:4], {k: v[4:8] for k, v in batch.routing.items()}  # other samples' routing
+    with torch.no_grad():
+        own = r.policy.logprobs(tokens)
+        with replay_routing(r.policy.model) as replay:
+            replay(other)
+            wrong = r.policy.logprobs(tokens)
+            replay({})
+            after = r.policy.logprobs(tokens)
+    assert not torch.equal(wrong, own) and torch.equal(after, own)
+
+
+def test_micro_batches_that_do_not_split_the_batch_are_named(megatron_cpu, ckpt, tmp_path):
+    r = GRPORun(make_arm("trace", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path,
+                cache_dir=tmp_path / "c")
+    _, ids = r._prompts(0)
+    batch = r.rollout.generate(ids, r._sampling(0, 1.0))
+    with pytest.raises(ValueError, match="micro_batch_size=3 must divide the batch's 16 rows"):
+        r._guidance(7, batch, batch.guidance, 3)
+    steps, _, _ = r._guidance(7, batch, batch.guidance, 4)
+    adv = torch.zeros(16)
+    with pytest.raises(ValueError, match=r"the 3 micro-batches' guidance covers \[4, 4, 4\] rows: they must split "
+                                         r"the batch's 16 rows evenly"):
+        r.train_pass(batch, adv, steps[:3])
+    with pytest.raises(ValueError, match=r"micro_batch_size=-1 must be 0 \(the whole batch in one micro-batch\)"):
+        RLConfig(micro_batch_size=-1)
+    with pytest.raises(ValueError, match="micro_batch_size=0 must be >= 1 and divide the batch's 16 rows"):
+        r.policy.forward_backward(batch.tokens, 0, lambda i, lp, sl: lp.sum())
