@@ -251,14 +251,26 @@ def test_micro_batches_through_megatrons_schedule_match_one(megatron_cpu, ckpt, 
     check_micro_batches_match_one(GRPORun(make_arm(arm, TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path,
                                           cache_dir=tmp_path / "c"))
 
-def test_a_micro_batched_step_runs_and_counts_its_micro_batches(megatron_cpu, ckpt, tmp_path):
-    """A step over 4 micro-batches (the experts' weights fake-quantized once for all: ``reuse_weight_quant``)."""
-    cfg = dataclasses.replace(RL, steps=1, micro_batch_size=4)
-    r = GRPORun(make_arm("trace", TraceConfig()), cfg, get_task("add"), ckpt, out_dir=tmp_path,
-                cache_dir=tmp_path / "c")
-    m = r.step()
-    assert m["trainer/micro_batches"] == 4.0 and m["guidance/trainer/coverage"] == 1.0
-    assert math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) and r.cache.steps == []
+@pytest.mark.parametrize("arm", ["trace", "trace_full"])
+def test_a_micro_batched_step_reports_what_one_micro_batch_does(megatron_cpu, ckpt, tmp_path, arm):
+    """A step over 4 micro-batches (the experts' weights fake-quantized once for all: ``reuse_weight_quant``)
+    reports the one-micro-batch step's metrics: guidance counts and coverage, per-site code and scale mismatch
+    (summed over the micro-batches' records), train-rollout mismatch, loss and stats."""
+    rows = {}
+    for mbs in (0, 4):
+        cfg = dataclasses.replace(RL, steps=1, micro_batch_size=mbs)
+        r = GRPORun(make_arm(arm, TraceConfig()), cfg, get_task("add"), ckpt, out_dir=tmp_path / str(mbs),
+                    cache_dir=tmp_path / f"c{mbs}")
+        rows[mbs] = r.step()
+        assert r.cache.steps == []
+    one, four = rows[0], rows[4]
+    assert (one["trainer/micro_batches"], four["trainer/micro_batches"]) == (1.0, 4.0)
+    assert four["guidance/trainer/coverage"] == 1.0 and any(k.startswith("quant/") for k in four)
+    skip = ("time/", "sync/", "trainer/micro_batches", "grad_norm")  # timings; grad_norm: bf16 sums (tested above)
+    keys = {k for k in one if not k.startswith(skip)}
+    assert keys == {k for k in four if not k.startswith(skip)}
+    differ = {k: (one[k], four[k]) for k in keys if one[k] != four[k] and not (one[k] != one[k] and four[k] != four[k])}
+    assert not differ, differ
     with pytest.raises(ValueError, match=r"micro_batch_size=3 must be 0 \(the whole batch in one micro-batch\) or a "
                                          r"divisor of prompts_per_step \* group_size = 16"):
         dataclasses.replace(RL, micro_batch_size=3)
