@@ -115,7 +115,7 @@ def _values(t: FP4Tensor | FullGuidance) -> torch.Tensor:
 
 
 def effective_scales(t) -> torch.Tensor:
-    """Per-block decode scale, float32 [..., nb]: fp32(sf) * amax / 2688 (NVFP4), 2^e (MXFP4)."""
+    """Per-block decode scale, float32 [..., nb]: fp32(sf) / S_enc (NVFP4), 2^e (MXFP4)."""
     s = t.block_scales
     return get_format(t.fmt).unscale(torch.ones(*s.shape, 1, device=s.device), s, t.global_amax)[..., 0]
 

@@ -1,6 +1,6 @@
 """NVFP4: E2M1 elements in 1x16 blocks along K, E4M3 block scales, FP32 global amax (DESIGN.md §3).
 
-  S_enc = 448 * 6 / amax_global               (1.0 where amax_global == 0)
+  S_enc = min(448 * 6 / amax_global, FLT_MAX) (1.0 where amax_global == 0)
   sf    = e4m3_rn_sat(S_enc * amax_block / 6)  (saturates at 448)
   q     = rne_e2m1(x * S_enc / fp32(sf))       (0 where sf == 0: all-zero or underflowing block)
   x_hat = q * fp32(sf) / S_enc
@@ -9,6 +9,10 @@
 one amax per token row, batch-invariant) or given (static/calibrated: a float or a float32
 tensor of shape [] or [..., 1]). ModelOpt checkpoints store the reciprocal encode scale
 ``amax / (6 * 448)`` as ``weight_scale_2`` / ``input_scale``: see ``decode_scale_from_amax``.
+
+S_enc saturates at the largest float32 (as Transformer Engine's ``compute_global_encode_scaling_factor_FP4``
+does) where 2688 / amax overflows, i.e. for 0 < amax < 2688 / FLT_MAX ~= 7.9e-36: without the clamp S_enc is
+inf, every code saturates, an all-zero block's scale is NaN and the dequantized values are 0 or NaN.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ NVFP4Tensor = FP4Tensor
 """An FP4Tensor with ``fmt == "nvfp4"``: codes, block_scales (float8_e4m3fn), global_amax."""
 
 _ENC_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688
+_FLT_MAX = torch.finfo(torch.float32).max
 
 
 def _div(a: torch.Tensor, b: float) -> torch.Tensor:
@@ -32,10 +37,10 @@ def _div(a: torch.Tensor, b: float) -> torch.Tensor:
 
 
 def encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
-    """S_enc = 448 * 6 / amax (one IEEE fp32 division), 1.0 where amax == 0."""
+    """S_enc = 448 * 6 / amax (one IEEE fp32 division) saturated at FLT_MAX, 1.0 where amax == 0."""
     g = global_amax.float()
     safe = torch.where(g > 0, g, 1.0)
-    return torch.where(g > 0, torch.full_like(safe, _ENC_NUMERATOR) / safe, 1.0)
+    return torch.where(g > 0, (torch.full_like(safe, _ENC_NUMERATOR) / safe).clamp(max=_FLT_MAX), 1.0)
 
 
 def decode_scale_from_amax(global_amax: torch.Tensor) -> torch.Tensor:

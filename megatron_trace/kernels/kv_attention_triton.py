@@ -204,11 +204,16 @@ def _operand_width_boundary(x, ASM: tl.constexpr):
         return x
 
 
+_AMAX_SATURATES = tl.constexpr(7.899322754990586e-36)
+"""fp32(2688 / FLT_MAX): below this global amax NVFP4's S_enc saturates at FLT_MAX (``nvfp4.encode_scale``)."""
+
+
 @triton.jit
 def _row_factor(g_ptr, t, tmask, st_g, fac, FMT: tl.constexpr):
-    """Per-row fp32 factor [BT]: global amax * fac for NVFP4 (fac = c / 2688: c / S_enc), fac for MXFP4."""
+    """Per-row fp32 factor [BT]: global amax * fac for NVFP4 (fac = c / 2688: c / S_enc; the amax at least
+    2688 / FLT_MAX, where S_enc saturates), fac for MXFP4."""
     if FMT == f.NVFP4:
-        return tl.load(g_ptr + t * st_g, mask=tmask, other=0.0) * fac
+        return tl.maximum(tl.load(g_ptr + t * st_g, mask=tmask, other=0.0), _AMAX_SATURATES) * fac
     else:
         return tl.full(t.shape, 1.0, tl.float32) * fac
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+FLT_MAX = tl.constexpr(3.4028234663852886e38)
+"""The largest float32 (NVFP4's encode scale saturates here)."""
+
 # Formats (constexpr selectors).
 NVFP4 = tl.constexpr(0)
 MXFP4_FLOOR = tl.constexpr(1)
@@ -27,8 +30,8 @@ def signbit(v):
 def e2m1_rne(z):
     """``e2m1.encode_rne``: fp32 -> uint8 codes (RNE with the reference's tie table, saturating).
 
-    NaN (only from 0 * inf when S_enc overflows, i.e. a row amax below 2688 / FLT_MAX) gives code 8,
-    as the reference does on x86, whose invalid-operation NaN has the sign bit set.
+    NaN (not reached from finite inputs since S_enc saturates at FLT_MAX) gives code 8, as the reference
+    does on x86, whose invalid-operation NaN has the sign bit set.
     """
     a = tl.abs(z)
     idx = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
@@ -111,7 +114,7 @@ def pow2(n):
 def e4m3_round(v):
     """fp32 ``v`` (>= 0, <= 448, or NaN) -> (value as fp32, float8_e4m3fn byte): RNE like torch's cast.
 
-    NaN (inf * 0 when S_enc overflows on an all-zero block) gives 0xFF, the reference's byte on x86.
+    NaN (not reached from finite inputs since S_enc saturates at FLT_MAX) gives 0xFF, the reference's byte on x86.
     """
     bits = v.to(tl.int32, bitcast=True)
     # Normal range (v >= 2^-6): round the fp32 mantissa to 3 bits, ties to even.
@@ -142,9 +145,10 @@ def e4m3_value(byte):
 
 @triton.jit
 def nvfp4_encode_scale(g):
-    """``nvfp4.encode_scale``: 2688 / g (one IEEE division), 1.0 where g <= 0."""
+    """``nvfp4.encode_scale``: 2688 / g (one IEEE division) saturated at FLT_MAX, 1.0 where g <= 0."""
     safe = tl.where(g > 0.0, g, 1.0)
-    return tl.where(g > 0.0, tl.div_rn(2688.0 + tl.zeros_like(safe), safe), 1.0)
+    s = tl.minimum(tl.div_rn(2688.0 + tl.zeros_like(safe), safe), FLT_MAX)
+    return tl.where(g > 0.0, s, 1.0)
 
 
 @triton.jit

@@ -55,7 +55,9 @@ def nvfp4(x: np.ndarray, global_amax: np.ndarray):
     -> (codes [rows, K], scales f32 [rows, K/16])."""
     x = x.astype(np.float32)
     g = global_amax.astype(np.float32)
-    s_enc = np.where(g > 0, np.float32(2688.0) / np.where(g > 0, g, 1), np.float32(1.0)).astype(np.float32)
+    with np.errstate(over="ignore"):  # 2688 / amax overflows for amax < 2688 / FLT_MAX: S_enc saturates
+        s_enc = np.float32(2688.0) / np.where(g > 0, g, 1)
+    s_enc = np.where(g > 0, np.minimum(s_enc, np.finfo(np.float32).max), np.float32(1.0)).astype(np.float32)
     xb = x.reshape(x.shape[0], -1, 16)
     amax_b = np.abs(xb).max(-1)
     sf = e4m3_rn_sat((s_enc * amax_b / np.float32(6.0)).astype(np.float32))

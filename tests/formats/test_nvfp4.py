@@ -184,3 +184,50 @@ def test_zero_rows(compact):
     q = nvfp4.quantize(x, per_row=True)
     assert q.codes.shape == (0, 24) and q.block_scales.shape == (0, 3) and q.dequantize().shape == (0, 48)
     assert nvfp4.guided_quantize(x, q.guidance(compact=compact)).codes.shape == (0, 24)
+
+
+_FLT_MAX = torch.finfo(torch.float32).max
+_SATURATES = float(np.float32(2688.0) / np.float32(_FLT_MAX))  # fp32(2688 / FLT_MAX) ~= 7.9e-36
+
+
+def test_encode_scale_saturates_at_float32_max():
+    # Transformer Engine's rule: min(2688 / amax, FLT_MAX); at the threshold the division itself stays finite
+    tiny = torch.tensor([np.nextafter(np.float32(_SATURATES), np.float32(0)), 1e-37, 2e-38, 1e-40, 2.0**-149])
+    assert torch.equal(nvfp4.encode_scale(tiny), torch.full_like(tiny, _FLT_MAX))
+    edge = torch.tensor([_SATURATES, 8e-36])
+    assert torch.equal(nvfp4.encode_scale(edge), torch.from_numpy(np.float32(2688.0) / edge.numpy()))
+    assert (nvfp4.encode_scale(edge) < _FLT_MAX).all()
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_tiny_global_amax_gives_valid_codes_and_scales(per_row):
+    # amax below 2688 / FLT_MAX: before the saturation S_enc was inf, every code +-6, a zero block's scale NaN
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=g) * 1e-37
+    x[1, 16:32] = 0.0  # an all-zero block
+    x[2] *= 1e-3  # a row down to fp32 subnormals
+    q = nvfp4.quantize(x, per_row=per_row)
+    assert torch.equal(nvfp4.encode_scale(q.global_amax), torch.full_like(q.global_amax, _FLT_MAX))
+    amax = q.global_amax.expand(4, 1).numpy() if per_row else np.full((4, 1), q.global_amax.item(), np.float32)
+    codes, sf = nvfp4_independent(x.numpy(), amax)
+    assert np.array_equal(q.unpacked_codes().numpy(), codes)
+    assert np.array_equal(q.block_scales.float().numpy(), sf)
+    assert not q.block_scales.float().isnan().any() and q.block_scales.float()[1, 1].item() == 0.0
+    d = q.dequantize()
+    assert torch.isfinite(d).all() and d[1, 16:32].eq(0).all()
+    # the block amax is represented (not flushed, not saturated) where its block scale is a normal e4m3
+    xb, db, sb = x.view(4, 4, 16), d.view(4, 4, 16), q.block_scales.float()
+    normal = sb >= 2.0**-6
+    assert normal[0].all() and normal.sum() >= 10
+    err = (xb - db).abs().amax(-1) / xb.abs().amax(-1)
+    assert (err[normal] <= 0.25).all()
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_tiny_global_amax_guided_reproduces_its_record(compact):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 32, generator=g) * 3e-38
+    q = nvfp4.quantize(x, per_row=True)
+    out = nvfp4.guided_quantize(x, q.guidance(compact=compact))
+    assert torch.equal(out.codes, q.codes) and torch.equal(out.block_scales.view(torch.uint8),
+                                                           q.block_scales.view(torch.uint8))

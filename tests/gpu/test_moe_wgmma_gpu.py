@@ -49,6 +49,18 @@ def test_matches_reference(fmt, per_row, shape, bt):
     assert torch.equal(y[-3:], torch.zeros_like(y[-3:]))
 
 
+
+@pytest.mark.parametrize("per_row", [False, True], ids=["tensor", "row"])
+def test_saturated_encode_scale(per_row):
+    """Weights whose global amax lies below 2688 / FLT_MAX: S_enc saturates at FLT_MAX, and the column scale
+    2**62 / S_enc (one division: 1 / S_enc alone is an fp32 subnormal) gives the reference's outputs, not zeros."""
+    x, wq, p, offs = _case("nvfp4", per_row, 3, 256, 512, [1, 0, 17], scale=1e-38)
+    assert float(wq.global_amax.max()) < 7.9e-36
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert ref[:18].abs().amax(-1).min() > 0
+    y = moe_wgmma.grouped_mm(x, p, offs, out_dtype=torch.float32)
+    assert _rel(y * 2.0**100, ref * 2.0**100) < TOL, _rel(y * 2.0**100, ref * 2.0**100)  # (exact scaling: no underflow)
+
 def test_token_tiles_give_the_same_bits_and_bf16_rounds_fp32():
     """A token's sums run over the same k order in either tile, so the bits agree; bf16 out is the fp32 result
     rounded once."""

@@ -80,7 +80,10 @@ def _kv_case(name, b, hq, hkv, t, d, seed=0, spread=3):
 
 
 def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    """Relative L2 error of ``a`` against ``b``, both divided by b's amax first (tiny outputs: no underflow)."""
+    m = b.float().abs().amax()
+    m = torch.where(m > 0, m, 1.0)
+    return float(((a.float() - b.float()) / m).norm() / (b.float() / m).norm())
 
 
 TIGHT = 2e-3 if INTERPRET else 5e-3
@@ -149,6 +152,28 @@ def test_fast_path_matches_reference(name, b, hq, hkv, t, d, block_t, splits):
         return
     got = kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=False, block_t=block_t, splits=splits)
     _check(got, q, k, v)
+
+
+@needs_triton
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("name", ["nvfp4_row", "nvfp4_tensor"])
+def test_saturated_encode_scale(name, exact):
+    """K and V amaxes below 2688 / FLT_MAX (some K rows, every V row): S_enc saturates at FLT_MAX, and both paths
+    give the reference's result (the fast path's per-row factor takes the amax at least 2688 / FLT_MAX; with
+    amax * 2**62 / 2688 the output would be 2688 / (amax * FLT_MAX) times too small)."""
+    fmt, per_row = QUANTIZERS[name]
+    g = torch.Generator().manual_seed(9)
+    quant = Quantizer(fmt, per_row=per_row)
+    kx = torch.randn(2, 2, 5, 64, generator=g)
+    kx[:, :, ::2] *= 1e-37  # tiny K rows: scores ~0 next to the others' (per tensor: K's amax stays normal)
+    k = quant.quantize(kx.to(DEVICE))
+    v = quant.quantize((torch.randn(2, 2, 5, 64, generator=g) * 1.5e-36).to(DEVICE))  # weighted sums stay normal
+    assert float(v.global_amax.max()) < 7.9e-36
+    q = torch.randn(2, 8, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    got = kv_attention_triton.decode_attention(q, k, v, scale=0.125, exact=exact, block_t=16)
+    for kv_dtype in (torch.float32, torch.bfloat16):  # this 5-token case is 2.5e-3 off at any V scale (bf16 output)
+        want = reference_attention(q, k, v, scale=0.125, kv_dtype=kv_dtype)
+        assert want.abs().amax(-1).min() > 0 and _rel(got, want) < 5e-3, _rel(got, want)
 
 
 @needs_triton

@@ -115,6 +115,24 @@ def test_triton_path_small(fmt, per_row, config, shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("per_row", [False, True], ids=["tensor", "row"])
+def test_triton_path_saturated_encode_scale(per_row):
+    """Weights whose global amax lies below 2688 / FLT_MAX (S_enc saturates at FLT_MAX): the column scale
+    2**62 / S_enc is one division (2**62 times a subnormal 1 / S_enc loses bits), outputs the reference's."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(3, 64, 256, generator=gen) * 1e-38
+    x = torch.randn(21, 256, generator=gen).to(torch.bfloat16)
+    offs = torch.tensor([1, 1, 18], dtype=torch.int32)
+    wq = Quantizer("nvfp4", per_row=per_row).quantize(w)
+    assert float(wq.global_amax.max()) < 7.9e-36
+    ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)
+    assert ref[:18].abs().amax(-1).min() > 0  # not flushed: every token's row has nonzero outputs
+    y = moe_triton.grouped_mm(x.to(DEVICE), Quantizer("nvfp4", per_row=per_row).quantize(w.to(DEVICE)),
+                              offs.to(DEVICE), out_dtype=torch.float32, config=(32, 128, 16, 4, 1), deq_asm=False)
+    assert _rel(y.cpu() * 2.0**100, ref * 2.0**100) < 1e-5  # scaled exactly: the norm's squares do not underflow
+
+
+@needs_triton
 @pytest.mark.parametrize("config", [(32, 128, 16, 4, 1), (16, 64, 32, 4, 1, True)], ids=["split_k", "join_k"])
 def test_int64_token_offsets_give_the_int32_paths_bits(config, monkeypatch):
     """``WIDE`` (int64 row offsets, for x or y past 2**31 elements) forced at a small shape: the same bits."""

@@ -317,6 +317,48 @@ def test_guided_edge_inputs_bit_exact(policy, compact):
     assert same_bits(out["deq"], ref.dequantize(torch.float32))
 
 
+def _saturating_rows(dtype) -> torch.Tensor:
+    """[6, 64] rows whose amax is below 2688 / FLT_MAX (NVFP4's S_enc saturates at FLT_MAX): random, with an
+    all-zero block, one nonzero element, blocks 2**0 .. 2**-7 below the first, and (fp32) subnormals."""
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 64, generator=g) * 1e-37
+    x[1, 16:32] = 0.0
+    x[2] = 0.0
+    x[2, 5] = -2e-38
+    x[3] *= 2.0 ** -torch.arange(64).div(8).floor()  # blocks 2**0 .. 2**-7 below the row's first
+    if dtype == torch.float32:
+        x[5] *= 1e-4
+    elif INTERPRET:  # the interpreter flushes half subnormals (see edge_rows): none in its rows
+        x = torch.where(x.abs() < torch.finfo(dtype).smallest_normal, 0.0, x)
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("policy", ["nvfp4-tensor", "nvfp4-row"])
+def test_saturated_encode_scale_bit_exact(policy, dtype):
+    """Global amax below 2688 / FLT_MAX: quantize, record, dequantize and guided rounding give the reference's bits,
+    S_enc = FLT_MAX (before it saturated, codes were all +-6 and a zero block's scale NaN)."""
+    q = POLICIES[policy]
+    x = _saturating_rows(dtype)
+    ref = q.quantize(x)
+    assert not ref.block_scales.float().isnan().any() and ref.dequantize().abs().amax() > 0
+    t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
+    assert_same_fp4(t, ref)
+    assert_same_fp4(rec, ref.guidance(compact=True))
+    assert same_bits(dequant_triton.dequantize(t, dtype), ref.dequantize(dtype))
+    gen = torch.Generator().manual_seed(13)
+    x_train = (x.float() * (1 + 0.05 * torch.randn(x.shape, generator=gen))).to(dtype)
+    for compact in (False, True):
+        record = ref.guidance(compact=compact)
+        want = q.guided_quantize(x_train, record)
+        got, out = fused.guided(x_train.to(DEVICE), _to(record, DEVICE), deq_dtype=dtype)
+        assert_same_fp4(got, want)
+        assert same_bits(out["deq"].reshape(x.shape), want.dequantize(dtype))
+    amax = torch.tensor(3e-37)  # a given (static) amax in the saturating range
+    assert_same_fp4(fused.quantize(x.to(DEVICE), Quantizer("nvfp4"), global_amax=amax.to(DEVICE))[0],
+                    Quantizer("nvfp4").quantize(x, global_amax=amax))
+
+
 def _rne_edge_rows(dtype) -> torch.Tensor:
     """[R, 64] rows for RNE NVFP4 by magnitudes: per-row scaling makes z == x * 2**-j exactly on the first six
     (every block holds +-6 * 2**j), so z sits on the ties, their neighbours in ``dtype`` and the grid points; then
