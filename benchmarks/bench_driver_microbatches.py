@@ -6,6 +6,9 @@ several micro-batch sizes, on one batch of the main job's config, and where a pa
 
 Per arm and micro-batch size: the pass's wall time (median of --reps, CUDA synchronized), then a least-squares
 fit wall = fixed + per_micro_batch * n, and cProfile's top functions (own time) of one pass at the smallest size.
+``--count-ops``: also the operators one pass dispatches (each a kernel launch on the GPU, so a device-independent
+measure of a host-bound pass), at each size, by the innermost module class that ran them ("backward" for the
+autograd engine's, "driver" outside every module), and the same fit per operator.
 Prints one JSON line per arm.
 """
 
@@ -27,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
 import torch  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 
 def _config(name: str, sft_steps: int):
@@ -60,6 +64,51 @@ def _pass(r, batch, adv, mbs: int) -> float:
     return dt
 
 
+class _OpCounter(TorchDispatchMode):
+    """Counts dispatched operators by the innermost running module's class (global forward hooks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.stack: list[str] = []
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch._C._current_graph_task_id() != -1:
+            where = "backward"
+        else:
+            where = self.stack[-1] if self.stack else "driver"
+        self.counts[where] = self.counts.get(where, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_ops(r, batch, adv, mbs: int) -> dict[str, int]:
+    counter = _OpCounter()
+
+    def enter(module, _args) -> None:
+        counter.stack.append(type(module).__name__)
+
+    def leave(_module, _args, _out) -> None:  # (returns None: the output stays the module's)
+        counter.stack.pop()
+
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(enter)
+    post = torch.nn.modules.module.register_module_forward_hook(leave)
+    try:
+        with counter:
+            _pass(r, batch, adv, mbs)
+    finally:
+        pre.remove()
+        post.remove()
+    return dict(sorted(counter.counts.items(), key=lambda kv: -kv[1]))
+
+
+def _fit(n: list[float], y: list[float]) -> tuple[float, float]:
+    """Least-squares (fixed, per unit) of y = fixed + per * n."""
+    mn, my = statistics.fmean(n), statistics.fmean(y)
+    var = sum((x - mn) ** 2 for x in n)
+    slope = sum((x - mn) * (v - my) for x, v in zip(n, y)) / var if var else float("nan")
+    return my - slope * mn, slope
+
+
 def _profile(r, batch, adv, mbs: int, top: int) -> list:
     prof = cProfile.Profile()
     prof.enable()
@@ -81,6 +130,7 @@ def main() -> None:
     p.add_argument("--sft-steps", type=int, default=100)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--count-ops", action="store_true", help="count the dispatched operators per pass and module")
     a = p.parse_args()
 
     from megatron_trace.rl.arms import make_arm
@@ -109,15 +159,20 @@ def main() -> None:
                 _pass(r, batch, adv, mbs)
             wall = {mbs: statistics.median(_pass(r, batch, adv, mbs) for _ in range(a.reps)) for mbs in sizes}
             n = [batch.tokens.shape[0] // m for m in sizes]
-            y = [wall[m] for m in sizes]
-            mn, my = statistics.fmean(n), statistics.fmean(y)
-            var = sum((x - mn) ** 2 for x in n)
-            slope = sum((x - mn) * (v - my) for x, v in zip(n, y)) / var if var else float("nan")
+            fixed, slope = _fit(n, [wall[m] for m in sizes])
+            ops = {}
+            if a.count_ops:
+                per = {m: _count_ops(r, batch, adv, m) for m in sizes}
+                total = [sum(per[m].values()) for m in sizes]
+                where = {k: _fit(n, [per[m].get(k, 0) for m in sizes])[1] for k in per[min(sizes)]}
+                ops = {"ops": {"total": dict(zip(map(str, sizes), total)),
+                               "fit": dict(zip(("fixed", "per_micro_batch"), map(round, _fit(n, total)))),
+                               "per_micro_batch_by_module": {k: round(v) for k, v in where.items() if round(v)}}}
             print(json.dumps({
                 "bench": "driver_microbatches", "config": a.config, "device": a.device, "arm": name,
                 "rows": batch.tokens.shape[0], "seq": batch.tokens.shape[1],
                 "wall_s": {str(m): round(wall[m], 4) for m in sizes},
-                "fit": {"fixed_s": round(my - slope * mn, 4), "per_micro_batch_s": round(slope, 4)},
+                "fit": {"fixed_s": round(fixed, 4), "per_micro_batch_s": round(slope, 4)}, **ops,
                 "profile_mbs": min(sizes), "top_own_time": _profile(r, batch, adv, min(sizes), a.top),
                 "command": " ".join(sys.argv)}), flush=True)
 

@@ -6,7 +6,8 @@ as SGLang 0.5.10's ``ModelOptFp4LinearMethod`` / ``ModelOptNvFp4FusedMoEMethod``
 
   <prefix>.weight          uint8 [N, K/2]           packed E2M1, element 2i in the low nibble
   <prefix>.weight_scale    float8_e4m3fn [N, K/16]  block scales (linear layout, not swizzled)
-  <prefix>.weight_scale_2  float32 []               decode scale  = weight amax / (6 * 448)
+  <prefix>.weight_scale_2  float32 []               decode scale  = weight amax / (6 * 448) (fp32(1 / FLT_MAX) for an
+                                                    amax below 2688 / FLT_MAX, where our S_enc saturates)
   <prefix>.input_scale     float32 []               static activation decode scale = act amax / (6 * 448)
 
 ``hf_quant_config.json``: ``{"producer": ..., "quantization": {"quant_algo": "NVFP4", "group_size": 16,

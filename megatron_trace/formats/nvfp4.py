@@ -44,8 +44,10 @@ def encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
 
 
 def decode_scale_from_amax(global_amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's ``weight_scale_2`` / ``input_scale`` convention: amax / (6 * 448)."""
-    return _div(global_amax.float(), _ENC_NUMERATOR)
+    """ModelOpt's ``weight_scale_2`` / ``input_scale`` convention: amax / (6 * 448); fp32(1 / FLT_MAX) where
+    ``encode_scale`` saturates, so that codes * block scale * this decodes what was encoded with S_enc = FLT_MAX."""
+    g = global_amax.float()
+    return torch.where(encode_scale(g) == _FLT_MAX, torch.full_like(g, 1.0 / _FLT_MAX), _div(g, _ENC_NUMERATOR))
 
 
 class NVFP4Format:

@@ -119,6 +119,22 @@ def test_without_extras_codes_exact_amax_derived(tmp_path):
     torch.testing.assert_close(q.dequantize(), ref.dequantize(), rtol=2e-7, atol=0)
 
 
+def test_saturated_encode_scale_exports_its_decode_scale():
+    """A weight amax below 2688 / FLT_MAX: its codes were encoded with S_enc = FLT_MAX, so weight_scale_2 is
+    fp32(1 / FLT_MAX) (amax / 2688 would decode them FLT_MAX * amax / 2688 times too small), and the engine's
+    codes * block scale * weight_scale_2 is the trainer's dequantization; the exact amax still reads back."""
+    w = torch.randn(8, 32, generator=torch.Generator().manual_seed(2)) * 1e-37
+    q = nvfp4.quantize(w)
+    t = modelopt_linear_tensors("lin", q, input_amax=1.0, trace_extras=True)
+    assert t["lin.weight_scale_2"].item() == 2.0**-128 and t["lin.weight_global_amax"].item() == q.global_amax.item()
+    sf = t["lin.weight_scale"].float().repeat_interleave(16, -1)
+    engine = _independent_decode(t["lin.weight"]) * sf * t["lin.weight_scale_2"]
+    torch.testing.assert_close(engine, q.dequantize(), rtol=2e-7, atol=0)
+    assert torch.equal(fp4_from_modelopt(t, "lin").dequantize(), q.dequantize())
+    without = {k: v for k, v in t.items() if not k.endswith("weight_global_amax")}  # amax from weight_scale_2
+    torch.testing.assert_close(fp4_from_modelopt(without, "lin").dequantize(), q.dequantize(), rtol=2e-7, atol=0)
+
+
 def test_sharded_round_trip(tmp_path):
     named = list(fp4_stream(tiny_named_weights(), QUANT))
     save_modelopt_checkpoint(tmp_path, named, tiny_hf_config(), input_amax=2.0, max_shard_bytes=4096)
