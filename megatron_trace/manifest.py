@@ -32,6 +32,8 @@ from .guidance.selection import guided_layers
 
 MANIFEST_VERSION = 2
 """2: ``kv_format`` (the KV sites' format) added."""
+NVFP4_SCALE_RULE = "e4m3_rn_sat(min(448*6/amax_global,FLT_MAX)*amax_block/6)"
+"""NVFP4 block scale rule as the recipe names it (S_enc saturates at FLT_MAX: ``formats.nvfp4.encode_scale``)."""
 
 
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
@@ -78,7 +80,7 @@ class QuantRecipe:
             kv_format=config.kv_record_format if kv else "none",
             block_size=fmt.block_size,
             scale_dtype=str(fmt.scale_dtype).removeprefix("torch."),
-            scale_rule="e4m3_rn_sat(448*6/amax_global*amax_block/6)" if nv else f"e8m0_{config.mxfp4_scale_rule}",
+            scale_rule=NVFP4_SCALE_RULE if nv else f"e8m0_{config.mxfp4_scale_rule}",
             e2m1_max=E2M1_MAX,
             e4m3_max=E4M3_MAX,
             weight_amax="per_tensor" if nv else "none",

@@ -44,8 +44,9 @@ def encode_scale(global_amax: torch.Tensor) -> torch.Tensor:
 
 
 def decode_scale_from_amax(global_amax: torch.Tensor) -> torch.Tensor:
-    """ModelOpt's ``weight_scale_2`` / ``input_scale`` convention: amax / (6 * 448); fp32(1 / FLT_MAX) where
-    ``encode_scale`` saturates, so that codes * block scale * this decodes what was encoded with S_enc = FLT_MAX."""
+    """ModelOpt's ``weight_scale_2`` / ``input_scale`` convention: amax / (6 * 448); fp32(1 / FLT_MAX) = 2**-128
+    where ``encode_scale`` saturates, so that codes * block scale * this decodes what was encoded with S_enc =
+    FLT_MAX (within an ulp, as amax / 2688 does an unsaturated S_enc's)."""
     g = global_amax.float()
     return torch.where(encode_scale(g) == _FLT_MAX, torch.full_like(g, 1.0 / _FLT_MAX), _div(g, _ENC_NUMERATOR))
 

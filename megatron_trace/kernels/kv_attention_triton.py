@@ -213,7 +213,8 @@ def _row_factor(g_ptr, t, tmask, st_g, fac, FMT: tl.constexpr):
     """Per-row fp32 factor [BT]: global amax * fac for NVFP4 (fac = c / 2688: c / S_enc; the amax at least
     2688 / FLT_MAX, where S_enc saturates), fac for MXFP4."""
     if FMT == f.NVFP4:
-        return tl.maximum(tl.load(g_ptr + t * st_g, mask=tmask, other=0.0), _AMAX_SATURATES) * fac
+        g = tl.load(g_ptr + t * st_g, mask=tmask, other=0.0)
+        return tl.where(g != g, g, tl.maximum(g, _AMAX_SATURATES)) * fac  # (the GPU's max drops a NaN: kept)
     else:
         return tl.full(t.shape, 1.0, tl.float32) * fac
 

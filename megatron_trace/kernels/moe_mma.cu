@@ -262,7 +262,7 @@ __device__ __forceinline__ float column_scale(const Args& a, int e, long long ro
     if (a.gmode == 0) return two62;
     float g = a.gmode == 1 ? a.gamax[0] : a.gamax[(long long)e * a.N + row];
     float s_enc = g > 0.0f ? fminf(2688.0f / g, 3.40282347e38f) : 1.0f;  // nvfp4.encode_scale: saturates at FLT_MAX
-    return two62 / s_enc;
+    return two62 / s_enc;  // one rounding (2^62 * (1 / s_enc) is an ulp off where 1 / s_enc is subnormal)
 }
 
 __device__ __forceinline__ void store(const Args& a, int t, long long n, float v) {

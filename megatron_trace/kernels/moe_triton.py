@@ -116,8 +116,9 @@ def _scale_f32(sc, FMT: tl.constexpr):
 
 @triton.jit
 def _column_scale(g):
-    """2**62 / S_enc for NVFP4 global amax ``g`` (undoes the 2**64 scale offset and the encode scale): one division:
-    normal where 1 / S_enc would be subnormal (S_enc >= 2**126, up to FLT_MAX where it saturates)."""
+    """2**62 / S_enc for NVFP4 global amax ``g`` (undoes the 2**64 scale offset and the encode scale): one division
+    (2**62 times RN(1 / S_enc) is one ulp off it where 1 / S_enc is an fp32 subnormal: S_enc >= 2**126; the same
+    bits elsewhere)."""
     return tl.div_rn(tl.full(g.shape, 1.0, tl.float32) * _TWO_POW_62, f.nvfp4_encode_scale(g))
 
 

@@ -49,8 +49,8 @@ def test_matches_reference(fmt, per_row, shape):
 
 @pytest.mark.parametrize("per_row", [False, True], ids=["tensor", "row"])
 def test_saturated_encode_scale(per_row):
-    """Weights whose global amax lies below 2688 / FLT_MAX: S_enc saturates at FLT_MAX, and the column scale
-    2**62 / S_enc (one division: 1 / S_enc alone is an fp32 subnormal) gives the reference's outputs, not zeros."""
+    """Weights whose global amax lies below 2688 / FLT_MAX: S_enc saturates at FLT_MAX in the kernel's column scale
+    2**62 / S_enc as in the reference, whose outputs are nonzero (before the saturation both gave zeros)."""
     x, wq, offs = _case("nvfp4", per_row, 3, 256, 512, [1, 0, 17], scale=1e-38)
     assert float(wq.global_amax.max()) < 7.9e-36
     ref = grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)

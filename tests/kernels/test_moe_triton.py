@@ -117,8 +117,9 @@ def test_triton_path_small(fmt, per_row, config, shape):
 @needs_triton
 @pytest.mark.parametrize("per_row", [False, True], ids=["tensor", "row"])
 def test_triton_path_saturated_encode_scale(per_row):
-    """Weights whose global amax lies below 2688 / FLT_MAX (S_enc saturates at FLT_MAX): the column scale
-    2**62 / S_enc is one division (2**62 times a subnormal 1 / S_enc loses bits), outputs the reference's."""
+    """Weights whose global amax lies below 2688 / FLT_MAX (S_enc saturates at FLT_MAX): the kernel's column scale
+    2**62 / S_enc comes from the saturated S_enc, and its outputs are the reference's (nonzero: before the
+    saturation S_enc was inf and both gave zeros)."""
     gen = torch.Generator().manual_seed(5)
     w = torch.randn(3, 64, 256, generator=gen) * 1e-38
     x = torch.randn(21, 256, generator=gen).to(torch.bfloat16)
