@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ..guidance.records import pack_guidance
+from ..guidance.records import pack_guidance, payload_of, with_tensors
 from ..guidance.site import FallbackCounter, SiteGuidance
 from ..metrics import guidance_step_metrics, quant_counts, quant_metrics
 from ..monitor import SentinelCheck, TrendAlarm, check_mismatch_gate, step_mismatch_metrics
@@ -361,11 +361,9 @@ class GRPORun:
 def batch_rows(sg: SiteGuidance, rows: slice) -> SiteGuidance:
     """``sg``'s records of batch rows ``rows`` (a micro-batch's; every tensor is batch-major, a per-tensor
     ``global_amax`` applies to all rows)."""
-    rec = sg.record
-    amax = rec.global_amax
-    payload = {f.name: getattr(rec, f.name)[rows] for f in dataclasses.fields(rec)
-               if f.name in ("codes", "mantissa_bits", "block_scales")}
-    rec = dataclasses.replace(rec, **payload, shape=(len(range(*rows.indices(rec.shape[0]))), *rec.shape[1:]),
-                              global_amax=amax[rows] if amax is not None and amax.dim() else amax)
+    r, amax = sg.record, sg.record.global_amax
+    n = len(range(*rows.indices(r.shape[0])))
+    rec = with_tensors(r, payload_of(r)[rows], r.block_scales[rows],
+                       amax[rows] if amax is not None and amax.dim() else amax, (n, *r.shape[1:]))
     return SiteGuidance(record=rec, valid=sg.valid[rows],
                         expert_ids=None if sg.expert_ids is None else sg.expert_ids[rows])
