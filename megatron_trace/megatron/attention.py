@@ -30,6 +30,7 @@ from .step import (
     counted_total,
     counted_valid,
     site_on,
+    site_pinned,
 )
 
 
@@ -46,6 +47,10 @@ class KVStep:
         if self._host is None:
             self._host = self.sites
             self.sites = {site: site_on(c, device) for site, c in self.sites.items()}
+
+    def pin(self) -> None:
+        """The host records in pinned memory, once, before the step is first held (``MicroBatchQueue``)."""
+        self.sites = {site: site_pinned(c) for site, c in self.sites.items()}
 
     def release(self) -> None:
         """Back to the host records (the device copies dropped)."""

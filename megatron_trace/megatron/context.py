@@ -18,7 +18,10 @@ iterator yields them (pipeline 1F1B and interleaved schedules included)::
 
 Each layer's k-th forward takes step k (``microbatch.MicroBatchQueue``); a forward beyond the steps given raises
 (it would replay another micro-batch's routing and round toward its codes), and so do steps left unused.
-Megatron's recompute pass is not a forward: it reuses the records and routing of the micro-batch it recomputes.
+Megatron's recompute pass is not a forward: it reuses the records and routing of the micro-batch it recomputes,
+the recompute passes taking the checkpointed forwards in order. The backwards must therefore run in the order of
+the forwards, as Megatron's schedules run them: not one backward of several checkpointed micro-batches' summed
+losses (use a context per micro-batch there).
 
 Guidance is keyed by layer id (Megatron ``layer_number - 1``, pipeline offset included) and
 bound to the live modules found by walking the model; MTP layers are skipped. Every rank of an
@@ -257,10 +260,11 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
     hooks, queues, gpu = [], [], _model_gpu(layers)
     try:
         for layer, moe in layers.moe.items():
+            checkpointed = moe.moe_layer_recompute  # (recompute_modules "moe": the layer is its own checkpoint)
             q = MicroBatchQueue(layer, [
-                _moe_step(_layer_state(st, moe.experts, (FC1, FC2, "weights")), s, layer, moe)
+                _moe_step(_layer_state(st, moe.experts, (FC1, FC2, "weights"), checkpointed), s, layer, moe)
                 for st, s in zip(states, steps)
-            ], bind=lambda ms, e=moe.experts: setattr(e, "_trace_step", ms), device=gpu)
+            ], bind=lambda ms, e=moe.experts: setattr(e, "_trace_step", ms), device=gpu, checkpointed=checkpointed)
             queues.append(q)
             hooks.append(moe.router.register_forward_pre_hook(
                 lambda router, args, q=q: q.select().router_pre_hook(router, args)))
@@ -353,21 +357,14 @@ def _model_gpu(layers: TraceLayers) -> torch.device | None:
 def _on_model_device(step: StepGuidance, layers: TraceLayers, records: bool = True) -> StepGuidance:
     """Host guidance (e.g. assembled from the host cache) copied to the model's GPU once, at the context entry:
     the forward's own copies from pageable memory would each wait for the stream, mid-forward. Without
-    ``records`` (several micro-batches) the records stay on the host, pinned here: each layer brings its own to the
-    GPU as its forward of that micro-batch begins (``MicroBatchQueue``), so the GPU never holds every
-    micro-batch's."""
+    ``records`` (several micro-batches) the records stay on the host: ``MicroBatchQueue`` pins them once, after
+    the steps' checks, and each layer brings its own to the GPU as its forward of that micro-batch begins, so the
+    GPU never holds every micro-batch's (pinned, not by each layer mid-forward: allocating pinned memory can wait
+    for the device)."""
     device = _model_gpu(layers)
     if device is None:
         return step
-    mine = (*layers.moe, *layers.kv)  # this rank's layers
-    step = guidance_to(step, device, layers=mine, records=records)
-    if records:
-        return step
-    # pinned once here, not by each layer mid-forward (allocating pinned memory can wait for the device)
-    pin = lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory()  # noqa: E731
-    sites = {key: dataclasses.replace(sg, record=record_to(sg.record, pin)) if key[0] in mine else sg
-             for key, sg in step.sites.items()}
-    return dataclasses.replace(step, sites=sites)
+    return guidance_to(step, device, layers=(*layers.moe, *layers.kv), records=records)
 
 
 def check_finite(model) -> None:
@@ -416,15 +413,16 @@ def _check_keys(steps: list[StepGuidance], layers: TraceLayers) -> None:
                              f"{sorted(step.routing)})")
 
 
-def _layer_state(state: StepState, module, sites: tuple[str, ...]) -> StepState:
+def _layer_state(state: StepState, module, sites: tuple[str, ...], checkpointed: bool = False) -> StepState:
     """``state`` as seen by a layer whose ``sites`` (of ``module``) ``exclude_modules`` keeps in BF16: without
-    them (no guidance counted, checked or recorded there); counter, stats and recorder are shared."""
+    them (no guidance counted, checked or recorded there); ``checkpointed``: the layer runs inside its own
+    activation checkpoint (``StepState.checkpointed``). Counter, stats and recorder are shared."""
     cfg = state.config
     kept = tuple(s for s in cfg.sites if s not in sites or module.trace_quantizes(s))
-    if kept == cfg.sites:
-        return state
-    return dataclasses.replace(state, config=cfg.replace(
-        sites=kept, guided_sites=tuple(s for s in cfg.guided_sites if s in kept)))
+    if kept != cfg.sites:
+        state = dataclasses.replace(state, config=cfg.replace(
+            sites=kept, guided_sites=tuple(s for s in cfg.guided_sites if s in kept)))
+    return dataclasses.replace(state, checkpointed=True) if checkpointed else state
 
 
 def _moe_step(state: StepState, step: StepGuidance, layer: int, moe: MoELayer) -> MoEStep:

@@ -8,9 +8,15 @@ gradient-free pass) is queued, and the recompute passes in the backward take the
 micro-batches run without checkpointing (``num_microbatches_with_partial_activation_checkpoints``) are skipped
 correctly. The recompute pass is not counted as a forward.
 
+So with activation recompute the backwards must run in the order of their forwards, as Megatron's schedules
+run them. One backward through several checkpointed micro-batches (their losses summed) recomputes them in
+reverse, and nothing here can tell: each would round toward another micro-batch's records. Enter one context per
+micro-batch there.
+
 With several micro-batches a layer holds on the GPU the records of one micro-batch at a time: its step's records
 move there (from pinned host memory) as the step is selected, forward or recompute pass, and the device copies are
-dropped when the layer moves on, with the step's per-forward data (``MoEStep``'s virtual tokens). A micro-batch
+dropped when the layer moves on, with the step's per-forward data (``MoEStep``'s virtual tokens). The host
+records are pinned once, as the queue is built. A micro-batch
 that is recomputed is copied again then: a forward-only run through activation checkpoints (whose recompute never
 comes) holds no more than any other.
 """
@@ -20,30 +26,33 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 
-import torch
-from megatron.core.tensor_parallel.random import is_checkpointing
-
-from .step import in_recompute
+from .step import in_checkpoint_first_pass, in_recompute
 
 
 class MicroBatchQueue:
     """The per-micro-batch steps (``MoEStep`` or ``KVStep``) of one layer; ``select`` picks the current one and
     hands it to ``bind`` (the module that reads it)."""
 
-    def __init__(self, layer: int, steps: Sequence, bind: Callable[[object], None], device=None):
+    def __init__(self, layer: int, steps: Sequence, bind: Callable[[object], None], device=None,
+                 checkpointed: bool = False):
+        """``checkpointed``: the module runs inside an activation checkpoint of its own (``step.in_recompute``)."""
         if not steps:
             raise ValueError("a micro-batch queue needs at least one step")
         self.layer, self.steps, self._bind, self.device = layer, list(steps), bind, device
+        self.checkpointed = checkpointed
         self.forwards = 0  # forwards begun (recompute passes aside)
         self._checkpointed: deque[int] = deque()  # micro-batches whose forward the backward will recompute
         self._index: int | None = None  # the current step's micro-batch (None before the first forward)
         self.current = self.steps[0]
+        if len(self.steps) > 1 and device is not None:
+            for s in self.steps:  # (after the steps' checks, which may convert a record: full -> compact)
+                s.pin()
         bind(self.current)
 
     def select(self):
         """The step of the forward (or recompute pass) that begins now."""
         n = len(self.steps)
-        if in_recompute():
+        if in_recompute(self.checkpointed):
             if self._checkpointed:
                 i = self._checkpointed.popleft()
             elif n == 1:
@@ -56,7 +65,7 @@ class MicroBatchQueue:
             if i >= n:
                 raise RuntimeError(_too_many(self.layer, n))
             self.forwards += 1
-            if is_checkpointing() and not torch.is_grad_enabled():  # an activation checkpoint's first pass
+            if in_checkpoint_first_pass(self.checkpointed):
                 self._checkpointed.append(i)
         if n > 1:  # (one micro-batch: its records went to the GPU at the context entry)
             prev = self._index

@@ -53,6 +53,7 @@ from .step import (
     flat_rows,
     local_seq,
     site_on,
+    site_pinned,
 )
 
 FC1, FC2 = "expert_fc1_in", "expert_fc2_in"
@@ -143,6 +144,10 @@ class MoEStep:
         if self._host is None:
             self._host = (self.fc1, self.fc2)
             self.fc1, self.fc2 = site_on(self.fc1, device), site_on(self.fc2, device)
+
+    def pin(self) -> None:
+        """The host records in pinned memory, once, before the step is first held (``MicroBatchQueue``)."""
+        self.fc1, self.fc2 = site_pinned(self.fc1), site_pinned(self.fc2)
 
     def release(self) -> None:
         """Drop the forward's data and the device records (back to the host ones)."""

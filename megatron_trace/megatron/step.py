@@ -45,13 +45,22 @@ INVALID = "invalid_row"
 EXPERT_MISMATCH = "expert_mismatch"
 
 
-def in_recompute() -> bool:
+def in_recompute(checkpointed: bool = False) -> bool:
     """True inside the recompute pass of Megatron's activation checkpointing.
 
     ``tensor_parallel.checkpoint`` runs the checkpointed forward under ``no_grad`` and re-runs it
-    with grad enabled from the backward, both with Megatron's checkpointing flag set.
+    with grad enabled from the backward, both with Megatron's checkpointing flag set. ``checkpointed``: the
+    caller always runs inside a checkpoint of its own (a MoE layer with ``recompute_modules`` "moe"), whose
+    flag a checkpoint nested in it may have cleared as it ended (the shared experts', with "shared_experts"
+    too): its passes with gradients are then its recompute passes, the flag aside.
     """
-    return is_checkpointing() and torch.is_grad_enabled()
+    return torch.is_grad_enabled() and (checkpointed or is_checkpointing())
+
+
+def in_checkpoint_first_pass(checkpointed: bool = False) -> bool:
+    """True inside an activation checkpoint's first (gradient-free) pass; ``checkpointed`` as in ``in_recompute``.
+    A forward-only run through checkpoints passes for one too (its recompute never comes)."""
+    return not torch.is_grad_enabled() and (checkpointed or is_checkpointing())
 
 
 class GuidanceFallbackError(ValueError):
@@ -77,6 +86,7 @@ class StepState:
     deferred: list = field(default_factory=list)  # (bool device tensor: bad, message) checked by ``resolve``
     index_cache: dict = field(default_factory=dict)  # row orders of this step's layouts (``token_index``)
     ready: ReadyPoint = field(default_factory=ReadyPoint)  # where the pending / deferred tensors are final
+    checkpointed: bool = False  # this layer's view: it runs inside its own activation checkpoint (``in_recompute``)
     def is_guided(self, layer: int, site: str) -> bool:
         c = self.config
         return layer in self.guided_layers and site in c.guided_sites and c.quantizes(site)
@@ -91,7 +101,7 @@ class StepState:
         Deferred counting keeps the forward free of host syncs; with ``fallback='fail'`` a site that
         may hold unusable rows is resolved here, so the error is raised where it happens.
         """
-        if in_recompute():
+        if in_recompute(self.checkpointed):
             return  # the same rows were counted (and checked) by the forward
         self.pending.append((layer, site, used, reasons))
         self._mark(used, *reasons.values())
@@ -217,9 +227,21 @@ def record_to(record: Record, mv) -> Record:
 
 def site_on(c: CheckedSite, device) -> CheckedSite:
     """``c`` with its guidance tensors on ``device`` (None: left where they are); no copy where they are there."""
-    if c.sg is None or device is None:
+    if device is None:
         return c
-    mv = lambda t: t if t is None else to_device_async(t, device)  # noqa: E731
+    return _site_map(c, lambda t: to_device_async(t, device))
+
+
+def site_pinned(c: CheckedSite) -> CheckedSite:
+    """``c`` with its host guidance tensors in pinned memory, from where ``site_on`` copies them to a GPU without
+    allocating mid-forward (those on a GPU or pinned already are kept)."""
+    return _site_map(c, lambda t: t if t.is_cuda or t.is_pinned() else t.pin_memory())
+
+
+def _site_map(c: CheckedSite, fn) -> CheckedSite:
+    if c.sg is None:
+        return c
+    mv = lambda t: t if t is None else fn(t)  # noqa: E731
     sg = c.sg
     return dataclasses.replace(c, sg=dataclasses.replace(sg, record=record_to(sg.record, mv), valid=mv(sg.valid),
                                                          expert_ids=mv(sg.expert_ids)))

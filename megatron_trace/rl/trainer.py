@@ -193,6 +193,9 @@ def replay_routing(model, routing: dict[int, torch.Tensor] | None = None):
         for layer, router in routers.items():
             idx = routing[layer].transpose(0, 1).reshape(-1, routing[layer].shape[-1])  # [S*B, topk]
             router.router_replay.set_target_indices(idx)
+            # (its backward list, which set_target_indices appends to, is not read with REPLAY_FORWARD: it would
+            # keep every micro-batch's indices until the context exits)
+            router.router_replay.replay_backward_list.clear()
             router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
     def clear() -> None:

@@ -347,3 +347,31 @@ def test_one_context_over_the_schedule_with_host_guidance(weights):
     swapped = step([host[1], host[0], *host[2:]])
     assert sum(mismatches(swapped.microbatch(0).recorded().sites[key], rolls[0].sites[key]) for key in KEYS) > 0
     _metric("microbatch_queue_project_syncs", len(syncs))
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="pinned memory needs CUDA")
+def test_several_microbatches_keep_their_host_records_pinned(weights):
+    """Full host records serving a compact config are converted to compact at the context entry; with several
+    micro-batches every layer's host records, the converted ones included, are pinned once there, so no layer
+    allocates pinned memory mid-forward to copy its micro-batch's records to the GPU."""
+    import dataclasses
+
+    from megatron_trace.formats import CompactGuidance
+    from megatron_trace.megatron.context import find_trace_layers
+
+    rolls = [move_step(_run(_model(weights), [t.to(DEVICE) for t in batch(seed=s)])[2].recorded(), "cpu")
+             for s in range(2)]
+    model = _model(weights, TraceConfig(guided_layers="all", cache_mode="compact"))
+    layers = find_trace_layers(model)
+    with trace_guidance(model, rolls):
+        sites = [c for m in layers.moe.values() for c in (m.experts._trace_step.fc1, m.experts._trace_step.fc2)]
+        sites += [c for a in layers.kv.values() for c in a._trace_step.sites.values()]
+        records = [c.sg.record for c in sites if c.sg is not None]
+        tensors = [getattr(r, f.name) for r in records for f in dataclasses.fields(r)
+                   if isinstance(getattr(r, f.name), torch.Tensor)]
+        assert len(records) == len(KEYS) and all(isinstance(r, CompactGuidance) for r in records)
+        assert tensors and all(t.is_pinned() and not t.is_cuda for t in tensors)
+        with torch.no_grad():
+            for s in range(2):
+                model(*[t.to(DEVICE) for t in batch(seed=s)][:3])
+

@@ -114,6 +114,24 @@ def test_one_context_over_the_schedule_equals_a_context_per_microbatch(rollout, 
         _same_records(got, want)
 
 
+@pytest.mark.parametrize("modules", [["moe"], ["moe", "shared_experts"]])
+def test_shared_experts_recomputed_in_the_moe_checkpoint(rollout, modules):
+    """With shared experts and recompute_modules ["moe", "shared_experts"], the shared experts' checkpoint, nested
+    in the MoE layer's, clears Megatron's checkpointing flag before the router runs, in both passes: the recompute
+    pass must still be told from a new forward (the same micro-batch's guidance, rows counted once), whether one
+    context spans the schedule or each micro-batch has its own."""
+    micro, guidance = rollout
+    shared = dict(moe_shared_expert_intermediate_size=64)
+    g0, r0, s0, c0 = _per_microbatch(_model(**shared), micro, guidance)
+    recompute = dict(shared, recompute_granularity="selective", recompute_modules=modules)
+    for g1, r1, s1, c1 in (_one_context(_model(**recompute), micro, guidance),
+                           _per_microbatch(_model(**recompute), micro, guidance)):
+        assert s1 == s0 and (c1.used, dict(c1.fallback)) == (c0.used, dict(c0.fallback))
+        assert g1.keys() == g0.keys() and all(torch.equal(g1[n], g0[n]) for n in g0)
+        for got, want in zip(r1, r0):
+            _same_records(got, want)
+
+
 def test_the_microbatches_guidance_is_not_interchangeable(rollout):
     """The check above has teeth: micro-batch 1's guidance in micro-batch 0's place changes the gradients."""
     micro, guidance = rollout

@@ -277,6 +277,8 @@ def test_a_micro_batched_step_reports_what_one_micro_batch_does(megatron_cpu, ck
 
 
 def test_a_stock_model_given_no_routing_routes_itself(megatron_cpu, ckpt, tmp_path):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
     from megatron_trace.rl.trainer import replay_routing
 
     r = GRPORun(make_arm("bf16", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
@@ -287,10 +289,14 @@ def test_a_stock_model_given_no_routing_routes_itself(megatron_cpu, ckpt, tmp_pa
         own = r.policy.logprobs(tokens)
         with replay_routing(r.policy.model) as replay:
             replay(other)
+            replay(other)  # (a micro-batch each: Megatron's backward list, unread with REPLAY_FORWARD, keeps none)
             wrong = r.policy.logprobs(tokens)
+            lists = [len(m.router.router_replay.replay_backward_list) for m in r.policy.model.modules()
+                     if isinstance(m, MoELayer)]
             replay({})
             after = r.policy.logprobs(tokens)
     assert not torch.equal(wrong, own) and torch.equal(after, own)
+    assert lists and set(lists) == {0}
 
 
 def test_micro_batches_that_do_not_split_the_batch_are_named(megatron_cpu, ckpt, tmp_path):
