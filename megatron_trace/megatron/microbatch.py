@@ -16,9 +16,8 @@ micro-batch there.
 With several micro-batches a layer holds on the GPU the records of one micro-batch at a time: its step's records
 move there (from pinned host memory) as the step is selected, forward or recompute pass, and the device copies are
 dropped when the layer moves on, with the step's per-forward data (``MoEStep``'s virtual tokens). The host
-records are pinned once, as the queue is built. A micro-batch
-that is recomputed is copied again then: a forward-only run through activation checkpoints (whose recompute never
-comes) holds no more than any other.
+records are pinned once, as the queue is built. A micro-batch that is recomputed is copied again then: a
+forward-only run through activation checkpoints (whose recompute never comes) holds no more than any other.
 """
 
 from __future__ import annotations
