@@ -55,7 +55,7 @@ from .gemm import to_device_async
 from .microbatch import MicroBatchQueue, check_all_ran
 from .moe_step import FC1, FC2, MoEStep
 from .recording import Recorder
-from .step import GuidanceCoverageError, StepState, check_site, record_to, resolve_states
+from .step import GuidanceCoverageError, StepState, check_site, guidance_map, resolve_states
 
 logger = logging.getLogger(__name__)
 
@@ -340,9 +340,7 @@ def guidance_to(step: StepGuidance, device, layers=None, records: bool = True) -
     device = torch.device(device)
     mv = lambda t: t if t is None else to_device_async(t, device)  # noqa: E731
     held = (lambda layer: True) if layers is None else set(layers).__contains__
-    sites = {key: dataclasses.replace(sg, record=record_to(sg.record, mv) if records else sg.record,
-                                      valid=mv(sg.valid), expert_ids=mv(sg.expert_ids)) if held(key[0]) else sg
-             for key, sg in step.sites.items()}
+    sites = {key: guidance_map(sg, mv, records) if held(key[0]) else sg for key, sg in step.sites.items()}
     routing = {layer: mv(r) if held(layer) else r for layer, r in step.routing.items()}
     return dataclasses.replace(step, sites=sites, routing=routing, token_mask=mv(step.token_mask))
 

@@ -239,12 +239,14 @@ def site_pinned(c: CheckedSite) -> CheckedSite:
 
 
 def _site_map(c: CheckedSite, fn) -> CheckedSite:
-    if c.sg is None:
-        return c
+    return c if c.sg is None else dataclasses.replace(c, sg=guidance_map(c.sg, fn))
+
+
+def guidance_map(sg: SiteGuidance, fn, records: bool = True) -> SiteGuidance:
+    """``sg`` with ``fn`` applied to its tensors: record (unless not ``records``), valid flags, expert ids."""
     mv = lambda t: t if t is None else fn(t)  # noqa: E731
-    sg = c.sg
-    return dataclasses.replace(c, sg=dataclasses.replace(sg, record=record_to(sg.record, mv), valid=mv(sg.valid),
-                                                         expert_ids=mv(sg.expert_ids)))
+    return dataclasses.replace(sg, record=record_to(sg.record, mv) if records else sg.record, valid=mv(sg.valid),
+                               expert_ids=mv(sg.expert_ids))
 
 
 def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[int, ...], config: TraceConfig,
