@@ -273,6 +273,9 @@ class GRPORun:
         stock model, its ``replay``)."""
         cfg, mask = self.cfg, batch.response_mask
         n_tokens, mbs = int(mask.sum()), batch.tokens.shape[0] // len(steps)
+        if any(s.token_mask is None for s in steps):
+            raise ValueError("every micro-batch's StepGuidance needs its token_mask (bool [rows, S]; "
+                             "GRPORun._guidance sets it): it gives the micro-batch's rows")
         sizes = [s.token_mask.shape[0] for s in steps]
         if mbs * len(steps) != batch.tokens.shape[0] or sizes != [mbs] * len(steps):
             raise ValueError(f"the {len(steps)} micro-batches' guidance covers {sizes} rows: they must split the "

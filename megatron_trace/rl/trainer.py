@@ -15,6 +15,7 @@ import torch
 from ..config import TraceConfig
 
 logger = logging.getLogger(__name__)
+_OWNER = "_megatron_trace_master_adamw"  # set on a parameter while a MasterAdamW's hook accumulates its gradient
 
 
 class MasterAdamW:
@@ -26,10 +27,24 @@ class MasterAdamW:
 
     def __init__(self, params, lr: float, weight_decay: float = 0.0, betas=(0.9, 0.999)):
         self.params = [p for p in params if p.requires_grad]
+        owned = [tuple(p.shape) for p in self.params if getattr(p, _OWNER, False)]
+        if owned:  # a second optimizer's hook would find the gradient already moved (and freed) by the first
+            raise ValueError(f"{len(owned)} parameters (shapes {owned[:3]}...) already have a MasterAdamW: one "
+                             "optimizer per parameter (build one over the model, or release() the old one first)")
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, betas=betas)
-        for p, m in zip(self.params, self.master):
-            p.register_post_accumulate_grad_hook(lambda p, m=m: self._accumulate(p, m))
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, m=m: self._accumulate(p, m))
+                       for p, m in zip(self.params, self.master)]
+        for p in self.params:  # (the hook holds this optimizer: it lives as long as its parameters do)
+            setattr(p, _OWNER, True)
+
+    def release(self) -> None:
+        """Detach from the parameters (their gradient hooks removed): another optimizer may then own them."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for p in self.params:
+            setattr(p, _OWNER, False)
 
     @staticmethod
     def _accumulate(p: torch.Tensor, m: torch.Tensor) -> None:

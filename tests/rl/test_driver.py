@@ -311,6 +311,9 @@ def test_micro_batches_that_do_not_split_the_batch_are_named(megatron_cpu, ckpt,
     with pytest.raises(ValueError, match=r"the 3 micro-batches' guidance covers \[4, 4, 4\] rows: they must split "
                                          r"the batch's 16 rows evenly"):
         r.train_pass(batch, adv, steps[:3])
+    with pytest.raises(ValueError, match="every micro-batch's StepGuidance needs its token_mask"):
+        r.train_pass(batch, adv, [dataclasses.replace(s, token_mask=None) if i == 2 else s for i, s in
+                                  enumerate(steps)])
     with pytest.raises(ValueError, match=r"micro_batch_size=-1 must be 0 \(the whole batch in one micro-batch\)"):
         RLConfig(micro_batch_size=-1)
     with pytest.raises(ValueError, match="micro_batch_size=0 must be >= 1 and divide the batch's 16 rows"):

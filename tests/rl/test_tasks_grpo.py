@@ -139,3 +139,18 @@ def test_master_adamw_sums_the_backwards_gradients_in_fp32():
     assert opt.master[0].grad is None
     (w * g1).sum().backward()
     assert torch.equal(opt.master[0].grad, g1.float())
+
+
+def test_a_second_master_adamw_over_a_parameter_is_refused_until_the_first_is_released():
+    """Two optimizers' gradient hooks on one parameter: the second would find the gradient already moved to the
+    first's master copy (and freed). Building it is refused by name; after ``release`` it owns the parameter."""
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    first = MasterAdamW([w], lr=1e-3)
+    with pytest.raises(ValueError, match=r"1 parameters \(shapes \[\(4,\)\]...\) already have a MasterAdamW"):
+        MasterAdamW([w], lr=1e-3)
+    first.release()
+    second = MasterAdamW([w], lr=1e-3)
+    (w * 3).sum().backward()
+    assert first.master[0].grad is None and torch.equal(second.master[0].grad, torch.full((4,), 3.0))
