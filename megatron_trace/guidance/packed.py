@@ -186,6 +186,9 @@ def source_of(samples: Sequence[SampleGuidance] | Sequence[SampleRouting]) -> tu
         have = s.sites if isinstance(s, SampleGuidance) else s.experts
         if tuple(have) != keys or not all(map(operator.is_, have.values(), values)):
             return None  # sites replaced or edited since the split: ship the sample's own tensors
+        t = packed.table
+        if (s.sample_id, s.version, s.token_hash, s.num_tokens) != (t.ids[i], t.versions[i], t.hashes[i], t.tokens[i]):
+            return None  # re-stamped since the split (dataclasses.replace): the columns' table no longer says it
         idx.append(i)
     return packed, idx
 

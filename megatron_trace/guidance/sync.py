@@ -7,7 +7,7 @@ bytes, payload bytes, chunks still to come, transfer number]``, the JSON header 
 payload. The transfer number (per destination, from 0) keeps both sides in step: a chunk of another transfer
 is an error naming both numbers, and a rejected chunk's transfer is read to its end before ``receive`` raises,
 so the next transfer starts clean.
-The chunk travels in columns (``guidance.wire``, protocol 4): per (layer, site) and field one tensor
+The chunk travels in columns (``guidance.wire``, protocol 5): per (layer, site) and field one tensor
 holding the rows of all the chunk's samples, the same per routing layer, and a compact header (per
 sample: id, version, token hash, tokens; per column: format, mode, row shape, dtypes, offsets,
 checksums). Work is per column, not per sample, so a step of many short samples costs about its bytes.
@@ -26,12 +26,13 @@ so no second, expert-owner exchange is needed here.
 The payload is written in place into one buffer on the group's device (a huge-page host buffer for
 gloo): one ``index_select`` per field from the columns that ``split_batch`` / ``split_routing`` samples
 are views of (one ``cat`` of the samples' tensors otherwise); with ``verify`` every field carries a
-CRC-32 (``serial.checksum``, read in place). The receiver gets a ``GuidanceShard`` of columns (views of
+CRC-32 (``serial.checksum``, read in place), and so does the header (in the size message: the header names the
+layers, sites and samples the fields belong to). The receiver gets a ``GuidanceShard`` of columns (views of
 the payload): ``shard.assemble`` / ``shard.assemble_routing`` build the trainer's batch-major tensors
 with a few index operations per site; ``shard.samples`` / ``shard.routing`` give per-sample views.
 
 Nothing is partially applied: ``receive`` returns only after the whole payload arrived and its
-sizes, offsets (and, with ``verify``, every field's checksum) were checked; otherwise it raises
+sizes, offsets (and, with ``verify``, the header's and every field's checksum) were checked; otherwise it raises
 ``GuidanceSyncError``. A receiver with ``verify`` refuses fields without a checksum (a sender with
 ``verify=False``): ``verify=False`` on both sides trusts the transport, sizes included.
 A peer that never sends makes ``receive`` fail after the group timeout
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import json
 import logging
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -62,8 +64,9 @@ from .site import FallbackCounter, SiteGuidance, SiteKey
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x54524143  # "TRAC"
-SIZES = 5  # the size message: magic, header bytes, payload bytes, chunks still to come, transfer number
-PROTOCOL = 4  # 4: columnar chunks (wire.py), CRC-32 per field; 3: per-sample tensors, CRC-32 per sample span
+SIZES = 6  # the size message: magic, header bytes, payload bytes, chunks to come, transfer number, header CRC-32
+NO_CRC = -1  # the size message's header CRC from a sender with verify=False
+PROTOCOL = 5  # 5: + the header's CRC-32; 4: columnar chunks (wire.py), CRC-32 per field; 3: per-sample tensors
 
 
 @dataclass
@@ -296,8 +299,9 @@ class GuidanceSync:
         if self.verify:
             wire.add_field_checksums(sections, payload)
         header = json.dumps(head, separators=(",", ":")).encode()
+        crc = zlib.crc32(header) if self.verify else NO_CRC
         msgs = [
-            torch.tensor([MAGIC, len(header), payload.numel(), chunks_left, seq], dtype=torch.int64),
+            torch.tensor([MAGIC, len(header), payload.numel(), chunks_left, seq, crc], dtype=torch.int64),
             torch.frombuffer(bytearray(header), dtype=torch.uint8),
         ]
         return (msgs + [payload] if payload.numel() else msgs), staged
@@ -333,7 +337,7 @@ class GuidanceSync:
                 payload = self._recv(payload, "the payload")
             if error is None:
                 try:
-                    guidance, routing = self._decode(header, payload)
+                    guidance, routing = self._decode(header, payload, sizes[5])
                 except GuidanceSyncError as e:  # read the transfer to its end: the next one starts in step
                     error, shard = e, GuidanceShard()
             if error is not None:
@@ -354,15 +358,24 @@ class GuidanceSync:
         self.last_stats = shard.stats
         return shard
 
-    def _decode(self, header: torch.Tensor, payload: torch.Tensor) -> tuple:
+    def _decode(self, header: torch.Tensor, payload: torch.Tensor, crc: int) -> tuple:
         try:
-            head = json.loads(tensor_bytes(header).decode())
+            raw = tensor_bytes(header)
+            if self.verify and crc == NO_CRC:
+                raise RecordFormatError("the header has no checksum: the sender runs verify=False; give both sides "
+                                        "the same verify")
+            if self.verify and zlib.crc32(raw) != crc:
+                raise RecordFormatError(f"header checksum mismatch (corrupt or partial transfer): got "
+                                        f"{zlib.crc32(raw)}, the size message says {crc}")
+            head = json.loads(raw.decode())
+            if not isinstance(head, dict):
+                raise RecordFormatError(f"the header is a JSON {type(head).__name__}, not an object")
             if head.get("protocol") != PROTOCOL:
                 raise GuidanceSyncError(
                     f"guidance protocol {head.get('protocol')!r} from the rollout rank, this trainer speaks "
                     f"{PROTOCOL}: run the same megatron_trace version on rollout and trainer ranks")
             return wire.decode(head, payload, verify=self.verify)
-        except (ValueError, KeyError, TypeError, IndexError, RecordFormatError) as e:
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecordFormatError) as e:
             raise GuidanceSyncError(f"guidance from rank {self.src} rejected, nothing applied: {e}") from e
 
     def _recv(self, t: torch.Tensor, what: str) -> torch.Tensor:

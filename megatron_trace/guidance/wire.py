@@ -1,4 +1,4 @@
-"""Columnar wire format of ``GuidanceSync`` (protocol 4): one chunk's samples as columns, not per-sample tensors.
+"""Columnar wire format of ``GuidanceSync`` (protocol 5): one chunk's samples as columns, not per-sample tensors.
 
 Header (JSON), per section ``guidance`` and ``routing`` (absent when the chunk has none of it):
 

@@ -6,6 +6,7 @@ import json
 import os
 import time
 import traceback
+import zlib
 from datetime import timedelta
 from pathlib import Path
 
@@ -143,7 +144,7 @@ def _tampered(rank, sync, samples, scenario) -> str:
             head = json.loads(bytes(msgs[1].tolist()))
             head["protocol"] = 2
             raw = json.dumps(head).encode()
-            msgs[0][1] = len(raw)
+            msgs[0][1], msgs[0][5] = len(raw), zlib.crc32(raw)
             msgs[1] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         else:
             msgs[0][0] = 12345
@@ -155,7 +156,7 @@ def _tampered(rank, sync, samples, scenario) -> str:
         got = sync.receive()
     except GuidanceSyncError as e:
         want = {"corrupt": "checksum", "corrupt_routing": "routing checksum mismatch",
-                "unchecked_sender": "without a checksum, e.g. guidance in column",
+                "unchecked_sender": "the header has no checksum: the sender runs verify=False",
                 "old_protocol": f"protocol 2 from the rollout rank, this trainer speaks {PROTOCOL}"}.get(
                     scenario, "bad size")
         assert want in str(e), str(e)

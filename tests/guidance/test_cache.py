@@ -254,3 +254,29 @@ def test_cuda_staging_to_pinned_host():
     assert chunk.buf.is_pinned() and chunk.event is not None
     for got, want in zip(cache.get(1, [s.sample_id for s in samples]), samples):
         assert_samples_equal(got, want)
+
+
+def test_split_samples_restamped_after_the_split_are_kept_under_their_own_ids_and_versions():
+    """A split batch's samples given new ids / versions (``dataclasses.replace``) are no longer the columns' table:
+    the cache keeps and serves them under what they say, as ``records.assemble`` would read them."""
+    import dataclasses
+
+    from megatron_trace.guidance.records import assemble
+    from megatron_trace.guidance.site import FallbackCounter
+
+    batch, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc1_in",))
+    stamped = [dataclasses.replace(s, sample_id=100 + s.sample_id, version=4)
+               for s in split_batch(batch, tok, version=1, attention_mask=mask)]
+    cache = GuidanceCache(budget_bytes=10**9)
+    cache.put(0, stamped)
+    assert cache.get(0, [0, 1, 2]) == [None] * 3
+    for got, want in zip(cache.get(0, [100, 101, 102]), stamped):
+        assert (got.sample_id, got.version) == (want.sample_id, 4)
+        assert_samples_equal(got, want)
+    counts = []
+    for assembled in (lambda c: cache.assemble(0, [100, 101, 102], tok, versions=4, counter=c, attention_mask=mask),
+                      lambda c: assemble(stamped, tok, versions=4, counter=c, attention_mask=mask)):
+        c = FallbackCounter()
+        assembled(c)
+        counts.append(c.as_dict())
+    assert counts[0] == counts[1] and counts[0]["guidance/coverage"] == 1.0

@@ -1,8 +1,9 @@
-"""Columnar sync chunks (``guidance.wire``, protocol 4) and assembly from columns (``packed_assemble``), in process:
+"""Columnar sync chunks (``guidance.wire``, protocol 5) and assembly from columns (``packed_assemble``), in process:
 ``GuidanceSync.encode`` -> ``_decode`` without a process group (the multi-process paths are in test_sync.py)."""
 
 import dataclasses
 import json
+import zlib
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def _sync(verify=True) -> GuidanceSync:
 
 def _decode(msgs, verify=True) -> GuidanceShard:
     payload = msgs[2] if len(msgs) > 2 else torch.empty(0, dtype=torch.uint8)
-    g, r = _sync(verify)._decode(msgs[1], payload)
+    g, r = _sync(verify)._decode(msgs[1], payload, int(msgs[0][5]))
     shard = GuidanceShard()
     shard.parts += [g] if g is not None else []
     shard.routing_parts += [r] if r is not None else []
@@ -39,9 +40,14 @@ def _head(msgs) -> dict:
     return json.loads(bytes(msgs[1].tolist()))
 
 
-def _with_header(msgs, head: dict) -> list:
+def _with_header(msgs, head, crc: bool = True) -> list:
+    """``msgs`` with the header ``head``; ``crc``: its size message updated too (a sender that wrote this header),
+    else the sent header changed on the way."""
     raw = json.dumps(head).encode()
-    return [msgs[0], torch.frombuffer(bytearray(raw), dtype=torch.uint8), *msgs[2:]]
+    sizes = msgs[0].clone()
+    if crc:
+        sizes[1], sizes[5] = len(raw), zlib.crc32(raw)
+    return [sizes, torch.frombuffer(bytearray(raw), dtype=torch.uint8), *msgs[2:]]
 
 
 def _data(fmt="nvfp4", compact=True, B=4, lengths=(9, 7, 0, 5), left_pad=False, seed=0):
@@ -202,6 +208,32 @@ def test_bad_headers_are_rejected_whole(edit, match):
     head = _head(msgs)
     edit(head)
     with pytest.raises(GuidanceSyncError, match=f"nothing applied: .*{match}"):
+        _decode(_with_header(msgs, head))
+
+
+def test_a_header_changed_on_the_way_is_rejected_with_verify():
+    """The header says which layer, site and sample each field is: a layer number changed in transit (fields and
+    their checksums intact) would guide another layer. Its CRC-32 travels in the size message."""
+    samples, routing, *_ = _data()
+    msgs = _sync().encode(samples, routing)
+    head = _head(msgs)
+    layer = head["guidance"]["columns"][0]["key"][0]
+    head["guidance"]["columns"][0]["key"][0] = layer + 1
+    with pytest.raises(GuidanceSyncError, match="nothing applied: header checksum mismatch"):
+        _decode(_with_header(msgs, head, crc=False))
+    got = _decode(_with_header(msgs, head, crc=False), verify=False)  # verify=False trusts the transport
+    assert got.parts[0].columns[0].key[0] == layer + 1
+    unchecked = _sync(verify=False).encode(samples, routing)
+    assert int(unchecked[0][5]) == -1
+    with pytest.raises(GuidanceSyncError, match="the header has no checksum: the sender runs verify=False"):
+        _decode(unchecked)
+
+
+@pytest.mark.parametrize("head,match", [([PROTOCOL], "a JSON list, not an object"),
+                                        ({"protocol": PROTOCOL, "guidance": [1]}, "nothing applied")])
+def test_a_header_of_the_wrong_structure_is_rejected(head, match):
+    msgs = _sync().encode(*_data()[:2])
+    with pytest.raises(GuidanceSyncError, match=match):
         _decode(_with_header(msgs, head))
 
 
