@@ -35,7 +35,16 @@ from .packed import Column, PackedGuidance, source_of
 from .packed_assemble import assemble_packed
 from .records import SampleGuidance, assemble
 from .serial import FlatPlan, host_buffer, plan_flat, unflatten_one, write_flat
-from .shards import load_samples, remove_stale_tmp, shard_index, write_shard
+from .shards import (
+    SHARD_PREFIX,
+    is_stale,
+    load_samples,
+    owner_tag,
+    remove_stale_tmp,
+    shard_index,
+    shard_path,
+    write_shard,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +111,6 @@ class _HostStager:
         return host, event
 
 
-SHARD_PREFIX = "guidance_step"
-
-
 class GuidanceCache:
     """Host cache of ``SampleGuidance`` per RL step under a byte budget, spilling to ``cache_dir``."""
 
@@ -113,13 +119,14 @@ class GuidanceCache:
             raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
         self.budget_bytes = int(budget_bytes)
         self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.owner = owner_tag()  # in its shards' names: other caches on cache_dir (ranks, runs) keep theirs
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)
             remove_stale_tmp(self.cache_dir)
-            old = list(self.cache_dir.glob(f"{SHARD_PREFIX}*.safetensors"))
-            if old:  # a previous run's (never read: its samples are not this run's)
+            old = [p for p in self.cache_dir.glob(f"{SHARD_PREFIX}*.safetensors") if is_stale(p)]
+            if old:  # a finished or crashed run's (never read: its samples are not this run's)
                 logger.warning("guidance cache_dir %s holds %d shard(s) (%.1f MiB) of an earlier run: they are not "
-                               "read, and a step of this run may overwrite one; delete them or use another cache_dir",
+                               "read; delete them or use another cache_dir",
                                self.cache_dir, len(old), sum(p.stat().st_size for p in old) / 2**20)
         self._steps: dict[int, _Step] = {}
         self._stager = _HostStager()
@@ -197,7 +204,7 @@ class GuidanceCache:
         return n
 
     def _spill(self, step: int, st: _Step, samples: Sequence[SampleGuidance]) -> None:
-        path = self.cache_dir / f"{SHARD_PREFIX}{step:08d}_part{len(st.shards):04d}.safetensors"
+        path = shard_path(self.cache_dir, self.owner, step, len(st.shards))
         size = write_shard(path, samples, step=step)
         st.shards.append((path, shard_index(path)))
         self.disk_bytes += size

@@ -12,9 +12,12 @@ shard raises ``ShardError`` naming the file, never returns partial data.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
+import re
+import socket
 import struct
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -97,6 +100,14 @@ def _fsync_dir(d: Path) -> None:
 def read_header(path: Path) -> tuple[dict, dict]:
     """(safetensors header without metadata, our metadata); checks length and magic."""
     path = Path(path)
+    try:
+        return _read_header(path)
+    except OSError as e:
+        raise ShardError(f"guidance shard {path} cannot be read ({type(e).__name__}: {e}): deleted or moved by "
+                         "another process? each cache names its own shards; re-generate this step") from e
+
+
+def _read_header(path: Path) -> tuple[dict, dict]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -163,12 +174,46 @@ def load_samples(
     return out
 
 
-def remove_stale_tmp(cache_dir: Path, pattern: str = "*.safetensors.tmp*") -> int:
-    """Delete temp files a crashed writer left behind; returns how many."""
+SHARD_PREFIX = "guidance_step"
+_OWNED = re.compile(r"^guidance_step\d+_(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-\d+_part\d+\.safetensors")
+_caches = itertools.count()
+
+
+def owner_tag() -> str:
+    """A new cache's tag in its shards' names (host, process, instance): caches of several ranks or runs can share
+    a ``cache_dir`` without overwriting or deleting each other's shards."""
+    host = re.sub(r"[^A-Za-z0-9.-]", ".", socket.gethostname()) or "host"
+    return f"{host}-{os.getpid()}-{next(_caches)}"
+
+
+def shard_path(cache_dir: Path, owner: str, step: int, part: int) -> Path:
+    return Path(cache_dir) / f"{SHARD_PREFIX}{step:08d}_{owner}_part{part:04d}.safetensors"
+
+
+def is_stale(path: Path) -> bool:
+    """A shard (or its temp file) of a cache no longer running: its process on this host is gone, or its name has no
+    owner (an older version's). Another host's shards are never stale here (its processes cannot be seen)."""
+    m = _OWNED.match(Path(path).name)
+    if m is None:
+        return True
+    if m["host"] != re.sub(r"[^A-Za-z0-9.-]", ".", socket.gethostname()):
+        return False
+    try:
+        os.kill(int(m["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, another user's
+        return False
+    return False
+
+
+def remove_stale_tmp(cache_dir: Path, pattern: str = f"{SHARD_PREFIX}*.safetensors.tmp*") -> int:
+    """Delete temp files a crashed writer left behind (``is_stale``: a live writer's are kept); returns how many."""
     n = 0
     for p in Path(cache_dir).glob(pattern):
-        p.unlink(missing_ok=True)
-        n += 1
+        if is_stale(p):
+            p.unlink(missing_ok=True)
+            n += 1
     if n:
         logger.warning("removed %d half-written guidance shard temp file(s) in %s", n, cache_dir)
     return n

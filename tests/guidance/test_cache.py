@@ -1,4 +1,8 @@
+import dataclasses
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,7 +113,7 @@ def test_budget_zero_spills_everything_and_several_puts_per_step(tmp_path):
     a, b = _step_samples(7)[:2], _step_samples(7)[2:]
     cache.put(7, a)
     cache.put(7, b)
-    assert cache.peak_host_bytes == 0 and len(list(tmp_path.glob("guidance_step00000007_part*"))) == 2
+    assert cache.peak_host_bytes == 0 and len(list(tmp_path.glob(f"guidance_step00000007_{cache.owner}_part*"))) == 2
     for got, want in zip(cache.get(7, [s.sample_id for s in a + b]), a + b):
         assert_samples_equal(got, want)
     with pytest.raises(ValueError, match="already has sample"):
@@ -224,22 +228,58 @@ def test_not_a_guidance_shard(tmp_path):
         shard_index(p)
 
 
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
 def test_close_deletes_the_spilled_shards_and_a_new_cache_warns_of_old_ones(tmp_path, caplog):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
     cache.put(3, _step_samples(3))
     cache.put(4, _step_samples(4))
     assert len(list(tmp_path.iterdir())) == 2
-    GuidanceCache(budget_bytes=0, cache_dir=tmp_path)  # another run on the same directory
+    GuidanceCache(budget_bytes=0, cache_dir=tmp_path)  # another cache (a rank) of this live run: not warned of
+    assert "earlier run" not in caplog.text
+    host, pid, _ = cache.owner.rsplit("-", 2)
+    write_shard(tmp_path / f"guidance_step00000003_{host}-{_dead_pid()}-0_part0000.safetensors", _step_samples(3),
+                step=3)  # a finished run's, on this host
+    write_shard(tmp_path / "guidance_step00000004_part0000.safetensors", _step_samples(4), step=4)  # no owner
+    write_shard(tmp_path / f"guidance_step00000005_otherhost-{pid}-0_part0000.safetensors", _step_samples(5),
+                step=5)  # another host's: it may be running
+    GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
     assert "holds 2 shard(s)" in caplog.text and "of an earlier run" in caplog.text
     cache.close()
-    assert cache.steps == [] and cache.disk_bytes == 0 and not list(tmp_path.iterdir())
+    assert cache.steps == [] and cache.disk_bytes == 0 and len(list(tmp_path.iterdir())) == 3
+
+
+def test_caches_sharing_a_cache_dir_keep_their_own_shards(tmp_path):
+    """Every rank built from one TraceConfig gets the same cache_dir: one cache's spill, drop or start must not
+    overwrite, delete or clean up another's files."""
+    a, b = GuidanceCache(budget_bytes=0, cache_dir=tmp_path), GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    sa, sb = _step_samples(1), _step_samples(2)
+    a.put(0, sa)
+    b.put(0, [dataclasses.replace(s, sample_id=s.sample_id - 200 + 100) for s in sb])
+    b.drop(0)
+    writing = tmp_path / f"guidance_step00000009_{b.owner}_part0000.safetensors.tmp{os.getpid()}"
+    writing.write_bytes(b"half")  # a live writer's temp file
+    GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    assert writing.exists()
+    for got, want in zip(a.get(0, [s.sample_id for s in sa]), sa, strict=True):
+        assert_samples_equal(got, want)
+    (path,) = tmp_path.glob(f"*{a.owner}*.safetensors")
+    path.unlink()  # a user's clean-up, say
+    with pytest.raises(ShardError, match="cannot be read .*FileNotFoundError.*deleted or moved by another process"):
+        a.get(0, [100])
 
 
 def test_stale_temp_files_are_removed_on_start(tmp_path):
-    stale = tmp_path / f"guidance_step00000001_part0000.safetensors.tmp{os.getpid()}"
-    stale.write_bytes(b"half")
+    stale = [tmp_path / f"guidance_step00000001_part0000.safetensors.tmp{os.getpid()}",  # an older version's
+             tmp_path / f"guidance_step00000001_{socket.gethostname()}-{_dead_pid()}-3_part0000.safetensors.tmp1"]
+    for p in stale:
+        p.write_bytes(b"half")
     GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
-    assert not stale.exists()
+    assert not any(p.exists() for p in stale)
 
 
 @pytest.mark.gpu
