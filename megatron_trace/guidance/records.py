@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import numbers
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import CompactGuidance, FullGuidance
-from .site import FallbackCounter, SiteGuidance, SiteKey
+from .site import FallbackCounter, SiteGuidance, SiteKey, check_rows
 
 logger = logging.getLogger(__name__)
 
@@ -54,11 +55,7 @@ class SiteRecord:
     expert_ids: torch.Tensor | None = None  # int64 [L, topk] (FC2)
 
     def __post_init__(self):
-        lead = tuple(self.record.shape[:-1]) if self.expert_ids is not None else tuple(self.record.shape[:1])
-        if self.expert_ids is not None and tuple(self.expert_ids.shape) != lead:
-            raise ValueError(f"expert_ids shape {tuple(self.expert_ids.shape)} != record rows {lead}")
-        if self.valid.dtype != torch.bool or tuple(self.valid.shape) != lead:
-            raise ValueError(f"valid must be bool of shape {lead}, got {self.valid.dtype} {tuple(self.valid.shape)}")
+        check_rows(self.record, self.valid, self.expert_ids, 1)
 
     @property
     def num_tokens(self) -> int:
@@ -152,9 +149,13 @@ def token_mask(token_ids: torch.Tensor, *, attention_mask=None, lengths=None) ->
 
 
 def _per_row(value, B: int, what: str) -> list[int]:
-    if isinstance(value, int):
-        return [value] * B
-    vals = [int(v) for v in value]
+    """One int per batch row from an integer (Python, NumPy or a 0-d tensor: every row's) or B of them."""
+    if isinstance(value, numbers.Integral) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+        return [int(value)] * B
+    try:
+        vals = [int(v) for v in value]
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{what}={value!r}: give an int or {B} ints") from e
     if len(vals) != B:
         raise ValueError(f"{what} has {len(vals)} entries for a batch of {B}")
     return vals
@@ -339,7 +340,7 @@ def _empty_like_batch(t: SiteRecord, mask: torch.Tensor) -> dict:
         amax = torch.zeros((B, S, *r.block_scales.shape[1:-1], 1), dtype=torch.float32, device=dev)
     return dict(
         payload=z(payload_of(r)), scales=z(r.block_scales, torch.uint8), amax=amax, valid=z(t.valid),
-        ids=None if t.expert_ids is None else z(t.expert_ids),
+        ids=None if t.expert_ids is None else z(t.expert_ids, torch.int64),
     )
 
 
@@ -354,7 +355,7 @@ def _fill(buf: dict, b: int, pos: torch.Tensor, rec: SiteRecord) -> None:
         buf["amax"][b].index_copy_(0, pos, g.contiguous())
     buf["valid"][b].index_copy_(0, pos, rec.valid.to(dev))
     if buf["ids"] is not None:
-        buf["ids"][b].index_copy_(0, pos, rec.expert_ids.to(dev))
+        buf["ids"][b].index_copy_(0, pos, rec.expert_ids.to(dev, torch.int64))  # (an engine's may be narrower)
 
 
 def staleness_stats(trainer_version: int, sample_versions: Sequence[int], prefix: str = "guidance") -> dict:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .records import token_hash, token_mask
+from .records import _per_row, token_hash, token_mask
 
 ALIGN = 16
 _DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
@@ -63,9 +63,12 @@ def split_routing(routing: Mapping[int, torch.Tensor], token_ids: torch.Tensor, 
     for layer, r in routing.items():
         if r.dim() != 3 or tuple(r.shape[:2]) != (B, S):
             raise ValueError(f"routing[{layer}] has shape {tuple(r.shape)}, token_ids {(B, S)}: need [B, S, topk]")
-        if r.numel() and (int(r.min()) < 0 or int(r.max()) >= num_experts):
-            raise ValueError(f"routing[{layer}] holds expert ids outside 0..{num_experts - 1}")
-    versions = [int(version)] * B if isinstance(version, int) else [int(v) for v in version]
+        kept = r[mask.to(r.device)]  # padding positions are dropped: any value there is fine
+        bad = (kept < 0) | (kept >= num_experts)
+        if bool(bad.any()):
+            raise ValueError(f"routing[{layer}] holds expert id {int(kept[bad][0])} at a token position: expert ids "
+                             f"are 0..{num_experts - 1}")
+    versions = _per_row(version, B, "version")
     ids = list(range(B)) if sample_ids is None else [int(i) for i in sample_ids]
     if len(versions) != B or len(ids) != B or len(set(ids)) != B:
         raise ValueError(f"need {B} versions and {B} distinct sample_ids, got {versions} and {ids}")
@@ -80,12 +83,18 @@ def assemble_routing(samples: Sequence[SampleRouting | None], token_ids: torch.T
     B, S = mask.shape
     if len(samples) != B:
         raise ValueError(f"{len(samples)} routing samples for a batch of {B} rows")
-    vers = [int(versions)] * B if isinstance(versions, int) else [int(v) for v in versions]
-    layers = None
+    vers = _per_row(versions, B, "versions")
+    layers, topk = None, {}
     for b, s in enumerate(samples):
         problem = _problem(s, token_ids[b, mask[b]], vers[b])
         if problem is None and layers is not None and set(s.experts) != layers:
             problem = f"layers {sorted(s.experts)} != {sorted(layers)} of the other samples"
+        if problem is None:
+            ks = {layer: t.shape[-1] for layer, t in s.experts.items()}
+            diff = [layer for layer in ks if topk.setdefault(layer, ks[layer]) != ks[layer]]
+            if diff:
+                problem = (f"layer {diff[0]} has top-{ks[diff[0]]} expert ids, the other samples top-"
+                           f"{topk[diff[0]]}")
         if problem is not None:
             raise RoutingMismatchError(f"routing for batch row {b}: {problem}; routing replay needs every sample")
         layers = set(s.experts)

@@ -30,6 +30,22 @@ SiteKey = tuple[int, str]
 """(layer id from 0, site name): guidance is keyed by module identity, never by list position."""
 
 
+def check_rows(record, valid: torch.Tensor, expert_ids: torch.Tensor | None, lead_dims: int) -> None:
+    """A record's side tensors fit its rows: ``valid`` bool and ``expert_ids`` integer over the leading
+    ``lead_dims`` dims (all but the last with expert ids), ``global_amax`` one value or one per row."""
+    lead = tuple(record.shape[:-1]) if expert_ids is not None else tuple(record.shape[:lead_dims])
+    if expert_ids is not None and (tuple(expert_ids.shape) != lead or expert_ids.is_floating_point()
+                                   or expert_ids.dtype == torch.bool):
+        raise ValueError(f"expert_ids must be integer of shape {lead} (the record's rows), got {expert_ids.dtype} "
+                         f"{tuple(expert_ids.shape)}")
+    if valid.dtype != torch.bool or tuple(valid.shape) != lead:
+        raise ValueError(f"valid must be bool of shape {lead}, got {valid.dtype} {tuple(valid.shape)}")
+    g = record.global_amax
+    if g is not None and g.dim() and tuple(g.shape) != (*record.shape[:-1], 1):
+        raise ValueError(f"global_amax shape {tuple(g.shape)} must be [] (one amax) or {(*record.shape[:-1], 1)} "
+                         "(one per row)")
+
+
 @dataclass(frozen=True)
 class SiteGuidance:
     record: FullGuidance | CompactGuidance
@@ -37,11 +53,7 @@ class SiteGuidance:
     expert_ids: torch.Tensor | None = None
 
     def __post_init__(self):
-        lead = tuple(self.record.shape[:-1]) if self.expert_ids is not None else tuple(self.record.shape[:2])
-        if self.expert_ids is not None and tuple(self.expert_ids.shape) != lead:
-            raise ValueError(f"expert_ids shape {tuple(self.expert_ids.shape)} != record rows {lead}")
-        if self.valid.dtype != torch.bool or tuple(self.valid.shape) != lead:
-            raise ValueError(f"valid must be bool of shape {lead}, got {self.valid.dtype} {tuple(self.valid.shape)}")
+        check_rows(self.record, self.valid, self.expert_ids, 2)
 
     @property
     def compact(self) -> bool:

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -335,3 +337,85 @@ def test_a_micro_batch_without_any_guidance_has_coverage_zero(path):
         parts = [pack_guidance(batch, tok, version=0, attention_mask=mask, sample_ids=[7, 8])]
         out = assemble_packed(parts, [None, 3], tok, versions=0, counter=counter, attention_mask=mask)
     assert out == {} and counter.fallback == {"missing": 9} and counter.coverage == 0.0
+
+
+# ---- malformed inputs: named errors or counted samples, never a crash deep in an index copy ------------------
+def test_versions_may_be_numpy_or_0d_tensor_integers():
+    import numpy as np
+
+    from megatron_trace.guidance.routing import assemble_routing, split_routing
+
+    batch, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc1_in",))
+    want = split_batch(batch, tok, version=5, attention_mask=mask)
+    routing = {0: torch.randint(0, 8, (3, 9, 2), generator=torch.Generator().manual_seed(0))}
+    for v in (np.int64(5), torch.tensor(5)):
+        got = split_batch(batch, tok, version=v, attention_mask=mask)
+        assert [s.version for s in got] == [5, 5, 5] and all(isinstance(s.version, int) for s in got)
+        c = FallbackCounter()
+        assemble(got, tok, versions=v, counter=c, attention_mask=mask)
+        assert c.fallback == {} and c.used == int(mask.sum())
+        r = split_routing(routing, tok, version=v, num_experts=8, attention_mask=mask)
+        out = assemble_routing(r, tok, versions=v, attention_mask=mask)
+        assert torch.equal(out[0][mask], routing[0][mask])
+    for s, w in zip(got, want):
+        assert_samples_equal(s, w)
+    with pytest.raises(ValueError, match=r"versions=1.5: give an int or 3 ints"):
+        assemble(want, tok, versions=1.5, counter=FallbackCounter(), attention_mask=mask)
+
+
+def test_routing_of_another_top_k_is_a_named_mismatch_and_padding_ids_are_not_checked():
+    from megatron_trace.guidance.routing import RoutingMismatchError, assemble_routing, split_routing
+
+    _, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc1_in",))
+    g = torch.Generator().manual_seed(1)
+    top2 = split_routing({0: torch.randint(0, 8, (3, 9, 2), generator=g)}, tok, version=1, num_experts=8,
+                         attention_mask=mask)
+    top4 = split_routing({0: torch.randint(0, 8, (3, 9, 4), generator=g)}, tok, version=1, num_experts=8,
+                         attention_mask=mask)
+    with pytest.raises(RoutingMismatchError, match="batch row 1: layer 0 has top-4 expert ids, the other samples "
+                                                   "top-2"):
+        assemble_routing([top2[0], top4[1], top2[2]], tok, versions=1, attention_mask=mask)
+    r = torch.randint(0, 8, (3, 9, 2), generator=g)
+    padded = r.masked_fill(~mask[..., None], -1)  # an engine's padding
+    got = split_routing({0: padded}, tok, version=1, num_experts=8, attention_mask=mask)
+    assert torch.equal(assemble_routing(got, tok, versions=1, attention_mask=mask)[0][mask], r[mask])
+    with pytest.raises(ValueError, match=r"routing\[0\] holds expert id 8 at a token position: expert ids are 0..7"):
+        split_routing({0: r.masked_fill(mask[..., None], 8)}, tok, version=1, num_experts=8, attention_mask=mask)
+
+
+def test_a_global_amax_neither_one_value_nor_one_per_row_is_named():
+    from megatron_trace.guidance.records import SiteRecord, with_tensors
+    from megatron_trace.guidance.site import SiteGuidance
+
+    batch, _, tok, mask = make_batch(B=2, S=5, layers=(0,), sites=("expert_fc1_in", "kv_k"))
+    for key, bad in (((0, "expert_fc1_in"), lambda g: g[..., 0]), ((0, "kv_k"), lambda g: g.amax(2)),
+                     ((0, "expert_fc1_in"), lambda g: g.amax().reshape(1))):
+        sg = batch[key]
+        r = sg.record
+        amax = bad(r.global_amax)
+        rec = with_tensors(r, payload_of(r), r.block_scales, amax, r.shape)
+        want = f"global_amax shape {tuple(amax.shape)} must be [] (one amax) or {(*r.shape[:-1], 1)} (one per row)"
+        with pytest.raises(ValueError, match=re.escape(want)):
+            SiteGuidance(rec, sg.valid)
+        one = with_tensors(r, payload_of(r)[0], r.block_scales[0], amax[0] if amax.dim() > 1 else amax, r.shape[1:])
+        with pytest.raises(ValueError, match="global_amax shape"):
+            SiteRecord(one, sg.valid[0])
+
+
+def test_a_sample_with_narrower_expert_ids_assembles_as_int64():
+    import dataclasses
+
+    from megatron_trace.guidance.records import SiteRecord
+
+    batch, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc2_in",))
+    samples = split_batch(batch, tok, version=1, attention_mask=mask)
+    key = (0, "expert_fc2_in")
+    rec = samples[1].sites[key]
+    narrow = dataclasses.replace(samples[1], sites={key: SiteRecord(rec.record, rec.valid, rec.expert_ids.int())},
+                                 source=None)
+    want = assemble(samples, tok, versions=1, counter=FallbackCounter(), attention_mask=mask)[key]
+    got = assemble([samples[0], narrow, samples[2]], tok, versions=1, counter=FallbackCounter(),
+                   attention_mask=mask)[key]
+    assert got.expert_ids.dtype == torch.int64 and torch.equal(got.expert_ids, want.expert_ids)
+    with pytest.raises(ValueError, match=re.escape(f"expert_ids must be integer of shape {tuple(rec.valid.shape)}")):
+        SiteRecord(rec.record, rec.valid, rec.expert_ids.float())
