@@ -28,6 +28,10 @@ def check_supported(hf_config) -> None:
     if getattr(hf_config, "attention_bias", False):
         raise NotImplementedError("attention_bias=True: the q/k/v/o projection biases are not mapped (o_proj's has "
                                   "no Megatron counterpart without add_bias_linear)")
+    quant = getattr(hf_config, "quantization_config", None)
+    if quant:
+        raise NotImplementedError(f"quantization_config={dict(quant)!r}: only unquantized (bf16 / fp16 / fp32) "
+                                  "checkpoints are mapped; start from the model's unquantized release")
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r}: the experts and MLPs are mapped as SwiGLU (silu) only")

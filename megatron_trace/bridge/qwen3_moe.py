@@ -57,7 +57,16 @@ class _CountingSafeTensorIO(SafeTensorIO):
         self.stats = stats
 
     def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict:
+        absent = [n for n in hf_weight_names if self.index and n not in self.index]
+        if absent:
+            raise ValueError(f"{len(absent)} tensor(s) the model needs are not in {self.hf_dir}'s "
+                             f"model.safetensors.index.json, e.g. {absent[:3]}: does config.json match the checkpoint?")
         out = super().load_some_hf_weight(hf_weight_names)
+        unmapped = {n: t.dtype for n, t in out.items() if not t.is_floating_point() or t.element_size() < 2}
+        if unmapped:  # a quantized checkpoint (FP8 with *_scale_inv, ...): its values are not the weights
+            dtypes = sorted(set(map(str, unmapped.values())))
+            raise ValueError(f"{len(unmapped)} checkpoint tensor(s) of dtypes {dtypes}, e.g. {next(iter(unmapped))}: "
+                             "only bf16 / fp16 / fp32 checkpoints are mapped")
         self.stats.tensors += len(out)
         self.stats.bytes += sum(t.numel() * t.element_size() for t in out.values())
         return out
@@ -68,6 +77,7 @@ _LOCAL_TO_TE = (
     (re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$"), r".mlp.experts.\2.weight\1"),
 )
 _TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
+_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.weight$")
 
 
 class Qwen3MoeBridge(_MBridgeQwen3MoE):
@@ -138,6 +148,7 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         plan = [(local, name, self._weight_name_mapping_mcore_to_hf(name), self._shard_group(name))
                 for local, name in self._weight_name_mapping_mcore_local_to_global(model).items()
                 if "_extra_state" not in local]
+        self._check_all_consumed({n for _, _, hf, _ in plan for n in hf})
         readers = [hf for _, _, hf, (_, _, rank) in plan if rank == 0]
         cache = {} if memory_efficient else self.safetensor_io.load_some_hf_weight([n for hf in readers for n in hf])
         for local, name, hf_names, (group, size, rank) in plan:
@@ -148,6 +159,10 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
                 full = self._weight_to_mcore_format(name, hf)
                 shards = [t.to(param.device, param.dtype).contiguous()
                           for t in self._weight_split_across_tp(name, full, param, size)]
+                if tuple(shards[0].shape) != tuple(param.shape):
+                    raise ValueError(f"{hf_names} -> {local}: the checkpoint's shape {[tuple(t.shape) for t in hf]} "
+                                     f"gives {tuple(shards[0].shape)} per rank, the model's is {tuple(param.shape)}; "
+                                     "does config.json match the checkpoint?")
             if size == 1:
                 param.copy_(shards[0])
                 continue
@@ -155,8 +170,31 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             dist.scatter(mine, shards, src=dist.get_global_rank(group, 0), group=group)
             param.copy_(mine)
 
+    def _check_all_consumed(self, wanted: set[str]) -> None:
+        """Every checkpoint tensor is one this rank reads, another EP rank's expert, or a tied ``lm_head``: a tensor
+        nothing maps (a bias, an extra layer, a quantization scale) would otherwise be dropped without a word."""
+        c, tied = self.config, bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        left = []
+        for n in self.safetensor_io.load_hf_weight_names():
+            if n in wanted or (tied and n == "lm_head.weight"):
+                continue
+            m = _HF_EXPERT.match(n)
+            if m and self.mpu.ep_size > 1 and int(m[1]) < c.num_layers and int(m[2]) < c.num_moe_experts:
+                continue  # another EP rank's
+            left.append(n)
+        if left:
+            raise ValueError(f"{len(left)} checkpoint tensor(s) map to no parameter of this model, e.g. {left[:4]}: "
+                             "a config.json with fewer layers or experts than the weights, or weights this bridge does "
+                             "not map (biases, quantization scales)")
+
     def export_weights(self, models: list) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF name, full tensor) for the whole model; every rank must iterate (collectives)."""
+        """Yield (HF name, full tensor in the bridge's dtype) for the whole model; every rank must iterate
+        (collectives). (Megatron's torch RMSNorm keeps fp32 weights in a bf16 model: a bf16 checkpoint's norms come
+        back bf16, the values they were loaded from.)"""
+        for name, t in self._export_weights(models):
+            yield name, t.to(self.dtype) if t.is_floating_point() else t
+
+    def _export_weights(self, models: list) -> Iterator[tuple[str, torch.Tensor]]:
         self._require_no_pipeline()
         for model in models:
             model = unwrap_model(model)
@@ -175,6 +213,11 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             return tensor
         parts = [torch.empty_like(tensor) for _ in range(size)]
         dist.all_gather(parts, tensor.contiguous(), group=group)
+        if _TE_EXPERT.match(name):  # over ETP (mbridge's merge follows the TP size: with TP 1 it takes one part)
+            if ".linear_fc1." in name:  # each part is [gate rows; up rows]
+                halves = [p.chunk(2) for p in parts]
+                return torch.cat([h[0] for h in halves] + [h[1] for h in halves])
+            return torch.cat(parts, dim=1)  # fc2: split along its input
         return self._weight_merge_across_tp(name, parts, tensor)
 
     def _export_expert(self, name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:

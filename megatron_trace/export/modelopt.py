@@ -29,7 +29,7 @@ from ..config import TraceConfig
 from ..formats import NVFP4_BLOCK, FP4Tensor
 from ..formats.nvfp4 import decode_scale_from_amax
 from ..manifest import experts_name, module_excluded
-from ..rollout.hf_weights import clear_weight_files, parse_expert_name
+from ..rollout.hf_weights import clear_weight_files, join_fc1, parse_expert_name
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +104,7 @@ def build_modelopt_state(
     state: dict[str, torch.Tensor] = {}
     bf16_2d: list[str] = []
     bf16_experts: set[int] = set()
+    fc1_halves: dict[tuple[int, int], dict[str, FP4Tensor]] = {}
     for name, value in named:
         parsed = parse_expert_name(name)
         bf16_expert = parsed is not None and trace_config is not None and module_excluded(
@@ -125,6 +126,8 @@ def build_modelopt_state(
                             f"TraceConfig.weight_quantizer(); BF16 experts only for layers "
                             f"TraceConfig.exclude_modules keeps), got {type(value).__name__}")
         prefix = _expert_prefix(name)
+        if parsed[2] != "down_proj":
+            fc1_halves.setdefault(parsed[:2], {})[parsed[2]] = value
         if isinstance(input_amax, Mapping):
             if prefix not in input_amax:
                 raise KeyError(f"no input_amax for {prefix!r}: give the static activation amax of every expert "
@@ -133,7 +136,21 @@ def build_modelopt_state(
         else:
             a = input_amax
         state.update(modelopt_linear_tensors(prefix, value, a, trace_extras=trace_extras))
+    _check_fc1_pairs(fc1_halves)
     return state, sorted([*exclude_modules_of(bf16_2d), *(experts_name(i) for i in bf16_experts)])
+
+
+def _check_fc1_pairs(halves: dict[tuple[int, int], dict[str, FP4Tensor]]) -> None:
+    """An engine fuses each expert's gate and up into one w13 with one ``weight_scale_2``: both halves must be there,
+    quantized as one matrix (one global amax)."""
+    for (layer, expert), h in sorted(halves.items()):
+        if h.keys() != {"gate_proj", "up_proj"}:
+            raise ValueError(f"layer {layer} expert {expert}: only {sorted(h)} given; an FP4 export needs both "
+                             "gate_proj and up_proj")
+        try:
+            join_fc1(h["gate_proj"], h["up_proj"])
+        except ValueError as e:
+            raise ValueError(f"layer {layer} expert {expert}: {e}") from e
 
 
 def quant_config_dict(exclude_modules: list[str], *, kv_cache_quant_algo: str | None = None,
@@ -175,17 +192,19 @@ def save_modelopt_checkpoint(
     """Write ``config.json``, ``hf_quant_config.json`` and safetensors shard(s); returns the quant config."""
     from safetensors.torch import save_file
 
+    hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)  # (a transformers config)
     if "quantization_config" in hf_config:
         raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")
     cfg = TraceConfig.from_dict(trace_config) if trace_config is not None else None
     state, exclude = build_modelopt_state(named, input_amax, trace_extras=trace_extras, trace_config=cfg)
-    os.makedirs(out_dir, exist_ok=True)
-    clear_weight_files(out_dir)
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
     qcfg = quant_config_dict(exclude, trace_config=trace_config)
-    with open(os.path.join(out_dir, QUANT_CONFIG_FILE), "w") as f:
-        json.dump(qcfg, f, indent=2)
+    texts = {"config.json": json.dumps(hf_config, indent=2, sort_keys=True),
+             QUANT_CONFIG_FILE: json.dumps(qcfg, indent=2)}
+    os.makedirs(out_dir, exist_ok=True)  # everything checked and serialised before an earlier export is cleared
+    clear_weight_files(out_dir)
+    for fname, text in texts.items():
+        with open(os.path.join(out_dir, fname), "w") as f:
+            f.write(text)
     shards = _shards(state, max_shard_bytes)
     meta = {"format": "pt", "producer": "megatron_trace"}
     if len(shards) == 1:

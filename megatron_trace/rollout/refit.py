@@ -70,6 +70,13 @@ def _tensor_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
     return [f"{what} {k}" for k in a if not torch.equal(a[k], b[k])]
 
 
+def not_applied(backend, weights: Weights) -> list[str]:
+    """Names of dense ``weights`` the model holds under the same name with other values (in the model's dtype)."""
+    sd = backend.model.state_dict()
+    return [n for n, v in weights if isinstance(v, torch.Tensor) and n in sd
+            and not torch.equal(sd[n], v.to(sd[n].device, sd[n].dtype))]
+
+
 def refit_self_test(make_backend: Callable[[], object], weights_a: Weights, weights_b: Weights,
                     prompts: Sequence[Sequence[int]], sampling: SamplingParams, *, fresh_a=None) -> dict[str, float]:
     """A -> B -> A on one backend vs A on a fresh one; raises ``RefitError`` on any difference.
@@ -77,20 +84,26 @@ def refit_self_test(make_backend: Callable[[], object], weights_a: Weights, weig
     ``make_backend()`` builds a backend (same config every call); ``weights_*`` are complete HF-named
     weight lists; ``fresh_a``: a backend started from checkpoint A (its startup path; default:
     ``make_backend()`` then one update to A, which shares the update path under test);
-    ``sampling`` should carry a seed. Returns ``{"refit/...": 1.0}`` when all checks pass.
+    ``sampling`` should carry a seed. Returns ``{"refit/...": 1.0}`` when all checks pass. Either way the dense
+    tensors of A (those the model holds under their HF names) must be the model's after the last update to A: a
+    backend that drops part of every update would otherwise match a reference built through the same update.
     """
+    weights_a, weights_b = list(weights_a), list(weights_b)  # (generators: read once, used up to three times)
+    if not weights_a or not weights_b:
+        raise ValueError(f"refit_self_test needs two complete weight lists, got {len(weights_a)} and "
+                         f"{len(weights_b)} tensors")
     fresh = fresh_a
     if fresh is None:
         fresh = make_backend()
-        fresh.update_weights(list(weights_a), version=1)
+        fresh.update_weights(weights_a, version=1)
     want = fresh.generate(prompts, sampling)
     be = make_backend()
     ptrs = param_addresses(be)
-    be.update_weights(list(weights_a), version=1)
+    be.update_weights(weights_a, version=1)
     be.generate(prompts, sampling)  # exercise whatever a generate call may cache
-    be.update_weights(list(weights_b), version=2)
+    be.update_weights(weights_b, version=2)
     on_b = be.generate(prompts, sampling)
-    be.update_weights(list(weights_a), version=3)
+    be.update_weights(weights_a, version=3)
     got = be.generate(prompts, sampling)
     problems = {
         "weights B did not change the outputs (the update does not reach the model)":
@@ -98,6 +111,7 @@ def refit_self_test(make_backend: Callable[[], object], weights_a: Weights, weig
         "generate differs": batch_differences(want, got),
         "not in place (data_ptr changed)": [n for n, p in param_addresses(be).items() if ptrs.get(n) != p],
         "parameters differ": _tensor_differences(fresh.model.state_dict(), be.model.state_dict(), "parameter"),
+        "update not applied": not_applied(be, weights_a),
         "stale derived state": _tensor_differences(derived_state(fresh), derived_state(be), "derived state"),
     }
     problems = {k: v for k, v in problems.items() if v}

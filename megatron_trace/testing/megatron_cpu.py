@@ -155,7 +155,7 @@ def free_port() -> int:
 
 
 def init_megatron(rank: int = 0, world_size: int = 1, port: int | None = None, *, ep: int = 1, tp: int = 1,
-                  seed: int = 1234) -> bool:
+                  etp: int = 1, seed: int = 1234) -> bool:
     """gloo process group (if none) + Megatron's model-parallel state; returns whether it created the group."""
     import torch.distributed as dist
     from megatron.core import parallel_state
@@ -167,7 +167,7 @@ def init_megatron(rank: int = 0, world_size: int = 1, port: int | None = None, *
         os.environ["MASTER_PORT"] = str(port or free_port())
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )
     model_parallel_cuda_manual_seed(seed)
     return created

@@ -111,8 +111,12 @@ def test_megatron_hf_megatron_round_trip_is_bit_exact(tmp_path):
     bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.bfloat16)
     torch.manual_seed(7)
     src = bridge.build_model()
-    names = [n for n, _ in export_hf_weights(src, bridge)]
+    exported = list(export_hf_weights(src, bridge))
+    names = [n for n, _ in exported]
     assert len(names) == len(set(names)) and "model.layers.2.mlp.experts.7.up_proj.weight" in names
+    # in the bridge's dtype, norms included (Megatron's torch RMSNorm keeps its weight in fp32)
+    assert src.decoder.final_layernorm.weight.dtype == torch.float32
+    assert {t.dtype for _, t in exported} == {torch.bfloat16}
     save_hf_checkpoint(src, tmp_path / "hf", bridge)
     dst = bridge.build_model()
     load_hf_checkpoint(dst, tmp_path / "hf", bridge)
@@ -152,3 +156,57 @@ def test_rollout_expert_codes_equal_trainer_fake_quant_codes():
                 deq = rollout.model.model.layers[L].mlp.experts
                 deq = deq.gate_up_proj[e] if which == "fc1" else deq.down_proj[e]
                 assert torch.equal(deq, wq.fake_quantize(w.detach()))
+
+
+def _rewrite(path, tensors: dict) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, f"{path}/model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_checkpoint_the_model_does_not_match_is_refused_by_name(tmp_path):
+    """Nothing is dropped or cast without a word: tensors no parameter takes (biases, a layer the config lacks),
+    quantized tensors, shapes config.json does not give, and index entries that are missing."""
+    import json
+
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=3)
+    disk = _disk(path)
+
+    def load(cfg=None):
+        bridge = Qwen3MoeBridge(cfg or AutoConfig.from_pretrained(path), dtype=torch.float32)
+        return load_hf_checkpoint(bridge.build_model(), path, bridge)
+
+    fewer = AutoConfig.from_pretrained(path)
+    fewer.num_hidden_layers = 2
+    with pytest.raises(ValueError, match=r"checkpoint tensor\(s\) map to no parameter of this model, e\.g\. "
+                                         r"\['model\.layers\.2\."):
+        load(fewer)
+    _rewrite(path, {**disk, "model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
+    with pytest.raises(ValueError, match=r"1 checkpoint tensor\(s\) map to no parameter .*q_proj\.bias"):
+        load()
+    fp8 = {k: v.to(torch.float8_e4m3fn) if "experts" in k else v for k, v in disk.items()}
+    _rewrite(path, fp8)
+    with pytest.raises(ValueError, match=r"of dtypes \['torch\.float8_e4m3fn'\], .*only bf16 / fp16 / fp32"):
+        load()
+    quantized = AutoConfig.from_pretrained(path)
+    quantized.quantization_config = {"quant_method": "fp8", "fmt": "e4m3"}
+    with pytest.raises(NotImplementedError, match="quantization_config=.*'fp8'.*only unquantized"):
+        load(quantized)
+    wide = dict(disk)
+    wide["model.embed_tokens.weight"] = torch.zeros(256, 64)
+    _rewrite(path, wide)
+    with pytest.raises(ValueError, match=r"\['model\.embed_tokens\.weight'\] -> embedding\.word_embeddings\.weight: "
+                                         r"the checkpoint's shape \[\(256, 64\)\] gives \(256, 64\) per rank, the "
+                                         r"model's is \(128, 64\)"):
+        load()
+    _rewrite(path, disk)
+    gone = "model.layers.1.mlp.experts.5.up_proj.weight"
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in disk if k != gone}}
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"1 tensor\(s\) the model needs are not in .*index\.json, e\.g\. "
+                                         rf"\['{gone}'\]"):
+        load()

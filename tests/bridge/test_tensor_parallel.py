@@ -12,7 +12,7 @@ from .test_expert_parallel import TOKENS, _disk
 WORLD = 2
 
 
-def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
+def _worker(rank: int, port: int, ckpt: str, out: str, tp: int = WORLD, etp: int = 1) -> None:
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
     from transformers import AutoConfig
 
@@ -24,10 +24,11 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
     torch.set_num_threads(1)
     apply_cpu_shims()
     allow_torch_norm_with_sequence_parallel()  # TP MoE needs SP; the torch norm refuses the flag without Apex/TE
-    init_megatron(rank, WORLD, port, tp=WORLD)
+    init_megatron(rank, WORLD, port, tp=tp, etp=etp)
     try:
-        # experts are not tensor-parallel (ETP=1, as the TRACE plugin requires); attention and the router are
-        bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32, expert_tensor_parallel_size=1)
+        # TP 2: experts are not tensor-parallel (ETP=1, as the TRACE plugin requires); attention and the router are.
+        # TP 1, ETP 2 (a stock Megatron layout): only the experts are split
+        bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32, expert_tensor_parallel_size=etp)
         model = bridge.build_model().eval()
         load_hf_checkpoint(model, ckpt, bridge)
         qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
@@ -36,7 +37,8 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
         pos = torch.arange(s).unsqueeze(0).expand(b, s)
         mask = torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
         with torch.no_grad():
-            logits = gather_from_tensor_model_parallel_region(model(TOKENS, pos, mask))  # vocab-parallel -> full
+            logits = model(TOKENS, pos, mask)
+            logits = gather_from_tensor_model_parallel_region(logits) if tp > 1 else logits  # vocab-parallel -> full
         disk = _disk(ckpt)
         exported = {n: t.clone() for n, t in export_hf_weights(model, bridge)}
         torch.save({
@@ -75,3 +77,22 @@ def test_tp2_shards_logits_and_export(tp2_results):
     for r in results:
         assert (r["logits"] - ref).abs().max() < 1e-4 * ref.abs().max()
         assert r["export_exact"]  # TP shards gathered back to the HF tensors bit for bit
+
+
+def test_expert_tensor_parallel_without_tensor_parallel_exports_the_experts_whole(tmp_path):
+    """TP 1, ETP 2: each rank holds half of every expert's rows (fc1 gate and up halves, fc2 columns); the export
+    gathers them over the ETP group, the load scatters them, and the logits are transformers'."""
+    from transformers import AutoModelForCausalLM
+
+    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
+    port = free_port()
+    assert spawn_ranks(_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), 1, WORLD), timeout=240) == [0] * 2
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    cfg = tiny_config()
+    assert all(r["expert_fc1_shape"] == (2 * cfg.moe_intermediate_size // WORLD, cfg.hidden_size) for r in results)
+    hf = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = hf(TOKENS).logits
+    for r in results:
+        assert (r["logits"] - ref).abs().max() < 1e-4 * ref.abs().max()
+        assert r["export_exact"]

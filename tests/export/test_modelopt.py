@@ -202,3 +202,33 @@ def test_errors_name_the_problem():
         build_modelopt_state(named, {})
     with pytest.raises(ValueError, match="quantization_config"):
         save_modelopt_checkpoint("/nonexistent", named, {"quantization_config": {}}, 1.0)
+
+
+def test_gate_and_up_quantized_apart_or_alone_are_refused():
+    """An engine fuses gate and up into one w13 with one weight_scale_2: halves of different global amax (each HF
+    tensor quantized on its own), or one half alone, would be decoded with the wrong scale."""
+    g = torch.Generator().manual_seed(0)
+    gate, up = torch.randn(16, 32, generator=g), 3 * torch.randn(16, 32, generator=g)
+    pre = "model.layers.0.mlp.experts.1."
+    apart = [(pre + "gate_proj.weight", nvfp4.quantize(gate)), (pre + "up_proj.weight", nvfp4.quantize(up))]
+    with pytest.raises(ValueError, match="layer 0 expert 1: gate and up halves of an FP4 fc1 weight must share one "
+                                         "global amax"):
+        build_modelopt_state(apart, 1.0)
+    with pytest.raises(ValueError, match=r"layer 0 expert 1: only \['up_proj'\] given"):
+        build_modelopt_state(apart[1:], 1.0)
+    joint = fp4_stream([(pre + "gate_proj.weight", gate), (pre + "up_proj.weight", up)], QUANT)  # one fc1 matrix
+    state, _ = build_modelopt_state(list(joint), 1.0)
+    assert torch.equal(state[pre + "gate_proj.weight_scale_2"], state[pre + "up_proj.weight_scale_2"])
+
+
+def test_a_failed_export_leaves_the_earlier_checkpoint_and_a_config_object_is_accepted(tmp_path):
+    from transformers import Qwen3MoeConfig
+
+    named = list(fp4_stream(tiny_named_weights(), QUANT))
+    save_modelopt_checkpoint(tmp_path, named, tiny_hf_config(), input_amax=3.5)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        save_modelopt_checkpoint(tmp_path, named, {**tiny_hf_config(), "bad": object()}, input_amax=3.5)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    save_modelopt_checkpoint(tmp_path, named, Qwen3MoeConfig(**tiny_hf_config()), input_amax=3.5)
+    assert json.loads((tmp_path / "config.json").read_text())["moe_intermediate_size"] == FFN

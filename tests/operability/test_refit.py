@@ -58,10 +58,31 @@ class Reallocating(HFRolloutBackend):
             p.data = p.data.clone()
 
 
-@pytest.mark.parametrize("cls, match", [(StaleStore, "derived state weight_store"), (Reallocating, "data_ptr")])
-def test_the_self_test_fires_on_reintroduced_refit_bugs(cls, match):
+class Dropping(HFRolloutBackend):
+    """An update that skips the attention weights: a reference built through the same update shares the bug."""
+
+    def update_weights(self, weights, **kw):
+        super().update_weights([(n, v) for n, v in weights if "self_attn" not in n], **kw)
+
+
+@pytest.mark.parametrize("cls, match, fresh", [
+    (StaleStore, "derived state weight_store", "startup"),  # (a reference updated to A keeps the same stale store)
+    (Reallocating, "data_ptr", "startup"), (Reallocating, "data_ptr", "update"),
+    (Dropping, r"update not applied: \d+, e\.g\. \['model\.layers\.0\.self_attn", "startup"),
+    (Dropping, r"update not applied: \d+, e\.g\. \['model\.layers\.0\.self_attn", "update"),
+])
+def test_the_self_test_fires_on_reintroduced_refit_bugs(cls, match, fresh):
     with pytest.raises(RefitError, match=match):
-        refit_self_test(_make(cls), _weights(1), _weights(2), PROMPTS, SAMPLING, fresh_a=_fresh_a())
+        refit_self_test(_make(cls), _weights(1), _weights(2), PROMPTS, SAMPLING,
+                        fresh_a=_fresh_a() if fresh == "startup" else None)
+
+
+def test_the_weights_may_come_as_generators():
+    """``checkpoint_tensors`` and ``fp4_stream`` yield: each list is read once (not emptied by a second pass)."""
+    gen = lambda seed: checkpoint_tensors(tiny_model(seed=seed))  # noqa: E731
+    assert refit_self_test(_make(), gen(1), gen(2), PROMPTS, SAMPLING)["refit/bit_exact"] == 1.0
+    with pytest.raises(ValueError, match="two complete weight lists, got 0 and"):
+        refit_self_test(_make(), [], gen(2), PROMPTS, SAMPLING)
 
 
 def _trainer_logprobs(trainer: HFRolloutBackend):
