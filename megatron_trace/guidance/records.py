@@ -302,9 +302,8 @@ def _assemble_site(key, recs, status, mask, tokens, counter) -> SiteGuidance | N
     return reject_bad_scales(key, SiteGuidance(record, buf["valid"], buf["ids"]), counter)
 
 
-def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) -> SiteGuidance:
-    """``sg`` with its valid rows whose block scales or global amax are NaN, Inf or negative made invalid (a
-    corrupt record, or an engine that quantized a non-finite row): counted as used before, now ``bad_scale``."""
+def scales_ok(sg: SiteGuidance) -> torch.Tensor:
+    """bool, ``sg.valid``'s shape: the row's block scales and global amax are finite and >= 0 (no host sync)."""
     r = sg.record
     u = r.block_scales.view(torch.uint8)  # the bytes: no float conversion of every scale
     if r.block_scales.dtype == torch.float8_e4m3fn:
@@ -315,8 +314,15 @@ def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) 
     if r.global_amax is not None:
         g = r.global_amax.float()
         g = g.squeeze(-1) if g.dim() else g
-        ok &= g.isfinite() & (g >= 0)
-    ok = ok.reshape(*sg.valid.shape, -1).all(-1)  # a KV token's heads share one valid flag
+        ok = ok & (g.isfinite() & (g >= 0)).to(ok.device)
+    return ok.reshape(*sg.valid.shape, -1).all(-1)  # a KV token's heads share one valid flag
+
+
+def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) -> SiteGuidance:
+    """``sg`` with its valid rows whose block scales or global amax are NaN, Inf or negative made invalid (a
+    corrupt record, or an engine that quantized a non-finite row): counted as used before, now ``bad_scale``."""
+    r = sg.record
+    ok = scales_ok(sg)
     bad = int((sg.valid & ~ok).sum())
     if not bad:
         return sg

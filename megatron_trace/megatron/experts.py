@@ -153,6 +153,13 @@ class TraceExpertsCore:
     def _trace_forward(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor):
         """x [N, H] rows sorted by local expert, probs [N] -> (y [N, H], None)."""
         step = self._trace_step
+        if step is None and self._trace_pg.ep.size() > 1 and self._act_q.fmt == "nvfp4" and \
+                self.trace_config.activation_amax == "per_tensor" and self.trace_quantizes(FC1):
+            raise ValueError(
+                f"activation_amax='per_tensor' with expert_model_parallel_size={self._trace_pg.ep.size()} needs "
+                "the trace_guidance context (trace_guidance(model, None) for plain FP4 QAT): it carries each "
+                "token's amax from its source rank; without it the amax would be over the rows this rank received, "
+                "which depends on the EP size. Or use activation_amax='per_row' (the default)")
         rows = step.expert_rows(self, tokens_per_expert) if step is not None else ExpertRows()
         x, _ = self._site(FC1, x, rows.fc1, amax=rows.fc1_amax)
         h = self._activation(self._fc1(x, tokens_per_expert))  # [N, F]

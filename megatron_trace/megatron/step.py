@@ -30,6 +30,7 @@ from megatron.core.tensor_parallel.random import is_checkpointing
 
 from ..config import TraceConfig
 from ..formats import CompactGuidance, FullGuidance, e2m1
+from ..guidance.records import scales_ok
 from ..guidance.site import NOT_GUIDED, FallbackCounter, SiteGuidance
 from ..kernels.checks import ReadyPoint, host_values
 from ..manifest import KV_SITES
@@ -283,7 +284,8 @@ def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[in
             raise GuidanceFallbackError(msg)
         logger.warning(msg)
         return CheckedSite(None, SHAPE)
-    return CheckedSite(SiteGuidance(mode, sg.valid, sg.expert_ids), None)
+    checked = SiteGuidance(mode, sg.valid, sg.expert_ids)  # rows of a NaN / Inf / negative scale or amax: invalid
+    return CheckedSite(SiteGuidance(mode, sg.valid & scales_ok(checked).to(sg.valid.device), sg.expert_ids), None)
 
 
 def _token_index(batch, full_seq, seq: tuple, device, heads, local: tuple, of_token: bool) -> torch.Tensor:

@@ -50,6 +50,16 @@ def _run(rank, world, port, dispatcher, workdir):
         with trace_guidance(model, step, record=True, compact=False) as h, torch.no_grad():
             logits = model(tokens, pos, mask)
         out[name] = {"logits": logits, "recorded": h.recorded(), "counter": h.counter}
+    # per-tensor FC1 amax: carried from each token's source rank inside the context, refused outside it
+    model = build_model(cfg, trace_spec(stock_spec(cfg), shared["per_tensor_fc1"]))
+    model.load_state_dict(ep_state_dict(shared["state_dict"], rank, world), strict=True)
+    with torch.no_grad():
+        try:
+            model(tokens, pos, mask)
+        except ValueError as e:
+            out["per_tensor_fc1_error"] = str(e)
+        with trace_guidance(model, None):
+            out["per_tensor_fc1"] = model(tokens, pos, mask)
     torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
     destroy_parallel()
     dist.destroy_process_group()

@@ -17,6 +17,8 @@ pytestmark = [pytest.mark.usefixtures("world1"), pytest.mark.slow]
 
 WORLD = 2
 TC = TraceConfig(guided_layers="last_k", guided_last_k=3)
+PER_TENSOR_FC1 = TraceConfig(sites=("expert_fc1_in", "weights"), guided_sites=("expert_fc1_in",),
+                             activation_amax="per_tensor")
 
 
 def _record(model, data, step=None):
@@ -40,7 +42,12 @@ def ep1(tmp_path_factory):
         roll = _record(rollout, data)["recorded"]
         guidance.append({"sites": roll.sites, "routing": roll.routing})
         refs.append({"rne": _record(model, data), "guided": _record(model, data, StepGuidance(**guidance[-1]))})
-    torch.save({"trace_config": TC, "state_dict": model.state_dict(), "guidance": guidance}, workdir / "shared.pt")
+        pt = build_model(cfg, trace_spec(stock_spec(cfg), PER_TENSOR_FC1))
+        pt.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            refs[-1]["per_tensor_fc1"] = pt(*data[:3])
+    torch.save({"trace_config": TC, "per_tensor_fc1": PER_TENSOR_FC1, "state_dict": model.state_dict(),
+                "guidance": guidance}, workdir / "shared.pt")
     return workdir, refs
 
 
@@ -81,6 +88,10 @@ def test_ep2_equals_ep1(ep1, dispatcher):
             assert got[mode]["counter"].fallback == want[mode]["counter"].fallback
         assert got["guided"]["counter"].used > 0
         assert not torch.equal(got["guided"]["logits"], got["rne"]["logits"])  # guidance changed the forward
+        # per-tensor FC1 amax: EP 1's numbers in the context; outside it refused (it would be the received rows')
+        assert torch.equal(got["per_tensor_fc1"], want["per_tensor_fc1"]), rank
+        assert "activation_amax='per_tensor' with expert_model_parallel_size=2 needs the trace_guidance context" \
+            in got["per_tensor_fc1_error"]
 
 
 @pytest.mark.parametrize("groups", [2, 1], ids=["kv-heads-split", "kv-head-replicated"])

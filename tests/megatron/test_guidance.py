@@ -1,6 +1,8 @@
 """Guided rounding in a Megatron forward: rollout records from a perturbed forward are reproduced exactly at
 guided sites; fallbacks are counted by reason; routing replay uses Megatron's RouterReplay."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -155,6 +157,40 @@ def test_missing_and_invalid_rows_fall_back_and_are_counted(rollout):
     assert mismatches(guided.sites[(2, "kv_k")], sites[(2, "kv_k")]) == 0  # over the rows still valid
     own = Quantizer("nvfp4", per_row=True).quantize(seen[(2, "kv_k")][0, :5])  # [5, kv_heads, head_dim]
     assert torch.equal(_values(guided.sites[(2, "kv_k")])[0, :5], own.values())  # invalid rows: own RNE
+
+
+def test_rows_of_a_nan_or_negative_scale_or_amax_fall_back_and_are_counted(rollout):
+    """A corrupt record (a NaN E4M3 block scale, a NaN or negative global amax) given straight to the trainer, not
+    through the cache's checks: its rows are invalid (the trainer's own rounding, counted), never decoded."""
+    _, data, roll = rollout
+    tc = TraceConfig(guided_layers="all")
+    trainer = _model(tc)
+    sites = dict(roll.sites)
+    for key, t, b, what in (((1, "expert_fc1_in"), 0, 1, "amax_nan"), ((2, "kv_v"), 1, 0, "amax_neg"),
+                            ((3, "expert_fc2_in"), 5, 1, "scale_nan")):
+        sg = sites[key]
+        r = sg.record
+        scales, amax = r.block_scales.clone(), r.global_amax.clone()
+        at = (b, t) + (0,) * (scales.dim() - 3)
+        if what == "scale_nan":
+            scales.view(torch.uint8)[at] = 0x7F  # E4M3 NaN
+        else:
+            amax[at] = float("nan") if what == "amax_nan" else -1.0
+        sites[key] = SiteGuidance(dataclasses.replace(r, block_scales=scales, global_amax=amax), sg.valid,
+                                  sg.expert_ids)
+    seen, hooks = _site_inputs(trainer)
+    h = _run(trainer, data, StepGuidance(sites=sites, routing=roll.routing))
+    for hook in hooks:
+        hook.remove()
+    assert dict(h.counter.fallback) == {"invalid_row": 3}
+    assert all(h.stats()[(*key, "invalid_row")] == 1 for key in ((1, "expert_fc1_in"), (2, "kv_v"),
+                                                                   (3, "expert_fc2_in")))
+    guided = h.recorded()
+    own = Quantizer("nvfp4", per_row=True).quantize(seen[(2, "kv_v")][0, 1])  # the bad row: the trainer's RNE
+    assert torch.equal(_values(guided.sites[(2, "kv_v")])[0, 1], own.values())
+    others = torch.ones(_values(guided.sites[(2, "kv_v")]).shape[:2], dtype=torch.bool)  # the rollout's
+    others[0, 1] = False
+    assert torch.equal(_values(guided.sites[(2, "kv_v")])[others], _values(roll.sites[(2, "kv_v")])[others])
 
 
 def test_token_mask_leaves_padding_uncounted(rollout):
