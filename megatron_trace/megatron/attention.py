@@ -113,6 +113,12 @@ class TraceKVCore:
                              f"multiple of {self._kv_q.block_size}, got {self.config.kv_channels}")
         # layer_number counts from 1 across pipeline stages; exclude_modules keeps this layer's K/V in BF16
         self._excluded = module_excluded(trace_config, kv_cache_name(self.layer_number - 1))
+        tp = self.config.tensor_model_parallel_size or 1
+        if tp > 1 and isinstance(self._kv_q, Quantizer) and self._kv_q.fmt == "nvfp4" and not self._kv_q.per_row \
+                and any(map(self.trace_quantizes, KV_SITES)):
+            raise ValueError(f"activation_amax='per_tensor' at the KV sites with tensor_model_parallel_size={tp}: a "
+                             "rank holds only its KV heads, so one amax over them would depend on the TP size (use "
+                             "activation_amax='per_row', the default, or TP 1)")
         self._finite = finite_checks(trace_config, f"layer {self.layer_number - 1}", KV_SITES)
 
     def trace_quantizes(self, site: str) -> bool:

@@ -453,6 +453,8 @@ def _moe_step(state: StepState, step: StepGuidance, layer: int, moe: MoELayer) -
 
 def _kv_step(state: StepState, step: StepGuidance, layer: int, attn) -> KVStep:
     heads, first = attn.kv_heads()
+    if state.recorder is not None and (attn.config.tensor_model_parallel_size or 1) > 1:
+        raise ValueError("recording needs tensor_model_parallel_size=1 (a rank holds only its KV heads)")
     rows = (heads, attn.config.kv_channels)
     checked = {
         s: check_site(step.sites.get((layer, s)), site=s, layer=layer, rows=rows, config=state.config,

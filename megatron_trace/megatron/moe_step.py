@@ -167,13 +167,11 @@ class MoEStep:
         self._replay_slots = None
         if self.routing is not None:
             r = self.routing
+            want = (hidden.shape[1], self._full_seq(hidden.shape[0]), self.topk)
+            if tuple(r.shape) != want:  # (a longer sequence would replay another position's experts)
+                raise ValueError(f"routing indices for layer {self.layer} have shape {tuple(r.shape)}; the batch "
+                                 f"needs [B={want[0]}, S={want[1]}, topk={want[2]}]")
             seq = self._seq(hidden.shape[0], r.shape[1])
-            t, local = hidden.shape[0] * hidden.shape[1], len(range(*seq.indices(r.shape[1])))
-            if (local * r.shape[0], r.shape[2]) != (t, self.topk) or r.shape[0] != hidden.shape[1]:
-                raise ValueError(
-                    f"routing indices for layer {self.layer} have shape {tuple(r.shape)}; "
-                    f"the batch needs [B={hidden.shape[1]}, S, topk={self.topk}]"
-                )
             token = self.state.token_index(r.shape[0], r.shape[1], seq, hidden.device)
             idx = r.to(hidden.device).reshape(-1, r.shape[2]).index_select(0, token)  # [T, topk]
             # (the index range of every layer was checked once for the step: ``trace_guidance``)

@@ -32,7 +32,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ..config import KV_SITES, TraceConfig
 from .attention import TraceDotProductAttention
-from .experts import TraceSequentialMLP
+from .experts import TraceExpertsCore, TraceSequentialMLP
 from .te import TraceTEGroupedMLP, require_te, trace_te_attention_class
 
 
@@ -42,6 +42,16 @@ def _quantizes_experts(cfg: TraceConfig) -> bool:
 
 def _quantizes_kv(cfg: TraceConfig) -> bool:
     return any(cfg.quantizes(s) for s in KV_SITES)
+
+
+def _bound(cls: type, trace_config: TraceConfig) -> type:
+    """``cls`` with ``trace_config`` as its constructor's default (a subclass: isinstance checks still hold)."""
+
+    def __init__(self, *args, trace_config: TraceConfig = trace_config, **kwargs):
+        cls.__init__(self, *args, trace_config=trace_config, **kwargs)
+
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__module__": cls.__module__,
+                                       "__qualname__": cls.__qualname__})
 
 
 class TraceSpecProvider(BackendSpecProvider):
@@ -81,9 +91,11 @@ class TraceSpecProvider(BackendSpecProvider):
         return self.core_attention_spec(self.fallback.core_attention())
 
     def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
-        """(experts class, submodules). The class needs ``experts_params()`` in its ModuleSpec."""
+        """(experts class, submodules), the class bound to this provider's ``trace_config``: Megatron's
+        ``get_moe_module_spec_for_backend`` builds its ModuleSpec without params."""
         module, sub = self.fallback.grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
-        return self.experts_module(module, sub)
+        module, sub = self.experts_module(module, sub)
+        return (_bound(module, self.trace_config) if issubclass(module, TraceExpertsCore) else module), sub
 
     def experts_params(self) -> dict:
         return {"trace_config": self.trace_config}

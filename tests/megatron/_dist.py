@@ -76,8 +76,11 @@ def tp_worker(rank: int, world: int, port: int, workdir: str) -> None:
 
 
 def _run_tp(rank, world, port, workdir):
+    import dataclasses
+
     import torch.distributed as dist
 
+    from megatron_trace.config import KV_SITES, TraceConfig
     from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
 
     from .harness import (
@@ -109,6 +112,14 @@ def _run_tp(rank, world, port, workdir):
                        ("guided", StepGuidance(**shared["guidance"]))):
         with trace_guidance(model, step) as h, torch.no_grad():
             out[name] = {"logits": model(tokens, pos, mask), "counter": h.counter}
+    kv_only = TraceConfig(sites=KV_SITES, guided_sites=KV_SITES)  # (MoE layers refuse recording under TP on their own)
+    for name, tc, record in (("record_error", kv_only, True),
+                             ("per_tensor_error", dataclasses.replace(kv_only, activation_amax="per_tensor"), False)):
+        try:
+            with trace_guidance(build_model(cfg, trace_spec(stock_spec(cfg), tc)), None, record=record):
+                pass
+        except ValueError as e:
+            out[name] = str(e)
     torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
     destroy_parallel()
     dist.destroy_process_group()

@@ -123,3 +123,7 @@ def test_tensor_and_sequence_parallel_slice_guidance_like_the_tokens(tmp_path, g
         tokens = data[0].numel()
         assert got["guided"]["counter"].used == 4 * (tokens // WORLD * (1 + TOPK) + 2 * tokens)
         assert not got["guided"]["counter"].fallback
+        # a KV-only config: recording (this rank's heads only) and one amax over this rank's heads are refused
+        assert got["record_error"] == "recording needs tensor_model_parallel_size=1 (a rank holds only its KV heads)"
+        assert "activation_amax='per_tensor' at the KV sites with tensor_model_parallel_size=2" in \
+            got["per_tensor_error"]

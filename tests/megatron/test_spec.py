@@ -76,8 +76,8 @@ def test_provider_falls_back_for_everything_else():
     assert p.fuse_layernorm_and_linear() is False
     assert p.core_attention().module is TraceDotProductAttention
     assert p.core_attention().params["trace_config"] is tc
-    module, sub = p.grouped_mlp_modules(False, False)
-    assert module is TraceSequentialMLP and sub.linear_fc1 is ColumnParallelLinear
+    module, sub = p.grouped_mlp_modules(False, False)  # bound to tc: Megatron's helper gives it no params
+    assert issubclass(module, TraceSequentialMLP) and sub.linear_fc1 is ColumnParallelLinear
     moe = p.moe_module_spec(num_experts=EXPERTS)
     assert moe.module is MoELayer and moe.submodules.experts.module is TraceSequentialMLP
     assert moe.submodules.experts.params == {"trace_config": tc}
@@ -101,3 +101,18 @@ def test_layer_spec_helper_and_block_spec_share_converted_layers():
 def test_bad_spec_type_is_rejected():
     with pytest.raises(TypeError, match="ModuleSpec or TransformerBlockSubmodules"):
         trace_spec(object(), TraceConfig())
+
+
+@pytest.mark.usefixtures("world1")
+def test_provider_as_a_backend_of_megatrons_own_spec_helper_builds_trace_experts():
+    """``get_moe_module_spec_for_backend(backend=TraceSpecProvider(tc))`` builds the experts' ModuleSpec without
+    params: the class the provider gives carries ``tc`` itself."""
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.spec_utils import build_module
+
+    tc = TraceConfig(guided_layers="all")
+    spec = get_moe_module_spec_for_backend(backend=TraceSpecProvider(tc), num_experts=EXPERTS)
+    assert spec.submodules.experts.params == {}
+    moe = build_module(spec, config=tiny_config(), pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    assert isinstance(moe.experts, TraceSequentialMLP) and moe.experts.trace_config is tc

@@ -97,6 +97,21 @@ def test_out_of_range_routing_names_its_layer():
 
 
 @pytest.mark.usefixtures("world1")
+def test_routing_of_a_longer_sequence_is_refused_not_cut():
+    """The rollout's routing for 16 positions given to a 12-position batch: its first 12 positions need not be the
+    batch's tokens (left padding), so it is refused by shape, as the records of that layout are."""
+    from megatron_trace.megatron import StepGuidance, trace_guidance
+
+    model, data, roll = _recorded()
+    tokens, pos, mask, _ = data
+    B, S = tokens.shape
+    with pytest.raises(ValueError, match=rf"routing indices for layer 0 have shape \({B}, {S}, 2\); the batch needs "
+                                         rf"\[B={B}, S={S - 4}, topk=2\]"):
+        with trace_guidance(model, StepGuidance(routing=roll.routing)), torch.no_grad():
+            model(tokens[:, : S - 4], pos[:, : S - 4], mask[..., : S - 4, : S - 4])
+
+
+@pytest.mark.usefixtures("world1")
 def test_repeated_replayed_expert_routes_fewer_rows():
     """A token whose replayed top-k repeats an expert (found per step: the rows are then laid out with
     ``nonzero``) has fewer FC2 rows; every other row is still guided."""
