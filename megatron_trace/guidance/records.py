@@ -22,7 +22,7 @@ import logging
 import numbers
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -321,15 +321,14 @@ def scales_ok(sg: SiteGuidance) -> torch.Tensor:
 def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) -> SiteGuidance:
     """``sg`` with its valid rows whose block scales or global amax are NaN, Inf or negative made invalid (a
     corrupt record, or an engine that quantized a non-finite row): counted as used before, now ``bad_scale``."""
-    r = sg.record
     ok = scales_ok(sg)
     bad = int((sg.valid & ~ok).sum())
     if not bad:
-        return sg
+        return replace(sg, scales_checked=True)
     logger.warning("guidance %s: %d valid rows have a NaN, Inf or negative scale or amax: rejected", key, bad)
     counter.used -= bad
     counter.add(0, {"bad_scale": bad})
-    return SiteGuidance(r, sg.valid & ok, sg.expert_ids)
+    return replace(sg, valid=sg.valid & ok, scales_checked=True)
 
 
 def _empty_like_batch(t: SiteRecord, mask: torch.Tensor) -> dict:

@@ -179,11 +179,14 @@ _OWNED = re.compile(r"^guidance_step\d+_(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-\d
 _caches = itertools.count()
 
 
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9.-]", ".", socket.gethostname()) or "host"
+
+
 def owner_tag() -> str:
     """A new cache's tag in its shards' names (host, process, instance): caches of several ranks or runs can share
     a ``cache_dir`` without overwriting or deleting each other's shards."""
-    host = re.sub(r"[^A-Za-z0-9.-]", ".", socket.gethostname()) or "host"
-    return f"{host}-{os.getpid()}-{next(_caches)}"
+    return f"{_host()}-{os.getpid()}-{next(_caches)}"
 
 
 def shard_path(cache_dir: Path, owner: str, step: int, part: int) -> Path:
@@ -196,7 +199,7 @@ def is_stale(path: Path) -> bool:
     m = _OWNED.match(Path(path).name)
     if m is None:
         return True
-    if m["host"] != re.sub(r"[^A-Za-z0-9.-]", ".", socket.gethostname()):
+    if m["host"] != _host():
         return False
     try:
         os.kill(int(m["pid"]), 0)

@@ -3,10 +3,10 @@
 Like the weight-update group of RL frameworks, guidance travels on its own group (``new_group``
 over the given global ranks, with its own timeout), NCCL on GPU and gloo on CPU; tensors live on
 the backend's device. Per destination and chunk, three messages: a small int64 tensor ``[magic, header
-bytes, payload bytes, chunks still to come, transfer number]``, the JSON header as uint8, then one flat uint8
-payload. The transfer number (per destination, from 0) keeps both sides in step: a chunk of another transfer
-is an error naming both numbers, and a rejected chunk's transfer is read to its end before ``receive`` raises,
-so the next transfer starts clean.
+bytes, payload bytes, chunks still to come, transfer number, the header's CRC-32]``, the JSON header as uint8,
+then one flat uint8 payload. The transfer number (per destination, from 0) keeps both sides in step: a chunk of
+another transfer is an error naming both numbers, and a rejected chunk's transfer is read to its end before
+``receive`` raises, so the next transfer starts clean.
 The chunk travels in columns (``guidance.wire``, protocol 5): per (layer, site) and field one tensor
 holding the rows of all the chunk's samples, the same per routing layer, and a compact header (per
 sample: id, version, token hash, tokens; per column: format, mode, row shape, dtypes, offsets,

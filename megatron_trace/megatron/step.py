@@ -284,8 +284,10 @@ def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[in
             raise GuidanceFallbackError(msg)
         logger.warning(msg)
         return CheckedSite(None, SHAPE)
-    checked = SiteGuidance(mode, sg.valid, sg.expert_ids)  # rows of a NaN / Inf / negative scale or amax: invalid
-    return CheckedSite(SiteGuidance(mode, sg.valid & scales_ok(checked).to(sg.valid.device), sg.expert_ids), None)
+    valid = sg.valid  # rows of a NaN / Inf / negative scale or amax: invalid (unless the assembly did it)
+    if not sg.scales_checked:
+        valid = valid & scales_ok(SiteGuidance(mode, valid, sg.expert_ids)).to(valid.device)
+    return CheckedSite(SiteGuidance(mode, valid, sg.expert_ids, scales_checked=True), None)
 
 
 def _token_index(batch, full_seq, seq: tuple, device, heads, local: tuple, of_token: bool) -> torch.Tensor:

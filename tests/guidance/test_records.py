@@ -417,5 +417,6 @@ def test_a_sample_with_narrower_expert_ids_assembles_as_int64():
     got = assemble([samples[0], narrow, samples[2]], tok, versions=1, counter=FallbackCounter(),
                    attention_mask=mask)[key]
     assert got.expert_ids.dtype == torch.int64 and torch.equal(got.expert_ids, want.expert_ids)
+    assert got.scales_checked and not batch[key].scales_checked  # (the trainer's step need not look again)
     with pytest.raises(ValueError, match=re.escape(f"expert_ids must be integer of shape {tuple(rec.valid.shape)}")):
         SiteRecord(rec.record, rec.valid, rec.expert_ids.float())
