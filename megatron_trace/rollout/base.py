@@ -22,6 +22,7 @@ Layer ids count from 0. ``S = max(prompt_lens + response_lens)``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -50,7 +51,13 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        ids = self.stop_token_ids
+        if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
+            ids = (ids,)  # one stop token
+        try:
+            object.__setattr__(self, "stop_token_ids", tuple(ids))
+        except TypeError as e:
+            raise ValueError(f"SamplingParams.stop_token_ids={ids!r} must be token ids (ints >= 0)") from e
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, int | float) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
             raise ValueError(f"SamplingParams.temperature={t!r} must be 0 (greedy) or a finite number >= "
@@ -61,9 +68,10 @@ class SamplingParams:
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"SamplingParams.max_new_tokens={n!r} must be an int >= 1")
-        bad = [s for s in self.stop_token_ids if isinstance(s, bool) or not isinstance(s, int) or s < 0]
+        bad = [s for s in self.stop_token_ids if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids has invalid id(s) {bad}: ids are ints >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
         sd = self.seed
         if sd is not None and (isinstance(sd, bool) or not isinstance(sd, int) or not 0 <= sd < 2**63):
             raise ValueError(f"SamplingParams.seed={sd!r} must be None or an int in [0, 2**63)")
@@ -79,18 +87,31 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int) -> None:
-    """Raise a clear error unless ``prompts`` is a non-empty list of non-empty token-id lists."""
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *, max_positions: int | None = None,
+                  max_new_tokens: int = 0) -> list[list[int]]:
+    """``prompts`` as lists of Python ints; a clear error unless it is a non-empty list of non-empty token-id
+    lists (ints, NumPy ints or 1-D tensors) in ``[0, vocab_size)`` whose prompt + ``max_new_tokens`` fit
+    ``max_positions`` (the model's ``max_position_embeddings``: RoPE beyond it is outside what it was trained on)."""
     if not isinstance(prompts, Sequence) or isinstance(prompts, str | bytes) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
+    out = []
     for i, p in enumerate(prompts):
         if isinstance(p, torch.Tensor):
             p = p.tolist()
-        if not isinstance(p, Sequence) or len(p) == 0:
+        if not isinstance(p, Sequence) or isinstance(p, str | bytes) or len(p) == 0:
             raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r}")
-        bad = [t for t in p if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size]
+        kinds = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        if kinds:
+            raise ValueError(f"prompts[{i}] holds {kinds[0]!r} ({type(kinds[0]).__name__}), not an int token id")
+        p = [int(t) for t in p]
+        bad = [t for t in p if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompts[{i}] has token id(s) {bad[:5]} outside [0, {vocab_size})")
+        if max_positions is not None and len(p) + max_new_tokens > max_positions:
+            raise ValueError(f"prompts[{i}] has {len(p)} tokens: with max_new_tokens={max_new_tokens} that is "
+                             f"{len(p) + max_new_tokens} positions, beyond max_position_embeddings={max_positions}")
+        out.append(p)
+    return out
 
 
 @dataclass

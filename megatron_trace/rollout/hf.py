@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
+import numbers
 import os
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, nullcontext
@@ -227,6 +228,10 @@ class HFRolloutBackend:
         """Choose the layers that record guidance (None: the TraceConfig policy)."""
         if layer_ids is None:
             layer_ids = guided_layers(self.config, self.num_layers) if self.mode == "fp4" else ()
+        kinds = [i for i in layer_ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+        if kinds:
+            raise TypeError(f"guided layer id {kinds[0]!r} ({type(kinds[0]).__name__}) must be an int")
+        layer_ids = [int(i) for i in layer_ids]
         bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"guided layer id(s) {bad} outside 0..{self.num_layers - 1}")

@@ -28,11 +28,11 @@ finished rows only (masked, not in the output: the same ``RolloutBatch``)."""
 
 def generate(be, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
     """``HFRolloutBackend.generate``: left-pad, prefill (once per distinct prompt), decode, assemble."""
-    check_prompts(prompts, be.vocab_size)
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be SamplingParams, got {type(sampling).__name__}")
+    limit = getattr(be.hf_config, "max_position_embeddings", None)
+    prompts = check_prompts(prompts, be.vocab_size, max_positions=limit, max_new_tokens=sampling.max_new_tokens)
     sampling.check_vocab(be.vocab_size)
-    prompts = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts]
     b, dev = len(prompts), be.device
     plens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     width = int(plens.max())

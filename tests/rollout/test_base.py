@@ -45,14 +45,38 @@ def test_check_prompts_accepts_tensors():
     check_prompts([torch.tensor([1, 2]), [3]], vocab_size=4)
 
 
-@pytest.mark.parametrize("bad,ids", [(-1, "[-1]"), (128, "[128]"), (True, "[True]"), (3.0, "[3.0]")])
-def test_check_prompts_names_the_bad_ids_among_many(bad, ids):
-    """One bad id (out of range, a bool, a float) among 5000 valid ones is found and named."""
+@pytest.mark.parametrize("bad,msg", [(-1, r"has token id\(s\) \[-1\] outside \[0, 128\)"),
+                                     (128, r"has token id\(s\) \[128\] outside"),
+                                     (True, r"holds True \(bool\), not an int token id"),
+                                     (3.0, r"holds 3\.0 \(float\), not an int token id"),
+                                     ([5, 6], r"holds \[5, 6\] \(list\), not an int token id")])
+def test_check_prompts_names_the_bad_ids_among_many(bad, msg):
+    """One bad id (out of range, a bool, a float, a nested list) among 5000 valid ones is found and named."""
     prompt = list(range(100)) * 50
     check_prompts([prompt], vocab_size=128)
     prompt[4321] = bad
-    with pytest.raises(ValueError, match=rf"prompts\[0\] has token id\(s\) \{ids[:-1]}\]"):
+    with pytest.raises(ValueError, match=rf"prompts\[0\] {msg}"):
         check_prompts([prompt], vocab_size=128)
+
+
+def test_check_prompts_gives_python_ints_of_numpy_ids_and_tensors_and_checks_the_positions():
+    import numpy as np
+
+    got = check_prompts([np.array([5, 6]).tolist(), list(np.array([5, 6])), torch.tensor([7])], vocab_size=8)
+    assert got == [[5, 6], [5, 6], [7]] and all(type(t) is int for p in got for t in p)
+    assert check_prompts([[1] * 10], vocab_size=8, max_positions=16, max_new_tokens=6) == [[1] * 10]
+    with pytest.raises(ValueError, match=r"prompts\[1\] has 10 tokens: with max_new_tokens=7 that is 17 positions, "
+                                         r"beyond max_position_embeddings=16"):
+        check_prompts([[1], [1] * 10], vocab_size=8, max_positions=16, max_new_tokens=7)
+
+
+def test_one_stop_token_may_be_given_as_an_int():
+    import numpy as np
+
+    assert SamplingParams(stop_token_ids=3).stop_token_ids == (3,)
+    assert SamplingParams(stop_token_ids=[np.int64(4)]).stop_token_ids == (4,)
+    with pytest.raises(ValueError, match=r"stop_token_ids=3\.5 must be token ids"):
+        SamplingParams(stop_token_ids=3.5)
 
 
 def test_check_prompts_accepts_int_subclasses():

@@ -96,6 +96,24 @@ def test_generate_rejects_bad_input(fp4, prompts, sampling, err):
         fp4.generate(prompts, sampling)
 
 
+def test_positions_beyond_the_model_and_non_int_layer_ids_are_refused(fp4):
+    import numpy as np
+
+    limit = fp4.hf_config.max_position_embeddings
+    with pytest.raises(ValueError, match=rf"prompts\[0\] has {limit - 2} tokens: with max_new_tokens=3 that is "
+                                         rf"{limit + 1} positions, beyond max_position_embeddings={limit}"):
+        fp4.generate([[1] * (limit - 2)], SamplingParams(max_new_tokens=3))
+    with pytest.raises(TypeError, match=r"guided layer id 1\.5 \(float\) must be an int"):
+        fp4.set_guided_layers([1.5])
+    before = set(fp4.guided_sites)
+    try:
+        fp4.set_guided_layers([np.int64(1)])
+        assert fp4.guided_sites and all(type(layer) is int and layer == 1 for layer, _ in fp4.guided_sites)
+    finally:
+        fp4.set_guided_layers()
+    assert fp4.guided_sites == before
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_logprobs_are_those_of_the_sampling_forward(fp4, temperature):
     out = fp4.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=temperature, seed=5))

@@ -160,3 +160,17 @@ def test_trainer_in_sglangs_kv_format_uses_sglang_kv_records():
         got = sg_cfg.kv_quantizer().guided_quantize(k, c.sg.record)
         assert torch.equal(got.codes, rec.codes) and torch.equal(got.block_scales.view(torch.uint8),
                                                                   rec.block_scales.view(torch.uint8))
+
+
+def test_sampling_params_map_to_sglangs_with_the_hf_backends_stopping_rule():
+    """Generation ends at ``stop_token_ids`` (kept) or ``max_new_tokens``, as in the hf backend: not at the
+    model's EOS unless it is listed (SGLang stops at EOS by default), so both backends give the same lengths."""
+    from megatron_trace.rollout import SamplingParams
+    from megatron_trace.rollout.sglang.backend import sampling_dict
+
+    d = sampling_dict(SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, stop_token_ids=(2,), seed=11))
+    assert d == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5, "stop_token_ids": [2],
+                 "skip_special_tokens": False, "no_stop_trim": True, "ignore_eos": True, "sampling_seed": 11}
+    sgl = pytest.importorskip("sglang.srt.sampling.sampling_params", reason="SGLang's own SamplingParams: its venv")
+    p = sgl.SamplingParams(**d)  # every key is one of SGLang's
+    assert (p.ignore_eos, p.no_stop_trim, p.max_new_tokens, p.stop_token_ids) == (True, True, 5, {2})

@@ -38,9 +38,11 @@ NATIVE_ACTIVATION_AMAX = "static_input_scale"
 
 
 def sampling_dict(s: SamplingParams) -> dict:
-    """Our SamplingParams as SGLang's sampling_params dict (stop tokens kept in the output)."""
+    """Our SamplingParams as SGLang's sampling_params dict (stop tokens kept in the output; like the hf backend,
+    generation ends only at ``stop_token_ids`` or ``max_new_tokens``, not at the model's EOS unless listed)."""
     d = {"temperature": float(s.temperature), "top_p": float(s.top_p), "max_new_tokens": int(s.max_new_tokens),
-         "stop_token_ids": list(s.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True}
+         "stop_token_ids": list(s.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True,
+         "ignore_eos": True}
     if s.seed is not None:
         d["sampling_seed"] = int(s.seed)
     return d
@@ -152,8 +154,7 @@ class SGLangRolloutBackend:
         self.trainer_recipe = trainer
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
-        check_prompts(prompts, self.vocab_size)
-        prompts = [list(p.tolist() if isinstance(p, torch.Tensor) else p) for p in prompts]
+        prompts = check_prompts(prompts, self.vocab_size)  # (the engine checks its context length itself)
         outs = self.engine.generate(input_ids=prompts, sampling_params=[sampling_dict(sampling)] * len(prompts),
                                     return_logprob=True, return_routed_experts=self.config.routing_replay)
         payloads = self._read_out(prompts, outs) if self.specs else None
