@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..rollout.hf_weights import clear_weight_files
+from ..rollout.hf_weights import clear_weight_files, parse_expert_name
 from .config import gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,6 @@ _LOCAL_TO_TE = (
     (re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$"), r".mlp.experts.\2.weight\1"),
 )
 _TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
-_HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(?:gate|up|down)_proj\.weight$")
 
 
 class Qwen3MoeBridge(_MBridgeQwen3MoE):
@@ -178,8 +177,8 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         for n in self.safetensor_io.load_hf_weight_names():
             if n in wanted or (tied and n == "lm_head.weight"):
                 continue
-            m = _HF_EXPERT.match(n)
-            if m and self.mpu.ep_size > 1 and int(m[1]) < c.num_layers and int(m[2]) < c.num_moe_experts:
+            e = parse_expert_name(n)
+            if e and self.mpu.ep_size > 1 and e[0] < c.num_layers and e[1] < c.num_moe_experts:
                 continue  # another EP rank's
             left.append(n)
         if left:
