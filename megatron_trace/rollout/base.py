@@ -52,7 +52,7 @@ class SamplingParams:
 
     def __post_init__(self):
         ids = self.stop_token_ids
-        if isinstance(ids, numbers.Integral) and not isinstance(ids, bool):
+        if is_int(ids):
             ids = (ids,)  # one stop token
         try:
             object.__setattr__(self, "stop_token_ids", tuple(ids))
@@ -68,7 +68,7 @@ class SamplingParams:
         n = self.max_new_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"SamplingParams.max_new_tokens={n!r} must be an int >= 1")
-        bad = [s for s in self.stop_token_ids if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0]
+        bad = [s for s in self.stop_token_ids if not is_int(s) or s < 0]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids has invalid id(s) {bad}: ids are ints >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
@@ -87,6 +87,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
 
 
+def is_int(x) -> bool:
+    """An integer id: a Python or NumPy integer (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *, max_positions: int | None = None,
                   max_new_tokens: int = 0) -> list[list[int]]:
     """``prompts`` as lists of Python ints; a clear error unless it is a non-empty list of non-empty token-id
@@ -100,7 +105,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *, max_posi
             p = p.tolist()
         if not isinstance(p, Sequence) or isinstance(p, str | bytes) or len(p) == 0:
             raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r}")
-        kinds = [t for t in p if isinstance(t, bool) or not isinstance(t, numbers.Integral)]
+        kinds = [t for t in p if not is_int(t)]
         if kinds:
             raise ValueError(f"prompts[{i}] holds {kinds[0]!r} ({type(kinds[0]).__name__}), not an int token id")
         p = [int(t) for t in p]

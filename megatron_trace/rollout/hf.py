@@ -23,7 +23,6 @@ from __future__ import annotations
 import copy
 import inspect
 import logging
-import numbers
 import os
 from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, nullcontext
@@ -49,7 +48,7 @@ from ..manifest import (
 from . import hf_generate
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
-from .base import RolloutBatch, SamplingParams, WeightValue
+from .base import RolloutBatch, SamplingParams, WeightValue, is_int
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .hf_weights import FUSED_EXPERTS, join_fc1, parse_expert_name
@@ -228,7 +227,7 @@ class HFRolloutBackend:
         """Choose the layers that record guidance (None: the TraceConfig policy)."""
         if layer_ids is None:
             layer_ids = guided_layers(self.config, self.num_layers) if self.mode == "fp4" else ()
-        kinds = [i for i in layer_ids if isinstance(i, bool) or not isinstance(i, numbers.Integral)]
+        kinds = [i for i in layer_ids if not is_int(i)]
         if kinds:
             raise TypeError(f"guided layer id {kinds[0]!r} ({type(kinds[0]).__name__}) must be an int")
         layer_ids = [int(i) for i in layer_ids]
