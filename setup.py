@@ -5,7 +5,7 @@ EXTRAS = {
     "hf": ["transformers>=5.24,<6", "safetensors>=0.4"],
     "examples": ["hydra-core>=1.3", "omegaconf>=2.3", "matplotlib>=3.7", "tqdm>=4.60", "tensorboard>=2.14"],
     "sglang": ["sglang==0.5.10.post1"],
-    "te": ["transformer-engine[pytorch]"],
+    "te": ["transformer-engine[pytorch]>=2.5"],  # 2.5: GroupedLinear._get_weight_tensors (te.py)
     "gpu": ["triton>=3.1"],
     "dev": ["pytest>=8", "pytest-xdist>=3", "pytest-timeout>=2", "hypothesis>=6", "ruff>=0.5", "numpy>=1.24"],
 }

@@ -39,9 +39,19 @@ class TraceWeightFetch:
         return weights if q is None else [q.fake_quantize(w) for w in weights]
 
 
+TE_MIN_VERSION = "2.5"
+"""The first Transformer Engine whose GroupedLinear fetches its weights through ``_get_weight_tensors`` (older
+releases read ``weight{i}`` directly, so ``TraceWeightFetch`` would never run and the weights stay BF16)."""
+
+
 @functools.cache
 def with_weight_fetch(base: type) -> type:
     """``base`` (a TE linear class) with ``TraceWeightFetch`` mixed in (one class per base)."""
+    if not callable(getattr(base, "_get_weight_tensors", None)):
+        raise ImportError(
+            f"{base.__name__} has no _get_weight_tensors: its forward reads the weights directly (Transformer Engine "
+            f"< {TE_MIN_VERSION}), so TRACE could not fake-quantize them; install transformer-engine>="
+            f"{TE_MIN_VERSION} (pip install 'megatron_trace[te]')")
     return type(f"Trace{base.__name__}", (TraceWeightFetch, base), {"__module__": __name__})
 
 

@@ -64,3 +64,20 @@ def test_weight_fetch_hook_fake_quantizes_with_straight_through_grads():
 def test_weight_fetch_hook_is_a_no_op_without_a_quantizer():
     layer = with_weight_fetch(_GroupedLinear)()
     assert all(a is b for a, b in zip(layer._get_weight_tensors(), _GroupedLinear._get_weight_tensors(layer)))
+
+
+class _OldGroupedLinear(torch.nn.Module):
+    """TE < 2.5's GroupedLinear: its forward reads ``weight{i}`` directly (no ``_get_weight_tensors``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight0 = torch.nn.Parameter(torch.randn(32, 48))
+
+    def forward(self, x, m_splits):
+        return x @ self.weight0.t()
+
+
+def test_weight_fetch_refuses_a_te_that_bypasses_it():
+    """With TE < 2.5 the hook would never run and the experts would train on BF16 weights: refuse at build time."""
+    with pytest.raises(ImportError, match=r"_OldGroupedLinear has no _get_weight_tensors.*transformer-engine>=2\.5"):
+        with_weight_fetch(_OldGroupedLinear)
