@@ -172,7 +172,26 @@ def test_cli_budget_policy(tmp_path, capsys):
     # the table prints the chosen layers as --trace-guided-layers takes them
     assert plan.main(["--hf-config", str(Q35), "--layer-policy", "budget=20000", "--mismatch-profile", str(prof),
                       "--modes", "compact"]) == 0
-    assert f"budget=20000 guides layers {','.join(map(str, row['layers']))}" in capsys.readouterr().out
+    ids = ",".join(map(str, row["layers"]))
+    assert (f"budget=20000 compact guides layers {ids}: --trace-format nvfp4 --trace-cache-mode compact "
+            f"--trace-guided-layers {ids}") in capsys.readouterr().out
+
+
+def test_cli_budget_layers_name_their_cache_mode(tmp_path, capsys):
+    """Full and compact records cost different bytes, so one budget picks different layers per mode: each printed
+    list says which --trace-cache-mode it was sized for."""
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps([0.01 * (i % 7 + 1) for i in range(40)]))
+    argv = ["--hf-config", str(Q35), "--layer-policy", "budget=20000", "--mismatch-profile", str(prof)]
+    assert plan.main([*argv, "--json"]) == 0
+    rows = {r["mode"]: r["layers"] for r in json.loads(capsys.readouterr().out)["rows"]}
+    assert rows["full"] != rows["compact"]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    for mode, layers in rows.items():
+        ids = ",".join(map(str, layers))
+        assert f"budget=20000 {mode} guides layers {ids}: --trace-format nvfp4 --trace-cache-mode {mode} " \
+               f"--trace-guided-layers {ids}" in out
 
 
 def test_cli_errors(capsys):
