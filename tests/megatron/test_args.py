@@ -60,8 +60,11 @@ def test_config_file_is_the_base_and_flags_override(tmp_path):
 @pytest.mark.parametrize("argv,match", [
     (["--trace-fp4", "--trace-guided-layers", "1,7"], r"layer\(s\) \[7\] beyond num_layers=4"),
     (["--trace-fp4", "--trace-guided-layers", "last_k", "--trace-guided-last-k", "9"], "exceeds num_layers=4"),
-    (["--trace-fp4", "--trace-cache-budget-mb", "-1"], "cache_budget_mb=-1.0 must be >= 0"),
-    (["--trace-fp4", "--trace-budget-bytes-per-token", "-5"], "budget_bytes_per_token=-5.0 must be >= 0"),
+    (["--trace-fp4", "--trace-cache-budget-mb", "-1"], "cache_budget_mb=-1.0 must be >= 0 and finite"),
+    (["--trace-fp4", "--trace-budget-bytes-per-token", "-5"], "budget_bytes_per_token=-5.0 must be >= 0 and finite"),
+    (["--trace-fp4", "--trace-budget-bytes-per-token", "nan"], "budget_bytes_per_token=nan must be >= 0 and finite"),
+    (["--trace-fp4", "--trace-cache-budget-mb", "nan"], "cache_budget_mb=nan must be >= 0 and finite"),
+    (["--trace-fp4", "--trace-cache-budget-mb", "inf"], "cache_budget_mb=inf must be >= 0 and finite"),
     (["--trace-fp4", "--trace-guided-layers", "last_k"], "needs guided_last_k >= 1"),
     (["--trace-fp4", "--trace-sites", "weights", "--trace-guided-sites", "kv_k"], "not a quantized site"),
     (["--trace-fp4", "--trace-min-coverage", "2"], "min_coverage=2.0 must be in"),
