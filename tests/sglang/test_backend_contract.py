@@ -171,6 +171,69 @@ def test_sampling_params_map_to_sglangs_with_the_hf_backends_stopping_rule():
     d = sampling_dict(SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, stop_token_ids=(2,), seed=11))
     assert d == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5, "stop_token_ids": [2],
                  "skip_special_tokens": False, "no_stop_trim": True, "ignore_eos": True, "sampling_seed": 11}
+    assert sampling_dict(SamplingParams(seed=2**63 - 1), 3)["sampling_seed"] == 2  # request 3 of a batch
     sgl = pytest.importorskip("sglang.srt.sampling.sampling_params", reason="SGLang's own SamplingParams: its venv")
     p = sgl.SamplingParams(**d)  # every key is one of SGLang's
     assert (p.ignore_eos, p.no_stop_trim, p.max_new_tokens, p.stop_token_ids) == (True, True, 5, {2})
+
+
+class _Engine:
+    """Engine.generate's outputs (SGLang 0.5.10 field names) for 2-token responses; ``finish`` per request."""
+
+    def __init__(self, finish=None, routed=True, deterministic=True):
+        self.finish, self.routed, self.calls = finish or {}, routed, []
+        self.server_args = type("ServerArgs", (), {"enable_deterministic_inference": deterministic})()
+
+    def generate(self, input_ids, sampling_params, return_logprob=False, return_routed_experts=False, rid=None):
+        import base64
+
+        self.calls.append(sampling_params)
+        outs = []
+        for i, p in enumerate(input_ids):
+            reason = self.finish.get(i, {"type": "length", "length": 2})
+            out = [] if reason["type"] == "abort" else [5, 6]
+            meta = {"finish_reason": reason, "output_token_logprobs": [(-0.5, t, None) for t in out]}
+            if return_routed_experts and self.routed:
+                n = len(p) + len(out) - 1
+                meta["routed_experts"] = base64.b64encode(torch.zeros(n, 3, 2, dtype=torch.int32).numpy().tobytes())
+            outs.append({"output_ids": out, "meta_info": meta})
+        return outs
+
+
+FC1_ONLY = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=())
+
+
+def test_seeded_requests_get_distinct_sampling_seeds(caplog):
+    """SGLang's seeded sampler draws from (sampling_seed, position) alone: one seed for every request would give
+    every copy of a prompt (a GRPO group) the same response."""
+    from megatron_trace.rollout import SamplingParams
+
+    eng = _Engine()
+    be = SGLangRolloutBackend(eng, FC1_ONLY, HF, kv_cache_dtype="auto")
+    be.generate([[1, 2, 3]] * 4, SamplingParams(max_new_tokens=2, seed=7))
+    assert [d["sampling_seed"] for d in eng.calls[0]] == [7, 8, 9, 10]
+    assert "ignored" not in caplog.text
+    be = SGLangRolloutBackend(_Engine(deterministic=False), FC1_ONLY, HF, kv_cache_dtype="auto")
+    with caplog.at_level(logging.WARNING):
+        be.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2, seed=7))
+    assert "seed=7 is ignored" in caplog.text and "enable_deterministic_inference" in caplog.text
+
+
+def test_aborted_request_or_missing_routing_is_an_error():
+    """An aborted request (finish_reason type 'abort', e.g. pause_generation(mode='abort')) is no sample, and an
+    engine without enable_return_routed_experts returns no routing: both raise instead of passing silently."""
+    from megatron_trace.rollout import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=2)
+    abort = {"type": "abort", "message": "Abort in waiting queue"}
+    be = SGLangRolloutBackend(_Engine({1: abort}), FC1_ONLY, HF, kv_cache_dtype="auto")
+    with pytest.raises(RuntimeError, match="request 1 finished with finish_reason=.*abort.*Abort in waiting queue"):
+        be.generate([[1, 2], [3, 4]], sp)
+    be = SGLangRolloutBackend(_Engine(routed=False), FC1_ONLY, HF, kv_cache_dtype="auto")
+    with pytest.raises(RuntimeError, match="request 0 returned no routed_experts.*enable_return_routed_experts"):
+        be.generate([[1, 2]], sp)
+    b = SGLangRolloutBackend(_Engine(), FC1_ONLY, HF, kv_cache_dtype="auto").generate([[1, 2]], sp)
+    assert b.finish_reasons == ("length",) and sorted(b.routing) == [0, 1, 2] and b.response_lens.tolist() == [2]
+    b = SGLangRolloutBackend(_Engine(routed=False), FC1_ONLY.replace(routing_replay=False), HF,
+                             kv_cache_dtype="auto").generate([[1, 2]], sp)
+    assert b.routing == {}

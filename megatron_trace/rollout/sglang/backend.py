@@ -37,14 +37,17 @@ logger = logging.getLogger(__name__)
 NATIVE_ACTIVATION_AMAX = "static_input_scale"
 
 
-def sampling_dict(s: SamplingParams) -> dict:
-    """Our SamplingParams as SGLang's sampling_params dict (stop tokens kept in the output; like the hf backend,
-    generation ends only at ``stop_token_ids`` or ``max_new_tokens``, not at the model's EOS unless listed)."""
+def sampling_dict(s: SamplingParams, index: int = 0) -> dict:
+    """Our SamplingParams as SGLang's sampling_params dict for request ``index`` of a batch (stop tokens kept in
+    the output; like the hf backend, generation ends only at ``stop_token_ids`` or ``max_new_tokens``, not at the
+    model's EOS unless listed). ``seed``: request i gets ``sampling_seed = seed + i`` (mod 2**63): SGLang's seeded
+    sampler draws from (seed, position) alone, so one seed for all would give every copy of a prompt (a GRPO
+    group) the same response."""
     d = {"temperature": float(s.temperature), "top_p": float(s.top_p), "max_new_tokens": int(s.max_new_tokens),
          "stop_token_ids": list(s.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True,
          "ignore_eos": True}
     if s.seed is not None:
-        d["sampling_seed"] = int(s.seed)
+        d["sampling_seed"] = (int(s.seed) + int(index)) % 2**63
     return d
 
 
@@ -155,10 +158,34 @@ class SGLangRolloutBackend:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
         prompts = check_prompts(prompts, self.vocab_size)  # (the engine checks its context length itself)
-        outs = self.engine.generate(input_ids=prompts, sampling_params=[sampling_dict(sampling)] * len(prompts),
+        if sampling.seed is not None and not self._seeded_engine():
+            logger.warning("SamplingParams.seed=%d is ignored: SGLang samples with sampling_seed only when launched "
+                           "with enable_deterministic_inference=True", sampling.seed)
+        outs = self.engine.generate(input_ids=prompts, sampling_params=[sampling_dict(sampling, i)
+                                                                        for i in range(len(prompts))],
                                     return_logprob=True, return_routed_experts=self.config.routing_replay)
+        self._check_outputs(outs)
         payloads = self._read_out(prompts, outs) if self.specs else None
         return self._assemble(prompts, outs, payloads)
+
+    def _seeded_engine(self) -> bool:
+        """Whether the engine honours ``sampling_seed`` (unknown server args: assumed to)."""
+        args = getattr(self.engine, "server_args", None)
+        return bool(getattr(args, "enable_deterministic_inference", True))
+
+    def _check_outputs(self, outs: list[dict]) -> None:
+        """Refuse aborted requests and missing routing (neither may pass as a sample of the policy)."""
+        for i, o in enumerate(outs):
+            reason = o["meta_info"]["finish_reason"]
+            kind = reason.get("type") if isinstance(reason, dict) else reason
+            if kind not in ("stop", "length"):
+                raise RuntimeError(f"SGLang request {i} finished with finish_reason={reason!r} (expected 'stop' or "
+                                   f"'length'): it is not a complete sample; regenerate the batch")
+            n = len(o["output_ids"])
+            if self.config.routing_replay and n and not o["meta_info"].get("routed_experts"):
+                raise RuntimeError(f"SGLang request {i} returned no routed_experts but TraceConfig.routing_replay="
+                                   "True: launch the engine with enable_return_routed_experts=True "
+                                   "(trace_server_args sets it)")
 
     def _read_out(self, prompts: list[list[int]], outs: list[dict]) -> list[list[dict]]:
         """The records of the finished sequences, from their KV slots: prompt + response sent again as
