@@ -164,6 +164,30 @@ def test_sglang_picks_its_modelopt_and_v2_loaders_for_our_methods(registered):
     assert registered.TraceNvFp4LinearMethod.__name__ in linear.WEIGHT_LOADER_V2_SUPPORTED
 
 
+@pytest.mark.parametrize("runner", ["flashinfer_cutlass", "flashinfer_trtllm", "triton_kernel"])
+def test_emulated_moe_refuses_runners_that_reorder_expert_weights(registered, runner, monkeypatch):
+    """SGLang's FusedMoE loads w13 as [up; gate] (flashinfer_cutlass: ``load_up_proj_weight_first``), with w1/w3
+    swapped and F padded (flashinfer_trtllm) or transposed (triton_kernel): the emulation reads [gate; up]."""
+    from sglang.srt.layers.moe import utils
+
+    from megatron_trace.rollout.sglang.launch import trace_server_args
+
+    _, qcfg = _ckpt_state()
+    monkeypatch.setattr(utils, "MOE_RUNNER_BACKEND", utils.MoeRunnerBackend(runner))
+    with pytest.raises(ValueError, match=f"moe_runner_backend in \\('auto', 'triton'\\), got '{runner}'"):
+        _moe_layer(registered, qcfg)
+    hf = {"num_hidden_layers": 2, "hidden_size": H, "moe_intermediate_size": F, "num_experts_per_tok": K_TOP,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": E}
+    with pytest.raises(ValueError, match=f"got '{runner}'"):
+        trace_server_args("/ckpt", CFG, hf, moe_runner_backend=runner)
+    assert trace_server_args("/ckpt", CFG, hf, native=True, moe_runner_backend=runner)["moe_runner_backend"] == runner
+    for ok in ("auto", "triton"):
+        monkeypatch.setattr(utils, "MOE_RUNNER_BACKEND", utils.MoeRunnerBackend(ok))
+        method, _ = _moe_layer(registered, qcfg)
+        assert not getattr(method, "load_up_proj_weight_first", False)
+        assert trace_server_args("/ckpt", CFG, hf, moe_runner_backend=ok)["moe_runner_backend"] == ok
+
+
 def test_emulated_moe_apply_bit_identical_to_reference(registered):
     state, qcfg = _ckpt_state()
     method, layer = _moe_layer(registered, qcfg)

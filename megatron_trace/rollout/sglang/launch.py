@@ -64,6 +64,17 @@ def run_scheduler_process(*args, trace_config: dict | None = None, **kwargs):
 
 
 KV_FP4 = "fp4_e2m1"
+EMULATED_RUNNERS = ("auto", "triton")
+"""``--moe-runner-backend`` values under which SGLang's FusedMoE loads w13 as [gate; up], unpadded, untransposed
+(the emulated MoE's layout)."""
+
+
+def check_emulated_runner(backend: str) -> None:
+    """The emulated MoE reads w13 as [gate; up] rows; other runners make FusedMoE load it otherwise
+    (flashinfer_cutlass: up first; flashinfer_trtllm*: w1/w3 swapped, F padded; triton_kernel: transposed)."""
+    if backend not in EMULATED_RUNNERS:
+        raise ValueError(f"the emulated TRACE MoE (capability < 10) needs moe_runner_backend in {EMULATED_RUNNERS}, "
+                         f"got {backend!r}: SGLang's FusedMoE loads the expert weights in that runner's layout")
 
 
 def kv_cache_dtype(trace_config: TraceConfig) -> str:
@@ -153,6 +164,8 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
     if not native and not kw.get("disable_cuda_graph"):
         raise ValueError("the emulated TRACE MoE (capability < 10) needs disable_cuda_graph=True: it synchronizes "
                          "with the host (routing bounds, per-expert counts, finiteness checks)")
+    if not native:
+        check_emulated_runner(kw.get("moe_runner_backend") or "auto")
     if specs:
         for key, (want, why) in REQUIRED.items():
             if kw.get(key) != want:

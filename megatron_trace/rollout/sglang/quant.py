@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.moe.utils import get_moe_runner_backend
 from sglang.srt.layers.parameter import ModelWeightParameter, PerTensorScaleParameter
 from sglang.srt.layers.quantization.base_config import LinearMethodBase
 from sglang.srt.layers.quantization.modelopt_quant import (
@@ -41,6 +42,7 @@ from ...manifest import experts_name, module_excluded
 from ..fp4_moe import PackedExperts, silu_and_mul, w4a4_experts_forward
 from . import native as native_path
 from .capture import active_capture
+from .launch import check_emulated_runner
 from .native import native_fp4_available
 
 logger = logging.getLogger(__name__)
@@ -198,6 +200,8 @@ class TraceModelOptNvFp4MoEMethod(ModelOptNvFp4FusedMoEMethod):
                        params_dtype: torch.dtype, **extra_weight_attrs):
         if getattr(layer, "moe_ep_size", 1) != 1 and not self.native:
             raise ValueError(f"the emulated TRACE MoE supports expert parallel size 1, got {layer.moe_ep_size}")
+        if not self.native:
+            check_emulated_runner(get_moe_runner_backend().value)
         if self.native:
             super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                    **extra_weight_attrs)
