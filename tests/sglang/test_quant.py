@@ -188,6 +188,30 @@ def test_emulated_moe_refuses_runners_that_reorder_expert_weights(registered, ru
         assert trace_server_args("/ckpt", CFG, hf, moe_runner_backend=ok)["moe_runner_backend"] == ok
 
 
+def test_emulated_moe_refuses_moe_tensor_parallel_shards_when_quantizing_fc2(registered):
+    """moe_tp_size=2: each rank holds an F/2 shard of every expert, so the emulation would quantize expert_fc2_in
+    with the shard's per-row amax, not the full row's (probe: 33 of 1024 code bytes and outputs differed)."""
+    from megatron_trace.rollout.sglang.launch import trace_server_args
+
+    _, qcfg = _ckpt_state()
+    cfg = registered.TraceQuantConfig.from_config(qcfg)
+    layer = torch.nn.Module()
+    layer.num_experts, layer.moe_ep_size, layer.moe_tp_size = E, 1, 2
+    layer.moe_runner_config = types.SimpleNamespace(activation="silu", is_gated=True)
+    with pytest.raises(ValueError, match="needs MoE tensor parallel size 1 .*got 2.*F/2 shard"):
+        registered.TraceModelOptNvFp4MoEMethod(cfg).create_weights(layer, E, H, F // 2, torch.bfloat16)
+    hf = {"num_hidden_layers": 2, "hidden_size": H, "moe_intermediate_size": F, "num_experts_per_tok": K_TOP,
+          "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": E}
+    fc1_guided = CFG.replace(guided_sites=("expert_fc1_in",), sites=("expert_fc1_in", "expert_fc2_in", "weights"))
+    with pytest.raises(ValueError, match="needs MoE tensor parallel size 1 .*got 2"):
+        trace_server_args("/ckpt", fc1_guided, hf, tp_size=2)
+    assert trace_server_args("/ckpt", fc1_guided, hf, native=True, tp_size=2)["tp_size"] == 2  # static scales
+    no_fc2 = registered.TraceQuantConfig(CFG.replace(sites=("expert_fc1_in", "weights"),
+                                                     guided_sites=("expert_fc1_in",)))
+    registered.TraceModelOptNvFp4MoEMethod(no_fc2).create_weights(layer, E, H, F // 2, torch.bfloat16)
+    assert layer.w2_weight.shape == (E, H, F // 4)
+
+
 def test_emulated_moe_apply_bit_identical_to_reference(registered):
     state, qcfg = _ckpt_state()
     method, layer = _moe_layer(registered, qcfg)
@@ -259,8 +283,8 @@ def test_server_args_keys_exist(registered):
         trace_server_args("/ckpt", CFG, hf, disable_radix_cache=True)
     with pytest.raises(ValueError, match="page_size=1"):
         trace_server_args("/ckpt", CFG, hf, page_size=16)
-    with pytest.raises(ValueError, match="tp_size=1"):
-        trace_server_args("/ckpt", CFG, hf, tp_size=2)
+    with pytest.raises(ValueError, match="guidance for .* needs tp_size=1"):
+        trace_server_args("/ckpt", CFG, hf, native=True, tp_size=2)
     with pytest.raises(ValueError, match=r"KV cache of layers \[0\]"):
         trace_server_args("/ckpt", CFG.replace(exclude_modules=("model.layers.0.self_attn.kv_cache",)), hf)
     fc1_only = CFG.replace(guided_sites=("expert_fc1_in",), sites=("expert_fc1_in", "weights"))

@@ -77,6 +77,15 @@ def check_emulated_runner(backend: str) -> None:
                          f"got {backend!r}: SGLang's FusedMoE loads the expert weights in that runner's layout")
 
 
+def check_emulated_moe_tp(trace_config: TraceConfig, moe_tp_size: int) -> None:
+    """With MoE tensor parallelism each rank holds an F/tp shard of every expert: the emulated MoE would quantize
+    expert_fc2_in rows with an amax over the shard, not over the full row as the trainer and the hf backend do."""
+    if int(moe_tp_size) != 1 and trace_config.quantizes("expert_fc2_in"):
+        raise ValueError(f"the emulated TRACE MoE (capability < 10) quantizes expert_fc2_in rows whole: it needs MoE "
+                         f"tensor parallel size 1 (tp_size=1), got {moe_tp_size}: each rank would quantize its "
+                         f"F/{moe_tp_size} shard of a row with the shard's amax, not the full row's (as the trainer)")
+
+
 def kv_cache_dtype(trace_config: TraceConfig) -> str:
     """SGLang's ``kv_cache_dtype`` for a TraceConfig: ``fp4_e2m1`` when it quantizes a KV site, else ``auto``."""
     return KV_FP4 if any(trace_config.quantizes(s) for s in KV_SITES) else "auto"
@@ -166,6 +175,7 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
                          "with the host (routing bounds, per-expert counts, finiteness checks)")
     if not native:
         check_emulated_runner(kw.get("moe_runner_backend") or "auto")
+        check_emulated_moe_tp(trace_config, int(kw.get("tp_size", 1)) // int(kw.get("ep_size", 1)))
     if specs:
         for key, (want, why) in REQUIRED.items():
             if kw.get(key) != want:
