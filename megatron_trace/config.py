@@ -146,6 +146,8 @@ class TraceConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float):
                 raise bad(name, "a number")
+            if not math.isfinite(v):  # NaN passes every ``<`` check (a NaN budget silently guides no layer)
+                raise bad(name, "a finite number")
             object.__setattr__(self, name, float(v))
         for name in _STRS:
             if not isinstance(getattr(self, name), str):

@@ -50,6 +50,10 @@ def test_frozen_and_keyword_only():
         ({"sites": "kv_k"}, r"sites='kv_k' must be a list \(not one string\)"),
         ({"exclude_modules": "model.layers.0.mlp.experts"}, r"must be a list \(not one string\)"),
         ({"cache_dir": None}, r"cache_dir=None must be a string"),
+        ({"guided_layers": "budget", "budget_bytes_per_token": float("nan")},
+         r"budget_bytes_per_token=nan must be a finite number, got float"),
+        ({"cache_budget_mb": float("inf")}, r"cache_budget_mb=inf must be a finite number"),
+        ({"min_coverage": float("nan")}, r"min_coverage=nan must be a finite number"),
     ],
 )
 def test_invalid_values_name_field_and_valid_choices(kw, match):
