@@ -73,9 +73,9 @@ class RLConfig:
                 raise ValueError(f"RLConfig.{name}={getattr(self, name)!r} must be {want}")
 
         for name in ("steps", "prompts_per_step", "group_size", "eval_problems", "trend_window"):
-            v = getattr(self, name)
-            need(isinstance(v, int) and not isinstance(v, bool) and v >= (2 if name == "trend_window" else 1), name,
-                 f"an int >= {2 if name == 'trend_window' else 1}")
+            v, least = getattr(self, name), 2 if name in ("group_size", "trend_window") else 1
+            need(isinstance(v, int) and not isinstance(v, bool) and v >= least, name, f"an int >= {least}" + (
+                 " (a group of one response has advantage 0: nothing to learn)" if name == "group_size" else ""))
         for name in ("quant_metrics_every", "checkpoint_every", "sentinel_prompts", "seed"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, "an int >= 0 (0: off)")

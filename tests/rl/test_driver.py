@@ -144,6 +144,7 @@ def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
 
 @pytest.mark.parametrize("kw,match", [
     (dict(steps=0), "steps=0 must be an int >= 1"), (dict(group_size=0), "group_size=0"),
+    (dict(group_size=1), r"group_size=1 must be an int >= 2 \(a group of one response has advantage 0"),
     (dict(sentinel_prompts=-2), "sentinel_prompts=-2 must be an int >= 0"),
     (dict(checkpoint_every=-1), "checkpoint_every=-1"), (dict(kl_coef=0.1), "keeps no reference policy"),
     (dict(weight_sync="int4"), "weight_sync='int4' must be one of"), (dict(lr=0.0), "lr=0.0 must be > 0"),
