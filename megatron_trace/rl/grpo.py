@@ -45,6 +45,13 @@ def policy_loss(
     batch that has ``num_tokens`` response tokens; the stats are shares too). ``stats=False``: no stats (they are
     read on the host: a device sync each).
     """
+    shapes = {"logp_old": logp_old, "logp_rollout": logp_rollout, "mask": mask,
+              **({} if logp_ref is None else {"logp_ref": logp_ref})}
+    bad = {k: tuple(v.shape) for k, v in shapes.items() if v.shape != logp.shape}
+    if logp.dim() != 2 or bad or tuple(advantages.shape) != tuple(logp.shape[:1]):
+        # (they would broadcast: advantages [B, 1] or [B, T] against [B, T] made a [B, B, T] loss, silently wrong)
+        raise ValueError(f"policy_loss takes logp [B, T] = {tuple(logp.shape)}, the same shape for {sorted(shapes)}"
+                         f" (got {bad}) and advantages [B] (got {tuple(advantages.shape)}): one per sequence")
     sel = mask.bool()
     # outside the mask every reference log-prob is replaced by logp itself (ratio 1, weight 1, KL 0), so that
     # NaN / inf there reach neither the loss nor, through 0 * inf, the gradient

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -79,6 +81,17 @@ def test_policy_loss_ppo_clip_and_tis():
     lr = logp_old - 3.0
     loss_tis, _ = policy_loss(logp_old.clone(), logp_old, lr, adv, mask, tis_cap=5.0)
     assert loss_tis.item() == pytest.approx(-5.0)
+
+
+@pytest.mark.parametrize("adv_shape,other", [((4, 1), None), ((4, 5), None), ((2,), None), ((4,), "logp_rollout")])
+def test_policy_loss_refuses_shapes_that_would_broadcast(adv_shape, other):
+    """advantages [B, 1] or per-token [B, T] broadcast against [B, T] into a [B, B, T] loss (its value was ~0 where
+    the [B] advantages gave -6.8e-3): named instead."""
+    logp, mask = torch.zeros(4, 5), torch.ones(4, 5, dtype=torch.bool)
+    roll = torch.zeros(4, 1) if other == "logp_rollout" else logp
+    with pytest.raises(ValueError, match=r"advantages \[B\] \(got " + re.escape(str(adv_shape)) if other is None
+                       else r"'logp_rollout': \(4, 1\)"):
+        policy_loss(logp, logp, roll, torch.ones(adv_shape), mask)
 
 
 def test_policy_loss_ignores_what_lies_outside_the_mask():
