@@ -102,7 +102,7 @@ def rollout_rank(a, hf_dir, trace, device, sync) -> tuple[dict, list[str]]:
                                             stop_token_ids=(tok.eos_id,), seed=0))
     _sync(device)
     t_roll = time.perf_counter() - t0
-    rewards = torch.tensor([task.reward(p, tok.decode(r)) for p, r in zip(problems, batch.responses())])
+    rewards = torch.tensor([task.reward(p, tok.decode(r, strict=True)) for p, r in zip(problems, batch.responses())])
     mask = batch.attention_mask
     data = {"tokens": batch.tokens.cpu(), "mask": mask.cpu(), "response_mask": batch.response_mask.cpu(),
             "logprobs": batch.logprobs.cpu(), "advantages": group_advantages(rewards, a.group),

@@ -192,7 +192,12 @@ class GRPORun:
         g = torch.Generator().manual_seed(123456)
         problems = [self.task.sample(g) for _ in range(self.cfg.eval_problems)]
         batch = self.rollout.generate([self.tok.encode(p.prompt, bos=True) for p in problems], self._sampling(0, 0.0))
-        return sum(self.task.reward(p, self.tok.decode(r)) for p, r in zip(problems, batch.responses())) / len(problems)
+        return sum(self._rewards(problems, batch)) / len(problems)
+
+    def _rewards(self, problems, batch) -> list[float]:
+        """Each response's reward; a special token other than the closing EOS (a sampled BOS or PAD, which a lax
+        decode drops) makes it wrong."""
+        return [self.task.reward(p, self.tok.decode(r, strict=True)) for p, r in zip(problems, batch.responses())]
 
     def _guidance(self, step: int, batch, full: dict, micro_batch_size: int | None = None):
         """Ship the arm's records through the cache and assemble them per trainer micro-batch (of
@@ -298,8 +303,7 @@ class GRPORun:
         problems, prompt_ids = self._prompts(step)
         batch = self.rollout.generate(prompt_ids, self._sampling(step, cfg.temperature))
         t_roll = time.perf_counter()
-        rewards = torch.tensor([self.task.reward(p, self.tok.decode(r)) for p, r in zip(problems, batch.responses())],
-                               device=batch.tokens.device)
+        rewards = torch.tensor(self._rewards(problems, batch), device=batch.tokens.device)
         adv = group_advantages(rewards, cfg.group_size)
         full = batch.guidance
         t_guid = time.perf_counter()

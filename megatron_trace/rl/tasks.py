@@ -37,13 +37,15 @@ class CharTokenizer:
         ids = [self.stoi[c] for c in text]
         return ([self.bos_id] if bos else []) + ids + ([self.eos_id] if eos else [])
 
-    def decode(self, ids) -> str:
+    def decode(self, ids, *, strict: bool = False) -> str:
+        """The text up to the first EOS; other special tokens are dropped, or with ``strict`` kept as their names
+        (``<bos>``), so that a response holding one never equals an answer: the reward's decode."""
         out = []
         for i in ids:
             i = int(i)
             if i == self.eos_id:
                 break
-            if i >= len(self.SPECIALS):
+            if i >= len(self.SPECIALS) or strict:
                 out.append(self.itos[i])
         return "".join(out)
 

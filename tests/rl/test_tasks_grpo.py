@@ -16,6 +16,23 @@ def test_tokenizer_round_trip_and_errors():
         tok.encode("1a")
 
 
+def test_a_response_holding_a_sampled_special_token_is_wrong():
+    """The rollout samples from the whole vocabulary: "<bos>0532" (no EOS within max_new_tokens) or "0532<pad>"
+    decoded to the answer "0532" and got reward 1."""
+    from types import SimpleNamespace
+
+    from megatron_trace.rl.driver import GRPORun
+
+    tok, task = CharTokenizer(), get_task("add")
+    p = task.sample(torch.Generator().manual_seed(0))
+    ans = tok.encode(p.answer)
+    responses = [ans + [tok.eos_id], [tok.bos_id] + ans, ans + [tok.pad_id], ans[:2] + [tok.bos_id] + ans[2:]]
+    assert tok.decode(responses[1]) == tok.decode(responses[2]) == p.answer  # the lax decode drops them
+    assert tok.decode(responses[1], strict=True) == "<bos>" + p.answer
+    run, batch = SimpleNamespace(task=task, tok=tok), SimpleNamespace(responses=lambda: responses)
+    assert GRPORun._rewards(run, [p] * 4, batch) == [1.0, 0.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("name", ["add", "add5", "reverse"])
 def test_tasks_answers_and_rewards(name):
     task, g = get_task(name), torch.Generator().manual_seed(0)
