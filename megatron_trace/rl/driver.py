@@ -52,7 +52,7 @@ class RLConfig:
     tis_cap: float | None = 5.0
     kl_coef: float = 0.0
     temperature: float = 1.0
-    routing_replay: bool = True
+    routing_replay: bool = True  # R3 in every arm (off when this or TraceConfig.routing_replay is off)
     weight_sync: str = "auto"  # auto (fp4 for FP4 rollouts) | bf16 | fp4
     eval_problems: int = 500
     quant_metrics_every: int = 1
@@ -207,7 +207,8 @@ class GRPORun:
         keep = keep_for_arm(full, self.arm, self.num_layers)
         counter = FallbackCounter()
         mask = batch.attention_mask
-        routing = batch.routing if self.cfg.routing_replay else {}
+        # either switch turns R3 off for every arm (a stock model's replay never reads TraceConfig.routing_replay)
+        routing = batch.routing if self.cfg.routing_replay and self.arm.trace.routing_replay else {}
         if micro_batch_size and mask.shape[0] % micro_batch_size:
             raise ValueError(f"micro_batch_size={micro_batch_size} must divide the batch's {mask.shape[0]} rows")
         rows = batch_slices(mask.shape[0], micro_batch_size)

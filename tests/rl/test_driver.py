@@ -300,6 +300,20 @@ def test_a_stock_model_given_no_routing_routes_itself(megatron_cpu, ckpt, tmp_pa
     assert lists and set(lists) == {0}
 
 
+@pytest.mark.parametrize("arm", ["bf16", "fp4_qat"])
+def test_trace_routing_replay_off_turns_replay_off_in_every_arm(megatron_cpu, ckpt, tmp_path, arm):
+    """trace.routing_replay=false: the stock (bf16, fp4_naive) arms replayed the rollout's routing all the same,
+    the FP4 QAT arms did not (a warning each step): an ablation with R3 in half of its arms."""
+    rl = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm(arm, TraceConfig(routing_replay=False)), rl, get_task("add"), ckpt, out_dir=tmp_path,
+                cache_dir=tmp_path / "c")
+    _, ids = r._prompts(0)
+    batch = r.rollout.generate(ids, r._sampling(0, 1.0))
+    assert set(batch.routing) == {0, 1}
+    (sg,), _, _ = r._guidance(0, batch, batch.guidance)
+    assert sg.routing == {}
+
+
 def test_micro_batches_that_do_not_split_the_batch_are_named(megatron_cpu, ckpt, tmp_path):
     r = GRPORun(make_arm("trace", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path,
                 cache_dir=tmp_path / "c")
