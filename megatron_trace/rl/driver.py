@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -348,9 +349,13 @@ class GRPORun:
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def save(self, path: Path) -> None:
+        """Write the checkpoint beside ``path``, then move it there: a run killed while saving keeps the last one."""
         self.state.history = self.trend.state_dict()
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
         torch.save({"policy": self.policy.state_dict(), "state": dataclasses.asdict(self.state),
-                    "arm": self.arm.name, "trace": self.arm.trace.to_dict()}, path)
+                    "arm": self.arm.name, "trace": self.arm.trace.to_dict()}, tmp)
+        os.replace(tmp, path)
 
     def load(self, path: Path) -> None:
         """Resume: weights, optimizer, step and version; the rollout is re-synced, no cached guidance reused."""

@@ -102,6 +102,30 @@ def test_resume_reproduces_the_next_step(megatron_cpu, ckpt, tmp_path):
     torch.testing.assert_close(torch.tensor(again["policy_version"]), torch.tensor(3.0))
 
 
+def test_a_run_killed_while_saving_keeps_its_last_checkpoint(tmp_path):
+    from types import SimpleNamespace
+    from unittest import mock
+
+    from megatron_trace.monitor import TrendAlarm
+    from megatron_trace.rl.driver import ArmState
+
+    run_ = SimpleNamespace(state=ArmState(step=5, version=5), trend=TrendAlarm(window=3),
+                           arm=make_arm("trace", TraceConfig()),
+                           policy=SimpleNamespace(state_dict=lambda: {"model": {"w": torch.ones(8)}}))
+    path = tmp_path / "ckpt.pt"
+    GRPORun.save(run_, path)
+
+    def killed(obj, f, *args, **kw):  # the job dies after part of the file is written
+        with open(f, "wb") as fh:
+            fh.write(b"PK\x03\x04partial")
+        raise KeyboardInterrupt
+
+    run_.state.step = 10
+    with mock.patch("torch.save", killed), pytest.raises(KeyboardInterrupt):
+        GRPORun.save(run_, path)
+    assert torch.load(path, weights_only=False)["state"]["step"] == 5  # (it was an unreadable zip)
+
+
 def test_mismatch_gate_fails_the_step(megatron_cpu, ckpt, tmp_path):
     from megatron_trace.monitor import MismatchGateError
 
