@@ -348,13 +348,16 @@ class GRPORun:
         return metrics
 
     # ---- checkpoints -----------------------------------------------------------------------------
+    def _run_identity(self) -> dict:
+        return {"task": self.task.name, **{k: getattr(self.cfg, k) for k in RUN_FIELDS}}
+
     def save(self, path: Path) -> None:
         """Write the checkpoint beside ``path``, then move it there: a run killed while saving keeps the last one."""
         self.state.history = self.trend.state_dict()
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         torch.save({"policy": self.policy.state_dict(), "state": dataclasses.asdict(self.state),
-                    "arm": self.arm.name, "trace": self.arm.trace.to_dict()}, tmp)
+                    "arm": self.arm.name, "trace": self.arm.trace.to_dict(), "run": self._run_identity()}, tmp)
         os.replace(tmp, path)
 
     def load(self, path: Path) -> None:
@@ -362,6 +365,10 @@ class GRPORun:
         ck = torch.load(path, weights_only=False)
         if ck["arm"] != self.arm.name or ck["trace"] != self.arm.trace.to_dict():
             raise ValueError(f"checkpoint {path} is for arm {ck['arm']!r} with another TraceConfig")
+        saved, now = ck.get("run", {}), self._run_identity()  # (older checkpoints have none)
+        diff = [f"{k}: checkpoint={saved[k]!r} now={now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+        if diff:  # another run's data stream (or an optimizer whose loaded lr overrides the configured one)
+            raise ValueError(f"checkpoint {path} is of another run: " + "; ".join(diff))
         self.policy.load_state_dict(ck["policy"])
         self.state = ArmState(**ck["state"])
         if self.state.history:
@@ -369,6 +376,11 @@ class GRPORun:
         for step in self.cache.steps:
             self.cache.invalidate(step)
         self._sync_weights()
+
+
+RUN_FIELDS = ("seed", "prompts_per_step", "group_size", "lr", "clip_eps", "tis_cap", "kl_coef", "temperature",
+              "routing_replay", "weight_sync")
+"""The RLConfig fields a resumed run must share with its checkpoint (the others, e.g. steps, may change)."""
 
 
 def batch_rows(sg: SiteGuidance, rows: slice) -> SiteGuidance:

@@ -100,6 +100,12 @@ def test_resume_reproduces_the_next_step(megatron_cpu, ckpt, tmp_path):
         GRPORun(make_arm("fp4_qat", TraceConfig()), RL, task, ckpt, out_dir=tmp_path,
                 cache_dir=tmp_path / "c2").load(tmp_path / "ck.pt")
     torch.testing.assert_close(torch.tensor(again["policy_version"]), torch.tensor(3.0))
+    # another task, seed or lr resumed silently: other prompts, and the checkpoint's lr overrode the configured one
+    other = GRPORun(arm, dataclasses.replace(RL, seed=7, lr=1e-3, steps=9), get_task("reverse"), ckpt,
+                    out_dir=tmp_path, cache_dir=tmp_path / "c3")
+    with pytest.raises(ValueError, match=r"of another run: task: checkpoint='add' now='reverse'; seed: checkpoint=0 "
+                                         r"now=7; lr: checkpoint=5e-05 now=0.001$"):  # (steps may change)
+        other.load(tmp_path / "ck.pt")
 
 
 def test_a_run_killed_while_saving_keeps_its_last_checkpoint(tmp_path):
@@ -110,7 +116,7 @@ def test_a_run_killed_while_saving_keeps_its_last_checkpoint(tmp_path):
     from megatron_trace.rl.driver import ArmState
 
     run_ = SimpleNamespace(state=ArmState(step=5, version=5), trend=TrendAlarm(window=3),
-                           arm=make_arm("trace", TraceConfig()),
+                           arm=make_arm("trace", TraceConfig()), _run_identity=lambda: {},
                            policy=SimpleNamespace(state_dict=lambda: {"model": {"w": torch.ones(8)}}))
     path = tmp_path / "ckpt.pt"
     GRPORun.save(run_, path)
