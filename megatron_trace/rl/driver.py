@@ -302,6 +302,9 @@ class GRPORun:
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> dict:
         step, cfg, t0 = self.state.step, self.cfg, time.perf_counter()
+        # the trainer's own random draws (TraceConfig.rounding="stochastic") are a function of (seed, step): a resumed
+        # run redoes the step exactly
+        torch.manual_seed(cfg.seed * 104729 + step)
         problems, prompt_ids = self._prompts(step)
         batch = self.rollout.generate(prompt_ids, self._sampling(step, cfg.temperature))
         t_roll = time.perf_counter()
