@@ -115,13 +115,12 @@ class TraceConfig:
             raise ValueError("TraceConfig.guided_layers='explicit' needs a non-empty guided_layer_list")
         if self.guided_layers == "last_k" and self.guided_last_k == 0:
             raise ValueError("TraceConfig.guided_layers='last_k' needs guided_last_k >= 1")
-        if not (0 <= self.budget_bytes_per_token < math.inf):  # (NaN fails too)
-            raise ValueError(
-                f"TraceConfig.budget_bytes_per_token={self.budget_bytes_per_token} must be >= 0 and finite")
+        if self.budget_bytes_per_token < 0:
+            raise ValueError(f"TraceConfig.budget_bytes_per_token={self.budget_bytes_per_token} must be >= 0")
         if self.guided_layers == "budget" and self.budget_bytes_per_token <= 0:
             raise ValueError("TraceConfig.guided_layers='budget' needs budget_bytes_per_token > 0")
-        if not (0 <= self.cache_budget_mb < math.inf):  # (NaN fails too; the cache counts whole bytes)
-            raise ValueError(f"TraceConfig.cache_budget_mb={self.cache_budget_mb} must be >= 0 and finite")
+        if self.cache_budget_mb < 0:
+            raise ValueError(f"TraceConfig.cache_budget_mb={self.cache_budget_mb} must be >= 0")
         if not 0.0 <= self.min_coverage <= 1.0:
             raise ValueError(f"TraceConfig.min_coverage={self.min_coverage} must be in [0, 1]")
         for p in self.exclude_modules:
