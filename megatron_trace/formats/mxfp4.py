@@ -58,6 +58,8 @@ class MXFP4Format:
         else:
             m, ex = torch.frexp(amax / torch.full_like(amax, E2M1_MAX))  # one IEEE division
             e = torch.where(m == 0.5, ex - 1, ex)
+            # amax <= 3 * 2**-149: amax / 6 underflows to 0 (frexp: ex = 0), log2 -> -inf: the clamp's -127
+            e = torch.where(m == 0, E8M0_MIN_EXP, e)
         e = torch.where(amax > 0, e, E8M0_MIN_EXP).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
         return (e + E8M0_BIAS).to(torch.uint8).view(torch.float8_e8m0fnu)
 

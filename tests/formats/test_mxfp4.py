@@ -59,6 +59,15 @@ def test_zero_block_and_extremes():
     assert torch.isfinite(tiny.dequantize()).all()
 
 
+@pytest.mark.parametrize("amax_ulps,e_ceil", [(1, -127), (2, -127), (3, -127), (4, -127)])
+def test_ceil_rule_tiny_amax(amax_ulps, e_ceil):
+    # ceil(log2(fp32(amax / 6))) clamped at -127; amax <= 3 * 2**-149 makes amax / 6 underflow to 0, whose log2 is
+    # -inf: the clamp's -127, as the Triton kernel (triton_fp4.mx_exponent) gives, not 0 (frexp(0)'s exponent)
+    q = mxfp4.quantize(_one_block(amax_ulps * 2.0**-149), scale_rule="ceil")
+    assert mxfp4.scale_exponents(q.block_scales).item() == e_ceil
+    assert torch.equal(q.dequantize(), torch.zeros(1, 32))
+
+
 def test_pow2_exact():
     e = torch.arange(-127, 128)
     assert torch.equal(mxfp4.pow2(e).double(), torch.pow(2.0, e.double()))

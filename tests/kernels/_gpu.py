@@ -103,6 +103,8 @@ def edge_rows(dtype) -> torch.Tensor:
         torch.cat([torch.full((16,), big), torch.full((48,), 1e-2)]),  # subnormal / zero e4m3 scales per tensor
         torch.cat([ties * 448 / 6, ties * 2**-9, -ties * 448 / 6, ties * 2**-8]),  # near e4m3 max and min
         torch.arange(-32, 32) * 2.0**-149,  # fp32 subnormals down to the smallest (MXFP4 ceil: amax/6 underflows)
+        # MXFP4 ceil: amax / 6 underflows to 0 (log2 -> -inf: e = -127)
+        torch.cat([torch.full((1,), 2.0**-149), torch.zeros(31), torch.full((1,), -3 * 2.0**-149), torch.zeros(31)]),
         torch.cat([torch.full((1,), 2e-38), torch.zeros(63)]),  # NVFP4 per row: S_enc saturates at FLT_MAX
     ]
     if INTERPRET and dtype != torch.float32:
