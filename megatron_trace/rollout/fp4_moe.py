@@ -173,13 +173,13 @@ def w4a4_experts_forward(
     h = apply_gate(h)  # [T*k, F]
     act = torch.empty_like(h)
     act[order] = h  # (token, slot) order
-    if quantize_fc2:
-        q2 = activation_quantizer.quantize(act.view(tokens, k, -1))  # rows: (token, slot)
-        act = q2.dequantize(act.dtype).view(tokens * k, -1)
+    if quantize_fc2:  # (explicit widths: a view of no rows, e.g. an idle rank's, cannot infer a -1)
+        q2 = activation_quantizer.quantize(act.view(tokens, k, act.shape[-1]))  # rows: (token, slot)
+        act = q2.dequantize(act.dtype).view(tokens * k, act.shape[-1])
     y = _grouped_linear(act[order], fc2, counts)  # [T*k, H]
     out = torch.empty_like(y)
     out[order] = y
-    out = out.view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(out.dtype)
+    out = out.view(tokens, k, y.shape[-1]) * top_k_weights.unsqueeze(-1).to(out.dtype)
     return ExpertsOutput(out.sum(1).to(hidden.dtype), q1, q2)
 
 

@@ -51,3 +51,15 @@ def test_matches_hf_backend_experts_forward():
     assert torch.equal(ours.out, ref)
     (fc1_rec,) = rec._records[(0, "expert_fc1_in")]
     assert torch.equal(fc1_rec.codes[0], ours.fc1_in.codes)
+
+
+def test_no_tokens_give_an_empty_output():
+    """An idle rank (no tokens routed to this batch) gets [0, H] and empty activation rows, not a view error."""
+    fc1, fc2 = tiny_experts()
+    hidden, ids, w = tiny_inputs()
+    for q_fc1, q_fc2 in ((True, True), (False, False)):
+        res = w4a4_experts_forward(hidden[:0], ids[:0], w[:0], _packed(fc1), _packed(fc2),
+                                   activation_quantizer=CFG.activation_quantizer(), quantize_fc1=q_fc1,
+                                   quantize_fc2=q_fc2)
+        assert res.out.shape == (0, hidden.shape[1]) and res.out.dtype == hidden.dtype
+        assert res.fc2_in is None if not q_fc2 else res.fc2_in.shape == (0, ids.shape[1], fc2.shape[2])
