@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from . import block
+from .mxfp4 import SCALE_RULES
 from .registry import FORMATS, get_format
 from .rounding import ROUNDINGS
 from .tensor import CompactGuidance, FP4Tensor, FullGuidance
@@ -34,7 +35,8 @@ class Quantizer:
     def __post_init__(self):
         if self.fmt not in FORMATS:  # record-only formats (registry.RECORD_FORMATS) are not quantized with
             raise ValueError(f"fmt={self.fmt!r} is not one of {FORMATS}")
-        get_format(self.fmt, self.scale_rule)  # validates scale_rule
+        if self.scale_rule not in SCALE_RULES:  # (MXFP4's; checked for every format: a typo must not pass silently)
+            raise ValueError(f"scale_rule={self.scale_rule!r} is not one of {SCALE_RULES}")
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding={self.rounding!r} is not one of {ROUNDINGS}")
         if self.per_row and self.fmt != "nvfp4":

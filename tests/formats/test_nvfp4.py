@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_trace.formats import FP4Tensor, NonFiniteError, e2m1, nvfp4
+from megatron_trace.formats import FP4Tensor, NonFiniteError, Quantizer, e2m1, nvfp4
 
 from ._independent import E4M3, e4m3_rn_sat
 from ._independent import nvfp4 as nvfp4_independent
@@ -157,6 +157,8 @@ def test_bad_inputs_raise_clearly():
         nvfp4.quantize(torch.ones(2, 16), global_amax=1.0, per_row=True)
     with pytest.raises(ValueError, match="rounding='up'"):
         nvfp4.quantize(torch.ones(2, 16), rounding="up")
+    with pytest.raises(ValueError, match=r"scale_rule='cieling' is not one of \('floor', 'ceil'\)"):
+        Quantizer("nvfp4", scale_rule="cieling")  # (MXFP4's rule: still a typo to report for NVFP4)
 
 
 def test_dequantize_is_grid_times_scales():
