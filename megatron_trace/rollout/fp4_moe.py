@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..formats import CompactGuidance, FP4Tensor, Quantizer
+from ..formats import CompactGuidance, FP4Tensor, Quantizer, get_format
 
 
 @dataclass(frozen=True)
@@ -52,13 +52,16 @@ class PackedExperts:
     fmt: str = "nvfp4"
 
     def __post_init__(self):
-        e, n = self.codes.shape[:2]
         if self.codes.dtype != torch.uint8 or self.codes.dim() != 3:
             raise ValueError(f"PackedExperts.codes must be uint8 [E, N, K/2], got {self.codes.dtype} "
                              f"{tuple(self.codes.shape)}")
-        if tuple(self.block_scales.shape[:2]) != (e, n):
-            raise ValueError(f"PackedExperts.block_scales shape {tuple(self.block_scales.shape)} does not start "
-                             f"with (E, N) = {(e, n)}")
+        e, n = self.codes.shape[:2]
+        block = get_format(self.fmt).block_size
+        nb = -(-self.k // block)  # blocks of the unpadded k
+        if tuple(self.block_scales.shape) != (e, n, nb) or self.codes.shape[2] * 2 != nb * block:
+            raise ValueError(f"PackedExperts.block_scales shape {tuple(self.block_scales.shape)} and codes shape "
+                             f"{tuple(self.codes.shape)} do not fit (E, N) = {(e, n)} and k={self.k} ({nb} blocks of "
+                             f"{block} for fmt={self.fmt!r})")
         g = self.global_amax
         if g is not None and tuple(g.shape) not in ((e,), (e, n)):
             raise ValueError(f"PackedExperts.global_amax shape {tuple(g.shape)} must be ({e},) or ({e}, {n})")

@@ -1,5 +1,6 @@
 """The shared W4A4 experts function: packed == dequantized weights, == the hf backend's experts forward."""
 
+import pytest
 import torch
 
 from megatron_trace.rollout.fp4_moe import PackedExperts, w4a4_experts_forward
@@ -63,3 +64,13 @@ def test_no_tokens_give_an_empty_output():
                                    quantize_fc2=q_fc2)
         assert res.out.shape == (0, hidden.shape[1]) and res.out.dtype == hidden.dtype
         assert res.fc2_in is None if not q_fc2 else res.fc2_in.shape == (0, ids.shape[1], fc2.shape[2])
+
+
+def test_packed_experts_reject_payloads_that_do_not_fit_k():
+    p = _packed(tiny_experts()[0])  # codes [E, 2F, H/2], scales [E, 2F, H/16]
+    with pytest.raises(ValueError, match=r"PackedExperts.codes must be uint8 \[E, N, K/2\], got torch.uint8 \(16,\)"):
+        PackedExperts(codes=p.codes[0, 0], block_scales=p.block_scales, global_amax=p.global_amax, k=p.k)
+    with pytest.raises(ValueError, match=r"do not fit \(E, N\) = \(4, 32\) and k=8 \(1 blocks of 16"):
+        PackedExperts(codes=p.codes, block_scales=p.block_scales, global_amax=p.global_amax, k=8)
+    with pytest.raises(ValueError, match="block_scales shape"):
+        PackedExperts(codes=p.codes, block_scales=p.block_scales[..., :1], global_amax=p.global_amax, k=p.k)
