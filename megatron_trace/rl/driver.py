@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -89,6 +90,10 @@ class RLConfig:
         need(self.tis_cap is None or self.tis_cap > 0, "tis_cap", "None (off) or > 0")
         need(self.temperature == 0 or MIN_TEMPERATURE <= self.temperature < float("inf"), "temperature",
              f"0 (greedy) or >= {MIN_TEMPERATURE}")
+        if self.temperature == 0:
+            logger.warning("RLConfig.temperature=0: greedy rollouts give every response of a group the same tokens, "
+                           "so every advantage is 0 and the policy does not learn (use it for evaluation or tests)")
+        need(math.isfinite(self.trend_max_slope), "trend_max_slope", "a finite number (NaN: the alarm never fires)")
         need(self.weight_sync in WEIGHT_SYNCS, "weight_sync", f"one of {WEIGHT_SYNCS}")
         for name in ("max_logprob_abs_diff", "sentinel_max_abs_diff"):
             need(getattr(self, name) is None or getattr(self, name) >= 0, name, "None (off) or >= 0")

@@ -1,6 +1,7 @@
 """The GRPO driver on a micro config: every arm runs, metrics are finite, TRACE lowers the mismatch, resume is exact."""
 
 import dataclasses
+import logging
 import math
 
 import pytest
@@ -200,10 +201,20 @@ def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     (dict(sentinel_prompts=-2), "sentinel_prompts=-2 must be an int >= 0"),
     (dict(checkpoint_every=-1), "checkpoint_every=-1"), (dict(kl_coef=0.1), "keeps no reference policy"),
     (dict(weight_sync="int4"), "weight_sync='int4' must be one of"), (dict(lr=0.0), "lr=0.0 must be > 0"),
+    (dict(trend_max_slope=float("nan")), "trend_max_slope=nan must be a finite number"),
 ])
 def test_bad_rl_settings_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         RLConfig(**kw)
+
+
+def test_greedy_rollouts_are_warned_about(caplog):
+    """temperature=0 is valid (evaluation, tests) but a GRPO run of it learns nothing: it says so."""
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.rl.driver"):
+        RLConfig(temperature=1.0)
+        assert not caplog.records
+        RLConfig(temperature=0)
+    assert "every advantage is 0" in caplog.text
 
 
 def test_bad_demo_arguments_fail_before_any_work(tmp_path):
