@@ -40,7 +40,8 @@ def _signed_grid(device: torch.device) -> torch.Tensor:
 
 
 def check_codes(codes: torch.Tensor) -> None:
-    """Raise if ``codes`` is not a uint8 tensor of unpacked nibbles (0..15)."""
+    """Raise if ``codes`` (unpacked nibbles or packed bytes) is not uint8. The values are not read (a host sync
+    per call on a GPU): the functions here mask an unpacked code to its low 4 bits."""
     if codes.dtype != torch.uint8:
         raise TypeError(f"E2M1 codes must be torch.uint8, got {codes.dtype}")
 
