@@ -49,6 +49,13 @@ def check_expert_config(config, trace_config: TraceConfig | None = None) -> None
         problems.append(f"activation_amax='per_tensor' with expert_model_parallel_size={ep}: a rank's FC2 rows are "
                         "spread over the expert-parallel ranks, so one amax over them would depend on the EP size "
                         "(use activation_amax='per_row', the default and batch-invariant, or EP 1)")
+    tp = config.tensor_model_parallel_size or 1
+    per_tensor = trace_config is not None and trace_config.format == "nvfp4" and \
+        trace_config.activation_amax == "per_tensor"
+    if tp > 1 and config.sequence_parallel and per_tensor and any(map(trace_config.quantizes, (FC1, FC2))):
+        problems.append(f"activation_amax='per_tensor' with tensor_model_parallel_size={tp} and sequence_parallel: a "
+                        f"rank's MoE layer holds 1/{tp} of the tokens, so one amax over them would depend on the TP "
+                        "size (use activation_amax='per_row', the default and batch-invariant, or TP 1)")
     if config.add_bias_linear:
         problems.append("add_bias_linear=True (use --disable-bias-linear)")
     if config.moe_apply_probs_on_input:

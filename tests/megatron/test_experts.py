@@ -207,6 +207,15 @@ def test_expert_options_trace_does_not_implement_are_named_at_build_time():
         check_expert_config(ep2, TraceConfig(activation_amax="per_tensor"))
     with pytest.raises(ValueError, match="add_bias_linear=True"):
         check_expert_config(tiny_config(add_bias_linear=True), TraceConfig())
+    # sequence parallel: a rank's MoE layer sees 1/TP of the tokens (per-tensor amax over them depends on TP)
+    tp2 = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
+    check_expert_config(tp2, TraceConfig())
+    check_expert_config(tp2, TraceConfig(format="mxfp4", activation_amax="per_tensor"))
+    check_expert_config(tp2, TraceConfig(activation_amax="per_tensor", sites=("weights", "kv_k", "kv_v"),
+                                         guided_sites=("kv_k", "kv_v")))  # (the KV site refuses TP on its own)
+    for sites in (("expert_fc1_in", "weights"), ("expert_fc2_in", "weights")):
+        with pytest.raises(ValueError, match=r"per_tensor' with tensor_model_parallel_size=2 and sequence_parallel"):
+            check_expert_config(tp2, TraceConfig(activation_amax="per_tensor", sites=sites, guided_sites=sites[:1]))
     deferred = tiny_config()
     deferred.delay_wgrad_compute = True  # (its own checks need EP comm overlap; set after them)
     with pytest.raises(ValueError, match="delay_wgrad_compute=True"):
