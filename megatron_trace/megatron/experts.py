@@ -56,6 +56,9 @@ def check_expert_config(config, trace_config: TraceConfig | None = None) -> None
         problems.append(f"activation_amax='per_tensor' with tensor_model_parallel_size={tp} and sequence_parallel: a "
                         f"rank's MoE layer holds 1/{tp} of the tokens, so one amax over them would depend on the TP "
                         "size (use activation_amax='per_row', the default and batch-invariant, or TP 1)")
+    if getattr(config, "moe_latent_size", None):
+        problems.append(f"moe_latent_size={config.moe_latent_size} (the experts would take the latent projection, "
+                        "not the hidden state that guidance, recording and the per-tensor amax use at expert_fc1_in)")
     if config.add_bias_linear:
         problems.append("add_bias_linear=True (use --disable-bias-linear)")
     if config.moe_apply_probs_on_input:

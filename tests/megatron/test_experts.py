@@ -207,6 +207,8 @@ def test_expert_options_trace_does_not_implement_are_named_at_build_time():
         check_expert_config(ep2, TraceConfig(activation_amax="per_tensor"))
     with pytest.raises(ValueError, match="add_bias_linear=True"):
         check_expert_config(tiny_config(add_bias_linear=True), TraceConfig())
+    with pytest.raises(ValueError, match="moe_latent_size=32 "):  # (TE experts only: it needs TE's linears)
+        check_expert_config(tiny_config(moe_latent_size=32), TraceConfig())
     # sequence parallel: a rank's MoE layer sees 1/TP of the tokens (per-tensor amax over them depends on TP)
     tp2 = tiny_config(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1)
     check_expert_config(tp2, TraceConfig())
