@@ -52,6 +52,8 @@ class SamplingParams:
 
     def __post_init__(self):
         ids = self.stop_token_ids
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()  # (a 0-d tensor: one int)
         if is_int(ids):
             ids = (ids,)  # one stop token
         try:
@@ -59,22 +61,27 @@ class SamplingParams:
         except TypeError as e:
             raise ValueError(f"SamplingParams.stop_token_ids={ids!r} must be token ids (ints >= 0)") from e
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, int | float) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+        if not is_real(t) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
             raise ValueError(f"SamplingParams.temperature={t!r} must be 0 (greedy) or a finite number >= "
                              f"{MIN_TEMPERATURE} (smaller ones overflow the scaled logits)")
         p = self.top_p
-        if isinstance(p, bool) or not isinstance(p, int | float) or not 0.0 < p <= 1.0:
+        if not is_real(p) or not 0.0 < p <= 1.0:
             raise ValueError(f"SamplingParams.top_p={p!r} must be in (0, 1]")
         n = self.max_new_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_int(n) or n < 1:
             raise ValueError(f"SamplingParams.max_new_tokens={n!r} must be an int >= 1")
         bad = [s for s in self.stop_token_ids if not is_int(s) or s < 0]
         if bad:
             raise ValueError(f"SamplingParams.stop_token_ids has invalid id(s) {bad}: ids are ints >= 0")
         object.__setattr__(self, "stop_token_ids", tuple(int(s) for s in self.stop_token_ids))
         sd = self.seed
-        if sd is not None and (isinstance(sd, bool) or not isinstance(sd, int) or not 0 <= sd < 2**63):
+        if sd is not None and (not is_int(sd) or not 0 <= sd < 2**63):
             raise ValueError(f"SamplingParams.seed={sd!r} must be None or an int in [0, 2**63)")
+        # NumPy scalars (a config loaded with NumPy) as Python numbers
+        object.__setattr__(self, "temperature", float(t))
+        object.__setattr__(self, "top_p", float(p))
+        object.__setattr__(self, "max_new_tokens", int(n))
+        object.__setattr__(self, "seed", None if sd is None else int(sd))
 
     @property
     def greedy(self) -> bool:
@@ -90,6 +97,11 @@ class SamplingParams:
 def is_int(x) -> bool:
     """An integer id: a Python or NumPy integer (not a bool)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    """A real number: a Python or NumPy int or float (not a bool)."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *, max_positions: int | None = None,

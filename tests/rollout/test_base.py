@@ -100,3 +100,17 @@ def test_rollout_batch_validates_shapes():
         RolloutBatch(**{**ok, "logprobs": torch.zeros(2, 4)})
     with pytest.raises(ValueError, match="routing"):
         RolloutBatch(**ok, routing={0: torch.zeros(2, 5, dtype=torch.long)})
+
+
+def test_sampling_params_take_numpy_and_tensor_values_as_python_numbers():
+    """A config read with NumPy (np.float32 temperature / top_p, np.int64 counts and seed) or stop ids as a tensor:
+    valid values, not refused with an error that names them as if out of range."""
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(temperature=np.float32(0.5), top_p=np.float32(0.75), max_new_tokens=np.int64(8),
+                       seed=np.int64(3), stop_token_ids=torch.tensor([2, 7]))
+    assert (p.temperature, p.top_p, p.max_new_tokens, p.seed, p.stop_token_ids) == (0.5, 0.75, 8, 3, (2, 7))
+    assert all(type(v) is t for v, t in ((p.temperature, float), (p.top_p, float), (p.max_new_tokens, int),
+                                         (p.seed, int)))
+    assert SamplingParams(stop_token_ids=torch.tensor(5)).stop_token_ids == (5,)
+    with pytest.raises(ValueError, match=r"stop_token_ids has invalid id\(s\) \[2\.5\]"):
+        SamplingParams(stop_token_ids=torch.tensor([2.5]))
