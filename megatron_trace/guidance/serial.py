@@ -90,6 +90,7 @@ def sample_from_tensors(meta: dict, tensors: dict[str, torch.Tensor]) -> SampleG
         for m in meta["sites"]:
             layer, site = int(m["layer"]), str(m["site"])
             t = {f: tensors.get(f"{layer}/{site}/{f}") for f in ("payload", "scales", "amax", "valid", "expert_ids")}
+            _check_site(layer, site, m, t)
             scales = t["scales"].view(get_format(m["fmt"]).scale_dtype)
             common = dict(block_scales=scales, global_amax=t["amax"], shape=tuple(m["shape"]), fmt=m["fmt"])
             if m["mode"] == "compact":
@@ -102,6 +103,26 @@ def sample_from_tensors(meta: dict, tensors: dict[str, torch.Tensor]) -> SampleG
         )
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         raise RecordFormatError(f"cannot decode guidance sample {meta.get('sample_id')!r}: {e}") from e
+
+
+def _check_site(layer: int, site: str, m: dict, t: dict[str, torch.Tensor | None]) -> None:
+    """A site's tensors are there and fit its meta: payload and scales widths follow from the row shape, format
+    and mode (``FP4Tensor`` layout), as ``wire`` checks its columns; raises ``RecordFormatError`` naming them."""
+    missing = [f for f in ("payload", "scales", "valid") if t[f] is None]
+    if missing:
+        raise RecordFormatError(f"site ({layer}, {site!r}) has no tensor(s) {missing}")
+    if m["mode"] not in ("compact", "full"):
+        raise RecordFormatError(f"site ({layer}, {site!r}): mode {m['mode']!r} is not 'compact' or 'full'")
+    shape, fmt = tuple(int(n) for n in m["shape"]), get_format(m["fmt"])
+    if not shape:
+        raise RecordFormatError(f"site ({layer}, {site!r}): empty row shape")
+    blocks = -(-shape[-1] // fmt.block_size)
+    per_byte = 8 if m["mode"] == "compact" else 2
+    want = {"payload": (*shape[:-1], blocks * fmt.block_size // per_byte), "scales": (*shape[:-1], blocks)}
+    for name, w in want.items():
+        if tuple(t[name].shape) != w:
+            raise RecordFormatError(f"site ({layer}, {site!r}): {name} shape {tuple(t[name].shape)} != {w} for "
+                                    f"{m['mode']} {m['fmt']} rows of shape {shape}")
 
 
 @dataclass

@@ -105,3 +105,25 @@ def test_parallel_checksums_equal_the_serial_ones():
     buf = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     spans = [buf[i << 20 : (i + 1) << 20] for i in range(20)]  # 20 MiB in total: threaded path
     assert checksums(spans) == [f"crc32:{zlib.crc32(memoryview(s.numpy())):08x}" for s in spans]
+
+
+@pytest.mark.parametrize("edit, match", [
+    ("drop_payload", r"site \(0, 'expert_fc1_in'\) has no tensor\(s\) \['payload'\]"),
+    ("shape", r"site \(0, 'expert_fc1_in'\): payload shape \(\d+, 32\) != \(\d+, 16\) for full mxfp4 rows"),
+    ("mode", r"mode 'compct' is not 'compact' or 'full'"),
+])
+def test_a_sample_whose_meta_does_not_fit_its_tensors_is_rejected(edit, match):
+    """A tensor table without a site's payload, or a row shape / mode that does not fit the payload (a damaged
+    header or shard metadata: the shards' checksums cover the tensors, not the metas) is an error naming the site,
+    not a record with no payload or with bits read at the wrong width."""
+    metas, buf = flatten(_samples("mxfp4", compact=False)[:1])
+    m = metas[0]
+    site = next(s for s in m["sites"] if (s["layer"], s["site"]) == (0, "expert_fc1_in"))
+    if edit == "drop_payload":
+        m["tensors"] = [t for t in m["tensors"] if t[0] != "0/expert_fc1_in/payload"]
+    elif edit == "shape":
+        site["shape"][-1] = 32  # hidden 40 -> 32: 16 payload bytes per row, the stored rows have 32
+    else:
+        site["mode"] = "compct"
+    with pytest.raises(RecordFormatError, match=match):
+        unflatten(metas, buf)
