@@ -2,7 +2,8 @@
 
 A shard holds the named tensors of several samples (``"{sample_id}/{layer}/{site}/{field}"``,
 see ``serial``) and, in the safetensors metadata, the sample metas with a blake2b checksum each
-and the total data length. Writing goes to a temp file in the same directory, is fsynced, then
+(over the sample's tensors and the rest of its meta: id, version, token hash, layouts) and the total
+data length. Writing goes to a temp file in the same directory, is fsynced, then
 ``os.replace``d into place, so a crash leaves either the old state or a complete shard (plus a
 stray ``*.tmp*`` file that ``remove_stale_tmp`` deletes). On load the file length is checked
 against its own header and each loaded sample against its checksum: a truncated or half-written
@@ -30,7 +31,7 @@ from .serial import host_bytes, sample_from_tensors, sample_to_tensors
 logger = logging.getLogger(__name__)
 
 MAGIC = "megatron_trace.guidance_shard"
-SHARD_VERSION = "1"
+SHARD_VERSION = "2"  # 2: each checksum covers its sample's meta too
 
 
 class ShardError(ValueError):
@@ -45,9 +46,12 @@ def _safetensors():
     return st
 
 
-def tensors_checksum(tensors: dict[str, torch.Tensor]) -> str:
-    """blake2b-128 over (name, dtype, shape, bytes) of each tensor in name order."""
+def tensors_checksum(tensors: dict[str, torch.Tensor], meta: dict | None = None) -> str:
+    """blake2b-128 over ``meta`` (its JSON, keys sorted, without a "checksum" key) and then (name, dtype, shape,
+    bytes) of each tensor in name order."""
     h = hashlib.blake2b(digest_size=16)
+    if meta is not None:
+        h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True).encode())
     for name in sorted(tensors):
         t = tensors[name]
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
@@ -65,7 +69,7 @@ def write_shard(path: Path, samples: Sequence[SampleGuidance], *, step: int) -> 
     for s in samples:
         t, meta = sample_to_tensors(s)
         t = {name: x.detach().cpu().contiguous().clone() for name, x in t.items()}  # no shared storage
-        meta["checksum"] = tensors_checksum(t)
+        meta["checksum"] = tensors_checksum(t, meta)  # (a re-stamped id, version or hash fails it too)
         metas.append(meta)
         tensors.update({f"{s.sample_id}/{name}": x for name, x in t.items()})
     data_nbytes = sum(x.nbytes for x in tensors.values())
@@ -123,6 +127,9 @@ def _read_header(path: Path) -> tuple[dict, dict]:
     meta = header.pop("__metadata__", None) or {}
     if meta.get("format") != MAGIC:
         raise ShardError(f"{path} is not a guidance shard (metadata format={meta.get('format')!r}, want {MAGIC!r})")
+    if meta.get("shard_version") != SHARD_VERSION:
+        raise ShardError(f"guidance shard {path} has shard_version={meta.get('shard_version')!r}, this version reads "
+                         f"{SHARD_VERSION!r}: written by another megatron_trace version; re-generate this step")
     data_end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
     want = 8 + n + data_end
     if size != want or int(meta.get("data_nbytes", -1)) != data_end:
@@ -164,8 +171,9 @@ def load_samples(
                 meta = index[sid]
                 names = by_sample.get(str(sid), [])
                 tensors = {k.split("/", 1)[1]: f.get_tensor(k) for k in names}
-                if tensors_checksum(tensors) != meta["checksum"]:
-                    raise ShardError(f"guidance shard {path}: sample {sid} fails its checksum (corrupt data)")
+                if tensors_checksum(tensors, meta) != meta.get("checksum"):
+                    raise ShardError(f"guidance shard {path}: sample {sid} fails its checksum (corrupt data or "
+                                     "metadata)")
                 out[sid] = sample_from_tensors(meta, tensors)
     except ShardError:
         raise

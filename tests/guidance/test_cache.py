@@ -11,7 +11,14 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.guidance.cache import GuidanceCache
 from megatron_trace.guidance.records import pack_guidance, split_batch
 from megatron_trace.guidance.serial import plan_flat
-from megatron_trace.guidance.shards import ShardError, load_samples, read_header, shard_index, write_shard
+from megatron_trace.guidance.shards import (
+    SHARD_VERSION,
+    ShardError,
+    load_samples,
+    read_header,
+    shard_index,
+    write_shard,
+)
 
 from ._data import assert_samples_equal, make_batch
 
@@ -206,6 +213,30 @@ def test_corrupt_shard_bytes_fail_the_checksum(tmp_path):
     index = shard_index(path)
     with pytest.raises(ShardError, match="checksum"):
         load_samples(path, list(index), index)
+
+
+@pytest.mark.parametrize("field", ["version", "sample_id"])
+def test_a_restamped_sample_meta_fails_the_checksum(tmp_path, field):
+    """The checksum covers each sample's meta: a header damaged into another valid JSON (a version or id digit
+    changed, same length) is refused, not loaded as another sample's or version's guidance."""
+    path, samples = _shard(tmp_path)
+    data = bytearray(path.read_bytes())
+    key = f'\\"{field}\\": '.encode()  # (the metas are a JSON string inside the safetensors JSON header)
+    at = data.index(key) + len(key)
+    data[at] = ord("7") if data[at] != ord("7") else ord("8")
+    path.write_bytes(bytes(data))
+    index = shard_index(path)
+    with pytest.raises(ShardError, match="fails its checksum"):
+        load_samples(path, list(index), index)
+
+
+def test_a_shard_of_another_shard_version_is_refused(tmp_path):
+    path, _ = _shard(tmp_path)
+    data = path.read_bytes().replace(f'"shard_version":"{SHARD_VERSION}"'.encode(), b'"shard_version":"0"', 1)
+    assert data != path.read_bytes()
+    path.write_bytes(data)
+    with pytest.raises(ShardError, match="shard_version='0'"):
+        shard_index(path)
 
 
 def test_loads_only_requested_samples(tmp_path):
