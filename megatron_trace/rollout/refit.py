@@ -58,10 +58,15 @@ def batch_differences(a: RolloutBatch, b: RolloutBatch) -> list[str]:
         same = (torch.equal(getattr(ra, pay), getattr(rb, pay))
                 and torch.equal(a.guidance[k].valid, b.guidance[k].valid)
                 and torch.equal(ra.block_scales.view(torch.uint8), rb.block_scales.view(torch.uint8))
-                and (ra.global_amax is None or torch.equal(ra.global_amax, rb.global_amax)))
+                and _same_or_both_none(ra.global_amax, rb.global_amax)
+                and _same_or_both_none(a.guidance[k].expert_ids, b.guidance[k].expert_ids))
         if not same:
             diffs.append(f"guidance{k}")
     return diffs
+
+
+def _same_or_both_none(x: torch.Tensor | None, y: torch.Tensor | None) -> bool:
+    return x is None and y is None or (x is not None and y is not None and torch.equal(x, y))
 
 
 def _tensor_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], what: str) -> list[str]:

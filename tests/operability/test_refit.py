@@ -1,6 +1,8 @@
 """Issue 11 item 3: A -> B -> A refit is bit-exact with a fresh load of A, in place, with no stale derived
 state; a sentinel compares trainer and rollout log-probs after each sync."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -9,7 +11,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.monitor import SentinelCheck, SentinelError
 from megatron_trace.rollout import HFRolloutBackend, SamplingParams
 from megatron_trace.rollout.hf_weights import checkpoint_tensors
-from megatron_trace.rollout.refit import RefitError, refit_self_test
+from megatron_trace.rollout.refit import RefitError, batch_differences, refit_self_test
 
 from ..rollout._tiny import tiny_model
 
@@ -115,3 +117,21 @@ def test_sentinel_after_sync_logs_and_fires_on_stale_weights(caplog):
     off = SentinelCheck(prompts=check.prompts, max_new_tokens=3)  # no threshold: log and return only
     stale = HFRolloutBackend(tiny_model(seed=9), mode="fp4", trace_config=CFG, dtype=torch.float32)
     assert off.run(stale, _trainer_logprobs(trainer))["sentinel/logprob_abs_diff"] > 1e-3
+
+
+def test_batch_differences_see_amax_on_one_side_only_and_other_expert_ids():
+    """A record with a global amax against one without differs, in either order (it was 'the same' one way round
+    and a TypeError the other); so do records of other expert ids (they were not compared)."""
+    batch = _fresh_a().generate(PROMPTS, SAMPLING)
+    key = next(k for k, sg in batch.guidance.items() if sg.record.global_amax is not None)
+    sg = batch.guidance[key]
+    no_amax = dataclasses.replace(batch, guidance={**batch.guidance, key: dataclasses.replace(
+        sg, record=dataclasses.replace(sg.record, global_amax=None))})
+    assert batch_differences(batch, batch) == []
+    assert batch_differences(batch, no_amax) == [f"guidance{key}"] == batch_differences(no_amax, batch)
+    key = next(k for k, sg in batch.guidance.items() if sg.expert_ids is not None)
+    sg = batch.guidance[key]
+    ids = sg.expert_ids.clone()
+    ids.view(-1)[0] += 1
+    other = dataclasses.replace(batch, guidance={**batch.guidance, key: dataclasses.replace(sg, expert_ids=ids)})
+    assert batch_differences(batch, other) == [f"guidance{key}"]
