@@ -70,7 +70,7 @@ def combine_reference(y: torch.Tensor, inv: torch.Tensor, weights: torch.Tensor,
     -> [T, H] in ``dtype`` (see the module docstring for the rounding and ``order``)."""
     _check(y, inv, weights, order)
     tokens, k = weights.shape
-    prod = (y[inv].view(tokens, k, -1) * weights.unsqueeze(-1).to(y.dtype)).float()
+    prod = (y[inv].view(tokens, k, y.shape[-1]) * weights.unsqueeze(-1).to(y.dtype)).float()
     parts = [torch.zeros_like(prod[:, 0]) for _ in range(4 if order == "vt4" else 1)]
     for j in range(k):
         parts[j % len(parts)] = parts[j % len(parts)] + prod[:, j]

@@ -271,7 +271,7 @@ def _combine_torch(y: torch.Tensor, inv: torch.Tensor, top_k_weights: torch.Tens
                    dtype: torch.dtype) -> torch.Tensor:
     """``_combine`` in PyTorch ops: products rounded to y's dtype, the sum over the k slots in fp32, one rounding."""
     tokens, k = top_k_weights.shape
-    return (y[inv].view(tokens, k, -1) * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(1).to(dtype)
+    return (y[inv].view(tokens, k, y.shape[-1]) * top_k_weights.unsqueeze(-1).to(y.dtype)).sum(1).to(dtype)
 
 
 _EAGER = (_routing, _sorted_rows, _gated_rows, _combine)
@@ -343,7 +343,8 @@ def grouped_experts_forward(
 
     act = gated_rows(gemm(sorted_rows(x, order, k), fc1, packed_fc1), inv, apply_gate)  # [T*k, F], (token, slot)
     if quantize_fc2:
-        q2, r2, act = _quantize_dequantize(act.view(tokens, k, -1), activation_quantizer, record_fc2)
-        act = act.view(tokens * k, -1)
+        f = act.shape[-1]  # (explicit widths: a rank given no tokens views 0 elements)
+        q2, r2, act = _quantize_dequantize(act.view(tokens, k, f), activation_quantizer, record_fc2)
+        act = act.view(tokens * k, f)
     y = gemm(act[order], fc2, packed_fc2)  # [T*k, H] sorted by expert
     return ExpertsOutput(combine(y, inv, top_k_weights, hidden.dtype), q1, q2, r1, r2)

@@ -154,6 +154,26 @@ def test_records_written_by_the_quantize_pass_equal_the_reference_bits():
         assert torch.equal(rec.site_records((layer, site))[0].mantissa_bits, want), (layer, site)
 
 
+@pytest.mark.parametrize("fp4_weights", [False, True], ids=["dense", "fp4"])
+def test_grouped_path_takes_a_batch_of_no_tokens(fp4_weights):
+    """A rank given no tokens (an idle expert-parallel rank in an engine) gets [0, H] out and empty records, as the
+    reference path does (a view(tokens, k, -1) of 0 elements failed)."""
+    from megatron_trace.formats import Quantizer
+    from megatron_trace.rollout.fp4_moe import grouped_experts_forward, w4a4_experts_forward
+
+    fc1 = (torch.randn(4, 256, 256, device="cuda") / 16).bfloat16()
+    fc2 = (torch.randn(4, 256, 128, device="cuda") / 16).bfloat16()
+    if fp4_weights:
+        fc1, fc2 = Quantizer("nvfp4").quantize(fc1), Quantizer("nvfp4").quantize(fc2)
+    h, idx, w = (torch.zeros(0, 256, device="cuda").bfloat16(), torch.zeros(0, 2, dtype=torch.int64, device="cuda"),
+                 torch.zeros(0, 2, device="cuda").bfloat16())
+    q = Quantizer("nvfp4", per_row=True)
+    res = grouped_experts_forward(h, idx, w, fc1, fc2, activation_quantizer=q, record_fc1=True, record_fc2=True)
+    ref = w4a4_experts_forward(h, idx, w, fc1, fc2, activation_quantizer=q)
+    assert res.out.shape == ref.out.shape == (0, 256) and res.out.dtype == torch.bfloat16
+    assert res.fc2_record.shape == (0, 2, 128) and res.fc1_record.shape == (0, 256)
+
+
 @pytest.mark.parametrize("compile", ["modules", "layers"])
 def test_compiled_backend_on_the_gpu_path(compile):
     """``compile`` "modules" (RMSNorms, routers) or "layers" (whole decoder layers, this package's code eager inside)
