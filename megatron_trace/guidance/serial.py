@@ -105,24 +105,33 @@ def sample_from_tensors(meta: dict, tensors: dict[str, torch.Tensor]) -> SampleG
         raise RecordFormatError(f"cannot decode guidance sample {meta.get('sample_id')!r}: {e}") from e
 
 
+def record_widths(where: str, meta: dict) -> dict[str, tuple[int, ...]]:
+    """The trailing shapes of a record's payload and scales rows of ``meta``'s row shape, format and mode
+    (``FP4Tensor`` layout); ``RecordFormatError`` naming ``where`` for an empty shape or unknown mode."""
+    if meta["mode"] not in ("compact", "full"):
+        raise RecordFormatError(f"{where}: mode {meta['mode']!r} is not 'compact' or 'full'")
+    shape, fmt = tuple(int(n) for n in meta["shape"]), get_format(meta["fmt"])  # (raises on an unknown format)
+    if not shape:
+        raise RecordFormatError(f"{where}: empty row shape")
+    blocks = -(-shape[-1] // fmt.block_size)
+    per_byte = 8 if meta["mode"] == "compact" else 2
+    return {"payload": (*shape[:-1], blocks * fmt.block_size // per_byte), "scales": (*shape[:-1], blocks)}
+
+
+def check_widths(where: str, meta: dict, tails: dict[str, tuple[int, ...]]) -> None:
+    """``tails`` (payload / scales row shapes) are ``record_widths``'; raises ``RecordFormatError`` naming them."""
+    for name, want in record_widths(where, meta).items():
+        if tails[name] != want:
+            raise RecordFormatError(f"{where}: {name} rows {tails[name]} != {want} for {meta['mode']} {meta['fmt']} "
+                                    f"rows of shape {tuple(meta['shape'])}")
+
+
 def _check_site(layer: int, site: str, m: dict, t: dict[str, torch.Tensor | None]) -> None:
-    """A site's tensors are there and fit its meta: payload and scales widths follow from the row shape, format
-    and mode (``FP4Tensor`` layout), as ``wire`` checks its columns; raises ``RecordFormatError`` naming them."""
+    """A site's tensors are there and fit its meta (as ``wire`` checks its columns)."""
     missing = [f for f in ("payload", "scales", "valid") if t[f] is None]
     if missing:
         raise RecordFormatError(f"site ({layer}, {site!r}) has no tensor(s) {missing}")
-    if m["mode"] not in ("compact", "full"):
-        raise RecordFormatError(f"site ({layer}, {site!r}): mode {m['mode']!r} is not 'compact' or 'full'")
-    shape, fmt = tuple(int(n) for n in m["shape"]), get_format(m["fmt"])
-    if not shape:
-        raise RecordFormatError(f"site ({layer}, {site!r}): empty row shape")
-    blocks = -(-shape[-1] // fmt.block_size)
-    per_byte = 8 if m["mode"] == "compact" else 2
-    want = {"payload": (*shape[:-1], blocks * fmt.block_size // per_byte), "scales": (*shape[:-1], blocks)}
-    for name, w in want.items():
-        if tuple(t[name].shape) != w:
-            raise RecordFormatError(f"site ({layer}, {site!r}): {name} shape {tuple(t[name].shape)} != {w} for "
-                                    f"{m['mode']} {m['fmt']} rows of shape {shape}")
+    check_widths(f"site ({layer}, {site!r})", m, {n: tuple(t[n].shape) for n in ("payload", "scales")})
 
 
 @dataclass

@@ -24,9 +24,8 @@ from itertools import accumulate
 
 import torch
 
-from ..formats import get_format
 from .packed import Column, PackedGuidance, PackedRouting, SampleTable, _Packed, column_meta, site_fields, source_of
-from .serial import ALIGN, RecordFormatError, checksums
+from .serial import ALIGN, RecordFormatError, check_widths, checksums
 
 DTYPES = {"uint8": torch.uint8, "bool": torch.bool, "int16": torch.int16, "int32": torch.int32,
           "int64": torch.int64, "float32": torch.float32}
@@ -249,28 +248,14 @@ def _decode_column(c: dict, kind: str, table: SampleTable, payload: torch.Tensor
     key = (int(c["key"][0]), str(c["key"][1])) if kind == "guidance" else int(c["key"])
     col = Column(key, members, starts, fields, meta)
     if kind == "guidance":
-        _check_record_shapes(c["key"], meta, fields)
+        _ints(meta["shape"], "shape")
+        check_widths(f"column {c['key']}", meta, {n: tuple(fields[n].shape[1:]) for n in ("payload", "scales")})
         if (meta.get("amax") is None) != ("amax" not in fields):
             raise RecordFormatError(f"column {c['key']}: amax {meta.get('amax')!r} but fields {sorted(fields)}")
         if meta["mode"] not in ("compact", "full") or fields["valid"].dtype != torch.bool:
             raise RecordFormatError(f"column {c['key']}: mode {meta['mode']!r} / valid {fields['valid'].dtype}")
         PackedGuidance(table, [col]).site_record(0, 0) if members else None  # shape checks of SiteRecord
     return col
-
-
-def _check_record_shapes(key, meta: dict, fields: dict) -> None:
-    """Payload and scales widths follow from the row shape, format and mode (``FP4Tensor`` layout)."""
-    fmt = get_format(meta["fmt"])  # raises on an unknown format
-    shape = tuple(_ints(meta["shape"], "shape"))
-    if not shape:
-        raise RecordFormatError(f"column {key}: empty row shape")
-    blocks = -(-shape[-1] // fmt.block_size)
-    per_byte = 8 if meta["mode"] == "compact" else 2
-    want = {"payload": (*shape[:-1], blocks * fmt.block_size // per_byte), "scales": (*shape[:-1], blocks)}
-    for name, tail in want.items():
-        if tuple(fields[name].shape[1:]) != tail:
-            raise RecordFormatError(f"column {key}: {name} rows {tuple(fields[name].shape[1:])} != {tail} for "
-                                    f"{meta['mode']} {meta['fmt']} rows of shape {shape}")
 
 
 def decode(head: dict, payload: torch.Tensor, *, verify: bool) -> tuple[PackedGuidance | None, PackedRouting | None]:

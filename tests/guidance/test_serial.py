@@ -109,7 +109,7 @@ def test_parallel_checksums_equal_the_serial_ones():
 
 @pytest.mark.parametrize("edit, match", [
     ("drop_payload", r"site \(0, 'expert_fc1_in'\) has no tensor\(s\) \['payload'\]"),
-    ("shape", r"site \(0, 'expert_fc1_in'\): payload shape \(\d+, 32\) != \(\d+, 16\) for full mxfp4 rows"),
+    ("shape", r"site \(0, 'expert_fc1_in'\): payload rows \(\d+, 32\) != \(\d+, 16\) for full mxfp4 rows"),
     ("mode", r"mode 'compct' is not 'compact' or 'full'"),
 ])
 def test_a_sample_whose_meta_does_not_fit_its_tensors_is_rejected(edit, match):
