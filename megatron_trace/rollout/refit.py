@@ -14,7 +14,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ..formats import FP4Tensor
 from .base import RolloutBatch, SamplingParams, WeightValue
+from .experts import FC1, FC2
+from .hf_weights import checkpoint_tensors, join_fc1, parse_expert_name
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +79,44 @@ def _tensor_differences(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 
 def not_applied(backend, weights: Weights) -> list[str]:
-    """Names of dense ``weights`` the model holds under the same name with other values (in the model's dtype)."""
-    sd = backend.model.state_dict()
-    return [n for n, v in weights if isinstance(v, torch.Tensor) and n in sd
-            and not torch.equal(sd[n], v.to(sd[n].device, sd[n].dtype))]
+    """Names of ``weights`` the model does not hold: a dense weight whose tensor (under its name, or a routed
+    expert's slice of transformers' fused expert parameters) has other values in the model's dtype; an expert the
+    backend holds in FP4 (``weight_store``) whose stored codes / scales / amax are not the quantized update (a BF16
+    value, quantized as the backend does: gate and up as one matrix) or the FP4 update itself."""
+    held = dict(checkpoint_tensors(backend.model))
+    store = getattr(backend, "weight_store", None)
+    fp4_layer = lambda layer: store is not None and layer not in getattr(backend, "bf16_expert_layers", ())  # noqa: E731
+    out, experts = [], {}
+    for n, v in weights:
+        parsed = parse_expert_name(n)
+        if parsed is not None and fp4_layer(parsed[0]):
+            experts.setdefault(parsed[:2], {})[parsed[2]] = (n, v)
+        elif isinstance(v, torch.Tensor) and n in held and not torch.equal(held[n], v.to(held[n].device,
+                                                                                         held[n].dtype)):
+            out.append(n)
+    for (layer, e), parts in experts.items():
+        for which, projs in ((FC1, ("gate_proj", "up_proj")), (FC2, ("down_proj",))):
+            if all(p in parts for p in projs):
+                names, values = zip(*(parts[p] for p in projs))
+                if not _stored_as(store, layer, e, which, values, held[names[0]]):
+                    out.extend(names)
+    return out
+
+
+def _stored_as(store, layer: int, e: int, which: str, values, param: torch.Tensor) -> bool:
+    """Whether ``store`` holds expert ``e``'s ``which`` matrix as the update ``values`` (gate, up or down)."""
+    if all(isinstance(v, FP4Tensor) for v in values):
+        want = join_fc1(*values) if which == FC1 else values[0]
+    else:
+        want = store.quantizer.quantize(torch.cat([v.to(param.device, param.dtype) for v in values]))
+    try:
+        got = store.get(layer, e, which)
+    except KeyError:
+        return False
+    on = lambda t: None if t is None else t.to(got.codes.device)  # noqa: E731
+    return (torch.equal(got.codes, on(want.codes))
+            and torch.equal(got.block_scales.view(torch.uint8), on(want.block_scales.view(torch.uint8)))
+            and _same_or_both_none(got.global_amax, on(want.global_amax)))
 
 
 def refit_self_test(make_backend: Callable[[], object], weights_a: Weights, weights_b: Weights,
@@ -90,7 +127,7 @@ def refit_self_test(make_backend: Callable[[], object], weights_a: Weights, weig
     weight lists; ``fresh_a``: a backend started from checkpoint A (its startup path; default:
     ``make_backend()`` then one update to A, which shares the update path under test);
     ``sampling`` should carry a seed. Returns ``{"refit/...": 1.0}`` when all checks pass. Either way the dense
-    tensors of A (those the model holds under their HF names) must be the model's after the last update to A: a
+    tensors of A (every one the model holds, routed experts included) must be the model's after the last update to A: a
     backend that drops part of every update would otherwise match a reference built through the same update.
     """
     weights_a, weights_b = list(weights_a), list(weights_b)  # (generators: read once, used up to three times)

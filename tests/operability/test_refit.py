@@ -67,11 +67,20 @@ class Dropping(HFRolloutBackend):
         super().update_weights([(n, v) for n, v in weights if "self_attn" not in n], **kw)
 
 
+class DroppingAnExpert(HFRolloutBackend):
+    """An update that skips expert 0 of every layer (stored fused in the model): invisible to a reference built
+    through the same update, and to a check of the names the model holds."""
+
+    def update_weights(self, weights, **kw):
+        super().update_weights([(n, v) for n, v in weights if ".experts.0." not in n], **kw)
+
+
 @pytest.mark.parametrize("cls, match, fresh", [
     (StaleStore, "derived state weight_store", "startup"),  # (a reference updated to A keeps the same stale store)
     (Reallocating, "data_ptr", "startup"), (Reallocating, "data_ptr", "update"),
     (Dropping, r"update not applied: \d+, e\.g\. \['model\.layers\.0\.self_attn", "startup"),
     (Dropping, r"update not applied: \d+, e\.g\. \['model\.layers\.0\.self_attn", "update"),
+    (DroppingAnExpert, r"update not applied: \d+, e\.g\. \['model\.layers\.0\.mlp\.experts\.0\.", "update"),
 ])
 def test_the_self_test_fires_on_reintroduced_refit_bugs(cls, match, fresh):
     with pytest.raises(RefitError, match=match):
