@@ -89,7 +89,10 @@ def interleaved_ms(fns: dict, device, warmup: int, reps: int, manual_gc: bool = 
     """Times of each ``fns[name]()`` (a whole training step) over ``reps`` rounds that run every function once
     in turn, after ``warmup`` rounds: drift of the machine (clocks, other tenants) hits every variant alike. Odd
     rounds run the functions in reverse order, so that no variant always follows the same one (a step right after
-    another step of the same model runs with that model's data still warm: session 21 measured 2-3%).
+    another step of the same model runs with that model's data still warm: session 21 measured 2-3%), all but the
+    last: ``[n-2, ..., 0, n-1]``, so that no variant runs twice in a row at a round's boundary (a plain reversal ran
+    the last variant twice in a row in every odd round and the first in every later even one, and a variant right
+    after itself came out faster in session 34's rounds).
     ``manual_gc``: Python's cyclic GC is frozen after warm-up and run between rounds, outside the timed
     calls (what Megatron-LM's ``--manual-gc`` does); otherwise a collection lands in whichever step
     allocates when it is due."""
@@ -102,9 +105,11 @@ def interleaved_ms(fns: dict, device, warmup: int, reps: int, manual_gc: bool = 
         gc.freeze()
         gc.disable()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    forward = list(fns.items())
+    backward = forward[-2::-1] + forward[-1:]
     try:
         for r in range(reps):
-            for name, fn in (reversed(fns.items()) if r % 2 else fns.items()):
+            for name, fn in (backward if r % 2 else forward):
                 if cuda:
                     times[name].append(_event_ms(fn))
                 else:
