@@ -608,7 +608,6 @@ def main(argv=None) -> list[dict]:
             row = tune_attention(micro)
             emit(row, out)
             rows.append(row)
-        gen = torch.Generator(device=device).manual_seed(0)
         last = 0.0
         for batch in batches:  # batch outer: every context length of the first batches before the last batch
             for length in lengths:
@@ -620,6 +619,8 @@ def main(argv=None) -> list[dict]:
                         continue
                     t1 = time.perf_counter()
                     try:
+                        # every mode of a point gets the same K/V history and first tokens
+                        gen = torch.Generator(device=device).manual_seed(batch * 100003 + length)
                         row = measure_point(backends[mode], mode, batch, length, args, gen)
                     except Exception as e:  # noqa: BLE001 - one failed point (OOM, a kernel error) must not lose the rest
                         logger.exception("point %s B=%d L=%d failed", mode, batch, length)

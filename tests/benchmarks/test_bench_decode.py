@@ -87,3 +87,29 @@ def test_left_padded_points_pass_a_mask_to_the_fused_attention(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines() if '"decode"' in line]
     assert len(rows) == 1 and rows[0]["masks"] == "interval" and rows[0]["left_pad"] == 0.5
     assert rows[0]["eager_ms"] > 0
+
+
+def test_every_mode_of_a_point_decodes_the_same_history_and_tokens(bench_module, monkeypatch):
+    import torch
+
+    bd = bench_module("bench_decode")
+    seen = {}
+    fill, eager = bd.fill_cache, bd.time_eager
+
+    def fill_cache(be, cache, batch, length, gen):
+        seen.setdefault((batch, length), []).append(gen.get_state().clone())
+        return fill(be, cache, batch, length, gen)
+
+    def time_eager(be, model, cache, tok, pos, *args, **kwargs):
+        seen[(tok.shape[0], int(pos[0, 0]))].append(tok.clone())
+        return eager(be, model, cache, tok, pos, *args, **kwargs)
+
+    monkeypatch.setattr(bd, "fill_cache", fill_cache)
+    monkeypatch.setattr(bd, "time_eager", time_eager)
+    bd.main(["--smoke", "--modes", "bf16,fp4,fp4u", "--batches", "1,2", "--lengths", "16,48", "--no-graph"])
+    assert set(seen) == {(b, c) for b in (1, 2) for c in (16, 48)}
+    for point, got in seen.items():  # [state, tok] per mode
+        states, toks = got[0::2], got[1::2]
+        assert len(states) == len(toks) == 3, point
+        assert all(torch.equal(s, states[0]) for s in states) and all(torch.equal(t, toks[0]) for t in toks), point
+    assert not torch.equal(seen[(2, 16)][0], seen[(2, 48)][0])  # (points differ from each other)
