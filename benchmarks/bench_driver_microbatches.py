@@ -19,6 +19,7 @@ import cProfile
 import json
 import os
 import pstats
+import shlex
 import statistics
 import sys
 import tempfile
@@ -120,6 +121,12 @@ def _profile(r, batch, adv, mbs: int, top: int) -> list:
              "cum_s": round(v[3], 4)} for k, v in rows]
 
 
+def _command() -> str:
+    """The command line that ran this script, interpreter included (the script has no shebang: its path alone is not
+    a command)."""
+    return shlex.join([Path(sys.executable).name, *sys.argv])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default="gpu", help="examples/conf config name (demo | gpu)")
@@ -174,7 +181,7 @@ def main() -> None:
                 "wall_s": {str(m): round(wall[m], 4) for m in sizes},
                 "fit": {"fixed_s": round(fixed, 4), "per_micro_batch_s": round(slope, 4)}, **ops,
                 "profile_mbs": min(sizes), "top_own_time": _profile(r, batch, adv, min(sizes), a.top),
-                "command": " ".join(sys.argv)}), flush=True)
+                "command": _command()}), flush=True)
 
 
 if __name__ == "__main__":
