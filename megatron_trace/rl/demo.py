@@ -113,6 +113,12 @@ def _run_arm(name, arm, rl: RLConfig, task, hf_dir: str, out_dir: Path, writer, 
     ckpt.parent.mkdir(parents=True, exist_ok=True)
     if resume and ckpt.exists():
         run_.load(ckpt)
+    elif resume:  # (an arm the interrupted run never reached has none; any other restarts from step 0)
+        logger.warning("resume=true but %s has no checkpoint: arm %s starts from step 0 (its rows so far are "
+                       "dropped; rl.checkpoint_every=%d)", ckpt, name, rl.checkpoint_every)
+    elif ckpt.exists():  # a fresh run starts over: an earlier run's checkpoint must not be resumed later
+        logger.warning("resume=false: removing the earlier run's checkpoint %s", ckpt)
+        ckpt.unlink()
     writer.truncate(name, run_.state.step)  # rows of steps after the checkpoint are redone
     start_acc = run_.evaluate() if run_.state.step == 0 else None
     for _ in tqdm(range(run_.state.step, rl.steps), desc=f"RL {name:<10}", disable=not progress):

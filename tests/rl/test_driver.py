@@ -185,6 +185,21 @@ def test_a_resumed_demo_redoes_the_steps_after_its_checkpoint_once(megatron_cpu,
         assert resumed[2][key] == straight[2][key], key
 
 
+def test_a_fresh_demo_leaves_no_checkpoint_for_a_later_resume(megatron_cpu, ckpt, tmp_path, caplog):
+    """A fresh run in an old run's directory left that run's ckpt.pt behind, and a later resume loaded it: the
+    metrics then held steps [0, 2] (step 1 never ran) with the weights of the other run."""
+    kw = dict(task_name="add", arms=["trace"], trace=TraceConfig(), model=MODEL, sft=SFTConfig(steps=5),
+              init_from=ckpt, progress=False)
+    cfg = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, checkpoint_every=2)
+    run(out_dir=tmp_path, rl=cfg, **kw)  # an earlier run: checkpoint at step 2
+    run(out_dir=tmp_path, rl=dataclasses.replace(cfg, steps=1, checkpoint_every=0), **kw)  # fresh, no checkpoint
+    assert not (tmp_path / "trace" / "ckpt.pt").exists()
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.rl.demo"):
+        resumed = run(out_dir=tmp_path, rl=dataclasses.replace(cfg, checkpoint_every=0), resume=True, **kw)
+    assert [r["step"] for r in resumed["trace"]] == [0, 1, 2]
+    assert "no checkpoint: arm trace starts from step 0" in caplog.text
+
+
 def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     """fallback='fail' and min_coverage hold for the sentinel's pass too: it is guided by its own rollout."""
     cfg = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=2)
