@@ -342,12 +342,16 @@ class GRPORun:
         metrics["cache/bytes_per_token"] = bpt
         self.cache.drop(step)
         self.state.version += 1
+        t_sync = time.perf_counter()
         metrics.update(self._sync_weights())
+        t_sync = time.perf_counter() - t_sync
+        t_sentinel = time.perf_counter()
         if self.sentinel is not None:
             metrics.update(self.sentinel.run(self.rollout, self._sentinel_logprobs))
         t_end = time.perf_counter()
+        # time/sync_s is the weight sync alone: the sentinel's rollout and trainer pass are time/sentinel_s
         metrics.update({"time/step_s": t_end - t0, "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll,
-                        "time/guidance_s": t_guid, "time/sync_s": t_end - t_train,
+                        "time/guidance_s": t_guid, "time/sync_s": t_sync, "time/sentinel_s": t_end - t_sentinel,
                         "policy_version": float(self.state.version)})
         metrics.update({f"topology/{k}": float(v) for k, v in self.topology.items()})  # mismatch depends on it
         self.state.step += 1

@@ -3,6 +3,7 @@
 import dataclasses
 import logging
 import math
+import time
 
 import pytest
 import torch
@@ -198,6 +199,27 @@ def test_a_fresh_demo_leaves_no_checkpoint_for_a_later_resume(megatron_cpu, ckpt
         resumed = run(out_dir=tmp_path, rl=dataclasses.replace(cfg, checkpoint_every=0), resume=True, **kw)
     assert [r["step"] for r in resumed["trace"]] == [0, 1, 2]
     assert "no checkpoint: arm trace starts from step 0" in caplog.text
+
+
+def test_time_sync_is_the_weight_sync_alone(megatron_cpu, ckpt, tmp_path):
+    """time/sync_s was everything after the optimizer step (the sentinel's generate and trainer pass included):
+    2.45 s against the sync's own 0.016 s (sync/bf16/seconds) on the demo's bf16 arm."""
+    from unittest import mock
+
+    from megatron_trace.monitor import SentinelCheck
+
+    cfg = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=1)
+    r = GRPORun(make_arm("bf16", TraceConfig()), cfg, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    real = SentinelCheck.run
+
+    def slow(self, *a, **k):
+        time.sleep(0.5)
+        return real(self, *a, **k)
+
+    with mock.patch.object(SentinelCheck, "run", slow):
+        m = r.step()
+    assert m["time/sync_s"] < 0.5 <= m["time/sentinel_s"], m["time/sync_s"]
+    assert m["time/sync_s"] >= m["sync/bf16/seconds"]
 
 
 def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
