@@ -218,7 +218,8 @@ def test_time_sync_is_the_weight_sync_alone(megatron_cpu, ckpt, tmp_path):
 
     with mock.patch.object(SentinelCheck, "run", slow):
         m = r.step()
-    assert m["time/sync_s"] < 0.5 <= m["time/sentinel_s"], m["time/sync_s"]
+    assert m["time/sync_s"] < 0.5, m["time/sync_s"]  # (was 0.60 s: the sentinel's 0.5 s sleep inside)
+    assert m["time/sentinel_s"] >= 0.5
     assert m["time/sync_s"] >= m["sync/bf16/seconds"]
 
 
