@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -32,6 +32,17 @@ class TinyMoEConfig:
     moe_intermediate_size: int = 64
     max_position_embeddings: int = 64
 
+    def __post_init__(self):
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"TinyMoEConfig.{f.name}={v!r} must be an int >= 1")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"TinyMoEConfig.top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"TinyMoEConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads={self.num_key_value_heads}")
+
     def hf_config(self, vocab_size: int, tok: CharTokenizer):
         from transformers import Qwen3MoeConfig
 
@@ -54,6 +65,17 @@ class SFTConfig:
     lr: float = 3e-3
     label_noise: float = 0.6
     seed: int = 0
+
+    def __post_init__(self):
+        for name, least in (("steps", 1), ("batch_size", 1), ("seed", 0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < least:
+                raise ValueError(f"SFTConfig.{name}={v!r} must be an int >= {least}")
+        if not self.lr > 0:
+            raise ValueError(f"SFTConfig.lr={self.lr!r} must be > 0")
+        if not 0 <= self.label_noise <= 1:
+            raise ValueError(f"SFTConfig.label_noise={self.label_noise!r} must be in [0, 1] (the share of "
+                             "warm-up answers replaced by wrong ones)")
 
 
 def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig,

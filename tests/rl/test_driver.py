@@ -246,6 +246,22 @@ def test_bad_rl_settings_are_named(kw, match):
         RLConfig(**kw)
 
 
+@pytest.mark.parametrize("cls,kw,match", [
+    # were: ZeroDivisionError; an embedding dtype error; 'selected index k out of range' (both after the model
+    # was built); a TypeError about fused experts after the whole warm-up; label_noise=1.5 silently accepted
+    (SFTConfig, dict(steps=0), "SFTConfig.steps=0 must be an int >= 1"),
+    (SFTConfig, dict(batch_size=0), "SFTConfig.batch_size=0 must be an int >= 1"),
+    (SFTConfig, dict(label_noise=1.5), r"SFTConfig.label_noise=1.5 must be in \[0, 1\]"),
+    (SFTConfig, dict(lr=0.0), "SFTConfig.lr=0.0 must be > 0"),
+    (TinyMoEConfig, dict(top_k=9), "TinyMoEConfig.top_k=9 must be <= num_experts=8"),
+    (TinyMoEConfig, dict(num_layers=0), "TinyMoEConfig.num_layers=0 must be an int >= 1"),
+    (TinyMoEConfig, dict(num_attention_heads=3, num_key_value_heads=2), "num_attention_heads=3 must be a multiple"),
+])
+def test_bad_model_and_warm_up_settings_are_named(cls, kw, match):
+    with pytest.raises(ValueError, match=match):
+        cls(**kw)
+
+
 def test_greedy_rollouts_are_warned_about(caplog):
     """temperature=0 is valid (evaluation, tests) but a GRPO run of it learns nothing: it says so."""
     with caplog.at_level(logging.WARNING, logger="megatron_trace.rl.driver"):
