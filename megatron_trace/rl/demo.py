@@ -1,11 +1,14 @@
 """The embedded CPU demo (``make demo``): SFT warm-up, then a short GRPO run of every arm, then the report.
 
-Everything a run writes goes to ``output_dir``: metrics.jsonl, summary.md, PNG plots, TensorBoard
-events (tb/), the log (hydra/rl_demo.log, from the Hydra entry point), per-arm checkpoints.
+Everything a run writes goes to ``output_dir``: run.json (settings with the seeds, package versions, git
+commit), metrics.jsonl, summary.md, PNG plots, TensorBoard events (tb/), the log (hydra/rl_demo.log, from the
+Hydra entry point), per-arm checkpoints.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -65,6 +68,9 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     if init_from and not (Path(init_from) / "config.json").is_file():
         raise FileNotFoundError(f"init_from={str(init_from)!r} is not a HF checkpoint directory (no config.json)")
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_run_record(out_dir, task=task_name, arms=list(arms), trace=trace.to_dict(), rl=dataclasses.asdict(rl),
+                     model=dataclasses.asdict(model), sft=dataclasses.asdict(sft), init_from=init_from, device=device,
+                     resume=resume)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     task = get_task(task_name)
     t0 = time.perf_counter()
@@ -98,6 +104,43 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
 
 
 DEVICES = ("cpu", "cuda")
+RUN_RECORD_PACKAGES = ("torch", "megatron-core", "transformers", "triton", "mbridge")
+
+
+def run_record(**settings) -> dict:
+    """What reproducing a run needs beside its settings (which hold the seeds): package versions, the git
+    commit of this code (and whether its tree had uncommitted changes), Python and the platform."""
+    import platform
+    import subprocess
+    from importlib import metadata
+
+    from .. import __version__
+
+    versions = {"megatron_trace": __version__}
+    for name in RUN_RECORD_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    root = Path(__file__).resolve().parents[2]
+    try:
+        git = lambda *a: subprocess.run(["git", "-C", str(root), *a], capture_output=True, text=True,  # noqa: E731
+                                        timeout=30, check=True).stdout.strip()
+        commit, dirty = git("rev-parse", "HEAD"), bool(git("status", "--porcelain", "--untracked-files=no"))
+    except (OSError, subprocess.SubprocessError):  # not a git checkout (an installed package) or no git
+        commit, dirty = None, None
+    return {"settings": settings, "versions": versions, "git_commit": commit, "git_dirty": dirty,
+            "python": platform.python_version(), "platform": platform.platform(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def write_run_record(out_dir: Path, **settings) -> Path:
+    """``out_dir/run.json`` (``run_record``); a resumed run appends its own record to ``runs`` beside the first."""
+    path = Path(out_dir) / "run.json"
+    rec = run_record(**settings)
+    runs = json.loads(path.read_text()).get("runs", []) if settings.get("resume") and path.exists() else []
+    path.write_text(json.dumps({**rec, "runs": [*runs, rec]}, indent=1, default=str) + "\n")
+    return path
 
 
 def _run_arm(name, arm, rl: RLConfig, task, hf_dir: str, out_dir: Path, writer, *, device: str, resume: bool,

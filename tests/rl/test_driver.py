@@ -223,6 +223,23 @@ def test_time_sync_is_the_weight_sync_alone(megatron_cpu, ckpt, tmp_path):
     assert m["time/sync_s"] >= m["sync/bf16/seconds"]
 
 
+def test_a_demo_run_records_what_reproducing_it_needs(tmp_path):
+    """The outputs held no package versions or git commit (Hydra's config.yaml has the settings only)."""
+    import json
+
+    from megatron_trace.rl.demo import run_record
+
+    run(out_dir=tmp_path, task_name="add", arms=[], trace=TraceConfig(), rl=RL, model=MODEL, sft=SFTConfig(steps=5),
+        init_from=None, sft_cache=tmp_path / "sft", progress=False)
+    rec = json.loads((tmp_path / "run.json").read_text())
+    assert rec["settings"]["rl"]["seed"] == RL.seed and rec["settings"]["sft"]["seed"] == 0
+    assert rec["settings"]["model"]["num_layers"] == MODEL.num_layers and rec["settings"]["task"] == "add"
+    assert rec["settings"]["trace"] == json.loads(json.dumps(TraceConfig().to_dict()))
+    assert rec["versions"]["torch"] in (torch.__version__, torch.__version__.split("+")[0])
+    assert rec["versions"]["megatron-core"] and len(rec["runs"]) == 1
+    assert rec["git_commit"] == run_record()["git_commit"]
+
+
 def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     """fallback='fail' and min_coverage hold for the sentinel's pass too: it is guided by its own rollout."""
     cfg = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=2)
