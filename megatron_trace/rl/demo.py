@@ -19,7 +19,7 @@ from ..config import TraceConfig
 from . import report
 from .arms import make_arm
 from .driver import GRPORun, RLConfig
-from .sft import SFTConfig, TinyMoEConfig, sft_checkpoint
+from .sft import SFTConfig, TinyMoEConfig, sft_checkpoint, sft_reusable
 from .tasks import get_task
 
 logger = logging.getLogger(__name__)
@@ -77,8 +77,10 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     if init_from:
         hf_dir = str(init_from)
     else:
-        bar = tqdm(total=sft.steps, desc="SFT warm-up", disable=not progress)
-        hf_dir = str(sft_checkpoint(sft_cache or out_dir / "sft", task, model, sft, device=device,
+        sft_dir = sft_cache or out_dir / "sft"
+        # (a reused checkpoint trains nothing: no bar standing at 0/steps)
+        bar = tqdm(total=sft.steps, desc="SFT warm-up", disable=not progress or sft_reusable(sft_dir, task, model, sft))
+        hf_dir = str(sft_checkpoint(sft_dir, task, model, sft, device=device,
                                     progress=lambda s, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))))
         bar.close()
     if not arms:  # `arms=[]`: prepare the warm-up checkpoint only (e.g. before launching arms as separate jobs)

@@ -78,15 +78,26 @@ class SFTConfig:
                              "warm-up answers replaced by wrong ones)")
 
 
+def _settings(task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig) -> dict:
+    return {"task": task.name, "model": asdict(model_cfg), "sft": asdict(sft), "version": 1}
+
+
+def sft_reusable(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig) -> bool:
+    """Whether ``out_dir`` holds the checkpoint of exactly these settings (``sft_checkpoint`` then trains nothing)."""
+    out = Path(out_dir)
+    stamp = out / "sft_settings.json"
+    return (stamp.exists() and json.loads(stamp.read_text()) == _settings(task, model_cfg, sft)
+            and (out / "config.json").exists())
+
+
 def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig,
                    progress=None, device: str = "cpu") -> Path:
     """Train (or reuse, when the same settings were trained before) and return the HF checkpoint dir."""
     from transformers import Qwen3MoeForCausalLM
 
     out = Path(out_dir)
-    key = {"task": task.name, "model": asdict(model_cfg), "sft": asdict(sft), "version": 1}
-    stamp = out / "sft_settings.json"
-    if stamp.exists() and json.loads(stamp.read_text()) == key and (out / "config.json").exists():
+    key, stamp = _settings(task, model_cfg, sft), out / "sft_settings.json"
+    if sft_reusable(out, task, model_cfg, sft):
         logger.info("reusing the SFT checkpoint in %s", out)
         return out
     tok = CharTokenizer()

@@ -240,6 +240,16 @@ def test_a_demo_run_records_what_reproducing_it_needs(tmp_path):
     assert rec["git_commit"] == run_record()["git_commit"]
 
 
+def test_a_reused_warm_up_shows_no_bar_at_zero(tmp_path, capsys):
+    """A reused SFT checkpoint left 'SFT warm-up:   0%|  | 0/5' on screen: the warm-up looked skipped."""
+    kw = dict(out_dir=tmp_path, task_name="add", arms=[], trace=TraceConfig(), rl=RL, model=MODEL,
+              sft=SFTConfig(steps=5), sft_cache=tmp_path / "sft", progress=True)
+    run(**kw)
+    assert "5/5" in capsys.readouterr().err
+    run(**kw)  # reused
+    assert "0/5" not in capsys.readouterr().err
+
+
 def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     """fallback='fail' and min_coverage hold for the sentinel's pass too: it is guided by its own rollout."""
     cfg = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=2)
