@@ -142,13 +142,15 @@ def plot(by_arm: dict[str, list[dict]], out_dir: Path) -> list[Path]:
     paths.append(_save(fig, out_dir / "mismatch.png"))
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    width = 0.4
-    for i, arm in enumerate(a for a in ("fp4_qat", "trace") if a in by_arm):
+    width, shown, ticks = 0.4, [a for a in ("fp4_qat", "trace") if a in by_arm], set()
+    for i, arm in enumerate(shown):
         last = next((r for r in reversed(by_arm[arm]) if "quant/expert_fc1_in/code_mismatch_rate" in r), {})
         layers = sorted(int(k.split("layer_")[1].split("/")[0]) for k in last
                         if k.startswith("quant/expert_fc1_in/layer_") and k.endswith("/code_mismatch_rate"))
         vals = [last[f"quant/expert_fc1_in/layer_{layer}/code_mismatch_rate"] for layer in layers]
-        ax.bar([layer + (i - 0.5) * width for layer in layers], vals, width=width, label=arm)
+        ax.bar([layer + (i - (len(shown) - 1) / 2) * width for layer in layers], vals, width=width, label=arm)
+        ticks.update(layers)
+    ax.set_xticks(sorted(ticks))  # (bars centred on their layer, one tick per layer)
     ax.set(xlabel="layer", ylabel="code mismatch rate", title="FC1-input code mismatch per layer (last measured step)")
     ax.legend()
     paths.append(_save(fig, out_dir / "code_mismatch_per_layer.png"))
