@@ -82,11 +82,18 @@ def _positive(text: str) -> int:
     return n
 
 
+def _noise(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < float("inf"):  # (NaN fails too)
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number >= 0")
+    return v
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=_positive, default=256)
     p.add_argument("--k", type=_positive, default=2048)
-    p.add_argument("--noise", type=float, default=0.01, help="trainer perturbation, relative to the tensor's std")
+    p.add_argument("--noise", type=_noise, default=0.01, help="trainer perturbation, relative to the tensor's std")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     x = _activations(a.rows, a.k, a.seed)

@@ -110,3 +110,13 @@ def test_demo_quant_sizes_must_be_positive(capsys):
         with pytest.raises(SystemExit):
             main(argv)
         assert "must be >= 1" in capsys.readouterr().err
+
+
+def test_demo_quant_noise_must_be_finite(capsys):
+    """--noise nan ended in a NonFiniteError traceback that did not name the flag."""
+    from megatron_trace.cli.demo_quant import main
+
+    for value in ("nan", "inf", "-0.1"):
+        with pytest.raises(SystemExit):
+            main(["--noise", value])
+        assert f"--noise: {value} must be a finite number >= 0" in capsys.readouterr().err
