@@ -14,26 +14,15 @@ call6() {  # the files the fix touches, whole
     source benchmarks/_device_env.sh > /dev/null 2>&1; git log --oneline -1 > "$OUT/head.txt"
     timeout 280 python3 -m pytest -q -p no:cacheprovider -n 8 tests/gpu/test_rollout_gpu.py tests/kernels/test_moe_combine.py \
         tests/gpu/test_moe_combine_gpu.py 2>&1 | tail -4 | tee "$OUT/tests.txt"; }
-call7() {  # the training step at the fixed round order (benchmarks/_timing.interleaved_ms), two runs
+qat_runs() {  # the training step at the fixed round order (benchmarks/_timing.interleaved_ms): runs "$@", TIMEOUT s each
     source benchmarks/_device_env.sh > /dev/null 2>&1
-    for run in 1 2; do
-        timeout 100 python3 benchmarks/bench_qat_step.py --preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided \
-            --kernels auto --warmup 2 --reps 8 --gc manual 2>> "$OUT/qat.err" | sed "s/^{/{\"run\": $run, /" >> "$OUT/qat.jsonl"
-        echo "run $run rc=${PIPESTATUS[0]} at ${SECONDS}s"
-    done
-    python3 - "$OUT/qat.jsonl" <<'PY'
-import json, sys
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    print(r["run"], r["step_ms"], r.get("round_ratio_median"))
-PY
-}
-call8() {  # call 7's runs 2-3 again (both failed out of memory, as call 7's run 2)
-    source benchmarks/_device_env.sh > /dev/null 2>&1
-    for run in 2 3; do
-        timeout 70 python3 benchmarks/bench_qat_step.py --preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided \
-            --kernels auto --warmup 2 --reps 8 --gc manual 2>> "$OUT/qat.err" | sed "s/^{/{\"run\": $run, /" >> "$OUT/qat.jsonl"
+    for run in "$@"; do
+        timeout "${TIMEOUT:-100}" python3 benchmarks/bench_qat_step.py --preset qwen3-30b-a3b \
+            --variants bf16_grouped,fp4_qat,trace_guided --kernels auto --warmup 2 --reps 8 --gc manual 2>> "$OUT/qat.err" \
+            | sed "s/^{/{\"run\": $run, /" >> "$OUT/qat.jsonl"
         echo "run $run rc=${PIPESTATUS[0]} at ${SECONDS}s"
     done
 }
+call7() { qat_runs 1 2; }                 # run 2 failed out of memory
+call8() { TIMEOUT=70 qat_runs 2 3; }      # both failed out of memory, as call 7's run 2
 "${1:-call1}"
