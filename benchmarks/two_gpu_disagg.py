@@ -88,7 +88,7 @@ def rollout_rank(a, hf_dir, trace, device, sync) -> tuple[dict, list[str]]:
     from megatron_trace.guidance.records import split_batch
     from megatron_trace.guidance.routing import split_routing
     from megatron_trace.rl.grpo import group_advantages
-    from megatron_trace.rl.tasks import CharTokenizer, get_task
+    from megatron_trace.rl.tasks import CharTokenizer, get_task, response_rewards
     from megatron_trace.rollout.base import SamplingParams
     from megatron_trace.rollout.hf import HFRolloutBackend
 
@@ -102,7 +102,7 @@ def rollout_rank(a, hf_dir, trace, device, sync) -> tuple[dict, list[str]]:
                                             stop_token_ids=(tok.eos_id,), seed=0))
     _sync(device)
     t_roll = time.perf_counter() - t0
-    rewards = torch.tensor([task.reward(p, tok.decode(r, strict=True)) for p, r in zip(problems, batch.responses())])
+    rewards = torch.tensor(response_rewards(task, tok, problems, batch.responses()))
     mask = batch.attention_mask
     data = {"tokens": batch.tokens.cpu(), "mask": mask.cpu(), "response_mask": batch.response_mask.cpu(),
             "logprobs": batch.logprobs.cpu(), "advantages": group_advantages(rewards, a.group),

@@ -35,7 +35,7 @@ from ..monitor import SentinelCheck, TrendAlarm, check_mismatch_gate, step_misma
 from ..rollout.base import MIN_TEMPERATURE, SamplingParams
 from .arms import Arm
 from .grpo import group_advantages, policy_loss
-from .tasks import CharTokenizer, Task
+from .tasks import CharTokenizer, Task, response_rewards
 from .trainer import batch_slices
 
 logger = logging.getLogger(__name__)
@@ -201,9 +201,7 @@ class GRPORun:
         return sum(self._rewards(problems, batch)) / len(problems)
 
     def _rewards(self, problems, batch) -> list[float]:
-        """Each response's reward; a special token other than the closing EOS (a sampled BOS or PAD, which a lax
-        decode drops) makes it wrong."""
-        return [self.task.reward(p, self.tok.decode(r, strict=True)) for p, r in zip(problems, batch.responses())]
+        return response_rewards(self.task, self.tok, problems, batch.responses())
 
     def _guidance(self, step: int, batch, full: dict, micro_batch_size: int | None = None):
         """Ship the arm's records through the cache and assemble them per trainer micro-batch (of

@@ -117,6 +117,12 @@ def get_task(name: str) -> Task:
     return TASKS[name]()
 
 
+def response_rewards(task: Task, tok: CharTokenizer, problems, responses) -> list[float]:
+    """Each response's reward; a special token other than the closing EOS (a sampled BOS or PAD, which a lax decode
+    drops) makes it wrong."""
+    return [task.reward(p, tok.decode(r, strict=True)) for p, r in zip(problems, responses)]
+
+
 def sft_batch(task: Task, tok: CharTokenizer, n: int, g: torch.Generator, noise: float):
     """Token ids [n, L] (BOS prompt answer EOS) and a loss mask over the answer + EOS positions."""
     seqs, masks = [], []
