@@ -38,7 +38,13 @@ class MismatchGateError(RuntimeError):
 
 
 class SentinelError(RuntimeError):
-    """After a weight sync, the rollout's sentinel log-probs disagree with the trainer's."""
+    """After a weight sync, the rollout's sentinel log-probs disagree with the trainer's.
+
+    ``metrics``: the sentinel's numbers (``SentinelCheck.run``'s row), for the failing step's metrics row."""
+
+    def __init__(self, message: str, metrics: dict[str, float] | None = None):
+        super().__init__(message)
+        self.metrics = dict(metrics or {})
 
 
 def check_mismatch_gate(metrics: dict[str, float], max_abs_diff: float | None, *, key: str = ABS_DIFF) -> None:
@@ -202,5 +208,5 @@ class SentinelCheck:
         if self.max_abs_diff is not None and not v <= self.max_abs_diff:
             raise SentinelError(f"sentinel prompts after the sync to version {batch.policy_version}: "
                                 f"logprob_abs_diff={v:.6g} > {self.max_abs_diff} (stale or half-applied weights, "
-                                "stale derived scales, or a recipe mismatch)")
+                                "stale derived scales, or a recipe mismatch)", metrics=out)
         return out

@@ -150,7 +150,7 @@ def _run_arm(name, arm, rl: RLConfig, task, hf_dir: str, out_dir: Path, writer, 
     from megatron.core.transformer.moe.router_replay import RouterReplay
     from tqdm.auto import tqdm
 
-    from ..monitor import MismatchGateError
+    from ..monitor import MismatchGateError, SentinelError
 
     RouterReplay.clear_global_router_replay_instances()
     run_ = GRPORun(arm, rl, task, hf_dir, out_dir=out_dir / name, cache_dir=out_dir / "cache" / name, device=device)
@@ -169,7 +169,7 @@ def _run_arm(name, arm, rl: RLConfig, task, hf_dir: str, out_dir: Path, writer, 
     for _ in tqdm(range(run_.state.step, rl.steps), desc=f"RL {name:<10}", disable=not progress):
         try:
             m = run_.step()
-        except MismatchGateError:
+        except (MismatchGateError, SentinelError):
             writer.write(name, run_.state.step - 1, run_.last_metrics)  # the failing step's row, then the error
             raise
         if start_acc is not None:

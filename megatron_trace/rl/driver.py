@@ -31,7 +31,7 @@ import torch
 from ..guidance.records import pack_guidance, payload_of, with_tensors
 from ..guidance.site import FallbackCounter, SiteGuidance
 from ..metrics import guidance_step_metrics, quant_counts, quant_metrics
-from ..monitor import SentinelCheck, TrendAlarm, check_mismatch_gate, step_mismatch_metrics
+from ..monitor import SentinelCheck, SentinelError, TrendAlarm, check_mismatch_gate, step_mismatch_metrics
 from ..rollout.base import MIN_TEMPERATURE, SamplingParams
 from .arms import Arm
 from .grpo import group_advantages, policy_loss
@@ -146,7 +146,7 @@ class GRPORun:
         self.num_layers = self.policy.hf_config.num_hidden_layers
         self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)
         self.state = ArmState()
-        self.last_metrics: dict | None = None  # the last step's row, also when it failed the mismatch gate
+        self.last_metrics: dict | None = None  # the last step's row, also when it failed the sentinel or gate
         self.trend = TrendAlarm(window=cfg.trend_window, max_slope=cfg.trend_max_slope)
         from megatron.core import parallel_state as ps
 
@@ -343,9 +343,13 @@ class GRPORun:
         t_sync = time.perf_counter()
         metrics.update(self._sync_weights())
         t_sync = time.perf_counter() - t_sync
-        t_sentinel = time.perf_counter()
+        t_sentinel, sentinel_error = time.perf_counter(), None
         if self.sentinel is not None:
-            metrics.update(self.sentinel.run(self.rollout, self._sentinel_logprobs))
+            try:
+                metrics.update(self.sentinel.run(self.rollout, self._sentinel_logprobs))
+            except SentinelError as err:  # raised below, once the step's row is complete
+                metrics.update(err.metrics)
+                sentinel_error = err
         t_end = time.perf_counter()
         # time/sync_s is the weight sync alone: the sentinel's rollout and trainer pass are time/sentinel_s
         metrics.update({"time/step_s": t_end - t0, "time/rollout_s": t_roll - t0, "time/train_s": t_train - t_roll,
@@ -353,7 +357,9 @@ class GRPORun:
                         "policy_version": float(self.state.version)})
         metrics.update({f"topology/{k}": float(v) for k, v in self.topology.items()})  # mismatch depends on it
         self.state.step += 1
-        self.last_metrics = metrics  # (the row of a step that fails the gate below)
+        self.last_metrics = metrics  # (the row of a step that fails the sentinel or the gate below)
+        if sentinel_error is not None:
+            raise sentinel_error
         check_mismatch_gate(metrics, cfg.max_logprob_abs_diff)
         return metrics
 

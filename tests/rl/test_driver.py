@@ -173,6 +173,27 @@ def test_mismatch_gate_fails_the_step(megatron_cpu, ckpt, tmp_path):
     assert [r["step"] for r in rows] == [0] and (tmp_path / "demo" / "summary.md").exists()
 
 
+def test_a_sentinel_failure_writes_the_failing_steps_row(megatron_cpu, ckpt, tmp_path):
+    """A SentinelError exited the demo with no metrics.jsonl at all (the mismatch gate writes its failing row):
+    the sentinel's logprob_abs_diff=0.00164659 > 1e-12 on fp4_naive was in the error message only."""
+    from megatron_trace.monitor import SentinelError
+
+    gated = RLConfig(steps=1, prompts_per_step=2, group_size=2, sentinel_prompts=2, sentinel_max_abs_diff=1e-12)
+    r = GRPORun(make_arm("fp4_naive", TraceConfig()), gated, get_task("add"), ckpt, out_dir=tmp_path,
+                cache_dir=tmp_path / "c")
+    with pytest.raises(SentinelError, match="logprob_abs_diff") as err:
+        r.step()
+    assert err.value.metrics["sentinel/logprob_abs_diff"] > 1e-12 and r.state.step == 1
+    assert r.last_metrics["sentinel/logprob_abs_diff"] == err.value.metrics["sentinel/logprob_abs_diff"]
+    assert r.last_metrics["time/sentinel_s"] > 0 and r.cache.steps == []
+    with pytest.raises(SentinelError):
+        run(out_dir=tmp_path / "demo", task_name="add", arms=["fp4_naive"], trace=TraceConfig(), rl=gated,
+            model=MODEL, sft=SFTConfig(steps=5), init_from=ckpt, progress=False)
+    rows = report.load(tmp_path / "demo" / "metrics.jsonl")["fp4_naive"]
+    assert [r["step"] for r in rows] == [0] and (tmp_path / "demo" / "summary.md").exists()
+    assert rows[0]["sentinel/logprob_abs_diff"] > 1e-12 and math.isfinite(rows[0]["mismatch/logprob_abs_diff"])
+
+
 def test_a_resumed_demo_redoes_the_steps_after_its_checkpoint_once(megatron_cpu, ckpt, tmp_path):
     """Checkpoint at step 2 of 3, then resume: step 2's row is redone, not duplicated, and the trend alarm sees
     the same window as the straight run (it is in the checkpoint)."""
