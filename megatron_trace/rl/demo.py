@@ -79,7 +79,8 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     else:
         sft_dir = sft_cache or out_dir / "sft"
         # (a reused checkpoint trains nothing: no bar standing at 0/steps)
-        bar = tqdm(total=sft.steps, desc="SFT warm-up", disable=not progress or sft_reusable(sft_dir, task, model, sft))
+        reused = sft_reusable(sft_dir, task, model, sft, device)
+        bar = tqdm(total=sft.steps, desc="SFT warm-up", disable=not progress or reused)
         hf_dir = str(sft_checkpoint(sft_dir, task, model, sft, device=device,
                                     progress=lambda s, loss: (bar.update(1), bar.set_postfix(loss=f"{loss:.3f}"))))
         bar.close()

@@ -78,28 +78,46 @@ class SFTConfig:
                              "warm-up answers replaced by wrong ones)")
 
 
-def _settings(task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig) -> dict:
-    return {"task": task.name, "model": asdict(model_cfg), "sft": asdict(sft), "version": 1}
+def _settings(task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig, device: str) -> dict:
+    # version 2 added the device type: warm-ups trained on cpu and cuda differ numerically (a version-1 stamp has
+    # no device, so its checkpoint is retrained once)
+    return {"task": task.name, "model": asdict(model_cfg), "sft": asdict(sft), "device": _device_type(device),
+            "version": 2}
 
 
-def sft_reusable(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig) -> bool:
-    """Whether ``out_dir`` holds the checkpoint of exactly these settings (``sft_checkpoint`` then trains nothing)."""
+def _device_type(device: str | torch.device) -> str:
+    """``"cpu"`` / ``"cuda"`` (``"cuda:1"`` trains the same numbers as ``"cuda"``: the key holds the type)."""
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a torch device (e.g. 'cpu', 'cuda', 'cuda:0')") from err
+
+
+def sft_reusable(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig,
+                 device: str = "cpu") -> bool:
+    """Whether ``out_dir`` holds the checkpoint of exactly these settings, trained on this device type
+    (``sft_checkpoint`` then trains nothing)."""
     out = Path(out_dir)
     stamp = out / "sft_settings.json"
-    return (stamp.exists() and json.loads(stamp.read_text()) == _settings(task, model_cfg, sft)
+    return (stamp.exists() and json.loads(stamp.read_text()) == _settings(task, model_cfg, sft, device)
             and (out / "config.json").exists())
 
 
 def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig,
                    progress=None, device: str = "cpu") -> Path:
-    """Train (or reuse, when the same settings were trained before) and return the HF checkpoint dir."""
+    """Train (or reuse, when the same settings were trained before on the same device type) and return the HF
+    checkpoint dir."""
     from transformers import Qwen3MoeForCausalLM
 
     out = Path(out_dir)
-    key, stamp = _settings(task, model_cfg, sft), out / "sft_settings.json"
-    if sft_reusable(out, task, model_cfg, sft):
+    key, stamp = _settings(task, model_cfg, sft, device), out / "sft_settings.json"
+    if sft_reusable(out, task, model_cfg, sft, device):
         logger.info("reusing the SFT checkpoint in %s", out)
         return out
+    if stamp.exists():
+        old = json.loads(stamp.read_text())
+        changed = sorted(k for k in {**old, **key} if old.get(k) != key.get(k))
+        logger.info("the SFT checkpoint in %s has other settings (%s): training it again", out, ", ".join(changed))
     tok = CharTokenizer()
     torch.manual_seed(sft.seed)
     model = Qwen3MoeForCausalLM(model_cfg.hf_config(tok.vocab_size, tok)).float().to(device).train()

@@ -271,6 +271,31 @@ def test_a_reused_warm_up_shows_no_bar_at_zero(tmp_path, capsys):
     assert "0/5" not in capsys.readouterr().err
 
 
+def test_the_warm_up_cache_is_reused_on_the_same_device_type_only(tmp_path, caplog):
+    """The cache key had no device: sft_checkpoint(device='cuda') returned a warm-up trained on cpu (and the
+    reverse), whose weights differ numerically from one trained on the device asked for."""
+    import json
+
+    from megatron_trace.rl.sft import sft_reusable
+
+    task, sft, d = get_task("add"), SFTConfig(steps=2), tmp_path / "sft"
+    sft_checkpoint(d, task, MODEL, sft, device="cpu")
+    assert sft_reusable(d, task, MODEL, sft, "cpu") and sft_reusable(d, task, MODEL, sft)  # (default: cpu)
+    assert not sft_reusable(d, task, MODEL, sft, "cuda") and not sft_reusable(d, task, MODEL, sft, "cuda:1")
+    stamp = d / "sft_settings.json"
+    key = json.loads(stamp.read_text())
+    stamp.write_text(json.dumps({**key, "device": "cuda"}))  # a warm-up trained on cuda: not reused on cpu
+    with caplog.at_level(logging.INFO, logger="megatron_trace.rl.sft"):
+        sft_checkpoint(d, task, MODEL, sft, device="cpu")
+    assert "other settings (device): training it again" in caplog.text
+    assert json.loads(stamp.read_text())["device"] == "cpu"
+    old = {k: v for k, v in key.items() if k != "device"} | {"version": 1}  # a stamp written before the device key
+    stamp.write_text(json.dumps(old))
+    assert not sft_reusable(d, task, MODEL, sft, "cpu")
+    with pytest.raises(ValueError, match="device='gpu' is not a torch device"):
+        sft_reusable(d, task, MODEL, sft, "gpu")
+
+
 def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     """fallback='fail' and min_coverage hold for the sentinel's pass too: it is guided by its own rollout."""
     cfg = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=2)
