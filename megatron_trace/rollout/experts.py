@@ -23,7 +23,7 @@ import torch
 from transformers.integrations.moe import ExpertsInterface
 
 from ..formats import FP4Tensor, NonFiniteError, Quantizer
-from ..kernels import Kernel, moe_mma, moe_wgmma, select_kernel
+from ..kernels import Kernel, moe_mma, moe_wgmma, parse_kernel, select_kernel
 from .fp4_moe import grouped_experts_forward, w4a4_experts_forward
 from .recorder import GuidanceRecorder
 
@@ -65,7 +65,8 @@ class RolloutNumerics:
     bf16_layers: frozenset[int] = frozenset()
     """Layers whose routed experts ``TraceConfig.exclude_modules`` keeps in the model dtype."""
     kernel: str = "reference"
-    """``TraceConfig.kernel``: "auto"/"triton" take ``grouped_experts_forward`` for bf16 CUDA tensors."""
+    """``TraceConfig.kernel``: "auto"/"triton" take ``grouped_experts_forward`` for bf16 CUDA tensors (elsewhere
+    "auto" takes the reference path and "triton" raises)."""
     weight_store: ExpertWeightStore | None = None
     """FP4 expert weights (the grouped GPU path reads them packed); None: the module's parameters."""
     compiled: bool = False
@@ -73,12 +74,22 @@ class RolloutNumerics:
 
 
 def _fast_path(num: RolloutNumerics, hidden: torch.Tensor) -> bool:
-    """Whether the grouped GPU path runs (CUDA, bf16, Triton selected, RNE activations)."""
-    if num.kernel == Kernel.REFERENCE or hidden.device.type != "cuda" or hidden.dtype != torch.bfloat16:
+    """Whether the grouped GPU path runs (CUDA, bf16, Triton selected, RNE activations). ``kernel="triton"``
+    raises where it cannot (``kernels.select_kernel``); "auto" takes the reference path there."""
+    if parse_kernel(num.kernel) is Kernel.REFERENCE:
         return False
     q = num.activation_quantizer
-    unsupported = "stochastic rounding" if q is not None and q.rounding != "rne" else None
-    return select_kernel(num.kernel, hidden.device, unsupported=unsupported) is Kernel.TRITON
+    unsupported = None
+    if hidden.dtype != torch.bfloat16:
+        unsupported = f"the grouped experts path runs bf16 hidden states, not {hidden.dtype}"
+    elif q is not None and q.rounding != "rne":
+        unsupported = "stochastic rounding has no Triton path"
+    try:
+        return select_kernel(num.kernel, hidden.device, unsupported=unsupported) is Kernel.TRITON
+    except (ValueError, RuntimeError) as err:
+        raise type(err)(f"{err} (routed experts, {hidden.dtype} hidden states on {hidden.device}: kernel='triton' "
+                        "needs bf16 CUDA tensors and RNE activations; kernel='auto' takes the reference path "
+                        "elsewhere)") from None
 
 
 _ACTIVE: contextvars.ContextVar[RolloutNumerics | None] = contextvars.ContextVar("rollout_numerics", default=None)

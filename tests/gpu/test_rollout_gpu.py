@@ -48,6 +48,19 @@ def test_grouped_path_matches_reference_path(mode):
     assert torch.isfinite(got).all() and rel_err(got, ref) < (3e-2 if mode == "bf16" else 0.2)
 
 
+def test_an_explicit_triton_kernel_refuses_non_bf16_experts():
+    """kernel='triton' with an fp32 model silently ran the experts' reference path; 'auto' still does."""
+    from megatron_trace.rollout.experts import RolloutNumerics, _fast_path
+
+    for dtype in (torch.float32, torch.float16):
+        hidden = torch.zeros(2, 64, dtype=dtype, device="cuda")
+        with pytest.raises(ValueError, match=rf"runs bf16 hidden states, not {dtype}.* on cuda"):
+            _fast_path(RolloutNumerics(layer_of={}, kernel="triton"), hidden)
+        assert not _fast_path(RolloutNumerics(layer_of={}, kernel="auto"), hidden)
+    assert _fast_path(RolloutNumerics(layer_of={}, kernel="triton"), torch.zeros(2, 64, dtype=torch.bfloat16,
+                                                                                 device="cuda"))
+
+
 def test_fused_decode_attention_matches_dequantize_then_sdpa():
     be = _backend("fp4", "auto")
     assert be.fused_kv_attention and be.fast_kv_attention  # the defaults on CUDA

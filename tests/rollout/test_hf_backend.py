@@ -167,6 +167,25 @@ def test_runs_in_bfloat16(mode):
     assert be.model.model.embed_tokens.weight.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_explicit_triton_kernel_the_experts_cannot_run_raises(dtype):
+    """kernel='triton' on CPU (or a non-bf16 model) silently ran the experts' reference path (bf16 mode, fp32:
+    generate returned logprobs -2.739..., those of kernel='auto'), where the FP4 KV cache raises."""
+    from megatron_trace.rollout.experts import RolloutNumerics, _fast_path
+
+    hidden = torch.zeros(2, 64, dtype=dtype)
+    with pytest.raises(ValueError, match=rf"kernel='triton' cannot run: .*{dtype} hidden states on cpu.*'auto'"):
+        _fast_path(RolloutNumerics(layer_of={}, kernel="triton"), hidden)
+    assert not _fast_path(RolloutNumerics(layer_of={}, kernel="auto"), hidden)
+    assert not _fast_path(RolloutNumerics(layer_of={}, kernel="reference"), hidden)
+    with pytest.raises(ValueError, match="kernel='Triton' is not one of"):
+        _fast_path(RolloutNumerics(layer_of={}, kernel="Triton"), hidden)
+    if dtype == torch.float32:  # (a bf16 model raises earlier, choosing the fused KV attention)
+        be = backend(mode="bf16", config=TraceConfig(kernel="triton"), dtype=dtype)
+        with pytest.raises(ValueError, match="routed experts"):
+            be.generate(PROMPTS, SamplingParams(max_new_tokens=2, seed=0))
+
+
 def test_expert_weights_are_the_weight_quantizers_codes():
     src = dict(checkpoint_tensors(tiny_model(seed=0)))
     be = backend(seed=0)
