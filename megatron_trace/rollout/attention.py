@@ -25,11 +25,13 @@ from .kv_cache import DEFERRED_ATTR
 ROLLOUT_ATTENTION = "megatron_trace_rollout_attention"
 
 
-_LAST_MASK: list = [None, -1, -1, False, None]
-"""The last converted mask: (SDPA mask, its version, T, intervals and whether a CUDA graph was being captured, the
-kernel's keywords). A strong reference, so the tensor cannot be freed and another take its identity while cached.
-A capture converts again (once, at its first layer): a graph must hold the conversion's kernels, or its replays
-would read the intervals of the eager call before the capture (``rollout.static_decode``)."""
+_LAST_MASK: list = [None, -1, -1, None, None, None]
+"""The last converted mask: (SDPA mask, its version, T, (interval masks, kernel, whether a CUDA graph was being
+captured), the cache's ``mask_holes`` counter, the kernel's keywords). Strong references, so the tensor (or counter)
+cannot be freed and another take its identity while cached. The counter stands for the cache: another cache fed the
+same mask converts again, so its own counter counts the mask's holes (its layers share it). A capture converts again
+(once, at its first layer): a graph must hold the conversion's kernels, or its replays would read the intervals of
+the eager call before the capture (``rollout.static_decode``)."""
 
 
 def _mask_rows(attention_mask: torch.Tensor | None, t: int, layer) -> dict:
@@ -37,13 +39,15 @@ def _mask_rows(attention_mask: torch.Tensor | None, t: int, layer) -> dict:
     ``kv_mask`` bool [B, >= T] laid out as the kernel reads it (rows of T rounded up to 4 bytes,
     ``kv_attention_plan.mask_arg``), or for a cache with ``interval_masks`` each row's ``starts`` / ``lengths``
     (``kernels.kv_intervals``; rows with a hole counted in the cache's ``mask_holes``). Converted once per decode
-    step: every layer of a step gets the same mask tensor, and the layers after the first reuse it."""
+    step: every layer of a step gets the same mask tensor, and the layers after the first (of the same cache: same
+    ``mask_holes`` counter and kernel) reuse it."""
     if attention_mask is None:
         return {}
-    how = (layer.interval_masks, attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
+    how = (layer.interval_masks, layer.kernel, attention_mask.is_cuda and torch.cuda.is_current_stream_capturing())
     last = _LAST_MASK
-    if last[0] is attention_mask and last[1] == attention_mask._version and last[2] == t and last[3] == how:
-        return last[4]
+    if (last[0] is attention_mask and last[1] == attention_mask._version and last[2] == t and last[3] == how
+            and last[4] is layer.mask_holes):
+        return last[5]
     m = attention_mask[:, 0, -1, :t]
     m = m if m.dtype == torch.bool else m == 0
     if layer.interval_masks:
@@ -54,7 +58,7 @@ def _mask_rows(attention_mask: torch.Tensor | None, t: int, layer) -> dict:
         words = torch.zeros(m.shape[0], t4, dtype=torch.bool, device=m.device)
         words[:, :t] = m
         out = {"kv_mask": words}
-    last[:] = [attention_mask, attention_mask._version, t, how, out]
+    last[:] = [attention_mask, attention_mask._version, t, how, layer.mask_holes, out]
     return out
 
 

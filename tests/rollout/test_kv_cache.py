@@ -181,6 +181,26 @@ def test_interval_cache_counts_a_mask_with_a_hole():
     cache.check_interval_masks()  # the count was reset
 
 
+def test_each_cache_fed_the_same_4d_mask_counts_its_hole():
+    """The decode attention's last converted mask was keyed on the mask only: a second cache (same or another
+    kernel) fed the same 4-D mask tensor reused the first's intervals, so its hole went uncounted and its
+    check_interval_masks passed. Each cache counts it once (its layers after the first still reuse it)."""
+    backends = [HFRolloutBackend(tiny_model(seed=4), mode="fp4", dtype=torch.float32, fused_kv_attention=True,
+                                 trace_config=TraceConfig(kernel=k)) for k in ("auto", "reference", "auto")]
+    ids = torch.tensor([[3, 4, 5, 6], [7, 8, 9, 10]])
+    mask4d = torch.ones(2, 1, 1, 5, dtype=torch.bool)  # SDPA's decode mask: True attends
+    mask4d[1, 0, 0, 1] = False  # a hole in row 1
+    caches = [be.new_cache(interval_masks=True) for be in backends]
+    for be, cache in zip(backends, caches):
+        with be.forward_context() as model:
+            model(input_ids=ids, use_cache=True, **be.cache_kwargs(cache))
+            model(input_ids=ids[:, :1], attention_mask=mask4d, position_ids=torch.tensor([[4], [4]]),
+                  use_cache=True, **be.cache_kwargs(cache))
+    for cache in caches:
+        with pytest.raises(ValueError, match="^1 decode-step mask row"):
+            cache.check_interval_masks()
+
+
 def test_cache_capacity_is_16_aligned_zeros_after_the_history():
     """The buffers grow in multiples of 16 rows, zero-filled past the history: rows the decode attention may read
     (``readable_rows``, its aligned load bound)."""
