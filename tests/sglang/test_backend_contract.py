@@ -237,3 +237,18 @@ def test_aborted_request_or_missing_routing_is_an_error():
     b = SGLangRolloutBackend(_Engine(routed=False), FC1_ONLY.replace(routing_replay=False), HF,
                              kv_cache_dtype="auto").generate([[1, 2]], sp)
     assert b.routing == {}
+
+
+def test_guidance_capture_refuses_hierarchical_cache():
+    """HiCache (sglang#26975) loads a host-tier prefix back into new KV slots; the slot buffers of the expert rows
+    do not follow it, so the read-out would return the rows of whatever token held those slots before, as valid
+    rows. The capture needs it off; without guidance the engine may use it."""
+    from megatron_trace.rollout.sglang.launch import REQUIRED, trace_server_args
+
+    assert trace_server_args("/ckpt", CFG, HF, native=False)["enable_hierarchical_cache"] is False
+    assert "enable_hierarchical_cache" in REQUIRED
+    with pytest.raises(ValueError, match="enable_hierarchical_cache=False, got True: HiCache"):
+        trace_server_args("/ckpt", CFG, HF, native=False, enable_hierarchical_cache=True)
+    off = CFG.replace(guided_layers="none")  # nothing captured: nothing to refuse
+    assert trace_server_args("/ckpt", off, HF, native=False, enable_hierarchical_cache=True)[
+        "enable_hierarchical_cache"] is True
