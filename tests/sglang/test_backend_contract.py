@@ -252,3 +252,22 @@ def test_guidance_capture_refuses_hierarchical_cache():
     off = CFG.replace(guided_layers="none")  # nothing captured: nothing to refuse
     assert trace_server_args("/ckpt", off, HF, native=False, enable_hierarchical_cache=True)[
         "enable_hierarchical_cache"] is True
+
+
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_an_fp8_kv_cache_is_refused_not_reported_as_bf16(kv):
+    """SGLang's FP8 KV cache (sglang#25790, NeMo-RL#3225) has no trainer site, recipe field or records: the backend
+    used to report such an engine's KV caches as BF16 and accept a BF16-KV trainer, an unrecorded mismatch."""
+    from megatron_trace.rollout.sglang.launch import trace_server_args
+
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{kv}': the trainer has no site for it"):
+        trace_server_args("/ckpt", FC1_ONLY, HF, native=False, kv_cache_dtype=kv)
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{kv}'.*valid: .*'auto'"):
+        SGLangRolloutBackend(None, FC1_ONLY, HF, native=False, kv_cache_dtype=kv)
+    eng = _Engine()
+    eng.server_args.kv_cache_dtype = kv  # launched with FP8 KV, the backend not told
+    with pytest.raises(ValueError, match=f"kv_cache_dtype='{kv}'"):
+        SGLangRolloutBackend(eng, FC1_ONLY, HF, native=False)
+    for ok in ("auto", "bf16"):  # BF16 K/V: what a trainer without KV sites computes
+        assert trace_server_args("/ckpt", FC1_ONLY, HF, native=False, kv_cache_dtype=ok)["kv_cache_dtype"] == ok
+        assert SGLangRolloutBackend(None, FC1_ONLY, HF, native=False, kv_cache_dtype=ok).kv_cache_dtype == ok

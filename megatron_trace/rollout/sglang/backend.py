@@ -27,7 +27,7 @@ from ...manifest import (
 from ..audit import backend_recipe, qwen3_moe_modules, sglang_module_audit, without_kv
 from ..base import RolloutBatch, SamplingParams, WeightValue, check_prompts
 from .capture import INFO_KEY, READOUT_PREFIX
-from .launch import KV_FP4, WEIGHT_LOADER, guidance_specs
+from .launch import KV_FP4, WEIGHT_LOADER, check_kv_cache_dtype, guidance_specs
 from .launch import kv_cache_dtype as default_kv_cache_dtype
 from .native import native_fp4_available
 from .records import assemble
@@ -82,6 +82,10 @@ class SGLangRolloutBackend:
         self.num_layers = int(hf_config["num_hidden_layers"])
         self.vocab_size = int(hf_config["vocab_size"])
         self.kv_cache_dtype = default_kv_cache_dtype(trace_config) if kv_cache_dtype is None else kv_cache_dtype
+        check_kv_cache_dtype(self.kv_cache_dtype)
+        served = getattr(getattr(engine, "server_args", None), "kv_cache_dtype", None)
+        if isinstance(served, str) and served.startswith("fp8"):  # an engine launched otherwise than told here
+            check_kv_cache_dtype(served)
         self.accept_kv_format_mismatch = accept_kv_format_mismatch
         self.native = native_fp4_available() if native is None else native
         if self.native and weights_group is not None and trace_config.quantizes("weights"):

@@ -86,6 +86,20 @@ def check_emulated_moe_tp(trace_config: TraceConfig, moe_tp_size: int) -> None:
                          f"F/{moe_tp_size} shard of a row with the shard's amax, not the full row's (as the trainer)")
 
 
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", KV_FP4)
+"""SGLang ``kv_cache_dtype`` values a TRACE engine may run: the model's dtype (BF16 K/V, as a trainer without KV
+sites computes them) or SGLang's FP4 KV cache (the trainer's KV sites, ``kv_format="sglang_kvfp4"``)."""
+
+
+def check_kv_cache_dtype(kv_dtype: str) -> None:
+    """Refuse a KV cache the trainer cannot compute: FP8 K/V (``fp8_e4m3`` / ``fp8_e5m2``) has no trainer site, no
+    recipe field and no records, so it would be a silent train-rollout mismatch (USER_NEEDS.md §10)."""
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_dtype!r}: the trainer has no site for it, so K/V would differ between "
+                         f"rollout and trainer unrecorded and unguided (FP8 KV: sglang#25790, uncalibrated scales of "
+                         f"1.0); valid: {KV_CACHE_DTYPES} ({KV_FP4!r} with KV sites in the TraceConfig)")
+
+
 def kv_cache_dtype(trace_config: TraceConfig) -> str:
     """SGLang's ``kv_cache_dtype`` for a TraceConfig: ``fp4_e2m1`` when it quantizes a KV site, else ``auto``."""
     return KV_FP4 if any(trace_config.quantizes(s) for s in KV_SITES) else "auto"
@@ -157,6 +171,7 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
     """
     native = native_fp4_available() if native is None else native
     kv_dtype = overrides.get("kv_cache_dtype", kv_cache_dtype(trace_config))
+    check_kv_cache_dtype(kv_dtype)
     specs = guidance_specs(trace_config, hf_config, kv_dtype=kv_dtype)
     kw = dict(model_path=model_path, quantization="trace_nvfp4", custom_weight_loader=[WEIGHT_LOADER],
               enable_return_routed_experts=trace_config.routing_replay, kv_cache_dtype=kv_dtype)
