@@ -94,15 +94,30 @@ def _mean_last(rows: list[dict], key: str, n: int = 1) -> float | None:
     return sum(vals[-n:]) / len(vals[-n:]) if vals else None
 
 
+FLOOR_ARM = "bf16"
+FLOOR_KEY = "mismatch/logprob_abs_diff"
+FLOOR_LABEL = "logprob_abs_diff / bf16 floor"
+"""The headline acceptance check (USER_NEEDS.md §2): an arm's mismatch over the BF16<->BF16 floor of the same run
+(same topology, seed and prompts); a column of the summary when the run has the ``bf16`` arm."""
+
+
+def _cell(v: float | None) -> str:
+    return "-" if v is None else (f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}")
+
+
 def summary_rows(by_arm: dict[str, list[dict]]) -> list[list[str]]:
-    header = ["arm"] + [label for _, label in SUMMARY_KEYS]
-    out = [header]
+    has_floor = FLOOR_ARM in by_arm
+    floor = _mean_last(by_arm[FLOOR_ARM], FLOOR_KEY, len(by_arm[FLOOR_ARM])) if has_floor else None
+    out = [["arm"] + [x for key, label in SUMMARY_KEYS for x in ([label, FLOOR_LABEL] if has_floor and key == FLOOR_KEY
+                                                                 else [label])]]
     for arm, rows in by_arm.items():
         cells = [arm]
         for key, _ in SUMMARY_KEYS:
             n = 3 if key == "reward" else (len(rows) if key.startswith(("mismatch/", "quant/", "time/")) else 1)
             v = _mean_last(rows, key, n)
-            cells.append("-" if v is None else (f"{v:.4g}" if abs(v) >= 1e-3 or v == 0 else f"{v:.2e}"))
+            cells.append(_cell(v))
+            if has_floor and key == FLOOR_KEY:
+                cells.append(f"{v / floor:.3g}x" if v is not None and floor else "-")
         out.append(cells)
     return out
 

@@ -1,0 +1,24 @@
+"""The demo's summary table (``rl.report``): the headline ratio of each arm's mismatch to the BF16 floor."""
+
+from megatron_trace.rl import report
+
+
+def _rows(diffs: list[float]) -> list[dict]:
+    return [{"step": float(i), "reward": 0.5, "mismatch/logprob_abs_diff": d} for i, d in enumerate(diffs)]
+
+
+def test_summary_divides_each_arms_mismatch_by_the_bf16_floor_of_the_run():
+    rows = report.summary_rows({"bf16": _rows([1e-3, 3e-3]), "trace": _rows([3e-3, 5e-3]), "fp4_qat": _rows([8e-3])})
+    header, table = rows[0], {r[0]: dict(zip(rows[0], r)) for r in rows[1:]}
+    assert header.index("logprob_abs_diff / bf16 floor") == header.index("logprob_abs_diff") + 1
+    assert len(header) == len(report.SUMMARY_KEYS) + 2 and all(len(r) == len(header) for r in rows)
+    # means over all steps: floor 2e-3, trace 4e-3, fp4_qat 8e-3
+    got = {a: t["logprob_abs_diff / bf16 floor"] for a, t in table.items()}
+    assert got == {"bf16": "1x", "trace": "2x", "fp4_qat": "4x"}
+
+
+def test_without_the_bf16_arm_there_is_no_floor_column():
+    rows = report.summary_rows({"trace": _rows([3e-3])})
+    assert "logprob_abs_diff / bf16 floor" not in rows[0] and len(rows[0]) == len(report.SUMMARY_KEYS) + 1
+    rows = report.summary_rows({"bf16": [{"step": 0.0, "reward": 0.0}], "trace": _rows([3e-3])})  # no floor value
+    assert [r[rows[0].index("logprob_abs_diff / bf16 floor")] for r in rows[1:]] == ["-", "-"]
