@@ -271,3 +271,16 @@ def test_an_fp8_kv_cache_is_refused_not_reported_as_bf16(kv):
     for ok in ("auto", "bf16"):  # BF16 K/V: what a trainer without KV sites computes
         assert trace_server_args("/ckpt", FC1_ONLY, HF, native=False, kv_cache_dtype=ok)["kv_cache_dtype"] == ok
         assert SGLangRolloutBackend(None, FC1_ONLY, HF, native=False, kv_cache_dtype=ok).kv_cache_dtype == ok
+
+
+def test_without_sglang_the_engine_entry_points_name_the_extra():
+    """``launch_rollout.py serve`` on a machine without SGLang: an ImportError naming the extra to install."""
+    import importlib.util
+
+    from megatron_trace.rollout.sglang.launch import make_engine, register
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("SGLang is installed here")
+    for call in (lambda: register(CFG), lambda: make_engine(CFG, model_path="/ckpt")):
+        with pytest.raises(ImportError, match=r"pip install 'megatron_trace\[sglang\]'"):
+            call()

@@ -27,6 +27,18 @@ ATTENTION_HOOK = "megatron_trace.rollout.sglang.capture:make_attention_hook"
 WEIGHT_LOADER = "megatron_trace.rollout.sglang.weights.load_and_postprocess"
 
 
+SGLANG_EXTRA_HINT = ("SGLang is not installed: pip install 'megatron_trace[sglang]' (SGLang 0.5.10.post1; its "
+                     "kernels need a CUDA GPU and torch 2.9.1)")
+
+
+def require_sglang() -> None:
+    """Raise a clear ImportError naming the extra when SGLang is absent (at the point of use)."""
+    try:
+        import sglang  # noqa: F401
+    except ImportError as e:
+        raise ImportError(SGLANG_EXTRA_HINT) from e
+
+
 def register(trace_config: TraceConfig | dict | None = None) -> None:
     """Make ``--quantization trace_nvfp4`` known to SGLang in this process (idempotent).
 
@@ -34,6 +46,7 @@ def register(trace_config: TraceConfig | dict | None = None) -> None:
     keeps ``trace_nvfp4`` for ModelOpt NVFP4 checkpoints (ModelOpt's own override would switch them
     to ``modelopt_fp4``), and its Linear method joins ``WEIGHT_LOADER_V2_SUPPORTED`` (chosen by class name).
     """
+    require_sglang()
     from sglang.srt.layers import linear
     from sglang.srt.layers import quantization as q
     from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
@@ -206,9 +219,8 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
 
 def make_engine(trace_config: TraceConfig, **server_kwargs):
     """An ``sglang.Engine`` whose scheduler processes register the TRACE method first."""
+    register(trace_config)  # (raises naming the extra without SGLang)
     import sglang
-
-    register(trace_config)
 
     class TraceEngine(sglang.Engine):
         run_scheduler_process_func = staticmethod(
