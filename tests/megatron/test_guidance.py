@@ -304,6 +304,36 @@ def test_routing_replay_uses_the_rollouts_choices():
     assert all(layer.mlp.router.router_replay.router_replay_action is None for layer in trainer.decoder.layers)
 
 
+def test_replayed_experts_keep_the_routers_scores_and_gradient():
+    """ISEEKYAN/Megatron-LM#79: replayed choices whose scores were gathered from zeroed probabilities killed the
+    router's gradient. Replayed experts (also ones the trainer would not pick) get the router's own softmax
+    scores, the router weights get a gradient, and replaying the trainer's own choices changes nothing."""
+    tc = TraceConfig(guided_layers="none")
+    data = batch()
+    tokens, pos, mask, _ = data
+    roll = _run(_model(tc, seed=7), data).recorded()
+    own = _run(_model(tc), data).recorded()
+
+    def step(routing):
+        model = _model(tc)
+        probs, hooks = {}, [layer.mlp.router.register_forward_hook(lambda m, a, out, i=i: probs.__setitem__(i, out))
+                            for i, layer in enumerate(model.decoder.layers)]
+        with trace_guidance(model, StepGuidance(routing=routing)):
+            model(tokens, pos, mask).float().square().mean().backward()
+        for h in hooks:
+            h.remove()
+        return probs, [layer.mlp.router.weight.grad for layer in model.decoder.layers]
+
+    probs, grads = step(roll.routing)
+    for layer, (p, routing_map) in probs.items():
+        assert bool((p[routing_map] > 0).all()) and not bool(p[~routing_map].any()), layer
+        assert torch.allclose(p.float().sum(-1), torch.ones(()), atol=1e-2), layer  # renormalised over the top-k
+    assert all(g is not None and bool(g.abs().sum() > 0) for g in grads)
+    _, base = step({})
+    _, same = step(own.routing)
+    assert all(torch.equal(a, b) for a, b in zip(base, same))
+
+
 def test_without_replay_fc2_records_of_other_experts_are_counted():
     tc = TraceConfig(guided_layers="all", routing_replay=False)
     data = batch()
