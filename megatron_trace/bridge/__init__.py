@@ -5,7 +5,7 @@ megatron-core and mbridge and is imported on first use of its names.
 """
 
 from .config import build_gpt_model, gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
-from .sync import SyncStats, fp4_stream, sync_byte_counts, sync_weights
+from .sync import SyncStats, WeightSyncError, WeightSyncTimeoutError, fp4_stream, sync_byte_counts, sync_weights
 
 _LAZY = ("LoadStats", "Qwen3MoeBridge", "export_hf_weights", "load_hf_checkpoint", "save_hf_checkpoint")
 
@@ -19,6 +19,7 @@ def __getattr__(name):
 
 
 __all__ = [
-    "SyncStats", "build_gpt_model", "fp4_stream", "gpt_model_kwargs", "local_layer_spec", "sync_byte_counts",
+    "SyncStats", "WeightSyncError", "WeightSyncTimeoutError",
+    "build_gpt_model", "fp4_stream", "gpt_model_kwargs", "local_layer_spec", "sync_byte_counts",
     "sync_weights", "transformer_config_from_hf", *_LAZY,
 ]

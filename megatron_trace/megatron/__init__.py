@@ -18,6 +18,7 @@ or, around Megatron's ``forward_backward_func`` (pipeline schedules included), o
 Megatron-LM: ``add_trace_args`` (extra_args_provider) + ``trace_config_from_args``; see patches/.
 """
 
+from ..formats import NonFiniteError
 from .args import add_trace_args, trace_args_from_config, trace_config_from_args, trace_spec_from_args
 from .attention import TraceDotProductAttention, TraceKVCore
 from .context import StepGuidance, TraceStep, check_finite, find_trace_layers, trace_guidance, trace_record
@@ -28,7 +29,8 @@ from .te import TE_EXTRA_HINT, TraceTEGroupedMLP, TraceWeightFetch
 from .train_step import reuse_weight_quant, trace_train_step
 
 __all__ = [
-    "GuidanceCoverageError", "GuidanceFallbackError", "StepGuidance", "TE_EXTRA_HINT", "TraceDotProductAttention",
+    "GuidanceCoverageError", "GuidanceFallbackError", "NonFiniteError",
+    "StepGuidance", "TE_EXTRA_HINT", "TraceDotProductAttention",
     "TraceExpertsCore", "TraceKVCore", "TraceSequentialMLP", "TraceSpecProvider", "TraceStep", "TraceTEGroupedMLP",
     "TraceWeightFetch", "add_trace_args", "check_finite", "find_trace_layers", "get_trace_decoder_block_spec",
     "get_trace_gpt_layer_spec", "reuse_weight_quant", "trace_args_from_config", "trace_config_from_args",

@@ -121,3 +121,15 @@ def test_timeout_fails_clearly_and_applies_nothing():
     stats = sync_weights(be, _new_weights(), fmt="fp4", quantizer=WQ, dtype=torch.float32, timeout_s=5,
                          clock=Clock())  # one bucket: within the budget
     assert 0 < stats.seconds <= 5 and be.policy_version == 1
+
+
+def test_sync_errors_are_importable_beside_sync_weights():
+    """README names the errors of ``sync_weights`` and ``check_finite``: a caller imports them from the package it
+    imports the function from."""
+    import megatron_trace.bridge as bridge
+    from megatron_trace.formats import NonFiniteError
+
+    assert bridge.WeightSyncError is WeightSyncError and bridge.WeightSyncTimeoutError is WeightSyncTimeoutError
+    assert {"WeightSyncError", "WeightSyncTimeoutError"} <= set(bridge.__all__)
+    megatron = pytest.importorskip("megatron_trace.megatron", reason="megatron-core")
+    assert megatron.NonFiniteError is NonFiniteError and "NonFiniteError" in megatron.__all__
