@@ -93,6 +93,39 @@ def test_a_dense_layer_skips_an_id_without_shifting_the_others():
     assert h.stats()[(0, "kv_k", "used")] == 0 and (0, "expert_fc1_in", "used") not in h.stats()
 
 
+def test_mtp_layers_are_skipped_and_take_no_guidance():
+    """A multi-token-prediction layer built from the TRACE spec (its transformer layer is layer id 4 of a 4-layer
+    model) is not a guided layer: it binds no records or routing, counts no rows, and routes itself, so a guided
+    step with the decoder's records and routing reproduces the recorded step (USER_NEEDS.md §6)."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from ..megatron.harness import SEQ, VOCAB
+
+    cfg = tiny_config(mtp_num_layers=1)
+    spec = trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all"))
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                     position_embedding_type="rope",
+                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False))
+    mtp_layer = model.mtp.layers[0].transformer_layer
+    assert mtp_layer.layer_number - 1 == 4
+    assert type(mtp_layer.mlp.experts) is type(model.decoder.layers[0].mlp.experts)  # TRACE experts there too
+    layers = find_trace_layers(model)
+    assert sorted(layers.moe) == sorted(layers.kv) == [0, 1, 2, 3]
+    tokens, pos, mask, labels = batch()
+    with trace_guidance(model, StepGuidance(), record=True, compact=False) as h, torch.no_grad():
+        want = model(tokens, pos, mask, labels=labels)
+    rec = h.recorded()
+    assert sorted(rec.routing) == [0, 1, 2, 3] and {k[0] for k in rec.sites} == {0, 1, 2, 3}
+    with trace_guidance(model, StepGuidance(sites=rec.sites, routing=rec.routing)) as h, torch.no_grad():
+        got = model(tokens, pos, mask, labels=labels)
+    assert torch.equal(got, want) and {k[0] for k in h.stats()} == {0, 1, 2, 3}
+    assert h.counter.coverage == 1.0 and not h.counter.fallback
+
+
 def test_stray_keys_warn_and_missing_routing_errors(caplog):
     tc = TraceConfig(guided_layers="all", sites=("expert_fc1_in", "expert_fc2_in", "weights"),
                      guided_sites=("expert_fc1_in", "expert_fc2_in"))
