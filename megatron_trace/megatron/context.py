@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -117,7 +118,7 @@ def find_trace_layers(model) -> TraceLayers:
     result without walking it again (``trace_guidance`` and ``check_finite`` run per step)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     cached = chunks[0].__dict__.get("_trace_layers")
-    if cached is not None and len(cached[0]) == len(chunks) and all(a is b for a, b in zip(cached[0], chunks)):
+    if cached is not None and len(cached[0]) == len(chunks) and all(a() is b for a, b in zip(cached[0], chunks)):
         return cached[1]
     moe, kv, cfgs, num_layers = {}, {}, set(), 0
     for chunk in chunks:
@@ -142,7 +143,9 @@ def find_trace_layers(model) -> TraceLayers:
     _apply_exclusions(layers)
     for m in moe.values():
         m.experts.hook_moe_layer(m)  # the experts' weights quantized as their layer starts (prepare_weights)
-    chunks[0].__dict__["_trace_layers"] = (tuple(chunks), layers)  # not a submodule: no state_dict entry
+    # not a submodule (no state_dict entry); the chunks by weak reference: chunk 0 holding itself would be a reference
+    # cycle, and a dropped model (all its GPU memory) would then wait for Python's cyclic GC
+    chunks[0].__dict__["_trace_layers"] = (tuple(weakref.ref(c) for c in chunks), layers)
     return layers
 
 
