@@ -177,7 +177,7 @@ def sample_bytes(dims: ModelDims, config: TraceConfig, num_tokens: int, *, layer
 
 
 def _wire_fields(dims: ModelDims, config: TraceConfig, sample_tokens: list[int], layers) -> list[int]:
-    """Bytes of every payload field of a one-chunk ``GuidanceSync`` send (``guidance.wire``, protocol 5), in
+    """Bytes of every payload field of a one-chunk ``GuidanceSync`` send (``guidance.wire``, protocol 6), in
     payload order: per guided (layer, site) column its fields over all the samples' rows, then per MoE layer the
     routing column."""
     tokens, fields = sum(sample_tokens), []

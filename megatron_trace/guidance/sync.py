@@ -7,7 +7,16 @@ bytes, payload bytes, chunks still to come, transfer number, the header's CRC-32
 then one flat uint8 payload. The transfer number (per destination, from 0) keeps both sides in step: a chunk of
 another transfer is an error naming both numbers, and a rejected chunk's transfer is read to its end before
 ``receive`` raises, so the next transfer starts clean.
-The chunk travels in columns (``guidance.wire``, protocol 5): per (layer, site) and field one tensor
+
+Every ``send`` is one transfer to *every* trainer rank, ended either by its last chunk or, when that rank's
+share cannot be sent (bad input: it cannot be encoded), by an abort message (magic ``ABORT``, the reason as
+header): that rank's ``receive`` raises ``GuidanceSyncError`` with the reason at once (no wait for the timeout)
+and both sides stay in step; the other ranks get their guidance, then ``send`` raises naming the failed ranks.
+A transport failure (a peer missing, crashed or late: gloo closes the link on a timeout, NCCL's watchdog
+aborts) or a message of another transfer leaves the link to that peer unusable: this side marks it broken and
+every later transfer with that peer raises at once, saying to recreate ``GuidanceSync`` on both sides (the
+other peers of a ``send`` are still served). So the two sides never silently disagree on what was transferred.
+The chunk travels in columns (``guidance.wire``, protocol 6): per (layer, site) and field one tensor
 holding the rows of all the chunk's samples, the same per routing layer, and a compact header (per
 sample: id, version, token hash, tokens; per column: format, mode, row shape, dtypes, offsets,
 checksums). Work is per column, not per sample, so a step of many short samples costs about its bytes.
@@ -64,9 +73,12 @@ from .site import FallbackCounter, SiteGuidance, SiteKey
 logger = logging.getLogger(__name__)
 
 MAGIC = 0x54524143  # "TRAC"
+ABORT = 0x54524158  # "TRAX": the sender ends the transfer without its data; the header is the reason (UTF-8)
 SIZES = 6  # the size message: magic, header bytes, payload bytes, chunks to come, transfer number, header CRC-32
 NO_CRC = -1  # the size message's header CRC from a sender with verify=False
-PROTOCOL = 5  # 5: + the header's CRC-32; 4: columnar chunks (wire.py), CRC-32 per field; 3: per-sample tensors
+MAX_REASON = 4096  # bytes of an abort's reason
+PROTOCOL = 6  # 6: abort messages; 5: + the header's CRC-32; 4: columnar chunks (wire.py), CRC-32 per field;
+# 3: per-sample tensors
 
 
 @dataclass
@@ -140,7 +152,11 @@ def _nbytes(s: SampleGuidance | SampleRouting | None) -> int:
     if s is None:
         return 0
     src = source_of([s])  # a view of split_batch / split_routing columns: bytes from the column shapes
-    return src[0].sample_nbytes[src[1][0]] if src is not None else s.nbytes()
+    if src is not None:
+        return src[0].sample_nbytes[src[1][0]]
+    if isinstance(s, SampleGuidance):
+        wire.check_sites(s)
+    return s.nbytes()
 
 
 def _units(samples: Sequence[SampleGuidance], routing: Sequence[SampleRouting]) -> list[_Unit]:
@@ -173,7 +189,9 @@ def chunk_units(units: Sequence[_Unit], chunk_bytes: int | None) -> list[list[_U
 
 
 class GuidanceSyncError(RuntimeError):
-    """A guidance transfer failed (peer missing or timed out, bad header, corrupt payload)."""
+    """A guidance transfer failed (peer missing or timed out, bad header, corrupt payload, aborted by the sender)."""
+
+
 
 
 def assign_destinations(
@@ -228,6 +246,7 @@ class GuidanceSync:
         self.group = dist.new_group(ranks=sorted(ranks), timeout=timeout, backend=backend)
         self.last_stats: TransferStats | None = None  # of the last send / receive on this rank
         self._transfers: dict[int, int] = {}  # transfers started per peer (sender: per trainer rank)
+        self._broken: dict[int, str] = {}  # peer -> why the link to it is unusable (see the module docstring)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     # ---- rollout side -----------------------------------------------------------------------
@@ -243,39 +262,90 @@ class GuidanceSync:
 
         Destinations are assigned per sample id (samples first, then routing-only ids, in order).
         ``chunk_bytes``: send each rank's share in chunks of at most this many bytes (None: one).
+        A rank's share that cannot be encoded ends its transfer with an abort, a broken link is skipped; the other
+        ranks are served, then ``GuidanceSyncError`` names the ranks left out (bad arguments: every rank's transfer
+        is aborted and the error raised as it is).
         """
         if self.rank != self.src:
             raise RuntimeError(f"send() runs on the rollout rank {self.src}, this is rank {self.rank}")
-        if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
-                                        or chunk_bytes < 1):
-            raise ValueError(f"chunk_bytes={chunk_bytes!r} must be an int >= 1 or None")
-        per_dst = assign_destinations(_units(samples, routing), self.dsts, destination)
-        stats, sent = TransferStats(samples=len(samples)), {}
+        try:
+            if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
+                                            or chunk_bytes < 1):
+                raise ValueError(f"chunk_bytes={chunk_bytes!r} must be an int >= 1 or None")
+            per_dst = assign_destinations(_units(samples, routing), self.dsts, destination)
+        except Exception as e:  # every trainer rank waits in receive(): end its transfer with the reason
+            for dst in self.dsts:
+                self._abort(dst, self._next_transfer(dst), e)
+            raise
+        stats, sent, failed = TransferStats(samples=len(samples)), {}, {}
         for dst, units in per_dst.items():
             sent[dst] = 0
-            chunks = chunk_units(units, chunk_bytes)
-            seq = self._transfers.get(dst, 0)
-            self._transfers[dst] = seq + 1
-            what = f"sending guidance transfer {seq} to trainer rank {dst}"
-            for i, chunk in enumerate(chunks):
-                msgs, staged = self._encode_units(chunk, len(chunks) - 1 - i, self.device, seq)
-                held = staged + sum(t.numel() * t.element_size() for t in msgs)
-                stats.peak_bytes = max(stats.peak_bytes, held)
-                sent[dst] += int(msgs[0][2])
-                self._send_chunk(msgs, dst, what)
-                del msgs  # one chunk in flight: its buffers are freed before the next is built
-                stats.chunks += 1
+            seq = self._next_transfer(dst)
+            try:
+                self._check_link(dst)
+                sent[dst] = self._send_transfer(units, dst, seq, chunk_bytes, stats)
+            except GuidanceSyncError as e:  # a broken link (marked by _check_link / _call)
+                failed[dst] = (str(e), e)
+            except Exception as e:  # its share cannot be sent: the rank gets an abort and stays in step
+                told = "its receive raises it" if self._abort(dst, seq, e) else "the abort failed too"
+                failed[dst] = (f"transfer {seq} aborted ({told}): {type(e).__name__}: {e}", e)
         stats.payload_bytes = sum(sent.values())
         self.last_stats = stats
+        if failed:
+            causes = "; ".join(f"rank {d}: {why}" for d, (why, _) in failed.items())
+            raise GuidanceSyncError(f"guidance for trainer rank(s) {sorted(failed)} was not delivered (rank(s) "
+                                    f"{[d for d in self.dsts if d not in failed]} got theirs): {causes}"
+                                    ) from next(iter(failed.values()))[1]
         logger.info("guidance sync: sent %d samples (%d with routing), %s bytes per rank, %d chunks, peak %d bytes",
                     len(samples), len(routing), sent, stats.chunks, stats.peak_bytes)
         return sent
 
+    def _next_transfer(self, peer: int) -> int:
+        seq = self._transfers.get(peer, 0)
+        self._transfers[peer] = seq + 1
+        return seq
+
+    def _check_link(self, peer: int) -> None:
+        if peer in self._broken:
+            raise GuidanceSyncError(f"the guidance link to rank {peer} is broken ({self._broken[peer]}): recreate "
+                                    "GuidanceSync on every rank (new_group is collective)")
+
+    def _send_transfer(self, units: Sequence[_Unit], dst: int, seq: int, chunk_bytes: int | None,
+                       stats: TransferStats) -> int:
+        """Transfer ``seq`` to ``dst`` (its chunks, one in flight at a time); returns its payload bytes. Raises
+        ``GuidanceSyncError`` only for the transport (the link is then broken), anything else for the input."""
+        chunks = chunk_units(units, chunk_bytes)
+        what, sent = f"sending guidance transfer {seq} to trainer rank {dst}", 0
+        for i, chunk in enumerate(chunks):
+            msgs, staged = self._encode_units(chunk, len(chunks) - 1 - i, self.device, seq)
+            held = staged + sum(t.numel() * t.element_size() for t in msgs)
+            stats.peak_bytes = max(stats.peak_bytes, held)
+            sent += int(msgs[0][2])
+            self._send_chunk(msgs, dst, what)
+            del msgs  # one chunk in flight: its buffers are freed before the next is built
+            stats.chunks += 1
+        return sent
+
+    def _abort(self, dst: int, seq: int, cause: BaseException) -> bool:
+        """End transfer ``seq`` to ``dst`` with ``cause`` as the reason; False where the link is broken."""
+        if dst in self._broken:
+            return False
+        reason = f"{type(cause).__name__}: {cause}".encode()[:MAX_REASON]
+        crc = zlib.crc32(reason) if self.verify else NO_CRC
+        msgs = [torch.tensor([ABORT, len(reason), 0, 0, seq, crc], dtype=torch.int64),
+                torch.frombuffer(bytearray(reason), dtype=torch.uint8)]
+        try:
+            self._send_chunk(msgs, dst, f"sending the abort of guidance transfer {seq} to trainer rank {dst}")
+        except GuidanceSyncError as e:
+            logger.warning("guidance transfer %d to rank %d: the abort could not be sent either: %s", seq, dst, e)
+            return False
+        return True
+
     def _send_chunk(self, msgs: list[torch.Tensor], dst: int, what: str) -> None:
         works = self._call(lambda: [dist.isend(t.to(self.device, non_blocking=True), dst=dst, group=self.group)
-                                    for t in msgs], what)
+                                    for t in msgs], what, dst)
         for w in works:
-            self._wait(w, what)
+            self._wait(w, what, dst)
 
     def encode(self, samples: Sequence[SampleGuidance], routing: Sequence[SampleRouting] = ()) -> list[torch.Tensor]:
         """The host messages of one chunk (the last): sizes, header, payload (omitted when empty)."""
@@ -312,23 +382,43 @@ class GuidanceSync:
         return self.receive_shard().samples
 
     def receive_shard(self) -> GuidanceShard:
-        """This rank's guidance and routing (all chunks), after every chunk arrived and validated."""
+        """This rank's guidance and routing (all chunks), after every chunk arrived and validated. Raises
+        ``GuidanceSyncError`` for a rejected or aborted transfer (the next one is in step) and for a broken link
+        (every later call raises at once)."""
         if self.rank not in self.dsts:
             raise RuntimeError(f"receive() runs on trainer ranks {self.dsts}, this is rank {self.rank}")
+        seq = self._next_transfer(self.src)
+        self._check_link(self.src)
+        shard, error = self._receive_transfer(seq)  # a transport failure / lost step marks the link broken
+        if error is not None:  # a rejected chunk or the sender's abort: the transfer was read to its end
+            raise error
+        self.last_stats = shard.stats
+        return shard
+
+    def _receive_transfer(self, seq: int) -> tuple[GuidanceShard, GuidanceSyncError | None]:
+        """(transfer ``seq`` read to its end, the error that rejects it or None)."""
         shard, held = GuidanceShard(), 0
-        seq = self._transfers.get(self.src, 0)
-        self._transfers[self.src] = seq + 1
         left, error = None, None
         while True:
             sizes = self._recv(torch.empty(SIZES, dtype=torch.int64, device=self.device),
                                "the size message").tolist()
-            if sizes[0] != MAGIC or sizes[1] <= 0 or sizes[2] < 0 or sizes[3] < 0:
-                raise GuidanceSyncError(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?)")
-            if sizes[4] != seq or (left is not None and sizes[3] != left - 1):
-                raise GuidanceSyncError(
+            if (sizes[0] not in (MAGIC, ABORT) or sizes[1] <= 0 or sizes[2] < 0 or sizes[3] < 0
+                    or (sizes[0] == ABORT and (sizes[1] > MAX_REASON or sizes[2] or sizes[3]))):
+                self._lost(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?)")
+            if sizes[4] != seq or (sizes[0] == MAGIC and left is not None and sizes[3] != left - 1):
+                self._lost(
                     f"guidance from rank {self.src} out of step: got transfer {sizes[4]} with {sizes[3]} chunk(s) "
                     f"to come, expected transfer {seq}" + ("" if left is None else f" with {left - 1}") +
                     " (a transfer failed midway, or one side restarted: recreate GuidanceSync on both sides)")
+            if sizes[0] == ABORT:  # the sender ended this transfer without (the rest of) its data
+                raw = tensor_bytes(self._recv(torch.empty(sizes[1], dtype=torch.uint8, device=self.device),
+                                              "the abort's reason"))
+                reason = raw.decode(errors="replace")
+                if sizes[5] != NO_CRC and zlib.crc32(raw) != sizes[5]:
+                    reason += " (the reason arrived corrupt)"
+                return GuidanceShard(), error or GuidanceSyncError(
+                    f"the rollout rank {self.src} aborted guidance transfer {seq} to this rank, nothing applied: "
+                    f"{reason}")
             left = sizes[3]
             header = self._recv(torch.empty(sizes[1], dtype=torch.uint8, device=self.device), "the header")
             payload = (host_buffer(sizes[2]) if self.device.type == "cpu"
@@ -342,7 +432,7 @@ class GuidanceSync:
                     error, shard = e, GuidanceShard()
             if error is not None:
                 if sizes[3] == 0:
-                    raise error
+                    return shard, error
                 continue
             held += sizes[2]  # received samples are views into their chunk's payload
             shard.stats.peak_bytes = max(shard.stats.peak_bytes, held + sizes[1])
@@ -354,9 +444,12 @@ class GuidanceSync:
             shard.stats.chunks += 1
             shard.stats.payload_bytes += sizes[2]
             if sizes[3] == 0:
-                break
-        self.last_stats = shard.stats
-        return shard
+                return shard, None
+
+    def _lost(self, message: str) -> None:
+        """Raise: the stream from the sender is at an unknown place (its link is marked broken)."""
+        self._broken[self.src] = message
+        raise GuidanceSyncError(message)
 
     def _decode(self, header: torch.Tensor, payload: torch.Tensor, crc: int) -> tuple:
         try:
@@ -380,17 +473,20 @@ class GuidanceSync:
 
     def _recv(self, t: torch.Tensor, what: str) -> torch.Tensor:
         what = f"receiving {what} from rollout rank {self.src}"
-        self._wait(self._call(lambda: dist.irecv(t, src=self.src, group=self.group), what), what)
+        self._wait(self._call(lambda: dist.irecv(t, src=self.src, group=self.group), what, self.src), what,
+                   self.src)
         return t
 
-    def _wait(self, work, what: str) -> None:
-        self._call(work.wait, what)
+    def _wait(self, work, what: str, peer: int) -> None:
+        self._call(work.wait, what, peer)
 
-    def _call(self, fn, what: str):
-        """``fn()``; a transport error (a missing, crashed or late peer) as ``GuidanceSyncError`` naming ``what``."""
+    def _call(self, fn, what: str, peer: int):
+        """``fn()``; a transport error (a missing, crashed or late peer) as ``GuidanceSyncError`` naming ``what``,
+        the link to ``peer`` marked broken (gloo closes it on a timeout; NCCL's watchdog aborts the group)."""
         try:
             return fn()
         except RuntimeError as e:
+            self._broken[peer] = f"{what} failed: {e}"
             raise GuidanceSyncError(
                 f"guidance sync failed while {what} (timeout {self.timeout}): the peer is missing, crashed or "
                 f"did not call its side of the transfer: {e}"

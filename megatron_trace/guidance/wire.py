@@ -1,4 +1,4 @@
-"""Columnar wire format of ``GuidanceSync`` (protocol 5): one chunk's samples as columns, not per-sample tensors.
+"""Columnar wire format of ``GuidanceSync`` (protocol 6): one chunk's samples as columns, not per-sample tensors.
 
 Header (JSON), per section ``guidance`` and ``routing`` (absent when the chunk has none of it):
 
@@ -25,6 +25,7 @@ from itertools import accumulate
 import torch
 
 from .packed import Column, PackedGuidance, PackedRouting, SampleTable, _Packed, column_meta, site_fields, source_of
+from .records import SiteRecord
 from .serial import ALIGN, RecordFormatError, check_widths, checksums
 
 DTYPES = {"uint8": torch.uint8, "bool": torch.bool, "int16": torch.int16, "int32": torch.int32,
@@ -142,7 +143,15 @@ def _from_samples(parts_of, samples, table: SampleTable) -> SectionPlan:
     return SectionPlan({"columns": head}, plans)
 
 
+def check_sites(s) -> None:
+    """Every site of sample ``s`` holds a ``SiteRecord`` (its ``sites`` dict is mutable: checked where it is sent)."""
+    bad = next((k for k, rec in s.sites.items() if not isinstance(rec, SiteRecord)), None)
+    if bad is not None:
+        raise ValueError(f"sample {s.sample_id} site {bad}: {type(s.sites[bad]).__name__} is not a SiteRecord")
+
+
 def _guidance_parts(s):
+    check_sites(s)
     return [(key, column_meta(rec), site_fields(rec)) for key, rec in s.sites.items()]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -49,7 +50,7 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None
             raise AssertionError("a trainer rank outside the world was accepted")
         except ValueError as e:
             assert "missing peer" in str(e), str(e)
-        timeout = timedelta(seconds=3 if scenario == "missing_sender" else 60)
+        timeout = timedelta(seconds={"missing_sender": 3, "abort_midway": 20, "dead_trainer": 20}.get(scenario, 60))
         verify = not (scenario == "unchecked_sender" and rank == 0)
         sync = GuidanceSync(0, list(range(1, world)), timeout=timeout, verify=verify)
         samples = rollout_samples(B=5)
@@ -59,12 +60,18 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None
             msg = _tampered(rank, sync, samples, scenario)
         elif scenario == "resync":
             msg = _resync(rank, sync, samples)
+        elif scenario == "abort_midway":
+            msg = _abort_midway(rank, sync, samples)
+        elif scenario == "dead_trainer":
+            msg = _dead_trainer(rank, sync, samples)
         else:
             msg = _transfer(rank, world, sync, samples, scenario)
         result.write_text(msg)
     except Exception:  # reported to the parent test
         result.write_text("FAIL\n" + traceback.format_exc())
     finally:
+        if scenario == "dead_trainer" and rank == 1:
+            os._exit(0)  # a trainer that died: no clean shutdown
         if dist.is_initialized() and scenario != "missing_sender":
             dist.destroy_process_group()
 
@@ -192,3 +199,95 @@ def _resync(rank, sync, samples) -> str:
     for a, b in zip(got, second):
         assert_samples_equal(a, b)
     return f"OK resynced {[s.sample_id for s in got]}"
+
+
+def _unencodable(s):
+    """``s`` with one site's record lost (None): the rollout rank cannot encode it."""
+    key = next(iter(s.sites))
+    return dataclasses.replace(s, sites={**s.sites, key: None}, source=None)
+
+
+def _receive_all(sync, rounds: int) -> list[str]:
+    """Each receive's outcome ("ok [ids]" or the error) and how long it took."""
+    out = []
+    for _ in range(rounds):
+        t0 = time.monotonic()
+        try:
+            got = sync.receive()
+            what = f"ok {[s.sample_id for s in got]}"
+        except GuidanceSyncError as e:
+            what = f"error {e}"
+        out.append((what, time.monotonic() - t0))
+    return out
+
+
+def _abort_midway(rank, sync, samples) -> str:
+    """Send 0 fails at rank 1 (a sample it cannot encode), send 2 before any rank (a bad mapping), send 4 midway
+    through every rank's transfer (as an out-of-memory building its second chunk would): every trainer rank's receive
+    ends at once (an abort naming the reason, or its data), and sends 1, 3 and 5 arrive whole on both ranks."""
+    from megatron_trace.guidance.sync import _units, chunk_units
+
+    good = samples[:6]  # rank 1: ids 0, 2, 4; rank 2: ids 1, 3, 1000
+    if rank == 0:
+        bad = [_unencodable(s) if s.sample_id == 2 else s for s in good]
+        out = []
+        for attempt, (batch, mapping) in enumerate([(bad, None), (good, None), (good, lambda sid: 7), (good, None),
+                                                    (None, None), (good, None)]):
+            if batch is None:  # chunk 0 of each rank's transfer, then its abort
+                for dst in (1, 2):
+                    seq, first = sync._next_transfer(dst), chunk_units(_units(good[dst - 1::2], ()), 1)[0]
+                    sync._send_chunk(sync._encode_units(first, 2, sync.device, seq)[0], dst, "chunk 0")
+                    assert sync._abort(dst, seq, MemoryError("emulated: no memory for chunk 1"))
+                out.append("aborted midway")
+                continue
+            try:
+                sync.send(batch, mapping, chunk_bytes=1)  # one sample per chunk
+                out.append("sent")
+            except GuidanceSyncError as e:
+                assert attempt == 0 and "trainer rank(s) [1] was not delivered (rank(s) [2] got theirs)" in str(e) \
+                    and "transfer 0 aborted (its receive raises it)" in str(e), str(e)
+                assert "is not a SiteRecord" in str(e), str(e)
+                out.append("failed for rank 1")
+            except ValueError as e:
+                assert attempt == 2 and "not a trainer rank" in str(e), str(e)
+                out.append("refused")
+        assert out == ["failed for rank 1", "sent", "refused", "sent", "aborted midway", "sent"], out
+        assert sync._transfers == {1: 6, 2: 6}, sync._transfers
+        return "OK " + ", ".join(out)
+    got = _receive_all(sync, 6)
+    ok = f"ok {[s.sample_id for i, s in enumerate(good) if 1 + i % 2 == rank]}"
+    expect = [("aborted guidance transfer 0" if rank == 1 else ok), ok, "aborted guidance transfer 2", ok,
+              "aborted guidance transfer 4", ok]
+    for (what, secs), exp in zip(got, expect):
+        assert exp in what, (what, exp)
+        assert secs < 10, f"{what!r} took {secs:.1f}s: the receiver waited for the timeout"
+    assert rank == 2 or "ValueError: sample 2 site (0, 'expert_fc1_in'): NoneType is not a SiteRecord" in got[0][0], \
+        got[0]
+    assert "not a trainer rank" in got[2][0] and "MemoryError: emulated" in got[4][0], got
+    return "OK " + " | ".join(w for w, _ in got)
+
+
+def _dead_trainer(rank, sync, samples) -> str:
+    """Trainer rank 1 dies before its receive: rank 2 still gets every send; the sender names rank 1 each time, the
+    second time at once (its link is marked broken: recreate GuidanceSync)."""
+    good = samples[:4]
+    if rank == 1:
+        return "OK died"  # the worker exits without a shutdown
+    if rank == 0:
+        time.sleep(2)  # rank 1 is gone
+        out = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            try:
+                sync.send(good)
+                out.append("sent")
+            except GuidanceSyncError as e:
+                assert "trainer rank(s) [1] was not delivered (rank(s) [2] got theirs)" in str(e), str(e)
+                out.append(f"failed for rank 1 in {time.monotonic() - t0:.0f}s"
+                           + (" (broken link)" if "recreate GuidanceSync" in str(e) else ""))
+        assert out[0].startswith("failed for rank 1") and out[1] == "failed for rank 1 in 0s (broken link)", out
+        return "OK " + ", ".join(out)
+    got = _receive_all(sync, 2)
+    want = f"ok {[s.sample_id for i, s in enumerate(good) if i % 2]}"
+    assert [w for w, _ in got] == [want, want], got
+    return "OK " + " | ".join(w for w, _ in got)

@@ -63,6 +63,18 @@ def test_a_rejected_transfer_leaves_the_next_one_in_step(tmp_path):
     assert out[1] == f"OK resynced {[s.sample_id for s in rollout_samples(5)[3:]]}"
 
 
+def test_a_send_that_fails_midway_or_before_any_rank_keeps_every_rank_in_step(tmp_path):
+    """A rank's share that cannot be sent ends its transfer with an abort, also after some of its chunks (its receive
+    raises the reason at once, no timeout); the other rank gets its data; the next sends arrive whole on both."""
+    out = _run(3, "abort_midway", tmp_path)
+    assert out[0] == "OK failed for rank 1, sent, refused, sent, aborted midway, sent"
+
+
+def test_a_dead_trainer_rank_does_not_starve_the_others(tmp_path):
+    out = _run(3, "dead_trainer", tmp_path)
+    assert out[2].count("ok") == 2
+
+
 def test_assign_destinations_validates():
     samples = rollout_samples(2)
     per = assign_destinations(samples, [1, 2, 3])

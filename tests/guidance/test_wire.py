@@ -1,4 +1,4 @@
-"""Columnar sync chunks (``guidance.wire``, protocol 5) and assembly from columns (``packed_assemble``), in process:
+"""Columnar sync chunks (``guidance.wire``, protocol 6) and assembly from columns (``packed_assemble``), in process:
 ``GuidanceSync.encode`` -> ``_decode`` without a process group (the multi-process paths are in test_sync.py)."""
 
 import dataclasses
