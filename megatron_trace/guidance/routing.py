@@ -19,8 +19,10 @@ import torch
 from .records import _per_row, token_hash, token_mask
 
 ALIGN = 16
-_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32}
+_DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
 _NAMES = {v: k for k, v in _DTYPES.items()}
+ID_DTYPES = tuple(_DTYPES.values())
+"""Dtypes of expert ids a ``SampleRouting`` (and the sync) carries: integers that hold ids >= 0 exactly."""
 
 
 class RoutingMismatchError(ValueError):
@@ -45,6 +47,16 @@ class SampleRouting:
     experts: dict[int, torch.Tensor]
     source: tuple | None = field(default=None, compare=False, repr=False)
     """(``packed.PackedRouting``, index) when the tensors are views of one (``split_routing``, a received chunk)."""
+
+    def __post_init__(self):
+        if self.source is not None:  # views of columns checked when they were packed or received
+            return
+        for layer, t in self.experts.items():
+            if isinstance(layer, bool) or not isinstance(layer, int):
+                raise ValueError(f"routing of sample {self.sample_id}: layer {layer!r} must be an int layer id")
+            if t.dtype not in ID_DTYPES or t.dim() != 2:
+                raise ValueError(f"routing of sample {self.sample_id} layer {layer}: expert ids {t.dtype} "
+                                 f"{tuple(t.shape)} must be [tokens, topk] of {', '.join(map(str, ID_DTYPES))}")
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.experts.values())

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import CompactGuidance, FullGuidance
+from ..formats import CompactGuidance, FullGuidance, get_format
 
 NOT_GUIDED = "not_guided_layer"
 """The fallback reason of rows at layers outside the layer policy (not guided sites: not in the coverage)."""
@@ -32,7 +32,15 @@ SiteKey = tuple[int, str]
 
 def check_rows(record, valid: torch.Tensor, expert_ids: torch.Tensor | None, lead_dims: int) -> None:
     """A record's side tensors fit its rows: ``valid`` bool and ``expert_ids`` integer over the leading
-    ``lead_dims`` dims (all but the last with expert ids), ``global_amax`` one value or one per row."""
+    ``lead_dims`` dims (all but the last with expert ids), ``global_amax`` one value or one per row; the payload
+    is packed uint8 and the block scales are of the format's scale dtype."""
+    payload = record.mantissa_bits if isinstance(record, CompactGuidance) else record.codes
+    if payload.dtype != torch.uint8:
+        name = "mantissa_bits" if isinstance(record, CompactGuidance) else "codes"
+        raise ValueError(f"{type(record).__name__}.{name} is {payload.dtype}: guidance payloads are packed torch.uint8")
+    scale_dtype = get_format(record.fmt).scale_dtype
+    if record.block_scales.dtype != scale_dtype:
+        raise ValueError(f"{record.fmt} block_scales are {record.block_scales.dtype}, the format's are {scale_dtype}")
     lead = tuple(record.shape[:-1]) if expert_ids is not None else tuple(record.shape[:lead_dims])
     if expert_ids is not None and (tuple(expert_ids.shape) != lead or expert_ids.is_floating_point()
                                    or expert_ids.dtype == torch.bool):

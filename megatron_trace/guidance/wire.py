@@ -32,6 +32,19 @@ DTYPES = {"uint8": torch.uint8, "bool": torch.bool, "int16": torch.int16, "int32
           "int64": torch.int64, "float32": torch.float32}
 _NAMES = {v: k for k, v in DTYPES.items()}
 _REQUIRED = {"guidance": {"payload", "scales", "valid"}, "routing": {"experts"}}
+_FIELD_DTYPES = {  # what each column field may be (both ends check: a wrong dtype is never cast or reinterpreted)
+    "guidance": {"payload": (torch.uint8,), "scales": (torch.uint8,), "valid": (torch.bool,),
+                 "amax": (torch.float32,), "expert_ids": (torch.int64,)},
+    "routing": {"experts": (torch.uint8, torch.int16, torch.int32, torch.int64)},
+}
+
+
+def _check_dtype(kind: str, name: str, dtype: torch.dtype, where: str, error=ValueError) -> None:
+    allowed = _FIELD_DTYPES[kind].get(name)
+    if allowed is None:
+        raise error(f"{where}: field {name!r} is not a {kind} field {sorted(_FIELD_DTYPES[kind])}")
+    if dtype not in allowed:
+        raise error(f"{where}: field {name} is {dtype}, {kind} carries {', '.join(map(str, allowed))}")
 
 
 @dataclass
@@ -120,13 +133,16 @@ def _from_source(packed: _Packed, idx: list[int], table: SampleTable) -> Section
     return SectionPlan({"columns": head}, plans)
 
 
-def _from_samples(parts_of, samples, table: SampleTable) -> SectionPlan:
+def _from_samples(parts_of, samples, table: SampleTable, kind: str) -> SectionPlan:
     """Columns grouped by (key, layout) from each sample's own tensors: one cat per field."""
     groups: dict[tuple, tuple[dict, list[int], list[int], list[dict]]] = {}
     for k, s in enumerate(samples):
         for key, meta, fields in parts_of(s):
             rows = next(t.shape[0] for n, t in fields.items() if n != "amax" or meta.get("amax") != "sample")
             sig = (key, repr(meta), tuple((n, t.dtype, tuple(t.shape[1:])) for n, t in fields.items()))
+            if sig not in groups:  # a new layout: its field dtypes checked once
+                for n, t in fields.items():
+                    _check_dtype(kind, n, t.dtype, f"{kind} of sample {s.sample_id} at {key}")
             g = groups.setdefault(sig, (meta, [], [], []))
             g[1].append(k)
             g[2].append(int(rows))
@@ -166,7 +182,7 @@ def plan_section(samples: Sequence, kind: str) -> SectionPlan | None:
     table = _table(samples)
     src = source_of(samples)
     plan = (_from_source(src[0], src[1], table) if src is not None
-            else _from_samples(_guidance_parts if kind == "guidance" else _routing_parts, samples, table))
+            else _from_samples(_guidance_parts if kind == "guidance" else _routing_parts, samples, table, kind))
     plan.head["table"] = table.as_dict()
     return plan
 
@@ -245,6 +261,7 @@ def _decode_column(c: dict, kind: str, table: SampleTable, payload: torch.Tensor
     fields = {}
     for name, dt, shape, off, crc in c["fields"]:
         dtype, shape = DTYPES[dt], tuple(_ints(shape, "shape"))
+        _check_dtype(kind, name, dtype, f"column {c['key']}", RecordFormatError)
         nbytes = math.prod(shape) * dtype.itemsize
         lead = len(members) if name == "amax" and meta.get("amax") == "sample" else starts[-1]
         if not shape or shape[0] != lead or off % ALIGN or off < 0 or off + nbytes > payload.numel():

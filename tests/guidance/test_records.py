@@ -420,3 +420,26 @@ def test_a_sample_with_narrower_expert_ids_assembles_as_int64():
     assert got.scales_checked and not batch[key].scales_checked  # (the trainer's step need not look again)
     with pytest.raises(ValueError, match=re.escape(f"expert_ids must be integer of shape {tuple(rec.valid.shape)}")):
         SiteRecord(rec.record, rec.valid, rec.expert_ids.float())
+
+
+@pytest.mark.parametrize("fmt,compact", FORMATS, ids=IDS)
+def test_a_payload_or_scales_of_another_dtype_is_refused_by_name(fmt, compact):
+    """An int16 / float32 payload or a scale tensor of another dtype was accepted (and assembled, sent, counted as
+    used): records are packed uint8 with the format's scale dtype."""
+    from megatron_trace.guidance.records import SiteRecord, with_tensors
+    from megatron_trace.guidance.site import SiteGuidance
+
+    batch, _, tok, mask = make_batch(B=2, S=5, layers=(0,), sites=("expert_fc1_in",), fmt=fmt, compact=compact)
+    sg = batch[(0, "expert_fc1_in")]
+    r = sg.record
+    name = "mantissa_bits" if compact else "codes"
+    for dtype in (torch.int16, torch.float32, torch.int8):
+        bad = with_tensors(r, payload_of(r).to(dtype), r.block_scales, r.global_amax, r.shape)
+        with pytest.raises(ValueError, match=re.escape(f"{name} is {dtype}: guidance payloads are packed torch.uint8")):
+            SiteGuidance(bad, sg.valid)
+        with pytest.raises(ValueError, match="packed torch.uint8"):
+            SiteRecord(with_tensors(bad, payload_of(bad)[0], r.block_scales[0], None if r.global_amax is None
+                                    else r.global_amax[0], r.shape[1:]), sg.valid[0])
+    scales = with_tensors(r, payload_of(r), r.block_scales.view(torch.uint8), r.global_amax, r.shape)
+    with pytest.raises(ValueError, match=re.escape(f"{fmt} block_scales are torch.uint8, the format's are")):
+        SiteGuidance(scales, sg.valid)

@@ -3,6 +3,7 @@
 
 import dataclasses
 import json
+import re
 import zlib
 
 import pytest
@@ -201,6 +202,12 @@ def test_every_corrupted_field_is_rejected_and_names_its_column():
     (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("shape", [64]), r"payload rows \(6,\) != \(8,\)"),
     (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("mode", "full"), r"payload rows \(6,\) != \(24,\)"),
     (lambda h: h["routing"].__setitem__("table", None) or h.__setitem__("guidance", None), "without a sample table"),
+    # fields of a dtype their kind does not carry (a sender's bug): never cast or reinterpreted
+    (lambda h: h["routing"]["columns"][0]["fields"][0].__setitem__(1, "float32"),
+     "field experts is torch.float32, routing carries torch.uint8, torch.int16, torch.int32, torch.int64"),
+    (lambda h: h["routing"]["columns"][0]["fields"][0].__setitem__(1, "bool"), "field experts is torch.bool"),
+    (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(1, "int16"),
+     "field payload is torch.int16, guidance carries torch.uint8"),
 ])
 def test_bad_headers_are_rejected_whole(edit, match):
     samples, routing, *_ = _data()
@@ -307,3 +314,32 @@ def test_assemble_routing_from_columns_equals_and_raises_on_mismatch():
     t[2, 0] += 1
     with pytest.raises(RoutingMismatchError, match="batch row 2: .*token_hash"):
         shard.assemble_routing(ids, t, versions=3, attention_mask=mask)
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, None), (torch.bool, None), (torch.int8, None),
+                                         (torch.int64, "1-D")])
+def test_routing_of_another_dtype_or_shape_is_refused_by_name(dtype, shape):
+    """Float or bool expert ids were sent and replayed truncated to int64 (1.5 -> 1), int8 ones failed in the
+    sender with "KeyError: torch.int8", 1-D ones in the trainer's assembly: ``SampleRouting`` names them."""
+    from megatron_trace.guidance.routing import SampleRouting
+
+    r = _data()[1][0]
+    experts = {k: v.to(dtype) for k, v in r.experts.items()}
+    if shape:
+        experts = {k: v[:, 0] for k, v in experts.items()}
+    with pytest.raises(ValueError, match=f"routing of sample {r.sample_id} layer 0: expert ids {dtype} "
+                                         r"\(\d+(, 3)?,?\) must be \[tokens, topk\] of torch.uint8"):
+        SampleRouting(r.sample_id, r.version, r.token_hash, r.num_tokens, experts)
+    if not shape and dtype != torch.int64:
+        return
+    ok = SampleRouting(r.sample_id, r.version, r.token_hash, r.num_tokens, {k: v.long() for k, v in r.experts.items()})
+    _assert_routing_equal(_decode(_sync().encode([], [ok])).routing, [ok])  # int64 ids travel as they are
+
+
+def test_a_sample_whose_site_is_not_a_record_is_refused_by_the_sender():
+    samples = _data()[0]
+    s = samples[1]
+    key = next(iter(s.sites))
+    bad = dataclasses.replace(s, sites={**s.sites, key: None}, source=None)
+    with pytest.raises(ValueError, match=re.escape(f"sample {s.sample_id} site {key}: NoneType is not a SiteRecord")):
+        _sync().encode([samples[0], bad])
