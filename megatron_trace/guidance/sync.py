@@ -468,7 +468,11 @@ class GuidanceSync:
                     f"guidance protocol {head.get('protocol')!r} from the rollout rank, this trainer speaks "
                     f"{PROTOCOL}: run the same megatron_trace version on rollout and trainer ranks")
             return wire.decode(head, payload, verify=self.verify)
-        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecordFormatError) as e:
+        except GuidanceSyncError:
+            raise
+        except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
+            # any failure to decode (a torch view of a malformed header raises RuntimeError) rejects the chunk:
+            # the receiver then reads its transfer to the end, so the next one starts in step
             raise GuidanceSyncError(f"guidance from rank {self.src} rejected, nothing applied: {e}") from e
 
     def _recv(self, t: torch.Tensor, what: str) -> torch.Tensor:

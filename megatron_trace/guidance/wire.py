@@ -262,6 +262,8 @@ def _decode_column(c: dict, kind: str, table: SampleTable, payload: torch.Tensor
     for name, dt, shape, off, crc in c["fields"]:
         dtype, shape = DTYPES[dt], tuple(_ints(shape, "shape"))
         _check_dtype(kind, name, dtype, f"column {c['key']}", RecordFormatError)
+        if any(n < 0 for n in shape):
+            raise RecordFormatError(f"column {c['key']} field {name}: shape {shape} has a negative dimension")
         nbytes = math.prod(shape) * dtype.itemsize
         lead = len(members) if name == "amax" and meta.get("amax") == "sample" else starts[-1]
         if not shape or shape[0] != lead or off % ALIGN or off < 0 or off + nbytes > payload.numel():

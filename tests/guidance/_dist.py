@@ -58,8 +58,8 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None
             msg = _missing_sender(rank, sync)
         elif scenario in ("corrupt", "corrupt_routing", "bad_magic", "old_protocol", "unchecked_sender"):
             msg = _tampered(rank, sync, samples, scenario)
-        elif scenario == "resync":
-            msg = _resync(rank, sync, samples)
+        elif scenario in ("resync", "resync_bad_header"):
+            msg = _resync(rank, sync, samples, scenario)
         elif scenario == "abort_midway":
             msg = _abort_midway(rank, sync, samples)
         elif scenario == "dead_trainer":
@@ -171,9 +171,10 @@ def _tampered(rank, sync, samples, scenario) -> str:
     return f"FAIL accepted {len(got)} tampered samples"
 
 
-def _resync(rank, sync, samples) -> str:
-    """Transfer 0 in 3 chunks whose first is corrupt, then transfer 1: the receiver rejects transfer 0 whole
-    (reading it to its end) and gets transfer 1's samples, not transfer 0's leftover chunks."""
+def _resync(rank, sync, samples, scenario="resync") -> str:
+    """Transfer 0 in 3 chunks whose first is corrupt (a payload byte, or a header naming a negative dimension that
+    its sender wrote: checksum intact), then transfer 1: the receiver rejects transfer 0 whole (reading it to its
+    end) and gets transfer 1's samples, not transfer 0's leftover chunks."""
     from megatron_trace.guidance.sync import _units, chunk_units
 
     first, second = samples[:3], samples[3:]
@@ -183,8 +184,14 @@ def _resync(rank, sync, samples) -> str:
         sync._transfers[1] = seq + 1
         for i, chunk in enumerate(chunks):
             msgs, _ = sync._encode_units(chunk, len(chunks) - 1 - i, sync.device, seq)
-            if i == 0:
+            if i == 0 and scenario == "resync":
                 msgs[2][0] ^= 0x10  # the first field's first byte
+            elif i == 0:
+                head = json.loads(bytes(msgs[1].tolist()))
+                head["guidance"]["columns"][0]["fields"][0][2][1] *= -1
+                raw = json.dumps(head).encode()
+                msgs[0][1], msgs[0][5] = len(raw), zlib.crc32(raw)
+                msgs[1] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             for t in msgs:
                 dist.send(t, dst=1, group=sync.group)
         sync.send(second, chunk_bytes=1)
@@ -193,7 +200,8 @@ def _resync(rank, sync, samples) -> str:
         sync.receive()
         return "FAIL the corrupt transfer was accepted"
     except GuidanceSyncError as e:
-        assert "checksum" in str(e), str(e)
+        want = "checksum" if scenario == "resync" else "nothing applied: column [0, 'expert_fc1_in'] field payload"
+        assert want in str(e) and (scenario == "resync" or "has a negative dimension" in str(e)), str(e)
     got = sync.receive()
     assert [s.sample_id for s in got] == [s.sample_id for s in second], [s.sample_id for s in got]
     for a, b in zip(got, second):

@@ -58,8 +58,9 @@ def test_tampered_transfer_is_rejected_whole(tmp_path, scenario):
     assert out[1].startswith("OK rejected")
 
 
-def test_a_rejected_transfer_leaves_the_next_one_in_step(tmp_path):
-    out = _run(2, "resync", tmp_path)
+@pytest.mark.parametrize("scenario", ["resync", "resync_bad_header"])
+def test_a_rejected_transfer_leaves_the_next_one_in_step(tmp_path, scenario):
+    out = _run(2, scenario, tmp_path)
     assert out[1] == f"OK resynced {[s.sample_id for s in rollout_samples(5)[3:]]}"
 
 

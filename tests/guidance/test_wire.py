@@ -208,6 +208,9 @@ def test_every_corrupted_field_is_rejected_and_names_its_column():
     (lambda h: h["routing"]["columns"][0]["fields"][0].__setitem__(1, "bool"), "field experts is torch.bool"),
     (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(1, "int16"),
      "field payload is torch.int16, guidance carries torch.uint8"),
+    # a negative dimension escaped as torch's RuntimeError: the receiver then did not read the transfer to its end
+    (lambda h: h["guidance"]["columns"][0]["fields"][0][2].__setitem__(1, -6),
+     r"field payload: shape \(\d+, -6\) has a negative dimension"),
 ])
 def test_bad_headers_are_rejected_whole(edit, match):
     samples, routing, *_ = _data()
