@@ -64,6 +64,8 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None
             msg = _abort_midway(rank, sync, samples)
         elif scenario == "dead_trainer":
             msg = _dead_trainer(rank, sync, samples)
+        elif scenario == "empty":
+            msg = _empty(rank, sync)
         else:
             msg = _transfer(rank, world, sync, samples, scenario)
         result.write_text(msg)
@@ -299,3 +301,57 @@ def _dead_trainer(rank, sync, samples) -> str:
     want = f"ok {[s.sample_id for i, s in enumerate(good) if i % 2]}"
     assert [w for w, _ in got] == [want, want], got
     return "OK " + " | ".join(w for w, _ in got)
+
+
+def _empty(rank, sync) -> str:
+    """Transfers with nothing in them: a trainer rank without samples; samples without records (no payload message);
+    a guided layer with no records at all (absent from the rollout batch) and samples of 0 tokens, in chunks. What
+    arrives is exactly what was sent, and the trainer's assembly counts every guided row without a record."""
+    from megatron_trace.guidance.records import SampleGuidance
+    from megatron_trace.guidance.site import FallbackCounter
+
+    from ._data import make_batch
+
+    batch, _, tok, mask = make_batch(B=4, S=6, lengths=[6, 0, 5, 0], layers=(0, 1),
+                                     sites=("expert_fc1_in", "expert_fc2_in"))
+    ids = [10, 11, 12, 13]
+    full = split_batch(batch, tok, version=1, attention_mask=mask, sample_ids=ids)
+    no_records = [SampleGuidance(s.sample_id, s.version, s.token_hash, s.num_tokens, {}) for s in full]
+    layer0 = split_batch({k: v for k, v in batch.items() if k[0] == 0}, tok, version=1, attention_mask=mask,
+                         sample_ids=ids)  # the rollout recorded nothing at layer 1
+    keys = sorted(batch)  # the trainer's guided sites
+    rounds = [(full, {i: 1 for i in ids}, None), (no_records, None, None), (layer0, {10: 1, 11: 2, 12: 1, 13: 2}, 1)]
+    if rank == 0:
+        out = []
+        for samples, mapping, chunk in rounds:
+            sent = sync.send(samples, mapping, chunk_bytes=chunk)
+            out.append((sent, sync.last_stats.chunks))
+        assert out[0][0][2] == 0 and out[1][0] == {1: 0, 2: 0} and out[2][0][2] == 0, out  # no payload bytes
+        return f"OK {out}"
+    log = []
+    for n, (samples, mapping, _) in enumerate(rounds):
+        shard = sync.receive_shard()
+        mine = [s for i, s in enumerate(samples) if (mapping or {}).get(s.sample_id, 1 + i % 2) == rank]
+        assert [s.sample_id for s in shard.samples] == [s.sample_id for s in mine], (n, shard.samples)
+        for a, b in zip(shard.samples, mine):
+            assert_samples_equal(a, b)
+        counts = []
+        for k in (keys, None):
+            rows = [ids.index(s.sample_id) for s in mine]
+            c = FallbackCounter()
+            out = shard.assemble([s.sample_id for s in mine], tok[rows], versions=1, counter=c,
+                                 attention_mask=mask[rows], keys=k) if mine else {}
+            counts.append((c.used, dict(c.fallback), sorted(out)))
+        log.append((n, shard.stats.payload_bytes, counts))
+    T = 11  # tokens of samples 10 and 12 (rank 1's)
+    rows = T * (1 + 3)  # guided rows of one layer: FC1 one per token, FC2 one per (token, top-3 expert)
+    if rank == 1:
+        l0 = [(0, "expert_fc1_in"), (0, "expert_fc2_in")]
+        assert log[0][2] == [(2 * rows, {}, keys)] * 2, log[0]
+        # a guided key no sample has is counted once per token (its rows per token are unknown without a record)
+        assert log[1][1] == 0 and log[1][2] == [(0, {"missing": 4 * T}, []), (0, {"missing": T}, [])], log[1]
+        assert log[2][2] == [(rows, {"missing": 2 * T}, l0), (rows, {}, l0)], log[2]
+    else:  # nothing in round 0; samples of 0 tokens in rounds 1 and 2
+        assert log[0][1] == 0 and log[0][2] == [(0, {}, [])] * 2, log[0]
+        assert all(entry[1] == 0 and entry[2][0][:2] == (0, {}) for entry in log[1:]), log
+    return f"OK {log}"

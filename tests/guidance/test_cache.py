@@ -351,3 +351,36 @@ def test_split_samples_restamped_after_the_split_are_kept_under_their_own_ids_an
         assembled(c)
         counts.append(c.as_dict())
     assert counts[0] == counts[1] and counts[0]["guidance/coverage"] == 1.0
+
+
+@pytest.mark.parametrize("path", ["columns", "per_sample", "spilled", "packed", "packed_spilled", "no_records"])
+def test_samples_of_no_tokens_and_layers_without_records_on_every_storage_path(tmp_path, path):
+    """Guided layer 1 recorded nothing (absent from the rollout batch), samples 11 and 13 have no tokens, and
+    ("no_records") samples with no record at all: kept, returned and assembled like ``records.assemble``, rows
+    without a record counted ``missing``; nothing fails on empty tensors or is dropped."""
+    from megatron_trace.guidance.records import SampleGuidance
+
+    batch, _, tok, mask = make_batch(B=4, S=6, lengths=[6, 0, 5, 0], layers=(0, 1),
+                                     sites=("expert_fc1_in", "expert_fc2_in"))
+    layer0 = {k: v for k, v in batch.items() if k[0] == 0}
+    kw = dict(version=2, attention_mask=mask, sample_ids=[10, 11, 12, 13])
+    samples = split_batch(layer0, tok, **kw)
+    cache = GuidanceCache(budget_bytes=0 if path.endswith("spilled") else 10**9, cache_dir=tmp_path)
+    if path == "per_sample":
+        cache.put(1, samples[:1])
+        cache.put(1, samples[1:])
+    elif path.startswith("packed"):
+        cache.put(1, pack_guidance(layer0, tok, **kw))
+    elif path == "no_records":  # per sample, none of them with a site
+        samples = [SampleGuidance(x.sample_id, x.version, x.token_hash, x.num_tokens, {}) for x in samples]
+        samples[0] = split_batch(layer0, tok, **kw)[0]  # one sample with its records
+        cache.put(1, samples)
+    else:
+        cache.put(1, samples)
+    assert [x.sample_id for x in cache.get(1, [11, 13, 10])] == [11, 13, 10]
+    assert [x.num_tokens for x in cache.get(1, [11, 13])] == [0, 0]
+    c = _assemble_both(cache, 1, samples, [10, 11, 12, 13], tok, mask, 2)
+    T = 6 + 5  # tokens of samples 10 and 12; the rows of layer 0: FC1 one per token, FC2 one per top-3 expert
+    assert (c.used, dict(c.fallback)) == ((6 * 4, {"missing": 5 * 4}) if path == "no_records" else (T * 4, {}))
+    c = _assemble_both(cache, 1, samples, [11, 13], tok[[1, 3]], mask[[1, 3]], 2)  # only the empty samples
+    assert (c.used, dict(c.fallback)) == (0, {})

@@ -76,6 +76,14 @@ def test_a_dead_trainer_rank_does_not_starve_the_others(tmp_path):
     assert out[2].count("ok") == 2
 
 
+def test_empty_transfers_arrive_as_sent_and_missing_records_are_counted(tmp_path):
+    """A rank without samples, samples without records (no payload), a guided layer without any record and samples
+    of 0 tokens: nothing crashes or is dropped, and the trainer's assembly counts the guided rows without records
+    as ``missing`` (a layer no sample has: counted by the trainer's layer, as records.assemble leaves it out)."""
+    out = _run(3, "empty", tmp_path)
+    assert out[0].startswith("OK")
+
+
 def test_assign_destinations_validates():
     samples = rollout_samples(2)
     per = assign_destinations(samples, [1, 2, 3])
