@@ -153,7 +153,7 @@ class GuidanceCache:
     # ---- rollout side -----------------------------------------------------------------------
     def put(self, step: int, samples: Sequence[SampleGuidance] | PackedGuidance) -> None:
         """Store one rollout batch of ``step`` (samples, or a whole batch's columns from ``records.pack_guidance``);
-        may be called several times per step."""
+        may be called several times per step. A put that raises (e.g. its spill fails) keeps none of its samples."""
         st = self._steps.setdefault(int(step), _Step())
         whole = samples if isinstance(samples, PackedGuidance) else None
         ids = list(whole.table.ids) if whole is not None else [s.sample_id for s in samples]
@@ -184,13 +184,23 @@ class GuidanceCache:
                 f"({self.host_bytes} held, this put needs {plan.total}) and no cache_dir is set: "
                 "set TraceConfig.cache_dir (spill to disk) or raise cache_budget_mb"
             )
-        if n_mem:
-            mem = FlatPlan(plan.metas[:n_mem], plan.parts[:n_mem], sum(m["nbytes"] for m in plan.metas[:n_mem]))
-            host, event = self._stager.to_host(mem)
-            st.chunks.append(_Chunk(host, {m["sample_id"]: m for m in mem.metas}, event))
-            self._account(mem.total)
-        if n_mem < len(samples):
-            self._spill(step, st, samples[n_mem:])
+        chunk = None
+        try:
+            if n_mem:
+                mem = FlatPlan(plan.metas[:n_mem], plan.parts[:n_mem], sum(m["nbytes"] for m in plan.metas[:n_mem]))
+                host, event = self._stager.to_host(mem)
+                chunk = _Chunk(host, {m["sample_id"]: m for m in mem.metas}, event)
+                st.chunks.append(chunk)
+                self._account(mem.total)
+            if n_mem < len(samples):
+                self._spill(step, st, samples[n_mem:])
+        except BaseException:  # nothing of a failed put is kept: its samples would shadow those of a retry
+            if chunk is not None:
+                st.chunks = [c for c in st.chunks if c is not chunk]
+                self.host_bytes -= chunk.buf.numel()
+            if not (st.sample_ids or st.chunks or st.shards or st.packed):
+                del self._steps[int(step)]
+            raise
         st.sample_ids.update(ids)
 
     def _fit_in_memory(self, plan: FlatPlan) -> int:

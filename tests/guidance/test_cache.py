@@ -384,3 +384,34 @@ def test_samples_of_no_tokens_and_layers_without_records_on_every_storage_path(t
     assert (c.used, dict(c.fallback)) == ((6 * 4, {"missing": 5 * 4}) if path == "no_records" else (T * 4, {}))
     c = _assemble_both(cache, 1, samples, [11, 13], tok[[1, 3]], mask[[1, 3]], 2)  # only the empty samples
     assert (c.used, dict(c.fallback)) == (0, {})
+
+
+def test_a_put_whose_spill_fails_keeps_nothing_and_a_retry_is_not_shadowed(tmp_path):
+    """The samples that fit were kept in memory although the put raised (its spill failed: the disk went away),
+    unlisted but found first by get: a retry of the step with a new rollout had them shadow its own samples (144 of
+    252 rows rejected as token_hash) and host_bytes counted them twice."""
+    import shutil
+
+    from megatron_trace.guidance.records import SampleGuidance
+    from megatron_trace.guidance.site import FallbackCounter
+
+    def rollout(seed):
+        batch, _, tok, mask = make_batch(B=4, S=6, lengths=[6, 6, 5, 4], seed=seed)
+        samples = split_batch(batch, tok, version=1, attention_mask=mask, sample_ids=[10, 11, 12, 13])
+        # per-sample storage: two fit the budget, two are spilled
+        return [SampleGuidance(x.sample_id, x.version, x.token_hash, x.num_tokens, dict(x.sites)) for x in samples], \
+            tok, mask
+
+    first, _, _ = rollout(0)
+    cache = GuidanceCache(budget_bytes=2 * plan_flat(first[:1]).total, cache_dir=tmp_path / "c")
+    shutil.rmtree(tmp_path / "c")
+    with pytest.raises(Exception, match="No such file or directory"):
+        cache.put(0, first)
+    assert cache.steps == [] and cache.host_bytes == 0
+    (tmp_path / "c").mkdir()
+    again, tok, mask = rollout(5)
+    cache.put(0, again)
+    c = FallbackCounter()
+    cache.assemble(0, [10, 11, 12, 13], tok, versions=1, counter=c, attention_mask=mask)
+    assert (c.used, dict(c.fallback)) == (252, {})
+    assert cache.host_bytes == plan_flat(again[:2]).total
