@@ -1,4 +1,4 @@
-# Session 40's device calls (an H200, kind nvidia-h200, carrying .whl), in order; results in benchmarks/results/s40/callN.
+# Session 40's device calls (asked for nvidia-h200, every one came on an H100; carrying .whl), in order; results in benchmarks/results/s40/callN.
 # Each call ran one of these blocks from the repo root on the device machine.
 qat_runs() {  # the training step at the fixed round order (benchmarks/_timing.interleaved_ms): runs "$@", TIMEOUT s each,
               # stopping before a run that would pass BUDGET s of the call
@@ -18,4 +18,6 @@ qat_runs() {  # the training step at the fixed round order (benchmarks/_timing.i
 call1() { qat_runs 1 2 3 4 5 6 7 8 9 10; }  # came on an H100: run 1 passed, runs 2-10 out of memory (as session 39)
 call2() { COLD=1 qat_runs 1 2 3 4 5 6 7 8 9 10 11 12; }  # the same, each run with a cold Triton cache
 call3() { WARM=1 BUDGET="${BUDGET:-300}" qat_runs 1 2 3 4 5 6 7 8; }  # at the weakref fix (find_trace_layers' cycle)
+# call 3 ran `BUDGET=190 call3` and call 4 `BUDGET=150 TIMEOUT=45 call3` on the same warm machine (its Triton cache
+# warm from call 3), both at 156b1de (head.txt on the device names an older commit: its .git copy was stale)
 "${1:-call1}"
