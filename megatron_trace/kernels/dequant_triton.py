@@ -12,6 +12,7 @@ from . import quant_pair_triton as qp
 from . import quant_triton as qk
 from . import triton_fp4 as f
 from .dispatch import cdiv
+from .layout import check_fp4
 from .quant_triton import GUIDED_FULL, _load_guidance, _unscale
 
 
@@ -252,6 +253,7 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(f"the Triton dequantize writes bfloat16, float16 or float32, not {dtype} "
                         "(ops.dequantize with kernel='auto' runs the reference for it)")
+    check_fp4(t)  # (the kernels read the parts with the sizes that t.shape implies)
     fmt = get_format(t.fmt)
     k = t.shape[-1]
     lead = tuple(t.shape[:-1])
@@ -287,6 +289,7 @@ def dequantize(t: FP4Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 def compact(record: FP4Tensor | FullGuidance) -> CompactGuidance:
     """The compact record (mantissa bits + scales) of a quantized tensor or a full record."""
+    check_fp4(record, "record")
     codes = record.codes.contiguous()
     bits = torch.empty((*codes.shape[:-1], codes.shape[-1] // 4), dtype=torch.uint8, device=codes.device)
     n = bits.numel()
