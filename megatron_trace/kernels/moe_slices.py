@@ -43,7 +43,7 @@ SUM_BLOCK = 1024
 def slice_sum_kernel(ws_ptr, y_ptr, offs_ptr, TN, N, E, S: tl.constexpr, BLOCK: tl.constexpr):
     """y.flat[i] = sum over s (in order) of ws[s].flat[i] for rows before offs[E-1], else 0 (i < TN = T x N)."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    owned = i < tl.load(offs_ptr + E - 1).to(tl.int32) * N
+    owned = (i < tl.load(offs_ptr + E - 1).to(tl.int64) * N) & (i < TN)  # (offs[E-1] may pass T: not checked)
     acc = tl.load(ws_ptr + i, mask=owned, other=0.0)
     for s in range(1, S):
         acc += tl.load(ws_ptr + s * TN + i, mask=owned, other=0.0)

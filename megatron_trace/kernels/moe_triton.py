@@ -132,9 +132,16 @@ def _token_rows(t0, BT: tl.constexpr, WIDE: tl.constexpr):
 
 
 @triton.jit
+def _row_bound(off, T):
+    """An entry of offs clamped to [0, T] (int32): offs is not checked on the host (a host sync), so that bad values
+    (past T, negative) cannot make the kernel read x or write y outside their T rows."""
+    return tl.minimum(tl.maximum(off, 0), T).to(tl.int32)
+
+
+@triton.jit
 def _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, nmask, BT: tl.constexpr, WIDE: tl.constexpr):
     """Rows offs[E-1]..T of y (tokens no expert owns) <- 0."""
-    t0 = tl.load(offs_ptr + E - 1).to(tl.int32)
+    t0 = _row_bound(tl.load(offs_ptr + E - 1), T)
     while t0 < T:  # (a while loop: Triton's interpreter cannot range() over loaded scalars)
         rt = _token_rows(t0, BT, WIDE)
         tl.store(y_ptr + rt[None, :] * stride_yt + rn[:, None], tl.zeros([rn.shape[0], BT], y_ptr.dtype.element_ty),
@@ -227,8 +234,8 @@ def fp4_gemm_kernel(
             _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, (rn < N) | EVEN_N, BT, WIDE)
             return
         ex = tl.arange(0, EP2)
-        ends = tl.load(offs_ptr + ex, mask=ex < E, other=0).to(tl.int32)
-        starts = tl.load(offs_ptr + ex - 1, mask=(ex > 0) & (ex < E), other=0).to(tl.int32)
+        ends = _row_bound(tl.load(offs_ptr + ex, mask=ex < E, other=0), T)
+        starts = _row_bound(tl.load(offs_ptr + ex - 1, mask=(ex > 0) & (ex < E), other=0), T)
         active = ends > starts
         rank = tl.cumsum(active.to(tl.int32), 0) - 1  # among the experts with tokens
         per_expert: tl.constexpr = N_TILES * K_SLICES
@@ -258,8 +265,8 @@ def fp4_gemm_kernel(
             rn = pid_n * BN + tl.arange(0, BN)
             _zero_tail(y_ptr, offs_ptr, T, N, E, stride_yt, rn, (rn < N) | EVEN_N, BT, WIDE)
             return
-        start = tl.load(offs_ptr + tl.maximum(e - 1, 0), mask=e > 0, other=0).to(tl.int32)
-        end = tl.load(offs_ptr + e).to(tl.int32)
+        start = _row_bound(tl.load(offs_ptr + tl.maximum(e - 1, 0), mask=e > 0, other=0), T)
+        end = _row_bound(tl.load(offs_ptr + e), T)
         _expert_tile(x_ptr, wq_ptr, ws_ptr, g_ptr, y_ptr, e, start, end, pid_n, k0, N, K, stride_xt, stride_we,
                      stride_wn, stride_se, stride_sn, stride_yt, FMT, B, G_MODE, BN, BK, BT, EVEN_K, EVEN_N, DEQ_ASM,
                      ks_tiles, JOIN_K, DOT_F32, WIDE)
@@ -378,7 +385,9 @@ def grouped_mm(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype: torch.dty
     program per (tile, expert, slice); > 0: that many programs over the experts with tokens) override
     ``launch_defaults`` (for few active experts).
 
-    The config and the slices are chosen from x's rows and the expert count, so no host sync is needed.
+    The config and the slices are chosen from x's rows and the expert count, so no host sync is needed; for the same
+    reason ``offs`` is not checked (``grouped_mm_reference`` raises for bad values): entries outside [0, T] act as
+    clamped to it, so they never make the kernel read x or write y outside their rows.
     """
     xd = gpu_activations(x)  # (bf16; W4A4 emulation: FP4 activations dequantized first)
     e, n, k = check_grouped_args(xd, weight, offs)

@@ -307,3 +307,25 @@ def test_compact_grid_gives_the_full_grids_bits(config, shape, programs, k_slice
     assert torch.equal(bits(compact), bits(full))
     assert _rel(full, grouped_mm_reference(x, wq, offs, out_dtype=torch.float32)) < 1e-5
     assert torch.equal(compact[-3:], torch.zeros_like(compact[-3:]))
+
+
+@needs_triton
+@pytest.mark.parametrize("offs", [[2, 5, 14], [-2, 3, 8], [-1, -1, 30]], ids=["past_T", "negative", "all_out"])
+@pytest.mark.parametrize("k_slices,programs", [(1, 0), (2, 0), (1, 2)], ids=["full", "k_slices", "compact"])
+def test_offs_outside_the_rows_are_clamped_not_read_or_written(offs, k_slices, programs):
+    """offs is not checked on the device path (that would be a host sync): entries outside [0, T] act as clamped to
+    it, so the kernel never reads x or writes y outside their T rows (it did: heap corruption in the interpreter,
+    out-of-bounds accesses on the GPU). x is a view between NaN rows: a read past its rows would show as NaN."""
+    gen = torch.Generator().manual_seed(7)
+    wq = Quantizer("nvfp4", per_row=True).quantize((torch.randn(3, 64, 256, generator=gen) * 0.02).to(DEVICE))
+    padded = torch.full((18, 256), float("nan"), dtype=torch.bfloat16)
+    padded[4:14] = torch.randn(10, 256, generator=gen).to(torch.bfloat16)
+    x = padded.to(DEVICE)[4:14]
+    with pytest.raises(ValueError, match="offs must be non-decreasing"):
+        grouped_mm_reference(x, wq, torch.tensor(offs, dtype=torch.int32, device=DEVICE))
+    clamped = torch.tensor(offs, dtype=torch.int32).clamp(0, 10).to(DEVICE)
+    want = grouped_mm_reference(x, wq, clamped, out_dtype=torch.float32)
+    y = moe_triton.grouped_mm(x, wq, torch.tensor(offs, dtype=torch.int32, device=DEVICE), out_dtype=torch.float32,
+                              config=(32, 128, 16, 4, 1), deq_asm=False, k_slices=k_slices, programs=programs)
+    assert bool(torch.isfinite(y).all())
+    assert _rel(y, want) < 1e-5, _rel(y, want)
