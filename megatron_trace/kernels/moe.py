@@ -12,6 +12,7 @@ import torch
 
 from ..formats.tensor import FP4Tensor
 from .dispatch import Kernel, select_kernel
+from .layout import check_fp4
 
 
 def check_grouped_args(x, weight: FP4Tensor, offs: torch.Tensor) -> tuple[int, int, int]:
@@ -21,6 +22,8 @@ def check_grouped_args(x, weight: FP4Tensor, offs: torch.Tensor) -> tuple[int, i
                         f"{type(weight).__name__}")
     if len(weight.shape) != 3:
         raise ValueError(f"weight.shape={tuple(weight.shape)} must be [experts, N, K]")
+    if isinstance(weight, FP4Tensor):
+        check_fp4(weight, "weight")  # (the Triton kernel reads codes and scales with the sizes of weight.shape)
     e, n, k = weight.shape
     xk = x.shape[-1]
     if x.dim() != 2 or xk != k:

@@ -329,3 +329,22 @@ def test_offs_outside_the_rows_are_clamped_not_read_or_written(offs, k_slices, p
                               config=(32, 128, 16, 4, 1), deq_asm=False, k_slices=k_slices, programs=programs)
     assert bool(torch.isfinite(y).all())
     assert _rel(y, want) < 1e-5, _rel(y, want)
+
+
+@needs_triton
+def test_weights_whose_parts_do_not_fit_are_named():
+    """The kernel reads the codes and scales with the sizes of weight.shape: short codes were read out of bounds,
+    uint8 scales decoded as E4M3 (a 151% error against the reference's integer scales), int8 codes and a missing
+    amax ran where the reference raises; now both name the part."""
+    import dataclasses
+
+    x, wq, offs = _case("nvfp4", True, 3, 64, 256, [2, 2, 8], device=DEVICE)
+    bad = {"codes must be torch.uint8": dict(codes=wq.codes.view(torch.int8)),
+           "codes has shape": dict(codes=wq.codes[..., :64]),
+           "block_scales must be torch.float8_e4m3fn": dict(block_scales=wq.block_scales.view(torch.uint8)),
+           "global_amax must be a float tensor": dict(global_amax=None)}
+    for match, parts in bad.items():
+        w = dataclasses.replace(wq, **parts)
+        for mm in (grouped_mm_reference, moe_triton.grouped_mm):
+            with pytest.raises((TypeError, ValueError), match=match):
+                mm(x, w, offs)
