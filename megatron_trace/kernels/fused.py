@@ -11,7 +11,7 @@ import torch
 from ..formats import block as ref_block
 from ..formats.nvfp4 import FORMAT as NVFP4_FORMAT
 from ..formats.quantizer import Quantizer, ste_backward
-from ..formats.registry import get_format
+from ..formats.registry import FORMATS, get_format
 from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
 from . import quant_triton as qk
 from .checks import FiniteCounter
@@ -247,6 +247,9 @@ def guided(x, guidance, *, write_codes: bool = True, deq_dtype=None, want_mask: 
     Returns (FP4Tensor | None, outputs)."""
     check_x(x)
     fmt = get_format(getattr(guidance, "fmt", "nvfp4"))
+    if fmt.name not in FORMATS:  # (the kernel knows NVFP4 and MXFP4 only: fmt_id would take it for MXFP4)
+        raise ValueError(f"the Triton guided quantize takes {FORMATS} records, got fmt={fmt.name!r} "
+                         "(ops.guided_quantize runs its reference)")
     ref_block.check_guidance(fmt, x, guidance)
     x2d = rows_of(x)
     dev = x.device

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import e2m1
+from ..formats import block, e2m1
 from ..formats.quantizer import Quantizer
+from ..formats.registry import FORMATS, get_format
 from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
 from .dispatch import Kernel, select_kernel
 
@@ -57,9 +58,12 @@ def quantize_and_record(x: torch.Tensor, quantizer: Quantizer, *, global_amax=No
 
 def guided_quantize(x: torch.Tensor, guidance: FullGuidance | CompactGuidance, *, kernel: str | Kernel = "auto",
                     check_finite: bool = True) -> FP4Tensor:
-    """Guided rounding toward a rollout record, with the record's scales (trainer side)."""
-    if select_kernel(kernel, x.device) is Kernel.REFERENCE:
-        return Quantizer(fmt=getattr(guidance, "fmt", "nvfp4")).guided_quantize(x, guidance)
+    """Guided rounding toward a rollout record, with the record's scales (trainer side). A record of a
+    record-only format (``"sglang_kvfp4"``) has no Triton path: ``"auto"`` runs its reference."""
+    fmt = getattr(guidance, "fmt", "nvfp4")
+    other = None if fmt in FORMATS else f"fmt={fmt!r} records have no Triton path (the reference runs them)"
+    if select_kernel(kernel, x.device, unsupported=other) is Kernel.REFERENCE:
+        return block.guided_quantize_with_z(get_format(fmt), x, guidance)[0]
     from . import fused
 
     return fused.guided(x, guidance, check_finite=check_finite)[0]

@@ -87,3 +87,35 @@ def test_host_cdiv_and_next_pow2_equal_tritons():
         assert next_pow2(n) == triton.next_power_of_2(n), n
         for d in (1, 2, 3, 16, 64, 100):
             assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_guided_quantize_runs_a_record_only_format_on_its_reference():
+    """An ``sglang_kvfp4`` record: "auto" runs its reference (on the CPU it raised "fmt='sglang_kvfp4' is not one
+    of ('nvfp4', 'mxfp4')", on CUDA the Triton kernel took it for MXFP4 blocks of 16), "triton" says why not."""
+    from megatron_trace.formats import sglang_kvfp4
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, 64, generator=gen).to(torch.bfloat16)
+    record = sglang_kvfp4.quantize(x * 1.05, compute_dtype=torch.float32).guidance(compact=True)
+    want = sglang_kvfp4.guided_quantize(x, record)
+    got = kernels.guided_quantize(x, record)
+    assert torch.equal(got.codes, want.codes) and got.fmt == "sglang_kvfp4"
+    assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+    with pytest.raises(ValueError, match="kernel='triton' cannot run"):
+        kernels.guided_quantize(x, record, kernel="triton")
+
+
+def test_guided_quantize_reasons_for_a_record_only_format(monkeypatch):
+    from megatron_trace.kernels import ops
+
+    reasons = []
+    monkeypatch.setattr(ops, "select_kernel", lambda k, d, unsupported=None: reasons.append(unsupported) or
+                        Kernel.REFERENCE)
+    x = torch.randn(2, 32)
+    for fmt in ("nvfp4", "mxfp4"):
+        kernels.guided_quantize(x, Quantizer(fmt).quantize(x).guidance(compact=True))
+    assert reasons == [None, None]
+    from megatron_trace.formats import sglang_kvfp4
+
+    kernels.guided_quantize(x, sglang_kvfp4.quantize(x).guidance(compact=False))
+    assert reasons[-1] == "fmt='sglang_kvfp4' records have no Triton path (the reference runs them)"

@@ -605,6 +605,19 @@ def test_a_record_of_another_format_is_refused_like_the_reference():
             quantize()
 
 
+def test_a_record_only_format_is_refused_by_the_triton_guided_quantize(kernel_variant):
+    """The kernel knows NVFP4 and MXFP4: an ``sglang_kvfp4`` record (blocks of 16, E8M0 scales) was taken for
+    MXFP4 (``quant_triton.fmt_id``) instead of being refused."""
+    if kernel_variant != "pair":
+        pytest.skip("(no launch: one variant)")
+    from megatron_trace.formats import sglang_kvfp4
+
+    x = _inputs((4, 64), torch.bfloat16, 27)
+    record = sglang_kvfp4.quantize(x).guidance(compact=True)
+    with pytest.raises(ValueError, match="takes .'nvfp4', 'mxfp4'. records, got fmt='sglang_kvfp4'"):
+        fused.guided(x.to(DEVICE), _to(record, DEVICE))
+
+
 @pytest.mark.parametrize("stacked", [False, True], ids=["tensor", "stacked"])
 def test_deferred_nan_stays_nan_with_a_per_tensor_amax(stacked):
     """NaN without Inf leaves a per-tensor amax finite: the fake-quant launch after the (counting) amax pass still
