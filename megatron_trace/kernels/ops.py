@@ -85,6 +85,8 @@ def fake_quantize(x: torch.Tensor, quantizer: Quantizer, *, guidance=None, globa
     else:
         stacked = False  # MXFP4's blocks are independent: x[j] alone gives the same bits
     unsupported = _STOCHASTIC if quantizer.rounding != "rne" and guidance is None else None
+    if quantizer.fmt not in FORMATS:  # (sglang_kvfp4.SGLangKVQuantizer: reference only, guided or not)
+        unsupported = f"fmt={quantizer.fmt!r} has no Triton path (the reference runs it)"
     if select_kernel(kernel, x.device, unsupported=unsupported) is Kernel.REFERENCE:
         if stacked:
             global_amax = _stacked_amax(x)

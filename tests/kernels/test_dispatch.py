@@ -119,3 +119,20 @@ def test_guided_quantize_reasons_for_a_record_only_format(monkeypatch):
 
     kernels.guided_quantize(x, sglang_kvfp4.quantize(x).guidance(compact=False))
     assert reasons[-1] == "fmt='sglang_kvfp4' records have no Triton path (the reference runs them)"
+
+
+def test_fake_quantize_names_why_a_record_only_format_has_no_triton_path(monkeypatch):
+    """SGLang's KV quantizer (rounding "ties_away"): the reason was "stochastic rounding" without guidance, and with
+    guidance none (the Triton kernel, which takes NVFP4 and MXFP4 only, was chosen on CUDA)."""
+    from megatron_trace.formats import sglang_kvfp4
+    from megatron_trace.kernels import ops
+
+    reasons = []
+    monkeypatch.setattr(ops, "select_kernel", lambda k, d, unsupported=None: reasons.append(unsupported) or
+                        Kernel.REFERENCE)
+    q = sglang_kvfp4.SGLangKVQuantizer()
+    x = torch.randn(2, 32)
+    record = q.quantize(x).guidance(compact=True)
+    for guidance in (None, record):
+        assert torch.equal(kernels.fake_quantize(x, q, guidance=guidance), q.fake_quantize(x, guidance=guidance))
+    assert reasons == ["fmt='sglang_kvfp4' has no Triton path (the reference runs it)"] * 2
