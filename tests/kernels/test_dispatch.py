@@ -136,3 +136,19 @@ def test_fake_quantize_names_why_a_record_only_format_has_no_triton_path(monkeyp
     for guidance in (None, record):
         assert torch.equal(kernels.fake_quantize(x, q, guidance=guidance), q.fake_quantize(x, guidance=guidance))
     assert reasons == ["fmt='sglang_kvfp4' has no Triton path (the reference runs it)"] * 2
+
+
+@pytest.mark.parametrize("cap", [(8, 0), (8, 9)], ids=["sm80", "sm89"])
+def test_a_gpu_older_than_hopper_uses_the_reference(cap, monkeypatch):
+    """The kernels' PTX does not assemble for sm_80 / sm_89 (ptxas: "Feature 'min.u16x2' requires .target sm_90 or
+    higher"): "auto" picked Triton there and the launch failed to compile; now it runs the reference, "triton" says
+    why."""
+    monkeypatch.setattr(kernels.dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(kernels.dispatch, "cuda_capability", lambda device: cap)
+    assert select_kernel("auto", "cuda") is Kernel.REFERENCE
+    with pytest.raises(ValueError, match=rf"compute capability {cap[0]}\.{cap[1]}, the Triton kernels need 9\.0"):
+        select_kernel("triton", "cuda:1")
+    monkeypatch.setattr(kernels.dispatch, "cuda_capability", lambda device: (9, 0))
+    assert select_kernel("auto", "cuda") is Kernel.TRITON
+    monkeypatch.setattr(kernels.dispatch, "cuda_capability", lambda device: (10, 0))
+    assert select_kernel("auto", "cuda") is Kernel.TRITON
