@@ -192,8 +192,6 @@ class GuidanceSyncError(RuntimeError):
     """A guidance transfer failed (peer missing or timed out, bad header, corrupt payload, aborted by the sender)."""
 
 
-
-
 def assign_destinations(
     samples: Sequence[SampleGuidance],
     dsts: Sequence[int],
