@@ -173,8 +173,11 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         """Every checkpoint tensor is one this rank reads, another EP rank's expert, or a tied ``lm_head``: a tensor
         nothing maps (a bias, an extra layer, a quantization scale) would otherwise be dropped without a word."""
         c, tied = self.config, bool(getattr(self.hf_config, "tie_word_embeddings", False))
+        names = self.safetensor_io.load_hf_weight_names()
+        if tied and "lm_head.weight" in names:
+            self._check_tied_lm_head()
         left = []
-        for n in self.safetensor_io.load_hf_weight_names():
+        for n in names:
             if n in wanted or (tied and n == "lm_head.weight"):
                 continue
             e = parse_expert_name(n)
@@ -185,6 +188,18 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             raise ValueError(f"{len(left)} checkpoint tensor(s) map to no parameter of this model, e.g. {left[:4]}: "
                              "a config.json with fewer layers or experts than the weights, or weights this bridge does "
                              "not map (biases, quantization scales)")
+
+    def _check_tied_lm_head(self) -> None:
+        """With ``tie_word_embeddings`` the output layer is the embedding: a checkpoint ``lm_head.weight`` must equal
+        ``model.embed_tokens.weight`` (transformers unties the two when they differ, and the rollout would compute
+        with another output layer than the trainer)."""
+        pair = SafeTensorIO.load_some_hf_weight(self.safetensor_io, ["lm_head.weight", "model.embed_tokens.weight"])
+        head, embed = pair["lm_head.weight"], pair["model.embed_tokens.weight"]
+        if head.shape != embed.shape or not torch.equal(head.to(embed.dtype), embed):
+            raise ValueError(f"config.json has tie_word_embeddings=True but the checkpoint's lm_head.weight "
+                             f"{tuple(head.shape)} differs from model.embed_tokens.weight {tuple(embed.shape)}: "
+                             "transformers unties them and this bridge would tie them; set tie_word_embeddings=false "
+                             "in config.json if the checkpoint's lm_head is its own")
 
     def export_weights(self, models: list) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor in the bridge's dtype) for the whole model; every rank must iterate

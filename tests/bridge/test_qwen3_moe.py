@@ -210,3 +210,34 @@ def test_a_checkpoint_the_model_does_not_match_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match=rf"1 tensor\(s\) the model needs are not in .*index\.json, e\.g\. "
                                          rf"\['{gone}'\]"):
         load()
+
+
+def test_tied_embeddings_load_and_an_lm_head_of_its_own_is_refused(tmp_path):
+    """tie_word_embeddings=True: the checkpoint has no lm_head (the logits are transformers'); one whose lm_head.weight
+    differs from the embedding is refused (transformers unties them: the bridge would silently tie them, logits off by
+    the whole output layer)."""
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", tiny_config(tie_word_embeddings=True), seed=3)
+    disk = _disk(path)
+    assert "lm_head.weight" not in disk
+
+    def load():
+        bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=torch.float32)
+        model = bridge.build_model().eval()
+        load_hf_checkpoint(model, path, bridge)
+        return model
+
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()(tokens).logits
+    assert (megatron_logits(load(), tokens) - ref).abs().max() < 1e-4 * ref.abs().max()
+    _rewrite(path, {**disk, "lm_head.weight": disk["model.embed_tokens.weight"].clone()})  # the same values: fine
+    load()
+    _rewrite(path, {**disk, "lm_head.weight": torch.randn(128, 64, generator=torch.Generator().manual_seed(1))})
+    with pytest.raises(ValueError, match=r"tie_word_embeddings=True but the checkpoint's lm_head\.weight \(128, 64\) "
+                                         r"differs from model\.embed_tokens\.weight"):
+        load()
+
