@@ -21,6 +21,7 @@ assumes the Transformer Engine spec and an older transformers; ``Qwen3MoeBridge`
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import re
@@ -29,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from safetensors import safe_open
 
 from ..rollout.hf_weights import clear_weight_files, parse_expert_name
 from .config import gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
@@ -70,6 +72,24 @@ class _CountingSafeTensorIO(SafeTensorIO):
         self.stats.tensors += len(out)
         self.stats.bytes += sum(t.numel() * t.element_size() for t in out.values())
         return out
+
+    def load_hf_weight_names(self) -> list[str]:
+        """The checkpoint's tensor names; without an index, a name in two ``*.safetensors`` files is refused (which
+        copy a load would take depends on the directory listing: e.g. a stray shard of an earlier save)."""
+        if self.index:
+            return list(self.index)
+        where: dict[str, list[str]] = {}
+        for path in sorted(glob.glob(os.path.join(self.hf_dir, "*.safetensors"))):
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for n in f.keys():
+                    where.setdefault(n, []).append(os.path.basename(path))
+        twice = {n: files for n, files in where.items() if len(files) > 1}
+        if twice:
+            n = next(iter(twice))
+            raise ValueError(f"{len(twice)} tensor(s) are in more than one safetensors file of {self.hf_dir} and "
+                             f"there is no model.safetensors.index.json to say which to use, e.g. {n!r} in "
+                             f"{twice[n]}: remove the stray file(s) or add the index")
+        return list(where)
 
 
 _LOCAL_TO_TE = (

@@ -241,3 +241,19 @@ def test_tied_embeddings_load_and_an_lm_head_of_its_own_is_refused(tmp_path):
                                          r"differs from model\.embed_tokens\.weight"):
         load()
 
+
+def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path):
+    """Without model.safetensors.index.json every *.safetensors file is read: a tensor in two of them (a stray shard
+    of an earlier save) would be taken from whichever file the directory listing gives last."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=3)
+    save_file({"model.norm.weight": torch.full((64,), 7.0)}, f"{path}/zz-stray.safetensors", metadata={"format": "pt"})
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"1 tensor\(s\) are in more than one safetensors file .*no "
+                                         r"model\.safetensors\.index\.json.*'model\.norm\.weight' in "
+                                         r"\['model\.safetensors', 'zz-stray\.safetensors'\]"):
+        load_hf_checkpoint(bridge.build_model(), path, bridge)
