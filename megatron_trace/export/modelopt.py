@@ -37,6 +37,8 @@ QUANT_CONFIG_FILE = "hf_quant_config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 PRODUCER = {"name": "megatron_trace", "version": "0.1.0"}
+BF16_DTYPE = torch.bfloat16
+"""The dtype of the unquantized tensors of a ``save_modelopt_checkpoint`` (and its config.json's ``dtype``)."""
 
 
 def modelopt_linear_tensors(prefix: str, q: FP4Tensor, input_amax: float | torch.Tensor,
@@ -189,14 +191,22 @@ def save_modelopt_checkpoint(
     trace_config: dict | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> dict:
-    """Write ``config.json``, ``hf_quant_config.json`` and safetensors shard(s); returns the quant config."""
+    """Write ``config.json``, ``hf_quant_config.json`` and safetensors shard(s); returns the quant config.
+
+    The unquantized tensors are stored in bfloat16 and config.json's ``dtype`` says so, whatever ``hf_config`` gave
+    (engines serve a ``dtype="auto"`` model in the config's dtype, a float32 one in float16)."""
     from safetensors.torch import save_file
 
     hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)  # (a transformers config)
     if "quantization_config" in hf_config:
         raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")
+    dtype = str(BF16_DTYPE).removeprefix("torch.")  # what the unquantized tensors are stored in: engines run "auto"
+    hf_config["dtype"] = dtype  # in the config's dtype (SGLang and vLLM serve a float32 config in float16)
+    if "torch_dtype" in hf_config:  # (transformers < 4.56's name)
+        hf_config["torch_dtype"] = dtype
     cfg = TraceConfig.from_dict(trace_config) if trace_config is not None else None
-    state, exclude = build_modelopt_state(named, input_amax, trace_extras=trace_extras, trace_config=cfg)
+    state, exclude = build_modelopt_state(named, input_amax, trace_extras=trace_extras, dtype=BF16_DTYPE,
+                                          trace_config=cfg)
     qcfg = quant_config_dict(exclude, trace_config=trace_config)
     texts = {"config.json": json.dumps(hf_config, indent=2, sort_keys=True),
              QUANT_CONFIG_FILE: json.dumps(qcfg, indent=2)}

@@ -232,3 +232,15 @@ def test_a_failed_export_leaves_the_earlier_checkpoint_and_a_config_object_is_ac
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     save_modelopt_checkpoint(tmp_path, named, Qwen3MoeConfig(**tiny_hf_config()), input_amax=3.5)
     assert json.loads((tmp_path / "config.json").read_text())["moe_intermediate_size"] == FFN
+
+
+def test_config_dtype_is_the_dtype_of_the_unquantized_tensors(tmp_path):
+    """A float32 source config (an fp32 master checkpoint) must not say float32 over BF16 tensors: SGLang and vLLM
+    serve dtype="auto" in the config's dtype, a float32 one in float16, while the trainer ran BF16."""
+    named = list(fp4_stream(tiny_named_weights(), QUANT))
+    given = {**tiny_hf_config(), "torch_dtype": "float32", "dtype": "float32"}
+    save_modelopt_checkpoint(tmp_path, named, given, input_amax=2.0)
+    cfg = json.load(open(tmp_path / "config.json"))
+    assert (cfg["dtype"], cfg["torch_dtype"]) == ("bfloat16", "bfloat16")
+    assert given["dtype"] == "float32"  # the caller's dict is left alone
+    assert load_file(tmp_path / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16
