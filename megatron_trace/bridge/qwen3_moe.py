@@ -21,6 +21,7 @@ assumes the Transformer Engine spec and an older transformers; ``Qwen3MoeBridge`
 
 from __future__ import annotations
 
+import copy
 import glob
 import logging
 import os
@@ -320,7 +321,10 @@ def export_hf_weights(models, bridge: Qwen3MoeBridge) -> Iterator[tuple[str, tor
 
 
 def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge) -> None:
-    """Write a HF checkpoint directory (safetensors + config.json) from rank 0; all ranks must call."""
+    """Write a HF checkpoint directory (safetensors + config.json) from rank 0; all ranks must call.
+
+    config.json's ``dtype`` is the bridge's, the dtype of the tensors written (SGLang and vLLM with ``dtype="auto"``
+    serve a float32 config in float16)."""
     from safetensors.torch import save_file
 
     tensors = {name: t.detach().cpu().clone() for name, t in export_hf_weights(models, bridge)}
@@ -329,4 +333,6 @@ def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge) 
         os.makedirs(path, exist_ok=True)
         clear_weight_files(path)
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        bridge.hf_config.save_pretrained(path)
+        config = copy.deepcopy(bridge.hf_config)
+        config.dtype = bridge.dtype  # the tensors' dtype: engines run "auto" in it (a float32 config: in float16)
+        config.save_pretrained(path)

@@ -127,6 +127,27 @@ def test_megatron_hf_megatron_round_trip_is_bit_exact(tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.num_experts == 8
 
 
+def test_saved_config_dtype_is_the_bridge_dtype(tmp_path):
+    """fp32 checkpoint -> bf16 bridge -> save: config.json says bfloat16 (it said float32 over bf16 tensors; engines
+    serve dtype="auto" in the config's dtype, a float32 one in float16, and transformers loaded it in float32)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint, save_hf_checkpoint
+
+    src = save_tiny_checkpoint(tmp_path / "fp32", tiny_config(), seed=3)
+    assert json.loads((tmp_path / "fp32" / "config.json").read_text())["dtype"] == "float32"
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(src), dtype=torch.bfloat16)
+    model = bridge.build_model()
+    load_hf_checkpoint(model, src, bridge)
+    save_hf_checkpoint(model, tmp_path / "out", bridge)
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["dtype"] == "bfloat16"
+    assert {t.dtype for t in _disk(tmp_path / "out").values()} == {torch.bfloat16}
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").dtype == torch.bfloat16
+    assert bridge.hf_config.dtype in (None, torch.float32, "float32")  # the bridge's own config is left alone
+
+
 def test_missing_checkpoint_dir_is_a_clear_error(tmp_path):
     from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
 
