@@ -16,7 +16,16 @@ import torch
 
 from ..formats import CompactGuidance, FullGuidance, get_format
 from .packed import Column, PackedGuidance, PackedRouting, _Packed, ranges
-from .records import _per_row, count_all_missing, reject_bad_scales, row_hashes, token_mask
+from .records import (
+    FC2,
+    _per_row,
+    check_topk,
+    count_all_missing,
+    missing_rows_per_token,
+    reject_bad_scales,
+    row_hashes,
+    token_mask,
+)
 from .routing import RoutingMismatchError
 from .site import FallbackCounter, SiteGuidance, SiteKey
 
@@ -121,8 +130,10 @@ def assemble_packed(
     attention_mask: torch.Tensor | None = None,
     lengths=None,
     keys: Sequence[SiteKey] | None = None,
+    topk: int | None = None,
 ) -> dict[SiteKey, SiteGuidance]:
-    """``records.assemble`` from columns: batch-major guidance, mismatching rows zero/invalid and counted."""
+    """``records.assemble`` from columns: batch-major guidance, mismatching rows zero/invalid and counted (a key
+    no sample has: ``topk`` rows per token at FC2, see ``records.missing_rows_per_token``)."""
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
     if len(sample_ids) != B:
@@ -135,8 +146,11 @@ def assemble_packed(
     scatter, out = _Scatter(mask), {}
     if keys is None and not by_key:
         count_all_missing(scatter.tokens, counter)
+    check_topk(topk)
+    if topk is None:
+        topk = next((c.fields["valid"].shape[-1] for p in parts for c in p.columns if c.key[1] == FC2), None)
     for key in sorted(by_key) if keys is None else keys:
-        sg = _assemble_key(key, by_key.get(key, []), status, mask, scatter, counter)
+        sg = _assemble_key(key, by_key.get(key, []), status, mask, scatter, counter, topk)
         if sg is not None:
             out[key] = sg
     bad = Counter(s for s in status if s != "ok")
@@ -148,9 +162,11 @@ def assemble_packed(
 _REASONS = ("missing", "token_hash", "version", "shape")  # row states 0..3; 4: used
 
 
-def _assemble_key(key, groups, status, mask, scatter: _Scatter, counter: FallbackCounter) -> SiteGuidance | None:
+def _assemble_key(key, groups, status, mask, scatter: _Scatter, counter: FallbackCounter,
+                  topk: int | None = None) -> SiteGuidance | None:
     if not groups:
-        counter.add(0, {"missing": sum(scatter.tokens)})
+        tokens = sum(scatter.tokens)
+        counter.add(0, {"missing": tokens * missing_rows_per_token(key, topk, tokens)})
         return None
     layouts: Counter = Counter()
     for c, bs, _ in sorted(groups, key=lambda g: int(g[1].min())):  # ties: the layout of the earliest row wins

@@ -31,6 +31,8 @@ from .site import FallbackCounter, SiteGuidance, SiteKey, check_rows
 
 logger = logging.getLogger(__name__)
 
+FC2 = "expert_fc2_in"
+
 Record = FullGuidance | CompactGuidance
 
 
@@ -239,12 +241,15 @@ def assemble(
     attention_mask: torch.Tensor | None = None,
     lengths=None,
     keys: Sequence[SiteKey] | None = None,
+    topk: int | None = None,
 ) -> dict[SiteKey, SiteGuidance]:
     """Batch-major guidance for a trainer micro-batch: ``samples[b]`` belongs to row ``b``.
 
     ``versions[b]`` is the policy version that generated the sample of row ``b`` (as the trainer
     recorded it). Records that don't match are zero rows with ``valid=False``, counted in
-    ``counter`` by reason. A key no sample has is left out (the trainer falls back there).
+    ``counter`` by reason. A key no sample has is left out (the trainer falls back there) and its rows
+    are counted ``missing``: one per token, ``topk`` per token at ``expert_fc2_in`` (the trainer's router
+    top-k; None: the top-k of the batch's FC2 records, see ``missing_rows_per_token``).
     """
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
@@ -256,10 +261,14 @@ def assemble(
         keys = sorted({k for s in samples if s is not None for k in s.sites})
         if not keys:
             count_all_missing(tokens, counter)
+    check_topk(topk)
+    if topk is None:
+        topk = next((r.valid.shape[-1] for s in samples if s is not None for (_, site), r in s.sites.items()
+                     if site == FC2), None)
     out = {}
     for key in keys:
         recs = [s.sites.get(key) if s is not None else None for s in samples]
-        sg = _assemble_site(key, recs, status, mask, tokens, counter)
+        sg = _assemble_site(key, recs, status, mask, tokens, counter, topk)
         if sg is not None:
             out[key] = sg
     bad = Counter(s for s in status if s != "ok")
@@ -276,10 +285,27 @@ def count_all_missing(tokens: Sequence[int], counter: FallbackCounter) -> None:
         counter.add(0, {"missing": sum(tokens)})
 
 
-def _assemble_site(key, recs, status, mask, tokens, counter) -> SiteGuidance | None:
+def missing_rows_per_token(key: SiteKey, topk: int | None, tokens: int) -> int:
+    """Rows per token the trainer's layer quantizes at ``key`` (what it counts when the key has no record): one
+    at FC1 and KV (a token's KV heads share one flag), ``topk`` at FC2 (one per token and chosen expert)."""
+    if key[1] != FC2 or not tokens:
+        return 1
+    if topk is None:
+        raise ValueError(f"guided key {key} has no record for the {tokens} tokens of this micro-batch and no FC2 "
+                         "record gives the top-k: pass topk= (the router's top-k) to count its rows")
+    return int(topk)
+
+
+def check_topk(topk) -> None:
+    """``topk`` is None or an int >= 1."""
+    if topk is not None and (isinstance(topk, bool) or not isinstance(topk, numbers.Integral) or topk < 1):
+        raise ValueError(f"topk={topk!r} must be an int >= 1 (the router's top-k) or None")
+
+
+def _assemble_site(key, recs, status, mask, tokens, counter, topk=None) -> SiteGuidance | None:
     layouts = Counter(r.layout() for r in recs if r is not None)
     if not layouts:
-        counter.add(0, {"missing": sum(tokens)})
+        counter.add(0, {"missing": sum(tokens) * missing_rows_per_token(key, topk, sum(tokens))})
         return None
     layout = layouts.most_common(1)[0][0]
     t = next(r for r in recs if r is not None and r.layout() == layout)

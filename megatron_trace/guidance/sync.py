@@ -122,11 +122,12 @@ class GuidanceShard:
 
     def assemble(self, sample_ids: Sequence[int | None], token_ids: torch.Tensor, *, versions: int | Sequence[int],
                  counter: FallbackCounter, attention_mask: torch.Tensor | None = None, lengths=None,
-                 keys: Sequence[SiteKey] | None = None) -> dict[SiteKey, SiteGuidance]:
+                 keys: Sequence[SiteKey] | None = None, topk: int | None = None) -> dict[SiteKey, SiteGuidance]:
         """``records.assemble`` for a micro-batch whose row b trains sample ``sample_ids[b]`` (None: none), straight
-        from the columns (same checks, counts and result, no per-sample work)."""
+        from the columns (same checks, counts and result, no per-sample work). ``keys``: the trainer's guided
+        keys, ``topk``: its router top-k (the rows of an FC2 key no sample has)."""
         return assemble_packed(self.parts, sample_ids, token_ids, versions=versions, counter=counter,
-                               attention_mask=attention_mask, lengths=lengths, keys=keys)
+                               attention_mask=attention_mask, lengths=lengths, keys=keys, topk=topk)
 
     def assemble_routing(self, sample_ids: Sequence[int | None], token_ids: torch.Tensor, *,
                          versions: int | Sequence[int], attention_mask: torch.Tensor | None = None,

@@ -340,7 +340,7 @@ def _empty(rank, sync) -> str:
             rows = [ids.index(s.sample_id) for s in mine]
             c = FallbackCounter()
             out = shard.assemble([s.sample_id for s in mine], tok[rows], versions=1, counter=c,
-                                 attention_mask=mask[rows], keys=k) if mine else {}
+                                 attention_mask=mask[rows], keys=k, topk=3 if k else None) if mine else {}
             counts.append((c.used, dict(c.fallback), sorted(out)))
         log.append((n, shard.stats.payload_bytes, counts))
     T = 11  # tokens of samples 10 and 12 (rank 1's)
@@ -348,9 +348,10 @@ def _empty(rank, sync) -> str:
     if rank == 1:
         l0 = [(0, "expert_fc1_in"), (0, "expert_fc2_in")]
         assert log[0][2] == [(2 * rows, {}, keys)] * 2, log[0]
-        # a guided key no sample has is counted once per token (its rows per token are unknown without a record)
-        assert log[1][1] == 0 and log[1][2] == [(0, {"missing": 4 * T}, []), (0, {"missing": T}, [])], log[1]
-        assert log[2][2] == [(rows, {"missing": 2 * T}, l0), (rows, {}, l0)], log[2]
+        # a guided key no sample has is counted per row the trainer's layer quantizes (FC2: top-k per token);
+        # without keys (the sites unknown) once per token
+        assert log[1][1] == 0 and log[1][2] == [(0, {"missing": 2 * rows}, []), (0, {"missing": T}, [])], log[1]
+        assert log[2][2] == [(rows, {"missing": rows}, l0), (rows, {}, l0)], log[2]
     else:  # nothing in round 0; samples of 0 tokens in rounds 1 and 2
         assert log[0][1] == 0 and log[0][2] == [(0, {}, [])] * 2, log[0]
         assert all(entry[1] == 0 and entry[2][0][:2] == (0, {}) for entry in log[1:]), log

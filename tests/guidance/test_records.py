@@ -191,6 +191,44 @@ def test_missing_key_everywhere_is_omitted_and_counted():
     assert counter.fallback["missing"] == 18
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["samples", "columns"])
+def test_missing_fc2_key_counts_topk_rows_per_token(packed):
+    """A guided FC2 key no sample has: the trainer's layer falls back on top-k rows per token (one per token and
+    chosen expert), so assembly counts as many ``missing`` rows, not one per token (coverage 1/2 here, not 2/3)."""
+    from megatron_trace.guidance.packed_assemble import assemble_packed
+    from megatron_trace.guidance.records import pack_guidance
+
+    from ._data import DIMS
+
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 7], layers=(0,), sites=("expert_fc1_in", "expert_fc2_in"))
+    T, k = int(mask.sum()), DIMS["topk"]
+    keys = [(layer, site) for layer in (0, 1) for site in ("expert_fc1_in", "expert_fc2_in")]
+
+    def run(batch, **kw):
+        counter = FallbackCounter()
+        if packed:
+            p = pack_guidance(batch, tok, version=0, attention_mask=mask)
+            out = assemble_packed([p], [0, 1], tok, versions=0, counter=counter, attention_mask=mask, **kw)
+        else:
+            samples = split_batch(batch, tok, version=0, attention_mask=mask)
+            out = assemble(samples, tok, versions=0, counter=counter, attention_mask=mask, **kw)
+        return out, counter
+
+    out, c = run(batch, keys=keys)  # top-k from the layer-0 FC2 records
+    assert sorted(out) == keys[:2]
+    assert (c.used, dict(c.fallback)) == (T * (1 + k), {"missing": T * (1 + k)}) and c.coverage == 0.5
+    _, c = run(batch, keys=keys, topk=k)
+    assert (c.used, dict(c.fallback)) == (T * (1 + k), {"missing": T * (1 + k)})
+    fc1 = {key: v for key, v in batch.items() if key[1] == "expert_fc1_in"}  # no FC2 record anywhere
+    _, c = run(fc1, keys=keys, topk=k)
+    assert dict(c.fallback) == {"missing": T + 2 * T * k}
+    with pytest.raises(ValueError, match=r"guided key \(0, 'expert_fc2_in'\) .* pass topk="):
+        run(fc1, keys=keys)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match=rf"topk={bad!r} must be an int >= 1"):
+            run(batch, keys=keys, topk=bad)
+
+
 def test_per_tensor_amax_expands_to_rows():
     x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
     q = nvfp4.quantize(x)  # per-tensor amax []

@@ -159,6 +159,32 @@ def test_missing_and_invalid_rows_fall_back_and_are_counted(rollout):
     assert torch.equal(_values(guided.sites[(2, "kv_k")])[0, :5], own.values())  # invalid rows: own RNE
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["samples", "columns"])
+def test_assembly_counts_a_guided_key_without_records_as_the_layer_does(rollout, packed):
+    """The trainer's guided keys, one (layer 3 FC2) with no record in any sample: assembly counts its ``missing``
+    rows as the trainer's layer does (one per token and chosen expert), so both counters agree row for row."""
+    from megatron_trace.guidance.packed_assemble import assemble_packed
+    from megatron_trace.guidance.records import assemble, pack_guidance, split_batch
+    from megatron_trace.guidance.site import FallbackCounter
+
+    tc, data, roll = rollout
+    tokens = data[0]
+    keys = [(layer, site) for layer in GUIDED for site in SITES]
+    sites = {k: v for k, v in roll.sites.items() if k in keys and k != (3, "expert_fc2_in")}
+    counter = FallbackCounter()
+    if packed:
+        out = assemble_packed([pack_guidance(sites, tokens, version=0)], [0, 1], tokens, versions=0,
+                              counter=counter, keys=keys, topk=TOPK)
+    else:
+        out = assemble(split_batch(sites, tokens, version=0), tokens, versions=0, counter=counter, keys=keys,
+                       topk=TOPK)
+    assert set(out) == set(sites)
+    h = _run(_model(tc), data, StepGuidance(sites=out, routing=roll.routing))
+    assert h.stats()[(3, "expert_fc2_in", "missing")] == T * TOPK
+    assert counter.fallback["missing"] == h.counter.fallback["missing"] == T * TOPK
+    assert counter.used == h.counter.used and counter.coverage == h.counter.coverage
+
+
 def test_rows_of_a_nan_or_negative_scale_or_amax_fall_back_and_are_counted(rollout):
     """A corrupt record (a NaN E4M3 block scale, a NaN or negative global amax) given straight to the trainer, not
     through the cache's checks: its rows are invalid (the trainer's own rounding, counted), never decoded."""
