@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -92,13 +93,13 @@ class RLSettings:
     steps_in_flight: int = 1  # rollout steps held on the host at once (async RL: staleness + 1)
 
     def __post_init__(self):
-        for f in ("trajectories", "response_len", "steps_in_flight"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"{f}={getattr(self, f)} must be >= 1")
-        if self.prompt_len < 0:
-            raise ValueError(f"prompt_len={self.prompt_len} must be >= 0")
-        if not self.bandwidth_gbps > 0:
-            raise ValueError(f"bandwidth_gbps={self.bandwidth_gbps} must be > 0")
+        for f, low in (("trajectories", 1), ("prompt_len", 0), ("response_len", 1), ("steps_in_flight", 1)):
+            v = getattr(self, f)  # a NaN or 2.5 passes every comparison: check the type first
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
+                raise ValueError(f"{f}={v!r} must be an int >= {low}")
+        b = self.bandwidth_gbps
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not (math.isfinite(b) and b > 0):
+            raise ValueError(f"bandwidth_gbps={b!r} must be a finite number > 0 (gigabits per second)")
 
     @property
     def tokens_per_step(self) -> int:

@@ -200,3 +200,26 @@ def test_cli_errors(capsys):
     assert plan.main(["--hf-config", str(Q35), "--layer-policy", "budget=100"]) == 2
     assert "mismatch_profile" in capsys.readouterr().err
     assert plan.main(["--hf-config", "/nonexistent/config.json"]) == 2
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(trajectories=float("nan")), r"trajectories=nan must be an int >= 1"),
+    (dict(trajectories=2.5), r"trajectories=2.5 must be an int >= 1"),
+    (dict(trajectories=True), r"trajectories=True must be an int >= 1"),
+    (dict(prompt_len=float("nan")), r"prompt_len=nan must be an int >= 0"),
+    (dict(response_len=float("nan")), r"response_len=nan must be an int >= 1"),
+    (dict(steps_in_flight=float("nan")), r"steps_in_flight=nan must be an int >= 1"),
+    (dict(bandwidth_gbps=float("inf")), r"bandwidth_gbps=inf must be a finite number > 0"),
+    (dict(bandwidth_gbps=float("nan")), r"bandwidth_gbps=nan must be a finite number > 0"),
+    (dict(bandwidth_gbps=-3.0), r"bandwidth_gbps=-3.0 must be a finite number > 0"),
+], ids=["traj-nan", "traj-float", "traj-bool", "prompt-nan", "response-nan", "in-flight-nan", "bw-inf", "bw-nan",
+        "bw-neg"])
+def test_rl_settings_reject_nan_inf_and_non_int_values(kw, match):
+    """A NaN passes every ``<`` check: it used to give NaN bytes per step (and an infinite link a 0 s sync)."""
+    with pytest.raises(ValueError, match=match):
+        RLSettings(**kw)
+
+
+def test_cli_rejects_an_infinite_link(capsys):
+    assert plan.main(["--hf-config", str(Q35), "--bandwidth-gbps", "inf"]) == 2
+    assert "bandwidth_gbps=inf must be a finite number > 0" in capsys.readouterr().err
