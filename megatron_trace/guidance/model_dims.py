@@ -20,6 +20,7 @@ the latent ``c_kv`` (``kv_lora_rank``) concatenated with the shared RoPE key
 from __future__ import annotations
 
 import json
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +47,12 @@ class ModelDims:
     name: str = ""
 
     def __post_init__(self):
-        for f in ("num_layers", "hidden", "moe_ffn", "topk", "kv_heads", "head_dim"):
-            if getattr(self, f) < 1:
-                raise ValueError(f"ModelDims.{f}={getattr(self, f)} must be >= 1")
+        for f in ("num_layers", "hidden", "moe_ffn", "topk", "kv_heads", "head_dim", "num_experts"):
+            v, low = getattr(self, f), 0 if f == "num_experts" else 1  # num_experts 0: unknown
+            if not _is_int(v) or v < low:  # a NaN or 2.5 passes every comparison: check the type first
+                raise ValueError(f"ModelDims.{f}={v!r} must be an int >= {low}")
+        if self.num_experts and self.topk > self.num_experts:
+            raise ValueError(f"ModelDims.topk={self.topk} exceeds num_experts={self.num_experts}")
         for f in ("moe_layers", "kv_layers"):
             bad = [i for i in getattr(self, f) if not 0 <= i < self.num_layers]
             if bad:
@@ -83,11 +87,28 @@ class ModelDims:
         return _dims_from_mapping(cfg)
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _int(cfg: Mapping, name: str) -> int:
+    """``cfg[name]`` as an int: an integer, or a float with an integral value (2048.0); else a ValueError naming it."""
+    v = cfg[name]
+    if _is_int(v) or (isinstance(v, float) and v.is_integer()):
+        return int(v)
+    raise ValueError(f"HF config {name}={v!r} must be an integer")
+
+
 def _need(cfg: Mapping, *names: str) -> int:
     for n in names:
         if cfg.get(n) is not None:
-            return int(cfg[n])
+            return _int(cfg, n)
     raise ValueError(f"HF config has none of {names}; is it an MoE decoder config? keys: {sorted(cfg)[:40]}")
+
+
+def _opt(cfg: Mapping, name: str, default: int) -> int:
+    """``cfg[name]`` as an int where it is set (not None, 0 or missing), else ``default``."""
+    return _int(cfg, name) if cfg.get(name) else default
 
 
 def _moe_layers(cfg: Mapping, num_layers: int) -> tuple[int, ...]:
@@ -116,12 +137,14 @@ def _dims_from_mapping(cfg: Mapping) -> ModelDims:
     num_layers = _need(cfg, "num_hidden_layers")
     hidden = _need(cfg, "hidden_size")
     num_experts = _need(cfg, "num_experts", "n_routed_experts", "num_local_experts")  # transformers 5 saves the last
+    if num_experts < 1:
+        raise ValueError(f"HF config num_experts={num_experts}: a model without routed experts has no guidance sites")
     if cfg.get("kv_lora_rank"):  # MLA: one latent row per token (see module docstring)
-        kv_heads, head_dim, kv_v = 1, int(cfg["kv_lora_rank"]) + _need(cfg, "qk_rope_head_dim"), False
+        kv_heads, head_dim, kv_v = 1, _int(cfg, "kv_lora_rank") + _need(cfg, "qk_rope_head_dim"), False
     else:
         heads = _need(cfg, "num_attention_heads")
-        kv_heads = int(cfg.get("num_key_value_heads") or heads)
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        kv_heads = _opt(cfg, "num_key_value_heads", heads)
+        head_dim = _opt(cfg, "head_dim", hidden // heads if heads > 0 else 0)
         kv_v = True
     return ModelDims(
         num_layers=num_layers,

@@ -108,3 +108,33 @@ def test_totals_by_site_and_layer():
     assert t["total"] == 10 * bytes_per_token(TEST_DIMS, SITES, (0, 2), compact=True)
     assert sum(t["by_layer"].values()) == t["total"] and set(t["by_layer"]) == {0, 2}
     assert t["by_site"]["expert_fc1_in"] == 10 * 2 * row_bytes(DIMS["hidden"])
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("hidden_size", float("nan"), r"HF config hidden_size=nan must be an integer"),
+    ("hidden_size", 2048.7, r"HF config hidden_size=2048.7 must be an integer"),
+    ("num_key_value_heads", float("nan"), r"HF config num_key_value_heads=nan must be an integer"),
+    ("num_experts_per_tok", 200, r"ModelDims.topk=200 exceeds num_experts=128"),
+    ("num_experts", 0, r"HF config num_experts=0: a model without routed experts"),
+], ids=["nan", "fraction", "kv-heads-nan", "topk-above-experts", "no-experts"])
+def test_hf_config_bad_values_are_named(key, value, match):
+    """A NaN or 2048.7 used to be truncated or fail in int() without the key; top-k above the experts and a
+    dense config passed (every layer counted as MoE)."""
+    import json
+
+    cfg = json.loads((DATA / "qwen3_30b_a3b_config.json").read_text())
+    with pytest.raises(ValueError, match=match):
+        ModelDims.from_hf_config({**cfg, key: value})
+    assert ModelDims.from_hf_config({**cfg, "hidden_size": 2048.0}).hidden == 2048  # an integral float is fine
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(hidden=float("nan")), r"ModelDims.hidden=nan must be an int >= 1"),
+    (dict(topk=2.5), r"ModelDims.topk=2.5 must be an int >= 1"),
+    (dict(num_layers=True), r"ModelDims.num_layers=True must be an int >= 1"),
+    (dict(num_experts=-1), r"ModelDims.num_experts=-1 must be an int >= 0"),
+], ids=["nan", "float", "bool", "negative-experts"])
+def test_model_dims_reject_nan_and_non_int(kw, match):
+    args = dict(num_layers=4, hidden=64, moe_ffn=32, topk=2, kv_heads=2, head_dim=16, moe_layers=(0,), kv_layers=(0,))
+    with pytest.raises(ValueError, match=match):
+        ModelDims(**{**args, **kw})
