@@ -305,7 +305,8 @@ def check_topk(topk) -> None:
 def _assemble_site(key, recs, status, mask, tokens, counter, topk=None) -> SiteGuidance | None:
     layouts = Counter(r.layout() for r in recs if r is not None)
     if not layouts:
-        counter.add(0, {"missing": sum(tokens) * missing_rows_per_token(key, topk, sum(tokens))})
+        n = sum(tokens)
+        counter.add(0, {"missing": n * missing_rows_per_token(key, topk, n)})
         return None
     layout = layouts.most_common(1)[0][0]
     t = next(r for r in recs if r is not None and r.layout() == layout)

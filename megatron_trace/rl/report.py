@@ -108,8 +108,10 @@ def _cell(v: float | None) -> str:
 def summary_rows(by_arm: dict[str, list[dict]]) -> list[list[str]]:
     has_floor = FLOOR_ARM in by_arm
     floor = _mean_last(by_arm[FLOOR_ARM], FLOOR_KEY, len(by_arm[FLOOR_ARM])) if has_floor else None
-    out = [["arm"] + [x for key, label in SUMMARY_KEYS for x in ([label, FLOOR_LABEL] if has_floor and key == FLOOR_KEY
-                                                                 else [label])]]
+    header = ["arm"]
+    for key, label in SUMMARY_KEYS:
+        header += [label, FLOOR_LABEL] if has_floor and key == FLOOR_KEY else [label]
+    out = [header]
     for arm, rows in by_arm.items():
         cells = [arm]
         for key, _ in SUMMARY_KEYS:
