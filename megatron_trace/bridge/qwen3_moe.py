@@ -33,7 +33,12 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from ..rollout.hf_weights import clear_weight_files, parse_expert_name
+from ..rollout.hf_weights import (
+    DEFAULT_MAX_SHARD_BYTES,
+    ShardedSafetensorsWriter,
+    clear_weight_files,
+    parse_expert_name,
+)
 from .config import gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
 
 logger = logging.getLogger(__name__)
@@ -320,19 +325,32 @@ def export_hf_weights(models, bridge: Qwen3MoeBridge) -> Iterator[tuple[str, tor
         yield from bridge.export_weights(_as_list(models))
 
 
-def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge) -> None:
-    """Write a HF checkpoint directory (safetensors + config.json) from rank 0; all ranks must call.
+def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge, *,
+                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
+    """Write a HF checkpoint directory (safetensors + config.json) from rank 0; all ranks must call (the export's
+    gathers). Returns the weight files written (none on the other ranks).
 
-    config.json's ``dtype`` is the bridge's, the dtype of the tensors written (SGLang and vLLM with ``dtype="auto"``
-    serve a float32 config in float16)."""
-    from safetensors.torch import save_file
-
-    tensors = {name: t.detach().cpu().clone() for name, t in export_hf_weights(models, bridge)}
+    Rank 0 writes the tensors as the export yields them, into shards of at most ``max_shard_bytes`` named as
+    transformers names them (``model-00001-of-00004.safetensors`` + ``model.safetensors.index.json``; a single
+    shard is ``model.safetensors``), after removing the weight files of an earlier checkpoint in ``path``. It holds
+    one shard plus one tensor in host memory, never the model; the other ranks drop each gathered tensor as soon as
+    the export made it (no host copy). config.json's ``dtype`` is the bridge's, the dtype of the tensors written
+    (SGLang and vLLM with ``dtype="auto"`` serve a float32 config in float16)."""
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-        clear_weight_files(path)
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        config = copy.deepcopy(bridge.hf_config)
-        config.dtype = bridge.dtype  # the tensors' dtype: engines run "auto" in it (a float32 config: in float16)
-        config.save_pretrained(path)
+    weights = export_hf_weights(models, bridge)
+    if rank != 0:
+        for _ in weights:  # the collectives only
+            pass
+        return []
+    writer = ShardedSafetensorsWriter(path, max_shard_bytes)  # (checks max_shard_bytes before anything is removed)
+    os.makedirs(path, exist_ok=True)
+    clear_weight_files(path)
+    with writer:
+        for name, t in weights:
+            writer.add(name, t)
+    config = copy.deepcopy(bridge.hf_config)
+    config.dtype = bridge.dtype  # the tensors' dtype: engines run "auto" in it (a float32 config: in float16)
+    config.save_pretrained(path)
+    logger.info("saved %d tensors (%.1f MB) to %s in %d file(s); at most %.1f MB held at once", writer.tensors,
+                writer.total_bytes / 1e6, path, len(writer.files), writer.peak_bytes / 1e6)
+    return writer.files

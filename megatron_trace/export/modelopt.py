@@ -29,13 +29,18 @@ from ..config import TraceConfig
 from ..formats import NVFP4_BLOCK, FP4Tensor
 from ..formats.nvfp4 import decode_scale_from_amax
 from ..manifest import experts_name, module_excluded
-from ..rollout.hf_weights import clear_weight_files, join_fc1, parse_expert_name
+from ..rollout.hf_weights import (
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    ShardedSafetensorsWriter,
+    clear_weight_files,
+    join_fc1,
+    parse_expert_name,
+)
 
 logger = logging.getLogger(__name__)
 
 QUANT_CONFIG_FILE = "hf_quant_config.json"
-WEIGHTS_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 PRODUCER = {"name": "megatron_trace", "version": "0.1.0"}
 BF16_DTYPE = torch.bfloat16
 """The dtype of the unquantized tensors of a ``save_modelopt_checkpoint`` (and its config.json's ``dtype``)."""
@@ -166,21 +171,6 @@ def quant_config_dict(exclude_modules: list[str], *, kv_cache_quant_algo: str | 
     return d
 
 
-def _shards(state: dict[str, torch.Tensor], max_shard_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards, cur, size = [], {}, 0
-    for name in sorted(state):
-        t = state[name]
-        n = t.numel() * t.element_size()
-        if cur and size + n > max_shard_bytes:
-            shards.append(cur)
-            cur, size = {}, 0
-        cur[name] = t
-        size += n
-    if cur:
-        shards.append(cur)
-    return shards
-
-
 def save_modelopt_checkpoint(
     out_dir: str | os.PathLike,
     named: Iterable[tuple[str, torch.Tensor | FP4Tensor]],
@@ -195,8 +185,6 @@ def save_modelopt_checkpoint(
 
     The unquantized tensors are stored in bfloat16 and config.json's ``dtype`` says so, whatever ``hf_config`` gave
     (engines serve a ``dtype="auto"`` model in the config's dtype, a float32 one in float16)."""
-    from safetensors.torch import save_file
-
     hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)  # (a transformers config)
     if "quantization_config" in hf_config:
         raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")
@@ -215,21 +203,11 @@ def save_modelopt_checkpoint(
     for fname, text in texts.items():
         with open(os.path.join(out_dir, fname), "w") as f:
             f.write(text)
-    shards = _shards(state, max_shard_bytes)
-    meta = {"format": "pt", "producer": "megatron_trace"}
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, WEIGHTS_FILE), metadata=meta)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, fname), metadata=meta)
-            weight_map.update({k: fname for k in shard})
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    with ShardedSafetensorsWriter(out_dir, max_shard_bytes, metadata={"producer": "megatron_trace"}) as writer:
+        for name in sorted(state):
+            writer.add(name, state[name])
     logger.info("exported ModelOpt NVFP4 checkpoint to %s: %d tensors in %d shard(s), %d BF16 modules excluded",
-                out_dir, len(state), len(shards), len(exclude))
+                out_dir, len(state), len(writer.files), len(exclude))
     return qcfg
 
 

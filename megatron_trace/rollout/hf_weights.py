@@ -5,11 +5,13 @@ On disk (and on the weight-sync wire) routed experts are per expert:
 fused: ``gate_up_proj`` [E, 2*ffn, hidden] (gate rows first) and ``down_proj`` [E, hidden, ffn].
 An expert's fc1 = [gate; up] is quantized as one matrix (Megatron's ``linear_fc1``: one global
 amax); shipped in FP4 it is split by rows into gate and up parts that share that amax.
+Checkpoint files: ``clear_weight_files`` and ``ShardedSafetensorsWriter`` (transformers' shard names and index).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
 from collections.abc import Iterator
@@ -20,6 +22,12 @@ import torch
 from ..formats import FP4Tensor
 
 logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+"""transformers' ``save_pretrained`` default shard size ("5GB")."""
+_PARTIAL = ".partial"
 
 _EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 
@@ -88,14 +96,101 @@ def join_fc1(gate: FP4Tensor, up: FP4Tensor) -> FP4Tensor:
 
 
 def clear_weight_files(directory) -> list[str]:
-    """Delete the safetensors weights (``model*.safetensors``) and index of an earlier checkpoint in
-    ``directory`` before a new one is written there (a stale index would make loaders read the old shards);
-    returns the names removed."""
+    """Delete the safetensors weights (``model*.safetensors``), the index and any unfinished shards
+    (``model*.safetensors.partial``) of an earlier checkpoint in ``directory`` before a new one is written there
+    (a stale index would make loaders read the old shards); returns the names removed."""
     d = Path(directory)
-    stale = sorted(p for p in [*d.glob("model*.safetensors"), d / "model.safetensors.index.json"] if p.is_file())
+    stale = sorted(p for p in [*d.glob("model*.safetensors"), *d.glob(f"model*.safetensors{_PARTIAL}"), d / INDEX_FILE]
+                   if p.is_file())
     for p in stale:
         p.unlink()
     if stale:
         logger.warning("%s: removed %d weight file(s) of an earlier checkpoint: %s", d, len(stale),
                        [p.name for p in stale][:5])
     return [p.name for p in stale]
+
+
+class ShardedSafetensorsWriter:
+    """Write tensors, as they come, into safetensors shards of at most ``max_shard_bytes`` each (a larger tensor gets
+    a shard of its own), named as transformers' ``save_pretrained`` names them: ``model-00001-of-00003.safetensors``
+    ... plus ``model.safetensors.index.json`` (``{"metadata": {"total_size": bytes}, "weight_map": {name: file}}``);
+    a single shard is ``model.safetensors`` without an index.
+
+    Host memory: the shard being filled plus the tensor being added (``add`` copies it to the CPU; a full shard is
+    written out and dropped before the next one fills). Shards are written as ``model-00001.safetensors.partial``
+    and renamed by ``close()``, when their count is known. Clear the directory first (``clear_weight_files``, which
+    also removes the partial files of an interrupted save); leaving a ``with`` block by an exception deletes the
+    partial files written so far.
+    """
+
+    def __init__(self, directory, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+                 metadata: dict[str, str] | None = None):
+        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
+            raise ValueError(f"{max_shard_bytes=} must be a positive int (bytes per safetensors shard)")
+        self.directory = Path(directory)
+        self.max_shard_bytes = max_shard_bytes
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.files: list[str] = []  # the final file names, after close()
+        self.tensors = 0
+        self.total_bytes = 0
+        self.peak_bytes = 0  # the most tensor bytes held at once (the shard being filled + the tensor added)
+        self._shard: dict[str, torch.Tensor] = {}
+        self._shard_bytes = 0
+        self._written: list[tuple[Path, list[str]]] = []  # (partial file, its tensor names)
+        self._names: set[str] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self._names:
+            raise ValueError(f"tensor {name!r} was already written to {self.directory}: names must be unique")
+        self._names.add(name)
+        t = tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)  # no storage shared with views
+        n = t.numel() * t.element_size()
+        self.peak_bytes = max(self.peak_bytes, self._shard_bytes + n)
+        if self._shard and self._shard_bytes + n > self.max_shard_bytes:
+            self._flush()
+        self._shard[name] = t
+        self._shard_bytes += n
+        self.tensors += 1
+        self.total_bytes += n
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.directory / f"model-{len(self._written) + 1:05d}.safetensors{_PARTIAL}"
+        save_file(self._shard, path, metadata=self.metadata)
+        self._written.append((path, list(self._shard)))
+        self._shard, self._shard_bytes = {}, 0
+
+    def close(self) -> list[str]:
+        """Write the last shard, give the shards their final names (and the index); returns the file names."""
+        if self._shard or not self._written:
+            self._flush()
+        count = len(self._written)
+        if count == 1:
+            self.files = [WEIGHTS_FILE]
+        else:
+            self.files = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        for (partial, _), fname in zip(self._written, self.files):
+            partial.replace(self.directory / fname)
+        if count > 1:
+            weight_map = {n: fname for (_, names), fname in zip(self._written, self.files) for n in names}
+            with open(self.directory / INDEX_FILE, "w") as f:
+                json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2,
+                          sort_keys=True)
+        self._written = []
+        return self.files
+
+    def abort(self) -> None:
+        """Delete the partial shards written so far."""
+        for partial, _ in self._written:
+            partial.unlink(missing_ok=True)
+        self._written, self._shard = [], {}
+
+    def __enter__(self) -> ShardedSafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -278,3 +278,40 @@ def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path):
                                          r"model\.safetensors\.index\.json.*'model\.norm\.weight' in "
                                          r"\['model\.safetensors', 'zz-stray\.safetensors'\]"):
         load_hf_checkpoint(bridge.build_model(), path, bridge)
+
+
+def test_save_writes_transformers_shards_that_load_back_bit_exact(tmp_path):
+    """``max_shard_bytes`` splits the checkpoint as transformers does (shards + index); Megatron and transformers load
+    it back to exactly what a single-file save gives; a later single-file save into the directory removes the shards
+    and the index."""
+    import json
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint, save_hf_checkpoint
+
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.bfloat16)
+    torch.manual_seed(11)
+    src = bridge.build_model()
+    assert save_hf_checkpoint(src, tmp_path / "one", bridge) == ["model.safetensors"]
+    files = save_hf_checkpoint(src, tmp_path / "sharded", bridge, max_shard_bytes=64 << 10)
+    n = len(files)
+    assert n > 2 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    on_disk = sorted(p.name for p in (tmp_path / "sharded").iterdir())
+    assert on_disk == sorted([*files, "config.json", "model.safetensors.index.json"])
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    single = _disk(tmp_path / "one")
+    assert index["weight_map"].keys() == single.keys() and set(index["weight_map"].values()) == set(files)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in single.values())
+    dst = bridge.build_model()
+    load_hf_checkpoint(dst, tmp_path / "sharded", bridge)
+    a, b = src.state_dict(), dst.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if "_extra_state" not in k)
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = AutoModelForCausalLM.from_pretrained(tmp_path / "one").eval()(tokens).logits
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded").eval()(tokens).logits
+    assert torch.equal(got, ref)
+    assert save_hf_checkpoint(src, tmp_path / "sharded", bridge) == ["model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "sharded").iterdir()) == ["config.json", "model.safetensors"]
+    with pytest.raises(ValueError, match="max_shard_bytes=0"):
+        save_hf_checkpoint(src, tmp_path / "sharded", bridge, max_shard_bytes=0)
+    assert (tmp_path / "sharded" / "model.safetensors").exists()  # refused before anything was removed

@@ -16,7 +16,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str, tp: int = WORLD, etp: int
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
     from transformers import AutoConfig
 
-    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint, save_hf_checkpoint
     from megatron_trace.testing.megatron_cpu import allow_torch_norm_with_sequence_parallel
 
     from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
@@ -41,7 +41,10 @@ def _worker(rank: int, port: int, ckpt: str, out: str, tp: int = WORLD, etp: int
             logits = gather_from_tensor_model_parallel_region(logits) if tp > 1 else logits  # vocab-parallel -> full
         disk = _disk(ckpt)
         exported = {n: t.clone() for n, t in export_hf_weights(model, bridge)}
+        saved = save_hf_checkpoint(model, os.path.join(out, "saved"), bridge, max_shard_bytes=32 << 10)
         torch.save({
+            "saved_files": saved,
+            "saved_dir": os.path.join(out, "saved"),
             "qkv_rows": qkv.shape[0],
             "expert_fc1_shape": tuple(fc1.shape),
             "logits": logits,
@@ -96,3 +99,18 @@ def test_expert_tensor_parallel_without_tensor_parallel_exports_the_experts_whol
     for r in results:
         assert (r["logits"] - ref).abs().max() < 1e-4 * ref.abs().max()
         assert r["export_exact"]
+
+
+def test_tp2_save_writes_shards_from_rank_0_only(tp2_results):
+    """Rank 1 gathers with rank 0 and keeps nothing; rank 0's shards hold the checkpoint bit for bit."""
+    from safetensors.torch import load_file
+
+    ckpt, results = tp2_results
+    assert results is not None, "a TP worker failed (see its stderr above)"
+    files = results[0]["saved_files"]
+    assert results[1]["saved_files"] == [] and len(files) > 1
+    saved = {}
+    for f in files:
+        saved.update(load_file(os.path.join(results[0]["saved_dir"], f)))
+    disk = _disk(ckpt)
+    assert saved.keys() == disk.keys() and all(torch.equal(saved[k], disk[k]) for k in disk)
