@@ -65,18 +65,38 @@ class _CountingSafeTensorIO(SafeTensorIO):
         self.stats = stats
 
     def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict:
+        self._check_in_index(hf_weight_names)
+        out = super().load_some_hf_weight(hf_weight_names)
+        _refuse_unmapped({n: t.dtype for n, t in out.items() if not t.is_floating_point() or t.element_size() < 2})
+        self.stats.tensors += len(out)
+        self.stats.bytes += sum(t.numel() * t.element_size() for t in out.values())
+        return out
+
+    def _check_in_index(self, hf_weight_names: list[str]) -> None:
         absent = [n for n in hf_weight_names if self.index and n not in self.index]
         if absent:
             raise ValueError(f"{len(absent)} tensor(s) the model needs are not in {self.hf_dir}'s "
                              f"model.safetensors.index.json, e.g. {absent[:3]}: does config.json match the checkpoint?")
-        out = super().load_some_hf_weight(hf_weight_names)
-        unmapped = {n: t.dtype for n, t in out.items() if not t.is_floating_point() or t.element_size() < 2}
-        if unmapped:  # a quantized checkpoint (FP8 with *_scale_inv, ...): its values are not the weights
-            dtypes = sorted(set(map(str, unmapped.values())))
-            raise ValueError(f"{len(unmapped)} checkpoint tensor(s) of dtypes {dtypes}, e.g. {next(iter(unmapped))}: "
-                             "only bf16 / fp16 / fp32 checkpoints are mapped")
-        self.stats.tensors += len(out)
-        self.stats.bytes += sum(t.numel() * t.element_size() for t in out.values())
+
+    def headers(self, hf_weight_names: list[str]) -> dict[str, tuple[list[int], str]]:
+        """(shape, safetensors dtype, e.g. "BF16") of each named tensor, from the file headers (no data read)."""
+        if self.index:
+            self._check_in_index(hf_weight_names)
+            files = sorted({self.index[n] for n in hf_weight_names})
+        else:
+            files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(self.hf_dir, "*.safetensors")))
+        wanted, out = set(hf_weight_names), {}
+        for fname in files:
+            with safe_open(os.path.join(self.hf_dir, fname), framework="pt", device="cpu") as f:
+                for n in wanted.intersection(f.keys()):
+                    sl = f.get_slice(n)
+                    out[n] = (sl.get_shape(), sl.get_dtype())
+        absent = sorted(wanted - out.keys())
+        if absent:
+            raise ValueError(f"{len(absent)} tensor(s) the model needs are in no safetensors file of {self.hf_dir}, "
+                             f"e.g. {absent[:3]}: does config.json match the checkpoint?")
+        unmapped = {n: _OTHER_DTYPES.get(d, d) for n, (_, d) in out.items() if d not in _FLOAT_DTYPES}
+        _refuse_unmapped(unmapped)
         return out
 
     def load_hf_weight_names(self) -> list[str]:
@@ -96,6 +116,20 @@ class _CountingSafeTensorIO(SafeTensorIO):
                              f"there is no model.safetensors.index.json to say which to use, e.g. {n!r} in "
                              f"{twice[n]}: remove the stray file(s) or add the index")
         return list(where)
+
+
+_FLOAT_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64}
+
+_OTHER_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I8": torch.int8, "U8": torch.uint8,
+                 "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+def _refuse_unmapped(unmapped: dict) -> None:
+    """A quantized checkpoint (FP8 with ``*_scale_inv``, ...): its values are not the weights."""
+    if unmapped:
+        dtypes = sorted(set(map(str, unmapped.values())))
+        raise ValueError(f"{len(unmapped)} checkpoint tensor(s) of dtypes {dtypes}, e.g. {next(iter(unmapped))}: "
+                         "only bf16 / fp16 / fp32 checkpoints are mapped")
 
 
 _LOCAL_TO_TE = (
@@ -162,7 +196,12 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             raise NotImplementedError(f"Qwen3MoeBridge supports pipeline parallel size 1 only, got {self.mpu.pp_size}")
 
     def load_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
-        """Fill this rank's parameters from a HF checkpoint; rank 0 of each shard group reads and scatters."""
+        """Fill this rank's parameters from a HF checkpoint; rank 0 of each shard group reads and scatters.
+
+        Under TP or ETP > 1 every rank must call it: the ranks check what they read (tensor names, dtypes and shapes
+        from the file headers) and agree before the first scatter, so a checkpoint one rank refuses raises on every
+        rank (a ``ValueError`` naming the refusing rank and its reason) instead of leaving the others waiting in the
+        scatter until the process group's timeout."""
         self._require_no_pipeline()
         self.safetensor_io = self._get_safetensor_io(weights_path)
         for model in models:
@@ -173,27 +212,48 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         plan = [(local, name, self._weight_name_mapping_mcore_to_hf(name), self._shard_group(name))
                 for local, name in self._weight_name_mapping_mcore_local_to_global(model).items()
                 if "_extra_state" not in local]
-        self._check_all_consumed({n for _, _, hf, _ in plan for n in hf})
         readers = [hf for _, _, hf, (_, _, rank) in plan if rank == 0]
-        cache = {} if memory_efficient else self.safetensor_io.load_some_hf_weight([n for hf in readers for n in hf])
+
+        def check_and_read() -> dict:
+            self._check_all_consumed({n for _, _, hf, _ in plan for n in hf})
+            self._check_shapes(plan, params)
+            return {} if memory_efficient else self.safetensor_io.load_some_hf_weight([n for hf in readers for n in hf])
+
+        sharded = any(size > 1 for *_, (_, size, _) in plan)
+        cache = _agreed(check_and_read, self.safetensor_io.hf_dir) if sharded else check_and_read()
         for local, name, hf_names, (group, size, rank) in plan:
             param = params[local]
             shards = None
             if rank == 0:
                 hf = [cache.pop(n) if n in cache else self.safetensor_io.load_one_hf_weight(n) for n in hf_names]
-                full = self._weight_to_mcore_format(name, hf)
                 shards = [t.to(param.device, param.dtype).contiguous()
-                          for t in self._weight_split_across_tp(name, full, param, size)]
-                if tuple(shards[0].shape) != tuple(param.shape):
-                    raise ValueError(f"{hf_names} -> {local}: the checkpoint's shape {[tuple(t.shape) for t in hf]} "
-                                     f"gives {tuple(shards[0].shape)} per rank, the model's is {tuple(param.shape)}; "
-                                     "does config.json match the checkpoint?")
+                          for t in self._weight_split_across_tp(name, self._weight_to_mcore_format(name, hf), param,
+                                                                size)]
             if size == 1:
                 param.copy_(shards[0])
                 continue
             mine = torch.empty_like(param)
             dist.scatter(mine, shards, src=dist.get_global_rank(group, 0), group=group)
             param.copy_(mine)
+
+    def _check_shapes(self, plan: list, params: dict) -> None:
+        """The tensors this rank reads exist, are floating, and convert to its parameters' shapes: the conversion
+        and TP split run on meta tensors of the header shapes (no data is read)."""
+        mine = [(local, name, hf_names, size) for local, name, hf_names, (_, size, rank) in plan if rank == 0]
+        headers = self.safetensor_io.headers([n for _, _, hf_names, _ in mine for n in hf_names])
+        for local, name, hf_names, size in mine:
+            param = params[local]
+            shapes = [tuple(headers[n][0]) for n in hf_names]
+            meta = [torch.empty(shape, dtype=_FLOAT_DTYPES[headers[n][1]], device="meta")
+                    for n, shape in zip(hf_names, shapes)]
+            try:
+                got = tuple(self._weight_split_across_tp(name, self._weight_to_mcore_format(name, meta),
+                                                         param.to("meta"), size)[0].shape)
+            except (AssertionError, RuntimeError, ValueError) as e:  # mbridge's reshapes of a wrong shape
+                got = f"no per-rank shape ({type(e).__name__}: {e})"
+            if got != tuple(param.shape):
+                raise ValueError(f"{hf_names} -> {local}: the checkpoint's shape {shapes} gives {got} per rank, the "
+                                 f"model's is {tuple(param.shape)}; does config.json match the checkpoint?")
 
     def _check_all_consumed(self, wanted: set[str]) -> None:
         """Every checkpoint tensor is one this rank reads, another EP rank's expert, or a tied ``lm_head``: a tensor
@@ -289,6 +349,27 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         mapping = self._weight_name_mapping_mcore_local_to_global(model)
         return [n for k, v in mapping.items() if "_extra_state" not in k
                 for n in self._weight_name_mapping_mcore_to_hf(v)]
+
+
+def _agreed(check, where: str):
+    """Run ``check()`` on every rank, then agree (one ``all_gather_object`` over the world) before any scatter: a
+    rank whose check raised re-raises its error, the others raise a ValueError naming that rank and its reason."""
+    error = None
+    try:
+        result = check()
+    except Exception as e:  # re-raised below, once every rank knows
+        error = e
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        reasons = [None] * dist.get_world_size()
+        dist.all_gather_object(reasons, None if error is None else f"{type(error).__name__}: {error}")
+        refused = [(r, why) for r, why in enumerate(reasons) if why is not None]
+        if refused and error is None:
+            r, why = refused[0]
+            raise ValueError(f"rank {r} refused to load the checkpoint {where} (this rank's checks passed; "
+                             f"{len(refused)} rank(s) refused): {why}")
+    if error is not None:
+        raise error
+    return result
 
 
 def _exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:

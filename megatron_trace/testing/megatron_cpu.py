@@ -155,8 +155,11 @@ def free_port() -> int:
 
 
 def init_megatron(rank: int = 0, world_size: int = 1, port: int | None = None, *, ep: int = 1, tp: int = 1,
-                  etp: int = 1, seed: int = 1234) -> bool:
-    """gloo process group (if none) + Megatron's model-parallel state; returns whether it created the group."""
+                  etp: int = 1, seed: int = 1234, timeout_s: float | None = None) -> bool:
+    """gloo process group (if none; collectives time out after ``timeout_s``, torch's default when None) +
+    Megatron's model-parallel state; returns whether it created the group."""
+    import datetime
+
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -165,7 +168,8 @@ def init_megatron(rank: int = 0, world_size: int = 1, port: int | None = None, *
     if created:
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         os.environ["MASTER_PORT"] = str(port or free_port())
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timeout)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
     )

@@ -1,6 +1,8 @@
 """TP=2 (sequence parallel) on two CPU processes: the bridge scatters HF tensors into TP shards, gathers them back."""
 
 import os
+import re
+import time
 
 import pytest
 import torch
@@ -114,3 +116,56 @@ def test_tp2_save_writes_shards_from_rank_0_only(tp2_results):
         saved.update(load_file(os.path.join(results[0]["saved_dir"], f)))
     disk = _disk(ckpt)
     assert saved.keys() == disk.keys() and all(torch.equal(saved[k], disk[k]) for k in disk)
+
+
+def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int) -> None:
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+    from megatron_trace.testing.megatron_cpu import allow_torch_norm_with_sequence_parallel
+
+    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    allow_torch_norm_with_sequence_parallel()
+    init_megatron(rank, WORLD, port, tp=tp, etp=etp, timeout_s=PG_TIMEOUT_S)  # a regression fails, does not hang
+    try:
+        bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32, expert_tensor_parallel_size=etp)
+        model = bridge.build_model()
+        start = time.monotonic()
+        try:
+            load_hf_checkpoint(model, ckpt, bridge)
+            outcome = ("loaded", "")
+        except Exception as e:  # recorded for the test
+            outcome = (type(e).__name__, str(e))
+        torch.save({"outcome": outcome, "seconds": time.monotonic() - start}, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        shutdown_megatron()
+
+
+PG_TIMEOUT_S = 30
+
+
+@pytest.mark.parametrize("tp, etp, bad, shape", [
+    (2, 1, "model.layers.1.self_attn.o_proj.weight", (64, 48)),  # read by TP rank 0 only
+    (1, 2, "model.layers.0.mlp.experts.3.down_proj.weight", (64, 16)),  # read by ETP rank 0 only
+], ids=["tp2", "etp2"])
+def test_a_checkpoint_rank_0_refuses_raises_on_every_rank_at_once(tmp_path, tp, etp, bad, shape):
+    """A shape only rank 0 reads is wrong: rank 0 refuses it, and rank 1 raises a ValueError naming rank 0 and the
+    reason within seconds (it waited in the scatter until the process group's timeout)."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    tensors[bad] = torch.zeros(shape)
+    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+    port = free_port()
+    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), tp, etp), timeout=240)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    reason = rf"\['{bad}'\] -> .*the checkpoint's shape \[{tuple(shape)}\]".replace("(", r"\(").replace(")", r"\)")
+    kind, msg = results[0]["outcome"]
+    assert kind == "ValueError" and re.search(reason, msg), results[0]
+    kind, msg = results[1]["outcome"]
+    assert kind == "ValueError" and re.search(rf"^rank 0 refused to load the checkpoint {ckpt} .*{reason}", msg), msg
+    assert all(r["seconds"] < 10 for r in results), [r["seconds"] for r in results]
