@@ -208,7 +208,9 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             self._load_model(unwrap_model(model), memory_efficient)
 
     def _load_model(self, model, memory_efficient: bool) -> None:
-        params = model.state_dict()
+        params = model.state_dict()  # (detached: no Megatron attributes, hence split_dims)
+        split_dims = {k: p.partition_dim for k, p in model.named_parameters()
+                      if getattr(p, "tensor_model_parallel", False)}
         plan = [(local, name, self._weight_name_mapping_mcore_to_hf(name), self._shard_group(name))
                 for local, name in self._weight_name_mapping_mcore_local_to_global(model).items()
                 if "_extra_state" not in local]
@@ -216,7 +218,7 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
 
         def check_and_read() -> dict:
             self._check_all_consumed({n for _, _, hf, _ in plan for n in hf})
-            self._check_shapes(plan, params)
+            self._check_shapes(plan, params, split_dims)
             return {} if memory_efficient else self.safetensor_io.load_some_hf_weight([n for hf in readers for n in hf])
 
         sharded = any(size > 1 for *_, (_, size, _) in plan)
@@ -236,9 +238,11 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             dist.scatter(mine, shards, src=dist.get_global_rank(group, 0), group=group)
             param.copy_(mine)
 
-    def _check_shapes(self, plan: list, params: dict) -> None:
+    def _check_shapes(self, plan: list, params: dict, split_dims: dict[str, int]) -> None:
         """The tensors this rank reads exist, are floating, and convert to its parameters' shapes: the conversion
-        and TP split run on meta tensors of the header shapes (no data is read)."""
+        and TP split run on meta tensors of the header shapes (no data is read). A split parameter's whole converted
+        weight is checked too, against the parameter's shape times the split size on its ``partition_dim``: mbridge's
+        split copies a weight already of one rank's shape to every rank (e.g. an o_proj of one TP rank's columns)."""
         mine = [(local, name, hf_names, size) for local, name, hf_names, (_, size, rank) in plan if rank == 0]
         headers = self.safetensor_io.headers([n for _, _, hf_names, _ in mine for n in hf_names])
         for local, name, hf_names, size in mine:
@@ -246,14 +250,20 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             shapes = [tuple(headers[n][0]) for n in hf_names]
             meta = [torch.empty(shape, dtype=_FLOAT_DTYPES[headers[n][1]], device="meta")
                     for n, shape in zip(hf_names, shapes)]
+            want = _whole_shape(param.shape, split_dims.get(local), size)
             try:
-                got = tuple(self._weight_split_across_tp(name, self._weight_to_mcore_format(name, meta),
-                                                         param.to("meta"), size)[0].shape)
+                whole = self._weight_to_mcore_format(name, meta)
+                got = tuple(self._weight_split_across_tp(name, whole, param.to("meta"), size)[0].shape)
+                whole = tuple(whole.shape)
             except (AssertionError, RuntimeError, ValueError) as e:  # mbridge's reshapes of a wrong shape
-                got = f"no per-rank shape ({type(e).__name__}: {e})"
-            if got != tuple(param.shape):
-                raise ValueError(f"{hf_names} -> {local}: the checkpoint's shape {shapes} gives {got} per rank, the "
-                                 f"model's is {tuple(param.shape)}; does config.json match the checkpoint?")
+                whole = got = f"no per-rank shape ({type(e).__name__}: {e})"
+            if got != tuple(param.shape) or whole != want:
+                found, expected = f"{got} per rank", tuple(param.shape)
+                if want != expected:  # split: the whole shapes say what is wrong
+                    found = found if isinstance(whole, str) else f"{whole} whole ({found})"
+                    expected = f"{want} whole ({expected} on each of {size} ranks)"
+                raise ValueError(f"{hf_names} -> {local}: the checkpoint's shape {shapes} gives {found}, the "
+                                 f"model's is {expected}; does config.json match the checkpoint?")
 
     def _check_all_consumed(self, wanted: set[str]) -> None:
         """Every checkpoint tensor is one this rank reads, another EP rank's expert, or a tied ``lm_head``: a tensor
@@ -349,6 +359,15 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         mapping = self._weight_name_mapping_mcore_local_to_global(model)
         return [n for k, v in mapping.items() if "_extra_state" not in k
                 for n in self._weight_name_mapping_mcore_to_hf(v)]
+
+
+def _whole_shape(shape: torch.Size, partition_dim: int | None, size: int) -> tuple[int, ...]:
+    """The shape of the whole weight a parameter of ``shape`` is one of ``size`` shards of (split on
+    ``partition_dim``; None: not split, every rank holds it whole)."""
+    whole = list(shape)
+    if partition_dim is not None:
+        whole[partition_dim] *= size
+    return tuple(whole)
 
 
 def _agreed(check, where: str):

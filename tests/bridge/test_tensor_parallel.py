@@ -169,3 +169,30 @@ def test_a_checkpoint_rank_0_refuses_raises_on_every_rank_at_once(tmp_path, tp, 
     kind, msg = results[1]["outcome"]
     assert kind == "ValueError" and re.search(rf"^rank 0 refused to load the checkpoint {ckpt} .*{reason}", msg), msg
     assert all(r["seconds"] < 10 for r in results), [r["seconds"] for r in results]
+
+
+@pytest.mark.parametrize("bad, shape, whole", [
+    ("model.layers.1.self_attn.o_proj.weight", (64, 32), (64, 64)),  # split on its input columns
+    ("model.embed_tokens.weight", (64, 64), (128, 64)),  # vocab-parallel rows
+    ("lm_head.weight", (64, 64), (128, 64)),
+], ids=["o_proj", "embed_tokens", "lm_head"])
+def test_a_checkpoint_tensor_of_one_tp_rank_s_shape_is_refused_on_every_rank(tmp_path, bad, shape, whole):
+    """A tensor of exactly one TP rank's shape is refused (mbridge's split would copy it to both ranks, each
+    loading the same half as if it were its own): its whole shape is checked against the parameter's times TP."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    tensors[bad] = torch.zeros(shape)
+    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+    port = free_port()
+    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), WORLD, 1), timeout=240)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    reason = re.escape(f"['{bad}'] -> ") + ".*" + re.escape(
+        f"the checkpoint's shape [{shape}] gives {shape} whole ({shape} per rank), the model's is {whole} whole "
+        f"({shape} on each of {WORLD} ranks); does config.json match the checkpoint?")
+    kind, msg = results[0]["outcome"]
+    assert kind == "ValueError" and re.search(reason, msg), results[0]
+    kind, msg = results[1]["outcome"]
+    where = re.escape(ckpt)
+    assert kind == "ValueError" and re.search(rf"^rank 0 refused to load the checkpoint {where} .*{reason}", msg), msg
