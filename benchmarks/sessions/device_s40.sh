@@ -20,4 +20,4 @@ call2() { COLD=1 qat_runs 1 2 3 4 5 6 7 8 9 10 11 12; }  # the same, each run wi
 call3() { WARM=1 BUDGET="${BUDGET:-300}" qat_runs 1 2 3 4 5 6 7 8; }  # at the weakref fix (find_trace_layers' cycle)
 # call 3 ran `BUDGET=190 call3` and call 4 `BUDGET=150 TIMEOUT=45 call3` on the same warm machine (its Triton cache
 # warm from call 3), both at 156b1de (head.txt on the device names an older commit: its .git copy was stale)
-"${1:-call1}"
+[[ "${BASH_SOURCE[0]}" == "$0" ]] && "${1:-call1}"  # run a call; sourced: define qat_runs only

@@ -17,9 +17,11 @@ import torch.distributed as dist
 from megatron_trace.guidance.records import split_batch
 from megatron_trace.guidance.routing import SampleRouting
 from megatron_trace.guidance.sync import PROTOCOL, GuidanceSync, GuidanceSyncError
-from megatron_trace.testing.megatron_cpu import free_port  # noqa: E402,F401  (re-exported)
+from megatron_trace.testing.megatron_cpu import free_port, spawn_ranks
 
 from ._data import assert_samples_equal, make_batch
+
+BACKENDS = ("gloo", "nccl")
 
 
 def rollout_samples(B: int):
@@ -39,12 +41,32 @@ def rollout_batch(B: int):
     return out, rows
 
 
-def worker(rank: int, world: int, port: int, scenario: str, outdir: str) -> None:
+def run_scenario(world: int, scenario: str, tmp_path, timeout: float = 120, backend: str = "gloo") -> dict[int, str]:
+    """Each rank's result line of ``scenario`` in ``world`` spawned processes (gloo on the CPU, or NCCL with one GPU
+    per rank); asserts that every rank reported OK."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    port = free_port()
+    codes = spawn_ranks(worker, world, lambda r: (r, world, port, scenario, str(tmp_path), backend), timeout=timeout)
+    out = {}
+    for r in range(world):
+        f = tmp_path / f"rank{r}.txt"
+        out[r] = f.read_text() if f.exists() else f"FAIL no result (exit code {codes[r]})"
+    bad = {r: m for r, m in out.items() if not m.startswith("OK")}
+    assert not bad, bad
+    return out
+
+
+def worker(rank: int, world: int, port: int, scenario: str, outdir: str, backend: str = "gloo") -> None:
     result = Path(outdir) / f"rank{rank}.txt"
     try:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        kw = {}
+        if backend == "nccl":  # one GPU per rank; the sync's buffers then live on it (GuidanceSync.device)
+            torch.cuda.set_device(rank)
+            kw["device_id"] = torch.device("cuda", rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=60), **kw)
         try:  # validated before the collective new_group: every rank raises, nobody hangs
             GuidanceSync(0, [world])
             raise AssertionError("a trainer rank outside the world was accepted")
@@ -159,7 +181,7 @@ def _tampered(rank, sync, samples, scenario) -> str:
             msgs[0][0] = 12345
             msgs = msgs[:1]
         for t in msgs:
-            dist.send(t, dst=1, group=sync.group)
+            dist.send(t.to(sync.device), dst=1, group=sync.group)
         return "OK sent tampered"
     try:
         got = sync.receive()
@@ -195,7 +217,7 @@ def _resync(rank, sync, samples, scenario="resync") -> str:
                 msgs[0][1], msgs[0][5] = len(raw), zlib.crc32(raw)
                 msgs[1] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
             for t in msgs:
-                dist.send(t, dst=1, group=sync.group)
+                dist.send(t.to(sync.device), dst=1, group=sync.group)
         sync.send(second, chunk_bytes=1)
         return "OK sent"
     try:

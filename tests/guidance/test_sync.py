@@ -4,21 +4,9 @@ import pytest
 import torch.distributed as dist
 
 from megatron_trace.guidance.sync import GuidanceSync, assign_destinations
-from megatron_trace.testing.megatron_cpu import spawn_ranks
 
-from ._dist import free_port, rollout_samples, worker
-
-
-def _run(world: int, scenario: str, tmp_path, timeout: float = 120) -> dict[int, str]:
-    port = free_port()
-    codes = spawn_ranks(worker, world, lambda r: (r, world, port, scenario, str(tmp_path)), timeout=timeout)
-    out = {}
-    for r in range(world):
-        f = tmp_path / f"rank{r}.txt"
-        out[r] = f.read_text() if f.exists() else f"FAIL no result (exit code {codes[r]})"
-    bad = {r: m for r, m in out.items() if not m.startswith("OK")}
-    assert not bad, bad
-    return out
+from ._dist import rollout_samples
+from ._dist import run_scenario as _run
 
 
 def test_one_rollout_one_trainer_records_identical(tmp_path):
