@@ -1,4 +1,4 @@
-"""Train-rollout mismatch metrics (shared/METRICS.md), as flat ``{name: float}`` dicts for TensorBoard/W&B.
+"""Train-rollout mismatch metrics (README: "Reading the metrics"), as flat ``{name: float}`` dicts for TensorBoard/W&B.
 
 Log-prob metrics take the trainer's recomputed ``lt = log pi_train(y_t)`` and the rollout's
 ``lr = log mu_rollout(y_t)``, both [B, S], and a bool response mask [B, S]; ``d = lt - lr``,
@@ -50,7 +50,8 @@ def _pearson(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor,
                      prefix: str = "mismatch") -> dict[str, float]:
-    """Every ``mismatch/*`` metric of METRICS.md (``prob_pearson`` is NaN for < 2 tokens or constant probs)."""
+    """Every ``mismatch/*`` metric (README, "Reading the metrics"; ``prob_pearson`` is NaN for < 2 tokens or constant
+    probs)."""
     lt, lr, mask = _masked(trainer_logprobs, rollout_logprobs, mask)
     d_all = lt - lr  # [B, S]
     d = d_all[mask]  # [N]

@@ -181,3 +181,12 @@ def test_fallback_and_cache_metrics():
     c = FallbackCounter(used=6, fallback=Counter(not_guided_layer=6, missing=2))
     assert c.coverage == c.as_dict()["guidance/coverage"] == guidance_step_metrics(c)["guidance/coverage"] == 0.75
     assert cache_metrics(1024, 4096) == {"cache/bytes_per_token": 1024.0, "cache/bytes_per_token_full": 4096.0}
+
+
+def test_counter_log_keys_are_the_step_metrics_keys():
+    """``FallbackCounter.as_dict`` (the assembly's log) and ``guidance_step_metrics`` (the trainer's) name a reason the
+    same way, so one dashboard query finds it in both: every key of the first is in the second, same value."""
+    c = FallbackCounter(used=5, fallback=Counter(not_guided_layer=4, missing=2, token_hash=1))
+    logged, step = c.as_dict("guidance/x"), guidance_step_metrics(c, prefix="guidance/x")
+    assert logged["guidance/x/fallback/token_hash"] == 1.0
+    assert {k: step[k] for k in logged} == logged

@@ -1,4 +1,4 @@
-"""Launch an SGLang TRACE rollout engine next to a Megatron trainer (needs SGLang 0.5.10 on a GPU).
+"""Launch an SGLang TRACE rollout engine next to a Megatron trainer (needs SGLang 0.5.10.post1 on a GPU).
 
   1. export the initial policy as a TRACE/ModelOpt NVFP4 checkpoint (once, on any machine):
        python examples/sglang/launch_rollout.py export --hf-dir <bf16 HF checkpoint> --out <ckpt dir> --input-amax <A>

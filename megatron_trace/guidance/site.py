@@ -92,5 +92,6 @@ class FallbackCounter:
 
     def as_dict(self, prefix: str = "guidance") -> dict[str, float]:
         d = {f"{prefix}/coverage": self.coverage, f"{prefix}/rows_used": float(self.used)}
-        d.update({f"{prefix}/fallback_{k}": float(v) for k, v in sorted(self.fallback.items())})
+        # reasons under ``{prefix}/fallback/``, the keys ``metrics.guidance_step_metrics`` gives them
+        d.update({f"{prefix}/fallback/{k}": float(v) for k, v in sorted(self.fallback.items())})
         return d

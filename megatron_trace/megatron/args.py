@@ -148,6 +148,8 @@ def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
         fields["guided_layers"] = layers
     if "guided_sites" not in fields and "sites" in fields:  # guided sites default to the quantized ones
         fields["guided_sites"] = tuple(s for s in ACTIVATION_SITES if s in fields["sites"])
+    if fields["enabled"] and fields.get("guided_layers") == "budget":  # (before the config asks for a byte budget)
+        raise ValueError(_BUDGET_AT_LAUNCH)
     try:
         cfg = TraceConfig.from_dict(fields)
     except ValueError as e:
@@ -156,12 +158,13 @@ def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
     return cfg
 
 
+_BUDGET_AT_LAUNCH = (
+    "--trace-guided-layers budget picks layers from a measured per-layer mismatch profile, which a launch does not "
+    "have: run `python -m megatron_trace.cli.plan --hf-config CONFIG --layer-policy budget=BYTES --mismatch-profile "
+    "PROFILE.json` and pass the layers it prints (--trace-guided-layers 20,21,...)")
+
+
 def _check_against_model(cfg: TraceConfig, args) -> None:
-    if cfg.enabled and cfg.guided_layers == "budget":
-        raise ValueError(
-            "--trace-guided-layers budget picks layers from a measured per-layer mismatch profile, which a launch "
-            "does not have: run `python -m megatron_trace.cli.plan --hf-config CONFIG --layer-policy budget=BYTES "
-            "--mismatch-profile PROFILE.json` and pass the layers it prints (--trace-guided-layers 20,21,...)")
     num_layers = getattr(args, "num_layers", None)
     if cfg.enabled and num_layers:
         try:

@@ -1,4 +1,4 @@
-"""The five arms compared by the demo (METRICS.md), as TraceConfig variants of one base config."""
+"""The five arms compared by the demo (README), as TraceConfig variants of one base config."""
 
 from __future__ import annotations
 
