@@ -2,8 +2,10 @@
 
 * ``check_mismatch_gate``: ``max_abs_diff`` (the demo's ``rl.max_logprob_abs_diff``; slime's CI check; off by
   default) raises ``MismatchGateError`` when ``mismatch/logprob_abs_diff`` exceeds the bound.
-* ``TrendAlarm``: least-squares slope of a metric over the last N steps; a rising mismatch is a
-  framework bug even when each value looks small (NeMo-RL#1801). A NaN/Inf value fires at once.
+* ``TrendAlarm``: a rising mismatch is a framework bug even when each value looks small (NeMo-RL#1801).
+  Relative mode (default): the window's growth, robust slope x span / median level, above ``max_growth``
+  (one threshold for any model or metric, whatever its level); absolute mode: the least-squares slope
+  per step above ``max_slope`` (in the metric's units). A NaN/Inf value fires at once.
 * ``phase_metrics``: the mismatch of prefill positions (the first response token, sampled from the
   prompt's forward) and decode positions separately; with a quantized KV cache they can diverge
   (sglang#25790). ``step_mismatch_metrics`` is the one call per step (adds it when the KV cache
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -72,23 +75,93 @@ def least_squares_slope(values: Sequence[float], steps: Sequence[float] | None =
     return sum((x - mx) * (y - my) for x, y in zip(xs, values)) / sxx if sxx else 0.0
 
 
-class TrendAlarm:
-    """Fires when the slope of ``key`` over the last ``window`` steps exceeds ``max_slope`` (per step).
+def theil_sen_slope(values: Sequence[float], steps: Sequence[float] | None = None) -> float:
+    """Median of the pairwise slopes ``(v_j - v_i) / (s_j - s_i)`` (Theil-Sen; steps default 0..n-1).
 
-    ``update(metrics, step)`` returns ``{f"{key}/slope": s, f"alarm/{key}_rising": 0|1}``, logs a warning
-    when it fires and raises ``MismatchGateError`` instead if ``raise_on_alarm``.
+    A single spike moves it little (it shifts n - 1 of the n (n - 1) / 2 slopes), unlike the least-squares
+    slope; pairs at the same step are skipped. O(n^2): meant for windows of up to a few hundred steps."""
+    xs = list(range(len(values))) if steps is None else [float(s) for s in steps]
+    slopes = [(values[j] - values[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
+              if xs[j] != xs[i]]
+    return statistics.median(slopes) if slopes else 0.0
+
+
+TREND_MODES = ("relative", "absolute")
+
+
+def check_trend_settings(*, mode: str | None, max_slope: float | None, max_growth: float | None,
+                         min_level: float, prefix: str = "") -> str:
+    """The trend alarm's mode (``None``: absolute if ``max_slope`` is given, as before session 41, else
+    relative); raises ``ValueError`` naming a bad or conflicting setting (``prefix`` + its name)."""
+    def number(v) -> bool:
+        return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+    if mode is None:
+        mode = "absolute" if max_slope is not None else "relative"
+    if mode not in TREND_MODES:
+        raise ValueError(f"{prefix}mode={mode!r} must be one of {TREND_MODES} (or None: absolute when "
+                         f"{prefix}max_slope is set, else relative)")
+    if not number(min_level) or min_level <= 0:
+        raise ValueError(f"{prefix}min_level={min_level!r} must be a finite number > 0 (the level below which a "
+                         "window's median counts as this floor in the relative growth)")
+    if mode == "absolute":
+        if max_growth is not None:
+            raise ValueError(f"{prefix}max_growth={max_growth!r} is the relative mode's threshold: drop it, or set "
+                             f"{prefix}mode='relative' and drop {prefix}max_slope")
+        if not number(max_slope):
+            raise ValueError(f"{prefix}max_slope={max_slope!r} must be a finite number in {prefix}mode='absolute' "
+                             "(the metric's rise per step that fires the alarm; NaN: the alarm never fires)")
+    else:
+        if max_slope is not None:
+            raise ValueError(f"{prefix}max_slope={max_slope!r} is the absolute mode's threshold: set "
+                             f"{prefix}mode='absolute' to use it, or drop it (relative mode fires on "
+                             f"{prefix}max_growth)")
+        if max_growth is not None and (not number(max_growth) or max_growth < 0):
+            raise ValueError(f"{prefix}max_growth={max_growth!r} must be a finite number >= 0 (the window's rise as "
+                             "a fraction of its median level, e.g. 1.0: by the whole level) or None (1.0)")
+    return mode
+
+
+class TrendAlarm:
+    """Fires when ``key`` rises over the last ``window`` steps (checked once the window is full).
+
+    * ``mode="relative"`` (the default): the window's growth, the Theil-Sen slope (``theil_sen_slope``) times
+      the window's span of steps, divided by the window's median level, above ``max_growth`` (default 1.0):
+      the trend line rises across the window by more than the metric's own level (e.g. a line from 0.5x to
+      1.5x the median: 3x from the window's start to its end). Level-free, so one threshold holds for a BF16
+      floor of 1e-3 and an FP4 run 13x above it; a robust slope and level, so one spike is not a trend (a
+      spike or a high level is the CI gate's job).
+      Guard: a median below ``min_level`` (default 1e-6, about ten float32 roundings of a log-prob of order
+      one) counts as ``min_level``, so a window at or near zero (a bit-exact rollout) has a growth near 0,
+      not 0 / 0; a rise from zero to a real mismatch still fires.
+    * ``mode="absolute"``: the least-squares slope per step above ``max_slope`` (the metric's units per step;
+      the only mode before session 41: ``mode=None`` with ``max_slope`` given picks it).
+
+    A NaN/Inf value fires at once in either mode and stays out of the window. ``update(metrics, step)``
+    returns ``{f"{key}/slope": least-squares slope per step, f"{key}/growth": relative growth,
+    f"alarm/{key with / as _}_rising": 0|1}`` (both numbers in either mode), logs a warning when it fires
+    and raises ``MismatchGateError`` instead if ``raise_on_alarm``.
     """
 
-    def __init__(self, *, window: int = 20, max_slope: float = 0.0, key: str = ABS_DIFF,
+    def __init__(self, *, window: int = 20, mode: str | None = None, max_growth: float | None = None,
+                 max_slope: float | None = None, min_level: float = 1e-6, key: str = ABS_DIFF,
                  raise_on_alarm: bool = False):
-        if not isinstance(window, int) or window < 2:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise ValueError(f"window={window!r} must be an int >= 2")
-        if not math.isfinite(max_slope):
-            raise ValueError(f"max_slope={max_slope!r} must be finite")
-        self.window, self.max_slope, self.key, self.raise_on_alarm = window, float(max_slope), key, raise_on_alarm
+        self.mode = check_trend_settings(mode=mode, max_slope=max_slope, max_growth=max_growth, min_level=min_level)
+        self.max_growth = None if self.mode == "absolute" else float(1.0 if max_growth is None else max_growth)
+        self.max_slope = None if max_slope is None else float(max_slope)
+        self.window, self.min_level, self.key, self.raise_on_alarm = window, float(min_level), key, raise_on_alarm
         self._steps: deque[float] = deque(maxlen=window)
         self._values: deque[float] = deque(maxlen=window)
         self._count = 0
+
+    def growth(self) -> float:
+        """The window's Theil-Sen rise across its steps over its median level (``min_level`` at least)."""
+        if len(self._values) < 2:
+            return 0.0
+        level = max(abs(statistics.median(self._values)), self.min_level)
+        return theil_sen_slope(list(self._values), list(self._steps)) * (self._steps[-1] - self._steps[0]) / level
 
     def update(self, metrics: dict[str, float], step: int | None = None) -> dict[str, float]:
         at = float(self._count if step is None else step)
@@ -98,16 +171,24 @@ class TrendAlarm:
             self._steps.append(at)
             self._values.append(value)
         full = len(self._values) == self.window
-        slope = least_squares_slope(list(self._values), list(self._steps))
-        fired = not math.isfinite(value) or (full and slope > self.max_slope)
+        slope, growth = least_squares_slope(list(self._values), list(self._steps)), self.growth()
+        rising = growth > self.max_growth if self.mode == "relative" else slope > self.max_slope
+        fired = not math.isfinite(value) or (full and rising)
         if fired:
-            msg = (f"{self.key} is {value} at step {at:g}" if not math.isfinite(value) else
-                   f"{self.key} rises by {slope:.3g}/step over the last {self.window} steps "
-                   f"(alarm above {self.max_slope:.3g}/step): from {self._values[0]:.4g} to {self._values[-1]:.4g}")
+            span = (f"over the last {self.window} steps: from {self._values[0]:.4g} to {self._values[-1]:.4g}"
+                    if self._values else "")
+            if not math.isfinite(value):
+                msg = f"{self.key} is {value} at step {at:g}"
+            elif self.mode == "relative":
+                msg = (f"{self.key} grows by {growth:.0%} of its level {span} (alarm above {self.max_growth:.0%}; "
+                       f"robust slope x steps / median)")
+            else:
+                msg = f"{self.key} rises by {slope:.3g}/step {span} (alarm above {self.max_slope:.3g}/step)"
             if self.raise_on_alarm:
                 raise MismatchGateError(msg)
             logger.warning(msg)
-        return {f"{self.key}/slope": slope, f"alarm/{self.key.replace('/', '_')}_rising": float(fired)}
+        return {f"{self.key}/slope": slope, f"{self.key}/growth": growth,
+                f"alarm/{self.key.replace('/', '_')}_rising": float(fired)}
 
     def state_dict(self) -> dict:
         """The window and step count (a checkpoint's part: a resumed run keeps watching the same trend)."""

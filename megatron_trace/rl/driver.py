@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,7 +30,14 @@ import torch
 from ..guidance.records import pack_guidance, payload_of, with_tensors
 from ..guidance.site import FallbackCounter, SiteGuidance
 from ..metrics import guidance_step_metrics, quant_counts, quant_metrics
-from ..monitor import SentinelCheck, SentinelError, TrendAlarm, check_mismatch_gate, step_mismatch_metrics
+from ..monitor import (
+    SentinelCheck,
+    SentinelError,
+    TrendAlarm,
+    check_mismatch_gate,
+    check_trend_settings,
+    step_mismatch_metrics,
+)
 from ..rollout.base import MIN_TEMPERATURE, SamplingParams
 from .arms import Arm
 from .grpo import group_advantages, policy_loss
@@ -61,8 +67,11 @@ class RLConfig:
     checkpoint_every: int = 0
     seed: int = 0
     max_logprob_abs_diff: float | None = None  # CI gate (slime's check): raise above it; None = off
-    trend_window: int = 10  # mismatch trend alarm over this many steps
-    trend_max_slope: float = 0.01  # logprob_abs_diff rising faster than this per step -> warning
+    trend_window: int = 10  # mismatch trend alarm over this many steps (monitor.TrendAlarm) -> warning
+    trend_mode: str | None = None  # relative | absolute (None: absolute if trend_max_slope is set, else relative)
+    trend_max_growth: float | None = None  # relative: the window's rise over its median level (None: 1.0)
+    trend_max_slope: float | None = None  # absolute: logprob_abs_diff's rise per step (before session 41: 0.01)
+    trend_min_level: float = 1e-6  # relative: a window median below this counts as this (a zero level's guard)
     sentinel_prompts: int = 4  # after every weight sync, compare this many fixed prompts' log-probs (0 = off)
     sentinel_max_abs_diff: float | None = None  # raise above it (None: log only)
     fast_kv_attention: bool = True  # hf rollout: the fast FP4-KV decode attention (exact FP4 K/V values)
@@ -93,7 +102,8 @@ class RLConfig:
         if self.temperature == 0:
             logger.warning("RLConfig.temperature=0: greedy rollouts give every response of a group the same tokens, "
                            "so every advantage is 0 and the policy does not learn (use it for evaluation or tests)")
-        need(math.isfinite(self.trend_max_slope), "trend_max_slope", "a finite number (NaN: the alarm never fires)")
+        check_trend_settings(mode=self.trend_mode, max_slope=self.trend_max_slope, max_growth=self.trend_max_growth,
+                             min_level=self.trend_min_level, prefix="RLConfig.trend_")
         need(self.weight_sync in WEIGHT_SYNCS, "weight_sync", f"one of {WEIGHT_SYNCS}")
         for name in ("max_logprob_abs_diff", "sentinel_max_abs_diff"):
             need(getattr(self, name) is None or getattr(self, name) >= 0, name, "None (off) or >= 0")
@@ -147,7 +157,8 @@ class GRPORun:
         self.cache = GuidanceCache(int(arm.trace.cache_budget_mb * 2**20), cache_dir)
         self.state = ArmState()
         self.last_metrics: dict | None = None  # the last step's row, also when it failed the sentinel or gate
-        self.trend = TrendAlarm(window=cfg.trend_window, max_slope=cfg.trend_max_slope)
+        self.trend = TrendAlarm(window=cfg.trend_window, mode=cfg.trend_mode, max_growth=cfg.trend_max_growth,
+                                max_slope=cfg.trend_max_slope, min_level=cfg.trend_min_level)
         from megatron.core import parallel_state as ps
 
         self.topology = {

@@ -1,5 +1,6 @@
-"""Issue 11 item 5: the max-abs-diff gate (off by default), the rising-mismatch alarm, the first token and the
-prefill/decode split reported separately, metrics tagged with the parallel topology."""
+"""Issue 11 item 5: the max-abs-diff gate (off by default), the rising-mismatch alarm (relative by default since
+session 41; absolute as before), the first token and the prefill/decode split reported separately, metrics tagged
+with the parallel topology."""
 
 import logging
 import math
@@ -15,6 +16,7 @@ from megatron_trace.monitor import (
     least_squares_slope,
     phase_metrics,
     step_mismatch_metrics,
+    theil_sen_slope,
     topology_prefix,
 )
 
@@ -78,6 +80,137 @@ def test_trend_alarm_fires_on_a_non_finite_value_and_keeps_watching():
     assert copy.update({key: 2.5}, step=6) == alarm.update({key: 2.5}, step=6)
     with pytest.raises(ValueError, match="does not fit window=2"):
         TrendAlarm(window=2).load_state_dict(alarm.state_dict())
+
+
+KEY, FLAG = "mismatch/logprob_abs_diff", "alarm/mismatch_logprob_abs_diff_rising"
+GROWTH = "mismatch/logprob_abs_diff/growth"
+
+# Real mismatch/logprob_abs_diff of the CPU demo (examples/conf/demo.yaml, 30 RL steps; benchmarks/results/s40/
+# demo_seeds), 4 significant digits. bf16 / trace / trace_full are healthy; per arm the seed with the largest
+# 10-step growth, trace_full seed 1 ending on a 7x spike, trace seed 2 with a 3x spike at step 26.
+DEMO = {
+    "bf16_s0": [0.004138, 0.005033, 0.003238, 0.004908, 0.00535, 0.006552, 0.005451, 0.006804, 0.009412, 0.005588,
+                0.005728, 0.00564, 0.00736, 0.005453, 0.004245, 0.005421, 0.005924, 0.006886, 0.00657, 0.008619,
+                0.007445, 0.007795, 0.008175, 0.006198, 0.007958, 0.008865, 0.01073, 0.01099, 0.008765, 0.007504],
+    "bf16_s2": [0.005287, 0.002909, 0.004469, 0.004954, 0.00455, 0.004357, 0.005652, 0.008932, 0.003325, 0.006135,
+                0.006847, 0.007431, 0.006149, 0.009227, 0.009288, 0.01013, 0.009126, 0.006062, 0.006825, 0.007258,
+                0.006522, 0.006586, 0.006143, 0.009309, 0.006561, 0.006668, 0.01305, 0.00654, 0.008414, 0.008648],
+    "trace_s2": [0.006635, 0.006114, 0.008839, 0.01158, 0.009548, 0.009035, 0.006273, 0.01108, 0.01246, 0.009083,
+                 0.007322, 0.006983, 0.007525, 0.01082, 0.009381, 0.01365, 0.01461, 0.01056, 0.008396, 0.006663,
+                 0.009488, 0.01206, 0.01628, 0.006949, 0.01331, 0.01135, 0.03341, 0.01092, 0.01304, 0.01053],
+    "trace_full_s0": [0.001882, 0.0009787, 0.001986, 0.002716, 0.002217, 0.001558, 0.0009395, 0.002298, 0.0008473,
+                      0.002064, 0.002098, 0.002189, 0.003094, 0.003113, 0.001175, 0.002218, 0.002241, 0.0009358,
+                      0.001311, 0.001977, 0.0017, 0.001213, 0.002609, 0.002362, 0.001168, 0.002504, 0.002673,
+                      0.003232, 0.002175, 0.001929],
+    "trace_full_s1": [0.002529, 0.0004976, 0.001672, 0.001511, 0.001411, 0.002429, 0.001483, 0.001396, 0.001408,
+                      0.002087, 0.002001, 0.0018, 0.002418, 0.004179, 0.002549, 0.00228, 0.002925, 0.001845,
+                      0.002547, 0.00243, 0.002153, 0.001918, 0.004007, 0.003312, 0.001694, 0.00256, 0.001496,
+                      0.003802, 0.002345, 0.0161],
+}
+# fp4_naive seed 2: about 13x the BF16 floor, flat but for one 4x spike at step 26
+FP4_NAIVE_S2 = [0.08472, 0.05583, 0.05526, 0.05701, 0.07769, 0.1223, 0.06915, 0.1102, 0.08018, 0.08959, 0.08565,
+                0.07909, 0.07644, 0.1129, 0.1003, 0.1306, 0.1021, 0.1565, 0.09238, 0.1473, 0.08883, 0.08205, 0.09756,
+                0.08975, 0.07977, 0.1772, 0.3764, 0.0965, 0.106, 0.1283]
+
+
+def _watch(values, **kw) -> list[dict]:
+    alarm = TrendAlarm(window=10, **kw)
+    return [alarm.update({KEY: v}, step=i) for i, v in enumerate(values)]
+
+
+def _fired(rows) -> list[int]:
+    return [i for i, r in enumerate(rows) if r[FLAG]]
+
+
+def test_theil_sen_slope_ignores_one_spike():
+    assert theil_sen_slope([1.0, 3.0, 5.0]) == pytest.approx(2.0)
+    assert theil_sen_slope([2.0, 4.0], steps=[10, 20]) == pytest.approx(0.2)
+    spike = [1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 7.0]
+    assert theil_sen_slope(spike) == 0.0 and least_squares_slope(spike) == pytest.approx(6 * 3 / 28)
+    assert theil_sen_slope([1.0, 2.0, 5.0], steps=[3, 3, 4]) == pytest.approx(3.5)  # the same-step pair is skipped
+    assert theil_sen_slope([4.0]) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(DEMO))
+def test_relative_alarm_is_silent_on_the_demos_healthy_arms(name, caplog):
+    """Default settings (relative, growth 1.0, window 10): no healthy arm of the demo's three seeds comes near it
+    (the largest growth of all 189 full windows is 0.83, trace_full seed 0), spikes included."""
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.monitor"):
+        rows = _watch(DEMO[name])
+    assert _fired(rows) == [] and caplog.text == ""
+    assert max(r[GROWTH] for r in rows[9:]) < 0.85
+
+
+def test_a_flat_but_high_fp4_run_is_the_gates_job_not_the_alarms():
+    """fp4_naive does not rise within 30 steps, it sits 13x above the BF16 floor: the relative alarm stays silent;
+    the absolute one (0.01/step) fired at steps 26-27 of the real run, on one spike (its least-squares slope)."""
+    rows = _watch(FP4_NAIVE_S2)
+    assert _fired(rows) == [] and max(r[GROWTH] for r in rows[9:]) < 0.7
+    assert _fired(_watch(FP4_NAIVE_S2, mode="absolute", max_slope=0.01)) == [26, 27]
+    with pytest.raises(MismatchGateError):  # the level is what the CI gate bounds
+        check_mismatch_gate({KEY: FP4_NAIVE_S2[0]}, 0.05)
+
+
+def test_relative_alarm_fires_on_a_collapse_at_any_level(caplog):
+    """The real bf16 seed-0 noise times a collapse from step 10 on (doubling every 7 steps): the relative alarm
+    fires at step 18 and on (not during the healthy part); at the demo's level the absolute 0.01/step never does,
+    and 1000x higher it fires on the healthy steps already. The relative verdict does not depend on the level."""
+    collapse = [v * 2 ** (max(0, t - 10) / 7) for t, v in enumerate(DEMO["bf16_s0"])]
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.monitor"):
+        rows = _watch(collapse)
+    assert _fired(rows) == list(range(18, 30))
+    assert "grows by" in caplog.text and "of its level" in caplog.text
+    for scale in (1e-3, 1e3):
+        scaled = _watch([v * scale for v in collapse])
+        assert _fired(scaled) == _fired(rows)
+        assert [r[GROWTH] for r in scaled] == pytest.approx([r[GROWTH] for r in rows], rel=1e-9)
+    assert _fired(_watch(collapse, mode="absolute", max_slope=0.01)) == []
+    assert _fired(_watch([v * 1e3 for v in collapse], mode="absolute", max_slope=0.01))[0] == 9
+
+
+def test_relative_growth_guards_a_zero_level_and_fires_on_non_finite():
+    assert _fired(rows := _watch([0.0] * 12)) == [] and rows[-1][GROWTH] == 0.0  # 0 / 0 would be NaN
+    tiny = _watch([1e-9 * t for t in range(12)])  # below min_level=1e-6: float noise, not a trend
+    assert _fired(tiny) == [] and tiny[-1][GROWTH] == pytest.approx(9e-9 / 1e-6)
+    assert _fired(_watch([0.0] * 5 + [2e-4 * t for t in range(1, 8)]))[0] == 9  # from zero to a real mismatch
+    signed = _watch([-0.01 - 0.002 * t for t in range(10)])  # a falling negative level: |median|
+    assert signed[-1][GROWTH] == pytest.approx(-0.018 / 0.019) and not _fired(signed)
+    values = [0.01, 0.01, float("inf"), 0.01, float("nan")] + [0.01] * 8
+    assert _fired(_watch(values)) == [2, 4]
+    strict = TrendAlarm(window=2, max_growth=0.0, raise_on_alarm=True)
+    strict.update({KEY: 0.1})
+    with pytest.raises(MismatchGateError, match=r"grows by 100% of its level .* \(alarm above 0%"):
+        strict.update({KEY: 0.3})
+
+
+def test_relative_alarm_resumes_from_its_state():
+    alarm, copy = TrendAlarm(window=4), TrendAlarm(window=4)
+    for i, v in enumerate([0.01, 0.012, 0.02, 0.03]):
+        alarm.update({KEY: v}, step=i)
+    copy.load_state_dict(alarm.state_dict())
+    assert copy.update({KEY: 0.05}, step=4) == alarm.update({KEY: 0.05}, step=4)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(mode="slope"), r"mode='slope' must be one of \('relative', 'absolute'\)"),
+    (dict(max_growth=-0.5), "max_growth=-0.5 must be a finite number >= 0"),
+    (dict(max_growth=float("inf")), "max_growth=inf must be a finite number >= 0"),
+    (dict(min_level=0.0), "min_level=0.0 must be a finite number > 0"),
+    (dict(mode="relative", max_slope=0.01), "max_slope=0.01 is the absolute mode's threshold: set mode='absolute'"),
+    (dict(mode="absolute"), "max_slope=None must be a finite number in mode='absolute'"),
+    (dict(max_slope=0.01, max_growth=1.0), "max_growth=1.0 is the relative mode's threshold"),
+    (dict(max_slope=float("nan")), "max_slope=nan must be a finite number"),
+    (dict(window=True), "window=True must be an int >= 2"),
+])
+def test_bad_trend_settings_are_named(kw, match):
+    with pytest.raises(ValueError, match=match):
+        TrendAlarm(**kw)
+
+
+def test_the_absolute_mode_is_kept_for_old_settings():
+    """``TrendAlarm(max_slope=...)`` (the only mode before session 41) is still the absolute alarm."""
+    assert TrendAlarm(max_slope=0.01).mode == "absolute" and TrendAlarm().mode == "relative"
+    assert TrendAlarm().max_growth == 1.0 and TrendAlarm(mode="absolute", max_slope=0.0).max_growth is None
 
 
 def test_first_token_and_prefill_decode_are_reported_separately():

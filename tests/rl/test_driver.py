@@ -203,7 +203,8 @@ def test_a_resumed_demo_redoes_the_steps_after_its_checkpoint_once(megatron_cpu,
     straight = run(out_dir=tmp_path, rl=cfg, **kw)["trace"]
     resumed = run(out_dir=tmp_path, rl=cfg, resume=True, **kw)["trace"]
     assert [r["step"] for r in resumed] == [0, 1, 2]
-    for key in ("mismatch/logprob_abs_diff", "mismatch/logprob_abs_diff/slope", "reward"):
+    for key in ("mismatch/logprob_abs_diff", "mismatch/logprob_abs_diff/slope", "mismatch/logprob_abs_diff/growth",
+                "alarm/mismatch_logprob_abs_diff_rising", "reward"):
         assert resumed[2][key] == straight[2][key], key
 
 
@@ -313,10 +314,28 @@ def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     (dict(checkpoint_every=-1), "checkpoint_every=-1"), (dict(kl_coef=0.1), "keeps no reference policy"),
     (dict(weight_sync="int4"), "weight_sync='int4' must be one of"), (dict(lr=0.0), "lr=0.0 must be > 0"),
     (dict(trend_max_slope=float("nan")), "trend_max_slope=nan must be a finite number"),
+    (dict(trend_mode="slope"), r"RLConfig.trend_mode='slope' must be one of \('relative', 'absolute'\)"),
+    (dict(trend_max_growth=-1.0), "RLConfig.trend_max_growth=-1.0 must be a finite number >= 0"),
+    (dict(trend_min_level=0.0), "RLConfig.trend_min_level=0.0 must be a finite number > 0"),
+    (dict(trend_mode="relative", trend_max_slope=0.01),
+     "RLConfig.trend_max_slope=0.01 is the absolute mode's threshold: set RLConfig.trend_mode='absolute'"),
+    (dict(trend_mode="absolute"), "RLConfig.trend_max_slope=None must be a finite number"),
 ])
 def test_bad_rl_settings_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
         RLConfig(**kw)
+
+
+def test_an_old_trend_setting_still_selects_the_absolute_alarm():
+    """A config of before session 41 sets trend_max_slope only: it keeps the absolute alarm."""
+    from megatron_trace.monitor import check_trend_settings
+
+    def mode(cfg: RLConfig) -> str:
+        return check_trend_settings(mode=cfg.trend_mode, max_slope=cfg.trend_max_slope,
+                                    max_growth=cfg.trend_max_growth, min_level=cfg.trend_min_level)
+
+    assert mode(RLConfig(trend_max_slope=0.01)) == "absolute" and mode(RLConfig()) == "relative"
+    assert mode(RLConfig(trend_mode="absolute", trend_max_slope=0.01)) == "absolute"
 
 
 @pytest.mark.parametrize("cls,kw,match", [
@@ -389,6 +408,7 @@ def test_ablation_presets_compose(preset):
     assert cfg.run_name == preset and set(cfg.arms) <= set(ARMS)
     RLConfig(**cfg.rl), from_hydra(cfg.trace)  # both validate
     assert cfg.rl.routing_replay == ("replay_off" not in preset)
+    assert (cfg.rl.trend_mode, cfg.rl.trend_max_growth, cfg.rl.trend_max_slope) == ("relative", 1.0, None)
 
 
 def test_driver_registers_and_checks_the_quant_recipe(megatron_cpu, ckpt, tmp_path):
@@ -398,6 +418,7 @@ def test_driver_registers_and_checks_the_quant_recipe(megatron_cpu, ckpt, tmp_pa
 
     r = GRPORun(make_arm("trace", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
     assert r.rollout.trainer_recipe == r.recipe and r.recipe.format == "nvfp4"
+    assert (r.trend.mode, r.trend.max_growth, r.trend.window) == ("relative", 1.0, RL.trend_window)  # the default
     with pytest.raises(RecipeMismatchError, match="activation_amax: trainer='per_tensor'"):
         r.rollout.check_recipe(dataclasses.replace(r.recipe, activation_amax="per_tensor"))
     assert GRPORun(make_arm("fp4_naive", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path,
