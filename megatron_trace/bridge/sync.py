@@ -20,7 +20,9 @@ validates every tensor before copying any. A stream that fails or runs past ``ti
 ``WeightSyncError`` / ``WeightSyncTimeoutError`` and leaves the rollout on its previous complete
 weights and version. The time of each sync is logged and returned (``SyncStats.seconds``). The
 deadline is checked between tensors; a transport that blocks inside one transfer is bounded by its
-own timeout (e.g. the NCCL group's).
+own timeout (e.g. the NCCL group's). A ``version`` at or below the rollout's ``policy_version`` raises
+``ValueError`` before the stream is read (versions only go up, unless ``reset=True``: see
+``rollout.base.next_policy_version``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 
 from ..formats import FP4Tensor, Quantizer
 from ..kernels import ops
-from ..rollout.base import RolloutBackend, WeightValue
+from ..rollout.base import RolloutBackend, WeightValue, next_policy_version
 from ..rollout.experts import fp4_nbytes
 from ..rollout.hf_weights import expert_name, parse_expert_name, split_fc1
 
@@ -301,13 +303,16 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
                  quantizer: Quantizer | None = None, dtype: torch.dtype = torch.bfloat16,
                  version: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  timeout_s: float | None = None, recipe=None, bf16_layers: Collection[int] = (),
-                 kernel: str = "auto", clock: Callable[[], float] = time.monotonic) -> SyncStats:
+                 kernel: str = "auto", clock: Callable[[], float] = time.monotonic, reset: bool = False) -> SyncStats:
     """Send ``named`` weights to ``backend`` (BF16 or FP4 experts; ``bf16_layers`` keep BF16 experts) in buckets;
     returns what was moved.
 
     All-or-nothing: buckets are staged on the backend's device and applied by one ``update_weights``
     after the stream completed within ``timeout_s`` seconds (None: no limit). ``recipe``: the
     trainer's ``QuantRecipe`` for this version, passed to ``update_weights`` (checked there).
+    ``version``: strictly greater than the backend's ``policy_version`` (None: +1), checked before the stream
+    is read; ``reset=True`` sets any version on purpose (a run's first sync, a resume or rollback to a
+    checkpoint: see ``rollout.base.next_policy_version``) and is passed to ``update_weights``.
     """
     if timeout_s is not None and not timeout_s > 0:
         raise ValueError(f"timeout_s={timeout_s!r} must be > 0 or None")
@@ -315,6 +320,8 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
     device = getattr(backend, "device", "cpu")
     staged: list[WeightBucket] = []
     before = getattr(backend, "policy_version", None)
+    if before is not None:  # a stale version fails before anything is staged (the backend checks it again)
+        next_policy_version(before, version, reset=reset)
 
     def progress() -> str:
         return (f"after {stats.tensors} tensors ({stats.bytes_total / 1e6:.2f} MB) in {len(staged)} bucket(s); "
@@ -338,7 +345,7 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
     except Exception as e:
         raise WeightSyncError(f"weight sync ({fmt}) failed {progress()}: {type(e).__name__}: {e}") from e
     check_deadline()
-    kw = {"recipe": recipe} if recipe is not None else {}
+    kw = ({"recipe": recipe} if recipe is not None else {}) | ({"reset": True} if reset else {})
     backend.update_weights([v for b in staged for v in b.values()], version=version, **kw)
     stats.buckets, stats.seconds = len(staged), clock() - t0
     logger.info("weight sync (%s): %d tensors, %.2f MB (experts %.2f MB) in %d bucket(s), %.3f s, version %s",

@@ -181,15 +181,18 @@ class GRPORun:
             self.recipe = trainer_recipe(find_trace_layers(self.policy.model))
             # the demo's rollout records every layer in full mode (the metrics' superset) on purpose
             self.rollout.check_recipe(self.recipe, ignore=("guided_layers", "guided_sites", "cache_mode"))
-        self._sync_weights()  # the rollout serves exactly the trainer's weights (and FP4 codes)
+        # the rollout serves exactly the trainer's weights (and FP4 codes) of version 0: the checkpoint both loaded
+        self._sync_weights(reset=True)
 
     # ---- pieces ----------------------------------------------------------------------------
-    def _sync_weights(self) -> dict:
+    def _sync_weights(self, reset: bool = False) -> dict:
+        """The trainer's weights to the rollout as ``state.version``: a step's sync raises unless that is newer than
+        the rollout's; ``reset`` (the first sync, a resume) sets it whatever the rollout served, no guidance kept."""
         from ..bridge import sync_weights
 
         v = self.state.version
         stats = sync_weights(self.rollout, self.policy.export_hf_weights(), fmt=self.sync_fmt,
-                             quantizer=self.arm.trace.weight_quantizer(), version=v,
+                             quantizer=self.arm.trace.weight_quantizer(), version=v, reset=reset,
                              bf16_layers=getattr(self.rollout, "bf16_expert_layers", ()), kernel=self.arm.trace.kernel,
                              recipe=None if self.recipe is None else self.recipe.with_weight_version(v))
         return stats.as_dict()
@@ -402,7 +405,7 @@ class GRPORun:
             self.trend.load_state_dict(self.state.history)
         for step in self.cache.steps:
             self.cache.invalidate(step)
-        self._sync_weights()
+        self._sync_weights(reset=True)  # the checkpoint's version, also below what this rollout served
 
 
 RUN_FIELDS = ("seed", "prompts_per_step", "group_size", "lr", "clip_eps", "tis_cap", "kl_coef", "temperature",

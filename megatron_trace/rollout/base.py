@@ -199,10 +199,45 @@ class RolloutBackend(Protocol):
         """Sample one response per prompt (token ids in, token ids out)."""
         ...
 
-    def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None) -> None:
+    def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None,
+                       reset: bool = False) -> None:
         """Copy weights named as in the HF checkpoint into the engine, in place.
 
         ``FP4Tensor`` values are accepted for routed-expert weights in FP4 mode and are used as
-        they are (no re-quantization). ``version`` sets ``policy_version`` (default: +1).
+        they are (no re-quantization). ``version`` sets ``policy_version``: strictly greater than the current one
+        (default: +1), or any version with ``reset=True`` (see ``next_policy_version``); a refused version changes
+        nothing.
         """
         ...
+
+
+def next_policy_version(current: int, version: int | None, *, reset: bool = False) -> int:
+    """The ``policy_version`` a weight update sets; raises ``ValueError`` (before anything is changed) otherwise.
+
+    A version names one set of weights: samples and guidance records carry it, and the trainer accepts a record
+    whose version equals the one it recorded for the sample. An update under the current version or an older one
+    would give other weights a name records already carry, and stale guidance would pass that check. So ``version``
+    must be strictly greater than ``current``; None means ``current + 1``.
+
+    ``reset=True`` sets ``version`` (given explicitly, any int >= 0) whatever the current one: a run's first sync of
+    the trainer's initial weights and a resume or rollback to a checkpoint. The caller then owns the rule: guidance
+    and samples generated since that version must be dropped (``GuidanceCache.invalidate``), as ``GRPORun.load``
+    does."""
+    if not isinstance(reset, bool):
+        raise ValueError(f"reset={reset!r} must be a bool")
+    if version is not None and (not is_int(version) or version < 0):
+        raise ValueError(f"version={version!r} must be None or an int >= 0 (the policy version of these weights)")
+    if reset:
+        if version is None:
+            raise ValueError(f"reset=True needs the version of the weights it loads (policy_version is {current}): "
+                             "pass version=<the checkpoint's version>")
+        return int(version)
+    if version is None:
+        return current + 1
+    if version <= current:
+        raise ValueError(f"version={version} is not newer than the rollout's policy_version={current}: a weight "
+                         f"update's version must be strictly greater (> {current}; version=None sets {current + 1}), "
+                         f"or guidance recorded under version {version} would look valid for other weights; "
+                         "to reload a checkpoint or roll back on purpose pass reset=True and drop the guidance "
+                         "generated since")
+    return int(version)

@@ -48,7 +48,7 @@ from ..manifest import (
 from . import hf_generate
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
-from .base import RolloutBatch, SamplingParams, WeightValue, is_int
+from .base import RolloutBatch, SamplingParams, WeightValue, is_int, next_policy_version
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .hf_weights import FUSED_EXPERTS, join_fc1, parse_expert_name
@@ -322,15 +322,17 @@ class HFRolloutBackend:
         return m
 
     def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None,
-                       recipe: QuantRecipe | None = None) -> None:
+                       recipe: QuantRecipe | None = None, reset: bool = False) -> None:
         """Copy HF-checkpoint-named weights in place (see ``RolloutBackend.update_weights``).
 
         In FP4 mode a BF16 fc1 update must carry both gate_proj and up_proj of an expert (they
         are quantized as one matrix); FP4 values must come as gate/up pairs sharing one amax.
-        ``recipe``: the trainer's recipe for these weights (``weight_version`` = the new version);
-        required once a trainer recipe was registered. Everything is validated before anything is copied.
+        ``version``: strictly greater than ``policy_version`` (None: +1); ``reset=True``: any version, on purpose
+        (``base.next_policy_version``). ``recipe``: the trainer's recipe for these weights (``weight_version`` = the
+        new version); required once a trainer recipe was registered. Everything (the version first) is validated
+        before anything is copied.
         """
-        new_version = self.policy_version + 1 if version is None else int(version)
+        new_version = next_policy_version(self.policy_version, version, reset=reset)
         if recipe is not None:
             self.check_recipe(recipe, weight_version=new_version)
         elif self.trainer_recipe is not None:

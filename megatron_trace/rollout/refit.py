@@ -137,15 +137,15 @@ def refit_self_test(make_backend: Callable[[], object], weights_a: Weights, weig
     fresh = fresh_a
     if fresh is None:
         fresh = make_backend()
-        fresh.update_weights(weights_a, version=1)
+        fresh.update_weights(weights_a)
     want = fresh.generate(prompts, sampling)
     be = make_backend()
     ptrs = param_addresses(be)
-    be.update_weights(weights_a, version=1)
+    be.update_weights(weights_a)  # versions: +1 per update
     be.generate(prompts, sampling)  # exercise whatever a generate call may cache
-    be.update_weights(weights_b, version=2)
+    be.update_weights(weights_b)
     on_b = be.generate(prompts, sampling)
-    be.update_weights(weights_a, version=3)
+    be.update_weights(weights_a)
     got = be.generate(prompts, sampling)
     problems = {
         "weights B did not change the outputs (the update does not reach the model)":

@@ -132,3 +132,31 @@ def test_batched_expert_quantization_reports_non_finite_weights():
     w[bad][3, 5] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         list(fp4_stream(w.items(), WQ))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_a_stale_version_is_refused_before_the_stream_is_read(fmt):
+    """A sync at or below the rollout's version fails at once (no tensor staged or quantized) and changes nothing;
+    strictly greater versions apply, and ``reset=True`` reloads an older version on purpose."""
+    be = _rollout()
+    sync_weights(be, _trainer_weights(), fmt=fmt, quantizer=WQ, version=2)
+    state = {k: v.clone() for k, v in be.model.state_dict().items()}
+    codes = be.expert_weight_fp4(1, 2, "fc1").codes.clone()
+    read = []
+
+    def stream(seed):
+        for name, value in checkpoint_tensors(tiny_model(seed=seed, dtype=torch.bfloat16)):
+            read.append(name)
+            yield name, value
+
+    for stale in (2, 1):
+        with pytest.raises(ValueError, match=rf"version={stale} is not newer than the rollout's policy_version=2"):
+            sync_weights(be, stream(3), fmt=fmt, quantizer=WQ, version=stale)
+    assert read == [] and be.policy_version == 2
+    after = be.model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in state.items())
+    assert torch.equal(be.expert_weight_fp4(1, 2, "fc1").codes, codes)
+    sync_weights(be, stream(3), fmt=fmt, quantizer=WQ, version=3)
+    assert be.policy_version == 3 and read and not torch.equal(be.expert_weight_fp4(1, 2, "fc1").codes, codes)
+    sync_weights(be, _trainer_weights(), fmt=fmt, quantizer=WQ, version=2, reset=True)  # back to version 2's weights
+    assert be.policy_version == 2 and torch.equal(be.expert_weight_fp4(1, 2, "fc1").codes, codes)

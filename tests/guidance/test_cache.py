@@ -95,6 +95,23 @@ def test_assemble_equals_records_assemble_on_every_storage_path(tmp_path, path):
         cache.assemble(3, ids, tok, versions=5, counter=None, attention_mask=mask)
 
 
+@pytest.mark.parametrize("path", ["columns", "spilled"])
+def test_records_of_an_older_or_newer_version_than_the_trainer_expects_are_rejected_and_counted(tmp_path, path):
+    """A record is used only under the exact version the trainer recorded for its sample: one from an older policy
+    (stale) or from a newer one than the trainer saw (a rollout that moved on) falls back, counted as "version"."""
+    batch, _, tok, mask = make_batch(B=4, seed=3, lengths=[9, 7, 4, 8])
+    samples = split_batch(batch, tok, version=5, attention_mask=mask, sample_ids=[10, 11, 12, 13])
+    cache = GuidanceCache(budget_bytes=0 if path == "spilled" else 10**9, cache_dir=tmp_path)
+    cache.put(2, samples)
+    ids = [10, 11, 12, 13]
+    whole = _assemble_both(cache, 2, samples, ids, tok, mask, 5)
+    c = _assemble_both(cache, 2, samples, ids, tok, mask, [4, 6, 5, 5])  # the record newer, then older
+    assert set(c.fallback) == {"version"} and 0 < c.fallback["version"] and c.used > 0
+    assert c.used + c.fallback["version"] == whole.used
+    c = _assemble_both(cache, 2, samples, ids, tok, mask, [6, 6, 6, 6])
+    assert c.used == 0 and c.fallback == {"version": whole.used} and c.coverage == 0.0
+
+
 @pytest.mark.parametrize("fmt,compact", [("nvfp4", True), ("mxfp4", False)])
 def test_spill_and_reload_under_tiny_budget_loses_nothing(tmp_path, fmt, compact):
     steps = {s: _step_samples(s, fmt=fmt, compact=compact) for s in (1, 2, 3)}

@@ -110,6 +110,26 @@ def test_resume_reproduces_the_next_step(megatron_cpu, ckpt, tmp_path):
         other.load(tmp_path / "ck.pt")
 
 
+def test_loading_an_older_checkpoint_into_a_running_run_rolls_the_rollout_back(megatron_cpu, ckpt, tmp_path):
+    """Versions only go up on a step's sync; ``load`` resets the rollout to the checkpoint's (older) version on purpose,
+    drops the cached guidance, and the step after it is the checkpoint's next step again."""
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace", TraceConfig()), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    assert r.rollout.policy_version == r.state.version == 0
+    r.step()
+    r.save(tmp_path / "ck.pt")
+    want = r.step()
+    assert r.rollout.policy_version == r.state.version == 2
+    with pytest.raises(ValueError, match="version=2 is not newer than the rollout's policy_version=2"):
+        r._sync_weights()  # a second sync under version 2 (other weights would share its records' version)
+    r.load(tmp_path / "ck.pt")
+    assert r.rollout.policy_version == r.state.version == 1 and r.cache.steps == []
+    again = r.step()
+    assert again["policy_version"] == 2.0 and r.rollout.policy_version == 2
+    for key in ("reward", "loss", "mismatch/logprob_abs_diff", "guidance/trainer/coverage"):
+        assert again[key] == want[key], key
+
+
 def test_resume_with_stochastic_rounding_redoes_the_step_exactly(megatron_cpu, ckpt, tmp_path):
     """The trainer's stochastic rounding drew from the unseeded global RNG: a resumed step's mismatch differed
     (9.3e-3 straight vs 7.9e-3 resumed on this config)."""

@@ -119,3 +119,66 @@ def test_fp4_updates_are_copied_not_kept_as_views():
     got = be.expert_weight_fp4(1, 2, "fc2")
     assert torch.equal(got.codes, want) and got.codes.data_ptr() != q.codes.data_ptr()
     assert torch.equal(be.model.model.layers[1].mlp.experts.down_proj[2], got.dequantize())
+
+
+def _snapshot(be):
+    """The backend's dense weights and (FP4 mode) every stored expert code, cloned."""
+    state = {k: v.clone() for k, v in be.model.state_dict().items()}
+    codes = {} if be.weight_store is None else {
+        (layer, e, w): be.expert_weight_fp4(layer, e, w).codes.clone()
+        for layer in range(3) for e in range(8) for w in ("fc1", "fc2")}
+    return state, codes
+
+
+def _same(a, b) -> bool:
+    return a[0].keys() == b[0].keys() and all(torch.equal(a[0][k], b[0][k]) for k in a[0]) \
+        and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+@pytest.mark.parametrize("mode", ["fp4", "bf16"])
+@pytest.mark.parametrize("stale", [3, 2, 0])
+def test_an_update_at_or_below_the_current_version_is_refused_before_anything_changes(mode, stale):
+    """A version names one set of weights: a second update under version 3 (or an older one) would let guidance and
+    samples recorded under that version pass the trainer's version check against other weights."""
+    be = _backend(mode=mode)
+    be.update_weights(checkpoint_tensors(tiny_model(seed=1)), version=3)
+    before = _snapshot(be)
+    new = list(checkpoint_tensors(tiny_model(seed=2)))
+    with pytest.raises(ValueError, match=rf"version={stale} is not newer than the rollout's policy_version=3: a weight "
+                                         r"update's version must be strictly greater \(> 3; version=None sets 4\)"):
+        be.update_weights(new, version=stale)
+    assert be.policy_version == 3 and _same(_snapshot(be), before)
+    be.update_weights(new, version=4)  # strictly increasing versions apply
+    assert be.policy_version == 4 and not _same(_snapshot(be), before)
+    got = dict(checkpoint_tensors(be.model))
+    if mode == "bf16":
+        assert all(torch.equal(got[k], v) for k, v in new)
+    be.update_weights([], version=None)  # None: the next version
+    assert be.policy_version == 5
+
+
+@pytest.mark.parametrize("version, match", [(True, "version=True"), (2.0, "version=2.0"), (-1, "version=-1"),
+                                            ("3", "version='3'")])
+def test_a_version_that_is_not_an_int_at_least_0_is_refused(version, match):
+    be = _backend(mode="bf16")
+    with pytest.raises(ValueError, match=match + r" must be None or an int >= 0"):
+        be.update_weights([("model.norm.weight", torch.zeros(64))], version=version)
+    assert be.policy_version == 0
+    assert torch.equal(be.model.model.norm.weight, tiny_model().model.norm.weight)
+
+
+def test_reset_sets_any_version_on_purpose():
+    """Reloading a checkpoint / rolling back: ``reset=True`` with the checkpoint's version (lower or equal)."""
+    be = _backend(mode="fp4")
+    be.update_weights(checkpoint_tensors(tiny_model(seed=1)), version=5)
+    old = list(checkpoint_tensors(tiny_model(seed=0)))
+    with pytest.raises(ValueError, match="reset=True needs the version of the weights it loads"):
+        be.update_weights(old, reset=True)
+    assert be.policy_version == 5
+    be.update_weights(old, version=2, reset=True)
+    fresh = _backend(mode="fp4")
+    assert be.policy_version == 2 and _same(_snapshot(be), _snapshot(fresh))
+    be.update_weights(old, version=2, reset=True)  # the same version again, on purpose
+    assert be.policy_version == 2
+    with pytest.raises(ValueError, match="version=2 is not newer"):
+        be.update_weights(old, version=2)  # without reset, the rule applies again

@@ -178,10 +178,11 @@ def test_sampling_params_map_to_sglangs_with_the_hf_backends_stopping_rule():
 
 
 class _Engine:
-    """Engine.generate's outputs (SGLang 0.5.10 field names) for 2-token responses; ``finish`` per request."""
+    """Engine.generate's outputs (SGLang 0.5.10 field names) for 2-token responses; ``finish`` per request.
+    ``updates``: the names each ``update_weights_from_tensor`` call received."""
 
     def __init__(self, finish=None, routed=True, deterministic=True):
-        self.finish, self.routed, self.calls = finish or {}, routed, []
+        self.finish, self.routed, self.calls, self.updates = finish or {}, routed, [], []
         self.server_args = type("ServerArgs", (), {"enable_deterministic_inference": deterministic})()
 
     def generate(self, input_ids, sampling_params, return_logprob=False, return_routed_experts=False, rid=None):
@@ -198,6 +199,10 @@ class _Engine:
                 meta["routed_experts"] = base64.b64encode(torch.zeros(n, 3, 2, dtype=torch.int32).numpy().tobytes())
             outs.append({"output_ids": out, "meta_info": meta})
         return outs
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        self.updates.append([n for n, _ in named_tensors])
+        return True, "Succeeded to update parameter online."
 
 
 FC1_ONLY = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=())
@@ -284,3 +289,35 @@ def test_without_sglang_the_engine_entry_points_name_the_extra():
     for call in (lambda: register(CFG), lambda: make_engine(CFG, model_path="/ckpt")):
         with pytest.raises(ImportError, match=r"pip install 'megatron_trace\[sglang\]'"):
             call()
+
+
+class _Group:
+    """Stands in for ``WeightsUpdateGroup`` (SGLang's ``update_weights_from_distributed``)."""
+
+    def __init__(self):
+        self.updates = []
+
+    def send(self, named, *, flush_cache=True):
+        self.updates.append([n for n, _ in named])
+
+
+@pytest.mark.parametrize("path", ["tensor", "group"])
+def test_an_update_at_or_below_the_engines_version_reaches_no_engine(path):
+    """The version is checked before any weight goes to the engine (in place there: nothing to roll back)."""
+    cfg = CFG.replace(kv_format="sglang_kvfp4")
+    engine, group = _Engine(), _Group()
+    sink = engine if path == "tensor" else group
+    be = SGLangRolloutBackend(engine, cfg, HF, native=False, weights_group=group if path == "group" else None,
+                              recipe=trainer_recipe(cfg))
+    norm = [("model.norm.weight", torch.ones(64))]
+    be.update_weights(norm, version=3, recipe=trainer_recipe(cfg, version=3))
+    assert be.policy_version == 3 and len(sink.updates) == 1
+    for stale in (3, 0):
+        with pytest.raises(ValueError, match=rf"version={stale} is not newer than the rollout's policy_version=3: "
+                                             r"a weight update's version must be strictly greater \(> 3"):
+            be.update_weights(norm, version=stale, recipe=trainer_recipe(cfg, version=stale))
+    assert be.policy_version == 3 and len(sink.updates) == 1 and be.trainer_recipe == trainer_recipe(cfg, version=3)
+    be.update_weights(norm, recipe=trainer_recipe(cfg, version=4))  # None: the next version
+    be.update_weights(norm, version=1, reset=True, recipe=trainer_recipe(cfg, version=1))  # a checkpoint, on purpose
+    assert be.policy_version == 1 and sink.updates == [["model.norm.weight"]] * 3
+    assert engine.updates == [] or path == "tensor"

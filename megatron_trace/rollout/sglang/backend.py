@@ -25,7 +25,7 @@ from ...manifest import (
     kv_cache_name,
 )
 from ..audit import backend_recipe, qwen3_moe_modules, sglang_module_audit, without_kv
-from ..base import RolloutBatch, SamplingParams, WeightValue, check_prompts
+from ..base import RolloutBatch, SamplingParams, WeightValue, check_prompts, next_policy_version
 from .capture import INFO_KEY, READOUT_PREFIX
 from .launch import KV_FP4, WEIGHT_LOADER, check_kv_cache_dtype, guidance_specs
 from .launch import kv_cache_dtype as default_kv_cache_dtype
@@ -234,9 +234,13 @@ class SGLangRolloutBackend:
                             finish_reasons=finish)
 
     def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None,
-                       recipe: QuantRecipe | None = None) -> None:
-        """HF-named BF16 tensors / NVFP4 expert weights -> the engine, in place (NCCL group if given)."""
-        new_version = self.policy_version + 1 if version is None else int(version)
+                       recipe: QuantRecipe | None = None, reset: bool = False) -> None:
+        """HF-named BF16 tensors / NVFP4 expert weights -> the engine, in place (NCCL group if given).
+
+        ``version``: strictly greater than ``policy_version`` (None: +1); ``reset=True``: any version, on purpose
+        (``base.next_policy_version``). The version, the recipe and the tensors' formats (``engine_tensors``) are
+        checked before anything goes to the engine (which loads in place: a refused update must not reach it)."""
+        new_version = next_policy_version(self.policy_version, version, reset=reset)
         if recipe is not None:
             self.check_recipe(recipe, weight_version=new_version)
         elif self.trainer_recipe is not None:
