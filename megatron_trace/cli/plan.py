@@ -6,8 +6,10 @@
 Reads an HF MoE ``config.json`` (Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3 key names; see
 ``guidance.model_dims`` for what is counted) and prints, for full vs compact records and each
 layer policy: guidance bytes per token, bytes per RL step (trajectories x (prompt + response)
-tokens), host memory (bytes per step x steps in flight) and the time to sync one step at the
-given link bandwidth (gigabits per second, one link, no overlap).
+tokens), host memory (what the guidance cache holds for the steps in flight: the guidance plus every row's valid
+flag and the FC2 rows' expert ids, exact) and the time to sync one step at the given link bandwidth (gigabits per
+second, one link, no overlap: one ``GuidanceSync`` transfer of the step, its payload with the valid flags, expert
+ids and routing, its size message and a bound of its header; ``guidance.planner.plan_row``).
 
 ``--dp-ranks N`` (repeatable) adds, per row, what one of N trainer data-parallel ranks receives per step (its
 samples' guidance, routing, host cache and ``GuidanceSync`` payload bytes, exact) and the sync time at

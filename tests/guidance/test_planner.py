@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_trace.cli import plan
-from megatron_trace.config import TraceConfig
-from megatron_trace.guidance.accounting import bytes_per_layer, bytes_per_token
+from megatron_trace.config import ACTIVATION_SITES, TraceConfig
+from megatron_trace.guidance.accounting import bytes_per_layer, bytes_per_token, side_bytes
 from megatron_trace.guidance.model_dims import ModelDims
 from megatron_trace.guidance.planner import RLSettings, budget_layers, plan_row
 from megatron_trace.guidance.selection import guided_layers
@@ -158,7 +158,11 @@ def test_cli_json_matches_library(capsys, name):
                                compact=row["mode"] == "compact")
         assert row["bytes_per_token"] == want
         assert row["bytes_per_step"] == want * 8 * (1024 + 100)
-        assert row["sync_seconds"] == pytest.approx(row["bytes_per_step"] * 8 / 400e9)
+        # the cache and the sync carry more than the guidance: valid flags, FC2 expert ids (and routing, headers)
+        side = sum(side_bytes(dims, layer, site) for layer in row["layers"] for site in ACTIVATION_SITES)
+        assert row["host_bytes"] == (want + side) * 8 * (1024 + 100)
+        assert row["sync_bytes"] > row["host_bytes"] or not row["layers"]
+        assert row["sync_seconds"] == pytest.approx(row["sync_bytes"] * 8 / 400e9)
 
 
 def test_cli_budget_policy(tmp_path, capsys):
