@@ -1,11 +1,14 @@
 """Planning guidance sizes: the budget layer policy and the per-policy size table behind ``plan``.
 
-``budget_layers`` picks the layers that remove the most mismatch per byte: layers sorted by
-``mismatch / bytes`` (deeper first on ties), each taken if it still fits under
-``config.budget_bytes_per_token``. The budget is never exceeded. The mismatch profile is the
-per-layer code-mismatch mass measured in a calibration step (METRICS.md
-``quant/code_mismatch_rate`` per layer, weighted by the guided elements if sites differ); a
-layer with zero measured mismatch is not taken (guiding it removes nothing).
+``budget_layers`` picks the layers that remove the most code mismatch per byte, each taken if it still fits under
+``config.budget_bytes_per_token`` (the budget is never exceeded). The mismatch profile is, by default, a per-layer
+*rate*: the fraction of that layer's guided elements whose FP4 code differs between trainer and rollout (METRICS.md
+``quant/<site>/layer_<L>/code_mismatch_rate`` of an unguided FP4 arm, element-weighted over the guided sites;
+``mismatch_profile.profile_from_metrics`` reads it from a run's metrics.jsonl). Guiding a layer removes rate x its
+guided elements, and elements are about proportional to guidance bytes, so the value per byte is about the rate:
+layers are taken by rate x elements / bytes (``plan_row`` knows the elements; without them, by rate), deeper first
+on ties. ``profile_unit="mass"`` takes per-layer *masses* instead (mismatched codes guiding the layer removes, any
+common scale), ranked by mass / bytes. A layer with zero measured mismatch is not taken (guiding it removes nothing).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 
 from ..config import KV_SITES, TraceConfig
 from ..formats import get_format
-from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw, side_bytes
+from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw, elements_per_layer, side_bytes
 from .model_dims import ModelDims
 from .selection import guided_layers
 from .sync import PROTOCOL, SIZES
@@ -32,7 +35,8 @@ def _per_layer(value, num_layers: int, what: str, cast) -> list:
     if value is None:
         raise ValueError(
             f"the budget layer policy needs {what} for each of the {num_layers} layers "
-            "(measure quant/code_mismatch_rate per layer in a calibration step, METRICS.md)"
+            "(per-layer quant/<site>/layer_<L>/code_mismatch_rate of an unguided FP4 run, METRICS.md; "
+            "mismatch_profile.profile_from_metrics reads them from its metrics.jsonl)"
         )
     if isinstance(value, Mapping):
         missing = sorted(set(range(num_layers)) - set(value))
@@ -52,35 +56,58 @@ def _per_layer(value, num_layers: int, what: str, cast) -> list:
     return vals
 
 
+PROFILE_UNITS = ("rate", "mass")
+
+
 def budget_layers(
     config: TraceConfig,
     num_layers: int,
     *,
     mismatch_profile: Mapping[int, float] | Sequence[float] | None = None,
     bytes_per_layer: Mapping[int, int] | int | None = None,
+    elements_per_layer: Mapping[int, int] | int | None = None,
+    profile_unit: str = "rate",
 ) -> tuple[int, ...]:
-    """Sorted layer ids maximising removed mismatch per byte within ``config.budget_bytes_per_token``.
+    """Sorted layer ids maximising removed code mismatch per byte within ``config.budget_bytes_per_token``.
 
-    ``bytes_per_layer``: guidance bytes per token of each layer (``accounting.bytes_per_layer``)
-    or one int for all layers.
+    ``mismatch_profile``: per layer (a list, ``{layer: value}`` or one number for all), in ``profile_unit``:
+    ``"rate"`` (default), the fraction in [0, 1] of the layer's guided elements whose code differs (the module
+    docstring), or ``"mass"``, the mismatch guiding the layer removes. ``bytes_per_layer``: guidance bytes per
+    token of each layer (``accounting.bytes_per_layer``) or one int for all layers. ``elements_per_layer``: guided
+    elements per token of each layer (``accounting.elements_per_layer``; ``plan_row`` passes it; rates only): a rate
+    is then weighted by the layer's elements per byte exactly (a 128-element KV row carries a 4-byte amax, a
+    7168-element FC1 row the same 4 bytes: 16% apart in compact mode); without it elements are taken as
+    proportional to bytes and layers rank by rate.
     """
     budget = float(config.budget_bytes_per_token)
     if budget <= 0:
         raise ValueError(f"budget_bytes_per_token={budget} must be > 0 for the budget policy")
+    if profile_unit not in PROFILE_UNITS:
+        raise ValueError(f"profile_unit={profile_unit!r} is not one of {PROFILE_UNITS}")
     profile = _per_layer(mismatch_profile, num_layers, "mismatch_profile", float)
+    if profile_unit == "rate":
+        over = [(i, v) for i, v in enumerate(profile) if v > 1]
+        if over:
+            raise ValueError(f"mismatch_profile rates must be fractions in [0, 1]; (layer, value) above 1: {over[:5]} "
+                             "(per-layer mismatch masses: profile_unit='mass', --mismatch-unit mass)")
     if bytes_per_layer is None:
         raise ValueError("the budget layer policy needs bytes_per_layer (see accounting.bytes_per_layer)")
     cost = _per_layer(bytes_per_layer, num_layers, "bytes_per_layer", int)
-    order = sorted(
-        (i for i in range(num_layers) if profile[i] > 0),
-        key=lambda i: (-(profile[i] / cost[i]) if cost[i] else -math.inf, -i),
-    )
+    if profile_unit == "mass":
+        density = [p / c if c else math.inf if p else 0.0 for p, c in zip(profile, cost)]  # free and useful: first
+    elif elements_per_layer is None:
+        density = [p if c else 0.0 for p, c in zip(profile, cost)]  # no bytes: no guided elements, nothing removed
+    else:
+        elems = _per_layer(elements_per_layer, num_layers, "elements_per_layer", int)
+        density = [p * e / c if c else 0.0 for p, e, c in zip(profile, elems, cost)]
+    order = sorted((i for i in range(num_layers) if density[i] > 0), key=lambda i: (-density[i], -i))
     chosen, used = [], 0
     for i in order:
         if used + cost[i] <= budget:
             chosen.append(i)
             used += cost[i]
-    logger.info("budget policy: %d layers, %d of %.0f bytes/token", len(chosen), used, budget)
+    logger.info("budget policy (%s profile): %d layers, %d of %.0f bytes/token", profile_unit, len(chosen), used,
+                budget)
     return tuple(sorted(chosen))
 
 
@@ -126,8 +153,10 @@ def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, 
     per message and is bounded (``sync_header_bound``). Each further chunk or trainer rank adds a size message and
     a header; ``rank_projection`` gives each rank's payload.
     """
-    if config.guided_layers == "budget" and "bytes_per_layer" not in budget_kw:
-        budget_kw["bytes_per_layer"] = bytes_per_layer(dims, config.guided_sites, **config_fmt_kw(config))
+    if config.guided_layers == "budget":
+        fmt_kw = config_fmt_kw(config)
+        budget_kw.setdefault("bytes_per_layer", bytes_per_layer(dims, config.guided_sites, **fmt_kw))
+        budget_kw.setdefault("elements_per_layer", elements_per_layer(dims, config.guided_sites))
     layers = guided_layers(config, dims.num_layers, **budget_kw)
     bpt = bytes_per_token(dims, config.guided_sites, layers, **config_fmt_kw(config))
     side = sum(side_bytes(dims, layer, site) for layer in layers for site in config.guided_sites)
