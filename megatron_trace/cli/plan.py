@@ -6,16 +6,23 @@
 Reads an HF MoE ``config.json`` (Qwen3-MoE, Qwen3.5-MoE, DeepSeek-V3 key names; see
 ``guidance.model_dims`` for what is counted) and prints, for full vs compact records and each
 layer policy: guidance bytes per token, bytes per RL step (trajectories x (prompt + response)
-tokens), host memory (bytes per step x steps in flight) and the time to sync one step at the
-given link bandwidth (gigabits per second, one link, no overlap).
+tokens), host memory (what the guidance cache holds for the steps in flight: the guidance plus every row's valid
+flag and the FC2 rows' expert ids, exact) and the time to sync one step at the given link bandwidth (gigabits per
+second, one link, no overlap: one ``GuidanceSync`` transfer of the step, its payload with the valid flags, expert
+ids and routing, its size message and a bound of its header; ``guidance.planner.plan_row``).
 
 ``--dp-ranks N`` (repeatable) adds, per row, what one of N trainer data-parallel ranks receives per step (its
 samples' guidance, routing, host cache and ``GuidanceSync`` payload bytes, exact) and the sync time at
 ``--bandwidth-gbytes NAME=GB/s`` (repeatable; e.g. bandwidths measured by benchmarks/ep_scaling.py).
 
 Layer policies: ``none``, ``all``, ``last_k=N``, ``fraction=F`` (deepest ceil(F x layers)),
-``explicit=I,J,...``, ``budget=BYTES_PER_TOKEN`` (needs ``--mismatch-profile``, a JSON list of
-per-layer mismatch rates).
+``explicit=I,J,...``, ``budget=BYTES_PER_TOKEN``: the layers removing the most code mismatch per byte within the
+budget (``guidance.planner.budget_layers``). It needs ``--mismatch-profile``: per-layer code-mismatch *rates* (the
+fraction of a layer's guided elements whose FP4 code differs, in [0, 1]), either a JSON list (or ``{"layer":
+rate}``) or a run's ``metrics.jsonl`` (the demo's ``quant/<site>/layer_<L>/code_mismatch_rate`` of ``--mismatch-arm``,
+an FP4 arm without guidance such as ``fp4_qat``, averaged over its last ``--mismatch-last`` measured steps and
+weighted over the ``--sites`` by their elements; ``guidance.mismatch_profile``). ``--mismatch-unit mass`` reads a
+JSON profile as per-layer mismatch masses instead (mismatched codes guiding the layer removes).
 """
 
 from __future__ import annotations
@@ -28,8 +35,9 @@ from pathlib import Path
 from ..config import ACTIVATION_SITES, CACHE_MODES, TraceConfig
 from ..formats import FORMATS
 from ..guidance.accounting import AMAX_MODES
+from ..guidance.mismatch_profile import profile_from_metrics
 from ..guidance.model_dims import ModelDims
-from ..guidance.planner import RLSettings, plan_row, rank_projection
+from ..guidance.planner import PROFILE_UNITS, RLSettings, plan_row, rank_projection
 
 DEFAULT_POLICIES = ("all", "fraction=0.5", "fraction=0.25", "fraction=0.125")
 
@@ -56,19 +64,38 @@ def policy_kwargs(policy: str) -> dict:
 
 
 def build_rows(dims: ModelDims, rl: RLSettings, *, policies, modes, fmt, amax, sites, profile=None,
-               dp_ranks=(), bandwidths=None) -> list[dict]:
+               profile_unit="rate", dp_ranks=(), bandwidths=None) -> list[dict]:
     rows = []
     for policy in policies:
         for mode in modes:
             cfg = TraceConfig(format=fmt, activation_amax=amax, guided_sites=tuple(sites), cache_mode=mode,
                               **policy_kwargs(policy))
-            kw = {"mismatch_profile": profile} if cfg.guided_layers == "budget" else {}
+            kw = {"mismatch_profile": profile, "profile_unit": profile_unit} if cfg.guided_layers == "budget" else {}
             row = plan_row(dims, cfg, rl, policy, **kw)
             if dp_ranks:
                 row["per_rank"] = [rank_projection(dims, cfg, rl, dp_ranks=n, bandwidths_gbytes=bandwidths,
                                                    layers=row["layers"]) for n in dp_ranks]
             rows.append(row)
     return rows
+
+
+def read_profile(args: argparse.Namespace, dims: ModelDims, sites) -> list | dict | None:
+    """The ``--mismatch-profile``: a JSON list / ``{layer: value}`` object, or per-layer rates of a metrics.jsonl."""
+    path = args.mismatch_profile
+    if path is None:
+        return None
+    if path.suffix == ".jsonl":
+        if args.mismatch_unit != "rate":
+            raise ValueError(f"--mismatch-profile {path} holds code-mismatch rates: --mismatch-unit "
+                             f"{args.mismatch_unit} applies to a JSON profile only")
+        return profile_from_metrics(path, dims, sites, arm=args.mismatch_arm, last=args.mismatch_last)
+    try:
+        profile = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--mismatch-profile {path} is not JSON ({e}); a run's metrics file must end in .jsonl") from e
+    if isinstance(profile, dict):
+        profile = {int(k): v for k, v in profile.items()}
+    return profile
 
 
 def parse_bandwidths(items) -> dict[str, float]:
@@ -152,7 +179,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sites", default=",".join(ACTIVATION_SITES), help="comma list of guided sites")
     p.add_argument("--modes", default="full,compact", help=f"comma list of {CACHE_MODES}")
     p.add_argument("--layer-policy", action="append", dest="policies", help=f"repeatable; default {DEFAULT_POLICIES}")
-    p.add_argument("--mismatch-profile", type=Path, help="JSON list of per-layer mismatch rates (budget policy)")
+    p.add_argument("--mismatch-profile", type=Path,
+                   help="budget policy: per-layer code-mismatch rates, a JSON list or a run's metrics.jsonl")
+    p.add_argument("--mismatch-unit", choices=PROFILE_UNITS, default="rate",
+                   help="what a JSON --mismatch-profile holds: rates in [0, 1] (default) or per-layer masses")
+    p.add_argument("--mismatch-arm", help="the arm of a metrics.jsonl profile (default: the only one with per-layer "
+                   "rates; name an FP4 arm without guidance, e.g. fp4_qat)")
+    p.add_argument("--mismatch-last", type=int, default=3, help="steps of a metrics.jsonl profile averaged (last N)")
     p.add_argument("--dp-ranks", type=int, action="append", default=[],
                    help="repeatable: also size one of N trainer data-parallel ranks' share per step")
     p.add_argument("--bandwidth-gbytes", action="append", default=[], metavar="NAME=GBPS",
@@ -167,19 +200,21 @@ def main(argv=None) -> int:
         dims = ModelDims.from_hf_config(args.hf_config)
         rl = RLSettings(args.trajectories, args.prompt_len, args.response_len, args.bandwidth_gbps,
                         args.steps_in_flight)
-        profile = json.loads(args.mismatch_profile.read_text()) if args.mismatch_profile else None
-        if isinstance(profile, dict):
-            profile = {int(k): v for k, v in profile.items()}
+        sites = [s for s in args.sites.split(",") if s]
+        profile = read_profile(args, dims, sites)
         rows = build_rows(
             dims, rl, policies=args.policies or DEFAULT_POLICIES, modes=[m for m in args.modes.split(",") if m],
-            fmt=args.format, amax=args.amax, sites=[s for s in args.sites.split(",") if s], profile=profile,
+            fmt=args.format, amax=args.amax, sites=sites, profile=profile, profile_unit=args.mismatch_unit,
             dp_ranks=args.dp_ranks, bandwidths=parse_bandwidths(args.bandwidth_gbytes),
         )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps({"model": dims.__dict__, "rl": rl.__dict__, "rows": rows}, indent=1, default=list))
+        out = {"model": dims.__dict__, "rl": rl.__dict__, "rows": rows}
+        if profile is not None:
+            out["mismatch_profile"] = {"unit": args.mismatch_unit, "values": profile}
+        print(json.dumps(out, indent=1, default=list))
     else:
         print(format_table(dims, rl, rows) + format_ranks(rows))
     return 0

@@ -82,6 +82,17 @@ def bytes_per_layer(dims: ModelDims, sites: Iterable[str], **fmt_kw) -> dict[int
     return {i: sum(site_bytes_per_token(dims, i, s, **fmt_kw) for s in sites) for i in range(dims.num_layers)}
 
 
+def elements_per_layer(dims: ModelDims, sites: Iterable[str]) -> dict[int, int]:
+    """Elements per token each layer would guide (rows x row length summed over its ``sites``): what a per-layer
+    code-mismatch rate is a fraction of (the budget policy's weight)."""
+    sites = tuple(sites)
+    out = {}
+    for i in range(dims.num_layers):
+        shapes = [dims.site_rows(s) for s in sites if dims.has_site(i, s)]
+        out[i] = sum(rows * k for rows, k in shapes)
+    return out
+
+
 def config_fmt_kw(config: TraceConfig) -> dict:
     """The ``fmt``/``kv_fmt``/``compact``/``amax`` keywords that a TraceConfig implies. ``amax`` is always
     ``per_row``: with ``activation_amax="per_tensor"`` each prefill or decode step has its own tensor amax, and

@@ -1,15 +1,19 @@
 """Planning guidance sizes: the budget layer policy and the per-policy size table behind ``plan``.
 
-``budget_layers`` picks the layers that remove the most mismatch per byte: layers sorted by
-``mismatch / bytes`` (deeper first on ties), each taken if it still fits under
-``config.budget_bytes_per_token``. The budget is never exceeded. The mismatch profile is the
-per-layer code-mismatch mass measured in a calibration step (METRICS.md
-``quant/code_mismatch_rate`` per layer, weighted by the guided elements if sites differ); a
-layer with zero measured mismatch is not taken (guiding it removes nothing).
+``budget_layers`` picks the layers that remove the most code mismatch per byte, each taken if it still fits under
+``config.budget_bytes_per_token`` (the budget is never exceeded). The mismatch profile is, by default, a per-layer
+*rate*: the fraction of that layer's guided elements whose FP4 code differs between trainer and rollout (METRICS.md
+``quant/<site>/layer_<L>/code_mismatch_rate`` of an unguided FP4 arm, element-weighted over the guided sites;
+``mismatch_profile.profile_from_metrics`` reads it from a run's metrics.jsonl). Guiding a layer removes rate x its
+guided elements, and elements are about proportional to guidance bytes, so the value per byte is about the rate:
+layers are taken by rate x elements / bytes (``plan_row`` knows the elements; without them, by rate), deeper first
+on ties. ``profile_unit="mass"`` takes per-layer *masses* instead (mismatched codes guiding the layer removes, any
+common scale), ranked by mass / bytes. A layer with zero measured mismatch is not taken (guiding it removes nothing).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import numbers
@@ -19,9 +23,10 @@ from dataclasses import dataclass
 
 from ..config import KV_SITES, TraceConfig
 from ..formats import get_format
-from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw
+from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw, elements_per_layer, side_bytes
 from .model_dims import ModelDims
 from .selection import guided_layers
+from .sync import PROTOCOL, SIZES
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +35,8 @@ def _per_layer(value, num_layers: int, what: str, cast) -> list:
     if value is None:
         raise ValueError(
             f"the budget layer policy needs {what} for each of the {num_layers} layers "
-            "(measure quant/code_mismatch_rate per layer in a calibration step, METRICS.md)"
+            "(per-layer quant/<site>/layer_<L>/code_mismatch_rate of an unguided FP4 run, METRICS.md; "
+            "mismatch_profile.profile_from_metrics reads them from its metrics.jsonl)"
         )
     if isinstance(value, Mapping):
         missing = sorted(set(range(num_layers)) - set(value))
@@ -50,35 +56,58 @@ def _per_layer(value, num_layers: int, what: str, cast) -> list:
     return vals
 
 
+PROFILE_UNITS = ("rate", "mass")
+
+
 def budget_layers(
     config: TraceConfig,
     num_layers: int,
     *,
     mismatch_profile: Mapping[int, float] | Sequence[float] | None = None,
     bytes_per_layer: Mapping[int, int] | int | None = None,
+    elements_per_layer: Mapping[int, int] | int | None = None,
+    profile_unit: str = "rate",
 ) -> tuple[int, ...]:
-    """Sorted layer ids maximising removed mismatch per byte within ``config.budget_bytes_per_token``.
+    """Sorted layer ids maximising removed code mismatch per byte within ``config.budget_bytes_per_token``.
 
-    ``bytes_per_layer``: guidance bytes per token of each layer (``accounting.bytes_per_layer``)
-    or one int for all layers.
+    ``mismatch_profile``: per layer (a list, ``{layer: value}`` or one number for all), in ``profile_unit``:
+    ``"rate"`` (default), the fraction in [0, 1] of the layer's guided elements whose code differs (the module
+    docstring), or ``"mass"``, the mismatch guiding the layer removes. ``bytes_per_layer``: guidance bytes per
+    token of each layer (``accounting.bytes_per_layer``) or one int for all layers. ``elements_per_layer``: guided
+    elements per token of each layer (``accounting.elements_per_layer``; ``plan_row`` passes it; rates only): a rate
+    is then weighted by the layer's elements per byte exactly (a 128-element KV row carries a 4-byte amax, a
+    7168-element FC1 row the same 4 bytes: 16% apart in compact mode); without it elements are taken as
+    proportional to bytes and layers rank by rate.
     """
     budget = float(config.budget_bytes_per_token)
     if budget <= 0:
         raise ValueError(f"budget_bytes_per_token={budget} must be > 0 for the budget policy")
+    if profile_unit not in PROFILE_UNITS:
+        raise ValueError(f"profile_unit={profile_unit!r} is not one of {PROFILE_UNITS}")
     profile = _per_layer(mismatch_profile, num_layers, "mismatch_profile", float)
+    if profile_unit == "rate":
+        over = [(i, v) for i, v in enumerate(profile) if v > 1]
+        if over:
+            raise ValueError(f"mismatch_profile rates must be fractions in [0, 1]; (layer, value) above 1: {over[:5]} "
+                             "(per-layer mismatch masses: profile_unit='mass', --mismatch-unit mass)")
     if bytes_per_layer is None:
         raise ValueError("the budget layer policy needs bytes_per_layer (see accounting.bytes_per_layer)")
     cost = _per_layer(bytes_per_layer, num_layers, "bytes_per_layer", int)
-    order = sorted(
-        (i for i in range(num_layers) if profile[i] > 0),
-        key=lambda i: (-(profile[i] / cost[i]) if cost[i] else -math.inf, -i),
-    )
+    if profile_unit == "mass":
+        density = [p / c if c else math.inf if p else 0.0 for p, c in zip(profile, cost)]  # free and useful: first
+    elif elements_per_layer is None:
+        density = [p if c else 0.0 for p, c in zip(profile, cost)]  # no bytes: no guided elements, nothing removed
+    else:
+        elems = _per_layer(elements_per_layer, num_layers, "elements_per_layer", int)
+        density = [p * e / c if c else 0.0 for p, e, c in zip(profile, elems, cost)]
+    order = sorted((i for i in range(num_layers) if density[i] > 0), key=lambda i: (-density[i], -i))
     chosen, used = [], 0
     for i in order:
         if used + cost[i] <= budget:
             chosen.append(i)
             used += cost[i]
-    logger.info("budget policy: %d layers, %d of %.0f bytes/token", len(chosen), used, budget)
+    logger.info("budget policy (%s profile): %d layers, %d of %.0f bytes/token", profile_unit, len(chosen), used,
+                budget)
     return tuple(sorted(chosen))
 
 
@@ -107,12 +136,33 @@ class RLSettings:
 
 
 def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, **budget_kw) -> dict:
-    """Sizes of one (layer policy, cache mode) choice: bytes/token, bytes/step, host bytes, sync seconds."""
-    if config.guided_layers == "budget" and "bytes_per_layer" not in budget_kw:
-        budget_kw["bytes_per_layer"] = bytes_per_layer(dims, config.guided_sites, **config_fmt_kw(config))
+    """Sizes of one (layer policy, cache mode) choice for one RL step of ``rl.trajectories`` samples.
+
+    ``bytes_per_token`` / ``bytes_per_step``: the guidance proper (payload + scales + amax: the paper's figures).
+
+    ``host_bytes``: what ``GuidanceCache`` holds for ``rl.steps_in_flight`` steps (``GuidanceCache.host_bytes``),
+    exactly: a rollout batch put whole (``records.pack_guidance`` or a whole ``split_batch``, as the RL driver puts
+    it) is kept as columns, the guidance plus every row's ``valid`` flag and the FC2 rows' int64 expert ids. (Samples
+    put one by one are kept in the flat form, each tensor 16-byte aligned: ``shard_bytes``' ``flat``, at most 15
+    bytes more per tensor and sample.) Routing is not in the cache.
+
+    ``sync_bytes`` / ``sync_seconds``: one ``GuidanceSync`` transfer of the whole step to one trainer rank in one
+    chunk, over one link of ``rl.bandwidth_gbps`` with no overlap, an upper bound: the payload (guidance, valid
+    flags, FC2 expert ids and, with ``config.routing_replay``, every MoE layer's routing; each field 16-byte aligned,
+    the last one's padding, < 16 bytes, counted too), the size message (48 bytes) and the JSON header, which varies
+    per message and is bounded (``sync_header_bound``). Each further chunk or trainer rank adds a size message and
+    a header; ``rank_projection`` gives each rank's payload.
+    """
+    if config.guided_layers == "budget":
+        fmt_kw = config_fmt_kw(config)
+        budget_kw.setdefault("bytes_per_layer", bytes_per_layer(dims, config.guided_sites, **fmt_kw))
+        budget_kw.setdefault("elements_per_layer", elements_per_layer(dims, config.guided_sites))
     layers = guided_layers(config, dims.num_layers, **budget_kw)
     bpt = bytes_per_token(dims, config.guided_sites, layers, **config_fmt_kw(config))
-    per_step = bpt * rl.tokens_per_step
+    side = sum(side_bytes(dims, layer, site) for layer in layers for site in config.guided_sites)
+    lengths = [rl.prompt_len + rl.response_len] * rl.trajectories
+    payload = _align(shard_bytes(dims, config, lengths, layers=layers)["sync_payload"])
+    sync = payload + SIZE_MESSAGE_BYTES + sync_header_bound(dims, config, lengths, layers=layers, payload=payload)
     return {
         "policy": policy,
         "mode": config.cache_mode,
@@ -120,35 +170,49 @@ def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, 
         "num_layers": len(layers),
         "layers": list(layers),
         "bytes_per_token": bpt,
-        "bytes_per_step": per_step,
-        "host_bytes": per_step * rl.steps_in_flight,
-        "sync_seconds": per_step * 8 / (rl.bandwidth_gbps * 1e9),
+        "bytes_per_step": bpt * rl.tokens_per_step,
+        "host_bytes": (bpt + side) * rl.tokens_per_step * rl.steps_in_flight,
+        "sync_bytes": sync,
+        "sync_seconds": sync * 8 / (rl.bandwidth_gbps * 1e9),
     }
 
 
 # ---- per-rank shard sizes: what the guidance code stores and sends, byte for byte -------------------
 ALIGN = 16  # serial.ALIGN / routing.ALIGN: every tensor of the flat form starts 16-byte aligned
-_ID_BYTES = 8  # FC2 expert_ids travel as int64 with the guidance record
+SIZE_MESSAGE_BYTES = 8 * SIZES  # GuidanceSync's int64 size message before each chunk's header
+_ITEMSIZE = {"uint8": 1, "bool": 1, "int16": 2, "int32": 4, "int64": 8, "float32": 4}
 
 
 def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _site_tensor_bytes(dims: ModelDims, site: str, tokens: int, config: TraceConfig) -> dict[str, int]:
-    """Bytes of each tensor one sample's record of ``site`` holds (the fields of ``serial._site_tensors``)."""
+def _site_fields(dims: ModelDims, site: str, tokens: int, config: TraceConfig) -> tuple[dict, list[tuple]]:
+    """(column meta, [(field, dtype name, shape)]) of one (layer, site) record of ``tokens`` token rows, in the
+    order ``serial._site_tensors`` and ``packed.pack_batch`` lay the fields out."""
     rows, k = dims.site_rows(site)
     fmt = config.kv_record_format if site in KV_SITES else config.format
     block = get_format(fmt).block_size
     kp = -(-k // block) * block
-    n = tokens * rows
-    out = {"payload": n * (kp // 8 if config.cache_mode == "compact" else kp // 2), "scales": n * (kp // block),
-           "valid": tokens * (rows if site == "expert_fc2_in" else 1)}  # bool [L] or [L, topk]
-    if fmt == "nvfp4":
-        out["amax"] = n * 4  # fp32 per row (a per-tensor amax too: the recorders store it on each row)
-    if site == "expert_fc2_in":
-        out["expert_ids"] = n * _ID_BYTES
-    return out
+    lead, fc2 = [tokens] if site == "expert_fc1_in" else [tokens, rows], site == "expert_fc2_in"
+    fields = [("payload", "uint8", [*lead, kp // 8 if config.cache_mode == "compact" else kp // 2]),
+              ("scales", "uint8", [*lead, kp // block]),
+              ("valid", "bool", [tokens, rows] if fc2 else [tokens])]  # bool [L] or [L, topk]
+    if fmt == "nvfp4":  # fp32 per row (a per-tensor amax too: the recorders store it on each row)
+        fields.append(("amax", "float32", [*lead, 1]))
+    if fc2:
+        fields.append(("expert_ids", "int64", [tokens, rows]))
+    meta = {"mode": config.cache_mode, "fmt": fmt, "shape": lead[1:] + [k], "amax": "row" if fmt == "nvfp4" else None}
+    return meta, fields
+
+
+def _site_tensor_bytes(dims: ModelDims, site: str, tokens: int, config: TraceConfig) -> dict[str, int]:
+    """Bytes of each tensor one sample's record of ``site`` holds (the fields of ``serial._site_tensors``)."""
+    return {name: math.prod(shape) * _ITEMSIZE[dt] for name, dt, shape in _site_fields(dims, site, tokens, config)[1]}
+
+
+def _routing_dtype(dims: ModelDims) -> str:
+    return "uint8" if dims.num_experts <= 256 else "int16" if dims.num_experts <= 32768 else "int32"
 
 
 def sample_bytes(dims: ModelDims, config: TraceConfig, num_tokens: int, *, layers=None) -> dict[str, int]:
@@ -172,7 +236,7 @@ def sample_bytes(dims: ModelDims, config: TraceConfig, num_tokens: int, *, layer
             parts = _site_tensor_bytes(dims, site, num_tokens, config)
             guidance += parts["payload"] + parts["scales"] + parts.get("amax", 0)
             flat += sum(_align(p) for p in parts.values())
-    id_bytes = 1 if dims.num_experts <= 256 else 2 if dims.num_experts <= 32768 else 4
+    id_bytes = _ITEMSIZE[_routing_dtype(dims)]
     routing = len(dims.moe_layers) * _align(num_tokens * dims.topk * id_bytes) if config.routing_replay else 0
     return {"guidance": guidance, "flat": flat, "routing": routing}
 
@@ -187,15 +251,16 @@ def _wire_fields(dims: ModelDims, config: TraceConfig, sample_tokens: list[int],
             if dims.has_site(layer, site):
                 fields += list(_site_tensor_bytes(dims, site, tokens, config).values())
     if config.routing_replay:
-        id_bytes = 1 if dims.num_experts <= 256 else 2 if dims.num_experts <= 32768 else 4
-        fields += [tokens * dims.topk * id_bytes] * len(dims.moe_layers)
+        fields += [tokens * dims.topk * _ITEMSIZE[_routing_dtype(dims)]] * len(dims.moe_layers)
     return fields
 
 
 def shard_bytes(dims: ModelDims, config: TraceConfig, sample_tokens, *, layers=None) -> dict[str, int]:
     """Sums of ``sample_bytes`` over one trainer rank's samples (their token counts), plus ``sync_payload``: the
     payload bytes ``GuidanceSync`` sends that rank in one chunk (``TransferStats.payload_bytes``: every column
-    field 16-byte aligned, the last one unpadded)."""
+    field 16-byte aligned, the last one unpadded). The planner lays the columns out in (layer, site) order, the
+    wire in the records' order: with routing replay the last field is the last routing column either way, without it
+    the last guidance field's padding (< 16 bytes) may differ."""
     sample_tokens = [int(n) for n in sample_tokens]
     layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
     tot = {"guidance": 0, "flat": 0, "routing": 0}
@@ -209,6 +274,36 @@ def shard_bytes(dims: ModelDims, config: TraceConfig, sample_tokens, *, layers=N
         off = _align(end)
     tot["sync_payload"] = end
     return tot
+
+
+def sync_header_bound(dims: ModelDims, config: TraceConfig, sample_tokens, *, layers=None,
+                      payload: int | None = None) -> int:
+    """An upper bound of the JSON header of a one-chunk ``GuidanceSync`` send of samples of ``sample_tokens`` tokens
+    (each with its guidance and, with ``config.routing_replay``, its routing), built as ``guidance.wire`` writes it
+    with the widest values it can hold: sample ids and versions of 20 characters (any int64), every field offset as
+    wide as ``payload`` (the payload bytes; default ``shard_bytes``' ``sync_payload``) and a CRC-32 on every field
+    (``verify=True``). Token hashes, token counts, keys, metas and shapes are exact; the rest varies per message."""
+    sample_tokens = [int(n) for n in sample_tokens]
+    layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
+    if payload is None:
+        payload = shard_bytes(dims, config, sample_tokens, layers=layers)["sync_payload"]
+    n, tokens, wide = len(sample_tokens), sum(sample_tokens), -(2**63)  # the widest id or version: 20 characters
+
+    def column(key, meta: dict, fields: list[tuple]) -> dict:
+        return {"key": key, "meta": meta, "members": None, "rows": None,
+                "fields": [[name, dt, shape, payload, "crc32:00000000"] for name, dt, shape in fields]}
+
+    guidance = routing = None
+    if n:
+        table = {"ids": [wide] * n, "versions": [wide] * n, "hashes": ["0" * 32] * n, "tokens": sample_tokens}
+        guidance = {"columns": [column([layer, site], *_site_fields(dims, site, tokens, config))
+                                for layer in sorted(layers) for site in sorted(config.guided_sites)
+                                if dims.has_site(layer, site)], "table": table}
+        if config.routing_replay:  # the same samples: the routing section's table is null
+            routing = {"columns": [column(layer, {}, [("experts", _routing_dtype(dims), [tokens, dims.topk])])
+                                   for layer in dims.moe_layers], "table": None}
+    head = {"protocol": PROTOCOL, "guidance": guidance, "routing": routing}
+    return len(json.dumps(head, separators=(",", ":")).encode())
 
 
 def rank_projection(dims: ModelDims, config: TraceConfig, rl: RLSettings, *, dp_ranks: int,

@@ -6,7 +6,8 @@ value of ``--trace-config FILE.json``), so ``trace_args_from_config`` round-trip
 is ``enabled``: only ``--trace-fp4`` turns TRACE on (a file's ``"enabled"`` is ignored), so a launch script
 without the flag always trains as stock Megatron.
 ``--trace-guided-layers`` takes a policy (none, all, last_k, fraction) or a comma list of layer ids (the
-explicit policy). ``budget`` parses, but a launch refuses it: it needs a measured mismatch profile (``cli.plan``).
+explicit policy). ``budget`` parses, but a launch refuses it: it needs measured per-layer code-mismatch rates
+(``cli.plan --mismatch-profile``).
 """
 
 from __future__ import annotations
@@ -159,9 +160,10 @@ def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
 
 
 _BUDGET_AT_LAUNCH = (
-    "--trace-guided-layers budget picks layers from a measured per-layer mismatch profile, which a launch does not "
+    "--trace-guided-layers budget picks layers from measured per-layer code-mismatch rates, which a launch does not "
     "have: run `python -m megatron_trace.cli.plan --hf-config CONFIG --layer-policy budget=BYTES --mismatch-profile "
-    "PROFILE.json` and pass the layers it prints (--trace-guided-layers 20,21,...)")
+    "metrics.jsonl` (a calibration run's metrics, or a JSON list of per-layer rates) and pass the layers it prints "
+    "(--trace-guided-layers 20,21,...)")
 
 
 def _check_against_model(cfg: TraceConfig, args) -> None:

@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_trace.cli import plan
-from megatron_trace.config import TraceConfig
-from megatron_trace.guidance.accounting import bytes_per_layer, bytes_per_token
+from megatron_trace.config import ACTIVATION_SITES, TraceConfig
+from megatron_trace.guidance.accounting import bytes_per_layer, bytes_per_token, elements_per_layer, side_bytes
 from megatron_trace.guidance.model_dims import ModelDims
 from megatron_trace.guidance.planner import RLSettings, budget_layers, plan_row
 from megatron_trace.guidance.selection import guided_layers
@@ -40,29 +40,47 @@ def test_fraction_is_taken_as_written(fraction, layers, k):
 
 
 # ---- budget policy -----------------------------------------------------------------------------
-def test_budget_picks_most_mismatch_per_byte():
+def test_budget_ranks_rates_by_rate_and_masses_by_mass_per_byte():
+    """A rate is a fraction of the layer's elements, so guiding layer i removes rate x (elements ~ bytes): the value
+    per byte is the rate. (This test used to expect (1, 2, 3) for the rates: it read them as masses, valuing layer
+    4's 0.9 of 300 bytes below layer 1's 0.1 of 100. That reading is kept, explicitly, as ``profile_unit="mass"``.)"""
     cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=300)
     profile = [0.0, 0.1, 0.5, 0.2, 0.9]
     cost = [100, 100, 100, 50, 300]
-    # densities: 1:0.001 2:0.005 3:0.004 4:0.003 -> 2 (100), 3 (150), 4 no (450 > 300), 1 (250)
-    assert guided_layers(cfg, 5, mismatch_profile=profile, bytes_per_layer=cost) == (1, 2, 3)
-    assert budget_layers(cfg, 5, mismatch_profile=dict(enumerate(profile)), bytes_per_layer=100) == (2, 3, 4)
+    # rates: 4 (0.9 x 300 = 270 removed) fills the budget; 1, 2, 3 together remove 10 + 50 + 10 = 70
+    assert guided_layers(cfg, 5, mismatch_profile=profile, bytes_per_layer=cost) == (4,)
+    # masses: densities 1:0.001 2:0.005 3:0.004 4:0.003 -> 2 (100), 3 (150), 4 no (450 > 300), 1 (250)
+    assert guided_layers(cfg, 5, mismatch_profile=profile, bytes_per_layer=cost, profile_unit="mass") == (1, 2, 3)
+    for unit in ("rate", "mass"):  # equal costs: both readings rank by the profile
+        assert budget_layers(cfg, 5, mismatch_profile=dict(enumerate(profile)), bytes_per_layer=100,
+                             profile_unit=unit) == (2, 3, 4)
+
+
+def test_budget_rates_weigh_each_layers_elements_per_byte():
+    """With ``elements_per_layer`` (``plan_row`` passes it) a rate weighs the elements each byte carries: layer 1's
+    bytes carry fewer elements (short rows, each with its 4-byte amax), so at equal rates layer 0 goes first."""
+    cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=100)
+    kw = dict(mismatch_profile=[0.1, 0.1], bytes_per_layer=100)
+    assert budget_layers(cfg, 2, **kw) == (1,)  # a tie without elements: the deeper layer
+    assert budget_layers(cfg, 2, elements_per_layer=[500, 400], **kw) == (0,)
 
 
 def test_budget_ties_prefer_deeper_layers():
     cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=200)
-    assert budget_layers(cfg, 6, mismatch_profile=[1.0] * 6, bytes_per_layer=100) == (4, 5)
+    for unit in ("rate", "mass"):
+        assert budget_layers(cfg, 6, mismatch_profile=[1.0] * 6, bytes_per_layer=100, profile_unit=unit) == (4, 5)
 
 
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.lists(st.tuples(st.floats(0, 1), st.integers(1, 5000)), min_size=1, max_size=40),
     budget=st.floats(1, 60_000),
+    unit=st.sampled_from(["rate", "mass"]),
 )
-def test_budget_never_exceeds(data, budget):
+def test_budget_never_exceeds(data, budget, unit):
     profile, cost = [p for p, _ in data], [c for _, c in data]
     cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=budget)
-    layers = budget_layers(cfg, len(data), mismatch_profile=profile, bytes_per_layer=cost)
+    layers = budget_layers(cfg, len(data), mismatch_profile=profile, bytes_per_layer=cost, profile_unit=unit)
     assert sum(cost[i] for i in layers) <= budget
     assert all(profile[i] > 0 for i in layers)
     # maximal: nothing left out with mismatch > 0 would still fit
@@ -82,16 +100,48 @@ def test_budget_errors_are_clear():
         budget_layers(cfg, 2, mismatch_profile=[float("nan"), 0.1], bytes_per_layer=10)
     with pytest.raises(ValueError, match="bytes_per_layer"):
         budget_layers(cfg, 2, mismatch_profile=[0.1, 0.1])
+    # a rate above 1 is a mass (or a percentage) given as a rate
+    with pytest.raises(ValueError, match=r"fractions in \[0, 1\].*\(1, 3\.5\).*profile_unit='mass'"):
+        budget_layers(cfg, 2, mismatch_profile=[0.1, 3.5], bytes_per_layer=10)
+    assert budget_layers(cfg, 2, mismatch_profile=[0.1, 3.5], bytes_per_layer=10, profile_unit="mass") == (0, 1)
+    with pytest.raises(ValueError, match=r"profile_unit='ratio' is not one of \('rate', 'mass'\)"):
+        budget_layers(cfg, 2, mismatch_profile=[0.1, 0.1], bytes_per_layer=10, profile_unit="ratio")
 
 
 def test_budget_with_real_layer_bytes_of_a_hybrid_model():
+    """Qwen3.5: every 4th layer also has a KV cache, so it costs more. Mismatch rates growing with depth guide the
+    deepest layers, 39 first (its rate is the highest; the KV adds bytes and as many elements). This test used to
+    expect max(layers) == 38: read as masses, the rates made the dearer layer 39 worth less per byte than 38."""
     dims = ModelDims.from_hf_config(Q35)
     cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=4000, cache_mode="compact")
     cost = bytes_per_layer(dims, cfg.guided_sites, compact=True)
     profile = [0.01 * (i + 1) for i in range(40)]  # mismatch grows with depth
-    layers = budget_layers(cfg, 40, mismatch_profile=profile, bytes_per_layer=cost)
+    layers = budget_layers(cfg, 40, mismatch_profile=profile, bytes_per_layer=cost,
+                           elements_per_layer=elements_per_layer(dims, cfg.guided_sites))
     assert bytes_per_token(dims, cfg.guided_sites, layers, compact=True) <= 4000
-    assert layers and max(layers) == 38  # the deepest MoE-only layer is cheapest per mismatch
+    assert layers == (37, 38, 39)  # 1396 + 1188 + 1188 bytes; 36 (1188 more) does not fit
+    masses = budget_layers(cfg, 40, mismatch_profile=profile, bytes_per_layer=cost, profile_unit="mass")
+    assert max(masses) == 38  # the deepest MoE-only layer is cheapest per unit of mass
+
+
+def test_uniform_rates_on_deepseek_v3_guide_the_deepest_moe_layers_not_the_dense_layers_kv():
+    """DeepSeek-V3's first 3 layers are dense: only their MLA KV row (112 bytes compact) is guided, against 4564
+    bytes of an MoE layer. Uniform rates read as masses made that cheap KV the best value per byte, so a budget of
+    10 MoE layers guided layers 0, 1, 2 and only 9 MoE layers. As rates, each byte removes as much everywhere (the
+    MoE rows' elements per byte are even a little higher): the 10 deepest layers."""
+    dims = ModelDims.from_hf_config(DATA / "deepseek_v3_config.json")
+    cost = bytes_per_layer(dims, TraceConfig().guided_sites, compact=True)
+    assert (cost[0], cost[3]) == (112, 4564)
+    cfg = TraceConfig(guided_layers="budget", cache_mode="compact", budget_bytes_per_token=10 * cost[3])
+    row = plan_row(dims, cfg, RLSettings(), "budget", mismatch_profile=[0.02] * 61)
+    assert row["layers"] == list(range(51, 61)) and row["bytes_per_token"] == 10 * 4564
+    assert budget_layers(cfg, 61, mismatch_profile=0.02, bytes_per_layer=cost) == tuple(range(51, 61))
+    assert budget_layers(cfg, 61, mismatch_profile=0.02, bytes_per_layer=cost, profile_unit="mass") == (
+        0, 1, 2, *range(52, 61))  # the old reading, kept for per-layer masses
+    # room for the dense layers too: they come last, filling what the MoE layers leave
+    cfg = cfg.replace(budget_bytes_per_token=10 * cost[3] + 3 * cost[0])
+    assert plan_row(dims, cfg, RLSettings(), "budget", mismatch_profile=[0.02] * 61)["layers"] == [
+        0, 1, 2, *range(51, 61)]
 
 
 # ---- planner numbers vs the paper (Qwen3.5-35B-A3B: ~50 KB full, ~7.5 KB compact last 20) --------
@@ -158,7 +208,11 @@ def test_cli_json_matches_library(capsys, name):
                                compact=row["mode"] == "compact")
         assert row["bytes_per_token"] == want
         assert row["bytes_per_step"] == want * 8 * (1024 + 100)
-        assert row["sync_seconds"] == pytest.approx(row["bytes_per_step"] * 8 / 400e9)
+        # the cache and the sync carry more than the guidance: valid flags, FC2 expert ids (and routing, headers)
+        side = sum(side_bytes(dims, layer, site) for layer in row["layers"] for site in ACTIVATION_SITES)
+        assert row["host_bytes"] == (want + side) * 8 * (1024 + 100)
+        assert row["sync_bytes"] > row["host_bytes"] or not row["layers"]
+        assert row["sync_seconds"] == pytest.approx(row["sync_bytes"] * 8 / 400e9)
 
 
 def test_cli_budget_policy(tmp_path, capsys):

@@ -1,14 +1,16 @@
-"""``planner.sample_bytes`` / ``shard_bytes`` against real records: the bytes that ``split_batch`` samples hold,
-that ``plan_flat`` lays out (host cache) and that ``GuidanceSync`` would send (``encode``'s payload)."""
+"""``planner.sample_bytes`` / ``shard_bytes`` / ``plan_row`` against real records: the bytes that ``split_batch``
+samples hold, that ``plan_flat`` lays out and ``GuidanceCache`` holds (host cache) and that ``GuidanceSync`` would send
+(``encode``'s messages)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.guidance.model_dims import ModelDims
-from megatron_trace.guidance.planner import RLSettings, rank_projection, sample_bytes, shard_bytes
+from megatron_trace.guidance.planner import RLSettings, plan_row, rank_projection, sample_bytes, shard_bytes
 from megatron_trace.guidance.records import split_batch
 from megatron_trace.guidance.routing import plan_routing, split_routing
 from megatron_trace.guidance.selection import guided_layers
@@ -115,3 +117,52 @@ def test_cli_per_rank_projection(capsys):
     assert "8 DP ranks: 8 samples" in capsys.readouterr().out
     assert plan.main([*argv, "--bandwidth-gbytes", "fast=x"]) == 2
     assert "NAME=GB/s" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
+@pytest.mark.parametrize("mode", ["compact", "full"])
+def test_plan_table_host_and_sync_bytes_are_a_tiny_models_real_bytes(mode, replay):
+    """The plan table's host memory and sync time used to count the guidance alone (here 4032 / 8568 bytes a step,
+    compact / full, where the cache holds 5355 / 9891 and GuidanceSync sends 10.1-15.0 KB). Now: host memory is what
+    ``GuidanceCache`` holds for a tiny model's real rollout batches (guidance + valid flags + FC2 int64 expert ids),
+    exactly; sync bytes bound what ``GuidanceSync`` encodes for a step (size message, header, payload with the
+    routing), and the bound's slack is exactly what ``sync_header_bound`` allows: int64-wide sample ids and versions,
+    offsets as wide as the payload, and the payload's last field padded."""
+    from megatron_trace.guidance.cache import GuidanceCache
+    from megatron_trace.guidance.records import pack_guidance
+    from megatron_trace.guidance.sync import GuidanceSync
+    from megatron_trace.rollout import HFRolloutBackend, SamplingParams
+
+    from ..rollout._tiny import tiny_config, tiny_model
+
+    cfg = TraceConfig(guided_layers="all", cache_mode=mode, routing_replay=replay)
+    dims = ModelDims.from_hf_config(tiny_config().to_dict())
+    rollout = HFRolloutBackend(tiny_model(), mode="fp4", trace_config=cfg)
+    rl = RLSettings(trajectories=3, prompt_len=3, response_len=4, steps_in_flight=2)
+    cache = GuidanceCache(1 << 30)
+    for step in range(rl.steps_in_flight):  # the RL driver's path: one whole batch's columns per step
+        out = rollout.generate([[5, 6, 7], [8, 9, 10], [11, 12, 13]], SamplingParams(max_new_tokens=4, seed=step))
+        assert out.attention_mask.sum(1).tolist() == [7, 7, 7] and len(out.routing) == len(dims.moe_layers)
+        packed = pack_guidance(out.guidance, out.tokens, version=step, attention_mask=out.attention_mask)
+        cache.put(step, packed)
+    row = plan_row(dims, cfg, rl, "all")
+    assert row["bytes_per_step"] == packed.guidance_nbytes()
+    assert row["host_bytes"] == cache.host_bytes > rl.steps_in_flight * row["bytes_per_step"]
+
+    samples = split_batch(out.guidance, out.tokens, version=1, attention_mask=out.attention_mask)
+    routing = split_routing(out.routing, out.tokens, version=1, num_experts=dims.num_experts,
+                            attention_mask=out.attention_mask) if replay else ()
+    sync = GuidanceSync.__new__(GuidanceSync)  # encode reads only ``verify``: no process group (two ranks) needed
+    sync.verify = True
+    sizes, header, payload = sync.encode(samples, routing)  # the messages ``send`` puts on the wire for this step
+    sent = sizes.nbytes + header.numel() + payload.numel()
+    assert row["bytes_per_step"] < sent <= row["sync_bytes"]
+    head = json.loads(bytes(header.tolist()))
+    assert (head["routing"] is not None) == replay
+    fields = [f for sec in ("guidance", "routing") if head[sec] for c in head[sec]["columns"] for f in c["fields"]]
+    padded = -(-payload.numel() // 16) * 16
+    table = head["guidance"]["table"]
+    slack = (sum(2 * 20 - len(str(i)) - len(str(v)) for i, v in zip(table["ids"], table["versions"]))
+             + sum(len(str(padded)) - len(str(f[3])) for f in fields) + padded - payload.numel())
+    assert row["sync_bytes"] - sent == slack
+    assert row["sync_seconds"] == row["sync_bytes"] * 8 / (rl.bandwidth_gbps * 1e9)

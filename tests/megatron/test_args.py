@@ -69,9 +69,10 @@ def test_config_file_is_the_base_and_flags_override(tmp_path):
     (["--trace-fp4", "--trace-sites", "weights", "--trace-guided-sites", "kv_k"], "not a quantized site"),
     (["--trace-fp4", "--trace-min-coverage", "2"], "min_coverage=2.0 must be in"),
     (["--trace-fp4", "--trace-guided-layers", "budget", "--trace-budget-bytes-per-token", "8"],
-     r"budget picks layers from a measured .*cli\.plan"),
+     r"budget picks layers from measured per-layer code-mismatch rates.*cli\.plan --hf-config"),
     # without a byte budget too: the launch points to the planner, not to a flag it would refuse next
-    (["--trace-fp4", "--trace-guided-layers", "budget"], r"budget picks layers from a measured .*cli\.plan"),
+    (["--trace-fp4", "--trace-guided-layers", "budget"],
+     r"budget picks layers from measured per-layer code-mismatch rates.*cli\.plan --hf-config"),
 ])
 def test_invalid_combinations_name_the_value(argv, match):
     with pytest.raises(ValueError, match=match) as e:

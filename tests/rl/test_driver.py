@@ -72,6 +72,38 @@ def test_all_arms_run_and_trace_removes_mismatch(megatron_cpu, ckpt, tmp_path):
     assert len(report.summary_rows(by_arm)) == 1 + len(ARMS)
 
 
+def test_a_runs_metrics_give_the_budget_planner_its_per_layer_rates(megatron_cpu, ckpt, tmp_path, capsys):
+    """The unguided FP4 arm's per-layer code-mismatch rates in a real demo run's metrics.jsonl are the budget
+    policy's profile (``plan --mismatch-profile metrics.jsonl``): each layer's rate is its sites' rates over the
+    last steps, weighted by their elements, and a budget of one layer guides the layer that mismatches most."""
+    import json
+    from pathlib import Path
+
+    from megatron_trace.cli import plan
+    from megatron_trace.config import ACTIVATION_SITES
+    from megatron_trace.guidance.accounting import bytes_per_layer
+    from megatron_trace.guidance.model_dims import ModelDims
+
+    run(out_dir=tmp_path, task_name="add", arms=["fp4_qat"], trace=TraceConfig(), rl=dataclasses.replace(RL, steps=2),
+        model=MODEL, sft=SFTConfig(steps=5), init_from=ckpt, progress=False)
+    hf_config = Path(ckpt) / "config.json"
+    dims = ModelDims.from_hf_config(hf_config)
+    rows = report.load(tmp_path / "metrics.jsonl")["fp4_qat"]
+    want = []
+    for layer in range(MODEL.num_layers):
+        elems = {s: math.prod(dims.site_rows(s)) for s in ACTIVATION_SITES}
+        rate = {s: sum(r[f"quant/{s}/layer_{layer}/code_mismatch_rate"] for r in rows) / len(rows) for s in elems}
+        want.append(sum(rate[s] * elems[s] for s in elems) / sum(elems.values()))
+    assert all(0 < w < 1 for w in want), want  # FP4 QAT with its own rounding mismatches at every layer
+    cost = bytes_per_layer(dims, ACTIVATION_SITES, compact=True)
+    assert len(set(cost.values())) == 1  # the layers cost the same: the budget of one picks the higher rate
+    assert plan.main(["--hf-config", str(hf_config), "--layer-policy", f"budget={cost[0]}", "--modes", "compact",
+                      "--mismatch-profile", str(tmp_path / "metrics.jsonl"), "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["mismatch_profile"]["values"] == pytest.approx(want)
+    assert res["rows"][0]["layers"] == [max(range(MODEL.num_layers), key=want.__getitem__)]
+
+
 def test_keep_for_arm_selects_layers_and_compacts(megatron_cpu, ckpt, tmp_path):
     arm = make_arm("trace", TraceConfig())
     r = GRPORun(arm, RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
