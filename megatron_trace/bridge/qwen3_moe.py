@@ -33,12 +33,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from ..rollout.hf_weights import (
-    DEFAULT_MAX_SHARD_BYTES,
-    ShardedSafetensorsWriter,
-    clear_weight_files,
-    parse_expert_name,
-)
+from ..rollout.checkpoint_dir import StagedCheckpointDir
+from ..rollout.hf_weights import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_expert_name
 from .config import gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
 
 logger = logging.getLogger(__name__)
@@ -198,10 +194,13 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
     def load_weights(self, models: list, weights_path: str, memory_efficient: bool = False) -> None:
         """Fill this rank's parameters from a HF checkpoint; rank 0 of each shard group reads and scatters.
 
-        Under TP or ETP > 1 every rank must call it: the ranks check what they read (tensor names, dtypes and shapes
-        from the file headers) and agree before the first scatter, so a checkpoint one rank refuses raises on every
-        rank (a ``ValueError`` naming the refusing rank and its reason) instead of leaving the others waiting in the
-        scatter until the process group's timeout."""
+        Under TP, ETP or EP > 1 every rank must call it: the ranks check what they read (tensor names, dtypes and
+        shapes from the file headers) and agree before the first scatter, so a checkpoint one rank refuses raises on
+        every rank (a ``ValueError`` naming the refusing rank and its reason) instead of leaving the others waiting in
+        the scatter until the process group's timeout. A failure after the checks (an I/O error mid-read, an
+        out-of-memory copy) does not stop the failing rank's scatters: it reads nothing more, sends its partners
+        placeholders, and the ranks agree once more at the end, where the others raise a ``RuntimeError`` naming it
+        and its cause (the model is then partly loaded on every rank)."""
         self._require_no_pipeline()
         self.safetensor_io = self._get_safetensor_io(weights_path)
         for model in models:
@@ -221,22 +220,51 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             self._check_shapes(plan, params, split_dims)
             return {} if memory_efficient else self.safetensor_io.load_some_hf_weight([n for hf in readers for n in hf])
 
-        sharded = any(size > 1 for *_, (_, size, _) in plan)
-        cache = _agreed(check_and_read, self.safetensor_io.hf_dir) if sharded else check_and_read()
+        where = self.safetensor_io.hf_dir
+        split = self.mpu.ep_size > 1 or any(size > 1 for *_, (_, size, _) in plan)  # every rank loads its part
+        if not split:
+            self._fill(plan, params, check_and_read(), split)
+            return
+        cache = _agreed(check_and_read, f"refused to load the checkpoint {where}")
+        _agree(self._fill(plan, params, cache, split), f"failed to load the checkpoint {where} after the checks passed",
+               RuntimeError)
+
+    def _fill(self, plan: list, params: dict, cache: dict, split: bool) -> Exception | None:
+        """Copy each parameter in, scattered from rank 0 of its shard group. Under ``split`` a failure is returned,
+        not raised: the rank stops reading but keeps joining the scatters (its partners wait in them otherwise)."""
+        error = None
         for local, name, hf_names, (group, size, rank) in plan:
             param = params[local]
             shards = None
-            if rank == 0:
-                hf = [cache.pop(n) if n in cache else self.safetensor_io.load_one_hf_weight(n) for n in hf_names]
-                shards = [t.to(param.device, param.dtype).contiguous()
-                          for t in self._weight_split_across_tp(name, self._weight_to_mcore_format(name, hf), param,
-                                                                size)]
+            if error is None:
+                try:
+                    if rank == 0:
+                        shards = self._read_shards(name, hf_names, param, size, cache)
+                    if size == 1:
+                        param.copy_(shards[0])
+                except Exception as e:  # agreed on by the caller
+                    if not split:
+                        raise
+                    error = e
+                    cache.clear()
+                    logger.error("loading %s from %s failed (%s: %s); joining the remaining scatters without reading "
+                                 "so that every rank learns of it", local, self.safetensor_io.hf_dir,
+                                 type(e).__name__, e)
             if size == 1:
-                param.copy_(shards[0])
                 continue
             mine = torch.empty_like(param)
+            if rank == 0 and shards is None:  # failed: the partners get placeholders, and the error at the end
+                shards = [mine] * size
             dist.scatter(mine, shards, src=dist.get_global_rank(group, 0), group=group)
-            param.copy_(mine)
+            if error is None:
+                param.copy_(mine)
+        return error
+
+    def _read_shards(self, name: str, hf_names: list[str], param: torch.Tensor, size: int, cache: dict) -> list:
+        """The ``size`` shards of one parameter, from the cache or read now, on the parameter's device and dtype."""
+        hf = [cache.pop(n) if n in cache else self.safetensor_io.load_one_hf_weight(n) for n in hf_names]
+        return [t.to(param.device, param.dtype).contiguous()
+                for t in self._weight_split_across_tp(name, self._weight_to_mcore_format(name, hf), param, size)]
 
     def _check_shapes(self, plan: list, params: dict, split_dims: dict[str, int]) -> None:
         """The tensors this rank reads exist, are floating, and convert to its parameters' shapes: the conversion
@@ -370,25 +398,39 @@ def _whole_shape(shape: torch.Size, partition_dim: int | None, size: int) -> tup
     return tuple(whole)
 
 
-def _agreed(check, where: str):
-    """Run ``check()`` on every rank, then agree (one ``all_gather_object`` over the world) before any scatter: a
-    rank whose check raised re-raises its error, the others raise a ValueError naming that rank and its reason."""
-    error = None
+def _agreed(check, what: str, error_type: type[Exception] = ValueError):
+    """Run ``check()`` on every rank, then ``_agree`` on its outcome; returns what ``check()`` returned."""
+    error = result = None
     try:
         result = check()
-    except Exception as e:  # re-raised below, once every rank knows
+    except Exception as e:  # re-raised by _agree, once every rank knows
         error = e
+    _agree(error, what, error_type)
+    return result
+
+
+def _agree(error: Exception | None, what: str, error_type: type[Exception] = ValueError) -> None:
+    """Every rank learns every rank's outcome (one ``all_gather_object`` over the world) before the next collective:
+    a rank that failed re-raises its error, the others raise ``error_type`` "rank R {what} (...): its reason"."""
     if dist.is_initialized() and dist.get_world_size() > 1:
-        reasons = [None] * dist.get_world_size()
-        dist.all_gather_object(reasons, None if error is None else f"{type(error).__name__}: {error}")
-        refused = [(r, why) for r, why in enumerate(reasons) if why is not None]
-        if refused and error is None:
-            r, why = refused[0]
-            raise ValueError(f"rank {r} refused to load the checkpoint {where} (this rank's checks passed; "
-                             f"{len(refused)} rank(s) refused): {why}")
+        world = dist.get_world_size()
+        reasons = [None] * world
+        try:
+            dist.all_gather_object(reasons, None if error is None else f"{type(error).__name__}: {error}")
+        except Exception as e:
+            if error is None:
+                raise
+            error.add_note(f"(the other ranks could not be told: {type(e).__name__}: {e})")
+            raise error from None
+        failed = [(r, why) for r, why in enumerate(reasons) if why is not None]
+        if failed and error is None:
+            r, why = failed[0]
+            raise error_type(f"rank {r} {what} (this rank's part succeeded; {len(failed)} of {world} rank(s) "
+                             f"failed): {why}")
+        if error is not None:
+            error.add_note(f"(on rank {dist.get_rank()} of {world}; the other ranks raise naming it)")
     if error is not None:
         raise error
-    return result
 
 
 def _exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
@@ -432,25 +474,68 @@ def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge, 
 
     Rank 0 writes the tensors as the export yields them, into shards of at most ``max_shard_bytes`` named as
     transformers names them (``model-00001-of-00004.safetensors`` + ``model.safetensors.index.json``; a single
-    shard is ``model.safetensors``), after removing the weight files of an earlier checkpoint in ``path``. It holds
-    one shard plus one tensor in host memory, never the model; the other ranks drop each gathered tensor as soon as
-    the export made it (no host copy). config.json's ``dtype`` is the bridge's, the dtype of the tensors written
-    (SGLang and vLLM with ``dtype="auto"`` serve a float32 config in float16)."""
-    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    shard is ``model.safetensors``). It holds one shard plus one tensor in host memory, never the model; the other
+    ranks drop each gathered tensor as soon as the export made it (no host copy). config.json's ``dtype`` is the
+    bridge's, the dtype of the tensors written (SGLang and vLLM with ``dtype="auto"`` serve a float32 config in
+    float16).
+
+    The directory is replaced as a whole (``StagedCheckpointDir``): rank 0 writes into a temporary sibling and
+    renames it into place once every file is written and fsynced, so a save that fails midway leaves ``path``'s
+    earlier checkpoint as it was (and removes the temporary directory). Files in ``path`` that are not checkpoint
+    files (a README, tokenizer files) are kept; an earlier checkpoint's shards, index and ``hf_quant_config.json``
+    are not. Under torch.distributed the ranks agree before the export (rank 0 made its directory) and after it
+    (rank 0 wrote it), so a failure on rank 0 raises on every rank, a ``RuntimeError`` naming rank 0 and its cause
+    on the others; rank 0 keeps joining the export's gathers after a write failed, so no rank is left in them."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    drain = dist.is_initialized() and dist.get_world_size() > 1
+    what = f"failed to save the checkpoint {os.fspath(path)}"
+
+    def prepare() -> tuple[StagedCheckpointDir, ShardedSafetensorsWriter] | None:
+        if rank != 0:
+            return None
+        staged = StagedCheckpointDir(path)
+        try:
+            return staged, ShardedSafetensorsWriter(staged.path, max_shard_bytes)
+        except BaseException:
+            staged.abort()
+            raise
+
+    prepared = _agreed(prepare, what, RuntimeError)
     weights = export_hf_weights(models, bridge)
-    if rank != 0:
-        for _ in weights:  # the collectives only
-            pass
-        return []
-    writer = ShardedSafetensorsWriter(path, max_shard_bytes)  # (checks max_shard_bytes before anything is removed)
-    os.makedirs(path, exist_ok=True)
-    clear_weight_files(path)
-    with writer:
-        for name, t in weights:
+
+    def write() -> list[str]:
+        if prepared is None:
+            for _ in weights:  # the collectives only
+                pass
+            return []
+        staged, writer = prepared
+        with staged:
+            with writer:
+                _write_all(writer, weights, drain)
+            config = copy.deepcopy(bridge.hf_config)
+            config.dtype = bridge.dtype  # the tensors' dtype: engines run "auto" in it (a float32 config: in float16)
+            config.save_pretrained(staged.path)
+        logger.info("saved %d tensors (%.1f MB) to %s in %d file(s); at most %.1f MB held at once", writer.tensors,
+                    writer.total_bytes / 1e6, path, len(writer.files), writer.peak_bytes / 1e6)
+        return writer.files
+
+    return _agreed(write, what, RuntimeError)
+
+
+def _write_all(writer: ShardedSafetensorsWriter, weights: Iterator[tuple[str, torch.Tensor]], drain: bool) -> None:
+    """``writer.add`` every exported tensor. With ``drain``, a write that fails does not end the export: it goes on
+    without writing (the other ranks wait in its gathers otherwise), and the error is raised at its end."""
+    error = None
+    for name, t in weights:
+        if error is not None:
+            continue
+        try:
             writer.add(name, t)
-    config = copy.deepcopy(bridge.hf_config)
-    config.dtype = bridge.dtype  # the tensors' dtype: engines run "auto" in it (a float32 config: in float16)
-    config.save_pretrained(path)
-    logger.info("saved %d tensors (%.1f MB) to %s in %d file(s); at most %.1f MB held at once", writer.tensors,
-                writer.total_bytes / 1e6, path, len(writer.files), writer.peak_bytes / 1e6)
-    return writer.files
+        except Exception as e:
+            if not drain:
+                raise
+            error = e
+            logger.error("writing %s to %s failed (%s: %s); finishing the export's gathers without writing so that "
+                         "every rank learns of it", name, writer.directory, type(e).__name__, e)
+    if error is not None:
+        raise error

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import torch
 
@@ -29,14 +29,8 @@ from ..config import TraceConfig
 from ..formats import NVFP4_BLOCK, FP4Tensor
 from ..formats.nvfp4 import decode_scale_from_amax
 from ..manifest import experts_name, module_excluded
-from ..rollout.hf_weights import (
-    INDEX_FILE,
-    WEIGHTS_FILE,
-    ShardedSafetensorsWriter,
-    clear_weight_files,
-    join_fc1,
-    parse_expert_name,
-)
+from ..rollout.checkpoint_dir import StagedCheckpointDir
+from ..rollout.hf_weights import INDEX_FILE, WEIGHTS_FILE, ShardedSafetensorsWriter, join_fc1, parse_expert_name
 
 logger = logging.getLogger(__name__)
 
@@ -106,9 +100,18 @@ def build_modelopt_state(
     bf16_layers=...)``), which are tensors and listed as excluded (``model.layers.L.mlp.experts``); everything
     else a tensor (stored in ``dtype`` if floating). ``input_amax``: the static activation amax per expert
     Linear prefix (``model.layers.L.mlp.experts.E.gate_proj``) or one float for all (e.g. the largest per-row
-    amax the rollout recorded).
+    amax the rollout recorded). The whole state in memory: ``save_modelopt_checkpoint`` streams it instead.
     """
-    state: dict[str, torch.Tensor] = {}
+    exclude: list[str] = []
+    state = dict(_modelopt_tensors(named, input_amax, trace_extras, dtype, trace_config, exclude))
+    return state, exclude
+
+
+def _modelopt_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], input_amax: Mapping[str, float] | float,
+                      trace_extras: bool, dtype: torch.dtype, trace_config: TraceConfig | None,
+                      exclude: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``build_modelopt_state``'s tensors one input weight at a time; ``exclude`` gets ``exclude_modules`` at the end.
+    An expert's gate half is held until its up half comes (``fp4_stream`` sends them one after the other)."""
     bf16_2d: list[str] = []
     bf16_experts: set[int] = set()
     fc1_halves: dict[tuple[int, int], dict[str, FP4Tensor]] = {}
@@ -122,7 +125,7 @@ def build_modelopt_state(
                     else "only routed-expert weights are exported as NVFP4"
                 raise ValueError(f"{name!r}: {what} (got an FP4Tensor)")
             t = value.detach()
-            state[name] = t.to(dtype) if t.is_floating_point() else t
+            yield name, t.to(dtype) if t.is_floating_point() else t
             if bf16_expert:
                 bf16_experts.add(parsed[0])
             elif t.dim() == 2:
@@ -134,7 +137,10 @@ def build_modelopt_state(
                             f"TraceConfig.exclude_modules keeps), got {type(value).__name__}")
         prefix = _expert_prefix(name)
         if parsed[2] != "down_proj":
-            fc1_halves.setdefault(parsed[:2], {})[parsed[2]] = value
+            halves = fc1_halves.setdefault(parsed[:2], {})
+            halves[parsed[2]] = value
+            if len(halves) == 2:
+                _check_fc1_pair(*parsed[:2], fc1_halves.pop(parsed[:2]))
         if isinstance(input_amax, Mapping):
             if prefix not in input_amax:
                 raise KeyError(f"no input_amax for {prefix!r}: give the static activation amax of every expert "
@@ -142,22 +148,22 @@ def build_modelopt_state(
             a = input_amax[prefix]
         else:
             a = input_amax
-        state.update(modelopt_linear_tensors(prefix, value, a, trace_extras=trace_extras))
-    _check_fc1_pairs(fc1_halves)
-    return state, sorted([*exclude_modules_of(bf16_2d), *(experts_name(i) for i in bf16_experts)])
+        yield from modelopt_linear_tensors(prefix, value, a, trace_extras=trace_extras).items()
+    for (layer, expert), h in sorted(fc1_halves.items()):
+        _check_fc1_pair(layer, expert, h)
+    exclude[:] = sorted([*exclude_modules_of(bf16_2d), *(experts_name(i) for i in bf16_experts)])
 
 
-def _check_fc1_pairs(halves: dict[tuple[int, int], dict[str, FP4Tensor]]) -> None:
+def _check_fc1_pair(layer: int, expert: int, h: dict[str, FP4Tensor]) -> None:
     """An engine fuses each expert's gate and up into one w13 with one ``weight_scale_2``: both halves must be there,
     quantized as one matrix (one global amax)."""
-    for (layer, expert), h in sorted(halves.items()):
-        if h.keys() != {"gate_proj", "up_proj"}:
-            raise ValueError(f"layer {layer} expert {expert}: only {sorted(h)} given; an FP4 export needs both "
-                             "gate_proj and up_proj")
-        try:
-            join_fc1(h["gate_proj"], h["up_proj"])
-        except ValueError as e:
-            raise ValueError(f"layer {layer} expert {expert}: {e}") from e
+    if h.keys() != {"gate_proj", "up_proj"}:
+        raise ValueError(f"layer {layer} expert {expert}: only {sorted(h)} given; an FP4 export needs both "
+                         "gate_proj and up_proj")
+    try:
+        join_fc1(h["gate_proj"], h["up_proj"])
+    except ValueError as e:
+        raise ValueError(f"layer {layer} expert {expert}: {e}") from e
 
 
 def quant_config_dict(exclude_modules: list[str], *, kv_cache_quant_algo: str | None = None,
@@ -184,7 +190,13 @@ def save_modelopt_checkpoint(
     """Write ``config.json``, ``hf_quant_config.json`` and safetensors shard(s); returns the quant config.
 
     The unquantized tensors are stored in bfloat16 and config.json's ``dtype`` says so, whatever ``hf_config`` gave
-    (engines serve a ``dtype="auto"`` model in the config's dtype, a float32 one in float16)."""
+    (engines serve a ``dtype="auto"`` model in the config's dtype, a float32 one in float16).
+
+    ``named`` is streamed: each weight's checkpoint tensors go to the shard being filled as it comes, so with a
+    generator (``fp4_stream`` of the bridge's export) host memory holds about one shard of ``max_shard_bytes``, not
+    the model. The directory is replaced as a whole (``StagedCheckpointDir``): written into a temporary sibling and
+    renamed into place once complete and fsynced, so an export that fails midway (a refused weight, an I/O error)
+    leaves ``out_dir``'s earlier checkpoint as it was; its files that are not checkpoint files are kept."""
     hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)  # (a transformers config)
     if "quantization_config" in hf_config:
         raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")
@@ -192,22 +204,20 @@ def save_modelopt_checkpoint(
     hf_config["dtype"] = dtype  # in the config's dtype (SGLang and vLLM serve a float32 config in float16)
     if "torch_dtype" in hf_config:  # (transformers < 4.56's name)
         hf_config["torch_dtype"] = dtype
+    config_text = json.dumps(hf_config, indent=2, sort_keys=True)  # (checked before anything is written)
     cfg = TraceConfig.from_dict(trace_config) if trace_config is not None else None
-    state, exclude = build_modelopt_state(named, input_amax, trace_extras=trace_extras, dtype=BF16_DTYPE,
-                                          trace_config=cfg)
-    qcfg = quant_config_dict(exclude, trace_config=trace_config)
-    texts = {"config.json": json.dumps(hf_config, indent=2, sort_keys=True),
-             QUANT_CONFIG_FILE: json.dumps(qcfg, indent=2)}
-    os.makedirs(out_dir, exist_ok=True)  # everything checked and serialised before an earlier export is cleared
-    clear_weight_files(out_dir)
-    for fname, text in texts.items():
-        with open(os.path.join(out_dir, fname), "w") as f:
-            f.write(text)
-    with ShardedSafetensorsWriter(out_dir, max_shard_bytes, metadata={"producer": "megatron_trace"}) as writer:
-        for name in sorted(state):
-            writer.add(name, state[name])
-    logger.info("exported ModelOpt NVFP4 checkpoint to %s: %d tensors in %d shard(s), %d BF16 modules excluded",
-                out_dir, len(state), len(writer.files), len(exclude))
+    exclude: list[str] = []
+    tensors = _modelopt_tensors(named, input_amax, trace_extras, BF16_DTYPE, cfg, exclude)
+    with StagedCheckpointDir(out_dir) as staged:
+        with ShardedSafetensorsWriter(staged.path, max_shard_bytes, metadata={"producer": "megatron_trace"}) as writer:
+            for name, t in tensors:
+                writer.add(name, t)
+        qcfg = quant_config_dict(exclude, trace_config=trace_config)
+        for fname, text in {"config.json": config_text, QUANT_CONFIG_FILE: json.dumps(qcfg, indent=2)}.items():
+            (staged.path / fname).write_text(text)
+    logger.info("exported ModelOpt NVFP4 checkpoint to %s: %d tensors in %d shard(s), %d BF16 modules excluded; at "
+                "most %.1f MB held at once", out_dir, writer.tensors, len(writer.files), len(exclude),
+                writer.peak_bytes / 1e6)
     return qcfg
 
 

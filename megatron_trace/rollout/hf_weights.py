@@ -5,14 +5,14 @@ On disk (and on the weight-sync wire) routed experts are per expert:
 fused: ``gate_up_proj`` [E, 2*ffn, hidden] (gate rows first) and ``down_proj`` [E, hidden, ffn].
 An expert's fc1 = [gate; up] is quantized as one matrix (Megatron's ``linear_fc1``: one global
 amax); shipped in FP4 it is split by rows into gate and up parts that share that amax.
-Checkpoint files: ``clear_weight_files`` and ``ShardedSafetensorsWriter`` (transformers' shard names and index).
+Checkpoint files: ``ShardedSafetensorsWriter`` (transformers' shard names and index), written into a
+``checkpoint_dir.StagedCheckpointDir`` that replaces the directory as a whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,8 +20,6 @@ from pathlib import Path
 import torch
 
 from ..formats import FP4Tensor
-
-logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -95,21 +93,6 @@ def join_fc1(gate: FP4Tensor, up: FP4Tensor) -> FP4Tensor:
                                shape=(gate.shape[0] + up.shape[0], *gate.shape[1:]))
 
 
-def clear_weight_files(directory) -> list[str]:
-    """Delete the safetensors weights (``model*.safetensors``), the index and any unfinished shards
-    (``model*.safetensors.partial``) of an earlier checkpoint in ``directory`` before a new one is written there
-    (a stale index would make loaders read the old shards); returns the names removed."""
-    d = Path(directory)
-    stale = sorted(p for p in [*d.glob("model*.safetensors"), *d.glob(f"model*.safetensors{_PARTIAL}"), d / INDEX_FILE]
-                   if p.is_file())
-    for p in stale:
-        p.unlink()
-    if stale:
-        logger.warning("%s: removed %d weight file(s) of an earlier checkpoint: %s", d, len(stale),
-                       [p.name for p in stale][:5])
-    return [p.name for p in stale]
-
-
 class ShardedSafetensorsWriter:
     """Write tensors, as they come, into safetensors shards of at most ``max_shard_bytes`` each (a larger tensor gets
     a shard of its own), named as transformers' ``save_pretrained`` names them: ``model-00001-of-00003.safetensors``
@@ -118,9 +101,9 @@ class ShardedSafetensorsWriter:
 
     Host memory: the shard being filled plus the tensor being added (``add`` copies it to the CPU; a full shard is
     written out and dropped before the next one fills). Shards are written as ``model-00001.safetensors.partial``
-    and renamed by ``close()``, when their count is known. Clear the directory first (``clear_weight_files``, which
-    also removes the partial files of an interrupted save); leaving a ``with`` block by an exception deletes the
-    partial files written so far.
+    and renamed by ``close()``, when their count is known. Write into an empty directory (the ``path`` of a
+    ``checkpoint_dir.StagedCheckpointDir``: a stale index or shard of an earlier checkpoint would be read with the
+    new ones); leaving a ``with`` block by an exception deletes the partial files written so far.
     """
 
     def __init__(self, directory, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,

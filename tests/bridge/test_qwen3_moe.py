@@ -315,3 +315,49 @@ def test_save_writes_transformers_shards_that_load_back_bit_exact(tmp_path):
     with pytest.raises(ValueError, match="max_shard_bytes=0"):
         save_hf_checkpoint(src, tmp_path / "sharded", bridge, max_shard_bytes=0)
     assert (tmp_path / "sharded" / "model.safetensors").exists()  # refused before anything was removed
+
+
+def test_a_save_that_fails_midway_leaves_the_earlier_checkpoint_and_the_user_s_files(tmp_path, monkeypatch):
+    """An I/O error writing shard 3 (safetensors' save_file raising ENOSPC, as on a full disk): the directory keeps
+    its earlier checkpoint byte for byte and nothing is left beside it (the save had removed the earlier weights
+    first). A later save keeps the user's files (a README, tokenizer files) and drops the earlier checkpoint's shards,
+    its index and a ModelOpt export's hf_quant_config.json (engines would read the BF16 weights as NVFP4)."""
+    import errno
+
+    import safetensors.torch
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint, save_hf_checkpoint
+
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.bfloat16)
+    torch.manual_seed(5)
+    old, new = bridge.build_model(), bridge.build_model()
+    out = tmp_path / "hf"
+    assert len(save_hf_checkpoint(old, out, bridge, max_shard_bytes=64 << 10)) > 3
+    for name, text in {"README.md": "my notes", "tokenizer.json": "{}", "hf_quant_config.json": "{}"}.items():
+        (out / name).write_text(text)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real_save_file, shards = safetensors.torch.save_file, []
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        shards.append(filename)
+        if len(shards) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    with pytest.raises(OSError, match="No space left on device") as e:
+        save_hf_checkpoint(new, out, bridge, max_shard_bytes=64 << 10)
+    assert any(f"saving to {out} failed: the directory was left as it was" in n for n in e.value.__notes__)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # the temporary directory is gone
+    loaded = bridge.build_model()
+    load_hf_checkpoint(loaded, out, bridge)
+    a, b = old.state_dict(), loaded.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if "_extra_state" not in k)
+    monkeypatch.undo()
+    assert save_hf_checkpoint(new, out, bridge) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "tokenizer.json"]
+    assert (out / "README.md").read_text() == "my notes"
+    load_hf_checkpoint(loaded, out, bridge)
+    a, b = new.state_dict(), loaded.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a if "_extra_state" not in k)

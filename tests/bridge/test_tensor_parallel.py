@@ -118,7 +118,7 @@ def test_tp2_save_writes_shards_from_rank_0_only(tp2_results):
     assert saved.keys() == disk.keys() and all(torch.equal(saved[k], disk[k]) for k in disk)
 
 
-def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int) -> None:
+def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int, ep: int = 1) -> None:
     from transformers import AutoConfig
 
     from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
@@ -129,7 +129,7 @@ def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int
     torch.set_num_threads(1)
     apply_cpu_shims()
     allow_torch_norm_with_sequence_parallel()
-    init_megatron(rank, WORLD, port, tp=tp, etp=etp, timeout_s=PG_TIMEOUT_S)  # a regression fails, does not hang
+    init_megatron(rank, WORLD, port, tp=tp, etp=etp, ep=ep, timeout_s=PG_TIMEOUT_S)  # a regression fails, not hangs
     try:
         bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32, expert_tensor_parallel_size=etp)
         model = bridge.build_model()
@@ -171,6 +171,27 @@ def test_a_checkpoint_rank_0_refuses_raises_on_every_rank_at_once(tmp_path, tp, 
     assert all(r["seconds"] < 10 for r in results), [r["seconds"] for r in results]
 
 
+def test_under_expert_parallel_alone_a_checkpoint_one_rank_refuses_raises_on_every_rank(tmp_path):
+    """EP=2, TP=ETP=1 (no scatter): an expert only EP rank 1 reads has a wrong shape. Rank 1 refused it and rank 0
+    returned as if loaded, to wait in the first collective of training; now rank 0 raises naming rank 1."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
+    bad = "model.layers.0.mlp.experts.5.down_proj.weight"  # experts 4..7 are EP rank 1's
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    tensors[bad] = torch.zeros(64, 16)
+    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+    port = free_port()
+    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), 1, 1, WORLD), timeout=240)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    reason = re.escape(f"['{bad}'] -> ") + r".*the checkpoint's shape \[\(64, 16\)\]"
+    kind, msg = results[1]["outcome"]
+    assert kind == "ValueError" and re.search(reason, msg), results[1]
+    kind, msg = results[0]["outcome"]
+    where = re.escape(ckpt)
+    assert kind == "ValueError" and re.search(rf"^rank 1 refused to load the checkpoint {where} .*{reason}", msg), msg
+
+
 @pytest.mark.parametrize("bad, shape, whole", [
     ("model.layers.1.self_attn.o_proj.weight", (64, 32), (64, 64)),  # split on its input columns
     ("model.embed_tokens.weight", (64, 64), (128, 64)),  # vocab-parallel rows
@@ -196,3 +217,129 @@ def test_a_checkpoint_tensor_of_one_tp_rank_s_shape_is_refused_on_every_rank(tmp
     kind, msg = results[1]["outcome"]
     where = re.escape(ckpt)
     assert kind == "ValueError" and re.search(rf"^rank 0 refused to load the checkpoint {where} .*{reason}", msg), msg
+
+
+def _file_size_limit(limit: int):
+    """This process's files cannot grow past ``limit`` bytes (RLIMIT_FSIZE; writes fail with EFBIG, "File too large",
+    the signal ignored): a real I/O error from the kernel on rank 0's first shard while the export's gathers are
+    still to come."""
+    import contextlib
+    import resource
+    import signal
+
+    @contextlib.contextmanager
+    def limited():
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, hard))
+        try:
+            yield
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+            signal.signal(signal.SIGXFSZ, handler)
+
+    return limited()
+
+
+def _failing_reads(after: int):
+    """mbridge's reads (``safetensors.safe_open`` as its SafeTensorIO opens a file per tensor) fail with EIO from the
+    ``after + 1``-th on, as a disk error mid-read would; the header checks before the scatters open files themselves."""
+    import contextlib
+    import errno
+
+    import mbridge.core.safetensor_io as sio
+
+    real, opened = sio.safe_open, []
+
+    @contextlib.contextmanager
+    def failing(path, *args, **kwargs):
+        opened.append(path)
+        if len(opened) > after:
+            raise OSError(errno.EIO, "Input/output error", path)
+        with real(path, *args, **kwargs) as f:
+            yield f
+
+    @contextlib.contextmanager
+    def patched():
+        sio.safe_open = failing
+        try:
+            yield
+        finally:
+            sio.safe_open = real
+
+    return patched()
+
+
+def _failing_rank_0_worker(rank: int, port: int, ckpt: str, out: str, case: str) -> None:
+    import contextlib
+
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint, save_hf_checkpoint
+    from megatron_trace.testing.megatron_cpu import allow_torch_norm_with_sequence_parallel
+
+    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    allow_torch_norm_with_sequence_parallel()
+    init_megatron(rank, WORLD, port, tp=WORLD, timeout_s=PG_TIMEOUT_S)  # a regression fails, does not hang
+    try:
+        bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+        model = bridge.build_model()
+        load_hf_checkpoint(model, ckpt, bridge)
+        saved = os.path.join(out, "saved")
+        save_hf_checkpoint(model, saved, bridge, max_shard_bytes=8 << 10)  # the earlier checkpoint
+        failing = contextlib.nullcontext()
+        if rank == 0:
+            failing = _file_size_limit(16 << 10) if case == "save" else _failing_reads(after=4)
+        start = time.monotonic()
+        try:
+            with failing:
+                if case == "save":  # the embedding alone is a 32 KiB shard: shard 1 fails, at the export's 2nd tensor
+                    save_hf_checkpoint(model, saved, bridge, max_shard_bytes=8 << 10)
+                else:
+                    load_hf_checkpoint(model, ckpt, bridge, memory_efficient=True)
+            outcome = ("done", "")
+        except Exception as e:  # recorded for the test
+            outcome = (type(e).__name__, str(e))
+        seconds = time.monotonic() - start
+        try:  # the process group still works: every rank left the collectives together
+            flag = torch.ones(1)
+            torch.distributed.all_reduce(flag)
+            dist_ok = flag.item() == WORLD
+        except Exception:  # (a rank still waits in a collective of the failed call)
+            dist_ok = False
+        torch.save({"outcome": outcome, "seconds": seconds, "group_usable": dist_ok,
+                    "saved": sorted(os.listdir(saved)),
+                    "beside": sorted(n for n in os.listdir(out) if not n.endswith(".pt"))},
+                   os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        shutdown_megatron()
+
+
+@pytest.mark.parametrize("case, cause", [
+    ("save", r"SafetensorError: Error while serializing: I/O error: File too large \(os error 27\)"),
+    ("load", r"OSError: \[Errno 5\] Input/output error: '.*model\.safetensors'"),
+])
+def test_an_io_error_on_rank_0_raises_on_every_rank_at_once(tmp_path, case, cause):
+    """TP=2. save: rank 0's first shard fails (EFBIG) while the export's gathers are still to come; rank 0 keeps
+    joining them without writing, and the ranks agree at the end. load (memory_efficient: reads after the checks):
+    rank 0's 5th read fails (EIO); it reads nothing more but keeps joining the scatters, and the ranks agree at the end.
+    Rank 0 raises its error, rank 1 a RuntimeError naming rank 0 and the cause, in seconds (rank 1 waited in the
+    export's gather / the scatter until the process group's timeout); the earlier checkpoint is intact."""
+    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    spawn_ranks(_failing_rank_0_worker, WORLD, lambda r: (r, port, ckpt, str(out), case), timeout=240)
+    results = [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+    kind, msg = results[0]["outcome"]
+    assert re.search(cause, f"{kind}: {msg}"), results[0]
+    kind, msg = results[1]["outcome"]
+    verb = "save" if case == "save" else "load"
+    assert kind == "RuntimeError" and re.search(rf"^rank 0 failed to {verb} the checkpoint .*: {cause}", msg), msg
+    assert all(r["seconds"] < 10 and r["group_usable"] for r in results), results
+    files = results[0]["saved"]
+    assert "model.safetensors.index.json" in files and len(files) > 5  # the earlier save's shards, all there
+    assert results[0]["beside"] == ["saved"]  # no temporary directory left

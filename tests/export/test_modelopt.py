@@ -244,3 +244,27 @@ def test_config_dtype_is_the_dtype_of_the_unquantized_tensors(tmp_path):
     assert (cfg["dtype"], cfg["torch_dtype"]) == ("bfloat16", "bfloat16")
     assert given["dtype"] == "float32"  # the caller's dict is left alone
     assert load_file(tmp_path / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16
+
+
+def test_an_export_that_fails_midway_leaves_the_earlier_one_and_the_user_s_files(tmp_path):
+    """A tensor safetensors cannot store (complex128: its serialisation raises) comes after several shards were
+    written: the directory keeps its earlier export byte for byte, nothing is left beside it (the export had removed
+    the earlier weights and rewritten the configs first); a later export keeps the user's README."""
+    out = tmp_path / "ckpt"
+    named = list(fp4_stream(tiny_named_weights(), QUANT))
+    save_modelopt_checkpoint(out, named, tiny_hf_config(), input_amax=2.0, max_shard_bytes=4096)
+    (out / "README.md").write_text("mine")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    new = list(fp4_stream(tiny_named_weights(1), QUANT))
+    cut = len(new) // 2
+    bad = [*new[:cut], ("model.layers.1.mlp.gate.scale", torch.zeros(4, dtype=torch.complex128)), *new[cut:]]
+    with pytest.raises(KeyError, match="complex128") as e:
+        save_modelopt_checkpoint(out, bad, {**tiny_hf_config(), "note": "new"}, input_amax=2.0, max_shard_bytes=4096)
+    assert any("the directory was left as it was" in n for n in e.value.__notes__)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    save_modelopt_checkpoint(out, new, tiny_hf_config(), input_amax=2.0)
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "hf_quant_config.json", "model.safetensors"]
+    want, _ = build_modelopt_state(new, input_amax=2.0)
+    key = "model.layers.0.mlp.experts.0.down_proj.weight"
+    assert torch.equal(load_modelopt_state(out)[key], want[key])

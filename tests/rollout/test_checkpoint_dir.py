@@ -1,0 +1,79 @@
+"""``StagedCheckpointDir``: a checkpoint directory replaced as a whole, the user's files kept, a failure undone."""
+
+import os
+import stat
+
+import pytest
+
+from megatron_trace.rollout.checkpoint_dir import StagedCheckpointDir
+
+
+def _tree(d) -> dict[str, bytes | str]:
+    """Every entry under ``d``: file bytes, or ``"-> target"`` for a symlink (not followed)."""
+    out = {}
+    for root, dirs, files in os.walk(d):
+        for name in dirs + files:
+            p = os.path.join(root, name)
+            rel = os.path.relpath(p, d)
+            if os.path.islink(p):
+                out[rel] = "-> " + os.readlink(p)
+            elif os.path.isfile(p):
+                out[rel] = open(p, "rb").read()
+    return out
+
+
+def _old_checkpoint(d):
+    d.mkdir()
+    for name, data in {"model-00001-of-00002.safetensors": b"old 1", "model-00002-of-00002.safetensors": b"old 2",
+                       "model.safetensors.index.json": b"{}", "config.json": b"old config",
+                       "hf_quant_config.json": b"old quant", "model-00003.safetensors.partial": b"killed save",
+                       "README.md": b"mine", "tokenizer.json": b"tok"}.items():
+        (d / name).write_bytes(data)
+    (d / "extra").mkdir()
+    (d / "extra" / "notes.txt").write_bytes(b"notes")
+    (d / "latest").symlink_to("extra/notes.txt")
+
+
+def test_a_commit_replaces_the_checkpoint_files_and_keeps_the_user_s(tmp_path):
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    os.chmod(target, 0o751)
+    readme_inode = (target / "README.md").stat().st_ino
+    with StagedCheckpointDir(target) as staged:
+        assert staged.path.parent == tmp_path and staged.path.name.startswith(".ckpt.tmp-")
+        (staged.path / "model.safetensors").write_bytes(b"new")
+        (staged.path / "config.json").write_bytes(b"new config")
+    assert _tree(target) == {"model.safetensors": b"new", "config.json": b"new config", "README.md": b"mine",
+                             "tokenizer.json": b"tok", "extra/notes.txt": b"notes", "latest": "-> extra/notes.txt"}
+    assert (target / "README.md").stat().st_ino == readme_inode  # a hard link, not a copy
+    assert stat.S_IMODE(target.stat().st_mode) == 0o751
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or old directory left
+
+
+def test_a_failure_leaves_the_target_as_it_was_and_removes_the_temporary_directory(tmp_path):
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    before = _tree(target)
+    with pytest.raises(OSError, match="disk full") as e:
+        with StagedCheckpointDir(target) as staged:
+            (staged.path / "model-00001.safetensors.partial").write_bytes(b"half")
+            raise OSError(28, "disk full")
+    assert any("was left as it was" in n for n in e.value.__notes__)
+    assert _tree(target) == before and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_new_target_its_parents_a_symlinked_target_and_refusals(tmp_path):
+    target = tmp_path / "a" / "b" / "ckpt"
+    with StagedCheckpointDir(target) as staged:
+        (staged.path / "config.json").write_text("{}")
+    assert _tree(target) == {"config.json": b"{}"}
+    link = tmp_path / "latest"
+    link.symlink_to(target)
+    with StagedCheckpointDir(link) as staged:
+        (staged.path / "config.json").write_text("{1}")
+    assert link.is_symlink() and _tree(target) == {"config.json": b"{1}"}  # the directory it points to is replaced
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match="'.*file' exists and is not a directory"):
+        StagedCheckpointDir(tmp_path / "file")
+    with pytest.raises(ValueError, match="'/' is a mount point"):
+        StagedCheckpointDir("/")
