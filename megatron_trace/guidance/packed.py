@@ -214,8 +214,8 @@ def pack_batch(batch, token_ids: torch.Tensor, mask: torch.Tensor, versions: lis
     hashes, counts = row_hashes(token_ids, mask)
     starts, members, rows = [0, *accumulate(counts)], list(range(len(counts))), _gather_rows(mask)
     cols = []
-    for key, sg in batch.items():
-        r = sg.record
+    for key, sg in sorted(batch.items(), key=lambda kv: kv[0]):  # (layer, site): the same bytes whatever the
+        r = sg.record                                              # order the recorder met the sites in
         fields = {"payload": rows(payload_of(r)), "scales": rows(r.block_scales.view(torch.uint8)),
                   "valid": rows(sg.valid)}
         kind = None

@@ -100,7 +100,8 @@ def budget_layers(
     else:
         elems = _per_layer(elements_per_layer, num_layers, "elements_per_layer", int)
         density = [p * e / c if c else 0.0 for p, e, c in zip(profile, elems, cost)]
-    order = sorted((i for i in range(num_layers) if density[i] > 0), key=lambda i: (-density[i], -i))
+    useful = [p > 0 and (c > 0 or profile_unit == "mass") for p, c in zip(profile, cost)]  # (not density > 0:
+    order = sorted((i for i in range(num_layers) if useful[i]), key=lambda i: (-density[i], -i))  # it underflows)
     chosen, used = [], 0
     for i in order:
         if used + cost[i] <= budget:
