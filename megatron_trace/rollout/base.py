@@ -21,6 +21,7 @@ Layer ids count from 0. ``S = max(prompt_lens + response_lens)``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -241,3 +242,15 @@ def next_policy_version(current: int, version: int | None, *, reset: bool = Fals
                          "to reload a checkpoint or roll back on purpose pass reset=True and drop the guidance "
                          "generated since")
     return int(version)
+
+
+@contextlib.contextmanager
+def recipe_kept_on_failure(backend):
+    """A weight update that fails leaves ``backend.trainer_recipe`` as it was: ``check_recipe`` stores the trainer's
+    new recipe before the tensors are checked, and a refused update must change nothing."""
+    before = backend.trainer_recipe
+    try:
+        yield
+    except BaseException:
+        backend.trainer_recipe = before
+        raise

@@ -48,7 +48,7 @@ from ..manifest import (
 from . import hf_generate
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
-from .base import RolloutBatch, SamplingParams, WeightValue, is_int, next_policy_version
+from .base import RolloutBatch, SamplingParams, WeightValue, is_int, next_policy_version, recipe_kept_on_failure
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .hf_weights import FUSED_EXPERTS, join_fc1, parse_expert_name
@@ -333,57 +333,58 @@ class HFRolloutBackend:
         before anything is copied.
         """
         new_version = next_policy_version(self.policy_version, version, reset=reset)
-        if recipe is not None:
-            self.check_recipe(recipe, weight_version=new_version)
-        elif self.trainer_recipe is not None:
-            raise RecipeMismatchError(
-                f"update_weights to version {new_version} without the trainer's recipe: a recipe was registered, so "
-                f"every weight sync must pass recipe=trainer_recipe.with_weight_version({new_version})")
-        weights = list(weights)
-        state = self.model.state_dict(keep_vars=True)
-        dense, halves, fp4 = [], {}, {}
-        for name, value in weights:
-            parsed = parse_expert_name(name)
-            fused = FUSED_EXPERTS.match(name)
-            if fused and self.weight_store is not None and int(fused.group(1)) not in self.bf16_expert_layers:
-                raise ValueError(f"{name!r}: FP4 experts are updated per expert (they are re-quantized from those "
-                                 "names): send hf_weights.checkpoint_tensors(model)'s names, "
-                                 "'model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight'")
-            if parsed is None:
+        with recipe_kept_on_failure(self):
+            if recipe is not None:
+                self.check_recipe(recipe, weight_version=new_version)
+            elif self.trainer_recipe is not None:
+                raise RecipeMismatchError(
+                    f"update_weights to version {new_version} without the trainer's recipe: a recipe was registered, "
+                    f"so every weight sync must pass recipe=trainer_recipe.with_weight_version({new_version})")
+            weights = list(weights)
+            state = self.model.state_dict(keep_vars=True)
+            dense, halves, fp4 = [], {}, {}
+            for name, value in weights:
+                parsed = parse_expert_name(name)
+                fused = FUSED_EXPERTS.match(name)
+                if fused and self.weight_store is not None and int(fused.group(1)) not in self.bf16_expert_layers:
+                    raise ValueError(f"{name!r}: FP4 experts are updated per expert (they are re-quantized from those "
+                                     "names): send hf_weights.checkpoint_tensors(model)'s names, "
+                                     "'model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight'")
+                if parsed is None:
+                    if isinstance(value, FP4Tensor):
+                        raise ValueError(f"{name!r}: FP4 weights are accepted for routed experts only")
+                    if name not in state:
+                        raise KeyError(f"{name!r} is not a weight of this model (expected HF checkpoint names, "
+                                       f"e.g. 'model.embed_tokens.weight')")
+                    dense.append((state[name], value, name))
+                    continue
+                layer, e, proj = parsed
+                m = self._expert_slot(name, layer, e)
+                ffn = m.down_proj.shape[-1]
+                if isinstance(value, FP4Tensor) and layer in self.bf16_expert_layers:
+                    raise ValueError(f"{name!r}: TraceConfig.exclude_modules keeps {experts_name(layer)!r} in BF16; "
+                                     "send its BF16 weights")
                 if isinstance(value, FP4Tensor):
-                    raise ValueError(f"{name!r}: FP4 weights are accepted for routed experts only")
-                if name not in state:
-                    raise KeyError(f"{name!r} is not a weight of this model (expected HF checkpoint names, "
-                                   f"e.g. 'model.embed_tokens.weight')")
-                dense.append((state[name], value, name))
-                continue
-            layer, e, proj = parsed
-            m = self._expert_slot(name, layer, e)
-            ffn = m.down_proj.shape[-1]
-            if isinstance(value, FP4Tensor) and layer in self.bf16_expert_layers:
-                raise ValueError(f"{name!r}: TraceConfig.exclude_modules keeps {experts_name(layer)!r} in BF16; "
-                                 "send its BF16 weights")
-            if isinstance(value, FP4Tensor):
-                if self.weight_store is None:
-                    raise ValueError(f"{name!r}: FP4 weights need mode='fp4' with the 'weights' site")
-                fp4.setdefault((layer, e), {})[proj] = value
-                continue
-            target = m.down_proj[e] if proj == "down_proj" else m.gate_up_proj[e, :ffn] if proj == "gate_proj" \
-                else m.gate_up_proj[e, ffn:]
-            dense.append((target, value, name))
-            if layer not in self.bf16_expert_layers:  # excluded experts are used as they come
-                halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
-        self._check_shapes(dense)
-        _check_finite(dense)
-        requant = self._check_pairs(halves, fp4)
-        packed = self._check_fp4(fp4)
-        with torch.no_grad():
-            for target, value, _ in dense:
-                target.copy_(value.to(target.device))
-            if self.weight_store is not None:
-                self._quantize_experts(requant)
-                for layer, e, which, q in packed:
-                    self.weight_store.set(self._experts[layer], layer, e, which, q)
+                    if self.weight_store is None:
+                        raise ValueError(f"{name!r}: FP4 weights need mode='fp4' with the 'weights' site")
+                    fp4.setdefault((layer, e), {})[proj] = value
+                    continue
+                target = m.down_proj[e] if proj == "down_proj" else m.gate_up_proj[e, :ffn] if proj == "gate_proj" \
+                    else m.gate_up_proj[e, ffn:]
+                dense.append((target, value, name))
+                if layer not in self.bf16_expert_layers:  # excluded experts are used as they come
+                    halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
+            self._check_shapes(dense)
+            _check_finite(dense)
+            requant = self._check_pairs(halves, fp4)
+            packed = self._check_fp4(fp4)
+            with torch.no_grad():
+                for target, value, _ in dense:
+                    target.copy_(value.to(target.device))
+                if self.weight_store is not None:
+                    self._quantize_experts(requant)
+                    for layer, e, which, q in packed:
+                        self.weight_store.set(self._experts[layer], layer, e, which, q)
         self.policy_version = new_version
         logger.debug("update_weights: %d tensors, version %d", len(weights), self.policy_version)
 

@@ -93,6 +93,21 @@ def test_sglang_backend_checks_the_recipe_at_startup_and_sync():
     assert be.policy_version == 0
 
 
+
+def test_an_update_refused_after_the_recipe_check_keeps_the_old_recipe():
+    """The recipe passes but a tensor is refused: the backend keeps its recipe of the weights it still holds."""
+    be = _backend(recipe=trainer_recipe())
+    bad = [(n, t[..., :1] if n.endswith("o_proj.weight") else t) for n, t in checkpoint_tensors(tiny_model(seed=1))]
+    with pytest.raises(ValueError, match="o_proj.weight.*shape"):
+        be.update_weights(bad, recipe=trainer_recipe(version=1))
+    assert be.trainer_recipe == trainer_recipe() and be.policy_version == 0
+    cfg = without_kv(CFG)
+    sg = SGLangRolloutBackend(None, cfg, HF.to_dict(), recipe=trainer_recipe(cfg, modules=MOE))
+    expert = "model.layers.0.mlp.experts.0.down_proj.weight"  # the engine holds it as packed NVFP4
+    with pytest.raises(ValueError, match="send FP4 values"):
+        sg.update_weights([(expert, torch.zeros(2))], recipe=trainer_recipe(cfg, version=1, modules=MOE))
+    assert sg.trainer_recipe == trainer_recipe(cfg, modules=MOE) and sg.policy_version == 0
+
 # ---- no numeric setting from the environment -------------------------------------------------------
 ALLOWED = {("testing/megatron_cpu.py", "TORCHDYNAMO_DISABLE")}
 

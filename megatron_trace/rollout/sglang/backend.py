@@ -25,7 +25,14 @@ from ...manifest import (
     kv_cache_name,
 )
 from ..audit import backend_recipe, qwen3_moe_modules, sglang_module_audit, without_kv
-from ..base import RolloutBatch, SamplingParams, WeightValue, check_prompts, next_policy_version
+from ..base import (
+    RolloutBatch,
+    SamplingParams,
+    WeightValue,
+    check_prompts,
+    next_policy_version,
+    recipe_kept_on_failure,
+)
 from .capture import INFO_KEY, READOUT_PREFIX
 from .launch import KV_FP4, WEIGHT_LOADER, check_kv_cache_dtype, guidance_specs
 from .launch import kv_cache_dtype as default_kv_cache_dtype
@@ -241,17 +248,18 @@ class SGLangRolloutBackend:
         (``base.next_policy_version``). The version, the recipe and the tensors' formats (``engine_tensors``) are
         checked before anything goes to the engine (which loads in place: a refused update must not reach it)."""
         new_version = next_policy_version(self.policy_version, version, reset=reset)
-        if recipe is not None:
-            self.check_recipe(recipe, weight_version=new_version)
-        elif self.trainer_recipe is not None:
-            raise RecipeMismatchError(f"update_weights to version {new_version} without the trainer's recipe "
-                                      f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
-        fp4 = set(self.moe_layers) - self.bf16_expert_layers if self.config.quantizes("weights") else ()
-        named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
-        if self.weights_group is not None:
-            self.weights_group.send(named)
-        else:
-            ok = self.engine.update_weights_from_tensor(named, load_format=WEIGHT_LOADER, flush_cache=True)
-            if isinstance(ok, tuple) and ok and ok[0] is False:
-                raise RuntimeError(f"update_weights_from_tensor failed: {ok}")
+        with recipe_kept_on_failure(self):
+            if recipe is not None:
+                self.check_recipe(recipe, weight_version=new_version)
+            elif self.trainer_recipe is not None:
+                raise RecipeMismatchError(f"update_weights to version {new_version} without the trainer's recipe "
+                                          f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
+            fp4 = set(self.moe_layers) - self.bf16_expert_layers if self.config.quantizes("weights") else ()
+            named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
+            if self.weights_group is not None:
+                self.weights_group.send(named)
+            else:
+                ok = self.engine.update_weights_from_tensor(named, load_format=WEIGHT_LOADER, flush_cache=True)
+                if isinstance(ok, tuple) and ok and ok[0] is False:
+                    raise RuntimeError(f"update_weights_from_tensor failed: {ok}")
         self.policy_version = new_version
