@@ -1,20 +1,22 @@
-"""Megatron <-> HF weights (``qwen3_moe``, via mbridge) and weight sync to the rollout (``sync``).
+"""Megatron <-> HF weights (``qwen3_moe``, via mbridge; ``checkpoint``: load / export / save) and weight sync to the
+rollout (``sync``).
 
 ``sync`` and ``config`` import nothing of Megatron at import time; ``qwen3_moe`` needs
-megatron-core and mbridge and is imported on first use of its names.
+megatron-core and mbridge and is imported (with ``checkpoint``) on first use of their names.
 """
 
 from .config import build_gpt_model, gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
 from .sync import SyncStats, WeightSyncError, WeightSyncTimeoutError, fp4_stream, sync_byte_counts, sync_weights
 
-_LAZY = ("LoadStats", "Qwen3MoeBridge", "export_hf_weights", "load_hf_checkpoint", "save_hf_checkpoint")
+_LAZY = {"LoadStats": "qwen3_moe", "Qwen3MoeBridge": "qwen3_moe", "export_hf_weights": "checkpoint",
+         "load_hf_checkpoint": "checkpoint", "save_hf_checkpoint": "checkpoint"}
 
 
 def __getattr__(name):
     if name in _LAZY:
-        from . import qwen3_moe
+        import importlib
 
-        return getattr(qwen3_moe, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -21,7 +21,6 @@ assumes the Transformer Engine spec and an older transformers; ``Qwen3MoeBridge`
 
 from __future__ import annotations
 
-import copy
 import glob
 import logging
 import os
@@ -33,8 +32,8 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
-from ..rollout.checkpoint_dir import StagedCheckpointDir
-from ..rollout.hf_weights import DEFAULT_MAX_SHARD_BYTES, ShardedSafetensorsWriter, parse_expert_name
+from ..rollout.hf_weights import parse_expert_name
+from .agree import agree, agreed
 from .config import gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
 
 logger = logging.getLogger(__name__)
@@ -225,8 +224,8 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         if not split:
             self._fill(plan, params, check_and_read(), split)
             return
-        cache = _agreed(check_and_read, f"refused to load the checkpoint {where}")
-        _agree(self._fill(plan, params, cache, split), f"failed to load the checkpoint {where} after the checks passed",
+        cache = agreed(check_and_read, f"refused to load the checkpoint {where}")
+        agree(self._fill(plan, params, cache, split), f"failed to load the checkpoint {where} after the checks passed",
                RuntimeError)
 
     def _fill(self, plan: list, params: dict, cache: dict, split: bool) -> Exception | None:
@@ -398,41 +397,6 @@ def _whole_shape(shape: torch.Size, partition_dim: int | None, size: int) -> tup
     return tuple(whole)
 
 
-def _agreed(check, what: str, error_type: type[Exception] = ValueError):
-    """Run ``check()`` on every rank, then ``_agree`` on its outcome; returns what ``check()`` returned."""
-    error = result = None
-    try:
-        result = check()
-    except Exception as e:  # re-raised by _agree, once every rank knows
-        error = e
-    _agree(error, what, error_type)
-    return result
-
-
-def _agree(error: Exception | None, what: str, error_type: type[Exception] = ValueError) -> None:
-    """Every rank learns every rank's outcome (one ``all_gather_object`` over the world) before the next collective:
-    a rank that failed re-raises its error, the others raise ``error_type`` "rank R {what} (...): its reason"."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        world = dist.get_world_size()
-        reasons = [None] * world
-        try:
-            dist.all_gather_object(reasons, None if error is None else f"{type(error).__name__}: {error}")
-        except Exception as e:
-            if error is None:
-                raise
-            error.add_note(f"(the other ranks could not be told: {type(e).__name__}: {e})")
-            raise error from None
-        failed = [(r, why) for r, why in enumerate(reasons) if why is not None]
-        if failed and error is None:
-            r, why = failed[0]
-            raise error_type(f"rank {r} {what} (this rank's part succeeded; {len(failed)} of {world} rank(s) "
-                             f"failed): {why}")
-        if error is not None:
-            error.add_note(f"(on rank {dist.get_rank()} of {world}; the other ranks raise naming it)")
-    if error is not None:
-        raise error
-
-
 def _exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """named_parameters, plus the router's expert_bias (a buffer, so only in the state dict)."""
     seen = set()
@@ -441,101 +405,3 @@ def _exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, param
     state = model.state_dict()
     yield from ((k, v) for k, v in state.items() if "expert_bias" in k and "_extra_state" not in k and k not in seen)
-
-
-def _as_list(models) -> list:
-    return list(models) if isinstance(models, list | tuple) else [models]
-
-
-def load_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge, *, memory_efficient: bool = False
-                       ) -> LoadStats:
-    """Load a HF safetensors checkpoint directory into this rank's model(s), in place.
-
-    Each rank reads only the tensors its parameters need (its own experts under EP), lazily
-    per tensor; ``memory_efficient`` reads one tensor at a time instead of the rank's whole shard.
-    """
-    with torch.no_grad():
-        bridge.load_weights(_as_list(models), os.fspath(path), memory_efficient=memory_efficient)
-    logger.info("loaded %d tensors (%.1f MB) from %s", bridge.last_load_stats.tensors,
-                bridge.last_load_stats.bytes / 1e6, path)
-    return bridge.last_load_stats
-
-
-def export_hf_weights(models, bridge: Qwen3MoeBridge) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF checkpoint name, tensor) for the whole model; every rank must iterate (collectives)."""
-    with torch.no_grad():
-        yield from bridge.export_weights(_as_list(models))
-
-
-def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge, *,
-                       max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list[str]:
-    """Write a HF checkpoint directory (safetensors + config.json) from rank 0; all ranks must call (the export's
-    gathers). Returns the weight files written (none on the other ranks).
-
-    Rank 0 writes the tensors as the export yields them, into shards of at most ``max_shard_bytes`` named as
-    transformers names them (``model-00001-of-00004.safetensors`` + ``model.safetensors.index.json``; a single
-    shard is ``model.safetensors``). It holds one shard plus one tensor in host memory, never the model; the other
-    ranks drop each gathered tensor as soon as the export made it (no host copy). config.json's ``dtype`` is the
-    bridge's, the dtype of the tensors written (SGLang and vLLM with ``dtype="auto"`` serve a float32 config in
-    float16).
-
-    The directory is replaced as a whole (``StagedCheckpointDir``): rank 0 writes into a temporary sibling and
-    renames it into place once every file is written and fsynced, so a save that fails midway leaves ``path``'s
-    earlier checkpoint as it was (and removes the temporary directory). Files in ``path`` that are not checkpoint
-    files (a README, tokenizer files) are kept; an earlier checkpoint's shards, index and ``hf_quant_config.json``
-    are not. Under torch.distributed the ranks agree before the export (rank 0 made its directory) and after it
-    (rank 0 wrote it), so a failure on rank 0 raises on every rank, a ``RuntimeError`` naming rank 0 and its cause
-    on the others; rank 0 keeps joining the export's gathers after a write failed, so no rank is left in them."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    drain = dist.is_initialized() and dist.get_world_size() > 1
-    what = f"failed to save the checkpoint {os.fspath(path)}"
-
-    def prepare() -> tuple[StagedCheckpointDir, ShardedSafetensorsWriter] | None:
-        if rank != 0:
-            return None
-        staged = StagedCheckpointDir(path)
-        try:
-            return staged, ShardedSafetensorsWriter(staged.path, max_shard_bytes)
-        except BaseException:
-            staged.abort()
-            raise
-
-    prepared = _agreed(prepare, what, RuntimeError)
-    weights = export_hf_weights(models, bridge)
-
-    def write() -> list[str]:
-        if prepared is None:
-            for _ in weights:  # the collectives only
-                pass
-            return []
-        staged, writer = prepared
-        with staged:
-            with writer:
-                _write_all(writer, weights, drain)
-            config = copy.deepcopy(bridge.hf_config)
-            config.dtype = bridge.dtype  # the tensors' dtype: engines run "auto" in it (a float32 config: in float16)
-            config.save_pretrained(staged.path)
-        logger.info("saved %d tensors (%.1f MB) to %s in %d file(s); at most %.1f MB held at once", writer.tensors,
-                    writer.total_bytes / 1e6, path, len(writer.files), writer.peak_bytes / 1e6)
-        return writer.files
-
-    return _agreed(write, what, RuntimeError)
-
-
-def _write_all(writer: ShardedSafetensorsWriter, weights: Iterator[tuple[str, torch.Tensor]], drain: bool) -> None:
-    """``writer.add`` every exported tensor. With ``drain``, a write that fails does not end the export: it goes on
-    without writing (the other ranks wait in its gathers otherwise), and the error is raised at its end."""
-    error = None
-    for name, t in weights:
-        if error is not None:
-            continue
-        try:
-            writer.add(name, t)
-        except Exception as e:
-            if not drain:
-                raise
-            error = e
-            logger.error("writing %s to %s failed (%s: %s); finishing the export's gathers without writing so that "
-                         "every rank learns of it", name, writer.directory, type(e).__name__, e)
-    if error is not None:
-        raise error
