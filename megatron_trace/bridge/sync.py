@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..formats import FP4Tensor, Quantizer
+from ..formats import FP4Tensor, NonFiniteError, Quantizer
 from ..kernels import ops
 from ..rollout.base import RolloutBackend, WeightValue, next_policy_version
 from ..rollout.experts import fp4_nbytes
@@ -140,7 +140,8 @@ class ExpertBatch:
     max|w|, so every element sees the same scale as in a per-expert call; a batch with an all-zero or
     non-finite expert is quantized expert by expert instead (the per-tensor path's own rules apply).
     The batch is flushed when it holds ``batch_bytes`` of input, when experts of another layer arrive,
-    and at the end of the stream.
+    and at the end of the stream. NaN/Inf in a weight raise ``NonFiniteError`` naming every such weight of the
+    batch (HF names, with their NaN/Inf counts), checked eagerly: a sync is rare.
     """
 
     def __init__(self, quantizer: Quantizer, kernel: str, batch_bytes: int):
@@ -178,7 +179,11 @@ class ExpertBatch:
             groups.setdefault((tuple(w.shape), w.dtype, w.device), []).append(i)
         out: dict[int, FP4Tensor] = {}
         for idx in groups.values():
-            for i, q in zip(idx, self._quantize([self.ready[i][1] for i in idx])):
+            try:
+                qs = self._quantize([self.ready[i][1] for i in idx])
+            except NonFiniteError as err:
+                raise NonFiniteError(self._nonfinite(err)) from err
+            for i, q in zip(idx, qs):
                 out[i] = q
         for i, (names, _) in enumerate(self.ready):
             if len(names) == 1:
@@ -188,6 +193,17 @@ class ExpertBatch:
                 yield names[0], gate
                 yield names[1], up
         self.ready, self.nbytes, self.layer = [], 0, None
+
+    def _nonfinite(self, err: NonFiniteError) -> str:
+        """The error of a batch holding NaN/Inf: each such weight of the batch by HF name (an fc1 matrix by its
+        gate / up halves) with its count (host reads on this failure path only)."""
+        bad = []
+        for names, w in self.ready:
+            halves = w.chunk(len(names))  # [gate; up] -> gate, up
+            counts = torch.stack([(~torch.isfinite(h)).sum() for h in halves]).tolist()
+            bad += [f"{name} ({n})" for name, n in zip(names, counts) if n]
+        return (f"weight sync: {len(bad)} expert weight(s) hold NaN/Inf (count in brackets): {', '.join(bad[:8])}"
+                f"{' ...' if len(bad) > 8 else ''}; FP4 has no NaN/Inf: fix them before syncing ({err})")
 
     def _quantize(self, ws: list[torch.Tensor]) -> list[FP4Tensor]:
         q = self.quantizer

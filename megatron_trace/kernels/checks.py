@@ -52,10 +52,15 @@ def _indexed(device) -> torch.device:
 class FiniteCounter:
     """NaN/Inf inputs seen at one named site since the last check (int32 on the site's device). Also counts other
     per-step events read back later (``FP4KVCache.mask_holes``). ``ready``: where its adds so far end, when every
-    producer marked it (``mark``); ``tensor()`` forgets it until then."""
+    producer marked it (``mark``); ``tensor()`` forgets it until then.
 
-    def __init__(self, label: str):
+    ``marks=False``: ``mark()`` records nothing, so a read waits for the current stream. For producers that may run
+    inside a CUDA graph capture (the rollout's decode step): an event recorded there cannot be waited on after the
+    capture (``cudaErrorCapturedEvent``); it also saves the event record's host time per call."""
+
+    def __init__(self, label: str, *, marks: bool = True):
         self.label = label
+        self.marks = marks
         self._count: torch.Tensor | None = None
         self.ready = ReadyPoint()
 
@@ -70,7 +75,7 @@ class FiniteCounter:
 
     def mark(self) -> None:
         """The producers that took ``tensor()`` so far are queued on the current stream."""
-        if self._count is not None:
+        if self._count is not None and self.marks:
             self.ready.mark(self._count.device)
 
     def add_bad(self, bad: torch.Tensor) -> None:

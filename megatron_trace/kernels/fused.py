@@ -148,9 +148,12 @@ class RowWriter:
     """``quantize(x, quantizer, check_finite=False, out=out, out_row=out_row)`` kept for repeated calls: a static KV
     cache writes one token per layer and step into the same buffer views at a device row. The checks and the launch
     arguments are those of the first call (``x``), so a call costs about one Triton launch of host time. ``fits``
-    says whether other rows can take the kept launch; calling it with rows that do not raises ``ValueError``."""
+    says whether other rows can take the kept launch; calling it with rows that do not raises ``ValueError``.
+    ``check_finite``: a ``FiniteCounter`` the kernel counts NaN/Inf rows into (``quantize``'s deferred check; its
+    tensor must stay the one it holds now), or None (unchecked)."""
 
-    def __init__(self, x: torch.Tensor, quantizer: Quantizer, out: FP4Tensor, out_row: torch.Tensor):
+    def __init__(self, x: torch.Tensor, quantizer: Quantizer, out: FP4Tensor, out_row: torch.Tensor,
+                 check_finite: FiniteCounter | None = None):
         check_x(x)
         if not self.takes(x, quantizer):
             raise ValueError("RowWriter needs rows writes_at() takes (NVFP4 per row or MXFP4, RNE, bf16/fp16/fp32 "
@@ -166,8 +169,12 @@ class RowWriter:
         from . import pair_launch
 
         spare = torch.empty(1, dtype=torch.uint8, device=x.device)
+        if check_finite is not None and not isinstance(check_finite, FiniteCounter):
+            raise TypeError(f"check_finite must be a FiniteCounter or None, got {type(check_finite).__name__}")
+        self.check_finite = check_finite
+        err = self._err = None if check_finite is None else check_finite.tensor(x.device)
         self._run = pair_launch.prepare(
-            x2d, into, g=into.get("g"), scales_in=None, guide=None, err=None, spare=spare,
+            x2d, into, g=into.get("g"), scales_in=None, guide=None, err=err, spare=spare,
             fmt=qk.fmt_id(quantizer.fmt, quantizer.scale_rule), block=fmt.block_size, mode=qk.RNE, g_mode=g_mode,
             write_codes=True, write_scales=True, write_bits=False, write_mask=False, fast_div=qk.FAST_DIV,
             out_step=step, out_row=out_row)
@@ -190,10 +197,13 @@ class RowWriter:
     def _layout_of(x: torch.Tensor) -> tuple:
         return tuple(x.shape), x.stride(), x.dtype, x.device
 
-    def fits(self, x: torch.Tensor, quantizer: Quantizer, out_row: torch.Tensor) -> bool:
-        """Whether ``self(x)`` is ``quantize(x, quantizer, out=<this writer's out>, out_row=out_row)``: the same
-        quantizer and row tensor, and x laid out like the first rows (shape, strides, dtype, device, alignment)."""
-        return (out_row is self.out_row and (quantizer is self.quantizer or quantizer == self.quantizer)
+    def fits(self, x: torch.Tensor, quantizer: Quantizer, out_row: torch.Tensor,
+             check_finite: FiniteCounter | None = None) -> bool:
+        """Whether ``self(x)`` is ``quantize(x, quantizer, out=<this writer's out>, out_row=out_row,
+        check_finite=check_finite)``: the same quantizer, row tensor and counter, and x laid out like the first rows
+        (shape, strides, dtype, device, alignment)."""
+        return (out_row is self.out_row and check_finite is self.check_finite
+                and (quantizer is self.quantizer or quantizer == self.quantizer)
                 and self._layout_of(x) == self._layout and x.data_ptr() % self._align == 0)
 
     def __call__(self, x: torch.Tensor) -> None:
@@ -201,7 +211,13 @@ class RowWriter:
             raise ValueError(f"RowWriter was set up for rows {self._layout[:3]} on {self._layout[3]}, "
                              f"{self._align}-byte aligned; got {tuple(x.shape)} strides {x.stride()} {x.dtype} on "
                              f"{x.device} at {x.data_ptr()}")
+        c = self.check_finite
+        if c is not None and c.tensor(x.device) is not self._err:
+            raise ValueError(f"RowWriter's counter {c.label!r} holds another tensor than at setup (moved to another "
+                             "device?): set up a new writer")
         self._run(x.view(self.m, self.k))
+        if c is not None:
+            c.mark()
 
 
 def writes_at(x: torch.Tensor, quantizer: Quantizer) -> bool:

@@ -35,7 +35,8 @@ def quantize(x: torch.Tensor, quantizer: Quantizer, *, global_amax=None, kernel:
              check_finite: bool = True) -> FP4Tensor:
     """``quantizer.quantize(x, global_amax=...)``; the Triton path is one pass (two for a per-tensor amax).
 
-    ``check_finite=False`` skips the NaN/Inf check (and its host sync) on the Triton path.
+    ``check_finite=False`` skips the NaN/Inf check (and its host sync) on the Triton path; a ``checks.FiniteCounter``
+    defers it (the kernel counts NaN/Inf into it, no host sync). The reference path always checks in the call.
     """
     if _own(quantizer, x, kernel) is Kernel.REFERENCE:
         return quantizer.quantize(x, global_amax=global_amax)

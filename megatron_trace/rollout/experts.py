@@ -24,6 +24,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..formats import FP4Tensor, NonFiniteError, Quantizer
 from ..kernels import Kernel, moe_mma, moe_wgmma, parse_kernel, select_kernel
+from .finite import RolloutFiniteChecks
 from .fp4_moe import grouped_experts_forward, w4a4_experts_forward
 from .recorder import GuidanceRecorder
 
@@ -71,6 +72,8 @@ class RolloutNumerics:
     """FP4 expert weights (the grouped GPU path reads them packed); None: the module's parameters."""
     compiled: bool = False
     """The grouped GPU path's routing and row plumbing as Inductor kernels (``HFRolloutBackend(compile=True)``)."""
+    finite: RolloutFiniteChecks | None = None
+    """The NaN/Inf counters of the activation sites (``rollout.finite``); None: unchecked on the Triton path."""
 
 
 def _fast_path(num: RolloutNumerics, hidden: torch.Tensor) -> bool:
@@ -132,6 +135,9 @@ def rollout_experts_forward(self, hidden_states, top_k_index, top_k_weights):
                              packed_fc2=num.weight_store.packed(layer, FC2, layout))
         if rec is not None and rec.compact:  # the quantize pass writes the compact records too
             extra.update(record_fc1=rec.wants(layer, "expert_fc1_in"), record_fc2=rec.wants(layer, "expert_fc2_in"))
+    if num.finite is not None and fp4:
+        extra.update(check_fc1=num.finite.counter(layer, "expert_fc1_in") if num.quantize_fc1 else None,
+                     check_fc2=num.finite.counter(layer, "expert_fc2_in") if num.quantize_fc2 else None)
     res = forward(
         hidden_states, top_k_index, top_k_weights, fc1, fc2,
         activation_quantizer=num.activation_quantizer, quantize_fc1=num.quantize_fc1 and fp4,
@@ -180,9 +186,14 @@ class ExpertWeightStore:
         return (experts.gate_up_proj if which == FC1 else experts.down_proj)[expert]
 
     def quantize_from_params(self, experts, layer: int, expert: int, which: str) -> None:
-        """Quantize the current parameter values (model dtype) and replace them by the decoded values."""
+        """Quantize the current parameter values (model dtype) and replace them by the decoded values. NaN/Inf
+        values raise ``NonFiniteError`` naming the weight (the reference quantizer checks in the call)."""
         w = self._param_slice(experts, expert, which)
-        self.set(experts, layer, expert, which, self.quantizer.quantize(w.detach()))
+        try:
+            q = self.quantizer.quantize(w.detach())
+        except NonFiniteError as err:
+            raise NonFiniteError(f"FP4 weight for layer {layer} expert {expert} {which}: {err}") from err
+        self.set(experts, layer, expert, which, q)
 
     def check(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
         """What ``set`` checks, without changing anything: shape, format, finite scales and amax."""

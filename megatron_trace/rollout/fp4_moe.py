@@ -21,6 +21,11 @@ give the same values bit for bit.
 auto/triton on CUDA, bf16): Triton activation quantize+dequantize (the reference's codes and values), then one
 grouped GEMM per matrix kind (packed FP4 weights: the Triton W4A16 kernel; dense: ``torch._grouped_mm``),
 equal to the emulation within bf16 rounding, with no host sync (CUDA-graph capturable).
+
+``check_fc1`` / ``check_fc2`` (``rollout.finite``): the site's ``FiniteCounter``. The Triton quantize counts NaN/Inf
+inputs into it on the device (and keeps them NaN/Inf in the dequantized rows); the reference quantize raises
+``NonFiniteError`` in the call, re-raised naming the counter's layer and site. None: the Triton quantize does not
+check (finite garbage for NaN/Inf, see ``rollout.finite``), the reference raises naming no site.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import CompactGuidance, FP4Tensor, Quantizer, get_format
+from ..kernels.checks import FiniteCounter
+from .finite import naming
 
 
 @dataclass(frozen=True)
@@ -152,10 +159,13 @@ def w4a4_experts_forward(
     quantize_fc1: bool = True,
     quantize_fc2: bool = True,
     apply_gate: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul,
+    check_fc1: FiniteCounter | None = None,
+    check_fc2: FiniteCounter | None = None,
 ) -> ExpertsOutput:
     """hidden [T, H], top_k_index int [T, k], top_k_weights [T, k]; fc1 [E, 2F, H], fc2 [E, H, F].
 
     Returns the weighted expert output [T, H] and the quantized activation rows (for guidance).
+    ``check_fc1`` / ``check_fc2``: see the module docstring (the reference quantize: NaN/Inf raise naming the site).
     """
     tokens, k = top_k_index.shape
     num_experts = fc1.num_experts if isinstance(fc1, PackedExperts) else fc1.shape[0]
@@ -167,7 +177,8 @@ def w4a4_experts_forward(
     x = hidden  # [T, H]
     q1 = q2 = None
     if quantize_fc1:
-        q1 = activation_quantizer.quantize(x)
+        with naming(check_fc1):
+            q1 = activation_quantizer.quantize(x)
         x = q1.dequantize(x.dtype)
     flat = top_k_index.reshape(-1)  # [T*k]
     order = torch.argsort(flat, stable=True)
@@ -177,7 +188,8 @@ def w4a4_experts_forward(
     act = torch.empty_like(h)
     act[order] = h  # (token, slot) order
     if quantize_fc2:  # (explicit widths: a view of no rows, e.g. an idle rank's, cannot infer a -1)
-        q2 = activation_quantizer.quantize(act.view(tokens, k, act.shape[-1]))  # rows: (token, slot)
+        with naming(check_fc2):
+            q2 = activation_quantizer.quantize(act.view(tokens, k, act.shape[-1]))  # rows: (token, slot)
         act = q2.dequantize(act.dtype).view(tokens * k, act.shape[-1])
     y = _grouped_linear(act[order], fc2, counts)  # [T*k, H]
     out = torch.empty_like(y)
@@ -191,13 +203,15 @@ def _grouped_dense(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torc
     return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
 
 
-def _quantize_dequantize(x: torch.Tensor, quantizer: Quantizer, record: bool = False
-                         ) -> tuple[FP4Tensor, CompactGuidance | None, torch.Tensor]:
+def _quantize_dequantize(x: torch.Tensor, quantizer: Quantizer, record: bool = False,
+                         check: FiniteCounter | None = None) -> tuple[FP4Tensor, CompactGuidance | None, torch.Tensor]:
     """One Triton pass: the FP4 rows of x, their compact record (``record``: mantissa bits written by the same
-    pass) and their dequantized values in x.dtype (the reference's bits)."""
+    pass) and their dequantized values in x.dtype (the reference's bits). ``check``: the counter the pass counts
+    NaN/Inf inputs into (they stay NaN/Inf in the dequantized values), or None (unchecked)."""
     from ..kernels import fused
 
-    q, rec, out = fused.quantize(x, quantizer, record=record, deq_dtype=x.dtype, check_finite=False)
+    q, rec, out = fused.quantize(x, quantizer, record=record, deq_dtype=x.dtype,
+                                 check_finite=False if check is None else check)
     return q, rec, out["deq"].view(x.shape)
 
 
@@ -310,6 +324,8 @@ def grouped_experts_forward(
     compiled: bool = False,
     packed_fc1=None,
     packed_fc2=None,
+    check_fc1: FiniteCounter | None = None,
+    check_fc2: FiniteCounter | None = None,
 ) -> ExpertsOutput:
     """The GPU path of ``w4a4_experts_forward``: one grouped GEMM per matrix kind, no host sync.
 
@@ -325,6 +341,7 @@ def grouped_experts_forward(
     kernels per layer in eager PyTorch) run through Inductor, rounding where the eager functions round.
     ``packed_fc1`` / ``packed_fc2``: the FP4 weights in ``kernels.moe_mma.pack``'s layout too, for the CUDA GEMM
     where ``fp4_grouped_mm`` picks it (``moe_mma.AUTO``).
+    ``check_fc1`` / ``check_fc2``: the sites' NaN/Inf counters (see the module docstring; no host sync).
     """
     from ..kernels import fp4_grouped_mm
 
@@ -333,7 +350,7 @@ def grouped_experts_forward(
     x = hidden  # [T, H]
     q1 = q2 = r1 = r2 = None
     if quantize_fc1:
-        q1, r1, x = _quantize_dequantize(x, activation_quantizer, record_fc1)
+        q1, r1, x = _quantize_dequantize(x, activation_quantizer, record_fc1, check_fc1)
     order, offs, inv = routing(top_k_index, fc1.shape[0])
 
     def gemm(a, w, packed):
@@ -344,7 +361,7 @@ def grouped_experts_forward(
     act = gated_rows(gemm(sorted_rows(x, order, k), fc1, packed_fc1), inv, apply_gate)  # [T*k, F], (token, slot)
     if quantize_fc2:
         f = act.shape[-1]  # (explicit widths: a rank given no tokens views 0 elements)
-        q2, r2, act = _quantize_dequantize(act.view(tokens, k, f), activation_quantizer, record_fc2)
+        q2, r2, act = _quantize_dequantize(act.view(tokens, k, f), activation_quantizer, record_fc2, check_fc2)
         act = act.view(tokens * k, f)
     y = gemm(act[order], fc2, packed_fc2)  # [T*k, H] sorted by expert
     return ExpertsOutput(combine(y, inv, top_k_weights, hidden.dtype), q1, q2, r1, r2)

@@ -51,6 +51,7 @@ from .audit import backend_recipe, effective_config, hf_module_audit
 from .base import RolloutBatch, SamplingParams, WeightValue, is_int, next_policy_version, recipe_kept_on_failure
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
+from .finite import RolloutFiniteChecks
 from .hf_weights import FUSED_EXPERTS, join_fc1, parse_expert_name
 from .kv_cache import FP4KVCache
 from .recorder import GuidanceRecorder
@@ -129,6 +130,9 @@ class HFRolloutBackend:
     (FP4 mode: the Triton W4A16 kernel on the packed weights; BF16 mode: ``torch._grouped_mm``) with Triton
     activation quantizers, and the FP4 KV cache quantizes/dequantizes with Triton: same codes as the reference
     path, outputs equal within bf16 rounding (``"reference"`` keeps the bit-exact per-expert emulation).
+    NaN/Inf in a quantize site's input (``rollout.finite``): ``generate`` raises ``NonFiniteError`` naming every
+    ``layer <i> <site>`` that saw one (the GPU path counts them on the device and reads the counts once, at the end)
+    and returns nothing of that batch; ``check_finite`` reads them after direct ``forward_context`` runs.
     All returned tensors live on ``device``.
     """
 
@@ -177,6 +181,7 @@ class HFRolloutBackend:
         excluded = excluded_modules(self.config, moe_layers=self._experts, attention_layers=range(self.num_layers))
         self.bf16_expert_layers = frozenset(i for i in self._experts if experts_name(i) in excluded)
         self.bf16_kv_layers = frozenset(i for i in range(self.num_layers) if kv_cache_name(i) in excluded)
+        self.finite_checks = RolloutFiniteChecks()  # NaN/Inf counters of the activation / KV quantize calls
         self.weight_store: ExpertWeightStore | None = None
         if self._quantizes("weights"):
             self.weight_store = ExpertWeightStore(self.config.weight_quantizer())
@@ -269,7 +274,7 @@ class HFRolloutBackend:
             activation_quantizer=self.config.activation_quantizer(),
             quantize_fc1=q("expert_fc1_in"), quantize_fc2=q("expert_fc2_in"), recorder=recorder,
             bf16_layers=self.bf16_expert_layers, kernel=self.config.kernel, weight_store=self.weight_store,
-            compiled=bool(self.compiled_modules),
+            compiled=bool(self.compiled_modules), finite=self.finite_checks,
         )
 
     def new_cache(self, recorder: GuidanceRecorder | None = None, *, interval_masks: bool = False,
@@ -284,15 +289,22 @@ class HFRolloutBackend:
         return FP4KVCache(self.num_layers, self.config.kv_quantizer(), quantize_k=qk, quantize_v=qv,
                           recorder=recorder, bf16_layers=self.bf16_kv_layers, kernel=self.config.kernel,
                           fused_decode=self.fused_kv_attention, fast_attention=self.fast_kv_attention,
-                          interval_masks=interval_masks, static_rows=static_rows)
+                          interval_masks=interval_masks, static_rows=static_rows, finite=self.finite_checks)
 
     def cache_kwargs(self, cache: Cache) -> dict:
         """The model's keyword for a cache: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
         return {self._cache_kw: cache}
 
+    def check_finite(self) -> None:
+        """Raise ``NonFiniteError`` naming every ``layer <i> <site>`` whose FP4 quantize inputs held NaN/Inf since the
+        last check (one host read; ``rollout.finite``). ``generate`` checks at its end; a caller that runs the model
+        in ``forward_context`` calls this (else the next ``generate`` reports them)."""
+        self.finite_checks.read()
+
     @contextmanager
     def forward_context(self, recorder: GuidanceRecorder | None = None):
-        """Run ``self.model`` directly with the rollout numerics (experts; pass ``new_cache()`` for KV)."""
+        """Run ``self.model`` directly with the rollout numerics (experts; pass ``new_cache()`` for KV). The Triton
+        quantize calls count NaN/Inf inputs for ``check_finite``."""
         traced = torch._dynamo.config.patch(**LAYER_TRACE_CONFIG) if self.layers_compiled else nullcontext()
         with torch.no_grad(), active_numerics(self._numerics(recorder)), traced:
             yield self.model

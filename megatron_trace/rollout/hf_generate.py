@@ -3,7 +3,9 @@
 Prompts are left-padded internally; identical prompts are prefilled once and forked (``rollout.prefix``); then one
 token per step is sampled and fed back (the eager loop, or fixed-buffer steps with ``static_decode``,
 ``rollout.static_decode``) until every row stops or ``max_new_tokens``; finally the internal columns become the
-right-padded ``RolloutBatch`` with the recorder's routing and guidance (``GuidanceRecorder.finish``).
+right-padded ``RolloutBatch`` with the recorder's routing and guidance (``GuidanceRecorder.finish``). Before that,
+one host read takes the quantize sites' NaN/Inf counts and the NaN-logit flag (``rollout.finite``): a batch with
+either raises ``NonFiniteError`` and returns nothing.
 """
 
 from __future__ import annotations
@@ -100,7 +102,10 @@ def _decode(be, ids, attn, sampling, gen, stop, cache, recorder, fork: PrefixFor
         if last:
             break
     nonfinite |= ~torch.isfinite(logits.float()).all(dim=-1)  # the forward of the last fed token
-    if bool(nonfinite.any()):
+    # one host read: the FP4 quantize sites' NaN/Inf counts (raised naming the sites) and the NaN-logit flag
+    (bad_logits,) = be.finite_checks.read(nonfinite.any(), outcome="nothing of this generate call is returned (no "
+                                          "tokens, log-probs or guidance)")
+    if bad_logits:
         rows = nonfinite.nonzero().flatten().tolist()
         raise NonFiniteError(f"rollout produced NaN/Inf logits for {len(rows)} of {len(done)} prompt row(s) "
                              f"(first: {rows[:8]}): non-finite activations or weights upstream; nothing of this "

@@ -19,6 +19,10 @@ unquantized) stores the token but skips dequantizing the history: it returns the
 read the history from it (``rollout.attention``: the fused FP4-KV decode attention, or the dense decode
 attention over the static buffers; ``HFRolloutBackend`` selects it).
 
+``finite`` (``rollout.finite.RolloutFiniteChecks``): the quantize calls count NaN/Inf K/V into its ``layer <i> kv_k``
+/ ``kv_v`` counters (Triton path, no host sync; read by ``HFRolloutBackend.generate``) or raise naming them
+(reference path). None: the Triton path does not check.
+
 ``TraceConfig.kv_format="sglang_kvfp4"`` (``formats.sglang_kvfp4.SGLangKVQuantizer``): rows are stored and recorded in
 SGLang's FP4 KV-cache format (``formats.sglang_kvfp4``, the reference path: no Triton, no fused decode; reads
 dequantize the history for SDPA), so the records guide a trainer with the same ``kv_format``.
@@ -32,6 +36,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..formats import FP4Tensor, Quantizer
 from ..formats.sglang_kvfp4 import SGLangKVQuantizer
 from ..kernels.checks import FiniteCounter, read_and_reset
+from .finite import RolloutFiniteChecks, naming
 from .kv_rows import FP4Rows, PlainRows, StaticPosition
 from .recorder import GuidanceRecorder
 
@@ -50,8 +55,9 @@ class FP4KVLayer(DynamicLayer):
     def __init__(self, layer_idx: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
                  quantize_v: bool = True, recorder: GuidanceRecorder | None = None, kernel: str = "auto",
                  fused_decode: bool = False, fast_attention: bool = False, interval_masks: bool = False,
-                 static: StaticPosition | None = None):
+                 static: StaticPosition | None = None, finite: RolloutFiniteChecks | None = None):
         super().__init__()
+        self.finite = finite  # NaN/Inf counters of the quantize calls (see the module docstring)
         self.static = static  # decode steps write at static.tensor(): see FP4KVCache(static_rows=)
         self.fast_attention = fast_attention  # the fused decode reads K/V as exact FP4 values (exact=False)
         self.interval_masks = interval_masks  # the fused decode reads each row's attended interval (FP4KVCache)
@@ -88,13 +94,15 @@ class FP4KVLayer(DynamicLayer):
         if isinstance(rows, PlainRows):
             return rows.append(x)
         rec = self.recorder
+        check = self._counter(site)
         if not isinstance(self.quantizer, Quantizer):  # SGLang's KV format: the reference, recorded per step
-            q = self.quantizer.quantize(x)
+            with naming(check):
+                q = self.quantizer.quantize(x)
             rows.append(q)
             if rec is not None:
                 rec.add_heads_major(self.layer_idx, site, q)
             return rows.dequantize(x.dtype) if read else None
-        history = rows.quantize_append(x, self.quantizer, read)
+        history = rows.quantize_append(x, self.quantizer, read, check=check)
         if rec is not None:  # recorded from the stored rows when the rollout ends
             rec.add_kv_history(self.layer_idx, site, rows.fp4)
         return history
@@ -106,10 +114,13 @@ class FP4KVLayer(DynamicLayer):
         if isinstance(rows, PlainRows):
             rows.store.write_at({"x": x}, position)
             return rows.store.bufs["x"]
-        rows.quantize_write_at(x, self.quantizer, position)
+        rows.quantize_write_at(x, self.quantizer, position, check=self._counter(site))
         if self.recorder is not None:
             self.recorder.add_kv_history(self.layer_idx, site, rows.fp4)
         return rows.dequantize(x.dtype, capacity=True) if read else None
+
+    def _counter(self, site: str):
+        return None if self.finite is None else self.finite.counter(self.layer_idx, site)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -192,7 +203,8 @@ class FP4KVCache(Cache):
     def __init__(self, num_layers: int, quantizer: KVQuantizer, *, quantize_k: bool = True,
                  quantize_v: bool = True, recorder: GuidanceRecorder | None = None,
                  bf16_layers: frozenset[int] = frozenset(), kernel: str = "auto", fused_decode: bool = False,
-                 fast_attention: bool = False, interval_masks: bool = False, static_rows: int | None = None):
+                 fast_attention: bool = False, interval_masks: bool = False, static_rows: int | None = None,
+                 finite: RolloutFiniteChecks | None = None):
         """``bf16_layers``: layers whose K and V stay in the model dtype (``TraceConfig.exclude_modules``).
         With ``quantize_k=quantize_v=False`` this is a plain preallocated cache in the model dtype.
         ``fused_decode``: see the module docstring; ``fast_attention``: its kernel's ``exact=False`` path.
@@ -203,12 +215,13 @@ class FP4KVCache(Cache):
         ``static_rows``: every buffer holds that many rows from the prefill on (never grown), and a one-token
         update writes at row ``decode_position()`` (a device tensor the caller sets) and returns / attends all
         rows, the attention mask [B, 1, 1, static_rows] saying which; the lengths advance only by ``advance`` (so a
-        captured decode step replays: ``rollout.static_decode``)."""
+        captured decode step replays: ``rollout.static_decode``). ``finite``: the NaN/Inf counters of the K/V
+        quantize calls (see the module docstring)."""
         self.static = None if static_rows is None else StaticPosition(static_rows)
         layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k and i not in bf16_layers,
                              quantize_v=quantize_v and i not in bf16_layers, recorder=recorder, kernel=kernel,
                              fused_decode=fused_decode, fast_attention=fast_attention, interval_masks=interval_masks,
-                             static=self.static)
+                             static=self.static, finite=finite)
                   for i in range(num_layers)]
         super().__init__(layers=layers)
         self.mask_holes = FiniteCounter("interval mask rows with a hole")

@@ -16,7 +16,9 @@ from ..formats import FP4Tensor, Quantizer
 from ..kernels import Kernel, select_kernel
 from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
+from ..kernels.checks import FiniteCounter
 from ..kernels.kv_attention import ROW_ALIGN  # capacities in multiples of it: the attention's aligned loads
+from .finite import naming
 
 MIN_GROWTH = 256
 """Extra token slots allocated when a buffer grows (at least; else an eighth of the length)."""
@@ -121,24 +123,28 @@ class FP4Rows:
     def length(self) -> int:
         return self.store.length
 
-    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer, read: bool = False) -> torch.Tensor | None:
+    def quantize_append(self, x: torch.Tensor, quantizer: Quantizer, read: bool = False,
+                        check: FiniteCounter | None = None) -> torch.Tensor | None:
         """Quantize x [B, kv_heads, t, head_dim] and append it; ``read``: return the whole history dequantized
-        (in x.dtype; else None).
+        (in x.dtype; else None). ``check``: the site's NaN/Inf counter (``rollout.finite``: the Triton quantize
+        counts into it, the reference's error names it), or None (unchecked on the Triton path).
 
         A one-token update on the Triton path is one kernel that writes codes, scales and amax straight into the
         buffers (``_write_token``); else quantize, then copy (``append``). A prefill (nothing stored yet) that is
         read takes its dequantized rows from the quantize's own pass (``fused.quantize(deq_dtype=)``, the same bits
         as dequantizing the stored rows) instead of a second kernel over them."""
+        checked = False if check is None else check
         if x.shape[2] == 1 and self._writes_in_place(x, quantizer):
-            self._write_token(x, quantizer)
+            self._write_token(x, quantizer, checked)
         elif read and self.length == 0 and _on_triton(self.kernel, x, quantizer):
             from ..kernels import fused  # imports Triton
 
-            q, _, out = fused.quantize(x, quantizer, deq_dtype=x.dtype, check_finite=False)
+            q, _, out = fused.quantize(x, quantizer, deq_dtype=x.dtype, check_finite=checked)
             self.append(q)
             return out["deq"].view(x.shape)
         else:
-            self.append(kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False))
+            with naming(check):
+                self.append(kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=checked))
         return self.dequantize(x.dtype) if read else None
 
     def _writes_in_place(self, x: torch.Tensor, quantizer: Quantizer) -> bool:
@@ -150,12 +156,12 @@ class FP4Rows:
                 and ("amax" in bufs) == (quantizer.fmt == "nvfp4") and all(b.is_contiguous() for b in bufs.values())
                 and _on_triton(self.kernel, x, quantizer))
 
-    def _write_token(self, x: torch.Tensor, quantizer: Quantizer) -> None:
+    def _write_token(self, x: torch.Tensor, quantizer: Quantizer, checked: bool | FiniteCounter = False) -> None:
         """``fused.quantize(out=...)`` of one token into rows ``length`` of the buffers [B, kv_heads, capacity, ...]
         (row m = b * kv_heads + h of x at m * capacity rows: one row step), grown first when full."""
         from ..kernels import fused  # imports Triton
 
-        fused.quantize(x, quantizer, check_finite=False, out=self._token_out(self.store.next_rows(1), x))
+        fused.quantize(x, quantizer, check_finite=checked, out=self._token_out(self.store.next_rows(1), x))
         self.store.length += 1
 
     def _token_out(self, rows: dict[str, torch.Tensor], x: torch.Tensor) -> FP4Tensor:
@@ -177,17 +183,20 @@ class FP4Rows:
         self.meta = (q.fmt, q.block_scales.dtype, q.shape[-1])
         self.store.append(self._parts(q))
 
-    def quantize_write_at(self, x: torch.Tensor, quantizer: Quantizer, position: torch.Tensor) -> None:
+    def quantize_write_at(self, x: torch.Tensor, quantizer: Quantizer, position: torch.Tensor,
+                          check: FiniteCounter | None = None) -> None:
         """Quantize one token x [B, kv_heads, 1, head_dim] into row ``position`` (device int64 [1]) of the
         buffers, which must exist and fit it (a static cache after its prefill). On the Triton path (NVFP4 per
         row or MXFP4) one kernel writes codes, scales and amax at the row it reads from ``position``
         (``fused.quantize(out_row=)``, kept as a ``fused.RowWriter`` while the buffers, quantizer, row tensor and x's
         layout stay the same: a decode step's write then costs one launch of host time); else quantize, then
-        ``index_copy_``."""
+        ``index_copy_``. ``check``: as ``quantize_append``'s."""
         kept = self._writer
-        if kept is not None and kept[1] is self.store.bufs.get("codes") and kept[0].fits(x, quantizer, position):
+        if (kept is not None and kept[1] is self.store.bufs.get("codes")
+                and kept[0].fits(x, quantizer, position, check)):
             kept[0](x)
             return
+        checked = False if check is None else check
         if self._writes_in_place(x, quantizer):
             from ..kernels import fused  # imports Triton
 
@@ -195,13 +204,14 @@ class FP4Rows:
                 row0 = {name: buf[:, :, :1] for name, buf in self.store.bufs.items()}
                 out = self._token_out(row0, x)
                 if not fused.RowWriter.takes(x, quantizer):  # (rows that need a copy first)
-                    fused.quantize(x, quantizer, check_finite=False, out=out, out_row=position)
+                    fused.quantize(x, quantizer, check_finite=checked, out=out, out_row=position)
                     return
-                w = fused.RowWriter(x, quantizer, out, position)
+                w = fused.RowWriter(x, quantizer, out, position, check_finite=check)
                 self._writer = (w, self.store.bufs["codes"])  # (valid while the store keeps these buffers)
                 w(x)
                 return
-        q = kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=False)
+        with naming(check):
+            q = kernel_quantize(x, quantizer, kernel=self.kernel, check_finite=checked)
         if self.meta != (q.fmt, q.block_scales.dtype, q.shape[-1]):
             raise ValueError(f"token rows {q.fmt} / head_dim {q.shape[-1]} do not fit the stored {self.meta}")
         self.store.write_at(self._parts(q), position)

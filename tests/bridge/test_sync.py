@@ -160,3 +160,24 @@ def test_a_stale_version_is_refused_before_the_stream_is_read(fmt):
     assert be.policy_version == 3 and read and not torch.equal(be.expert_weight_fp4(1, 2, "fc1").codes, codes)
     sync_weights(be, _trainer_weights(), fmt=fmt, quantizer=WQ, version=2, reset=True)  # back to version 2's weights
     assert be.policy_version == 2 and torch.equal(be.expert_weight_fp4(1, 2, "fc1").codes, codes)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("batch_bytes", [1, 256 << 20], ids=["per-expert", "stacked"])
+def test_non_finite_expert_weights_are_named_with_their_counts(fmt, batch_bytes):
+    """Every non-finite weight of the failing quantize call is named (an fc1 matrix by the half that holds it), and
+    the sync applies nothing."""
+    from megatron_trace.bridge.sync import WeightSyncError
+    from megatron_trace.formats import NonFiniteError
+
+    w = dict(_trainer_weights())
+    up, down = "model.layers.1.mlp.experts.3.up_proj.weight", "model.layers.1.mlp.experts.6.down_proj.weight"
+    w[up], w[down] = w[up].clone(), w[down].clone()
+    w[up][2, 2], w[down][0, 1], w[down][4, 4] = float("inf"), float("nan"), -float("inf")
+    quantizer = TraceConfig(format=fmt).weight_quantizer()
+    with pytest.raises(NonFiniteError, match=rf"{up} \(1\)" if batch_bytes == 1 else rf"2 .*{up} \(1\), {down} \(2\)"):
+        list(fp4_stream(w.items(), quantizer, batch_bytes=batch_bytes))
+    rollout = _rollout()
+    with pytest.raises(WeightSyncError, match=rf"NonFiniteError: weight sync: .*{up} \(1\)"):
+        sync_weights(rollout, list(w.items()), fmt="fp4", quantizer=quantizer, version=5)
+    assert rollout.policy_version == 0

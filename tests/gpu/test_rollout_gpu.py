@@ -303,3 +303,39 @@ def test_graph_generate_captures_after_its_first_step(monkeypatch):
         assert torch.equal(a.guidance[key].record.mantissa_bits, sg.record.mantissa_bits), key
     backends["graph"].generate(prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
     assert captures == [(7, {"warmup": 0})]  # (6 prompt rows, then the first new token's row)
+
+
+@pytest.mark.parametrize("static", ["graph", "off"])
+@pytest.mark.parametrize("site", ["expert_fc2_in", "kv_v"])
+def test_a_nan_in_decode_steps_is_counted_and_named_at_the_end(site, static):
+    """A NaN put into one element of layer 1's ``site`` at every decode step (not the prefill): the Triton quantize
+    counts it on the device, in the captured and replayed decode step too (one bad tile per step: 4 steps), and
+    ``generate`` names it first at its end. Unchecked, the GPU's block max dropped the NaN: a finite code and scale,
+    the batch and its records came back."""
+    from megatron_trace.formats import NonFiniteError
+
+    from ..rollout._inject import inject
+
+    be = HFRolloutBackend(tiny_model(tiny_config(**CFG), seed=3), mode="fp4",
+                          trace_config=TraceConfig(guided_layers="all"), dtype=torch.bfloat16, device="cuda",
+                          static_decode=static)
+    prompts, sampling = [[5, 6, 7, 8, 9, 10], [11, 12]], SamplingParams(max_new_tokens=4, temperature=0.0)
+    be.generate(prompts, sampling)  # healthy first
+    lay = be.model.model.layers[1]
+    if site == "kv_v":
+        lay.self_attn.v_proj.register_forward_hook(
+            lambda m, a, out: _nan_at(out, 3) if out.shape[1] == 1 else out)  # [B, t, Hkv * D]: decode t = 1
+    else:
+        inject(be.model, 1, site, float("nan"))
+        gate = lay.mlp.experts._apply_gate  # (the injection's): decode steps only, [B * k, 2F] rows
+        lay.mlp.experts._apply_gate = lambda h: gate(h) if h.shape[0] == 2 * CFG["num_experts_per_tok"] else \
+            type(lay.mlp.experts)._apply_gate(lay.mlp.experts, h)
+    with pytest.raises(NonFiniteError, match=rf"forward order: layer 1 {site}: 4[;)]"):
+        be.generate(prompts, sampling)
+    be.check_finite()  # the read reset the counters
+
+
+def _nan_at(t: torch.Tensor, i: int) -> torch.Tensor:
+    t = t.clone()
+    t.view(-1)[i] = float("nan")
+    return t

@@ -1,0 +1,84 @@
+"""NaN/Inf in the rollout's FP4 quantize inputs (``rollout.finite``) on the CPU: the reference quantizer raises in the
+call, named by layer and site; the device counters of the Triton path are read once at the end of ``generate``
+(their Triton side: ``tests/kernels/test_rollout_finite.py``); weights are refused by name where they are quantized.
+"""
+
+import pytest
+import torch
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.formats import NonFiniteError
+from megatron_trace.rollout import HFRolloutBackend, SamplingParams
+
+from ._inject import SITES, VALUES, inject
+from ._tiny import tiny_model
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13], [40]]
+CONFIG = TraceConfig(guided_layers="all", cache_mode="full")
+SAMPLING = SamplingParams(max_new_tokens=2, seed=0)
+
+
+def backend(config=CONFIG, model=None):
+    return HFRolloutBackend(tiny_model() if model is None else model, mode="fp4", trace_config=config,
+                            dtype=torch.float32)
+
+
+@pytest.mark.parametrize("value", list(VALUES))
+@pytest.mark.parametrize("site", SITES)
+def test_a_nonfinite_input_is_named_by_layer_and_site(site, value):
+    be = backend()
+    be.generate(PROMPTS, SAMPLING)  # healthy first
+    inject(be.model, 1, site, VALUES[value])
+    with pytest.raises(NonFiniteError, match=rf"at layer 1 {site}: x holds \d+ NaN/Inf"):
+        be.generate(PROMPTS, SAMPLING)
+
+
+def test_sglang_kv_format_names_the_site_too():
+    be = backend(TraceConfig(guided_layers="all", kv_format="sglang_kvfp4"))
+    inject(be.model, 2, "kv_v", float("nan"))
+    with pytest.raises(NonFiniteError, match="at layer 2 kv_v"):
+        be.generate(PROMPTS, SAMPLING)
+
+
+def test_generate_reads_the_device_counters_once_and_names_them():
+    """What a Triton quantize counted (here added by hand, as a kernel adds into ``tensor()``) fails the next
+    ``generate`` by name, with nothing returned; the read resets the counters."""
+    be = backend()
+    be.finite_checks.counter(2, "expert_fc2_in").tensor("cpu").add_(3)
+    be.finite_checks.counter(0, "kv_v").tensor("cpu").add_(1)
+    be.finite_checks.counter(1, "kv_k").tensor("cpu")  # used, zero: not named
+    with pytest.raises(NonFiniteError, match=r"forward order: layer 0 kv_v: 1; layer 2 expert_fc2_in: 3\); nothing "):
+        be.generate(PROMPTS, SAMPLING)
+    out = be.generate(PROMPTS, SAMPLING)  # reset by the read
+    assert out.guidance and be.check_finite() is None
+
+
+def test_check_finite_reports_a_forward_context_run():
+    be = backend()
+    be.finite_checks.counter(1, "expert_fc1_in").tensor("cpu").add_(2)
+    with pytest.raises(NonFiniteError, match="since the last check.*layer 1 expert_fc1_in: 2"):
+        be.check_finite()
+    be.check_finite()
+
+
+def test_checks_order_labels_and_extra_values():
+    from megatron_trace.rollout.finite import RolloutFiniteChecks
+
+    checks = RolloutFiniteChecks()
+    c = checks.counter(3, "kv_k")
+    assert c is checks.counter(3, "kv_k") and c.label == "layer 3 kv_k" and not c.marks
+    assert checks.read(torch.tensor(True), torch.tensor([7])) == [1, 7]  # no counter used yet
+    for layer, site in [(3, "expert_fc1_in"), (3, "kv_k"), (1, "expert_fc2_in"), (3, "kv_v")]:
+        checks.counter(layer, site).tensor("cpu").add_(layer)
+    want = "layer 1 expert_fc2_in: 1; layer 3 kv_k: 3; layer 3 kv_v: 3; layer 3 expert_fc1_in: 3"
+    with pytest.raises(NonFiniteError, match=want):
+        checks.read(torch.tensor(False))
+    assert checks.read(torch.tensor(False)) == [0]
+
+
+def test_a_nonfinite_expert_weight_is_named_at_construction():
+    model = tiny_model()
+    with torch.no_grad():
+        model.model.layers[2].mlp.experts.down_proj[5, 1, 7] = float("inf")
+    with pytest.raises(NonFiniteError, match="FP4 weight for layer 2 expert 5 fc2: x holds 1 NaN/Inf"):
+        backend(model=model)
