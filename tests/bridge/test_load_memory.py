@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from .._rss import peak_growth
 from ..rollout._tiny import save_tiny_checkpoint, tiny_config
 from ._megatron_cpu import free_port, spawn_ranks
 
@@ -22,25 +23,6 @@ WORLD = 2
 SLACK = 16 * 2**20  # allocator rounding, the fused gate/up copy of one expert, interpreter noise
 # 2 layers x 64 experts x 3 x [512, 256] fp32 = 201 MB of experts; everything else is < 2 MB
 BIG = dict(hidden_size=256, moe_intermediate_size=512, num_experts=64, num_hidden_layers=2)
-
-
-def _status() -> dict[str, int]:
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmHWM", "VmRSS"):
-                out[key] = int(value.split()[0]) * 1024  # kB -> bytes
-    return out
-
-
-def _peak_growth(fn) -> int:
-    """Peak resident bytes ``fn()`` adds on top of the current RSS (Linux peak-RSS reset)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = _status()["VmRSS"]
-    fn()
-    return _status()["VmHWM"] - before
 
 
 def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
@@ -56,7 +38,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
     try:
         bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
         model = bridge.build_model().eval()
-        growth = {me: _peak_growth(lambda me=me: load_hf_checkpoint(model, ckpt, bridge, memory_efficient=me))
+        growth = {me: peak_growth(lambda me=me: load_hf_checkpoint(model, ckpt, bridge, memory_efficient=me))
                   for me in (False, True)}
         torch.save({"growth": growth, "read_bytes": bridge.last_load_stats.bytes}, os.path.join(out, f"rank{rank}.pt"))
     finally:
