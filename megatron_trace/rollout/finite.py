@@ -15,7 +15,8 @@ CUDA graph replays the count) and passes them through to the dequantized rows un
 always does, re-raised here naming the layer and site (``naming``). ``HFRolloutBackend.generate`` reads every
 counter together with its NaN-logit flag in one host read at the end, before anything is assembled, and raises
 ``NonFiniteError`` naming each offending site with its count: no tokens, log-probs or guidance records of that
-batch are returned. Weights are checked eagerly where they are quantized (rare: construction, weight sync).
+batch are returned (a call that raised before that read reads and resets them on its way out). Weights are
+checked eagerly where they are quantized (rare: construction, weight sync).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ token per step is sampled and fed back (the eager loop, or fixed-buffer steps wi
 ``rollout.static_decode``) until every row stops or ``max_new_tokens``; finally the internal columns become the
 right-padded ``RolloutBatch`` with the recorder's routing and guidance (``GuidanceRecorder.finish``). Before that,
 one host read takes the quantize sites' NaN/Inf counts and the NaN-logit flag (``rollout.finite``): a batch with
-either raises ``NonFiniteError`` and returns nothing.
+either raises ``NonFiniteError`` and returns nothing. A call that fails before that read reads the counts on its way
+out (a note on its error names them), so they do not fail the next call.
 """
 
 from __future__ import annotations
@@ -53,10 +54,26 @@ def generate(be, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> 
         static_rows = -(-(width + max(sampling.max_new_tokens, 1)) // 16) * 16
     cache = be.new_cache(recorder, interval_masks=True, static_rows=static_rows)  # left padding, finished tails
     with be.forward_context(recorder):
-        steps = _decode(be, ids, attn, sampling, gen, stop, cache, recorder, fork)
+        try:
+            steps = _decode(be, ids, attn, sampling, gen, stop, cache, recorder, fork)
+        except BaseException as err:
+            _read_counts_on_failure(be, err)
+            raise
     if isinstance(cache, FP4KVCache):
         cache.check_interval_masks()
     return _assemble(be, ids, plens, steps, recorder)
+
+
+def _read_counts_on_failure(be, err: BaseException) -> None:
+    """A generate that raised before its read (an in-call error of the reference quantizer, an OOM, an interrupt):
+    its sites' NaN/Inf counts are read and reset now, named in a note on ``err``, so that they do not fail the next
+    call as if its batch held them."""
+    try:
+        be.finite_checks.read()
+    except NonFiniteError as counted:
+        err.add_note(f"the failed generate call's device counters, read on its way out: {counted}")
+    except Exception as e:  # (the device itself may be what failed: the original error is raised)
+        err.add_note(f"its NaN/Inf counters could not be read ({type(e).__name__}: {e})")
 
 
 def _step(be, tokens, attn, pos, cache, recorder, valid):

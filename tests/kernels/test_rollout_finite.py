@@ -172,3 +172,23 @@ def test_generate_on_the_triton_path_names_the_site(site, value, monkeypatch):
     inject(be.model, 1, site, VALUES[value])
     with pytest.raises(NonFiniteError, match=rf"forward order: layer 1 {site}: [1-9]"):
         be.generate([[5, 6, 7]], SamplingParams(max_new_tokens=1, seed=0))
+
+
+def test_a_failed_generate_leaves_no_counts_to_the_next_one(monkeypatch):
+    """Triton experts (counting) with SGLang's KV format (the reference quantize, raising in the call): a NaN in layer
+    0's fc2 rows is counted and passed through, layer 1's K raises mid-generate. The count is read on the way out
+    (a note on that error), so the next generate, with the producer fixed, returns (it used to raise naming layer 0's
+    NaN of the failed batch)."""
+    from megatron_trace.rollout import HFRolloutBackend, SamplingParams, experts
+
+    monkeypatch.setattr(experts, "_fast_path", lambda num, hidden: True)
+    monkeypatch.setattr(experts, "DENSE_FROM", 0)
+    be = HFRolloutBackend(tiny_model(), mode="fp4", dtype=torch.bfloat16, device=DEVICE,
+                          trace_config=TraceConfig(guided_layers="all", kv_format="sglang_kvfp4"))
+    inject(be.model, 0, "expert_fc2_in", float("nan"))
+    sampling = SamplingParams(max_new_tokens=1, seed=0)
+    with pytest.raises(NonFiniteError, match="at layer 1 kv_k") as err:
+        be.generate([[5, 6, 7]], sampling)
+    assert any("layer 0 expert_fc2_in: 1" in note for note in err.value.__notes__)
+    del be.model.model.layers[0].mlp.experts._apply_gate  # (inject's instance attribute: the producer fixed)
+    assert be.generate([[5, 6, 7]], sampling).guidance

@@ -82,3 +82,31 @@ def test_a_nonfinite_expert_weight_is_named_at_construction():
         model.model.layers[2].mlp.experts.down_proj[5, 1, 7] = float("inf")
     with pytest.raises(NonFiniteError, match="FP4 weight for layer 2 expert 5 fc2: x holds 1 NaN/Inf"):
         backend(model=model)
+
+
+
+def test_a_generate_that_fails_before_its_read_leaves_no_counts_to_the_next_one():
+    """A generate that raised mid-way (here the reference quantize of layer 1's K, in the call, after a device
+    counter of layer 0 counted: added by hand below, as a Triton kernel adds into ``tensor()``) reads and resets the
+    counts on its way out, named on its error: the next, healthy generate returns (it used to fail on the stale
+    layer-0 count, blaming a NaN of the failed batch on the new one)."""
+    be = backend()
+    layers = be.model.model.layers
+
+    def counted(module, args):  # layer 0's fc2 quantize on the Triton path: counts a NaN on the device
+        be.finite_checks.counter(0, "expert_fc2_in").tensor("cpu").add_(1)
+
+    def bad_k(module, args, out):
+        out = out.clone()
+        out.view(-1)[3] = float("nan")
+        return out
+
+    hooks = [layers[0].mlp.experts.register_forward_pre_hook(counted),
+             layers[1].self_attn.k_norm.register_forward_hook(bad_k)]
+    with pytest.raises(NonFiniteError, match="at layer 1 kv_k") as err:
+        be.generate(PROMPTS, SAMPLING)
+    assert any("layer 0 expert_fc2_in: 1" in note for note in getattr(err.value, "__notes__", []))
+    for h in hooks:  # the producer fixed
+        h.remove()
+    out = be.generate(PROMPTS, SAMPLING)
+    assert out.guidance and be.check_finite() is None
