@@ -16,7 +16,8 @@ weights that are no longer there.
 A process killed mid-save leaves the target untouched and the ``.<name>.tmp-*`` sibling behind (remove it); killed
 between the two renames, it leaves the old checkpoint in ``.<name>.old-*`` and the complete new one in
 ``.<name>.tmp-*``. A target that is a symlink is resolved (the directory it points to is replaced); a mount point
-is refused (it cannot be renamed).
+is refused (it cannot be renamed), and so is the working directory or one holding it (the process would be left in
+the removed old directory).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class StagedCheckpointDir:
         if self.target.is_dir() and os.path.ismount(self.target):
             raise ValueError(f"{os.fspath(target)!r} is a mount point: a save writes a sibling directory and renames "
                              "it into place, which a mount point cannot be; save into a directory inside it")
+        cwd = Path(os.path.realpath(os.getcwd()))
+        if self.target == cwd or self.target in cwd.parents:
+            raise ValueError(f"{os.fspath(target)!r} holds the working directory {cwd}: a save renames the directory "
+                             "away and removes it, which would leave this process in a removed directory; save into "
+                             "another directory, or run from outside it")
         self.target.parent.mkdir(parents=True, exist_ok=True)
         token = secrets.token_hex(4)
         self.path = self.target.parent / f".{self.target.name}.tmp-{token}"

@@ -77,3 +77,18 @@ def test_a_new_target_its_parents_a_symlinked_target_and_refusals(tmp_path):
         StagedCheckpointDir(tmp_path / "file")
     with pytest.raises(ValueError, match="'/' is a mount point"):
         StagedCheckpointDir("/")
+
+
+@pytest.mark.parametrize("where", [".", "sub"], ids=["cwd", "cwd-inside"])
+def test_a_target_holding_the_working_directory_is_refused_before_anything_changes(tmp_path, monkeypatch, where):
+    """Saving into the working directory (``"."``) or one holding it renamed the process's working directory away
+    and removed it: the save succeeded, then every relative path of the process failed (``os.getcwd()`` too)."""
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    (target / "sub").mkdir()
+    before = _tree(target)
+    monkeypatch.chdir(target / where)
+    with pytest.raises(ValueError, match="holds the working directory"):
+        StagedCheckpointDir("." if where == "." else target)
+    assert os.getcwd() == str(target / where) and _tree(target) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
