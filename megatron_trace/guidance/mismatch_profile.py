@@ -69,7 +69,7 @@ def profile_from_metrics(metrics: str | Path | Iterable[dict], dims: ModelDims, 
         raise ValueError(f"last={last!r} must be an int >= 1 (steps averaged)")
     rows = read_metrics(metrics) if isinstance(metrics, str | Path) else list(metrics)
     arm = _pick_arm(rows, arm, prefix)
-    mine = sorted((r for r in rows if r.get("arm") == arm), key=lambda r: r.get("step", 0))
+    mine = sorted((r for r in rows if str(r.get("arm")) == arm), key=lambda r: r.get("step", 0))  # (as _pick_arm)
     seen = {int(m.group(1)) for r in mine for k in r if k.startswith(f"{prefix}/") and (m := _LAYER_KEY.search(k))}
     if max(seen) >= dims.num_layers:
         raise ValueError(f"arm {arm!r} has {RATE} for layer(s) up to {max(seen)}, the model has {dims.num_layers} "

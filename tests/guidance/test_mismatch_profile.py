@@ -130,3 +130,11 @@ def test_cli_json_profiles_take_rates_or_masses(tmp_path, capsys):
     prof.write_text("0.1, 0.2")
     assert plan.main(argv) == 2
     assert "is not JSON" in capsys.readouterr().err
+
+
+def test_rows_without_an_arm_are_one_run():
+    """Rows without an ``arm`` (one run's own log, passed as rows) are that run's: the arm picker called them arm
+    'None' and then kept no row, so the read failed with a bare "max() arg is an empty sequence"."""
+    per_step = [[0.1, 0.2, 0.3], [0.3, 0.2, 0.1]]
+    rows = [{"step": s, **quant_metrics(_counts(_uniform(r)))} for s, r in enumerate(per_step)]
+    assert profile_from_metrics(rows, DIMS, ACTIVATION_SITES, last=2) == pytest.approx([0.2, 0.2, 0.2])
