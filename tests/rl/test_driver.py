@@ -460,7 +460,26 @@ def test_ablation_presets_compose(preset):
     assert cfg.run_name == preset and set(cfg.arms) <= set(ARMS)
     RLConfig(**cfg.rl), from_hydra(cfg.trace)  # both validate
     assert cfg.rl.routing_replay == ("replay_off" not in preset)
-    assert (cfg.rl.trend_mode, cfg.rl.trend_max_growth, cfg.rl.trend_max_slope) == ("relative", 1.0, None)
+    assert (cfg.rl.trend_mode, cfg.rl.trend_max_growth, cfg.rl.trend_max_slope) == ("relative", None, None)
+
+
+def test_the_demo_switches_to_the_absolute_alarm_with_the_two_overrides_its_config_names():
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from megatron_trace.config import register_hydra
+    from megatron_trace.monitor import TrendAlarm
+
+    register_hydra()
+    conf = Path(__file__).resolve().parents[2] / "examples" / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose("demo", overrides=["rl.trend_mode=absolute", "rl.trend_max_slope=0.01"])
+    rl = RLConfig(**cfg.rl)
+    alarm = TrendAlarm(window=rl.trend_window, mode=rl.trend_mode, max_growth=rl.trend_max_growth,
+                       max_slope=rl.trend_max_slope, min_level=rl.trend_min_level)
+    assert (alarm.mode, alarm.max_slope, alarm.max_growth) == ("absolute", 0.01, None)
+    assert TrendAlarm(mode=None, max_growth=None).max_growth == 1.0  # the yaml's null: the relative default
 
 
 def test_driver_registers_and_checks_the_quant_recipe(megatron_cpu, ckpt, tmp_path):
