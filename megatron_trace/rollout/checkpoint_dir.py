@@ -16,8 +16,9 @@ weights that are no longer there.
 A process killed mid-save leaves the target untouched and the ``.<name>.tmp-*`` sibling behind (remove it); killed
 between the two renames, it leaves the old checkpoint in ``.<name>.old-*`` and the complete new one in
 ``.<name>.tmp-*``. A target that is a symlink is resolved (the directory it points to is replaced); a mount point
-is refused (it cannot be renamed), and so is the working directory or one holding it (the process would be left in
-the removed old directory).
+is refused (it cannot be renamed), and so are a directory holding a mount point (removing the old directory would
+remove the mounted files) and the working directory or one holding it (the process would be left in the removed old
+directory).
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ class StagedCheckpointDir:
             raise ValueError(f"{os.fspath(target)!r} holds the working directory {cwd}: a save renames the directory "
                              "away and removes it, which would leave this process in a removed directory; save into "
                              "another directory, or run from outside it")
+        inner = _mount_inside(self.target) if self.target.is_dir() else None
+        if inner is not None:
+            raise ValueError(f"{os.fspath(target)!r} holds a mount point, {inner}: a save carries the directory's "
+                             "other entries into the new one and removes the old one, which would remove the mounted "
+                             "files; move the mount out of the checkpoint directory or save elsewhere")
         self.target.parent.mkdir(parents=True, exist_ok=True)
         token = secrets.token_hex(4)
         self.path = self.target.parent / f".{self.target.name}.tmp-{token}"
@@ -157,8 +163,18 @@ class StagedCheckpointDir:
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)
-    except OSError:  # a filesystem without hard links
+    except OSError:  # a filesystem without hard links: a copy, on disk before the old directory is removed
         shutil.copy2(src, dst)
+        _fsync(Path(dst))
+
+
+def _mount_inside(root: Path) -> str | None:
+    """A mount point under ``root`` (its directories walked, symlinks not followed), or None."""
+    for dirpath, dirnames, _ in os.walk(root):
+        for d in dirnames:
+            if os.path.ismount(os.path.join(dirpath, d)):
+                return os.path.join(dirpath, d)
+    return None
 
 
 def _fsync(path: Path) -> None:

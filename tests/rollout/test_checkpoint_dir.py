@@ -92,3 +92,18 @@ def test_a_target_holding_the_working_directory_is_refused_before_anything_chang
         StagedCheckpointDir("." if where == "." else target)
     assert os.getcwd() == str(target / where) and _tree(target) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_target_holding_a_mount_point_is_refused_before_anything_changes(tmp_path, monkeypatch):
+    """The old directory is removed after the swap: with a mount inside, that would remove the mounted files.
+    (``os.path.ismount`` is told which directory is one: mounting needs privileges the tests do not have.)"""
+    target = tmp_path / "ckpt"
+    (target / "data" / "mnt").mkdir(parents=True)
+    (target / "data" / "mnt" / "shared.bin").write_bytes(b"x")
+    mount = str(target / "data" / "mnt")
+    real = os.path.ismount
+    monkeypatch.setattr(os.path, "ismount", lambda p: os.fspath(p) == mount or real(p))
+    with pytest.raises(ValueError, match=r"holds a mount point, .*data/mnt"):
+        StagedCheckpointDir(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert (target / "data" / "mnt" / "shared.bin").read_bytes() == b"x"
