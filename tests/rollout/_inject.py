@@ -21,7 +21,7 @@ def inject(model, layer: int, site: str, value: float) -> None:
     if site == "expert_fc1_in":
         def pre(module, args):
             h = args[0].clone()
-            h[0, 3] = value
+            h[0, 3:4].fill_(value)  # (fill_: no host-to-device copy, so a CUDA graph can capture it)
             return (h, *args[1:])
 
         lay.mlp.experts.register_forward_pre_hook(pre)
@@ -31,14 +31,14 @@ def inject(model, layer: int, site: str, value: float) -> None:
 
         def gated(h: torch.Tensor) -> torch.Tensor:
             out = gate(experts, h).clone()
-            out[0, 5] = value
+            out[0, 5:6].fill_(value)
             return out
 
         experts._apply_gate = gated
     elif site in ("kv_k", "kv_v"):
         def post(module, args, out):
             out = out.clone()
-            out.view(-1)[3] = value
+            out.view(-1)[3:4].fill_(value)
             return out
 
         (lay.self_attn.k_norm if site == "kv_k" else lay.self_attn.v_proj).register_forward_hook(post)
