@@ -25,6 +25,7 @@ from ..config import KV_SITES, TraceConfig
 from ..formats import get_format
 from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw, elements_per_layer, side_bytes
 from .model_dims import ModelDims
+from .routing import id_dtype
 from .selection import guided_layers
 from .sync import PROTOCOL, SIZES
 
@@ -213,7 +214,8 @@ def _site_tensor_bytes(dims: ModelDims, site: str, tokens: int, config: TraceCon
 
 
 def _routing_dtype(dims: ModelDims) -> str:
-    return "uint8" if dims.num_experts <= 256 else "int16" if dims.num_experts <= 32768 else "int32"
+    """The name of the dtype ``routing.id_dtype`` stores the model's expert ids in."""
+    return str(id_dtype(dims.num_experts)).removeprefix("torch.")
 
 
 def sample_bytes(dims: ModelDims, config: TraceConfig, num_tokens: int, *, layers=None) -> dict[str, int]:
