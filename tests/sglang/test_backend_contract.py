@@ -321,3 +321,48 @@ def test_an_update_at_or_below_the_engines_version_reaches_no_engine(path):
     be.update_weights(norm, version=1, reset=True, recipe=trainer_recipe(cfg, version=1))  # a checkpoint, on purpose
     assert be.policy_version == 1 and sink.updates == [["model.norm.weight"]] * 3
     assert engine.updates == [] or path == "tensor"
+
+
+class _FailingEngine(_Engine):
+    """An engine whose next ``update_weights_from_tensor`` fails as SGLang reports it: ``(False, message)``, or by
+    raising (the scheduler died mid-load)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail: str | None = None
+
+    def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
+        fail, self.fail = self.fail, None
+        if fail == "raise":
+            raise ConnectionError("scheduler process exited")
+        if fail == "false":
+            return False, "Failed to update weights: shape mismatch in layer 2"
+        return super().update_weights_from_tensor(named_tensors, load_format, flush_cache)
+
+
+@pytest.mark.parametrize("how", ["false", "raise"])
+def test_an_update_that_fails_in_the_engine_blocks_generate_until_one_succeeds(how):
+    """SGLang loads in place with no rollback: after a failed load some tensors may be new under the old version.
+    Before, the backend raised once and then sampled that mixed model as policy_version; now generate refuses
+    (naming the failed version) until a full update succeeds, and the version and recipe stay the old ones."""
+    from megatron_trace.rollout import SamplingParams
+
+    cfg = CFG.replace(kv_format="sglang_kvfp4")
+    eng = _FailingEngine()
+    be = SGLangRolloutBackend(eng, cfg, HF, native=False, recipe=trainer_recipe(cfg))
+    norm = [("model.norm.weight", torch.ones(64))]
+    be.update_weights(norm, version=1, recipe=trainer_recipe(cfg, version=1))
+    eng.fail = how
+    with pytest.raises((RuntimeError, ConnectionError), match="shape mismatch in layer 2|scheduler process exited"):
+        be.update_weights(norm, version=2, recipe=trainer_recipe(cfg, version=2))
+    assert be.policy_version == 1 and be.trainer_recipe == trainer_recipe(cfg, version=1)
+    assert "version 2 failed in the engine" in be.failed_update
+    sp = SamplingParams(max_new_tokens=2)
+    n_calls = len(eng.calls)
+    with pytest.raises(RuntimeError, match="update to version 2 failed in the engine .*policy_version=1.*send the "
+                                           "full weights again"):
+        be.generate([[1, 2]], sp)
+    assert len(eng.calls) == n_calls  # nothing was sampled
+    be.update_weights(norm, version=2, recipe=trainer_recipe(cfg, version=2))  # the retry
+    assert be.failed_update is None and be.policy_version == 2
+    assert be.generate([[1, 2]], sp).policy_version == 2

@@ -111,6 +111,7 @@ class SGLangRolloutBackend:
         self.weights_group = weights_group
         self.policy_version = 0
         self.trainer_recipe: QuantRecipe | None = None
+        self.failed_update: str | None = None  # why the engine may hold mixed weights (generate refuses until mended)
         if recipe is not None:
             self.check_recipe(recipe)
 
@@ -169,6 +170,10 @@ class SGLangRolloutBackend:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
         prompts = check_prompts(prompts, self.vocab_size)  # (the engine checks its context length itself)
+        if self.failed_update is not None:
+            raise RuntimeError(f"{self.failed_update}; the engine may hold part of those weights under "
+                               f"policy_version={self.policy_version}, so no sample of it is a sample of one policy: "
+                               "send the full weights again (update_weights) before generating")
         if sampling.seed is not None and not self._seeded_engine():
             logger.warning("SamplingParams.seed=%d is ignored: SGLang samples with sampling_seed only when launched "
                            "with enable_deterministic_inference=True", sampling.seed)
@@ -246,7 +251,8 @@ class SGLangRolloutBackend:
 
         ``version``: strictly greater than ``policy_version`` (None: +1); ``reset=True``: any version, on purpose
         (``base.next_policy_version``). The version, the recipe and the tensors' formats (``engine_tensors``) are
-        checked before anything goes to the engine (which loads in place: a refused update must not reach it)."""
+        checked before anything goes to the engine (which loads in place: a refused update must not reach it). An
+        update that fails inside the engine sets ``failed_update``; ``generate`` then refuses until one succeeds."""
         new_version = next_policy_version(self.policy_version, version, reset=reset)
         with recipe_kept_on_failure(self):
             if recipe is not None:
@@ -256,10 +262,22 @@ class SGLangRolloutBackend:
                                           f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
             fp4 = set(self.moe_layers) - self.bf16_expert_layers if self.config.quantizes("weights") else ()
             named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
+            self._send(named, new_version)
+        self.policy_version = new_version
+        self.failed_update = None
+
+    def _send(self, named: list, version: int) -> None:
+        """The checked tensors -> the engine. It loads in place and SGLang 0.5.10 has no rollback: a failure here
+        may leave some tensors new, so ``failed_update`` is set and ``generate`` refuses until an update succeeds."""
+        try:
             if self.weights_group is not None:
                 self.weights_group.send(named)
-            else:
-                ok = self.engine.update_weights_from_tensor(named, load_format=WEIGHT_LOADER, flush_cache=True)
-                if isinstance(ok, tuple) and ok and ok[0] is False:
-                    raise RuntimeError(f"update_weights_from_tensor failed: {ok}")
-        self.policy_version = new_version
+                return
+            ok = self.engine.update_weights_from_tensor(named, load_format=WEIGHT_LOADER, flush_cache=True)
+            if isinstance(ok, tuple) and ok and ok[0] is False:
+                raise RuntimeError(f"update_weights_from_tensor failed: {ok}")
+        except BaseException as e:
+            self.failed_update = (f"the weight update to version {version} failed in the engine "
+                                  f"({type(e).__name__}: {e})")
+            logger.error("%s: generate is refused until an update succeeds", self.failed_update)
+            raise
