@@ -67,22 +67,25 @@ def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge, 
     files (a README, tokenizer files) are kept; an earlier checkpoint's shards, index and ``hf_quant_config.json``
     are not. Under torch.distributed the ranks agree before the export (rank 0 made its directory) and after it
     (rank 0 wrote it), so a failure on rank 0 raises on every rank, a ``RuntimeError`` naming rank 0 and its cause
-    on the others; rank 0 keeps joining the export's gathers after a write failed, so no rank is left in them."""
+    on the others; rank 0 keeps joining the export's gathers after a write failed, so no rank is left in them. An
+    agreement that itself fails (another rank's process died) removes rank 0's temporary directory too."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     drain = dist.is_initialized() and dist.get_world_size() > 1
     what = f"failed to save the checkpoint {os.fspath(path)}"
+    made: list[StagedCheckpointDir] = []  # rank 0's, to remove if the agreement itself fails (a peer died)
 
     def prepare() -> tuple[StagedCheckpointDir, ShardedSafetensorsWriter] | None:
         if rank != 0:
             return None
-        staged = StagedCheckpointDir(path)
-        try:
-            return staged, ShardedSafetensorsWriter(staged.path, max_shard_bytes)
-        except BaseException:
-            staged.abort()
-            raise
+        made.append(StagedCheckpointDir(path))
+        return made[0], ShardedSafetensorsWriter(made[0].path, max_shard_bytes)
 
-    prepared = agreed(prepare, what, RuntimeError)
+    try:
+        prepared = agreed(prepare, what, RuntimeError)
+    except BaseException:
+        for staged in made:
+            staged.abort()
+        raise
     weights = export_hf_weights(models, bridge)
 
     def write() -> list[str]:

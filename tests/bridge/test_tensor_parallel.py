@@ -343,3 +343,51 @@ def test_an_io_error_on_rank_0_raises_on_every_rank_at_once(tmp_path, case, caus
     files = results[0]["saved"]
     assert "model.safetensors.index.json" in files and len(files) > 5  # the earlier save's shards, all there
     assert results[0]["beside"] == ["saved"]  # no temporary directory left
+
+
+def _dead_peer_worker(rank: int, port: int, ckpt: str, out: str) -> None:
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, save_hf_checkpoint
+    from megatron_trace.testing.megatron_cpu import allow_torch_norm_with_sequence_parallel
+
+    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    allow_torch_norm_with_sequence_parallel()
+    init_megatron(rank, WORLD, port, tp=WORLD, timeout_s=PG_TIMEOUT_S)  # a regression fails, does not hang
+    ready = os.path.join(out, "rank0-past-the-collectives")
+    try:
+        bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+        model = bridge.build_model()
+        torch.distributed.barrier()  # the last collective both ranks finish
+        if rank == 1:  # dies once rank 0 is out of the barrier (its data read), before the save's agreement
+            while not os.path.exists(ready):
+                time.sleep(0.05)
+            os._exit(0)
+        open(ready, "w").close()
+        start = time.monotonic()
+        try:
+            save_hf_checkpoint(model, os.path.join(out, "saved"), bridge)
+            outcome = ("done", "")
+        except Exception as e:  # recorded for the test
+            outcome = (type(e).__name__, str(e))
+        torch.save({"outcome": outcome, "seconds": time.monotonic() - start,
+                    "beside": sorted(n for n in os.listdir(out) if n != os.path.basename(ready))},
+                   os.path.join(out, "rank0.pt"))
+    finally:
+        shutdown_megatron()
+
+
+def test_a_save_whose_agreement_fails_removes_rank_0_s_temporary_directory(tmp_path):
+    """TP=2; rank 1 dies before the save. Rank 0 made its temporary directory, then the ranks' agreement (gloo's
+    all_gather_object) raises on it: the temporary directory was left behind; now it is removed."""
+    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = free_port()
+    spawn_ranks(_dead_peer_worker, WORLD, lambda r: (r, port, ckpt, str(out)), timeout=240)
+    result = torch.load(out / "rank0.pt")
+    assert result["outcome"][0] == "RuntimeError" and "gloo" in result["outcome"][1] and result["seconds"] < 10, result
+    assert result["beside"] == [], result  # no ".saved.tmp-*" left, and no target
