@@ -13,12 +13,15 @@ directory as hard links (copies where the filesystem has none), as transformers'
 The earlier checkpoint's files are not carried: a stale shard, index or ``hf_quant_config.json`` would describe
 weights that are no longer there.
 
-A process killed mid-save leaves the target untouched and the ``.<name>.tmp-*`` sibling behind (remove it); killed
-between the two renames, it leaves the old checkpoint in ``.<name>.old-*`` and the complete new one in
-``.<name>.tmp-*``. A target that is a symlink is resolved (the directory it points to is replaced); a mount point
-is refused (it cannot be renamed), and so are a directory holding a mount point (removing the old directory would
-remove the mounted files) and the working directory or one holding it (the process would be left in the removed old
-directory).
+A process killed mid-save leaves the target untouched and the ``.<name>.tmp-*`` sibling behind; killed between the two
+renames, it leaves the old checkpoint in ``.<name>.old-*`` (the target missing) and the complete new one in
+``.<name>.tmp-*`` of the same suffix. The next ``StagedCheckpointDir`` for that target logs one warning naming such
+siblings and, when the target is missing, where its earlier checkpoint is (to move it back). It removes none of them:
+another process may be saving to the target right now; remove them once none is.
+
+A target that is a symlink is resolved (the directory it points to is replaced); a mount point is refused (it cannot be
+renamed), and so are a directory holding a mount point (removing the old directory would remove the mounted files) and
+the working directory or one holding it (the process would be left in the removed old directory).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import errno
 import fnmatch
 import logging
 import os
+import re
 import secrets
 import shutil
 from pathlib import Path
@@ -62,6 +66,7 @@ class StagedCheckpointDir:
                              "other entries into the new one and removes the old one, which would remove the mounted "
                              "files; move the mount out of the checkpoint directory or save elsewhere")
         self.target.parent.mkdir(parents=True, exist_ok=True)
+        _warn_of_leftovers(self.target)
         token = secrets.token_hex(4)
         self.path = self.target.parent / f".{self.target.name}.tmp-{token}"
         self._backup = self.target.parent / f".{self.target.name}.old-{token}"
@@ -158,6 +163,35 @@ class StagedCheckpointDir:
         if kept:
             logger.info("%s: kept %d entr%s that are not checkpoint files: %s", self.target, len(kept),
                         "y" if len(kept) == 1 else "ies", kept[:5])
+
+
+_SHOWN = 5  # leftovers named in the warning
+
+
+def _warn_of_leftovers(target: Path) -> None:
+    """One warning naming the ``.<name>.tmp-*`` / ``.<name>.old-*`` siblings of ``target`` (saves killed, or running
+    now); none is removed."""
+    prefix = f".{target.name}."
+    sibling = re.compile(re.escape(prefix) + r"(tmp|old)-[0-9a-f]+")
+    try:
+        found = sorted(e.name for e in os.scandir(target.parent) if sibling.fullmatch(e.name))
+    except OSError:
+        return
+    if not found:
+        return
+    shown = ", ".join(found[:_SHOWN]) + (", ..." if len(found) > _SHOWN else "")
+    message = (f"{target}: {len(found)} leftover(s) of earlier saves beside it in {target.parent}: {shown} (.tmp-*: "
+               "the temporary directories of saves that were killed, or of one running now; .old-*: earlier "
+               "checkpoints moved aside by a save killed before removing them); they can be removed once no other "
+               "save to this directory is running")
+    olds = [n for n in found if n.startswith(prefix + "old-")]
+    if olds and not target.exists():
+        message += (f". {target} does not exist: an interrupted save left the earlier checkpoint in {', '.join(olds)} "
+                    f"(move it back to {target} to restore it)")
+        complete = [n for n in (prefix + "tmp-" + o[len(prefix) + 4:] for o in olds) if n in found]  # same suffix
+        if complete:
+            message += f"; {', '.join(complete)} holds the new checkpoint, complete (it was written before the renames)"
+    logger.warning("%s", message)
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -1,5 +1,6 @@
 """``StagedCheckpointDir``: a checkpoint directory replaced as a whole, the user's files kept, a failure undone."""
 
+import logging
 import os
 import stat
 
@@ -107,3 +108,53 @@ def test_a_target_holding_a_mount_point_is_refused_before_anything_changes(tmp_p
         StagedCheckpointDir(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert (target / "data" / "mnt" / "shared.bin").read_bytes() == b"x"
+
+
+def _leftover_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "megatron_trace.rollout.checkpoint_dir" and r.levelno == logging.WARNING]
+
+
+def test_the_leftovers_of_killed_saves_are_named_in_one_warning_and_kept(tmp_path, caplog):
+    """A save killed mid-write leaves ``.ckpt.tmp-*``; killed after the swap, ``.ckpt.old-*``. Nothing said so: the
+    next save names them (a few, and how many), and removes none (another save to the target may be running)."""
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    leftovers = [f".ckpt.tmp-{i:08x}" for i in range(6)] + [".ckpt.old-0000abcd"]
+    for name in leftovers + [".other.tmp-0000abcd", ".ckpt2.old-0000abcd", ".ckpt.tmp-x"]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    caplog.set_level(logging.WARNING)
+    with StagedCheckpointDir(target) as staged:
+        (staged.path / "config.json").write_text("{1}")
+    [msg] = _leftover_warnings(caplog)
+    assert "7 leftover(s)" in msg and "once no other save to" in msg and ".ckpt.old-0000abcd" in msg, msg
+    assert ".ckpt.tmp-00000000" in msg and ".ckpt.tmp-00000005" not in msg, msg  # a few of them, not all
+    assert not any(n in msg for n in (".other.", ".ckpt2.", ".ckpt.tmp-x", staged.path.name)), msg
+    assert "does not exist" not in msg  # the target is there: the .old- is a stale copy, not the only one
+    assert all((tmp_path / n / "config.json").exists() for n in leftovers)  # not removed
+    assert _tree(target)["config.json"] == b"{1}"
+    for name in leftovers:
+        (tmp_path / name / "config.json").unlink()
+        (tmp_path / name).rmdir()
+    caplog.clear()
+    with StagedCheckpointDir(target) as staged:
+        (staged.path / "config.json").write_text("{2}")
+    assert _leftover_warnings(caplog) == []  # nothing left over: nothing said
+
+
+def test_a_missing_target_whose_earlier_checkpoint_an_interrupted_save_moved_aside_is_said_so(tmp_path, caplog):
+    """Killed between the two renames: the target is gone, the earlier checkpoint in ``.ckpt.old-<hex>``, the
+    complete new one in ``.ckpt.tmp-<hex>``. The warning says where the earlier checkpoint is, to move it back."""
+    target = tmp_path / "ckpt"
+    _old_checkpoint(tmp_path / ".ckpt.old-1234abcd")
+    (tmp_path / ".ckpt.tmp-1234abcd").mkdir()
+    (tmp_path / ".ckpt.tmp-1234abcd" / "config.json").write_text("{new}")
+    caplog.set_level(logging.WARNING)
+    staged = StagedCheckpointDir(target)
+    staged.abort()
+    [msg] = _leftover_warnings(caplog)
+    assert f"{target} does not exist" in msg and "earlier checkpoint" in msg, msg
+    assert "interrupted save" in msg and ".ckpt.old-1234abcd" in msg and "move it back" in msg, msg
+    assert ".ckpt.tmp-1234abcd holds the new checkpoint" in msg, msg
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.old-1234abcd", ".ckpt.tmp-1234abcd"]
