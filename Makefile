@@ -5,8 +5,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU machines of this project have torch 2.13.0 (CPU build) on disk; elsewhere any torch >= 2.6 works.
 TORCH_SPEC ?= torch==2.13.0
-# The Triton kernels' tests also run on CPU, in Triton's interpreter (same Triton as the GPU box).
+# The Triton kernels' tests also run on CPU, in Triton's interpreter (same Triton as the GPU box): single-threaded
+# Python, so they run in KERNEL_TEST_WORKERS pytest-xdist processes (2 on the 2-core CI machine: 15 -> 8 minutes).
 TRITON_SPEC ?= triton==3.6.0
+KERNEL_TEST_WORKERS ?= 2
 # NVRTC (no GPU needed) cross-compiles the CUDA GEMMs (kernels/moe_mma.cu, moe_wgmma.cu) for sm_90(a) in the SASS tests.
 NVRTC_SPEC ?= nvidia-cuda-nvrtc==13.0.88
 STAMP := $(VENV)/.installed
@@ -31,7 +33,8 @@ demo-quant: $(STAMP)
 test: $(STAMP)
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests
 	$(PY) -m pip install -q "$(TRITON_SPEC)"
-	TRITON_INTERPRET=1 TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/kernels
+	TRITON_INTERPRET=1 TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider \
+		-n $(KERNEL_TEST_WORKERS) tests/kernels
 	$(PY) -m pip install -q "$(NVRTC_SPEC)"
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/benchmarks/test_sass_kv_attention.py \
 		tests/benchmarks/test_sass_moe_gemm.py tests/benchmarks/test_sass_moe_mma.py tests/benchmarks/test_sass_moe_wgmma.py \
