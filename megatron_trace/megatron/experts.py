@@ -75,6 +75,22 @@ def check_expert_config(config, trace_config: TraceConfig | None = None) -> None
         problems.append(f"moe_token_dispatcher_type={kind!r} (supported: allgather, alltoall)")
     if problems:
         raise ValueError("TRACE experts do not support " + "; ".join(problems))
+    _check_router_runs()
+
+
+def _check_router_runs() -> None:
+    """megatron-core 0.16.1's MoE router reads ``moe_utils.te_general_gemm``, defined only when Transformer Engine
+    imports: without TE the layer's first forward raises ``NameError`` (TRACE or not). Said at build time instead,
+    with the fix (no Megatron code is patched here)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        raise RuntimeError(
+            "megatron-core's MoE router reads moe_utils.te_general_gemm, which is defined only when Transformer "
+            "Engine imports, and it does not here: the first forward would raise NameError (a megatron-core 0.16.1 "
+            "bug, with or without TRACE). Install transformer-engine, or call "
+            "megatron_trace.testing.megatron_cpu.fix_router_without_te() before building the model (it defines it "
+            "as None: the router then uses torch's matmul)")
 
 
 class TraceExpertsCore:

@@ -222,3 +222,21 @@ def test_expert_options_trace_does_not_implement_are_named_at_build_time():
     deferred.delay_wgrad_compute = True  # (its own checks need EP comm overlap; set after them)
     with pytest.raises(ValueError, match="delay_wgrad_compute=True"):
         check_expert_config(deferred, TraceConfig())
+
+
+def test_a_router_that_would_raise_name_error_without_te_is_said_at_build_time(monkeypatch):
+    """megatron-core 0.16.1's router reads moe_utils.te_general_gemm, defined only when TE imports: without TE (the
+    H100 run of Megatron-LM's pretrain_gpt.py, session 42) the first forward raised NameError, TRACE or not. The
+    TRACE experts now say so when the model is built, with the fix; once defined (TE, or the fix) they build."""
+    from megatron.core.transformer.moe import moe_utils
+
+    from megatron_trace.megatron.experts import check_expert_config
+
+    monkeypatch.delattr(moe_utils, "te_general_gemm", raising=False)  # as megatron-core leaves it without TE
+    with pytest.raises(RuntimeError, match=r"te_general_gemm.*NameError.*fix_router_without_te\(\)"):
+        check_expert_config(tiny_config(), TraceConfig())
+    from megatron_trace.testing.megatron_cpu import fix_router_without_te
+
+    fix_router_without_te()
+    check_expert_config(tiny_config(), TraceConfig())
+    assert moe_utils.te_general_gemm is None
