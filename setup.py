@@ -1,7 +1,8 @@
 from setuptools import find_packages, setup
 
 EXTRAS = {
-    "megatron": ["megatron-core==0.16.1", "einops", "mbridge==0.15.1"],
+    # psutil: megatron-core's torch_dist checkpoint writer imports it (undeclared); without it a save hangs
+    "megatron": ["megatron-core==0.16.1", "einops", "mbridge==0.15.1", "psutil"],
     "hf": ["transformers>=5.24,<6", "safetensors>=0.4"],
     "examples": ["hydra-core>=1.3", "omegaconf>=2.3", "matplotlib>=3.7", "tqdm>=4.60", "tensorboard>=2.14"],
     "sglang": ["sglang==0.5.10.post1"],

@@ -7,6 +7,8 @@ Megatron assumes CUDA in a few places (probed in shared/reference/megatron_cpu_p
   - CUDA streams/events of the alltoall dispatcher -> no-op stand-ins (CPU work is synchronous)
   - alltoall split sizes must be numpy for all_to_all_single, done for CUDA tensors only -> also CPU
   - the pipeline schedules' token counter ``torch.zeros([], device="cuda")`` -> on the CPU
+  - ``torch.cuda.synchronize()`` after the torch_dist checkpoint writer's host copies (``dist_checkpointing.save``:
+    filesystem_async.preload_tensors, "Torch not compiled with CUDA enabled") -> no-op (CPU copies are synchronous)
 
 ``apply_cpu_shims()`` is explicit and idempotent; no product module calls it. On a GPU nothing
 here is used. Remove a shim when Megatron-Core stops needing it.
@@ -61,6 +63,7 @@ def apply_cpu_shims() -> None:
     torch.cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
     torch.cuda.manual_seed = lambda seed, *a, **k: torch.manual_seed(seed)
     torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.synchronize = lambda *a, **k: None
     fix_router_without_te()
     stream = _CpuStream()
     torch.cuda.Stream = _CpuStream
