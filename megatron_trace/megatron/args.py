@@ -2,18 +2,25 @@
 ``trace_config_from_args(args)`` -> ``TraceConfig``.
 
 Every ``--trace-*`` flag defaults to "not given" and then takes the TraceConfig default (or the
-value of ``--trace-config FILE.json``), so ``trace_args_from_config`` round-trips any config. The one exception
+value of ``--trace-config FILE.json``), so ``trace_args_from_config`` round-trips a config (below). The one exception
 is ``enabled``: only ``--trace-fp4`` turns TRACE on (a file's ``"enabled"`` is ignored), so a launch script
 without the flag always trains as stock Megatron.
 ``--trace-guided-layers`` takes a policy (none, all, last_k, fraction) or a comma list of layer ids (the
 explicit policy). ``budget`` parses, but a launch refuses it: it needs measured per-layer code-mismatch rates
 (``cli.plan --mismatch-profile``).
+
+With ``--trace-fp4``, a flag given a value it would not act on is refused (``--trace-guided-last-k`` under another
+policy, ``--trace-mxfp4-scale-rule`` with NVFP4, ...), and the flags are checked against Megatron's (``args_checks``:
+the model they will build). Without it (TRACE off), the ``--trace-*`` flags given are logged as ignored.
+``trace_args_from_config`` writes only the flags the config acts on, so a config round-trips up to fields it does not
+use (e.g. the ``mxfp4_scale_rule`` of an NVFP4 config), which come back at their defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 
 from ..config import (
     ACTIVATION_SITES,
@@ -22,6 +29,7 @@ from ..config import (
     FINITE_CHECKS,
     KERNELS,
     KV_FORMATS,
+    KV_SITES,
     LAYER_POLICIES,
     SITES,
     TraceConfig,
@@ -29,7 +37,9 @@ from ..config import (
 from ..formats import FORMATS
 from ..formats.mxfp4 import SCALE_RULES
 from ..formats.rounding import ROUNDINGS
-from ..guidance.selection import guided_layers
+from .args_checks import check_against_model
+
+logger = logging.getLogger(__name__)
 
 # flag -> TraceConfig field for the flags that map one to one
 _SIMPLE = {
@@ -51,6 +61,19 @@ _SIMPLE = {
     "trace_kernel": "kernel",
     "trace_finite_check": "finite_check",
 }
+
+# flag -> (what makes the config use its field, whether it does): given another value than the default while unused,
+# the flag would do nothing
+_USED_WHEN = {
+    "trace_guided_last_k": ("--trace-guided-layers last_k", lambda c: c.guided_layers == "last_k"),
+    "trace_guided_fraction": ("--trace-guided-layers fraction", lambda c: c.guided_layers == "fraction"),
+    "trace_budget_bytes_per_token": ("--trace-guided-layers budget", lambda c: c.guided_layers == "budget"),
+    "trace_mxfp4_scale_rule": ("--trace-format mxfp4", lambda c: c.format == "mxfp4"),
+    "trace_activation_amax": ("--trace-format nvfp4 (MXFP4 blocks have E8M0 scales, no amax)",
+                              lambda c: c.format == "nvfp4"),
+    "trace_kv_format": ("a KV site (kv_k, kv_v) in --trace-sites", lambda c: any(s in c.sites for s in KV_SITES)),
+}
+_OTHER_FLAGS = ("trace_config", "trace_sites", "trace_guided_sites", "trace_guided_layers", "trace_exclude_modules")
 
 
 def _site_list(valid: tuple[str, ...]):
@@ -93,16 +116,18 @@ def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trace-kv-format", choices=KV_FORMATS, default=None,
                    help="K/V format at the KV sites: '' (= --trace-format) or sglang_kvfp4 (SGLang's fp4_e2m1 KV "
                         "cache; its KV records then guide the trainer).")
-    g.add_argument("--trace-mxfp4-scale-rule", choices=SCALE_RULES, default=None)
+    g.add_argument("--trace-mxfp4-scale-rule", choices=SCALE_RULES, default=None, help="With --trace-format mxfp4.")
     g.add_argument("--trace-sites", type=_site_list(SITES), default=None,
                    help=f"Comma list of quantized sites ({', '.join(SITES)}).")
-    g.add_argument("--trace-activation-amax", choices=("per_row", "per_tensor"), default=None)
+    g.add_argument("--trace-activation-amax", choices=("per_row", "per_tensor"), default=None,
+                   help="With --trace-format nvfp4 (the default).")
     g.add_argument("--trace-guided-sites", type=_site_list(ACTIVATION_SITES), default=None)
     g.add_argument("--trace-guided-layers", type=_layers, default=None,
                    help="Layer policy (none, all, last_k, fraction) or a comma list of layer ids "
                         "(budget: plan it with megatron_trace.cli.plan, pass the list it prints).")
-    g.add_argument("--trace-guided-last-k", type=int, default=None)
-    g.add_argument("--trace-guided-fraction", type=float, default=None)
+    g.add_argument("--trace-guided-last-k", type=int, default=None, help="With --trace-guided-layers last_k.")
+    g.add_argument("--trace-guided-fraction", type=float, default=None,
+                   help="With --trace-guided-layers fraction (the default).")
     g.add_argument("--trace-budget-bytes-per-token", type=float, default=None)
     g.add_argument("--trace-cache-mode", choices=CACHE_MODES, default=None)
     g.add_argument("--trace-cache-budget-mb", type=float, default=None)
@@ -128,12 +153,11 @@ def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
-    """The TraceConfig of parsed launch args, checked against the model depth (``args.num_layers``)."""
-    base = {}
-    if getattr(args, "trace_config", None):
-        with open(args.trace_config, encoding="utf-8") as f:
-            base = json.load(f)
-    fields = dict(base)
+    """The TraceConfig of parsed launch args. With ``--trace-fp4``, checked against flags that would do nothing and
+    against Megatron's flags in ``args`` (``args_checks``: the model depth, MoE options, Transformer Engine, ...);
+    without it (TRACE off), the ``--trace-*`` flags given are logged as ignored."""
+    path = getattr(args, "trace_config", None)
+    fields = _read_config_file(path) if path else {}
     fields["enabled"] = bool(getattr(args, "trace_fp4", False))
     for flag, name in _SIMPLE.items():
         if getattr(args, flag, None) is not None:
@@ -154,9 +178,56 @@ def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
     try:
         cfg = TraceConfig.from_dict(fields)
     except ValueError as e:
-        raise ValueError(f"invalid --trace-* flags: {e}") from None
-    _check_against_model(cfg, args)
+        source = f"--trace-config {path} or the --trace-* flags" if path else "--trace-* flags"
+        raise ValueError(f"invalid {source}: {e}") from None
+    if not cfg.enabled:
+        given = _given_flags(args)
+        if given:
+            logger.warning("TRACE is off (no --trace-fp4): ignoring %s", " ".join(given))
+        return cfg
+    _check_used(cfg, args)
+    check_against_model(cfg, args)
     return cfg
+
+
+def _read_config_file(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            base = json.load(f)
+    except OSError as e:
+        raise ValueError(f"--trace-config {path}: cannot read it ({e.strerror or e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--trace-config {path} is not JSON: {e}") from None
+    if not isinstance(base, dict):
+        raise ValueError(f"--trace-config {path} holds a JSON {type(base).__name__}; it must be an object of "
+                         'TraceConfig fields (e.g. {"format": "mxfp4"}, as TraceConfig.to_dict() writes)')
+    return base
+
+
+def _given_flags(args) -> list[str]:
+    """The ``--trace-*`` flags given on the command line, --trace-fp4 aside."""
+    given = ["--" + d.replace("_", "-") for d in (*_SIMPLE, *_OTHER_FLAGS) if getattr(args, d, None) is not None]
+    if getattr(args, "trace_reuse_weight_quant", False):
+        given.append("--trace-reuse-weight-quant")
+    return given
+
+
+def _check_used(cfg: TraceConfig, args) -> None:
+    """Refuse a flag given a value it would not act on (the policy or format that uses it is not the one chosen)."""
+    defaults = TraceConfig()
+    for flag, (needs, used) in _USED_WHEN.items():
+        value = getattr(args, flag, None)
+        if value is not None and value != getattr(defaults, _SIMPLE[flag]) and not used(cfg):
+            raise ValueError(f"--{flag.replace('_', '-')} {value} would do nothing: it is used with {needs} only, "
+                             f"and the config has {_what_decides(cfg, flag)}")
+
+
+def _what_decides(cfg: TraceConfig, flag: str) -> str:
+    if flag in ("trace_mxfp4_scale_rule", "trace_activation_amax"):
+        return f"format={cfg.format!r}"
+    if flag == "trace_kv_format":
+        return f"sites={','.join(cfg.sites)}"
+    return f"guided_layers={cfg.guided_layers!r}"
 
 
 _BUDGET_AT_LAUNCH = (
@@ -164,19 +235,6 @@ _BUDGET_AT_LAUNCH = (
     "have: run `python -m megatron_trace.cli.plan --hf-config CONFIG --layer-policy budget=BYTES --mismatch-profile "
     "metrics.jsonl` (a calibration run's metrics, or a JSON list of per-layer rates) and pass the layers it prints "
     "(--trace-guided-layers 20,21,...)")
-
-
-def _check_against_model(cfg: TraceConfig, args) -> None:
-    num_layers = getattr(args, "num_layers", None)
-    if cfg.enabled and num_layers:
-        try:
-            guided_layers(cfg, int(num_layers))
-        except ValueError as e:
-            raise ValueError(f"invalid --trace-guided-layers for --num-layers {num_layers}: {e}") from None
-    replay_on = getattr(args, "moe_enable_routing_replay", None)
-    if cfg.enabled and cfg.routing_replay and replay_on is False and getattr(args, "num_experts", None):
-        raise ValueError("--trace-routing-replay (the default) needs Megatron's --moe-enable-routing-replay; "
-                         "add it, or pass --no-trace-routing-replay")
 
 
 def trace_spec_from_args(args: argparse.Namespace, spec):
@@ -189,9 +247,12 @@ def trace_spec_from_args(args: argparse.Namespace, spec):
 
 
 def trace_args_from_config(cfg: TraceConfig) -> list[str]:
-    """The ``--trace-*`` flags that reproduce ``cfg`` (inverse of ``trace_config_from_args``)."""
+    """The ``--trace-*`` flags that reproduce ``cfg`` (inverse of ``trace_config_from_args``), less those of fields
+    it does not use (they would be refused with ``--trace-fp4``; they come back at their defaults)."""
     out = ["--trace-fp4"] if cfg.enabled else []
     for flag, name in _SIMPLE.items():
+        if flag in _USED_WHEN and not _USED_WHEN[flag][1](cfg):
+            continue
         value = getattr(cfg, name)
         opt = "--" + flag.replace("_", "-")
         if isinstance(value, bool):

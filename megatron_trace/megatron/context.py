@@ -49,6 +49,7 @@ from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
 from ..kernels.checks import FiniteCounter, count_ready, count_tensors, raise_if_bad, read_and_reset
 from ..manifest import excluded_modules
+from .args_checks import moe_layer_ids
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
 from .facts import step_facts
@@ -153,19 +154,10 @@ def _apply_exclusions(layers: TraceLayers) -> None:
     """Check ``exclude_modules`` against the whole model (all pipeline stages) and tell the experts their layer."""
     if layers.config.exclude_modules:
         mcfg = next(iter([*layers.moe.values(), *layers.kv.values()])).config
-        excluded_modules(layers.config, moe_layers=_moe_layer_ids(mcfg), attention_layers=range(layers.num_layers))
+        moe_layers = moe_layer_ids(mcfg.num_moe_experts, mcfg.moe_layer_freq, mcfg.num_layers)
+        excluded_modules(layers.config, moe_layers=moe_layers, attention_layers=range(layers.num_layers))
     for layer, m in layers.moe.items():
         m.experts.bind_trace_layer(layer)
-
-
-def _moe_layer_ids(mcfg) -> list[int]:
-    """MoE layer ids of the whole model from Megatron's ``moe_layer_freq`` (an int N or a 0/1 list)."""
-    if not mcfg.num_moe_experts:
-        return []
-    freq = mcfg.moe_layer_freq
-    if isinstance(freq, int):
-        return [i for i in range(mcfg.num_layers) if i % freq == 0]
-    return [i for i, moe in enumerate(freq) if moe]
 
 
 def _claim(d: dict, layer: int, module, name: str) -> None:

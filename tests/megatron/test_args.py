@@ -1,11 +1,14 @@
 """Launch flags: --trace-* round-trip into TraceConfig; invalid combinations fail with clear messages."""
 
 import argparse
+import importlib.util
 import json
+import logging
 
 import pytest
 
 from megatron_trace.config import TraceConfig
+from megatron_trace.manifest import ModulePatternError
 from megatron_trace.megatron import add_trace_args, trace_args_from_config, trace_config_from_args
 
 
@@ -20,19 +23,30 @@ def parse(argv, **model):
 CONFIGS = [
     TraceConfig(),
     TraceConfig(enabled=False),
-    TraceConfig(format="mxfp4", mxfp4_scale_rule="ceil", activation_amax="per_tensor", cache_mode="full",
+    TraceConfig(format="mxfp4", mxfp4_scale_rule="ceil", cache_mode="full",
                 guided_layers="last_k", guided_last_k=3, rounding="stochastic", ste_clip=True, fallback="fail",
                 min_coverage=0.9, routing_replay=False, kernel="reference", cache_budget_mb=12.5, cache_dir="/tmp/c"),
     TraceConfig(sites=("expert_fc1_in", "weights"), guided_sites=("expert_fc1_in",), guided_layers="explicit",
                 guided_layer_list=(1, 3)),
     TraceConfig(guided_layers="budget", budget_bytes_per_token=7500.0, enabled=False),
     TraceConfig(kv_format="sglang_kvfp4"),
+    TraceConfig(activation_amax="per_tensor", guided_layers="all"),
 ]
 
 
 @pytest.mark.parametrize("cfg", CONFIGS, ids=range(len(CONFIGS)))
 def test_flags_round_trip(cfg):
     assert trace_config_from_args(parse(trace_args_from_config(cfg), num_layers=4)) == cfg
+
+
+def test_fields_the_config_does_not_use_come_back_at_their_defaults():
+    """Their flags would be refused with --trace-fp4 (they would do nothing): trace_args_from_config leaves them out."""
+    cfg = TraceConfig(format="mxfp4", activation_amax="per_tensor", guided_layers="all", guided_last_k=3,
+                      sites=("expert_fc1_in", "weights"), guided_sites=(), kv_format="sglang_kvfp4")
+    argv = trace_args_from_config(cfg)
+    assert not {"--trace-activation-amax", "--trace-guided-last-k", "--trace-kv-format"} & set(argv)
+    back = trace_config_from_args(parse(argv, num_layers=4))
+    assert back == cfg.replace(activation_amax="per_row", guided_last_k=0, kv_format="")
 
 
 def test_trace_is_off_without_the_flag_and_defaults_follow_the_config():
@@ -48,6 +62,64 @@ def test_guided_layers_accepts_a_list():
 def test_sites_narrow_the_guided_sites_by_default():
     cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-sites", "expert_fc1_in,weights"]))
     assert cfg.sites == ("expert_fc1_in", "weights") and cfg.guided_sites == ("expert_fc1_in",)
+
+
+def test_flags_without_trace_fp4_are_logged_as_ignored(caplog):
+    """TRACE stays off (a launch script without --trace-fp4 trains as stock Megatron), and says what it ignores."""
+    with caplog.at_level(logging.WARNING, logger="megatron_trace"):
+        cfg = trace_config_from_args(parse(["--trace-reuse-weight-quant", "--trace-format", "mxfp4"]))
+        assert not cfg.enabled
+        assert caplog.messages == ["TRACE is off (no --trace-fp4): ignoring --trace-format --trace-reuse-weight-quant"]
+        caplog.clear()
+        trace_config_from_args(parse([]))
+        trace_config_from_args(parse(["--trace-fp4", "--trace-format", "mxfp4"]))
+    assert caplog.messages == []
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--trace-guided-last-k", "2"], r"--trace-guided-last-k 2 would do nothing: it is used with --trace-guided-layers "
+                                     r"last_k only, and the config has guided_layers='fraction'"),
+    (["--trace-guided-layers", "1,2", "--trace-guided-fraction", "0.25"],
+     r"--trace-guided-fraction 0.25 would do nothing: .*guided_layers='explicit'"),
+    (["--trace-guided-layers", "all", "--trace-budget-bytes-per-token", "100"],
+     r"--trace-budget-bytes-per-token 100.0 would do nothing"),
+    (["--trace-mxfp4-scale-rule", "ceil"], r"--trace-mxfp4-scale-rule ceil would do nothing: .*format='nvfp4'"),
+    (["--trace-format", "mxfp4", "--trace-activation-amax", "per_tensor"],
+     r"--trace-activation-amax per_tensor would do nothing: .*format='mxfp4'"),
+    (["--trace-kv-format", "sglang_kvfp4", "--trace-sites", "expert_fc1_in,weights"],
+     r"--trace-kv-format sglang_kvfp4 would do nothing: .*sites=expert_fc1_in,weights"),
+], ids=["last_k_under_fraction", "fraction_under_a_list", "budget_bytes_under_all", "mxfp4_scale_rule_with_nvfp4",
+        "amax_with_mxfp4", "kv_format_without_kv_sites"])
+def test_a_flag_that_would_do_nothing_is_refused(argv, match):
+    with pytest.raises(ValueError, match=match):
+        trace_config_from_args(parse(["--trace-fp4", *argv], num_layers=4))
+
+
+def test_unused_flags_at_their_default_value_are_accepted(tmp_path):
+    """What trace_args_from_config wrote before it left them out, and a config file's policy is what counts."""
+    cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-guided-last-k", "0", "--trace-format", "mxfp4",
+                                        "--trace-activation-amax", "per_row"], num_layers=4))
+    assert cfg.guided_layers == "fraction" and cfg.format == "mxfp4"
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"guided_layers": "last_k", "guided_last_k": 1}))
+    cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path), "--trace-guided-last-k", "2"],
+                                       num_layers=4))
+    assert (cfg.guided_layers, cfg.guided_last_k) == ("last_k", 2)
+
+
+@pytest.mark.parametrize("content,match", [
+    ('{"format": "mxfp4",}', r"--trace-config .*trace.json is not JSON: Expecting property name"),
+    ('["nvfp4"]', r"--trace-config .*trace.json holds a JSON list; it must be an object of TraceConfig fields"),
+    ('{"guided_layer": "all"}', r"invalid --trace-config .*trace.json or the --trace-\* flags: unknown TraceConfig "
+                                r"field\(s\) \['guided_layer'\]"),
+    (None, r"--trace-config .*trace.json: cannot read it \(No such file or directory\)"),
+], ids=["not_json", "a_list", "unknown_key", "missing"])
+def test_a_bad_config_file_is_named(tmp_path, content, match):
+    path = tmp_path / "trace.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(ValueError, match=match):
+        trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path)]))
 
 
 def test_config_file_is_the_base_and_flags_override(tmp_path):
@@ -121,3 +193,70 @@ def test_spec_selection_follows_the_flag():
     assert experts.module is TraceSequentialMLP
     assert experts.params["trace_config"].guided_layer_list == (3,)
     assert stock.submodules.mlp.submodules.experts.module is not TraceSequentialMLP  # the stock spec is untouched
+
+
+# What Megatron-LM's parse_args holds for the flags checked: a 2-layer, 4-expert model, torch experts
+MEGATRON = dict(num_layers=2, num_experts=4, moe_layer_freq=1, moe_enable_routing_replay=True,
+                moe_token_dispatcher_type="alltoall", transformer_impl="local", use_legacy_models=False, fp8=None,
+                fp4=None, moe_grouped_gemm=False, moe_use_legacy_grouped_gemm=False)
+
+
+@pytest.mark.parametrize("argv,model", [
+    ([], {}),
+    (["--trace-reuse-weight-quant"], {}),
+    ([], {"num_experts": None}),  # a dense model: the KV site alone
+    (["--trace-exclude-modules", "model.layers.1.mlp.experts"], {"moe_layer_freq": [0, 1]}),
+    ([], {"moe_token_dispatcher_type": "allgather"}),
+], ids=["moe", "reuse_weight_quant", "dense_kv_only", "exclude_with_moe_layer_freq", "allgather"])
+def test_megatron_flags_trace_supports(argv, model):
+    assert trace_config_from_args(parse(["--trace-fp4", *argv], **{**MEGATRON, **model})).enabled
+
+
+@pytest.mark.parametrize("argv,model,error,match", [
+    ([], {"use_legacy_models": True}, ValueError, r"--trace-fp4 needs Megatron-Core models: --use-legacy-models"),
+    ([], {"moe_token_dispatcher_type": "flex"}, ValueError,
+     r"TRACE experts do not support --moe-token-dispatcher-type flex \(supported: allgather, alltoall\)"),
+    ([], {"fp8": "hybrid"}, ValueError, r"TRACE experts do not support --fp8-format hybrid"),
+    ([], {"fp4": "e2m1"}, ValueError, r"TRACE experts do not support --fp4-format e2m1"),
+    (["--trace-sites", "expert_fc1_in,expert_fc2_in,weights"], {"num_experts": None}, ValueError,
+     r"--trace-fp4 would quantize nothing: .*no KV site .*no MoE layers \(no --num-experts\)"),
+    (["--trace-reuse-weight-quant", "--trace-ste-clip"], {}, ValueError, r"needs --no-trace-ste-clip"),
+    (["--trace-reuse-weight-quant"], {"num_experts": None}, ValueError,
+     r"--trace-reuse-weight-quant .*there are none: the model has no MoE layers"),
+    (["--trace-reuse-weight-quant", "--trace-sites", "expert_fc1_in,kv_k,kv_v"], {}, ValueError,
+     r"--trace-reuse-weight-quant .*--trace-sites expert_fc1_in,kv_k,kv_v does not quantize the weights"),
+    (["--trace-reuse-weight-quant"], {"transformer_impl": "transformer_engine", "moe_grouped_gemm": True},
+     ValueError, r"--trace-reuse-weight-quant supports TRACE's torch experts: .*--moe-grouped-gemm"),
+    (["--trace-exclude-modules", "model.layers.0.mlp.experts"], {"moe_layer_freq": [0, 1]}, ModulePatternError,
+     r"--trace-exclude-modules: .*'model.layers.0.mlp.experts' matches none of the 3 modules"),
+    (["--trace-exclude-modules", "decoder.layers.0.mlp.experts"], {}, ModulePatternError, r"matches none"),
+], ids=["legacy_models", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "dense_expert_sites_only", "reuse_ste_clip",
+        "reuse_dense", "reuse_no_weight_site", "reuse_te_grouped", "exclude_dense_layer", "exclude_megatron_name"])
+def test_megatron_flags_trace_refuses_before_the_build(argv, model, error, match):
+    """What the patched gpt_builder meets first (before Megatron's config, spec or modules)."""
+    with pytest.raises(error, match=match):
+        trace_config_from_args(parse(["--trace-fp4", *argv], **{**MEGATRON, **model}))
+    off = parse(argv, **{**MEGATRON, **model})  # without --trace-fp4: stock Megatron, nothing refused
+    assert not trace_config_from_args(off).enabled
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformer_engine") is not None, reason="Transformer Engine installed")
+def test_transformer_engine_impl_without_te_names_the_fix():
+    """Megatron's own TE specs would fail with NameError: TENorm (its default --transformer-impl)."""
+    match = (r"--transformer-impl transformer_engine \(Megatron's default\) needs Transformer Engine.*"
+             r"pip install 'megatron_trace\[te\]'.*--transformer-impl local")
+    with pytest.raises(ImportError, match=match):
+        trace_config_from_args(parse(["--trace-fp4"], **{**MEGATRON, "transformer_impl": "transformer_engine"}))
+
+
+def test_bare_parsers_skip_the_megatron_checks():
+    """A driver's own parser around add_trace_args has no Megatron flags: nothing is assumed about the model."""
+    cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-sites", "weights", "--trace-reuse-weight-quant"]))
+    assert cfg.sites == ("weights",)
+
+
+def test_the_dispatchers_checked_are_the_experts_ones():
+    from megatron_trace.megatron.args_checks import DISPATCHERS
+    from megatron_trace.megatron.experts import _DISPATCHERS
+
+    assert set(DISPATCHERS) == set(_DISPATCHERS)

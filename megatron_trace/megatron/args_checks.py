@@ -1,0 +1,119 @@
+"""The ``--trace-*`` flags against Megatron-LM's own flags: what ``trace_config_from_args`` refuses before the model
+is built (the patched ``gpt_builder`` calls it first), with the flag to change.
+
+Each check mirrors a limit that would otherwise surface later or as someone else's error: Megatron's ``NameError``
+without Transformer Engine, TRACE's experts refusing Megatron's options as each layer is built, an
+``exclude_modules`` pattern that matches nothing at the first train step, or a flag that would do nothing.
+"""
+
+from __future__ import annotations
+
+from ..config import KV_SITES, TraceConfig
+from ..guidance.selection import guided_layers
+from ..manifest import ModulePatternError, excluded_modules
+
+EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
+DISPATCHERS = ("allgather", "alltoall")
+"""The token dispatchers whose rows TRACE's experts can guide (``experts._DISPATCHERS``)."""
+
+
+def moe_layer_ids(num_experts, moe_layer_freq, num_layers: int) -> list[int]:
+    """MoE layer ids of the whole model from Megatron's ``moe_layer_freq`` (an int N or a 0/1 list)."""
+    if not num_experts:
+        return []
+    if isinstance(moe_layer_freq, int):
+        return [i for i in range(num_layers) if i % moe_layer_freq == 0]
+    return [i for i, moe in enumerate(moe_layer_freq) if moe]
+
+
+def check_against_model(cfg: TraceConfig, args) -> None:
+    """Raise for ``--trace-fp4`` launch args the model Megatron would build cannot honour (``cfg.enabled`` only).
+    A Megatron flag missing from ``args`` (a parser of its own around ``add_trace_args``) is not checked; without
+    ``num_experts`` the model's MoE layers are unknown."""
+    if not cfg.enabled:
+        return
+    if getattr(args, "use_legacy_models", False):
+        raise ValueError("--trace-fp4 needs Megatron-Core models: --use-legacy-models builds megatron.legacy's GPT, "
+                         "which takes no layer spec (TRACE's modules would not be built); drop --use-legacy-models")
+    num_layers = getattr(args, "num_layers", None)
+    if num_layers:
+        try:
+            guided_layers(cfg, int(num_layers))
+        except ValueError as e:
+            raise ValueError(f"invalid --trace-guided-layers for --num-layers {num_layers}: {e}") from None
+    known = hasattr(args, "num_experts")  # (Megatron-LM's args hold it, None for a dense model)
+    moe = bool(getattr(args, "num_experts", None))
+    experts = moe and any(map(cfg.quantizes, EXPERT_SITES))
+    if known and not experts and not any(map(cfg.quantizes, KV_SITES)):
+        raise ValueError(f"--trace-fp4 would quantize nothing: --trace-sites {','.join(cfg.sites)} has no KV site "
+                         f"(kv_k, kv_v) and {_no_experts(moe)}")
+    if cfg.routing_replay and moe and getattr(args, "moe_enable_routing_replay", None) is False:
+        raise ValueError("--trace-routing-replay (the default) needs Megatron's --moe-enable-routing-replay; "
+                         "add it, or pass --no-trace-routing-replay")
+    if experts:
+        _check_expert_options(args)
+    if getattr(args, "trace_reuse_weight_quant", False):
+        _check_reuse(cfg, args, moe or not known)
+    if cfg.exclude_modules and num_layers and known:  # (else at the first train step, by find_trace_layers)
+        moe_layers = moe_layer_ids(getattr(args, "num_experts", None), getattr(args, "moe_layer_freq", 1),
+                                   int(num_layers))
+        try:
+            excluded_modules(cfg, moe_layers=moe_layers, attention_layers=range(int(num_layers)))
+        except ModulePatternError as e:
+            raise ModulePatternError(f"--trace-exclude-modules: {e}") from None
+    if getattr(args, "transformer_impl", None) == "transformer_engine":
+        _check_te_imports()
+
+
+def _no_experts(moe: bool) -> str:
+    return ("the routed experts are not quantized (no expert_fc1_in, expert_fc2_in or weights)" if moe else
+            "the model has no MoE layers (no --num-experts): add kv_k,kv_v to --trace-sites, or --num-experts")
+
+
+def _check_te_imports() -> None:
+    """Megatron's TE layer specs without TE fail with a NameError (``TENorm``), TRACE or not: said with the fix."""
+    from .te import require_te
+
+    try:
+        require_te()
+    except ImportError as e:
+        raise ImportError(
+            f"--transformer-impl transformer_engine (Megatron's default) needs Transformer Engine, which does not "
+            f"import here ({e.__cause__ or e}): install it (pip install 'megatron_trace[te]'), or pass "
+            "--transformer-impl local (with --no-gradient-accumulation-fusion --no-rope-fusion "
+            "--no-masked-softmax-fusion --no-persist-layer-norm)") from e
+
+
+def _check_expert_options(args) -> None:
+    """Megatron MoE options TRACE's experts refuse at build time (``experts.check_expert_config``), said from the
+    flags: Megatron would otherwise fail on some of them first (its fp8 recipe and flex dispatcher need TE / DeepEP)."""
+    problems = []
+    for dest, flag in (("fp8", "--fp8-format"), ("fp4", "--fp4-format")):
+        if getattr(args, dest, None):
+            problems.append(f"{flag} {getattr(args, dest)} (Megatron's own low-precision recipe: TRACE quantizes the "
+                            "experts itself; drop it)")
+    kind = getattr(args, "moe_token_dispatcher_type", None)
+    if kind is not None and kind not in DISPATCHERS:
+        problems.append(f"--moe-token-dispatcher-type {kind} (supported: {', '.join(DISPATCHERS)})")
+    if problems:
+        raise ValueError("TRACE experts do not support " + "; ".join(problems))
+
+
+def _check_reuse(cfg: TraceConfig, args, moe: bool) -> None:
+    """``--trace-reuse-weight-quant``: refused here rather than at the first train step (``reuse_weight_quant``), or
+    where it would do nothing."""
+    if cfg.ste_clip:
+        raise ValueError("--trace-reuse-weight-quant needs --no-trace-ste-clip (the default): the clipped "
+                         "straight-through gradient needs each micro-batch's mask")
+    if not moe or not cfg.quantizes("weights"):
+        why = "the model has no MoE layers (no --num-experts)" if not moe else \
+            f"--trace-sites {','.join(cfg.sites)} does not quantize the weights"
+        raise ValueError(f"--trace-reuse-weight-quant keeps the routed experts' fake-quantized weights for a step, "
+                         f"and there are none: {why}; drop --trace-reuse-weight-quant")
+    te_grouped = getattr(args, "transformer_impl", None) == "transformer_engine" and \
+        getattr(args, "moe_grouped_gemm", False) and not getattr(args, "moe_use_legacy_grouped_gemm", False)
+    if te_grouped:
+        raise ValueError("--trace-reuse-weight-quant supports TRACE's torch experts: --transformer-impl "
+                         "transformer_engine with --moe-grouped-gemm builds TE's grouped experts, which fetch and "
+                         "quantize their weights per call; use --transformer-impl local, or drop --moe-grouped-gemm "
+                         "or --trace-reuse-weight-quant")
