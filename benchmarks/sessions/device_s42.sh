@@ -9,3 +9,9 @@
 #   pydantic (call 2), the box's pip list (call 3), the dataset helpers' Makefile (call 4), te_general_gemm (call 5);
 #   the script now handles each. Call 6, the runs in benchmarks/results/s42/megatron_lm/:
 #   TIMEOUT=170 bash benchmarks/sessions/megatron_lm_runs.sh bf16 fp4 reuse
+# calls 7-8 (nvidia-h100-x1, an H100; at fd1f149, build/megatron-lm re-made with the new patch, the one that calls
+#   trace_config_from_args first), results in benchmarks/results/s42/megatron_lm_ckpt/ (call 7's fp4.log as
+#   fp4_newpatch.log). Call 7's loads failed on Megatron's scheduler check (--train-iters changed), so the loads now
+#   pass --override-opt_param-scheduler; its trailing pytest of tests/gpu/test_megatron_gpu.py ran outside
+#   _device_env.sh and skipped (not a result). Call 8:
+#   TIMEOUT=90 bash benchmarks/sessions/megatron_lm_runs.sh save_bf16 load_fp4 save_fp4 load_bf16
