@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Proposed for the next session with a device (session 41 had none: "no new device machine is lent"). Run from the
-# repo root on the device box, carrying .whl: `bash benchmarks/sessions/device_next.sh <call>`; results under $OUT.
+# Proposed for the next session with a device (sessions 41-42 had one-GPU H100s only). Run from the repo root on the
+# device box, carrying .whl: `bash benchmarks/sessions/device_next.sh <call>`; results under $OUT.
 #   nccl  (nvidia-h100-x4 / nvidia-h200-x4 if lent, else -x2: the three-rank scenarios then skip): GuidanceSync over
 #         NCCL, one GPU per rank (tests/gpu/test_sync_nccl.py: transfers bit-exact, rejections, the abort protocol
 #         of session 40, a missing sender, a dead trainer rank), then the two-GPU tests.
-#   suite (one GPU): every GPU test at the current code (benchmarks/device_tests.sh; session 39's 1674 passed are the
-#         latest whole run).
-#   step  (nvidia-h200): the training-step series of session 40 (H100) on an H200, to set beside session 34's.
+#   suite (one GPU): every GPU test at the current code (benchmarks/device_tests.sh; session 41's 1743 passed at
+#         10c8404 are the latest whole run; session 42's product changes since are host-side).
+#   step  (nvidia-h200): the training-step series of sessions 40 and 42 (H100) on an H200, beside session 34's.
+#   Megatron-LM (one GPU; carry .whl and build/megatron-lm, made as benchmarks/sessions/megatron_lm_runs.sh says):
+#         `bash benchmarks/sessions/megatron_lm_runs.sh bf16 fp4 reuse save_bf16 load_fp4` (session 42's runs).
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt" 2>&1
 nccl() {
