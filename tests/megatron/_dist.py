@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-import traceback
 
 import torch
+
+from .harness import traceback_to
 
 
 def ep_worker(rank: int, world: int, port: int, dispatcher: str, workdir: str) -> None:
     """EP=world: load the EP=1 weights, run RNE+record and guided+record on batch ``rank``, save results."""
-    try:
+    with traceback_to(workdir, rank):
         _run(rank, world, port, dispatcher, workdir)
-    except BaseException:
-        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
 
 
 def _run(rank, world, port, dispatcher, workdir):
@@ -67,12 +64,8 @@ def _run(rank, world, port, dispatcher, workdir):
 
 def tp_worker(rank: int, world: int, port: int, workdir: str) -> None:
     """TP=world with sequence parallelism (EP=1): guided forward on batch 0, logits saved."""
-    try:
+    with traceback_to(workdir, rank):
         _run_tp(rank, world, port, workdir)
-    except BaseException:
-        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
 
 
 def _run_tp(rank, world, port, workdir):

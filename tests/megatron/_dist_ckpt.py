@@ -4,9 +4,10 @@ the worker of the resharding test (spawned, one process per rank, gloo, EP=world
 from __future__ import annotations
 
 import os
-import traceback
 
 import torch
+
+from .harness import traceback_to
 
 
 def save_like_megatron_lm(model, path) -> None:
@@ -40,12 +41,8 @@ def load_like_megatron_lm(model, path) -> None:
 def reshard_worker(rank: int, world: int, port: int, workdir: str) -> None:
     """At EP=world: save the reference weights from a stock and a TRACE model (``stock_ep2``, ``trace_ep2``), load the
     EP=1 checkpoints into the other kind, and save what each rank holds after the loads and its logits."""
-    try:
+    with traceback_to(workdir, rank):
         _run(rank, world, port, workdir)
-    except BaseException:
-        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
 
 
 def _run(rank, world, port, workdir):

@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import os
 import re
-import traceback
 
 import torch
 
+from .harness import traceback_to
+
 
 def pp_worker(rank: int, world: int, port: int, vpp: int | None, recompute: str, workdir: str) -> None:
-    try:
+    with traceback_to(workdir, rank):
         _run(rank, world, port, vpp, recompute, workdir)
-    except BaseException:
-        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
 
 
 def global_name(chunk, name: str) -> str:
