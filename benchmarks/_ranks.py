@@ -5,24 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
-from contextlib import contextmanager
+
+from megatron_trace.testing.megatron_cpu import record_errors  # noqa: F401  (re-exported for the benchmarks)
 
 
 def write_result(tmp: str, rank: int, rows: list[dict], fails: list[str]) -> None:
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as fh:
         json.dump({"rows": rows, "fails": fails}, fh)
-
-
-@contextmanager
-def record_errors(tmp: str, rank: int):
-    """Write the rank's traceback to error{rank}.txt if the body raises (and re-raise)."""
-    try:
-        yield
-    except BaseException:
-        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as fh:
-            fh.write(traceback.format_exc())
-        raise
 
 
 def gather(tmp: str, world: int, codes) -> tuple[list[dict], list[str]]:

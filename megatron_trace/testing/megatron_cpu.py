@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import traceback
 import types
 
 import torch
@@ -149,6 +150,18 @@ def spawn_ranks(target, world: int, args_of_rank, timeout: float = 240.0) -> lis
             p.kill()
             p.join(timeout=10)
     return [p.exitcode for p in procs]
+
+
+@contextlib.contextmanager
+def record_errors(workdir: str, rank: int):
+    """In a ``spawn_ranks`` worker: if the body raises, write the rank's traceback to ``workdir/error{rank}.txt`` (for
+    the parent to show) and re-raise."""
+    try:
+        yield
+    except BaseException:
+        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
 
 
 def free_port() -> int:

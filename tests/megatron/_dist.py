@@ -6,12 +6,12 @@ import os
 
 import torch
 
-from .harness import traceback_to
+from megatron_trace.testing.megatron_cpu import record_errors
 
 
 def ep_worker(rank: int, world: int, port: int, dispatcher: str, workdir: str) -> None:
     """EP=world: load the EP=1 weights, run RNE+record and guided+record on batch ``rank``, save results."""
-    with traceback_to(workdir, rank):
+    with record_errors(workdir, rank):
         _run(rank, world, port, dispatcher, workdir)
 
 
@@ -64,7 +64,7 @@ def _run(rank, world, port, dispatcher, workdir):
 
 def tp_worker(rank: int, world: int, port: int, workdir: str) -> None:
     """TP=world with sequence parallelism (EP=1): guided forward on batch 0, logits saved."""
-    with traceback_to(workdir, rank):
+    with record_errors(workdir, rank):
         _run_tp(rank, world, port, workdir)
 
 

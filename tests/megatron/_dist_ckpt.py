@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .harness import traceback_to
+from megatron_trace.testing.megatron_cpu import record_errors
 
 
 def save_like_megatron_lm(model, path) -> None:
@@ -41,7 +41,7 @@ def load_like_megatron_lm(model, path) -> None:
 def reshard_worker(rank: int, world: int, port: int, workdir: str) -> None:
     """At EP=world: save the reference weights from a stock and a TRACE model (``stock_ep2``, ``trace_ep2``), load the
     EP=1 checkpoints into the other kind, and save what each rank holds after the loads and its logits."""
-    with traceback_to(workdir, rank):
+    with record_errors(workdir, rank):
         _run(rank, world, port, workdir)
 
 

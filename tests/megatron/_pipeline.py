@@ -8,11 +8,11 @@ import re
 
 import torch
 
-from .harness import traceback_to
+from megatron_trace.testing.megatron_cpu import record_errors
 
 
 def pp_worker(rank: int, world: int, port: int, vpp: int | None, recompute: str, workdir: str) -> None:
-    with traceback_to(workdir, rank):
+    with record_errors(workdir, rank):
         _run(rank, world, port, vpp, recompute, workdir)
 
 

@@ -6,9 +6,7 @@ spawned workers apply them, product code never patches anything.
 
 from __future__ import annotations
 
-import contextlib
 import os
-import traceback
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # Megatron's jit_fuser is torch.compile: eager on CPU
 
@@ -21,17 +19,6 @@ from megatron_trace.testing.megatron_cpu import (  # noqa: E402,F401  (re-export
 )
 
 VOCAB, SEQ, HIDDEN, FFN, LAYERS, EXPERTS, TOPK, HEADS, GROUPS = 128, 16, 64, 64, 4, 8, 2, 4, 2
-
-
-@contextlib.contextmanager
-def traceback_to(workdir: str, rank: int):
-    """A spawned rank's failure: its traceback written to ``workdir/error{rank}.txt`` (the test shows it), re-raised."""
-    try:
-        yield
-    except BaseException:
-        with open(os.path.join(workdir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
 
 
 def init_parallel(ep: int = 1, tp: int = 1, seed: int = 1234) -> None:
