@@ -11,10 +11,11 @@ from __future__ import annotations
 from ..config import KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..manifest import ModulePatternError, excluded_modules
+from .experts import _DISPATCHERS as _DISPATCHER_CLASSES
 
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
-DISPATCHERS = ("allgather", "alltoall")
-"""The token dispatchers whose rows TRACE's experts can guide (``experts._DISPATCHERS``)."""
+DISPATCHERS = tuple(_DISPATCHER_CLASSES)
+"""The token dispatchers whose rows TRACE's experts can guide."""
 
 
 def moe_layer_ids(num_experts, moe_layer_freq, num_layers: int) -> list[int]:
