@@ -33,6 +33,7 @@ def check_against_model(cfg: TraceConfig, args) -> None:
     ``num_experts`` the model's MoE layers are unknown."""
     if not cfg.enabled:
         return
+    check_not_modelopt(args)
     if getattr(args, "use_legacy_models", False):
         raise ValueError("--trace-fp4 needs Megatron-Core models: --use-legacy-models builds megatron.legacy's GPT, "
                          "which takes no layer spec (TRACE's modules would not be built); drop --use-legacy-models")
@@ -64,6 +65,16 @@ def check_against_model(cfg: TraceConfig, args) -> None:
             raise ModulePatternError(f"--trace-exclude-modules: {e}") from None
     if getattr(args, "transformer_impl", None) == "transformer_engine":
         _check_te_imports()
+
+
+def check_not_modelopt(args) -> None:
+    """ModelOpt's model (``--modelopt-enabled``; Megatron-LM's ``get_model`` also sets it when ``--load`` holds a
+    ModelOpt checkpoint) is built by ModelOpt's builder, which never applies TRACE's layer spec."""
+    if getattr(args, "modelopt_enabled", False):
+        raise ValueError("--trace-fp4 cannot run on a ModelOpt model: with --modelopt-enabled (also set by "
+                         "Megatron-LM when --load holds a ModelOpt checkpoint) Megatron-LM builds the model with "
+                         "ModelOpt's builder, which never applies TRACE's layer spec; drop --modelopt-enabled and "
+                         "load a checkpoint without ModelOpt state, or drop --trace-fp4")
 
 
 def _no_experts(moe: bool) -> str:

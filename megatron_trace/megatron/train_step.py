@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -11,6 +12,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..config import KV_SITES
 from .args import trace_config_from_args
+from .args_checks import check_not_modelopt
 from .context import check_finite, find_trace_layers
 from .experts import TraceSequentialMLP
 
@@ -48,7 +50,11 @@ def trace_train_step(args, model) -> Iterator[None]:
     """Megatron-LM's ``train_step`` around ``forward_backward_func`` (patches/): with ``--trace-fp4``, the
     micro-batches run inside ``reuse_weight_quant`` when ``--trace-reuse-weight-quant`` is given, and the step's
     deferred NaN/Inf check (``check_finite``) runs after the last backward, before the optimizer step."""
-    if not getattr(args, "trace_fp4", False) or not _stage_has_sites(args, model):
+    if not getattr(args, "trace_fp4", False):
+        yield
+        return
+    check_not_modelopt(args)  # (its builder skips gpt_builder's checks; its model would fail below as "no TRACE")
+    if not _stage_has_sites(args, model):
         yield
         return
     find_trace_layers(model)  # binds the experts' layer ids (exclude_modules needs them) before the first forward
@@ -59,11 +65,15 @@ def trace_train_step(args, model) -> Iterator[None]:
 
 def _stage_has_sites(args, model) -> bool:
     """Whether this pipeline stage should hold TRACE modules: it has MoE layers, or K/V are quantized (every
-    layer attends). A stage of dense layers with no KV site has none, and its step is a plain step."""
+    layer attends). A stage of dense layers with no KV site has none, and its step is a plain step. Decided at the
+    first step with these ``args`` (Megatron-LM's one namespace) and kept on chunk 0: not re-read every step."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
-    if any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules()):
-        return True
-    if any(site in trace_config_from_args(args).sites for site in KV_SITES):
-        return True
-    logger.info("--trace-fp4: this pipeline stage has no MoE layer and K/V are not quantized: nothing to check")
-    return False
+    cached = chunks[0].__dict__.get("_trace_stage_has_sites")
+    if cached is not None and cached[0]() is args:
+        return cached[1]
+    has = any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules()) or \
+        any(site in trace_config_from_args(args).sites for site in KV_SITES)
+    if not has:
+        logger.info("--trace-fp4: this pipeline stage has no MoE layer and K/V are not quantized: nothing to check")
+    chunks[0].__dict__["_trace_stage_has_sites"] = (weakref.ref(args), has)
+    return has

@@ -214,6 +214,7 @@ def test_megatron_flags_trace_supports(argv, model):
 
 @pytest.mark.parametrize("argv,model,error,match", [
     ([], {"use_legacy_models": True}, ValueError, r"--trace-fp4 needs Megatron-Core models: --use-legacy-models"),
+    ([], {"modelopt_enabled": True}, ValueError, r"--trace-fp4 cannot run on a ModelOpt model: with --modelopt"),
     ([], {"moe_token_dispatcher_type": "flex"}, ValueError,
      r"TRACE experts do not support --moe-token-dispatcher-type flex \(supported: allgather, alltoall\)"),
     ([], {"fp8": "hybrid"}, ValueError, r"TRACE experts do not support --fp8-format hybrid"),
@@ -230,8 +231,9 @@ def test_megatron_flags_trace_supports(argv, model):
     (["--trace-exclude-modules", "model.layers.0.mlp.experts"], {"moe_layer_freq": [0, 1]}, ModulePatternError,
      r"--trace-exclude-modules: .*'model.layers.0.mlp.experts' matches none of the 3 modules"),
     (["--trace-exclude-modules", "decoder.layers.0.mlp.experts"], {}, ModulePatternError, r"matches none"),
-], ids=["legacy_models", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "dense_expert_sites_only", "reuse_ste_clip",
-        "reuse_dense", "reuse_no_weight_site", "reuse_te_grouped", "exclude_dense_layer", "exclude_megatron_name"])
+], ids=["legacy_models", "modelopt", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "dense_expert_sites_only",
+        "reuse_ste_clip", "reuse_dense", "reuse_no_weight_site", "reuse_te_grouped", "exclude_dense_layer",
+        "exclude_megatron_name"])
 def test_megatron_flags_trace_refuses_before_the_build(argv, model, error, match):
     """What the patched gpt_builder meets first (before Megatron's config, spec or modules)."""
     with pytest.raises(error, match=match):

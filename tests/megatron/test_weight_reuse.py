@@ -1,6 +1,7 @@
 """``reuse_weight_quant``: the experts' fake-quantized weights computed once for several micro-batches give
 the same gradients, bit for bit, as quantizing them in every micro-batch."""
 
+import logging
 from contextlib import nullcontext
 
 import pytest
@@ -95,7 +96,7 @@ def test_megatron_lm_train_step_scope_follows_the_flags():
         assert all(m._weight_reuse is None for m in experts)
 
 
-def test_a_pipeline_stage_without_trace_sites_runs_a_plain_step():
+def test_a_pipeline_stage_without_trace_sites_runs_a_plain_step(caplog):
     """A stage of dense layers only (moe_layer_freq) with K/V unquantized has no TRACE module: the step hook
     passes it through; the same stage with K/V quantized but built without the TRACE spec is an error."""
     import argparse
@@ -109,10 +110,32 @@ def test_a_pipeline_stage_without_trace_sites_runs_a_plain_step():
     data = batch()
     for flags in (experts_only, parse(["--trace-fp4", "--trace-sites", "expert_fc1_in,weights",
                                        "--trace-reuse-weight-quant"])):
-        with trace_train_step(flags, [model]):
-            model(*data[:3], labels=data[3]).float().mean().backward()
+        with caplog.at_level(logging.INFO, logger="megatron_trace.megatron.train_step"):
+            caplog.clear()
+            for _ in range(3):  # the stage is looked at once per run (args), not every step
+                with trace_train_step(flags, [model]):
+                    model(*data[:3], labels=data[3]).float().mean().backward()
+        assert [r.getMessage() for r in caplog.records] == [
+            "--trace-fp4: this pipeline stage has no MoE layer and K/V are not quantized: nothing to check"]
     with pytest.raises(ValueError, match="no TRACE modules"), trace_train_step(parse(["--trace-fp4"]), [model]):
         model(*data[:3], labels=data[3]).float().mean().backward()
+
+
+def test_a_modelopt_model_is_refused_by_name():
+    """Megatron-LM builds a ModelOpt model (--modelopt-enabled, or set by get_model for a ModelOpt checkpoint) with
+    ModelOpt's builder, never TRACE's spec: the step says so instead of "no TRACE modules"."""
+    import argparse
+
+    from megatron_trace.megatron import add_trace_args, trace_train_step
+
+    model = build_model(tiny_config(), stock_spec(tiny_config()))
+    args = add_trace_args(argparse.ArgumentParser()).parse_args(["--trace-fp4"])
+    args.modelopt_enabled = True
+    with pytest.raises(ValueError, match="--trace-fp4 cannot run on a ModelOpt model"), trace_train_step(args, [model]):
+        pass
+    args.trace_fp4 = False
+    with trace_train_step(args, [model]):  # stock Megatron-LM with ModelOpt: untouched
+        pass
 
 
 def test_megatron_lm_step_with_excluded_modules_binds_the_layers_first():
