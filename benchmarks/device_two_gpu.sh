@@ -7,7 +7,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     TORCHDYNAMO_DISABLE=1
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/smi.txt"
 nvidia-smi topo -m >> "$OUT/smi.txt" 2>&1

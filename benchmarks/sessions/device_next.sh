@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Proposed for the next session with a device (sessions 41-42 had one-GPU H100s only). Run from the repo root on the
-# device box, carrying .whl: `bash benchmarks/sessions/device_next.sh <call>`; results under $OUT.
+# Proposed for the next session with a device (sessions 41-42 had one-GPU H100s only; session 43 ran step and
+# suite on an H200). Run from the repo root on the
+# device box, carrying .whl: `bash benchmarks/sessions/device_next.sh <call>`; results under $OUT. The wheels:
+# benchmarks/sessions/device_s43.sh lists them (transformers 5.24.0: 5.25 needs a newer huggingface-hub than the box's).
 #   nccl  (nvidia-h100-x4 / nvidia-h200-x4 if lent, else -x2: the three-rank scenarios then skip): GuidanceSync over
 #         NCCL, one GPU per rank (tests/gpu/test_sync_nccl.py: transfers bit-exact, rejections, the abort protocol
 #         of session 40, a missing sender, a dead trainer rank), then the two-GPU tests.
