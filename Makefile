@@ -10,6 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 KERNEL_TEST_WORKERS ?= 2
 # NVRTC (no GPU needed) cross-compiles the CUDA GEMMs (kernels/moe_mma.cu, moe_wgmma.cu) for sm_90(a) in the SASS tests.
+# Those tests use one core, and so does the SGLang venv's pip install: the venv builds beside them (about a minute).
 NVRTC_SPEC ?= nvidia-cuda-nvrtc==13.0.88
 STAMP := $(VENV)/.installed
 # SGLang 0.5.10 pins torch 2.9.1; its Python registries import beside torch 2.14.1 in a separate venv.
@@ -36,10 +37,12 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 TORCHDYNAMO_DISABLE=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider \
 		-n $(KERNEL_TEST_WORKERS) tests/kernels
 	$(PY) -m pip install -q "$(NVRTC_SPEC)"
+	bash tests/sglang/setup_venv.sh $(SGLANG_VENV) > $(VENV)/sglang-setup.log 2>&1 & setup=$$!; \
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/benchmarks/test_sass_kv_attention.py \
 		tests/benchmarks/test_sass_moe_gemm.py tests/benchmarks/test_sass_moe_mma.py tests/benchmarks/test_sass_moe_wgmma.py \
-		tests/benchmarks/test_sass_quant.py tests/benchmarks/test_bench_quant.py tests/benchmarks/test_bench_host_overhead.py
-	bash tests/sglang/setup_venv.sh $(SGLANG_VENV)
+		tests/benchmarks/test_sass_quant.py tests/benchmarks/test_bench_quant.py tests/benchmarks/test_bench_host_overhead.py; \
+	rc=$$?; wait $$setup || { cat $(VENV)/sglang-setup.log; echo "tests/sglang/setup_venv.sh failed"; exit 1; }; \
+	tail -1 $(VENV)/sglang-setup.log; exit $$rc
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
 
 test-fast: $(STAMP)

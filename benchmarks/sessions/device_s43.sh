@@ -16,3 +16,8 @@
 #     tests/gpu/test_moe_routing_gpu.py tests/gpu/test_rollout_gpu.py tests/kernels/test_kv_write.py \
 #     tests/kernels/test_moe_routing.py tests/kernels/test_rollout_finite.py tests/gpu/test_rl_driver_gpu.py \
 #     tests/kernels/test_kv_attention.py
+# call 9 (asked nvidia-h200, came on an H100), results in call9_gaps_h100/: the step series with --gaps (one
+#   profiled step per variant after the timed rounds: GPU busy / idle time and the host ops that launched late):
+#   source benchmarks/_device_env.sh; export TRITON_CACHE_DIR=/tmp/tc; for run in 1 2 3; do
+#     python3 benchmarks/bench_qat_step.py --preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided \
+#       --kernels auto --warmup 2 --reps 8 --gc manual --gaps | sed "s/^{/{\"run\": $run, /" >> $OUT/gaps.jsonl; done
