@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
@@ -69,11 +68,11 @@ def _stage_has_sites(args, model) -> bool:
     first step with these ``args`` (Megatron-LM's one namespace) and kept on chunk 0: not re-read every step."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     cached = chunks[0].__dict__.get("_trace_stage_has_sites")
-    if cached is not None and cached[0]() is args:
+    if cached is not None and cached[0] is args:
         return cached[1]
     has = any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules()) or \
         any(site in trace_config_from_args(args).sites for site in KV_SITES)
     if not has:
         logger.info("--trace-fp4: this pipeline stage has no MoE layer and K/V are not quantized: nothing to check")
-    chunks[0].__dict__["_trace_stage_has_sites"] = (weakref.ref(args), has)
+    chunks[0].__dict__["_trace_stage_has_sites"] = (args, has)  # (args refer to no model: no cycle)
     return has

@@ -2,6 +2,7 @@
 the same gradients, bit for bit, as quantizing them in every micro-batch."""
 
 import logging
+import types
 from contextlib import nullcontext
 
 import pytest
@@ -117,6 +118,8 @@ def test_a_pipeline_stage_without_trace_sites_runs_a_plain_step(caplog):
                     model(*data[:3], labels=data[3]).float().mean().backward()
         assert [r.getMessage() for r in caplog.records] == [
             "--trace-fp4: this pipeline stage has no MoE layer and K/V are not quantized: nothing to check"]
+    with trace_train_step(types.SimpleNamespace(**vars(experts_only)), [model]):  # a namespace without weakrefs
+        model(*data[:3], labels=data[3]).float().mean().backward()
     with pytest.raises(ValueError, match="no TRACE modules"), trace_train_step(parse(["--trace-fp4"]), [model]):
         model(*data[:3], labels=data[3]).float().mean().backward()
 
