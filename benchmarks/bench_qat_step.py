@@ -19,6 +19,7 @@ after warm-up rounds: medians (CUDA events on GPU) and the median of the per-rou
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -72,6 +73,9 @@ def args_():
     p.add_argument("--late-weights", action="store_true",
                    help="also time the TRACE-experts variants with their weights quantized after the dispatcher's "
                         "host sync (+late: experts.EARLY_WEIGHTS=False, as before session 23)")
+    p.add_argument("--prechecked", action="store_true",
+                   help="also time the guided variants with records whose scales were checked before the step "
+                        "(+checked: as records assembled from the guidance cache are; the step skips scales_ok)")
     p.add_argument("--gaps", action="store_true",
                    help="also profile one step per variant between two syncs: the GPU idle time and the host ops "
                         "that launched the kernel after each gap (_gaps.idle_gaps)")
@@ -359,6 +363,10 @@ def main():
             if tc is not None and on:
                 fns[name.replace("[", tag + "[") if "[" in name else name + tag] = _switched_off(
                     train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt), module, flag)
+        if guided and a.prechecked:
+            checked = {k: dataclasses.replace(v, scales_checked=True) for k, v in sg.sites.items()}
+            fns[name.replace("[", "+checked[")] = train_step_fn(model, data, dataclasses.replace(sg, sites=checked),
+                                                                 trace, a.micro_batches, opt=opt)
         if trace and a.drain and device == "cuda":
             fns[name.replace("[", "+drain[")] = train_step_fn(model, data, sg, trace, a.micro_batches, opt=opt,
                                                                drain=True)
@@ -380,6 +388,8 @@ def main():
     pairs += [(f"{v}{r}[{k}]", "bf16_grouped") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")
               for r in ("", "+reuse", "+drain")]
     pairs += [(f"{v}[{k}]", f"{v}+drain[{k}]") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
+    pairs += [(f"trace_guided{x}[{k}]", y.format(k=k)) for k in a.kernels.split(",") for x, y in (
+        ("+checked", "fp4_qat[{k}]"), ("+checked", "bf16_grouped"), ("", "trace_guided+checked[{k}]"))]
     for tag in ("+stack", "+late"):
         pairs += [(f"{v}[{k}]", f"{v}{tag}[{k}]") for v in ("fp4_qat", "trace_guided") for k in a.kernels.split(",")]
         pairs += [("bf16_grouped", f"bf16_grouped{tag}")]

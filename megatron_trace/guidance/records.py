@@ -330,19 +330,24 @@ def _assemble_site(key, recs, status, mask, tokens, counter, topk=None) -> SiteG
 
 
 def scales_ok(sg: SiteGuidance) -> torch.Tensor:
-    """bool, ``sg.valid``'s shape: the row's block scales and global amax are finite and >= 0 (no host sync)."""
+    """bool, ``sg.valid``'s shape: the row's block scales and global amax are finite and >= 0 (no host sync).
+
+    Few ops (a trainer fed records that were not assembled runs this for every site at each step's start, when
+    the GPU waits for the host): NaN fails ``>= 0`` and propagates through ``amin`` / ``minimum``, -0 passes."""
     r = sg.record
-    u = r.block_scales.view(torch.uint8)  # the bytes: no float conversion of every scale
-    if r.block_scales.dtype == torch.float8_e4m3fn:
-        bad_byte = (u == 0x7F) | (u > 0x80)  # NaN (0x7F, 0xFF) or negative (0x80 = -0 is a zero)
-    else:  # E8M0: 0xFF is NaN, there is no sign
-        bad_byte = u == 0xFF
-    ok = ~bad_byte.any(-1)  # [B, S, ...rows]
+    if r.block_scales.dtype == torch.float8_e4m3fn:  # NaN is 0x7F / 0xFF, no Inf; negative: sign bit, but not -0
+        low = r.block_scales.float().amin(-1)  # [B, S, ...rows]
+    else:  # E8M0: 0xFF is NaN, there is no sign; 254.5 - the largest byte is < 0 exactly where one is 0xFF
+        low = 254.5 - r.block_scales.view(torch.uint8).amax(-1).float()
     if r.global_amax is not None:
         g = r.global_amax.float()
         g = g.squeeze(-1) if g.dim() else g
-        ok = ok & (g.isfinite() & (g >= 0)).to(ok.device)
-    return ok.reshape(*sg.valid.shape, -1).all(-1)  # a KV token's heads share one valid flag
+        # min(g, FLT_MAX - g) < 0 exactly where g is negative or +Inf; NaN stays NaN
+        low = torch.minimum(low, torch.minimum(g, torch.finfo(torch.float32).max - g).to(low.device))
+    ok = low >= 0
+    if ok.dim() > sg.valid.dim():  # a KV token's heads share one valid flag
+        ok = ok.flatten(sg.valid.dim()).all(-1)
+    return ok
 
 
 def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) -> SiteGuidance:

@@ -101,8 +101,9 @@ def dequant_pair_kernel(
     else:  # the exact redo: few live values (the fast path's registers are the kernel's)
         QR: tl.constexpr = 4 if NBT >= 4 else 1
         for r in range(BLOCK_M):
-            _dequant_rows(pid * BLOCK_M + r, codes_ptr, scales_ptr, g_ptr, out_ptr, M, NB * B, NB, NUM_KT * QR, FMT,
-                          G_MODE, B, 1, NBT // QR, False)
+            if pid * BLOCK_M + r < M:  # (a row past M would store nothing: skipped, not masked through)
+                _dequant_rows(pid * BLOCK_M + r, codes_ptr, scales_ptr, g_ptr, out_ptr, M, NB * B, NB, NUM_KT * QR,
+                              FMT, G_MODE, B, 1, NBT // QR, False)
 
 
 @triton.jit

@@ -56,3 +56,16 @@ def test_stack_copy_times_the_torch_experts_with_their_weights_stacked_by_a_copy
                                    "fp4_qat+stack[reference]"}
     assert {"bf16_grouped/bf16_grouped+stack", "fp4_qat[reference]/fp4_qat+stack[reference]"} <= set(
         out["round_ratio_median"])
+
+
+def test_prechecked_times_the_guided_step_with_records_checked_before_it(tmp_path):
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_qat_step.py"), "--smoke", "--kernels", "reference",
+           "--variants", "fp4_qat,trace_guided", "--prechecked", "--warmup", "1", "--reps", "2"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(out["step_ms"]) == {"fp4_qat[reference]", "trace_guided[reference]",
+                                   "trace_guided+checked[reference]"}
+    assert {"trace_guided+checked[reference]/fp4_qat[reference]",
+            "trace_guided[reference]/trace_guided+checked[reference]"} <= set(out["round_ratio_median"])

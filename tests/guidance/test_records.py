@@ -481,3 +481,55 @@ def test_a_payload_or_scales_of_another_dtype_is_refused_by_name(fmt, compact):
     scales = with_tensors(r, payload_of(r), r.block_scales.view(torch.uint8), r.global_amax, r.shape)
     with pytest.raises(ValueError, match=re.escape(f"{fmt} block_scales are torch.uint8, the format's are")):
         SiteGuidance(scales, sg.valid)
+
+
+def _e4m3_ok(byte: int) -> bool:
+    """An E4M3 scale byte decoded by hand: a usable scale is not NaN (exponent and mantissa all ones) and not
+    negative (the sign bit set on anything but zero)."""
+    sign, exp, man = byte >> 7, (byte >> 3) & 0xF, byte & 0x7
+    return not (exp == 0xF and man == 0x7) and not (sign and (exp or man))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_scales_ok_on_every_scale_byte_and_amax_value(fmt, device):
+    """``scales_ok`` against a by-hand decode of all 256 scale bytes (in the second block of a row whose first
+    block is 1.0) and against Python's floats for NVFP4's global amax (per row, per tensor, KV heads)."""
+    from megatron_trace.formats import CompactGuidance
+    from megatron_trace.guidance.records import scales_ok
+    from megatron_trace.guidance.site import SiteGuidance
+
+    nvfp4_ = fmt == "nvfp4"
+    bs, one = (16, 0x38) if nvfp4_ else (32, 127)  # the block size and the byte of scale 1.0
+    dtype = torch.float8_e4m3fn if nvfp4_ else torch.float8_e8m0fnu
+
+    def sg(scale_bytes, amax, valid_shape):
+        rows = scale_bytes.shape[:-1]
+        rec = CompactGuidance(mantissa_bits=torch.zeros(*rows, 2 * bs // 8, dtype=torch.uint8, device=device),
+                              block_scales=scale_bytes.to(device).view(dtype), global_amax=amax,
+                              shape=(*rows, 2 * bs), fmt=fmt)
+        return SiteGuidance(rec, torch.ones(valid_shape, dtype=torch.bool, device=device))
+
+    second = torch.arange(256, dtype=torch.uint8).view(1, 256)
+    scales = torch.stack([torch.full_like(second, one), second], -1)  # [1, 256, 2]
+    amax = torch.ones(1, 256, 1, device=device) if nvfp4_ else None
+    want = torch.tensor([[_e4m3_ok(b) if nvfp4_ else b != 0xFF for b in range(256)]])
+    assert torch.equal(scales_ok(sg(scales, amax, (1, 256))).cpu(), want)
+    if not nvfp4_:
+        return
+    values = [0.0, -0.0, 1.0, 3.4028234663852886e38, 1e-45, -1e-30, -1.0, float("inf"), float("-inf"), float("nan")]
+    good = torch.full((1, len(values), 2), one, dtype=torch.uint8)
+    per_row = torch.tensor(values, device=device).view(1, -1, 1)
+    want = torch.tensor([[v == v and v != float("inf") and (v >= 0) for v in values]])
+    assert torch.equal(scales_ok(sg(good, per_row, (1, len(values)))).cpu(), want)
+    for v in values:  # one amax for the whole tensor
+        ok = scales_ok(sg(good, torch.tensor(v, device=device), (1, len(values)))).cpu()
+        assert torch.equal(ok, torch.full_like(want, v == v and v != float("inf") and v >= 0)), v
+    kv = good.view(1, len(values), 1, 2).repeat(1, 1, 4, 1)  # [B, S, heads, blocks]: one bad head fails the token
+    kv[0, 3, 2, 1] = 0xFF
+    kv_amax = torch.ones(1, len(values), 4, 1, device=device)
+    kv_amax[0, 5, 1] = float("inf")
+    want = torch.ones(1, len(values), dtype=torch.bool)
+    want[0, 3] = want[0, 5] = False
+    assert torch.equal(scales_ok(sg(kv, kv_amax, (1, len(values)))).cpu(), want)
