@@ -94,6 +94,10 @@ def read_profile(args: argparse.Namespace, dims: ModelDims, sites) -> list | dic
     except json.JSONDecodeError as e:
         raise ValueError(f"--mismatch-profile {path} is not JSON ({e}); a run's metrics file must end in .jsonl") from e
     if isinstance(profile, dict):
+        bad = [k for k in profile if not k.strip().isdigit()]
+        if bad:
+            raise ValueError(f"--mismatch-profile {path} has key(s) {bad[:5]}: a JSON object's keys are layer ids "
+                             '0, 1, ... ({"0": rate, "1": rate, ...}), or give a JSON list')
         profile = {int(k): v for k, v in profile.items()}
     return profile
 

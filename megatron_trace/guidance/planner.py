@@ -32,6 +32,12 @@ from .sync import PROTOCOL, SIZES
 logger = logging.getLogger(__name__)
 
 
+def _number(v, what: str, where, cast):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):  # (None, a string, a list: a TypeError unnamed)
+        raise ValueError(f"{what} holds {v!r} {where}: each value must be a number")
+    return cast(v)
+
+
 def _per_layer(value, num_layers: int, what: str, cast) -> list:
     if value is None:
         raise ValueError(
@@ -44,11 +50,13 @@ def _per_layer(value, num_layers: int, what: str, cast) -> list:
         extra = sorted(set(value) - set(range(num_layers)))
         if missing or extra:
             raise ValueError(f"{what} must have keys 0..{num_layers - 1}: missing {missing}, unknown {extra}")
-        vals = [cast(value[i]) for i in range(num_layers)]
-    elif isinstance(value, int | float):
+        vals = [_number(value[i], what, f"at layer {i}", cast) for i in range(num_layers)]
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
         vals = [cast(value)] * num_layers
+    elif isinstance(value, str | bytes | bool):
+        raise ValueError(f"{what}={value!r} must be a number, a list of {num_layers} numbers or {{layer: number}}")
     else:
-        vals = [cast(v) for v in value]
+        vals = [_number(v, what, f"at layer {i}", cast) for i, v in enumerate(value)]
         if len(vals) != num_layers:
             raise ValueError(f"{what} has {len(vals)} entries, expected num_layers={num_layers}")
     bad = [(i, v) for i, v in enumerate(vals) if not math.isfinite(v) or v < 0]

@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -277,3 +278,21 @@ def test_rl_settings_reject_nan_inf_and_non_int_values(kw, match):
 def test_cli_rejects_an_infinite_link(capsys):
     assert plan.main(["--hf-config", str(Q35), "--bandwidth-gbps", "inf"]) == 2
     assert "bandwidth_gbps=inf must be a finite number > 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[0.1, null, 0.2]", r"mismatch_profile holds None at layer 1: each value must be a number"),
+    ("[[0.1], 0.2]", r"mismatch_profile holds \[0.1\] at layer 0"),
+    ('[0.1, "x"]', r"mismatch_profile holds 'x' at layer 1"),
+    ('"0.5"', r"mismatch_profile='0.5' must be a number, a list of 40 numbers"),
+    ("true", r"mismatch_profile=True must be a number"),
+    ('{"layer_0": 0.1}', r"profile.json has key\(s\) \['layer_0'\]: a JSON object's keys are layer ids"),
+], ids=["null", "nested", "string-value", "string", "bool", "key"])
+def test_cli_names_a_bad_mismatch_profile_value(tmp_path, capsys, text, match):
+    """A JSON profile with a null or a list in it used to end the CLI in a TypeError traceback; a string was read
+    character by character ("010": rates 0, 1, 0), ``true`` as the rate 1.0 for every layer."""
+    prof = tmp_path / "profile.json"
+    prof.write_text(text)
+    assert plan.main(["--hf-config", str(Q35), "--layer-policy", "budget=20000", "--mismatch-profile", str(prof),
+                      "--modes", "compact"]) == 2
+    assert re.search(match, capsys.readouterr().err)
