@@ -204,6 +204,9 @@ def main(argv=None) -> int:
         dims = ModelDims.from_hf_config(args.hf_config)
         rl = RLSettings(args.trajectories, args.prompt_len, args.response_len, args.bandwidth_gbps,
                         args.steps_in_flight)
+        if args.bandwidth_gbytes and not args.dp_ranks:
+            raise ValueError(f"--bandwidth-gbytes {' '.join(args.bandwidth_gbytes)} times a trainer rank's share: add "
+                             "--dp-ranks N (the table's sync time is at --bandwidth-gbps)")
         sites = [s for s in args.sites.split(",") if s]
         profile = read_profile(args, dims, sites)
         rows = build_rows(

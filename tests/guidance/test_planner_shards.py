@@ -117,6 +117,9 @@ def test_cli_per_rank_projection(capsys):
     assert "8 DP ranks: 8 samples" in capsys.readouterr().out
     assert plan.main([*argv, "--bandwidth-gbytes", "fast=x"]) == 2
     assert "NAME=GB/s" in capsys.readouterr().err
+    # without --dp-ranks a bandwidth times nothing: it used to be dropped without a word
+    assert plan.main(argv[:argv.index("--dp-ranks")] + ["--bandwidth-gbytes", "nvlink=100"]) == 2
+    assert "--bandwidth-gbytes nvlink=100 times a trainer rank's share: add --dp-ranks N" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
