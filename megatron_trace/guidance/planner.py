@@ -2,13 +2,14 @@
 
 ``budget_layers`` picks the layers that remove the most code mismatch per byte, each taken if it still fits under
 ``config.budget_bytes_per_token`` (the budget is never exceeded). The mismatch profile is, by default, a per-layer
-*rate*: the fraction of that layer's guided elements whose FP4 code differs between trainer and rollout (METRICS.md
-``quant/<site>/layer_<L>/code_mismatch_rate`` of an unguided FP4 arm, element-weighted over the guided sites;
-``mismatch_profile.profile_from_metrics`` reads it from a run's metrics.jsonl). Guiding a layer removes rate x its
-guided elements, and elements are about proportional to guidance bytes, so the value per byte is about the rate:
-layers are taken by rate x elements / bytes (``plan_row`` knows the elements; without them, by rate), deeper first
-on ties. ``profile_unit="mass"`` takes per-layer *masses* instead (mismatched codes guiding the layer removes, any
-common scale), ranked by mass / bytes. A layer with zero measured mismatch is not taken (guiding it removes nothing).
+*rate*: the fraction of that layer's guided elements whose FP4 code differs between trainer and rollout (README,
+"Reading the metrics": ``quant/<site>/layer_<L>/code_mismatch_rate`` of an unguided FP4 arm, element-weighted over
+the guided sites; ``mismatch_profile.profile_from_metrics`` reads it from a run's metrics.jsonl). Guiding a layer
+removes rate x its guided elements, and elements are about proportional to guidance bytes, so the value per byte is
+about the rate: layers are taken by rate x elements / bytes (``plan_row`` knows the elements; without them, by
+rate), deeper first on ties. ``profile_unit="mass"`` takes per-layer *masses* instead (mismatched codes guiding the
+layer removes, any common scale), ranked by mass / bytes. A layer with zero measured mismatch is not taken (guiding
+it removes nothing).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def _per_layer(value, num_layers: int, what: str, cast) -> list:
     if value is None:
         raise ValueError(
             f"the budget layer policy needs {what} for each of the {num_layers} layers "
-            "(per-layer quant/<site>/layer_<L>/code_mismatch_rate of an unguided FP4 run, METRICS.md; "
+            "(per-layer quant/<site>/layer_<L>/code_mismatch_rate of an unguided FP4 run, README: Reading the metrics; "
             "mismatch_profile.profile_from_metrics reads them from its metrics.jsonl)"
         )
     if isinstance(value, Mapping):

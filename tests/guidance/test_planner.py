@@ -91,8 +91,9 @@ def test_budget_never_exceeds(data, budget, unit):
 
 def test_budget_errors_are_clear():
     cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=100)
-    with pytest.raises(ValueError, match="mismatch_profile for each of the 4 layers"):
+    with pytest.raises(ValueError, match="mismatch_profile for each of the 4 layers") as err:
         guided_layers(cfg, 4)
+    assert "README: Reading the metrics" in str(err.value)  # (it named a METRICS.md, which does not exist)
     with pytest.raises(ValueError, match="3 entries, expected num_layers=4"):
         budget_layers(cfg, 4, mismatch_profile=[0.1] * 3, bytes_per_layer=10)
     with pytest.raises(ValueError, match=r"missing \[3\]"):
