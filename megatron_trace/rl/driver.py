@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import numbers
 import os
 import time
 from dataclasses import dataclass, field
@@ -90,6 +92,11 @@ class RLConfig:
         for name in ("quant_metrics_every", "checkpoint_every", "sentinel_prompts", "seed"):
             v = getattr(self, name)
             need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, name, "an int >= 0 (0: off)")
+        for name in ("lr", "clip_eps", "tis_cap", "kl_coef", "temperature", "max_logprob_abs_diff",
+                     "sentinel_max_abs_diff"):  # a YAML true is no 1.0 (tis_cap=true: the IS ratio capped at 1)
+            v, off = getattr(self, name), name in ("tis_cap", "max_logprob_abs_diff", "sentinel_max_abs_diff")
+            need((v is None and off) or (isinstance(v, numbers.Real) and not isinstance(v, bool) and math.isfinite(v)),
+                 name, "a finite number" + (" or None (off)" if off else ""))
         need(self.lr > 0, "lr", "> 0")
         rows, mbs = self.prompts_per_step * self.group_size, self.micro_batch_size
         need(isinstance(mbs, int) and not isinstance(mbs, bool) and (mbs == 0 or (mbs > 0 and rows % mbs == 0)),

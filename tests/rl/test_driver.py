@@ -372,6 +372,15 @@ def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     (dict(trend_mode="relative", trend_max_slope=0.01),
      "RLConfig.trend_max_slope=0.01 is the absolute mode's threshold: set RLConfig.trend_mode='absolute'"),
     (dict(trend_mode="absolute"), "RLConfig.trend_max_slope=None must be a finite number"),
+    # were accepted: a YAML true as 1.0 (tis_cap=true capped the IS ratio at 1; a gate at 1.0), an infinite lr;
+    # a string ended in a bare "'>' not supported between instances of 'str' and 'int'"
+    (dict(tis_cap=True), r"RLConfig.tis_cap=True must be a finite number or None \(off\)"),
+    (dict(max_logprob_abs_diff=True), r"RLConfig.max_logprob_abs_diff=True must be a finite number or None"),
+    (dict(sentinel_max_abs_diff=True), r"RLConfig.sentinel_max_abs_diff=True must be a finite number or None"),
+    (dict(lr=True), "RLConfig.lr=True must be a finite number"),
+    (dict(lr=float("inf")), "RLConfig.lr=inf must be a finite number"),
+    (dict(lr="5e-5"), "RLConfig.lr='5e-5' must be a finite number"),
+    (dict(clip_eps=None), "RLConfig.clip_eps=None must be a finite number"),
 ])
 def test_bad_rl_settings_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
