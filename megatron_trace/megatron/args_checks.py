@@ -107,6 +107,13 @@ def _check_expert_options(args) -> None:
     kind = getattr(args, "moe_token_dispatcher_type", None)
     if kind is not None and kind not in DISPATCHERS:
         problems.append(f"--moe-token-dispatcher-type {kind} (supported: {', '.join(DISPATCHERS)})")
+    if getattr(args, "overlap_param_gather", False) and getattr(args, "use_distributed_optimizer", False) and \
+            not getattr(args, "use_megatron_fsdp", False) and not _te_grouped(args):
+        problems.append("--overlap-param-gather with --use-distributed-optimizer (Megatron all-gathers a module's "
+                        "parameters in that module's forward pre-hook, and TRACE's torch experts read the expert "
+                        "linears' weights without running them: the experts would use weights whose all-gather was "
+                        "never waited for, or never started; drop --overlap-param-gather, or use TE's grouped "
+                        "experts: --transformer-impl transformer_engine --moe-grouped-gemm)")
     if problems:
         raise ValueError("TRACE experts do not support " + "; ".join(problems))
 
@@ -122,10 +129,14 @@ def _check_reuse(cfg: TraceConfig, args, moe: bool) -> None:
             f"--trace-sites {','.join(cfg.sites)} does not quantize the weights"
         raise ValueError(f"--trace-reuse-weight-quant keeps the routed experts' fake-quantized weights for a step, "
                          f"and there are none: {why}; drop --trace-reuse-weight-quant")
-    te_grouped = getattr(args, "transformer_impl", None) == "transformer_engine" and \
-        getattr(args, "moe_grouped_gemm", False) and not getattr(args, "moe_use_legacy_grouped_gemm", False)
-    if te_grouped:
+    if _te_grouped(args):
         raise ValueError("--trace-reuse-weight-quant supports TRACE's torch experts: --transformer-impl "
                          "transformer_engine with --moe-grouped-gemm builds TE's grouped experts, which fetch and "
                          "quantize their weights per call; use --transformer-impl local, or drop --moe-grouped-gemm "
                          "or --trace-reuse-weight-quant")
+
+
+def _te_grouped(args) -> bool:
+    """Whether the flags build TE's grouped experts (``TraceTEGroupedMLP``), not TRACE's torch experts."""
+    return getattr(args, "transformer_impl", None) == "transformer_engine" and \
+        getattr(args, "moe_grouped_gemm", False) and not getattr(args, "moe_use_legacy_grouped_gemm", False)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import KV_SITES
 from .args import trace_config_from_args
@@ -63,16 +64,23 @@ def trace_train_step(args, model) -> Iterator[None]:
 
 
 def _stage_has_sites(args, model) -> bool:
-    """Whether this pipeline stage should hold TRACE modules: it has MoE layers, or K/V are quantized (every
-    layer attends). A stage of dense layers with no KV site has none, and its step is a plain step. Decided at the
-    first step with these ``args`` (Megatron-LM's one namespace) and kept on chunk 0: not re-read every step."""
+    """Whether this pipeline stage should hold TRACE modules: it has MoE decoder layers, or decoder layers and K/V
+    are quantized (every layer attends). A stage of dense layers with no KV site has none, nor has a stage without
+    decoder layers (a pipeline layout's embedding- or loss-only stage; MTP layers keep the stock spec), and its step
+    is a plain step. Decided at the first step with these ``args`` (Megatron-LM's one namespace) and kept on chunk 0:
+    not re-read every step."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     cached = chunks[0].__dict__.get("_trace_stage_has_sites")
     if cached is not None and cached[0] is args:
         return cached[1]
-    has = any(isinstance(m, MoELayer) for chunk in chunks for m in chunk.modules()) or \
-        any(site in trace_config_from_args(args).sites for site in KV_SITES)
-    if not has:
+    decoder = [m for chunk in chunks for name, m in chunk.named_modules() if "mtp" not in name.split(".")]
+    layers = any(isinstance(m, TransformerLayer) for m in decoder)
+    has = any(isinstance(m, MoELayer) for m in decoder) or \
+        (layers and any(site in trace_config_from_args(args).sites for site in KV_SITES))
+    if not layers:
+        logger.info("--trace-fp4: this pipeline stage has no decoder layer (MTP layers keep the stock spec): "
+                    "nothing to check")
+    elif not has:
         logger.info("--trace-fp4: this pipeline stage has no MoE layer and K/V are not quantized: nothing to check")
     chunks[0].__dict__["_trace_stage_has_sites"] = (args, has)  # (args refer to no model: no cycle)
     return has

@@ -7,6 +7,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.megatron import StepGuidance, reuse_weight_quant, trace_guidance, trace_record, trace_spec
@@ -122,6 +123,39 @@ def test_a_pipeline_stage_without_trace_sites_runs_a_plain_step(caplog):
         model(*data[:3], labels=data[3]).float().mean().backward()
     with pytest.raises(ValueError, match="no TRACE modules"), trace_train_step(parse(["--trace-fp4"]), [model]):
         model(*data[:3], labels=data[3]).float().mean().backward()
+
+
+def test_a_pipeline_stage_without_decoder_layers_runs_a_plain_step(caplog):
+    """A pipeline layout's stage may hold no decoder layer ("E|t*4|L": the loss-only stage; "...|mL": a standalone
+    MTP stage, whose MoE layer keeps the stock spec): no TRACE module, K/V quantized or not, is a plain step."""
+    import argparse
+    import dataclasses
+
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
+
+    from megatron_trace.megatron import add_trace_args, trace_spec_from_args, trace_train_step
+
+    from .harness import SEQ, VOCAB
+
+    parse = lambda flags: add_trace_args(argparse.ArgumentParser()).parse_args(flags)  # noqa: E731
+    data = batch()
+    args = parse(["--trace-fp4"])  # K/V quantized (the default sites)
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec_from_args(args, dataclasses.replace(stock_spec(cfg), layer_specs=[])))
+    with caplog.at_level(logging.INFO, logger="megatron_trace.megatron.train_step"), trace_train_step(args, [model]):
+        model(*data[:3], labels=data[3]).float().mean().backward()
+    assert "this pipeline stage has no decoder layer" in caplog.text
+    experts_only = parse(["--trace-fp4", "--trace-sites", "expert_fc1_in,expert_fc2_in,weights"])
+    cfg = tiny_config(mtp_num_layers=1)
+    moe_layer = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, normalization="RMSNorm")
+    mtp = get_gpt_mtp_block_spec(cfg, moe_layer, use_transformer_engine=False)
+    model = GPTModel(config=cfg, transformer_layer_spec=trace_spec_from_args(
+        experts_only, dataclasses.replace(stock_spec(cfg), layer_specs=[])), vocab_size=VOCAB, max_sequence_length=SEQ,
+        position_embedding_type="rope", mtp_block_spec=mtp)
+    assert any(isinstance(m, MoELayer) for m in model.mtp.modules())
+    with trace_train_step(experts_only, [model]):
+        pass
 
 
 def test_a_modelopt_model_is_refused_by_name():
