@@ -201,11 +201,14 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         placeholders, and the ranks agree once more at the end, where the others raise a ``RuntimeError`` naming it
         and its cause (the model is then partly loaded on every rank)."""
         self._require_no_pipeline()
-        self.safetensor_io = self._get_safetensor_io(weights_path)
+        try:
+            self.safetensor_io, refused = self._get_safetensor_io(weights_path), None
+        except Exception as e:  # (e.g. a directory this rank's node lacks) raised in the first check, agreed on
+            refused = e
         for model in models:
-            self._load_model(unwrap_model(model), memory_efficient)
+            self._load_model(unwrap_model(model), memory_efficient, weights_path, refused)
 
-    def _load_model(self, model, memory_efficient: bool) -> None:
+    def _load_model(self, model, memory_efficient: bool, where: str, refused: Exception | None = None) -> None:
         params = model.state_dict()  # (detached: no Megatron attributes, hence split_dims)
         split_dims = {k: p.partition_dim for k, p in model.named_parameters()
                       if getattr(p, "tensor_model_parallel", False)}
@@ -215,11 +218,12 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         readers = [hf for _, _, hf, (_, _, rank) in plan if rank == 0]
 
         def check_and_read() -> dict:
+            if refused is not None:
+                raise refused
             self._check_all_consumed({n for _, _, hf, _ in plan for n in hf})
             self._check_shapes(plan, params, split_dims)
             return {} if memory_efficient else self.safetensor_io.load_some_hf_weight([n for hf in readers for n in hf])
 
-        where = self.safetensor_io.hf_dir
         split = self.mpu.ep_size > 1 or any(size > 1 for *_, (_, size, _) in plan)  # every rank loads its part
         if not split:
             self._fill(plan, params, check_and_read(), split)

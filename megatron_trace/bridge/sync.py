@@ -347,14 +347,17 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
         if timeout_s is not None and clock() - t0 > timeout_s:
             raise WeightSyncTimeoutError(f"weight sync ({fmt}) exceeded timeout_s={timeout_s} " + progress())
 
+    def received(tensors: Iterable[tuple[str, WeightValue]]) -> Iterator[tuple[str, WeightValue]]:
+        for name, value in tensors:  # the deadline between tensors, not only between buckets (a whole model fits one)
+            stats.add(name, value)
+            check_deadline()
+            yield name, value
+
     # bad arguments raise here, before anything is sent
-    stream = iter_buckets(make_stream(named, fmt, quantizer, dtype, bf16_layers, kernel), bucket_bytes)
+    stream = iter_buckets(received(make_stream(named, fmt, quantizer, dtype, bf16_layers, kernel)), bucket_bytes)
     try:
         for items in stream:
-            check_deadline()
             staged.append(WeightBucket.pack(items, device))
-            for name, value in items:
-                stats.add(name, value)
             check_deadline()
     except WeightSyncError:
         raise

@@ -52,7 +52,12 @@ def modelopt_linear_tensors(prefix: str, q: FP4Tensor, input_amax: float | torch
     if q.global_amax is None or q.global_amax.dim() != 0:
         raise ValueError(f"{prefix}: ModelOpt stores one weight_scale_2 per Linear: the FP4 weight needs a per-tensor "
                          f"global_amax (shape []), got {None if q.global_amax is None else tuple(q.global_amax.shape)}")
-    a = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
+    try:
+        a = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
+    except (TypeError, ValueError, RuntimeError) as e:  # (a per-row amax tensor, None, a string)
+        got = f"shape {tuple(input_amax.shape)}" if isinstance(input_amax, torch.Tensor) else repr(input_amax)[:80]
+        raise ValueError(f"{prefix}: input_amax must be one number (the static activation amax of the Linear's "
+                         f"input, e.g. the largest per-row amax recorded), got {got}") from e
     if not bool(torch.isfinite(a)) or float(a) <= 0:
         raise ValueError(f"{prefix}: input_amax={float(a)} must be finite and > 0 (the static activation amax)")
     out = {

@@ -118,7 +118,8 @@ def test_tp2_save_writes_shards_from_rank_0_only(tp2_results):
     assert saved.keys() == disk.keys() and all(torch.equal(saved[k], disk[k]) for k in disk)
 
 
-def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int, ep: int = 1) -> None:
+def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int, ep: int = 1,
+                    load_from: str | None = None) -> None:
     from transformers import AutoConfig
 
     from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
@@ -135,7 +136,7 @@ def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int
         model = bridge.build_model()
         start = time.monotonic()
         try:
-            load_hf_checkpoint(model, ckpt, bridge)
+            load_hf_checkpoint(model, load_from or ckpt, bridge)
             outcome = ("loaded", "")
         except Exception as e:  # recorded for the test
             outcome = (type(e).__name__, str(e))
@@ -217,6 +218,25 @@ def test_a_checkpoint_tensor_of_one_tp_rank_s_shape_is_refused_on_every_rank(tmp
     kind, msg = results[1]["outcome"]
     where = re.escape(ckpt)
     assert kind == "ValueError" and re.search(rf"^rank 0 refused to load the checkpoint {where} .*{reason}", msg), msg
+
+
+@pytest.mark.parametrize("tp, ep", [(1, WORLD), (WORLD, 1)], ids=["ep2", "tp2"])
+def test_a_checkpoint_directory_one_rank_lacks_raises_on_every_rank(tmp_path, tp, ep):
+    """The directory is missing where rank 1 looks (a node-local copy that was not staged): rank 1's
+    FileNotFoundError was raised before the ranks' agreement, and rank 0 waited in it (a bare gloo error once rank 1
+    exited; under NCCL, the process group's timeout); now rank 0 raises a ValueError naming rank 1 and why."""
+    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
+    missing = str(tmp_path / "not_staged_here")
+    port = free_port()
+    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), tp, 1, ep, missing if r else None),
+                timeout=240)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    reason = re.escape(f"{missing!r} is not a HF checkpoint directory (no config.json)")
+    kind, msg = results[1]["outcome"]
+    assert kind == "FileNotFoundError" and re.search(reason, msg), results[1]
+    kind, msg = results[0]["outcome"]
+    assert kind == "ValueError" and re.search(
+        rf"^rank 1 refused to load the checkpoint {re.escape(ckpt)} .*FileNotFoundError: {reason}", msg), msg
 
 
 def _file_size_limit(limit: int):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -202,6 +203,19 @@ def test_errors_name_the_problem():
         build_modelopt_state(named, {})
     with pytest.raises(ValueError, match="quantization_config"):
         save_modelopt_checkpoint("/nonexistent", named, {"quantization_config": {}}, 1.0)
+
+
+def test_an_input_amax_that_is_not_one_number_is_refused_naming_the_linear():
+    """A per-row amax tensor (what the rollout records) or None given for one Linear raised torch's bare "shape '[]'
+    is invalid for input of size 4" / "must be real number", naming neither the Linear nor input_amax."""
+    prefix = "model.layers.0.mlp.experts.0.down_proj"
+    named = [(prefix + ".weight", nvfp4.quantize(torch.randn(16, 32)))]
+    with pytest.raises(ValueError, match=re.escape(f"{prefix}: input_amax must be one number") + ".*shape \\(4,\\)"):
+        build_modelopt_state(named, {prefix: torch.ones(4)})
+    with pytest.raises(ValueError, match=re.escape(f"{prefix}: input_amax must be one number") + ".*None"):
+        build_modelopt_state(named, {prefix: None})
+    state, _ = build_modelopt_state(named, {prefix: torch.tensor([2.0])})  # one number in a 1-element tensor
+    assert state[prefix + ".input_scale"].shape == ()
 
 
 def test_gate_and_up_quantized_apart_or_alone_are_refused():

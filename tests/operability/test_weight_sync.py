@@ -101,26 +101,47 @@ def test_interrupted_stream_leaves_the_previous_weights(fmt):
 
 
 class Clock:
-    """A clock that advances one second per reading (no wall time in the test)."""
+    """The test's time: it advances as the tensors arrive (``arriving``), not per reading (no wall time in the test)."""
 
     def __init__(self):
         self.t = 0.0
 
     def __call__(self):
-        self.t += 1.0
         return self.t
+
+    def arriving(self, weights, seconds: float = 1.0):
+        """``weights``, each taking ``seconds`` to arrive (an export's gather)."""
+        for item in weights:
+            self.t += seconds
+            yield item
 
 
 def test_timeout_fails_clearly_and_applies_nothing():
     be = _rollout()
     snap = _snapshot(be)
+    clock = Clock()
     with pytest.raises(WeightSyncTimeoutError, match=r"exceeded timeout_s=5 after \d+ tensors"):
-        sync_weights(be, _new_weights(), fmt="fp4", quantizer=WQ, dtype=torch.float32, bucket_bytes=32 << 10,
-                     timeout_s=5, clock=Clock())
+        sync_weights(be, clock.arriving(_new_weights()), fmt="fp4", quantizer=WQ, dtype=torch.float32,
+                     bucket_bytes=32 << 10, timeout_s=5, clock=clock)
     _assert_unchanged(be, snap)
-    stats = sync_weights(be, _new_weights(), fmt="fp4", quantizer=WQ, dtype=torch.float32, timeout_s=5,
-                         clock=Clock())  # one bucket: within the budget
-    assert 0 < stats.seconds <= 5 and be.policy_version == 1
+    n = len(_new_weights())
+    clock = Clock()
+    stats = sync_weights(be, clock.arriving(_new_weights()), fmt="fp4", quantizer=WQ, dtype=torch.float32,
+                         timeout_s=n + 1, clock=clock)  # one bucket: within the budget
+    assert stats.seconds == n and be.policy_version == 1
+
+
+def test_the_deadline_is_checked_between_tensors_within_one_bucket():
+    """The whole model in one bucket (the default 512 MB): the deadline was checked between buckets only, so a
+    stream of 1 s a tensor with timeout_s=5 was read to its end (every tensor, n s) before the timeout, which then
+    said "after 0 tensors"; it stops at the tensor that crossed the deadline."""
+    be = _rollout()
+    snap = _snapshot(be)
+    clock = Clock()
+    with pytest.raises(WeightSyncTimeoutError, match=r"exceeded timeout_s=5 after 6 tensors \(.*0 bucket\(s\)"):
+        sync_weights(be, clock.arriving(_new_weights()), fmt="bf16", timeout_s=5, clock=clock)
+    assert clock.t == 6 < len(_new_weights())
+    _assert_unchanged(be, snap)
 
 
 def test_sync_errors_are_importable_beside_sync_weights():
