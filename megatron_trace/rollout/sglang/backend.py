@@ -112,6 +112,7 @@ class SGLangRolloutBackend:
         self.policy_version = 0
         self.trainer_recipe: QuantRecipe | None = None
         self.failed_update: str | None = None  # why the engine may hold mixed weights (generate refuses until mended)
+        self._unsent: set[str] = set()  # the engine names of failed updates not sent again by a successful one since
         if recipe is not None:
             self.check_recipe(recipe)
 
@@ -171,9 +172,11 @@ class SGLangRolloutBackend:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
         prompts = check_prompts(prompts, self.vocab_size)  # (the engine checks its context length itself)
         if self.failed_update is not None:
+            unsent = sorted(self._unsent)
             raise RuntimeError(f"{self.failed_update}; the engine may hold part of those weights under "
                                f"policy_version={self.policy_version}, so no sample of it is a sample of one policy: "
-                               "send the full weights again (update_weights) before generating")
+                               f"send the full weights again (update_weights; {len(unsent)} tensor(s) of the failed "
+                               f"update not sent since, e.g. {unsent[:3]}) before generating")
         if sampling.seed is not None and not self._seeded_engine():
             logger.warning("SamplingParams.seed=%d is ignored: SGLang samples with sampling_seed only when launched "
                            "with enable_deterministic_inference=True", sampling.seed)
@@ -252,7 +255,8 @@ class SGLangRolloutBackend:
         ``version``: strictly greater than ``policy_version`` (None: +1); ``reset=True``: any version, on purpose
         (``base.next_policy_version``). The version, the recipe and the tensors' formats (``engine_tensors``) are
         checked before anything goes to the engine (which loads in place: a refused update must not reach it). An
-        update that fails inside the engine sets ``failed_update``; ``generate`` then refuses until one succeeds."""
+        update that fails inside the engine sets ``failed_update``; ``generate`` then refuses until updates that
+        succeed have sent every tensor of the failed one again."""
         new_version = next_policy_version(self.policy_version, version, reset=reset)
         with recipe_kept_on_failure(self):
             if recipe is not None:
@@ -264,7 +268,9 @@ class SGLangRolloutBackend:
             named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
             self._send(named, new_version)
         self.policy_version = new_version
-        self.failed_update = None
+        self._unsent -= {name for name, _ in named}
+        if not self._unsent:
+            self.failed_update = None
 
     def _send(self, named: list, version: int) -> None:
         """The checked tensors -> the engine. It loads in place and SGLang 0.5.10 has no rollback: a failure here
@@ -277,6 +283,7 @@ class SGLangRolloutBackend:
             if isinstance(ok, tuple) and ok and ok[0] is False:
                 raise RuntimeError(f"update_weights_from_tensor failed: {ok}")
         except BaseException as e:
+            self._unsent |= {name for name, _ in named}
             self.failed_update = (f"the weight update to version {version} failed in the engine "
                                   f"({type(e).__name__}: {e})")
             logger.error("%s: generate is refused until an update succeeds", self.failed_update)
