@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ...config import TraceConfig
-from ...formats import sglang_kvfp4
+from ...formats import NonFiniteError, sglang_kvfp4
 from ...guidance.selection import guided_layers
 from ...manifest import (
     KV_SITES,
@@ -266,6 +266,7 @@ class SGLangRolloutBackend:
                                           f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
             fp4 = set(self.moe_layers) - self.bf16_expert_layers if self.config.quantizes("weights") else ()
             named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
+            _check_finite(named)
             self._send(named, new_version)
         self.policy_version = new_version
         self._unsent -= {name for name, _ in named}
@@ -288,3 +289,19 @@ class SGLangRolloutBackend:
                                   f"({type(e).__name__}: {e})")
             logger.error("%s: generate is refused until an update succeeds", self.failed_update)
             raise
+
+
+def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse an update whose floating-point tensors, as the engine gets them (BF16 values after their cast, FP4 scales
+    and global scales), hold NaN/Inf, naming them (one host sync per device), as the hf backend does: the engine loads
+    whatever it is sent."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        if t.is_floating_point():
+            by_device.setdefault(t.device, []).append((name, t))
+    for items in by_device.values():
+        bad = torch.stack([~torch.isfinite(t if t.element_size() > 1 else t.float()).all() for _, t in items]).tolist()
+        names = [name for (name, _), b in zip(items, bad) if b]
+        if names:
+            raise NonFiniteError(f"update_weights: {len(names)} tensor(s) hold NaN/Inf as the engine would load them "
+                                 f"(BF16 values beyond its range become Inf), e.g. {names[:3]}; nothing was sent")
