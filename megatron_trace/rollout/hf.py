@@ -48,7 +48,15 @@ from ..manifest import (
 from . import hf_generate
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
-from .base import RolloutBatch, SamplingParams, WeightValue, is_int, next_policy_version, recipe_kept_on_failure
+from .base import (
+    RolloutBatch,
+    SamplingParams,
+    WeightValue,
+    is_int,
+    next_policy_version,
+    recipe_kept_on_failure,
+    weight_pairs,
+)
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .finite import RolloutFiniteChecks
@@ -352,7 +360,7 @@ class HFRolloutBackend:
                 raise RecipeMismatchError(
                     f"update_weights to version {new_version} without the trainer's recipe: a recipe was registered, "
                     f"so every weight sync must pass recipe=trainer_recipe.with_weight_version({new_version})")
-            weights = list(weights)
+            weights = weight_pairs(weights)
             state = self.model.state_dict(keep_vars=True)
             dense, halves, fp4 = [], {}, {}
             for name, value in weights:

@@ -201,3 +201,20 @@ def test_a_value_beyond_the_model_dtypes_range_is_refused_before_anything_change
     dict(new)[bad][0, 0] = 1.0
     be.update_weights(new)
     assert be.policy_version == 1
+
+
+@pytest.mark.parametrize(("weights", "match"), [
+    ({"model.norm.weight": torch.ones(64)}, r"got a dict: pass weights.items\(\)"),
+    ([("model.norm.weight", torch.ones(64)), ("model.norm.weight",)], r"weights\[1\] must be a \(name, tensor\) pair"),
+    ([torch.ones(64)], r"weights\[0\] must be a \(name, tensor\) pair .*got Tensor"),
+])
+def test_weights_that_are_not_name_value_pairs_are_named(weights, match):
+    """A state dict passed itself (not its .items()) iterated over its names: 'too many values to unpack'."""
+    from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend
+
+    from ..sglang.test_backend_contract import CFG, HF, _Engine
+
+    for be in (_backend(), SGLangRolloutBackend(_Engine(), CFG.replace(kv_format="sglang_kvfp4"), HF, native=False)):
+        with pytest.raises(TypeError, match=match):
+            be.update_weights(weights)
+        assert be.policy_version == 0

@@ -32,6 +32,7 @@ from ..base import (
     check_prompts,
     next_policy_version,
     recipe_kept_on_failure,
+    weight_pairs,
 )
 from .capture import INFO_KEY, READOUT_PREFIX
 from .launch import KV_FP4, WEIGHT_LOADER, check_kv_cache_dtype, guidance_specs
@@ -265,7 +266,7 @@ class SGLangRolloutBackend:
                 raise RecipeMismatchError(f"update_weights to version {new_version} without the trainer's recipe "
                                           f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
             fp4 = set(self.moe_layers) - self.bf16_expert_layers if self.config.quantizes("weights") else ()
-            named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
+            named = engine_tensors(weight_pairs(weights), bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
             _check_finite(named)
             self._send(named, new_version)
         self.policy_version = new_version
