@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -210,6 +210,19 @@ class RolloutBackend(Protocol):
         nothing.
         """
         ...
+
+
+def weight_pairs(weights: Iterable[tuple[str, WeightValue]]) -> list[tuple[str, WeightValue]]:
+    """``update_weights``' ``weights`` as a list of ``(name, value)`` pairs; ``TypeError`` naming the first item that
+    is not one (a state dict passed itself, not its ``.items()``, iterates over its names)."""
+    if isinstance(weights, Mapping):
+        raise TypeError(f"weights must be (name, tensor) pairs, got a {type(weights).__name__}: pass weights.items()")
+    out = list(weights)
+    for i, item in enumerate(out):
+        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+            shown = repr(item) if isinstance(item, str | tuple | list) else type(item).__name__
+            raise TypeError(f"weights[{i}] must be a (name, tensor) pair with an HF checkpoint name, got {shown[:120]}")
+    return out
 
 
 def next_policy_version(current: int, version: int | None, *, reset: bool = False) -> int:

@@ -48,7 +48,15 @@ from ..manifest import (
 from . import hf_generate
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
-from .base import RolloutBatch, SamplingParams, WeightValue, is_int, next_policy_version, recipe_kept_on_failure
+from .base import (
+    RolloutBatch,
+    SamplingParams,
+    WeightValue,
+    is_int,
+    next_policy_version,
+    recipe_kept_on_failure,
+    weight_pairs,
+)
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .finite import RolloutFiniteChecks
@@ -352,7 +360,7 @@ class HFRolloutBackend:
                 raise RecipeMismatchError(
                     f"update_weights to version {new_version} without the trainer's recipe: a recipe was registered, "
                     f"so every weight sync must pass recipe=trainer_recipe.with_weight_version({new_version})")
-            weights = list(weights)
+            weights = weight_pairs(weights)
             state = self.model.state_dict(keep_vars=True)
             dense, halves, fp4 = [], {}, {}
             for name, value in weights:
@@ -434,14 +442,17 @@ class HFRolloutBackend:
 
 
 def _check_finite(dense) -> None:
-    """Refuse an update whose floating-point values hold NaN/Inf, naming the weights (one host sync per device)."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for _, value, name in dense:
+    """Refuse an update whose floating-point values hold NaN/Inf, or do once in the model's dtype (a value beyond
+    float16's range copies in as Inf), naming the weights (one host sync per device)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    for target, value, name in dense:
         if value.is_floating_point():
-            by_device.setdefault(value.device, []).append((name, value))
+            by_device.setdefault(value.device, []).append((name, value, target))
     for items in by_device.values():
-        bad = torch.stack([~torch.isfinite(v).all() for _, v in items]).tolist()
-        names = [name for (name, _), b in zip(items, bad) if b]
-        if names:
-            raise NonFiniteError(f"update_weights: {len(names)} weight(s) hold NaN/Inf, e.g. {names[:3]}; "
-                                 "nothing was updated")
+        bad = torch.stack([~torch.isfinite(v if v.dtype == t.dtype or not t.is_floating_point() else v.to(t.dtype)
+                                           ).all() for _, v, t in items]).tolist()
+        bad = [(name, t.dtype) for (name, _, t), b in zip(items, bad) if b]
+        if bad:
+            raise NonFiniteError(f"update_weights: {len(bad)} weight(s) hold NaN/Inf, e.g. {[n for n, _ in bad[:3]]}; "
+                                 f"nothing was updated (checked as the model's {bad[0][1]}: a value beyond its range "
+                                 "would copy in as Inf)")

@@ -29,15 +29,17 @@ def _tensors(v: Value) -> list[torch.Tensor]:
 
 
 def _map(v: Value, fn, rows: int) -> Value:
-    """``fn`` on every tensor of v (their first two dims: batch, rows), the result with ``rows`` rows."""
+    """``fn`` on every tensor of v (their first two dims: batch, rows), the result with ``rows`` rows (and the batch
+    rows ``fn`` gives: ``select`` forks them)."""
     if isinstance(v, torch.Tensor):
         return fn(v)
     payload = _PAYLOAD[type(v)]
     scales = v.block_scales
     scales = fn(scales.view(torch.uint8)).view(scales.dtype) if scales.dtype in _FP8 else fn(scales)
     amax = None if v.global_amax is None else fn(v.global_amax)
-    return dataclasses.replace(v, block_scales=scales, global_amax=amax, shape=(v.shape[0], rows, *v.shape[2:]),
-                               **{payload: fn(getattr(v, payload))})
+    data = fn(getattr(v, payload))
+    return dataclasses.replace(v, block_scales=scales, global_amax=amax, shape=(data.shape[0], rows, *v.shape[2:]),
+                               **{payload: data})
 
 
 class StaticSteps:

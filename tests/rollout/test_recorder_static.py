@@ -62,3 +62,21 @@ def test_static_store_errors_name_what_does_not_fit():
     rec.end_step(torch.ones(2, 1, dtype=torch.bool))
     with pytest.raises(ValueError, match="more than the 1 static steps"):
         rec.end_step(torch.ones(2, 1, dtype=torch.bool))
+
+
+def test_forked_rows_keep_their_records_shape():
+    """``select`` (``GuidanceRecorder.select_rows`` after ``begin_static``) with another batch size: the records kept
+    the old batch in their ``shape`` (views of 3 rows said 2), and the next step's write was refused."""
+    from megatron_trace.config import TraceConfig
+
+    quantizer = TraceConfig().activation_quantizer()
+    rec = lambda b: quantizer.quantize(torch.randn(b, 1, 64)).guidance(compact=True)  # noqa: E731
+    store = StaticSteps(2, torch.device("cpu"))
+    store.put("fc1", rec(2))
+    store.count = 1
+    store.select(torch.tensor([0, 0, 1]))
+    store.index.fill_(1)
+    store.put("fc1", rec(3))
+    store.count = 2
+    view = store.view("fc1")
+    assert view.shape == (3, 2, 64) and view.mantissa_bits.shape == (3, 2, 8)

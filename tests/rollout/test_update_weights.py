@@ -182,3 +182,39 @@ def test_reset_sets_any_version_on_purpose():
     assert be.policy_version == 2
     with pytest.raises(ValueError, match="version=2 is not newer"):
         be.update_weights(old, version=2)  # without reset, the rule applies again
+
+
+def test_a_value_beyond_the_model_dtypes_range_is_refused_before_anything_changes():
+    """A float32 value beyond float16's range copies into a float16 model as Inf: checked in fp32 it passed, the
+    update failed mid-copy at the expert's FP4 re-quantize, and the model kept part of the new weights (the embeddings,
+    the experts re-quantized before it) under the old policy_version, generating from them."""
+    be = HFRolloutBackend(tiny_model(), mode="fp4", dtype=torch.float16)
+    before = {k: v.clone() for k, v in be.model.state_dict().items()}
+    new = [(n, t.float().clone()) for n, t in checkpoint_tensors(tiny_model(seed=1))]
+    bad = "model.layers.2.mlp.experts.3.down_proj.weight"
+    dict(new)[bad][0, 0] = 1e6
+    with pytest.raises(ValueError, match=rf"hold NaN/Inf, e.g. \['{bad}'\]; nothing was updated \(checked as the "
+                                         r"model's torch.float16"):
+        be.update_weights(new)
+    after = be.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before) and be.policy_version == 0
+    dict(new)[bad][0, 0] = 1.0
+    be.update_weights(new)
+    assert be.policy_version == 1
+
+
+@pytest.mark.parametrize(("weights", "match"), [
+    ({"model.norm.weight": torch.ones(64)}, r"got a dict: pass weights.items\(\)"),
+    ([("model.norm.weight", torch.ones(64)), ("model.norm.weight",)], r"weights\[1\] must be a \(name, tensor\) pair"),
+    ([torch.ones(64)], r"weights\[0\] must be a \(name, tensor\) pair .*got Tensor"),
+])
+def test_weights_that_are_not_name_value_pairs_are_named(weights, match):
+    """A state dict passed itself (not its .items()) iterated over its names: 'too many values to unpack'."""
+    from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend
+
+    from ..sglang.test_backend_contract import CFG, HF, _Engine
+
+    for be in (_backend(), SGLangRolloutBackend(_Engine(), CFG.replace(kv_format="sglang_kvfp4"), HF, native=False)):
+        with pytest.raises(TypeError, match=match):
+            be.update_weights(weights)
+        assert be.policy_version == 0

@@ -366,3 +366,47 @@ def test_an_update_that_fails_in_the_engine_blocks_generate_until_one_succeeds(h
     be.update_weights(norm, version=2, recipe=trainer_recipe(cfg, version=2))  # the retry
     assert be.failed_update is None and be.policy_version == 2
     assert be.generate([[1, 2]], sp).policy_version == 2
+
+
+def test_after_a_failed_update_generate_waits_for_every_tensor_of_it_again():
+    """An update that succeeds but sends only part of the failed one's tensors (none, here) leaves the rest as the
+    failed load left them: it used to lift the block, and the mixed engine sampled under the new version."""
+    from megatron_trace.rollout import SamplingParams
+
+    cfg = CFG.replace(kv_format="sglang_kvfp4")
+    eng = _FailingEngine()
+    be = SGLangRolloutBackend(eng, cfg, HF, native=False)
+    norm, embed = ("model.norm.weight", torch.ones(64)), ("model.embed_tokens.weight", torch.ones(128, 64))
+    be.update_weights([norm, embed], version=1)
+    eng.fail = "false"
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        be.update_weights([norm, embed], version=2)
+    sp = SamplingParams(max_new_tokens=2)
+    for sent, left in (([], 2), ([norm], 1)):
+        be.update_weights(sent)
+        with pytest.raises(RuntimeError, match=rf"{left} tensor\(s\) of the failed update not sent since, e\.g\. "
+                                               r"\['model\.embed_tokens\.weight'"):
+            be.generate([[1, 2]], sp)
+    be.update_weights([embed])
+    assert be.failed_update is None and be.generate([[1, 2]], sp).policy_version == 4
+
+
+@pytest.mark.parametrize("case", ["nan", "beyond_bf16", "fp4_scale"])
+def test_an_update_holding_nan_or_inf_reaches_no_engine(case):
+    """The hf backend refuses NaN/Inf weights; this one sent them (and float64/float32 values beyond BF16's range,
+    Inf after the cast) into the engine, which loads whatever it gets, and moved to the new version."""
+    cfg = CFG.replace(kv_format="sglang_kvfp4")
+    eng = _Engine()
+    be = SGLangRolloutBackend(eng, cfg, HF, native=False)
+    name, value = "model.layers.1.self_attn.q_proj.weight", torch.ones(64, 64)
+    if case == "nan":
+        value[3, 5] = float("nan")
+    elif case == "beyond_bf16":
+        value = value.double() * 1e39
+    else:
+        name = "model.layers.0.mlp.experts.1.down_proj.weight"
+        value = cfg.weight_quantizer().quantize(torch.randn(64, 32))
+        value.block_scales.view(torch.uint8)[0, 0] = 0x7F  # E4M3 NaN
+    with pytest.raises(ValueError, match=rf"1 tensor\(s\) hold NaN/Inf as the engine would load them .*\['{name}"):
+        be.update_weights([("model.norm.weight", torch.ones(64)), (name, value)])
+    assert eng.updates == [] and be.policy_version == 0 and be.failed_update is None

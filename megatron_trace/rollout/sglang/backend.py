@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from ...config import TraceConfig
-from ...formats import sglang_kvfp4
+from ...formats import NonFiniteError, sglang_kvfp4
 from ...guidance.selection import guided_layers
 from ...manifest import (
     KV_SITES,
@@ -32,6 +32,7 @@ from ..base import (
     check_prompts,
     next_policy_version,
     recipe_kept_on_failure,
+    weight_pairs,
 )
 from .capture import INFO_KEY, READOUT_PREFIX
 from .launch import KV_FP4, WEIGHT_LOADER, check_kv_cache_dtype, guidance_specs
@@ -112,6 +113,7 @@ class SGLangRolloutBackend:
         self.policy_version = 0
         self.trainer_recipe: QuantRecipe | None = None
         self.failed_update: str | None = None  # why the engine may hold mixed weights (generate refuses until mended)
+        self._unsent: set[str] = set()  # the engine names of failed updates not sent again by a successful one since
         if recipe is not None:
             self.check_recipe(recipe)
 
@@ -171,9 +173,11 @@ class SGLangRolloutBackend:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
         prompts = check_prompts(prompts, self.vocab_size)  # (the engine checks its context length itself)
         if self.failed_update is not None:
+            unsent = sorted(self._unsent)
             raise RuntimeError(f"{self.failed_update}; the engine may hold part of those weights under "
                                f"policy_version={self.policy_version}, so no sample of it is a sample of one policy: "
-                               "send the full weights again (update_weights) before generating")
+                               f"send the full weights again (update_weights; {len(unsent)} tensor(s) of the failed "
+                               f"update not sent since, e.g. {unsent[:3]}) before generating")
         if sampling.seed is not None and not self._seeded_engine():
             logger.warning("SamplingParams.seed=%d is ignored: SGLang samples with sampling_seed only when launched "
                            "with enable_deterministic_inference=True", sampling.seed)
@@ -252,7 +256,8 @@ class SGLangRolloutBackend:
         ``version``: strictly greater than ``policy_version`` (None: +1); ``reset=True``: any version, on purpose
         (``base.next_policy_version``). The version, the recipe and the tensors' formats (``engine_tensors``) are
         checked before anything goes to the engine (which loads in place: a refused update must not reach it). An
-        update that fails inside the engine sets ``failed_update``; ``generate`` then refuses until one succeeds."""
+        update that fails inside the engine sets ``failed_update``; ``generate`` then refuses until updates that
+        succeed have sent every tensor of the failed one again."""
         new_version = next_policy_version(self.policy_version, version, reset=reset)
         with recipe_kept_on_failure(self):
             if recipe is not None:
@@ -261,10 +266,13 @@ class SGLangRolloutBackend:
                 raise RecipeMismatchError(f"update_weights to version {new_version} without the trainer's recipe "
                                           f"(pass recipe=trainer_recipe.with_weight_version({new_version}))")
             fp4 = set(self.moe_layers) - self.bf16_expert_layers if self.config.quantizes("weights") else ()
-            named = engine_tensors(weights, bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
+            named = engine_tensors(weight_pairs(weights), bf16_layers=self.bf16_expert_layers, fp4_layers=fp4)
+            _check_finite(named)
             self._send(named, new_version)
         self.policy_version = new_version
-        self.failed_update = None
+        self._unsent -= {name for name, _ in named}
+        if not self._unsent:
+            self.failed_update = None
 
     def _send(self, named: list, version: int) -> None:
         """The checked tensors -> the engine. It loads in place and SGLang 0.5.10 has no rollback: a failure here
@@ -277,7 +285,24 @@ class SGLangRolloutBackend:
             if isinstance(ok, tuple) and ok and ok[0] is False:
                 raise RuntimeError(f"update_weights_from_tensor failed: {ok}")
         except BaseException as e:
+            self._unsent |= {name for name, _ in named}
             self.failed_update = (f"the weight update to version {version} failed in the engine "
                                   f"({type(e).__name__}: {e})")
             logger.error("%s: generate is refused until an update succeeds", self.failed_update)
             raise
+
+
+def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse an update whose floating-point tensors, as the engine gets them (BF16 values after their cast, FP4 scales
+    and global scales), hold NaN/Inf, naming them (one host sync per device), as the hf backend does: the engine loads
+    whatever it is sent."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, t in named:
+        if t.is_floating_point():
+            by_device.setdefault(t.device, []).append((name, t))
+    for items in by_device.values():
+        bad = torch.stack([~torch.isfinite(t if t.element_size() > 1 else t.float()).all() for _, t in items]).tolist()
+        names = [name for (name, _), b in zip(items, bad) if b]
+        if names:
+            raise NonFiniteError(f"update_weights: {len(names)} tensor(s) hold NaN/Inf as the engine would load them "
+                                 f"(BF16 values beyond its range become Inf), e.g. {names[:3]}; nothing was sent")
