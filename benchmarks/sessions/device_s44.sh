@@ -13,6 +13,12 @@
 #   check    GPU correctness of this session's changes: the dequantize kernel's exact redo bounded by the live
 #            rows (the Triton kernels' files that dequantize) and scales_ok on CUDA
 #   gaps     one run of the new code with --gaps and --host-profile (where the guided step's extra time goes)
+# The calls (code at 936317a; head.txt names the device's stale .git copy), results in benchmarks/results/s44/:
+#   call 1 (asked nvidia-h200, an H100 came), call1_ab/: BUDGET=540 bash benchmarks/sessions/device_s44.sh ab 1 2 3 4 5
+#   call 2 (the same warm H100), call2_check_ab_gaps/: check (timed out at 240 s, 64% through, no failure; call 3
+#     reran all of it), then BUDGET=330 ... ab 6 7 8 9 10 11 12, then gaps
+#   call 3 (the same warm H100), call3_suite/: source benchmarks/_device_env.sh; python3 -m pytest -q
+#     tests/guidance/test_records.py -k scales_ok; TEST_TIMEOUT=520 bash benchmarks/device_tests.sh
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 STEP=(--preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided --kernels auto --warmup 2 --reps 8

@@ -276,7 +276,8 @@ class SGLangRolloutBackend:
 
     def _send(self, named: list, version: int) -> None:
         """The checked tensors -> the engine. It loads in place and SGLang 0.5.10 has no rollback: a failure here
-        may leave some tensors new, so ``failed_update`` is set and ``generate`` refuses until an update succeeds."""
+        may leave some tensors new, so ``failed_update`` is set and ``generate`` refuses until updates that succeed
+        have sent all of them again."""
         try:
             if self.weights_group is not None:
                 self.weights_group.send(named)
@@ -288,7 +289,8 @@ class SGLangRolloutBackend:
             self._unsent |= {name for name, _ in named}
             self.failed_update = (f"the weight update to version {version} failed in the engine "
                                   f"({type(e).__name__}: {e})")
-            logger.error("%s: generate is refused until an update succeeds", self.failed_update)
+            logger.error("%s: generate is refused until updates that succeed have sent its tensors again",
+                         self.failed_update)
             raise
 
 
