@@ -9,6 +9,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+ENV = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
+
+
+def _run(tmp_path, *flags: str) -> dict:
+    """``bench_qat_step.py --smoke --kernels reference *flags`` in a subprocess: its JSON line."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_qat_step.py"), "--smoke", "--kernels", "reference", *flags]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def test_smoke_run_times_and_profiles_every_variant(tmp_path):
@@ -46,12 +55,7 @@ def test_variant_subset_with_manual_gc_and_micro_batches_reports_round_ratios(tm
 
 
 def test_stack_copy_times_the_torch_experts_with_their_weights_stacked_by_a_copy(tmp_path):
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_qat_step.py"), "--smoke", "--kernels", "reference",
-           "--variants", "bf16_grouped,fp4_qat", "--stack-copy", "--warmup", "1", "--reps", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = _run(tmp_path, "--variants", "bf16_grouped,fp4_qat", "--stack-copy", "--warmup", "1", "--reps", "2")
     assert set(out["step_ms"]) == {"bf16_grouped", "bf16_grouped+stack", "fp4_qat[reference]",
                                    "fp4_qat+stack[reference]"}
     assert {"bf16_grouped/bf16_grouped+stack", "fp4_qat[reference]/fp4_qat+stack[reference]"} <= set(
@@ -59,12 +63,7 @@ def test_stack_copy_times_the_torch_experts_with_their_weights_stacked_by_a_copy
 
 
 def test_prechecked_times_the_guided_step_with_records_checked_before_it(tmp_path):
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'benchmarks'}", "TORCHDYNAMO_DISABLE": "1", "PATH": "/usr/bin:/bin"}
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_qat_step.py"), "--smoke", "--kernels", "reference",
-           "--variants", "fp4_qat,trace_guided", "--prechecked", "--warmup", "1", "--reps", "2"]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-2000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out = _run(tmp_path, "--variants", "fp4_qat,trace_guided", "--prechecked", "--warmup", "1", "--reps", "2")
     assert set(out["step_ms"]) == {"fp4_qat[reference]", "trace_guided[reference]",
                                    "trace_guided+checked[reference]"}
     assert {"trace_guided+checked[reference]/fp4_qat[reference]",
