@@ -19,6 +19,8 @@
 #     reran all of it), then BUDGET=330 ... ab 6 7 8 9 10 11 12, then gaps
 #   call 3 (the same warm H100), call3_suite/: source benchmarks/_device_env.sh; python3 -m pytest -q
 #     tests/guidance/test_records.py -k scales_ok; TEST_TIMEOUT=520 bash benchmarks/device_tests.sh
+#   call 4 (asked nvidia-h200, a fresh H100 came; code at f8321fe, the audits' merges: no change on this path),
+#     call4_ab/: BUDGET=200 bash benchmarks/sessions/device_s44.sh ab 13 14 15 16 17 (stopped after run 15)
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 STEP=(--preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided --kernels auto --warmup 2 --reps 8

@@ -173,6 +173,10 @@ def raise_if_bad(counters, *, when: str = "", counts: list[int] | None = None) -
     the caller read ``counts``: see ``read_and_reset``)."""
     bad = [(label, n) for label, n in read_and_reset(counters, counts) if n]
     if bad:
-        sites = "; ".join(f"{label}: {n} NaN/Inf value(s)" for label, n in bad)
-        raise NonFiniteError(f"FP4 quantization inputs held NaN/Inf{' ' + when if when else ''} ({sites}); "
+        raise NonFiniteError(f"FP4 quantization inputs held NaN/Inf{' ' + when if when else ''} ({named(bad)}); "
                              "FP4 has no NaN/Inf: fix the producer (the values were passed through unquantized)")
+
+
+def named(bad: list[tuple[str, int]]) -> str:
+    """The sites and counts of ``read_and_reset``'s non-zero rows, for a message."""
+    return "; ".join(f"{label}: {n} NaN/Inf value(s)" for label, n in bad)

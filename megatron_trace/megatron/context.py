@@ -371,6 +371,12 @@ def check_finite(model) -> None:
     raise_if_bad(_finite_counters(find_trace_layers(model)), when="since the last check")
 
 
+def read_finite(model) -> list[tuple[str, int]]:
+    """(site, count) of every TRACE site whose inputs held NaN/Inf since the last check, read (one host read) and
+    reset: ``check_finite`` without the raise, for a caller that reports them itself."""
+    return [(label, n) for label, n in read_and_reset(_finite_counters(find_trace_layers(model))) if n]
+
+
 def _finite_counters(layers: TraceLayers) -> list[FiniteCounter]:
     modules = [*(moe.experts for moe in layers.moe.values()), *layers.kv.values()]
     return [c for m in modules for c in m._finite.values() if isinstance(c, FiniteCounter)]

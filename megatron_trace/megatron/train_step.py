@@ -1,5 +1,6 @@
 """Around a training step: the experts' weights fake-quantized once for all its micro-batches
-(``reuse_weight_quant``, see ``weight_reuse``) and the Megatron-LM train-step hook (``trace_train_step``)."""
+(``reuse_weight_quant``, see ``weight_reuse``) and the Megatron-LM train-step and evaluation hooks
+(``trace_train_step``, ``trace_eval_done``)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from ..config import KV_SITES
+from ..kernels.checks import named
 from .args import trace_config_from_args
 from .args_checks import check_not_modelopt
-from .context import check_finite, find_trace_layers
+from .context import check_finite, find_trace_layers, read_finite
 from .experts import TraceSequentialMLP
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,22 @@ def trace_train_step(args, model) -> Iterator[None]:
     with reuse_weight_quant(model) if getattr(args, "trace_reuse_weight_quant", False) else nullcontext():
         yield
     check_finite(model)
+
+
+def trace_eval_done(args, model) -> None:
+    """After Megatron-LM's ``evaluate`` (patches/): with ``--trace-fp4``, the NaN/Inf its forward-only passes fed to
+    TRACE's FP4 sites (counted on the device by the Triton quantizers; the reference raises at once) are logged as
+    an error naming each site, and the counts reset (one host read), so that the next training step's check does not
+    report them as its own. Evaluation goes on, as Megatron's does for a NaN loss (its evaluation loss shows it)."""
+    if not getattr(args, "trace_fp4", False):
+        return
+    check_not_modelopt(args)
+    if not _stage_has_sites(args, model):
+        return
+    bad = read_finite(model)
+    if bad:
+        logger.error("--trace-fp4: FP4 quantization inputs held NaN/Inf in evaluation (%s); FP4 has no NaN/Inf: the "
+                     "values were passed through unquantized", named(bad))
 
 
 def _stage_has_sites(args, model) -> bool:

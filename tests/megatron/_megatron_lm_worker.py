@@ -2,13 +2,15 @@
 list in ``argv[1]`` (``{"id", "argv", "stop"}``): parse ``argv`` with the patched ``pretrain_gpt.extra_args_provider``
 and Megatron's ``validate_args``, build the model as ``pretrain_gpt.py`` does (``model_provider(gpt_builder)``, the
 patched builder) on CPU (gloo, the test shims), and run one forward and backward inside the patched ``train_step``'s
-``trace_train_step``. ``"stop": "parse"`` / ``"build"`` stops after that stage. One JSON line per case: what was
-built, or ``{"stage", "error": type, "message", "raised_in": the file that raised it (from its package's folder)}``
-(argparse's exit: ``"SystemExit"``, its message in ``"stderr"``); ``"warnings"``: what megatron_trace logged.
+``trace_train_step``, then one forward-only pass and the patched ``evaluate``'s ``trace_eval_done``. ``"stop":
+"parse"`` / ``"build"`` stops after that stage. One JSON line per case: what was built, or ``{"stage", "error": type,
+"message", "raised_in": the file that raised it (from its package's folder)}`` (argparse's exit: ``"SystemExit"``, its
+message in ``"stderr"``); ``"warnings"``: what megatron_trace logged.
 
 The cases share one process (Megatron's import is most of the time); each parses its own command line."""
 
 import contextlib
+import inspect
 import io
 import json
 import logging
@@ -71,6 +73,11 @@ def run_case(argv: list[str], stop: str, facts: dict) -> None:
         loss = model(tokens, torch.arange(seq).expand(2, seq), mask, labels=tokens).float().mean()
         loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if ".experts." in n]
+    # the patched evaluate() ends in trace_eval_done (its NaN/Inf counts are reported there, not by the next step)
+    facts["evaluate_calls_trace_eval_done"] = "trace_eval_done(args, model)" in inspect.getsource(training.evaluate)
+    with torch.no_grad():  # (with labels, as Megatron's evaluation passes them: an MTP model needs them)
+        model(tokens, torch.arange(seq).expand(2, seq), mask, labels=tokens)
+    training.trace_eval_done(args, [model])
     facts.update(
         loss=loss.item(),
         expert_grads=len(grads),

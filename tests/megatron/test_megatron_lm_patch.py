@@ -256,6 +256,8 @@ def test_combination_works(results, case):
     assert r["trace_fp4"] == ("--trace-fp4" in WORKS[case][0])
     if r["trace_fp4"]:
         assert r["warnings"] == []
+    if "loss" in r:
+        assert r["evaluate_calls_trace_eval_done"]
 
 
 @pytest.mark.parametrize("case", CLEAR_ERRORS)

@@ -190,3 +190,51 @@ def test_megatron_lm_step_with_excluded_modules_binds_the_layers_first():
         model(*data[:3], labels=data[3]).float().mean().backward()
     experts = [m for m in model.modules() if hasattr(m, "trace_quantizes") and hasattr(m, "_weight_reuse")]
     assert [e.trace_quantizes("weights") for e in experts] == [False, True, True, True]
+
+
+def test_nan_counted_in_evaluation_is_logged_there_not_taken_for_the_next_steps(caplog):
+    """Megatron-LM's evaluate() runs forward-only outside ``trace_train_step``. The Triton quantizers only count NaN/Inf
+    there (the reference raises at once; the count is added as a Triton quantize adds it): the patched evaluate's
+    ``trace_eval_done`` logs them naming the site and resets them, so the next training step passes. Without it,
+    that step raised for them."""
+    import argparse
+
+    from megatron_trace.megatron import (
+        NonFiniteError,
+        add_trace_args,
+        find_trace_layers,
+        trace_eval_done,
+        trace_spec_from_args,
+        trace_train_step,
+    )
+
+    args = add_trace_args(argparse.ArgumentParser()).parse_args(["--trace-fp4"])
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec_from_args(args, stock_spec(cfg)))
+    data = batch()
+    moe = next(iter(find_trace_layers(model).moe.values()))
+
+    def evaluate():
+        with torch.no_grad():
+            model(*data[:3])
+        moe.experts._finite["expert_fc1_in"].add_bad(torch.tensor([True, True]))
+
+    def train_step():
+        with trace_train_step(args, [model]):
+            model(*data[:3], labels=data[3]).float().mean().backward()
+
+    evaluate()
+    with pytest.raises(NonFiniteError, match="since the last check"):  # the step took them for its own
+        train_step()
+    evaluate()
+    with caplog.at_level(logging.ERROR, logger="megatron_trace.megatron.train_step"):
+        trace_eval_done(args, [model])
+    label = moe.experts._finite["expert_fc1_in"].label
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--trace-fp4: FP4 quantization inputs held NaN/Inf in evaluation ({label}: 2 NaN/Inf value(s)); FP4 has no "
+        "NaN/Inf: the values were passed through unquantized"]
+    train_step()  # reset: the next step passes
+    caplog.clear()
+    trace_eval_done(args, [model])  # nothing counted: nothing logged
+    trace_eval_done(add_trace_args(argparse.ArgumentParser()).parse_args([]), [model])  # TRACE off: nothing read
+    assert caplog.records == []
