@@ -21,6 +21,9 @@
 #     tests/guidance/test_records.py -k scales_ok; TEST_TIMEOUT=520 bash benchmarks/device_tests.sh
 #   call 4 (asked nvidia-h200, a fresh H100 came; code at f8321fe, the audits' merges: no change on this path),
 #     call4_ab/: BUDGET=200 bash benchmarks/sessions/device_s44.sh ab 13 14 15 16 17 (stopped after run 15)
+#   call 5 (a fresh H100; carrying .whl and build/megatron-lm, made as megatron_lm_runs.sh says, with `patch -p1`:
+#     `git apply` inside this repository's ignored build/ skips every path), call5_megatron_lm/:
+#     TIMEOUT=200 bash benchmarks/sessions/megatron_lm_runs.sh eval_fp4
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 STEP=(--preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided --kernels auto --warmup 2 --reps 8
