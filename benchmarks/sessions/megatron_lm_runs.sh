@@ -2,7 +2,8 @@
 # Megatron-LM's own launcher with the TRACE patch, on the device box (one GPU; carry .whl and build/megatron-lm).
 # build/megatron-lm: Megatron-LM core_v0.16.1's megatron/{training,legacy,post_training,rl}, pretrain_gpt.py,
 # gpt_builders.py and model_provider.py, patched with patches/megatron-lm-core_v0.16.1-trace.patch (git archive of
-# the tag + `patch -p1`: git apply inside this repository skips the paths); megatron.core comes from the megatron-core 0.16.1 wheel. Runs: bash <this> [VARIANT...]
+# the tag + `patch -p1`: git apply inside this repository skips the paths); megatron.core comes from the
+# megatron-core 0.16.1 wheel. Runs: bash <this> [VARIANT...]
 #   bf16   the stock spec                    fp4   --trace-fp4 (plain FP4 QAT: pretrain_gpt.py has no rollout)
 #   reuse  --trace-fp4 --trace-reuse-weight-quant (the experts' weights fake-quantized once per step)
 #   save_bf16 load_fp4 / save_fp4 load_bf16: a stock checkpoint resumed with --trace-fp4, and the reverse
