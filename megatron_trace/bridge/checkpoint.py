@@ -43,10 +43,15 @@ def load_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge, 
     return bridge.last_load_stats
 
 
+@torch.no_grad()  # (as a decorator: gradients are off while the generator runs, not while it waits at a yield)
 def export_hf_weights(models, bridge: Qwen3MoeBridge) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF checkpoint name, tensor) for the whole model; every rank must iterate (collectives)."""
-    with torch.no_grad():
-        yield from bridge.export_weights(_as_list(models))
+    """Yield (HF checkpoint name, tensor) for the whole model; every rank must iterate (collectives).
+
+    The caller's gradient mode is its own between the tensors: with a ``with torch.no_grad()`` around the yields,
+    the caller ran with gradients off while the generator waited, and a consumer that stopped early (a sync that
+    failed or timed out mid-stream) left them off for the training that followed until the generator was collected
+    ("element 0 of tensors does not require grad" at its next backward)."""
+    yield from bridge.export_weights(_as_list(models))
 
 
 def save_hf_checkpoint(models, path: str | os.PathLike, bridge: Qwen3MoeBridge, *,

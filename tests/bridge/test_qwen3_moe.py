@@ -361,3 +361,24 @@ def test_a_save_that_fails_midway_leaves_the_earlier_checkpoint_and_the_user_s_f
     load_hf_checkpoint(loaded, out, bridge)
     a, b = new.state_dict(), loaded.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a if "_extra_state" not in k)
+
+
+def test_the_export_leaves_the_callers_gradient_mode_alone():
+    """The export turns gradients off while it runs, not for its consumer: between tensors, and after a consumer
+    that stopped early while keeping the generator (a sync that failed mid-stream; a traceback holds the frame), the
+    caller's gradient mode is its own. Before, a failed sync left the trainer's next backward without a graph."""
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights
+
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.float32)
+    model = bridge.build_model()
+    stream = export_hf_weights(model, bridge)
+    next(stream)
+    assert torch.is_grad_enabled()  # between tensors: the caller's mode
+    with torch.no_grad():
+        next(stream)
+        assert not torch.is_grad_enabled()  # the caller's own mode, kept
+    assert torch.is_grad_enabled()
+    x = torch.ones(2, requires_grad=True)
+    (x * 2).sum().backward()  # a training step while the export waits (the stream is kept, not finished)
+    assert torch.equal(x.grad, torch.full((2,), 2.0))
+    assert len(list(stream)) > 0

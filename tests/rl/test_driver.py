@@ -561,7 +561,11 @@ def test_a_micro_batched_step_reports_what_one_micro_batch_does(megatron_cpu, ck
     skip = ("time/", "sync/", "trainer/micro_batches", "grad_norm")  # timings; grad_norm: bf16 sums (tested above)
     keys = {k for k in one if not k.startswith(skip)}
     assert keys == {k for k in four if not k.startswith(skip)}
-    differ = {k: (one[k], four[k]) for k in keys if one[k] != four[k] and not (one[k] != one[k] and four[k] != four[k])}
+    # d_act_rel is the root of float sums that the micro-batches add in another order: equal up to rounding (bit for
+    # bit on some CPUs, 1 ulp apart on an AVX2-only EPYC); every count and rate from counts is exact
+    rounded = lambda k: k.endswith("/d_act_rel") and math.isclose(one[k], four[k], rel_tol=1e-12)  # noqa: E731
+    differ = {k: (one[k], four[k]) for k in keys
+              if one[k] != four[k] and not (one[k] != one[k] and four[k] != four[k]) and not rounded(k)}
     assert not differ, differ
     with pytest.raises(ValueError, match=r"micro_batch_size=3 must be 0 \(the whole batch in one micro-batch\) or a "
                                          r"divisor of prompts_per_step \* group_size = 16"):
