@@ -225,6 +225,26 @@ def weight_pairs(weights: Iterable[tuple[str, WeightValue]]) -> list[tuple[str, 
     return out
 
 
+def nonfinite_names(items: Iterable[tuple[str, torch.Tensor, torch.dtype | None]]) -> list[str]:
+    """The names of ``(name, tensor, as_dtype)`` items whose floating-point tensor holds NaN/Inf once cast to
+    ``as_dtype`` (None: as it is), with one host sync per device: a weight update's check before anything is loaded
+    (a value beyond the target dtype's range loads as Inf)."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor, torch.dtype | None]]] = {}
+    for name, t, as_dtype in items:
+        if t.is_floating_point():
+            by_device.setdefault(t.device, []).append((name, t, as_dtype))
+
+    def bad(t: torch.Tensor, as_dtype) -> torch.Tensor:
+        t = t if as_dtype is None or as_dtype == t.dtype else t.to(as_dtype)  # (one cast tensor alive at a time)
+        return ~torch.isfinite(t.float() if t.element_size() == 1 else t).all()  # (float8: no isfinite kernel)
+
+    names = []
+    for group in by_device.values():
+        flags = torch.stack([bad(t, as_dtype) for _, t, as_dtype in group]).tolist()
+        names += [name for (name, _, _), b in zip(group, flags) if b]
+    return names
+
+
 def next_policy_version(current: int, version: int | None, *, reset: bool = False) -> int:
     """The ``policy_version`` a weight update sets; raises ``ValueError`` (before anything is changed) otherwise.
 

@@ -54,6 +54,7 @@ from .base import (
     WeightValue,
     is_int,
     next_policy_version,
+    nonfinite_names,
     recipe_kept_on_failure,
     weight_pairs,
 )
@@ -444,15 +445,9 @@ class HFRolloutBackend:
 def _check_finite(dense) -> None:
     """Refuse an update whose floating-point values hold NaN/Inf, or do once in the model's dtype (a value beyond
     float16's range copies in as Inf), naming the weights (one host sync per device)."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
-    for target, value, name in dense:
-        if value.is_floating_point():
-            by_device.setdefault(value.device, []).append((name, value, target))
-    for items in by_device.values():
-        bad = torch.stack([~torch.isfinite(v if v.dtype == t.dtype or not t.is_floating_point() else v.to(t.dtype)
-                                           ).all() for _, v, t in items]).tolist()
-        bad = [(name, t.dtype) for (name, _, t), b in zip(items, bad) if b]
-        if bad:
-            raise NonFiniteError(f"update_weights: {len(bad)} weight(s) hold NaN/Inf, e.g. {[n for n, _ in bad[:3]]}; "
-                                 f"nothing was updated (checked as the model's {bad[0][1]}: a value beyond its range "
-                                 "would copy in as Inf)")
+    bad = nonfinite_names((name, value, target.dtype if target.is_floating_point() else None)
+                          for target, value, name in dense)
+    if bad:
+        dtype = next(target.dtype for target, _, name in dense if name == bad[0])
+        raise NonFiniteError(f"update_weights: {len(bad)} weight(s) hold NaN/Inf, e.g. {bad[:3]}; nothing was updated "
+                             f"(checked as the model's {dtype}: a value beyond its range would copy in as Inf)")

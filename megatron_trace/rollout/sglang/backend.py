@@ -31,6 +31,7 @@ from ..base import (
     WeightValue,
     check_prompts,
     next_policy_version,
+    nonfinite_names,
     recipe_kept_on_failure,
     weight_pairs,
 )
@@ -298,13 +299,7 @@ def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
     """Refuse an update whose floating-point tensors, as the engine gets them (BF16 values after their cast, FP4 scales
     and global scales), hold NaN/Inf, naming them (one host sync per device), as the hf backend does: the engine loads
     whatever it is sent."""
-    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        if t.is_floating_point():
-            by_device.setdefault(t.device, []).append((name, t))
-    for items in by_device.values():
-        bad = torch.stack([~torch.isfinite(t if t.element_size() > 1 else t.float()).all() for _, t in items]).tolist()
-        names = [name for (name, _), b in zip(items, bad) if b]
-        if names:
-            raise NonFiniteError(f"update_weights: {len(names)} tensor(s) hold NaN/Inf as the engine would load them "
-                                 f"(BF16 values beyond its range become Inf), e.g. {names[:3]}; nothing was sent")
+    names = nonfinite_names((name, t, None) for name, t in named)
+    if names:
+        raise NonFiniteError(f"update_weights: {len(names)} tensor(s) hold NaN/Inf as the engine would load them "
+                             f"(BF16 values beyond its range become Inf), e.g. {names[:3]}; nothing was sent")
