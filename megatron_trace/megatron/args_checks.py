@@ -107,13 +107,6 @@ def _check_expert_options(args) -> None:
     kind = getattr(args, "moe_token_dispatcher_type", None)
     if kind is not None and kind not in DISPATCHERS:
         problems.append(f"--moe-token-dispatcher-type {kind} (supported: {', '.join(DISPATCHERS)})")
-    if getattr(args, "overlap_param_gather", False) and getattr(args, "use_distributed_optimizer", False) and \
-            not getattr(args, "use_megatron_fsdp", False) and not _te_grouped(args):
-        problems.append("--overlap-param-gather with --use-distributed-optimizer (Megatron all-gathers a module's "
-                        "parameters in that module's forward pre-hook, and TRACE's torch experts read the expert "
-                        "linears' weights without running them: the experts would use weights whose all-gather was "
-                        "never waited for, or never started; drop --overlap-param-gather, or use TE's grouped "
-                        "experts: --transformer-impl transformer_engine --moe-grouped-gemm)")
     if problems:
         raise ValueError("TRACE experts do not support " + "; ".join(problems))
 

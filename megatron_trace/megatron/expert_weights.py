@@ -17,7 +17,7 @@ from operator import attrgetter
 
 import torch
 
-_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
+_SHAPE, _DTYPE, _PRE_HOOKS = attrgetter("shape"), attrgetter("dtype"), attrgetter("_forward_pre_hooks")
 
 VIEWS = True
 """False: ``stacked`` always copies with ``torch.stack`` (the path before packing; ``bench_qat_step --stack-copy``)."""
@@ -51,6 +51,27 @@ def of(experts, name: str) -> list[torch.Tensor]:
         return [e._modules[name]._parameters["weight"] for e in experts]
     except KeyError:
         return [getattr(e, name).weight for e in experts]
+
+
+def run_pre_hooks(experts, name: str) -> None:
+    """Run the forward pre-hooks of submodule ``name`` of each module in ``experts``, as calling it would.
+
+    The torch experts read their linears' weights for one grouped GEMM and never call the linears, so hooks that
+    must run before a module's parameters are used would not run. Megatron's DDP with the distributed optimizer and
+    ``overlap_param_gather`` is one: each module's pre-hook waits for (and starts) the all-gather of its
+    parameters' bucket, and without it the experts read shards other ranks updated but never sent. The hooks get
+    no inputs (``()``, and ``{}`` for hooks registered ``with_kwargs``); what they return is not used. Global hooks
+    (``register_module_forward_pre_hook``) are not run. With no hook registered this is one check per expert."""
+    modules = [e._modules[name] if name in e._modules else getattr(e, name) for e in experts]
+    if not any(map(_PRE_HOOKS, modules)):
+        return
+    for m in modules:
+        with_kwargs = m._forward_pre_hooks_with_kwargs
+        for hook_id, hook in list(m._forward_pre_hooks.items()):
+            if hook_id in with_kwargs:
+                hook(m, (), {})
+            else:
+                hook(m, ())
 
 
 def pack(weights: list[torch.nn.Parameter]) -> None:

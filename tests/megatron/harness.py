@@ -39,6 +39,22 @@ def destroy_parallel() -> None:
     RouterReplay.clear_global_router_replay_instances()
 
 
+class MegatronOptimizerOnCpu(torch.overrides.TorchFunctionMode):
+    """Around Megatron's optimizer (build, ``zero_grad``, ``step``) on CPU: it makes its flags and scales with
+    ``device='cuda'`` and accepts only ``torch.cuda.*Tensor`` parameters. Inside, tensors asked for on CUDA are made
+    on the CPU, ``Tensor.cuda()`` is the tensor, and ``Tensor.type()`` names the CUDA type."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
+        return func(*args, **kwargs)
+
+
 def tiny_config(**overrides):
     """4 layers, hidden 64, 8 experts top-2, GQA (4 heads, 2 KV groups of head_dim 16), bf16."""
     from megatron.core.transformer.transformer_config import TransformerConfig

@@ -209,8 +209,9 @@ MEGATRON = dict(num_layers=2, num_experts=4, moe_layer_freq=1, moe_enable_routin
     ([], {"moe_token_dispatcher_type": "allgather"}),
     ([], {"use_distributed_optimizer": True, "overlap_param_gather": False}),
     (["--trace-sites", "kv_k,kv_v"], {"use_distributed_optimizer": True, "overlap_param_gather": True}),
+    ([], {"use_distributed_optimizer": True, "overlap_param_gather": True}),  # (the experts run the DDP hooks)
 ], ids=["moe", "reuse_weight_quant", "dense_kv_only", "exclude_with_moe_layer_freq", "allgather",
-        "distributed_optimizer", "overlap_param_gather_stock_experts"])
+        "distributed_optimizer", "overlap_param_gather_stock_experts", "overlap_param_gather"])
 def test_megatron_flags_trace_supports(argv, model):
     assert trace_config_from_args(parse(["--trace-fp4", *argv], **{**MEGATRON, **model})).enabled
 
@@ -222,9 +223,6 @@ def test_megatron_flags_trace_supports(argv, model):
      r"TRACE experts do not support --moe-token-dispatcher-type flex \(supported: allgather, alltoall\)"),
     ([], {"fp8": "hybrid"}, ValueError, r"TRACE experts do not support --fp8-format hybrid"),
     ([], {"fp4": "e2m1"}, ValueError, r"TRACE experts do not support --fp4-format e2m1"),
-    ([], {"use_distributed_optimizer": True, "overlap_param_gather": True}, ValueError,
-     r"TRACE experts do not support --overlap-param-gather with --use-distributed-optimizer .*drop "
-     r"--overlap-param-gather, or use TE's grouped experts"),
     (["--trace-sites", "expert_fc1_in,expert_fc2_in,weights"], {"num_experts": None}, ValueError,
      r"--trace-fp4 would quantize nothing: .*no KV site .*no MoE layers \(no --num-experts\)"),
     (["--trace-reuse-weight-quant", "--trace-ste-clip"], {}, ValueError, r"needs --no-trace-ste-clip"),
@@ -237,8 +235,7 @@ def test_megatron_flags_trace_supports(argv, model):
     (["--trace-exclude-modules", "model.layers.0.mlp.experts"], {"moe_layer_freq": [0, 1]}, ModulePatternError,
      r"--trace-exclude-modules: .*'model.layers.0.mlp.experts' matches none of the 3 modules"),
     (["--trace-exclude-modules", "decoder.layers.0.mlp.experts"], {}, ModulePatternError, r"matches none"),
-], ids=["legacy_models", "modelopt", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "overlap_param_gather",
-        "dense_expert_sites_only",
+], ids=["legacy_models", "modelopt", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "dense_expert_sites_only",
         "reuse_ste_clip", "reuse_dense", "reuse_no_weight_site", "reuse_te_grouped", "exclude_dense_layer",
         "exclude_megatron_name"])
 def test_megatron_flags_trace_refuses_before_the_build(argv, model, error, match):

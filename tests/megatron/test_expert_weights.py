@@ -121,3 +121,22 @@ def test_the_torch_experts_are_packed_and_a_checkpoint_load_keeps_it():
     tokens, pos, mask, _ = batch()
     model(tokens, pos, mask).float().sum().backward()  # gradients reach every expert's weight
     assert all(w.grad is not None or getattr(w, "main_grad", None) is not None for w in weights)
+
+
+def test_run_pre_hooks_calls_each_linears_hooks_as_a_call_would_without_inputs():
+    experts = torch.nn.ModuleList(_Expert(False) for _ in range(3))
+    calls = []
+    for i, e in enumerate(experts):
+        e.linear_fc1.register_forward_pre_hook(lambda m, args, i=i: calls.append(("plain", i, m, args)))
+        e.linear_fc1.register_forward_pre_hook(lambda m, args, kwargs, i=i: calls.append(("kw", i, m, args, kwargs)),
+                                               with_kwargs=True)
+    experts[0].register_forward_pre_hook(lambda m, args: calls.append(("expert", m)))  # not the linear: not run
+    for e in experts:
+        e.linear_fc2 = torch.nn.Linear(2, 3, bias=False)
+    expert_weights.run_pre_hooks(experts, "linear_fc2")
+    assert calls == []  # no hook on linear_fc2
+    expert_weights.run_pre_hooks(experts, "linear_fc1")
+    want = []
+    for i, e in enumerate(experts):
+        want += [("plain", i, e.linear_fc1, ()), ("kw", i, e.linear_fc1, (), {})]
+    assert calls == want

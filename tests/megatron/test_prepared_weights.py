@@ -1,6 +1,7 @@
 """The experts' weights fake-quantized as their MoE layer starts (``prepare_weights``, a forward pre-hook that
 ``find_trace_layers`` installs): the same outputs and gradients, bit for bit, as quantizing them inside the
-experts' forward, and never a stale value."""
+experts' forward, and never a stale value. Either way the expert linears' forward pre-hooks run before their
+weights are read (Megatron's DDP finishes a parameter all-gather there)."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ import torch
 from megatron_trace.config import TraceConfig
 from megatron_trace.megatron import StepGuidance, experts, find_trace_layers, trace_guidance, trace_record, trace_spec
 
-from .harness import batch, build_model, stock_spec, tiny_config
+from .harness import EXPERTS, batch, build_model, logits, stock_spec, tiny_config
 
 pytestmark = pytest.mark.usefixtures("world1")
 LINEARS = {"linear_fc1", "linear_fc2"}
@@ -92,3 +93,32 @@ def test_the_hook_is_installed_once():
     find_trace_layers(model)
     assert len(moe._forward_pre_hooks) == before >= 1
 
+
+
+@pytest.mark.parametrize("early", [True, False])
+def test_the_linears_pre_hooks_run_before_their_weights_are_read(early, monkeypatch):
+    """A pre-hook on each expert linear that writes the weights' values in place, as Megatron's DDP all-gather
+    does with ``overlap_param_gather``: the experts compute with the written values (the logits of a model that
+    held them from the start)."""
+    monkeypatch.setattr(experts, "EARLY_WEIGHTS", early)
+    model, layers = _model()
+    target, _ = _model()
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            if ".local_experts." in name:
+                p.mul_(-1.5)
+    data = batch(seed=7)
+    want = logits(target, data)
+    values = dict(target.named_modules())
+    calls = []
+
+    def gather(module, args, kwargs):  # (with_kwargs: Megatron-FSDP's signature; DDP's is (module, *unused))
+        calls.append(module)
+        module.weight.data.copy_(values[names[module]].weight)
+
+    names = {m: n for n, m in model.named_modules() if ".local_experts." in n and n.endswith(tuple(LINEARS))}
+    assert not torch.equal(logits(model, data), want)  # the values the hooks write matter
+    for m in names:
+        m.register_forward_pre_hook(gather, with_kwargs=True)
+    assert torch.equal(logits(model, data), want)
+    assert set(calls) == set(names) and len(names) == len(layers.moe) * 2 * EXPERTS
