@@ -42,36 +42,36 @@ def with_stack_gradient(value: torch.Tensor, weights: list[torch.Tensor]) -> tor
     return _StackGradient.apply(value, *weights)
 
 
-def of(experts, name: str) -> list[torch.Tensor]:
+def of(experts, name: str, *, pre_hooks: bool = False) -> list[torch.Tensor]:
     """The ``weight`` of submodule ``name`` of each module in ``experts`` (e.g. a ``SequentialMLP``'s
     ``local_experts`` and ``"linear_fc1"``), read from the modules' registries: on every forward, that is 4.5-6x
     less host time than two ``nn.Module.__getattr__`` calls per expert. A submodule or weight that is not
-    registered there (a parametrized linear) is read with ``getattr``."""
-    try:
-        return [e._modules[name]._parameters["weight"] for e in experts]
-    except KeyError:
-        return [getattr(e, name).weight for e in experts]
+    registered there (a parametrized linear) is read with ``getattr``.
 
-
-def run_pre_hooks(experts, name: str) -> None:
-    """Run the forward pre-hooks of submodule ``name`` of each module in ``experts``, as calling it would.
-
-    The torch experts read their linears' weights for one grouped GEMM and never call the linears, so hooks that
-    must run before a module's parameters are used would not run. Megatron's DDP with the distributed optimizer and
+    ``pre_hooks``: first run those submodules' forward pre-hooks, as calling them would. The torch experts read
+    their linears' weights for one grouped GEMM and never call the linears, so hooks that must run before a
+    module's parameters are used would not run. Megatron's DDP with the distributed optimizer and
     ``overlap_param_gather`` is one: each module's pre-hook waits for (and starts) the all-gather of its
-    parameters' bucket, and without it the experts read shards other ranks updated but never sent. The hooks get
-    no inputs (``()``, and ``{}`` for hooks registered ``with_kwargs``); what they return is not used. Global hooks
-    (``register_module_forward_pre_hook``) are not run. With no hook registered this is one check per expert."""
-    modules = [e._modules[name] if name in e._modules else getattr(e, name) for e in experts]
-    if not any(map(_PRE_HOOKS, modules)):
-        return
-    for m in modules:
-        with_kwargs = m._forward_pre_hooks_with_kwargs
-        for hook_id, hook in list(m._forward_pre_hooks.items()):
-            if hook_id in with_kwargs:
-                hook(m, (), {})
-            else:
-                hook(m, ())
+    parameters' bucket; without it the experts would read shards that other ranks updated but never sent. The
+    hooks get no inputs (``()``, and ``{}`` for hooks registered ``with_kwargs``); what they return is not used.
+    Global hooks (``register_module_forward_pre_hook``) are not run. With no hook registered this costs one check
+    per expert."""
+    try:
+        modules = [e._modules[name] for e in experts]
+    except KeyError:
+        modules = [getattr(e, name) for e in experts]
+    if pre_hooks and any(map(_PRE_HOOKS, modules)):
+        for m in modules:
+            with_kwargs = m._forward_pre_hooks_with_kwargs
+            for hook_id, hook in list(m._forward_pre_hooks.items()):
+                if hook_id in with_kwargs:
+                    hook(m, (), {})
+                else:
+                    hook(m, ())
+    try:
+        return [m._parameters["weight"] for m in modules]
+    except KeyError:
+        return [m.weight for m in modules]
 
 
 def pack(weights: list[torch.nn.Parameter]) -> None:

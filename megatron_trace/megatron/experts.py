@@ -294,8 +294,7 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
             return
         prepared = {}
         for name in ("linear_fc1", "linear_fc2"):
-            expert_weights.run_pre_hooks(self.local_experts, name)
-            weights = expert_weights.of(self.local_experts, name)
+            weights = expert_weights.of(self.local_experts, name, pre_hooks=True)
             prepared[name] = (weights_key(weights), self._stacked(name, weights))
         self._prepared = prepared
 
@@ -303,11 +302,12 @@ class TraceSequentialMLP(TraceExpertsCore, SequentialMLP):
         """[E_local, M, K] fake-quantized weights of ``linear_fc1`` or ``linear_fc2`` (computed once per
         ``reuse_weight_quant`` scope; taken from ``prepare_weights`` where it ran for this forward)."""
         if weights is None:
-            expert_weights.run_pre_hooks(self.local_experts, name)
-            weights = expert_weights.of(self.local_experts, name)
             kept = self._prepared.pop(name, None) if self._prepared else None
-            if kept is not None and kept[0] == weights_key(weights):
-                return kept[1]
+            if kept is not None:  # (prepare_weights ran the linears' pre-hooks)
+                weights = expert_weights.of(self.local_experts, name)
+                if kept[0] == weights_key(weights):
+                    return kept[1]
+            weights = expert_weights.of(self.local_experts, name, pre_hooks=True)
         make = lambda: self.quantize_weights(expert_weights.stacked(weights))  # noqa: E731
         if self._weight_reuse is None or not self.trace_quantizes("weights"):
             return make()

@@ -123,7 +123,7 @@ def test_the_torch_experts_are_packed_and_a_checkpoint_load_keeps_it():
     assert all(w.grad is not None or getattr(w, "main_grad", None) is not None for w in weights)
 
 
-def test_run_pre_hooks_calls_each_linears_hooks_as_a_call_would_without_inputs():
+def test_of_with_pre_hooks_runs_each_linears_hooks_as_a_call_would_without_inputs():
     experts = torch.nn.ModuleList(_Expert(False) for _ in range(3))
     calls = []
     for i, e in enumerate(experts):
@@ -133,9 +133,11 @@ def test_run_pre_hooks_calls_each_linears_hooks_as_a_call_would_without_inputs()
     experts[0].register_forward_pre_hook(lambda m, args: calls.append(("expert", m)))  # not the linear: not run
     for e in experts:
         e.linear_fc2 = torch.nn.Linear(2, 3, bias=False)
-    expert_weights.run_pre_hooks(experts, "linear_fc2")
-    assert calls == []  # no hook on linear_fc2
-    expert_weights.run_pre_hooks(experts, "linear_fc1")
+    expert_weights.of(experts, "linear_fc1")
+    expert_weights.of(experts, "linear_fc2", pre_hooks=True)
+    assert calls == []  # not asked for; no hook on linear_fc2
+    got = expert_weights.of(experts, "linear_fc1", pre_hooks=True)
+    assert all(a is e.linear_fc1.weight for a, e in zip(got, experts))
     want = []
     for i, e in enumerate(experts):
         want += [("plain", i, e.linear_fc1, ()), ("kw", i, e.linear_fc1, (), {})]
