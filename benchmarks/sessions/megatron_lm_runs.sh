@@ -8,6 +8,8 @@
 #   reuse  --trace-fp4 --trace-reuse-weight-quant (the experts' weights fake-quantized once per step)
 #   save_bf16 load_fp4 / save_fp4 load_bf16: a stock checkpoint resumed with --trace-fp4, and the reverse
 #   eval_fp4  --trace-fp4 with an evaluation every 10 iterations (the patched evaluate's trace_eval_done)
+#   dist_fp4 / overlap_fp4: --trace-fp4 with the distributed optimizer and --overlap-grad-reduce, without and with
+#             --overlap-param-gather (the torch experts run their linears' DDP pre-hooks; one GPU: a 1-rank gather)
 source benchmarks/_device_env.sh > /dev/null 2>&1
 export MEGATRON_LM="$PWD/build/megatron-lm"
 # Megatron-LM's launcher runs `make` in megatron/core/datasets (compile_helpers); the wheel ships helpers_cpp built
@@ -23,7 +25,9 @@ CK=/tmp/megatron_lm_ckpt  # save_X then load_Y: a dist checkpoint (torch_dist) o
 declare -A FLAGS=([bf16]="" [fp4]="--trace-fp4" [reuse]="--trace-fp4 --trace-reuse-weight-quant"
     [save_bf16]="--save $CK/bf16 --save-interval 30" [load_fp4]="--trace-fp4 --load $CK/bf16 --train-iters 40 --override-opt_param-scheduler"
     [save_fp4]="--trace-fp4 --save $CK/fp4 --save-interval 30" [load_bf16]="--load $CK/fp4 --train-iters 40 --override-opt_param-scheduler"
-    [eval_fp4]="--trace-fp4 --eval-iters 2 --eval-interval 10")
+    [eval_fp4]="--trace-fp4 --eval-iters 2 --eval-interval 10"
+    [dist_fp4]="--trace-fp4 --use-distributed-optimizer --overlap-grad-reduce"
+    [overlap_fp4]="--trace-fp4 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather")
 for v in "${@:-bf16 fp4 reuse}"; do
     for variant in $v; do
         start=$SECONDS
