@@ -181,8 +181,9 @@ class _Engine:
     """Engine.generate's outputs (SGLang 0.5.10 field names) for 2-token responses; ``finish`` per request.
     ``updates``: the names each ``update_weights_from_tensor`` call received."""
 
-    def __init__(self, finish=None, routed=True, deterministic=True):
+    def __init__(self, finish=None, routed=True, deterministic=True, logprobs=None):
         self.finish, self.routed, self.calls, self.updates = finish or {}, routed, [], []
+        self.logprobs = logprobs or {}  # request -> its two tokens' log-probs (else -0.5 each)
         self.server_args = type("ServerArgs", (), {"enable_deterministic_inference": deterministic})()
 
     def generate(self, input_ids, sampling_params, return_logprob=False, return_routed_experts=False, rid=None):
@@ -193,7 +194,8 @@ class _Engine:
         for i, p in enumerate(input_ids):
             reason = self.finish.get(i, {"type": "length", "length": 2})
             out = [] if reason["type"] == "abort" else [5, 6]
-            meta = {"finish_reason": reason, "output_token_logprobs": [(-0.5, t, None) for t in out]}
+            lps = self.logprobs.get(i, [-0.5] * len(out))
+            meta = {"finish_reason": reason, "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, out)]}
             if return_routed_experts and self.routed:
                 n = len(p) + len(out) - 1
                 meta["routed_experts"] = base64.b64encode(torch.zeros(n, 3, 2, dtype=torch.int32).numpy().tobytes())
@@ -242,6 +244,23 @@ def test_aborted_request_or_missing_routing_is_an_error():
     b = SGLangRolloutBackend(_Engine(routed=False), FC1_ONLY.replace(routing_replay=False), HF,
                              kv_cache_dtype="auto").generate([[1, 2]], sp)
     assert b.routing == {}
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_nonfinite_log_probs_are_an_error_naming_the_requests(value):
+    """NaN/Inf log-probs from the engine (NaN activations or weights inside it) would reach the importance ratio
+    and the policy loss: nothing of the batch is returned, as the hf backend does for NaN/Inf logits."""
+    from megatron_trace.formats import NonFiniteError
+    from megatron_trace.rollout import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=2)
+    be = SGLangRolloutBackend(_Engine(logprobs={1: [-0.1, value], 3: [value, -0.2]}), FC1_ONLY, HF,
+                              kv_cache_dtype="auto")
+    with pytest.raises(NonFiniteError, match=r"NaN/Inf log-probs for 2 of 4 request\(s\) \(first: \[1, 3\]\)"):
+        be.generate([[1, 2]] * 4, sp)
+    b = SGLangRolloutBackend(_Engine(logprobs={0: [-1e30, -0.0]}), FC1_ONLY, HF, kv_cache_dtype="auto").generate(
+        [[1, 2]], sp)
+    assert torch.equal(b.logprobs[0, 2:], torch.tensor([-1e30, -0.0]))  # very unlikely, still finite
 
 
 def test_guidance_capture_refuses_hierarchical_cache():

@@ -241,6 +241,11 @@ class SGLangRolloutBackend:
                 for layer in range(self.num_layers):
                     t = routing.setdefault(layer, torch.zeros(b, s, r_all.shape[-1], dtype=torch.long))
                     t[i, : n - 1] = r_all[:, layer]
+        bad = (~torch.isfinite(logprobs) & mask).any(1).nonzero().flatten().tolist()
+        if bad:  # (the hf backend checks its logits the same way)
+            raise NonFiniteError(f"SGLang returned NaN/Inf log-probs for {len(bad)} of {b} request(s) (first: "
+                                 f"{bad[:8]}): non-finite activations or weights in the engine; nothing of this "
+                                 "batch is returned (no tokens, log-probs or guidance)")
         guidance = {}
         if self.specs:
             guidance = assemble(payloads or [[] for _ in outs], self.specs, s, routing)
