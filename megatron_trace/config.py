@@ -115,6 +115,9 @@ class TraceConfig:
             raise ValueError("TraceConfig.guided_layers='explicit' needs a non-empty guided_layer_list")
         if self.guided_layers == "last_k" and self.guided_last_k == 0:
             raise ValueError("TraceConfig.guided_layers='last_k' needs guided_last_k >= 1")
+        if self.guided_layers == "fraction" and self.guided_fraction == 0:
+            raise ValueError("TraceConfig.guided_layers='fraction' needs guided_fraction > 0 (0 guides no layer: "
+                             "say guided_layers='none' for that)")
         if self.budget_bytes_per_token < 0:
             raise ValueError(f"TraceConfig.budget_bytes_per_token={self.budget_bytes_per_token} must be >= 0")
         if self.guided_layers == "budget" and self.budget_bytes_per_token <= 0:

@@ -33,6 +33,7 @@ def test_frozen_and_keyword_only():
         ({"guided_layers": "last_k"}, "needs guided_last_k >= 1"),
         ({"guided_layers": "explicit"}, "non-empty guided_layer_list"),
         ({"guided_fraction": 1.5}, r"must be in \[0, 1\]"),
+        ({"guided_fraction": 0.0}, r"guided_layers='fraction' needs guided_fraction > 0 .*guided_layers='none'"),
         ({"budget_bytes_per_token": -1}, "must be >= 0"),
         ({"cache_budget_mb": -1}, "cache_budget_mb=-1.0 must be >= 0"),
         ({"cache_mode": "bits"}, "cache_mode='bits'"),
@@ -139,3 +140,8 @@ def test_hydra_structured_config_and_overrides():
         from_hydra({**c.to_dict(), "format": "fp3"})
     with pytest.raises(ValueError, match="kv_format='fp4_e2m1'"):
         from_hydra({**c.to_dict(), "kv_format": "fp4_e2m1"})
+
+
+def test_a_zero_fraction_is_refused_only_where_the_fraction_chooses_the_layers():
+    for layers in ("none", "all"):
+        assert TraceConfig(guided_layers=layers, guided_fraction=0.0).guided_fraction == 0.0
