@@ -26,7 +26,7 @@ from .experts import TraceExpertsCore, TraceSequentialMLP
 from .spec import TraceSpecProvider, get_trace_decoder_block_spec, get_trace_gpt_layer_spec, trace_spec
 from .step import GuidanceCoverageError, GuidanceFallbackError
 from .te import TE_EXTRA_HINT, TraceTEGroupedMLP, TraceWeightFetch
-from .train_step import reuse_weight_quant, trace_eval_done, trace_train_step
+from .train_step import reuse_weight_quant, trace_eval_done, trace_eval_start, trace_train_step
 
 __all__ = [
     "GuidanceCoverageError", "GuidanceFallbackError", "NonFiniteError",
@@ -34,6 +34,6 @@ __all__ = [
     "TraceExpertsCore", "TraceKVCore", "TraceSequentialMLP", "TraceSpecProvider", "TraceStep", "TraceTEGroupedMLP",
     "TraceWeightFetch", "add_trace_args", "check_finite", "find_trace_layers", "get_trace_decoder_block_spec",
     "get_trace_gpt_layer_spec", "reuse_weight_quant", "trace_args_from_config", "trace_config_from_args",
-    "trace_eval_done", "trace_guidance", "trace_train_step",
+    "trace_eval_done", "trace_eval_start", "trace_guidance", "trace_train_step",
     "trace_record", "trace_spec", "trace_spec_from_args",
 ]

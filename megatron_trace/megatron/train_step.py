@@ -1,6 +1,6 @@
 """Around a training step: the experts' weights fake-quantized once for all its micro-batches
 (``reuse_weight_quant``, see ``weight_reuse``) and the Megatron-LM train-step and evaluation hooks
-(``trace_train_step``, ``trace_eval_done``)."""
+(``trace_train_step``, ``trace_eval_start``, ``trace_eval_done``)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,17 @@ def trace_train_step(args, model) -> Iterator[None]:
     with reuse_weight_quant(model) if getattr(args, "trace_reuse_weight_quant", False) else nullcontext():
         yield
     check_finite(model)
+
+
+def trace_eval_start(args, model) -> None:
+    """At the start of Megatron-LM's ``evaluate`` (patches/): with ``--trace-fp4``, the experts are told their layer
+    ids (``find_trace_layers``: ``--trace-exclude-modules`` needs them) before its forward passes, as
+    ``trace_train_step`` does: an evaluation may run before any training step (``--skip-train``)."""
+    if not getattr(args, "trace_fp4", False):
+        return
+    check_not_modelopt(args)
+    if _stage_has_sites(args, model):
+        find_trace_layers(model)
 
 
 def trace_eval_done(args, model) -> None:

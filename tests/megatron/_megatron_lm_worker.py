@@ -3,9 +3,10 @@ list in ``argv[1]`` (``{"id", "argv", "stop"}``): parse ``argv`` with the patche
 and Megatron's ``validate_args``, build the model as ``pretrain_gpt.py`` does (``model_provider(gpt_builder)``, the
 patched builder) on CPU (gloo, the test shims), and run one forward and backward inside the patched ``train_step``'s
 ``trace_train_step``, then one forward-only pass and the patched ``evaluate``'s ``trace_eval_done``. ``"stop":
-"parse"`` / ``"build"`` stops after that stage. One JSON line per case: what was built, or ``{"stage", "error": type,
-"message", "raised_in": the file that raised it (from its package's folder)}`` (argparse's exit: ``"SystemExit"``, its
-message in ``"stderr"``); ``"warnings"``: what megatron_trace logged.
+"parse"`` / ``"build"`` stops after that stage; ``"evaluate"`` runs only the forward-only pass, between
+``trace_eval_start`` and ``trace_eval_done`` (``--skip-train``). One JSON line per case: what was built, or
+``{"stage", "error": type, "message", "raised_in": the file that raised it (from its package's folder)}`` (argparse's
+exit: ``"SystemExit"``, its message in ``"stderr"``); ``"warnings"``: what megatron_trace logged.
 
 The cases share one process (Megatron's import is most of the time); each parses its own command line."""
 
@@ -65,16 +66,28 @@ def run_case(argv: list[str], stop: str, facts: dict) -> None:
     if stop == "build":
         return
 
-    facts["stage"] = "train_step"
     seq = args.seq_length
     tokens = torch.randint(0, args.vocab_size, (2, seq), generator=torch.Generator().manual_seed(0))
     mask = torch.triu(torch.ones(1, 1, seq, seq), 1).bool()
+    # the patched evaluate() starts with trace_eval_start and ends in trace_eval_done (its NaN/Inf counts are reported
+    # there, not by the next step)
+    source = inspect.getsource(training.evaluate)
+    facts["evaluate_calls_trace_eval_start"] = "trace_eval_start(args, model)" in source
+    facts["evaluate_calls_trace_eval_done"] = "trace_eval_done(args, model)" in source
+    if stop == "evaluate":  # --skip-train: an evaluation with no train step before it
+        facts["stage"] = "evaluate"
+        training.trace_eval_start(args, [model])
+        with torch.no_grad():
+            model(tokens, torch.arange(seq).expand(2, seq), mask, labels=tokens)
+        training.trace_eval_done(args, [model])
+        facts["evaluated"] = True
+        return
+
+    facts["stage"] = "train_step"
     with training.trace_train_step(args, model):  # what the patched train_step runs the micro-batches in
         loss = model(tokens, torch.arange(seq).expand(2, seq), mask, labels=tokens).float().mean()
         loss.backward()
     grads = [p.grad for n, p in model.named_parameters() if ".experts." in n]
-    # the patched evaluate() ends in trace_eval_done (its NaN/Inf counts are reported there, not by the next step)
-    facts["evaluate_calls_trace_eval_done"] = "trace_eval_done(args, model)" in inspect.getsource(training.evaluate)
     with torch.no_grad():  # (with labels, as Megatron's evaluation passes them: an MTP model needs them)
         model(tokens, torch.arange(seq).expand(2, seq), mask, labels=tokens)
     training.trace_eval_done(args, [model])

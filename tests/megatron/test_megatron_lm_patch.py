@@ -97,6 +97,9 @@ WORKS = {  # id: (argv, stop, check of the worker's facts)
     "exclude_modules": (flags("--trace-fp4", "--trace-exclude-modules",
                               "model.layers.0.mlp.experts,model.layers.1.self_attn.kv_cache"), "",
                         lambda r: r["expert_grads_nonzero"] == r["expert_grads"] > 0),
+    # --skip-train: Megatron-LM's evaluate runs with no train step before it (its trace_eval_start binds the layers)
+    "exclude_modules_evaluate_first": (flags("--trace-fp4", "--trace-exclude-modules", "model.layers.0.mlp.experts",
+                                             "--skip-train"), "evaluate", lambda r: r["evaluated"]),
     "kv_format_sglang": (flags("--trace-fp4", "--trace-kv-format", "sglang_kvfp4"), "",
                          lambda r: r["trace_config"]["kv_format"] == "sglang_kvfp4" and r["expert_grads"] > 0),
     "allgather_dispatcher": (flags("--trace-fp4", "--moe-token-dispatcher-type", "allgather",
@@ -256,8 +259,8 @@ def test_combination_works(results, case):
     assert r["trace_fp4"] == ("--trace-fp4" in WORKS[case][0])
     if r["trace_fp4"]:
         assert r["warnings"] == []
-    if "loss" in r:
-        assert r["evaluate_calls_trace_eval_done"]
+    if "loss" in r or "evaluated" in r:
+        assert r["evaluate_calls_trace_eval_start"] and r["evaluate_calls_trace_eval_done"]
 
 
 @pytest.mark.parametrize("case", CLEAR_ERRORS)

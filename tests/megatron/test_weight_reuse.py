@@ -192,6 +192,29 @@ def test_megatron_lm_step_with_excluded_modules_binds_the_layers_first():
     assert [e.trace_quantizes("weights") for e in experts] == [False, True, True, True]
 
 
+def test_evaluation_before_any_training_step_with_excluded_modules():
+    """Megatron-LM evaluates without a training step before it with ``--skip-train`` (and the patched evaluate then
+    runs before ``trace_train_step`` ever bound the experts' layer ids): ``trace_eval_start`` binds them, so
+    ``--trace-exclude-modules`` applies there too. Without it, the evaluation's first forward raised ("exclude_modules
+    needs the experts' layer ids"). The excluded layer's experts run unquantized, the others quantize."""
+    import argparse
+
+    from megatron_trace.megatron import add_trace_args, trace_eval_done, trace_eval_start, trace_spec_from_args
+
+    args = add_trace_args(argparse.ArgumentParser()).parse_args(["--trace-fp4", "--trace-exclude-modules",
+                                                                 "model.layers.0.*"])
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec_from_args(args, stock_spec(cfg)))
+    trace_eval_start(args, [model])
+    with torch.no_grad():
+        model(*batch()[:3])
+    trace_eval_done(args, [model])
+    experts = [m for m in model.modules() if hasattr(m, "trace_quantizes") and hasattr(m, "_weight_reuse")]
+    assert [e.trace_quantizes("weights") for e in experts] == [False, True, True, True]
+    off = add_trace_args(argparse.ArgumentParser()).parse_args([])
+    trace_eval_start(off, [build_model(cfg, stock_spec(cfg))])  # TRACE off: a stock model, nothing walked
+
+
 def test_nan_counted_in_evaluation_is_logged_there_not_taken_for_the_next_steps(caplog):
     """Megatron-LM's evaluate() runs forward-only outside ``trace_train_step``. The Triton quantizers only count NaN/Inf
     there (the reference raises at once; the count is added as a Triton quantize adds it): the patched evaluate's
