@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 def _number(v, what: str, where, cast):
     if isinstance(v, bool) or not isinstance(v, numbers.Real):  # (None, a string, a list: a TypeError unnamed)
         raise ValueError(f"{what} holds {v!r} {where}: each value must be a number")
+    if cast is int and not (math.isfinite(v) and v == int(v)):  # (int() truncated 5.9 bytes to 5: over budget)
+        raise ValueError(f"{what} holds {v!r} {where}: each value must be a whole number (a count)")
     return cast(v)
 
 
@@ -53,7 +55,7 @@ def _per_layer(value, num_layers: int, what: str, cast) -> list:
             raise ValueError(f"{what} must have keys 0..{num_layers - 1}: missing {missing}, unknown {extra}")
         vals = [_number(value[i], what, f"at layer {i}", cast) for i in range(num_layers)]
     elif isinstance(value, numbers.Real) and not isinstance(value, bool):
-        vals = [cast(value)] * num_layers
+        vals = [_number(value, what, "(for every layer)", cast)] * num_layers
     elif isinstance(value, str | bytes | bool):
         raise ValueError(f"{what}={value!r} must be a number, a list of {num_layers} numbers or {{layer: number}}")
     else:

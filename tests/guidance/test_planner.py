@@ -72,6 +72,22 @@ def test_budget_ties_prefer_deeper_layers():
         assert budget_layers(cfg, 6, mismatch_profile=[1.0] * 6, bytes_per_layer=100, profile_unit=unit) == (4, 5)
 
 
+@pytest.mark.parametrize("kw,match", [
+    ({"bytes_per_layer": [5.9, 5.9]}, r"bytes_per_layer holds 5.9 at layer 0: each value must be a whole number"),
+    ({"bytes_per_layer": 5.9}, r"bytes_per_layer holds 5.9 \(for every layer\): each value must be a whole number"),
+    ({"bytes_per_layer": [4, float("nan")]}, r"bytes_per_layer holds nan at layer 1: each value must be a whole"),
+    ({"bytes_per_layer": {0: float("inf"), 1: 4}}, r"bytes_per_layer holds inf at layer 0"),
+    ({"bytes_per_layer": [4, 4], "elements_per_layer": [float("inf"), 3]}, r"elements_per_layer holds inf at layer 0"),
+], ids=["fraction", "fraction-scalar", "nan", "inf", "elements-inf"])
+def test_budget_counts_must_be_whole_numbers(kw, match):
+    """Byte and element counts are counts: 5.9 bytes per layer used to be truncated to 5 (both layers taken under a
+    10-byte budget: 11.8 bytes, over it), NaN / Inf ended in int()'s ValueError / OverflowError naming nothing."""
+    cfg = TraceConfig(guided_layers="budget", budget_bytes_per_token=10)
+    with pytest.raises(ValueError, match=match):
+        budget_layers(cfg, 2, mismatch_profile=[0.5, 0.5], **kw)
+    assert budget_layers(cfg, 2, mismatch_profile=[0.5, 0.5], bytes_per_layer=[5.0, 6]) == (1,)  # (whole floats)
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     data=st.lists(st.tuples(st.floats(0, 1), st.integers(1, 5000)), min_size=1, max_size=40),
