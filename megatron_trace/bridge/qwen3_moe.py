@@ -338,6 +338,7 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
     def _export_weights(self, models: list) -> Iterator[tuple[str, torch.Tensor]]:
         self._require_no_pipeline()
         for model in models:
+            _gather_params(model)
             model = unwrap_model(model)
             mapping = self._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
             for local, tensor in _exported_tensors(model):
@@ -390,6 +391,20 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
         mapping = self._weight_name_mapping_mcore_local_to_global(model)
         return [n for k, v in mapping.items() if "_extra_state" not in k
                 for n in self._weight_name_mapping_mcore_to_hf(v)]
+
+
+def _gather_params(model) -> None:
+    """Make ``model``'s parameters current on this rank before they are read. Megatron's DDP with the distributed
+    optimizer and ``overlap_param_gather`` leaves them stale after ``optimizer.step()``: the step updates this
+    rank's shard of each bucket and the all-gather of the others runs in the next forward's pre-hooks, so an export
+    between the two would read the other ranks' shards as they were before the step (different on every rank).
+    All-gather them now, synchronously, as Megatron-LM does before a checkpoint save
+    (``disable_forward_pre_hook(param_sync=True)``); every rank exports, so every rank joins. The next forward's
+    pre-hooks then find the buckets gathered. (Megatron-FSDP's sharded parameters are not handled here.)"""
+    from megatron.core.distributed import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel) and model.use_forward_hook:
+        model.start_param_sync(force_sync=True)
 
 
 def _whole_shape(shape: torch.Size, partition_dim: int | None, size: int) -> tuple[int, ...]:

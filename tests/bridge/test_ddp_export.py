@@ -1,0 +1,81 @@
+"""The export right after an optimizer step under Megatron's DDP with the distributed optimizer and
+``overlap_param_gather`` (two gloo ranks): the step updates each rank's shard and the all-gather of the others waits
+for the next forward's pre-hooks, so the export gathers them first; it yields the weights the next forward uses, the
+same on every rank."""
+
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ..rollout._tiny import save_tiny_checkpoint
+from ._megatron_cpu import free_port, spawn_ranks
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+SEQ = 16
+
+
+def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
+    from megatron_trace.testing.megatron_cpu import record_errors
+
+    with record_errors(out, rank):
+        _run(rank, port, ckpt, out)
+
+
+def _run(rank, port, ckpt, out):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint
+
+    from ..megatron.harness import MegatronOptimizerOnCpu
+    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    init_megatron(rank, WORLD, port)
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+    model = bridge.build_model()
+    load_hf_checkpoint(model, ckpt, bridge)
+    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
+        overlap_param_gather=True, bucket_size=40_000))
+    on_cpu = MegatronOptimizerOnCpu()
+    with on_cpu:
+        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False,
+                                                     use_distributed_optimizer=True), [ddp])
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+    pos, mask = torch.arange(SEQ).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    ddp.zero_grad_buffer()
+    with on_cpu:
+        opt.zero_grad()
+    ddp(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean().backward()
+    ddp.finish_grad_sync()
+    with on_cpu:
+        assert opt.step()[0]
+    after_step = {n: t.clone() for n, t in export_hf_weights(ddp, bridge)}
+    with torch.no_grad():
+        ddp(tokens, pos, mask)  # (its pre-hooks gather whatever was not gathered)
+    after_forward = {n: t.clone() for n, t in export_hf_weights(ddp, bridge)}
+    torch.save({"after_step": after_step, "after_forward": after_forward}, os.path.join(out, f"rank{rank}.pt"))
+    shutdown_megatron()
+
+
+def test_export_after_an_overlapped_step_gathers_the_parameters(tmp_path):
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    port = free_port()
+    codes = spawn_ranks(_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path)), timeout=240)
+    errors = [e.read_text() for e in (tmp_path / f"error{r}.txt" for r in range(WORLD)) if e.exists()]
+    assert not errors and codes == [0] * WORLD, errors or codes
+    got = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    want = got[0]["after_forward"]
+    for r in range(WORLD):
+        stale = [n for n, t in want.items() if not torch.equal(got[r]["after_step"][n], t)]
+        assert not stale, (r, len(stale), len(want), stale[:3])
+        assert all(torch.equal(got[r]["after_forward"][n], t) for n, t in want.items()), r
+    with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
+        assert any(not torch.equal(f.get_tensor(n), t) for n, t in want.items())  # (the step changed them)
