@@ -26,13 +26,11 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
 
 
 def _run(rank, port, ckpt, out):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from transformers import AutoConfig
 
     from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint
 
-    from ..megatron.harness import MegatronOptimizerOnCpu
+    from ..megatron.harness import MegatronTraining
     from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
 
     torch.set_num_threads(1)
@@ -41,22 +39,11 @@ def _run(rank, port, ckpt, out):
     bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
     model = bridge.build_model()
     load_hf_checkpoint(model, ckpt, bridge)
-    ddp = DistributedDataParallel(config=model.config, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
-        overlap_param_gather=True, bucket_size=40_000))
-    on_cpu = MegatronOptimizerOnCpu()
-    with on_cpu:
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False,
-                                                     use_distributed_optimizer=True), [ddp])
+    training = MegatronTraining(model, model.config, overlap=True)
+    ddp = training.ddp
     tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(rank))
     pos, mask = torch.arange(SEQ).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
-    ddp.zero_grad_buffer()
-    with on_cpu:
-        opt.zero_grad()
-    ddp(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean().backward()
-    ddp.finish_grad_sync()
-    with on_cpu:
-        assert opt.step()[0]
+    training.step(lambda m: m(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean())
     after_step = {n: t.clone() for n, t in export_hf_weights(ddp, bridge)}
     with torch.no_grad():
         ddp(tokens, pos, mask)  # (its pre-hooks gather whatever was not gathered)

@@ -21,13 +21,11 @@ def ddp_worker(rank: int, world: int, ep: int, port: int, overlap: bool, bucket_
 
 def _run(rank, world, ep, port, overlap, bucket_size, workdir):
     from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from megatron_trace.megatron import trace_guidance, trace_spec
     from megatron_trace.testing.megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
 
-    from .harness import MegatronOptimizerOnCpu, batch, build_model, ep_state_dict, stock_spec, tiny_config
+    from .harness import MegatronTraining, batch, build_model, ep_state_dict, stock_spec, tiny_config
 
     torch.set_num_threads(1)
     apply_cpu_shims()
@@ -37,23 +35,11 @@ def _run(rank, world, ep, port, overlap, bucket_size, workdir):
     model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]))
     ep_rank = parallel_state.get_expert_model_parallel_rank()
     model.load_state_dict(ep_state_dict(shared["state_dict"], ep_rank, ep), strict=False)
-    ddp = DistributedDataParallel(config=cfg, module=model, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
-        overlap_param_gather=overlap, bucket_size=bucket_size))
-    on_cpu = MegatronOptimizerOnCpu()
-    with on_cpu:
-        opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-2, bf16=False,
-                                                     use_distributed_optimizer=True), [ddp])
+    training = MegatronTraining(model, cfg, overlap=overlap, bucket_size=bucket_size)
+    ddp = training.ddp
     for step in range(STEPS):
-        ddp.zero_grad_buffer()
-        with on_cpu:
-            opt.zero_grad()
-        tokens, pos, mask, labels = batch(seed=10 * step + rank)
-        with trace_guidance(ddp, None):
-            ddp(tokens, pos, mask, labels=labels).float().mean().backward()
-        ddp.finish_grad_sync()
-        with on_cpu:
-            assert opt.step()[0]
+        data = batch(seed=10 * step + rank)
+        training.step(lambda m, d=data: m(*d[:3], labels=d[3]).float().mean(), within=lambda m: trace_guidance(m, None))
     with trace_guidance(ddp, None), torch.no_grad():  # (waits for the last step's all-gathers as it goes)
         out = ddp(*batch(seed=99)[:3])
     params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -6,6 +6,7 @@ spawned workers apply them, product code never patches anything.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # Megatron's jit_fuser is torch.compile: eager on CPU
@@ -53,6 +54,35 @@ class MegatronOptimizerOnCpu(torch.overrides.TorchFunctionMode):
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             return func(*args).replace("torch.", "torch.cuda.", 1)
         return func(*args, **kwargs)
+
+
+class MegatronTraining:
+    """Megatron's DDP (distributed optimizer, overlapped gradient reduce, ``overlap_param_gather=overlap``, buckets
+    of ``bucket_size`` elements) and its distributed Adam around ``model``, on CPU ranks (gloo)."""
+
+    def __init__(self, model, config, *, overlap: bool, bucket_size: int = 40_000, lr: float = 1e-2):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
+            overlap_param_gather=overlap, bucket_size=bucket_size))
+        self._on_cpu = MegatronOptimizerOnCpu()
+        with self._on_cpu:
+            self.optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, bf16=False,
+                                                                    use_distributed_optimizer=True), [self.ddp])
+
+    def step(self, loss, within=None) -> None:
+        """One optimizer step on the gradient of ``loss(ddp)``, forward and backward inside ``within(ddp)`` if
+        given (e.g. ``lambda m: trace_guidance(m, None)``)."""
+        self.ddp.zero_grad_buffer()
+        with self._on_cpu:
+            self.optimizer.zero_grad()
+        with within(self.ddp) if within is not None else contextlib.nullcontext():
+            loss(self.ddp).backward()
+        self.ddp.finish_grad_sync()
+        with self._on_cpu:
+            assert self.optimizer.step()[0]
 
 
 def tiny_config(**overrides):
