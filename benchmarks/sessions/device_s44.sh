@@ -24,11 +24,7 @@
 #   call 5 (a fresh H100; carrying .whl and build/megatron-lm, made as megatron_lm_runs.sh says, with `patch -p1`:
 #     `git apply` inside this repository's ignored build/ skips every path), call5_megatron_lm/:
 #     TIMEOUT=200 bash benchmarks/sessions/megatron_lm_runs.sh eval_fp4
-source benchmarks/_device_env.sh > /dev/null 2>&1
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-STEP=(--preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided --kernels auto --warmup 2 --reps 8
-      --gc manual --prechecked)
-export TRITON_CACHE_DIR=/tmp/triton_warm
+source benchmarks/sessions/_step_series.sh
 ab() {
     for run in "$@"; do
         for tree in new old; do

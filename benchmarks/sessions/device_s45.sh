@@ -5,11 +5,7 @@
 #   overlap  Megatron-LM's pretrain_gpt.py with --trace-fp4 and the distributed optimizer, without and with
 #            --overlap-param-gather (megatron_lm_runs.sh dist_fp4 overlap_fp4), then tests/gpu/test_megatron_gpu.py
 #   steps N..  the training step, session 40's series (bench_qat_step.py, new code only), one run per N
-source benchmarks/_device_env.sh > /dev/null 2>&1
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
-STEP=(--preset qwen3-30b-a3b --variants bf16_grouped,fp4_qat,trace_guided --kernels auto --warmup 2 --reps 8
-      --gc manual --prechecked)
-export TRITON_CACHE_DIR=/tmp/triton_warm
+source benchmarks/sessions/_step_series.sh
 overlap() {
     TIMEOUT=150 bash benchmarks/sessions/megatron_lm_runs.sh dist_fp4 overlap_fp4
     for v in dist_fp4 overlap_fp4; do
