@@ -5,6 +5,8 @@
 #   overlap  Megatron-LM's pretrain_gpt.py with --trace-fp4 and the distributed optimizer, without and with
 #            --overlap-param-gather (megatron_lm_runs.sh dist_fp4 overlap_fp4), then tests/gpu/test_megatron_gpu.py
 #   steps N..  the training step, session 40's series (bench_qat_step.py, new code only), one run per N
+#   profile    one run of the series with --profile --profile-top 60 (device time by op: the guided step's extra
+#              GPU work), then megatron_lm_runs.sh eval_fp4 overlap_fp4 (the patch's new trace_eval_start)
 source benchmarks/sessions/_step_series.sh
 overlap() {
     TIMEOUT=150 bash benchmarks/sessions/megatron_lm_runs.sh dist_fp4 overlap_fp4
@@ -26,4 +28,10 @@ steps() {
         echo "run $run rc=${PIPESTATUS[0]} at ${SECONDS}s"
     done
 }
-"${1:?name a call: overlap or steps}" "${@:2}"
+profile() {
+    timeout 200 python3 benchmarks/bench_qat_step.py "${STEP[@]}" --profile --profile-top 60 2>> "$OUT/profile.err" \
+        > "$OUT/profile.jsonl"
+    echo "profile rc=$? at ${SECONDS}s"
+    TIMEOUT=150 bash benchmarks/sessions/megatron_lm_runs.sh eval_fp4 overlap_fp4
+}
+"${1:?name a call: overlap, steps or profile}" "${@:2}"
