@@ -52,11 +52,7 @@ def trace_train_step(args, model) -> Iterator[None]:
     """Megatron-LM's ``train_step`` around ``forward_backward_func`` (patches/): with ``--trace-fp4``, the
     micro-batches run inside ``reuse_weight_quant`` when ``--trace-reuse-weight-quant`` is given, and the step's
     deferred NaN/Inf check (``check_finite``) runs after the last backward, before the optimizer step."""
-    if not getattr(args, "trace_fp4", False):
-        yield
-        return
-    check_not_modelopt(args)  # (its builder skips gpt_builder's checks; its model would fail below as "no TRACE")
-    if not _stage_has_sites(args, model):
+    if not _traced(args, model):
         yield
         return
     find_trace_layers(model)  # binds the experts' layer ids (exclude_modules needs them) before the first forward
@@ -69,10 +65,7 @@ def trace_eval_start(args, model) -> None:
     """At the start of Megatron-LM's ``evaluate`` (patches/): with ``--trace-fp4``, the experts are told their layer
     ids (``find_trace_layers``: ``--trace-exclude-modules`` needs them) before its forward passes, as
     ``trace_train_step`` does: an evaluation may run before any training step (``--skip-train``)."""
-    if not getattr(args, "trace_fp4", False):
-        return
-    check_not_modelopt(args)
-    if _stage_has_sites(args, model):
+    if _traced(args, model):
         find_trace_layers(model)
 
 
@@ -81,15 +74,22 @@ def trace_eval_done(args, model) -> None:
     TRACE's FP4 sites (counted on the device by the Triton quantizers; the reference raises at once) are logged as
     an error naming each site, and the counts reset (one host read), so that the next training step's check does not
     report them as its own. Evaluation goes on, as Megatron's does for a NaN loss (its evaluation loss shows it)."""
-    if not getattr(args, "trace_fp4", False):
-        return
-    check_not_modelopt(args)
-    if not _stage_has_sites(args, model):
+    if not _traced(args, model):
         return
     bad = read_finite(model)
     if bad:
         logger.error("--trace-fp4: FP4 quantization inputs held NaN/Inf in evaluation (%s); FP4 has no NaN/Inf: the "
                      "values were passed through unquantized", named(bad))
+
+
+def _traced(args, model) -> bool:
+    """Whether the Megatron-LM hooks have TRACE work on this pipeline stage: ``--trace-fp4`` is on and the stage holds
+    TRACE modules (``_stage_has_sites``). A ModelOpt model is refused here: its builder skips gpt_builder's checks,
+    and its model would fail later as "no TRACE modules"."""
+    if not getattr(args, "trace_fp4", False):
+        return False
+    check_not_modelopt(args)
+    return _stage_has_sites(args, model)
 
 
 def _stage_has_sites(args, model) -> bool:
