@@ -8,18 +8,18 @@ import torch
 
 from megatron_trace.testing.megatron_cpu import record_errors
 
-STEPS = 3
+STEPS = 2
 
 
-def ddp_worker(rank: int, world: int, ep: int, port: int, overlap: bool, bucket_size: int, workdir: str) -> None:
-    """``STEPS`` FP4 QAT steps of the shared model on batch ``rank`` under Megatron's DDP (distributed optimizer,
-    ``overlap_param_gather=overlap``; expert parallel size ``ep``), then one forward; saves the parameters and the
-    last logits."""
+def ddp_worker(rank: int, world: int, ep: int, port: int, bucket_size: int, workdir: str) -> None:
+    """``STEPS`` FP4 QAT steps of the shared model on batch ``rank`` under Megatron's DDP (distributed optimizer;
+    expert parallel size ``ep``) without and with ``overlap_param_gather``, each from the shared weights and followed
+    by one forward; saves both runs' parameters and last logits."""
     with record_errors(workdir, rank):
-        _run(rank, world, ep, port, overlap, bucket_size, workdir)
+        _run(rank, world, ep, port, bucket_size, workdir)
 
 
-def _run(rank, world, ep, port, overlap, bucket_size, workdir):
+def _run(rank, world, ep, port, bucket_size, workdir):
     from megatron.core import parallel_state
 
     from megatron_trace.megatron import trace_guidance, trace_spec
@@ -32,17 +32,18 @@ def _run(rank, world, ep, port, overlap, bucket_size, workdir):
     init_megatron(rank, world, port, ep=ep)
     shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
     cfg = tiny_config(**shared["config"], expert_model_parallel_size=ep)
-    model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]))
     ep_rank = parallel_state.get_expert_model_parallel_rank()
-    model.load_state_dict(ep_state_dict(shared["state_dict"], ep_rank, ep), strict=False)
-    training = MegatronTraining(model, cfg, overlap=overlap, bucket_size=bucket_size)
-    ddp = training.ddp
-    for step in range(STEPS):
-        data = batch(seed=10 * step + rank)
-        training.step(lambda m, d=data: m(*d[:3], labels=d[3]).float().mean(), within=lambda m: trace_guidance(m, None))
-    with trace_guidance(ddp, None), torch.no_grad():  # (waits for the last step's all-gathers as it goes)
-        out = ddp(*batch(seed=99)[:3])
-    params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    name = f"ep{ep}_rank{rank}_overlap{int(overlap)}.pt"
-    torch.save({"logits": out, "params": params, "ep_rank": ep_rank}, os.path.join(workdir, name))
+    out = {"ep_rank": ep_rank}
+    for overlap in (False, True):
+        model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]))
+        model.load_state_dict(ep_state_dict(shared["state_dict"], ep_rank, ep), strict=False)
+        training = MegatronTraining(model, cfg, overlap=overlap, bucket_size=bucket_size)
+        for step in range(STEPS):
+            data = batch(seed=10 * step + rank)
+            training.step(lambda m, d=data: m(*d[:3], labels=d[3]).float().mean(),
+                          within=lambda m: trace_guidance(m, None))
+        with trace_guidance(training.ddp, None), torch.no_grad():  # (waits for the last step's all-gathers)
+            logits = training.ddp(*batch(seed=99)[:3])
+        out[overlap] = {"logits": logits, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    torch.save(out, os.path.join(workdir, f"ep{ep}_rank{rank}.pt"))
     shutdown_megatron()

@@ -19,14 +19,12 @@ FP32 = dict(params_dtype=torch.float32, bf16=False, pipeline_dtype=torch.float32
 BUCKET = 40_000  # elements: about a dozen buckets, so a layer's experts and its other modules lie in different ones
 
 
-def _train(workdir, world: int, ep: int, overlap: bool) -> list[dict]:
+def _train(workdir, world: int, ep: int) -> list[dict]:
     port = free_port()
-    codes = spawn_ranks(ddp_worker, world, lambda r: (r, world, ep, port, overlap, BUCKET, str(workdir)),
-                        timeout=240)
+    codes = spawn_ranks(ddp_worker, world, lambda r: (r, world, ep, port, BUCKET, str(workdir)), timeout=240)
     msgs = [e.read_text() for e in (workdir / f"error{r}.txt" for r in range(world)) if e.exists()]
     assert not msgs and codes == [0] * world, msgs or codes
-    return [torch.load(workdir / f"ep{ep}_rank{r}_overlap{int(overlap)}.pt", weights_only=False)
-            for r in range(world)]
+    return [torch.load(workdir / f"ep{ep}_rank{r}.pt", weights_only=False) for r in range(world)]
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -37,14 +35,15 @@ def test_overlap_param_gather_trains_the_torch_experts_as_without_it(tmp_path, e
     cfg, tc = tiny_config(**FP32), TraceConfig()
     init = build_model(cfg, trace_spec(stock_spec(cfg), tc)).state_dict()
     torch.save({"config": FP32, "trace_config": tc, "state_dict": init}, tmp_path / "shared.pt")
-    plain, overlapped = _train(tmp_path, world, ep, False), _train(tmp_path, world, ep, True)
+    ranks = _train(tmp_path, world, ep)
+    plain, overlapped = [r[False] for r in ranks], [r[True] for r in ranks]
     for rank in range(world):
         assert torch.equal(overlapped[rank]["logits"], plain[rank]["logits"]), rank
         for name, want in plain[rank]["params"].items():
             assert torch.equal(overlapped[rank]["params"][name], want), (rank, name)
     experts = [n for n in plain[0]["params"] if ".local_experts." in n]
-    local = ep_state_dict(init, plain[0]["ep_rank"], ep)
+    local = ep_state_dict(init, ranks[0]["ep_rank"], ep)
     assert experts and all(not torch.equal(plain[0]["params"][n], local[n]) for n in experts)  # they trained
-    twin = next(r for r in range(1, world) if plain[r]["ep_rank"] == plain[0]["ep_rank"])
+    twin = next(r for r in range(1, world) if ranks[r]["ep_rank"] == ranks[0]["ep_rank"])
     for name, value in plain[0]["params"].items():  # one model on the data-parallel ranks
         assert torch.equal(plain[twin]["params"][name], value), name
