@@ -24,23 +24,33 @@ def save_like_megatron_lm(model, path) -> None:
     dist_checkpointing.save(model.sharded_state_dict(metadata=metadata), str(path), strategy)
 
 
-def load_like_megatron_lm(model, path) -> None:
-    """Megatron-LM's ``load_checkpoint`` without ``--ckpt-fully-parallel-load`` (its exchange buffers are CUDA
-    tensors: megatron-core's exchange_utils), stricter: any key missing or unexpected on either side raises, then
-    ``load_state_dict`` strict."""
+def load_like_megatron_lm(model, path, fully_parallel: bool = False) -> None:
+    """Megatron-LM's ``load_checkpoint``, stricter: any key missing or unexpected on either side raises, then
+    ``load_state_dict`` strict. ``fully_parallel``: with ``--ckpt-fully-parallel-load`` (the data-parallel ranks
+    each read a part and exchange the rest; its exchange buffers are made on CUDA outright: ``CudaOnCpu``)."""
+    from contextlib import nullcontext
+
     from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import FullyParallelLoadStrategyWrapper
     from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from .harness import CudaOnCpu
 
     dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True, "dp_cp_group": dp_cp}
-    state = dist_checkpointing.load(model.sharded_state_dict(metadata=metadata), str(path),
-                                    strict=StrictHandling.RAISE_ALL)
+    strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(str(path)), dp_cp) \
+        if fully_parallel else None
+    with CudaOnCpu() if fully_parallel else nullcontext():
+        state = dist_checkpointing.load(model.sharded_state_dict(metadata=metadata), str(path),
+                                        sharded_strategy=strategy, strict=StrictHandling.RAISE_ALL)
     model.load_state_dict(state, strict=True)
 
 
 def reshard_worker(rank: int, world: int, port: int, workdir: str) -> None:
     """At EP=world: save the reference weights from a stock and a TRACE model (``stock_ep2``, ``trace_ep2``), load the
-    EP=1 checkpoints into the other kind, and save what each rank holds after the loads and its logits."""
+    EP=1 checkpoints into the other kind (the TRACE model's load fully parallel: the ranks are data-parallel for
+    every non-expert tensor), and save what each rank holds after the loads and its logits."""
     with record_errors(workdir, rank):
         _run(rank, world, port, workdir)
 
@@ -65,7 +75,7 @@ def _run(rank, world, port, workdir):
     out = {}
     for kind, source in (("trace", "stock"), ("stock", "trace")):  # EP=1 checkpoints of the other kind, loaded here
         model = build_model(cfg, specs[kind], seed=7)
-        load_like_megatron_lm(model, os.path.join(workdir, f"{source}_ep1"))
+        load_like_megatron_lm(model, os.path.join(workdir, f"{source}_ep1"), fully_parallel=kind == "trace")
         out[kind] = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
         if kind == "trace":
             tokens, pos, mask, _ = batch(seed=rank)

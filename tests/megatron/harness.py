@@ -40,10 +40,11 @@ def destroy_parallel() -> None:
     RouterReplay.clear_global_router_replay_instances()
 
 
-class MegatronOptimizerOnCpu(torch.overrides.TorchFunctionMode):
-    """Around Megatron's optimizer (build, ``zero_grad``, ``step``) on CPU: it makes its flags and scales with
-    ``device='cuda'`` and accepts only ``torch.cuda.*Tensor`` parameters. Inside, tensors asked for on CUDA are made
-    on the CPU, ``Tensor.cuda()`` is the tensor, and ``Tensor.type()`` names the CUDA type."""
+class CudaOnCpu(torch.overrides.TorchFunctionMode):
+    """Around Megatron code that makes CUDA tensors outright (its optimizer: build, ``zero_grad``, ``step``, which also
+    accepts only ``torch.cuda.*Tensor`` parameters; the fully parallel checkpoint load's exchange buffers). Inside,
+    tensors asked for on CUDA are made on the CPU, ``Tensor.cuda()`` is the tensor, and ``Tensor.type()`` names the
+    CUDA type."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -67,7 +68,7 @@ class MegatronTraining:
         self.ddp = DistributedDataParallel(config=config, module=model, ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True,
             overlap_param_gather=overlap, bucket_size=bucket_size))
-        self._on_cpu = MegatronOptimizerOnCpu()
+        self._on_cpu = CudaOnCpu()
         with self._on_cpu:
             self.optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, bf16=False,
                                                                     use_distributed_optimizer=True), [self.ddp])

@@ -194,8 +194,9 @@ def test_plain_state_dict_stock_to_trace_and_back(tmp_path, overrides):
 @pytest.mark.slow
 def test_reshard_between_expert_parallel_sizes(ckpt):
     """Stock and TRACE checkpoints saved at EP=2 (two gloo ranks) load at EP=1 into the other kind, and EP=1
-    checkpoints load at EP=2 into the other kind: every rank holds its slice of the reference weights, and the
-    TRACE model loaded at EP=2 gives EP=1's logits."""
+    checkpoints load at EP=2 into the other kind (into the TRACE model with ``--ckpt-fully-parallel-load``'s
+    strategy): every rank holds its slice of the reference weights, and the TRACE model loaded at EP=2 gives EP=1's
+    logits."""
     world, overrides = 2, BIAS
     cfg = tiny_config(**overrides)
     stock, trace, _, direct = _models(cfg)
