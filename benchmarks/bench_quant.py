@@ -54,6 +54,17 @@ def _index_path(fn):
             setattr(quant_triton, name, v)
 
 
+def _amax_first_first(fn):
+    """fn() with the per-tensor amax pass reading x from its start (``quant_triton.ABSMAX_LAST_FIRST`` off), as
+    before session 46: the quantize pass then finds x's last blocks in L2, not its first."""
+    saved = quant_triton.ABSMAX_LAST_FIRST
+    quant_triton.ABSMAX_LAST_FIRST = False
+    try:
+        return fn()
+    finally:
+        quant_triton.ABSMAX_LAST_FIRST = saved
+
+
 def cases(x, rows, k):
     q_row, q_ten = Quantizer("nvfp4", per_row=True), Quantizer("nvfp4")
     q_mx = Quantizer("mxfp4", scale_rule="ceil")
@@ -93,6 +104,8 @@ def cases(x, rows, k):
             lambda: fused.quantize(x, q_row, record=True, check_finite=counter), xb + n // 2 + rec_b),
         "quantize_nvfp4_tensor(2 passes)": (lambda: fused.quantize(x, q_ten, check_finite=False),
                                             xb + n // 2 + n // 16),
+        "quantize_nvfp4_tensor(2 passes, amax first-first)": (
+            lambda: _amax_first_first(lambda: fused.quantize(x, q_ten, check_finite=False)), xb + n // 2 + n // 16),
         "quantize_mxfp4_ceil": (lambda: fused.quantize(x, q_mx, check_finite=False), xb + n // 2 + n // 32),
         "quantize_mxfp4_ceil(index path)": (lambda: _index_path(lambda: fused.quantize(x, q_mx, check_finite=False)),
                                             xb + n // 2 + n // 32),

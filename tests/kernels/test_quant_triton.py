@@ -185,11 +185,33 @@ def _stacked(shape, dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("last_first", [True, False], ids=["last-first", "first-first"])
+@pytest.mark.parametrize("at", [0, 57, 127])
+def test_per_tensor_amax_wherever_it_lies(at, last_first, monkeypatch):
+    """The per-tensor amax pass in 8 partial maxima of 16 elements, its programs taking x's blocks from the end
+    (``ABSMAX_LAST_FIRST``) or from the start: the reference's bits with the largest element in the first, a
+    middle or the last block; a NaN there is counted in both orders."""
+    monkeypatch.setattr(quant_triton, "ABSMAX_BLOCK", 16)
+    monkeypatch.setattr(quant_triton, "ABSMAX_LAST_FIRST", last_first)
+    q = POLICIES["nvfp4-tensor"]
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(at)).to(torch.bfloat16)
+    x.view(-1)[at] = -1000.0
+    t = fused.quantize(x.to(DEVICE), q)[0]
+    assert_same_fp4(t, q.quantize(x))
+    x.view(-1)[at] = float("nan")
+    counter = FiniteCounter("x")
+    fused.quantize(x.to(DEVICE), q, check_finite=counter)
+    assert int(counter.tensor(DEVICE).item()) > 0
+
+
+@pytest.mark.parametrize("last_first", [True, False], ids=["last-first", "first-first"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(4, 6, 64), (3, 2, 5, 40)], ids=str)
-def test_stacked_equals_each_slice_alone(shape, dtype, monkeypatch):
+def test_stacked_equals_each_slice_alone(shape, dtype, last_first, monkeypatch):
     """``stacked``: x[j] fake-quantized (and quantized) with its own per-tensor amax, as the reference does
-    slice by slice; the amax pass loops over its partial maxima in steps of 2 here."""
+    slice by slice; the amax pass loops over its partial maxima in steps of 2 here, its programs taking the
+    groups and blocks from the end or from the start."""
+    monkeypatch.setattr(quant_triton, "ABSMAX_LAST_FIRST", last_first)
     monkeypatch.setattr(quant_triton, "ABSMAX_BLOCK", 16)
     monkeypatch.setattr(quant_triton, "ABSMAX_PARTS", 2)
     q = POLICIES["nvfp4-tensor"]
