@@ -10,8 +10,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     TORCHDYNAMO_DISABLE=1
 BUDGET_S="${BUDGET_S:-230}"; MAX_EP="${MAX_EP:-2}"; EXPERTS="${EXPERTS:-64 128}"
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/_install_wheels.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/smi.txt"
 nvidia-smi topo -m >> "$OUT/smi.txt" 2>&1
 for e in $EXPERTS; do

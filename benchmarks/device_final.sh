@@ -8,8 +8,8 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; R=/tmp/final; mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1 NCCL_NVLS_ENABLE=0
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD:$PWD/benchmarks"
+source benchmarks/_install_wheels.sh || exit 1
+export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv,noheader | tee "$R/smi.txt"
 ( CUDA_VISIBLE_DEVICES=1 OUT="$R/decode" TOTAL_S=${DECODE_S:-215} INSTALL_WHL=0 bash benchmarks/device_decode.sh \
     > "$R/decode_run.log" 2>&1 ) &

@@ -5,8 +5,8 @@
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TORCHDYNAMO_DISABLE=1
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH="/tmp/site:$PWD:$PWD/benchmarks"
+source benchmarks/_install_wheels.sh || exit 1
+export PYTHONPATH="$PYTHONPATH:$PWD/benchmarks"
 timeout "${QAT_S:-200}" python3 benchmarks/bench_qat_step.py --kernels auto --warmup 2 --reps 5 --sync-sites \
   > "$OUT/qat_syncs.json" 2> "$OUT/qat_syncs.log"
 echo "rc=$? after ${SECONDS}s"; tail -n 5 "$OUT/qat_syncs.log"

@@ -7,8 +7,7 @@ set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
     TORCHDYNAMO_DISABLE=1
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/_install_wheels.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/smi.txt"
 nvidia-smi topo -m >> "$OUT/smi.txt" 2>&1
 timeout ${EP_TIMEOUT:-300} python3 benchmarks/two_gpu_ep.py --timeout 280 --out "$OUT/two_gpu_ep.jsonl" \

@@ -5,8 +5,7 @@
 set -uo pipefail
 STEPS=${1:-40}; SEED=${2:-0}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
-rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
+source benchmarks/_install_wheels.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 [ "${SMOKE:-1}" = 0 ] || timeout 60 python3 examples/rl_demo.py --config-name gpu run_name=gpu_smoke rl.steps=2 sft.steps=10 \
     rl.eval_problems=32 progress=false arms=[fp4_qat,trace] || { echo "SMOKE FAILED"; exit 1; }

@@ -17,8 +17,7 @@ OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=2 TORCHDYNAMO_DISABLE=1
 PY=${PY:-python3}
 if [ -d .whl ] && [ "${INSTALL_WHL:-1}" = 1 ]; then
-  rm -rf /tmp/site; python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
+  source benchmarks/_install_wheels.sh || exit 1
 fi
 NGPU=$(nvidia-smi -L 2>/dev/null | wc -l); DEVICE=cuda; [ "$NGPU" -gt 0 ] || { NGPU=1; DEVICE=cpu; }
 T0=$SECONDS; i=0; pids=()
