@@ -185,33 +185,11 @@ def _stacked(shape, dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("last_first", [True, False], ids=["last-first", "first-first"])
-@pytest.mark.parametrize("at", [0, 57, 127])
-def test_per_tensor_amax_wherever_it_lies(at, last_first, monkeypatch):
-    """The per-tensor amax pass in 8 partial maxima of 16 elements, its programs taking x's blocks from the end
-    (``ABSMAX_LAST_FIRST``) or from the start: the reference's bits with the largest element in the first, a
-    middle or the last block; a NaN there is counted in both orders."""
-    monkeypatch.setattr(quant_triton, "ABSMAX_BLOCK", 16)
-    monkeypatch.setattr(quant_triton, "ABSMAX_LAST_FIRST", last_first)
-    q = POLICIES["nvfp4-tensor"]
-    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(at)).to(torch.bfloat16)
-    x.view(-1)[at] = -1000.0
-    t = fused.quantize(x.to(DEVICE), q)[0]
-    assert_same_fp4(t, q.quantize(x))
-    x.view(-1)[at] = float("nan")
-    counter = FiniteCounter("x")
-    fused.quantize(x.to(DEVICE), q, check_finite=counter)
-    assert int(counter.tensor(DEVICE).item()) > 0
-
-
-@pytest.mark.parametrize("last_first", [True, False], ids=["last-first", "first-first"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(4, 6, 64), (3, 2, 5, 40)], ids=str)
-def test_stacked_equals_each_slice_alone(shape, dtype, last_first, monkeypatch):
+def test_stacked_equals_each_slice_alone(shape, dtype, monkeypatch):
     """``stacked``: x[j] fake-quantized (and quantized) with its own per-tensor amax, as the reference does
-    slice by slice; the amax pass loops over its partial maxima in steps of 2 here, its programs taking the
-    groups and blocks from the end or from the start."""
-    monkeypatch.setattr(quant_triton, "ABSMAX_LAST_FIRST", last_first)
+    slice by slice; the amax pass loops over its partial maxima in steps of 2 here."""
     monkeypatch.setattr(quant_triton, "ABSMAX_BLOCK", 16)
     monkeypatch.setattr(quant_triton, "ABSMAX_PARTS", 2)
     q = POLICIES["nvfp4-tensor"]
@@ -224,6 +202,29 @@ def test_stacked_equals_each_slice_alone(shape, dtype, last_first, monkeypatch):
         assert torch.equal(t.codes[j].cpu(), want.codes)
         assert torch.equal(t.block_scales[j].cpu().view(torch.uint8), want.block_scales.view(torch.uint8))
         assert torch.equal(t.global_amax[j].cpu(), want.global_amax.expand(*shape[1:-1], 1))
+
+
+@pytest.mark.parametrize("last_first", [True, False], ids=["last-first", "first-first"])
+def test_amax_pass_in_either_order(last_first, kernel_variant, monkeypatch):
+    """The per-tensor amax pass in partial maxima of 16 elements, its programs taking x's blocks (and a stacked
+    x's slices) from the end (``ABSMAX_LAST_FIRST``) or from the start: the reference's bits with the largest
+    element in the first, a middle or the last block, a NaN there counted, each slice of a stacked x its own."""
+    if kernel_variant != "pair":
+        pytest.skip("the amax pass is one kernel whichever quantize kernel follows it")
+    monkeypatch.setattr(quant_triton, "ABSMAX_BLOCK", 16)
+    monkeypatch.setattr(quant_triton, "ABSMAX_LAST_FIRST", last_first)
+    q = POLICIES["nvfp4-tensor"]
+    for at in (0, 57, 127):
+        x = torch.randn(4, 32, generator=torch.Generator().manual_seed(at)).to(torch.bfloat16)
+        x.view(-1)[at] = -1000.0
+        assert_same_fp4(fused.quantize(x.to(DEVICE), q)[0], q.quantize(x))
+        x.view(-1)[at] = float("nan")
+        counter = FiniteCounter("x")
+        fused.quantize(x.to(DEVICE), q, check_finite=counter)
+        assert int(counter.tensor(DEVICE).item()) > 0
+    x = _stacked((4, 6, 64), torch.bfloat16)
+    y = fused.fake_quantize(x.to(DEVICE), q, stacked=True).cpu()
+    assert same_bits(y, torch.stack([q.fake_quantize(x[j]) for j in range(4)]))
 
 
 def test_stacked_reference_path_and_bad_uses():
