@@ -44,6 +44,15 @@ def _finite_rows(dtype) -> torch.Tensor:
     return x[: x.shape[0] // 2 * 2].reshape(-1, 2, 64).to(DEVICE)
 
 
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Interpreter: 64-element tiles for a whole generate (52-62 -> 7 s per test there, where a program of the launch
+    configs' 2048-element tiles takes seconds). The tiles' bits are this file's bit-exact tests and test_quant_triton's
+    pair-tile32 variant; the GPU keeps the launch configs."""
+    if INTERPRET:
+        monkeypatch.setattr(quant_triton, "CONFIG", {n: {"tile": 64, "num_warps": 4} for n in quant_triton.CONFIG})
+
+
 @pytest.mark.parametrize("variant", ["pair", "elem", "pair-tile32", "pair-prefetch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("policy", list(POLICIES))
@@ -159,7 +168,7 @@ def test_row_writer_counts_into_its_counter():
 
 
 @pytest.mark.parametrize(("site", "value"), [("expert_fc2_in", "nan"), ("kv_v", "+inf")])
-def test_generate_on_the_triton_path_names_the_site(site, value, monkeypatch):
+def test_generate_on_the_triton_path_names_the_site(site, value, monkeypatch, small_tiles):
     """The hf backend's Triton path end to end (grouped experts on dense weights, Triton KV writes): a NaN put into
     the layer-1 fc2 rows (unchecked, it came out as a finite code: the batch and its records came back) or an Inf
     into layer-1 V fails the batch at its end, the site named first."""
