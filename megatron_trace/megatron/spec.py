@@ -27,6 +27,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.moe.experts import GroupedMLP, SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -157,8 +158,24 @@ class TraceSpecProvider(BackendSpecProvider):
             sub.mlp = self._convert_moe(mlp)
         attn = sub.self_attention
         if isinstance(attn, ModuleSpec) and hasattr(attn.submodules, "core_attention"):
+            _refuse_latent_kv(attn.module, self.trace_config)
             attn.submodules.core_attention = self.core_attention_spec(attn.submodules.core_attention)
         return spec
+
+
+def _refuse_latent_kv(attention: type, trace_config: TraceConfig) -> None:
+    """Multi-latent attention (DeepSeek-V3's MLA) hands its core attention the per-head K and V decompressed from a
+    latent row, but a rollout engine caches (and FP4-quantizes) the latent row itself: TRACE's KV sites there would
+    round numbers no rollout computes, a train-rollout mismatch by construction. Refused; the experts convert."""
+    if _quantizes_kv(trace_config) and isinstance(attention, type) and issubclass(attention, MultiLatentAttention):
+        kv = [s for s in trace_config.sites if s in KV_SITES]
+        sites = tuple(s for s in trace_config.sites if s not in KV_SITES)
+        guided = tuple(s for s in trace_config.guided_sites if s not in KV_SITES)
+        raise ValueError(
+            f"TRACE's KV sites {kv} quantize per-head K/V at the core attention, but {attention.__name__} "
+            "(multi-latent attention) is cached by rollout engines as its compressed latent row: no rollout computes "
+            f"those numbers. Quantize the experts only: TraceConfig(sites={sites}, guided_sites={guided}) "
+            "(Megatron-LM: --trace-sites without kv_k,kv_v)")
 
 
 def trace_spec(spec, trace_config: TraceConfig, fallback: BackendSpecProvider | None = None):
