@@ -20,14 +20,6 @@ overlap() {
         > "$OUT/pytest_megatron_gpu.txt" 2>&1
     echo "pytest rc=$? at ${SECONDS}s: $(tail -1 "$OUT/pytest_megatron_gpu.txt")"
 }
-steps() {
-    for run in "$@"; do
-        if (( SECONDS + 70 > ${BUDGET:-560} )); then echo "stop before run $run at ${SECONDS}s"; return; fi
-        timeout 120 python3 benchmarks/bench_qat_step.py "${STEP[@]}" 2>> "$OUT/steps.err" \
-            | sed "s/^{/{\"run\": $run, /" >> "$OUT/steps.jsonl"
-        echo "run $run rc=${PIPESTATUS[0]} at ${SECONDS}s"
-    done
-}
 profile() {
     timeout 200 python3 benchmarks/bench_qat_step.py "${STEP[@]}" --profile --profile-top 60 2>> "$OUT/profile.err" \
         > "$OUT/profile.jsonl"

@@ -31,14 +31,6 @@ b.main()" 2>> "$OUT/quant_rev.err" >> "$OUT/quant_rev.jsonl"
     done
     TEST_TIMEOUT=$(( 590 - SECONDS )) bash benchmarks/device_tests.sh
 }
-steps() {
-    for run in "$@"; do
-        if (( SECONDS + 70 > ${BUDGET:-560} )); then echo "stop before run $run at ${SECONDS}s"; return; fi
-        timeout 120 python3 benchmarks/bench_qat_step.py "${STEP[@]}" 2>> "$OUT/steps.err" \
-            | sed "s/^{/{\"run\": $run, /" >> "$OUT/steps.jsonl"
-        echo "run $run rc=${PIPESTATUS[0]} at ${SECONDS}s"
-    done
-}
 suite() {
     TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh
 }
