@@ -40,29 +40,29 @@ SWEEP_BUDGET_S = 110.0
 _BY_MAGNITUDE = ("RNE_BY_MAGNITUDE", "GUIDED_BY_MAGNITUDE", "DEQUANT_BY_MAGNITUDE")
 
 
-def _index_path(fn):
-    """fn() with the pair kernels' E2M1-index tiles for RNE and guided compact NVFP4 and the per-element NVFP4
-    dequantize (off: ``quant_triton.RNE_BY_MAGNITUDE``, ``GUIDED_BY_MAGNITUDE``, ``DEQUANT_BY_MAGNITUDE``), as
-    before the tiles by fp32 magnitudes and the dequantize by per-block constants."""
-    saved = [getattr(quant_triton, name) for name in _BY_MAGNITUDE]
-    for name in _BY_MAGNITUDE:
+def _flags_off(names, fn):
+    """fn() with the ``quant_triton`` flags ``names`` False (restored after)."""
+    saved = [getattr(quant_triton, name) for name in names]
+    for name in names:
         setattr(quant_triton, name, False)
     try:
         return fn()
     finally:
-        for name, v in zip(_BY_MAGNITUDE, saved):
+        for name, v in zip(names, saved):
             setattr(quant_triton, name, v)
+
+
+def _index_path(fn):
+    """fn() with the pair kernels' E2M1-index tiles for RNE and guided compact NVFP4 and the per-element NVFP4
+    dequantize (off: ``quant_triton.RNE_BY_MAGNITUDE``, ``GUIDED_BY_MAGNITUDE``, ``DEQUANT_BY_MAGNITUDE``), as
+    before the tiles by fp32 magnitudes and the dequantize by per-block constants."""
+    return _flags_off(_BY_MAGNITUDE, fn)
 
 
 def _amax_first_first(fn):
     """fn() with the per-tensor amax pass reading x from its start (``quant_triton.ABSMAX_LAST_FIRST`` off), as
     before session 46: the quantize pass then finds x's last blocks in L2, not its first."""
-    saved = quant_triton.ABSMAX_LAST_FIRST
-    quant_triton.ABSMAX_LAST_FIRST = False
-    try:
-        return fn()
-    finally:
-        quant_triton.ABSMAX_LAST_FIRST = saved
+    return _flags_off(("ABSMAX_LAST_FIRST",), fn)
 
 
 def cases(x, rows, k):
