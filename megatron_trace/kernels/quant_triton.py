@@ -37,25 +37,39 @@ GUIDED_COMPACT = tl.constexpr(2)
 @triton.jit
 def absmax_kernel(x_ptr, n, out_ptr, err_ptr, BLOCK: tl.constexpr, CHECK_FINITE: tl.constexpr,
                   LAST_FIRST: tl.constexpr):
-    """Partial max|x| of BLOCK elements per program (fp32), and a count of NaN/Inf if asked. Axis 1 of the grid
-    runs over groups of n elements each (``absmax_rows``): group j's partials go to out[j, :].
+    """Partial max|x| (fp32) per program, and a count of NaN/Inf if asked. Axis 1 of the grid runs over groups of
+    n elements each (``absmax_rows``); the P programs of axis 0 take a group's BLOCK-element blocks pid, pid + P,
+    ... (one block each when P covers them), and program pid's partial goes to out[group, pid].
 
-    ``LAST_FIRST``: program 0 takes the last block (of the last group), so the blocks read last are x's first
-    ones, still in L2 when the quantize pass that follows starts at x's beginning (``ABSMAX_LAST_FIRST``). The
-    partials land at the same places either way."""
+    ``LAST_FIRST``: the blocks are counted from the group's end (and the groups from x's end), so the blocks read
+    last are x's first ones, still in L2 when the quantize pass that follows starts at x's beginning
+    (``ABSMAX_LAST_FIRST``). A NaN does not enter a partial (``tl.maximum``'s default); ``CHECK_FINITE`` counts
+    it."""
     pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
     grp = tl.program_id(1).to(tl.int64)
     if LAST_FIRST:
-        pid = tl.num_programs(0) - 1 - pid
         grp = tl.num_programs(1) - 1 - grp
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + grp * n + offs, mask=offs < n, other=0.0).to(tl.float32)
-    a = tl.abs(x)
-    tl.store(out_ptr + grp * tl.num_programs(0) + pid, tl.max(a, axis=0))
+    nblk = tl.cdiv(n, BLOCK)
+    acc = tl.zeros([BLOCK], tl.float32)
+    bad = tl.zeros([BLOCK], tl.int32)
+    b = pid
+    while b < nblk:  # (a while loop: the interpreter's range() takes no run-time bound)
+        blk = b
+        if LAST_FIRST:
+            blk = nblk - 1 - b
+        offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + grp * n + offs, mask=offs < n, other=0.0).to(tl.float32)
+        a = tl.abs(x)
+        acc = tl.maximum(acc, a)
+        if CHECK_FINITE:
+            bad += (a == float("inf")).to(tl.int32) + (x != x).to(tl.int32)
+        b += nprog
+    tl.store(out_ptr + grp * nprog + pid, tl.max(acc, axis=0))
     if CHECK_FINITE:
-        bad = tl.sum((a == float("inf")).to(tl.int32) + (x != x).to(tl.int32), axis=0)
-        if bad > 0:
-            tl.atomic_add(err_ptr, bad)
+        total = tl.sum(bad, axis=0)
+        if total > 0:
+            tl.atomic_add(err_ptr, total)
 
 
 @triton.jit
@@ -305,6 +319,10 @@ TILE = 4096
 """Elements of x per program tile (rows x padded K); longer rows loop over K in tiles of this size."""
 
 ABSMAX_BLOCK = 8192
+ABSMAX_WARPS = 8
+ABSMAX_PROGRAMS_PER_SM = 0
+"""The amax pass's programs per multiprocessor, over all groups (each program then loops over its share of the
+blocks); 0: one program per block."""
 ABSMAX_PARTS = 1024
 """``absmax_rows``: partial maxima per step of its second kernel's loop."""
 ABSMAX_LAST_FIRST = True
@@ -378,16 +396,23 @@ def pair_ok(x2d, block, deq_dtype) -> bool:
             and x2d.data_ptr() % (2 * x2d.element_size()) == 0)
 
 
+def _absmax_programs(nblk: int, groups: int, x: torch.Tensor) -> int:
+    """Programs per group of the amax pass (``ABSMAX_PROGRAMS_PER_SM``)."""
+    if not ABSMAX_PROGRAMS_PER_SM:
+        return nblk
+    return max(1, min(nblk, cdiv(multiprocessors(x) * ABSMAX_PROGRAMS_PER_SM, groups)))
+
+
 def absmax(x2d: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
     """max|x| over the whole tensor as a 0-d fp32 tensor (a partial max per program, then torch.amax)."""
     x2d = x2d if x2d.is_contiguous() else x2d.contiguous()  # the kernel reads numel() elements from data_ptr
     n = x2d.numel()
     if n == 0:
         return torch.zeros((), dtype=torch.float32, device=x2d.device)  # as the reference: no element, amax 0
-    parts = torch.empty(cdiv(n, ABSMAX_BLOCK), dtype=torch.float32, device=x2d.device)
+    parts = torch.empty(_absmax_programs(cdiv(n, ABSMAX_BLOCK), 1, x2d), dtype=torch.float32, device=x2d.device)
     dummy = err if err is not None else parts
     absmax_kernel[(parts.numel(),)](x2d, n, parts, dummy, BLOCK=ABSMAX_BLOCK, CHECK_FINITE=err is not None,
-                                    LAST_FIRST=ABSMAX_LAST_FIRST, num_warps=8)
+                                    LAST_FIRST=ABSMAX_LAST_FIRST, num_warps=ABSMAX_WARPS)
     return parts.amax()
 
 
@@ -400,13 +425,13 @@ def absmax_rows(x2d: torch.Tensor, groups: int, err: torch.Tensor | None) -> tor
         raise ValueError(f"groups={groups} must be >= 1 and divide the {m} rows")
     xc = x2d if x2d.is_contiguous() else x2d.contiguous()
     n = (m // groups) * x2d.shape[1]
-    n_parts = max(cdiv(n, ABSMAX_BLOCK), 1)
+    n_parts = _absmax_programs(max(cdiv(n, ABSMAX_BLOCK), 1), groups, xc)
     parts = torch.empty((groups, n_parts), dtype=torch.float32, device=x2d.device)
     g = torch.empty(m, dtype=torch.float32, device=x2d.device)
     if m == 0:
         return g
     absmax_kernel[(n_parts, groups)](xc, n, parts, err if err is not None else parts, BLOCK=ABSMAX_BLOCK,
-                                     CHECK_FINITE=err is not None, LAST_FIRST=ABSMAX_LAST_FIRST, num_warps=8)
+                                     CHECK_FINITE=err is not None, LAST_FIRST=ABSMAX_LAST_FIRST, num_warps=ABSMAX_WARPS)
     rb, pb = 256, min(next_pow2(n_parts), ABSMAX_PARTS)
     group_rows_kernel[(cdiv(m // groups, rb), groups)](parts, n_parts, m // groups, g, PB=pb, RB=rb)
     return g
