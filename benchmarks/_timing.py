@@ -25,11 +25,22 @@ def median_ms(fn, *, warmup: int = 5, reps: int = 30) -> float:
     return times[len(times) // 2]
 
 
-def graph_ms(fn, *, calls: int = 10, reps: int = 5) -> float:
+def graph_ms(fn, *, calls: int = 10, reps: int = 5, flush_by: str = "write") -> float:
     """Device milliseconds per ``fn()`` without the host: ``calls`` calls, each after an L2 flush, captured in
     one CUDA graph and replayed ``reps`` times (median), minus the same graph of flushes alone. For ops whose
-    launch overhead exceeds their kernel time, where ``median_ms`` times the host."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    launch overhead exceeds their kernel time, where ``median_ms`` times the host. ``flush_by``: "write" zeroes
+    256 MB (L2 left holding dirty lines, which ``fn`` writes back as it evicts them), "read" reads it (L2 left
+    clean)."""
+    if flush_by not in ("write", "read"):
+        raise ValueError(f"flush_by={flush_by!r} must be 'write' or 'read'")
+    flush = torch.zeros(256 << 20, dtype=torch.uint8, device="cuda")
+    sink = torch.empty(1, dtype=torch.int64, device="cuda")
+
+    def flush_once():
+        if flush_by == "write":
+            flush.zero_()
+        else:
+            torch.sum(flush.view(torch.int64), dim=0, keepdim=True, out=sink)
     fn()
     torch.cuda.synchronize()
 
@@ -48,12 +59,12 @@ def graph_ms(fn, *, calls: int = 10, reps: int = 5) -> float:
 
     def both():
         for _ in range(calls):
-            flush.zero_()
+            flush_once()
             fn()
 
     def flushes():
         for _ in range(calls):
-            flush.zero_()
+            flush_once()
 
     return max(timed(both) - timed(flushes), 0.0) / calls
 

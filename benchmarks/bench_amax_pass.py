@@ -104,6 +104,8 @@ def main(argv=None) -> dict:
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--sweep", action="store_true", help="time the looped amax pass's launch choices")
+    p.add_argument("--flush-by", choices=("write", "read", "both"), default="write",
+                   help="how the L2 is flushed before each call (_timing.graph_ms); both: each op both ways")
     args = p.parse_args(argv)
     torch.manual_seed(0)
     x = torch.randn(args.rows, args.k, device="cuda").to(torch.bfloat16)
@@ -146,12 +148,16 @@ def main(argv=None) -> dict:
             if not same or not torch.equal(t.global_amax, ref.global_amax):
                 raise SystemExit(f"{name}: codes, scales or amax differ from the shipped path")
             ops[name] = (fn, whole)
+    y = torch.empty_like(x)
+    ops["copy of x (torch)"] = (lambda: y.copy_(x), 2 * x.element_size() * n)
     rows = []
     for name, (fn, nbytes) in ops.items():
-        us = graph_ms(fn) * 1e3
-        rows.append({"op": name, "graph_us": round(us, 1), "bytes": nbytes,
-                     "graph_frac_copy": round(nbytes / (us * 1e-6) / bw, 3)})
-        print(f"{name:55s} {us:8.1f} us {rows[-1]['graph_frac_copy']:.3f} of copy", file=sys.stderr)
+        for flush_by in (("write", "read") if args.flush_by == "both" else (args.flush_by,)):
+            us = graph_ms(fn, flush_by=flush_by) * 1e3
+            rows.append({"op": name, "flush_by": flush_by, "graph_us": round(us, 1), "bytes": nbytes,
+                         "graph_frac_copy": round(nbytes / (us * 1e-6) / bw, 3)})
+            print(f"{name:60s} {flush_by:5s} {us:8.1f} us {rows[-1]['graph_frac_copy']:.3f} of copy",
+                  file=sys.stderr)
     res = {"bench": "amax_pass", "shape": [args.rows, args.k], "dtype": "bf16", "copy_TBps": round(bw / 1e12, 3),
            "machine": machine(), "results": rows}
     print(json.dumps(res))

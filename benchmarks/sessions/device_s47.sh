@@ -4,6 +4,8 @@
 #   amax     where the NVFP4 per-tensor quantize's time goes (amax pass, torch max, quantize pass), and the amax
 #            pass with an L2 evict-last hint and/or an atomic max (bench_amax_pass.py), 4096-32768 rows of 2048 bf16
 #   amax_sweep  the amax pass (bench_amax_pass.py --sweep) over block, warps and programs per SM (looping)
+#   flush    bench_amax_pass.py's ops and a torch copy of x after an L2 flush by writing (the benchmarks' protocol)
+#            and by reading (L2 left clean)
 #   suite    every GPU test (benchmarks/device_tests.sh)
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
@@ -22,6 +24,14 @@ amax_sweep() {
         echo "rows $rows rc=$? at ${SECONDS}s"
     done
     cat "$OUT/amax_sweep.err"
+}
+flush() {
+    for rows in ${@:-8192 32768}; do
+        timeout 150 python3 benchmarks/bench_amax_pass.py --flush-by both --rows "$rows" --k 2048 \
+            2>> "$OUT/flush.err" >> "$OUT/flush.jsonl"
+        echo "rows $rows rc=$? at ${SECONDS}s"
+    done
+    cat "$OUT/flush.err"
 }
 suite() {
     TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh
