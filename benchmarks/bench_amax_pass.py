@@ -9,7 +9,10 @@ max over the partials, then the quantize pass. This times each part alone and th
   of writing partials that a torch reduction reads (one launch fewer).
 
 Prints one JSON line (device us from CUDA graphs after an L2 flush, ``_timing.graph_ms``; fraction of the copy
-bandwidth measured in the same run). Usage: python benchmarks/bench_amax_pass.py [--rows 8192] [--k 2048]
+bandwidth measured in the same run), with a torch copy of x as the same-size ceiling. ``--flush-by both`` times
+each op after a flush by writing (the benchmarks' protocol: L2 left dirty) and by reading (L2 left clean).
+``--sweep`` times the amax pass alone over ``ABSMAX_BLOCK`` x ``ABSMAX_WARPS`` instead.
+Usage: python benchmarks/bench_amax_pass.py [--rows 8192] [--k 2048] [--flush-by write|read|both] [--sweep]
 """
 
 from __future__ import annotations
@@ -40,11 +43,11 @@ def _amax_variant(x_ptr, n, out_ptr, BLOCK: tl.constexpr, EVICT: tl.constexpr, A
         tl.store(out_ptr + pid, m)
 
 
-def _amax_config(block: int, warps: int, per_sm: int, fn):
+def _amax_config(block: int, warps: int, fn):
     """fn() with the amax pass's ``quant_triton`` constants set (restored after)."""
-    names = ("ABSMAX_BLOCK", "ABSMAX_WARPS", "ABSMAX_PROGRAMS_PER_SM")
+    names = ("ABSMAX_BLOCK", "ABSMAX_WARPS")
     saved = [getattr(quant_triton, k) for k in names]
-    for k, v in zip(names, (block, warps, per_sm)):
+    for k, v in zip(names, (block, warps)):
         setattr(quant_triton, k, v)
     try:
         return fn()
@@ -58,14 +61,16 @@ def sweep(x) -> list[dict]:
     rows = []
     want = quant_triton.absmax(x, None)
     for block in (2048, 4096, 8192, 16384):
-        for warps in (4, 8):
-            for per_sm in (0, 2, 4, 8, 16):
-                def fn(block=block, warps=warps, per_sm=per_sm):
-                    return _amax_config(block, warps, per_sm, lambda: quant_triton.absmax(x, None))
-                if not torch.equal(fn(), want):
-                    raise SystemExit(f"amax pass {block, warps, per_sm} differs")
-                us = graph_ms(fn) * 1e3
-                rows.append({"block": block, "warps": warps, "per_sm": per_sm, "graph_us": round(us, 1)})
+        for warps in (2, 4, 8, 16):
+            if block // (32 * warps) < 8:  # (under 8 elements a thread: not a streaming load)
+                continue
+
+            def fn(block=block, warps=warps):
+                return _amax_config(block, warps, lambda: quant_triton.absmax(x, None))
+            if not torch.equal(fn(), want):
+                raise SystemExit(f"amax pass {block, warps} differs")
+            us = graph_ms(fn) * 1e3
+            rows.append({"block": block, "warps": warps, "graph_us": round(us, 1)})
     rows.sort(key=lambda r: r["graph_us"])
     return rows
 
@@ -103,7 +108,8 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--k", type=int, default=2048)
-    p.add_argument("--sweep", action="store_true", help="time the looped amax pass's launch choices")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the amax pass's launch choices (elements per program, warps)")
     p.add_argument("--flush-by", choices=("write", "read", "both"), default="write",
                    help="how the L2 is flushed before each call (_timing.graph_ms); both: each op both ways")
     args = p.parse_args(argv)
@@ -136,8 +142,8 @@ def main(argv=None) -> dict:
         "quantize pass alone (amax given)": (quant_pass, whole),
         "per-tensor quantize (as shipped)": (full, whole),
     }
-    ops["per-tensor quantize (amax: one block per program, 8192 x 8 warps)"] = (
-        lambda: _amax_config(8192, 8, 0, full), whole)
+    ops["per-tensor quantize (amax: 8192 elements x 8 warps)"] = (
+        lambda: _amax_config(8192, 8, full), whole)
     for evict in ("", "evict_last"):
         for atomic in (False, True):
             name = f"per-tensor quantize (evict={evict or 'none'}, atomic={atomic})"

@@ -3,7 +3,9 @@
 #   bash benchmarks/sessions/device_s47.sh <call> [args]; results under $OUT, copied to benchmarks/results/s47/.
 #   amax     where the NVFP4 per-tensor quantize's time goes (amax pass, torch max, quantize pass), and the amax
 #            pass with an L2 evict-last hint and/or an atomic max (bench_amax_pass.py), 4096-32768 rows of 2048 bf16
-#   amax_sweep  the amax pass (bench_amax_pass.py --sweep) over block, warps and programs per SM (looping)
+#   amax_sweep  the amax pass (bench_amax_pass.py --sweep) over its launch choices; at 8bdddfc the kernel looped
+#            over blocks (ABSMAX_PROGRAMS_PER_SM, reverted at <next>); later one block per program, as shipped
+#   probe    flush, then amax_sweep
 #   flush    bench_amax_pass.py's ops and a torch copy of x after an L2 flush by writing (the benchmarks' protocol)
 #            and by reading (L2 left clean)
 #   suite    every GPU test (benchmarks/device_tests.sh)
@@ -32,6 +34,10 @@ flush() {
         echo "rows $rows rc=$? at ${SECONDS}s"
     done
     cat "$OUT/flush.err"
+}
+probe() {
+    flush
+    amax_sweep
 }
 suite() {
     TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh

@@ -37,39 +37,25 @@ GUIDED_COMPACT = tl.constexpr(2)
 @triton.jit
 def absmax_kernel(x_ptr, n, out_ptr, err_ptr, BLOCK: tl.constexpr, CHECK_FINITE: tl.constexpr,
                   LAST_FIRST: tl.constexpr):
-    """Partial max|x| (fp32) per program, and a count of NaN/Inf if asked. Axis 1 of the grid runs over groups of
-    n elements each (``absmax_rows``); the P programs of axis 0 take a group's BLOCK-element blocks pid, pid + P,
-    ... (one block each when P covers them), and program pid's partial goes to out[group, pid].
+    """Partial max|x| of BLOCK elements per program (fp32), and a count of NaN/Inf if asked. Axis 1 of the grid
+    runs over groups of n elements each (``absmax_rows``): group j's partials go to out[j, :].
 
-    ``LAST_FIRST``: the blocks are counted from the group's end (and the groups from x's end), so the blocks read
-    last are x's first ones, still in L2 when the quantize pass that follows starts at x's beginning
-    (``ABSMAX_LAST_FIRST``). A NaN does not enter a partial (``tl.maximum``'s default); ``CHECK_FINITE`` counts
-    it."""
+    ``LAST_FIRST``: program 0 takes the last block (of the last group), so the blocks read last are x's first
+    ones, still in L2 when the quantize pass that follows starts at x's beginning (``ABSMAX_LAST_FIRST``). The
+    partials land at the same places either way."""
     pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
     grp = tl.program_id(1).to(tl.int64)
     if LAST_FIRST:
+        pid = tl.num_programs(0) - 1 - pid
         grp = tl.num_programs(1) - 1 - grp
-    nblk = tl.cdiv(n, BLOCK)
-    acc = tl.zeros([BLOCK], tl.float32)
-    bad = tl.zeros([BLOCK], tl.int32)
-    b = pid
-    while b < nblk:  # (a while loop: the interpreter's range() takes no run-time bound)
-        blk = b
-        if LAST_FIRST:
-            blk = nblk - 1 - b
-        offs = blk.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + grp * n + offs, mask=offs < n, other=0.0).to(tl.float32)
-        a = tl.abs(x)
-        acc = tl.maximum(acc, a)
-        if CHECK_FINITE:
-            bad += (a == float("inf")).to(tl.int32) + (x != x).to(tl.int32)
-        b += nprog
-    tl.store(out_ptr + grp * nprog + pid, tl.max(acc, axis=0))
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + grp * n + offs, mask=offs < n, other=0.0).to(tl.float32)
+    a = tl.abs(x)
+    tl.store(out_ptr + grp * tl.num_programs(0) + pid, tl.max(a, axis=0))
     if CHECK_FINITE:
-        total = tl.sum(bad, axis=0)
-        if total > 0:
-            tl.atomic_add(err_ptr, total)
+        bad = tl.sum((a == float("inf")).to(tl.int32) + (x != x).to(tl.int32), axis=0)
+        if bad > 0:
+            tl.atomic_add(err_ptr, bad)
 
 
 @triton.jit
@@ -320,9 +306,7 @@ TILE = 4096
 
 ABSMAX_BLOCK = 8192
 ABSMAX_WARPS = 8
-ABSMAX_PROGRAMS_PER_SM = 0
-"""The amax pass's programs per multiprocessor, over all groups (each program then loops over its share of the
-blocks); 0: one program per block."""
+"""The amax pass: elements per program, and its warps (``bench_amax_pass.py --sweep`` times the choices)."""
 ABSMAX_PARTS = 1024
 """``absmax_rows``: partial maxima per step of its second kernel's loop."""
 ABSMAX_LAST_FIRST = True
@@ -396,20 +380,13 @@ def pair_ok(x2d, block, deq_dtype) -> bool:
             and x2d.data_ptr() % (2 * x2d.element_size()) == 0)
 
 
-def _absmax_programs(nblk: int, groups: int, x: torch.Tensor) -> int:
-    """Programs per group of the amax pass (``ABSMAX_PROGRAMS_PER_SM``)."""
-    if not ABSMAX_PROGRAMS_PER_SM:
-        return nblk
-    return max(1, min(nblk, cdiv(multiprocessors(x) * ABSMAX_PROGRAMS_PER_SM, groups)))
-
-
 def absmax(x2d: torch.Tensor, err: torch.Tensor | None) -> torch.Tensor:
     """max|x| over the whole tensor as a 0-d fp32 tensor (a partial max per program, then torch.amax)."""
     x2d = x2d if x2d.is_contiguous() else x2d.contiguous()  # the kernel reads numel() elements from data_ptr
     n = x2d.numel()
     if n == 0:
         return torch.zeros((), dtype=torch.float32, device=x2d.device)  # as the reference: no element, amax 0
-    parts = torch.empty(_absmax_programs(cdiv(n, ABSMAX_BLOCK), 1, x2d), dtype=torch.float32, device=x2d.device)
+    parts = torch.empty(cdiv(n, ABSMAX_BLOCK), dtype=torch.float32, device=x2d.device)
     dummy = err if err is not None else parts
     absmax_kernel[(parts.numel(),)](x2d, n, parts, dummy, BLOCK=ABSMAX_BLOCK, CHECK_FINITE=err is not None,
                                     LAST_FIRST=ABSMAX_LAST_FIRST, num_warps=ABSMAX_WARPS)
@@ -425,7 +402,7 @@ def absmax_rows(x2d: torch.Tensor, groups: int, err: torch.Tensor | None) -> tor
         raise ValueError(f"groups={groups} must be >= 1 and divide the {m} rows")
     xc = x2d if x2d.is_contiguous() else x2d.contiguous()
     n = (m // groups) * x2d.shape[1]
-    n_parts = _absmax_programs(max(cdiv(n, ABSMAX_BLOCK), 1), groups, xc)
+    n_parts = max(cdiv(n, ABSMAX_BLOCK), 1)
     parts = torch.empty((groups, n_parts), dtype=torch.float32, device=x2d.device)
     g = torch.empty(m, dtype=torch.float32, device=x2d.device)
     if m == 0:

@@ -212,19 +212,15 @@ def test_stacked_equals_each_slice_alone(shape, dtype, monkeypatch):
         assert torch.equal(t.global_amax[j].cpu(), want.global_amax.expand(*shape[1:-1], 1))
 
 
-@pytest.mark.parametrize("per_sm", [0, 3], ids=["block-per-program", "looped"])
 @pytest.mark.parametrize("last_first", [True, False], ids=["last-first", "first-first"])
-def test_amax_pass_in_either_order(last_first, per_sm, kernel_variant, monkeypatch):
+def test_amax_pass_in_either_order(last_first, kernel_variant, monkeypatch):
     """The per-tensor amax pass in partial maxima of 16 elements, its programs taking x's blocks (and a stacked
-    x's slices) from the end (``ABSMAX_LAST_FIRST``) or from the start, one block per program or 3 programs per
-    multiprocessor looping over blocks (``ABSMAX_PROGRAMS_PER_SM``; 1 multiprocessor in the interpreter): the
-    reference's bits with the largest element in the first, a middle or the last block, a NaN there counted, each
-    slice of a stacked x its own."""
+    x's slices) from the end (``ABSMAX_LAST_FIRST``) or from the start: the reference's bits with the largest
+    element in the first, a middle or the last block, a NaN there counted, each slice of a stacked x its own."""
     if kernel_variant != "pair":
         pytest.skip("the amax pass is one kernel whichever quantize kernel follows it")
     monkeypatch.setattr(quant_triton, "ABSMAX_BLOCK", 16)
     monkeypatch.setattr(quant_triton, "ABSMAX_LAST_FIRST", last_first)
-    monkeypatch.setattr(quant_triton, "ABSMAX_PROGRAMS_PER_SM", per_sm)
     q = POLICIES["nvfp4-tensor"]
     for at in (0, 57, 127):
         x = torch.randn(4, 32, generator=torch.Generator().manual_seed(at)).to(torch.bfloat16)
