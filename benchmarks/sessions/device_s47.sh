@@ -4,8 +4,8 @@
 #   amax     where the NVFP4 per-tensor quantize's time goes (amax pass, torch max, quantize pass), and the amax
 #            pass with an L2 evict-last hint and/or an atomic max (bench_amax_pass.py), 4096-32768 rows of 2048 bf16
 #   amax_sweep  the amax pass (bench_amax_pass.py --sweep) over its launch choices; at 8bdddfc the kernel looped
-#            over blocks (ABSMAX_PROGRAMS_PER_SM, reverted at <next>); later one block per program, as shipped
-#   probe    flush, then amax_sweep
+#            over blocks (ABSMAX_PROGRAMS_PER_SM, reverted at 41e0e4d); later one block per program, as shipped
+#   probe    flush, then amax_sweep, then the amax pass's GPU tests
 #   flush    bench_amax_pass.py's ops and a torch copy of x after an L2 flush by writing (the benchmarks' protocol)
 #            and by reading (L2 left clean)
 #   suite    every GPU test (benchmarks/device_tests.sh)
@@ -38,6 +38,9 @@ flush() {
 probe() {
     flush
     amax_sweep
+    timeout 200 python3 -m pytest -q -p no:cacheprovider -n 16 -rfEs tests/kernels/test_quant_triton.py \
+        -k "amax or stacked" > "$OUT/pytest_amax.txt" 2>&1
+    echo "pytest rc=$? at ${SECONDS}s: $(tail -1 "$OUT/pytest_amax.txt")"
 }
 suite() {
     TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh
