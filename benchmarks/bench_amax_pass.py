@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 from _timing import copy_bandwidth, graph_ms, machine
+from bench_quant import with_settings
 
 from megatron_trace.formats import Quantizer
 from megatron_trace.kernels import fused, quant_triton
@@ -45,15 +46,7 @@ def _amax_variant(x_ptr, n, out_ptr, BLOCK: tl.constexpr, EVICT: tl.constexpr, A
 
 def _amax_config(block: int, warps: int, fn):
     """fn() with the amax pass's ``quant_triton`` constants set (restored after)."""
-    names = ("ABSMAX_BLOCK", "ABSMAX_WARPS")
-    saved = [getattr(quant_triton, k) for k in names]
-    for k, v in zip(names, (block, warps)):
-        setattr(quant_triton, k, v)
-    try:
-        return fn()
-    finally:
-        for k, v in zip(names, saved):
-            setattr(quant_triton, k, v)
+    return with_settings({"ABSMAX_BLOCK": block, "ABSMAX_WARPS": warps}, fn)
 
 
 def sweep(x) -> list[dict]:

@@ -40,16 +40,21 @@ SWEEP_BUDGET_S = 110.0
 _BY_MAGNITUDE = ("RNE_BY_MAGNITUDE", "GUIDED_BY_MAGNITUDE", "DEQUANT_BY_MAGNITUDE")
 
 
-def _flags_off(names, fn):
-    """fn() with the ``quant_triton`` flags ``names`` False (restored after)."""
-    saved = [getattr(quant_triton, name) for name in names]
-    for name in names:
-        setattr(quant_triton, name, False)
+def with_settings(values: dict, fn):
+    """fn() with the ``quant_triton`` constants ``values`` (name: value) set (restored after)."""
+    saved = {name: getattr(quant_triton, name) for name in values}
+    for name, v in values.items():
+        setattr(quant_triton, name, v)
     try:
         return fn()
     finally:
-        for name, v in zip(names, saved):
+        for name, v in saved.items():
             setattr(quant_triton, name, v)
+
+
+def _flags_off(names, fn):
+    """fn() with the ``quant_triton`` flags ``names`` False (restored after)."""
+    return with_settings(dict.fromkeys(names, False), fn)
 
 
 def _index_path(fn):
