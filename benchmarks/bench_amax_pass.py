@@ -18,6 +18,7 @@ Usage: python benchmarks/bench_amax_pass.py [--rows 8192] [--k 2048] [--flush-by
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 
@@ -86,17 +87,6 @@ def _variant(evict: str, atomic: bool):
     return absmax
 
 
-def _with_absmax(fn, absmax):
-    def run():
-        saved = quant_triton.absmax
-        quant_triton.absmax = absmax
-        try:
-            return fn()
-        finally:
-            quant_triton.absmax = saved
-    return run
-
-
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=8192)
@@ -113,6 +103,7 @@ def main(argv=None) -> dict:
     bw = copy_bandwidth()
     whole = x.element_size() * n + n // 2 + n // 16
     g = quant_triton.absmax(x, None).reshape(1)
+    parts = torch.empty(triton.cdiv(n, quant_triton.ABSMAX_BLOCK), device="cuda")
     ref = fused.quantize(x, q, check_finite=False)[0]
 
     def quant_pass():
@@ -128,9 +119,9 @@ def main(argv=None) -> dict:
         print(json.dumps(res))
         return res
     ops = {  # name: (fn, bytes it must move)
-        "amax kernel alone": (lambda: quant_triton.absmax_kernel[(triton.cdiv(n, 8192),)](
-            x, n, torch.empty(triton.cdiv(n, 8192), device="cuda"), g, BLOCK=8192, CHECK_FINITE=False,
-            LAST_FIRST=True, num_warps=8), x.element_size() * n),
+        "amax kernel alone": (lambda: quant_triton.absmax_kernel[(parts.numel(),)](
+            x, n, parts, g, BLOCK=quant_triton.ABSMAX_BLOCK, CHECK_FINITE=False,
+            LAST_FIRST=quant_triton.ABSMAX_LAST_FIRST, num_warps=quant_triton.ABSMAX_WARPS), x.element_size() * n),
         "absmax() (kernel + torch max)": (lambda: quant_triton.absmax(x, None), x.element_size() * n),
         "quantize pass alone (amax given)": (quant_pass, whole),
         "per-tensor quantize (as shipped)": (full, whole),
@@ -140,7 +131,7 @@ def main(argv=None) -> dict:
     for evict in ("", "evict_last"):
         for atomic in (False, True):
             name = f"per-tensor quantize (evict={evict or 'none'}, atomic={atomic})"
-            fn = _with_absmax(full, _variant(evict, atomic))
+            fn = functools.partial(with_settings, {"absmax": _variant(evict, atomic)}, full)
             t = fn()[0]
             same = torch.equal(t.codes, ref.codes) and torch.equal(t.block_scales.view(torch.uint8),
                                                                   ref.block_scales.view(torch.uint8))

@@ -45,4 +45,4 @@ probe() {
 suite() {
     TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh
 }
-"${1:?name a call: amax or suite}" "${@:2}"
+"${1:?name a call: amax, amax_sweep, flush, probe or suite}" "${@:2}"
