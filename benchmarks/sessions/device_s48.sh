@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 48's device calls (carrying .whl), from the repo root on the device box:
+#   bash benchmarks/sessions/device_s48.sh <call> [args]; results under $OUT, copied to benchmarks/results/s48/.
+#   asis     issue 8's goals at the current code on one machine: the kernels' bandwidth (bench_quant.py, all ops,
+#            32768 x 2048 bf16); the CUDA FP4 grouped GEMM on packed weights against bf16 torch._grouped_mm at 1-16
+#            tokens per expert (bench_moe_mma.py --packed, NVFP4 and MXFP4, Qwen3-30B-A3B's FC1 / FC2, as session
+#            26) and the wgmma GEMM at 256 (bench_moe_wgmma.py, as session 28); then the decode curve
+#            (benchmarks/device_decode.sh: its GPU tests, then bench_decode.py over batch and context)
+#   suite    every GPU test (benchmarks/device_tests.sh)
+source benchmarks/_device_env.sh > /dev/null 2>&1
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+asis() {
+    timeout 150 python3 benchmarks/bench_quant.py > "$OUT/quant.json" 2> "$OUT/quant.err"
+    echo "bench_quant rc=$? at ${SECONDS}s"
+    for fmt in nvfp4 mxfp4; do
+        timeout 100 python3 benchmarks/bench_moe_mma.py --fmt $fmt --tokens 1,2,4,8,16 --variants "" --packed \
+            > "$OUT/moe_mma_$fmt.json" 2> "$OUT/moe_mma_$fmt.err"
+        echo "bench_moe_mma $fmt rc=$? at ${SECONDS}s"
+        python3 benchmarks/moe_mma_summary.py "$OUT/moe_mma_$fmt.json"
+    done
+    timeout 100 python3 benchmarks/bench_moe_wgmma.py --shapes qwen3_fc1,qwen3_fc2 --tokens 256 \
+        > "$OUT/wgmma.json" 2> "$OUT/wgmma.err"
+    echo "bench_moe_wgmma rc=$? at ${SECONDS}s"
+    python3 benchmarks/summarize_rows.py wgmma "$OUT/wgmma.json"
+    OUT="$OUT/decode" TOTAL_S=$((575 - SECONDS)) bash benchmarks/device_decode.sh
+}
+suite() {
+    TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh
+}
+"${1:?name a call: asis or suite}" "${@:2}"
