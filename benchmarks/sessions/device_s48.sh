@@ -6,6 +6,9 @@
 #            tokens per expert (bench_moe_mma.py --packed, NVFP4 and MXFP4, Qwen3-30B-A3B's FC1 / FC2, as session
 #            26) and the wgmma GEMM at 256 (bench_moe_wgmma.py, as session 28); then the decode curve
 #            (benchmarks/device_decode.sh: its GPU tests, then bench_decode.py over batch and context)
+#   curve    the goal table's decode curve at the current code, as session 30's call 5: graph-replayed steps of the
+#            Qwen3-30B-A3B-shaped 4-layer model (bench_static_decode.py, generate's decode path), BF16 vs FP4, batch
+#            1 / 8 / 64 at 1K, 8K and 32K context
 #   suite    every GPU test (benchmarks/device_tests.sh)
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
@@ -24,7 +27,13 @@ asis() {
     python3 benchmarks/summarize_rows.py wgmma "$OUT/wgmma.json"
     OUT="$OUT/decode" TOTAL_S=$((575 - SECONDS)) bash benchmarks/device_decode.sh
 }
+curve() {
+    TORCHDYNAMO_DISABLE=0 timeout 540 python3 benchmarks/bench_static_decode.py --shape qwen3-30b-a3b --modes bf16,fp4 \
+        --batches 1,8,64 --prompts 1024,8192,32768 --steps 24 --compile layers --graph-only \
+        > "$OUT/decode_curve.jsonl" 2> "$OUT/decode_curve.err"
+    echo "rc=$? at ${SECONDS}s"; tail -3 "$OUT/decode_curve.err"; cut -c1-240 "$OUT/decode_curve.jsonl"
+}
 suite() {
     TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh
 }
-"${1:?name a call: asis or suite}" "${@:2}"
+"${1:?name a call: asis, curve or suite}" "${@:2}"
