@@ -12,9 +12,12 @@ layer, 4 of them). Each point (mode, batch, context length L):
      repeats the step at context ~L): the GPU time of a step, i.e. what an engine with CUDA graphs gets.
 
 Modes: ``bf16`` = the backend's bf16 mode (experts: ``torch._grouped_mm``; KV: the same preallocated cache in
-bf16); ``fp4`` = TRACE numerics (W4A4 emulation: activations quantized by the Triton quantize kernel, expert
-weights read packed by the Triton W4A16 grouped GEMM, FP4 KV cache quantized by Triton and read by the fused
-FP4-KV decode attention kernel); ``fp4u`` = ``fp4`` with the FP4 history dequantized to bf16, then SDPA.
+bf16); ``fp4f`` = TRACE numerics as the backend runs them by default (W4A4 emulation: activations quantized by the
+Triton quantize kernel, expert weights read packed by the W4A16 grouped GEMM, FP4 KV cache quantized by Triton and
+read by the fused FP4-KV decode attention's fast kernel, ``fast_kv_attention=True``); ``fp4`` = the same with that
+attention's exact kernel (``fast_kv_attention=False``: K/V as the reference's bf16 values, several times slower at
+long context); ``fp4u`` = ``fp4`` with the FP4 history dequantized to bf16, then SDPA. Each row records the
+attention it ran (``fused_kv_attention``, ``fast_kv_attention``).
 ``--generate-batches``: also times ``HFRolloutBackend.generate`` (recorder included) on short prompts, and in FP4
 modes without recording (``capture_share``: the part of the rollout time the guidance capture costs);
 ``--gen-prefill-wgmma`` and with ``experts.PREFILL_WGMMA`` on (prefill-sized expert GEMMs on the wgmma kernel);
@@ -119,10 +122,10 @@ class _ProfiledCache(FP4KVCache):
 
 
 def new_cache(be: HFRolloutBackend, mode: str, profiled: bool = False, interval_masks: bool = False) -> FP4KVCache:
-    """fp4: the backend's FP4 KV cache (fused decode attention where the backend uses it); fp4f: the same with the
-    fused attention's fast kernel (``fast_kv_attention``); fp4u: the same without the fused read (dequantize the
-    history, then SDPA); bf16: the same preallocated cache with nothing quantized. ``interval_masks``: as
-    ``generate``'s cache (``--masks interval``)."""
+    """fp4: the backend's FP4 KV cache (fused decode attention where the backend uses it) with its exact kernel;
+    fp4f: the same with the fast kernel (``fast_kv_attention``, the backend's default); fp4u: the same without the
+    fused read (dequantize the history, then SDPA); bf16: the same preallocated cache with nothing quantized.
+    ``interval_masks``: as ``generate``'s cache (``--masks interval``)."""
     fp4 = mode.startswith("fp4")
     cls = _ProfiledCache if profiled else FP4KVCache
     return cls(be.num_layers, be.config.activation_quantizer(), quantize_k=fp4 and be._quantizes("kv_k"),
@@ -391,6 +394,7 @@ def measure_point(be, mode, batch, length, args, gen) -> dict:
                     torch.cuda.synchronize()
         row["kv_bytes"] = cache.nbytes()
         row["fused_kv_attention"] = bool(cache.layers[0].fused_decode)
+        row["fast_kv_attention"] = row["fused_kv_attention"] and bool(cache.layers[0].fast_attention)
     finally:
         del cache
         if dev.type == "cuda":
@@ -407,9 +411,10 @@ def measure_generate(be, mode, batch, args) -> dict:
     ``--profile-generate``: also the host functions (cProfile) that take the most extra time when capturing."""
     prompts = random_prompts(be, batch, args.gen_prompt)
     sp = SamplingParams(max_new_tokens=args.gen_tokens, seed=0, stop_token_ids=())
-    fused, guided, prefill_wgmma = be.fused_kv_attention, sorted(be._guided_layer_ids), experts.PREFILL_WGMMA
-    dense_from = experts.DENSE_FROM
+    fused, fast, guided = be.fused_kv_attention, be.fast_kv_attention, sorted(be._guided_layer_ids)
+    prefill_wgmma, dense_from = experts.PREFILL_WGMMA, experts.DENSE_FROM
     be.fused_kv_attention = fused and mode != "fp4u"
+    be.fast_kv_attention = mode != "fp4"  # (generate's caches take the backend's flags)
 
     def timed(capture, prof=None):  # capture: True, False, "wgmma" (True with experts.PREFILL_WGMMA on) or
         be.set_guided_layers(guided if capture else [])  # "dense_off" (True with experts.DENSE_FROM None)
@@ -456,7 +461,8 @@ def measure_generate(be, mode, batch, args) -> dict:
         row = {"bench": "decode_generate", "mode": mode, "batch": batch, "prompt": args.gen_prompt,
                "new_tokens": args.gen_tokens, "reps": args.gen_reps, "gc": args.gen_gc, "sec": round(sec, 3),
                "tok_s": round(int(out.response_lens.sum()) / sec, 1), "guided_sites": sites,
-               "secs": [round(v, 3) for v in secs[True]]}
+               "secs": [round(v, 3) for v in secs[True]], "fused_kv_attention": be.fused_kv_attention,
+               "fast_kv_attention": be.fused_kv_attention and be.fast_kv_attention}
         if False in secs:
             shares = [(a - b) / a for a, b in zip(secs[True], secs[False])]
             row.update(sec_no_capture=round(statistics.median(secs[False]), 3),
@@ -474,7 +480,7 @@ def measure_generate(be, mode, batch, args) -> dict:
                        dense_speedup=round(statistics.median(secs["dense_off"]) / sec, 3),
                        secs_dense_off=[round(v, 3) for v in secs["dense_off"]])
     finally:
-        be.fused_kv_attention = fused
+        be.fused_kv_attention, be.fast_kv_attention = fused, fast
         be.set_guided_layers(guided)
         experts.PREFILL_WGMMA = prefill_wgmma
         experts.DENSE_FROM = dense_from
@@ -508,8 +514,9 @@ def emit(row: dict, out) -> None:
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU, a few seconds")
-    p.add_argument("--modes", default="bf16,fp4,fp4u", help="bf16 | fp4 (fused FP4-KV attention where available) | "
-                   "fp4f (the same, fast kernel) | fp4u (FP4 KV dequantized, then SDPA)")
+    p.add_argument("--modes", default="bf16,fp4f,fp4,fp4u",
+                   help="bf16 | fp4f (the backend's default: the fused FP4-KV attention's fast kernel where available) "
+                   "| fp4 (its exact kernel) | fp4u (FP4 KV dequantized, then SDPA)")
     p.add_argument("--batches", default=None, help="in order of priority, default 64,8,1,32 (smoke: 1,2)")
     p.add_argument("--lengths", default=None, help="context lengths, default 1024,8192,32768 (smoke: 16,48)")
     p.add_argument("--steps", type=int, default=8, help="timed eager decode steps per point")
@@ -673,7 +680,7 @@ def _budget(args, t_start) -> float | None:
 
 
 def summary(rows: list[dict]) -> dict:
-    """FP4 / BF16 tokens/s ratios per (batch, context), eager and graph, for fp4 and fp4u."""
+    """FP4 / BF16 tokens/s ratios per (batch, context), eager and graph, for each FP4 mode."""
     by = {(r["mode"], r["batch"], r["context"]): r for r in rows if r.get("bench") == "decode" and "error" not in r}
     ratios = []
     for (mode, b, length), r in sorted(by.items(), key=lambda kv: (kv[0][2], kv[0][1], kv[0][0])):

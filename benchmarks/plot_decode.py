@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import sys
 
-COLORS = {"bf16": "tab:blue", "fp4": "tab:red", "fp4f": "tab:red", "fp4u": "tab:orange"}
+COLORS = {"bf16": "tab:blue", "fp4f": "tab:red", "fp4": "tab:purple", "fp4u": "tab:orange"}
 
 
 def load(path: str) -> list[dict]:

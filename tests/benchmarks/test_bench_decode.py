@@ -21,7 +21,8 @@ def test_smoke_run_emits_every_point_and_a_plot(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["bench"] for r in rows[:1]] == ["decode_setup"] and rows[-1]["bench"] == "decode_summary"
     points = {(r["mode"], r["batch"], r["context"]) for r in rows if r["bench"] == "decode"}
-    assert points == {(m, b, c) for m in ("bf16", "fp4", "fp4u") for b in (1, 2) for c in (16, 48)}
+    modes = ("bf16", "fp4f", "fp4", "fp4u")  # the default: the backend's fast FP4-KV attention first, then the exact
+    assert points == {(m, b, c) for m in modes for b in (1, 2) for c in (16, 48)}
     for r in rows:
         if r["bench"] == "decode":
             assert r["eager_tok_s"] > 0 and r["kv_bytes"] > 0
@@ -29,12 +30,14 @@ def test_smoke_run_emits_every_point_and_a_plot(tmp_path):
             assert 0 < p["moe_share"] < 1 and 0 < p["attention_share"] < 1
             assert (p["kv_update_ms"] > 0) == (r["mode"] == "fp4" or p["kv_update_ms"] > 0)
     fp4 = {(r["batch"], r["context"]): r["kv_bytes"] for r in rows if r.get("mode") == "fp4" and "kv_bytes" in r}
-    assert not any(r.get("fused_kv_attention") for r in rows)  # the CPU backend reads FP4 KV by dequantizing
+    # the CPU backend reads FP4 KV by dequantizing (no fused attention: neither kernel), and every row says so
+    assert all(r["fused_kv_attention"] is False and r["fast_kv_attention"] is False
+               for r in rows if r["bench"] in ("decode", "decode_generate"))
     bf16 = {(r["batch"], r["context"]): r["kv_bytes"] for r in rows if r.get("mode") == "bf16" and "kv_bytes" in r}
     # FP4 KV: 0.5 + 1/16 + 4/head_dim bytes per element vs 4 (fp32 on the CPU)
     assert all(fp4[k] * 4 < bf16[k] for k in fp4)
     gen = [r for r in rows if r["bench"] == "decode_generate"]
-    assert {r["mode"] for r in gen} == {"bf16", "fp4", "fp4u"} and all(r["tok_s"] > 0 for r in gen)
+    assert {r["mode"] for r in gen} == set(modes) and all(r["tok_s"] > 0 for r in gen)
     assert all(("capture_share" in r) == (r["mode"] != "bf16") for r in gen)  # FP4 records guidance, BF16 not
     assert all(r["sec_no_capture"] > 0 for r in gen if r["mode"] != "bf16")
     for r in gen:  # two interleaved rounds each way; cProfile's hot list of the capture
@@ -42,7 +45,7 @@ def test_smoke_run_emits_every_point_and_a_plot(tmp_path):
         if r["mode"] != "bf16":
             assert len(r["capture_shares"]) == len(r["secs_no_capture"]) == 2 and r["capture_hot"]
     ratios = rows[-1]["over_bf16"]
-    assert len(ratios) == 8 and all(r["eager_x"] > 0 for r in ratios)
+    assert len(ratios) == 12 and all(r["eager_x"] > 0 for r in ratios)
     png = tmp_path / "decode.png"
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "plot_decode.py"), str(out), str(png)], check=True,
                    timeout=60, env=env)
@@ -59,7 +62,7 @@ def test_budget_stops_adding_points(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     measured = [r for r in rows if r["bench"] == "decode"]
     skipped = [r for r in rows if r["bench"] == "decode_skipped"]
-    assert len(measured) <= 1 and len(measured) + len(skipped) == 12 and rows[-1]["bench"] == "decode_summary"
+    assert len(measured) <= 1 and len(measured) + len(skipped) == 16 and rows[-1]["bench"] == "decode_summary"
 
 
 def test_profile_generate_smoke():
