@@ -9,6 +9,8 @@
 #   curve    the goal table's decode curve at the current code, as session 30's call 5: graph-replayed steps of the
 #            Qwen3-30B-A3B-shaped 4-layer model (bench_static_decode.py, generate's decode path), BF16 vs FP4, batch
 #            1 / 8 / 64 at 1K, 8K and 32K context
+#   modes    bench_decode.py's modes after this session's change (fp4f, the backend's default fast FP4-KV attention,
+#            beside fp4, its exact kernel): batch 64 / 8 at 8K context on the default 12-layer model, and generate()
 #   suite    every GPU test (benchmarks/device_tests.sh)
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
@@ -33,7 +35,12 @@ curve() {
         > "$OUT/decode_curve.jsonl" 2> "$OUT/decode_curve.err"
     echo "rc=$? at ${SECONDS}s"; tail -3 "$OUT/decode_curve.err"; cut -c1-240 "$OUT/decode_curve.jsonl"
 }
+modes() {
+    timeout 240 python3 benchmarks/bench_decode.py --modes bf16,fp4f,fp4 --batches 64,8 --lengths 8192 --profile \
+        --generate-batches 8 --gen-reps 2 --budget-s 220 --out "$OUT/decode_modes.jsonl" > "$OUT/decode_modes.log" 2>&1
+    echo "rc=$? at ${SECONDS}s"; tail -3 "$OUT/decode_modes.log"; cut -c1-400 "$OUT/decode_modes.jsonl"
+}
 suite() {
     TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh
 }
-"${1:?name a call: asis, curve or suite}" "${@:2}"
+"${1:?name a call: asis, curve, modes or suite}" "${@:2}"
