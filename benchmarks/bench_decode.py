@@ -461,8 +461,10 @@ def measure_generate(be, mode, batch, args) -> dict:
         row = {"bench": "decode_generate", "mode": mode, "batch": batch, "prompt": args.gen_prompt,
                "new_tokens": args.gen_tokens, "reps": args.gen_reps, "gc": args.gen_gc, "sec": round(sec, 3),
                "tok_s": round(int(out.response_lens.sum()) / sec, 1), "guided_sites": sites,
-               "secs": [round(v, 3) for v in secs[True]], "fused_kv_attention": be.fused_kv_attention,
-               "fast_kv_attention": be.fused_kv_attention and be.fast_kv_attention}
+               "secs": [round(v, 3) for v in secs[True]]}
+        if mode != "bf16":  # (a BF16 cache holds no FP4 K/V: the flags would say nothing about it)
+            row.update(fused_kv_attention=be.fused_kv_attention,
+                       fast_kv_attention=be.fused_kv_attention and be.fast_kv_attention)
         if False in secs:
             shares = [(a - b) / a for a, b in zip(secs[True], secs[False])]
             row.update(sec_no_capture=round(statistics.median(secs[False]), 3),
