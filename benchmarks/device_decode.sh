@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 8 items 3-4 in one device call on nvidia-h200 (< 240 s): GPU tests of the fused FP4-KV decode attention and
-# the hf rollout's GPU path, then bench_decode.py (bf16 / fp4f / fp4 / fp4u x batch x context: eager + CUDA graph, profile
-# shares, per-layer attention micro-benchmark, generate()). Run from the repo root:
+# the hf rollout's GPU path, then bench_decode.py (bf16 / fp4f / fp4 / fp4u x batch x context: eager + CUDA graph,
+# profile shares, per-layer attention micro-benchmark, generate()). Run from the repo root:
 #   bash benchmarks/device_decode.sh  -> $OUT/{decode.jsonl,decode.log,pytest.log,smi.txt,decode.png if matplotlib}
 set -uo pipefail
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
