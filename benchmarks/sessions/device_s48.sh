@@ -5,13 +5,14 @@
 #            32768 x 2048 bf16); the CUDA FP4 grouped GEMM on packed weights against bf16 torch._grouped_mm at 1-16
 #            tokens per expert (bench_moe_mma.py --packed, NVFP4 and MXFP4, Qwen3-30B-A3B's FC1 / FC2, as session
 #            26) and the wgmma GEMM at 256 (bench_moe_wgmma.py, as session 28); then the decode curve
-#            (benchmarks/device_decode.sh: its GPU tests, then bench_decode.py over batch and context)
+#            (benchmarks/device_decode.sh: its GPU tests, then bench_decode.py over batch and context). It leaves more
+#            than the 8 files the device returns: in session 48 $OUT/wgmma.json and $OUT/decode/ did not come back
+#            (their summaries are in the call's printed output)
 #   curve    the goal table's decode curve at the current code, as session 30's call 5: graph-replayed steps of the
 #            Qwen3-30B-A3B-shaped 4-layer model (bench_static_decode.py, generate's decode path), BF16 vs FP4, batch
 #            1 / 8 / 64 at 1K, 8K and 32K context
 #   modes    bench_decode.py's modes after this session's change (fp4f, the backend's default fast FP4-KV attention,
 #            beside fp4, its exact kernel): batch 64 / 8 at 8K context on the default 12-layer model, and generate()
-#   suite    every GPU test (benchmarks/device_tests.sh)
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 asis() {
@@ -40,7 +41,4 @@ modes() {
         --generate-batches 8 --gen-reps 2 --budget-s 220 --out "$OUT/decode_modes.jsonl" > "$OUT/decode_modes.log" 2>&1
     echo "rc=$? at ${SECONDS}s"; tail -3 "$OUT/decode_modes.log"; cut -c1-400 "$OUT/decode_modes.jsonl"
 }
-suite() {
-    TEST_TIMEOUT=${TEST_TIMEOUT:-540} bash benchmarks/device_tests.sh
-}
-"${1:?name a call: asis, curve, modes or suite}" "${@:2}"
+"${1:?name a call: asis, curve or modes}" "${@:2}"
