@@ -32,7 +32,7 @@ def test_smoke_run_emits_every_point_and_a_plot(tmp_path):
     fp4 = {(r["batch"], r["context"]): r["kv_bytes"] for r in rows if r.get("mode") == "fp4" and "kv_bytes" in r}
     # the CPU backend reads FP4 KV by dequantizing (no fused attention: neither kernel), and every row says so
     assert all(r["fused_kv_attention"] is False and r["fast_kv_attention"] is False
-               for r in rows if r["bench"] == "decode" or r["bench"] == "decode_generate" and r["mode"] != "bf16")
+               for r in rows if r["bench"] == "decode" or (r["bench"] == "decode_generate" and r["mode"] != "bf16"))
     bf16 = {(r["batch"], r["context"]): r["kv_bytes"] for r in rows if r.get("mode") == "bf16" and "kv_bytes" in r}
     # FP4 KV: 0.5 + 1/16 + 4/head_dim bytes per element vs 4 (fp32 on the CPU)
     assert all(fp4[k] * 4 < bf16[k] for k in fp4)
