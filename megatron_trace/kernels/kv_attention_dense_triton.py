@@ -35,7 +35,7 @@ def dense_decode_attn_kernel(
     T, R, chunk, n_tiles, sm_scale,
     sq_b, sq_h, sm_b, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BT: tl.constexpr,
-    SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr, LOAD_R: tl.constexpr,
+    HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr, LOAD_R: tl.constexpr,
     HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, F32_DOT: tl.constexpr, TILES: tl.constexpr,
 ):
     """Partial attention of split ``program_id(1)``: acc [B, Hq, S, D] (unnormalised), ml [B, Hq, S, 2]."""
@@ -52,7 +52,7 @@ def dense_decode_attn_kernel(
         p, alpha, m_i, l_i = _online_softmax(s, attend, m_i, l_i)
         v = tl.load(vp + t[:, None] * sv_t + d[None, :], mask=tmask[:, None], other=0.0)
         acc = acc * alpha[:, None] + _dot(p.to(v_ptr.dtype.element_ty), v, F32_DOT)
-    row = (b * (HKV * G) + h * G + g) * SPLITS + split  # [GP] index into [B, Hq, S]
+    row = (b * (HKV * G) + h * G + g) * tl.num_programs(1) + split  # [GP] into [B, Hq, S]
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     _store_ml(ml_ptr, row, gmask, m_i, l_i)
 
@@ -81,7 +81,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     dense_decode_attn_kernel[(bsz * hkv, splits)](
         q, k, v, lens, firsts, mask, acc, ml, t_len, aligned_rows(t_len, readable_rows), chunk, chunk // block_t,
         float(scale), q.stride(0), q.stride(1), mask.stride(0), *k.stride()[:3], *v.stride()[:3],
-        HKV=hkv, G=group, GP=max(16, next_pow2(group)), D=d, BT=block_t, SPLITS=splits,
+        HKV=hkv, G=group, GP=max(16, next_pow2(group)), D=d, BT=block_t,
         HAS_LEN=lengths is not None, HAS_FIRST=starts is not None, LOAD_R=readable_rows is not None,
         HAS_MASK=kv_mask is not None, MASK_WORDS=words, F32_DOT=not q.is_cuda,
         TILES=0 if q.is_cuda else chunk // block_t, num_warps=num_warps,

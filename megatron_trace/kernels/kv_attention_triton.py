@@ -94,7 +94,7 @@ def fp4kv_decode_attn_kernel(
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, NB: tl.constexpr, B: tl.constexpr,
-    BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
+    BT: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
     LOAD_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr, FAST_DIV: tl.constexpr,
     F32_DOT: tl.constexpr, TILES: tl.constexpr,
 ):
@@ -115,7 +115,7 @@ def fp4kv_decode_attn_kernel(
         p, alpha, m_i, l_i = _online_softmax(s, attend, m_i, l_i)
         v = _deq_rows(vc, vs, vg, t, tmask, svc_t, svs_t, svg_t, FMT, NB, B, FAST_DIV)
         acc = acc * alpha[:, None] + _dot(p.to(tl.bfloat16), v, F32_DOT)
-    row = (b * (HKV * G) + h * G + g) * SPLITS + split  # [GP] index into [B, Hq, S]
+    row = (b * (HKV * G) + h * G + g) * tl.num_programs(1) + split  # [GP] into [B, Hq, S]
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=gmask[:, None])
     _store_ml(ml_ptr, row, gmask, m_i, l_i)
 
@@ -242,7 +242,7 @@ def fp4kv_decode_attn_fast_kernel(
     skc_b, skc_h, skc_t, sks_b, sks_h, sks_t, skg_b, skg_h, skg_t,
     svc_b, svc_h, svc_t, svs_b, svs_h, svs_t, svg_b, svg_h, svg_t,
     HKV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, DG: tl.constexpr,
-    B: tl.constexpr, BT: tl.constexpr, SPLITS: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
+    B: tl.constexpr, BT: tl.constexpr, HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr,
     LOAD_R: tl.constexpr, HAS_MASK: tl.constexpr, MASK_WORDS: tl.constexpr,
     F32_DOT: tl.constexpr, DEQ_ASM: tl.constexpr, SW: tl.constexpr, TILES: tl.constexpr,
 ):
@@ -283,7 +283,7 @@ def fp4kv_decode_attn_fast_kernel(
         a1 = _dot_acc(pv, v1, a1 * alpha[:, None], F32_DOT)
         a2 = _dot_acc(pv, v2, a2 * alpha[:, None], F32_DOT)
         a3 = _dot_acc(pv, v3, a3 * alpha[:, None], F32_DOT)
-    row = (b * (HKV * G) + h * G + g) * SPLITS + split  # [GP] index into [B, Hq, S]
+    row = (b * (HKV * G) + h * G + g) * tl.num_programs(1) + split  # [GP] into [B, Hq, S]
     out = acc_ptr + row[:, None] * D + 4 * c[None, :]  # acc[.., 4c + q] <- a_q
     tl.store(out, a0, mask=qm)
     tl.store(out + 1, a1, mask=qm)
@@ -391,7 +391,7 @@ def decode_attention(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, *, scale: floa
     strides = (q.stride(0), q.stride(1), mask.stride(0), *kc.stride()[:3], *ks.stride()[:3], *kg.stride()[:3],
                *vc.stride()[:3], *vs.stride()[:3], *vg.stride()[:3])
     common = dict(HKV=hkv, G=group, GP=max(16, next_pow2(group)), FMT=0 if k.fmt == "nvfp4" else 1,
-                  B=k.block_size, BT=block_t, SPLITS=splits, HAS_LEN=lengths is not None,
+                  B=k.block_size, BT=block_t, HAS_LEN=lengths is not None,
                   HAS_FIRST=starts is not None, LOAD_R=readable_rows is not None,
                   HAS_MASK=kv_mask is not None, MASK_WORDS=words,
                   F32_DOT=not q.is_cuda,  # Triton's CPU interpreter: fp32 dots

@@ -302,6 +302,50 @@ def test_dense_decode_attention_matches_reference(hq, hkv, t, intervals):
     assert rel_err(got, want) < 1e-2
 
 
+def _declared_constexprs(jit_fn) -> set[tuple]:
+    """The values of ``jit_fn``'s declared ``tl.constexpr`` parameters in each variant compiled on this device
+    (Triton's own specialisations, such as an int argument equal to 1, left out)."""
+    declared = set(jit_fn.constexprs)
+    compiled = jit_fn.device_caches[torch.cuda.current_device()][0].values()
+    return {tuple(sorted((k, repr(v)) for k, v in c.src.constants.items() if k[0] in declared)) for c in compiled}
+
+
+@pytest.mark.parametrize("kernel", ["fast", "exact", "dense"])
+def test_a_growing_history_compiles_no_variant_per_split_count(kernel):
+    """Eager decode grows T by one row per step, and the split count along T follows T. The kernels take it from
+    the grid (``tl.num_programs(1)``), so histories of many split counts run on variants with one set of
+    constexprs: a constexpr split count compiled a variant per count, inside timed steps."""
+    from megatron_trace.kernels import kv_attention_dense_triton, kv_attention_plan
+
+    b, hq, hkv, d = 2, 16, 4, 128
+    quant = QUANTIZERS["nvfp4_row"]
+    lengths = [40, 200, 700, 1500, 3000, 5000, 9000]
+    fn = {"fast": kv_attention_triton.fp4kv_decode_attn_fast_kernel,
+          "exact": kv_attention_triton.fp4kv_decode_attn_kernel,
+          "dense": kv_attention_dense_triton.dense_decode_attn_kernel}[kernel]
+    before = _declared_constexprs(fn)
+    splits = set()
+    for t in lengths:
+        q = torch.randn(b, hq, d, device=DEV).to(torch.bfloat16)
+        if kernel == "dense":
+            k, v = (torch.randn(b, hkv, t, d, device=DEV).to(torch.bfloat16) for _ in range(2))
+            out = kv_attention_dense_triton.decode_attention(q, k, v, scale=d**-0.5)
+            splits.add(kv_attention_plan.exact_splits(q, b, hkv, t, kv_attention_dense_triton.DENSE_CONFIG[0]))
+        else:
+            k, v = _kv((b, hkv, t, d), quant, t), _kv((b, hkv, t, d), quant, t + 1)
+            out = kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=kernel == "exact")
+            if kernel == "exact":
+                splits.add(kv_attention_plan.exact_splits(q, b, hkv, t, kv_attention_triton.BLOCK_T))
+        assert torch.isfinite(out).all()
+    if kernel == "fast":
+        bt, nw, ns, mr = kv_attention_plan.fast_config(d)
+        slots = kv_attention_plan.sm_count_of(q) * kv_attention_plan.FAST_RESIDENT.get(
+            (kv_attention_plan.config_key(d), bt, nw, ns, mr), 2)
+        splits = {kv_attention_plan.fast_splits(b * hkv, -(-t // bt), slots) for t in lengths}
+    assert len(splits) >= 3, splits  # the sweep does change the split count
+    assert len(_declared_constexprs(fn) - before) <= 1
+
+
 def test_grouped_experts_path_with_packed_weights(monkeypatch):
     """With ``moe_mma.AUTO`` on, the experts forward takes the packed weights of the store: the CUDA GEMM runs where
     ``moe_mma.preferred`` holds (here: 24 x 4 rows over 16 experts) and the result matches the emulation as the
