@@ -63,7 +63,7 @@ def compile_kernel(fast: bool, d: int, fmt: str, bt: int, warps: int, stages: in
     fn = fn or (kt.fp4kv_decode_attn_fast_kernel if fast else kt.fp4kv_decode_attn_kernel)
     bs = 16 if fmt == "nvfp4" else 32
     const = dict(HKV=hkv, G=g, GP=max(16, triton.next_power_of_2(g)), FMT=0 if fmt == "nvfp4" else 1, B=bs,
-                 BT=bt, SPLITS=8, HAS_LEN=mask == "interval", HAS_FIRST=mask == "interval", LOAD_R=aligned_rows,
+                 BT=bt, HAS_LEN=mask == "interval", HAS_FIRST=mask == "interval", LOAD_R=aligned_rows,
                  HAS_MASK=mask in ("words", "bytes"), MASK_WORDS=mask == "words",
                  F32_DOT=False, TILES=0)
     sw = 4 if (d // bs) % 4 == 0 else 2 if (d // bs) % 2 == 0 else 1  # an FP4KVCache's (``plan.scale_word``)
