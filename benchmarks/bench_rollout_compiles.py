@@ -1,13 +1,16 @@
-"""Triton compiles inside eager generates whose KV cache grows (``static_decode="off"``), and what they cost.
+"""Triton compiles inside rollouts (``HFRolloutBackend.generate``), and what they cost.
 
-An eager decode step attends T rows, and T grows by one per step. A kernel whose constexprs follow T (before
-session 49: the FP4-KV decode attention's split count) compiles a new variant whenever they change, inside the
-rollout. Per mode: ``--rounds`` generates of ``--batch`` random prompts of ``--prompt`` tokens with ``--tokens`` new
-ones each (no stop tokens), in a fresh Triton cache directory (every variant a real compile). Prints one JSON line
-per generate: its wall seconds and the Triton compiles it ran (each kernel's count, and the seconds from Triton's
-pre-compile hook to its post-compile hook summed), then a summary line. Usage (H100/H200, carry .whl):
-    python3 benchmarks/bench_eager_compiles.py [--modes bf16,fp4] [--batch 8] [--prompt 128] [--tokens 1024]
-        [--rounds 2]
+A decode step attends T rows. In the eager loop (``--static-decode off``) T grows by one per step; with static
+decode (the default on CUDA) T is the generate's buffer, the longest prompt plus the new tokens rounded up to 16,
+so it changes with each batch's longest prompt. A kernel whose constexprs follow T (before session 49: the decode
+attention's split count) compiles a new variant whenever they change, inside the rollout. Per mode: ``--rounds``
+generates of ``--batch`` random prompts with ``--tokens`` new tokens each (no stop tokens), round i's prompts of
+the i-th length of ``--widths`` (cycled; default ``--prompt``), in a fresh Triton cache directory (every variant a
+real compile). Prints one JSON line per generate: its wall seconds and the Triton compiles it ran (each kernel's
+count, and the seconds from Triton's pre-compile hook to its post-compile hook summed), then a summary line.
+Usage (H100/H200, carry .whl):
+    python3 benchmarks/bench_rollout_compiles.py [--modes bf16,fp4] [--batch 8] [--prompt 128] [--tokens 1024]
+        [--rounds 2] [--static-decode off|auto] [--widths 96,160,224]
 ``--smoke``: the tiny model on the CPU (no Triton: zero compiles), a few seconds.
 """
 
@@ -77,29 +80,36 @@ class _NoTriton:
 def main(argv=None) -> list[dict]:
     p = generate_parser(__doc__, batch=8, prompt=128, tokens=1024)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--static-decode", choices=("off", "auto"), default="off")
+    p.add_argument("--widths", default=None, help="prompt lengths of rounds 0, 1, ... (cycled); default: --prompt")
     a = p.parse_args(argv)
+    widths = [int(w) for w in a.widths.split(",")] if a.widths else [a.prompt]
+    a.prompt = max(widths)  # (the model's positions)
     triton_used = torch.cuda.is_available() and not a.smoke
     if triton_used:  # (before the first compile: Triton reads it then)
         os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton_cache_"))
-    backends = backends_of(a, static_decode="off")
+    backends = backends_of(a, static_decode=a.static_decode)
     sp = SamplingParams(max_new_tokens=a.tokens, seed=0, stop_token_ids=())
     rows = []
     with (CompileLog() if triton_used else _NoTriton()) as log:
         for mode, be in backends.items():
-            prompts = random_prompts(be, a.batch, a.prompt)
             for rnd in range(a.rounds):
+                width = widths[rnd % len(widths)]
+                prompts = random_prompts(be, a.batch, width)
                 _sync(be.device)
                 t0 = time.perf_counter()
                 out = be.generate(prompts, sp)
                 _sync(be.device)
                 sec = time.perf_counter() - t0
-                row = {"bench": "eager_compiles", "mode": mode, "round": rnd, "batch": a.batch, "prompt": a.prompt,
-                       "new_tokens": int(out.response_lens.max()), "sec": round(sec, 3),
-                       "tok_s": round(int(out.response_lens.sum()) / sec, 1), **log.take()}
+                row = {"bench": "rollout_compiles", "mode": mode, "static_decode": a.static_decode, "round": rnd,
+                       "batch": a.batch, "prompt": width, "new_tokens": int(out.response_lens.max()),
+                       "sec": round(sec, 3), "tok_s": round(int(out.response_lens.sum()) / sec, 1), **log.take()}
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    summary = {"bench": "eager_compiles_summary", "device": torch.cuda.get_device_name() if triton_used else "cpu",
+    summary = {"bench": "rollout_compiles_summary",
+               "device": torch.cuda.get_device_name() if triton_used else "cpu",
                "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR") if triton_used else None,
+               "compiles": {m: [r["compiles"] for r in rows if r["mode"] == m] for m in backends},
                "first_over_last": {m: round(r[0]["sec"] / r[-1]["sec"], 3) for m in backends
                                    for r in [[x for x in rows if x["mode"] == m]]}}
     print(json.dumps(summary), flush=True)
