@@ -9,7 +9,8 @@
 #            bench_rollout_compiles.py after it, with the same eager default)
 #   static   the same compiles with static decode (generate's default on CUDA: a buffer of the longest prompt plus
 #            the new tokens, CUDA graphs) over 8 prompt widths, each twice (FP4, batch 8, 512 new tokens), at this
-#            tree and at 8ac1d6c
+#            tree and at 8ac1d6c. Ran at 34410b2
+# Call 3 ran every GPU test at 34410b2 on call 2's machine: TEST_TIMEOUT=480 bash benchmarks/device_tests.sh
 source benchmarks/_device_env.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 OLD=8ac1d6c
