@@ -101,7 +101,8 @@ class RowCodec:
         rec, n = rows.record, rows.num_rows
         if rec.fmt != self.fmt or tuple(rec.shape) != (n, self.k) or rows_compact(rec) != self.compact:
             raise ValueError(f"record {type(rec).__name__}({rec.fmt}, shape={tuple(rec.shape)}) does not fit {self}")
-        parts = [payload_of(rec).reshape(n, -1), rec.block_scales.reshape(n, -1).view(torch.uint8)]
+        p, s, _ = self.sizes  # (not -1: a rank's share of 0 rows has 0 elements)
+        parts = [payload_of(rec).reshape(n, p), rec.block_scales.reshape(n, s).view(torch.uint8)]
         if self.fmt == "nvfp4":
             amax = rec.global_amax.float()
             amax = amax.expand(n, 1) if amax.dim() == 0 else amax.reshape(n, 1)
@@ -118,7 +119,11 @@ class RowCodec:
         payload = data[:, :p].contiguous()
         scale_dtype = get_format(self.fmt).scale_dtype
         scales = data[:, p : p + s].contiguous().view(scale_dtype)
-        amax = data[:, p + s : p + s + a].contiguous().view(torch.float32) if a else None
+        # a fresh copy: a column slice of 0 or 1 rows counts as contiguous, and keeps data's row stride and offset,
+        # which a float32 view refuses
+        amax = None
+        if a:
+            amax = data[:, p + s : p + s + a].clone(memory_format=torch.contiguous_format).view(torch.float32)
         valid = data[:, -1] != 0
         kw = {"mantissa_bits": payload} if self.compact else {"codes": payload}
         cls = CompactGuidance if self.compact else FullGuidance

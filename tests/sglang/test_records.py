@@ -8,9 +8,10 @@ from megatron_trace.rollout.sglang.capture import SlotCapture
 from megatron_trace.rollout.sglang.records import SiteSpec, assemble, decode_rows, encode_rows
 
 
+@pytest.mark.parametrize("n", [6, 1])  # 1 row: its amax column slice counts as contiguous (a float32 view refused it)
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "full"])
-def test_encode_decode_round_trip(compact):
-    q = nvfp4.quantize(torch.randn(6, 2, 40), per_row=True)  # K=40 pads to 48
+def test_encode_decode_round_trip(compact, n):
+    q = nvfp4.quantize(torch.randn(n, 2, 40), per_row=True)  # K=40 pads to 48
     spec = SiteSpec(3, "expert_fc2_in", (2, 40), compact=compact)
     rec = decode_rows(encode_rows(q, spec), spec)
     want = q.guidance(compact=compact)
@@ -18,6 +19,13 @@ def test_encode_decode_round_trip(compact):
     assert torch.equal(getattr(rec, payload), getattr(want, payload))
     assert torch.equal(rec.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
     assert torch.equal(rec.global_amax, want.global_amax) and rec.shape == want.shape
+
+
+def test_decode_of_no_rows_is_an_empty_record():
+    spec = SiteSpec(3, "expert_fc2_in", (2, 40), compact=True)
+    rec = decode_rows(torch.zeros(0, spec.nbytes, dtype=torch.uint8), spec)
+    assert rec.shape == (0, 2, 40) and tuple(rec.mantissa_bits.shape) == (0, 2, 6)
+    assert tuple(rec.block_scales.shape) == (0, 2, 3) and tuple(rec.global_amax.shape) == (0, 2, 1)
 
 
 def test_rejects_wrong_rows():

@@ -9,6 +9,7 @@ MXFP4). Bytes travel from the SGLang scheduler to the backend inside the request
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -94,9 +95,14 @@ def decode_rows(buf: torch.Tensor, spec: SiteSpec) -> Record:
     pay, sc, am = spec._parts()
     lead = spec.row_shape[:-1]
     fmt = site_format(spec.fmt)
-    payload = buf[:, :pay].reshape(n, *lead, -1).contiguous()
-    scales = buf[:, pay : pay + sc].reshape(n, *lead, -1).contiguous().view(fmt.scale_dtype)
-    amax = buf[:, pay + sc :].contiguous().view(torch.float32).reshape(n, *lead, 1) if am else None
+    rows = math.prod(lead)  # (explicit sizes, not -1: a buffer of 0 rows has 0 elements)
+    payload = buf[:, :pay].reshape(n, *lead, pay // rows).contiguous()
+    scales = buf[:, pay : pay + sc].reshape(n, *lead, sc // rows).contiguous().view(fmt.scale_dtype)
+    # a fresh copy: a column slice of 0 or 1 rows counts as contiguous and keeps buf's row stride and offset,
+    # which a float32 view refuses
+    amax = None
+    if am:
+        amax = buf[:, pay + sc :].clone(memory_format=torch.contiguous_format).view(torch.float32).reshape(n, *lead, 1)
     common = dict(block_scales=scales, global_amax=amax, shape=(n, *spec.row_shape), fmt=spec.fmt)
     return CompactGuidance(mantissa_bits=payload, **common) if spec.compact else FullGuidance(codes=payload, **common)
 
