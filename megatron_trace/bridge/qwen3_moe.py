@@ -399,12 +399,20 @@ def _gather_params(model) -> None:
     rank's shard of each bucket and the all-gather of the others runs in the next forward's pre-hooks, so an export
     between the two would read the other ranks' shards as they were before the step (different on every rank).
     All-gather them now, synchronously, as Megatron-LM does before a checkpoint save
-    (``disable_forward_pre_hook(param_sync=True)``); every rank exports, so every rank joins. The next forward's
-    pre-hooks then find the buckets gathered. (Megatron-FSDP's sharded parameters are not handled here.)"""
+    (``disable_forward_pre_hook(param_sync=True)``); every rank exports, so every rank joins. Each bucket group's
+    ``param_gather_dispatched`` is then put back as it was: the sync sets it, and an export between the gradient
+    sync and ``optimizer.step()`` would otherwise make the next forward's pre-hooks skip the all-gather of the
+    step's update (that forward computed with the other ranks' shards as they were before the step). The next
+    forward's pre-hooks gather again where they would have without the export. (Megatron-FSDP's sharded parameters
+    are not handled here.)"""
     from megatron.core.distributed import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel) and model.use_forward_hook:
+        groups = model.bucket_groups + model.expert_parallel_bucket_groups
+        dispatched = [g.param_gather_dispatched for g in groups]
         model.start_param_sync(force_sync=True)
+        for group, was in zip(groups, dispatched):
+            group.param_gather_dispatched = was
 
 
 def _whole_shape(shape: torch.Size, partition_dim: int | None, size: int) -> tuple[int, ...]:

@@ -31,14 +31,16 @@ from megatron.core.transformer.multi_latent_attention import MultiLatentAttentio
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from ..config import KV_SITES, TraceConfig
+from ..config import ACTIVATION_SITES, KV_SITES, TraceConfig
 from .attention import TraceDotProductAttention
 from .experts import TraceExpertsCore, TraceSequentialMLP
 from .te import TraceTEGroupedMLP, require_te, trace_te_attention_class
 
+EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
+
 
 def _quantizes_experts(cfg: TraceConfig) -> bool:
-    return any(cfg.quantizes(s) for s in ("expert_fc1_in", "expert_fc2_in", "weights"))
+    return any(cfg.quantizes(s) for s in EXPERT_SITES)
 
 
 def _quantizes_kv(cfg: TraceConfig) -> bool:
@@ -166,16 +168,22 @@ class TraceSpecProvider(BackendSpecProvider):
 def _refuse_latent_kv(attention: type, trace_config: TraceConfig) -> None:
     """Multi-latent attention (DeepSeek-V3's MLA) hands its core attention the per-head K and V decompressed from a
     latent row, but a rollout engine caches (and FP4-quantizes) the latent row itself: TRACE's KV sites there would
-    round numbers no rollout computes, a train-rollout mismatch by construction. Refused; the experts convert."""
+    round numbers no rollout computes, a train-rollout mismatch by construction. Refused; the experts convert. The
+    fix named is the config's sites less K/V (the expert sites where none is left: no site would quantize nothing), and
+    no ``kv_format`` (Megatron-LM refuses --trace-kv-format without a KV site)."""
     if _quantizes_kv(trace_config) and isinstance(attention, type) and issubclass(attention, MultiLatentAttention):
         kv = [s for s in trace_config.sites if s in KV_SITES]
         sites = tuple(s for s in trace_config.sites if s not in KV_SITES)
         guided = tuple(s for s in trace_config.guided_sites if s not in KV_SITES)
+        if not sites:
+            sites, guided = EXPERT_SITES, tuple(s for s in ACTIVATION_SITES if s in EXPERT_SITES)
+        kv_format = ", kv_format=''" if trace_config.kv_format else ""
+        no_kv_format = ", without --trace-kv-format" if trace_config.kv_format else ""
         raise ValueError(
             f"TRACE's KV sites {kv} quantize per-head K/V at the core attention, but {attention.__name__} "
             "(multi-latent attention) is cached by rollout engines as its compressed latent row: no rollout computes "
-            f"those numbers. Quantize the experts only: TraceConfig(sites={sites}, guided_sites={guided}) "
-            "(Megatron-LM: --trace-sites without kv_k,kv_v)")
+            f"those numbers. Quantize the experts only: TraceConfig(sites={sites}, guided_sites={guided}{kv_format}) "
+            f"(Megatron-LM: --trace-sites {','.join(sites)}{no_kv_format})")
 
 
 def trace_spec(spec, trace_config: TraceConfig, fallback: BackendSpecProvider | None = None):

@@ -1,7 +1,7 @@
 """The export right after an optimizer step under Megatron's DDP with the distributed optimizer and
 ``overlap_param_gather`` (two gloo ranks): the step updates each rank's shard and the all-gather of the others waits
 for the next forward's pre-hooks, so the export gathers them first; it yields the weights the next forward uses, the
-same on every rank."""
+same on every rank. An export between the gradient sync and the step leaves the next forward's all-gather to it."""
 
 import os
 
@@ -52,6 +52,53 @@ def _run(rank, port, ckpt, out):
     shutdown_megatron()
 
 
+def _worker_before_step(rank: int, port: int, ckpt: str, out: str) -> None:
+    from megatron_trace.testing.megatron_cpu import record_errors
+
+    with record_errors(out, rank):
+        _run_before_step(rank, port, ckpt, out)
+
+
+def _run_before_step(rank, port, ckpt, out):
+    """Two steps, the second with or without an export between its gradient sync and ``optimizer.step()``; the
+    logits of the forward after it."""
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint
+
+    from ..megatron.harness import MegatronTraining
+    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    init_megatron(rank, WORLD, port)
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+    pos, mask = torch.arange(SEQ).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    got = {}
+    for export in (False, True):
+        model = bridge.build_model()
+        load_hf_checkpoint(model, ckpt, bridge)
+        training = MegatronTraining(model, model.config, overlap=True)
+        ddp = training.ddp
+        loss = lambda m: m(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean()  # noqa: E731
+        training.step(loss)
+        ddp.zero_grad_buffer()  # (MegatronTraining.step by hand: the export goes between its last two lines)
+        with training._on_cpu:
+            training.optimizer.zero_grad()
+        loss(ddp).backward()
+        ddp.finish_grad_sync()
+        if export:
+            for _ in export_hf_weights(ddp, bridge):
+                pass
+        with training._on_cpu:
+            assert training.optimizer.step()[0]
+        with torch.no_grad():
+            got[export] = ddp(tokens, pos, mask)
+    torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+    shutdown_megatron()
+
+
 def test_export_after_an_overlapped_step_gathers_the_parameters(tmp_path):
     ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
     port = free_port()
@@ -66,3 +113,16 @@ def test_export_after_an_overlapped_step_gathers_the_parameters(tmp_path):
         assert all(torch.equal(got[r]["after_forward"][n], t) for n, t in want.items()), r
     with safe_open(os.path.join(ckpt, "model.safetensors"), "pt") as f:
         assert any(not torch.equal(f.get_tensor(n), t) for n, t in want.items())  # (the step changed them)
+
+
+def test_an_export_before_the_step_leaves_the_next_forward_its_all_gather(tmp_path):
+    """The export's synchronous all-gather marks the buckets gathered; after the step that follows, the next
+    forward's pre-hooks must gather the step's update all the same (they skipped it: stale logits on both ranks)."""
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    port = free_port()
+    codes = spawn_ranks(_worker_before_step, WORLD, lambda r: (r, port, ckpt, str(tmp_path)), timeout=240)
+    errors = [e.read_text() for e in (tmp_path / f"error{r}.txt" for r in range(WORLD)) if e.exists()]
+    assert not errors and codes == [0] * WORLD, errors or codes
+    for r in range(WORLD):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        assert torch.equal(got[True], got[False]), (r, (got[True] - got[False]).abs().max())

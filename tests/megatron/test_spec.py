@@ -146,3 +146,35 @@ def test_multi_latent_attention_converts_its_experts_and_refuses_kv_sites():
         assert layer.submodules.mlp.submodules.experts.module is TraceSequentialMLP
         core = layer.submodules.self_attention.submodules.core_attention
         assert core == before.submodules.self_attention.submodules.core_attention  # Megatron's, unchanged
+
+
+def test_multi_latent_attention_refusal_names_a_config_that_quantizes_the_experts():
+    """The MLA refusal's fix is a config that converts the experts: with only KV sites the user's sites less K/V
+    are none (that quantizes nothing, and Megatron-LM refuses an empty --trace-sites), so the expert sites are named;
+    a ``kv_format`` is dropped with the KV sites (Megatron-LM refuses --trace-kv-format without a KV site)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    from megatron_trace.config import ACTIVATION_SITES, SITES
+
+    cfg = MLATransformerConfig(
+        num_layers=2, hidden_size=64, ffn_hidden_size=64, moe_ffn_hidden_size=64, num_attention_heads=4,
+        num_moe_experts=EXPERTS, moe_router_topk=2, multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32,
+        qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="rope", normalization="RMSNorm",
+        add_bias_linear=False, use_cpu_initialization=True)
+    stock = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    experts = (r"TraceConfig\(sites=\('expert_fc1_in', 'expert_fc2_in', 'weights'\), "
+               r"guided_sites=\('expert_fc1_in', 'expert_fc2_in'\)\)")
+    with pytest.raises(ValueError, match=experts + r" \(Megatron-LM: --trace-sites expert_fc1_in,expert_fc2_in,"
+                                                   r"weights\)"):
+        trace_spec(stock, TraceConfig(sites=("kv_k", "kv_v"), guided_sites=("kv_k", "kv_v")))
+    with pytest.raises(ValueError, match=r"TraceConfig\(sites=\('weights',\), guided_sites=\(\)\)"):
+        trace_spec(stock, TraceConfig(sites=("weights", "kv_k"), guided_sites=("kv_k",)))
+    with pytest.raises(ValueError, match=r"guided_sites=\('expert_fc1_in', 'expert_fc2_in'\), kv_format=''\) "
+                                         r"\(Megatron-LM: --trace-sites expert_fc1_in,expert_fc2_in,weights, without "
+                                         r"--trace-kv-format\)"):
+        trace_spec(stock, TraceConfig(kv_format="sglang_kvfp4", sites=SITES, guided_sites=ACTIVATION_SITES))
+    fixed = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"),
+                        guided_sites=("expert_fc1_in", "expert_fc2_in"))
+    for layer in trace_spec(stock, fixed).layer_specs:
+        assert layer.submodules.mlp.submodules.experts.module is TraceSequentialMLP
