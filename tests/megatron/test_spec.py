@@ -118,13 +118,9 @@ def test_provider_as_a_backend_of_megatrons_own_spec_helper_builds_trace_experts
     assert isinstance(moe.experts, TraceSequentialMLP) and moe.experts.trace_config is tc
 
 
-def test_multi_latent_attention_converts_its_experts_and_refuses_kv_sites():
-    """DeepSeek-V3's MLA: the rollout caches the latent row, TRACE's KV sites would round the decompressed per-head
-    K/V, which no rollout computes. Refused, naming the sites and the fix; with the experts only the spec converts
-    and MLA's core attention stays Megatron's. (Megatron-Core 0.16.1's local MLA spec needs TE's core attention to
-    build a model, so only the specs are checked here.)"""
+def _mla_block_spec():
+    """Megatron's local decoder block spec of a small MLA MoE model (DeepSeek-V3's attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     cfg = MLATransformerConfig(
@@ -132,7 +128,17 @@ def test_multi_latent_attention_converts_its_experts_and_refuses_kv_sites():
         num_moe_experts=EXPERTS, moe_router_topk=2, multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32,
         qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="rope", normalization="RMSNorm",
         add_bias_linear=False, use_cpu_initialization=True)
-    stock = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    return get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+
+
+def test_multi_latent_attention_converts_its_experts_and_refuses_kv_sites():
+    """DeepSeek-V3's MLA: the rollout caches the latent row, TRACE's KV sites would round the decompressed per-head
+    K/V, which no rollout computes. Refused, naming the sites and the fix; with the experts only the spec converts
+    and MLA's core attention stays Megatron's. (Megatron-Core 0.16.1's local MLA spec needs TE's core attention to
+    build a model, so only the specs are checked here.)"""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    stock = _mla_block_spec()
     assert stock.layer_specs[0].submodules.self_attention.module is MLASelfAttention
     with pytest.raises(ValueError, match=r"KV sites \['kv_k', 'kv_v'\].*MLASelfAttention.*TraceConfig\(sites="
                                          r"\('expert_fc1_in', 'expert_fc2_in', 'weights'\), guided_sites="
@@ -152,17 +158,9 @@ def test_multi_latent_attention_refusal_names_a_config_that_quantizes_the_expert
     """The MLA refusal's fix is a config that converts the experts: with only KV sites the user's sites less K/V
     are none (that quantizes nothing, and Megatron-LM refuses an empty --trace-sites), so the expert sites are named;
     a ``kv_format`` is dropped with the KV sites (Megatron-LM refuses --trace-kv-format without a KV site)."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-    from megatron.core.transformer.transformer_config import MLATransformerConfig
-
     from megatron_trace.config import ACTIVATION_SITES, SITES
 
-    cfg = MLATransformerConfig(
-        num_layers=2, hidden_size=64, ffn_hidden_size=64, moe_ffn_hidden_size=64, num_attention_heads=4,
-        num_moe_experts=EXPERTS, moe_router_topk=2, multi_latent_attention=True, q_lora_rank=32, kv_lora_rank=32,
-        qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="rope", normalization="RMSNorm",
-        add_bias_linear=False, use_cpu_initialization=True)
-    stock = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm")
+    stock = _mla_block_spec()
     experts = (r"TraceConfig\(sites=\('expert_fc1_in', 'expert_fc2_in', 'weights'\), "
                r"guided_sites=\('expert_fc1_in', 'expert_fc2_in'\)\)")
     with pytest.raises(ValueError, match=experts + r" \(Megatron-LM: --trace-sites expert_fc1_in,expert_fc2_in,"
