@@ -106,7 +106,7 @@ class RowCodec:
         if self.fmt == "nvfp4":
             amax = rec.global_amax.float()
             amax = amax.expand(n, 1) if amax.dim() == 0 else amax.reshape(n, 1)
-            parts.append(amax.contiguous().view(torch.uint8))
+            parts.append(encode_amax(amax))
         parts.append(rows.valid.reshape(n, 1).to(torch.uint8))
         return torch.cat([p.to(torch.uint8) for p in parts], dim=1)
 
@@ -119,11 +119,7 @@ class RowCodec:
         payload = data[:, :p].contiguous()
         scale_dtype = get_format(self.fmt).scale_dtype
         scales = data[:, p : p + s].contiguous().view(scale_dtype)
-        # a fresh copy: a column slice of 0 or 1 rows counts as contiguous, and keeps data's row stride and offset,
-        # which a float32 view refuses
-        amax = None
-        if a:
-            amax = data[:, p + s : p + s + a].clone(memory_format=torch.contiguous_format).view(torch.float32)
+        amax = decode_amax(data[:, p + s : p + s + a]) if a else None
         valid = data[:, -1] != 0
         kw = {"mantissa_bits": payload} if self.compact else {"codes": payload}
         cls = CompactGuidance if self.compact else FullGuidance
@@ -152,10 +148,11 @@ def rows_compact(record: Record) -> bool:
 
 
 def encode_amax(amax: torch.Tensor) -> torch.Tensor:
-    """float32 [N, 1] -> uint8 [N, 4]."""
-    return amax.float().reshape(-1, 1).contiguous().view(torch.uint8)
+    """float32 [N, 1] -> uint8 [N, 4] (a copy: see ``decode_amax``; an expanded or empty amax too)."""
+    return amax.float().reshape(-1, 1).clone(memory_format=torch.contiguous_format).view(torch.uint8)
 
 
 def decode_amax(data: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, 4] -> float32 [N, 1]."""
-    return data.contiguous().view(torch.float32)
+    """uint8 [N, 4] (e.g. columns of a wider buffer) -> float32 [N, 1]. Copied, not ``contiguous()``: a column slice
+    of 0 or 1 rows counts as contiguous and keeps the buffer's row stride and offset, which a float32 view refuses."""
+    return data.clone(memory_format=torch.contiguous_format).view(torch.float32)

@@ -4,7 +4,16 @@ import pytest
 import torch
 
 from megatron_trace.formats import CompactGuidance, Quantizer
-from megatron_trace.megatron.rows import RowCodec, RowGuidance, batch_major, payload_of, take, token_major
+from megatron_trace.megatron.rows import (
+    RowCodec,
+    RowGuidance,
+    batch_major,
+    decode_amax,
+    encode_amax,
+    payload_of,
+    take,
+    token_major,
+)
 from megatron_trace.megatron.step import as_mode
 
 
@@ -34,6 +43,18 @@ def test_codec_round_trip_is_bit_exact(fmt, k, compact, n):
     else:
         assert back.record.global_amax is None
     assert back.record.shape == rows.record.shape
+
+
+@pytest.mark.parametrize("n", [5, 1, 0])
+def test_amax_columns_of_a_wider_buffer_decode_at_any_row_count(n):
+    """The FC1 amax travels as 4 bytes among a dispatched row's columns (at an odd offset here): decoding that
+    column slice gives the values back bit for bit, at 1 and 0 rows too (a slice that counts as contiguous), and an
+    expanded amax encodes at any row count (an expanded [1, 1] counts as contiguous with stride 0)."""
+    amax = torch.rand(n, 1) * 100
+    buf = torch.cat([torch.zeros(n, 3, dtype=torch.uint8), encode_amax(amax), torch.zeros(n, 2, dtype=torch.uint8)], 1)
+    assert torch.equal(decode_amax(buf[:, 3:7]).view(torch.int32), amax.view(torch.int32))
+    one = torch.tensor(2.5).reshape(1, 1).expand(n, 1)  # a per-tensor amax sent with every row (``moe_step``)
+    assert decode_amax(encode_amax(one)).flatten().tolist() == [2.5] * n
 
 
 def test_codec_rejects_a_record_of_another_layout():
