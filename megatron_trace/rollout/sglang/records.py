@@ -95,9 +95,9 @@ def decode_rows(buf: torch.Tensor, spec: SiteSpec) -> Record:
     pay, sc, am = spec._parts()
     lead = spec.row_shape[:-1]
     fmt = site_format(spec.fmt)
-    rows = math.prod(lead)  # (explicit sizes, not -1: a buffer of 0 rows has 0 elements)
-    payload = buf[:, :pay].reshape(n, *lead, pay // rows).contiguous()
-    scales = buf[:, pay : pay + sc].reshape(n, *lead, sc // rows).contiguous().view(fmt.scale_dtype)
+    per_token = math.prod(lead)  # row_shape rows per token (explicit sizes, not -1: 0 rows have 0 elements)
+    payload = buf[:, :pay].reshape(n, *lead, pay // per_token).contiguous()
+    scales = buf[:, pay : pay + sc].reshape(n, *lead, sc // per_token).contiguous().view(fmt.scale_dtype)
     # a fresh copy: a column slice of 0 or 1 rows counts as contiguous and keeps buf's row stride and offset,
     # which a float32 view refuses
     amax = None
