@@ -21,6 +21,18 @@ def test_encode_decode_round_trip(compact, n):
     assert torch.equal(rec.global_amax, want.global_amax) and rec.shape == want.shape
 
 
+@pytest.mark.parametrize("n", [3, 1])  # 1: a decode step of one request
+@pytest.mark.parametrize("site,row", [("expert_fc1_in", (32,)), ("expert_fc2_in", (2, 16))])
+def test_a_per_tensor_amax_round_trips_at_any_row_count(site, row, n):
+    """A per-tensor amax (the native path's, ``fp4_from_op``; ``activation_amax="per_tensor"``) is sent with every
+    row: expanded to one row [1, 1] it counts as contiguous with stride 0, which a uint8 view refused."""
+    q = nvfp4.quantize(torch.randn(n, *row), per_row=False)
+    assert q.global_amax.dim() == 0
+    spec = SiteSpec(0, site, row)
+    rec = decode_rows(encode_rows(q, spec), spec)
+    assert tuple(rec.global_amax.shape) == (n, *row[:-1], 1) and bool((rec.global_amax == q.global_amax).all())
+
+
 def test_decode_of_no_rows_is_an_empty_record():
     spec = SiteSpec(3, "expert_fc2_in", (2, 40), compact=True)
     rec = decode_rows(torch.zeros(0, spec.nbytes, dtype=torch.uint8), spec)

@@ -83,7 +83,9 @@ def encode_rows(q: FP4Tensor, spec: SiteSpec) -> torch.Tensor:
     if spec.fmt == "nvfp4":
         g = q.global_amax.float()
         g = g.expand(*q.codes.shape[:-1], 1) if g.dim() == 0 else g  # per-tensor amax stored per row
-        parts.append(_bytes(g, tokens))
+        # a copy, not ``contiguous()``: the expansion of one row (a decode step of one request, e.g. the native
+        # path's per-tensor amax) counts as contiguous with stride 0, which a uint8 view of float32 refuses
+        parts.append(_bytes(g.clone(memory_format=torch.contiguous_format), tokens))
     return torch.cat(parts, dim=1)
 
 
