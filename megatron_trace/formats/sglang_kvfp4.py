@@ -145,7 +145,7 @@ def from_sglang(packed: torch.Tensor, scales: torch.Tensor) -> FP4Tensor:
     if (2 * half) % BLOCK or tuple(scales.shape) != (t, h * 2 * half // BLOCK):
         raise ValueError(f"scales {tuple(scales.shape)} do not fit packed {tuple(packed.shape)} "
                          f"(head_dim {2 * half} must be a multiple of {BLOCK})")
-    return FP4Tensor(codes=packed, block_scales=scales.reshape(t, h, -1).view(FORMAT.scale_dtype),
+    return FP4Tensor(codes=packed, block_scales=scales.reshape(t, h, 2 * half // BLOCK).view(FORMAT.scale_dtype),
                      global_amax=None, shape=(t, h, 2 * half), fmt=NAME)
 
 
@@ -153,7 +153,7 @@ def to_sglang(q: FP4Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4Tensor [T, kv_heads, head_dim] -> (packed [T, heads, head_dim/2], scales uint8 [T, heads*head_dim/16])."""
     if q.fmt != NAME or len(q.shape) != 3:
         raise ValueError(f"expected a {NAME} tensor [T, heads, head_dim], got {q.fmt} {tuple(q.shape)}")
-    return q.codes, q.block_scales.view(torch.uint8).reshape(q.shape[0], -1)
+    return q.codes, q.block_scales.view(torch.uint8).reshape(q.shape[0], q.shape[1] * q.shape[2] // BLOCK)
 
 
 def guided_quantize(x: torch.Tensor, guidance) -> FP4Tensor:

@@ -170,7 +170,8 @@ def _refuse_latent_kv(attention: type, trace_config: TraceConfig) -> None:
     latent row, but a rollout engine caches (and FP4-quantizes) the latent row itself: TRACE's KV sites there would
     round numbers no rollout computes, a train-rollout mismatch by construction. Refused; the experts convert. The
     fix named is the config's sites less K/V (the expert sites where none is left: no site would quantize nothing), and
-    no ``kv_format`` (Megatron-LM refuses --trace-kv-format without a KV site)."""
+    no ``kv_format`` (Megatron-LM refuses --trace-kv-format without a KV site); for Megatron-LM also the guided sites
+    where they are not those --trace-sites alone gives (a --trace-guided-sites with a KV site would be refused)."""
     if _quantizes_kv(trace_config) and isinstance(attention, type) and issubclass(attention, MultiLatentAttention):
         kv = [s for s in trace_config.sites if s in KV_SITES]
         sites = tuple(s for s in trace_config.sites if s not in KV_SITES)
@@ -179,11 +180,14 @@ def _refuse_latent_kv(attention: type, trace_config: TraceConfig) -> None:
             sites, guided = EXPERT_SITES, tuple(s for s in ACTIVATION_SITES if s in EXPERT_SITES)
         kv_format = ", kv_format=''" if trace_config.kv_format else ""
         no_kv_format = ", without --trace-kv-format" if trace_config.kv_format else ""
+        flags = f"--trace-sites {','.join(sites)}"
+        if set(guided) != {s for s in ACTIVATION_SITES if s in sites}:  # (not --trace-guided-sites' default)
+            flags += f" --trace-guided-sites {','.join(guided) or repr('')}"
         raise ValueError(
             f"TRACE's KV sites {kv} quantize per-head K/V at the core attention, but {attention.__name__} "
             "(multi-latent attention) is cached by rollout engines as its compressed latent row: no rollout computes "
             f"those numbers. Quantize the experts only: TraceConfig(sites={sites}, guided_sites={guided}{kv_format}) "
-            f"(Megatron-LM: --trace-sites {','.join(sites)}{no_kv_format})")
+            f"(Megatron-LM: {flags}{no_kv_format})")
 
 
 def trace_spec(spec, trace_config: TraceConfig, fallback: BackendSpecProvider | None = None):

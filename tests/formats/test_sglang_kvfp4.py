@@ -123,3 +123,11 @@ def test_sglang_layout_round_trip_and_errors():
         kv.quantize(torch.tensor([[float("nan")] + [0.0] * 15]))
     with pytest.raises(ValueError, match="do not fit"):
         kv.from_sglang(packed, scales[:, :3])
+
+
+def test_sglang_layout_of_no_rows():
+    """0 rows (a read-out of 0 slots) in both directions (a reshape of 0 elements to [0, -1] raised)."""
+    packed, scales = kv.to_sglang(kv.quantize(torch.randn(0, 2, 32)))
+    assert packed.shape == (0, 2, 16) and scales.shape == (0, 4)
+    back = kv.from_sglang(packed, scales)
+    assert back.shape == (0, 2, 32) and tuple(back.block_scales.shape) == (0, 2, 2)

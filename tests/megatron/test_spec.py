@@ -176,3 +176,33 @@ def test_multi_latent_attention_refusal_names_a_config_that_quantizes_the_expert
                         guided_sites=("expert_fc1_in", "expert_fc2_in"))
     for layer in trace_spec(stock, fixed).layer_specs:
         assert layer.submodules.mlp.submodules.experts.module is TraceSequentialMLP
+
+
+@pytest.mark.parametrize("guided", ["expert_fc1_in,kv_k", "kv_k,kv_v", None])
+def test_multi_latent_attention_refusal_names_megatron_flags_that_pass(guided):
+    """The refusal's Megatron-LM flags, in place of the user's --trace-sites and --trace-guided-sites, give a config
+    the MLA spec takes with the guided sites the TraceConfig named: with a KV site in --trace-guided-sites, naming
+    --trace-sites alone left it there, which the config refuses (not a quantized site)."""
+    import argparse
+    import re
+    import shlex
+
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    from megatron_trace.megatron.args import add_trace_args, trace_config_from_args
+    from megatron_trace.megatron.spec import _refuse_latent_kv
+
+    def config(flags: dict) -> TraceConfig:
+        argv = ["--trace-fp4"] + [x for k, v in flags.items() for x in (k, v)]
+        return trace_config_from_args(add_trace_args(argparse.ArgumentParser()).parse_args(argv))
+
+    given = {"--trace-sites": "expert_fc1_in,expert_fc2_in,weights,kv_k,kv_v"}
+    if guided is not None:
+        given["--trace-guided-sites"] = guided
+    with pytest.raises(ValueError, match="Megatron-LM") as e:
+        _refuse_latent_kv(MLASelfAttention, config(given))
+    named = re.search(r"guided_sites=(\(.*?\))", str(e.value)).group(1)
+    hint = shlex.split(re.search(r"\(Megatron-LM: (.*)\)$", str(e.value)).group(1))
+    cfg = config({**given, **dict(zip(hint[::2], hint[1::2]))})
+    _refuse_latent_kv(MLASelfAttention, cfg)  # (no KV site left: taken)
+    assert str(cfg.guided_sites) == named

@@ -1,5 +1,7 @@
 """Guidance bytes: encode/decode round trip, capture -> payloads -> SiteGuidance."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -21,11 +23,42 @@ def test_encode_decode_round_trip(compact, n):
     assert torch.equal(rec.global_amax, want.global_amax) and rec.shape == want.shape
 
 
+@pytest.mark.parametrize("n", [3, 1])  # 1: a decode step of one request
+@pytest.mark.parametrize("site,row", [("expert_fc1_in", (32,)), ("expert_fc2_in", (2, 16))])
+def test_a_per_tensor_amax_round_trips_at_any_row_count(site, row, n):
+    """A per-tensor amax (the native path's, ``fp4_from_op``; ``activation_amax="per_tensor"``) is sent with every
+    row: expanded to one row [1, 1] it counts as contiguous with stride 0, which a uint8 view refused."""
+    q = nvfp4.quantize(torch.randn(n, *row), per_row=False)
+    assert q.global_amax.dim() == 0
+    spec = SiteSpec(0, site, row)
+    rec = decode_rows(encode_rows(q, spec), spec)
+    assert tuple(rec.global_amax.shape) == (n, *row[:-1], 1) and bool((rec.global_amax == q.global_amax).all())
+
+
 def test_decode_of_no_rows_is_an_empty_record():
     spec = SiteSpec(3, "expert_fc2_in", (2, 40), compact=True)
     rec = decode_rows(torch.zeros(0, spec.nbytes, dtype=torch.uint8), spec)
     assert rec.shape == (0, 2, 40) and tuple(rec.mantissa_bits.shape) == (0, 2, 6)
     assert tuple(rec.block_scales.shape) == (0, 2, 3) and tuple(rec.global_amax.shape) == (0, 2, 1)
+
+
+def test_a_read_out_of_no_rows_is_empty_bytes_and_leaves_its_positions_invalid():
+    """A read-out request whose prefix left the radix cache reads 0 slots (``extend_prefix_lens`` 0): its rows
+    encode to 0 bytes (the KV pool's too) and assemble into invalid positions (they raised: a reshape of 0 elements
+    to [0, -1], ``frombuffer`` of no bytes)."""
+    from megatron_trace.formats import sglang_kvfp4
+
+    fc1 = SiteSpec(1, "expert_fc1_in", (32,))
+    kv = SiteSpec(1, "kv_k", (2, 32), fmt=sglang_kvfp4.NAME)
+    cap = SlotCapture([fc1, kv], num_slots=8)
+    pool = SimpleNamespace(k_buffer=torch.zeros(2, 8, 2, 16, dtype=torch.uint8), start_layer=0,
+                           k_scale_buffer=torch.zeros(2, 8, 4, dtype=torch.uint8))
+    payload = cap.request_payload(torch.zeros(1, 8, dtype=torch.int32), 0, 0, pool)
+    assert payload["n"] == 0 and payload["sites"] == {fc1.wire_key: b"", kv.wire_key: b""}
+    g = assemble([[payload]], [fc1, kv], seq_len=3)
+    assert not g[fc1.key].valid.any() and not g[kv.key].valid.any()
+    q = nvfp4.quantize(torch.randn(0, 32), per_row=True)
+    assert tuple(encode_rows(q, fc1).shape) == (0, fc1.nbytes)
 
 
 def test_rejects_wrong_rows():

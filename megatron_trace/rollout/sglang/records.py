@@ -62,7 +62,8 @@ class SiteSpec:
 
 
 def _bytes(t: torch.Tensor, tokens: int) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8).reshape(tokens, -1)
+    """t [tokens, ...] -> uint8 [tokens, bytes per token] (the width explicit, not -1: 0 tokens have 0 elements)."""
+    return t.contiguous().view(torch.uint8).reshape(tokens, math.prod(t.shape[1:]) * t.element_size())
 
 
 def mantissa_bytes(codes: torch.Tensor) -> torch.Tensor:
@@ -83,7 +84,9 @@ def encode_rows(q: FP4Tensor, spec: SiteSpec) -> torch.Tensor:
     if spec.fmt == "nvfp4":
         g = q.global_amax.float()
         g = g.expand(*q.codes.shape[:-1], 1) if g.dim() == 0 else g  # per-tensor amax stored per row
-        parts.append(_bytes(g, tokens))
+        # a copy, not ``contiguous()``: the expansion of one row (a decode step of one request, e.g. the native
+        # path's per-tensor amax) counts as contiguous with stride 0, which a uint8 view of float32 refuses
+        parts.append(_bytes(g.clone(memory_format=torch.contiguous_format), tokens))
     return torch.cat(parts, dim=1)
 
 
@@ -127,6 +130,8 @@ def assemble(per_request: list[list[dict]], specs: list[SiteSpec], seq_len: int,
                 if raw is None:
                     continue
                 start, n = int(step["start"]), int(step["n"])
+                if n == 0 and not raw:  # (a read-out whose prefix left the radix cache; frombuffer refuses b"")
+                    continue
                 rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n, spec.nbytes)
                 stop = min(start + n, seq_len)
                 if stop > start:
