@@ -13,9 +13,10 @@ with 1/S_enc applied per row to the scores and softmax weights): equal to ``refe
 kv_dtype=torch.float32)`` within bf16 rounding of the softmax weights; it differs from the bf16 reference by that
 reference's K/V rounding (2**-9 relative), which large scores (|q.k| * scale >> 1) amplify.
 ``exact=True`` costs an fp32 division per element (~8x the fast kernel's instructions) and equals the reference
-within bf16 rounding, not bit for bit. The hf rollout keeps ``exact=True``: the fast kernel's K/V differ from the
-trainer's bf16 K/V, which moved a 12-layer random-weight model's logits by 0.14 relative (H200, 2026-12-01); its
-effect on the train-rollout mismatch is not measured yet.
+within bf16 rounding, not bit for bit. The hf rollout runs the fast kernel by default
+(``HFRolloutBackend(fast_kv_attention=True)``): its K/V differ from the trainer's bf16 K/V, which moved a 12-layer
+random-weight model's logits by 0.14 relative (H200, 2026-12-01), but the RL demo's train-rollout mismatch with it
+was within seed noise of the exact kernel's over 3 seeds (BENCHMARKS.md, session 5).
 
 ``dense_decode_attention(q, k, v)``: the same over K/V in the model dtype (a static cache's unquantized layers,
 ``rollout.static_decode``): fp32 reference, Triton twin ``kv_attention_dense_triton``.
