@@ -6,8 +6,11 @@ so it changes with each batch's longest prompt. A kernel whose constexprs follow
 attention's split count) compiles a new variant whenever they change, inside the rollout. Per mode: ``--rounds``
 generates of ``--batch`` random prompts with ``--tokens`` new tokens each (no stop tokens), round i's prompts of
 the i-th length of ``--widths`` (cycled; default ``--prompt``), in a fresh Triton cache directory (every variant a
-real compile). Prints one JSON line per generate: its wall seconds and the Triton compiles it ran (each kernel's
-count, and the seconds from Triton's pre-compile hook to its post-compile hook summed), then a summary line.
+real compile; a TRITON_CACHE_DIR set by the caller is not used). The modes run one after the other in one process,
+so a later mode does not count the variants an earlier one compiled: for each mode's own count, one mode per run
+(``fp4`` here is the backend's default, the fast FP4-KV attention). Prints one JSON line per generate: its wall
+seconds and the Triton compiles it ran (each kernel's count, and the seconds from Triton's pre-compile hook to its
+post-compile hook summed), then a summary line.
 Usage (H100/H200, carry .whl):
     python3 benchmarks/bench_rollout_compiles.py [--modes bf16,fp4] [--batch 8] [--prompt 128] [--tokens 1024]
         [--rounds 2] [--static-decode off|auto] [--widths 96,160,224]
@@ -86,8 +89,9 @@ def main(argv=None) -> list[dict]:
     widths = [int(w) for w in a.widths.split(",")] if a.widths else [a.prompt]
     a.prompt = max(widths)  # (the model's positions)
     triton_used = torch.cuda.is_available() and not a.smoke
-    if triton_used:  # (before the first compile: Triton reads it then)
-        os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="triton_cache_"))
+    caller_cache = os.environ.get("TRITON_CACHE_DIR")
+    if triton_used:  # (before the first compile: Triton reads it then; always a fresh one, or cache loads count)
+        os.environ["TRITON_CACHE_DIR"] = tempfile.mkdtemp(prefix="triton_cache_")
     backends = backends_of(a, static_decode=a.static_decode)
     sp = SamplingParams(max_new_tokens=a.tokens, seed=0, stop_token_ids=())
     rows = []
@@ -109,6 +113,7 @@ def main(argv=None) -> list[dict]:
     summary = {"bench": "rollout_compiles_summary",
                "device": torch.cuda.get_device_name() if triton_used else "cpu",
                "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR") if triton_used else None,
+               "caller_triton_cache_dir_not_used": caller_cache if triton_used else None,
                "compiles": {m: [r["compiles"] for r in rows if r["mode"] == m] for m in backends},
                "first_over_last": {m: round(r[0]["sec"] / r[-1]["sec"], 3) for m in backends
                                    for r in [[x for x in rows if x["mode"] == m]]}}
