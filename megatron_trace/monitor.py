@@ -64,12 +64,23 @@ def check_mismatch_gate(metrics: dict[str, float], max_abs_diff: float | None, *
                                 "compute different log-probs: check the recipe, weight sync and guidance coverage)")
 
 
+def _steps_of(values: Sequence[float], steps: Sequence[float] | None) -> list[float]:
+    """``steps`` as floats (default 0..n-1); ``ValueError`` unless there is one per value (zip would drop the rest
+    and the mean of the shorter list would skew the slope)."""
+    if steps is None:
+        return [float(i) for i in range(len(values))]
+    xs = [float(s) for s in steps]
+    if len(xs) != len(values):
+        raise ValueError(f"{len(xs)} steps for {len(values)} values: give one step per value (or steps=None)")
+    return xs
+
+
 def least_squares_slope(values: Sequence[float], steps: Sequence[float] | None = None) -> float:
     """Slope of the least-squares line through ``(steps, values)`` (steps default 0..n-1)."""
     n = len(values)
+    xs = _steps_of(values, steps)
     if n < 2:
         return 0.0
-    xs = list(range(n)) if steps is None else [float(s) for s in steps]
     mx, my = sum(xs) / n, sum(values) / n
     sxx = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, values)) / sxx if sxx else 0.0
@@ -80,7 +91,7 @@ def theil_sen_slope(values: Sequence[float], steps: Sequence[float] | None = Non
 
     A single spike moves it little (it shifts n - 1 of the n (n - 1) / 2 slopes), unlike the least-squares
     slope; pairs at the same step are skipped. O(n^2): meant for windows of up to a few hundred steps."""
-    xs = list(range(len(values))) if steps is None else [float(s) for s in steps]
+    xs = _steps_of(values, steps)
     slopes = [(values[j] - values[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
               if xs[j] != xs[i]]
     return statistics.median(slopes) if slopes else 0.0

@@ -131,6 +131,17 @@ def test_theil_sen_slope_ignores_one_spike():
     assert theil_sen_slope([4.0]) == 0.0
 
 
+@pytest.mark.parametrize("slope", [least_squares_slope, theil_sen_slope], ids=["least_squares", "theil_sen"])
+@pytest.mark.parametrize("values, steps", [([1.0, 2.0, 3.0], [0, 1]), ([1.0, 2.0], [0, 1, 2]), ([5.0], []),
+                                           ([], [3])], ids=["fewer-steps", "more-steps", "one-value", "no-values"])
+def test_slopes_refuse_steps_of_another_length(slope, values, steps):
+    """zip kept the shorter list: [1, 2, 3] at steps [0, 1] gave a least-squares slope of 0.6 (the mean of 3 values
+    against 2 steps), not an error."""
+    with pytest.raises(ValueError, match=rf"{len(steps)} steps for {len(values)} values: give one step per value"):
+        slope(values, steps)
+    assert slope([1.0, 2.0, 3.0], [0, 1, 2]) == pytest.approx(1.0) and slope([], []) == 0.0
+
+
 @pytest.mark.parametrize("name", sorted(DEMO))
 def test_relative_alarm_is_silent_on_the_demos_healthy_arms(name, caplog):
     """Default settings (relative, growth 1.0, window 10): no healthy arm of the demo's three seeds comes near it
