@@ -232,6 +232,10 @@ def tag_topology(metrics: dict[str, float], topology: dict[str, int]) -> dict[st
 
 def first_response_mask(mask: torch.Tensor) -> torch.Tensor:
     """bool [B, S]: the first response token of each sequence (sampled from the prefill's logits)."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be bool [B, S], got shape {tuple(mask.shape)}")
+    if mask.shape[1] == 0:  # no positions (argmax has no empty reduction)
+        return mask.bool()
     first = mask.long().argmax(1, keepdim=True)  # [B, 1]
     return torch.zeros_like(mask).scatter(1, first, True) & mask
 
@@ -241,7 +245,8 @@ def phase_metrics(lt: torch.Tensor, lr: torch.Tensor, mask: torch.Tensor, prefil
     """abs(d) token mean / max and token count over prefill and decode positions separately.
 
     ``prefill_mask`` (bool [B, S]): response tokens whose rollout log-prob came from a prefill forward
-    (default: the first response token); the other response tokens are decode positions.
+    (default: the first response token); the other response tokens are decode positions. A phase without tokens
+    (``tokens`` 0: e.g. every response ended at its first token) has NaN mean and max: no value, not a zero mismatch.
     """
     if prefill_mask is None:
         prefill_mask = first_response_mask(mask)

@@ -238,6 +238,26 @@ def test_first_token_and_prefill_decode_are_reported_separately():
     assert p["mismatch/prefill/logprob_abs_diff_token_max"] == pytest.approx(0.1)
 
 
+@pytest.mark.parametrize("shape", [(2, 0), (0, 4), (0, 0)], ids=["no-positions", "no-rows", "empty"])
+def test_phase_metrics_of_no_positions_or_rows_have_no_tokens(shape):
+    """[B, 0] log-probs: first_response_mask's argmax over no positions raised a bare IndexError."""
+    mask = torch.zeros(shape, dtype=torch.bool)
+    assert first_response_mask(mask).shape == shape
+    p = phase_metrics(torch.zeros(shape), torch.zeros(shape), mask)
+    assert p["mismatch/prefill/tokens"] == p["mismatch/decode/tokens"] == 0.0
+    assert math.isnan(p["mismatch/prefill/logprob_abs_diff_token_mean"])  # no value, not a zero mismatch
+    with pytest.raises(ValueError, match=r"mask must be bool \[B, S\], got shape \(4,\)"):
+        first_response_mask(torch.ones(4, dtype=torch.bool))
+
+
+def test_a_phase_without_tokens_is_nan_beside_its_count_of_zero():
+    """Every response ended at its first token (max_new_tokens=1, or a stop token first): no decode position."""
+    mask = torch.tensor([[False, True, False], [False, False, True]])
+    p = phase_metrics(torch.where(mask, -1.5, 0.0), torch.where(mask, -1.0, 0.0), mask)
+    assert p["mismatch/prefill/tokens"] == 2.0 and p["mismatch/prefill/logprob_abs_diff_token_mean"] == 0.5
+    assert p["mismatch/decode/tokens"] == 0.0 and math.isnan(p["mismatch/decode/logprob_abs_diff_token_max"])
+
+
 def test_metrics_are_tagged_with_the_topology():
     m = step_mismatch_metrics(_lt(0.2, 0.2), LR, MASK, kv_quantized=False, topology=dict(tp=2, ep=4, dp=1, pp=1))
     assert m["tp2_ep4_dp1_pp1/mismatch/logprob_abs_diff"] == pytest.approx(0.2)
