@@ -70,6 +70,29 @@ def test_group_advantages():
         group_advantages(r, 3)
 
 
+@pytest.mark.parametrize("group_size", [0, -1, 1.5, True, None], ids=["zero", "negative", "float", "bool", "none"])
+def test_group_advantages_name_a_bad_group_size(group_size):
+    """group_size=0 was a bare ZeroDivisionError ('integer modulo by zero'), -1 'only one dimension can be
+    inferred', 1.5 a view() TypeError, True a group of one."""
+    with pytest.raises(ValueError, match=re.escape(f"group_size={group_size!r} must be an int >= 1")):
+        group_advantages(torch.tensor([1.0, 0.0]), group_size)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_group_advantages_refuse_a_non_finite_reward(bad):
+    """A NaN or infinite reward made its whole group's advantages NaN (and so the step's loss), without a word."""
+    r = torch.tensor([1.0, 0.0, 0.0, bad])
+    with pytest.raises(ValueError, match=r"rewards hold 1 NaN/Inf value\(s\), e.g. at \[3\]"):
+        group_advantages(r, 2)
+
+
+@pytest.mark.parametrize("rewards, group_size", [([], 4), ([0.5], 1), ([1.0, 0.0], 1), ([0.3, 0.3, 0.3], 3)],
+                         ids=["no-rewards", "one-reward", "groups-of-one", "one-equal-group"])
+def test_group_advantages_at_edge_sizes(rewards, group_size):
+    a = group_advantages(torch.tensor(rewards), group_size)
+    assert a.shape == (len(rewards),) and torch.equal(a, torch.zeros(len(rewards)))
+
+
 @pytest.mark.parametrize("value", [0.7, 7.3, 12.7, 100.3, -3.1, 1e-3])
 @pytest.mark.parametrize("group_size", [3, 5, 8])
 def test_group_advantages_of_a_constant_group_are_zero(value, group_size):
