@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 
 import torch
 
@@ -164,7 +165,11 @@ class MegatronPolicy:
 
 
 def batch_slices(rows: int, micro_batch_size: int | None) -> list[slice]:
-    """The row slices of the micro-batches of ``micro_batch_size`` rows (None: one) of a batch of ``rows``."""
+    """The row slices of the micro-batches of ``micro_batch_size`` rows (None or 0: one) of a batch of ``rows``
+    (the last one shorter where it does not divide ``rows``)."""
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(
+            micro_batch_size, numbers.Integral) or micro_batch_size < 0):
+        raise ValueError(f"micro_batch_size={micro_batch_size!r} must be None or an int >= 0 (0: the whole batch)")
     mbs = micro_batch_size or rows
     return [slice(i, i + mbs) for i in range(0, rows, mbs)]
 

@@ -5,6 +5,7 @@ import torch
 
 from megatron_trace.rl.grpo import group_advantages, policy_loss
 from megatron_trace.rl.tasks import CharTokenizer, get_task, sft_batch
+from megatron_trace.rl.trainer import batch_slices
 
 
 def test_tokenizer_round_trip_and_errors():
@@ -207,3 +208,20 @@ def test_a_second_master_adamw_over_a_parameter_is_refused_until_the_first_is_re
     second = MasterAdamW([w], lr=1e-3)
     (w * 3).sum().backward()
     assert first.master[0].grad is None and torch.equal(second.master[0].grad, torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("rows, mbs, want", [
+    (4, None, [(0, 4)]), (4, 0, [(0, 4)]), (4, 1, [(i, i + 1) for i in range(4)]), (4, 4, [(0, 4)]),
+    (1, 1, [(0, 1)]), (0, 2, []), (5, 2, [(0, 2), (2, 4), (4, 6)])],
+                         ids=["none", "zero", "one-row-each", "one", "one-row", "no-rows", "short-last"])
+def test_batch_slices_cover_every_row_once(rows, mbs, want):
+    got = batch_slices(rows, mbs)
+    assert [(s.start, s.stop) for s in got] == want
+    assert sum(len(range(rows)[s]) for s in got) == rows
+
+
+@pytest.mark.parametrize("mbs", [-1, 1.5, True], ids=["negative", "float", "bool"])
+def test_batch_slices_name_a_bad_micro_batch_size(mbs):
+    """A negative size gave no slice at all (every row dropped; the driver then divided by 0 micro-batches)."""
+    with pytest.raises(ValueError, match=re.escape(f"micro_batch_size={mbs!r} must be None or an int >= 0")):
+        batch_slices(4, mbs)
