@@ -62,8 +62,11 @@ class MasterAdamW:
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = 1.0) -> float:
         grads = [m.grad for m in self.master if m.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm)) if max_grad_norm else float(
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        if max_grad_norm:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm))
+        else:  # (no gradient at all: norm 0, as clip_grad_norm_ gives; AdamW skips parameters without one)
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
+                if grads else 0.0
         self.opt.step()
         for p, m in zip(self.params, self.master):
             p.copy_(m.to(p.dtype))

@@ -195,6 +195,19 @@ def test_master_adamw_sums_the_backwards_gradients_in_fp32():
     assert torch.equal(opt.master[0].grad, g1.float())
 
 
+@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
+def test_a_master_adamw_step_without_gradients_changes_nothing(max_grad_norm):
+    """No backward reached a parameter: the unclipped step's norm was torch.stack([]) ('stack expects a non-empty
+    TensorList'); both give norm 0 and leave the weights as they were."""
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = MasterAdamW([w], lr=0.1)
+    assert opt.step(max_grad_norm) == 0.0 and torch.equal(w.detach(), torch.ones(4, dtype=torch.bfloat16))
+    (w * 2).sum().backward()
+    assert opt.step(max_grad_norm) == pytest.approx(4.0) and not torch.equal(w.detach(), torch.ones_like(w))
+
+
 def test_a_second_master_adamw_over_a_parameter_is_refused_until_the_first_is_released():
     """Two optimizers' gradient hooks on one parameter: the second would find the gradient already moved to the
     first's master copy (and freed). Building it is refused by name; after ``release`` it owns the parameter."""
