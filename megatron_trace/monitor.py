@@ -175,6 +175,9 @@ class TrendAlarm:
         return theil_sen_slope(list(self._values), list(self._steps)) * (self._steps[-1] - self._steps[0]) / level
 
     def update(self, metrics: dict[str, float], step: int | None = None) -> dict[str, float]:
+        if self.key not in metrics:  # (checked before the step counts)
+            raise KeyError(f"the trend alarm watches {self.key!r}, which this step's metrics lack (they have "
+                           f"{sorted(metrics)[:6]}{'...' if len(metrics) > 6 else ''})")
         at = float(self._count if step is None else step)
         self._count += 1
         value = float(metrics[self.key])

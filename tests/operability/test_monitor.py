@@ -218,6 +218,15 @@ def test_bad_trend_settings_are_named(kw, match):
         TrendAlarm(**kw)
 
 
+def test_a_step_without_the_watched_metric_is_named_and_not_counted():
+    """It raised a bare KeyError('mismatch/logprob_abs_diff') after counting the step."""
+    alarm = TrendAlarm(window=2)
+    with pytest.raises(KeyError, match=r"watches 'mismatch/logprob_abs_diff', which this step's metrics lack \(they "
+                                       r"have \['reward'\]\)"):
+        alarm.update({"reward": 1.0})
+    assert alarm.state_dict()["count"] == 0
+
+
 def test_the_absolute_mode_is_kept_for_old_settings():
     """``TrendAlarm(max_slope=...)`` (the only mode before session 41) is still the absolute alarm."""
     assert TrendAlarm(max_slope=0.01).mode == "absolute" and TrendAlarm().mode == "relative"
