@@ -64,12 +64,23 @@ def check_mismatch_gate(metrics: dict[str, float], max_abs_diff: float | None, *
                                 "compute different log-probs: check the recipe, weight sync and guidance coverage)")
 
 
+def _steps_of(values: Sequence[float], steps: Sequence[float] | None) -> list[float]:
+    """``steps`` as floats (default 0..n-1); ``ValueError`` unless there is one per value (zip would drop the rest
+    and the mean of the shorter list would skew the slope)."""
+    if steps is None:
+        return [float(i) for i in range(len(values))]
+    xs = [float(s) for s in steps]
+    if len(xs) != len(values):
+        raise ValueError(f"{len(xs)} steps for {len(values)} values: give one step per value (or steps=None)")
+    return xs
+
+
 def least_squares_slope(values: Sequence[float], steps: Sequence[float] | None = None) -> float:
     """Slope of the least-squares line through ``(steps, values)`` (steps default 0..n-1)."""
     n = len(values)
+    xs = _steps_of(values, steps)
     if n < 2:
         return 0.0
-    xs = list(range(n)) if steps is None else [float(s) for s in steps]
     mx, my = sum(xs) / n, sum(values) / n
     sxx = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, values)) / sxx if sxx else 0.0
@@ -80,7 +91,7 @@ def theil_sen_slope(values: Sequence[float], steps: Sequence[float] | None = Non
 
     A single spike moves it little (it shifts n - 1 of the n (n - 1) / 2 slopes), unlike the least-squares
     slope; pairs at the same step are skipped. O(n^2): meant for windows of up to a few hundred steps."""
-    xs = list(range(len(values))) if steps is None else [float(s) for s in steps]
+    xs = _steps_of(values, steps)
     slopes = [(values[j] - values[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs))
               if xs[j] != xs[i]]
     return statistics.median(slopes) if slopes else 0.0
@@ -164,6 +175,9 @@ class TrendAlarm:
         return theil_sen_slope(list(self._values), list(self._steps)) * (self._steps[-1] - self._steps[0]) / level
 
     def update(self, metrics: dict[str, float], step: int | None = None) -> dict[str, float]:
+        if self.key not in metrics:  # (checked before the step counts)
+            raise KeyError(f"the trend alarm watches {self.key!r}, which this step's metrics lack (they have "
+                           f"{sorted(metrics)[:6]}{'...' if len(metrics) > 6 else ''})")
         at = float(self._count if step is None else step)
         self._count += 1
         value = float(metrics[self.key])
@@ -221,6 +235,10 @@ def tag_topology(metrics: dict[str, float], topology: dict[str, int]) -> dict[st
 
 def first_response_mask(mask: torch.Tensor) -> torch.Tensor:
     """bool [B, S]: the first response token of each sequence (sampled from the prefill's logits)."""
+    if mask.dim() != 2:
+        raise ValueError(f"mask must be bool [B, S], got shape {tuple(mask.shape)}")
+    if mask.shape[1] == 0:  # no positions (argmax has no empty reduction)
+        return mask.bool()
     first = mask.long().argmax(1, keepdim=True)  # [B, 1]
     return torch.zeros_like(mask).scatter(1, first, True) & mask
 
@@ -230,7 +248,8 @@ def phase_metrics(lt: torch.Tensor, lr: torch.Tensor, mask: torch.Tensor, prefil
     """abs(d) token mean / max and token count over prefill and decode positions separately.
 
     ``prefill_mask`` (bool [B, S]): response tokens whose rollout log-prob came from a prefill forward
-    (default: the first response token); the other response tokens are decode positions.
+    (default: the first response token); the other response tokens are decode positions. A phase without tokens
+    (``tokens`` 0: e.g. every response ended at its first token) has NaN mean and max: no value, not a zero mismatch.
     """
     if prefill_mask is None:
         prefill_mask = first_response_mask(mask)

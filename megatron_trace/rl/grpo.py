@@ -7,6 +7,8 @@ engine's; it corrects for the train-rollout mismatch that TRACE shrinks (paper: 
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 
@@ -14,10 +16,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     """rewards [N] (N = prompts * group_size, groups contiguous) -> advantages [N] (float32).
 
     A group whose rewards are all equal carries no signal and gets advantage 0 exactly (the float mean of equal
-    values is not always that value, and ``(r - mean) / (std + eps)`` would then be a same-sign ~±1)."""
+    values is not always that value, and ``(r - mean) / (std + eps)`` would then be a same-sign ~±1). ``group_size``
+    is an int >= 1; a NaN or infinite reward is refused (it made its whole group's advantages, and the loss, NaN)."""
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+        raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()=} is not a multiple of {group_size=}")
-    r = rewards.double().view(-1, group_size)
+    bad = (~torch.isfinite(rewards.reshape(-1))).nonzero().flatten().tolist()
+    if bad:
+        raise ValueError(f"rewards hold {len(bad)} NaN/Inf value(s), e.g. at {bad[:8]}: "
+                         f"{rewards.reshape(-1)[bad[:8]].tolist()}; every reward must be finite")
+    r = rewards.double().reshape(-1, int(group_size))
+    if not r.numel():  # no groups (std over none warns)
+        return torch.zeros(0, dtype=torch.float32, device=rewards.device)
     adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)
     constant = (r == r[:, :1]).all(1, keepdim=True)
     return torch.where(constant, 0.0, adv).float().view(-1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import numbers
 
 import torch
 
@@ -61,8 +62,11 @@ class MasterAdamW:
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = 1.0) -> float:
         grads = [m.grad for m in self.master if m.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm)) if max_grad_norm else float(
-            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+        if max_grad_norm:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm))
+        else:  # (no gradient at all: norm 0, as clip_grad_norm_ gives; AdamW skips parameters without one)
+            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
+                if grads else 0.0
         self.opt.step()
         for p, m in zip(self.params, self.master):
             p.copy_(m.to(p.dtype))
@@ -164,7 +168,11 @@ class MegatronPolicy:
 
 
 def batch_slices(rows: int, micro_batch_size: int | None) -> list[slice]:
-    """The row slices of the micro-batches of ``micro_batch_size`` rows (None: one) of a batch of ``rows``."""
+    """The row slices of the micro-batches of ``micro_batch_size`` rows (None or 0: one) of a batch of ``rows``
+    (the last one shorter where it does not divide ``rows``)."""
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(
+            micro_batch_size, numbers.Integral) or micro_batch_size < 0):
+        raise ValueError(f"micro_batch_size={micro_batch_size!r} must be None or an int >= 0 (0: the whole batch)")
     mbs = micro_batch_size or rows
     return [slice(i, i + mbs) for i in range(0, rows, mbs)]
 

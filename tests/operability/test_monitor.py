@@ -131,6 +131,17 @@ def test_theil_sen_slope_ignores_one_spike():
     assert theil_sen_slope([4.0]) == 0.0
 
 
+@pytest.mark.parametrize("slope", [least_squares_slope, theil_sen_slope], ids=["least_squares", "theil_sen"])
+@pytest.mark.parametrize("values, steps", [([1.0, 2.0, 3.0], [0, 1]), ([1.0, 2.0], [0, 1, 2]), ([5.0], []),
+                                           ([], [3])], ids=["fewer-steps", "more-steps", "one-value", "no-values"])
+def test_slopes_refuse_steps_of_another_length(slope, values, steps):
+    """zip kept the shorter list: [1, 2, 3] at steps [0, 1] gave a least-squares slope of 0.6 (the mean of 3 values
+    against 2 steps), not an error."""
+    with pytest.raises(ValueError, match=rf"{len(steps)} steps for {len(values)} values: give one step per value"):
+        slope(values, steps)
+    assert slope([1.0, 2.0, 3.0], [0, 1, 2]) == pytest.approx(1.0) and slope([], []) == 0.0
+
+
 @pytest.mark.parametrize("name", sorted(DEMO))
 def test_relative_alarm_is_silent_on_the_demos_healthy_arms(name, caplog):
     """Default settings (relative, growth 1.0, window 10): no healthy arm of the demo's three seeds comes near it
@@ -207,6 +218,15 @@ def test_bad_trend_settings_are_named(kw, match):
         TrendAlarm(**kw)
 
 
+def test_a_step_without_the_watched_metric_is_named_and_not_counted():
+    """It raised a bare KeyError('mismatch/logprob_abs_diff') after counting the step."""
+    alarm = TrendAlarm(window=2)
+    with pytest.raises(KeyError, match=r"watches 'mismatch/logprob_abs_diff', which this step's metrics lack \(they "
+                                       r"have \['reward'\]\)"):
+        alarm.update({"reward": 1.0})
+    assert alarm.state_dict()["count"] == 0
+
+
 def test_the_absolute_mode_is_kept_for_old_settings():
     """``TrendAlarm(max_slope=...)`` (the only mode before session 41) is still the absolute alarm."""
     assert TrendAlarm(max_slope=0.01).mode == "absolute" and TrendAlarm().mode == "relative"
@@ -225,6 +245,26 @@ def test_first_token_and_prefill_decode_are_reported_separately():
     p = phase_metrics(_lt(0.8, 0.1), LR, MASK, prefill_mask=custom)
     assert p["mismatch/prefill/tokens"] == 1.0
     assert p["mismatch/prefill/logprob_abs_diff_token_max"] == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("shape", [(2, 0), (0, 4), (0, 0)], ids=["no-positions", "no-rows", "empty"])
+def test_phase_metrics_of_no_positions_or_rows_have_no_tokens(shape):
+    """[B, 0] log-probs: first_response_mask's argmax over no positions raised a bare IndexError."""
+    mask = torch.zeros(shape, dtype=torch.bool)
+    assert first_response_mask(mask).shape == shape
+    p = phase_metrics(torch.zeros(shape), torch.zeros(shape), mask)
+    assert p["mismatch/prefill/tokens"] == p["mismatch/decode/tokens"] == 0.0
+    assert math.isnan(p["mismatch/prefill/logprob_abs_diff_token_mean"])  # no value, not a zero mismatch
+    with pytest.raises(ValueError, match=r"mask must be bool \[B, S\], got shape \(4,\)"):
+        first_response_mask(torch.ones(4, dtype=torch.bool))
+
+
+def test_a_phase_without_tokens_is_nan_beside_its_count_of_zero():
+    """Every response ended at its first token (max_new_tokens=1, or a stop token first): no decode position."""
+    mask = torch.tensor([[False, True, False], [False, False, True]])
+    p = phase_metrics(torch.where(mask, -1.5, 0.0), torch.where(mask, -1.0, 0.0), mask)
+    assert p["mismatch/prefill/tokens"] == 2.0 and p["mismatch/prefill/logprob_abs_diff_token_mean"] == 0.5
+    assert p["mismatch/decode/tokens"] == 0.0 and math.isnan(p["mismatch/decode/logprob_abs_diff_token_max"])
 
 
 def test_metrics_are_tagged_with_the_topology():

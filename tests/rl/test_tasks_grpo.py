@@ -5,6 +5,7 @@ import torch
 
 from megatron_trace.rl.grpo import group_advantages, policy_loss
 from megatron_trace.rl.tasks import CharTokenizer, get_task, sft_batch
+from megatron_trace.rl.trainer import batch_slices
 
 
 def test_tokenizer_round_trip_and_errors():
@@ -68,6 +69,29 @@ def test_group_advantages():
     assert torch.equal(a[4:], torch.zeros(4))
     with pytest.raises(ValueError, match="multiple of group_size=3"):
         group_advantages(r, 3)
+
+
+@pytest.mark.parametrize("group_size", [0, -1, 1.5, True, None], ids=["zero", "negative", "float", "bool", "none"])
+def test_group_advantages_name_a_bad_group_size(group_size):
+    """group_size=0 was a bare ZeroDivisionError ('integer modulo by zero'), -1 'only one dimension can be
+    inferred', 1.5 a view() TypeError, True a group of one."""
+    with pytest.raises(ValueError, match=re.escape(f"group_size={group_size!r} must be an int >= 1")):
+        group_advantages(torch.tensor([1.0, 0.0]), group_size)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_group_advantages_refuse_a_non_finite_reward(bad):
+    """A NaN or infinite reward made its whole group's advantages NaN (and so the step's loss), without a word."""
+    r = torch.tensor([1.0, 0.0, 0.0, bad])
+    with pytest.raises(ValueError, match=r"rewards hold 1 NaN/Inf value\(s\), e.g. at \[3\]"):
+        group_advantages(r, 2)
+
+
+@pytest.mark.parametrize("rewards, group_size", [([], 4), ([0.5], 1), ([1.0, 0.0], 1), ([0.3, 0.3, 0.3], 3)],
+                         ids=["no-rewards", "one-reward", "groups-of-one", "one-equal-group"])
+def test_group_advantages_at_edge_sizes(rewards, group_size):
+    a = group_advantages(torch.tensor(rewards), group_size)
+    assert a.shape == (len(rewards),) and torch.equal(a, torch.zeros(len(rewards)))
 
 
 @pytest.mark.parametrize("value", [0.7, 7.3, 12.7, 100.3, -3.1, 1e-3])
@@ -171,6 +195,19 @@ def test_master_adamw_sums_the_backwards_gradients_in_fp32():
     assert torch.equal(opt.master[0].grad, g1.float())
 
 
+@pytest.mark.parametrize("max_grad_norm", [1.0, None], ids=["clipped", "unclipped"])
+def test_a_master_adamw_step_without_gradients_changes_nothing(max_grad_norm):
+    """No backward reached a parameter: the unclipped step's norm was torch.stack([]) ('stack expects a non-empty
+    TensorList'); both give norm 0 and leave the weights as they were."""
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = MasterAdamW([w], lr=0.1)
+    assert opt.step(max_grad_norm) == 0.0 and torch.equal(w.detach(), torch.ones(4, dtype=torch.bfloat16))
+    (w * 2).sum().backward()
+    assert opt.step(max_grad_norm) == pytest.approx(4.0) and not torch.equal(w.detach(), torch.ones_like(w))
+
+
 def test_a_second_master_adamw_over_a_parameter_is_refused_until_the_first_is_released():
     """Two optimizers' gradient hooks on one parameter: the second would find the gradient already moved to the
     first's master copy (and freed). Building it is refused by name; after ``release`` it owns the parameter."""
@@ -184,3 +221,20 @@ def test_a_second_master_adamw_over_a_parameter_is_refused_until_the_first_is_re
     second = MasterAdamW([w], lr=1e-3)
     (w * 3).sum().backward()
     assert first.master[0].grad is None and torch.equal(second.master[0].grad, torch.full((4,), 3.0))
+
+
+@pytest.mark.parametrize("rows, mbs, want", [
+    (4, None, [(0, 4)]), (4, 0, [(0, 4)]), (4, 1, [(i, i + 1) for i in range(4)]), (4, 4, [(0, 4)]),
+    (1, 1, [(0, 1)]), (0, 2, []), (5, 2, [(0, 2), (2, 4), (4, 6)])],
+                         ids=["none", "zero", "one-row-each", "one", "one-row", "no-rows", "short-last"])
+def test_batch_slices_cover_every_row_once(rows, mbs, want):
+    got = batch_slices(rows, mbs)
+    assert [(s.start, s.stop) for s in got] == want
+    assert sum(len(range(rows)[s]) for s in got) == rows
+
+
+@pytest.mark.parametrize("mbs", [-1, 1.5, True], ids=["negative", "float", "bool"])
+def test_batch_slices_name_a_bad_micro_batch_size(mbs):
+    """A negative size gave no slice at all (every row dropped; the driver then divided by 0 micro-batches)."""
+    with pytest.raises(ValueError, match=re.escape(f"micro_batch_size={mbs!r} must be None or an int >= 0")):
+        batch_slices(4, mbs)
