@@ -193,7 +193,7 @@ class MoEStep:
         S, B = hidden.shape[0], hidden.shape[1]
         full_s = self._full_seq(S)
         seq = self._seq(S, full_s)
-        count = self.state.counted(seq, S * B, hidden.device)  # None: every token counts
+        count = self.state.counted(B, full_s, seq, hidden.device)  # None: every token counts
         token = self.state.token_index(B, full_s, seq, hidden.device)  # [T]: each token's batch-major row
         fc1 = self._fc1_rows(seq, B, full_s, count, token, hidden.device)  # batch-major rows [B * full_s]
         if not self.guide_fc2 and FC2 in self.state.config.guided_sites and self.state.config.quantizes(FC2):
