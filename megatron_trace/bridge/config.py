@@ -32,6 +32,12 @@ def check_supported(hf_config) -> None:
     if quant:
         raise NotImplementedError(f"quantization_config={dict(quant)!r}: only unquantized (bf16 / fp16 / fp32) "
                                   "checkpoints are mapped; start from the model's unquantized release")
+    if getattr(hf_config, "num_experts_per_tok", 2) == 1 and getattr(hf_config, "norm_topk_prob", False):
+        raise NotImplementedError(
+            "num_experts_per_tok=1 with norm_topk_prob=True: every token's routing weight is 1.0, which Megatron's "
+            "router does not express (it refuses top-1 after the softmax, and moe_router_pre_softmax=True would "
+            "weight each token by its softmax probability instead); mapped: num_experts_per_tok >= 2, or top-1 with "
+            "norm_topk_prob=False")
     act = getattr(hf_config, "hidden_act", "silu")
     if act != "silu":
         raise NotImplementedError(f"hidden_act={act!r}: the experts and MLPs are mapped as SwiGLU (silu) only")

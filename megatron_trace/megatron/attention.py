@@ -63,7 +63,7 @@ class KVStep:
         if site not in st.config.guided_sites:
             return None
         S, B, g = x.shape[0], x.shape[1], x.shape[2]
-        count = st.counted(slice(0, S), S * B, x.device)
+        count = st.counted(B, S, slice(0, S), x.device)
         n = counted_total(count, S * B)
         if not st.is_guided(self.layer, site):
             st.count(self.layer, site, 0, {NOT_GUIDED: n})

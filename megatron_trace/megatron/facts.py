@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from ..kernels.checks import host_values
-from .moe_step import MoEStep
+from .moe_step import FC1, MoEStep
 
 
 def step_facts(steps) -> None:
@@ -19,7 +19,10 @@ def step_facts(steps) -> None:
 
     Where a layer repeats an expert only at padding positions (``StepGuidance.token_mask`` False; the rollouts
     fill padding with expert 0), those positions are replayed as experts 0..k-1: distinct, so no ``nonzero``
-    either. Padding tokens feed no real token and no loss term, so real tokens' numbers do not change."""
+    either. Padding tokens feed no real token and no loss term, so real tokens' numbers do not change.
+
+    Under tensor/expert parallelism the experts also compute other ranks' rows: whether those are all valid is
+    agreed with one all-reduce over the group (``_agree_received``), a second read."""
     groups = _routing_groups([st for st in steps if isinstance(st, MoEStep) and st.routing is not None])
     ranges = [v for _, r in groups for v in torch.aminmax(r)]  # min, max of each group's indices
     replayed = [st for group, _ in groups for st in group]
@@ -47,6 +50,31 @@ def step_facts(steps) -> None:
                 setattr(owner, name, dataclasses.replace(c, all_valid=True))
             else:
                 owner.sites[name] = dataclasses.replace(c, all_valid=True)
+    _agree_received([st for st in steps if isinstance(st, MoEStep)])
+
+
+def _agree_received(steps: list[MoEStep]) -> None:
+    """``MoEStep.received_all_valid`` of the layers whose experts compute other ranks' rows (tensor/expert
+    parallel group > 1): their guidance rows are all valid only where every rank's are, and fit its batch (the
+    routing replayed: its [B, S] is the batch's); one all-reduce (MIN) per group over every layer's flags."""
+    groups: dict[int, tuple] = {}
+    for st in steps:
+        group = st.moe.experts._trace_pg.tp_ep
+        if st.codecs and group.size() > 1:
+            groups.setdefault(id(group), (group, []))[1].append(st)
+    for group, members in groups.values():
+        sites = [(st, site) for st in members for site in st.codecs]
+        flags = torch.tensor([_sends_all_valid(st, site) for st, site in sites], dtype=torch.int32,
+                             device=next(members[0].moe.parameters()).device)
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MIN, group=group)
+        for (st, site), v in zip(sites, flags.tolist()):
+            st.received_all_valid[site] = bool(v)
+
+
+def _sends_all_valid(st: MoEStep, site: str) -> bool:
+    """This rank's guidance rows of ``site`` will all be valid when dispatched (``MoEStep._fits`` at the forward)."""
+    c = st.fc1 if site == FC1 else st.fc2
+    return c.all_valid and st.routing is not None and tuple(c.sg.record.shape[:2]) == tuple(st.routing.shape[:2])
 
 
 def _padding(token_mask: torch.Tensor | None, routing: torch.Tensor) -> torch.Tensor | None:

@@ -135,6 +135,9 @@ class MoEStep:
         self.back_codec = RowCodec(cfg.format, mcfg.moe_ffn_hidden_size, compact=False)  # recorded FC2 rows
         self.back_width = self.back_codec.width if self.recording_fc2 else 0
         self.routing_distinct = routing is None  # top-k distinct experts per token (replay: found per step)
+        # site -> every guidance row dispatched to this rank's experts is valid, from every rank of the tensor/expert
+        # parallel group (``facts.step_facts``; where rows cross ranks: ``checked.all_valid`` is this rank's own)
+        self.received_all_valid: dict[str, bool] = {}
         self._fwd: _Forward | None = None
         self._replay_slots = None
         self._host: tuple[CheckedSite, CheckedSite] | None = None  # fc1, fc2 as given, while held (``hold``)
@@ -193,7 +196,7 @@ class MoEStep:
         S, B = hidden.shape[0], hidden.shape[1]
         full_s = self._full_seq(S)
         seq = self._seq(S, full_s)
-        count = self.state.counted(seq, S * B, hidden.device)  # None: every token counts
+        count = self.state.counted(B, full_s, seq, hidden.device)  # None: every token counts
         token = self.state.token_index(B, full_s, seq, hidden.device)  # [T]: each token's batch-major row
         fc1 = self._fc1_rows(seq, B, full_s, count, token, hidden.device)  # batch-major rows [B * full_s]
         if not self.guide_fc2 and FC2 in self.state.config.guided_sites and self.state.config.quantizes(FC2):
@@ -352,10 +355,16 @@ class MoEStep:
             else:
                 rows = f.gathers[site]
             checked = self.fc1 if site == FC1 else self.fc2
-            setattr(out, "fc1" if site == FC1 else "fc2", dataclasses.replace(rows, all_valid=checked.all_valid))
+            all_valid = checked.all_valid if self._own_rows(experts) else self.received_all_valid.get(site, False)
+            setattr(out, "fc1" if site == FC1 else "fc2", dataclasses.replace(rows, all_valid=all_valid))
         if self.per_tensor_fc1:
             out.fc1_amax = decode_amax(data[:, col : col + 4])
         return out
+
+    @staticmethod
+    def _own_rows(experts) -> bool:
+        """The experts compute this rank's rows only (no tensor/expert parallelism): its own flags hold for them."""
+        return experts._trace_pg.tp_ep.size() == 1
 
     def _record_fc1(self, x, fc1: RowGuidance | None, batch: int) -> None:
         q = self.state.config.activation_quantizer()

@@ -139,15 +139,15 @@ class StepState:
                 "(use fallback='rne' to fall back to the trainer's own rounding)"
             )
 
-    def counted(self, seq: slice, tokens: int, device) -> torch.Tensor | None:
-        """bool [T]: which local tokens count (Megatron token order); None where every token counts (no
-        ``token_mask``)."""
+    def counted(self, batch: int, full_seq: int, seq: slice, device) -> torch.Tensor | None:
+        """bool [T]: which local tokens (positions ``seq`` of a [B, S] = [batch, full_seq] micro-batch) count, in
+        Megatron token order; None where every token counts (no ``token_mask``)."""
         if self.token_mask is None:
             return None
-        m = token_major(self.token_mask.to(device), seq)
-        if m.numel() != tokens:
-            raise ValueError(f"StepGuidance.token_mask {tuple(self.token_mask.shape)} does not fit {tokens} tokens")
-        return m
+        if tuple(self.token_mask.shape) != (batch, full_seq):  # (a transposed or longer mask would fit its numel)
+            raise ValueError(f"StepGuidance.token_mask has shape {tuple(self.token_mask.shape)}; the micro-batch "
+                             f"needs bool [B={batch}, S={full_seq}]")
+        return token_major(self.token_mask.to(device), seq)
 
     def cached(self, key: tuple, make):
         """``make()``, built once per step for ``key`` (index tensors every layer of the step shares)."""

@@ -50,6 +50,11 @@ def test_transformer_config_router_settings():
         transformer_config_from_hf(tiny_config(attention_bias=True))
     with pytest.raises(NotImplementedError, match="hidden_act='gelu'"):  # the MLPs would run silu
         transformer_config_from_hf(tiny_config(hidden_act="gelu"))
+    # top-1 renormalised is a weight of 1.0 (Megatron asked for pre-softmax, whose weight is the probability)
+    with pytest.raises(NotImplementedError, match="num_experts_per_tok=1 with norm_topk_prob=True"):
+        transformer_config_from_hf(tiny_config(num_experts_per_tok=1, norm_topk_prob=True))
+    c = transformer_config_from_hf(tiny_config(num_experts_per_tok=1, norm_topk_prob=False))
+    assert (c.moe_router_topk, c.moe_router_pre_softmax) == (1, True)
 
 
 def test_hf_checkpoint_gives_transformers_logits(ckpt):

@@ -1,6 +1,7 @@
 """Expert parallelism (2 processes, gloo): EP=2 with the allgather and alltoall dispatchers equals EP=1 for the
 same weights and tokens, with and without guidance; FC2 guidance reaches the rank that computes each row."""
 
+import dataclasses
 import os
 
 import pytest
@@ -36,19 +37,33 @@ def ep1(tmp_path_factory):
     model = build_model(cfg, trace_spec(stock_spec(cfg), TC))
     rollout = build_model(cfg, trace_spec(stock_spec(cfg), TC))
     perturb_non_experts(rollout, 0.01)
-    guidance, refs = [], []
+    guidance, invalid, refs = [], [], []
     for rank in range(WORLD):
         data = batch(seed=rank)
         roll = _record(rollout, data)["recorded"]
         guidance.append({"sites": roll.sites, "routing": roll.routing})
-        refs.append({"rne": _record(model, data), "guided": _record(model, data, StepGuidance(**guidance[-1]))})
+        # rank 1's rows of layer 3 partly invalid, rank 0's all valid: its experts must not take rank 1's rows as valid
+        invalid.append(_invalid_rows(guidance[-1], 3) if rank == 1 else guidance[-1])
+        refs.append({"rne": _record(model, data), "guided": _record(model, data, StepGuidance(**guidance[-1])),
+                     "invalid": _record(model, data, StepGuidance(**invalid[-1]))})
         pt = build_model(cfg, trace_spec(stock_spec(cfg), PER_TENSOR_FC1))
         pt.load_state_dict(model.state_dict())
         with torch.no_grad():
             refs[-1]["per_tensor_fc1"] = pt(*data[:3])
     torch.save({"trace_config": TC, "per_tensor_fc1": PER_TENSOR_FC1, "state_dict": model.state_dict(),
-                "guidance": guidance}, workdir / "shared.pt")
+                "guidance": guidance, "invalid": invalid}, workdir / "shared.pt")
     return workdir, refs
+
+
+def _invalid_rows(guidance: dict, layer: int) -> dict:
+    """``guidance`` with batch row 0's MoE records of ``layer`` invalid and zeroed (rows the rollout did not record)."""
+    sites = dict(guidance["sites"])
+    for site in ("expert_fc1_in", "expert_fc2_in"):
+        sg = sites[(layer, site)]
+        codes, valid = sg.record.codes.clone(), sg.valid.clone()
+        codes[0], valid[0] = 0, False
+        sites[(layer, site)] = dataclasses.replace(sg, record=dataclasses.replace(sg.record, codes=codes), valid=valid)
+    return {**guidance, "sites": sites}
 
 
 def _spawn(target, workdir, *args) -> list[dict]:
@@ -80,7 +95,7 @@ def test_ep2_equals_ep1(ep1, dispatcher):
         os.remove(f)
     results = _spawn(ep_worker, workdir, dispatcher)
     for rank, (got, want) in enumerate(zip(results, refs)):
-        for mode in ("rne", "guided"):
+        for mode in ("rne", "guided", "invalid"):
             assert torch.equal(got[mode]["logits"], want[mode]["logits"]), (rank, mode)
             # the codes each rank used (FC2 rows travel back from the expert's rank to the token's rank)
             _same_records(got[mode]["recorded"], want[mode]["recorded"])

@@ -228,6 +228,16 @@ def test_token_mask_leaves_padding_uncounted(rollout):
     assert h.counter.used == 2 * per_token * (T - 4)
 
 
+@pytest.mark.parametrize("shape", [(16, 2), (2, 20), (32,)], ids=["transposed", "longer", "flat"])
+def test_token_mask_of_another_shape_is_refused(rollout, shape):
+    """A mask that is not [B, S] names its shape and the batch's (a transposed or longer one has as many elements
+    among the batch's positions and was applied to the wrong tokens; a flat one failed with a bare IndexError)."""
+    tc, data, roll = rollout
+    mask = torch.ones(shape, dtype=torch.bool)
+    with pytest.raises(ValueError, match=rf"token_mask has shape \({shape[0]},.*needs bool \[B=2, S=16\]"):
+        _run(_model(tc), data, StepGuidance(sites=roll.sites, routing=roll.routing, token_mask=mask))
+
+
 def test_fallback_fail_raises(rollout):
     tc, data, roll = rollout
     sites = {k: v for k, v in roll.sites.items() if k != (2, "expert_fc2_in")}
