@@ -49,6 +49,8 @@ def check_against_model(cfg: TraceConfig, args) -> None:
     if known and not experts and not any(map(cfg.quantizes, KV_SITES)):
         raise ValueError(f"--trace-fp4 would quantize nothing: --trace-sites {','.join(cfg.sites)} has no KV site "
                          f"(kv_k, kv_v) and {_no_experts(moe)}")
+    if num_layers and known:
+        _check_guided_layers_have_sites(cfg, args, int(num_layers))
     if cfg.routing_replay and moe and getattr(args, "moe_enable_routing_replay", None) is False:
         raise ValueError("--trace-routing-replay (the default) needs Megatron's --moe-enable-routing-replay; "
                          "add it, or pass --no-trace-routing-replay")
@@ -65,6 +67,38 @@ def check_against_model(cfg: TraceConfig, args) -> None:
             raise ModulePatternError(f"--trace-exclude-modules: {e}") from None
     if getattr(args, "transformer_impl", None) == "transformer_engine":
         _check_te_imports()
+
+
+def _check_guided_layers_have_sites(cfg: TraceConfig, args, num_layers: int) -> None:
+    """Guided layers where no guided site is: the K/V sites are in every layer, the expert sites in the MoE layers
+    only (``--moe-layer-freq``). A listed layer without one, or a policy none of whose layers has one, would guide
+    nothing, silently; so would a ``--trace-guided-layers`` given with no guided site at all."""
+    guided = guided_layers(cfg, num_layers)
+    if not guided:
+        return
+    sites = [s for s in cfg.guided_sites if cfg.quantizes(s)]
+    layers_flag = getattr(args, "trace_guided_layers", None)
+    if not sites:
+        if layers_flag is not None:
+            raise ValueError(f"--trace-guided-layers {_layers_text(layers_flag)} would do nothing: there is no guided "
+                             "site (--trace-guided-sites is empty); name the sites to guide, or drop "
+                             "--trace-guided-layers")
+        return
+    moe_layers = moe_layer_ids(getattr(args, "num_experts", None), getattr(args, "moe_layer_freq", 1), num_layers)
+    with_sites = set(range(num_layers)) if any(s in KV_SITES for s in sites) else set(moe_layers)
+    missing = [i for i in guided if i not in with_sites]
+    if not missing or (cfg.guided_layers != "explicit" and len(missing) < len(guided)):
+        return
+    where = (f"the MoE layers {moe_layers} (--moe-layer-freq)" if moe_layers else
+             "no layer: the model has no MoE layers (no --num-experts)")
+    what = f"layer(s) {missing}" if cfg.guided_layers == "explicit" else \
+        f"{cfg.guided_layers!r} picks layer(s) {list(guided)}, which"
+    raise ValueError(f"--trace-guided-layers: {what} have no guided site: --trace-guided-sites {','.join(sites)} "
+                     f"(expert sites only) are in {where}; guide MoE layers, or add kv_k,kv_v to the guided sites")
+
+
+def _layers_text(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
 
 
 def check_not_modelopt(args) -> None:

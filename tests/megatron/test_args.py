@@ -210,8 +210,14 @@ MEGATRON = dict(num_layers=2, num_experts=4, moe_layer_freq=1, moe_enable_routin
     ([], {"use_distributed_optimizer": True, "overlap_param_gather": False}),
     (["--trace-sites", "kv_k,kv_v"], {"use_distributed_optimizer": True, "overlap_param_gather": True}),
     ([], {"use_distributed_optimizer": True, "overlap_param_gather": True}),  # (the experts run the DDP hooks)
+    # a guided layer with a guided site: a MoE layer, or any layer for the K/V sites; a policy may pick dense ones too
+    (["--trace-guided-layers", "1", "--trace-guided-sites", "expert_fc1_in"], {"moe_layer_freq": [0, 1]}),
+    (["--trace-guided-layers", "0"], {"moe_layer_freq": [0, 1]}),
+    (["--trace-guided-layers", "all", "--trace-guided-sites", "expert_fc1_in"], {"moe_layer_freq": [0, 1]}),
+    (["--trace-guided-sites", ""], {}),  # no guidance, the default policy aside
 ], ids=["moe", "reuse_weight_quant", "dense_kv_only", "exclude_with_moe_layer_freq", "allgather",
-        "distributed_optimizer", "overlap_param_gather_stock_experts", "overlap_param_gather"])
+        "distributed_optimizer", "overlap_param_gather_stock_experts", "overlap_param_gather", "guided_moe_layer",
+        "guided_dense_layer_kv_sites", "guided_policy_some_dense", "no_guided_sites"])
 def test_megatron_flags_trace_supports(argv, model):
     assert trace_config_from_args(parse(["--trace-fp4", *argv], **{**MEGATRON, **model})).enabled
 
@@ -235,9 +241,22 @@ def test_megatron_flags_trace_supports(argv, model):
     (["--trace-exclude-modules", "model.layers.0.mlp.experts"], {"moe_layer_freq": [0, 1]}, ModulePatternError,
      r"--trace-exclude-modules: .*'model.layers.0.mlp.experts' matches none of the 3 modules"),
     (["--trace-exclude-modules", "decoder.layers.0.mlp.experts"], {}, ModulePatternError, r"matches none"),
+    # guided layers where no guided site is would guide nothing (the expert sites are in the MoE layers only)
+    (["--trace-guided-layers", "0,1", "--trace-guided-sites", "expert_fc1_in,expert_fc2_in"],
+     {"moe_layer_freq": [0, 1]}, ValueError,
+     r"--trace-guided-layers: layer\(s\) \[0\] have no guided site: --trace-guided-sites expert_fc1_in,expert_fc2_in "
+     r"\(expert sites only\) are in the MoE layers \[1\] \(--moe-layer-freq\)"),
+    (["--trace-sites", "expert_fc1_in,expert_fc2_in,weights", "--trace-guided-layers", "1"],
+     {"num_layers": 3, "moe_layer_freq": 2}, ValueError,
+     r"layer\(s\) \[1\] have no guided site: .*MoE layers \[0, 2\]"),
+    (["--trace-guided-layers", "last_k", "--trace-guided-last-k", "1", "--trace-guided-sites", "expert_fc2_in"],
+     {"moe_layer_freq": [1, 0]}, ValueError, r"'last_k' picks layer\(s\) \[1\], which have no guided site"),
+    (["--trace-guided-layers", "0,1", "--trace-guided-sites", ""], {}, ValueError,
+     r"--trace-guided-layers 0,1 would do nothing: there is no guided site \(--trace-guided-sites is empty\)"),
 ], ids=["legacy_models", "modelopt", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "dense_expert_sites_only",
         "reuse_ste_clip", "reuse_dense", "reuse_no_weight_site", "reuse_te_grouped", "exclude_dense_layer",
-        "exclude_megatron_name"])
+        "exclude_megatron_name", "guided_list_names_a_dense_layer", "guided_list_with_int_moe_layer_freq",
+        "guided_policy_picks_only_dense_layers", "guided_list_without_guided_sites"])
 def test_megatron_flags_trace_refuses_before_the_build(argv, model, error, match):
     """What the patched gpt_builder meets first (before Megatron's config, spec or modules)."""
     with pytest.raises(error, match=match):

@@ -195,6 +195,9 @@ CLEAR_ERRORS = {  # id: (argv, stage, error type, message pattern); raised by TR
                        r"moe_apply_probs_on_input=True"),
     "legacy_models": (flags("--trace-fp4", "--use-legacy-models", "--ckpt-format", "torch"), "build", "ValueError",
                       r"--trace-fp4 needs Megatron-Core models: --use-legacy-models"),
+    "guided_a_dense_layer": (flags("--trace-fp4", "--moe-layer-freq", "[0,1]", "--trace-guided-layers", "0",
+                                   "--trace-guided-sites", "expert_fc1_in,expert_fc2_in"), "build", "ValueError",
+                             r"--trace-guided-layers: layer\(s\) \[0\] have no guided site: .*MoE layers \[1\]"),
 }
 
 ARGPARSE_ERRORS = {  # id: (argv, what argparse prints)
