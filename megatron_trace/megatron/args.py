@@ -82,6 +82,7 @@ def _site_list(valid: tuple[str, ...]):
         bad = [s for s in items if s not in valid]
         if bad:
             raise argparse.ArgumentTypeError(f"unknown site(s) {bad}; valid: {', '.join(valid)}")
+        _no_repeats(items, text)
         return items
 
     return parse
@@ -100,7 +101,15 @@ def _layers(text: str):
         ) from None
     if not ids or any(i < 0 for i in ids):
         raise argparse.ArgumentTypeError(f"layer ids must be >= 0, got {text!r}")
+    _no_repeats(ids, text)
     return ids
+
+
+def _no_repeats(items: tuple, text: str) -> None:
+    """A list item given twice (``kv_k,kv_k`` for ``kv_k,kv_v``?) is refused: the config would keep it twice."""
+    twice = sorted({i for i in items if items.count(i) > 1}, key=items.index)
+    if twice:
+        raise argparse.ArgumentTypeError(f"{', '.join(map(str, twice))} given twice in {text!r}")
 
 
 def _patterns(text: str) -> tuple[str, ...]:

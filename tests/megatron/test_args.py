@@ -158,12 +158,24 @@ def test_invalid_combinations_name_the_value(argv, match):
     ["--trace-guided-layers", "deepest"],
     ["--trace-guided-layers", "-1"],
     ["--trace-format", "int4"],
+    ["--trace-sites", "kv_k,kv_k,weights"],  # (a typo for kv_k,kv_v: the config kept kv_k twice)
+    ["--trace-guided-sites", "expert_fc1_in, expert_fc1_in"],
+    ["--trace-guided-layers", "1,2,1"],
 ])
 def test_unknown_values_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit):
         parse(argv)
     err = capsys.readouterr().err
     assert "--trace-" in err
+
+
+def test_a_repeated_list_item_is_named(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--trace-sites", "kv_k,kv_k,weights"])
+    assert "argument --trace-sites: kv_k given twice in 'kv_k,kv_k,weights'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse(["--trace-guided-layers", "3,1,3"])
+    assert "argument --trace-guided-layers: 3 given twice in '3,1,3'" in capsys.readouterr().err
 
 
 def test_unknown_site_message_lists_the_valid_ones(capsys):
