@@ -182,6 +182,8 @@ def trace_config_from_args(args: argparse.Namespace) -> TraceConfig:
         fields["guided_layers"] = layers
     if "guided_sites" not in fields and "sites" in fields:  # guided sites default to the quantized ones
         fields["guided_sites"] = tuple(s for s in ACTIVATION_SITES if s in fields["sites"])
+    elif getattr(args, "trace_sites", None) is not None and getattr(args, "trace_guided_sites", None) is None:
+        _check_file_guided_sites(path, fields)
     if fields["enabled"] and fields.get("guided_layers") == "budget":  # (before the config asks for a byte budget)
         raise ValueError(_BUDGET_AT_LAUNCH)
     try:
@@ -211,6 +213,16 @@ def _read_config_file(path: str) -> dict:
         raise ValueError(f"--trace-config {path} holds a JSON {type(base).__name__}; it must be an object of "
                          'TraceConfig fields (e.g. {"format": "mxfp4"}, as TraceConfig.to_dict() writes)')
     return base
+
+
+def _check_file_guided_sites(path: str, fields: dict) -> None:
+    """``--trace-sites`` narrowing a config file's sites below its ``guided_sites`` (every file ``to_dict`` writes has
+    them): said with the flag that fixes it, not as the config's own error about ``guided_sites``."""
+    guided = fields["guided_sites"]
+    if isinstance(guided, list | tuple) and not set(guided) <= set(fields["sites"]):
+        kept = ",".join(s for s in ACTIVATION_SITES if s in guided and s in fields["sites"])
+        raise ValueError(f"--trace-sites {','.join(fields['sites'])} leaves out guided sites of --trace-config {path} "
+                         f"(guided_sites={list(guided)}); pass --trace-guided-sites {kept or repr('')} with it")
 
 
 def _given_flags(args) -> list[str]:

@@ -122,6 +122,20 @@ def test_a_bad_config_file_is_named(tmp_path, content, match):
         trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path)]))
 
 
+def test_sites_narrowing_a_config_files_guided_sites_name_the_flag(tmp_path):
+    """A file TraceConfig.to_dict() wrote has guided_sites: --trace-sites alone would leave them unquantized."""
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(TraceConfig(format="mxfp4").to_dict()))
+    argv = ["--trace-fp4", "--trace-config", str(path), "--trace-sites", "expert_fc1_in,weights"]
+    match = (r"--trace-sites expert_fc1_in,weights leaves out guided sites of --trace-config .*trace.json "
+             r"\(guided_sites=\['expert_fc1_in', 'expert_fc2_in', 'kv_k', 'kv_v'\]\); pass --trace-guided-sites "
+             r"expert_fc1_in with it")
+    with pytest.raises(ValueError, match=match):
+        trace_config_from_args(parse(argv))
+    cfg = trace_config_from_args(parse([*argv, "--trace-guided-sites", "expert_fc1_in"]))
+    assert (cfg.format, cfg.sites, cfg.guided_sites) == ("mxfp4", ("expert_fc1_in", "weights"), ("expert_fc1_in",))
+
+
 def test_config_file_is_the_base_and_flags_override(tmp_path):
     path = tmp_path / "trace.json"
     path.write_text(json.dumps(TraceConfig(cache_mode="full", guided_fraction=0.25).to_dict()))
