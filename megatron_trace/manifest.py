@@ -26,17 +26,20 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
+
 from .config import KV_SITES, TraceConfig
 from .formats import E2M1_MAX, E4M3_MAX, get_format
 from .guidance.selection import guided_layers
 
-MANIFEST_VERSION = 2
-"""2: ``kv_format`` (the KV sites' format) added."""
+MANIFEST_VERSION = 3
+"""2: ``kv_format`` (the KV sites' format) added. 3: ``dtype`` (the dtype each side quantizes from) added."""
 NVFP4_SCALE_RULE = "e4m3_rn_sat(min(448*6/amax_global,FLT_MAX)*amax_block/6)"
 """NVFP4 block scale rule as the recipe names it (S_enc saturates at FLT_MAX: ``formats.nvfp4.encode_scale``)."""
 
 
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
+RECIPE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class RecipeMismatchError(ValueError):
@@ -66,12 +69,19 @@ class QuantRecipe:
     cache_mode: str
     quantized_modules: tuple[str, ...]
     weight_version: int
+    dtype: str = "bfloat16"  # the floating dtype weights and activations are in when quantized (model / params dtype)
     manifest_version: int = MANIFEST_VERSION
 
     @classmethod
     def from_config(
-        cls, config: TraceConfig, *, guided_layers: tuple[int, ...], quantized_modules, weight_version: int = 0
+        cls, config: TraceConfig, *, guided_layers: tuple[int, ...], quantized_modules, weight_version: int = 0,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> QuantRecipe:
+        """``dtype``: the dtype this side quantizes its expert weights and activations from (the trainer's
+        parameters, the rollout model's dtype). The same inputs quantize to different codes and dequantize to
+        different values in another dtype (an FP32 trainer against a BF16 rollout: USER_NEEDS.md, xtuner#2044)."""
+        if dtype not in RECIPE_DTYPES:
+            raise ValueError(f"dtype={dtype} is not one of {RECIPE_DTYPES}")
         fmt = get_format(config.format, config.mxfp4_scale_rule)
         nv = config.format == "nvfp4"
         kv = config.enabled and any(s in config.sites for s in KV_SITES)
@@ -93,6 +103,7 @@ class QuantRecipe:
             cache_mode=config.cache_mode,
             quantized_modules=tuple(sorted(quantized_modules)),
             weight_version=int(weight_version),
+            dtype=str(dtype).removeprefix("torch."),
         )
 
     def to_json(self) -> str:
@@ -196,12 +207,24 @@ def trainer_quantized_modules(layers) -> tuple[str, ...]:
     return quantized_module_names(layers.config, moe_layers=layers.moe, attention_layers=layers.kv)
 
 
+def trainer_dtype(layers) -> torch.dtype:
+    """The dtype the trainer quantizes from: its routed experts' parameters (what they fake-quantize; Megatron's
+    fp32 main params live in the optimizer), else the KV layers' ``params_dtype``."""
+    for m in layers.moe.values():
+        for p in m.experts.parameters():
+            return p.dtype
+    for m in layers.kv.values():
+        return m.config.params_dtype
+    raise ValueError("the model has no TRACE experts or KV layers to take the dtype from")
+
+
 def trainer_recipe(layers, *, weight_version: int = 0) -> QuantRecipe:
     """The trainer's recipe from ``megatron.find_trace_layers(model)`` (layer policy over its layer count).
 
     Under pipeline parallelism each stage lists its own layers: gather the lists before comparing."""
     return QuantRecipe.from_config(layers.config, guided_layers=guided_layers(layers.config, layers.num_layers),
-                                   quantized_modules=trainer_quantized_modules(layers), weight_version=weight_version)
+                                   quantized_modules=trainer_quantized_modules(layers), weight_version=weight_version,
+                                   dtype=trainer_dtype(layers))
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ def test_kv_format_is_the_kv_sites_format():
     r = _recipe(kv_format="sglang_kvfp4")
     assert QuantRecipe.from_json(r.to_json()) == r
     with pytest.raises(RecipeMismatchError, match="manifest_version=1"):
-        QuantRecipe.from_json(r.to_json().replace('"manifest_version": 2', '"manifest_version": 1'))
+        QuantRecipe.from_json(r.to_json().replace('"manifest_version": 3', '"manifest_version": 1'))
 
 
 def test_weight_version_checked_unless_ignored():

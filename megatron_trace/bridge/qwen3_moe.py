@@ -134,6 +134,19 @@ _LOCAL_TO_TE = (
 _TE_EXPERT = re.compile(r"^(.*\.mlp\.experts\.linear_fc[12]\.weight)(\d+)$")
 
 
+def _check_cast_fits(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """Raise if casting checkpoint tensor ``t`` to the parameters' ``dtype`` turns finite values into Inf (an fp32 or
+    bf16 checkpoint loaded into float16, whose largest value is 65504): the model would run on Inf silently."""
+    if not t.is_floating_point() or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
+        return
+    over = torch.isinf(t.to(dtype)) & torch.isfinite(t)
+    if bool(over.any()):
+        big = float(t[over].abs().max())
+        raise ValueError(f"{name}: {int(over.sum())} value(s) (|x| up to {big:g}) overflow the bridge's dtype={dtype} "
+                         f"(largest finite {torch.finfo(dtype).max:g}); build the bridge in torch.bfloat16 or "
+                         "torch.float32")
+
+
 class Qwen3MoeBridge(_MBridgeQwen3MoE):
     """mbridge's Qwen3-MoE bridge for Megatron's local spec on any device (see the module docstring).
 
@@ -266,6 +279,8 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
     def _read_shards(self, name: str, hf_names: list[str], param: torch.Tensor, size: int, cache: dict) -> list:
         """The ``size`` shards of one parameter, from the cache or read now, on the parameter's device and dtype."""
         hf = [cache.pop(n) if n in cache else self.safetensor_io.load_one_hf_weight(n) for n in hf_names]
+        for n, t in zip(hf_names, hf):
+            _check_cast_fits(n, t, param.dtype)
         return [t.to(param.device, param.dtype).contiguous()
                 for t in self._weight_split_across_tp(name, self._weight_to_mcore_format(name, hf), param, size)]
 

@@ -104,7 +104,7 @@ def sglang_module_audit(config: TraceConfig, hf_config, exclude_modules: Sequenc
 
 
 def backend_recipe(config: TraceConfig, *, guided_layers: Iterable[int], audit: ModuleAudit,
-                   weight_version: int) -> QuantRecipe:
-    """The recipe a rollout backend serves (``config`` as ``effective_config`` gives it)."""
+                   weight_version: int, dtype: torch.dtype = torch.bfloat16) -> QuantRecipe:
+    """The recipe a rollout backend serves (``config`` as ``effective_config`` gives it; ``dtype``: the model's)."""
     return QuantRecipe.from_config(config, guided_layers=tuple(sorted(set(guided_layers))),
-                                   quantized_modules=audit.quantized, weight_version=weight_version)
+                                   quantized_modules=audit.quantized, weight_version=weight_version, dtype=dtype)

@@ -263,7 +263,7 @@ class HFRolloutBackend:
         """The recipe this backend serves (weight version: ``policy_version`` unless given)."""
         v = self.policy_version if weight_version is None else weight_version
         return backend_recipe(effective_config(self.config, self.mode), guided_layers=self._guided_layer_ids,
-                              audit=self.module_audit(), weight_version=v)
+                              audit=self.module_audit(), weight_version=v, dtype=self.model.dtype)
 
     def check_recipe(self, trainer: QuantRecipe, *, weight_version: int | None = None,
                      ignore: tuple[str, ...] | None = None) -> None:

@@ -387,3 +387,24 @@ def test_the_export_leaves_the_callers_gradient_mode_alone():
     (x * 2).sum().backward()  # a training step while the export waits (the stream is kept, not finished)
     assert torch.equal(x.grad, torch.full((2,), 2.0))
     assert len(list(stream)) > 0
+
+
+def test_a_value_that_overflows_float16_is_refused_naming_the_tensor(tmp_path):
+    """An fp32 checkpoint loaded into a float16 bridge: a value past 65504 became Inf in the parameter, silently."""
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=3)
+    disk = _disk(path)
+    name = "model.layers.0.mlp.experts.0.down_proj.weight"
+    big = disk[name].float().clone()
+    big[0, 0] = 1e5
+    _rewrite(path, {**disk, name: big})
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=torch.float16)
+    with pytest.raises(ValueError, match=rf"{name}: 1 value\(s\) \(\|x\| up to 100000\) overflow .*float16"):
+        load_hf_checkpoint(bridge.build_model(), path, bridge)
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)  # fits bf16
+    model = bridge.build_model()
+    load_hf_checkpoint(model, path, bridge)
+    assert all(p.isfinite().all() for p in model.parameters())

@@ -29,9 +29,9 @@ from ..rollout._tiny import tiny_config, tiny_model
 CFG = TraceConfig(guided_layers="last_k", guided_last_k=2)
 
 
-def _hf(config=CFG, **hf_kw):
+def _hf(config=CFG, dtype=torch.float32, **hf_kw):
     return HFRolloutBackend(tiny_model(tiny_config(num_hidden_layers=LAYERS, **hf_kw)), mode="fp4",
-                            trace_config=config, dtype=torch.float32)
+                            trace_config=config, dtype=dtype)
 
 
 def _trainer(config=CFG, **mcfg):
@@ -41,7 +41,7 @@ def _trainer(config=CFG, **mcfg):
 
 @pytest.mark.usefixtures("world1")
 def test_trainer_and_hf_rollout_quantize_the_same_modules():
-    layers, be = _trainer(), _hf()
+    layers, be = _trainer(), _hf(dtype=torch.bfloat16)  # (the harness trainer is bf16: the recipe's dtype)
     quant = trainer_quantized_modules(layers)
     assert quant == be.module_audit().quantized
     assert quant == tuple(sorted([f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
@@ -67,7 +67,7 @@ def test_a_hybrid_model_with_expert_sites_only_has_one_recipe():
     it has no site to guide), so the recipes agree."""
     cfg = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"),
                       guided_sites=("expert_fc1_in", "expert_fc2_in"), guided_layers="all")
-    layers, be = _trainer(cfg, moe_layer_freq=[0, 1, 1, 1]), _hf(cfg, mlp_only_layers=[0])
+    layers, be = _trainer(cfg, moe_layer_freq=[0, 1, 1, 1]), _hf(cfg, torch.bfloat16, mlp_only_layers=[0])
     assert be.recipe().guided_layers == trainer_recipe(layers).guided_layers == tuple(range(LAYERS))
     check_recipe(trainer_recipe(layers), be.recipe())
     assert not any(layer == 0 for layer, _ in be.guided_sites)
@@ -120,3 +120,14 @@ def test_patterns_are_full_matches_never_substrings():
     assert match_modules(names, ["model.layers.*.mlp.gate"]) == {names[0], names[2]}
     with pytest.raises(ModulePatternError, match="'mlp.gate' matches none of the 3 modules"):
         match_modules(names, ["mlp.gate"])
+
+
+@pytest.mark.usefixtures("world1")
+def test_an_fp32_trainer_and_a_bf16_rollout_disagree_on_dtype():
+    """The trainer's recipe names the dtype its experts quantize from (here its fp32 parameters): against a bf16
+    rollout (which quantizes the exported bf16 weights) the check fires; an fp32 rollout agrees."""
+    layers = _trainer(params_dtype=torch.float32, pipeline_dtype=torch.float32, bf16=False)
+    assert trainer_recipe(layers).dtype == "float32"
+    with pytest.raises(RecipeMismatchError, match="dtype: trainer='float32' hf rollout='bfloat16'"):
+        check_recipe(trainer_recipe(layers), _hf(dtype=torch.bfloat16).recipe(), what="hf rollout")
+    check_recipe(trainer_recipe(layers), _hf().recipe())

@@ -28,9 +28,9 @@ NO_EXPERTS0 = CFG.replace(exclude_modules=(EXPERTS0,))
 NO_LAYER0 = CFG.replace(exclude_modules=("model.layers.0.*",))  # experts and KV cache of layer 0
 
 
-def _hf(config=CFG, mode="fp4", **hf_kw):
+def _hf(config=CFG, mode="fp4", dtype=torch.float32, **hf_kw):
     return HFRolloutBackend(tiny_model(tiny_config(num_hidden_layers=LAYERS, **hf_kw)), mode=mode,
-                            trace_config=config, dtype=torch.float32)
+                            trace_config=config, dtype=dtype)
 
 
 def _model(config=CFG, **mcfg):
@@ -54,7 +54,7 @@ def test_excluding_layer0_experts_on_both_sides_agrees_and_leaves_other_codes_al
     quant, audit = trainer_quantized_modules(layers), be.module_audit()
     assert quant == audit.quantized and EXPERTS0 not in quant and EXPERTS0 in audit.bf16
     assert "model.layers.0.self_attn.kv_cache" in quant  # only what the pattern names
-    check_recipe(trainer_recipe(layers), be.recipe())
+    check_recipe(trainer_recipe(layers), _hf(NO_EXPERTS0, dtype=torch.bfloat16).recipe())  # (the trainer's dtype)
 
     # rollout: layer 0 keeps its BF16 weights (no FP4 codes); every other layer's codes are unchanged
     base, raw = _hf(), tiny_model(tiny_config(num_hidden_layers=LAYERS))

@@ -23,9 +23,10 @@ MOE = tuple(f"model.layers.{i}.mlp.experts" for i in range(3))
 KV = tuple(f"model.layers.{i}.self_attn.kv_cache" for i in range(3))
 
 
-def trainer_recipe(config=CFG, version=0, modules=MOE + KV, guided=(1, 2)):
+def trainer_recipe(config=CFG, version=0, modules=MOE + KV, guided=(1, 2), dtype=torch.float32):
     """What the trainer writes (in the RL job: ``manifest.trainer_recipe(find_trace_layers(model))``)."""
-    return QuantRecipe.from_config(config, guided_layers=guided, quantized_modules=modules, weight_version=version)
+    return QuantRecipe.from_config(config, guided_layers=guided, quantized_modules=modules, weight_version=version,
+                                   dtype=dtype)  # (the hf backends below run float32, SGLang bfloat16)
 
 
 def _backend(config=CFG, **kw):
@@ -83,13 +84,13 @@ def test_sglang_backend_checks_the_recipe_at_startup_and_sync():
     accepted; every sync needs the recipe (checked before the engine is touched)."""
     hf = HF.to_dict()
     with pytest.raises(RecipeMismatchError, match="sites: trainer=.*kv_k"):
-        SGLangRolloutBackend(None, CFG, hf, recipe=trainer_recipe())
+        SGLangRolloutBackend(None, CFG, hf, recipe=trainer_recipe(dtype=torch.bfloat16))
     cfg = without_kv(CFG)
-    be = SGLangRolloutBackend(None, cfg, hf, recipe=trainer_recipe(cfg, modules=MOE))
+    be = SGLangRolloutBackend(None, cfg, hf, recipe=trainer_recipe(cfg, modules=MOE, dtype=torch.bfloat16))
     with pytest.raises(RecipeMismatchError, match="without the trainer's recipe"):
         be.update_weights([])
     with pytest.raises(RecipeMismatchError, match="weight_version: trainer=0 sglang rollout=1"):
-        be.update_weights([], recipe=trainer_recipe(cfg, modules=MOE))
+        be.update_weights([], recipe=trainer_recipe(cfg, modules=MOE, dtype=torch.bfloat16))
     assert be.policy_version == 0
 
 
@@ -102,11 +103,12 @@ def test_an_update_refused_after_the_recipe_check_keeps_the_old_recipe():
         be.update_weights(bad, recipe=trainer_recipe(version=1))
     assert be.trainer_recipe == trainer_recipe() and be.policy_version == 0
     cfg = without_kv(CFG)
-    sg = SGLangRolloutBackend(None, cfg, HF.to_dict(), recipe=trainer_recipe(cfg, modules=MOE))
+    sg = SGLangRolloutBackend(None, cfg, HF.to_dict(), recipe=trainer_recipe(cfg, modules=MOE, dtype=torch.bfloat16))
     expert = "model.layers.0.mlp.experts.0.down_proj.weight"  # the engine holds it as packed NVFP4
     with pytest.raises(ValueError, match="send FP4 values"):
-        sg.update_weights([(expert, torch.zeros(2))], recipe=trainer_recipe(cfg, version=1, modules=MOE))
-    assert sg.trainer_recipe == trainer_recipe(cfg, modules=MOE) and sg.policy_version == 0
+        sg.update_weights([(expert, torch.zeros(2))],
+                          recipe=trainer_recipe(cfg, version=1, modules=MOE, dtype=torch.bfloat16))
+    assert sg.trainer_recipe == trainer_recipe(cfg, modules=MOE, dtype=torch.bfloat16) and sg.policy_version == 0
 
 # ---- no numeric setting from the environment -------------------------------------------------------
 ALLOWED = {("testing/megatron_cpu.py", "TORCHDYNAMO_DISABLE")}
@@ -158,3 +160,24 @@ def test_the_environment_scan_fires_on_a_read():
     src = "import os\nBLOCK = int(os.environ.get('TRACE_BLOCK', '16'))\nX = os.environ['Y']\nos.getenv('Z')\n" \
           "os.environ.setdefault('A', '1')\nB = os.environ.setdefault('B', '2')\n"
     assert [v for _, v in _environment_reads(ast.parse(src))] == ["TRACE_BLOCK", "Y", "Z", "B"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_rollout_in_another_dtype_is_refused_naming_both(dtype):
+    """An FP32 trainer against a BF16 (or FP16) rollout quantizes other inputs and dequantizes to other values
+    (USER_NEEDS.md: xtuner#2044, the mismatch grew 25x); the recipes agreed on every field before."""
+    be = HFRolloutBackend(tiny_model(), mode="fp4", trace_config=CFG, dtype=dtype)
+    assert be.recipe().dtype == str(dtype).removeprefix("torch.")
+    with pytest.raises(RecipeMismatchError, match=rf"dtype: trainer='float32' hf rollout='{be.recipe().dtype}'"):
+        be.check_recipe(trainer_recipe())
+    be.check_recipe(QuantRecipe.from_config(CFG, guided_layers=(1, 2), quantized_modules=MOE + KV, dtype=dtype))
+
+
+def test_sglang_recipe_takes_the_engines_dtype():
+    class Engine:
+        server_args = type("Args", (), {"dtype": "float16", "kv_cache_dtype": "auto"})()
+
+    be = SGLangRolloutBackend(Engine(), CFG, HF.to_dict(), native=False)
+    assert be.recipe().dtype == "float16"
+    Engine.server_args.dtype = "auto"
+    assert be.recipe().dtype == "bfloat16"

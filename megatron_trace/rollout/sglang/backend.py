@@ -66,6 +66,10 @@ def decode_routing(b64: str, seq_len: int, num_layers: int) -> torch.Tensor:
     return torch.from_numpy(a.copy()).long().reshape(seq_len - 1, num_layers, -1)
 
 
+_SERVER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+                  "float32": torch.float32, "float": torch.float32}
+
+
 class SGLangRolloutBackend:
     """Rollout through an SGLang Engine started with ``launch.make_engine(**trace_server_args(...))``.
 
@@ -138,12 +142,18 @@ class SGLangRolloutBackend:
         """The TraceConfig this engine serves: KV sites only with SGLang's FP4 KV cache."""
         return self.config if self.kv_fp4 else without_kv(self.config)
 
+    def _served_dtype(self) -> torch.dtype:
+        """The engine's model dtype: its ``server_args.dtype`` where set explicitly, else bfloat16 (what
+        ``trace_server_args`` runs; the TRACE quant method takes bf16 or fp16)."""
+        name = getattr(getattr(self.engine, "server_args", None), "dtype", None)
+        return _SERVER_DTYPES.get(name, torch.bfloat16) if isinstance(name, str) else torch.bfloat16
+
     def recipe(self, weight_version: int | None = None) -> QuantRecipe:
         """What the engine serves. The native (Blackwell) MoE quantizes activations with the checkpoint's
         static input scale, not ``TraceConfig.activation_amax``: its recipe says ``static_input_scale``."""
         v = self.policy_version if weight_version is None else weight_version
         r = backend_recipe(self._served_config(), guided_layers=guided_layers(self.config, self.num_layers),
-                           audit=self.module_audit(), weight_version=v)
+                           audit=self.module_audit(), weight_version=v, dtype=self._served_dtype())
         if r.kv_format != "none":  # the engine's FP4 KV cache is SGLang's format, whatever the config says
             r = dataclasses.replace(r, kv_format=sglang_kvfp4.NAME)
         return dataclasses.replace(r, activation_amax=NATIVE_ACTIVATION_AMAX) if self.native else r
