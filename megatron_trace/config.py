@@ -92,6 +92,11 @@ class TraceConfig:
             raise ValueError(f"TraceConfig.kv_format={self.kv_format!r} is not one of {KV_FORMATS} (\"\" = K/V in "
                              f"TraceConfig.format; {sglang_kvfp4.NAME!r} = SGLang's fp4_e2m1 KV cache format)")
         _choice("mxfp4_scale_rule", self.mxfp4_scale_rule, SCALE_RULES)
+        for name in ("sites", "guided_sites"):  # (kv_k twice, for kv_k, kv_v, left kv_v out; a layer list is a set)
+            items = getattr(self, name)
+            twice = sorted({i for i in items if items.count(i) > 1}, key=items.index)
+            if twice:
+                raise ValueError(f"TraceConfig.{name}={items} holds {twice} more than once: name each once")
         for s in self.sites:
             _choice("sites[]", s, SITES)
         for s in self.guided_sites:

@@ -55,6 +55,8 @@ def test_frozen_and_keyword_only():
          r"budget_bytes_per_token=nan must be a finite number, got float"),
         ({"cache_budget_mb": float("inf")}, r"cache_budget_mb=inf must be a finite number"),
         ({"min_coverage": float("nan")}, r"min_coverage=nan must be a finite number"),
+        ({"sites": ("kv_k", "kv_k", "expert_fc1_in")}, r"sites=\('kv_k', 'kv_k', 'expert_fc1_in'\) holds \['kv_k'\]"),
+        ({"guided_sites": ("expert_fc1_in", "expert_fc1_in")}, r"guided_sites=.* holds \['expert_fc1_in'\] more"),
     ],
 )
 def test_invalid_values_name_field_and_valid_choices(kw, match):
