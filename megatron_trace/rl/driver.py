@@ -246,7 +246,12 @@ class GRPORun:
         packed = pack_guidance(keep, batch.tokens, version=batch.policy_version, attention_mask=mask)
         self.cache.put(step, packed)  # device -> host (columns, or per sample and spilled beyond the budget)
         ids, tokens, host_mask = list(packed.table.ids), batch.tokens.cpu(), mask.cpu()
-        steps = [part(sl, self.cache.assemble(step, ids[sl], tokens[sl], versions=batch.policy_version,
+        if batch.policy_version != self.state.version:  # e.g. the last sync failed: the rollout kept older weights
+            logger.warning("step %d: the rollout served version %d, the trainer holds version %d: its guidance is "
+                           "rejected (guidance/assembly/fallback/version), the trainer rounds on its own",
+                           step, batch.policy_version, self.state.version)
+        # the version the records must carry is the trainer's own (the weights it recomputes with), not the batch's
+        steps = [part(sl, self.cache.assemble(step, ids[sl], tokens[sl], versions=self.state.version,
                                               counter=counter, attention_mask=host_mask[sl])) for sl in rows]
         bpt = packed.guidance_nbytes() / max(int(mask.sum()), 1)
         return steps, counter, bpt

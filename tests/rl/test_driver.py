@@ -453,6 +453,28 @@ def test_resume_invalidates_guidance_of_the_interrupted_step(megatron_cpu, ckpt,
     assert r.state.step == 1 and r.rollout.policy_version == 1
 
 
+def test_guidance_of_a_rollout_left_on_an_older_version_is_rejected(megatron_cpu, ckpt, tmp_path):
+    """A failed weight sync leaves the rollout on version 1 while the trainer holds version 2; the next step's records
+    (version 1) passed the check, which compared them with the batch's own version: 100% coverage across versions."""
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace", TraceConfig()), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    assert r.step()["guidance/assembly/coverage"] == 1.0
+
+    def dies(*args, **kwargs):
+        raise RuntimeError("the transport died")
+
+    r.rollout.update_weights = dies
+    with pytest.raises(RuntimeError, match="the transport died"):
+        r.step()
+    del r.rollout.update_weights
+    assert (r.rollout.policy_version, r.state.version) == (1, 2)
+    m = r.step()
+    assert m["guidance/assembly/coverage"] == 0.0 and m["guidance/trainer/coverage"] == 0.0
+    assert m["guidance/assembly/rows_used"] == 0.0 and m["guidance/assembly/fallback/version"] > 0
+    assert r.rollout.policy_version == r.state.version == 3
+    assert r.step()["guidance/assembly/coverage"] == 1.0  # in step again
+
+
 @pytest.mark.parametrize("preset", ["floor", "experts_only", "guidance_on_replay_on", "guidance_on_replay_off",
                                     "guidance_off_replay_on", "guidance_off_replay_off"])
 def test_ablation_presets_compose(preset):
