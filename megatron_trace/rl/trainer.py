@@ -163,7 +163,17 @@ class MegatronPolicy:
                 "optimizer": self.optimizer.state_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
-        self.model.load_state_dict(sd["model"], strict=False)
+        """Every weight and master copy of ``state_dict``'s model, checked (names, shapes) before any is copied: a
+        checkpoint of another model must not leave part of this one loaded."""
+        want = {k: tuple(v.shape) for k, v in self.model.state_dict().items() if v is not None}
+        got = {k: tuple(v.shape) for k, v in sd["model"].items()}
+        master = [tuple(m.shape) for m in sd["optimizer"]["master"]]
+        bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
+        if bad or master != [tuple(m.shape) for m in self.optimizer.master]:
+            first = bad[0] if bad else "the optimizer's master weights"
+            raise ValueError(f"checkpoint of another model: {len(bad)} weight(s) missing, extra or of another shape, "
+                             f"e.g. {first} (checkpoint {got.get(first)}, model {want.get(first)}); nothing was loaded")
+        self.model.load_state_dict(sd["model"], strict=True)
         self.optimizer.load_state_dict(sd["optimizer"])
 
 

@@ -475,6 +475,23 @@ def test_guidance_of_a_rollout_left_on_an_older_version_is_rejected(megatron_cpu
     assert r.step()["guidance/assembly/coverage"] == 1.0  # in step again
 
 
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(megatron_cpu, ckpt, tmp_path):
+    """The trainer loaded a checkpoint with ``strict=False``: a 2-layer run's checkpoint went into a 3-layer run's
+    layers 0-1, then the optimizer's master copies failed on a shape (a bare size error), the model half loaded."""
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    arm, task = make_arm("trace", TraceConfig()), get_task("add")
+    r = GRPORun(arm, rl, task, ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    r.step()
+    r.save(tmp_path / "ck.pt")
+    deeper = sft_checkpoint(tmp_path / "sft3", task, dataclasses.replace(MODEL, num_layers=3), SFTConfig(steps=1))
+    other = GRPORun(arm, rl, task, str(deeper), out_dir=tmp_path, cache_dir=tmp_path / "c3")
+    before = {k: v.clone() for k, v in other.policy.model.state_dict().items() if v is not None}
+    with pytest.raises(ValueError, match=r"checkpoint of another model: .* decoder\.layers\.2\..*nothing was loaded"):
+        other.load(tmp_path / "ck.pt")
+    after = other.policy.model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items()) and other.state.step == 0
+
+
 @pytest.mark.parametrize("preset", ["floor", "experts_only", "guidance_on_replay_on", "guidance_on_replay_off",
                                     "guidance_off_replay_on", "guidance_off_replay_off"])
 def test_ablation_presets_compose(preset):
