@@ -166,7 +166,7 @@ class MegatronPolicy:
         """Every weight and master copy of ``state_dict``'s model, checked (names, shapes) before any is copied: a
         checkpoint of another model must not leave part of this one loaded."""
         want = {k: tuple(v.shape) for k, v in self.model.state_dict().items() if v is not None}
-        got = {k: tuple(v.shape) for k, v in sd["model"].items()}
+        got = {k: tuple(v.shape) for k, v in sd["model"].items() if v is not None}
         master = [tuple(m.shape) for m in sd["optimizer"]["master"]]
         bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
         if bad or master != [tuple(m.shape) for m in self.optimizer.master]:
