@@ -114,6 +114,46 @@ def test_a_pattern_matching_no_module_is_an_error_on_both_sides():
                         exclude_modules=("model.layers.*.self_attn.kv_cache",)))
 
 
+EXPERT_ONLY = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"),
+                          guided_sites=("expert_fc1_in", "expert_fc2_in"))
+LAST2_EXCLUDED = EXPERT_ONLY.replace(guided_layers="last_k", guided_last_k=2,
+                                     exclude_modules=("model.layers.2.mlp.experts", "model.layers.3.mlp.experts"))
+
+
+@pytest.mark.usefixtures("world1")
+def test_guided_layers_whose_modules_are_all_excluded_are_an_error_on_every_side():
+    """The policy's layers are all kept in BF16: each side used to list them as guided (the recipes agreed) and
+    record / guide nothing there, silently (the hf backend's guided sites and the SGLang specs were empty)."""
+    import argparse
+
+    from megatron_trace.rollout.sglang.launch import guidance_specs
+
+    msg = r"guided_layers='last_k' picks layer\(s\) \[2, 3\], which would guide nothing.*model.layers.2.mlp.experts"
+    with pytest.raises(ValueError, match=msg):
+        _hf(LAST2_EXCLUDED)
+    with pytest.raises(ValueError, match=msg):
+        guidance_specs(LAST2_EXCLUDED, tiny_config(num_hidden_layers=LAYERS).to_dict(), kv_dtype="auto")
+    with pytest.raises(ValueError, match=msg):
+        _trainer(LAST2_EXCLUDED)
+    args = add_trace_args(argparse.ArgumentParser()).parse_args(
+        ["--trace-fp4", *trace_args_from_config(LAST2_EXCLUDED)])
+    args.num_layers, args.num_experts, args.moe_layer_freq = LAYERS, 8, 1
+    with pytest.raises(ValueError, match="--trace-guided-layers with --trace-exclude-modules: .*" + msg):
+        trace_config_from_args(args)
+    # an explicit layer whose modules are excluded (or dense) is named, though the other listed layers guide
+    one = EXPERT_ONLY.replace(guided_layers="explicit", guided_layer_list=(1, 3),
+                             exclude_modules=("model.layers.3.*",))
+    with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[3\], which would guide nothing"):
+        _hf(one)
+    with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[3\]"):
+        _trainer(one)
+    # one guided layer left with a module: guided, not an error (the policy still guides layer 2)
+    ok = LAST2_EXCLUDED.replace(exclude_modules=("model.layers.3.mlp.experts",))
+    be, layers = _hf(ok, dtype=torch.bfloat16), _trainer(ok)
+    assert be.guided_sites == {(2, "expert_fc1_in"), (2, "expert_fc2_in")}
+    check_recipe(trainer_recipe(layers), be.recipe())
+
+
 def test_pattern_syntax_is_checked_by_the_config():
     for bad in ("", "model.layers.[0].mlp.experts", "model.layers.0.mlp.experts ", "model.layers.?"):
         with pytest.raises(ValueError, match="TraceConfig.exclude_modules has"):
