@@ -121,10 +121,12 @@ def find_trace_layers(model) -> TraceLayers:
     cached = chunks[0].__dict__.get("_trace_layers")
     if cached is not None and len(cached[0]) == len(chunks) and all(a() is b for a, b in zip(cached[0], chunks)):
         return cached[1]
-    moe, kv, cfgs, num_layers = {}, {}, set(), 0
+    moe, kv, cfgs, num_layers, mtp = {}, {}, set(), 0, []
     for chunk in chunks:
         for name, m in chunk.named_modules():
             if "mtp" in name.split("."):
+                if isinstance(m, MoELayer) and isinstance(m.experts, TraceExpertsCore):
+                    mtp.append(m)  # not guided, but told its layer id (exclude_modules), as MTP attention is
                 continue  # multi-token-prediction layers reuse decoder layer numbers
             if isinstance(m, MoELayer) and isinstance(m.experts, TraceExpertsCore):
                 _claim(moe, m.layer_number - 1, m, name)
@@ -142,6 +144,8 @@ def find_trace_layers(model) -> TraceLayers:
         raise ValueError(f"the model's TRACE modules disagree on their TraceConfig ({len(cfgs)} different)")
     layers = TraceLayers(moe, kv, cfgs.pop(), num_layers)
     _apply_exclusions(layers)
+    for m in mtp:  # (layer ids after the decoder's, as HF names MTP layers; unbound, its experts refused to run)
+        m.experts.bind_trace_layer(m.layer_number - 1)
     for m in moe.values():
         m.experts.hook_moe_layer(m)  # the experts' weights quantized as their layer starts (prepare_weights)
     # not a submodule (no state_dict entry); the chunks by weak reference: chunk 0 holding itself would be a reference

@@ -248,3 +248,31 @@ def test_fp4_sync_sends_excluded_layers_in_bf16():
     out = dict(fp4_stream(named, Quantizer(), bf16_layers={0}))
     assert all(not isinstance(v, FP4Tensor) and v.dtype == torch.bfloat16 for k, v in out.items() if ".layers.0." in k)
     assert all(isinstance(v, FP4Tensor) for k, v in out.items() if ".layers.1." in k)
+
+
+@pytest.mark.usefixtures("world1")
+def test_a_model_with_mtp_layers_runs_with_exclude_modules():
+    """MTP layers built from the TRACE spec: ``find_trace_layers`` skipped their experts, which, never told their layer,
+    refused every forward with exclude_modules ("call find_trace_layers", already called). They are bound to their
+    layer id (after the decoder's, as HF numbers MTP layers) like MTP attention, and not guided."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from megatron_trace.megatron import StepGuidance
+
+    from ..megatron.harness import SEQ, VOCAB
+
+    cfg = megatron_config(mtp_num_layers=1)
+    for config, mtp_quantized in ((NO_EXPERTS0, True), (CFG.replace(exclude_modules=("model.layers.*.mlp.experts",)),
+                                                       False)):
+        spec = trace_spec(stock_spec(cfg), config)
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                         position_embedding_type="rope",
+                         mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False))
+        layers = find_trace_layers(model)
+        assert sorted(layers.moe) == [0, 1, 2, 3]
+        mtp_experts = model.mtp.layers[0].transformer_layer.mlp.experts
+        assert mtp_experts.trace_layer == 4 and mtp_experts.trace_quantizes("weights") is mtp_quantized
+        tokens, pos, mask, labels = batch()
+        with trace_guidance(model, StepGuidance()), torch.no_grad():
+            assert torch.isfinite(model(tokens, pos, mask, labels=labels)).all()
