@@ -197,6 +197,41 @@ def excluded_modules(config: TraceConfig, *, moe_layers: Iterable[int],
     return tuple(sorted(match_modules(sorted(names), config.exclude_modules, what="TraceConfig.exclude_modules")))
 
 
+def guided_modules(config: TraceConfig, layer: int, *, moe_layers) -> tuple[str, ...]:
+    """The modules layer ``layer`` guides: a quantized guided site's module that ``exclude_modules`` keeps in FP4."""
+    names = set()
+    for s in config.guided_sites:
+        if not config.quantizes(s):
+            continue
+        if s in KV_SITES:
+            names.add(kv_cache_name(layer))
+        elif layer in moe_layers:
+            names.add(experts_name(layer))
+    return tuple(sorted(n for n in names if not module_excluded(config, n)))
+
+
+def check_guided_layers(config: TraceConfig, layers: Iterable[int], *, moe_layers: Iterable[int]) -> None:
+    """Raise ``ValueError`` where the layer policy's ``layers`` would guide nothing, silently: an explicit layer, or
+    every layer another policy picks, without a guided module (a dense layer under expert sites only, or modules
+    ``exclude_modules`` keeps in BF16). Nothing is checked without a quantized guided site."""
+    layers, moe_layers = list(layers), set(moe_layers)
+    sites = [s for s in config.guided_sites if config.quantizes(s)]
+    if not layers or not sites:
+        return
+    empty = [i for i in layers if not guided_modules(config, i, moe_layers=moe_layers)]
+    if not empty or (config.guided_layers != "explicit" and len(empty) < len(layers)):
+        return
+    what = (f"guided_layer_list has layer(s) {empty}" if config.guided_layers == "explicit" else
+            f"guided_layers={config.guided_layers!r} picks layer(s) {layers}")
+    excluded = [n for i in empty for n in _candidates(config, moe_layers & {i}, (i,), quantizes=config.quantizes)
+                if module_excluded(config, n)]
+    why = f"exclude_modules {list(config.exclude_modules)} keeps {excluded[:4]} in BF16" if excluded else \
+        "they have none"
+    raise ValueError(f"TraceConfig.{what}, which would guide nothing: their guided sites {sites} are in no module of "
+                     f"theirs that is quantized ({why}; MoE layers: {sorted(moe_layers)}); guide layers whose "
+                     f"modules are quantized, or narrow exclude_modules")
+
+
 def module_excluded(config: TraceConfig, name: str) -> bool:
     """Whether a canonical module name is fully matched by one of ``config.exclude_modules``."""
     return any(_glob(p).fullmatch(name) for p in config.exclude_modules)

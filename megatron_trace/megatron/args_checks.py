@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..config import KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
-from ..manifest import ModulePatternError, excluded_modules
+from ..manifest import ModulePatternError, check_guided_layers, excluded_modules
 from .experts import _DISPATCHERS as _DISPATCHER_CLASSES
 
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
@@ -65,6 +65,11 @@ def check_against_model(cfg: TraceConfig, args) -> None:
             excluded_modules(cfg, moe_layers=moe_layers, attention_layers=range(int(num_layers)))
         except ModulePatternError as e:
             raise ModulePatternError(f"--trace-exclude-modules: {e}") from None
+        if cfg.guided_layers != "budget":
+            try:
+                check_guided_layers(cfg, guided_layers(cfg, int(num_layers)), moe_layers=moe_layers)
+            except ValueError as e:
+                raise ValueError(f"--trace-guided-layers with --trace-exclude-modules: {e}") from None
     if getattr(args, "transformer_impl", None) == "transformer_engine":
         _check_te_imports()
 

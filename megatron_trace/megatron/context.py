@@ -48,7 +48,7 @@ from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
 from ..kernels.checks import FiniteCounter, count_ready, count_tensors, raise_if_bad, read_and_reset
-from ..manifest import excluded_modules
+from ..manifest import check_guided_layers, excluded_modules
 from .args_checks import moe_layer_ids
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
@@ -121,10 +121,12 @@ def find_trace_layers(model) -> TraceLayers:
     cached = chunks[0].__dict__.get("_trace_layers")
     if cached is not None and len(cached[0]) == len(chunks) and all(a() is b for a, b in zip(cached[0], chunks)):
         return cached[1]
-    moe, kv, cfgs, num_layers = {}, {}, set(), 0
+    moe, kv, cfgs, num_layers, mtp = {}, {}, set(), 0, []
     for chunk in chunks:
         for name, m in chunk.named_modules():
             if "mtp" in name.split("."):
+                if isinstance(m, MoELayer) and isinstance(m.experts, TraceExpertsCore):
+                    mtp.append(m)  # not guided, but told its layer id (exclude_modules), as MTP attention is
                 continue  # multi-token-prediction layers reuse decoder layer numbers
             if isinstance(m, MoELayer) and isinstance(m.experts, TraceExpertsCore):
                 _claim(moe, m.layer_number - 1, m, name)
@@ -142,6 +144,8 @@ def find_trace_layers(model) -> TraceLayers:
         raise ValueError(f"the model's TRACE modules disagree on their TraceConfig ({len(cfgs)} different)")
     layers = TraceLayers(moe, kv, cfgs.pop(), num_layers)
     _apply_exclusions(layers)
+    for m in mtp:  # (layer ids after the decoder's, as HF names MTP layers; unbound, its experts refused to run)
+        m.experts.bind_trace_layer(m.layer_number - 1)
     for m in moe.values():
         m.experts.hook_moe_layer(m)  # the experts' weights quantized as their layer starts (prepare_weights)
     # not a submodule (no state_dict entry); the chunks by weak reference: chunk 0 holding itself would be a reference
@@ -152,10 +156,11 @@ def find_trace_layers(model) -> TraceLayers:
 
 def _apply_exclusions(layers: TraceLayers) -> None:
     """Check ``exclude_modules`` against the whole model (all pipeline stages) and tell the experts their layer."""
-    if layers.config.exclude_modules:
-        mcfg = next(iter([*layers.moe.values(), *layers.kv.values()])).config
-        moe_layers = moe_layer_ids(mcfg.num_moe_experts, mcfg.moe_layer_freq, mcfg.num_layers)
-        excluded_modules(layers.config, moe_layers=moe_layers, attention_layers=range(layers.num_layers))
+    cfg, mcfg = layers.config, next(iter([*layers.moe.values(), *layers.kv.values()])).config
+    moe_layers = moe_layer_ids(mcfg.num_moe_experts, mcfg.moe_layer_freq, mcfg.num_layers)
+    excluded_modules(cfg, moe_layers=moe_layers, attention_layers=range(layers.num_layers))
+    if cfg.guided_layers != "budget":  # (resolved with a mismatch profile: ``guidance.planner``)
+        check_guided_layers(cfg, guided_layers(cfg, layers.num_layers), moe_layers=moe_layers)
     for layer, m in layers.moe.items():
         m.experts.bind_trace_layer(layer)
 

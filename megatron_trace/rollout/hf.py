@@ -40,6 +40,7 @@ from ..manifest import (
     ModuleAudit,
     QuantRecipe,
     RecipeMismatchError,
+    check_guided_layers,
     check_recipe,
     excluded_modules,
     experts_name,
@@ -241,6 +242,7 @@ class HFRolloutBackend:
         """Choose the layers that record guidance (None: the TraceConfig policy)."""
         if layer_ids is None:
             layer_ids = guided_layers(self.config, self.num_layers) if self.mode == "fp4" else ()
+            check_guided_layers(self.config, layer_ids, moe_layers=self._experts)  # (the policy guiding nothing)
         kinds = [i for i in layer_ids if not is_int(i)]
         if kinds:
             raise TypeError(f"guided layer id {kinds[0]!r} ({type(kinds[0]).__name__}) must be an int")

@@ -114,6 +114,46 @@ def test_a_pattern_matching_no_module_is_an_error_on_both_sides():
                         exclude_modules=("model.layers.*.self_attn.kv_cache",)))
 
 
+EXPERT_ONLY = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"),
+                          guided_sites=("expert_fc1_in", "expert_fc2_in"))
+LAST2_EXCLUDED = EXPERT_ONLY.replace(guided_layers="last_k", guided_last_k=2,
+                                     exclude_modules=("model.layers.2.mlp.experts", "model.layers.3.mlp.experts"))
+
+
+@pytest.mark.usefixtures("world1")
+def test_guided_layers_whose_modules_are_all_excluded_are_an_error_on_every_side():
+    """The policy's layers are all kept in BF16: each side used to list them as guided (the recipes agreed) and
+    record / guide nothing there, silently (the hf backend's guided sites and the SGLang specs were empty)."""
+    import argparse
+
+    from megatron_trace.rollout.sglang.launch import guidance_specs
+
+    msg = r"guided_layers='last_k' picks layer\(s\) \[2, 3\], which would guide nothing.*model.layers.2.mlp.experts"
+    with pytest.raises(ValueError, match=msg):
+        _hf(LAST2_EXCLUDED)
+    with pytest.raises(ValueError, match=msg):
+        guidance_specs(LAST2_EXCLUDED, tiny_config(num_hidden_layers=LAYERS).to_dict(), kv_dtype="auto")
+    with pytest.raises(ValueError, match=msg):
+        _trainer(LAST2_EXCLUDED)
+    args = add_trace_args(argparse.ArgumentParser()).parse_args(
+        ["--trace-fp4", *trace_args_from_config(LAST2_EXCLUDED)])
+    args.num_layers, args.num_experts, args.moe_layer_freq = LAYERS, 8, 1
+    with pytest.raises(ValueError, match="--trace-guided-layers with --trace-exclude-modules: .*" + msg):
+        trace_config_from_args(args)
+    # an explicit layer whose modules are excluded (or dense) is named, though the other listed layers guide
+    one = EXPERT_ONLY.replace(guided_layers="explicit", guided_layer_list=(1, 3),
+                             exclude_modules=("model.layers.3.*",))
+    with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[3\], which would guide nothing"):
+        _hf(one)
+    with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[3\]"):
+        _trainer(one)
+    # one guided layer left with a module: guided, not an error (the policy still guides layer 2)
+    ok = LAST2_EXCLUDED.replace(exclude_modules=("model.layers.3.mlp.experts",))
+    be, layers = _hf(ok, dtype=torch.bfloat16), _trainer(ok)
+    assert be.guided_sites == {(2, "expert_fc1_in"), (2, "expert_fc2_in")}
+    check_recipe(trainer_recipe(layers), be.recipe())
+
+
 def test_pattern_syntax_is_checked_by_the_config():
     for bad in ("", "model.layers.[0].mlp.experts", "model.layers.0.mlp.experts ", "model.layers.?"):
         with pytest.raises(ValueError, match="TraceConfig.exclude_modules has"):
@@ -208,3 +248,31 @@ def test_fp4_sync_sends_excluded_layers_in_bf16():
     out = dict(fp4_stream(named, Quantizer(), bf16_layers={0}))
     assert all(not isinstance(v, FP4Tensor) and v.dtype == torch.bfloat16 for k, v in out.items() if ".layers.0." in k)
     assert all(isinstance(v, FP4Tensor) for k, v in out.items() if ".layers.1." in k)
+
+
+@pytest.mark.usefixtures("world1")
+def test_a_model_with_mtp_layers_runs_with_exclude_modules():
+    """MTP layers built from the TRACE spec: ``find_trace_layers`` skipped their experts, which, never told their layer,
+    refused every forward with exclude_modules ("call find_trace_layers", already called). They are bound to their
+    layer id (after the decoder's, as HF numbers MTP layers) like MTP attention, and not guided."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    from megatron_trace.megatron import StepGuidance
+
+    from ..megatron.harness import SEQ, VOCAB
+
+    cfg = megatron_config(mtp_num_layers=1)
+    for config, mtp_quantized in ((NO_EXPERTS0, True), (CFG.replace(exclude_modules=("model.layers.*.mlp.experts",)),
+                                                       False)):
+        spec = trace_spec(stock_spec(cfg), config)
+        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
+                         position_embedding_type="rope",
+                         mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False))
+        layers = find_trace_layers(model)
+        assert sorted(layers.moe) == [0, 1, 2, 3]
+        mtp_experts = model.mtp.layers[0].transformer_layer.mlp.experts
+        assert mtp_experts.trace_layer == 4 and mtp_experts.trace_quantizes("weights") is mtp_quantized
+        tokens, pos, mask, labels = batch()
+        with trace_guidance(model, StepGuidance()), torch.no_grad():
+            assert torch.isfinite(model(tokens, pos, mask, labels=labels)).all()

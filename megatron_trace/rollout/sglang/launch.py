@@ -14,7 +14,7 @@ import logging
 from ...config import TraceConfig
 from ...formats import sglang_kvfp4
 from ...guidance.selection import guided_layers
-from ...manifest import KV_SITES, experts_name, kv_cache_name, module_excluded
+from ...manifest import KV_SITES, check_guided_layers, experts_name, kv_cache_name, module_excluded
 from ..audit import qwen3_moe_modules
 from .capture import ATTENTION_TARGET, LOGITS_TARGET
 from .native import native_fp4_available
@@ -133,8 +133,9 @@ def guidance_specs(trace_config: TraceConfig, hf_config: dict, *, kv_dtype: str 
     hidden, ffn, topk = (int(hf_config[k]) for k in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok"))
     kv_shape = (int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]), _head_dim(hf_config))
     compact = trace_config.cache_mode == "compact"
-    specs = []
-    for layer in guided_layers(trace_config, n):
+    specs, layers = [], guided_layers(trace_config, n)
+    check_guided_layers(trace_config, layers, moe_layers=moe)  # (the policy guiding nothing: no spec, silently)
+    for layer in layers:
         for site in trace_config.guided_sites:
             if not trace_config.quantizes(site):
                 continue
