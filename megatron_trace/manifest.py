@@ -197,8 +197,9 @@ def excluded_modules(config: TraceConfig, *, moe_layers: Iterable[int],
     return tuple(sorted(match_modules(sorted(names), config.exclude_modules, what="TraceConfig.exclude_modules")))
 
 
-def guided_modules(config: TraceConfig, layer: int, *, moe_layers) -> tuple[str, ...]:
-    """The modules layer ``layer`` guides: a quantized guided site's module that ``exclude_modules`` keeps in FP4."""
+def guided_modules(config: TraceConfig, layer: int, *, moe_layers, exclusions: bool = True) -> tuple[str, ...]:
+    """The modules layer ``layer`` guides: a quantized guided site's module (that ``exclude_modules`` keeps in FP4,
+    unless not ``exclusions``)."""
     names = set()
     for s in config.guided_sites:
         if not config.quantizes(s):
@@ -207,7 +208,14 @@ def guided_modules(config: TraceConfig, layer: int, *, moe_layers) -> tuple[str,
             names.add(kv_cache_name(layer))
         elif layer in moe_layers:
             names.add(experts_name(layer))
-    return tuple(sorted(n for n in names if not module_excluded(config, n)))
+    return tuple(sorted(n for n in names if not (exclusions and module_excluded(config, n))))
+
+
+def unguided_layers(config: TraceConfig, layers: list[int], *, moe_layers, exclusions: bool = True) -> list[int]:
+    """The layers of the policy's ``layers`` without a guided module where that guides nothing silently: any such
+    layer of an explicit list; for another policy, all of them when none of its layers has one (else [])."""
+    empty = [i for i in layers if not guided_modules(config, i, moe_layers=moe_layers, exclusions=exclusions)]
+    return [] if config.guided_layers != "explicit" and len(empty) < len(layers) else empty
 
 
 def check_guided_layers(config: TraceConfig, layers: Iterable[int], *, moe_layers: Iterable[int]) -> None:
@@ -218,8 +226,8 @@ def check_guided_layers(config: TraceConfig, layers: Iterable[int], *, moe_layer
     sites = [s for s in config.guided_sites if config.quantizes(s)]
     if not layers or not sites:
         return
-    empty = [i for i in layers if not guided_modules(config, i, moe_layers=moe_layers)]
-    if not empty or (config.guided_layers != "explicit" and len(empty) < len(layers)):
+    empty = unguided_layers(config, layers, moe_layers=moe_layers)
+    if not empty:
         return
     what = (f"guided_layer_list has layer(s) {empty}" if config.guided_layers == "explicit" else
             f"guided_layers={config.guided_layers!r} picks layer(s) {layers}")

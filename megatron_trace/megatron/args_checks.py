@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..config import KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
-from ..manifest import ModulePatternError, check_guided_layers, excluded_modules
+from ..manifest import ModulePatternError, check_guided_layers, excluded_modules, unguided_layers
 from .experts import _DISPATCHERS as _DISPATCHER_CLASSES
 
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
@@ -90,9 +90,8 @@ def _check_guided_layers_have_sites(cfg: TraceConfig, args, num_layers: int) -> 
                              "--trace-guided-layers")
         return
     moe_layers = moe_layer_ids(getattr(args, "num_experts", None), getattr(args, "moe_layer_freq", 1), num_layers)
-    with_sites = set(range(num_layers)) if any(s in KV_SITES for s in sites) else set(moe_layers)
-    missing = [i for i in guided if i not in with_sites]
-    if not missing or (cfg.guided_layers != "explicit" and len(missing) < len(guided)):
+    missing = unguided_layers(cfg, list(guided), moe_layers=set(moe_layers), exclusions=False)  # (those: below)
+    if not missing:
         return
     where = (f"the MoE layers {moe_layers} (--moe-layer-freq)" if moe_layers else
              "no layer: the model has no MoE layers (no --num-experts)")
