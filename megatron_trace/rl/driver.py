@@ -188,10 +188,19 @@ class GRPORun:
             self.recipe = trainer_recipe(find_trace_layers(self.policy.model))
             # the demo's rollout records every layer in full mode (the metrics' superset) on purpose
             self.rollout.check_recipe(self.recipe, ignore=("guided_layers", "guided_sites", "cache_mode"))
+        self._sync_pending = False  # a step's sync raised: the next step() retries it before its rollout
         # the rollout serves exactly the trainer's weights (and FP4 codes) of version 0: the checkpoint both loaded
-        self._sync_weights(reset=True)
+        self._reset_sync()
 
     # ---- pieces ----------------------------------------------------------------------------
+    def _reset_sync(self) -> None:
+        """Set the rollout to the trainer's weights and version (startup, resume), then run the sentinel, as after
+        every sync: a bridge or recipe fault shows before the first step, not after it."""
+        self._sync_weights(reset=True)
+        self._sync_pending = False
+        if self.sentinel is not None:
+            self.sentinel.run(self.rollout, self._sentinel_logprobs)  # (logged; SentinelError above its bound)
+
     def _sync_weights(self, reset: bool = False) -> dict:
         """The trainer's weights to the rollout as ``state.version``: a step's sync raises unless that is newer than
         the rollout's; ``reset`` (the first sync, a resume) sets it whatever the rollout served, no guidance kept."""
@@ -330,6 +339,11 @@ class GRPORun:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> dict:
+        if self._sync_pending:  # the last step trained, then its sync raised: serve its weights before rolling out
+            logger.warning("step %d: retrying the weight sync to version %d that raised after the last step",
+                           self.state.step, self.state.version)
+            self._sync_weights()
+            self._sync_pending = False
         step, cfg, t0 = self.state.step, self.cfg, time.perf_counter()
         # the trainer's own random draws (TraceConfig.rounding="stochastic") are a function of (seed, step): a resumed
         # run redoes the step exactly
@@ -365,9 +379,14 @@ class GRPORun:
         metrics.update(counter.as_dict("guidance/assembly"))
         metrics["cache/bytes_per_token"] = bpt
         self.cache.drop(step)
+        # the step has trained: it counts from here, so a sync that raises is retried by the next step() (or a
+        # resume), never the same prompts trained twice on the stepped weights
         self.state.version += 1
+        self.state.step += 1
+        self._sync_pending = True
         t_sync = time.perf_counter()
         metrics.update(self._sync_weights())
+        self._sync_pending = False
         t_sync = time.perf_counter() - t_sync
         t_sentinel, sentinel_error = time.perf_counter(), None
         if self.sentinel is not None:
@@ -382,7 +401,6 @@ class GRPORun:
                         "time/guidance_s": t_guid, "time/sync_s": t_sync, "time/sentinel_s": t_end - t_sentinel,
                         "policy_version": float(self.state.version)})
         metrics.update({f"topology/{k}": float(v) for k, v in self.topology.items()})  # mismatch depends on it
-        self.state.step += 1
         self.last_metrics = metrics  # (the row of a step that fails the sentinel or the gate below)
         if sentinel_error is not None:
             raise sentinel_error
@@ -417,7 +435,7 @@ class GRPORun:
             self.trend.load_state_dict(self.state.history)
         for step in self.cache.steps:
             self.cache.invalidate(step)
-        self._sync_weights(reset=True)  # the checkpoint's version, also below what this rollout served
+        self._reset_sync()  # the checkpoint's version, also below what this rollout served
 
 
 RUN_FIELDS = ("seed", "prompts_per_step", "group_size", "lr", "clip_eps", "tis_cap", "kl_coef", "temperature",

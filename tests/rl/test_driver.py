@@ -228,22 +228,59 @@ def test_mismatch_gate_fails_the_step(megatron_cpu, ckpt, tmp_path):
 def test_a_sentinel_failure_writes_the_failing_steps_row(megatron_cpu, ckpt, tmp_path):
     """A SentinelError exited the demo with no metrics.jsonl at all (the mismatch gate writes its failing row):
     the sentinel's logprob_abs_diff=0.00164659 > 1e-12 on fp4_naive was in the error message only."""
-    from megatron_trace.monitor import SentinelError
+    from unittest import mock
+
+    from megatron_trace.monitor import SentinelCheck, SentinelError
+
+    real = SentinelCheck.run
+
+    def from_version_1(self, backend, trainer_logprobs):  # the startup sync's check passes: this is about a step's
+        return real(self if backend.policy_version else dataclasses.replace(self, max_abs_diff=None), backend,
+                    trainer_logprobs)
 
     gated = RLConfig(steps=1, prompts_per_step=2, group_size=2, sentinel_prompts=2, sentinel_max_abs_diff=1e-12)
-    r = GRPORun(make_arm("fp4_naive", TraceConfig()), gated, get_task("add"), ckpt, out_dir=tmp_path,
-                cache_dir=tmp_path / "c")
-    with pytest.raises(SentinelError, match="logprob_abs_diff") as err:
-        r.step()
-    assert err.value.metrics["sentinel/logprob_abs_diff"] > 1e-12 and r.state.step == 1
-    assert r.last_metrics["sentinel/logprob_abs_diff"] == err.value.metrics["sentinel/logprob_abs_diff"]
-    assert r.last_metrics["time/sentinel_s"] > 0 and r.cache.steps == []
-    with pytest.raises(SentinelError):
-        run(out_dir=tmp_path / "demo", task_name="add", arms=["fp4_naive"], trace=TraceConfig(), rl=gated,
-            model=MODEL, sft=SFTConfig(steps=5), init_from=ckpt, progress=False)
+    with mock.patch.object(SentinelCheck, "run", from_version_1):
+        r = GRPORun(make_arm("fp4_naive", TraceConfig()), gated, get_task("add"), ckpt, out_dir=tmp_path,
+                    cache_dir=tmp_path / "c")
+        with pytest.raises(SentinelError, match="logprob_abs_diff") as err:
+            r.step()
+        assert err.value.metrics["sentinel/logprob_abs_diff"] > 1e-12 and r.state.step == 1
+        assert r.last_metrics["sentinel/logprob_abs_diff"] == err.value.metrics["sentinel/logprob_abs_diff"]
+        assert r.last_metrics["time/sentinel_s"] > 0 and r.cache.steps == []
+        with pytest.raises(SentinelError):
+            run(out_dir=tmp_path / "demo", task_name="add", arms=["fp4_naive"], trace=TraceConfig(), rl=gated,
+                model=MODEL, sft=SFTConfig(steps=5), init_from=ckpt, progress=False)
     rows = report.load(tmp_path / "demo" / "metrics.jsonl")["fp4_naive"]
     assert [r["step"] for r in rows] == [0] and (tmp_path / "demo" / "summary.md").exists()
     assert rows[0]["sentinel/logprob_abs_diff"] > 1e-12 and math.isfinite(rows[0]["mismatch/logprob_abs_diff"])
+
+
+def test_the_sentinel_runs_after_the_startup_and_resume_syncs(megatron_cpu, ckpt, tmp_path):
+    """``sentinel_prompts`` promised a check "after every weight sync", but the reset syncs (startup, resume) had
+    none: a bridge or recipe fault there showed only after a step had trained on it."""
+    from unittest import mock
+
+    from megatron_trace.monitor import SentinelCheck, SentinelError
+
+    gated = RLConfig(steps=1, prompts_per_step=2, group_size=2, sentinel_prompts=2, sentinel_max_abs_diff=1e-12)
+    with pytest.raises(SentinelError, match="after the sync to version 0: logprob_abs_diff="):
+        GRPORun(make_arm("fp4_naive", TraceConfig()), gated, get_task("add"), ckpt, out_dir=tmp_path,
+                cache_dir=tmp_path / "c")  # FP4 rollout, BF16 trainer: never within 1e-12
+    cfg = RLConfig(steps=2, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=2)
+    seen, real = [], SentinelCheck.run
+
+    def counted(self, backend, trainer_logprobs):
+        seen.append(backend.policy_version)
+        return real(self, backend, trainer_logprobs)
+
+    with mock.patch.object(SentinelCheck, "run", counted):
+        r = GRPORun(make_arm("trace", TraceConfig()), cfg, get_task("add"), ckpt, out_dir=tmp_path / "t",
+                    cache_dir=tmp_path / "t" / "c")
+        r.step()
+        r.save(tmp_path / "ck.pt")
+        r.step()
+        r.load(tmp_path / "ck.pt")
+    assert seen == [0, 1, 2, 1]  # startup, step 0's sync, step 1's, the resume's
 
 
 def test_a_resumed_demo_redoes_the_steps_after_its_checkpoint_once(megatron_cpu, ckpt, tmp_path):
@@ -453,9 +490,10 @@ def test_resume_invalidates_guidance_of_the_interrupted_step(megatron_cpu, ckpt,
     assert r.state.step == 1 and r.rollout.policy_version == 1
 
 
-def test_guidance_of_a_rollout_left_on_an_older_version_is_rejected(megatron_cpu, ckpt, tmp_path):
-    """A failed weight sync leaves the rollout on version 1 while the trainer holds version 2; the next step's records
-    (version 1) passed the check, which compared them with the batch's own version: 100% coverage across versions."""
+def test_a_failed_sync_is_retried_before_the_next_rollout(megatron_cpu, ckpt, tmp_path):
+    """A weight sync that raised after the optimizer stepped left the step counter behind: the next step() re-trained
+    the same prompts on the stepped weights, from a rollout still serving the older version (whose guidance was
+    then rejected). The step now counts once trained, and the next step() retries the sync before rolling out."""
     rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
     r = GRPORun(make_arm("trace", TraceConfig()), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
     assert r.step()["guidance/assembly/coverage"] == 1.0
@@ -466,12 +504,30 @@ def test_guidance_of_a_rollout_left_on_an_older_version_is_rejected(megatron_cpu
     r.rollout.update_weights = dies
     with pytest.raises(RuntimeError, match="the transport died"):
         r.step()
+    assert (r.rollout.policy_version, r.state.version, r.state.step) == (1, 2, 2)  # step 1 trained, not served
+    with pytest.raises(RuntimeError, match="the transport died"):
+        r.step()  # the retry raises again, before any rollout or training
+    assert (r.rollout.policy_version, r.state.version, r.state.step) == (1, 2, 2)
     del r.rollout.update_weights
-    assert (r.rollout.policy_version, r.state.version) == (1, 2)
+    m = r.step()  # step 2's prompts, on version 2's weights
+    assert m["guidance/assembly/coverage"] == 1.0 and m.get("guidance/assembly/fallback/version", 0.0) == 0.0
+    assert (r.rollout.policy_version, r.state.version, r.state.step) == (3, 3, 3)
+
+
+def test_guidance_of_a_rollout_left_on_an_older_version_is_rejected(megatron_cpu, ckpt, tmp_path):
+    """Records must carry the trainer's version: a rollout serving another (here set back by a reset sync behind the
+    driver's back) had its records accepted, as they were checked against the batch's own version."""
+    from megatron_trace.bridge import sync_weights
+
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace", TraceConfig()), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    r.step()
+    sync_weights(r.rollout, r.policy.export_hf_weights(), fmt=r.sync_fmt, quantizer=r.arm.trace.weight_quantizer(),
+                 version=0, reset=True, recipe=r.recipe.with_weight_version(0))
     m = r.step()
     assert m["guidance/assembly/coverage"] == 0.0 and m["guidance/trainer/coverage"] == 0.0
     assert m["guidance/assembly/rows_used"] == 0.0 and m["guidance/assembly/fallback/version"] > 0
-    assert r.rollout.policy_version == r.state.version == 3
+    assert r.rollout.policy_version == r.state.version == 2
     assert r.step()["guidance/assembly/coverage"] == 1.0  # in step again
 
 
