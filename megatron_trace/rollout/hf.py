@@ -44,6 +44,7 @@ from ..manifest import (
     check_recipe,
     excluded_modules,
     experts_name,
+    guided_modules,
     kv_cache_name,
 )
 from . import hf_generate
@@ -239,7 +240,10 @@ class HFRolloutBackend:
         return layer in (self.bf16_kv_layers if site.startswith("kv_") else self.bf16_expert_layers)
 
     def set_guided_layers(self, layer_ids: Sequence[int] | None = None) -> None:
-        """Choose the layers that record guidance (None: the TraceConfig policy)."""
+        """Choose the layers that record guidance (None: the TraceConfig policy). An explicit layer without a
+        quantized guided module (a dense layer under expert sites, experts ``exclude_modules`` keeps in BF16) is an
+        error, as in ``guided_layer_list``."""
+        explicit = layer_ids is not None
         if layer_ids is None:
             layer_ids = guided_layers(self.config, self.num_layers) if self.mode == "fp4" else ()
             check_guided_layers(self.config, layer_ids, moe_layers=self._experts)  # (the policy guiding nothing)
@@ -251,6 +255,11 @@ class HFRolloutBackend:
         if bad:
             raise ValueError(f"guided layer id(s) {bad} outside 0..{self.num_layers - 1}")
         sites = [s for s in self.config.guided_sites if self._quantizes(s)]
+        empty = [i for i in layer_ids if not guided_modules(self.config, i, moe_layers=self._experts)] if sites else []
+        if explicit and empty:  # (a policy's layers were checked above, by its own rule)
+            raise ValueError(f"set_guided_layers: layer(s) {empty} would guide nothing: their guided sites {sites} are "
+                             f"in no quantized module of theirs (MoE layers: {sorted(self._experts)}; exclude_modules: "
+                             f"{list(self.config.exclude_modules)}); pass layers whose modules are quantized")
         guided = {(layer, s) for layer in layer_ids for s in sites if s.startswith("kv_") or layer in self._experts}
         self._guided_layer_ids = set(layer_ids)  # the policy's layers (the recipe), as the trainer lists them
         self.guided_sites: set[SiteKey] = {k for k in guided if not self._bf16_site(*k)}

@@ -159,6 +159,19 @@ def test_guided_layer_and_site_selection():
         HFRolloutBackend(tiny_config(), mode="int8")
 
 
+def test_explicit_guided_layers_without_a_guided_module_are_refused():
+    """``set_guided_layers(ids)`` dropped the layers whose experts ``exclude_modules`` keeps in BF16: layer 1 was in
+    the recipe's guided layers while nothing recorded there (the policy's layers were checked, explicit ids not)."""
+    cfg = TraceConfig(guided_sites=("expert_fc2_in",), exclude_modules=("model.layers.1.mlp.experts",))
+    be = backend(config=cfg)
+    with pytest.raises(ValueError, match=r"layer\(s\) \[1\] would guide nothing.*model.layers.1.mlp.experts"):
+        be.set_guided_layers([1, 2])
+    be.set_guided_layers([0, 2])
+    assert be.guided_sites == {(0, "expert_fc2_in"), (2, "expert_fc2_in")}
+    be.set_guided_layers([])
+    assert be.guided_sites == set()
+
+
 @pytest.mark.parametrize("mode", ["bf16", "fp4"])
 def test_runs_in_bfloat16(mode):
     be = backend(mode=mode, dtype=torch.bfloat16)
