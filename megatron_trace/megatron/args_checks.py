@@ -8,6 +8,8 @@ without Transformer Engine, TRACE's experts refusing Megatron's options as each 
 
 from __future__ import annotations
 
+import logging
+
 from ..config import KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..manifest import ModulePatternError, check_guided_layers, excluded_modules, unguided_layers
@@ -16,6 +18,8 @@ from .experts import _DISPATCHERS as _DISPATCHER_CLASSES
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
 DISPATCHERS = tuple(_DISPATCHER_CLASSES)
 """The token dispatchers whose rows TRACE's experts can guide."""
+
+logger = logging.getLogger(__name__)
 
 
 def moe_layer_ids(num_experts, moe_layer_freq, num_layers: int) -> list[int]:
@@ -56,6 +60,8 @@ def check_against_model(cfg: TraceConfig, args) -> None:
                          "add it, or pass --no-trace-routing-replay")
     if experts:
         _check_expert_options(args)
+        if num_layers and guided_layers(cfg, int(num_layers)):
+            _warn_dropping(cfg, args)
     if getattr(args, "trace_reuse_weight_quant", False):
         _check_reuse(cfg, args, moe or not known)
     if cfg.exclude_modules and num_layers and known:  # (else at the first train step, by find_trace_layers)
@@ -147,6 +153,21 @@ def _check_expert_options(args) -> None:
         problems.append(f"--moe-token-dispatcher-type {kind} (supported: {', '.join(DISPATCHERS)})")
     if problems:
         raise ValueError("TRACE experts do not support " + "; ".join(problems))
+
+
+def _warn_dropping(cfg: TraceConfig, args) -> None:
+    """Guidance rows follow the tokens only in dropless MoE: a step under ``trace_guidance`` with guided expert
+    sites refuses a capacity factor or padded routing. Plain FP4 QAT (no guidance passed) runs with them, so the launch
+    only warns."""
+    flags = [f for f, on in (("--moe-expert-capacity-factor", getattr(args, "moe_expert_capacity_factor", None)
+                              is not None),
+                             ("--moe-router-padding-for-quantization",
+                              getattr(args, "moe_router_padding_for_quantization", False))) if on]
+    sites = [s for s in cfg.guided_sites if s in EXPERT_SITES and cfg.quantizes(s)]
+    if flags and sites:
+        logger.warning("%s: TRACE guidance of the expert sites %s needs dropless MoE, so a step given guidance "
+                       "(trace_guidance) will refuse it; plain FP4 QAT runs. Drop %s for guided RL steps",
+                       " and ".join(flags), sites, " and ".join(flags))
 
 
 def _check_reuse(cfg: TraceConfig, args, moe: bool) -> None:

@@ -311,3 +311,22 @@ def test_the_dispatchers_checked_are_the_experts_ones():
     from megatron_trace.megatron.experts import _DISPATCHERS
 
     assert set(DISPATCHERS) == set(_DISPATCHERS)
+
+
+@pytest.mark.parametrize("model,warned", [
+    ({"moe_expert_capacity_factor": 1.25}, True),
+    ({"moe_router_padding_for_quantization": True}, True),
+    ({}, False),
+], ids=["capacity_factor", "padding", "dropless"])
+def test_a_dropping_moe_with_guided_expert_sites_is_warned_at_launch(model, warned, caplog):
+    """A capacity factor with guidance was only refused at the first guided step (``trace_guidance``): the launch
+    said nothing. Plain FP4 QAT runs with it, so the launch warns, naming the flag."""
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.megatron.args_checks"):
+        assert trace_config_from_args(parse(["--trace-fp4"], **{**MEGATRON, **model})).enabled
+        trace_config_from_args(parse(["--trace-fp4", "--trace-guided-sites", "kv_k,kv_v"], **{**MEGATRON, **model}))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == warned, lines  # (once: KV guided sites alone need no dispatch)
+    if warned:
+        flag = "--moe-expert-capacity-factor" if "moe_expert_capacity_factor" in model else \
+            "--moe-router-padding-for-quantization"
+        assert lines[0].startswith(f"{flag}: TRACE guidance of the expert sites") and "dropless" in lines[0]
