@@ -251,6 +251,10 @@ def phase_metrics(lt: torch.Tensor, lr: torch.Tensor, mask: torch.Tensor, prefil
     (default: the first response token); the other response tokens are decode positions. A phase without tokens
     (``tokens`` 0: e.g. every response ended at its first token) has NaN mean and max: no value, not a zero mismatch.
     """
+    for name, m in (("mask", mask), ("prefill_mask", prefill_mask)):  # (an integer mask would index, not select)
+        if m is not None and (m.dtype != torch.bool or m.shape != lt.shape or lr.shape != lt.shape):
+            raise ValueError(f"{name} must be bool of the log-probs' shape [B, S] {tuple(lt.shape)} (rollout "
+                             f"{tuple(lr.shape)}), got {m.dtype} {tuple(m.shape)}")
     if prefill_mask is None:
         prefill_mask = first_response_mask(mask)
     d = (lt.double() - lr.double()).abs()

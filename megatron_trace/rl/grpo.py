@@ -63,6 +63,9 @@ def policy_loss(
         # (they would broadcast: advantages [B, 1] or [B, T] against [B, T] made a [B, B, T] loss, silently wrong)
         raise ValueError(f"policy_loss takes logp [B, T] = {tuple(logp.shape)}, the same shape for {sorted(shapes)}"
                          f" (got {bad}) and advantages [B] (got {tuple(advantages.shape)}): one per sequence")
+    if kl_coef and logp_ref is None:  # (the KL term was dropped without a word)
+        raise ValueError(f"kl_coef={kl_coef!r} needs logp_ref (the reference policy's log-probs [B, T]); "
+                         "kl_coef=0 for no KL term")
     sel = mask.bool()
     # outside the mask every reference log-prob is replaced by logp itself (ratio 1, weight 1, KL 0), so that
     # NaN / inf there reach neither the loss nor, through 0 * inf, the gradient

@@ -274,3 +274,18 @@ def test_metrics_are_tagged_with_the_topology():
     assert topology_prefix(tp=1, ep=1, dp=2, pp=1, cp=2) == "tp1_ep1_dp2_pp1_cp2"
     with pytest.raises(ValueError, match="ep=0"):
         topology_prefix(ep=0)
+
+
+@pytest.mark.parametrize("bad", ["long", "float", "row"])
+def test_phase_metrics_refuse_a_prefill_mask_that_is_not_bool_of_the_log_probs_shape(bad):
+    """An integer prefill_mask indexed the log-prob diffs (d[m] gathers rows 0 and 1) instead of selecting
+    positions: the decode phase of an exact rollout read the prefill's mismatch, with no error."""
+    pm = first_response_mask(MASK)
+    lt = _lt(0.8, 0.0)
+    good = phase_metrics(lt, LR, MASK, prefill_mask=pm)
+    assert good["mismatch/decode/logprob_abs_diff_token_max"] == 0.0  # (what the bad masks must not replace)
+    wrong = {"long": pm.long(), "float": pm.float(), "row": pm[0]}[bad]
+    with pytest.raises(ValueError, match="prefill_mask must be bool of the log-probs' shape"):
+        phase_metrics(lt, LR, MASK, prefill_mask=wrong)
+    with pytest.raises(ValueError, match="mask must be bool"):
+        phase_metrics(lt, LR, MASK.long())

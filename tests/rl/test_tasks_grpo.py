@@ -238,3 +238,17 @@ def test_batch_slices_name_a_bad_micro_batch_size(mbs):
     """A negative size gave no slice at all (every row dropped; the driver then divided by 0 micro-batches)."""
     with pytest.raises(ValueError, match=re.escape(f"micro_batch_size={mbs!r} must be None or an int >= 0")):
         batch_slices(4, mbs)
+
+
+def test_policy_loss_refuses_a_kl_coef_without_the_reference_log_probs():
+    """kl_coef > 0 without logp_ref dropped the KL term silently: the loss was the one of kl_coef=0."""
+    g = torch.Generator().manual_seed(5)
+    logp, old = -torch.rand(2, 4, generator=g), -torch.rand(2, 4, generator=g)
+    adv, mask = torch.tensor([1.0, -0.5]), torch.ones(2, 4, dtype=torch.bool)
+    ref = logp - 0.4
+    base = policy_loss(logp, old, old, adv, mask)[0]
+    with_kl = policy_loss(logp, old, old, adv, mask, kl_coef=0.5, logp_ref=ref)[0]
+    d = (ref - logp).double()
+    torch.testing.assert_close(with_kl.double(), base.double() + 0.5 * (d.exp() - d - 1).mean())  # k3, every token
+    with pytest.raises(ValueError, match=r"kl_coef=0.5 needs logp_ref"):
+        policy_loss(logp, old, old, adv, mask, kl_coef=0.5)
