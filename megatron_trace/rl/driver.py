@@ -31,7 +31,7 @@ import torch
 
 from ..guidance.records import pack_guidance, payload_of, with_tensors
 from ..guidance.site import FallbackCounter, SiteGuidance
-from ..metrics import guidance_step_metrics, quant_counts, quant_metrics
+from ..metrics import cache_metrics, guidance_step_metrics, quant_counts, quant_metrics
 from ..monitor import (
     SentinelCheck,
     SentinelError,
@@ -235,7 +235,8 @@ class GRPORun:
 
     def _guidance(self, step: int, batch, full: dict, micro_batch_size: int | None = None):
         """Ship the arm's records through the cache and assemble them per trainer micro-batch (of
-        ``micro_batch_size`` rows; None: one): a ``StepGuidance`` for each, in order."""
+        ``micro_batch_size`` rows; None: one): (a ``StepGuidance`` for each, in order, the assembly's counter, the
+        ``cache/*`` bytes-per-token metrics)."""
         from ..megatron import StepGuidance
 
         keep = keep_for_arm(full, self.arm, self.num_layers)
@@ -251,7 +252,7 @@ class GRPORun:
             return StepGuidance(sites=sites, routing={k: v[sl] for k, v in routing.items()}, token_mask=mask[sl])
 
         if not keep:
-            return [part(sl, {}) for sl in rows], counter, 0.0
+            return [part(sl, {}) for sl in rows], counter, cache_metrics(0.0, 0.0)
         packed = pack_guidance(keep, batch.tokens, version=batch.policy_version, attention_mask=mask)
         self.cache.put(step, packed)  # device -> host (columns, or per sample and spilled beyond the budget)
         ids, tokens, host_mask = list(packed.table.ids), batch.tokens.cpu(), mask.cpu()
@@ -262,8 +263,13 @@ class GRPORun:
         # the version the records must carry is the trainer's own (the weights it recomputes with), not the batch's
         steps = [part(sl, self.cache.assemble(step, ids[sl], tokens[sl], versions=self.state.version,
                                               counter=counter, attention_mask=host_mask[sl])) for sl in rows]
-        bpt = packed.guidance_nbytes() / max(int(mask.sum()), 1)
-        return steps, counter, bpt
+        tokens = max(int(mask.sum()), 1)
+        nbytes = packed.guidance_nbytes()
+        # the same records with full codes: a full row's payload is 4 bits per element, a compact row's 1 (both of
+        # the block-padded row), scales and amax unchanged
+        full_nbytes = nbytes + (3 * sum(c.fields["payload"].nbytes for c in packed.columns)
+                                if self.arm.trace.cache_mode == "compact" else 0)
+        return steps, counter, cache_metrics(nbytes / tokens, full_nbytes / tokens)
 
     def _quant_metrics(self, recorded: list, full: dict, micro_batch_size: int) -> dict:
         """The trainer's recorded codes (one ``StepGuidance`` per micro-batch) against the rollout's full records."""
@@ -356,7 +362,7 @@ class GRPORun:
         full = batch.guidance
         t_guid = time.perf_counter()
         mbs = cfg.micro_batch_size or batch.tokens.shape[0]
-        steps, counter, bpt = self._guidance(step, batch, full, mbs)
+        steps, counter, cache = self._guidance(step, batch, full, mbs)
         t_guid = time.perf_counter() - t_guid
         record = bool(self.arm.trainer_fp4 and cfg.quant_metrics_every and step % cfg.quant_metrics_every == 0)
         logp, h = self.train_pass(batch, adv, steps, record=record)
@@ -377,7 +383,7 @@ class GRPORun:
                 recorded = [h.microbatch(i).recorded() for i in range(len(steps))]
                 metrics.update(self._quant_metrics(recorded, full, mbs))
         metrics.update(counter.as_dict("guidance/assembly"))
-        metrics["cache/bytes_per_token"] = bpt
+        metrics.update(cache)
         self.cache.drop(step)
         # the step has trained: it counts from here, so a sync that raises is retried by the next step() (or a
         # resume), never the same prompts trained twice on the stepped weights

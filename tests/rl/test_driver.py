@@ -114,6 +114,24 @@ def test_keep_for_arm_selects_layers_and_compacts(megatron_cpu, ckpt, tmp_path):
     assert {k[0] for k in batch.guidance} == {0, 1}  # the rollout records every layer (metrics superset)
 
 
+def test_a_compact_arm_reports_the_bytes_per_token_of_full_records_too(megatron_cpu, ckpt, tmp_path):
+    """METRICS.md's ``cache/bytes_per_token`` comes with "the same for full mode": the demo logged only the arm's own
+    mode, so a compact run showed no saving. Both now, equal to the bytes of a row (``accounting.row_bytes``) times
+    the rows per token of every guided (layer, site)."""
+    from megatron_trace.guidance.accounting import row_bytes
+
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace", TraceConfig(guided_layers="all")), rl, get_task("add"), ckpt, out_dir=tmp_path,
+                cache_dir=tmp_path / "c")
+    m = r.step()
+    heads, k = MODEL.num_key_value_heads, MODEL.top_k
+    per_layer = lambda compact: (row_bytes(MODEL.hidden_size, compact=compact)  # noqa: E731
+                                 + k * row_bytes(MODEL.moe_intermediate_size, compact=compact)
+                                 + 2 * heads * row_bytes(MODEL.head_dim, compact=compact))
+    assert m["cache/bytes_per_token"] == MODEL.num_layers * per_layer(True)
+    assert m["cache/bytes_per_token_full"] == MODEL.num_layers * per_layer(False)
+
+
 def test_resume_reproduces_the_next_step(megatron_cpu, ckpt, tmp_path):
     task, arm = get_task("add"), make_arm("trace", TraceConfig())
 
