@@ -305,3 +305,61 @@ def test_server_args_keys_exist(registered):
     "sync weights A->B->A and compare logprobs bit-exactly"))
 def test_e2e_engine_generate_capture_sync():
     pass
+
+
+def test_module_audit_reads_exclude_lists_as_sglang_does(registered):
+    """``rollout.audit.sglang_excluded`` against SGLang's own ``is_layer_excluded`` / ``is_layer_skipped`` in the
+    TRACE method's order, for the export's list (layer 0's experts kept BF16) and hand-written ones: equal sets;
+    a refused pattern is one SGLang ignores; a list SGLang refuses (a packed Linear split) is refused."""
+    import ast
+    import importlib.util
+    import itertools
+    import os
+    import re
+
+    from megatron_trace.manifest import ModulePatternError, experts_name
+    from megatron_trace.rollout.audit import _sglang_linears, qwen3_moe_modules, sglang_excluded, sglang_packed_modules
+    from megatron_trace.rollout.hf_weights import checkpoint_tensors
+    from tests.rollout._tiny import tiny_config, tiny_model
+
+    path = os.path.join(os.path.dirname(importlib.util.find_spec("sglang").origin), "srt", "models", "qwen3_moe.py")
+    cls = next(n for n in ast.parse(open(path).read()).body if getattr(n, "name", "") == "Qwen3MoeForCausalLM")
+    packed = next(ast.literal_eval(s.value) for s in cls.body
+                  if isinstance(s, ast.Assign) and s.targets[0].id == "packed_modules_mapping")
+    hf = tiny_config(num_hidden_layers=3, mlp_only_layers=[2])
+    assert {k: tuple(v) for k, v in packed.items()} == sglang_packed_modules(hf.to_dict())
+    moe, _ = qwen3_moe_modules(hf)
+    bf16 = CFG.replace(exclude_modules=("model.layers.0.mlp.experts",))
+    _, exported = build_modelopt_state(fp4_stream(checkpoint_tensors(tiny_model(hf)), bf16.weight_quantizer(),
+                                                  bf16_layers={0}), 4.0, trace_config=bf16)
+
+    def sglang(pats):  # canonical names SGLang serves unquantized, or None where it refuses the checkpoint
+        cfg = registered.TraceQuantConfig(CFG, list(pats), packed_modules_mapping=packed)
+        out = {experts_name(i) for i in moe if cfg.is_layer_excluded(experts_name(i))}
+        try:
+            for prefix, names in _sglang_linears(hf, moe).items():
+                if cfg.is_layer_excluded(prefix) or registered._skipped(prefix, cfg):
+                    out |= set(names)
+        except ValueError:
+            return None
+        return out
+
+    atoms = ["model.layers.0.mlp.experts", "model.*", "experts", "mlp", "layers.1", "self_attn", "1", "q_proj",
+             "model.layers.1.mlp.gate", "model.layers.2.mlp.gate_proj", "*experts", "lm_head", "gate_up_proj",
+             "layers.0.mlp.experts", "model.layers.0.mlp.experts.3.gate_proj"]
+    outcomes = []
+    for pats in [exported, *itertools.combinations(atoms, 2)]:
+        want = sglang(pats)
+        try:
+            excluded, quantizable = sglang_excluded(hf, pats)
+        except ModulePatternError as e:
+            ignored = re.findall(r"pattern '(.*?)' matches none", str(e))
+            if ignored:
+                assert sglang([p for p in pats if p != ignored[0]]) == want, pats
+            else:
+                assert want is None, pats
+            outcomes.append("refused")
+            continue
+        assert excluded & quantizable == want, pats
+        outcomes.append("equal")
+    assert outcomes[0] == "equal" and outcomes.count("equal") > len(outcomes) // 3
