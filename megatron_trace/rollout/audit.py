@@ -92,13 +92,13 @@ def without_kv(config: TraceConfig) -> TraceConfig:
 # Qwen2MoeForCausalLM (srt/models/qwen2_moe.py) declares none, so its exclude entries are matched against the fused
 # names themselves. Routers (ReplicatedLinear(quant_config=None)), shared_expert_gate (a torch Linear), embeddings
 # and lm_head (not a LinearBase) get no quant method there: BF16 whatever the list says.
-_SGLANG_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+SGLANG_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _SGLANG_FUSED_TAILS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # is_layer_excluded's MLA set
 
 
 def sglang_packed_modules(hf_config) -> dict[str, tuple[str, ...]]:
     """The SGLang model class's ``packed_modules_mapping`` for this config (Qwen2-MoE: none)."""
-    return {} if _get(hf_config, "model_type", "") == "qwen2_moe" else dict(_SGLANG_PACKED)
+    return {} if _get(hf_config, "model_type", "") == "qwen2_moe" else dict(SGLANG_PACKED)
 
 
 def _sglang_glob(pattern: str) -> re.Pattern:
@@ -170,9 +170,9 @@ def sglang_excluded(hf_config, exclude_modules: Sequence[str]) -> tuple[set[str]
     packed = sglang_packed_modules(hf_config)
     linears = _sglang_linears(hf_config, moe)
     experts = {experts_name(i) for i in moe}
-    # what a pattern can hit: every module's SGLang prefix, and a packed Linear's shards (substring tests: no FusedMoE)
-    unseen = set() if packed else {n for ns in linears.values() if len(ns) == 3 for n in ns}  # unpacked qkv shards
-    pool = sorted({*others, *experts, *linears} - unseen)
+    # what a pattern can name: every module's canonical name and SGLang prefix (substring tests: no FusedMoE). A
+    # shard name SGLang does not test (Qwen2-MoE's q_proj) is accepted: the fused Linear then audits as quantized
+    pool = sorted({*others, *experts, *linears})
     for p in exclude_modules:
         if not any(sglang_layer_excluded(n, [p]) or (p in n and n not in experts) for n in pool):
             raise ModulePatternError(f"exclude pattern {p!r} matches none of the {len(pool)} modules SGLang 0.5.10 "

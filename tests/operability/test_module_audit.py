@@ -159,8 +159,21 @@ def test_sglang_audit_of_shared_experts():
     assert sglang_module_audit(cfg, c, ["self_attn", "mlp.shared_expert", "model.layers.0.mlp.gate_proj",
                                         "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]).quantized == \
         ("model.layers.1.mlp.experts",)  # an unpacked gate_up_proj is excluded by both halves named exactly
-    with pytest.raises(ModulePatternError, match="'q_proj' matches none"):
-        sglang_module_audit(cfg, c, ["q_proj"])
+    qkv = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv"]
+    assert set(qkv) <= set(sglang_module_audit(cfg, c, [*qkv, "o_proj", "mlp"]).quantized)  # shards: ignored there
+    assert sglang_module_audit(cfg, c, ["qkv_proj", "o_proj", "mlp"]).quantized == ()
+
+
+def test_exported_exclude_list_keeps_qwen2_moe_attention_bf16_in_sglang():
+    """The export names the fused qkv_proj / gate_up_proj too: SGLang's Qwen2-MoE tests entries against them."""
+    c = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    exported = exclude_modules_of(n for n, t in checkpoint_tensors(Qwen2MoeForCausalLM(c))
+                                  if ".experts." not in n and t.dim() == 2)
+    assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj",
+            "model.layers.1.mlp.shared_expert.gate_up_proj", "model.layers.1.self_attn.q_proj"} <= set(exported)
+    assert sglang_module_audit(without_kv(CFG), c.to_dict(), exported).quantized == ("model.layers.1.mlp.experts",)
 
 
 def test_patterns_are_full_matches_never_substrings():

@@ -307,30 +307,42 @@ def test_e2e_engine_generate_capture_sync():
     pass
 
 
-def test_module_audit_reads_exclude_lists_as_sglang_does(registered):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_module_audit_reads_exclude_lists_as_sglang_does(registered, arch):
     """``rollout.audit.sglang_excluded`` against SGLang's own ``is_layer_excluded`` / ``is_layer_skipped`` in the
     TRACE method's order, for the export's list (layer 0's experts kept BF16) and hand-written ones: equal sets;
-    a refused pattern is one SGLang ignores; a list SGLang refuses (a packed Linear split) is refused."""
+    a refused pattern is one SGLang ignores; a list SGLang refuses (a packed Linear split) is refused. The packed
+    mapping is the SGLang model class's (read from its source: Qwen2-MoE declares none)."""
     import ast
     import importlib.util
     import itertools
     import os
     import re
 
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
     from megatron_trace.manifest import ModulePatternError, experts_name
     from megatron_trace.rollout.audit import _sglang_linears, qwen3_moe_modules, sglang_excluded, sglang_packed_modules
     from megatron_trace.rollout.hf_weights import checkpoint_tensors
     from tests.rollout._tiny import tiny_config, tiny_model
 
-    path = os.path.join(os.path.dirname(importlib.util.find_spec("sglang").origin), "srt", "models", "qwen3_moe.py")
-    cls = next(n for n in ast.parse(open(path).read()).body if getattr(n, "name", "") == "Qwen3MoeForCausalLM")
-    packed = next(ast.literal_eval(s.value) for s in cls.body
-                  if isinstance(s, ast.Assign) and s.targets[0].id == "packed_modules_mapping")
-    hf = tiny_config(num_hidden_layers=3, mlp_only_layers=[2])
+    path = os.path.join(os.path.dirname(importlib.util.find_spec("sglang").origin), "srt", "models", f"{arch}.py")
+    name = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[arch]
+    cls = next(n for n in ast.parse(open(path).read()).body if getattr(n, "name", "") == name)
+    packed = next((ast.literal_eval(s.value) for s in cls.body
+                   if isinstance(s, ast.Assign) and s.targets[0].id == "packed_modules_mapping"), {})
+    if arch == "qwen3_moe":
+        hf = tiny_config(num_hidden_layers=3, mlp_only_layers=[2])
+        model = tiny_model(hf)
+    else:
+        hf = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[2])
+        model = Qwen2MoeForCausalLM(hf)
     assert {k: tuple(v) for k, v in packed.items()} == sglang_packed_modules(hf.to_dict())
     moe, _ = qwen3_moe_modules(hf)
     bf16 = CFG.replace(exclude_modules=("model.layers.0.mlp.experts",))
-    _, exported = build_modelopt_state(fp4_stream(checkpoint_tensors(tiny_model(hf)), bf16.weight_quantizer(),
+    _, exported = build_modelopt_state(fp4_stream(checkpoint_tensors(model), bf16.weight_quantizer(),
                                                   bf16_layers={0}), 4.0, trace_config=bf16)
 
     def sglang(pats):  # canonical names SGLang serves unquantized, or None where it refuses the checkpoint
@@ -346,7 +358,7 @@ def test_module_audit_reads_exclude_lists_as_sglang_does(registered):
 
     atoms = ["model.layers.0.mlp.experts", "model.*", "experts", "mlp", "layers.1", "self_attn", "1", "q_proj",
              "model.layers.1.mlp.gate", "model.layers.2.mlp.gate_proj", "*experts", "lm_head", "gate_up_proj",
-             "layers.0.mlp.experts", "model.layers.0.mlp.experts.3.gate_proj"]
+             "layers.0.mlp.experts", "model.layers.0.mlp.experts.3.gate_proj", "shared_expert"]
     outcomes = []
     for pats in [exported, *itertools.combinations(atoms, 2)]:
         want = sglang(pats)
@@ -363,3 +375,5 @@ def test_module_audit_reads_exclude_lists_as_sglang_does(registered):
         assert excluded & quantizable == want, pats
         outcomes.append("equal")
     assert outcomes[0] == "equal" and outcomes.count("equal") > len(outcomes) // 3
+    linears = {n for ns in _sglang_linears(hf, moe).values() for n in ns}
+    assert linears <= sglang(exported)  # the export's list: SGLang serves every Linear BF16
