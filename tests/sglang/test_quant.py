@@ -377,3 +377,18 @@ def test_module_audit_reads_exclude_lists_as_sglang_does(registered, arch):
     assert outcomes[0] == "equal" and outcomes.count("equal") > len(outcomes) // 3
     linears = {n for ns in _sglang_linears(hf, moe).values() for n in ns}
     assert linears <= sglang(exported)  # the export's list: SGLang serves every Linear BF16
+
+
+@pytest.mark.parametrize("config_dtype", ["bfloat16", "float16", "float32", None])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3"])
+def test_backend_dtype_is_sglangs_own_resolution(config_dtype, model_type):
+    """The backend's dtype for ServerArgs.dtype "auto" (and explicit names) equals SGLang's
+    ``configs.model_config._get_and_verify_dtype`` on the same config."""
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    from megatron_trace.rollout.sglang.backend import sglang_model_dtype
+
+    for key in ("dtype", "torch_dtype"):
+        hf = {key: config_dtype, "model_type": model_type}
+        for server in ("auto", "bfloat16", "half", "float32"):
+            assert sglang_model_dtype(server, hf) == _get_and_verify_dtype(hf, server), (hf, server)
