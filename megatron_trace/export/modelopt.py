@@ -29,6 +29,7 @@ from ..config import TraceConfig
 from ..formats import NVFP4_BLOCK, FP4Tensor
 from ..formats.nvfp4 import decode_scale_from_amax
 from ..manifest import experts_name, module_excluded
+from ..rollout.audit import SGLANG_PACKED
 from ..rollout.checkpoint_dir import StagedCheckpointDir
 from ..rollout.hf_weights import INDEX_FILE, WEIGHTS_FILE, ShardedSafetensorsWriter, join_fc1, parse_expert_name
 
@@ -86,8 +87,18 @@ def _expert_prefix(name: str) -> str:
 
 
 def exclude_modules_of(bf16_names: Iterable[str]) -> list[str]:
-    """Module names of the BF16 Linear weights (2-D ``*.weight`` outside the routed experts), sorted."""
-    return sorted({n.removesuffix(".weight") for n in bf16_names if n.endswith(".weight")})
+    """Module names of the BF16 Linear weights (2-D ``*.weight`` outside the routed experts), sorted, plus the fused
+    Linear SGLang builds from shards that are all BF16 (``self_attn.qkv_proj``, ``mlp.gate_up_proj``): SGLang 0.5.10's
+    Qwen2-MoE has no packed_modules_mapping, so ``is_layer_skipped`` tests the entries against the fused prefix and
+    a ``q_proj`` entry alone leaves ``qkv_proj`` quantized (``rollout.audit.sglang_excluded``)."""
+    names = {n.removesuffix(".weight") for n in bf16_names if n.endswith(".weight")}
+    fused = set()
+    for name in names:
+        parent, proj = name.rsplit(".", 1) if "." in name else ("", name)
+        for packed, shards in SGLANG_PACKED.items():
+            if proj in shards and all(f"{parent}.{s}" in names for s in shards):
+                fused.add(f"{parent}.{packed}")
+    return sorted(names | fused)
 
 
 def build_modelopt_state(

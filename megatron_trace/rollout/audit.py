@@ -5,15 +5,16 @@ quantizes versus every other module with parameters (attention projections, dens
 experts, router, embeddings, norms, lm_head), which stay in the model dtype, as do the experts and
 KV caches named by ``TraceConfig.exclude_modules``. ``qwen3_moe_modules`` derives the same module
 names from an HF config alone (for engines whose model lives in another process, e.g. SGLang);
-``sglang_module_audit`` adds the checkpoint's ``exclude_modules``: a Linear the patterns do not
-exclude is served in FP4 by the TRACE SGLang method, so it lands in the quantized list and the set
-comparison with the trainer fails loudly (verl#7519). The SGLang method does not honour
-``TraceConfig.exclude_modules`` (all routed experts are FP4 there), so its audit lists every routed
-experts module and differs from a trainer that excludes some: the set check fires.
+``sglang_module_audit`` adds the checkpoint's ``exclude_modules``, read as SGLang 0.5.10 reads them
+(``sglang_excluded``): a Linear the entries do not exclude is served in FP4 by the TRACE SGLang method,
+so it lands in the quantized list and the set comparison with the trainer fails loudly (verl#7519); a
+routed-experts entry (``model.layers.L.mlp.experts``, as ``export.modelopt`` writes for the layers
+``TraceConfig.exclude_modules`` keeps) puts that FusedMoE in BF16.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -23,10 +24,10 @@ from ..manifest import (
     EXPERT_SITES,
     KV_SITES,
     ModuleAudit,
+    ModulePatternError,
     QuantRecipe,
     experts_name,
     kv_cache_name,
-    match_modules,
     module_excluded,
     quantized_module_names,
 )
@@ -87,20 +88,123 @@ def without_kv(config: TraceConfig) -> TraceConfig:
                           guided_sites=tuple(s for s in config.guided_sites if s not in KV_SITES))
 
 
-def sglang_module_audit(config: TraceConfig, hf_config, exclude_modules: Sequence[str] | None) -> ModuleAudit:
-    """What the TRACE SGLang method quantizes for a checkpoint's ``exclude_modules`` (ModelOpt wildcards).
+# SGLang 0.5.10's Qwen3MoeForCausalLM.packed_modules_mapping (srt/models/qwen3_moe.py): its fused Linears' HF shards.
+# Qwen2MoeForCausalLM (srt/models/qwen2_moe.py) declares none, so its exclude entries are matched against the fused
+# names themselves. Routers (ReplicatedLinear(quant_config=None)), shared_expert_gate (a torch Linear), embeddings
+# and lm_head (not a LinearBase) get no quant method there: BF16 whatever the list says.
+SGLANG_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_SGLANG_FUSED_TAILS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # is_layer_excluded's MLA set
 
-    Routed experts are quantized (expert sites); a 2-D-weight module not matched by an exclude
-    pattern is served as an NVFP4 Linear. ``exclude_modules=None``: the checkpoint excludes every
-    non-expert module (what ``export.modelopt`` writes). A pattern that matches nothing raises.
+
+def sglang_packed_modules(hf_config) -> dict[str, tuple[str, ...]]:
+    """The SGLang model class's ``packed_modules_mapping`` for this config (Qwen2-MoE: none)."""
+    return {} if _get(hf_config, "model_type", "") == "qwen2_moe" else dict(SGLANG_PACKED)
+
+
+def _sglang_glob(pattern: str) -> re.Pattern:
+    try:  # SGLang escapes only '.' ('*' -> '.*'); another regex character is taken as regex there too
+        return re.compile(pattern.replace(".", r"\.").replace("*", ".*"))
+    except re.error as e:
+        raise ModulePatternError(f"exclude pattern {pattern!r} is not a valid SGLang pattern ({e}): SGLang "
+                                 "compiles it as a regex with '.' literal and '*' = '.*'") from e
+
+
+def sglang_layer_excluded(prefix: str, patterns: Sequence[str]) -> bool:
+    """SGLang 0.5.10 ``ModelOptQuantConfig.is_layer_excluded`` (srt/layers/quantization/modelopt_quant.py), the one
+    test a FusedMoE gets: a pattern fully matches the prefix or one of its dot-separated parts ('.' literal, '*' =
+    anything, dots included); ``language_model.`` is also tried stripped; an MLA tail (``q_a_proj``...) is a
+    substring of the prefix's last part."""
+    variants = [prefix] + ([prefix.removeprefix("language_model.")] if prefix.startswith("language_model.") else [])
+    for p in patterns:
+        rx = _sglang_glob(p)
+        if any(rx.fullmatch(v) or any(rx.fullmatch(part) for part in v.split(".")) for v in variants):
+            return True
+        tail = p.rsplit(".", 1)[-1]
+        if tail in _SGLANG_FUSED_TAILS and any(tail in v.rsplit(".", 1)[-1] for v in variants):
+            return True
+    return False
+
+
+def sglang_layer_skipped(prefix: str, patterns: Sequence[str], packed: Mapping[str, Sequence[str]]) -> bool:
+    """SGLang 0.5.10 ``is_layer_skipped`` (srt/layers/quantization/utils.py), the Linears' other test: a pattern is
+    a *substring* of the prefix, of each shard of a packed Linear (all shards must agree, else SGLang refuses the
+    load), or names both halves of an unpacked ``gate_up_proj`` exactly."""
+    proj = prefix.split(".")[-1]
+    if proj in packed:
+        shards = {s: any(p in prefix.replace(proj, s) for p in patterns) for s in packed[proj]}
+        if len(set(shards.values())) > 1:
+            raise ModulePatternError(f"exclude_modules {list(patterns)} exclude some shards of {prefix} but not all "
+                                     f"({shards}): SGLang refuses such a checkpoint; list all or none of "
+                                     f"{list(packed[proj])}")
+        return any(shards.values())
+    skipped = any(p in prefix for p in patterns)
+    if "gate_up_proj" in prefix:
+        skipped |= all(prefix.replace("gate_up_proj", s) in patterns for s in ("gate_proj", "up_proj"))
+    elif "experts" in prefix:
+        skipped |= any(prefix in p for p in patterns if "experts" in p)
+    return skipped
+
+
+def _sglang_linears(hf_config, moe: Sequence[int]) -> dict[str, tuple[str, ...]]:
+    """The Linears SGLang builds with the quant config: SGLang prefix -> the canonical names it serves."""
+    shared = int(_get(hf_config, "shared_expert_intermediate_size", 0) or 0)
+    out: dict[str, tuple[str, ...]] = {}
+    for i in range(int(_get(hf_config, "num_hidden_layers"))):
+        p = f"model.layers.{i}"
+        out[f"{p}.self_attn.qkv_proj"] = tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")
+        out[f"{p}.self_attn.o_proj"] = (f"{p}.self_attn.o_proj",)
+        for m in ([f"{p}.mlp.shared_expert"] if shared else []) if i in moe else [f"{p}.mlp"]:
+            out[f"{m}.gate_up_proj"] = (f"{m}.gate_proj", f"{m}.up_proj")
+            out[f"{m}.down_proj"] = (f"{m}.down_proj",)
+    return out
+
+
+def sglang_excluded(hf_config, exclude_modules: Sequence[str]) -> tuple[set[str], set[str]]:
+    """(canonical names SGLang 0.5.10 serves unquantized for this exclude list, names it may quantize at all).
+
+    A Linear is excluded by ``is_layer_excluded or is_layer_skipped`` on its SGLang prefix (fused ``qkv_proj`` /
+    ``gate_up_proj``), a routed-experts FusedMoE by ``is_layer_excluded`` only (``ModelOptFp4Config`` and the TRACE
+    method's ``get_quant_method``). A pattern that matches no module of the model under those rules (e.g. a
+    per-expert ``model.layers.0.mlp.experts.3.gate_proj``, which SGLang ignores) raises ``ModulePatternError``."""
+    moe, others = qwen3_moe_modules(hf_config)
+    packed = sglang_packed_modules(hf_config)
+    linears = _sglang_linears(hf_config, moe)
+    experts = {experts_name(i) for i in moe}
+    # what a pattern can name: every module's canonical name and SGLang prefix (substring tests: no FusedMoE). A
+    # shard name SGLang does not test (Qwen2-MoE's q_proj) is accepted: the fused Linear then audits as quantized
+    pool = sorted({*others, *experts, *linears})
+    for p in exclude_modules:
+        if not any(sglang_layer_excluded(n, [p]) or (p in n and n not in experts) for n in pool):
+            raise ModulePatternError(f"exclude pattern {p!r} matches none of the {len(pool)} modules SGLang 0.5.10 "
+                                     f"builds (e.g. {pool[:3]}), so SGLang ignores it: it matches a pattern fully "
+                                     "against a module prefix or one of its dot-separated parts ('*' = anything) "
+                                     "and, for Linears, as a substring")
+    excluded = {e for e in experts if sglang_layer_excluded(e, exclude_modules)}
+    for prefix, names in linears.items():
+        if sglang_layer_excluded(prefix, exclude_modules) or sglang_layer_skipped(prefix, exclude_modules, packed):
+            excluded |= set(names)
+    quantizable = experts | {n for names in linears.values() for n in names}
+    return excluded | (set(others) - quantizable), quantizable
+
+
+def sglang_module_audit(config: TraceConfig, hf_config, exclude_modules: Sequence[str] | None) -> ModuleAudit:
+    """What the TRACE SGLang method quantizes for a checkpoint's ``exclude_modules`` (as SGLang 0.5.10 reads them).
+
+    Routed experts are quantized (expert sites) unless an entry excludes their FusedMoE; a Linear that SGLang
+    quantizes at all (attention, dense and shared-expert MLPs) is served as an NVFP4 Linear unless an entry
+    excludes it (``sglang_excluded``). ``exclude_modules=None``: the checkpoint excludes every non-expert module
+    (what ``export.modelopt`` writes). A pattern that matches nothing raises.
     """
     moe, others = qwen3_moe_modules(hf_config)
-    excluded = set(others) if exclude_modules is None else match_modules(others, exclude_modules)
+    experts = {experts_name(i) for i in moe}
+    if exclude_modules is None:
+        excluded, quantizable = set(others), experts | set(others)
+    else:
+        excluded, quantizable = sglang_excluded(hf_config, exclude_modules)
     quantized = set()
     if config.enabled and any(config.quantizes(s) for s in EXPERT_SITES):
-        quantized = {experts_name(i) for i in moe}
-        quantized |= {n for n in others if n not in excluded}
-    return ModuleAudit(quantized=tuple(sorted(quantized)), bf16=tuple(sorted(set(others) - quantized)))
+        quantized = quantizable - excluded
+    return ModuleAudit(quantized=tuple(sorted(quantized)), bf16=tuple(sorted((set(others) | experts) - quantized)))
 
 
 def backend_recipe(config: TraceConfig, *, guided_layers: Iterable[int], audit: ModuleAudit,

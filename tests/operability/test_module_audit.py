@@ -6,14 +6,16 @@ import pytest
 import torch
 from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
 
+from megatron_trace.bridge import fp4_stream
 from megatron_trace.config import TraceConfig
-from megatron_trace.export.modelopt import exclude_modules_of
+from megatron_trace.export.modelopt import build_modelopt_state, exclude_modules_of
 from megatron_trace.manifest import (
     ModulePatternError,
     RecipeMismatchError,
     check_module_sets,
     check_recipe,
     match_modules,
+    quantized_module_names,
     trainer_quantized_modules,
     trainer_recipe,
 )
@@ -99,19 +101,79 @@ def test_shared_experts_stay_bf16():
 
 def test_sglang_exclude_patterns_are_audited():
     """The checkpoint's exclude list decides which Linears SGLang serves in FP4: exported lists agree with the
-    trainer; a list that misses the routers puts them into the quantized set (the audit fires); a pattern with
-    a wrong prefix matches nothing (an error, not a silent no-op)."""
+    trainer; a list that misses an attention projection puts it into the quantized set (the audit fires); a
+    pattern that matches nothing as SGLang matches is an error, not a silent no-op."""
     cfg, hf = without_kv(CFG), tiny_config(num_hidden_layers=LAYERS)
     exported = exclude_modules_of(n for n, t in checkpoint_tensors(tiny_model(hf))
                                   if ".experts." not in n and t.dim() == 2)  # as export.modelopt writes it
     trainer = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
     check_module_sets(trainer, sglang_module_audit(cfg, hf.to_dict(), exported).quantized)
-    check_module_sets(trainer, sglang_module_audit(cfg, hf.to_dict(), ["model.*", "lm_head"]).quantized)
-    no_router = [p for p in exported if not p.endswith("mlp.gate")]
-    with pytest.raises(RecipeMismatchError, match=r"only in rollout \['model.layers.0.mlp.gate'"):
-        check_module_sets(trainer, sglang_module_audit(cfg, hf.to_dict(), no_router).quantized)
-    with pytest.raises(ModulePatternError, match="'layers.0.mlp.gate' matches none"):
-        sglang_module_audit(cfg, hf.to_dict(), [*exported, "layers.0.mlp.gate"])
+    check_module_sets(trainer, sglang_module_audit(cfg, hf.to_dict(), ["self_attn", "lm_head"]).quantized)
+    no_o = [p for p in exported if p != "model.layers.0.self_attn.o_proj"]
+    with pytest.raises(RecipeMismatchError, match=r"only in rollout \['model.layers.0.self_attn.o_proj'"):
+        check_module_sets(trainer, sglang_module_audit(cfg, hf.to_dict(), no_o).quantized)
+    with pytest.raises(ModulePatternError, match="'layers.0.mlp.gates' matches none"):
+        sglang_module_audit(cfg, hf.to_dict(), [*exported, "layers.0.mlp.gates"])
+
+
+def test_sglang_audit_reads_exclude_entries_as_sglang_does():
+    """SGLang 0.5.10 (modelopt_quant.is_layer_excluded, quantization.utils.is_layer_skipped): the routed-experts
+    entry the export writes keeps that FusedMoE in BF16; a pattern fully matching a prefix or one of its parts
+    ('model.*', 'mlp') excludes experts too; a substring excludes Linears; routers, embeddings and lm_head are never
+    quantized; a per-expert entry is ignored there (refused here); a packed Linear's shards must agree."""
+    cfg, hf = without_kv(CFG), tiny_config(num_hidden_layers=LAYERS).to_dict()
+    bf16 = CFG.replace(exclude_modules=("model.layers.0.mlp.experts",))
+    named = list(checkpoint_tensors(tiny_model(tiny_config(num_hidden_layers=LAYERS))))
+    _, exclude = build_modelopt_state(fp4_stream(named, bf16.weight_quantizer(), bf16_layers={0}), 1.0,
+                                      trace_config=bf16)
+    assert "model.layers.0.mlp.experts" in exclude
+    audit = sglang_module_audit(cfg, hf, exclude)
+    assert audit.quantized == quantized_module_names(without_kv(bf16), moe_layers=range(LAYERS), attention_layers=())
+    assert "model.layers.0.mlp.experts" in audit.bf16
+    assert sglang_module_audit(cfg, hf, ["model.*"]).quantized == ()  # every FusedMoE and Linear excluded
+    assert sglang_module_audit(cfg, hf, ["mlp", "self_attn"]).quantized == ()
+    parts = [*(f"layers.{i}.self_attn" for i in range(LAYERS)), "*experts"]
+    assert sglang_module_audit(cfg, hf, parts).quantized == ()  # substrings exclude Linears, a wildcard the experts
+    routers = sglang_module_audit(cfg, hf, ["self_attn"]).quantized  # no router / lm_head / embeddings entry
+    assert routers == tuple(f"model.layers.{i}.mlp.experts" for i in range(LAYERS))
+    for ignored in ("model.layers.0.mlp.experts.3.gate_proj", "layers.0.mlp.experts"):
+        with pytest.raises(ModulePatternError, match=f"'{ignored}' matches none"):
+            sglang_module_audit(cfg, hf, ["self_attn", ignored])
+    with pytest.raises(ModulePatternError, match="some shards of model.layers.1.self_attn.qkv_proj"):
+        sglang_module_audit(cfg, hf, ["model.layers.1.self_attn.q_proj", "o_proj"])
+
+
+def test_sglang_audit_of_shared_experts():
+    """Qwen2-MoE in SGLang 0.5.10: the shared expert is a quantizable MLP (excluded by its own entries), its gate a
+    plain torch Linear (never quantized); no packed mapping, so q/k/v entries do not reach the fused qkv_proj."""
+    c = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0]).to_dict()
+    cfg = without_kv(CFG)
+    shared = [f"model.layers.1.mlp.shared_expert.{p}_proj" for p in ("gate", "up", "down")]
+    audit = sglang_module_audit(cfg, c, ["self_attn", "model.layers.0.mlp"])
+    assert audit.quantized == tuple(sorted(["model.layers.1.mlp.experts", *shared]))
+    assert {"model.layers.1.mlp.shared_expert_gate", "model.layers.1.mlp.gate"} <= set(audit.bf16)
+    assert sglang_module_audit(cfg, c, ["self_attn", "model.layers.0.mlp", *shared]).quantized == \
+        ("model.layers.1.mlp.experts",)
+    assert sglang_module_audit(cfg, c, ["self_attn", "mlp.shared_expert", "model.layers.0.mlp.gate_proj",
+                                        "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]).quantized == \
+        ("model.layers.1.mlp.experts",)  # an unpacked gate_up_proj is excluded by both halves named exactly
+    qkv = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkv"]
+    assert set(qkv) <= set(sglang_module_audit(cfg, c, [*qkv, "o_proj", "mlp"]).quantized)  # shards: ignored there
+    assert sglang_module_audit(cfg, c, ["qkv_proj", "o_proj", "mlp"]).quantized == ()
+
+
+def test_exported_exclude_list_keeps_qwen2_moe_attention_bf16_in_sglang():
+    """The export names the fused qkv_proj / gate_up_proj too: SGLang's Qwen2-MoE tests entries against them."""
+    c = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                       shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0])
+    exported = exclude_modules_of(n for n, t in checkpoint_tensors(Qwen2MoeForCausalLM(c))
+                                  if ".experts." not in n and t.dim() == 2)
+    assert {"model.layers.0.self_attn.qkv_proj", "model.layers.0.mlp.gate_up_proj",
+            "model.layers.1.mlp.shared_expert.gate_up_proj", "model.layers.1.self_attn.q_proj"} <= set(exported)
+    assert sglang_module_audit(without_kv(CFG), c.to_dict(), exported).quantized == ("model.layers.1.mlp.experts",)
 
 
 def test_patterns_are_full_matches_never_substrings():

@@ -13,12 +13,13 @@ from megatron_trace.manifest import QuantRecipe, RecipeMismatchError
 from megatron_trace.rollout import HFRolloutBackend
 from megatron_trace.rollout.audit import without_kv
 from megatron_trace.rollout.hf_weights import checkpoint_tensors
-from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend
+from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend, sglang_model_dtype
 
 from ..rollout._tiny import tiny_config, tiny_model
 
 CFG = TraceConfig(guided_layers="last_k", guided_last_k=2)
 HF = tiny_config()
+SG_HF = {**HF.to_dict(), "dtype": "bfloat16"}  # an exported checkpoint's config.json: SGLang's "auto" serves bf16
 MOE = tuple(f"model.layers.{i}.mlp.experts" for i in range(3))
 KV = tuple(f"model.layers.{i}.self_attn.kv_cache" for i in range(3))
 
@@ -82,7 +83,7 @@ def test_every_weight_sync_checks_the_recipe_and_applies_nothing_on_mismatch():
 def test_sglang_backend_checks_the_recipe_at_startup_and_sync():
     """The SGLang engine keeps its KV cache in BF16: a trainer quantizing KV is refused, one that does not is
     accepted; every sync needs the recipe (checked before the engine is touched)."""
-    hf = HF.to_dict()
+    hf = SG_HF
     with pytest.raises(RecipeMismatchError, match="sites: trainer=.*kv_k"):
         SGLangRolloutBackend(None, CFG, hf, recipe=trainer_recipe(dtype=torch.bfloat16))
     cfg = without_kv(CFG)
@@ -103,7 +104,7 @@ def test_an_update_refused_after_the_recipe_check_keeps_the_old_recipe():
         be.update_weights(bad, recipe=trainer_recipe(version=1))
     assert be.trainer_recipe == trainer_recipe() and be.policy_version == 0
     cfg = without_kv(CFG)
-    sg = SGLangRolloutBackend(None, cfg, HF.to_dict(), recipe=trainer_recipe(cfg, modules=MOE, dtype=torch.bfloat16))
+    sg = SGLangRolloutBackend(None, cfg, SG_HF, recipe=trainer_recipe(cfg, modules=MOE, dtype=torch.bfloat16))
     expert = "model.layers.0.mlp.experts.0.down_proj.weight"  # the engine holds it as packed NVFP4
     with pytest.raises(ValueError, match="send FP4 values"):
         sg.update_weights([(expert, torch.zeros(2))],
@@ -173,11 +174,29 @@ def test_a_rollout_in_another_dtype_is_refused_naming_both(dtype):
     be.check_recipe(QuantRecipe.from_config(CFG, guided_layers=(1, 2), quantized_modules=MOE + KV, dtype=dtype))
 
 
-def test_sglang_recipe_takes_the_engines_dtype():
+@pytest.mark.parametrize(("config_dtype", "served"), [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                                       ("float32", "float16"), (None, "float16")])
+def test_sglang_recipe_takes_the_engines_dtype(config_dtype, served):
+    """ServerArgs.dtype wins where set; "auto" (what trace_server_args leaves) is SGLang 0.5.10's rule
+    (model_config._get_and_verify_dtype): the config's dtype, float32 or none served in float16."""
     class Engine:
         server_args = type("Args", (), {"dtype": "float16", "kv_cache_dtype": "auto"})()
 
-    be = SGLangRolloutBackend(Engine(), CFG, HF.to_dict(), native=False)
+    hf = {**HF.to_dict(), "dtype": config_dtype}
+    be = SGLangRolloutBackend(Engine(), CFG, hf, native=False)
     assert be.recipe().dtype == "float16"
     Engine.server_args.dtype = "auto"
+    assert be.recipe().dtype == served
+    assert SGLangRolloutBackend(None, CFG, hf, native=False).recipe().dtype == served  # no server_args: "auto"
+    Engine.server_args.dtype = "BFloat16"
     assert be.recipe().dtype == "bfloat16"
+    Engine.server_args.dtype = "fp8"
+    with pytest.raises(ValueError, match="ServerArgs.dtype='fp8'.*valid: 'auto'"):
+        be.recipe()
+
+
+def test_sglang_auto_dtype_reads_torch_dtype_and_gemma():
+    assert sglang_model_dtype("auto", {"torch_dtype": "bfloat16"}) == torch.bfloat16  # transformers < 4.56's key
+    assert sglang_model_dtype(None, {"dtype": "float32", "model_type": "gemma3"}) == torch.bfloat16
+    assert sglang_model_dtype("auto", {"dtype": "float8_e4m3fn"}) == torch.float16  # unknown: taken as float32
+    assert sglang_model_dtype("auto", tiny_config(dtype="float16")) == torch.float16  # a transformers config

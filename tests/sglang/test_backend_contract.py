@@ -26,7 +26,7 @@ from megatron_trace.rollout.sglang.weights import engine_tensors
 from ..rollout._tiny import tiny_config, tiny_model
 
 CFG = TraceConfig(guided_layers="last_k", guided_last_k=2)
-HF = tiny_config().to_dict()
+HF = {**tiny_config().to_dict(), "dtype": "bfloat16"}  # as an exported config.json: SGLang's "auto" is bf16
 LAYERS = range(3)
 
 

@@ -315,7 +315,7 @@ def test_backend_kv_records_guide_a_trainer_in_sglangs_kv_format(engine_factory)
 
     hf = {"num_hidden_layers": 1, "vocab_size": 64, "hidden_size": H, "moe_intermediate_size": F,
           "num_experts_per_tok": K_TOP, "num_attention_heads": 4, "num_key_value_heads": HEADS, "head_dim": HD,
-          "num_experts": E}
+          "num_experts": E, "dtype": "bfloat16"}  # (an exported config.json: SGLang's "auto" serves bf16)
     cfg = TraceConfig(guided_layers="all", cache_mode="full", kv_format="sglang_kvfp4")
     hooks = trace_server_args("/ckpt", cfg, hf)["forward_hooks"]
     eng = MiniSGLangEngine(engine_factory(hooks[0]["config"]), [RESP_A])

@@ -305,3 +305,90 @@ def test_server_args_keys_exist(registered):
     "sync weights A->B->A and compare logprobs bit-exactly"))
 def test_e2e_engine_generate_capture_sync():
     pass
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_module_audit_reads_exclude_lists_as_sglang_does(registered, arch):
+    """``rollout.audit.sglang_excluded`` against SGLang's own ``is_layer_excluded`` / ``is_layer_skipped`` in the
+    TRACE method's order, for the export's list (layer 0's experts kept BF16) and hand-written ones: equal sets;
+    a refused pattern is one SGLang ignores; a list SGLang refuses (a packed Linear split) is refused. The packed
+    mapping is the SGLang model class's (read from its source: Qwen2-MoE declares none)."""
+    import ast
+    import importlib.util
+    import itertools
+    import os
+    import re
+
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from megatron_trace.manifest import ModulePatternError, experts_name
+    from megatron_trace.rollout.audit import _sglang_linears, qwen3_moe_modules, sglang_excluded, sglang_packed_modules
+    from megatron_trace.rollout.hf_weights import checkpoint_tensors
+    from tests.rollout._tiny import tiny_config, tiny_model
+
+    path = os.path.join(os.path.dirname(importlib.util.find_spec("sglang").origin), "srt", "models", f"{arch}.py")
+    name = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[arch]
+    cls = next(n for n in ast.parse(open(path).read()).body if getattr(n, "name", "") == name)
+    packed = next((ast.literal_eval(s.value) for s in cls.body
+                   if isinstance(s, ast.Assign) and s.targets[0].id == "packed_modules_mapping"), {})
+    if arch == "qwen3_moe":
+        hf = tiny_config(num_hidden_layers=3, mlp_only_layers=[2])
+        model = tiny_model(hf)
+    else:
+        hf = Qwen2MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            shared_expert_intermediate_size=32, num_hidden_layers=3, num_attention_heads=2,
+                            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, mlp_only_layers=[2])
+        model = Qwen2MoeForCausalLM(hf)
+    assert {k: tuple(v) for k, v in packed.items()} == sglang_packed_modules(hf.to_dict())
+    moe, _ = qwen3_moe_modules(hf)
+    bf16 = CFG.replace(exclude_modules=("model.layers.0.mlp.experts",))
+    _, exported = build_modelopt_state(fp4_stream(checkpoint_tensors(model), bf16.weight_quantizer(),
+                                                  bf16_layers={0}), 4.0, trace_config=bf16)
+
+    def sglang(pats):  # canonical names SGLang serves unquantized, or None where it refuses the checkpoint
+        cfg = registered.TraceQuantConfig(CFG, list(pats), packed_modules_mapping=packed)
+        out = {experts_name(i) for i in moe if cfg.is_layer_excluded(experts_name(i))}
+        try:
+            for prefix, names in _sglang_linears(hf, moe).items():
+                if cfg.is_layer_excluded(prefix) or registered._skipped(prefix, cfg):
+                    out |= set(names)
+        except ValueError:
+            return None
+        return out
+
+    atoms = ["model.layers.0.mlp.experts", "model.*", "experts", "mlp", "layers.1", "self_attn", "1", "q_proj",
+             "model.layers.1.mlp.gate", "model.layers.2.mlp.gate_proj", "*experts", "lm_head", "gate_up_proj",
+             "layers.0.mlp.experts", "model.layers.0.mlp.experts.3.gate_proj", "shared_expert"]
+    outcomes = []
+    for pats in [exported, *itertools.combinations(atoms, 2)]:
+        want = sglang(pats)
+        try:
+            excluded, quantizable = sglang_excluded(hf, pats)
+        except ModulePatternError as e:
+            ignored = re.findall(r"pattern '(.*?)' matches none", str(e))
+            if ignored:
+                assert sglang([p for p in pats if p != ignored[0]]) == want, pats
+            else:
+                assert want is None, pats
+            outcomes.append("refused")
+            continue
+        assert excluded & quantizable == want, pats
+        outcomes.append("equal")
+    assert outcomes[0] == "equal" and outcomes.count("equal") > len(outcomes) // 3
+    linears = {n for ns in _sglang_linears(hf, moe).values() for n in ns}
+    assert linears <= sglang(exported)  # the export's list: SGLang serves every Linear BF16
+
+
+@pytest.mark.parametrize("config_dtype", ["bfloat16", "float16", "float32", None])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gemma3"])
+def test_backend_dtype_is_sglangs_own_resolution(config_dtype, model_type):
+    """The backend's dtype for ServerArgs.dtype "auto" (and explicit names) equals SGLang's
+    ``configs.model_config._get_and_verify_dtype`` on the same config."""
+    from sglang.srt.configs.model_config import _get_and_verify_dtype
+
+    from megatron_trace.rollout.sglang.backend import sglang_model_dtype
+
+    for key in ("dtype", "torch_dtype"):
+        hf = {key: config_dtype, "model_type": model_type}
+        for server in ("auto", "bfloat16", "half", "float32"):
+            assert sglang_model_dtype(server, hf) == _get_and_verify_dtype(hf, server), (hf, server)

@@ -6,7 +6,7 @@ import base64
 import dataclasses
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -68,6 +68,26 @@ def decode_routing(b64: str, seq_len: int, num_layers: int) -> torch.Tensor:
 
 _SERVER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
                   "float32": torch.float32, "float": torch.float32}
+
+
+def sglang_model_dtype(dtype: str | None, hf_config) -> torch.dtype:
+    """The dtype SGLang 0.5.10 runs a model in for ``ServerArgs.dtype`` (None: its default, ``"auto"``), as
+    ``sglang/srt/configs/model_config.py::_get_and_verify_dtype`` resolves it: ``"auto"`` takes the config's
+    ``dtype`` (else ``torch_dtype``; missing or unknown = float32), except float32, served in float16 (bfloat16 for
+    a Gemma ``model_type``); another name is looked up case-insensitively and an unknown one is an error."""
+    name = "auto" if dtype is None else str(dtype).lower()
+    if name != "auto":
+        if name not in _SERVER_DTYPES:
+            raise ValueError(f"ServerArgs.dtype={dtype!r} is not one SGLang knows; valid: 'auto', "
+                             f"{sorted(_SERVER_DTYPES)}")
+        return _SERVER_DTYPES[name]
+    get = hf_config.get if isinstance(hf_config, Mapping) else lambda k, d=None: getattr(hf_config, k, d)
+    cfg = get("dtype", None) or get("torch_dtype", None)
+    if isinstance(cfg, str):
+        cfg = _SERVER_DTYPES.get(cfg)  # (SGLang's table holds the same five names)
+    if cfg is None or cfg == torch.float32:
+        return torch.bfloat16 if str(get("model_type", "") or "").startswith("gemma") else torch.float16
+    return cfg
 
 
 class SGLangRolloutBackend:
@@ -143,10 +163,11 @@ class SGLangRolloutBackend:
         return self.config if self.kv_fp4 else without_kv(self.config)
 
     def _served_dtype(self) -> torch.dtype:
-        """The engine's model dtype: its ``server_args.dtype`` where set explicitly, else bfloat16 (what
-        ``trace_server_args`` runs; the TRACE quant method takes bf16 or fp16)."""
+        """The engine's model dtype: its ``server_args.dtype`` (``"auto"`` where not set, as ``trace_server_args``
+        leaves it) resolved against ``hf_config`` as SGLang does (``sglang_model_dtype``): an exported checkpoint's
+        config.json says bfloat16; a float32 or dtype-less config is served in float16."""
         name = getattr(getattr(self.engine, "server_args", None), "dtype", None)
-        return _SERVER_DTYPES.get(name, torch.bfloat16) if isinstance(name, str) else torch.bfloat16
+        return sglang_model_dtype(name if isinstance(name, str) else None, self.hf_config)
 
     def recipe(self, weight_version: int | None = None) -> QuantRecipe:
         """What the engine serves. The native (Blackwell) MoE quantizes activations with the checkpoint's
