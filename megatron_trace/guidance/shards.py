@@ -212,7 +212,7 @@ def _read_tensor(f, path: Path, name: str, info: dict, data_start: int) -> torch
 
 
 SHARD_PREFIX = "guidance_step"
-_OWNED = re.compile(r"^guidance_step\d+_(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-\d+_part\d+\.safetensors")
+_OWNED = re.compile(r"^guidance_step-?\d+_(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-\d+_part\d+\.safetensors")
 _caches = itertools.count()
 
 

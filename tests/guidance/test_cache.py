@@ -327,6 +327,22 @@ def test_close_deletes_the_spilled_shards_and_a_new_cache_warns_of_old_ones(tmp_
     assert cache.steps == [] and cache.disk_bytes == 0 and len(list(tmp_path.iterdir())) == 3
 
 
+def test_a_live_caches_shards_of_a_negative_step_are_its_own(tmp_path, caplog):
+    """The RL driver keeps its sentinel's records under step -1: their shard name did not parse as owned, so another
+    cache starting on the same cache_dir (a rank) took the live cache's shard for an earlier run's and deleted the
+    temp file it was writing."""
+    live = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    samples = _step_samples(1)
+    live.put(-1, samples)
+    (path,) = tmp_path.glob("*.safetensors")
+    writing = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    writing.write_bytes(b"half")  # the live cache writing its next shard
+    GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    assert writing.exists() and "earlier run" not in caplog.text and "removed" not in caplog.text
+    for got, want in zip(live.get(-1, [s.sample_id for s in samples]), samples, strict=True):
+        assert_samples_equal(got, want)
+
+
 def test_caches_sharing_a_cache_dir_keep_their_own_shards(tmp_path):
     """Every rank built from one TraceConfig gets the same cache_dir: one cache's spill, drop or start must not
     overwrite, delete or clean up another's files."""
