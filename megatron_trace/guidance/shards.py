@@ -7,7 +7,10 @@ data length. Writing goes to a temp file in the same directory, is fsynced, then
 ``os.replace``d into place, so a crash leaves either the old state or a complete shard (plus a
 stray ``*.tmp*`` file that ``remove_stale_tmp`` deletes). On load the file length is checked
 against its own header and each loaded sample against its checksum: a truncated or half-written
-shard raises ``ShardError`` naming the file, never returns partial data.
+shard raises ``ShardError`` naming the file, never returns partial data. Loading reads the requested samples'
+byte ranges itself (the header is parsed here anyway): safetensors' ``safe_open(...).get_tensor`` keeps ~64 bytes
+of process memory per call for good (safetensors 0.8), which a run that reloads spilled guidance every step would
+accumulate without bound.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import hashlib
 import itertools
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -103,7 +107,11 @@ def _fsync_dir(d: Path) -> None:
 
 def read_header(path: Path) -> tuple[dict, dict]:
     """(safetensors header without metadata, our metadata); checks length and magic."""
-    path = Path(path)
+    return _checked_header(Path(path))[:2]
+
+
+def _checked_header(path: Path) -> tuple[dict, dict, int]:
+    """``read_header`` plus the file offset where the tensor data starts."""
     try:
         return _read_header(path)
     except OSError as e:
@@ -111,7 +119,7 @@ def read_header(path: Path) -> tuple[dict, dict]:
                          "another process? each cache names its own shards; re-generate this step") from e
 
 
-def _read_header(path: Path) -> tuple[dict, dict]:
+def _read_header(path: Path) -> tuple[dict, dict, int]:
     size = path.stat().st_size
     with open(path, "rb") as f:
         head = f.read(8)
@@ -137,7 +145,7 @@ def _read_header(path: Path) -> tuple[dict, dict]:
             f"guidance shard {path} is truncated or half-written: {size} bytes on disk, header says {want} "
             f"(data {data_end} bytes, metadata data_nbytes={meta.get('data_nbytes')}); re-generate this step"
         )
-    return header, meta
+    return header, meta, 8 + n
 
 
 def shard_index(path: Path) -> dict[int, dict]:
@@ -153,37 +161,58 @@ def load_samples(
     path: Path, sample_ids: Iterable[int], index: dict[int, dict] | None = None
 ) -> dict[int, SampleGuidance]:
     """Load only ``sample_ids`` from a shard (others are not read), each checked against its checksum."""
-    st = _safetensors()
     path = Path(path)
     index = shard_index(path) if index is None else index
     sample_ids = list(sample_ids)
     absent = [i for i in sample_ids if i not in index]
     if absent:
         raise KeyError(f"guidance shard {path} has no sample(s) {absent}")
-    read_header(path)  # the file may have changed since the index was taken
+    header, _, data_start = _checked_header(path)  # the file may have changed since the index was taken
+    by_sample: dict[str, list[str]] = {}
+    for k in header:
+        by_sample.setdefault(k.split("/", 1)[0], []).append(k)
     out = {}
     try:
-        with st.safe_open(str(path), framework="pt") as f:
-            by_sample: dict[str, list[str]] = {}
-            for k in f.keys():
-                by_sample.setdefault(k.split("/", 1)[0], []).append(k)
+        with open(path, "rb") as f:
             for sid in sample_ids:
                 meta = index[sid]
                 names = by_sample.get(str(sid), [])
-                tensors = {k.split("/", 1)[1]: f.get_tensor(k) for k in names}
+                tensors = {k.split("/", 1)[1]: _read_tensor(f, path, k, header[k], data_start) for k in names}
                 if tensors_checksum(tensors, meta) != meta.get("checksum"):
                     raise ShardError(f"guidance shard {path}: sample {sid} fails its checksum (corrupt data or "
                                      "metadata)")
                 out[sid] = sample_from_tensors(meta, tensors)
     except ShardError:
         raise
-    except Exception as e:  # safetensors raises its own error types for damaged files
+    except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:  # a damaged header entry or file
         raise ShardError(f"guidance shard {path} cannot be read: {type(e).__name__}: {e}") from e
     return out
 
 
+_DTYPES = {"U8": torch.uint8, "BOOL": torch.bool, "I64": torch.int64, "F32": torch.float32}
+"""safetensors dtype names of the tensors a shard holds (``serial.DTYPES``)."""
+
+
+def _read_tensor(f, path: Path, name: str, info: dict, data_start: int) -> torch.Tensor:
+    """Tensor ``name`` of an open shard from its header entry (``dtype``, ``shape``, ``data_offsets``)."""
+    dtype = _DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise ShardError(f"guidance shard {path}: tensor {name} has dtype {info['dtype']!r}, a shard holds "
+                         f"{sorted(_DTYPES)}")
+    begin, end = (int(v) for v in info["data_offsets"])
+    shape = [int(v) for v in info["shape"]]
+    if end - begin != math.prod(shape) * dtype.itemsize or begin < 0:
+        raise ShardError(f"guidance shard {path}: tensor {name} spans bytes {begin}..{end}, its {info['dtype']} "
+                         f"shape {shape} needs {math.prod(shape) * dtype.itemsize}")
+    buf = bytearray(end - begin)
+    f.seek(data_start + begin)
+    if f.readinto(buf) != len(buf):
+        raise ShardError(f"guidance shard {path} is truncated: tensor {name} ends past the end of the file")
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape) if buf else torch.empty(shape, dtype=dtype)
+
+
 SHARD_PREFIX = "guidance_step"
-_OWNED = re.compile(r"^guidance_step\d+_(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-\d+_part\d+\.safetensors")
+_OWNED = re.compile(r"^guidance_step-?\d+_(?P<host>[A-Za-z0-9.-]+)-(?P<pid>\d+)-\d+_part\d+\.safetensors")
 _caches = itertools.count()
 
 

@@ -254,6 +254,8 @@ class GRPORun:
         if not keep:
             return [part(sl, {}) for sl in rows], counter, cache_metrics(0.0, 0.0)
         packed = pack_guidance(keep, batch.tokens, version=batch.policy_version, attention_mask=mask)
+        # a step that raised after storing its records (e.g. in training) left them held: this retry stores its own
+        self.cache.invalidate(step)
         self.cache.put(step, packed)  # device -> host (columns, or per sample and spilled beyond the budget)
         ids, tokens, host_mask = list(packed.table.ids), batch.tokens.cpu(), mask.cpu()
         if batch.policy_version != self.state.version:  # e.g. the last sync failed: the rollout kept older weights
@@ -310,8 +312,8 @@ class GRPORun:
     def _sentinel_logprobs(self, batch) -> torch.Tensor:
         """The trainer's log-probs of the sentinel rollout, guided by that rollout's own records: what the arm
         computes in training (and its fallback / coverage settings hold)."""
-        (sg,), _, _ = self._guidance(SENTINEL_STEP, batch, batch.guidance)
         try:
+            (sg,), _, _ = self._guidance(SENTINEL_STEP, batch, batch.guidance)
             with torch.no_grad(), self._trainer_context(sg):
                 return self.policy.logprobs(batch.tokens)
         finally:

@@ -532,6 +532,27 @@ def test_a_failed_sync_is_retried_before_the_next_rollout(megatron_cpu, ckpt, tm
     assert (r.rollout.policy_version, r.state.version, r.state.step) == (3, 3, 3)
 
 
+def test_a_step_that_raised_in_training_can_be_retried(megatron_cpu, ckpt, tmp_path):
+    """A step that raised after its guidance went into the cache (here: fallback='fail' refusing the records of a
+    rollout left on another version) kept that guidance held (memory, spilled shards) and every retry of step()
+    raised "step 0 already has sample id(s)": the run could not go on. The retry now stores its own records."""
+    from megatron_trace.bridge import sync_weights
+    from megatron_trace.megatron import GuidanceFallbackError
+
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace", TraceConfig(fallback="fail", cache_budget_mb=0)), rl, get_task("add"), ckpt,
+                out_dir=tmp_path, cache_dir=tmp_path / "c")
+    reset = dict(fmt=r.sync_fmt, quantizer=r.arm.trace.weight_quantizer(), reset=True)
+    sync_weights(r.rollout, r.policy.export_hf_weights(), version=5, recipe=r.recipe.with_weight_version(5), **reset)
+    with pytest.raises(GuidanceFallbackError):
+        r.step()  # the records carry version 5, the trainer holds version 0
+    assert r.state.step == 0 and r.cache.steps == [0]
+    sync_weights(r.rollout, r.policy.export_hf_weights(), version=0, recipe=r.recipe.with_weight_version(0), **reset)
+    m = r.step()
+    assert m["guidance/assembly/coverage"] == 1.0 and m["guidance/trainer/coverage"] == 1.0
+    assert r.state.step == 1 and r.cache.steps == [] and not list((tmp_path / "c").glob("*.safetensors"))
+
+
 def test_guidance_of_a_rollout_left_on_an_older_version_is_rejected(megatron_cpu, ckpt, tmp_path):
     """Records must carry the trainer's version: a rollout serving another (here set back by a reset sync behind the
     driver's back) had its records accepted, as they were checked against the batch's own version."""
