@@ -280,12 +280,11 @@ class HFRolloutBackend:
                      ignore: tuple[str, ...] | None = None) -> None:
         """Raise ``RecipeMismatchError`` naming every field where ``trainer`` differs; then require it on syncs.
 
-        ``ignore``: fields allowed to differ (kept for later syncs), e.g. a rollout that deliberately records
-        guidance on more layers than the trainer uses."""
-        if ignore is not None:
-            self._recipe_ignore = tuple(ignore)
-        check_recipe(trainer, self.recipe(weight_version), what="hf rollout", ignore=self._recipe_ignore)
-        self.trainer_recipe = trainer
+        ``ignore``: fields allowed to differ, e.g. a rollout that deliberately records guidance on more layers than
+        the trainer uses; kept for later syncs, as the recipe is, once the check passes."""
+        ignored = self._recipe_ignore if ignore is None else tuple(ignore)
+        check_recipe(trainer, self.recipe(weight_version), what="hf rollout", ignore=ignored)
+        self.trainer_recipe, self._recipe_ignore = trainer, ignored
 
     def _numerics(self, recorder: GuidanceRecorder | None) -> RolloutNumerics:
         q = self._quantizes

@@ -111,6 +111,24 @@ def test_an_update_refused_after_the_recipe_check_keeps_the_old_recipe():
                           recipe=trainer_recipe(cfg, version=1, modules=MOE, dtype=torch.bfloat16))
     assert sg.trainer_recipe == trainer_recipe(cfg, modules=MOE, dtype=torch.bfloat16) and sg.policy_version == 0
 
+def test_a_refused_recipe_check_leaves_no_ignore_behind():
+    """``check_recipe(..., ignore=...)`` stored its ignore list before checking: a refused call left it, and every
+    later sync then let those fields differ unseen (here the trainer's activation amax)."""
+    be = _backend(recipe=trainer_recipe())
+    with pytest.raises(RecipeMismatchError, match="cache_mode: trainer="):
+        be.check_recipe(trainer_recipe(CFG.replace(cache_mode="full")), ignore=("activation_amax",))
+    assert be.trainer_recipe == trainer_recipe()
+    with pytest.raises(RecipeMismatchError, match="activation_amax: trainer='per_tensor'"):
+        be.update_weights(checkpoint_tensors(tiny_model(seed=1)),
+                          recipe=trainer_recipe(CFG.replace(activation_amax="per_tensor"), version=1))
+    assert be.policy_version == 0
+    # a check that passes keeps its ignore list for the syncs after it
+    be.check_recipe(trainer_recipe(CFG.replace(activation_amax="per_tensor")), ignore=("activation_amax",))
+    be.update_weights(checkpoint_tensors(tiny_model(seed=1)),
+                      recipe=trainer_recipe(CFG.replace(activation_amax="per_tensor"), version=1))
+    assert be.policy_version == 1
+
+
 # ---- no numeric setting from the environment -------------------------------------------------------
 ALLOWED = {("testing/megatron_cpu.py", "TORCHDYNAMO_DISABLE")}
 
