@@ -51,14 +51,32 @@ def reuse_weight_quant(model) -> Iterator[None]:
 def trace_train_step(args, model) -> Iterator[None]:
     """Megatron-LM's ``train_step`` around ``forward_backward_func`` (patches/): with ``--trace-fp4``, the
     micro-batches run inside ``reuse_weight_quant`` when ``--trace-reuse-weight-quant`` is given, and the step's
-    deferred NaN/Inf check (``check_finite``) runs after the last backward, before the optimizer step."""
+    deferred NaN/Inf check (``check_finite``) runs after the last backward, before the optimizer step. A step that
+    raises has its counts read and reset on its way out (named in a note on its error), so that they do not fail the
+    next step as if its micro-batches held them."""
     if not _traced(args, model):
         yield
         return
     find_trace_layers(model)  # binds the experts' layer ids (exclude_modules needs them) before the first forward
-    with reuse_weight_quant(model) if getattr(args, "trace_reuse_weight_quant", False) else nullcontext():
-        yield
+    try:
+        with reuse_weight_quant(model) if getattr(args, "trace_reuse_weight_quant", False) else nullcontext():
+            yield
+    except BaseException as err:
+        _reset_finite_on_failure(model, err)
+        raise
     check_finite(model)
+
+
+def _reset_finite_on_failure(model, err: BaseException) -> None:
+    """The NaN/Inf counts of a step that raised, read and reset (one host read), named in a note on ``err``."""
+    try:
+        bad = read_finite(model)
+    except Exception as e:  # (the device itself may be what failed: the original error is raised)
+        err.add_note(f"--trace-fp4: the step's NaN/Inf counters could not be read ({type(e).__name__}: {e})")
+        return
+    if bad:
+        err.add_note(f"--trace-fp4: the failed step's FP4 quantization inputs held NaN/Inf ({named(bad)}); read and "
+                     "reset on its way out")
 
 
 def trace_eval_start(args, model) -> None:

@@ -261,3 +261,28 @@ def test_nan_counted_in_evaluation_is_logged_there_not_taken_for_the_next_steps(
     trace_eval_done(args, [model])  # nothing counted: nothing logged
     trace_eval_done(add_trace_args(argparse.ArgumentParser()).parse_args([]), [model])  # TRACE off: nothing read
     assert caplog.records == []
+
+
+def test_a_train_step_that_raises_leaves_no_nan_count_to_the_next():
+    """A Megatron-LM train step that raised (an OOM, an interrupt) after a Triton quantize counted NaN/Inf inputs kept
+    the counts: the next, clean step's check then raised ``NonFiniteError`` for them. They are now read and reset as
+    the failed step leaves, and named in a note on its error (the count is added as a Triton quantize adds it)."""
+    import argparse
+
+    from megatron_trace.megatron import add_trace_args, find_trace_layers, trace_spec_from_args, trace_train_step
+
+    args = add_trace_args(argparse.ArgumentParser()).parse_args(["--trace-fp4", "--trace-reuse-weight-quant"])
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec_from_args(args, stock_spec(cfg)))
+    data = batch()
+    moe = next(iter(find_trace_layers(model).moe.values()))
+    with pytest.raises(RuntimeError, match="out of memory") as err, trace_train_step(args, [model]):
+        model(*data[:3], labels=data[3]).float().mean().backward()
+        moe.experts._finite["expert_fc1_in"].add_bad(torch.tensor([True, True, True]))
+        raise RuntimeError("CUDA out of memory")
+    label = moe.experts._finite["expert_fc1_in"].label
+    assert err.value.__notes__ == [f"--trace-fp4: the failed step's FP4 quantization inputs held NaN/Inf ({label}: 3 "
+                                   "NaN/Inf value(s)); read and reset on its way out"]
+    assert all(m._weight_reuse is None for m in model.modules() if hasattr(m, "_weight_reuse"))  # scope closed
+    with trace_train_step(args, [model]):  # the next step passes
+        model(*data[:3], labels=data[3]).float().mean().backward()
