@@ -136,6 +136,9 @@ def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sf
         if progress is not None:
             progress(step, loss.item())
     out.mkdir(parents=True, exist_ok=True)
+    # the old stamp goes first: a save that dies part-way must not leave it beside these weights (a later run with
+    # its settings would take them for its own); the new one is written once the checkpoint is whole
+    stamp.unlink(missing_ok=True)
     model.cpu().save_pretrained(out)
     stamp.write_text(json.dumps(key))
     return out

@@ -404,6 +404,33 @@ def test_the_warm_up_cache_is_reused_on_the_same_device_type_only(tmp_path, capl
         sft_reusable(d, task, MODEL, sft, "gpu")
 
 
+def test_a_warm_up_killed_while_saving_is_not_reused_under_the_old_settings(tmp_path, monkeypatch):
+    """A warm-up with new settings that died after writing its weights (before its stamp) left the old settings' stamp
+    beside them: a later run with those settings reused the other warm-up's weights as its own. The old stamp now goes
+    before the save, so that run trains its own again. (transformers' save_pretrained stands in for the kill.)"""
+    from safetensors.torch import load_file
+    from transformers import Qwen3MoeForCausalLM
+
+    from megatron_trace.rl.sft import sft_reusable
+
+    task, d, old, new = get_task("add"), tmp_path / "sft", SFTConfig(steps=2), SFTConfig(steps=3)
+    want = load_file(sft_checkpoint(d, task, MODEL, old) / "model.safetensors")
+    save = Qwen3MoeForCausalLM.save_pretrained
+
+    def killed(self, *args, **kwargs):
+        save(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Qwen3MoeForCausalLM, "save_pretrained", killed)
+    with pytest.raises(KeyboardInterrupt):
+        sft_checkpoint(d, task, MODEL, new)
+    monkeypatch.undo()
+    assert not sft_reusable(d, task, MODEL, old) and not sft_reusable(d, task, MODEL, new)
+    got = load_file(sft_checkpoint(d, task, MODEL, old) / "model.safetensors")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert sft_reusable(d, task, MODEL, old)
+
+
 def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     """fallback='fail' and min_coverage hold for the sentinel's pass too: it is guided by its own rollout."""
     cfg = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=2)
