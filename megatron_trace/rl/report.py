@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -38,16 +39,25 @@ class MetricsWriter:
             shutil.rmtree(self.out_dir / "tb", ignore_errors=True)
 
     def truncate(self, arm: str, step: int) -> None:
-        """Drop ``arm``'s rows of steps >= ``step`` (a resumed run redoes them; they are not counted twice).
-        TensorBoard keeps its events: a redone step appears there twice."""
+        """Drop ``arm``'s rows of steps >= ``step`` (a resumed run redoes them; they are not counted twice), and an
+        unfinished last row (no line end: the run died writing it; its step came after the last checkpoint, so it is
+        redone too). The file is replaced whole: a run killed meanwhile keeps the old one. TensorBoard keeps its
+        events: a redone step appears there twice."""
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines(keepends=True)
+        cut = bool(lines) and not lines[-1].endswith("\n")
+        if cut:
+            logger.warning("%s: dropping its unfinished last row (the interrupted run died writing it)", self.path)
+            lines = lines[:-1]
         keep = [ln for ln in lines if not ((r := json.loads(ln))["arm"] == arm and r["step"] >= step)]
         if len(keep) != len(lines):
             logger.info("%s: dropping %d row(s) of steps >= %d (redone after the resume)", arm,
                         len(lines) - len(keep), step)
-            self.path.write_text("".join(keep))
+        if cut or len(keep) != len(lines):
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text("".join(keep))
+            os.replace(tmp, self.path)
 
     def write(self, arm: str, step: int, metrics: dict) -> None:
         row = {"arm": arm, "step": step, **{k: _clean(v) for k, v in metrics.items()}}

@@ -22,3 +22,26 @@ def test_without_the_bf16_arm_there_is_no_floor_column():
     assert "logprob_abs_diff / bf16 floor" not in rows[0] and len(rows[0]) == len(report.SUMMARY_KEYS) + 1
     rows = report.summary_rows({"bf16": [{"step": 0.0, "reward": 0.0}], "trace": _rows([3e-3])})  # no floor value
     assert [r[rows[0].index("logprob_abs_diff / bf16 floor")] for r in rows[1:]] == ["-", "-"]
+
+
+def test_a_resume_drops_the_row_the_killed_run_was_writing(tmp_path):
+    """A run that died appending a long row (one buffer of it on disk) left a partial last line: the resumed run's
+    truncate then raised JSONDecodeError on it, and no resume could start. That row is dropped (its step is redone),
+    the other rows kept as they were."""
+    import json
+
+    from megatron_trace.rl.report import MetricsWriter, load
+
+    w = MetricsWriter(tmp_path, fresh=True)
+    w.write("bf16", 0, {"reward": 1.0})
+    w.write("trace", 0, {"reward": 0.5})
+    w.write("trace", 1, {"reward": 0.75})
+    row = json.dumps({"arm": "trace", "step": 2, **{f"quant/layer_{i}/rate": 0.1 for i in range(1000)}}) + "\n"
+    with w.path.open("a") as f:
+        f.write(row[:8192])
+    MetricsWriter(tmp_path).truncate("trace", 2)
+    assert {a: [(r["step"], r["reward"]) for r in rows] for a, rows in load(w.path).items()} == {
+        "bf16": [(0, 1.0)], "trace": [(0, 0.5), (1, 0.75)]}
+    assert w.path.read_text().endswith("\n") and not (tmp_path / "metrics.jsonl.tmp").exists()
+    MetricsWriter(tmp_path).truncate("trace", 1)  # the resumed run's own rows after its checkpoint, as before
+    assert [r["step"] for r in load(w.path)["trace"]] == [0]
