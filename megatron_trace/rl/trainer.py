@@ -34,9 +34,12 @@ class MasterAdamW:
                              "optimizer per parameter (build one over the model, or release() the old one first)")
         self.master = [p.detach().float().clone().requires_grad_() for p in self.params]
         self.opt = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay, betas=betas)
-        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, m=m: self._accumulate(p, m))
+        # each hook holds its master copy, never this optimizer: a hook is kept where autograd keeps it (C++), out of
+        # reach of Python's cyclic GC, so one holding the optimizer (which holds the parameters) was never freed, its
+        # master copies and AdamW states included, after the model and the optimizer were dropped (each demo arm's)
+        self._hooks = [p.register_post_accumulate_grad_hook(lambda p, m=m: MasterAdamW._accumulate(p, m))
                        for p, m in zip(self.params, self.master)]
-        for p in self.params:  # (the hook holds this optimizer: it lives as long as its parameters do)
+        for p in self.params:
             setattr(p, _OWNER, True)
 
     def release(self) -> None:

@@ -223,6 +223,30 @@ def test_a_second_master_adamw_over_a_parameter_is_refused_until_the_first_is_re
     assert first.master[0].grad is None and torch.equal(second.master[0].grad, torch.full((4,), 3.0))
 
 
+def test_a_dropped_model_and_its_master_adamw_are_freed():
+    """Each gradient hook held the optimizer, and autograd keeps hooks where Python's cyclic GC cannot see them: a
+    dropped model's MasterAdamW (its fp32 master copies and AdamW states) was never freed, one more per demo arm in
+    the process. Now both go with the model, with a GC pass or without; training is as before."""
+    import gc
+    import weakref
+
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    def trained():
+        model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+        opt = MasterAdamW(model.parameters(), lr=1e-3)
+        model(torch.ones(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+        assert opt.master[0].grad is not None and model.weight.grad is None
+        opt.step()
+        return weakref.ref(model), weakref.ref(opt), weakref.ref(opt.master[0]), weakref.ref(opt.opt)
+
+    refs = trained()
+    assert [r() is None for r in refs] == [True] * 4  # (reference counting alone)
+    refs = trained()
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 4
+
+
 @pytest.mark.parametrize("rows, mbs, want", [
     (4, None, [(0, 4)]), (4, 0, [(0, 4)]), (4, 1, [(i, i + 1) for i in range(4)]), (4, 4, [(0, 4)]),
     (1, 1, [(0, 1)]), (0, 2, []), (5, 2, [(0, 2), (2, 4), (4, 6)])],
