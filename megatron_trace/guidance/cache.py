@@ -24,6 +24,7 @@ views of the step's buffer (kept alive by the views after ``drop``).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,7 +158,7 @@ class GuidanceCache:
         st = self._steps.setdefault(int(step), _Step())
         whole = samples if isinstance(samples, PackedGuidance) else None
         ids = list(whole.table.ids) if whole is not None else [s.sample_id for s in samples]
-        dup = sorted((set(ids) & st.sample_ids) | {i for i in ids if ids.count(i) > 1})
+        dup = sorted((set(ids) & st.sample_ids) | {i for i, n in Counter(ids).items() if n > 1})  # (not quadratic)
         if dup:
             raise ValueError(f"step {step} already has sample id(s) {dup}")
         if whole is None:
