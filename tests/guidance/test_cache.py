@@ -175,6 +175,42 @@ def test_get_sees_every_packed_put_of_a_step():
             assert_samples_equal(got, want)
 
 
+
+def test_assemble_sees_a_step_kept_partly_as_columns_partly_per_sample():
+    batch, _, tok, mask = make_batch(B=2, S=6, layers=(0,), sites=("expert_fc1_in", "expert_fc2_in"))
+    cols = pack_guidance(batch, tok, version=3, attention_mask=mask, sample_ids=[0, 1])
+    own = split_batch(batch, tok, version=3, attention_mask=mask, sample_ids=[10, 11])
+    cache = GuidanceCache(budget_bytes=10**9)
+    cache.put(7, cols)  # kept as columns
+    cache.put(7, own[:1])  # parts of a split: per sample
+    cache.put(7, own[1:])
+    st = cache._steps[7]
+    assert st.packed and len(st.chunks) == 2
+    rows = [0, 0, 1, 1]
+    c = _assemble_both(cache, 7, cols.to_samples() + own, [0, 10, 1, 11], tok[rows], mask[rows], 3)
+    assert c.coverage == 1.0 and c.used > 0
+
+
+def test_a_put_with_one_sample_id_twice_is_refused():
+    samples = _step_samples(1, B=2)
+    cache = GuidanceCache(budget_bytes=10**9)
+    with pytest.raises(ValueError, match=r"step 1 already has sample id\(s\) \[100\]"):
+        cache.put(1, [samples[0], samples[1], samples[0]])
+
+
+def test_a_refused_put_leaves_no_empty_step():
+    """A put refused for a duplicate id keeps nothing, not even its step: an unknown step stays a KeyError, never a
+    step whose every row falls back as ``missing``."""
+    samples = _step_samples(1, B=2)
+    cache = GuidanceCache(budget_bytes=10**9)
+    with pytest.raises(ValueError, match="already has sample id"):
+        cache.put(1, [samples[0], samples[0]])
+    assert cache.steps == [] and cache.host_bytes == 0
+    with pytest.raises(KeyError, match="no step 1"):
+        cache.get(1, [100])
+    cache.put(1, samples)  # the retry is the step's first put
+    assert [g.sample_id for g in cache.get(1, [101, 100])] == [101, 100]
+
 def test_unknown_step_and_invalidate(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
     cache.put(3, _step_samples(3))
