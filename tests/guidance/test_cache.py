@@ -211,6 +211,7 @@ def test_a_refused_put_leaves_no_empty_step():
     cache.put(1, samples)  # the retry is the step's first put
     assert [g.sample_id for g in cache.get(1, [101, 100])] == [101, 100]
 
+
 def test_unknown_step_and_invalidate(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
     cache.put(3, _step_samples(3))
@@ -246,6 +247,21 @@ def test_truncated_shard_is_rejected(tmp_path, keep):
     with pytest.raises(ShardError, match="truncated|corrupt header"):
         load_samples(path, [s.sample_id for s in samples])
 
+
+
+def test_a_shard_whose_header_disagrees_with_its_own_data_length_is_rejected(tmp_path):
+    """The metadata's ``data_nbytes`` (what the writer wrote) must equal the data the tensor table spans: a header
+    that lost or gained tensor entries since is rejected, even where the file length fits the table."""
+    import re as _re
+
+    path, samples = _shard(tmp_path)
+    data = path.read_bytes()
+    m = _re.search(rb'"data_nbytes":"(\d+)"', data)
+    n = m.group(1)
+    wrong = str(int(n) - 1).rjust(len(n), "0").encode() if int(n) > 1 else b"2"  # same length: the file still fits
+    path.write_bytes(data[: m.start(1)] + wrong + data[m.end(1):])
+    with pytest.raises(ShardError, match=f"metadata data_nbytes={int(wrong)}"):
+        read_header(path)
 
 def test_shard_truncated_after_put_is_rejected_by_get(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)

@@ -404,3 +404,21 @@ def test_a_record_of_another_format_with_the_same_shapes_is_a_layout_mismatch():
     sent = sgl[:2] + split_batch({key: nv}, tok[2:], version=0, sample_ids=[2])
     c = _both(sent, _decode(_sync().encode(sent)), [0, 1, 2], tok, torch.ones(3, 5, dtype=torch.bool), 0)
     assert c.fallback == {"shape": 5} and c.used == 10
+
+
+def test_a_tie_between_layouts_goes_to_the_earliest_row_on_both_assembly_paths():
+    """One compact and one full record at a key (1:1): the layout of the earliest batch row is the batch's, whatever
+    order the chunks holding them arrived in; the other row is counted ``shape``."""
+    key = (0, "expert_fc1_in")
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 9], sites=("expert_fc1_in",), layers=(0,))
+    other, *_ = make_batch(B=2, lengths=[9, 9], sites=("expert_fc1_in",), layers=(0,), compact=False)
+    compact = split_batch(batch, tok, version=0, attention_mask=mask)[0]
+    full = split_batch(other, tok, version=0, attention_mask=mask)[1]
+    shard = GuidanceShard()
+    for s in (compact, full):  # the compact record's chunk first
+        shard.parts += _decode(_sync().encode([s])).parts
+    rows = [1, 0]  # ... but the full record's sample on the first batch row
+    c = _both([compact, full], shard, rows, tok[rows], mask[rows], 0)
+    assert c.fallback == {"shape": 9} and c.used == 9
+    out = shard.assemble(rows, tok[rows], versions=0, counter=FallbackCounter(), attention_mask=mask[rows])[key]
+    assert not out.compact and out.valid[0].all() and not out.valid[1].any()
