@@ -52,3 +52,23 @@ def test_module_audit():
     check_module_sets(set(MODS), list(MODS))
     with pytest.raises(RecipeMismatchError, match=r"only in rollout \['model.layers.2.mlp.experts'\]"):
         check_module_sets(MODS, (*MODS, "model.layers.2.mlp.experts"))
+
+
+def test_module_exclusion_is_a_full_match_never_a_prefix():
+    from megatron_trace.manifest import module_excluded, quantized_module_names
+
+    name = "model.layers.1.mlp.experts"
+    assert not module_excluded(TraceConfig(exclude_modules=("model.layers.1",)), name)
+    assert not module_excluded(TraceConfig(exclude_modules=("model.layers.1.mlp",)), name)
+    assert module_excluded(TraceConfig(exclude_modules=("model.layers.1.*",)), name)
+    cfg = TraceConfig(exclude_modules=("model.layers.1",))
+    assert name in quantized_module_names(cfg, moe_layers=(0, 1), attention_layers=(0, 1))
+
+
+def test_guided_sites_are_empty_where_no_layer_is_guided():
+    # nothing is guided: the sites a config would guide are no numeric choice, so two such sides agree
+    a = QuantRecipe.from_config(TraceConfig(guided_sites=("expert_fc1_in",)), guided_layers=(), quantized_modules=MODS)
+    b = QuantRecipe.from_config(TraceConfig(), guided_layers=(), quantized_modules=MODS)
+    assert a.guided_sites == () == b.guided_sites and a.guided_layers == ()
+    a.check_matches(b)
+    assert _recipe(guided_sites=("expert_fc1_in",)).guided_sites == ("expert_fc1_in",)

@@ -155,12 +155,13 @@ class GuidanceCache:
     def put(self, step: int, samples: Sequence[SampleGuidance] | PackedGuidance) -> None:
         """Store one rollout batch of ``step`` (samples, or a whole batch's columns from ``records.pack_guidance``);
         may be called several times per step. A put that raises (e.g. its spill fails) keeps none of its samples."""
-        st = self._steps.setdefault(int(step), _Step())
         whole = samples if isinstance(samples, PackedGuidance) else None
         ids = list(whole.table.ids) if whole is not None else [s.sample_id for s in samples]
-        dup = sorted((set(ids) & st.sample_ids) | {i for i, n in Counter(ids).items() if n > 1})  # (not quadratic)
-        if dup:
+        held = self._steps[int(step)].sample_ids if int(step) in self._steps else set()
+        dup = sorted((set(ids) & held) | {i for i, n in Counter(ids).items() if n > 1})  # (Counter: not quadratic)
+        if dup:  # checked before the step is made: a refused put leaves no empty step behind
             raise ValueError(f"step {step} already has sample id(s) {dup}")
+        st = self._steps.setdefault(int(step), _Step())
         if whole is None:
             src = source_of(samples)
             if src is not None and src[1] == list(range(len(src[0].table))):  # a whole split batch

@@ -236,3 +236,16 @@ def test_tiny_global_amax_guided_reproduces_its_record(compact):
     assert not out.block_scales.float().isnan().any() and torch.isfinite(out.dequantize()).all()
     assert (out.unpacked_codes() != q.unpacked_codes()).float().mean() < 0.1  # 1% drift rarely moves a code
     assert torch.equal(nvfp4.guided_quantize(x, q.guidance(compact=compact)).codes, q.codes)
+
+
+def test_decode_scale_where_the_encode_scale_saturates_is_one_over_flt_max():
+    # S_enc = FLT_MAX there, so the ModelOpt decode scale is fp32(1 / FLT_MAX) = 2**-128, not amax / 2688
+    tiny = torch.tensor([1e-37, 2e-38, 2.0**-149])
+    assert torch.equal(nvfp4.decode_scale_from_amax(tiny), torch.full_like(tiny, 2.0**-128))
+    normal = torch.tensor([_SATURATES, 1.0, 2688.0, 1e30])
+    assert torch.equal(nvfp4.decode_scale_from_amax(normal), torch.from_numpy(normal.numpy() / np.float32(2688.0)))
+    x = torch.tensor([[1e-37, -3e-38, 5e-38, 0.0] * 4])
+    q = nvfp4.quantize(x)  # per tensor: global_amax 1e-37, S_enc saturated
+    modelopt = q.values() * q.block_scales.float().repeat_interleave(16, -1) * nvfp4.decode_scale_from_amax(
+        q.global_amax)
+    assert torch.allclose(modelopt, q.dequantize(), rtol=1e-6, atol=0) and q.dequantize().abs().max() > 0

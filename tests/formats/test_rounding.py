@@ -1,5 +1,7 @@
 """Stochastic and guided rounding (DESIGN.md §2), with hypothesis property tests."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -156,6 +158,37 @@ def test_guided_shape_and_dtype_errors():
         nvfp4.guided_quantize(x, bad)
     with pytest.raises(ValueError, match="mantissa bits shape"):
         rounding.guided_compact(torch.zeros(3), torch.zeros(2, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("compact", [False, True])
+def test_a_record_of_another_last_dim_with_the_same_blocks_is_refused(fmt, compact):
+    # K = 20 and K = 32 have the same block count (and so the same payload and scale shapes): only the
+    # recorded shape tells them apart
+    x = _data(0, 4, k=32)
+    rec = FORMATS[fmt](x[:, :20]).guidance(compact=compact)
+    with pytest.raises(GuidanceMismatchError, match=r"guidance is for shape \(4, 20\), tensor has shape \(4, 32\)"):
+        GUIDED[fmt](x, rec)
+
+
+def test_a_per_row_amax_of_other_rows_is_refused_in_every_leading_dim():
+    x = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0))
+    rec = nvfp4.quantize(x, per_row=True).guidance(compact=False)  # global_amax [2, 3, 1]
+    for shape in [(2, 1, 1), (2, 3, 2), (2, 1)]:  # same first dim as x: each broadcasts without the check
+        bad = dataclasses.replace(rec, global_amax=torch.ones(shape))
+        with pytest.raises(GuidanceMismatchError, match=r"global_amax shape .* must be \[\] \(per tensor\) or "
+                           r"\(2, 3, 1\)"):
+            nvfp4.guided_quantize(x, bad)
+        with pytest.raises(GuidanceMismatchError, match="global_amax shape"):
+            nvfp4.quantize(x, global_amax=torch.ones(shape))
+
+
+def test_stochastic_zero_results_carry_the_sign_of_z():
+    z = torch.tensor([1e-30, -1e-30, 0.0, -0.0, 0.1, -0.1, 0.2, -0.2] * 8)
+    codes = rounding.stochastic(z, torch.Generator().manual_seed(0))
+    assert torch.equal(codes[:4], torch.tensor([0, 8, 0, 8], dtype=torch.uint8))  # P(nonzero): ~1e-30 or 0
+    zero = e2m1.decode(codes) == 0  # and those of +-0.1, +-0.2 that rounded to zero: signed like z, as RNE's
+    assert torch.equal(codes[zero], torch.signbit(z[zero]).to(torch.uint8) << 3) and zero[4:].any()
 
 
 def test_full_to_compact_equals_direct_compact():

@@ -131,3 +131,17 @@ def test_sglang_layout_of_no_rows():
     assert packed.shape == (0, 2, 16) and scales.shape == (0, 4)
     back = kv.from_sglang(packed, scales)
     assert back.shape == (0, 2, 32) and tuple(back.block_scales.shape) == (0, 2, 2)
+
+
+def test_the_exponent_follows_the_float32_division_amax_over_6():
+    # amax two ulps above 96 = 6 * 16: the IEEE fp32 amax / 6 is one ulp above 16 and float32 log2 of it rounds to 4
+    # (a reciprocal multiply lands two ulps above, where log2 rounds up): the block keeps e = 4 (the exact ceil is 5)
+    # and its largest element saturates to 6
+    a = np.nextafter(np.nextafter(np.float32(96), np.float32(200)), np.float32(200))
+    r = np.float32(a) / np.float32(6)
+    assert r == np.nextafter(np.float32(16), np.float32(200)) and torch.log2(torch.tensor(r)).item() == 4.0
+    x = torch.zeros(1, 16)
+    x[0, 0], x[0, 1], x[0, 2] = float(a), -3.0, 40.0
+    q = kv.quantize(x, compute_dtype=torch.float32)
+    assert q.block_scales.view(torch.uint8).item() == 127 + 4
+    assert e2m1.unpack(q.codes)[0, :3].tolist() == [7, 8, 5]  # 6.000002 -> 6, -0.1875 -> -0, 2.5 -> 3 (away)

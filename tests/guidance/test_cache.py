@@ -175,17 +175,52 @@ def test_get_sees_every_packed_put_of_a_step():
             assert_samples_equal(got, want)
 
 
-def test_sample_ids_given_twice_are_named_and_nothing_is_kept():
-    """The duplicate check counted each id with ``list.count`` (quadratic: 3 s per put of 16k samples)."""
+def test_sample_ids_given_twice_are_named():
+    """Within one put and across a step's puts (the check counted each id with ``list.count``: quadratic, 3 s per
+    put of 16k samples)."""
     cache = GuidanceCache(budget_bytes=10**9)
     a, b = _step_samples(1), _step_samples(2)
     twice = [a[0], a[1], dataclasses.replace(b[0], sample_id=a[1].sample_id), b[1]]
     with pytest.raises(ValueError, match=r"step 1 already has sample id\(s\) \[101\]"):
         cache.put(1, twice)
-    assert cache.get(1, [100, 101, 201]) == [None, None, None] and cache.host_bytes == 0
     cache.put(1, a[:2])
     with pytest.raises(ValueError, match=r"step 1 already has sample id\(s\) \[100\]"):
         cache.put(1, [a[0], b[2]])
+
+def test_assemble_sees_a_step_kept_partly_as_columns_partly_per_sample():
+    batch, _, tok, mask = make_batch(B=2, S=6, layers=(0,), sites=("expert_fc1_in", "expert_fc2_in"))
+    cols = pack_guidance(batch, tok, version=3, attention_mask=mask, sample_ids=[0, 1])
+    own = split_batch(batch, tok, version=3, attention_mask=mask, sample_ids=[10, 11])
+    cache = GuidanceCache(budget_bytes=10**9)
+    cache.put(7, cols)  # kept as columns
+    cache.put(7, own[:1])  # parts of a split: per sample
+    cache.put(7, own[1:])
+    st = cache._steps[7]
+    assert st.packed and len(st.chunks) == 2
+    rows = [0, 0, 1, 1]
+    c = _assemble_both(cache, 7, cols.to_samples() + own, [0, 10, 1, 11], tok[rows], mask[rows], 3)
+    assert c.coverage == 1.0 and c.used > 0
+
+
+def test_a_put_with_one_sample_id_twice_is_refused():
+    samples = _step_samples(1, B=2)
+    cache = GuidanceCache(budget_bytes=10**9)
+    with pytest.raises(ValueError, match=r"step 1 already has sample id\(s\) \[100\]"):
+        cache.put(1, [samples[0], samples[1], samples[0]])
+
+
+def test_a_refused_put_leaves_no_empty_step():
+    """A put refused for a duplicate id keeps nothing, not even its step: an unknown step stays a KeyError, never a
+    step whose every row falls back as ``missing``."""
+    samples = _step_samples(1, B=2)
+    cache = GuidanceCache(budget_bytes=10**9)
+    with pytest.raises(ValueError, match="already has sample id"):
+        cache.put(1, [samples[0], samples[0]])
+    assert cache.steps == [] and cache.host_bytes == 0
+    with pytest.raises(KeyError, match="no step 1"):
+        cache.get(1, [100])
+    cache.put(1, samples)  # the retry is the step's first put
+    assert [g.sample_id for g in cache.get(1, [101, 100])] == [101, 100]
 
 
 def test_unknown_step_and_invalidate(tmp_path):
@@ -223,6 +258,21 @@ def test_truncated_shard_is_rejected(tmp_path, keep):
     with pytest.raises(ShardError, match="truncated|corrupt header"):
         load_samples(path, [s.sample_id for s in samples])
 
+
+
+def test_a_shard_whose_header_disagrees_with_its_own_data_length_is_rejected(tmp_path):
+    """The metadata's ``data_nbytes`` (what the writer wrote) must equal the data the tensor table spans: a header
+    that lost or gained tensor entries since is rejected, even where the file length fits the table."""
+    import re as _re
+
+    path, samples = _shard(tmp_path)
+    data = path.read_bytes()
+    m = _re.search(rb'"data_nbytes":"(\d+)"', data)
+    n = m.group(1)
+    wrong = str(int(n) - 1).rjust(len(n), "0").encode() if int(n) > 1 else b"2"  # same length: the file still fits
+    path.write_bytes(data[: m.start(1)] + wrong + data[m.end(1):])
+    with pytest.raises(ShardError, match=f"metadata data_nbytes={int(wrong)}"):
+        read_header(path)
 
 def test_shard_truncated_after_put_is_rejected_by_get(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)

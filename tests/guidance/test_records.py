@@ -345,6 +345,34 @@ def test_rows_with_a_nan_inf_or_negative_scale_are_rejected_and_counted(fmt, pat
     assert counter.used == 12 - len(bad) + 12  # + the kv_k tokens
 
 
+
+@pytest.mark.parametrize("path", ["samples", "columns"])
+def test_a_bad_scale_on_a_row_the_rollout_did_not_record_counts_once_as_not_recorded(path):
+    """``bad_scale`` counts valid rows only: a row already invalid (``not_recorded``) was never counted used, so its
+    NaN scale neither moves it to ``bad_scale`` nor takes a row off ``used``."""
+    import dataclasses
+
+    from megatron_trace.guidance.packed_assemble import assemble_packed
+    from megatron_trace.guidance.records import pack_guidance
+    from megatron_trace.guidance.site import SiteGuidance
+
+    batch, _, tok, mask = make_batch(B=2, S=6, lengths=[6, 6], layers=(0,), sites=("expert_fc1_in",))
+    key = (0, "expert_fc1_in")
+    sg = batch[key]
+    valid, scales = sg.valid.clone(), sg.record.block_scales.view(torch.uint8).clone()
+    valid[0, 1] = False
+    scales[0, 1, 0] = 0xFF  # NaN, on the row the rollout marked invalid
+    rec = dataclasses.replace(sg.record, block_scales=scales.view(sg.record.block_scales.dtype))
+    batch[key] = SiteGuidance(rec, valid)
+    counter = FallbackCounter()
+    if path == "samples":
+        out = assemble(split_batch(batch, tok, version=0, attention_mask=mask), tok, versions=0, counter=counter)
+    else:
+        out = assemble_packed([pack_guidance(batch, tok, version=0, attention_mask=mask)], [0, 1], tok, versions=0,
+                              counter=counter)
+    assert counter.fallback == {"not_recorded": 1} and counter.used == 11
+    assert torch.equal(out[key].valid, valid)
+
 def test_an_nvfp4_record_without_amax_is_a_layout_mismatch():
     import dataclasses
 

@@ -16,6 +16,7 @@ from megatron_trace.guidance.serial import (
     host_buffer,
     plan_flat,
     unflatten,
+    unflatten_one,
     write_flat,
 )
 
@@ -100,6 +101,17 @@ def test_every_single_bit_flip_in_a_sample_span_is_detected():
         with pytest.raises(RecordFormatError, match=f"sample {m['sample_id']}: checksum mismatch"):
             unflatten(metas, bad, verify=True)
 
+
+
+def test_unflatten_one_with_verify_checks_its_own_span():
+    samples = _samples()
+    metas, buf = flatten(samples)
+    add_checksums(metas, buf)
+    spans = [buf[m["offset"] : m["offset"] + m["nbytes"]].clone() for m in metas]
+    spans[1][spans[1].numel() // 2] ^= 4
+    with pytest.raises(RecordFormatError, match=f"sample {metas[1]['sample_id']}: checksum mismatch"):
+        unflatten_one(metas[1], spans[1], verify=True)
+    assert_samples_equal(unflatten_one(metas[0], spans[0], verify=True), samples[0])
 
 def test_parallel_checksums_equal_the_serial_ones():
     buf = torch.randint(0, 256, (20 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))

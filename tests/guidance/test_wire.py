@@ -346,3 +346,79 @@ def test_a_sample_whose_site_is_not_a_record_is_refused_by_the_sender():
     bad = dataclasses.replace(s, sites={**s.sites, key: None}, source=None)
     with pytest.raises(ValueError, match=re.escape(f"sample {s.sample_id} site {key}: NoneType is not a SiteRecord")):
         _sync().encode([samples[0], bad])
+
+
+def _per_tensor_amax_samples(n=4):
+    """``n`` samples at one key, each its own per-tensor amax (0-dim, all different) and token count (3 + i); sent
+    together they form one column whose ``amax`` field holds one value per member."""
+    key, out = (0, "expert_fc1_in"), []
+    for i in range(n):
+        x = torch.randn(1, 3 + i, 32, generator=torch.Generator().manual_seed(i)) * (i + 1)
+        sg = SiteGuidance(nvfp4.quantize(x).guidance(True), torch.ones(1, 3 + i, dtype=torch.bool))
+        out += split_batch({key: sg}, torch.arange(1, 4 + i).view(1, -1) + 10 * i, version=1, sample_ids=[60 + i])
+    assert len({float(s.sites[key].record.global_amax) for s in out}) == n
+    return out, key
+
+
+def test_per_tensor_amaxes_of_a_non_consecutive_subset_of_received_columns_travel_with_their_samples():
+    samples, key = _per_tensor_amax_samples()
+    received = _decode(_sync().encode(samples)).samples  # views of one column, amax [4]
+    assert source_of(received) is not None and _head(_sync().encode(samples))["guidance"]["columns"][0]["meta"][
+        "amax"] == "sample"
+    sub = received[0::2]  # members 0 and 2: gathered, not sliced
+    for got, want in zip(_decode(_sync().encode(sub)).samples, samples[0::2], strict=True):
+        assert_samples_equal(got, want)
+        assert float(got.sites[key].record.global_amax) == float(want.sites[key].record.global_amax)
+
+
+def test_per_tensor_amaxes_reach_their_own_rows_when_columns_are_assembled_in_another_order():
+    samples, key = _per_tensor_amax_samples()
+    shard = _decode(_sync().encode(samples))
+    rows = [3, 1, 0, 2]  # batch row b trains sample rows[b]
+    S = 6
+    tok = torch.zeros(4, S, dtype=torch.int64)
+    for b, i in enumerate(rows):
+        tok[b, : 3 + i] = torch.arange(1, 4 + i) + 10 * i
+    mask = tok != 0
+    c = _both(samples, shard, [60 + i for i in rows], tok, mask, 1)
+    assert c.coverage == 1.0
+    amax = shard.assemble([60 + i for i in rows], tok, versions=1, counter=FallbackCounter(),
+                          attention_mask=mask)[key].record.global_amax
+    for b, i in enumerate(rows):
+        assert (amax[b, : 3 + i] == samples[i].sites[key].record.global_amax).all()
+
+
+def test_a_record_of_another_format_with_the_same_shapes_is_a_layout_mismatch():
+    """An NVFP4 record without an amax has the shapes of an ``sglang_kvfp4`` record (block 16, uint8 scales): only
+    the format tells their scale bytes (E4M3 / E8M0) apart. Assembled with the majority, its bytes would be read as
+    the other format's scales: it is counted ``shape``, on both assembly paths."""
+    from megatron_trace.formats import sglang_kvfp4
+
+    key = (0, "kv_k")
+    x = torch.randn(3, 5, 2, 32, generator=torch.Generator().manual_seed(0))
+    tok = torch.arange(1, 16).view(3, 5)
+    valid = torch.ones(3, 5, dtype=torch.bool)
+    sgl = split_batch({key: SiteGuidance(sglang_kvfp4.quantize(x).guidance(True), valid)}, tok, version=0)
+    nv = nvfp4.quantize(x[2:], per_row=True).guidance(True)
+    nv = SiteGuidance(dataclasses.replace(nv, global_amax=None), valid[2:])
+    sent = sgl[:2] + split_batch({key: nv}, tok[2:], version=0, sample_ids=[2])
+    c = _both(sent, _decode(_sync().encode(sent)), [0, 1, 2], tok, torch.ones(3, 5, dtype=torch.bool), 0)
+    assert c.fallback == {"shape": 5} and c.used == 10
+
+
+def test_a_tie_between_layouts_goes_to_the_earliest_row_on_both_assembly_paths():
+    """One compact and one full record at a key (1:1): the layout of the earliest batch row is the batch's, whatever
+    order the chunks holding them arrived in; the other row is counted ``shape``."""
+    key = (0, "expert_fc1_in")
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 9], sites=("expert_fc1_in",), layers=(0,))
+    other, *_ = make_batch(B=2, lengths=[9, 9], sites=("expert_fc1_in",), layers=(0,), compact=False)
+    compact = split_batch(batch, tok, version=0, attention_mask=mask)[0]
+    full = split_batch(other, tok, version=0, attention_mask=mask)[1]
+    shard = GuidanceShard()
+    for s in (compact, full):  # the compact record's chunk first
+        shard.parts += _decode(_sync().encode([s])).parts
+    rows = [1, 0]  # ... but the full record's sample on the first batch row
+    c = _both([compact, full], shard, rows, tok[rows], mask[rows], 0)
+    assert c.fallback == {"shape": 9} and c.used == 9
+    out = shard.assemble(rows, tok[rows], versions=0, counter=FallbackCounter(), attention_mask=mask[rows])[key]
+    assert not out.compact and out.valid[0].all() and not out.valid[1].any()
