@@ -91,6 +91,15 @@ def test_ess_clamps_ratios_at_5():
     assert m["mismatch/is_ratio_max"] == pytest.approx(math.exp(3))
 
 
+
+def test_ess_clamps_small_ratios_at_one_fifth():
+    lr = torch.zeros(1, 2)
+    lt = torch.tensor([[-3.0, 0.0]])  # r = e^-3 ~ 0.05 -> clamped to 0.2
+    m = mismatch_metrics(lt, lr, torch.ones(1, 2, dtype=torch.bool))
+    w = [0.2, 1.0]  # mean 0.6
+    assert m["mismatch/ess"] == pytest.approx(1 / (sum((wi / 0.6) ** 2 for wi in w) / 2))
+    assert m["mismatch/is_ratio_min"] == pytest.approx(math.exp(-3))
+
 @pytest.mark.parametrize("bad", ["shape", "empty", "dtype"])
 def test_mismatch_metrics_reject_bad_input(bad):
     lt, lr, mask = _lt(), LR, MASK
@@ -134,6 +143,19 @@ def test_quant_counts_by_hand():
     xt, xr = trainer.dequantize(), rollout.dequantize()  # independent path
     assert rates["d_act_rel"] == pytest.approx(float((xt - xr).norm() / xr.norm()))
 
+
+
+def test_adjacent_means_one_signed_grid_point_apart():
+    """Adjacent = neighbours on the signed E2M1 grid (-6 .. -0.5, 0, 0.5 .. 6), by hand: 1.0 vs 1.5 and 0.5 vs 0 are
+    adjacent; 1.0 vs 2.0 (two points), 0.5 vs -0.5 (across 0: two points) and 1.0 vs 3.0 (three) are not."""
+    t_row, r_row = [2] * 16, [2] * 16
+    r_row[0] = 3  # 1.5: adjacent
+    r_row[1] = 4  # 2.0: two grid points away
+    t_row[2], r_row[2] = 1, 0  # 0.5 vs +0: adjacent
+    t_row[3], r_row[3] = 1, 9  # 0.5 vs -0.5: two apart
+    r_row[4] = 5  # 3.0: three apart
+    c = quant_counts(_fp4([t_row], [1.0]), _fp4([r_row], [1.0]))
+    assert (c.mismatched, c.adjacent) == (5, 2)
 
 def test_quant_counts_row_selection_and_compact():
     trainer, rollout = _pair()

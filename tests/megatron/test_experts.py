@@ -31,7 +31,7 @@ def _capture_moe(model, layer, data):
     return seen["x"], seen["y"]
 
 
-def _reference_moe(moe, x, per_row=True):
+def _reference_moe(moe, x, per_row=True, glu=lambda gate, up: F.silu(gate) * up):
     """Independent: quantize each token before routing, loop over experts, combine like Megatron (bf16 adds).
 
     per_row=False: one amax over the layer's tokens (FC1) and over all its (token, expert) rows (FC2)."""
@@ -46,7 +46,7 @@ def _reference_moe(moe, x, per_row=True):
             rows[e] = routing[:, e].nonzero().squeeze(1)
             w1 = w_q.quantize(moe.experts.local_experts[e].linear_fc1.weight).dequantize(tokens.dtype)
             gate, up = F.linear(xq[rows[e]], w1).chunk(2, dim=-1)
-            hs[e] = F.silu(gate) * up
+            hs[e] = glu(gate, up)
         h_all = torch.cat(list(hs.values()))
         hq = act_q.quantize(h_all).dequantize(h_all.dtype).split([h.shape[0] for h in hs.values()])
         out = torch.zeros_like(tokens)
@@ -65,6 +65,19 @@ def test_rne_mode_equals_independent_fake_quant(layer, amax):
     x, y = _capture_moe(model, layer, batch())
     assert torch.equal(y, _reference_moe(model.decoder.layers[layer].mlp, x, per_row=amax == "per_row"))
 
+
+
+def test_the_glu_clamp_and_linear_offset_are_megatrons():
+    """``activation_func_clamp_value`` v and ``glu_linear_offset`` c (e.g. gpt-oss): silu(min(gate, v)) *
+    (clamp(up, -v, v) + c), Megatron's own GLU, written out in the reference."""
+    v, c = 0.1, 1.0
+    model = _model(TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"),
+                               guided_sites=("expert_fc1_in", "expert_fc2_in")),
+                   activation_func_clamp_value=v, glu_linear_offset=c)
+    x, y = _capture_moe(model, 0, batch())
+    glu = lambda gate, up: F.silu(gate.clamp(max=v)) * (up.clamp(-v, v) + c)  # noqa: E731
+    assert torch.equal(y, _reference_moe(model.decoder.layers[0].mlp, x, glu=glu))
+    assert not torch.equal(y, _reference_moe(model.decoder.layers[0].mlp, x))  # (the settings change the output)
 
 def test_rne_mode_is_not_the_bf16_model():
     cfg = tiny_config()

@@ -308,6 +308,11 @@ def test_coverage_and_counters_of_the_context_and_of_each_microbatch(rollout):
     steps[0].min_coverage = cov  # the whole step's coverage, not micro-batch 1's (0.0)
     with trace_guidance(model, steps):
         _schedule(model, micro)
+    steps = _steps(stripped, FallbackCounter())
+    steps[0].min_coverage, steps[-1].min_coverage = 0.0, (cov + 1) / 2  # the strictest micro-batch's value holds
+    with pytest.raises(GuidanceCoverageError, match=f"below min_coverage={(cov + 1) / 2}"):
+        with trace_guidance(model, steps):
+            _schedule(model, micro)
 
 
 def test_a_microbatch_given_no_routing_routes_itself(rollout):

@@ -9,7 +9,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.guidance.site import FallbackCounter
 from megatron_trace.kernels.checks import host_values
 from megatron_trace.megatron.rows import token_major
-from megatron_trace.megatron.step import StepState
+from megatron_trace.megatron.step import StepState, counted_valid
 
 
 def _state() -> StepState:
@@ -28,6 +28,19 @@ def test_token_index_is_token_major_order():
             assert torch.equal(st.token_index(b, s, seq, "cpu", h, local, of_token=True), want // h)
     assert st.token_index(b, s, slice(0, s), "cpu") is st.token_index(b, s, slice(0, s), "cpu")  # once per step
 
+
+
+def test_counted_valid_counts_valid_rows_of_real_tokens_only():
+    """Valid rows at padding positions are not used rows: by hand, rows valid and real. (With a token mask the
+    shortcut for "every token, each once" counted the padding's valid rows too: more used rows than counted ones.)"""
+    st = _state()
+    valid = torch.tensor([[True, True, True, True], [True, False, True, True]])
+    real = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    token = st.token_index(2, 4, slice(0, 4), "cpu")
+    assert int(counted_valid(valid, token_major(real, slice(0, 4)), token)) == 4  # (0,0) (0,1) (0,2) (1,0)
+    assert int(counted_valid(valid, None, token)) == 7
+    half = st.token_index(2, 4, slice(2, 4), "cpu")  # a sequence-parallel rank's positions 2..3
+    assert int(counted_valid(valid, token_major(real, slice(2, 4)), half)) == 1  # (0,2)
 
 def test_host_values_of_mixed_dtypes_keep_their_order():
     g = torch.Generator().manual_seed(0)

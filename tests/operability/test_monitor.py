@@ -245,6 +245,12 @@ def test_first_token_and_prefill_decode_are_reported_separately():
     p = phase_metrics(_lt(0.8, 0.1), LR, MASK, prefill_mask=custom)
     assert p["mismatch/prefill/tokens"] == 1.0
     assert p["mismatch/prefill/logprob_abs_diff_token_max"] == pytest.approx(0.1)
+    # a prefill mask that also marks prompt positions (e.g. the engine's whole prefill) counts response tokens only
+    lt = _lt(0.8, 0.1)
+    lt[~MASK] = 9.0  # prompt positions: nothing compares there
+    p = phase_metrics(lt, LR, MASK, prefill_mask=custom | ~MASK)
+    assert p["mismatch/prefill/tokens"] == 1.0
+    assert p["mismatch/prefill/logprob_abs_diff_token_max"] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("shape", [(2, 0), (0, 4), (0, 0)], ids=["no-positions", "no-rows", "empty"])
@@ -258,6 +264,14 @@ def test_phase_metrics_of_no_positions_or_rows_have_no_tokens(shape):
     with pytest.raises(ValueError, match=r"mask must be bool \[B, S\], got shape \(4,\)"):
         first_response_mask(torch.ones(4, dtype=torch.bool))
 
+
+
+def test_first_response_mask_marks_each_rows_first_response_token_only():
+    """By hand: row 0's first response token is at 2, row 1 has none (no position marked, not position 0), row 2's
+    is at 0."""
+    mask = torch.tensor([[False, False, True, True], [False, False, False, False], [True, False, True, False]])
+    want = torch.tensor([[False, False, True, False], [False] * 4, [True, False, False, False]])
+    assert torch.equal(first_response_mask(mask), want)
 
 def test_a_phase_without_tokens_is_nan_beside_its_count_of_zero():
     """Every response ended at its first token (max_new_tokens=1, or a stop token first): no decode position."""

@@ -114,6 +114,30 @@ def test_keep_for_arm_selects_layers_and_compacts(megatron_cpu, ckpt, tmp_path):
     assert {k[0] for k in batch.guidance} == {0, 1}  # the rollout records every layer (metrics superset)
 
 
+
+def test_keep_for_arm_ships_the_guided_sites_only():
+    """Only the arm's guided sites at its guided layers travel (by hand: layer 1 of 2, expert_fc1_in alone)."""
+    from megatron_trace.guidance.site import SiteGuidance
+
+    q = TraceConfig().activation_quantizer()
+    sg = SiteGuidance(q.quantize(torch.randn(1, 2, 32)).guidance(compact=False), torch.ones(1, 2, dtype=torch.bool))
+    full = {(layer, site): sg for layer in (0, 1) for site in ("expert_fc1_in", "expert_fc2_in", "kv_k")}
+    arm = make_arm("trace", TraceConfig(guided_sites=("expert_fc1_in",)))
+    assert set(keep_for_arm(full, arm, 2)) == {(1, "expert_fc1_in")}
+
+
+def test_a_steps_responses_come_in_contiguous_groups_of_one_prompt(megatron_cpu, ckpt, tmp_path):
+    """``group_advantages`` normalises contiguous runs of ``group_size`` rewards: the step's prompts must be laid out
+    that way (prompt 0 x G, prompt 1 x G, ...), else each "group" mixes prompts and the advantages are wrong."""
+    g = 4
+    cfg = RLConfig(steps=1, prompts_per_step=3, group_size=g, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("bf16", TraceConfig()), cfg, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    problems, ids = r._prompts(0)
+    assert len(problems) == len(ids) == cfg.prompts_per_step * g
+    assert all(problems[i] is problems[i - i % g] for i in range(len(problems)))
+    assert len({id(p) for p in problems}) == cfg.prompts_per_step
+    assert all(ids[i] == r.tok.encode(p.prompt, bos=True) for i, p in enumerate(problems))
+
 def test_a_compact_arm_reports_the_bytes_per_token_of_full_records_too(megatron_cpu, ckpt, tmp_path):
     """METRICS.md's ``cache/bytes_per_token`` comes with "the same for full mode": the demo logged only the arm's own
     mode, so a compact run showed no saving. Both now, equal to the bytes of a row (``accounting.row_bytes``) times

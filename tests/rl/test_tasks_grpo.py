@@ -1,3 +1,4 @@
+import math
 import re
 
 import pytest
@@ -5,7 +6,7 @@ import torch
 
 from megatron_trace.rl.grpo import group_advantages, policy_loss
 from megatron_trace.rl.tasks import CharTokenizer, get_task, sft_batch
-from megatron_trace.rl.trainer import batch_slices
+from megatron_trace.rl.trainer import batch_slices, token_logprobs
 
 
 def test_tokenizer_round_trip_and_errors():
@@ -123,6 +124,36 @@ def test_policy_loss_ppo_clip_and_tis():
     loss_tis, _ = policy_loss(logp_old.clone(), logp_old, lr, adv, mask, tis_cap=5.0)
     assert loss_tis.item() == pytest.approx(-5.0)
 
+
+
+def test_policy_loss_clips_a_ratio_below_one_minus_eps():
+    """The lower clip bound (1 - eps) by hand: a negative advantage with ratio e^-0.5 < 0.8 takes the clipped 0.8 (no
+    gradient); a positive one keeps the unclipped ratio (gradient -r / 2). A clip at 1 + eps on both sides gave 1.2."""
+    logp_old = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    logp = (logp_old + torch.tensor([[-0.5, 0.0], [-0.5, 0.0]])).requires_grad_()
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    r = math.exp(-0.5)
+    for adv, want, grad0 in ((-1.0, (0.8 + 1.0) / 2, 0.0), (1.0, -(r + 1.0) / 2, -r / 2)):
+        loss, stats = policy_loss(logp[:1], logp_old[:1], logp_old[:1], torch.tensor([adv]), mask[:1], clip_eps=0.2,
+                                  tis_cap=None)
+        assert loss.item() == pytest.approx(want) and stats["rl/clip_frac"] == 0.5
+        (g,) = torch.autograd.grad(loss, logp)
+        assert g[0, 0].item() == pytest.approx(grad0, abs=1e-7)
+
+
+def test_token_logprobs_score_each_token_from_the_logits_before_it():
+    """log_softmax(logits[b, t - 1] / T)[tokens[b, t]] at position t, 0 at t = 0 (the rollout's layout: position t
+    holds token t's log-prob), written out by hand."""
+    g = torch.Generator().manual_seed(0)
+    logits, tokens = torch.randn(2, 5, 7, generator=g), torch.randint(0, 7, (2, 5), generator=g)
+    for temp in (1.0, 0.7):
+        got = token_logprobs(logits, tokens, temp)
+        for b in range(2):
+            assert got[b, 0].item() == 0.0
+            for t in range(1, 5):
+                z = [v / temp for v in logits[b, t - 1].tolist()]
+                want = z[tokens[b, t]] - math.log(sum(math.exp(v) for v in z))
+                assert got[b, t].item() == pytest.approx(want, abs=1e-5)
 
 @pytest.mark.parametrize("adv_shape,other", [((4, 1), None), ((4, 5), None), ((2,), None), ((4,), "logp_rollout")])
 def test_policy_loss_refuses_shapes_that_would_broadcast(adv_shape, other):
