@@ -144,3 +144,35 @@ def test_batch_differences_see_amax_on_one_side_only_and_other_expert_ids():
     ids.view(-1)[0] += 1
     other = dataclasses.replace(batch, guidance={**batch.guidance, key: dataclasses.replace(sg, expert_ids=ids)})
     assert batch_differences(batch, other) == [f"guidance{key}"]
+
+
+def test_batch_differences_name_each_field_that_differs_in_one_element():
+    """One element changed in one field at a time is named, alone: the log-probs (a refit that moves them but not the
+    sampled tokens), the tokens, one layer's routing, and a record's codes, block scales or valid rows."""
+    batch = _fresh_a().generate(PROMPTS, SAMPLING)
+
+    def one_off(t):
+        t = t.clone()
+        flat = t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.bool else t
+        if t.dtype == torch.bool:
+            flat.view(-1)[0] = ~flat.view(-1)[0]
+        else:
+            flat.view(-1)[0] += 1
+        return t
+
+    lp = batch.logprobs.clone()
+    b, s = batch.response_mask.nonzero()[0].tolist()
+    lp[b, s] -= 1e-3
+    assert batch_differences(batch, dataclasses.replace(batch, logprobs=lp)) == ["logprobs"]
+    assert batch_differences(batch, dataclasses.replace(batch, tokens=one_off(batch.tokens))) == ["tokens"]
+    layer = next(iter(batch.routing))
+    routing = {**batch.routing, layer: one_off(batch.routing[layer])}
+    assert batch_differences(batch, dataclasses.replace(batch, routing=routing)) == [f"routing[{layer}]"]
+    key, sg = next(iter(batch.guidance.items()))
+    for field in ("codes", "block_scales"):
+        rec = dataclasses.replace(sg.record, **{field: one_off(getattr(sg.record, field))})
+        other = dataclasses.replace(batch, guidance={**batch.guidance, key: dataclasses.replace(sg, record=rec)})
+        assert batch_differences(batch, other) == [f"guidance{key}"], field
+    valid = dataclasses.replace(sg, valid=one_off(sg.valid))
+    other = dataclasses.replace(batch, guidance={**batch.guidance, key: valid})
+    assert batch_differences(batch, other) == [f"guidance{key}"]
