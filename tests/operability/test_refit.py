@@ -11,7 +11,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.monitor import SentinelCheck, SentinelError
 from megatron_trace.rollout import HFRolloutBackend, SamplingParams
 from megatron_trace.rollout.hf_weights import checkpoint_tensors
-from megatron_trace.rollout.refit import RefitError, batch_differences, refit_self_test
+from megatron_trace.rollout.refit import RefitError, batch_differences, not_applied, refit_self_test
 
 from ..rollout._tiny import tiny_model
 
@@ -176,3 +176,17 @@ def test_batch_differences_name_each_field_that_differs_in_one_element():
     valid = dataclasses.replace(sg, valid=one_off(sg.valid))
     other = dataclasses.replace(batch, guidance={**batch.guidance, key: valid})
     assert batch_differences(batch, other) == [f"guidance{key}"]
+
+
+def test_not_applied_sees_an_expert_whose_stored_amax_is_not_the_updates():
+    """An update that differs from what the FP4 store holds only by a factor 2 (NVFP4: the same codes and block
+    scales, another global amax) was not applied, and is named; the weights the store does hold are not."""
+    be = _fresh_a()
+    weights = _weights(1)
+    assert not_applied(be, weights) == []
+    p = "model.layers.1.mlp.experts.2."
+    doubled = [(n, v * 2 if n.startswith(p) else v) for n, v in weights]
+    q = be.weight_store.quantizer
+    fc2 = dict(weights)[p + "down_proj.weight"]
+    assert torch.equal(q.quantize(fc2 * 2).codes, q.quantize(fc2).codes)  # (only the amax tells them apart)
+    assert sorted(not_applied(be, doubled)) == sorted(p + f"{w}_proj.weight" for w in ("gate", "up", "down"))
