@@ -298,3 +298,17 @@ def test_exclude_modules_are_the_bf16_linears_and_fused_linears_whose_shards_all
     attn = [f"model.layers.0.self_attn.{p}_proj" for p in ("q", "k", "v", "qkv")]
     assert exclude == sorted(["model.embed_tokens", *attn, "model.layers.1.self_attn.q_proj",
                               "model.layers.0.mlp.gate_proj"])
+
+
+def test_read_back_takes_the_exact_amax_where_the_decode_scale_does_not_round_trip():
+    """``weight_global_amax`` is read back as the amax: for this weight ``weight_scale_2 * 2688`` is another fp32."""
+    base = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    for amax in torch.linspace(0.1, 10.0, 200):
+        q = QUANT.quantize(base / base.abs().max() * amax)
+        t = modelopt_linear_tensors("x", q, 1.0, trace_extras=True)
+        if not torch.equal(t["x.weight_scale_2"] * (6.0 * 448.0), q.global_amax.float()):
+            break
+    else:
+        pytest.fail("no amax in the sweep whose decode scale does not round-trip")
+    assert torch.equal(fp4_from_modelopt(t, "x").global_amax, q.global_amax.float())
+    assert torch.equal(fp4_from_modelopt(t, "x").dequantize(), q.dequantize())
