@@ -97,3 +97,16 @@ def test_equals_a_per_token_loop_written_out():
     torch.testing.assert_close(got.out, want, rtol=1e-5, atol=1e-6)
     rows = w4a4_experts_forward(hidden, ids, w, fc1, fc2, activation_quantizer=aq, quantize_fc1=False).fc2_in
     assert torch.equal(rows.codes, aq.quantize(act).codes)  # per-row scales: row (t, j) is act[t, j]'s
+
+
+def test_packed_experts_with_a_per_row_amax_give_each_experts_matrix():
+    """``PackedExperts`` of per-row-amax weights (global_amax [E, N]): expert e is that expert's FP4Tensor, value for
+    value (its amax [N, 1] on its rows)."""
+    from megatron_trace.formats import nvfp4
+
+    g = torch.Generator().manual_seed(3)
+    qs = [nvfp4.quantize(torch.randn(32, 64, generator=g) * (e + 1), per_row=True) for e in range(3)]
+    packed = PackedExperts.stack(qs)
+    assert tuple(packed.global_amax.shape) == (3, 32)
+    for e, q in enumerate(qs):
+        assert torch.equal(packed.expert(e).dequantize(torch.float32), q.dequantize(torch.float32))
