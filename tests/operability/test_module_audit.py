@@ -206,3 +206,15 @@ def test_config_derived_modules_are_the_ones_transformers_builds(step, dense):
     assert moe == built and 0 < len(moe) < LAYERS
     assert set(linear) == {n.removesuffix(".weight") for n, p in model.named_parameters()
                            if p.dim() == 2 and n.endswith(".weight")}
+
+
+def test_kv_caches_are_not_audited_when_no_kv_site_is_quantized():
+    """Without a KV site no KV cache is quantized, so none is listed, not even one ``exclude_modules`` names: the BF16
+    list is exactly the modules with parameters that are not quantized (written out from the model)."""
+    cfg = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=("expert_fc1_in",),
+                      exclude_modules=("model.layers.0.self_attn.kv_cache",))
+    model = tiny_model(tiny_config(num_hidden_layers=LAYERS))
+    audit = hf_module_audit(model, cfg, moe_layers=range(LAYERS), num_layers=LAYERS)
+    assert audit.quantized == tuple(f"model.layers.{i}.mlp.experts" for i in range(LAYERS))
+    with_params = {n for n, m in model.named_modules() if n and next(m.parameters(recurse=False), None) is not None}
+    assert set(audit.bf16) == with_params - set(audit.quantized)
