@@ -99,14 +99,15 @@ def test_equals_a_per_token_loop_written_out():
     assert torch.equal(rows.codes, aq.quantize(act).codes)  # per-row scales: row (t, j) is act[t, j]'s
 
 
-def test_packed_experts_with_a_per_row_amax_give_each_experts_matrix():
+@pytest.mark.parametrize("n", [32, 4])  # (n = 4: as many rows as blocks per row, where a misplaced amax broadcasts)
+def test_packed_experts_with_a_per_row_amax_give_each_experts_matrix(n):
     """``PackedExperts`` of per-row-amax weights (global_amax [E, N]): expert e is that expert's FP4Tensor, value for
     value (its amax [N, 1] on its rows)."""
     from megatron_trace.formats import nvfp4
 
     g = torch.Generator().manual_seed(3)
-    qs = [nvfp4.quantize(torch.randn(32, 64, generator=g) * (e + 1), per_row=True) for e in range(3)]
+    qs = [nvfp4.quantize(torch.randn(n, 64, generator=g) * (e + 1), per_row=True) for e in range(3)]
     packed = PackedExperts.stack(qs)
-    assert tuple(packed.global_amax.shape) == (3, 32)
+    assert tuple(packed.global_amax.shape) == (3, n)
     for e, q in enumerate(qs):
         assert torch.equal(packed.expert(e).dequantize(torch.float32), q.dequantize(torch.float32))
