@@ -282,3 +282,33 @@ def test_an_export_that_fails_midway_leaves_the_earlier_one_and_the_user_s_files
     want, _ = build_modelopt_state(new, input_amax=2.0)
     key = "model.layers.0.mlp.experts.0.down_proj.weight"
     assert torch.equal(load_modelopt_state(out)[key], want[key])
+
+
+def test_exclude_modules_are_the_bf16_linears_and_fused_linears_whose_shards_all_are():
+    """Only 2-D ``.weight`` modules are listed (no norms, no biases), and a fused SGLang Linear (``qkv_proj``,
+    ``gate_up_proj``) only where every one of its shards is BF16 (an independent list, written out)."""
+    h = 32
+    named = [("model.embed_tokens.weight", torch.randn(8, h)), ("model.norm.weight", torch.ones(h)),
+             ("model.layers.0.input_layernorm.weight", torch.ones(h)),
+             ("model.layers.0.self_attn.q_proj.bias", torch.randn(h))]
+    named += [(f"model.layers.0.self_attn.{p}_proj.weight", torch.randn(h, h)) for p in "qkv"]
+    named += [("model.layers.1.self_attn.q_proj.weight", torch.randn(h, h)),  # k and v of layer 1 not given
+              ("model.layers.0.mlp.gate_proj.weight", torch.randn(h, h))]  # no up_proj
+    _, exclude = build_modelopt_state(named, 1.0)
+    attn = [f"model.layers.0.self_attn.{p}_proj" for p in ("q", "k", "v", "qkv")]
+    assert exclude == sorted(["model.embed_tokens", *attn, "model.layers.1.self_attn.q_proj",
+                              "model.layers.0.mlp.gate_proj"])
+
+
+def test_read_back_takes_the_exact_amax_where_the_decode_scale_does_not_round_trip():
+    """``weight_global_amax`` is read back as the amax: for this weight ``weight_scale_2 * 2688`` is another fp32."""
+    base = torch.randn(16, 32, generator=torch.Generator().manual_seed(0))
+    for amax in torch.linspace(0.1, 10.0, 200):
+        q = QUANT.quantize(base / base.abs().max() * amax)
+        t = modelopt_linear_tensors("x", q, 1.0, trace_extras=True)
+        if not torch.equal(t["x.weight_scale_2"] * (6.0 * 448.0), q.global_amax.float()):
+            break
+    else:
+        pytest.fail("no amax in the sweep whose decode scale does not round-trip")
+    assert torch.equal(fp4_from_modelopt(t, "x").global_amax, q.global_amax.float())
+    assert torch.equal(fp4_from_modelopt(t, "x").dequantize(), q.dequantize())

@@ -4,7 +4,7 @@ reported BF16."""
 
 import pytest
 import torch
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 from megatron_trace.bridge import fp4_stream
 from megatron_trace.config import TraceConfig
@@ -193,3 +193,28 @@ def test_an_fp32_trainer_and_a_bf16_rollout_disagree_on_dtype():
     with pytest.raises(RecipeMismatchError, match="dtype: trainer='float32' hf rollout='bfloat16'"):
         check_recipe(trainer_recipe(layers), _hf(dtype=torch.bfloat16).recipe(), what="hf rollout")
     check_recipe(trainer_recipe(layers), _hf().recipe())
+
+
+@pytest.mark.parametrize("step, dense", [(2, []), (2, [1]), (3, [])])
+def test_config_derived_modules_are_the_ones_transformers_builds(step, dense):
+    """``qwen3_moe_modules`` (an engine's audit, from config.json alone) against the model transformers builds from
+    the same config: its MoE layers (``decoder_sparse_step``, ``mlp_only_layers``) and its 2-D-weight modules."""
+    c = tiny_config(num_hidden_layers=LAYERS, decoder_sparse_step=step, mlp_only_layers=dense)
+    model = Qwen3MoeForCausalLM(c)
+    built = tuple(i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts"))
+    moe, linear = qwen3_moe_modules(c.to_dict())
+    assert moe == built and 0 < len(moe) < LAYERS
+    assert set(linear) == {n.removesuffix(".weight") for n, p in model.named_parameters()
+                           if p.dim() == 2 and n.endswith(".weight")}
+
+
+def test_kv_caches_are_not_audited_when_no_kv_site_is_quantized():
+    """Without a KV site no KV cache is quantized, so none is listed, not even one ``exclude_modules`` names: the BF16
+    list is exactly the modules with parameters that are not quantized (written out from the model)."""
+    cfg = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=("expert_fc1_in",),
+                      exclude_modules=("model.layers.0.self_attn.kv_cache",))
+    model = tiny_model(tiny_config(num_hidden_layers=LAYERS))
+    audit = hf_module_audit(model, cfg, moe_layers=range(LAYERS), num_layers=LAYERS)
+    assert audit.quantized == tuple(f"model.layers.{i}.mlp.experts" for i in range(LAYERS))
+    with_params = {n for n, m in model.named_modules() if n and next(m.parameters(recurse=False), None) is not None}
+    assert set(audit.bf16) == with_params - set(audit.quantized)

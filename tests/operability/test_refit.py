@@ -11,7 +11,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.monitor import SentinelCheck, SentinelError
 from megatron_trace.rollout import HFRolloutBackend, SamplingParams
 from megatron_trace.rollout.hf_weights import checkpoint_tensors
-from megatron_trace.rollout.refit import RefitError, batch_differences, refit_self_test
+from megatron_trace.rollout.refit import RefitError, batch_differences, not_applied, refit_self_test
 
 from ..rollout._tiny import tiny_model
 
@@ -144,3 +144,49 @@ def test_batch_differences_see_amax_on_one_side_only_and_other_expert_ids():
     ids.view(-1)[0] += 1
     other = dataclasses.replace(batch, guidance={**batch.guidance, key: dataclasses.replace(sg, expert_ids=ids)})
     assert batch_differences(batch, other) == [f"guidance{key}"]
+
+
+def test_batch_differences_name_each_field_that_differs_in_one_element():
+    """One element changed in one field at a time is named, alone: the log-probs (a refit that moves them but not the
+    sampled tokens), the tokens, one layer's routing, and a record's codes, block scales or valid rows."""
+    batch = _fresh_a().generate(PROMPTS, SAMPLING)
+
+    def one_off(t):
+        t = t.clone()
+        flat = t.view(torch.uint8) if t.element_size() == 1 and t.dtype != torch.bool else t
+        if t.dtype == torch.bool:
+            flat.view(-1)[0] = ~flat.view(-1)[0]
+        else:
+            flat.view(-1)[0] += 1
+        return t
+
+    lp = batch.logprobs.clone()
+    b, s = batch.response_mask.nonzero()[0].tolist()
+    lp[b, s] -= 1e-3
+    assert batch_differences(batch, dataclasses.replace(batch, logprobs=lp)) == ["logprobs"]
+    assert batch_differences(batch, dataclasses.replace(batch, tokens=one_off(batch.tokens))) == ["tokens"]
+    layer = next(iter(batch.routing))
+    routing = {**batch.routing, layer: one_off(batch.routing[layer])}
+    assert batch_differences(batch, dataclasses.replace(batch, routing=routing)) == [f"routing[{layer}]"]
+    key, sg = next(iter(batch.guidance.items()))
+    for field in ("codes", "block_scales"):
+        rec = dataclasses.replace(sg.record, **{field: one_off(getattr(sg.record, field))})
+        other = dataclasses.replace(batch, guidance={**batch.guidance, key: dataclasses.replace(sg, record=rec)})
+        assert batch_differences(batch, other) == [f"guidance{key}"], field
+    valid = dataclasses.replace(sg, valid=one_off(sg.valid))
+    other = dataclasses.replace(batch, guidance={**batch.guidance, key: valid})
+    assert batch_differences(batch, other) == [f"guidance{key}"]
+
+
+def test_not_applied_sees_an_expert_whose_stored_amax_is_not_the_updates():
+    """An update that differs from what the FP4 store holds only by a factor 2 (NVFP4: the same codes and block
+    scales, another global amax) was not applied, and is named; the weights the store does hold are not."""
+    be = _fresh_a()
+    weights = _weights(1)
+    assert not_applied(be, weights) == []
+    p = "model.layers.1.mlp.experts.2."
+    doubled = [(n, v * 2 if n.startswith(p) else v) for n, v in weights]
+    q = be.weight_store.quantizer
+    fc2 = dict(weights)[p + "down_proj.weight"]
+    assert torch.equal(q.quantize(fc2 * 2).codes, q.quantize(fc2).codes)  # (only the amax tells them apart)
+    assert sorted(not_applied(be, doubled)) == sorted(p + f"{w}_proj.weight" for w in ("gate", "up", "down"))

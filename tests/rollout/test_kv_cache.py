@@ -259,3 +259,23 @@ def test_kv_sites_are_recorded_once_from_the_stored_history():
     assert torch.equal(got.mantissa_bits, bits.transpose(1, 2))
     assert torch.equal(got.block_scales.view(torch.uint8), hist.block_scales.view(torch.uint8).transpose(1, 2))
     assert torch.equal(got.global_amax, hist.global_amax.transpose(1, 2))
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_a_cache_that_outgrows_its_buffers_keeps_every_row(quantize):
+    """Past the first allocation (``MIN_GROWTH`` spare rows) the buffers are reallocated and the rows so far copied
+    over: the history after the growth is, row for row, the quantize of all the K/V given (per-row scales: one
+    quantize of the whole sequence), or the K/V themselves for an unquantized side."""
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(1, q, quantize_k=quantize, quantize_v=quantize, kernel="reference")
+    k = torch.randn(2, 3, 8 + 3 * 100, 32, generator=torch.Generator().manual_seed(4))
+    layer = cache.layers[0]
+    cache.update(k[:, :, :8], -k[:, :, :8], 0)
+    first = layer.readable_rows()
+    for s in range(8, k.shape[2], 100):
+        keys, values = cache.update(k[:, :, s:s + 100], -k[:, :, s:s + 100], 0)
+    assert layer.readable_rows() > first and first < k.shape[2]  # the buffers were reallocated
+    want = q.quantize(k).dequantize(k.dtype) if quantize else k
+    assert torch.equal(keys, want) and torch.equal(values, -want)
+    if quantize:
+        assert torch.equal(layer.fp4_history("kv_k").codes, q.quantize(k).codes)

@@ -93,3 +93,19 @@ def test_prefill_sized_calls_read_the_dequantized_weights(monkeypatch):
     assert experts._dense_gemms(start * 16, 16) and not experts._dense_gemms(start * 16 - 1, 16)
     monkeypatch.setattr(experts, "DENSE_FROM_WGMMA", None)
     assert not experts._dense_gemms(10**9, 16)
+
+
+def test_stacked_is_the_current_weights_after_a_set():
+    """After a set of one expert, ``stacked`` (the grouped GEMM's [E, N, K]) holds that expert's new codes, scales
+    and amax (a change that is not a rescale: new codes, not only a new amax) and the others' as before."""
+    m, store = _store()
+    before = store.stacked(0, "fc1")
+    with torch.no_grad():
+        m.gate_up_proj[2] += torch.randn(m.gate_up_proj[2].shape, generator=torch.Generator().manual_seed(5))
+    want = TraceConfig().weight_quantizer().quantize(m.gate_up_proj[2].detach().clone())
+    store.quantize_from_params(m, 0, 2, "fc1")
+    got = store.stacked(0, "fc1")
+    assert not torch.equal(want.codes, before.codes[2])
+    assert torch.equal(got.codes[2], want.codes) and torch.equal(got.codes[[0, 1, 3]], before.codes[[0, 1, 3]])
+    assert torch.equal(got.block_scales[2].view(torch.uint8), want.block_scales.view(torch.uint8))
+    assert torch.equal(got.global_amax[2], want.global_amax.float().expand(got.shape[1], 1))

@@ -218,3 +218,21 @@ def test_weights_that_are_not_name_value_pairs_are_named(weights, match):
         with pytest.raises(TypeError, match=match):
             be.update_weights(weights)
         assert be.policy_version == 0
+
+
+def test_bf16_updates_of_excluded_experts_are_used_as_they_come():
+    """``exclude_modules`` keeps layer 0's experts in the model dtype: their BF16 update is copied as it is (not
+    re-quantized to FP4 values) and the FP4 store gets none of them; layer 2's update is re-quantized."""
+    cfg = TraceConfig(exclude_modules=("model.layers.0.mlp.experts",))
+    be = HFRolloutBackend(tiny_model(seed=0), mode="fp4", trace_config=cfg, dtype=torch.float32)
+    new = dict(checkpoint_tensors(tiny_model(seed=1)))
+    names = [f"model.layers.{layer}.mlp.experts.1.{p}_proj.weight" for layer in (0, 2) for p in ("gate", "up", "down")]
+    be.update_weights([(n, new[n]) for n in names])
+    experts = be.model.model.layers[0].mlp.experts
+    assert torch.equal(experts.gate_up_proj[1], torch.cat([new[names[0]], new[names[1]]]))
+    assert torch.equal(experts.down_proj[1], new[names[2]])
+    for which in ("fc1", "fc2"):
+        with pytest.raises(KeyError, match="no FP4 weight for layer=0 expert=1"):
+            be.expert_weight_fp4(0, 1, which)
+    want = TraceConfig().weight_quantizer().quantize(new[names[5]])
+    assert torch.equal(be.model.model.layers[2].mlp.experts.down_proj[1], want.dequantize())

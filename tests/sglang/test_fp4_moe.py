@@ -74,3 +74,40 @@ def test_packed_experts_reject_payloads_that_do_not_fit_k():
         PackedExperts(codes=p.codes, block_scales=p.block_scales, global_amax=p.global_amax, k=8)
     with pytest.raises(ValueError, match="block_scales shape"):
         PackedExperts(codes=p.codes, block_scales=p.block_scales[..., :1], global_amax=p.global_amax, k=p.k)
+
+
+def test_equals_a_per_token_loop_written_out():
+    """Independent reference: for each token t and slot j, ``w[t, j] * fc2[e] @ (silu(gate) * up)`` with
+    ``[gate; up] = fc1[e] @ x[t]``, e = ids[t, j]; the expert_fc2_in rows are (token, slot) ordered."""
+    fc1, fc2 = (w.float() for w in tiny_experts())
+    hidden, ids, w = tiny_inputs()
+    hidden = hidden.float()
+    aq = CFG.activation_quantizer()
+    ffn = fc2.shape[-1]
+    act = torch.zeros(*ids.shape, ffn)
+    want = torch.zeros_like(hidden)
+    for t in range(ids.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            h = fc1[e] @ hidden[t]
+            act[t, j] = torch.nn.functional.silu(h[:ffn]) * h[ffn:]
+            want[t] += w[t, j] * (fc2[e] @ act[t, j])
+    got = w4a4_experts_forward(hidden, ids, w, fc1, fc2, activation_quantizer=None, quantize_fc1=False,
+                               quantize_fc2=False)
+    torch.testing.assert_close(got.out, want, rtol=1e-5, atol=1e-6)
+    rows = w4a4_experts_forward(hidden, ids, w, fc1, fc2, activation_quantizer=aq, quantize_fc1=False).fc2_in
+    assert torch.equal(rows.codes, aq.quantize(act).codes)  # per-row scales: row (t, j) is act[t, j]'s
+
+
+@pytest.mark.parametrize("n", [32, 4])  # (n = 4: as many rows as blocks per row, where a misplaced amax broadcasts)
+def test_packed_experts_with_a_per_row_amax_give_each_experts_matrix(n):
+    """``PackedExperts`` of per-row-amax weights (global_amax [E, N]): expert e is that expert's FP4Tensor, value for
+    value (its amax [N, 1] on its rows)."""
+    from megatron_trace.formats import nvfp4
+
+    g = torch.Generator().manual_seed(3)
+    qs = [nvfp4.quantize(torch.randn(n, 64, generator=g) * (e + 1), per_row=True) for e in range(3)]
+    packed = PackedExperts.stack(qs)
+    assert tuple(packed.global_amax.shape) == (3, n)
+    for e, q in enumerate(qs):
+        assert torch.equal(packed.expert(e).dequantize(torch.float32), q.dequantize(torch.float32))
