@@ -93,6 +93,17 @@ def test_a_non_default_rope_theta_gives_transformers_logits(tmp_path):
     assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
+def test_build_gpt_model_ties_the_output_layer_as_the_config_says():
+    """The RL trainer builds its model with ``build_gpt_model``: a tied config must give a tied output layer (else
+    training updates lm_head and the embedding apart, and the exported lm_head is not the one served)."""
+    from megatron_trace.bridge import build_gpt_model
+
+    for tied in (True, False):
+        model = build_gpt_model(tiny_config(tie_word_embeddings=tied), dtype=torch.float32)
+        assert model.share_embeddings_and_output_weights is tied
+        assert (model.output_layer.weight is None) is tied  # tied: the output layer reads the embedding's weight
+
+
 def test_name_and_layout_map(ckpt):
     """Every Megatron tensor equals its independently assembled HF counterpart."""
     from megatron_trace.bridge import load_hf_checkpoint
