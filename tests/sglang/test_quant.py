@@ -260,6 +260,15 @@ def test_amax_loader_and_per_row_amax_keep_each_shard_and_expert(registered):
     with torch.no_grad():
         lin.weight_global_amax.copy_(torch.tensor([2.0, 3.0]))
     assert torch.equal(method.weight_fp4(lin).global_amax, torch.tensor([2.0] * F + [3.0] * 2 * F)[:, None])
+    # the exact amax wins where loaded: weight_scale_2 * 2688 misses it by an ulp for some amax (27.568487...),
+    # which changes dequantized weights by an ulp; NaN (not loaded: a stock ModelOpt checkpoint) takes the scale
+    from megatron_trace.formats.nvfp4 import decode_scale_from_amax
+
+    exact = torch.tensor([27.5684871673584, 5.0])
+    scale_2 = decode_scale_from_amax(exact)
+    assert scale_2[0] * 2688.0 != exact[0]
+    got = registered.global_amax(torch.tensor([exact[0], float("nan")]), scale_2)
+    assert torch.equal(got, torch.stack([exact[0], scale_2[1] * 2688.0]))
 
 
 def test_emulated_linear_apply_matches_reference(registered):
