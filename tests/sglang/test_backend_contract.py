@@ -323,6 +323,12 @@ def test_server_args_ask_for_routing_and_a_kv4_attention_backend():
     assert kw["attention_backend"] == "triton" and kw["quantization"] == "trace_nvfp4"
     kw = trace_server_args("/ckpt", FC1_ONLY.replace(routing_replay=False), HF, native=False)
     assert kw["enable_return_routed_experts"] is False and "attention_backend" not in kw
+    # a TP rank holds a shard of the KV heads (and of the FFN): KV / fc2 guidance needs tp_size 1, fc1 alone not
+    for sites in (("kv_k",), ("kv_v",), ("expert_fc2_in",)):
+        with pytest.raises(ValueError, match=rf"guidance for \['{sites[0]}'\] needs tp_size=1 \(got 2\)"):
+            trace_server_args("/ckpt", CFG.replace(guided_sites=sites), HF, native=True, tp_size=2)
+    assert trace_server_args("/ckpt", CFG.replace(guided_sites=("expert_fc1_in",)), HF, native=True,
+                             tp_size=2)["tp_size"] == 2
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
