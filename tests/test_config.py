@@ -35,6 +35,9 @@ def test_frozen_and_keyword_only():
         ({"guided_fraction": 1.5}, r"must be in \[0, 1\]"),
         ({"guided_fraction": 0.0}, r"guided_layers='fraction' needs guided_fraction > 0 .*guided_layers='none'"),
         ({"budget_bytes_per_token": -1}, "must be >= 0"),
+        ({"guided_layers": "budget"}, r"guided_layers='budget' needs budget_bytes_per_token > 0"),
+        ({"min_coverage": 1.5}, r"min_coverage=1.5 must be in \[0, 1\]"),
+        ({"min_coverage": -0.1}, r"min_coverage=-0.1 must be in \[0, 1\]"),
         ({"cache_budget_mb": -1}, "cache_budget_mb=-1.0 must be >= 0"),
         ({"cache_mode": "bits"}, "cache_mode='bits'"),
         ({"mxfp4_scale_rule": "round"}, "mxfp4_scale_rule='round'"),
@@ -95,6 +98,11 @@ def test_quantizers_follow_config():
     assert TraceConfig().activation_quantizer().per_row and not TraceConfig().weight_quantizer().per_row
     assert TraceConfig(activation_amax="per_tensor").activation_quantizer().per_row is False
     assert TraceConfig(enabled=False).quantizes("weights") is False
+    # ste_clip reaches both quantizers, rounding the activations' only (weights are RNE on both sides)
+    c = TraceConfig(ste_clip=True, rounding="stochastic")
+    assert c.weight_quantizer().ste_clip and c.activation_quantizer().ste_clip
+    assert c.activation_quantizer().rounding == "stochastic" and c.weight_quantizer().rounding == "rne"
+    assert not TraceConfig().weight_quantizer().ste_clip and not TraceConfig().activation_quantizer().ste_clip
     assert set(SITES) - set(ACTIVATION_SITES) == {"weights"}
 
 

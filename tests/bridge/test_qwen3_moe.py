@@ -73,6 +73,37 @@ def test_hf_checkpoint_gives_transformers_logits(ckpt):
     assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
+def test_a_non_default_rope_theta_gives_transformers_logits(tmp_path):
+    """Qwen3-MoE releases use rope_theta=1e6; the tiny config's 1e4 is also Megatron's default, so a bridge that
+    dropped the checkpoint's theta passed every other test while rotating every query and key by other angles."""
+    from megatron_trace.bridge import load_hf_checkpoint
+    from megatron_trace.bridge.config import gpt_model_kwargs, rope_theta
+
+    cfg = tiny_config(rope_theta=1e6)
+    assert rope_theta(cfg) == 1e6 and gpt_model_kwargs(cfg)["rotary_base"] == 1e6
+    path = save_tiny_checkpoint(tmp_path / "hf", cfg, seed=4)
+    bridge = _bridge(path)
+    model = bridge.build_model().eval()
+    load_hf_checkpoint(model, path, bridge)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokens = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    got = megatron_logits(model, tokens)
+    assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_build_gpt_model_ties_the_output_layer_as_the_config_says():
+    """The RL trainer builds its model with ``build_gpt_model``: a tied config must give a tied output layer (else
+    training updates lm_head and the embedding apart, and the exported lm_head is not the one served)."""
+    from megatron_trace.bridge import build_gpt_model
+
+    for tied in (True, False):
+        model = build_gpt_model(tiny_config(tie_word_embeddings=tied), dtype=torch.float32)
+        assert model.share_embeddings_and_output_weights is tied
+        assert (model.output_layer.weight is None) is tied  # tied: the output layer reads the embedding's weight
+
+
 def test_name_and_layout_map(ckpt):
     """Every Megatron tensor equals its independently assembled HF counterpart."""
     from megatron_trace.bridge import load_hf_checkpoint

@@ -193,6 +193,24 @@ def test_under_expert_parallel_alone_a_checkpoint_one_rank_refuses_raises_on_eve
     assert kind == "ValueError" and re.search(rf"^rank 1 refused to load the checkpoint {where} .*{reason}", msg), msg
 
 
+def test_under_expert_parallel_experts_beyond_the_config_are_refused_not_left_to_another_rank(tmp_path):
+    """EP=2: an expert id >= num_experts (or of a layer >= num_layers) is no EP rank's: a config.json with fewer
+    experts than the weights. Both ranks refuse it by name instead of each taking it for the other's."""
+    from safetensors.torch import load_file, save_file
+
+    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
+    extra = ["model.layers.0.mlp.experts.8.down_proj.weight", "model.layers.3.mlp.experts.1.up_proj.weight"]
+    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+    tensors.update({n: torch.zeros(4, 4) for n in extra})
+    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+    port = free_port()
+    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), 1, 1, WORLD), timeout=240)
+    for r in range(WORLD):
+        kind, msg = torch.load(tmp_path / f"rank{r}.pt")["outcome"]
+        assert kind == "ValueError" and "2 checkpoint tensor(s) map to no parameter" in msg, (r, msg)
+        assert all(n in msg for n in extra), (r, msg)
+
+
 @pytest.mark.parametrize("bad, shape, whole", [
     ("model.layers.1.self_attn.o_proj.weight", (64, 32), (64, 64)),  # split on its input columns
     ("model.embed_tokens.weight", (64, 64), (128, 64)),  # vocab-parallel rows

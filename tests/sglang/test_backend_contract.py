@@ -246,6 +246,41 @@ def test_aborted_request_or_missing_routing_is_an_error():
     assert b.routing == {}
 
 
+class _RoutedEngine(_Engine):
+    """Distinct routing per (request, position, layer, slot): expert (7 * i + 3 * t + layer + k) % 8."""
+
+    def generate(self, input_ids, sampling_params, return_logprob=False, return_routed_experts=False, rid=None):
+        import base64
+
+        outs = super().generate(input_ids, sampling_params, return_logprob, return_routed_experts, rid)
+        for i, (p, o) in enumerate(zip(input_ids, outs)):
+            o["meta_info"]["routed_experts"] = base64.b64encode(_routing(i, len(p) + len(o["output_ids"]) - 1)
+                                                                .int().numpy().tobytes())
+        return outs
+
+
+def _routing(i, n):
+    t, layer, k = torch.meshgrid(torch.arange(n), torch.arange(3), torch.arange(2), indexing="ij")
+    return (7 * i + 3 * t + layer + k) % 8  # [n, layers, topk]
+
+
+def test_routing_lands_at_the_position_that_routed_it():
+    """meta_info["routed_experts"] row t is the routing of the token at position t (SGLang records every forwarded
+    token; the last sampled one is never forwarded): RolloutBatch.routing[layer][i, t] for t < len - 1, zeros after,
+    per request of any length."""
+    from megatron_trace.rollout import SamplingParams
+
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    b = SGLangRolloutBackend(_RoutedEngine(), FC1_ONLY, HF, kv_cache_dtype="auto").generate(
+        prompts, SamplingParams(max_new_tokens=2))
+    for i, p in enumerate(prompts):
+        n = len(p) + 2
+        want = _routing(i, n - 1)
+        for layer in range(3):
+            assert torch.equal(b.routing[layer][i, : n - 1], want[:, layer]), (i, layer)
+            assert not b.routing[layer][i, n - 1 :].any(), (i, layer)
+
+
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_nonfinite_log_probs_are_an_error_naming_the_requests(value):
     """NaN/Inf log-probs from the engine (NaN activations or weights inside it) would reach the importance ratio
@@ -276,6 +311,24 @@ def test_guidance_capture_refuses_hierarchical_cache():
     off = CFG.replace(guided_layers="none")  # nothing captured: nothing to refuse
     assert trace_server_args("/ckpt", off, HF, native=False, enable_hierarchical_cache=True)[
         "enable_hierarchical_cache"] is True
+
+
+def test_server_args_ask_for_routing_and_a_kv4_attention_backend():
+    """Routing replay needs the engine to return routed experts, and SGLang's FP4 KV cache one of its KV4 MHA
+    backends; the backend checks the former only after a generate, the latter nowhere."""
+    from megatron_trace.rollout.sglang.launch import trace_server_args
+
+    kw = trace_server_args("/ckpt", CFG, HF, native=False)
+    assert kw["enable_return_routed_experts"] is True and kw["kv_cache_dtype"] == "fp4_e2m1"
+    assert kw["attention_backend"] == "triton" and kw["quantization"] == "trace_nvfp4"
+    kw = trace_server_args("/ckpt", FC1_ONLY.replace(routing_replay=False), HF, native=False)
+    assert kw["enable_return_routed_experts"] is False and "attention_backend" not in kw
+    # a TP rank holds a shard of the KV heads (and of the FFN): KV / fc2 guidance needs tp_size 1, fc1 alone not
+    for sites in (("kv_k",), ("kv_v",), ("expert_fc2_in",)):
+        with pytest.raises(ValueError, match=rf"guidance for \['{sites[0]}'\] needs tp_size=1 \(got 2\)"):
+            trace_server_args("/ckpt", CFG.replace(guided_sites=sites), HF, native=True, tp_size=2)
+    assert trace_server_args("/ckpt", CFG.replace(guided_sites=("expert_fc1_in",)), HF, native=True,
+                             tp_size=2)["tp_size"] == 2
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])

@@ -234,6 +234,51 @@ def test_evicted_prefix_rows_are_missing_not_wrong(engine_factory):
     assert torch.equal(fc1.record.mantissa_bits[0, :4], ref[(0, "expert_fc1_in")].record.mantissa_bits[0, :4])
 
 
+def test_a_read_out_batch_takes_each_request_s_own_cached_prefix(engine_factory):
+    """Two read-outs in one extend forward whose cached prefixes differ (8 and 4 positions): each request's rows
+    are its own prefix's (by its req_pool_idx and extend_prefix_len), as when read out alone."""
+    eng = engine_factory()
+    a, c = PROMPT + RESP_A, [2, 7, 1, 8, 2, 8, 41, 42, 43]
+    for seq in (a, c):
+        i, _ = eng.admit(seq[:6])
+        eng.forward([(i, seq, list(range(6)))])
+        for p in (6, 7):
+            eng.forward([(i, seq, [p])], extend=False)
+        eng.cache(seq, i, 8)
+    for key in [k for k in eng.radix if k[0] == c[0] and len(k) > 4]:
+        del eng.radix[key]  # c keeps 4 cached positions, a all 8
+    payloads = eng.read_out([a, c])
+    assert [p[0]["n"] for p in payloads] == [8, 4]
+    got = _guidance(payloads, [a, c])
+    for k, sg in got.items():
+        valid = sg.valid if sg.valid.dim() == 2 else sg.valid[..., 0]
+        assert valid.tolist() == [[True] * 8 + [False], [True] * 4 + [False] * 5], k
+    _same({k: _row(v, 0) for k, v in got.items()}, _guidance(_cold(engine_factory(), a), [a]))
+    ref_c = _guidance(_cold(engine_factory(), c), [c])
+    for k, sg in got.items():  # c's 4 delivered positions are c's rows
+        payload = "mantissa_bits" if hasattr(sg.record, "mantissa_bits") else "codes"
+        assert torch.equal(getattr(sg.record, payload)[1, :4], getattr(ref_c[k].record, payload)[0, :4]), k
+
+
+def test_kv_rows_index_the_pool_from_its_start_layer():
+    """A pool holding layers 2..3 (pipeline stage, ``start_layer=2``) stores layer 3 at index 1."""
+    from megatron_trace.rollout.sglang.capture import kv_rows
+
+    g = torch.Generator().manual_seed(3)
+    u8 = lambda *s: torch.randint(0, 256, s, generator=g, dtype=torch.uint8)  # noqa: E731
+    codes, scales = [u8(8, HEADS, HD // 2), u8(8, HEADS, HD // 2)], [u8(8, HEADS * HD // 16) for _ in range(2)]
+    staged = types.SimpleNamespace(k_buffer=codes, v_buffer=codes, k_scale_buffer=scales, v_scale_buffer=scales,
+                                   start_layer=2)
+    slots = torch.tensor([5, 1, 2])
+    for stage_layer in (0, 1):
+        alone = types.SimpleNamespace(k_buffer=codes[stage_layer:], v_buffer=codes[stage_layer:],
+                                      k_scale_buffer=scales[stage_layer:], v_scale_buffer=scales[stage_layer:])
+        got = kv_rows(staged, SiteSpec(2 + stage_layer, "kv_k", (HEADS, HD), fmt="sglang_kvfp4", compact=False), slots)
+        want = kv_rows(alone, SiteSpec(0, "kv_k", (HEADS, HD), fmt="sglang_kvfp4", compact=False), slots)
+        assert torch.equal(got, want), stage_layer
+        assert torch.equal(got[:, : HEADS * HD // 2], codes[stage_layer][slots].reshape(3, -1))  # full: codes first
+
+
 def _row(sg, i):
     import dataclasses
 

@@ -232,6 +232,45 @@ def test_emulated_moe_apply_bit_identical_to_reference(registered):
     torch.testing.assert_close(approx.out.float(), ref.out.float(), rtol=1e-2, atol=1e-3)
 
 
+def test_amax_loader_and_per_row_amax_keep_each_shard_and_expert(registered):
+    """The exported gate and up halves share one amax, so a loader that swapped w1/w3, or per-row amax repeated
+    [gate, up, gate, ...] instead of F gate rows then F up rows, passed every end-to-end test: distinct values here."""
+    _, qcfg = _ckpt_state()
+    _, layer = _moe_layer(registered, qcfg)
+    load = layer.w13_weight_global_amax.weight_loader
+    ids = torch.arange(E, dtype=torch.float32)
+    for e in range(E):
+        load(layer.w13_weight_global_amax, torch.tensor(1.0 + e), "gate", shard_id="w1", expert_id=e)
+        load(layer.w13_weight_global_amax, torch.tensor(100.0 + e), "up", shard_id="w3", expert_id=e)
+        load(layer.w2_weight_global_amax, torch.tensor(1000.0 + e), "down", shard_id="w2", expert_id=e)
+    assert torch.equal(layer.w13_weight_global_amax.data, torch.stack([1 + ids, 100 + ids], 1))
+    assert torch.equal(layer.w2_weight_global_amax.data, 1000 + ids)
+    want = torch.cat([(1 + ids)[:, None].expand(E, F), (100 + ids)[:, None].expand(E, F)], 1)  # [E, 2F]
+    assert torch.equal(registered.moe_packed(layer, "w13").global_amax, want)
+    # EP rank 1 of 2 holds global experts E/2..E-1 at local slots 0..: another rank's expert is skipped
+    ep = types.SimpleNamespace(moe_ep_rank=1)
+    param = torch.nn.Parameter(torch.full((E // 2, 2), float("nan")), requires_grad=False)
+    registered.make_amax_loader(ep)(param, torch.tensor(7.0), "up", shard_id="w3", expert_id=E // 2 + 1)
+    registered.make_amax_loader(ep)(param, torch.tensor(9.0), "up", shard_id="w3", expert_id=1)
+    assert param[1, 1] == 7.0 and int(torch.isnan(param).sum()) == E - 1
+    # a fused Linear (e.g. gate_up) keeps one amax per logical shard, rows of the first shard first
+    lin = torch.nn.Module()
+    method = registered.TraceNvFp4LinearMethod(registered.TraceQuantConfig.from_config(qcfg))
+    method.create_weights(lin, H, [F, 2 * F], H, 3 * F, torch.bfloat16, weight_loader=None)
+    with torch.no_grad():
+        lin.weight_global_amax.copy_(torch.tensor([2.0, 3.0]))
+    assert torch.equal(method.weight_fp4(lin).global_amax, torch.tensor([2.0] * F + [3.0] * 2 * F)[:, None])
+    # the exact amax wins where loaded: weight_scale_2 * 2688 misses it by an ulp for some amax (27.568487...),
+    # which changes dequantized weights by an ulp; NaN (not loaded: a stock ModelOpt checkpoint) takes the scale
+    from megatron_trace.formats.nvfp4 import decode_scale_from_amax
+
+    exact = torch.tensor([27.5684871673584, 5.0])
+    scale_2 = decode_scale_from_amax(exact)
+    assert scale_2[0] * 2688.0 != exact[0]
+    got = registered.global_amax(torch.tensor([exact[0], float("nan")]), scale_2)
+    assert torch.equal(got, torch.stack([exact[0], scale_2[1] * 2688.0]))
+
+
 def test_emulated_linear_apply_matches_reference(registered):
     state, qcfg = _ckpt_state()
     method = registered.TraceNvFp4LinearMethod(registered.TraceQuantConfig.from_config(qcfg))
