@@ -322,8 +322,6 @@ def _corrupt(sg, fmt):
 @pytest.mark.parametrize("path", ["samples", "columns"])
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_rows_with_a_nan_inf_or_negative_scale_are_rejected_and_counted(fmt, path):
-    from megatron_trace.guidance.packed_assemble import assemble_packed
-    from megatron_trace.guidance.records import pack_guidance
 
     batch, acts, tok, mask = make_batch(B=2, S=6, lengths=[6, 6], layers=(0,), fmt=fmt,
                                         sites=("expert_fc1_in", "kv_k"))
@@ -331,11 +329,7 @@ def test_rows_with_a_nan_inf_or_negative_scale_are_rejected_and_counted(fmt, pat
     batch[key] = _corrupt(batch[key], fmt)
     bad = {(0, 1), (0, 2), (1, 0)} | ({(0, 3)} if fmt == "nvfp4" else set())
     counter = FallbackCounter()
-    if path == "samples":
-        out = assemble(split_batch(batch, tok, version=0, attention_mask=mask), tok, versions=0, counter=counter)
-    else:
-        out = assemble_packed([pack_guidance(batch, tok, version=0, attention_mask=mask)], [0, 1], tok, versions=0,
-                              counter=counter)
+    out = _assemble_on(path, batch, tok, mask, counter)
     want = torch.ones(2, 6, dtype=torch.bool)
     for b, s in bad:
         want[b, s] = False
@@ -345,6 +339,16 @@ def test_rows_with_a_nan_inf_or_negative_scale_are_rejected_and_counted(fmt, pat
     assert counter.used == 12 - len(bad) + 12  # + the kv_k tokens
 
 
+def _assemble_on(path: str, batch, tok, mask, counter):
+    """Version-0 records of the whole batch, assembled per sample ("samples") or from the packed columns."""
+    from megatron_trace.guidance.packed_assemble import assemble_packed
+    from megatron_trace.guidance.records import pack_guidance
+
+    if path == "samples":
+        return assemble(split_batch(batch, tok, version=0, attention_mask=mask), tok, versions=0, counter=counter)
+    return assemble_packed([pack_guidance(batch, tok, version=0, attention_mask=mask)], [0, 1], tok, versions=0,
+                           counter=counter)
+
 
 @pytest.mark.parametrize("path", ["samples", "columns"])
 def test_a_bad_scale_on_a_row_the_rollout_did_not_record_counts_once_as_not_recorded(path):
@@ -352,8 +356,6 @@ def test_a_bad_scale_on_a_row_the_rollout_did_not_record_counts_once_as_not_reco
     NaN scale neither moves it to ``bad_scale`` nor takes a row off ``used``."""
     import dataclasses
 
-    from megatron_trace.guidance.packed_assemble import assemble_packed
-    from megatron_trace.guidance.records import pack_guidance
     from megatron_trace.guidance.site import SiteGuidance
 
     batch, _, tok, mask = make_batch(B=2, S=6, lengths=[6, 6], layers=(0,), sites=("expert_fc1_in",))
@@ -365,11 +367,7 @@ def test_a_bad_scale_on_a_row_the_rollout_did_not_record_counts_once_as_not_reco
     rec = dataclasses.replace(sg.record, block_scales=scales.view(sg.record.block_scales.dtype))
     batch[key] = SiteGuidance(rec, valid)
     counter = FallbackCounter()
-    if path == "samples":
-        out = assemble(split_batch(batch, tok, version=0, attention_mask=mask), tok, versions=0, counter=counter)
-    else:
-        out = assemble_packed([pack_guidance(batch, tok, version=0, attention_mask=mask)], [0, 1], tok, versions=0,
-                              counter=counter)
+    out = _assemble_on(path, batch, tok, mask, counter)
     assert counter.fallback == {"not_recorded": 1} and counter.used == 11
     assert torch.equal(out[key].valid, valid)
 
