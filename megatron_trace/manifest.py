@@ -211,11 +211,13 @@ def guided_modules(config: TraceConfig, layer: int, *, moe_layers, exclusions: b
     return tuple(sorted(n for n in names if not (exclusions and module_excluded(config, n))))
 
 
-def unguided_layers(config: TraceConfig, layers: list[int], *, moe_layers, exclusions: bool = True) -> list[int]:
+def unguided_layers(config: TraceConfig, layers: list[int], *, moe_layers, exclusions: bool = True,
+                    explicit: bool = False) -> list[int]:
     """The layers of the policy's ``layers`` without a guided module where that guides nothing silently: any such
-    layer of an explicit list; for another policy, all of them when none of its layers has one (else [])."""
+    layer of an explicit list (``explicit``: ``layers`` is one whatever the policy); for another policy, all of them
+    when none of its layers has one (else [])."""
     empty = [i for i in layers if not guided_modules(config, i, moe_layers=moe_layers, exclusions=exclusions)]
-    return [] if config.guided_layers != "explicit" and len(empty) < len(layers) else empty
+    return [] if not explicit and config.guided_layers != "explicit" and len(empty) < len(layers) else empty
 
 
 def check_guided_layers(config: TraceConfig, layers: Iterable[int], *, moe_layers: Iterable[int]) -> None:

@@ -44,8 +44,8 @@ from ..manifest import (
     check_recipe,
     excluded_modules,
     experts_name,
-    guided_modules,
     kv_cache_name,
+    unguided_layers,
 )
 from . import hf_generate
 from .attention import ROLLOUT_ATTENTION
@@ -255,7 +255,7 @@ class HFRolloutBackend:
         if bad:
             raise ValueError(f"guided layer id(s) {bad} outside 0..{self.num_layers - 1}")
         sites = [s for s in self.config.guided_sites if self._quantizes(s)]
-        empty = [i for i in layer_ids if not guided_modules(self.config, i, moe_layers=self._experts)] if sites else []
+        empty = unguided_layers(self.config, layer_ids, moe_layers=self._experts, explicit=True) if sites else []
         if explicit and empty:  # (a policy's layers were checked above, by its own rule)
             raise ValueError(f"set_guided_layers: layer(s) {empty} would guide nothing: their guided sites {sites} are "
                              f"in no quantized module of theirs (MoE layers: {sorted(self._experts)}; exclude_modules: "
