@@ -813,3 +813,68 @@ def test_micro_batches_that_do_not_split_the_batch_are_named(megatron_cpu, ckpt,
         RLConfig(micro_batch_size=-1)
     with pytest.raises(ValueError, match="micro_batch_size=0 must be >= 1 and divide the batch's 16 rows"):
         r.policy.forward_backward(batch.tokens, 0, lambda i, lp, sl: lp.sum())
+
+
+class _CreditTask(type(get_task("add"))):
+    """The driver's addition task with a test-chosen reward: ``by_prompt`` maps a prompt to its reward (the same for
+    every response: a group that carries no signal), else partial credit, the share of the answer's characters that
+    are right (responses of one prompt differ: a signal at step 0 already, unlike the exact-answer reward)."""
+
+    def __init__(self):
+        super().__init__(3)
+        self.by_prompt: dict[str, float] | None = None
+
+    def reward(self, p, response):
+        if self.by_prompt is not None:
+            return self.by_prompt[p.prompt]
+        return sum(a == b for a, b in zip(response, p.answer)) / len(p.answer)
+
+
+def _credit_run(ckpt, tmp_path, lr=5e-5):
+    cfg = dataclasses.replace(RL, steps=1, sentinel_prompts=0, lr=lr)
+    task = _CreditTask()
+    return GRPORun(make_arm("bf16", TraceConfig()), cfg, task, ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c"), task
+
+
+def test_groups_whose_rewards_are_equal_carry_no_gradient(megatron_cpu, ckpt, tmp_path):
+    """Advantages are normalised within each prompt's group: a batch where one prompt's responses all earn 1 and
+    every other prompt's all earn 0 has advantage 0 everywhere, so the step's loss and gradient are exactly 0 (over
+    the whole batch the rewards differ: normalising there instead would train toward the first prompt)."""
+    r, task = _credit_run(ckpt, tmp_path)
+    problems, _ = r._prompts(0)
+    first = problems[0].prompt
+    task.by_prompt = {p.prompt: float(p.prompt == first) for p in problems}
+    assert 0 < sum(task.by_prompt[p.prompt] for p in problems) < len(problems)  # the batch's rewards differ
+    m = r.step()
+    assert m["reward"] == RL.group_size / len(problems)
+    assert m["loss"] == 0.0 and m["grad_norm"] == 0.0, m
+
+
+def test_a_step_raises_the_advantage_weighted_likelihood_of_its_responses(megatron_cpu, ckpt, tmp_path):
+    """The policy-gradient direction through ``step()``: with partial credit the responses of one prompt earn
+    different rewards, and one small step raises sum_i A_i log pi(response_i), A_i the reward's z-score within the
+    prompt's group (computed here independently of ``group_advantages``)."""
+    r, task = _credit_run(ckpt, tmp_path, lr=1e-5)
+    problems, ids = r._prompts(0)
+    batch = r.rollout.generate(ids, r._sampling(0, r.cfg.temperature))  # what step 0 samples (seeded by step)
+    rewards = [task.reward(p, r.tok.decode(x, strict=True)) for p, x in zip(problems, batch.responses())]
+    g = RL.group_size
+    adv = []
+    for k in range(0, len(rewards), g):
+        grp = rewards[k:k + g]
+        mean = sum(grp) / g
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / g)
+        adv += [0.0 if std == 0 else (x - mean) / (std + 1e-6) for x in grp]
+    assert any(adv), rewards  # a signal at step 0
+
+    def objective() -> float:
+        with torch.no_grad():
+            lp = r.policy.logprobs(batch.tokens, r.cfg.temperature)
+        per_seq = torch.where(batch.response_mask, lp, 0.0).sum(1).double()
+        return float((torch.tensor(adv, dtype=torch.float64) * per_seq).sum())
+
+    before = objective()
+    m = r.step()
+    assert m["reward"] == sum(rewards) / len(rewards) and m["grad_norm"] > 0
+    after = objective()
+    assert after > before, (before, after)
