@@ -112,8 +112,18 @@ class QuantRecipe:
     @classmethod
     def from_json(cls, text: str) -> QuantRecipe:
         d = json.loads(text)
+        if not isinstance(d, dict):
+            raise RecipeMismatchError(f"a quant recipe is a JSON object of QuantRecipe's fields, "
+                                      f"not {type(d).__name__}")
         if d.get("manifest_version") != MANIFEST_VERSION:
             raise RecipeMismatchError(f"manifest_version={d.get('manifest_version')} != {MANIFEST_VERSION}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        required = {k for k, f in fields.items() if f.default is dataclasses.MISSING}
+        unknown, missing = sorted(set(d) - set(fields)), sorted(required - set(d))
+        if unknown or missing:  # (the dataclass's bare TypeError named one of them, without saying which recipe)
+            raise RecipeMismatchError(f"quant recipe (manifest_version={MANIFEST_VERSION}) has unknown field(s) "
+                                      f"{unknown} and lacks required field(s) {missing}; "
+                                      f"its fields are {sorted(fields)}")
         for k in ("sites", "guided_sites", "guided_layers", "quantized_modules"):
             d[k] = tuple(d[k])
         return cls(**d)

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from megatron_trace.config import TraceConfig
@@ -39,6 +41,14 @@ def test_kv_format_is_the_kv_sites_format():
     assert QuantRecipe.from_json(r.to_json()) == r
     with pytest.raises(RecipeMismatchError, match="manifest_version=1"):
         QuantRecipe.from_json(r.to_json().replace('"manifest_version": 3', '"manifest_version": 1'))
+    d = json.loads(r.to_json())
+    with pytest.raises(RecipeMismatchError, match=r"unknown field\(s\) \['kv_layout'\] and lacks required field\(s\) "
+                                                  r"\['block_size'\]; its fields are \['activation_amax'"):
+        QuantRecipe.from_json(json.dumps({**{k: v for k, v in d.items() if k != "block_size"}, "kv_layout": "paged"}))
+    del d["dtype"]  # a field with a default may be absent (a recipe written before it existed): the default
+    assert QuantRecipe.from_json(json.dumps(d)) == r
+    with pytest.raises(RecipeMismatchError, match="a JSON object of QuantRecipe's fields, not list"):
+        QuantRecipe.from_json("[1, 2]")
 
 
 def test_weight_version_checked_unless_ignored():
