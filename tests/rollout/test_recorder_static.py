@@ -80,3 +80,18 @@ def test_forked_rows_keep_their_records_shape():
     store.count = 2
     view = store.view("fc1")
     assert view.shape == (3, 2, 64) and view.mantissa_bits.shape == (3, 2, 8)
+
+
+def test_a_kv_site_is_recorded_per_step_or_from_its_store_never_both():
+    """A K/V site with per-step records (SGLang's KV format) refuses a stored history too: ``finish`` would take
+    the history alone and drop the steps' records without a word."""
+    q = Quantizer("nvfp4", per_row=True).quantize(torch.randn(2, 1, 3, 16, generator=torch.Generator().manual_seed(1)))
+    rec = GuidanceRecorder(2, {(0, "kv_k"), (1, "kv_k")}, compact=True)
+    rec.add_heads_major(0, "kv_k", q)
+    with pytest.raises(ValueError, match=r"site \(0, 'kv_k'\) already has per-step records; it cannot also be "
+                                         r"recorded from a history"):
+        rec.add_kv_history(0, "kv_k", lambda: q)
+    rec.add_kv_history(1, "kv_k", lambda: q)  # a site without per-step records takes its store
+    rec.add_kv_history(2, "kv_k", lambda: q)  # a site not recorded: nothing kept
+    rec.end_step(torch.ones(2, 3, dtype=torch.bool))  # the 3 positions' forward
+    assert rec.site_records((1, "kv_k"))[0].shape == (2, 3, 1, 16) and (2, "kv_k") not in rec._histories
