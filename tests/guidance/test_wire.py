@@ -302,6 +302,32 @@ def test_assemble_from_columns_counts_shape_and_unrecorded_rows():
     assert c.fallback == {"shape": 9, "not_recorded": 1} and c.used == 17
 
 
+def test_a_sample_with_fewer_rows_than_tokens_is_a_shape_mismatch_on_both_paths():
+    """A sample whose record holds 8 rows for its 9 tokens (token hash and version right) is refused whole and
+    counted as ``shape``, from columns as from samples: its rows would land on the wrong tokens."""
+    from megatron_trace.guidance.records import SiteRecord
+    from megatron_trace.rollout.recorder import map_record
+
+    batch, _, tok, mask = make_batch(B=3, lengths=[9, 9, 9], sites=("expert_fc1_in",), layers=(0,))
+    key = (0, "expert_fc1_in")
+    samples = split_batch(batch, tok, version=0, attention_mask=mask)
+    r = samples[1].sites[key]
+    short = SiteRecord(map_record(r.record, lambda t: t[:8] if t.dim() else t, (8, *r.record.shape[1:])), r.valid[:8])
+    samples[1] = dataclasses.replace(samples[1], sites={key: short})
+    c = _both(samples, _decode(_sync().encode(samples)), [0, 1, 2], tok, mask, 0)
+    assert c.fallback == {"shape": 9} and c.used == 18
+
+
+def test_a_sample_in_two_received_chunks_is_refused_by_name():
+    """Which chunk's rows a row would take is undefined: the shard refuses to guess."""
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 9], sites=("expert_fc1_in",), layers=(0,))
+    samples = split_batch(batch, tok, version=0, attention_mask=mask)
+    shard = GuidanceShard()
+    shard.parts += _decode(_sync().encode(samples)).parts + _decode(_sync().encode(samples[1:])).parts
+    with pytest.raises(ValueError, match="sample 1 appears in two received chunks"):
+        shard.assemble([0, 1], tok, versions=0, counter=FallbackCounter(), attention_mask=mask)
+
+
 def test_assemble_routing_from_columns_equals_and_raises_on_mismatch():
     samples, routing, tok, mask, _ = _data(lengths=(9, 7, 3, 5))
     shard = _decode(_sync().encode(samples, routing))
