@@ -47,11 +47,17 @@ def test_lengths_mask_each_sequence_tail():
 
 
 @pytest.mark.parametrize("bad,match", [("hq", "multiple of Hkv"), ("d", "does not fit"), ("len", "lengths"),
-                                       ("kernel", "kernel='triton' cannot run")])
+                                       ("kernel", "kernel='triton' cannot run"),
+                                       ("mask", r"kv_mask must be bool or uint8 \(.*got torch.float32")])
 def test_bad_arguments_are_named(bad, match):
+    """A float kv_mask (an additive mask's 0 / -inf) was taken as non-zero: attended by the reference (its -inf rows
+    attended, its 0 rows not) and cast to bytes by the Triton path (0.5 -> 0: not attended)."""
     q, k, v = _case(2)
-    lengths, kernel = None, "auto"
-    if bad == "hq":
+    lengths, kernel, mask = None, "auto", None
+    if bad == "mask":
+        mask = torch.zeros(3, 21)
+        mask[:, :5] = float("-inf")
+    elif bad == "hq":
         q = q[:, :7]
     elif bad == "d":
         q = q[..., :16]
@@ -60,7 +66,7 @@ def test_bad_arguments_are_named(bad, match):
     else:
         kernel = "triton"
     with pytest.raises(ValueError, match=match):
-        fp4kv_decode_attention(q, k, v, lengths=lengths, kernel=kernel)
+        fp4kv_decode_attention(q, k, v, lengths=lengths, kv_mask=mask, kernel=kernel)
 
 
 # --- the Triton kernels (CUDA, or Triton's CPU interpreter with TRITON_INTERPRET=1: small shapes) -------------
