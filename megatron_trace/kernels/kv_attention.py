@@ -72,6 +72,8 @@ def _check_layout(q: torch.Tensor, k_shape: tuple, v_shape: tuple, lengths, kv_m
             raise ValueError(f"{name} must be [B={b}], got {tuple(rows.shape)}")
     if kv_mask is not None and (kv_mask.dim() != 2 or kv_mask.shape[0] != b or kv_mask.shape[1] < t):
         raise ValueError(f"kv_mask must be [B={b}, >= T={t}], got {tuple(kv_mask.shape)}")
+    if kv_mask is not None and kv_mask.dtype not in (torch.bool, torch.uint8):  # (an additive float mask: 0 attends)
+        raise ValueError(f"kv_mask must be bool or uint8 (non-zero: attended), got {kv_mask.dtype}")
 
 
 def reference_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None = None, lengths=None,

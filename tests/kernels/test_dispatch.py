@@ -152,3 +152,37 @@ def test_a_gpu_older_than_hopper_uses_the_reference(cap, monkeypatch):
     assert select_kernel("auto", "cuda") is Kernel.TRITON
     monkeypatch.setattr(kernels.dispatch, "cuda_capability", lambda device: (10, 0))
     assert select_kernel("auto", "cuda") is Kernel.TRITON
+
+
+@pytest.mark.parametrize("name", ["Triton", "REFERENCE", "", None])
+def test_kernel_names_are_exact(name):
+    with pytest.raises(ValueError, match=r"is not one of \('auto', 'reference', 'triton'\)"):
+        select_kernel(name, "cpu")
+
+
+def test_reference_is_kept_where_triton_could_run(monkeypatch):
+    """On a Hopper GPU with Triton, "auto" picks Triton and "reference" still runs the reference."""
+    monkeypatch.setattr(kernels.dispatch, "triton_available", lambda: True)
+    monkeypatch.setattr(kernels.dispatch, "cuda_capability", lambda device: (9, 0))
+    assert select_kernel("auto", "cuda:0") is Kernel.TRITON
+    for name in ("reference", Kernel.REFERENCE):
+        assert select_kernel(name, "cuda:0") is Kernel.REFERENCE
+
+
+@pytest.mark.parametrize("device", ["meta", "mps", "xpu"])
+def test_devices_other_than_cuda_use_the_reference(device, monkeypatch):
+    """Not only the CPU: any non-CUDA device runs the reference under "auto"; "triton" names it."""
+    monkeypatch.setattr(kernels.dispatch, "triton_available", lambda: True)
+    assert select_kernel("auto", device) is Kernel.REFERENCE
+    with pytest.raises(ValueError, match=f"tensors are on {device}, the Triton kernels need CUDA"):
+        select_kernel("triton", device)
+
+
+def test_ops_name_an_argument_of_the_wrong_type():
+    x = torch.randn(2, 32)
+    for op in (kernels.quantize, kernels.quantize_and_record):
+        with pytest.raises(TypeError, match="quantizer must be a formats.Quantizer, got str"):
+            op(x, "nvfp4", kernel="reference")
+    record = Quantizer("nvfp4").quantize(x).guidance(compact=True)
+    with pytest.raises(TypeError, match="record must be an FP4Tensor or FullGuidance, got CompactGuidance"):
+        kernels.compact_guidance(record, kernel="reference")

@@ -47,11 +47,17 @@ def test_lengths_mask_each_sequence_tail():
 
 
 @pytest.mark.parametrize("bad,match", [("hq", "multiple of Hkv"), ("d", "does not fit"), ("len", "lengths"),
-                                       ("kernel", "kernel='triton' cannot run")])
+                                       ("kernel", "kernel='triton' cannot run"),
+                                       ("mask", r"kv_mask must be bool or uint8 \(.*got torch.float32")])
 def test_bad_arguments_are_named(bad, match):
+    """A float kv_mask (an additive mask's 0 / -inf) was taken as non-zero: attended by the reference (its -inf rows
+    attended, its 0 rows not) and cast to bytes by the Triton path (0.5 -> 0: not attended)."""
     q, k, v = _case(2)
-    lengths, kernel = None, "auto"
-    if bad == "hq":
+    lengths, kernel, mask = None, "auto", None
+    if bad == "mask":
+        mask = torch.zeros(3, 21)
+        mask[:, :5] = float("-inf")
+    elif bad == "hq":
         q = q[:, :7]
     elif bad == "d":
         q = q[..., :16]
@@ -60,7 +66,7 @@ def test_bad_arguments_are_named(bad, match):
     else:
         kernel = "triton"
     with pytest.raises(ValueError, match=match):
-        fp4kv_decode_attention(q, k, v, lengths=lengths, kernel=kernel)
+        fp4kv_decode_attention(q, k, v, lengths=lengths, kv_mask=mask, kernel=kernel)
 
 
 # --- the Triton kernels (CUDA, or Triton's CPU interpreter with TRITON_INTERPRET=1: small shapes) -------------
@@ -377,7 +383,8 @@ def test_fast_path_reads_fp4_kv_cache_views_and_odd_offsets():
 
 
 @pytest.mark.parametrize("pairs,n_tiles,slots", [(32, 64, 396), (256, 64, 396), (32, 256, 396), (4, 8, 396),
-                                                 (1, 1, 8), (300, 7, 396), (64, 1000, 264), (4, 256, 2112)])
+                                                 (1, 1, 8), (300, 7, 396), (64, 1000, 264), (4, 256, 2112),
+                                                 (256, 3, 396)])
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (host-side launch planning only)")
 def test_fast_splits_leave_no_split_empty_and_fill_waves(pairs, n_tiles, slots):
     """Every split the fast path launches has tiles, and no other split count up to ``MAX_FAST_SPLITS`` finishes
@@ -393,6 +400,7 @@ def test_fast_splits_leave_no_split_empty_and_fill_waves(pairs, n_tiles, slots):
         return -(-pairs * -(-n_tiles // p) // slots) * (p + 1)
 
     assert cost(s) == min(cost(k) for k in range(1, min(n_tiles, MAX_FAST_SPLITS) + 1))
+    assert all(cost(k) > cost(s) for k in range(1, s))  # ties: the fewest splits (256-3-396: 1 and 3 take 4)
     if (pairs, n_tiles, slots) == (32, 64, 396):  # batch 8, 4 KV heads, 8K at 128 tokens, H200 x 3 programs
         assert (s, per) == (11, 6)
 
@@ -419,3 +427,52 @@ def test_combine_kernel_is_the_torch_combine(splits, per_step, monkeypatch):
     bf = kv_attention_combine.combine_splits(acc.to(DEVICE), ml.to(DEVICE), torch.bfloat16).cpu()
     assert bf.dtype == torch.bfloat16
     torch.testing.assert_close(bf[ok].float(), want[ok], rtol=8e-3, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["viewed", "narrow", "odd_stride", "odd_offset", "uint8", "int64", "t_mult4"])
+def test_mask_arg_words_hold_the_masks_first_t_bytes(case):
+    """kv_mask [B, >= T] -> int32 words [B, ceil(T / 4)] whose first T bytes are the mask's (non-zero: attended):
+    viewed where the bytes already lie as words, else copied (a row narrower than T rounded up to 4, a row stride
+    or offset not divisible by 4, a mask of wider elements)."""
+    from megatron_trace.kernels.kv_attention_plan import mask_arg
+
+    g = torch.Generator().manual_seed(1)
+    t = 40 if case == "t_mult4" else 41
+    base = torch.rand(3, 48, generator=g) > 0.4
+    m = {"viewed": base, "narrow": base[:, :42], "odd_stride": torch.rand(3, 45, generator=g) > 0.4,
+         "odd_offset": (torch.rand(3 * 48 + 1, generator=g) > 0.4)[1:].view(3, 48), "uint8": base.to(torch.uint8),
+         "int64": base.to(torch.int64), "t_mult4": base[:, :40]}[case]
+    words, as_words = mask_arg(m, t, "cpu")
+    assert as_words and words.dtype == torch.int32 and words.shape == (3, -(-t // 4))
+    assert torch.equal(words.view(torch.uint8)[:, :t] != 0, m[:, :t] != 0)
+    assert (words.data_ptr() == m.data_ptr()) == (case in ("viewed", "uint8", "t_mult4"))
+
+
+def test_mask_intervals_take_exactly_t_columns_and_name_a_bad_mask():
+    from megatron_trace.kernels.kv_intervals import mask_intervals
+
+    m = torch.tensor([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 0], [1, 0, 1, 0]], dtype=torch.uint8)
+    holes = torch.zeros(1, dtype=torch.int32)
+    first, end = mask_intervals(m, 4, holes)
+    assert first.tolist() == [1, 0, 4, 0] and end.tolist() == [3, 4, 0, 3] and holes.tolist() == [1]
+    for bad in (m.float(), m.to(torch.int32), m[:, :3], m[:, None].expand(4, 4, 4)):
+        with pytest.raises(ValueError, match=r"mask must be bool or uint8 \[B, >= T=4\], got"):
+            mask_intervals(bad, 4)
+
+
+def test_scale_word_loads_only_whole_rows_at_aligned_addresses():
+    """The fast path's scale loads (MXFP4 here: no inline PTX needed): words of 4 or 2 bytes only where every row's
+    blocks fill whole words and each row starts at such an address; bytes otherwise (a word would take the next
+    row's or another column's scales)."""
+    from megatron_trace.kernels.kv_attention_plan import scale_word
+
+    buf = torch.zeros(2, 3, 5, 8, dtype=torch.uint8)
+    assert scale_word(False, "mxfp4", 256, 32, buf) == 4  # 8 blocks a row
+    assert scale_word(False, "mxfp4", 128, 32, buf[..., :4]) == 4  # row stride 8
+    assert scale_word(False, "mxfp4", 64, 32, buf[..., :2]) == 2  # 2 blocks a row (in rows of 8 bytes)
+    assert scale_word(False, "mxfp4", 32, 32, buf[..., :1]) == 1
+    assert scale_word(False, "mxfp4", 128, 32, buf[..., 2:6]) == 2  # rows start at byte 2 (mod 4)
+    assert scale_word(False, "mxfp4", 128, 32, buf.flatten()[: 2 * 3 * 5 * 5].view(2, 3, 5, 5)[..., :4]) == 1
+    assert scale_word(False, "mxfp4", 128, 32, buf, buf.flatten()[1:121].view(2, 3, 5, 4)) == 1  # odd base
+    assert scale_word(False, "nvfp4", 128, 16, buf) == 1  # NVFP4 word loads: only with the GPU's inline PTX
+    assert scale_word(True, "nvfp4", 128, 16, buf) == 4

@@ -38,10 +38,11 @@ def test_reference_is_sdpa_over_each_rows_attended_positions():
 
 
 @pytest.mark.parametrize("bad,match", [("fp16", "q's dtype"), ("hq", "multiple of Hkv"), ("len", "lengths"),
-                                       ("shape", "alike")])
+                                       ("shape", "alike"), ("mask", "kv_mask must be bool or uint8")])
 def test_bad_arguments_are_named(bad, match):
     q, k, v = _case(1)
     lengths = torch.tensor([1, 2]) if bad == "len" else None
+    mask = torch.where(torch.arange(37) < 4, float("-inf"), 0.0).expand(3, 37) if bad == "mask" else None
     if bad == "fp16":
         k = k.half()
     elif bad == "hq":
@@ -49,7 +50,7 @@ def test_bad_arguments_are_named(bad, match):
     elif bad == "shape":
         v = v[:, :, :5]
     with pytest.raises((ValueError, TypeError), match=match):
-        dense_decode_attention(q, k, v, lengths=lengths)
+        dense_decode_attention(q, k, v, lengths=lengths, kv_mask=mask)
 
 
 @needs_triton

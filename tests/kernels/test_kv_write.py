@@ -189,6 +189,10 @@ def test_quantize_out_row_names_what_it_needs():
     q = QUANTIZERS["nvfp4-row"]
     with pytest.raises(ValueError, match="out_row needs out="):
         fused.quantize(x, q, check_finite=False, out_row=row)
+    out = _out(q, _buffers(q, 2, 3, 5, 64), 0, x.shape)
+    for bad in (row.int(), torch.tensor([1, 2], device=DEVICE)):  # (the kernel reads one int64)
+        with pytest.raises(ValueError, match=r"out_row must be int64 \[1\] on"):
+            fused.quantize(x, q, check_finite=False, out=out, out_row=bad)
 
 
 @pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4", "nvfp4-tensor"])

@@ -62,3 +62,19 @@ def test_check_fp4_accepts_views_and_records():
     check_fp4(dataclasses.replace(t, global_amax=t.global_amax.amax()))  # per tensor
     with pytest.raises(TypeError, match="must be an FP4Tensor or FullGuidance, got CompactGuidance"):
         check_fp4(t.guidance(compact=True))
+
+
+@pytest.mark.parametrize("case", ["no_dims", "int_amax", "scales_elsewhere", "amax_elsewhere"])
+def test_check_fp4_names_a_shape_dtype_or_device_that_does_not_fit(case):
+    t = Quantizer("nvfp4", per_row=True).quantize(torch.randn(4, 40))
+    bad, err, match = {
+        "no_dims": (dict(shape=()), ValueError, r"t.shape must have at least one dim, got \(\)"),
+        "int_amax": (dict(global_amax=t.global_amax.to(torch.int32)), TypeError,
+                     "global_amax must be a float tensor for fmt='nvfp4', got torch.int32"),
+        "scales_elsewhere": (dict(block_scales=t.block_scales.to("meta")), ValueError,
+                             "block_scales is on meta, its codes on cpu: one device"),
+        "amax_elsewhere": (dict(global_amax=t.global_amax.to("meta")), ValueError,
+                           "global_amax is on meta, its codes on cpu: one device"),
+    }[case]
+    with pytest.raises(err, match=match):
+        check_fp4(dataclasses.replace(t, **bad))

@@ -62,3 +62,43 @@ def test_bad_arguments_are_named(bad, match):
         wq = Quantizer("nvfp4").quantize(torch.randn(8, 32))
     with pytest.raises(ValueError, match=match):
         grouped_mm_reference(x, wq, offs)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("offs_float", r"offs must be int32/int64 of shape \[2\].*got torch.float32"),
+    ("offs_past_tokens", r"offs must be non-decreasing and <= tokens=4, got \[1, 5\]"),
+    ("x_3d", r"x.shape=\(1, 4, 32\) must be \[tokens, 32\]"),
+    ("k_not_blocks", "K=40 must be a multiple of the nvfp4 block size 16"),
+])
+def test_more_bad_arguments_are_named(bad, match):
+    """Offsets past the tokens were sliced away (the reference ran, the GPU kernels clamp them); float offsets, 3-D
+    activations and a K of part blocks (the GPU kernels read whole blocks) each get a named error."""
+    wq = Quantizer("nvfp4").quantize(torch.randn(2, 8, 32))
+    x, offs = torch.randn(4, 32), torch.tensor([1, 4])
+    if bad == "offs_float":
+        offs = offs.float()
+    elif bad == "offs_past_tokens":
+        offs = torch.tensor([1, 5])
+    elif bad == "x_3d":
+        x = x[None]
+    else:
+        wq, x = Quantizer("nvfp4").quantize(torch.randn(2, 8, 40)), torch.randn(4, 40)
+    with pytest.raises(ValueError, match=match):
+        grouped_mm_reference(x, wq, offs)
+
+
+def test_an_expert_without_tokens_and_the_default_dtypes():
+    """An expert with no rows (offs repeats) and a batch of no tokens; the result's dtype is x's (bf16 for FP4
+    activations) unless out_dtype says otherwise."""
+    gen = torch.Generator().manual_seed(2)
+    wq = Quantizer("mxfp4").quantize(torch.randn(3, 8, 64, generator=gen))
+    x = torch.randn(5, 64, generator=gen).to(torch.float16)
+    offs = torch.tensor([2, 2, 5], dtype=torch.int64)
+    y = grouped_mm_reference(x, wq, offs)
+    w = wq.dequantize(torch.float32)
+    assert y.dtype == torch.float16
+    assert torch.equal(y, torch.cat([x[:2].float() @ w[0].T, x[2:].float() @ w[2].T]).half())
+    assert grouped_mm_reference(x[:0], wq, torch.zeros(3, dtype=torch.int32)).shape == (0, 8)
+    xq = Quantizer("mxfp4").quantize(x.float())
+    assert grouped_mm_reference(xq, wq, offs).dtype == torch.bfloat16
+

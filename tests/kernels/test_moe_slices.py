@@ -49,3 +49,24 @@ def test_compact_grid_only_for_few_active_experts():
     about 29 (full grid), as measured in session 15."""
     assert moe_slices.few_active(8, 128) and moe_slices.few_active(16, 128)
     assert not moe_slices.few_active(32, 128) and not moe_slices.few_active(1024, 128)
+
+
+@pytest.mark.parametrize("bad", [2.0, "2", None])
+def test_check_k_slices_refuses_a_non_int(bad):
+    with pytest.raises(ValueError, match=rf"k_slices={bad!r} must divide the 16 K tiles of the config: one of "
+                                         r"\[1, 2, 4, 8, 16\]"):
+        moe_slices.check_k_slices(bad, 16)
+
+
+def test_pick_k_slices_stops_at_the_first_count_that_reaches_the_target():
+    """Exactly ``PROGRAMS_PER_SM`` x sms programs is enough: 264 programs x 2 slices on 132 SMs (not 4 slices)."""
+    want = moe_slices.PROGRAMS_PER_SM * 132
+    assert moe_slices.pick_k_slices(want // 2, 16, 132) == 2
+    assert moe_slices.pick_k_slices(want // 2 - 1, 16, 132) == 4
+
+
+def test_few_active_includes_the_share_itself():
+    """One row over 8 experts: exactly 1/8 of them active, still the compact grid (``COMPACT_ACTIVE_SHARE``: up to)."""
+    assert moe_slices.expected_active(1, 8) == 1.0 == moe_slices.COMPACT_ACTIVE_SHARE * 8
+    assert moe_slices.few_active(1, 8)
+    assert not moe_slices.few_active(2, 8)

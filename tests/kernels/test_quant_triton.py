@@ -27,7 +27,7 @@ def _ieee_division_in_interpreter(monkeypatch):
 
 
 PREFETCH_IN_INTERPRETER = ("test_quantize_record_dequantize_bit_exact",
-                           "test_guided_quantize_and_fused_dequant_bit_exact")
+                           "test_guided_quantize_and_fused_dequant_bit_exact", "test_rows_of_several_tiles_bit_exact")
 
 
 @pytest.fixture(autouse=True, params=["pair", "elem", "pair-tile32", "pair-prefetch"])
@@ -79,6 +79,16 @@ def test_quantize_record_dequantize_bit_exact(shape, policy, dtype):
     assert_same_fp4(dequant_triton.compact(t), ref.guidance(compact=True))
     for out in (torch.float32, torch.bfloat16, torch.float16):
         assert same_bits(dequant_triton.dequantize(t, out), ref.dequantize(out)), out
+
+
+@pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4-floor"])
+def test_rows_of_several_tiles_bit_exact(policy):
+    """Rows of 160 elements: 3 tiles of 64 (the last one partial), 5 of 32. The interpreter's ``SHAPES`` fit one
+    64-element tile per row, so there the prefetching grid (for rows of one tile only) never met longer rows."""
+    q = POLICIES[policy]
+    x = _inputs((5, 160), torch.bfloat16, 3)
+    t = fused.quantize(x.to(DEVICE), q, check_finite=False)[0]
+    assert_same_fp4(t, q.quantize(x))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
