@@ -59,6 +59,11 @@ def test_a_send_that_fails_midway_or_before_any_rank_keeps_every_rank_in_step(tm
     assert out[0] == "OK failed for rank 1, sent, refused, sent, aborted midway, sent"
 
 
+def test_a_lost_chunk_or_a_transfer_out_of_step_is_refused_and_breaks_the_link(tmp_path):
+    out = _run(3, "out_of_step", tmp_path)
+    assert out[1] == out[2] == "OK refused, then broken"
+
+
 def test_a_dead_trainer_rank_does_not_starve_the_others(tmp_path):
     out = _run(3, "dead_trainer", tmp_path)
     assert out[2].count("ok") == 2
