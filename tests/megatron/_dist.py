@@ -43,8 +43,8 @@ def _run(rank, world, port, dispatcher, workdir):
     model.load_state_dict(ep_state_dict(shared["state_dict"], rank, world), strict=True)
     tokens, pos, mask, _ = batch(seed=rank)
     out = {}
-    for name, step in (("rne", None), ("guided", StepGuidance(**shared["guidance"][rank])),
-                       ("invalid", StepGuidance(**shared["invalid"][rank]))):
+    for name, per_rank in shared["modes"].items():
+        step = None if per_rank[rank] is None else StepGuidance(**per_rank[rank])
         with trace_guidance(model, step, record=True, compact=False) as h, torch.no_grad():
             logits = model(tokens, pos, mask)
         out[name] = {"logits": logits, "recorded": h.recorded(), "counter": h.counter}
