@@ -145,7 +145,10 @@ def test_tensor_and_sequence_parallel_slice_guidance_like_the_tokens(tmp_path, g
     guidance = {"sites": roll.sites, "routing": roll.routing}
     ref = {"rne": _record(model, data, StepGuidance(routing=roll.routing)),
            "guided": _record(model, data, StepGuidance(**guidance))}
-    torch.save({"trace_config": tc, "guidance": guidance, "groups": groups}, tmp_path / "shared.pt")
+    token_mask = torch.ones(data[0].shape, dtype=torch.bool)
+    token_mask[0, -3:] = False  # padding in rank 1's sequence shard only
+    torch.save({"trace_config": tc, "guidance": guidance, "groups": groups, "token_mask": token_mask},
+               tmp_path / "shared.pt")
     results = _spawn(tp_worker, tmp_path)
     vocab = ref["rne"]["logits"].shape[-1] // WORLD
     for rank, got in enumerate(results):
@@ -159,7 +162,14 @@ def test_tensor_and_sequence_parallel_slice_guidance_like_the_tokens(tmp_path, g
         tokens = data[0].numel()
         assert got["guided"]["counter"].used == 4 * (tokens // WORLD * (1 + TOPK) + 2 * tokens)
         assert not got["guided"]["counter"].fallback
+        # padding is not counted: rank 1's MoE rows lose its 3 padding tokens' (its own shard of the mask), rank 0's
+        # none; KV rows: the same on both ranks (every token)
+        masked = [r["masked"]["counter"].used for r in results]
+        assert masked[0] - masked[1] == 4 * 3 * (1 + TOPK), masked
+        assert masked[0] < got["guided"]["counter"].used and not got["masked"]["counter"].fallback
         # a KV-only config: recording (this rank's heads only) and one amax over this rank's heads are refused
         assert got["record_error"] == "recording needs tensor_model_parallel_size=1 (a rank holds only its KV heads)"
+        # and a MoE-only one: a rank's MoE layer sees its sequence shard of the tokens only
+        assert got["moe_record_error"] == "recording needs tensor_model_parallel_size=1"
         assert "activation_amax='per_tensor' at the KV sites with tensor_model_parallel_size=2" in \
             got["per_tensor_error"]
