@@ -91,6 +91,8 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str, backend
             msg = _empty(rank, sync)
         elif scenario == "out_of_step":
             msg = _out_of_step(rank, sync, samples)
+        elif scenario == "long_reason":
+            msg = _long_reason(rank, sync, samples)
         else:
             msg = _transfer(rank, world, sync, samples, scenario)
         result.write_text(msg)
@@ -125,7 +127,11 @@ def _transfer(rank, world, sync, samples, scenario) -> str:
         assert_samples_equal(a, b)
     if scenario == "chunked":
         assert shard.stats.chunks == len(shard.parts) > 1
+        # every chunk's samples counted; the received samples are views of their chunks: all of them are held at once
+        assert shard.stats.samples == len(want), (shard.stats.samples, len(want))
+        assert shard.stats.peak_bytes >= shard.stats.payload_bytes, shard.stats
         _check_assembly(shard, want)
+        return f"OK received {[s.sample_id for s in got]} in {shard.stats.payload_bytes} bytes"
     return f"OK received {[s.sample_id for s in got]}"
 
 
@@ -356,6 +362,36 @@ def _out_of_step(rank, sync, samples) -> str:
     assert "out of step" in first and want in first, first
     assert "is broken" in second and "recreate GuidanceSync" in second and secs < 5, (second, secs)
     return "OK refused, then broken"
+
+
+def _long_reason(rank, sync, samples) -> str:
+    """A send refused for a reason longer than an abort carries (``MAX_REASON`` bytes): the trainer gets the reason's
+    start in its error, and the next transfer arrives in step (the abort is not taken for a bad message)."""
+    from megatron_trace.guidance.sync import MAX_REASON
+
+    reason = "no rank for this sample: " + "x" * (2 * MAX_REASON)
+
+    def destination(sid):
+        raise ValueError(reason)
+
+    if rank == 0:
+        try:
+            sync.send(samples, destination)
+            return "FAIL the send was not refused"
+        except ValueError as e:
+            assert str(e) == reason
+        sync.send(samples[:2])
+        return "OK refused, then sent"
+    try:
+        sync.receive()
+        return "FAIL the aborted transfer returned"
+    except GuidanceSyncError as e:
+        msg = str(e)
+    assert "aborted guidance transfer 0" in msg and "ValueError: no rank for this sample: xxx" in msg, msg[:300]
+    assert len(msg) < 2 * MAX_REASON, len(msg)
+    got = sync.receive()
+    assert [s.sample_id for s in got] == [s.sample_id for s in samples[:2]], [s.sample_id for s in got]
+    return "OK aborted, then received"
 
 
 def _empty(rank, sync) -> str:
