@@ -104,7 +104,8 @@ def _run_tp(rank, world, port, workdir):
     out = {}
     for name, step in (("rne", StepGuidance(routing=shared["guidance"]["routing"])),
                        ("guided", StepGuidance(**shared["guidance"])),
-                       ("masked", StepGuidance(**shared["guidance"], token_mask=shared["token_mask"]))):
+                       ("masked", StepGuidance(**shared["guidance"], token_mask=shared["token_mask"])),
+                       ("kv_invalid", StepGuidance(**shared["kv_invalid"]))):
         with trace_guidance(model, step) as h, torch.no_grad():
             out[name] = {"logits": model(tokens, pos, mask), "counter": h.counter}
     kv_only = TraceConfig(sites=KV_SITES, guided_sites=KV_SITES)  # (MoE layers refuse recording under TP on their own)

@@ -84,6 +84,15 @@ def _short_rows(guidance: dict, layer: int, site: str) -> dict:
     return {**guidance, "sites": {**guidance["sites"], (layer, site): short}}
 
 
+def _invalid_kv_rows(guidance: dict, layer: int, site: str, n: int) -> dict:
+    """``guidance`` with the first ``n`` tokens of batch row 0 invalid and zeroed at a KV ``site`` of ``layer``."""
+    sg = guidance["sites"][(layer, site)]
+    codes, valid = sg.record.codes.clone(), sg.valid.clone()
+    codes[0, :n], valid[0, :n] = 0, False
+    bad = dataclasses.replace(sg, record=dataclasses.replace(sg.record, codes=codes), valid=valid)
+    return {**guidance, "sites": {**guidance["sites"], (layer, site): bad}}
+
+
 def _spawn(target, workdir, *args) -> list[dict]:
     port = free_port()
     codes = spawn_ranks(target, WORLD, lambda r: (r, WORLD, port, *args, str(workdir)), timeout=240)
@@ -143,21 +152,25 @@ def test_tensor_and_sequence_parallel_slice_guidance_like_the_tokens(tmp_path, g
     data = batch(seed=0)
     roll = _record(rollout, data)["recorded"]
     guidance = {"sites": roll.sites, "routing": roll.routing}
+    kv_invalid = _invalid_kv_rows(guidance, 0, "kv_k", 2)
     ref = {"rne": _record(model, data, StepGuidance(routing=roll.routing)),
-           "guided": _record(model, data, StepGuidance(**guidance))}
+           "guided": _record(model, data, StepGuidance(**guidance)),
+           "kv_invalid": _record(model, data, StepGuidance(**kv_invalid))}
     token_mask = torch.ones(data[0].shape, dtype=torch.bool)
     token_mask[0, -3:] = False  # padding in rank 1's sequence shard only
-    torch.save({"trace_config": tc, "guidance": guidance, "groups": groups, "token_mask": token_mask},
-               tmp_path / "shared.pt")
+    torch.save({"trace_config": tc, "guidance": guidance, "groups": groups, "token_mask": token_mask,
+                "kv_invalid": kv_invalid}, tmp_path / "shared.pt")
     results = _spawn(tp_worker, tmp_path)
     vocab = ref["rne"]["logits"].shape[-1] // WORLD
     for rank, got in enumerate(results):
         errs = {}
-        for mode in ("rne", "guided"):
+        for mode in ("rne", "guided", "kv_invalid"):
             want = ref[mode]["logits"][..., rank * vocab : (rank + 1) * vocab].float()
             errs[mode] = ((got[mode]["logits"].float() - want).norm() / want.norm()).item()
         # guided: both runs reproduce the rollout's codes, so they agree at least as well as the RNE runs do
-        assert errs["guided"] < 0.02 and errs["rne"] < 0.1, errs
+        assert errs["guided"] < 0.02 and errs["kv_invalid"] < 0.02 and errs["rne"] < 0.1, errs
+        # KV rows not all valid (per-token flags, every token on every rank), before the MoE layer's local rows
+        assert got["kv_invalid"]["counter"].fallback == {"invalid_row": 2}, got["kv_invalid"]["counter"].fallback
         # MoE rows: this rank's sequence shard; KV rows: every token (attention sees the whole sequence)
         tokens = data[0].numel()
         assert got["guided"]["counter"].used == 4 * (tokens // WORLD * (1 + TOPK) + 2 * tokens)
