@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from megatron_trace.bridge.sync import fp4_stream, sync_byte_counts, sync_weights
+from megatron_trace.bridge.sync import WeightBucket, bf16_stream, fp4_stream, sync_byte_counts, sync_weights
 from megatron_trace.config import TraceConfig
 from megatron_trace.formats import FP4Tensor
 from megatron_trace.rollout import HFRolloutBackend, SamplingParams
@@ -181,3 +181,27 @@ def test_non_finite_expert_weights_are_named_with_their_counts(fmt, batch_bytes)
     with pytest.raises(WeightSyncError, match=rf"NonFiniteError: weight sync: .*{up} \(1\)"):
         sync_weights(rollout, list(w.items()), fmt="fp4", quantizer=quantizer, version=5)
     assert rollout.policy_version == 0
+
+
+def test_a_bucket_gives_back_every_tensor_as_packed_whatever_its_size_and_dtype():
+    """Tensors of odd byte sizes next to wider dtypes (an FP4 weight's odd count of fp8 scales, then its fp32 amax):
+    each comes back from the bucket with its dtype, shape and bytes."""
+    q = fp4_stream([("model.layers.0.mlp.experts.0.down_proj.weight", torch.randn(3, 16))], WQ)
+    fp4 = dict(q)["model.layers.0.mlp.experts.0.down_proj.weight"]
+    assert fp4.block_scales.numel() % 4  # its fp32 amax follows an odd number of scale bytes
+    items = [("a", torch.arange(3, dtype=torch.uint8)), ("b", torch.randn(5, dtype=torch.float32)),
+             ("c", torch.randn(3, dtype=torch.bfloat16)), ("d", torch.arange(7, dtype=torch.int64)), ("e", fp4)]
+    back = dict(WeightBucket.pack(items).values())
+    for name, want in items[:4]:
+        assert back[name].dtype == want.dtype and torch.equal(back[name], want), name
+    got = back["e"]
+    assert torch.equal(got.codes, fp4.codes) and torch.equal(got.global_amax, fp4.global_amax)
+    assert torch.equal(got.block_scales.view(torch.uint8), fp4.block_scales.view(torch.uint8))
+
+
+def test_non_float_tensors_are_sent_as_they_are():
+    """Only floating tensors are cast to the sync dtype (an integer buffer would lose its values in bf16)."""
+    big = torch.tensor([257, 2**20 + 1])
+    for stream in (bf16_stream([("model.buf", big)]), fp4_stream([("model.buf", big)], WQ)):
+        (name, got), = list(stream)
+        assert got.dtype == torch.int64 and torch.equal(got, big)

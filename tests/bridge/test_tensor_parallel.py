@@ -137,10 +137,11 @@ def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int
         start = time.monotonic()
         try:
             load_hf_checkpoint(model, load_from or ckpt, bridge)
-            outcome = ("loaded", "")
+            outcome, notes = ("loaded", ""), []
         except Exception as e:  # recorded for the test
-            outcome = (type(e).__name__, str(e))
-        torch.save({"outcome": outcome, "seconds": time.monotonic() - start}, os.path.join(out, f"rank{rank}.pt"))
+            outcome, notes = (type(e).__name__, str(e)), getattr(e, "__notes__", [])
+        torch.save({"outcome": outcome, "notes": notes, "seconds": time.monotonic() - start},
+                   os.path.join(out, f"rank{rank}.pt"))
     finally:
         shutdown_megatron()
 
@@ -252,6 +253,8 @@ def test_a_checkpoint_directory_one_rank_lacks_raises_on_every_rank(tmp_path, tp
     reason = re.escape(f"{missing!r} is not a HF checkpoint directory (no config.json)")
     kind, msg = results[1]["outcome"]
     assert kind == "FileNotFoundError" and re.search(reason, msg), results[1]
+    # the rank whose own error it is says so (its traceback is the one to read), and that the others name it
+    assert f"(on rank 1 of {WORLD}; the other ranks raise naming it)" in results[1]["notes"], results[1]
     kind, msg = results[0]["outcome"]
     assert kind == "ValueError" and re.search(
         rf"^rank 1 refused to load the checkpoint {re.escape(ckpt)} .*FileNotFoundError: {reason}", msg), msg

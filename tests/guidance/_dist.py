@@ -72,7 +72,8 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str, backend
             raise AssertionError("a trainer rank outside the world was accepted")
         except ValueError as e:
             assert "missing peer" in str(e), str(e)
-        timeout = timedelta(seconds={"missing_sender": 3, "abort_midway": 20, "dead_trainer": 20}.get(scenario, 60))
+        short = {"missing_sender": 3, "abort_midway": 20, "dead_trainer": 20, "out_of_step": 20}
+        timeout = timedelta(seconds=short.get(scenario, 60))
         verify = not (scenario == "unchecked_sender" and rank == 0)
         sync = GuidanceSync(0, list(range(1, world)), timeout=timeout, verify=verify)
         samples = rollout_samples(B=5)
@@ -88,6 +89,10 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str, backend
             msg = _dead_trainer(rank, sync, samples)
         elif scenario == "empty":
             msg = _empty(rank, sync)
+        elif scenario == "out_of_step":
+            msg = _out_of_step(rank, sync, samples)
+        elif scenario == "long_reason":
+            msg = _long_reason(rank, sync, samples)
         else:
             msg = _transfer(rank, world, sync, samples, scenario)
         result.write_text(msg)
@@ -122,7 +127,11 @@ def _transfer(rank, world, sync, samples, scenario) -> str:
         assert_samples_equal(a, b)
     if scenario == "chunked":
         assert shard.stats.chunks == len(shard.parts) > 1
+        # every chunk's samples counted; the received samples are views of their chunks: all of them are held at once
+        assert shard.stats.samples == len(want), (shard.stats.samples, len(want))
+        assert shard.stats.peak_bytes >= shard.stats.payload_bytes, shard.stats
         _check_assembly(shard, want)
+        return f"OK received {[s.sample_id for s in got]} in {shard.stats.payload_bytes} bytes"
     return f"OK received {[s.sample_id for s in got]}"
 
 
@@ -323,6 +332,66 @@ def _dead_trainer(rank, sync, samples) -> str:
     want = f"ok {[s.sample_id for i, s in enumerate(good) if i % 2]}"
     assert [w for w, _ in got] == [want, want], got
     return "OK " + " | ".join(w for w, _ in got)
+
+
+def _out_of_step(rank, sync, samples) -> str:
+    """A chunk lost from the middle of a transfer (rank 1: chunks 0 and 2 of 3 arrive) and a transfer of another
+    number (rank 2: transfer 1 where 0 was due) are refused, not taken for a whole transfer; the link is then broken:
+    the next receive raises at once, saying to recreate GuidanceSync."""
+    from megatron_trace.guidance.sync import _units, chunk_units
+
+    if rank == 0:
+        chunks = chunk_units(_units(samples[:3], ()), 1)  # one sample per chunk
+        assert len(chunks) == 3
+        msgs = [sync._encode_units(c, 2 - i, sync.device, 0)[0] for i, c in enumerate(chunks)]
+        sync._send_chunk(msgs[0], 1, "chunk 0")
+        dist.send(msgs[2][0].to(sync.device), dst=1, group=sync.group)  # chunk 2's size message: chunk 1 lost
+        dist.send(sync._encode_units(chunks[0], 0, sync.device, 1)[0][0].to(sync.device), dst=2, group=sync.group)
+        return "OK sent out of step"
+    out = []
+    for _ in range(2):
+        t0 = time.monotonic()
+        try:
+            got = sync.receive()
+            return f"FAIL receive returned {[s.sample_id for s in got]}"
+        except GuidanceSyncError as e:
+            out.append((str(e), time.monotonic() - t0))
+    (first, _), (second, secs) = out
+    want = "with 0 chunk(s) to come, expected transfer 0 with 1" if rank == 1 else "got transfer 1 with 0 chunk(s) " \
+        "to come, expected transfer 0"
+    assert "out of step" in first and want in first, first
+    assert "is broken" in second and "recreate GuidanceSync" in second and secs < 5, (second, secs)
+    return "OK refused, then broken"
+
+
+def _long_reason(rank, sync, samples) -> str:
+    """A send refused for a reason longer than an abort carries (``MAX_REASON`` bytes): the trainer gets the reason's
+    start in its error, and the next transfer arrives in step (the abort is not taken for a bad message)."""
+    from megatron_trace.guidance.sync import MAX_REASON
+
+    reason = "no rank for this sample: " + "x" * (2 * MAX_REASON)
+
+    def destination(sid):
+        raise ValueError(reason)
+
+    if rank == 0:
+        try:
+            sync.send(samples, destination)
+            return "FAIL the send was not refused"
+        except ValueError as e:
+            assert str(e) == reason
+        sync.send(samples[:2])
+        return "OK refused, then sent"
+    try:
+        sync.receive()
+        return "FAIL the aborted transfer returned"
+    except GuidanceSyncError as e:
+        msg = str(e)
+    assert "aborted guidance transfer 0" in msg and "ValueError: no rank for this sample: xxx" in msg, msg[:300]
+    assert len(msg) < 2 * MAX_REASON, len(msg)
+    got = sync.receive()
+    assert [s.sample_id for s in got] == [s.sample_id for s in samples[:2]], [s.sample_id for s in got]
+    return "OK aborted, then received"
 
 
 def _empty(rank, sync) -> str:

@@ -1,9 +1,11 @@
+import ast
 from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
 
-from megatron_trace.guidance.sync import GuidanceSync, assign_destinations
+from megatron_trace.guidance.routing import SampleRouting
+from megatron_trace.guidance.sync import GuidanceSync, _units, assign_destinations
 
 from ._dist import rollout_samples
 from ._dist import run_scenario as _run
@@ -32,7 +34,9 @@ def test_two_trainers_chunked_columns_assemble_like_samples(tmp_path):
     equals ``records.assemble`` of the samples (rows reordered, a missing row, mixed formats: shape fallback)."""
     out = _run(3, "chunked", tmp_path)
     ids = [s.sample_id for s in rollout_samples(5)]
-    assert out[1] == f"OK received {ids[0::2]}" and out[2] == f"OK received {ids[1::2]}"
+    sent = dict(ast.literal_eval(out[0].removeprefix("OK sent ")))  # payload bytes per rank, as the sender counted
+    assert out[1] == f"OK received {ids[0::2]} in {sent[1]} bytes"
+    assert out[2] == f"OK received {ids[1::2]} in {sent[2]} bytes"
 
 
 def test_missing_sender_times_out_with_a_clear_error(tmp_path):
@@ -59,6 +63,16 @@ def test_a_send_that_fails_midway_or_before_any_rank_keeps_every_rank_in_step(tm
     assert out[0] == "OK failed for rank 1, sent, refused, sent, aborted midway, sent"
 
 
+def test_a_lost_chunk_or_a_transfer_out_of_step_is_refused_and_breaks_the_link(tmp_path):
+    out = _run(3, "out_of_step", tmp_path)
+    assert out[1] == out[2] == "OK refused, then broken"
+
+
+def test_an_abort_with_a_long_reason_keeps_the_ranks_in_step(tmp_path):
+    out = _run(2, "long_reason", tmp_path)
+    assert out[0] == "OK refused, then sent" and out[1] == "OK aborted, then received"
+
+
 def test_a_dead_trainer_rank_does_not_starve_the_others(tmp_path):
     out = _run(3, "dead_trainer", tmp_path)
     assert out[2].count("ok") == 2
@@ -80,6 +94,19 @@ def test_assign_destinations_validates():
         assign_destinations(samples, [1, 2], lambda sid: 7)
     with pytest.raises(ValueError, match="no rank for sample"):
         assign_destinations(samples, [1], {})
+
+
+def test_a_sample_sent_twice_is_refused_not_dropped():
+    """Guidance or routing of one sample id twice in one send: refused naming the id (one of them would otherwise
+    replace the other, and a sample's rows silently go missing)."""
+    samples = rollout_samples(2)
+    routing = [SampleRouting(s.sample_id, s.version, s.token_hash, s.num_tokens, {}) for s in samples]
+    assert [u.sample_id for u in _units(samples, routing)] == [s.sample_id for s in samples]
+    sid = samples[1].sample_id
+    with pytest.raises(ValueError, match=f"sample {sid} appears twice in the guidance to send"):
+        _units([*samples, samples[1]], ())
+    with pytest.raises(ValueError, match=f"sample {sid} appears twice in the routing to send"):
+        _units(samples, [*routing, routing[1]])
 
 
 def test_needs_initialised_distributed():

@@ -43,8 +43,8 @@ def _run(rank, world, port, dispatcher, workdir):
     model.load_state_dict(ep_state_dict(shared["state_dict"], rank, world), strict=True)
     tokens, pos, mask, _ = batch(seed=rank)
     out = {}
-    for name, step in (("rne", None), ("guided", StepGuidance(**shared["guidance"][rank])),
-                       ("invalid", StepGuidance(**shared["invalid"][rank]))):
+    for name, per_rank in shared["modes"].items():
+        step = None if per_rank[rank] is None else StepGuidance(**per_rank[rank])
         with trace_guidance(model, step, record=True, compact=False) as h, torch.no_grad():
             logits = model(tokens, pos, mask)
         out[name] = {"logits": logits, "recorded": h.recorded(), "counter": h.counter}
@@ -103,11 +103,14 @@ def _run_tp(rank, world, port, workdir):
     tokens, pos, mask, _ = batch(seed=0)
     out = {}
     for name, step in (("rne", StepGuidance(routing=shared["guidance"]["routing"])),
-                       ("guided", StepGuidance(**shared["guidance"]))):
+                       ("guided", StepGuidance(**shared["guidance"])),
+                       ("masked", StepGuidance(**shared["guidance"], token_mask=shared["token_mask"])),
+                       ("kv_invalid", StepGuidance(**shared["kv_invalid"]))):
         with trace_guidance(model, step) as h, torch.no_grad():
             out[name] = {"logits": model(tokens, pos, mask), "counter": h.counter}
     kv_only = TraceConfig(sites=KV_SITES, guided_sites=KV_SITES)  # (MoE layers refuse recording under TP on their own)
-    for name, tc, record in (("record_error", kv_only, True),
+    moe_only = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in"), guided_sites=("expert_fc1_in", "expert_fc2_in"))
+    for name, tc, record in (("record_error", kv_only, True), ("moe_record_error", moe_only, True),
                              ("per_tensor_error", dataclasses.replace(kv_only, activation_amax="per_tensor"), False)):
         try:
             with trace_guidance(build_model(cfg, trace_spec(stock_spec(cfg), tc)), None, record=record):

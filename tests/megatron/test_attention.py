@@ -76,3 +76,29 @@ def test_kv_guidance_takes_this_ranks_heads():
     assert int((~rows.valid).sum()) == 2  # token (b=1, s=3): both of its local heads
     state.resolve()  # counts are deferred device tensors until resolved (once per step)
     assert state.counter.used == S * B - 1 and dict(state.counter.fallback) == {"invalid_row": 1}
+
+
+class _Group:
+    """A tensor-parallel group's rank and size (what ``kv_heads`` asks of it)."""
+
+    def __init__(self, rank: int, size: int):
+        self._rank, self._size = rank, size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("groups, tp", [(2, 4), (1, 4), (4, 2), (8, 4), (2, 2)])
+def test_kv_heads_are_the_heads_of_the_rank_s_query_heads(groups, tp):
+    """Under TP, rank r holds query heads r * H / TP .. (r + 1) * H / TP - 1 (Megatron splits them evenly); its first
+    KV head is the group of its first query head, h * G // H (with G < TP a KV head serves TP / G ranks)."""
+    _, trace = _pair(TraceConfig())
+    heads = 8  # query heads of the model
+    trace.trace_kv_groups = groups
+    for r in range(tp):
+        trace.tp_group = _Group(r, tp)
+        first_query = r * heads // tp
+        assert trace.kv_heads() == (groups, first_query * groups // heads), (r, tp, groups)
