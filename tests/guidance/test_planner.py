@@ -40,6 +40,24 @@ def test_fraction_is_taken_as_written(fraction, layers, k):
         range(layers - k, layers))
 
 
+@pytest.mark.parametrize("num_layers,want", [(7, (3, 4, 5, 6)), (61, tuple(range(30, 61))), (1, (0,))])
+def test_the_default_policy_guides_the_deepest_half_rounded_up(num_layers, want):
+    """The default (``fraction`` 0.5): the deepest ceil(L / 2) layers; an odd depth guides the middle layer too
+    (DeepSeek-V3's 61: 31 layers, 30..60)."""
+    assert guided_layers(TraceConfig(), num_layers) == want
+
+
+def test_layer_policy_bounds_take_the_whole_model_and_name_what_is_beyond_it():
+    assert guided_layers(TraceConfig(guided_layers="last_k", guided_last_k=8), 8) == tuple(range(8))
+    with pytest.raises(ValueError, match="guided_last_k=9 exceeds num_layers=8"):
+        guided_layers(TraceConfig(guided_layers="last_k", guided_last_k=9), 8)
+    assert guided_layers(TraceConfig(guided_layers="explicit", guided_layer_list=(0, 7)), 8) == (0, 7)
+    with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[8\] beyond num_layers=8 \(valid 0..7\)"):
+        guided_layers(TraceConfig(guided_layers="explicit", guided_layer_list=(0, 8)), 8)
+    with pytest.raises(ValueError, match="num_layers=0 must be >= 1"):
+        guided_layers(TraceConfig(), 0)
+
+
 # ---- budget policy -----------------------------------------------------------------------------
 def test_budget_ranks_rates_by_rate_and_masses_by_mass_per_byte():
     """A rate is a fraction of the layer's elements, so guiding layer i removes rate x (elements ~ bytes): the value
