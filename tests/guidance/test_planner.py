@@ -140,6 +140,8 @@ def test_budget_errors_are_clear():
     with pytest.raises(ValueError, match=r"fractions in \[0, 1\].*\(1, 3\.5\).*profile_unit='mass'"):
         budget_layers(cfg, 2, mismatch_profile=[0.1, 3.5], bytes_per_layer=10)
     assert budget_layers(cfg, 2, mismatch_profile=[0.1, 3.5], bytes_per_layer=10, profile_unit="mass") == (0, 1)
+    with pytest.raises(ValueError, match=r"budget_bytes_per_token=0.0 must be > 0 for the budget policy"):
+        budget_layers(TraceConfig(), 2, mismatch_profile=[0.1, 0.1], bytes_per_layer=0)  # (the default: 0)
     with pytest.raises(ValueError, match=r"profile_unit='ratio' is not one of \('rate', 'mass'\)"):
         budget_layers(cfg, 2, mismatch_profile=[0.1, 0.1], bytes_per_layer=10, profile_unit="ratio")
 
@@ -178,6 +180,19 @@ def test_uniform_rates_on_deepseek_v3_guide_the_deepest_moe_layers_not_the_dense
     cfg = cfg.replace(budget_bytes_per_token=10 * cost[3] + 3 * cost[0])
     assert plan_row(dims, cfg, RLSettings(), "budget", mismatch_profile=[0.02] * 61)["layers"] == [
         0, 1, 2, *range(51, 61)]
+
+
+def test_plan_row_weighs_uniform_rates_by_each_layers_elements_per_byte():
+    """Qwen3.5 at one rate everywhere, 3600 bytes/token (compact): a full-attention layer's K/V rows carry fewer
+    elements per byte (256-element rows, each with its 4-byte amax) than its FC1/FC2 rows, so three MoE-only layers
+    (36, 37, 38: 3564 bytes, 18432 elements) remove more mismatch than the deepest two (38, 39: 2584 bytes,
+    13312 elements), which a tie on the rate alone would take."""
+    dims = ModelDims.from_hf_config(Q35)
+    cfg = TraceConfig(guided_layers="budget", cache_mode="compact", budget_bytes_per_token=3600)
+    row = plan_row(dims, cfg, RLSettings(), "budget", mismatch_profile=[0.02] * 40)
+    elems = elements_per_layer(dims, cfg.guided_sites)
+    assert row["layers"] == [36, 37, 38] and row["bytes_per_token"] == 3564 <= 3600
+    assert sum(elems[i] for i in row["layers"]) == 18432 > elems[38] + elems[39] == 13312
 
 
 # ---- planner numbers vs the paper (Qwen3.5-35B-A3B: ~50 KB full, ~7.5 KB compact last 20) --------

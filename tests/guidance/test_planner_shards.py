@@ -55,7 +55,7 @@ def test_shard_bytes_equal_real_records(kw, gen):
     cfg = TraceConfig(guided_layers="all", **kw)
     B, S = 3, 7
     tokens = torch.randint(0, 100, (B, S), generator=gen)
-    lengths = [7, 4, 1]  # right padding: samples of different lengths
+    lengths = [7, 4, 0]  # right padding: samples of different lengths, one of none (an empty response)
     samples = split_batch(_batch(cfg, B, S, gen), tokens, version=0, lengths=lengths)
     routing = split_routing({i: torch.randint(0, DIMS.num_experts, (B, S, DIMS.topk), generator=gen)
                              for i in DIMS.moe_layers}, tokens, version=0, num_experts=DIMS.num_experts,
