@@ -14,6 +14,7 @@ from megatron_trace.guidance.accounting import (
 from megatron_trace.guidance.model_dims import ModelDims
 from megatron_trace.guidance.records import split_batch
 
+from ..rollout._tiny import tiny_config
 from ._data import DIMS, SITES, make_batch
 
 DATA = Path(__file__).parent.parent / "data"
@@ -133,8 +134,92 @@ def test_hf_config_bad_values_are_named(key, value, match):
     (dict(topk=2.5), r"ModelDims.topk=2.5 must be an int >= 1"),
     (dict(num_layers=True), r"ModelDims.num_layers=True must be an int >= 1"),
     (dict(num_experts=-1), r"ModelDims.num_experts=-1 must be an int >= 0"),
-], ids=["nan", "float", "bool", "negative-experts"])
+    (dict(topk=3, num_experts=2), r"ModelDims.topk=3 exceeds num_experts=2"),
+    (dict(moe_layers=(-1, 0)), r"ModelDims.moe_layers has layer\(s\) \[-1\] outside 0..3"),
+    (dict(kv_layers=(4,)), r"ModelDims.kv_layers has layer\(s\) \[4\] outside 0..3"),
+], ids=["nan", "float", "bool", "negative-experts", "topk-above-experts", "negative-layer", "layer-beyond"])
 def test_model_dims_reject_nan_and_non_int(kw, match):
     args = dict(num_layers=4, hidden=64, moe_ffn=32, topk=2, kv_heads=2, head_dim=16, moe_layers=(0,), kv_layers=(0,))
     with pytest.raises(ValueError, match=match):
         ModelDims(**{**args, **kw})
+    assert ModelDims(**{**args, "num_experts": 2}).topk == 2  # a router may pick every expert
+
+
+def _layers_of(model, has) -> tuple[int, ...]:
+    return tuple(i for i, layer in enumerate(model.model.layers) if has(layer))
+
+
+def test_qwen3_moe_sparse_step_and_dense_layers_match_the_transformers_model():
+    """Which layers have routed experts, read from the config, is what transformers' Qwen3-MoE builds:
+    ``decoder_sparse_step`` 2 puts experts on layers 1, 3, 5 (``(i + 1) % step == 0``), ``mlp_only_layers`` makes
+    layer 3 dense."""
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = tiny_config(num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    dims = ModelDims.from_hf_config(cfg.to_dict())
+    model = Qwen3MoeForCausalLM(cfg)
+    assert dims.moe_layers == _layers_of(model, lambda m: isinstance(m.mlp, Qwen3MoeSparseMoeBlock)) == (1, 5)
+    assert dims.kv_layers == tuple(range(6))
+
+
+def test_qwen3_5_moe_kv_layers_match_the_transformers_model():
+    """Only full-attention layers have a KV cache: from ``layer_types`` or, where a config.json gives only
+    ``full_attention_interval``, every interval-th layer counted from 1 (transformers' own derivation)."""
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+
+    cfg = Qwen3_5MoeTextConfig(vocab_size=64, hidden_size=32, num_hidden_layers=7, num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, moe_intermediate_size=16,
+                               shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                               full_attention_interval=3, linear_num_key_heads=2, linear_num_value_heads=2,
+                               linear_key_head_dim=8, linear_value_head_dim=8)
+    with_attn = tuple(i for i in range(7) if hasattr(Qwen3_5MoeDecoderLayer(cfg, i), "self_attn"))
+    assert with_attn == (2, 5)
+    d = cfg.to_dict()
+    assert ModelDims.from_hf_config(d).kv_layers == with_attn
+    interval = {k: v for k, v in d.items() if k != "layer_types"} | {"full_attention_interval": 3}
+    assert ModelDims.from_hf_config(interval).kv_layers == with_attn
+    assert ModelDims.from_hf_config({"text_config": d}).kv_layers == with_attn  # a multimodal wrapper's text config
+
+
+def test_deepseek_dense_layers_and_moe_layer_freq():
+    """DeepSeek: the first ``first_k_dense_replace`` layers are dense (transformers' DeepseekV3 model); with
+    ``moe_layer_freq`` the MoE layers are also every freq-th layer id (``layer_idx % moe_layer_freq == 0``: the
+    DeepSeek-V2 reference code, vLLM's and SGLang's deepseek_v2)."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
+                           num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=2, kv_lora_rank=16,
+                           q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8)
+    model = DeepseekV3ForCausalLM(cfg)
+    dims = ModelDims.from_hf_config(cfg.to_dict())
+    assert dims.moe_layers == _layers_of(model, lambda m: isinstance(m.mlp, DeepseekV3MoE)) == (2, 3, 4)
+    assert dims.site_rows("kv_k") == (1, 16 + 8) and not dims.has_site(0, "kv_v")  # MLA: one latent row, no V
+    every_2nd = ModelDims.from_hf_config({**cfg.to_dict(), "first_k_dense_replace": 1, "moe_layer_freq": 2})
+    assert every_2nd.moe_layers == (2, 4)
+    no_dense = {k: v for k, v in cfg.to_dict().items() if k != "first_k_dense_replace"} | {"moe_layer_freq": 2}
+    assert ModelDims.from_hf_config(no_dense).moe_layers == (0, 2, 4)  # (a DeepSeek config: its rule, 0 dense)
+
+
+def test_breakdown_names_a_layer_outside_the_model():
+    dims = ModelDims.from_hf_config(tiny_config().to_dict())
+    for layer in (-1, 3):
+        with pytest.raises(ValueError, match=rf"layer={layer} outside 0..2"):
+            breakdown(dims, ["expert_fc1_in"], [layer])
+
+
+def test_a_qwen3_moe_config_without_head_dim_or_kv_heads():
+    """A config.json without ``head_dim`` has heads of ``hidden_size // num_attention_heads`` (what transformers'
+    Qwen3-MoE attention builds); a null ``num_key_value_heads`` means multi-head attention, one K/V head per head
+    (the transformers convention, e.g. ``DeepseekV3Config``'s)."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    d = {k: v for k, v in tiny_config(num_attention_heads=2, num_hidden_layers=1).to_dict().items() if k != "head_dim"}
+    attn = Qwen3MoeForCausalLM(Qwen3MoeConfig(**d)).model.layers[0].self_attn
+    dims = ModelDims.from_hf_config(d)
+    assert (dims.head_dim, dims.kv_heads * dims.head_dim) == (attn.head_dim, attn.k_proj.out_features) == (32, 64)
+    mha = ModelDims.from_hf_config({**d, "num_key_value_heads": None})
+    assert mha.kv_heads == DeepseekV3Config(num_attention_heads=2, num_key_value_heads=None).num_key_value_heads == 2

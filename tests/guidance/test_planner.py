@@ -40,6 +40,24 @@ def test_fraction_is_taken_as_written(fraction, layers, k):
         range(layers - k, layers))
 
 
+@pytest.mark.parametrize("num_layers,want", [(7, (3, 4, 5, 6)), (61, tuple(range(30, 61))), (1, (0,))])
+def test_the_default_policy_guides_the_deepest_half_rounded_up(num_layers, want):
+    """The default (``fraction`` 0.5): the deepest ceil(L / 2) layers; an odd depth guides the middle layer too
+    (DeepSeek-V3's 61: 31 layers, 30..60)."""
+    assert guided_layers(TraceConfig(), num_layers) == want
+
+
+def test_layer_policy_bounds_take_the_whole_model_and_name_what_is_beyond_it():
+    assert guided_layers(TraceConfig(guided_layers="last_k", guided_last_k=8), 8) == tuple(range(8))
+    with pytest.raises(ValueError, match="guided_last_k=9 exceeds num_layers=8"):
+        guided_layers(TraceConfig(guided_layers="last_k", guided_last_k=9), 8)
+    assert guided_layers(TraceConfig(guided_layers="explicit", guided_layer_list=(0, 7)), 8) == (0, 7)
+    with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[8\] beyond num_layers=8 \(valid 0..7\)"):
+        guided_layers(TraceConfig(guided_layers="explicit", guided_layer_list=(0, 8)), 8)
+    with pytest.raises(ValueError, match="num_layers=0 must be >= 1"):
+        guided_layers(TraceConfig(), 0)
+
+
 # ---- budget policy -----------------------------------------------------------------------------
 def test_budget_ranks_rates_by_rate_and_masses_by_mass_per_byte():
     """A rate is a fraction of the layer's elements, so guiding layer i removes rate x (elements ~ bytes): the value
@@ -122,6 +140,8 @@ def test_budget_errors_are_clear():
     with pytest.raises(ValueError, match=r"fractions in \[0, 1\].*\(1, 3\.5\).*profile_unit='mass'"):
         budget_layers(cfg, 2, mismatch_profile=[0.1, 3.5], bytes_per_layer=10)
     assert budget_layers(cfg, 2, mismatch_profile=[0.1, 3.5], bytes_per_layer=10, profile_unit="mass") == (0, 1)
+    with pytest.raises(ValueError, match=r"budget_bytes_per_token=0.0 must be > 0 for the budget policy"):
+        budget_layers(TraceConfig(), 2, mismatch_profile=[0.1, 0.1], bytes_per_layer=0)  # (the default: 0)
     with pytest.raises(ValueError, match=r"profile_unit='ratio' is not one of \('rate', 'mass'\)"):
         budget_layers(cfg, 2, mismatch_profile=[0.1, 0.1], bytes_per_layer=10, profile_unit="ratio")
 
@@ -160,6 +180,19 @@ def test_uniform_rates_on_deepseek_v3_guide_the_deepest_moe_layers_not_the_dense
     cfg = cfg.replace(budget_bytes_per_token=10 * cost[3] + 3 * cost[0])
     assert plan_row(dims, cfg, RLSettings(), "budget", mismatch_profile=[0.02] * 61)["layers"] == [
         0, 1, 2, *range(51, 61)]
+
+
+def test_plan_row_weighs_uniform_rates_by_each_layers_elements_per_byte():
+    """Qwen3.5 at one rate everywhere, 3600 bytes/token (compact): a full-attention layer's K/V rows carry fewer
+    elements per byte (256-element rows, each with its 4-byte amax) than its FC1/FC2 rows, so three MoE-only layers
+    (36, 37, 38: 3564 bytes, 18432 elements) remove more mismatch than the deepest two (38, 39: 2584 bytes,
+    13312 elements), which a tie on the rate alone would take."""
+    dims = ModelDims.from_hf_config(Q35)
+    cfg = TraceConfig(guided_layers="budget", cache_mode="compact", budget_bytes_per_token=3600)
+    row = plan_row(dims, cfg, RLSettings(), "budget", mismatch_profile=[0.02] * 40)
+    elems = elements_per_layer(dims, cfg.guided_sites)
+    assert row["layers"] == [36, 37, 38] and row["bytes_per_token"] == 3564 <= 3600
+    assert sum(elems[i] for i in row["layers"]) == 18432 > elems[38] + elems[39] == 13312
 
 
 # ---- planner numbers vs the paper (Qwen3.5-35B-A3B: ~50 KB full, ~7.5 KB compact last 20) --------

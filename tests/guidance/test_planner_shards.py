@@ -10,7 +10,14 @@ import torch
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.guidance.model_dims import ModelDims
-from megatron_trace.guidance.planner import RLSettings, plan_row, rank_projection, sample_bytes, shard_bytes
+from megatron_trace.guidance.planner import (
+    RLSettings,
+    plan_row,
+    rank_projection,
+    sample_bytes,
+    shard_bytes,
+    sync_header_bound,
+)
 from megatron_trace.guidance.records import split_batch
 from megatron_trace.guidance.routing import plan_routing, split_routing
 from megatron_trace.guidance.selection import guided_layers
@@ -48,7 +55,7 @@ def test_shard_bytes_equal_real_records(kw, gen):
     cfg = TraceConfig(guided_layers="all", **kw)
     B, S = 3, 7
     tokens = torch.randint(0, 100, (B, S), generator=gen)
-    lengths = [7, 4, 1]  # right padding: samples of different lengths
+    lengths = [7, 4, 0]  # right padding: samples of different lengths, one of none (an empty response)
     samples = split_batch(_batch(cfg, B, S, gen), tokens, version=0, lengths=lengths)
     routing = split_routing({i: torch.randint(0, DIMS.num_experts, (B, S, DIMS.topk), generator=gen)
                              for i in DIMS.moe_layers}, tokens, version=0, num_experts=DIMS.num_experts,
@@ -122,15 +129,18 @@ def test_cli_per_rank_projection(capsys):
     assert "--bandwidth-gbytes nvlink=100 times a trainer rank's share: add --dp-ranks N" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
-@pytest.mark.parametrize("mode", ["compact", "full"])
-def test_plan_table_host_and_sync_bytes_are_a_tiny_models_real_bytes(mode, replay):
+@pytest.mark.parametrize("mode,replay,kv_format", [
+    ("compact", True, ""), ("compact", False, ""), ("full", True, ""), ("full", False, ""),
+    ("compact", True, "sglang_kvfp4"),
+], ids=["compact-replay", "compact-no-replay", "full-replay", "full-no-replay", "compact-replay-sglang-kv"])
+def test_plan_table_host_and_sync_bytes_are_a_tiny_models_real_bytes(mode, replay, kv_format):
     """The plan table's host memory and sync time used to count the guidance alone (here 4032 / 8568 bytes a step,
     compact / full, where the cache holds 5355 / 9891 and GuidanceSync sends 10.1-15.0 KB). Now: host memory is what
     ``GuidanceCache`` holds for a tiny model's real rollout batches (guidance + valid flags + FC2 int64 expert ids),
     exactly; sync bytes bound what ``GuidanceSync`` encodes for a step (size message, header, payload with the
     routing), and the bound's slack is exactly what ``sync_header_bound`` allows: int64-wide sample ids and versions,
-    offsets as wide as the payload, and the payload's last field padded."""
+    offsets as wide as the payload, and the payload's last field padded. With ``kv_format="sglang_kvfp4"`` the K/V
+    records are SGLang's format (no amax row), the FC1/FC2 records NVFP4 (an amax per row)."""
     from megatron_trace.guidance.cache import GuidanceCache
     from megatron_trace.guidance.records import pack_guidance
     from megatron_trace.guidance.sync import GuidanceSync
@@ -138,7 +148,7 @@ def test_plan_table_host_and_sync_bytes_are_a_tiny_models_real_bytes(mode, repla
 
     from ..rollout._tiny import tiny_config, tiny_model
 
-    cfg = TraceConfig(guided_layers="all", cache_mode=mode, routing_replay=replay)
+    cfg = TraceConfig(guided_layers="all", cache_mode=mode, routing_replay=replay, kv_format=kv_format)
     dims = ModelDims.from_hf_config(tiny_config().to_dict())
     rollout = HFRolloutBackend(tiny_model(), mode="fp4", trace_config=cfg)
     rl = RLSettings(trajectories=3, prompt_len=3, response_len=4, steps_in_flight=2)
@@ -146,6 +156,8 @@ def test_plan_table_host_and_sync_bytes_are_a_tiny_models_real_bytes(mode, repla
     for step in range(rl.steps_in_flight):  # the RL driver's path: one whole batch's columns per step
         out = rollout.generate([[5, 6, 7], [8, 9, 10], [11, 12, 13]], SamplingParams(max_new_tokens=4, seed=step))
         assert out.attention_mask.sum(1).tolist() == [7, 7, 7] and len(out.routing) == len(dims.moe_layers)
+        assert {sg.record.fmt for (_, site), sg in out.guidance.items() if site in ("kv_k", "kv_v")} == {
+            cfg.kv_record_format}
         packed = pack_guidance(out.guidance, out.tokens, version=step, attention_mask=out.attention_mask)
         cache.put(step, packed)
     row = plan_row(dims, cfg, rl, "all")
@@ -169,3 +181,68 @@ def test_plan_table_host_and_sync_bytes_are_a_tiny_models_real_bytes(mode, repla
              + sum(len(str(padded)) - len(str(f[3])) for f in fields) + padded - payload.numel())
     assert row["sync_bytes"] - sent == slack
     assert row["sync_seconds"] == row["sync_bytes"] * 8 / (rl.bandwidth_gbps * 1e9)
+
+
+def _encode(samples, routing=()):
+    from megatron_trace.guidance.sync import GuidanceSync
+
+    sync = GuidanceSync.__new__(GuidanceSync)  # encode reads only ``verify``: no process group (two ranks) needed
+    sync.verify = True
+    return sync.encode(samples, routing)
+
+
+@pytest.mark.parametrize("replay", [True, False], ids=["replay", "no-replay"])
+def test_rank_projection_is_one_ranks_real_share(replay, gen):
+    """10 trajectories over 4 DP ranks: the busiest rank trains ceil(10 / 4) = 3 whole samples (ranks of 3, 3, 2, 2;
+    a floor of 2 would leave 2 samples untrained). Its guidance, host cache (x steps in flight), routing and sync
+    payload are the bytes of 3 real samples' records, routing only with routing replay."""
+    cfg = TraceConfig(guided_layers="all", routing_replay=replay)
+    rl = RLSettings(trajectories=10, prompt_len=2, response_len=3, steps_in_flight=3)
+    proj = rank_projection(DIMS, cfg, rl, dp_ranks=4, bandwidths_gbytes={"link": 2.0})
+    n, S = proj["samples_per_rank"], rl.prompt_len + rl.response_len
+    assert n == 3
+    tokens = torch.randint(0, 100, (n, S), generator=gen)
+    samples = split_batch(_batch(cfg, n, S, gen), tokens, version=0)
+    routing = split_routing({i: torch.randint(0, DIMS.num_experts, (n, S, DIMS.topk), generator=gen)
+                             for i in DIMS.moe_layers}, tokens, version=0, num_experts=DIMS.num_experts)
+    routing = routing if replay else []
+    assert proj["tokens_per_rank"] == sum(s.num_tokens for s in samples) == 15
+    assert proj["guidance_bytes_per_rank"] == sum(s.guidance_nbytes() for s in samples)
+    assert proj["cache_host_bytes_per_rank"] == rl.steps_in_flight * plan_flat(samples).total
+    assert proj["routing_bytes_per_rank"] == plan_routing(routing)[1]  # 0 without replay: nothing to send
+    payload = _encode(samples, routing)[2]
+    assert proj["sync_payload_bytes_per_rank"] == payload.numel()
+    assert proj["sync_seconds"]["link"] == payload.numel() / 2e9
+    assert shard_bytes(DIMS, cfg, [S] * n)["samples"] == n  # samples of one length count once each
+
+
+def test_sync_payload_without_routing_lays_sites_out_as_the_wire(gen):
+    """Without routing replay the payload ends with the last guidance field (unpadded): the planner must lay the
+    columns out in the wire's (layer, site) order whatever order ``guided_sites`` names them in (here the last field
+    is layer 2's K/V amax, 80 bytes; FC1's, 40 bytes, would end the payload 8 bytes earlier)."""
+    cfg = TraceConfig(guided_layers="all", routing_replay=False, guided_sites=("kv_v", "expert_fc1_in"))
+    B, S = 2, 5
+    tokens = torch.randint(0, 100, (B, S), generator=gen)
+    samples = split_batch(_batch(cfg, B, S, gen), tokens, version=0)
+    assert _encode(samples)[2].numel() == shard_bytes(DIMS, cfg, [S] * B)["sync_payload"]
+
+
+def test_sync_header_bound_holds_for_samples_of_several_lengths(gen):
+    """The header names each sample's token count: for lengths of one and two digits the bound is the real header
+    plus only what it leaves open (int64-wide ids and versions, offsets as wide as the payload)."""
+    cfg = TraceConfig(guided_layers="all")
+    B, S, lengths = 3, 12, [12, 10, 3]
+    tokens = torch.randint(0, 100, (B, S), generator=gen)
+    samples = split_batch(_batch(cfg, B, S, gen), tokens, version=7, lengths=lengths, sample_ids=[5, 123, 40])
+    routing = split_routing({i: torch.randint(0, DIMS.num_experts, (B, S, DIMS.topk), generator=gen)
+                             for i in DIMS.moe_layers}, tokens, version=7, num_experts=DIMS.num_experts,
+                            lengths=lengths, sample_ids=[5, 123, 40])
+    _, header, payload = _encode(samples, routing)
+    head = json.loads(bytes(header.tolist()))
+    assert head["guidance"]["table"]["tokens"] == lengths
+    bound = sync_header_bound(DIMS, cfg, lengths)
+    fields = [f for sec in ("guidance", "routing") for c in head[sec]["columns"] for f in c["fields"]]
+    table = head["guidance"]["table"]
+    slack = (sum(2 * 20 - len(str(i)) - len(str(v)) for i, v in zip(table["ids"], table["versions"]))
+             + sum(len(str(payload.numel())) - len(str(f[3])) for f in fields))
+    assert bound - header.numel() == slack

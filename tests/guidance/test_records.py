@@ -21,7 +21,7 @@ from megatron_trace.guidance.serial import (
     sample_to_tensors,
     unflatten,
 )
-from megatron_trace.guidance.site import FallbackCounter
+from megatron_trace.guidance.site import NOT_GUIDED, FallbackCounter
 
 from ._data import assert_samples_equal, make_batch
 
@@ -559,3 +559,42 @@ def test_scales_ok_on_every_scale_byte_and_amax_value(fmt, device):
     want = torch.ones(1, len(values), dtype=torch.bool)
     want[0, 3] = want[0, 5] = False
     assert torch.equal(scales_ok(sg(kv, kv_amax, (1, len(values)))).cpu(), want)
+
+
+@pytest.mark.parametrize("num_experts,nbytes", [(256, 1), (257, 2), (32768, 2), (32769, 4)])
+def test_routing_ids_take_the_fewest_bytes_that_hold_every_expert(num_experts, nbytes):
+    """DeepSeek-V3's 256 experts (ids 0..255) fit one byte a (token, slot): 257 need two, 32769 four. The ids come
+    back exactly, the largest included, and only for the policy version they were recorded with."""
+    from megatron_trace.guidance.routing import RoutingMismatchError, assemble_routing, split_routing
+
+    tokens = torch.tensor([[3, 4, 5]])
+    ids = torch.tensor([[[0, num_experts - 1], [num_experts - 1, 1], [2, num_experts - 2]]])
+    (s,) = split_routing({0: ids}, tokens, version=0, num_experts=num_experts)
+    assert s.nbytes() == 3 * 2 * nbytes
+    assert torch.equal(assemble_routing([s], tokens, versions=0)[0], ids)
+    with pytest.raises(RoutingMismatchError, match="batch row 0: sample 0 has version 0, the trainer expects 1"):
+        assemble_routing([s], tokens, versions=1)
+    with pytest.raises(ValueError, match=rf"holds expert id {num_experts} at a token position: expert ids are "
+                                         rf"0..{num_experts - 1}"):
+        split_routing({0: ids.clamp(max=0) + num_experts}, tokens, version=0, num_experts=num_experts)
+
+
+def test_a_valid_mask_that_is_not_bool_is_refused_by_name():
+    """A 0/1 uint8 ``valid`` would index rows 0 and 1 instead of masking them."""
+    import dataclasses
+
+    batch, _, _, _ = make_batch(layers=(0,), sites=("expert_fc1_in",))
+    sg = batch[(0, "expert_fc1_in")]
+    with pytest.raises(ValueError, match=r"valid must be bool of shape \(\d+, \d+\), got torch.uint8"):
+        dataclasses.replace(sg, valid=sg.valid.to(torch.uint8))
+
+
+def test_coverage_without_guided_rows_is_full():
+    """Rows of layers outside the policy are not guided sites: a step that guides no layer misses nothing (it must
+    not trip ``min_coverage``); rows that fell back at guided sites count against it."""
+    c = FallbackCounter()
+    assert c.coverage == 1.0
+    c.add(0, {NOT_GUIDED: 12})
+    assert c.coverage == 1.0 and c.as_dict()["guidance/coverage"] == 1.0
+    c.add(3, {"not_recorded": 1})
+    assert c.coverage == 0.75
