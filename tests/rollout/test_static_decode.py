@@ -110,6 +110,12 @@ def test_a_static_update_writes_at_the_device_row_and_leaves_the_lengths():
     assert not stored.codes[:, :, 5:11].any() and not stored.codes[:, :, 12:].any()
     cache.advance(1)
     assert cache.get_seq_length() == 6 and layer.fp4_history("kv_k").shape[2] == 6
+    cache.advance(32 - 6)  # to the last row, and no further
+    assert cache.get_seq_length() == 32
+    with pytest.raises(ValueError, match=r"advance\(1\) needs a static cache with room: length 32, static rows 32"):
+        layer.advance(1)
+    layer.reset()
+    assert layer.get_seq_length() == 0 and layer.nbytes() == 0
 
 
 def test_static_cache_errors_name_what_does_not_fit():
