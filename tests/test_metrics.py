@@ -89,6 +89,7 @@ def test_ess_clamps_ratios_at_5():
     w = [5.0, 1.0]  # mean 3
     assert m["mismatch/ess"] == pytest.approx(1 / sum((wi / 3) ** 2 for wi in w) * 2)
     assert m["mismatch/is_ratio_max"] == pytest.approx(math.exp(3))
+    assert m["mismatch/is_ratio_mean"] == pytest.approx((math.exp(3) + 1) / 2)  # the raw ratios: only ESS clamps
 
 
 
@@ -212,3 +213,15 @@ def test_counter_log_keys_are_the_step_metrics_keys():
     logged, step = c.as_dict("guidance/x"), guidance_step_metrics(c, prefix="guidance/x")
     assert logged["guidance/x/fallback/token_hash"] == 1.0
     assert {k: step[k] for k in logged} == logged
+
+
+def test_per_site_coverage_counts_used_rows_only_at_guided_layers():
+    """By hand from ``TraceStep.stats()``-shaped counts: fc1 used 6 rows, 2 fell back ``missing`` -> 6 / 8; fc2 only
+    at a layer outside the policy (not a guided site) gets no coverage entry (it is not 1.0 of nothing)."""
+    stats = {(0, "expert_fc1_in", "used"): 6, (0, "expert_fc1_in", "missing"): 2,
+             (1, "expert_fc2_in", "not_guided_layer"): 5, (1, "expert_fc1_in", "not_guided_layer"): 4}
+    counter = FallbackCounter(used=6, fallback=Counter(missing=2, not_guided_layer=9))
+    m = guidance_step_metrics(counter, stats)
+    assert m["guidance/coverage/expert_fc1_in"] == 6 / 8
+    assert "guidance/coverage/expert_fc2_in" not in m
+    assert m["guidance/coverage"] == 6 / 8 and m["guidance/rows_used"] == 6.0
