@@ -303,3 +303,28 @@ def test_phase_metrics_refuse_a_prefill_mask_that_is_not_bool_of_the_log_probs_s
         phase_metrics(lt, LR, MASK, prefill_mask=wrong)
     with pytest.raises(ValueError, match="mask must be bool"):
         phase_metrics(lt, LR, MASK.long())
+
+
+def test_growth_and_slope_use_the_given_steps_not_the_update_count():
+    """By hand: 1, 2, 3, 4 at steps 0, 10, 20, 30 (e.g. logged every 10th step) rise 0.1 per step; the trend line
+    rises 0.1 x 30 = 3 across the window, over a median level of 2.5: growth 1.2 (fires above 1.0)."""
+    alarm = TrendAlarm(window=4)
+    rows = [alarm.update({KEY: v}, step=10 * i) for i, v in enumerate([1.0, 2.0, 3.0, 4.0])]
+    assert rows[-1]["mismatch/logprob_abs_diff/slope"] == pytest.approx(0.1)
+    assert rows[-1][GROWTH] == pytest.approx(1.2) and rows[-1][FLAG] == 1.0
+
+
+def test_a_resumed_alarm_counts_on_from_the_checkpoints_step():
+    """Without explicit steps the alarm numbers updates itself: a resumed window continues at step 2, not 0."""
+    alarm, copy = TrendAlarm(window=3, max_slope=0.5), TrendAlarm(window=3, max_slope=0.5)
+    for v in (1.0, 2.0):
+        alarm.update({KEY: v})
+    copy.load_state_dict(alarm.state_dict())
+    row = copy.update({KEY: 3.0})
+    assert copy.state_dict() == {"steps": [0.0, 1.0, 2.0], "values": [1.0, 2.0, 3.0], "count": 3}
+    assert row["mismatch/logprob_abs_diff/slope"] == pytest.approx(1.0) and row[FLAG] == 1.0
+
+
+def test_growth_equal_to_the_threshold_does_not_fire():
+    """The alarm fires *above* max_growth: a flat window (growth 0) under max_growth=0 stays silent."""
+    assert _fired(_watch([0.1] * 12, max_growth=0.0)) == []

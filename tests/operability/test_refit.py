@@ -190,3 +190,11 @@ def test_not_applied_sees_an_expert_whose_stored_amax_is_not_the_updates():
     fc2 = dict(weights)[p + "down_proj.weight"]
     assert torch.equal(q.quantize(fc2 * 2).codes, q.quantize(fc2).codes)  # (only the amax tells them apart)
     assert sorted(not_applied(be, doubled)) == sorted(p + f"{w}_proj.weight" for w in ("gate", "up", "down"))
+
+
+def test_a_nan_sentinel_fails_the_threshold():
+    """A trainer recompute that returns NaN (a broken forward) must not pass the sentinel: NaN <= bound is false."""
+    rollout = HFRolloutBackend(tiny_model(seed=9), mode="fp4", trace_config=CFG, dtype=torch.float32)
+    check = SentinelCheck(prompts=((5, 6, 7),), max_new_tokens=2, max_abs_diff=1e-3)
+    with pytest.raises(SentinelError, match="logprob_abs_diff=nan"):
+        check.run(rollout, lambda batch: torch.full_like(batch.logprobs, float("nan")))
