@@ -45,3 +45,29 @@ def test_a_resume_drops_the_row_the_killed_run_was_writing(tmp_path):
     assert w.path.read_text().endswith("\n") and not (tmp_path / "metrics.jsonl.tmp").exists()
     MetricsWriter(tmp_path).truncate("trace", 1)  # the resumed run's own rows after its checkpoint, as before
     assert [r["step"] for r in load(w.path)["trace"]] == [0]
+
+
+def test_summary_cells_by_hand():
+    """reward: mean of the last 3 steps; mismatch/quant/time: mean over every step that has them; the rest: last."""
+    rows = [{"step": float(i), "reward": r, "eval/accuracy": a, "time/step_s": t} for i, (r, a, t) in
+            enumerate(zip([0.1, 0.2, 0.3, 0.4, 0.5], [0.5, 0.5, 0.6, 0.6, 0.7], [1.0, 2.0, 3.0, 4.0, 5.0]))]
+    for i, q in enumerate([0.1, 0.2, 0.3]):  # quant metrics measured on the first three steps only
+        rows[i]["quant/expert_fc1_in/code_mismatch_rate"] = q
+    table = report.summary_rows({"fp4_qat": rows})
+    cell = dict(zip(table[0], table[1]))
+    assert cell["final reward (last 3 steps)"] == "0.4"
+    assert cell["held-out greedy accuracy"] == "0.7"
+    assert cell["FC1 code mismatch"] == "0.2"
+    assert cell["step time (s)"] == "3"
+    assert cell["logprob_abs_diff"] == "-"
+
+
+def test_truncate_drops_only_the_resumed_arms_rows(tmp_path):
+    from megatron_trace.rl.report import MetricsWriter, load
+
+    w = MetricsWriter(tmp_path, fresh=True)
+    for step in range(3):
+        for arm in ("bf16", "trace"):
+            w.write(arm, step, {"reward": float(step)})
+    MetricsWriter(tmp_path).truncate("trace", 1)
+    assert {a: [r["step"] for r in rows] for a, rows in load(w.path).items()} == {"bf16": [0, 1, 2], "trace": [0]}
