@@ -138,3 +138,11 @@ def test_rows_without_an_arm_are_one_run():
     per_step = [[0.1, 0.2, 0.3], [0.3, 0.2, 0.1]]
     rows = [{"step": s, **quant_metrics(_counts(_uniform(r)))} for s, r in enumerate(per_step)]
     assert profile_from_metrics(rows, DIMS, ACTIVATION_SITES, last=2) == pytest.approx([0.2, 0.2, 0.2])
+
+
+def test_last_means_the_latest_steps_whatever_the_row_order():
+    """Rows passed in another order (merged logs, newest first) still average the latest ``last`` steps."""
+    per_step = [[0.1, 0.2, 0.3], [0.3, 0.2, 0.1], [0.5, 0.4, 0.0]]
+    rows = [{"arm": "fp4_qat", "step": s, **quant_metrics(_counts(_uniform(r)))} for s, r in enumerate(per_step)]
+    assert profile_from_metrics(rows[::-1], DIMS, ACTIVATION_SITES, last=1) == pytest.approx([0.5, 0.4, 0.0])
+    assert profile_from_metrics(rows[::-1], DIMS, ACTIVATION_SITES, last=2) == pytest.approx([0.4, 0.3, 0.05])
