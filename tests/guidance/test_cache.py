@@ -537,3 +537,54 @@ def test_a_put_whose_spill_fails_keeps_nothing_and_a_retry_is_not_shadowed(tmp_p
     cache.assemble(0, [10, 11, 12, 13], tok, versions=1, counter=c, attention_mask=mask)
     assert (c.used, dict(c.fallback)) == (252, {})
     assert cache.host_bytes == plan_flat(again[:2]).total
+
+
+def test_a_whole_batch_kept_as_columns_counts_what_the_cache_already_holds():
+    """Budget for one batch: the first is kept as columns, the second (a whole split batch too) must spill, not be
+    kept beside it at twice the budget."""
+    b1, b2 = _step_samples(1), _step_samples(2)
+    one = sum(x.nbytes() for x in b1)
+    cache = GuidanceCache(budget_bytes=one + 8, cache_dir=None)
+    cache.put(1, b1)
+    assert cache.host_bytes == one
+    with pytest.raises(RuntimeError, match="exceeds the host budget"):  # no cache_dir: a clear error, nothing kept
+        cache.put(2, b2)
+    assert cache.steps == [1] and cache.host_bytes == one
+
+
+def test_a_whole_batch_over_what_is_left_spills_and_reads_back(tmp_path):
+    b1, b2 = _step_samples(1), _step_samples(2)
+    cache = GuidanceCache(budget_bytes=sum(x.nbytes() for x in b1) + 8, cache_dir=tmp_path)
+    cache.put(1, b1)
+    cache.put(2, b2)
+    assert cache.peak_host_bytes <= cache.budget_bytes and cache.disk_bytes > 0
+    for got, want in zip(cache.get(2, [x.sample_id for x in b2]), b2):
+        assert_samples_equal(got, want)
+
+
+def test_peak_host_bytes_is_the_high_water_mark():
+    big, small = _step_samples(1), _step_samples(2)[:1]
+    cache = GuidanceCache(budget_bytes=10**9)
+    cache.put(1, big)
+    high = cache.host_bytes
+    cache.drop(1)
+    cache.put(2, small)
+    assert cache.host_bytes == _size(small) < high == cache.peak_host_bytes
+
+
+def test_steps_that_reuse_sample_ids_read_back_their_own_spilled_samples(tmp_path):
+    """Sample ids restart every step (0..B-1): each step's shard holds its own samples, never another step's."""
+    def batch(step):
+        b, _, tok, mask = make_batch(B=3, seed=step)
+        return split_batch(b, tok, version=step, attention_mask=mask, sample_ids=[0, 1, 2])
+
+    steps = {s: batch(s) for s in (1, 2)}
+    cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    for s, samples in steps.items():
+        cache.put(s, samples)
+    for s, samples in steps.items():
+        for got, want in zip(cache.get(s, [2, 0, 1]), [samples[2], samples[0], samples[1]]):
+            assert got.version == s
+            assert_samples_equal(got, want)
+    cache.drop(1)
+    assert [g.version for g in cache.get(2, [0, 1, 2])] == [2, 2, 2] and cache.steps == [2]
