@@ -63,6 +63,7 @@ class _Chunk:
 class _Step:
     chunks: list[_Chunk] = field(default_factory=list)
     shards: list[tuple[Path, dict[int, dict]]] = field(default_factory=list)  # (path, sample_id -> meta)
+    shard_bytes: int = 0  # the shards' sizes as written (what ``disk_bytes`` counts for this step)
     sample_ids: set[int] = field(default_factory=set)
     packed: list[tuple[PackedGuidance, int]] = field(default_factory=list)  # (host columns, bytes)
     views: dict[int, SampleGuidance] = field(default_factory=dict)  # sample id -> view of ``packed``
@@ -219,6 +220,7 @@ class GuidanceCache:
         path = shard_path(self.cache_dir, self.owner, step, len(st.shards))
         size = write_shard(path, samples, step=step)
         st.shards.append((path, shard_index(path)))
+        st.shard_bytes += size
         self.disk_bytes += size
         logger.info("guidance step %d: spilled %d samples (%.1f MiB) to %s", step, len(samples), size / 2**20, path)
 
@@ -273,10 +275,9 @@ class GuidanceCache:
         for chunk in st.chunks:
             self.host_bytes -= chunk.buf.numel()
         self.host_bytes -= sum(n for _, n in st.packed)
+        self.disk_bytes -= st.shard_bytes  # as counted when written: a shard already gone is uncounted too
         for path, _ in st.shards:
-            if path.exists():
-                self.disk_bytes -= path.stat().st_size
-                path.unlink()
+            path.unlink(missing_ok=True)
 
     def close(self) -> None:
         """Drop every step held (their shards deleted): the end of a run."""

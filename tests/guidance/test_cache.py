@@ -588,3 +588,20 @@ def test_steps_that_reuse_sample_ids_read_back_their_own_spilled_samples(tmp_pat
             assert_samples_equal(got, want)
     cache.drop(1)
     assert [g.version for g in cache.get(2, [0, 1, 2])] == [2, 2, 2] and cache.steps == [2]
+
+
+def test_dropping_a_step_whose_shard_is_already_gone_uncounts_its_bytes(tmp_path):
+    """A shard deleted behind the cache's back (a tmp cleaner, an operator) stayed in disk_bytes for good after its
+    step was dropped: the drop subtracted the size of the files it still found."""
+    cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
+    cache.put(1, _step_samples(1)[:2])
+    cache.put(1, _step_samples(1)[2:])
+    cache.put(2, _step_samples(2))
+    shards = sorted(tmp_path.glob("*.safetensors"))
+    assert len(shards) == 3 and cache.disk_bytes == sum(p.stat().st_size for p in shards)
+    step2 = cache.disk_bytes - shards[0].stat().st_size - shards[1].stat().st_size
+    shards[0].unlink()
+    cache.drop(1)
+    assert cache.disk_bytes == step2 and sorted(tmp_path.glob("*.safetensors")) == shards[2:]
+    cache.drop(2)
+    assert cache.disk_bytes == 0 and not list(tmp_path.iterdir())
