@@ -225,3 +225,14 @@ def test_per_site_coverage_counts_used_rows_only_at_guided_layers():
     assert m["guidance/coverage/expert_fc1_in"] == 6 / 8
     assert "guidance/coverage/expert_fc2_in" not in m
     assert m["guidance/coverage"] == 6 / 8 and m["guidance/rows_used"] == 6.0
+
+
+def test_a_row_without_response_tokens_changes_no_metric():
+    """A padding row (all prompt, or an empty slot of the batch) has no response token: the per-sequence means are
+    over the sequences that have one (not a 0 / 0 NaN, not a zero diluting the mean), whatever its log-probs."""
+    mask = torch.cat([MASK, torch.zeros(1, 4, dtype=torch.bool)])
+    lt = torch.cat([_lt(), torch.full((1, 4), 3.0)])
+    lr = torch.cat([LR, torch.full((1, 4), -7.0)])
+    with_pad, without = mismatch_metrics(lt, lr, mask), mismatch_metrics(_lt(), LR, MASK)
+    assert with_pad == without
+    assert with_pad["mismatch/seq_logratio_abs_mean"] == pytest.approx((0.9 + 0.8) / 2)
