@@ -41,6 +41,9 @@ def test_gate_is_off_by_default_and_fires_above_the_bound():
         check_mismatch_gate({"mismatch/logprob_abs_diff": math.nan}, 0.1)
     with pytest.raises(ValueError, match="max_abs_diff=-1"):
         check_mismatch_gate(m, -1)
+    check_mismatch_gate(step_mismatch_metrics(LR, LR, MASK, kv_quantized=False), 0.0)  # a bit-exact gate
+    with pytest.raises(MismatchGateError):
+        check_mismatch_gate(m, 0.0)
 
 
 def test_slope_is_the_least_squares_fit():
