@@ -71,3 +71,21 @@ def test_truncate_drops_only_the_resumed_arms_rows(tmp_path):
             w.write(arm, step, {"reward": float(step)})
     MetricsWriter(tmp_path).truncate("trace", 1)
     assert {a: [r["step"] for r in rows] for a, rows in load(w.path).items()} == {"bf16": [0, 1, 2], "trace": [0]}
+
+
+def test_plots_of_a_run_with_per_layer_rates_are_written(tmp_path):
+    """Every figure of the demo's report is written as a PNG, the per-layer bars parsed from
+    ``quant/expert_fc1_in/layer_<L>/code_mismatch_rate`` keys (the writer's own rows)."""
+    from megatron_trace.metrics import QuantCounts, quant_metrics
+    from megatron_trace.rl.report import MetricsWriter, load
+
+    w = MetricsWriter(tmp_path, fresh=True)
+    q = quant_metrics({(layer, "expert_fc1_in"): QuantCounts(elements=100, mismatched=layer + 1) for layer in (0, 1)})
+    for arm in ("bf16", "fp4_qat", "trace", "trace_full"):
+        for step in range(2):
+            w.write(arm, step, {"reward": 0.5, "mismatch/logprob_abs_diff": 1e-3, "mismatch/kl_k3": 1e-5,
+                                "cache/bytes_per_token": 64.0, **q})
+    w.close()
+    paths = report.plot(load(w.path), tmp_path)
+    assert [p.name for p in paths] == ["reward.png", "mismatch.png", "code_mismatch_per_layer.png", "cache_bytes.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
