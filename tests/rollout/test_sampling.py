@@ -46,3 +46,17 @@ def test_nonfinite_rows_are_flagged_not_crashing_and_leave_other_rows_alone():
         assert torch.equal(tok[ok], want[ok]) and torch.equal(lp[ok], want_lp[ok])
         assert not torch.isfinite(lp[flags]).any()  # the bad rows' log-probs stay non-finite
         assert ((tok >= 0) & (tok < 7)).all()
+
+
+def test_top_p_truncates_the_temperature_scaled_distribution():
+    """The nucleus is that of softmax(logits / T), the distribution sampled from: at T=0.25 the first token alone
+    holds 0.98 of the mass (top_p=0.9 keeps only it), where the untempered softmax (0.67, 0.24, 0.09) would keep two;
+    at T=4 (0.39, 0.30, 0.23, ...) top_p=0.5 keeps two where the untempered one would keep one."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(2000, 4)
+    tok, _ = sample_tokens(logits, SamplingParams(temperature=0.25, top_p=0.9), torch.Generator().manual_seed(0))
+    assert tok.eq(0).all()
+    tok, _ = sample_tokens(logits, SamplingParams(temperature=4.0, top_p=0.5), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=4).float() / tok.numel()
+    p = torch.softmax(logits[0] / 4.0, -1)
+    assert freq[2:].eq(0).all()
+    assert torch.allclose(freq[:2], p[:2] / p[:2].sum(), atol=0.04)

@@ -55,6 +55,7 @@ def test_fc1_split_join_round_trip():
     ("fp4_in_bf16_mode", ValueError, "mode='fp4'"),
     ("fp4_shape", ValueError, r"expert 1 fc2 has shape \(64, 40\), the model expects \(64, 32\)"),
     ("fc1_amax", ValueError, "share one global amax"),
+    ("fp4_half_fc1", ValueError, "layer 0 expert 1: FP4 fc1 needs gate_proj and up_proj together"),
     ("fp4_nan_scale", ValueError, "expert 1 fc2: its block scales hold NaN/Inf"),
     ("nan_expert", ValueError, r"hold NaN/Inf, e.g. \['model.layers.0.mlp.experts.1.gate_proj.weight'\]"),
     ("nan_dense", ValueError, r"\['model.layers.1.self_attn.q_proj.weight'\]; nothing was updated"),
@@ -75,6 +76,7 @@ def test_update_weights_rejects_bad_input_before_copying(case, err, match):
     e1 = "model.layers.0.mlp.experts.1."
     pairs = {
         "fc1_amax": [(e1 + "gate_proj.weight", gate), (e1 + "up_proj.weight", up)],
+        "fp4_half_fc1": [(e1 + "gate_proj.weight", gate)],
         "nan_expert": [(e1 + "gate_proj.weight", nan_w), (e1 + "up_proj.weight", torch.zeros(32, 64))],
     }
     bad = {
