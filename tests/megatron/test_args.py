@@ -143,6 +143,31 @@ def test_config_file_is_the_base_and_flags_override(tmp_path):
     assert cfg.cache_mode == "compact" and cfg.guided_fraction == 0.25
 
 
+def test_only_the_flag_turns_trace_on_whatever_the_config_file_says(tmp_path):
+    """A launch script without --trace-fp4 trains as stock Megatron even from a file a TRACE run wrote
+    (``to_dict`` keeps ``"enabled": true``); with the flag, a file's ``"enabled": false`` does not turn it off."""
+    on, off = tmp_path / "on.json", tmp_path / "off.json"
+    on.write_text(json.dumps(TraceConfig(format="mxfp4").to_dict()))
+    off.write_text(json.dumps(TraceConfig(format="mxfp4", enabled=False).to_dict()))
+    assert json.loads(on.read_text())["enabled"] is True
+    assert trace_config_from_args(parse(["--trace-config", str(on)])) == TraceConfig(format="mxfp4", enabled=False)
+    assert trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(off)])) == TraceConfig(format="mxfp4")
+
+
+def test_reuse_with_the_legacy_grouped_gemm_is_not_refused_as_te_grouped_experts():
+    """--moe-grouped-gemm --moe-use-legacy-grouped-gemm builds Megatron's legacy GroupedMLP, which TRACE maps to its
+    torch experts (spec.experts_module): --trace-reuse-weight-quant works there, under --transformer-impl
+    transformer_engine too. What remains is only Transformer Engine itself, where it does not import."""
+    model = {**MEGATRON, "transformer_impl": "transformer_engine", "moe_grouped_gemm": True,
+             "moe_use_legacy_grouped_gemm": True}
+    args = parse(["--trace-fp4", "--trace-reuse-weight-quant"], **model)
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(ImportError, match="needs Transformer Engine"):
+            trace_config_from_args(args)
+    else:
+        assert trace_config_from_args(args).enabled
+
+
 @pytest.mark.parametrize("argv,match", [
     (["--trace-fp4", "--trace-guided-layers", "1,7"], r"layer\(s\) \[7\] beyond num_layers=4"),
     (["--trace-fp4", "--trace-guided-layers", "last_k", "--trace-guided-last-k", "9"], "exceeds num_layers=4"),
@@ -322,11 +347,13 @@ def test_a_dropping_moe_with_guided_expert_sites_is_warned_at_launch(model, warn
     """A capacity factor with guidance was only refused at the first guided step (``trace_guidance``): the launch
     said nothing. Plain FP4 QAT runs with it, so the launch warns, naming the flag."""
     with caplog.at_level(logging.WARNING, logger="megatron_trace.megatron.args_checks"):
-        assert trace_config_from_args(parse(["--trace-fp4"], **{**MEGATRON, **model})).enabled
         trace_config_from_args(parse(["--trace-fp4", "--trace-guided-sites", "kv_k,kv_v"], **{**MEGATRON, **model}))
+        assert not caplog.records, caplog.records  # KV guided sites alone need no dispatch
+        assert trace_config_from_args(parse(["--trace-fp4"], **{**MEGATRON, **model})).enabled
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == warned, lines  # (once: KV guided sites alone need no dispatch)
+    assert len(lines) == warned, lines
     if warned:
         flag = "--moe-expert-capacity-factor" if "moe_expert_capacity_factor" in model else \
             "--moe-router-padding-for-quantization"
-        assert lines[0].startswith(f"{flag}: TRACE guidance of the expert sites") and "dropless" in lines[0]
+        assert lines[0].startswith(f"{flag}: TRACE guidance of the expert sites ['expert_fc1_in', 'expert_fc2_in']")
+        assert "dropless" in lines[0]
