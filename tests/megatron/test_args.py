@@ -31,6 +31,7 @@ CONFIGS = [
     TraceConfig(guided_layers="budget", budget_bytes_per_token=7500.0, enabled=False),
     TraceConfig(kv_format="sglang_kvfp4"),
     TraceConfig(activation_amax="per_tensor", guided_layers="all"),
+    TraceConfig(exclude_modules=("model.layers.0.mlp.experts", "model.layers.*.self_attn.kv_cache")),
 ]
 
 
@@ -200,6 +201,7 @@ def test_invalid_combinations_name_the_value(argv, match):
     ["--trace-sites", "kv_k,kv_k,weights"],  # (a typo for kv_k,kv_v: the config kept kv_k twice)
     ["--trace-guided-sites", "expert_fc1_in, expert_fc1_in"],
     ["--trace-guided-layers", "1,2,1"],
+    ["--trace-guided-layers", "explicit"],  # (the policy of a layer list: given as the list itself)
 ])
 def test_unknown_values_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit):
