@@ -135,6 +135,10 @@ def test_sites_narrowing_a_config_files_guided_sites_name_the_flag(tmp_path):
         trace_config_from_args(parse(argv))
     cfg = trace_config_from_args(parse([*argv, "--trace-guided-sites", "expert_fc1_in"]))
     assert (cfg.format, cfg.sites, cfg.guided_sites) == ("mxfp4", ("expert_fc1_in", "weights"), ("expert_fc1_in",))
+    # sites that still hold every guided site of the file (here exactly them: the weights dropped) are no narrowing
+    sites = "expert_fc1_in,expert_fc2_in,kv_k,kv_v"
+    cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path), "--trace-sites", sites]))
+    assert cfg.sites == cfg.guided_sites == tuple(sites.split(","))
 
 
 def test_config_file_is_the_base_and_flags_override(tmp_path):
@@ -268,9 +272,11 @@ MEGATRON = dict(num_layers=2, num_experts=4, moe_layer_freq=1, moe_enable_routin
     (["--trace-guided-layers", "0"], {"moe_layer_freq": [0, 1]}),
     (["--trace-guided-layers", "all", "--trace-guided-sites", "expert_fc1_in"], {"moe_layer_freq": [0, 1]}),
     (["--trace-guided-sites", ""], {}),  # no guidance, the default policy aside
+    # K/V sites only: Megatron's own experts, whose dispatcher TRACE does not guide
+    (["--trace-sites", "kv_k,kv_v"], {"moe_token_dispatcher_type": "flex"}),
 ], ids=["moe", "reuse_weight_quant", "dense_kv_only", "exclude_with_moe_layer_freq", "allgather",
         "distributed_optimizer", "overlap_param_gather_stock_experts", "overlap_param_gather", "guided_moe_layer",
-        "guided_dense_layer_kv_sites", "guided_policy_some_dense", "no_guided_sites"])
+        "guided_dense_layer_kv_sites", "guided_policy_some_dense", "no_guided_sites", "kv_only_stock_expert_options"])
 def test_megatron_flags_trace_supports(argv, model):
     assert trace_config_from_args(parse(["--trace-fp4", *argv], **{**MEGATRON, **model})).enabled
 
