@@ -31,6 +31,7 @@ CONFIGS = [
     TraceConfig(guided_layers="budget", budget_bytes_per_token=7500.0, enabled=False),
     TraceConfig(kv_format="sglang_kvfp4"),
     TraceConfig(activation_amax="per_tensor", guided_layers="all"),
+    TraceConfig(exclude_modules=("model.layers.0.mlp.experts", "model.layers.*.self_attn.kv_cache")),
 ]
 
 
@@ -134,6 +135,10 @@ def test_sites_narrowing_a_config_files_guided_sites_name_the_flag(tmp_path):
         trace_config_from_args(parse(argv))
     cfg = trace_config_from_args(parse([*argv, "--trace-guided-sites", "expert_fc1_in"]))
     assert (cfg.format, cfg.sites, cfg.guided_sites) == ("mxfp4", ("expert_fc1_in", "weights"), ("expert_fc1_in",))
+    # sites that still hold every guided site of the file (here exactly them: the weights dropped) are no narrowing
+    sites = "expert_fc1_in,expert_fc2_in,kv_k,kv_v"
+    cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path), "--trace-sites", sites]))
+    assert cfg.sites == cfg.guided_sites == tuple(sites.split(","))
 
 
 def test_config_file_is_the_base_and_flags_override(tmp_path):
@@ -141,6 +146,31 @@ def test_config_file_is_the_base_and_flags_override(tmp_path):
     path.write_text(json.dumps(TraceConfig(cache_mode="full", guided_fraction=0.25).to_dict()))
     cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path), "--trace-cache-mode", "compact"]))
     assert cfg.cache_mode == "compact" and cfg.guided_fraction == 0.25
+
+
+def test_only_the_flag_turns_trace_on_whatever_the_config_file_says(tmp_path):
+    """A launch script without --trace-fp4 trains as stock Megatron even from a file a TRACE run wrote
+    (``to_dict`` keeps ``"enabled": true``); with the flag, a file's ``"enabled": false`` does not turn it off."""
+    on, off = tmp_path / "on.json", tmp_path / "off.json"
+    on.write_text(json.dumps(TraceConfig(format="mxfp4").to_dict()))
+    off.write_text(json.dumps(TraceConfig(format="mxfp4", enabled=False).to_dict()))
+    assert json.loads(on.read_text())["enabled"] is True
+    assert trace_config_from_args(parse(["--trace-config", str(on)])) == TraceConfig(format="mxfp4", enabled=False)
+    assert trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(off)])) == TraceConfig(format="mxfp4")
+
+
+def test_reuse_with_the_legacy_grouped_gemm_is_not_refused_as_te_grouped_experts():
+    """--moe-grouped-gemm --moe-use-legacy-grouped-gemm builds Megatron's legacy GroupedMLP, which TRACE maps to its
+    torch experts (spec.experts_module): --trace-reuse-weight-quant works there, under --transformer-impl
+    transformer_engine too. What remains is only Transformer Engine itself, where it does not import."""
+    model = {**MEGATRON, "transformer_impl": "transformer_engine", "moe_grouped_gemm": True,
+             "moe_use_legacy_grouped_gemm": True}
+    args = parse(["--trace-fp4", "--trace-reuse-weight-quant"], **model)
+    if importlib.util.find_spec("transformer_engine") is None:
+        with pytest.raises(ImportError, match="needs Transformer Engine"):
+            trace_config_from_args(args)
+    else:
+        assert trace_config_from_args(args).enabled
 
 
 @pytest.mark.parametrize("argv,match", [
@@ -175,6 +205,7 @@ def test_invalid_combinations_name_the_value(argv, match):
     ["--trace-sites", "kv_k,kv_k,weights"],  # (a typo for kv_k,kv_v: the config kept kv_k twice)
     ["--trace-guided-sites", "expert_fc1_in, expert_fc1_in"],
     ["--trace-guided-layers", "1,2,1"],
+    ["--trace-guided-layers", "explicit"],  # (the policy of a layer list: given as the list itself)
 ])
 def test_unknown_values_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit):
@@ -241,9 +272,11 @@ MEGATRON = dict(num_layers=2, num_experts=4, moe_layer_freq=1, moe_enable_routin
     (["--trace-guided-layers", "0"], {"moe_layer_freq": [0, 1]}),
     (["--trace-guided-layers", "all", "--trace-guided-sites", "expert_fc1_in"], {"moe_layer_freq": [0, 1]}),
     (["--trace-guided-sites", ""], {}),  # no guidance, the default policy aside
+    # K/V sites only: Megatron's own experts, whose dispatcher TRACE does not guide
+    (["--trace-sites", "kv_k,kv_v"], {"moe_token_dispatcher_type": "flex"}),
 ], ids=["moe", "reuse_weight_quant", "dense_kv_only", "exclude_with_moe_layer_freq", "allgather",
         "distributed_optimizer", "overlap_param_gather_stock_experts", "overlap_param_gather", "guided_moe_layer",
-        "guided_dense_layer_kv_sites", "guided_policy_some_dense", "no_guided_sites"])
+        "guided_dense_layer_kv_sites", "guided_policy_some_dense", "no_guided_sites", "kv_only_stock_expert_options"])
 def test_megatron_flags_trace_supports(argv, model):
     assert trace_config_from_args(parse(["--trace-fp4", *argv], **{**MEGATRON, **model})).enabled
 
@@ -322,11 +355,13 @@ def test_a_dropping_moe_with_guided_expert_sites_is_warned_at_launch(model, warn
     """A capacity factor with guidance was only refused at the first guided step (``trace_guidance``): the launch
     said nothing. Plain FP4 QAT runs with it, so the launch warns, naming the flag."""
     with caplog.at_level(logging.WARNING, logger="megatron_trace.megatron.args_checks"):
-        assert trace_config_from_args(parse(["--trace-fp4"], **{**MEGATRON, **model})).enabled
         trace_config_from_args(parse(["--trace-fp4", "--trace-guided-sites", "kv_k,kv_v"], **{**MEGATRON, **model}))
+        assert not caplog.records, caplog.records  # KV guided sites alone need no dispatch
+        assert trace_config_from_args(parse(["--trace-fp4"], **{**MEGATRON, **model})).enabled
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == warned, lines  # (once: KV guided sites alone need no dispatch)
+    assert len(lines) == warned, lines
     if warned:
         flag = "--moe-expert-capacity-factor" if "moe_expert_capacity_factor" in model else \
             "--moe-router-padding-for-quantization"
-        assert lines[0].startswith(f"{flag}: TRACE guidance of the expert sites") and "dropless" in lines[0]
+        assert lines[0].startswith(f"{flag}: TRACE guidance of the expert sites ['expert_fc1_in', 'expert_fc2_in']")
+        assert "dropless" in lines[0]

@@ -142,3 +142,26 @@ def test_of_with_pre_hooks_runs_each_linears_hooks_as_a_call_would_without_input
     for i, e in enumerate(experts):
         want += [("plain", i, e.linear_fc1, ()), ("kw", i, e.linear_fc1, (), {})]
     assert calls == want
+
+
+def test_one_weight_given_twice_stacks_it_twice_with_both_gradients():
+    """Evenly spaced with a step of 0 (the same storage offset): not a layout one view can give without overlap."""
+    w = _params(n=1)[0]
+    want = torch.stack([w.detach(), w.detach()])
+    assert torch.equal(expert_weights.stacked([w, w]), want)
+    grad = _grads([w, w], expert_weights.stacked)[0]  # (one parameter: the gradients of both slices summed)
+    upstream = torch.arange(2 * w.numel(), dtype=torch.float32).reshape(2, *w.shape)
+    assert torch.equal(grad, upstream[0] + upstream[1])
+
+
+def test_weights_of_adjacent_separate_storages_fall_back_to_the_stack():
+    """Weights at evenly spaced adjacent addresses, each in a storage of its own (two allocations that happen to be
+    consecutive): a view over the first one's storage would reach past its end."""
+    base = torch.randn(3, 6, 8)
+    whole, nbytes = base.untyped_storage(), 6 * 8 * base.element_size()
+    weights = [torch.nn.Parameter(torch.empty(0).set_(whole[i * nbytes:(i + 1) * nbytes], 0, (6, 8)))
+               for i in range(3)]
+    assert [w.untyped_storage().nbytes() for w in weights] == [nbytes] * 3
+    assert torch.equal(expert_weights.stacked(weights), base)
+    want = _grads(weights, torch.stack)
+    assert [torch.equal(a, b) for a, b in zip(_grads(weights, expert_weights.stacked), want)] == [True] * 3

@@ -141,6 +141,27 @@ def test_repeated_replayed_expert_routes_fewer_rows():
 
 
 @pytest.mark.usefixtures("world1")
+def test_a_slot_the_replay_routes_no_fc2_row_is_recorded_invalid():
+    """The replayed top-k of token (0, 3) repeats an expert: one FC2 row for its two slots. The recording marks the
+    slot without a row invalid (its codes are zeros, not codes the trainer used), every other slot valid, with the
+    expert ids replayed."""
+    from megatron_trace.megatron import StepGuidance, trace_guidance
+
+    model, data, roll = _recorded()
+    routing = {k: r.clone() for k, r in roll.routing.items()}
+    routing[0][0, 3, 1] = routing[0][0, 3, 0]
+    with trace_guidance(model, StepGuidance(routing=routing), record=True) as h, torch.no_grad():
+        model(*data[:3])
+    rec = h.recorded()
+    fc2 = rec.sites[(0, "expert_fc2_in")]
+    want = torch.ones_like(fc2.valid)
+    want[0, 3, 1] = False
+    assert torch.equal(fc2.valid, want)
+    assert torch.equal(fc2.expert_ids, routing[0]) and torch.equal(rec.routing[0], routing[0])
+    assert bool(rec.sites[(1, "expert_fc2_in")].valid.all())
+
+
+@pytest.mark.usefixtures("world1")
 def test_find_trace_layers_walks_a_model_once():
     from megatron_trace.megatron import find_trace_layers, trace_spec
 

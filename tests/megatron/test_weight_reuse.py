@@ -34,6 +34,8 @@ def _grads(model, micro, reuse: bool, guidance=None):
                     model(*data[:3], labels=data[3]).float().mean().backward()
         if reuse:  # the weights of both GEMMs were kept by the first micro-batch and served the others
             assert all(set(m._weight_reuse) == {"linear_fc1", "linear_fc2"} for m in experts)
+            # kept as values: no micro-batch's autograd graph (its saved tensors) lives on until the scope exits
+            assert all(kept.grad_fn is None for m in experts for _, kept in m._weight_reuse.values())
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -69,6 +71,20 @@ def test_an_update_inside_the_scope_raises():
         model(*data[:3], labels=data[3]).float().mean().backward()
         with torch.no_grad():
             expert.mul_(0.5)  # what an optimizer step would do
+        model(*data[:3], labels=data[3])
+
+
+def test_a_weight_re_seated_inside_the_scope_raises():
+    """``param.data = ...`` (a module ``.to()`` that copies, a re-seat into another buffer) leaves the parameter's
+    version counter as it was; the storage address tells the kept value is stale."""
+    model = _model()
+    data = batch()
+    expert = next(p for n, p in model.named_parameters() if "local_experts" in n)
+    with pytest.raises(RuntimeError, match="changed inside reuse_weight_quant"), reuse_weight_quant(model):
+        model(*data[:3], labels=data[3]).float().mean().backward()
+        version = expert._version
+        expert.data = expert.data * 0.5
+        assert expert._version == version  # (what a version check alone would miss)
         model(*data[:3], labels=data[3])
 
 
