@@ -15,7 +15,7 @@ from megatron_trace.rl.arms import ARMS, make_arm
 from megatron_trace.rl.demo import run
 from megatron_trace.rl.driver import GRPORun, RLConfig, keep_for_arm
 from megatron_trace.rl.sft import SFTConfig, TinyMoEConfig, sft_checkpoint
-from megatron_trace.rl.tasks import get_task
+from megatron_trace.rl.tasks import AdditionTask, get_task
 
 from ._passes import check_micro_batches_match_one
 
@@ -815,7 +815,7 @@ def test_micro_batches_that_do_not_split_the_batch_are_named(megatron_cpu, ckpt,
         r.policy.forward_backward(batch.tokens, 0, lambda i, lp, sl: lp.sum())
 
 
-class _CreditTask(type(get_task("add"))):
+class _CreditTask(AdditionTask):
     """The driver's addition task with a test-chosen reward: ``by_prompt`` maps a prompt to its reward (the same for
     every response: a group that carries no signal), else partial credit, the share of the answer's characters that
     are right (responses of one prompt differ: a signal at step 0 already, unlike the exact-answer reward)."""
