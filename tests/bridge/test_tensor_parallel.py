@@ -118,8 +118,10 @@ def test_tp2_save_writes_shards_from_rank_0_only(tp2_results):
     assert saved.keys() == disk.keys() and all(torch.equal(saved[k], disk[k]) for k in disk)
 
 
-def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int, ep: int = 1,
-                    load_from: str | None = None) -> None:
+def _refused_worker(rank: int, port: int, out: str, tp: int, etp: int, ep: int, config: str, cases: list) -> None:
+    """Loads each case's checkpoint in turn into one model of ``config``'s directory (``cases``: this rank's (name,
+    directory to load); the ranks agree on every refusal, so they stay in step for the next case) and saves each
+    outcome."""
     from transformers import AutoConfig
 
     from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
@@ -132,39 +134,83 @@ def _refused_worker(rank: int, port: int, ckpt: str, out: str, tp: int, etp: int
     allow_torch_norm_with_sequence_parallel()
     init_megatron(rank, WORLD, port, tp=tp, etp=etp, ep=ep, timeout_s=PG_TIMEOUT_S)  # a regression fails, not hangs
     try:
-        bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32, expert_tensor_parallel_size=etp)
+        hf_config = AutoConfig.from_pretrained(config)
+        bridge = Qwen3MoeBridge(hf_config, dtype=torch.float32, expert_tensor_parallel_size=etp)
         model = bridge.build_model()
-        start = time.monotonic()
-        try:
-            load_hf_checkpoint(model, load_from or ckpt, bridge)
-            outcome, notes = ("loaded", ""), []
-        except Exception as e:  # recorded for the test
-            outcome, notes = (type(e).__name__, str(e)), getattr(e, "__notes__", [])
-        torch.save({"outcome": outcome, "notes": notes, "seconds": time.monotonic() - start},
-                   os.path.join(out, f"rank{rank}.pt"))
+        for name, path in cases:
+            start = time.monotonic()
+            try:
+                load_hf_checkpoint(model, path, bridge)
+                outcome, notes = ("loaded", ""), []
+            except Exception as e:  # recorded for the test
+                outcome, notes = (type(e).__name__, str(e)), getattr(e, "__notes__", [])
+            torch.save({"outcome": outcome, "notes": notes, "seconds": time.monotonic() - start},
+                       os.path.join(out, f"{name}-rank{rank}.pt"))
     finally:
         shutdown_megatron()
 
 
 PG_TIMEOUT_S = 30
+LAYOUTS = {"tp2": (WORLD, 1, 1), "etp2": (1, WORLD, 1), "ep2": (1, 1, WORLD)}
+"""(tp, etp, ep) of the refusal cases' runs."""
+LACKS = "lacks"
+"""A case's edits meaning: rank 1 loads from a directory that is not there."""
+REFUSALS = {  # name: (layout, {tensor name: the shape it gets (zeros)} or LACKS)
+    "rank0-tp2": ("tp2", {"model.layers.1.self_attn.o_proj.weight": (64, 48)}),  # read by TP rank 0 only
+    "rank0-etp2": ("etp2", {"model.layers.0.mlp.experts.3.down_proj.weight": (64, 16)}),  # by ETP rank 0 only
+    "ep-alone": ("ep2", {"model.layers.0.mlp.experts.5.down_proj.weight": (64, 16)}),  # experts 4..7: EP rank 1's
+    "beyond": ("ep2", {"model.layers.0.mlp.experts.8.down_proj.weight": (4, 4),
+                       "model.layers.3.mlp.experts.1.up_proj.weight": (4, 4)}),
+    "one-tp-shape-o_proj": ("tp2", {"model.layers.1.self_attn.o_proj.weight": (64, 32)}),  # split on its columns
+    "one-tp-shape-embed_tokens": ("tp2", {"model.embed_tokens.weight": (64, 64)}),  # vocab-parallel rows
+    "one-tp-shape-lm_head": ("tp2", {"lm_head.weight": (64, 64)}),
+    "lacks-ep2": ("ep2", LACKS),
+    "lacks-tp2": ("tp2", LACKS),
+}
 
 
-@pytest.mark.parametrize("tp, etp, bad, shape", [
-    (2, 1, "model.layers.1.self_attn.o_proj.weight", (64, 48)),  # read by TP rank 0 only
-    (1, 2, "model.layers.0.mlp.experts.3.down_proj.weight", (64, 16)),  # read by ETP rank 0 only
-], ids=["tp2", "etp2"])
-def test_a_checkpoint_rank_0_refuses_raises_on_every_rank_at_once(tmp_path, tp, etp, bad, shape):
-    """A shape only rank 0 reads is wrong: rank 0 refuses it, and rank 1 raises a ValueError naming rank 0 and the
-    reason within seconds (it waited in the scatter until the process group's timeout)."""
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """``refusals(name)``: (the case's checkpoint, what to load on rank 1, each rank's result). One two-process run
+    per layout loads all of that layout's cases (``REFUSALS``), run at the first test that asks for one of them."""
     from safetensors.torch import load_file, save_file
 
-    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
-    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    tensors[bad] = torch.zeros(shape)
-    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
-    port = free_port()
-    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), tp, etp), timeout=240)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    runs: dict = {}
+
+    def run(layout: str) -> dict:
+        root = tmp_path_factory.mktemp(layout)
+        cases = {}
+        for name, (where, edits) in REFUSALS.items():
+            if where != layout:
+                continue
+            ckpt = save_tiny_checkpoint(root / name, tiny_config(), seed=5)
+            if edits != LACKS:
+                tensors = load_file(os.path.join(ckpt, "model.safetensors"))
+                tensors.update({n: torch.zeros(shape) for n, shape in edits.items()})
+                save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
+            cases[name] = (ckpt, str(root / "not_staged_here") if edits == LACKS else ckpt)
+        port = free_port()
+        config = next(iter(cases.values()))[0]  # (every case's model is tiny_config's)
+        spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, str(root), *LAYOUTS[layout], config,
+                                                       [(n, c[r]) for n, c in cases.items()]), timeout=240)
+        return {n: (ckpt, rank1, [torch.load(root / f"{n}-rank{r}.pt") for r in range(WORLD)])
+                for n, (ckpt, rank1) in cases.items()}
+
+    def case(name: str):
+        layout = REFUSALS[name][0]
+        if layout not in runs:
+            runs[layout] = run(layout)
+        return runs[layout][name]
+
+    return case
+
+
+@pytest.mark.parametrize("name", ["rank0-tp2", "rank0-etp2"])
+def test_a_checkpoint_rank_0_refuses_raises_on_every_rank_at_once(refusals, name):
+    """A shape only rank 0 reads is wrong: rank 0 refuses it, and rank 1 raises a ValueError naming rank 0 and the
+    reason within seconds (it waited in the scatter until the process group's timeout)."""
+    ckpt, _, results = refusals(name)
+    (bad, shape), = REFUSALS[name][1].items()
     reason = rf"\['{bad}'\] -> .*the checkpoint's shape \[{tuple(shape)}\]".replace("(", r"\(").replace(")", r"\)")
     kind, msg = results[0]["outcome"]
     assert kind == "ValueError" and re.search(reason, msg), results[0]
@@ -173,19 +219,11 @@ def test_a_checkpoint_rank_0_refuses_raises_on_every_rank_at_once(tmp_path, tp, 
     assert all(r["seconds"] < 10 for r in results), [r["seconds"] for r in results]
 
 
-def test_under_expert_parallel_alone_a_checkpoint_one_rank_refuses_raises_on_every_rank(tmp_path):
+def test_under_expert_parallel_alone_a_checkpoint_one_rank_refuses_raises_on_every_rank(refusals):
     """EP=2, TP=ETP=1 (no scatter): an expert only EP rank 1 reads has a wrong shape. Rank 1 refused it and rank 0
     returned as if loaded, to wait in the first collective of training; now rank 0 raises naming rank 1."""
-    from safetensors.torch import load_file, save_file
-
-    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
-    bad = "model.layers.0.mlp.experts.5.down_proj.weight"  # experts 4..7 are EP rank 1's
-    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    tensors[bad] = torch.zeros(64, 16)
-    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
-    port = free_port()
-    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), 1, 1, WORLD), timeout=240)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ckpt, _, results = refusals("ep-alone")
+    (bad, _), = REFUSALS["ep-alone"][1].items()
     reason = re.escape(f"['{bad}'] -> ") + r".*the checkpoint's shape \[\(64, 16\)\]"
     kind, msg = results[1]["outcome"]
     assert kind == "ValueError" and re.search(reason, msg), results[1]
@@ -194,41 +232,24 @@ def test_under_expert_parallel_alone_a_checkpoint_one_rank_refuses_raises_on_eve
     assert kind == "ValueError" and re.search(rf"^rank 1 refused to load the checkpoint {where} .*{reason}", msg), msg
 
 
-def test_under_expert_parallel_experts_beyond_the_config_are_refused_not_left_to_another_rank(tmp_path):
+def test_under_expert_parallel_experts_beyond_the_config_are_refused_not_left_to_another_rank(refusals):
     """EP=2: an expert id >= num_experts (or of a layer >= num_layers) is no EP rank's: a config.json with fewer
     experts than the weights. Both ranks refuse it by name instead of each taking it for the other's."""
-    from safetensors.torch import load_file, save_file
-
-    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
-    extra = ["model.layers.0.mlp.experts.8.down_proj.weight", "model.layers.3.mlp.experts.1.up_proj.weight"]
-    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    tensors.update({n: torch.zeros(4, 4) for n in extra})
-    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
-    port = free_port()
-    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), 1, 1, WORLD), timeout=240)
+    _, _, results = refusals("beyond")
+    extra = list(REFUSALS["beyond"][1])
     for r in range(WORLD):
-        kind, msg = torch.load(tmp_path / f"rank{r}.pt")["outcome"]
+        kind, msg = results[r]["outcome"]
         assert kind == "ValueError" and "2 checkpoint tensor(s) map to no parameter" in msg, (r, msg)
         assert all(n in msg for n in extra), (r, msg)
 
 
-@pytest.mark.parametrize("bad, shape, whole", [
-    ("model.layers.1.self_attn.o_proj.weight", (64, 32), (64, 64)),  # split on its input columns
-    ("model.embed_tokens.weight", (64, 64), (128, 64)),  # vocab-parallel rows
-    ("lm_head.weight", (64, 64), (128, 64)),
-], ids=["o_proj", "embed_tokens", "lm_head"])
-def test_a_checkpoint_tensor_of_one_tp_rank_s_shape_is_refused_on_every_rank(tmp_path, bad, shape, whole):
+@pytest.mark.parametrize("part, whole", [("o_proj", (64, 64)), ("embed_tokens", (128, 64)), ("lm_head", (128, 64))])
+def test_a_checkpoint_tensor_of_one_tp_rank_s_shape_is_refused_on_every_rank(refusals, part, whole):
     """A tensor of exactly one TP rank's shape is refused (mbridge's split would copy it to both ranks, each
     loading the same half as if it were its own): its whole shape is checked against the parameter's times TP."""
-    from safetensors.torch import load_file, save_file
-
-    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
-    tensors = load_file(os.path.join(ckpt, "model.safetensors"))
-    tensors[bad] = torch.zeros(shape)
-    save_file(tensors, os.path.join(ckpt, "model.safetensors"), metadata={"format": "pt"})
-    port = free_port()
-    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), WORLD, 1), timeout=240)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    name = f"one-tp-shape-{part}"
+    ckpt, _, results = refusals(name)
+    (bad, shape), = REFUSALS[name][1].items()
     reason = re.escape(f"['{bad}'] -> ") + ".*" + re.escape(
         f"the checkpoint's shape [{shape}] gives {shape} whole ({shape} per rank), the model's is {whole} whole "
         f"({shape} on each of {WORLD} ranks); does config.json match the checkpoint?")
@@ -239,17 +260,12 @@ def test_a_checkpoint_tensor_of_one_tp_rank_s_shape_is_refused_on_every_rank(tmp
     assert kind == "ValueError" and re.search(rf"^rank 0 refused to load the checkpoint {where} .*{reason}", msg), msg
 
 
-@pytest.mark.parametrize("tp, ep", [(1, WORLD), (WORLD, 1)], ids=["ep2", "tp2"])
-def test_a_checkpoint_directory_one_rank_lacks_raises_on_every_rank(tmp_path, tp, ep):
+@pytest.mark.parametrize("layout", ["ep2", "tp2"])
+def test_a_checkpoint_directory_one_rank_lacks_raises_on_every_rank(refusals, layout):
     """The directory is missing where rank 1 looks (a node-local copy that was not staged): rank 1's
     FileNotFoundError was raised before the ranks' agreement, and rank 0 waited in it (a bare gloo error once rank 1
     exited; under NCCL, the process group's timeout); now rank 0 raises a ValueError naming rank 1 and why."""
-    ckpt = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=5)
-    missing = str(tmp_path / "not_staged_here")
-    port = free_port()
-    spawn_ranks(_refused_worker, WORLD, lambda r: (r, port, ckpt, str(tmp_path), tp, 1, ep, missing if r else None),
-                timeout=240)
-    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    ckpt, missing, results = refusals(f"lacks-{layout}")
     reason = re.escape(f"{missing!r} is not a HF checkpoint directory (no config.json)")
     kind, msg = results[1]["outcome"]
     assert kind == "FileNotFoundError" and re.search(reason, msg), results[1]
