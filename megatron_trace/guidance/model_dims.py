@@ -28,6 +28,12 @@ from pathlib import Path
 from ..config import ACTIVATION_SITES, KV_SITES
 
 _EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in")
+_CLASS_DEFAULTS = {
+    "qwen3_moe": {"num_key_value_heads": 4},  # (head_dim: hidden_size // num_attention_heads, as its attention)
+    "qwen3_5_moe_text": {"num_key_value_heads": 2, "head_dim": 256},
+    "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256},
+}
+"""transformers' (5.24) class defaults of the attention fields a config.json may leave out, by ``model_type``."""
 
 
 @dataclass(frozen=True)
@@ -82,8 +88,8 @@ class ModelDims:
         """Read a Qwen3-MoE / Qwen3.5-MoE / DeepSeek-V3 style ``config.json`` (dict or path)."""
         if not isinstance(cfg, Mapping):
             cfg = json.loads(Path(cfg).read_text())
-        if "text_config" in cfg and "num_hidden_layers" not in cfg:
-            cfg = cfg["text_config"]  # multimodal wrappers (Qwen3.5) keep the LM under text_config
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:  # multimodal wrappers (Qwen3.5) keep the LM
+            cfg = {"model_type": f"{cfg.get('model_type')}_text", **cfg["text_config"]}  # under text_config
         return _dims_from_mapping(cfg)
 
 
@@ -109,6 +115,19 @@ def _need(cfg: Mapping, *names: str) -> int:
 def _opt(cfg: Mapping, name: str, default: int) -> int:
     """``cfg[name]`` as an int where it is set (not None, 0 or missing), else ``default``."""
     return _int(cfg, name) if cfg.get(name) else default
+
+
+def _kv_heads(cfg: Mapping, heads: int) -> int:
+    """``num_key_value_heads`` where the config has it (null: one per attention head, the transformers convention
+    of e.g. ``DeepseekV3Config``), else its model type's class default (transformers builds the model with it)."""
+    if "num_key_value_heads" in cfg:
+        return _opt(cfg, "num_key_value_heads", heads)
+    default = _CLASS_DEFAULTS.get(cfg.get("model_type"), {}).get("num_key_value_heads")
+    if default is None:
+        raise ValueError(f"HF config (model_type={cfg.get('model_type')!r}) has no num_key_value_heads, and that "
+                         f"type's default is not known here (known: {sorted(_CLASS_DEFAULTS)}); write it into "
+                         "config.json")
+    return default
 
 
 def _moe_layers(cfg: Mapping, num_layers: int) -> tuple[int, ...]:
@@ -143,8 +162,9 @@ def _dims_from_mapping(cfg: Mapping) -> ModelDims:
         kv_heads, head_dim, kv_v = 1, _int(cfg, "kv_lora_rank") + _need(cfg, "qk_rope_head_dim"), False
     else:
         heads = _need(cfg, "num_attention_heads")
-        kv_heads = _opt(cfg, "num_key_value_heads", heads)
-        head_dim = _opt(cfg, "head_dim", hidden // heads if heads > 0 else 0)
+        kv_heads = _kv_heads(cfg, heads)
+        default_dim = _CLASS_DEFAULTS.get(cfg.get("model_type"), {}).get("head_dim")
+        head_dim = _opt(cfg, "head_dim", default_dim or (hidden // heads if heads > 0 else 0))
         kv_v = True
     return ModelDims(
         num_layers=num_layers,

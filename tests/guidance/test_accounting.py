@@ -100,7 +100,7 @@ def test_hf_config_errors_name_the_problem():
     with pytest.raises(ValueError, match="layer_types"):
         ModelDims.from_hf_config({"num_hidden_layers": 2, "hidden_size": 8, "moe_intermediate_size": 4,
                                   "num_experts": 4, "num_experts_per_tok": 2, "num_attention_heads": 2,
-                                  "layer_types": ["full_attention"]})
+                                  "num_key_value_heads": 2, "layer_types": ["full_attention"]})
 
 
 def test_totals_by_site_and_layer():
@@ -223,3 +223,22 @@ def test_a_qwen3_moe_config_without_head_dim_or_kv_heads():
     assert (dims.head_dim, dims.kv_heads * dims.head_dim) == (attn.head_dim, attn.k_proj.out_features) == (32, 64)
     mha = ModelDims.from_hf_config({**d, "num_key_value_heads": None})
     assert mha.kv_heads == DeepseekV3Config(num_attention_heads=2, num_key_value_heads=None).num_key_value_heads == 2
+
+
+def test_a_config_without_kv_heads_takes_transformers_default_of_its_model_type():
+    """A config.json that leaves ``num_key_value_heads`` out gets its class's default when transformers builds the
+    model (Qwen3-MoE: 4 K/V heads; Qwen3.5-MoE's text model: 2 of head_dim 256), not one per attention head; a
+    model type whose default is not known here is refused by name."""
+    from transformers import Qwen3_5MoeTextConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    d = {k: v for k, v in tiny_config(num_attention_heads=8, num_hidden_layers=1).to_dict().items()
+         if k not in ("num_key_value_heads", "head_dim")}
+    attn = Qwen3MoeForCausalLM(Qwen3MoeConfig(**d)).model.layers[0].self_attn
+    dims = ModelDims.from_hf_config(d)
+    assert (dims.kv_heads, dims.head_dim) == (attn.k_proj.out_features // attn.head_dim, attn.head_dim) == (4, 8)
+    text = {k: v for k, v in d.items() if k != "model_type"}  # a Qwen3.5 wrapper's text_config, type left out
+    want = Qwen3_5MoeTextConfig(**text)
+    got = ModelDims.from_hf_config({"model_type": "qwen3_5_moe", "text_config": text})
+    assert (got.kv_heads, got.head_dim) == (want.num_key_value_heads, want.head_dim) == (2, 256)
+    with pytest.raises(ValueError, match=r"model_type='mixtral'\) has no num_key_value_heads.*known: \['qwen3_5"):
+        ModelDims.from_hf_config({**d, "model_type": "mixtral"})

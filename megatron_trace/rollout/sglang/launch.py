@@ -13,6 +13,7 @@ import logging
 
 from ...config import TraceConfig
 from ...formats import sglang_kvfp4
+from ...guidance.model_dims import ModelDims
 from ...guidance.selection import guided_layers
 from ...manifest import KV_SITES, check_guided_layers, experts_name, kv_cache_name, module_excluded
 from ..audit import qwen3_moe_modules
@@ -118,22 +119,16 @@ def kv_cache_dtype(trace_config: TraceConfig) -> str:
     return KV_FP4 if any(trace_config.quantizes(s) for s in KV_SITES) else "auto"
 
 
-def _head_dim(hf_config: dict) -> int:
-    return int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"]))
-
-
 def guidance_specs(trace_config: TraceConfig, hf_config: dict, *, kv_dtype: str | None = None) -> list[SiteSpec]:
     """The (layer, site) rows the engine records: the layer policy's layers, less ``exclude_modules``.
 
     Expert sites: ``TraceConfig.format`` rows as the TRACE MoE method quantizes them. KV sites:
     SGLang's FP4 KV pool rows (``sglang_kvfp4``, only with ``kv_dtype == "fp4_e2m1"``)."""
     kv_dtype = kv_cache_dtype(trace_config) if kv_dtype is None else kv_dtype
-    n = int(hf_config["num_hidden_layers"])
+    dims = ModelDims.from_hf_config(hf_config)  # (the KV heads as transformers builds the model)
     moe, _ = qwen3_moe_modules(hf_config)
-    hidden, ffn, topk = (int(hf_config[k]) for k in ("hidden_size", "moe_intermediate_size", "num_experts_per_tok"))
-    kv_shape = (int(hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]), _head_dim(hf_config))
     compact = trace_config.cache_mode == "compact"
-    specs, layers = [], guided_layers(trace_config, n)
+    specs, layers = [], guided_layers(trace_config, dims.num_layers)
     check_guided_layers(trace_config, layers, moe_layers=moe)  # (the policy guiding nothing: no spec, silently)
     for layer in layers:
         for site in trace_config.guided_sites:
@@ -141,9 +136,9 @@ def guidance_specs(trace_config: TraceConfig, hf_config: dict, *, kv_dtype: str 
                 continue
             if site in KV_SITES:
                 if kv_dtype == KV_FP4 and not module_excluded(trace_config, kv_cache_name(layer)):
-                    specs.append(SiteSpec(layer, site, kv_shape, sglang_kvfp4.NAME, compact))
+                    specs.append(SiteSpec(layer, site, dims.site_rows(site), sglang_kvfp4.NAME, compact))
             elif layer in moe and not module_excluded(trace_config, experts_name(layer)):
-                shape = (hidden,) if site == "expert_fc1_in" else (topk, ffn)
+                shape = (dims.hidden,) if site == "expert_fc1_in" else (dims.topk, dims.moe_ffn)
                 specs.append(SiteSpec(layer, site, shape, trace_config.format, compact))
     return specs
 
