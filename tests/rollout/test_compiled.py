@@ -47,8 +47,9 @@ def test_compiled_generations_equal_the_eager_ones(compile):
         graphs = g["graphs"]  # the last call compiled nothing new (and no recompile limit was hit: see the runner)
         assert graphs[-1] == graphs[-2], (mode, graphs)
     # the grouped GPU path's routing / permutations / gate / weighted sum, compiled (Inductor's CPU backend here):
-    # order, offs, inverse, sorted rows, gated rows, combined rows all bit-identical to the eager functions
-    assert all(all(row) for row in got["plumbing_equal"]), got["plumbing_equal"]
+    # order, offs, inverse, sorted rows, gated rows, combined rows all bit-identical to the eager functions (run
+    # once, beside "modules")
+    assert compile == "layers" or all(all(row) for row in got["plumbing_equal"]), got["plumbing_equal"]
     # weights A -> B -> A on a compiled backend equals a fresh compiled A, parameters in place (nothing compiled in)
     assert got["refit"] == "ok", got["refit"]
 
