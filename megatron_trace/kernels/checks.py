@@ -50,9 +50,10 @@ def _indexed(device) -> torch.device:
 
 
 class FiniteCounter:
-    """NaN/Inf inputs seen at one named site since the last check (int32 on the site's device). Also counts other
-    per-step events read back later (``FP4KVCache.mask_holes``). ``ready``: where its adds so far end, when every
-    producer marked it (``mark``); ``tensor()`` forgets it until then.
+    """NaN/Inf inputs seen at one named site since the last check (int64 on the site's device: an all-NaN tensor of
+    2**31 elements or more would wrap an int32 count, to 0 at 2**32). Also counts other per-step events read back
+    later (``FP4KVCache.mask_holes``). ``ready``: where its adds so far end, when every producer marked it
+    (``mark``); ``tensor()`` forgets it until then.
 
     ``marks=False``: ``mark()`` records nothing, so a read waits for the current stream. For producers that may run
     inside a CUDA graph capture (the rollout's decode step): an event recorded there cannot be waited on after the
@@ -65,11 +66,11 @@ class FiniteCounter:
         self.ready = ReadyPoint()
 
     def tensor(self, device) -> torch.Tensor:
-        """The counter on ``device`` ([1] int32), allocated at first use; the kernels add into it (and the caller
+        """The counter on ``device`` ([1] int64), allocated at first use; the kernels add into it (and the caller
         calls ``mark()`` once they are queued, else a read waits for the whole stream)."""
         device = _indexed(device)
         if self._count is None or self._count.device != device:
-            self._count = torch.zeros(1, dtype=torch.int32, device=device)
+            self._count = torch.zeros(1, dtype=torch.int64, device=device)
         self.ready.forget()
         return self._count
 
@@ -80,7 +81,7 @@ class FiniteCounter:
 
     def add_bad(self, bad: torch.Tensor) -> None:
         """Add a device count (any integer or bool tensor, summed) without a host sync."""
-        self.tensor(bad.device).add_(bad.sum().to(torch.int32))
+        self.tensor(bad.device).add_(bad.sum().to(torch.int64))
         self.mark()
 
     @property

@@ -43,7 +43,7 @@ def _err(check_finite, device) -> torch.Tensor | None:
     ``FiniteCounter``, or None (unchecked)."""
     if isinstance(check_finite, FiniteCounter):
         return check_finite.tensor(device)
-    return torch.zeros(1, dtype=torch.int32, device=device) if check_finite else None
+    return torch.zeros(1, dtype=torch.int64, device=device) if check_finite else None
 
 
 def _raise_if_bad(err: torch.Tensor | None, x: torch.Tensor, check_finite) -> None:
@@ -51,7 +51,7 @@ def _raise_if_bad(err: torch.Tensor | None, x: torch.Tensor, check_finite) -> No
     that counts into it is queued)."""
     if isinstance(check_finite, FiniteCounter):
         check_finite.mark()
-    elif err is not None and int(err.item()) > 0:
+    elif err is not None and int(err.item()) != 0:
         ref_block.check_input(x)  # raises the reference's NonFiniteError (with the first bad index)
 
 

@@ -321,10 +321,11 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
     else:
         if CHECK_FINITE:
             lo, hi = f.unpair(w, XDT)
-            ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-            bad = tl.max(tl.max(tl.max(ab, axis=2), axis=1), axis=0) >= 0x7F800000  # an Inf or NaN in the tile
-            if bad:
-                tl.atomic_add(err_ptr, 1)
+            lo_m, hi_m = lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+            bad = tl.max(tl.max(tl.max(tl.maximum(lo_m, hi_m), axis=2), axis=1), axis=0) >= 0x7F800000  # Inf / NaN
+            if bad:  # their number, counted only in a tile that has one (m3: not the clamped rows past M)
+                n = ((lo_m >= 0x7F800000).to(tl.int32) + (hi_m >= 0x7F800000).to(tl.int32)) * m3.to(tl.int32)
+                tl.atomic_add(err_ptr, tl.sum(tl.sum(tl.sum(n, axis=2), axis=1), axis=0))
         slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ, HW_CVT)
         if CHECK_FINITE:
             slow += bad.to(tl.int32)

@@ -34,4 +34,4 @@ def test_a_counter_lives_on_the_device_it_is_asked_for():
     c = FiniteCounter("x")
     assert c.tensor("cpu").device.type == "cpu"
     meta = c.tensor("meta")
-    assert meta.device.type == "meta" and meta.dtype == torch.int32 and meta.shape == (1,)
+    assert meta.device.type == "meta" and meta.dtype == torch.int64 and meta.shape == (1,)

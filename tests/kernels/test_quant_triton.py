@@ -185,6 +185,19 @@ def test_deferred_check_counts_and_keeps_non_finite(policy, guided):
     raise_if_bad([counter])  # read and reset: a second check passes
 
 
+@pytest.mark.parametrize("policy", ["nvfp4-row", "nvfp4-tensor", "mxfp4-floor"])
+def test_a_deferred_count_past_two_to_the_32_does_not_wrap(policy):
+    """The counter is int64: an int32 one wraps past 2**31 NaN/Inf values (an all-NaN stacked weight of 2**31
+    elements or more) and reads 0, no error, at 2**32. Here it holds 2**32 - 2 when the kernels add 3."""
+    counter = FiniteCounter("layer 0 weights")
+    counter.tensor(DEVICE).fill_(2**32 - 2)
+    x = _inputs((3, 64), torch.bfloat16, 4)
+    x[0, 1], x[2, 63], x[1, 30] = float("nan"), float("inf"), -float("inf")
+    fused.fake_quantize(x.to(DEVICE), POLICIES[policy], check_finite=counter)
+    with pytest.raises(NonFiniteError, match=r"\(layer 0 weights: 4294967297 NaN/Inf value\(s\)\)"):
+        raise_if_bad([counter])
+
+
 def test_deferred_check_counts_a_bad_given_amax():
     counter = FiniteCounter("layer 0 weights")
     x = _inputs((4, 32), torch.float32, 9).to(DEVICE)
