@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, 
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..config import TraceConfig
-from ..formats import FP4Tensor, NonFiniteError
+from ..formats import FP4Tensor
 from ..guidance.selection import guided_layers
 from ..guidance.site import SiteKey
 from ..kernels import Kernel, select_kernel
@@ -56,14 +56,13 @@ from .base import (
     WeightValue,
     is_int,
     next_policy_version,
-    nonfinite_names,
     recipe_kept_on_failure,
     weight_pairs,
 )
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .finite import RolloutFiniteChecks
-from .hf_weights import FUSED_EXPERTS, join_fc1, parse_expert_name
+from .hf_weights import FUSED_EXPERTS, check_dense_updates, join_fc1, parse_expert_name
 from .kv_cache import FP4KVCache
 from .recorder import GuidanceRecorder
 
@@ -405,8 +404,7 @@ class HFRolloutBackend:
                 dense.append((target, value, name))
                 if layer not in self.bf16_expert_layers:  # excluded experts are used as they come
                     halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
-            self._check_shapes(dense)
-            _check_finite(dense)
+            check_dense_updates(dense)
             requant = self._check_pairs(halves, fp4)
             packed = self._check_fp4(fp4)
             with torch.no_grad():
@@ -418,14 +416,6 @@ class HFRolloutBackend:
                         self.weight_store.set(self._experts[layer], layer, e, which, q)
         self.policy_version = new_version
         logger.debug("update_weights: %d tensors, version %d", len(weights), self.policy_version)
-
-    @staticmethod
-    def _check_shapes(dense) -> None:
-        for target, value, name in dense:
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{name!r}: expected a torch.Tensor or FP4Tensor, got {type(value).__name__}")
-            if tuple(value.shape) != tuple(target.shape):
-                raise ValueError(f"{name!r}: shape {tuple(value.shape)} != the model's {tuple(target.shape)}")
 
     def _check_fp4(self, fp4) -> list[tuple[int, int, str, FP4Tensor]]:
         """(layer, expert, FC1 | FC2, value) of every FP4 update, each checked as ``ExpertWeightStore.set`` will."""
@@ -451,13 +441,3 @@ class HFRolloutBackend:
                 raise ValueError(f"layer {layer} expert {e}: FP4 fc1 needs gate_proj and up_proj together")
         return set(halves)
 
-
-def _check_finite(dense) -> None:
-    """Refuse an update whose floating-point values hold NaN/Inf, or do once in the model's dtype (a value beyond
-    float16's range copies in as Inf), naming the weights (one host sync per device)."""
-    bad = nonfinite_names((name, value, target.dtype if target.is_floating_point() else None)
-                          for target, value, name in dense)
-    if bad:
-        dtype = next(target.dtype for target, _, name in dense if name == bad[0])
-        raise NonFiniteError(f"update_weights: {len(bad)} weight(s) hold NaN/Inf, e.g. {bad[:3]}; nothing was updated "
-                             f"(checked as the model's {dtype}: a value beyond its range would copy in as Inf)")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..formats import FP4Tensor
+from ..formats import FP4Tensor, NonFiniteError
+from .base import nonfinite_names
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -177,3 +178,20 @@ class ShardedSafetensorsWriter:
             self.close()
         else:
             self.abort()
+
+
+def check_dense_updates(dense) -> None:
+    """Refuse a dense update, (model tensor, value, name) triples, naming the weights: a value that is not a tensor,
+    of another shape, or holding NaN/Inf, or doing so once in the model's dtype (a value beyond float16's range
+    copies in as Inf; one host sync per device)."""
+    for target, value, name in dense:
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name!r}: expected a torch.Tensor or FP4Tensor, got {type(value).__name__}")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(f"{name!r}: shape {tuple(value.shape)} != the model's {tuple(target.shape)}")
+    bad = nonfinite_names((name, value, target.dtype if target.is_floating_point() else None)
+                          for target, value, name in dense)
+    if bad:
+        dtype = next(target.dtype for target, _, name in dense if name == bad[0])
+        raise NonFiniteError(f"update_weights: {len(bad)} weight(s) hold NaN/Inf, e.g. {bad[:3]}; nothing was updated "
+                             f"(checked as the model's {dtype}: a value beyond its range would copy in as Inf)")
