@@ -185,7 +185,7 @@ def test_deferred_check_counts_and_keeps_non_finite(policy, guided):
     raise_if_bad([counter])  # read and reset: a second check passes
 
 
-@pytest.mark.parametrize("policy", ["nvfp4-row", "nvfp4-tensor", "mxfp4-floor"])
+@pytest.mark.parametrize("policy", ["nvfp4-row", "nvfp4-tensor"])  # (the amax pass counts in the second)
 def test_a_deferred_count_past_two_to_the_32_does_not_wrap(policy):
     """The counter is int64: an int32 one wraps past 2**31 NaN/Inf values (an all-NaN stacked weight of 2**31
     elements or more) and reads 0, no error, at 2**32. Here it holds 2**32 - 2 when the kernels add 3."""
