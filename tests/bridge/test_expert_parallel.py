@@ -42,6 +42,8 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
             "expected_bytes": sum(disk[n].numel() * disk[n].element_size() for n in mine),
             "expert_bytes": sum(disk[n].numel() * disk[n].element_size() for n in mine if parse_expert_name(n)),
             "local_experts": len(model.decoder.layers[0].mlp.experts.local_experts),
+            "local_hf_names_are_mine": set(bridge.local_hf_names(model)) == mine,
+            "config_ep": bridge.config.expert_model_parallel_size,
             "logits": megatron_logits(model, TOKENS),
             "export_exact": exported.keys() == disk.keys() and all(torch.equal(exported[k], disk[k]) for k in disk),
         }, os.path.join(out, f"rank{rank}.pt"))
@@ -67,6 +69,8 @@ def test_each_rank_reads_only_its_shard(ep2_results):
         assert r["local_experts"] == 4
         assert r["bytes"] == r["expected_bytes"]
         assert r["expert_bytes"] == all_experts // WORLD
+        assert r["local_hf_names_are_mine"]  # under global expert ids: rank 1's are experts 4..7
+        assert r["config_ep"] == WORLD
 
 
 def test_ep2_logits_equal_transformers(ep2_results):

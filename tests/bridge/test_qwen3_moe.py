@@ -73,14 +73,20 @@ def test_hf_checkpoint_gives_transformers_logits(ckpt):
     assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
-def test_a_non_default_rope_theta_gives_transformers_logits(tmp_path):
+@pytest.mark.parametrize("overrides", [dict(rope_theta=1e6), dict(head_dim=32)], ids=["rope_theta", "head_dim"])
+def test_a_non_default_rope_theta_or_head_dim_gives_transformers_logits(tmp_path, overrides):
     """Qwen3-MoE releases use rope_theta=1e6; the tiny config's 1e4 is also Megatron's default, so a bridge that
-    dropped the checkpoint's theta passed every other test while rotating every query and key by other angles."""
+    dropped the checkpoint's theta passed every other test while rotating every query and key by other angles. Their
+    head_dim is not hidden_size / num_attention_heads either (Qwen3-30B-A3B: 128, not 2048 / 32 = 64), as the tiny
+    config's 16 = 64 / 4 is: a bridge that derived kv_channels from the hidden size passed the other tests."""
     from megatron_trace.bridge import load_hf_checkpoint
     from megatron_trace.bridge.config import gpt_model_kwargs, rope_theta
 
-    cfg = tiny_config(rope_theta=1e6)
-    assert rope_theta(cfg) == 1e6 and gpt_model_kwargs(cfg)["rotary_base"] == 1e6
+    cfg = tiny_config(**overrides)
+    if "rope_theta" in overrides:
+        assert rope_theta(cfg) == 1e6 and gpt_model_kwargs(cfg)["rotary_base"] == 1e6
+    else:
+        assert cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size
     path = save_tiny_checkpoint(tmp_path / "hf", cfg, seed=4)
     bridge = _bridge(path)
     model = bridge.build_model().eval()
@@ -91,6 +97,77 @@ def test_a_non_default_rope_theta_gives_transformers_logits(tmp_path):
         ref = hf(tokens).logits
     got = megatron_logits(model, tokens)
     assert (got - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_transformer_config_takes_the_hf_fields_and_the_callers_overrides():
+    """Fields the tiny checkpoints leave at Megatron's defaults (a bridge that dropped them passed the logits tests);
+    the precision flags follow the dtype; sequence parallelism follows TP (the trainer's step shards the sequence by
+    ``config.sequence_parallel``); the caller's overrides win, through the bridge too."""
+    from megatron_trace.bridge import Qwen3MoeBridge
+    from megatron_trace.bridge.config import gpt_model_kwargs
+
+    cfg = tiny_config(rms_norm_eps=1e-3, attention_dropout=0.1, initializer_range=0.05, max_position_embeddings=512)
+    c = transformer_config_from_hf(cfg, dtype=torch.float32)
+    assert (c.layernorm_epsilon, c.attention_dropout, c.init_method_std) == (1e-3, 0.1, 0.05)
+    assert gpt_model_kwargs(cfg)["max_sequence_length"] == 512
+    for dtype, bf16, fp16 in ((torch.bfloat16, True, False), (torch.float16, False, True),
+                              (torch.float32, False, False)):
+        c = transformer_config_from_hf(cfg, dtype=dtype)
+        assert (c.params_dtype, c.bf16, c.fp16) == (dtype, bf16, fp16)
+    assert not transformer_config_from_hf(cfg).sequence_parallel
+    c = transformer_config_from_hf(cfg, tensor_parallel=2)
+    assert c.sequence_parallel and c.tensor_model_parallel_size == 2
+    c = transformer_config_from_hf(cfg, hidden_dropout=0.1, expert_tensor_parallel_size=2)
+    assert (c.hidden_dropout, c.expert_tensor_parallel_size) == (0.1, 2)
+    assert Qwen3MoeBridge(cfg, dtype=torch.float32, hidden_dropout=0.1).config.hidden_dropout == 0.1
+
+
+def test_the_bridge_config_follows_its_parallel_states():
+    """The bridge's TransformerConfig has the TP / EP sizes of its parallel states (Megatron's modules shard by the
+    parallel state, so a config that said TP 1 under TP 2 still gave the right logits, with sequence parallelism off
+    where the trainer's step expects it on); pipeline parallelism is refused by the load and the export."""
+    from mbridge.core.parallel_states import ParallelStates
+
+    from megatron_trace.bridge import Qwen3MoeBridge
+
+    c = Qwen3MoeBridge(tiny_config(), dtype=torch.float32, parallel_states=ParallelStates(tp_size=2, ep_size=4)).config
+    assert (c.tensor_model_parallel_size, c.sequence_parallel, c.expert_model_parallel_size) == (2, True, 4)
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.float32, parallel_states=ParallelStates(pp_size=2))
+    with pytest.raises(NotImplementedError, match="pipeline parallel size 1 only, got 2"):
+        bridge.load_weights([], "unused")
+    with pytest.raises(NotImplementedError, match="pipeline parallel size 1 only, got 2"):
+        next(bridge.export_weights([]))
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (dict(decoder_sparse_step=2), "dense"),
+    (dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                           "original_max_position_embeddings": 64}), "rope_type='yarn'"),
+    (dict(sliding_window=16, use_sliding_window=True), "sliding-window"),
+], ids=["decoder_sparse_step", "yarn", "sliding_window"])
+def test_unmapped_variants_are_refused(overrides, match):
+    """Each would build a model that computes otherwise than transformers (dense layers, scaled or windowed
+    attention) without a word."""
+    with pytest.raises(NotImplementedError, match=match):
+        transformer_config_from_hf(tiny_config(**overrides))
+    transformer_config_from_hf(tiny_config(sliding_window=16, use_sliding_window=False))  # the window unused: fine
+    other = tiny_config()
+    other.model_type = "qwen3"
+    with pytest.raises(ValueError, match="model_type='qwen3': this bridge maps 'qwen3_moe' only"):
+        transformer_config_from_hf(other)
+
+
+def test_build_gpt_model_uses_the_spec_it_is_given():
+    """The RL trainer passes its own (TRACE) layer spec; the model must be built from it, not from the local spec."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_trace.bridge import build_gpt_model
+
+    spec = get_gpt_layer_local_spec(num_experts=8, moe_grouped_gemm=False, qk_layernorm=False, normalization="RMSNorm")
+    names = [n for n, _ in build_gpt_model(tiny_config(), dtype=torch.float32, spec=spec).named_parameters()]
+    assert names and not [n for n in names if "q_layernorm" in n]
+    names = [n for n, _ in build_gpt_model(tiny_config(), dtype=torch.float32).named_parameters()]
+    assert [n for n in names if "q_layernorm" in n]
 
 
 def test_build_gpt_model_ties_the_output_layer_as_the_config_says():
@@ -149,6 +226,7 @@ def test_megatron_hf_megatron_round_trip_is_bit_exact(tmp_path):
     src = bridge.build_model()
     exported = list(export_hf_weights(src, bridge))
     names = [n for n, _ in exported]
+    assert [n for n, _ in export_hf_weights((src,), bridge)] == names  # a tuple of models is a list of them
     assert len(names) == len(set(names)) and "model.layers.2.mlp.experts.7.up_proj.weight" in names
     # in the bridge's dtype, norms included (Megatron's torch RMSNorm keeps its weight in fp32)
     assert src.decoder.final_layernorm.weight.dtype == torch.float32
@@ -293,10 +371,13 @@ def test_tied_embeddings_load_and_an_lm_head_of_its_own_is_refused(tmp_path):
     assert (megatron_logits(load(), tokens) - ref).abs().max() < 1e-4 * ref.abs().max()
     _rewrite(path, {**disk, "lm_head.weight": disk["model.embed_tokens.weight"].clone()})  # the same values: fine
     load()
-    _rewrite(path, {**disk, "lm_head.weight": torch.randn(128, 64, generator=torch.Generator().manual_seed(1))})
-    with pytest.raises(ValueError, match=r"tie_word_embeddings=True but the checkpoint's lm_head\.weight \(128, 64\) "
-                                         r"differs from model\.embed_tokens\.weight"):
-        load()
+    near = disk["model.embed_tokens.weight"].clone()
+    near[5, 7] = torch.nextafter(near[5, 7], torch.tensor(float("inf")))  # one value, one ulp: differs all the same
+    for head in (torch.randn(128, 64, generator=torch.Generator().manual_seed(1)), near):
+        _rewrite(path, {**disk, "lm_head.weight": head})
+        with pytest.raises(ValueError, match=r"tie_word_embeddings=True but the checkpoint's lm_head\.weight "
+                                             r"\(128, 64\) differs from model\.embed_tokens\.weight"):
+            load()
 
 
 def test_a_tensor_in_two_files_without_an_index_is_refused(tmp_path):
@@ -417,7 +498,8 @@ def test_the_export_leaves_the_callers_gradient_mode_alone():
     x = torch.ones(2, requires_grad=True)
     (x * 2).sum().backward()  # a training step while the export waits (the stream is kept, not finished)
     assert torch.equal(x.grad, torch.full((2,), 2.0))
-    assert len(list(stream)) > 0
+    rest = list(stream)
+    assert rest and not [n for n, t in rest if t.grad_fn is not None]  # no autograd graph rides along
 
 
 def test_a_value_that_overflows_float16_is_refused_naming_the_tensor(tmp_path):
@@ -431,6 +513,7 @@ def test_a_value_that_overflows_float16_is_refused_naming_the_tensor(tmp_path):
     name = "model.layers.0.mlp.experts.0.down_proj.weight"
     big = disk[name].float().clone()
     big[0, 0] = 1e5
+    big[0, 1] = float("inf")  # already Inf in the checkpoint: not an overflow of the cast, not counted
     _rewrite(path, {**disk, name: big})
     bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=torch.float16)
     with pytest.raises(ValueError, match=rf"{name}: 1 value\(s\) \(\|x\| up to 100000\) overflow .*float16"):
@@ -438,4 +521,101 @@ def test_a_value_that_overflows_float16_is_refused_naming_the_tensor(tmp_path):
     bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=torch.bfloat16)  # fits bf16
     model = bridge.build_model()
     load_hf_checkpoint(model, path, bridge)
-    assert all(p.isfinite().all() for p in model.parameters())
+    assert sum(int(p.isinf().sum()) for p in model.parameters()) == 1  # the checkpoint's own Inf
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_checkpoint_of_any_float_dtype_loads_its_values(tmp_path, dtype):
+    """fp16 (older releases), bf16 and fp64 checkpoints load, each value cast to the bridge's dtype (the fixtures are
+    all fp32: a bridge that refused fp16 or fp64 headers as unmapped passed every other test)."""
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=3)
+    disk = {k: v.to(dtype) for k, v in _disk(path).items()}
+    _rewrite(path, disk)
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    model = bridge.build_model()
+    stats = load_hf_checkpoint(model, path, bridge)
+    assert stats.bytes == sum(t.numel() for t in disk.values()) * torch.finfo(dtype).bits // 8
+    expert = model.decoder.layers[1].mlp.experts.local_experts[6].linear_fc2.weight
+    assert torch.equal(expert, disk["model.layers.1.mlp.experts.6.down_proj.weight"].float())
+    assert torch.equal(model.embedding.word_embeddings.weight, disk["model.embed_tokens.weight"].float())
+
+
+def test_an_index_entry_whose_file_lacks_the_tensor_is_refused_by_name(tmp_path):
+    """model.safetensors.index.json names a file that does not hold the tensor (a shard replaced by another save)."""
+    import json
+
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=3)
+    disk = _disk(path)
+    gone = "model.layers.2.self_attn.k_norm.weight"
+    _rewrite(path, {k: v for k, v in disk.items() if k != gone})
+    index = {"metadata": {}, "weight_map": {k: "model.safetensors" for k in disk}}
+    (tmp_path / "hf" / "model.safetensors.index.json").write_text(json.dumps(index))
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(path), dtype=torch.float32)
+    with pytest.raises(ValueError, match=rf"1 tensor\(s\) the model needs are in no safetensors file of .*"
+                                         rf"\['{gone}'\]"):
+        load_hf_checkpoint(bridge.build_model(), path, bridge)
+
+
+def test_a_config_with_fewer_experts_than_the_checkpoint_is_refused_by_name(tmp_path):
+    """The checkpoint's experts 4..7 map to no parameter of a 4-expert model: refused naming them (before the
+    router's [8, H] shape is), not left to another rank as under EP."""
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=3)
+    fewer = AutoConfig.from_pretrained(path)
+    fewer.num_experts = 4
+    bridge = Qwen3MoeBridge(fewer, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"36 checkpoint tensor\(s\) map to no parameter of this model, e\.g\. "
+                                         r"\['model\.layers\.0\.mlp\.experts\.4\."):
+        load_hf_checkpoint(bridge.build_model(), path, bridge)
+
+
+def test_a_router_expert_bias_is_not_dropped_from_the_export():
+    """Megatron keeps the router's expert_bias (aux-loss-free balancing, a config override) as a buffer, outside
+    named_parameters; Qwen3-MoE has no HF tensor for it, so the export refuses it by name instead of leaving the
+    rollout to route without it."""
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights
+
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.float32, moe_router_score_function="sigmoid",
+                            moe_router_enable_expert_bias=True)
+    with pytest.raises(NotImplementedError, match=r"decoder\.layers\.0\.mlp\.router\.expert_bias"):
+        list(export_hf_weights(bridge.build_model(), bridge))
+
+
+def test_a_write_that_fails_once_in_a_drained_save_still_raises_at_the_end(tmp_path, monkeypatch):
+    """Under torch.distributed rank 0 keeps draining the export after a write failed (its peers wait in the gathers);
+    the error must still be raised at the end even when the disk recovers (a transient ENOSPC): else the writer
+    closes and the save commits a checkpoint without the tensors from the failed shard on."""
+    import errno
+
+    import safetensors.torch
+
+    from megatron_trace.bridge.checkpoint import _write_all
+    from megatron_trace.rollout.hf_weights import ShardedSafetensorsWriter
+
+    real_save_file, calls = safetensors.torch.save_file, []
+
+    def once_full(tensors, filename, *args, **kwargs):
+        calls.append(filename)
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", once_full)
+    weights = [(f"w{i}", torch.full((256,), float(i))) for i in range(4)]  # 1 KiB each: one per shard
+    drained = []
+    with pytest.raises(OSError, match="No space left on device"):
+        with ShardedSafetensorsWriter(tmp_path, max_shard_bytes=1024) as writer:
+            _write_all(writer, (drained.append(n) or (n, t) for n, t in weights), drain=True)
+    assert drained == ["w0", "w1", "w2", "w3"]  # drained to the end
+    assert list(tmp_path.iterdir()) == []  # and nothing left

@@ -32,7 +32,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str, tp: int = WORLD, etp: int
         # TP 1, ETP 2 (a stock Megatron layout): only the experts are split
         bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32, expert_tensor_parallel_size=etp)
         model = bridge.build_model().eval()
-        load_hf_checkpoint(model, ckpt, bridge)
+        read = load_hf_checkpoint(model, ckpt, bridge).bytes
         qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
         fc1 = model.decoder.layers[0].mlp.experts.local_experts[0].linear_fc1.weight
         b, s = TOKENS.shape
@@ -46,6 +46,7 @@ def _worker(rank: int, port: int, ckpt: str, out: str, tp: int = WORLD, etp: int
         saved = save_hf_checkpoint(model, os.path.join(out, "saved"), bridge, max_shard_bytes=32 << 10)
         torch.save({
             "saved_files": saved,
+            "read_bytes": read,
             "saved_dir": os.path.join(out, "saved"),
             "qkv_rows": qkv.shape[0],
             "expert_fc1_shape": tuple(fc1.shape),
@@ -82,6 +83,10 @@ def test_tp2_shards_logits_and_export(tp2_results):
     for r in results:
         assert (r["logits"] - ref).abs().max() < 1e-4 * ref.abs().max()
         assert r["export_exact"]  # TP shards gathered back to the HF tensors bit for bit
+    # rank 0 of the TP group reads and scatters; ETP is 1, so each rank reads the experts itself
+    nbytes = {n: t.numel() * t.element_size() for n, t in _disk(ckpt).items()}
+    assert results[0]["read_bytes"] == sum(nbytes.values())
+    assert results[1]["read_bytes"] == sum(b for n, b in nbytes.items() if ".mlp.experts." in n)
 
 
 def test_expert_tensor_parallel_without_tensor_parallel_exports_the_experts_whole(tmp_path):
