@@ -376,3 +376,9 @@ def test_master_adamw_is_adamw_on_the_fp32_master_copies():
     opt = MasterAdamW([a, b], lr=0.1)
     (a * torch.tensor([3.0, 0.0]) + b * torch.tensor([0.0, 4.0])).sum().backward()
     assert opt.step(None) == pytest.approx(5.0)  # sqrt(3^2 + 4^2), not 3 + 4
+    stale = torch.nn.Parameter(torch.zeros(2))
+    (stale * 2).sum().backward()  # a gradient from before the optimizer: zero_grad drops it
+    opt = MasterAdamW([stale], lr=0.1)
+    opt.zero_grad()
+    (stale * 3).sum().backward()
+    assert torch.equal(opt.master[0].grad, torch.full((2,), 3.0))
