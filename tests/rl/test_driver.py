@@ -333,6 +333,7 @@ def test_a_resumed_demo_redoes_the_steps_after_its_checkpoint_once(megatron_cpu,
               init_from=ckpt, progress=False)
     cfg = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, checkpoint_every=2, trend_window=3)
     straight = run(out_dir=tmp_path, rl=cfg, **kw)["trace"]
+    assert torch.load(tmp_path / "trace" / "ckpt.pt", weights_only=False)["state"]["step"] == 2  # (of steps 1-3)
     resumed = run(out_dir=tmp_path, rl=cfg, resume=True, **kw)["trace"]
     assert [r["step"] for r in resumed] == [0, 1, 2]
     # the accuracy before training with the first row, the final one with the last
