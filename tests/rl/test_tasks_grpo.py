@@ -382,3 +382,29 @@ def test_master_adamw_is_adamw_on_the_fp32_master_copies():
     opt.zero_grad()
     (stale * 3).sum().backward()
     assert torch.equal(opt.master[0].grad, torch.full((2,), 3.0))
+
+
+def test_a_loaded_master_adamw_continues_with_the_checkpoints_fp32_masters():
+    """The bf16 weights alone lose the fp32 master copies' low bits: ``load_state_dict`` restores the masters, so the
+    steps after a resume are the ones the saved optimizer would have taken (a resumed step's own metrics come before
+    its optimizer step: a run that dropped the masters reproduced them and diverged a step later)."""
+    import copy
+
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    def step(w, opt, k):
+        (w * torch.tensor([1.0, -2.0, 3.0, k], dtype=torch.bfloat16)).sum().backward()
+        opt.step(None)
+        opt.zero_grad()
+
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = MasterAdamW([w], lr=1e-3)
+    step(w, opt, 1.0)
+    sd = copy.deepcopy(opt.state_dict())
+    w2 = torch.nn.Parameter(w.detach().clone())
+    opt2 = MasterAdamW([w2], lr=1e-3)
+    opt2.load_state_dict(sd)
+    assert not torch.equal(opt.master[0], w.detach().float())  # (the masters hold more than the bf16 weights)
+    for k in (2.0, -1.0):
+        step(w, opt, k), step(w2, opt2, k)
+        assert torch.equal(opt2.master[0], opt.master[0]) and torch.equal(w2, w)
