@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import numbers
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -39,6 +41,10 @@ class TinyMoEConfig:
                 raise ValueError(f"TinyMoEConfig.{f.name}={v!r} must be an int >= 1")
         if self.top_k > self.num_experts:
             raise ValueError(f"TinyMoEConfig.top_k={self.top_k} must be <= num_experts={self.num_experts}")
+        if self.top_k < 2:  # (the bridge refused it only when RL built the trainer, after the whole warm-up)
+            raise ValueError(f"TinyMoEConfig.top_k={self.top_k} must be >= 2: the demo model normalises its top-k "
+                             "routing weights (norm_topk_prob=True), and top-1 of those (every weight 1.0) is not "
+                             "mapped to Megatron")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(f"TinyMoEConfig.num_attention_heads={self.num_attention_heads} must be a multiple of "
                              f"num_key_value_heads={self.num_key_value_heads}")
@@ -71,11 +77,16 @@ class SFTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"SFTConfig.{name}={v!r} must be an int >= {least}")
-        if not self.lr > 0:
-            raise ValueError(f"SFTConfig.lr={self.lr!r} must be > 0")
-        if not 0 <= self.label_noise <= 1:
+        if not (_real(self.lr) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"SFTConfig.lr={self.lr!r} must be > 0 (a finite number)")
+        if not (_real(self.label_noise) and 0 <= self.label_noise <= 1):
             raise ValueError(f"SFTConfig.label_noise={self.label_noise!r} must be in [0, 1] (the share of "
                              "warm-up answers replaced by wrong ones)")
+
+
+def _real(v) -> bool:
+    """A real number, not a bool (a YAML ``true`` is no 1.0)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _settings(task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig, device: str) -> dict:

@@ -1,6 +1,7 @@
 """The GRPO driver on a micro config: every arm runs, metrics are finite, TRACE lowers the mismatch, resume is exact."""
 
 import dataclasses
+import json
 import logging
 import math
 import time
@@ -332,8 +333,13 @@ def test_a_resumed_demo_redoes_the_steps_after_its_checkpoint_once(megatron_cpu,
               init_from=ckpt, progress=False)
     cfg = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, checkpoint_every=2, trend_window=3)
     straight = run(out_dir=tmp_path, rl=cfg, **kw)["trace"]
+    assert torch.load(tmp_path / "trace" / "ckpt.pt", weights_only=False)["state"]["step"] == 2  # (of steps 1-3)
     resumed = run(out_dir=tmp_path, rl=cfg, resume=True, **kw)["trace"]
     assert [r["step"] for r in resumed] == [0, 1, 2]
+    # the accuracy before training with the first row, the final one with the last
+    assert ["eval/accuracy_start" in r for r in straight] == [True, False, False]
+    assert ["eval/accuracy" in r for r in straight] == [False, False, True]
+    assert (tmp_path / "summary.md").read_text().startswith("# TRACE demo: add, 1 arms, 3 RL steps\n")
     for key in ("mismatch/logprob_abs_diff", "mismatch/logprob_abs_diff/slope", "mismatch/logprob_abs_diff/growth",
                 "alarm/mismatch_logprob_abs_diff_rising", "reward"):
         assert resumed[2][key] == straight[2][key], key
@@ -390,7 +396,28 @@ def test_a_demo_run_records_what_reproducing_it_needs(tmp_path):
     assert rec["settings"]["trace"] == json.loads(json.dumps(TraceConfig().to_dict()))
     assert rec["versions"]["torch"] in (torch.__version__, torch.__version__.split("+")[0])
     assert rec["versions"]["megatron-core"] and len(rec["runs"]) == 1
-    assert rec["git_commit"] == run_record()["git_commit"]
+    assert rec["git_commit"] == run_record()["git_commit"] and rec["git_dirty"] == run_record()["git_dirty"]
+
+
+def test_a_resumed_run_appends_its_record_and_a_fresh_one_starts_over(tmp_path):
+    from megatron_trace.rl.demo import write_run_record
+
+    write_run_record(tmp_path, task="add", resume=False)
+    write_run_record(tmp_path, task="add", resume=True)
+    rec = json.loads((tmp_path / "run.json").read_text())
+    assert [r["settings"]["resume"] for r in rec["runs"]] == [False, True] and rec["settings"]["resume"] is True
+    write_run_record(tmp_path, task="reverse", resume=False)  # a fresh run in the same directory: its own record only
+    rec = json.loads((tmp_path / "run.json").read_text())
+    assert [(r["settings"]["task"], r["settings"]["resume"]) for r in rec["runs"]] == [("reverse", False)]
+
+
+def test_the_warm_up_goes_to_sft_cache_when_one_is_given(tmp_path):
+    kw = dict(task_name="add", arms=[], trace=TraceConfig(), rl=RL, model=MODEL, sft=SFTConfig(steps=1, batch_size=2),
+              progress=False)
+    run(out_dir=tmp_path / "out", sft_cache=tmp_path / "cache", **kw)
+    assert (tmp_path / "cache" / "config.json").exists() and not (tmp_path / "out" / "sft").exists()
+    run(out_dir=tmp_path / "out2", **kw)  # (none: beside the run's outputs)
+    assert (tmp_path / "out2" / "sft" / "config.json").exists()
 
 
 def test_a_reused_warm_up_shows_no_bar_at_zero(tmp_path, capsys):
@@ -778,6 +805,27 @@ def test_a_stock_model_given_no_routing_routes_itself(megatron_cpu, ckpt, tmp_pa
             after = r.policy.logprobs(tokens)
     assert not torch.equal(wrong, own) and torch.equal(after, own)
     assert lists and set(lists) == {0}
+
+
+def test_a_stock_models_replay_gives_each_row_its_own_routing(megatron_cpu, ckpt, tmp_path):
+    """Rows and their routing permuted together: the log-probs are permuted the same way (routing [B, S, topk] laid
+    out in Megatron's [S, B] token order); a routing without one of the MoE layers is refused by name."""
+    from megatron_trace.rl.trainer import replay_routing
+
+    r = GRPORun(make_arm("bf16", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    _, ids = r._prompts(0)
+    batch = r.rollout.generate(ids, r._sampling(0, 1.0))
+    tokens, routing, perm = batch.tokens[:4], {k: v[:4] for k, v in batch.routing.items()}, [2, 0, 3, 1]
+    assert tokens.shape[1] != tokens.shape[0]
+    with torch.no_grad():
+        with replay_routing(r.policy.model, routing):
+            want = r.policy.logprobs(tokens)
+        with replay_routing(r.policy.model, {k: v[perm] for k, v in routing.items()}):
+            got = r.policy.logprobs(tokens[perm])
+        torch.testing.assert_close(got, want[perm], rtol=0, atol=1e-5)
+        with pytest.raises(ValueError, match=r"routing indices are missing for MoE layers \[1\]"):
+            with replay_routing(r.policy.model, {0: routing[0]}):
+                pass
 
 
 @pytest.mark.parametrize("arm", ["bf16", "fp4_qat"])

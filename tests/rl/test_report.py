@@ -89,3 +89,33 @@ def test_plots_of_a_run_with_per_layer_rates_are_written(tmp_path):
     paths = report.plot(load(w.path), tmp_path)
     assert [p.name for p in paths] == ["reward.png", "mismatch.png", "code_mismatch_per_layer.png", "cache_bytes.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+def test_the_writer_keeps_booleans_and_stores_numbers_as_floats(tmp_path):
+    """An alarm's True stays a JSON boolean (not 1.0); ints and 0-d tensors become floats; a fresh writer removes the
+    earlier run's TensorBoard events beside its metrics."""
+    import torch
+
+    from megatron_trace.rl.report import MetricsWriter, load
+
+    (tmp_path / "tb" / "old").mkdir(parents=True)
+    w = MetricsWriter(tmp_path, fresh=True)
+    assert not (tmp_path / "tb" / "old").exists()
+    w.write("trace", 0, {"alarm/rising": True, "n": 3, "t": torch.tensor(0.5), "name": "x"})
+    w.close()
+    (row,) = load(w.path)["trace"]
+    assert row["alarm/rising"] is True and row["n"] == 3.0 and isinstance(row["n"], float) and row["t"] == 0.5
+    assert row["name"] == "x"
+
+
+def test_summary_means_over_fewer_steps_than_the_window_and_a_zero_floor():
+    """Two steps of reward: the mean of those two (the 3-step window is not filled); a bf16 floor of 0 gives no ratio
+    (no ZeroDivisionError); the markdown table has one separator cell per column."""
+    rows = report.summary_rows({"bf16": [{"step": 0.0, "reward": 0.2, "mismatch/logprob_abs_diff": 0.0},
+                                         {"step": 1.0, "reward": 0.4, "mismatch/logprob_abs_diff": 0.0}],
+                                "trace": _rows([3e-3])})
+    cells = {r[0]: dict(zip(rows[0], r)) for r in rows[1:]}
+    assert cells["bf16"]["final reward (last 3 steps)"] == "0.3"
+    assert cells["bf16"]["logprob_abs_diff / bf16 floor"] == cells["trace"]["logprob_abs_diff / bf16 floor"] == "-"
+    lines = report.markdown_table(rows).splitlines()
+    assert len(lines) == 1 + len(rows) and len({ln.count("|") for ln in lines}) == 1

@@ -307,3 +307,104 @@ def test_policy_loss_refuses_a_kl_coef_without_the_reference_log_probs():
     torch.testing.assert_close(with_kl.double(), base.double() + 0.5 * (d.exp() - d - 1).mean())  # k3, every token
     with pytest.raises(ValueError, match=r"kl_coef=0.5 needs logp_ref"):
         policy_loss(logp, old, old, adv, mask, kl_coef=0.5)
+
+
+def test_noisy_labels_are_the_documented_wrong_answers():
+    """add: the carry-dropping sum (its leading digit 0, as no carry leaves the last column); reverse: the answer with
+    one adjacent pair swapped, every one of the 4 pairs in turn."""
+    tok, g = CharTokenizer(), torch.Generator().manual_seed(3)
+    add = get_task("add")
+    for _ in range(20):
+        p = add.sample(g)
+        a, b = p.prompt[:3], p.prompt[4:7]
+        assert add.noisy_answer(p, g) == "0" + "".join(str((int(x) + int(y)) % 10) for x, y in zip(a, b))
+    rev, swapped = get_task("reverse"), set()
+    for _ in range(200):
+        p = rev.sample(g)
+        noisy = rev.noisy_answer(p, g)
+        i = next((k for k in range(4) if list(noisy) == [*p.answer[:k], p.answer[k + 1], p.answer[k],
+                                                          *p.answer[k + 2:]]), None)
+        assert i is not None, (p.answer, noisy)
+        if noisy != p.answer:
+            swapped.add(i)
+    assert swapped == {0, 1, 2, 3}
+    assert tok.decode(tok.encode(p.prompt)) == p.prompt
+
+
+def test_the_reward_is_an_exact_match_and_operands_use_every_digit():
+    g = torch.Generator().manual_seed(4)
+    for name in ("add", "add5", "reverse"):
+        task = get_task(name)
+        p = task.sample(g)
+        assert [task.reward(p, r) for r in (p.answer, p.answer + "0", p.answer[:-1], "")] == [1.0, 0.0, 0.0, 0.0]
+    task = get_task("add")
+    prompts = [task.sample(g).prompt for _ in range(100)]
+    for pos in (0, 1, 2, 4, 5, 6):  # each digit of each operand takes every value 0-9
+        assert {p[pos] for p in prompts} == set("0123456789"), pos
+
+
+def test_token_logprobs_at_temperature_0_are_the_unscaled_ones():
+    """T = 0 (greedy rollouts) scores as T = 1, the rollout's convention: no division by 0."""
+    g = torch.Generator().manual_seed(1)
+    logits, tokens = torch.randn(2, 4, 6, generator=g), torch.randint(0, 6, (2, 4), generator=g)
+    got = token_logprobs(logits, tokens, 0.0)
+    assert torch.isfinite(got).all() and torch.equal(got, token_logprobs(logits, tokens, 1.0))
+
+
+def test_master_adamw_is_adamw_on_the_fp32_master_copies():
+    """MasterAdamW's defaults are AdamW's (betas 0.9, 0.999) without weight decay; on fp32 parameters its steps are
+    torch's AdamW over the same parameters, and the unclipped norm is the norm over all gradients together."""
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    g = torch.Generator().manual_seed(2)
+    w0, x = torch.randn(2, 3, generator=g), torch.randn(5, 3, generator=g)
+    ours, ref = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    opt, want = MasterAdamW([ours, frozen], lr=0.05), torch.optim.AdamW([ref], lr=0.05, betas=(0.9, 0.999),
+                                                                           weight_decay=0.0)
+    assert opt.params == [ours]  # (a frozen parameter is left alone)
+    for _ in range(3):
+        for w in (ours, ref):
+            ((x @ w.T) ** 2).sum().backward()
+        norm = opt.step(None)
+        assert norm == pytest.approx(float(ref.grad.norm()), rel=1e-6)
+        want.step()
+        ref.grad = None
+        opt.zero_grad()
+        torch.testing.assert_close(ours.detach(), ref.detach(), rtol=1e-6, atol=1e-7)
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    opt = MasterAdamW([a, b], lr=0.1)
+    (a * torch.tensor([3.0, 0.0]) + b * torch.tensor([0.0, 4.0])).sum().backward()
+    assert opt.step(None) == pytest.approx(5.0)  # sqrt(3^2 + 4^2), not 3 + 4
+    stale = torch.nn.Parameter(torch.zeros(2))
+    (stale * 2).sum().backward()  # a gradient from before the optimizer: zero_grad drops it
+    opt = MasterAdamW([stale], lr=0.1)
+    opt.zero_grad()
+    (stale * 3).sum().backward()
+    assert torch.equal(opt.master[0].grad, torch.full((2,), 3.0))
+
+
+def test_a_loaded_master_adamw_continues_with_the_checkpoints_fp32_masters():
+    """The bf16 weights alone lose the fp32 master copies' low bits: ``load_state_dict`` restores the masters, so the
+    steps after a resume are the ones the saved optimizer would have taken (a resumed step's own metrics come before
+    its optimizer step: a run that dropped the masters reproduced them and diverged a step later)."""
+    import copy
+
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    def step(w, opt, k):
+        (w * torch.tensor([1.0, -2.0, 3.0, k], dtype=torch.bfloat16)).sum().backward()
+        opt.step(None)
+        opt.zero_grad()
+
+    w = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = MasterAdamW([w], lr=1e-3)
+    step(w, opt, 1.0)
+    sd = copy.deepcopy(opt.state_dict())
+    w2 = torch.nn.Parameter(w.detach().clone())
+    opt2 = MasterAdamW([w2], lr=1e-3)
+    opt2.load_state_dict(sd)
+    assert not torch.equal(opt.master[0], w.detach().float())  # (the masters hold more than the bf16 weights)
+    for k in (2.0, -1.0):
+        step(w, opt, k), step(w2, opt2, k)
+        assert torch.equal(opt2.master[0], opt.master[0]) and torch.equal(w2, w)
