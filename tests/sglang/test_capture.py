@@ -410,3 +410,25 @@ def test_hooks_fit_sglangs_call_sites_and_forward_batch():
     from ._common import source_signature
 
     assert "rid" in source_signature("sglang.srt.entrypoints.engine", "Engine.generate")
+
+
+def test_fc2_records_are_the_method_s_fc2_inputs(engine_factory):
+    """The expert_fc2_in rows read out are the emulated MoE's own quantized fc2 inputs (per token and top-k slot)."""
+    from megatron_trace.rollout.sglang.capture import active_capture
+
+    eng = engine_factory()
+    seq = PROMPT + RESP_A
+    g = _guidance(_cold(eng, seq), [seq])
+    hidden = hidden_of(seq, list(range(8)))
+    ids = routing_of(hidden)
+    cap = active_capture()
+    set_capture(None)  # the reference forward records nothing
+    try:
+        want = eng.method.emulated_forward(eng.layer, hidden, ids.int(), torch.full(ids.shape, 0.5)).fc2_in
+    finally:
+        set_capture(cap)
+    fc2 = g[(0, "expert_fc2_in")]
+    assert fc2.valid[0, :8].all() and torch.equal(fc2.expert_ids[0, :8], ids)
+    assert torch.equal(fc2.record.codes[0, :8], want.codes)
+    assert torch.equal(fc2.record.block_scales[0, :8].view(torch.uint8), want.block_scales.view(torch.uint8))
+    assert torch.equal(fc2.record.global_amax[0, :8], want.global_amax.float())

@@ -431,3 +431,39 @@ def test_backend_dtype_is_sglangs_own_resolution(config_dtype, model_type):
         hf = {key: config_dtype, "model_type": model_type}
         for server in ("auto", "bfloat16", "half", "float32"):
             assert sglang_model_dtype(server, hf) == _get_and_verify_dtype(hf, server), (hf, server)
+
+
+def test_method_refuses_other_formats_group_sizes_and_unaligned_linears(registered):
+    with pytest.raises(ValueError, match="serves NVFP4 checkpoints; TraceConfig.format='mxfp4'"):
+        registered.TraceQuantConfig(CFG.replace(format="mxfp4"))
+    with pytest.raises(ValueError, match="group_size must be 16, the checkpoint says 32"):
+        registered.TraceQuantConfig(CFG, group_size=32)
+    method = registered.TraceNvFp4LinearMethod(registered.TraceQuantConfig(CFG))
+    with pytest.raises(ValueError, match="in_features % 16 == 0, got 24"):
+        method.create_weights(torch.nn.Module(), 24, [H], 24, H, torch.bfloat16, weight_loader=None)
+
+
+def test_emulated_moe_quantizes_only_the_configured_activation_sites(registered):
+    """A config quantizing expert_fc2_in only: the fc1 input stays BF16 (as the reference without fc1 rounding)."""
+    from megatron_trace.export import quant_config_dict
+
+    state, qcfg = _ckpt_state()
+    fc2_only = CFG.replace(sites=("expert_fc2_in", "weights"), guided_sites=("expert_fc2_in",))
+    method, layer = _moe_layer(registered, quant_config_dict(qcfg["quantization"]["exclude_modules"],
+                                                                    trace_config=fc2_only.to_dict()))
+    _load_like_fused_moe(registered, layer, state)
+    hidden, ids, w = tiny_inputs()
+    got = method.emulated_forward(layer, hidden, ids, w)
+    q = CFG.weight_quantizer()
+    fc1, fc2 = tiny_experts()
+    ref = w4a4_experts_forward(hidden, ids, w, PackedExperts.stack([q.quantize(x) for x in fc1]),
+                               PackedExperts.stack([q.quantize(x) for x in fc2]),
+                               activation_quantizer=CFG.activation_quantizer(), quantize_fc1=False)
+    assert got.fc1_in is None and got.fc2_in is not None and torch.equal(got.out, ref.out)
+
+
+def test_experts_layer_reads_only_a_fused_moe_prefix(registered):
+    assert registered.experts_layer("model.layers.3.mlp.experts") == 3
+    assert registered.experts_layer("layers.3.mlp.experts") == 3
+    for other in ("model.layers.3.mlp.experts.0.gate_proj", "model.mtp_layers.3.mlp.experts"):
+        assert registered.experts_layer(other) is None, other

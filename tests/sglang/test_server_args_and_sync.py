@@ -1,0 +1,77 @@
+"""Launch arguments, guidance specs and weight tensors of the SGLang backend, against independent references.
+
+Runs in the main venv too (no sglang needed)."""
+
+import pytest
+import torch
+
+from megatron_trace.bridge.sync import fp4_stream
+from megatron_trace.config import TraceConfig
+from megatron_trace.export import build_modelopt_state
+from megatron_trace.formats import nvfp4
+from megatron_trace.manifest import RecipeMismatchError
+from megatron_trace.rollout import SamplingParams
+from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend
+from megatron_trace.rollout.sglang.launch import guidance_specs, kv_cache_dtype, trace_server_args
+from megatron_trace.rollout.sglang.weights import engine_tensors
+
+from ..rollout._tiny import tiny_config
+from .test_backend_contract import CFG, FC1_ONLY, HF, _Engine, trainer_recipe
+
+
+def test_response_mask_covers_the_response_positions_only():
+    b = SGLangRolloutBackend(_Engine(), FC1_ONLY, HF, kv_cache_dtype="auto").generate(
+        [[1, 2, 3], [4]], SamplingParams(max_new_tokens=2))
+    assert b.response_mask.tolist() == [[False] * 3 + [True] * 2, [False, True, True, False, False]]
+
+
+def test_a_bf16_kv_engine_refuses_a_kv_trainer_without_blaming_an_fp4_kv_cache():
+    """Only an fp4_e2m1 engine stores K/V as sglang_kvfp4: a BF16-KV engine names the sites, not SGLang's format."""
+    with pytest.raises(RecipeMismatchError, match="sites: trainer=") as e:
+        SGLangRolloutBackend(None, CFG, HF, recipe=trainer_recipe(CFG), kv_cache_dtype="auto")
+    assert "fp4_e2m1" not in str(e.value) and "KV cache format differs" not in str(e.value)
+
+
+def test_one_kv_site_takes_sglangs_fp4_kv_cache():
+    only_k = TraceConfig(sites=("expert_fc1_in", "kv_k", "weights"), guided_sites=("kv_k",))
+    assert kv_cache_dtype(only_k) == "fp4_e2m1" and kv_cache_dtype(FC1_ONLY) == "auto"
+
+
+def test_dense_layers_get_no_expert_specs():
+    """A guided layer without routed experts (``mlp_only_layers``) records its K/V only."""
+    hf = tiny_config(num_hidden_layers=3, mlp_only_layers=[2]).to_dict()
+    specs = {(s.layer, s.site) for s in guidance_specs(CFG, hf, kv_dtype="fp4_e2m1")}
+    assert specs == {(1, s) for s in CFG.guided_sites} | {(2, "kv_k"), (2, "kv_v")}
+
+
+def test_expert_parallel_ranks_hold_whole_experts_for_the_emulation():
+    """SGLang's MoE TP size is tp_size // ep_size (``parallel_state``): tp 2 x ep 2 gives whole experts per rank,
+    which the emulated MoE quantizes as the trainer does; tp 2 alone shards them and is refused."""
+    fc1 = CFG.replace(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=("expert_fc1_in",))
+    assert trace_server_args("/ckpt", fc1, HF, native=False, tp_size=2, ep_size=2)["ep_size"] == 2
+    with pytest.raises(ValueError, match="MoE tensor parallel size 1"):
+        trace_server_args("/ckpt", fc1, HF, native=False, tp_size=2)
+
+
+def test_engine_tensors_are_the_exported_checkpoint_s():
+    """An FP4 expert weight goes to the engine as the tensors ``export.modelopt`` writes for it (ModelOpt's
+    ``weight_scale_2`` = amax / 2688, TRACE's exact amax), bit for bit; other tensors in BF16, ints unchanged."""
+    g = torch.Generator().manual_seed(0)
+    name = "model.layers.1.mlp.experts.3.down_proj.weight"
+    (stream,) = fp4_stream([(name, torch.randn(64, 32, generator=g) * 3)], CFG.weight_quantizer())
+    state, _ = build_modelopt_state([stream], 4.0, trace_extras=True)
+    got = dict(engine_tensors([stream]))
+    assert set(got) == {k for k in state if not k.endswith("input_scale")}
+    for k, t in got.items():
+        bits = lambda x: x.reshape(-1).view(torch.uint8)  # noqa: E731
+        assert t.dtype == state[k].dtype and torch.equal(bits(t), bits(state[k])), k
+    ids = torch.arange(5)
+    ((_, t),) = engine_tensors([("model.rotary_emb.inv_freq_ids", ids)])
+    assert t.dtype == torch.int64 and torch.equal(t, ids)
+
+
+def test_engine_tensors_refuse_a_per_row_amax():
+    """SGLang holds one weight_scale_2 per expert Linear: an FP4 weight with a per-row amax cannot be sent."""
+    q = nvfp4.quantize(torch.randn(64, 32), per_row=True)
+    with pytest.raises(ValueError, match=r"per-tensor global amax, got nvfp4 amax shape \(64, 1\)"):
+        engine_tensors([("model.layers.1.mlp.experts.3.down_proj.weight", q)])
