@@ -83,7 +83,7 @@ def _odd_tokens(dtype, d: int, b: int = 2, h: int = 8) -> list[torch.Tensor]:
     return [r.reshape(b, 1, h, d).transpose(1, 2).to(DEVICE) for r in rows.split(b * h)]
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64] if INTERPRET else [64, 128])  # (128 on the GPU only: 33 s of CI's stage 2)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("policy", ["nvfp4-row", "mxfp4"])
 def test_nonfinite_and_extreme_rows_equal_the_triton_quantize(policy, dtype, d, writes):
