@@ -312,8 +312,8 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
     """One K tile: the NaN/Inf check if asked, then ``_fast_tile`` (sfb, g16: the record's ``guided_loads`` for the
     guided tiles by magnitudes, g16 being a block's 8 code bytes for full guidance, else unused); a tile that may
     leave the range where the fast division is exact, or holds a checked NaN/Inf, takes the element-wise exact path
-    instead (which passes a checked NaN/Inf through to the dequantized output). Codes and scales go to rows
-    ``orows``."""
+    instead (which counts the checked NaN/Inf values and passes them through to the dequantized output). Codes and
+    scales go to rows ``orows``."""
     if not (CHECK_FINITE or G_MODE != G_NONE):  # unchecked MXFP4: exact as it is, so no redo and no branch
         _fast_tile(w, wcol, m3, amax_b, kt, rows, orows, rmask, NB, s_b, sfb, g16, s_in_ptr, gc_ptr, codes_ptr,
                    scales_ptr, bits_ptr, deq_ptr, mask_ptr, XDT, FMT, MODE, B, NBT, WRITE_CODES, WRITE_SCALES,
@@ -321,11 +321,8 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
     else:
         if CHECK_FINITE:
             lo, hi = f.unpair(w, XDT)
-            lo_m, hi_m = lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-            bad = tl.max(tl.max(tl.max(tl.maximum(lo_m, hi_m), axis=2), axis=1), axis=0) >= 0x7F800000  # Inf / NaN
-            if bad:  # their number, counted only in a tile that has one (m3: not the clamped rows past M)
-                n = ((lo_m >= 0x7F800000).to(tl.int32) + (hi_m >= 0x7F800000).to(tl.int32)) * m3.to(tl.int32)
-                tl.atomic_add(err_ptr, tl.sum(tl.sum(tl.sum(n, axis=2), axis=1), axis=0))
+            ab = tl.maximum(lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+            bad = tl.max(tl.max(tl.max(ab, axis=2), axis=1), axis=0) >= 0x7F800000  # an Inf or NaN in the tile
         slow = _needs_exact(amax_b, s_b, G_MODE, MODE, WRITE_DEQ, HW_CVT)
         if CHECK_FINITE:
             slow += bad.to(tl.int32)
@@ -356,7 +353,7 @@ def _pair_step(w, wcol, m3, amax_b, kt, x_ptr, rows, orows, rmask, stride_w, NB,
                     x, col = qk._load_tile(x_ptr, row, ok, stride_w * 2, kr * NBR * B, K, NBR, B)
                     qk._tile(x, col, kr, row, ok, K, NB, s1, s1[:, :, None], s_in_ptr, gc_ptr, c_ptr, sc_ptr,
                              bits_ptr, deq_e_ptr, mask_e_ptr, err_ptr, FMT, MODE, B, NBR, WRITE_CODES, WRITE_SCALES,
-                             WRITE_BITS, WRITE_DEQ, WRITE_MASK, False, False, CHECK_FINITE)
+                             WRITE_BITS, WRITE_DEQ, WRITE_MASK, CHECK_FINITE, False, CHECK_FINITE)  # (counts them)
 
 
 @triton.jit
