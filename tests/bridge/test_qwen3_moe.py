@@ -434,15 +434,28 @@ def test_save_writes_transformers_shards_that_load_back_bit_exact(tmp_path):
     assert (tmp_path / "sharded" / "model.safetensors").exists()  # refused before anything was removed
 
 
+def _full_disk_at(monkeypatch, n: int) -> None:
+    """safetensors' ``save_file`` raises ENOSPC (a full disk) at its ``n``-th call only, writing as usual otherwise."""
+    import errno
+
+    import safetensors.torch
+
+    real_save_file, calls = safetensors.torch.save_file, []
+
+    def full_disk(tensors, filename, *args, **kwargs):
+        calls.append(filename)
+        if len(calls) == n:
+            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+        return real_save_file(tensors, filename, *args, **kwargs)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+
+
 def test_a_save_that_fails_midway_leaves_the_earlier_checkpoint_and_the_user_s_files(tmp_path, monkeypatch):
     """An I/O error writing shard 3 (safetensors' save_file raising ENOSPC, as on a full disk): the directory keeps
     its earlier checkpoint byte for byte and nothing is left beside it (the save had removed the earlier weights
     first). A later save keeps the user's files (a README, tokenizer files) and drops the earlier checkpoint's shards,
     its index and a ModelOpt export's hf_quant_config.json (engines would read the BF16 weights as NVFP4)."""
-    import errno
-
-    import safetensors.torch
-
     from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint, save_hf_checkpoint
 
     bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.bfloat16)
@@ -453,15 +466,7 @@ def test_a_save_that_fails_midway_leaves_the_earlier_checkpoint_and_the_user_s_f
     for name, text in {"README.md": "my notes", "tokenizer.json": "{}", "hf_quant_config.json": "{}"}.items():
         (out / name).write_text(text)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    real_save_file, shards = safetensors.torch.save_file, []
-
-    def full_disk(tensors, filename, *args, **kwargs):
-        shards.append(filename)
-        if len(shards) == 3:
-            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
-        return real_save_file(tensors, filename, *args, **kwargs)
-
-    monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+    _full_disk_at(monkeypatch, 3)
     with pytest.raises(OSError, match="No space left on device") as e:
         save_hf_checkpoint(new, out, bridge, max_shard_bytes=64 << 10)
     assert any(f"saving to {out} failed: the directory was left as it was" in n for n in e.value.__notes__)
@@ -596,22 +601,10 @@ def test_a_write_that_fails_once_in_a_drained_save_still_raises_at_the_end(tmp_p
     """Under torch.distributed rank 0 keeps draining the export after a write failed (its peers wait in the gathers);
     the error must still be raised at the end even when the disk recovers (a transient ENOSPC): else the writer
     closes and the save commits a checkpoint without the tensors from the failed shard on."""
-    import errno
-
-    import safetensors.torch
-
     from megatron_trace.bridge.checkpoint import _write_all
     from megatron_trace.rollout.hf_weights import ShardedSafetensorsWriter
 
-    real_save_file, calls = safetensors.torch.save_file, []
-
-    def once_full(tensors, filename, *args, **kwargs):
-        calls.append(filename)
-        if len(calls) == 1:
-            raise OSError(errno.ENOSPC, "No space left on device", str(filename))
-        return real_save_file(tensors, filename, *args, **kwargs)
-
-    monkeypatch.setattr(safetensors.torch, "save_file", once_full)
+    _full_disk_at(monkeypatch, 1)
     weights = [(f"w{i}", torch.full((256,), float(i))) for i in range(4)]  # 1 KiB each: one per shard
     drained = []
     with pytest.raises(OSError, match="No space left on device"):
