@@ -117,12 +117,12 @@ def _opt(cfg: Mapping, name: str, default: int) -> int:
     return _int(cfg, name) if cfg.get(name) else default
 
 
-def _kv_heads(cfg: Mapping, heads: int) -> int:
+def _kv_heads(cfg: Mapping, heads: int, defaults: Mapping) -> int:
     """``num_key_value_heads`` where the config has it (null: one per attention head, the transformers convention
     of e.g. ``DeepseekV3Config``), else its model type's class default (transformers builds the model with it)."""
     if "num_key_value_heads" in cfg:
         return _opt(cfg, "num_key_value_heads", heads)
-    default = _CLASS_DEFAULTS.get(cfg.get("model_type"), {}).get("num_key_value_heads")
+    default = defaults.get("num_key_value_heads")
     if default is None:
         raise ValueError(f"HF config (model_type={cfg.get('model_type')!r}) has no num_key_value_heads, and that "
                          f"type's default is not known here (known: {sorted(_CLASS_DEFAULTS)}); write it into "
@@ -162,9 +162,9 @@ def _dims_from_mapping(cfg: Mapping) -> ModelDims:
         kv_heads, head_dim, kv_v = 1, _int(cfg, "kv_lora_rank") + _need(cfg, "qk_rope_head_dim"), False
     else:
         heads = _need(cfg, "num_attention_heads")
-        kv_heads = _kv_heads(cfg, heads)
-        default_dim = _CLASS_DEFAULTS.get(cfg.get("model_type"), {}).get("head_dim")
-        head_dim = _opt(cfg, "head_dim", default_dim or (hidden // heads if heads > 0 else 0))
+        defaults = _CLASS_DEFAULTS.get(cfg.get("model_type"), {})
+        kv_heads = _kv_heads(cfg, heads, defaults)
+        head_dim = _opt(cfg, "head_dim", defaults.get("head_dim") or (hidden // heads if heads > 0 else 0))
         kv_v = True
     return ModelDims(
         num_layers=num_layers,

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import numbers
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
 
+from ..rollout.base import is_real  # (not a bool: a YAML ``true`` is no 1.0)
 from .tasks import CharTokenizer, Task, sft_batch
 
 logger = logging.getLogger(__name__)
@@ -77,16 +77,11 @@ class SFTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < least:
                 raise ValueError(f"SFTConfig.{name}={v!r} must be an int >= {least}")
-        if not (_real(self.lr) and math.isfinite(self.lr) and self.lr > 0):
+        if not (is_real(self.lr) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"SFTConfig.lr={self.lr!r} must be > 0 (a finite number)")
-        if not (_real(self.label_noise) and 0 <= self.label_noise <= 1):
+        if not (is_real(self.label_noise) and 0 <= self.label_noise <= 1):
             raise ValueError(f"SFTConfig.label_noise={self.label_noise!r} must be in [0, 1] (the share of "
                              "warm-up answers replaced by wrong ones)")
-
-
-def _real(v) -> bool:
-    """A real number, not a bool (a YAML ``true`` is no 1.0)."""
-    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def _settings(task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig, device: str) -> dict:
