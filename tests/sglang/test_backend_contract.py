@@ -28,6 +28,7 @@ from ..rollout._tiny import tiny_config, tiny_model
 CFG = TraceConfig(guided_layers="last_k", guided_last_k=2)
 HF = {**tiny_config().to_dict(), "dtype": "bfloat16"}  # as an exported config.json: SGLang's "auto" is bf16
 LAYERS = range(3)
+FC1_ONLY = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=())
 
 
 def trainer_recipe(config, *, version=0):
@@ -65,6 +66,23 @@ def test_fp4_kv_engine_accepts_a_trainer_in_sglangs_kv_format(caplog):
         SGLangRolloutBackend(None, sg, HF, recipe=trainer_recipe(sg), kv_cache_dtype="auto")  # BF16 KV engine
     with pytest.raises(RecipeMismatchError, match="weight_version: trainer=0 sglang rollout=1"):
         be.update_weights([], recipe=trainer_recipe(sg))  # every sync is checked, as before
+
+
+@pytest.mark.parametrize("cfg", [TraceConfig(enabled=False), FC1_ONLY], ids=["disabled", "no_kv_sites"])
+def test_an_fp4_kv_engine_reports_its_kv_caches_whatever_the_config(cfg):
+    """kv_cache_dtype=fp4_e2m1 named by hand: the engine stores FP4 K/V even where the TraceConfig has no KV site
+    (or is disabled). The audit and recipe say so, and a trainer computing BF16 K/V is refused, not accepted (a
+    disabled config's audit used to report nothing quantized)."""
+    modules = quantized_module_names(cfg, moe_layers=LAYERS, attention_layers=LAYERS)
+    bf16_trainer = QuantRecipe.from_config(cfg, guided_layers=(), weight_version=0, quantized_modules=modules)
+    be = SGLangRolloutBackend(None, cfg, HF, native=False, kv_cache_dtype="fp4_e2m1")
+    assert {kv_cache_name(i) for i in LAYERS} <= set(be.module_audit().quantized)
+    assert be.recipe().kv_format == sglang_kvfp4.NAME
+    with pytest.raises(RecipeMismatchError, match="kv_format: trainer='none' sglang rollout='sglang_kvfp4'.*"
+                                                  "quantized_modules: trainer=.*self_attn.kv_cache"):
+        be.check_recipe(bf16_trainer)
+    auto = SGLangRolloutBackend(None, cfg, HF, native=False, kv_cache_dtype="auto")
+    assert not any(m.endswith(".kv_cache") for m in auto.module_audit().quantized) and auto.recipe().kv_format == "none"
 
 
 @pytest.mark.parametrize("kv", ["fp4_e2m1", "auto"])
@@ -205,9 +223,6 @@ class _Engine:
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
         self.updates.append([n for n, _ in named_tensors])
         return True, "Succeeded to update parameter online."
-
-
-FC1_ONLY = TraceConfig(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=())
 
 
 def test_seeded_requests_get_distinct_sampling_seeds(caplog):

@@ -153,7 +153,7 @@ class SGLangRolloutBackend:
         base = sglang_module_audit(self._served_config(), self.hf_config, self.exclude_modules)
         moved = {experts_name(i) for i in self.bf16_expert_layers}
         quantized = set(base.quantized) - moved
-        if self.kv_fp4 and self.config.enabled:
+        if self.kv_fp4:  # the engine stores FP4 K/V whatever the TraceConfig says (a disabled one too)
             quantized |= {kv_cache_name(i) for i in range(self.num_layers)}
         bf16 = set(base.bf16) | (moved & set(base.quantized))
         return ModuleAudit(quantized=tuple(sorted(quantized)), bf16=tuple(sorted(bf16)))
@@ -175,7 +175,7 @@ class SGLangRolloutBackend:
         v = self.policy_version if weight_version is None else weight_version
         r = backend_recipe(self._served_config(), guided_layers=guided_layers(self.config, self.num_layers),
                            audit=self.module_audit(), weight_version=v, dtype=self._served_dtype())
-        if r.kv_format != "none":  # the engine's FP4 KV cache is SGLang's format, whatever the config says
+        if self.kv_fp4:  # the engine's FP4 KV cache is SGLang's format, whatever the config says (a disabled one too)
             r = dataclasses.replace(r, kv_format=sglang_kvfp4.NAME)
         return dataclasses.replace(r, activation_amax=NATIVE_ACTIVATION_AMAX) if self.native else r
 
