@@ -43,6 +43,49 @@ def check_supported(hf_config) -> None:
         raise NotImplementedError(f"hidden_act={act!r}: the experts and MLPs are mapped as SwiGLU (silu) only")
 
 
+def _model_fields(c) -> dict:
+    """The fields that make the Megatron model compute what the HF Qwen3-MoE computes (shapes, norms, activation,
+    router): ``transformer_config_from_hf`` refuses an override that changes one of them."""
+    return dict(
+        num_layers=c.num_hidden_layers,
+        hidden_size=c.hidden_size,
+        num_attention_heads=c.num_attention_heads,
+        num_query_groups=c.num_key_value_heads,
+        kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        ffn_hidden_size=c.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=c.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,  # (attention_bias is refused by check_supported)
+        rotary_interleaved=False,
+        num_moe_experts=c.num_experts,
+        moe_ffn_hidden_size=c.moe_intermediate_size,
+        moe_router_topk=c.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not c.norm_topk_prob,
+        # Megatron router features Qwen3-MoE has no HF counterpart (or tensor) for, at their off values
+        moe_router_enable_expert_bias=False,
+        moe_router_topk_scaling_factor=None,
+        moe_router_num_groups=None,
+        moe_router_group_topk=None,
+        moe_shared_expert_intermediate_size=None,
+    )
+
+
+def _refuse_model_overrides(model: dict, overrides: dict) -> None:
+    """An override that changes the model's math would train a model that the HF checkpoint, its export and the
+    rollout do not compute (e.g. sigmoid routing with an expert bias: the export has no tensor for the bias)."""
+    bad = {k: v for k, v in overrides.items() if k in model and v != model[k]}
+    if bad:
+        shown = ", ".join(f"{k}={v!r} (this config: {model[k]!r})" for k, v in bad.items())
+        raise ValueError(f"config override(s) {shown} change what the model computes, so it would no longer be the "
+                         "HF Qwen3-MoE it loads from and exports to; override settings only (parallelism, precision, "
+                         "recompute, load balancing, dropout, fusions)")
+
+
 def rope_theta(hf_config) -> float:
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if "rope_theta" in rope:  # transformers >= 5
@@ -59,35 +102,20 @@ def transformer_config_from_hf(
     load_balancing: str = "none",
     **overrides,
 ):
-    """The TransformerConfig of a Qwen3-MoE HF config; ``overrides`` win over every default."""
+    """The TransformerConfig of a Qwen3-MoE HF config; ``overrides`` win over every setting, and one that changes the
+    model (its shapes, norms, activation or router: ``_model_fields``) is refused by name."""
     from megatron.core.transformer import TransformerConfig
 
     check_supported(hf_config)
+    model = _model_fields(hf_config)
+    _refuse_model_overrides(model, overrides)
     c = hf_config
     kw = dict(
-        num_layers=c.num_hidden_layers,
-        hidden_size=c.hidden_size,
-        num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_key_value_heads,
-        kv_channels=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        ffn_hidden_size=c.intermediate_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=c.rms_norm_eps,
-        qk_layernorm=True,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,  # (attention_bias is refused by check_supported)
-        rotary_interleaved=False,
+        **model,
         attention_dropout=float(getattr(c, "attention_dropout", 0.0)),
         hidden_dropout=0.0,
         init_method_std=getattr(c, "initializer_range", 0.02),
-        # MoE
-        num_moe_experts=c.num_experts,
-        moe_ffn_hidden_size=c.moe_intermediate_size,
-        moe_router_topk=c.num_experts_per_tok,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not c.norm_topk_prob,
+        # MoE settings (the router itself is in the model fields)
         moe_router_load_balancing_type=load_balancing,
         moe_aux_loss_coeff=float(getattr(c, "router_aux_loss_coef", 0.0)) if load_balancing != "none" else 0.0,
         moe_token_dispatcher_type="alltoall",

@@ -157,6 +157,26 @@ def test_unmapped_variants_are_refused(overrides, match):
         transformer_config_from_hf(other)
 
 
+@pytest.mark.parametrize("override", [
+    dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True), dict(moe_router_topk=3),
+    dict(moe_router_pre_softmax=True), dict(moe_router_topk_scaling_factor=2.0), dict(num_query_groups=4),
+    dict(moe_shared_expert_intermediate_size=32), dict(layernorm_epsilon=1e-5),
+], ids=lambda o: next(iter(o)))
+def test_an_override_that_changes_the_model_is_refused_when_built(override):
+    """Sigmoid routing with an expert bias was accepted and failed only at the first export (mbridge's
+    NotImplementedError: Qwen3-MoE has no HF tensor for the bias); a top-k, a router or a shape override trained a
+    model that the checkpoint, its export and the rollout do not compute, with no error at all."""
+    from megatron_trace.bridge import Qwen3MoeBridge
+
+    key = next(iter(override))
+    with pytest.raises(ValueError, match=rf"config override\(s\) {key}=.*\(this config: .*change what the model"):
+        transformer_config_from_hf(tiny_config(), **override)
+    with pytest.raises(ValueError, match=rf"{key}="):
+        Qwen3MoeBridge(tiny_config(), dtype=torch.float32, **override)
+    same = transformer_config_from_hf(tiny_config(), moe_router_topk=tiny_config().num_experts_per_tok)
+    assert same.moe_router_topk == tiny_config().num_experts_per_tok  # restating the model's own value: fine
+
+
 def test_build_gpt_model_uses_the_spec_it_is_given():
     """The RL trainer passes its own (TRACE) layer spec; the model must be built from it, not from the local spec."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -587,14 +607,17 @@ def test_a_config_with_fewer_experts_than_the_checkpoint_is_refused_by_name(tmp_
 
 def test_a_router_expert_bias_is_not_dropped_from_the_export():
     """Megatron keeps the router's expert_bias (aux-loss-free balancing, a config override) as a buffer, outside
-    named_parameters; Qwen3-MoE has no HF tensor for it, so the export refuses it by name instead of leaving the
-    rollout to route without it."""
-    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights
+    named_parameters; Qwen3-MoE has no HF tensor for it, so the export of a model built with one (from a config of
+    its own) refuses it by name instead of leaving the rollout to route without it."""
+    import dataclasses
 
-    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.float32, moe_router_score_function="sigmoid",
-                            moe_router_enable_expert_bias=True)
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights
+    from megatron_trace.bridge.config import build_gpt_model
+
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.float32)  # (the bridge refuses the override itself: above)
+    biased = dataclasses.replace(bridge.config, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True)
     with pytest.raises(NotImplementedError, match=r"decoder\.layers\.0\.mlp\.router\.expert_bias"):
-        list(export_hf_weights(bridge.build_model(), bridge))
+        list(export_hf_weights(build_gpt_model(tiny_config(), biased), bridge))
 
 
 def test_a_write_that_fails_once_in_a_drained_save_still_raises_at_the_end(tmp_path, monkeypatch):
