@@ -346,8 +346,13 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
     def export_weights(self, models: list) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF name, full tensor in the bridge's dtype) for the whole model; every rank must iterate
         (collectives). (Megatron's torch RMSNorm keeps fp32 weights in a bf16 model: a bf16 checkpoint's norms come
-        back bf16, the values they were loaded from.)"""
+        back bf16, the values they were loaded from.)
+
+        The tensors are detached (no ``requires_grad``), and one that needs no gather or cast is a view of the
+        parameter itself: it follows the model's next update, so a consumer that keeps tensors past it (an async
+        sync queue) copies them, and one that writes into them writes into the model."""
         for name, t in self._export_weights(models):
+            t = t.detach()
             yield name, t.to(self.dtype) if t.is_floating_point() else t
 
     def _export_weights(self, models: list) -> Iterator[tuple[str, torch.Tensor]]:

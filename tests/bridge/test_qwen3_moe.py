@@ -525,6 +525,9 @@ def test_the_export_leaves_the_callers_gradient_mode_alone():
     assert torch.equal(x.grad, torch.full((2,), 2.0))
     rest = list(stream)
     assert rest and not [n for n, t in rest if t.grad_fn is not None]  # no autograd graph rides along
+    # nor a parameter: an fp32 bridge's norms, router and unsplit weights were yielded as the Parameters themselves
+    # (requires_grad: a consumer's ``numpy()`` raised, its arithmetic built graphs on the model)
+    assert not [n for n, t in rest if t.requires_grad or isinstance(t, torch.nn.Parameter)]
 
 
 def test_a_value_that_overflows_float16_is_refused_naming_the_tensor(tmp_path):
