@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import numbers
 
 import torch
@@ -64,6 +65,13 @@ class MasterAdamW:
 
     @torch.no_grad()
     def step(self, max_grad_norm: float | None = 1.0) -> float:
+        """One AdamW step on the master copies, then copied into the parameters. ``max_grad_norm``: clip the fp32
+        gradients to this global L2 norm first; ``None`` or ``0``: no clipping. Returns the norm before clipping."""
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not math.isfinite(max_grad_norm)
+                                          or max_grad_norm < 0):
+            # (a negative norm made clip_grad_norm_'s coefficient negative: every gradient flipped its sign)
+            raise ValueError(f"max_grad_norm={max_grad_norm!r}: valid are None or 0 (no clipping) and finite "
+                             "numbers > 0")
         grads = [m.grad for m in self.master if m.grad is not None]
         if max_grad_norm:
             norm = float(torch.nn.utils.clip_grad_norm_(self.master, max_grad_norm))

@@ -239,6 +239,30 @@ def test_a_master_adamw_step_without_gradients_changes_nothing(max_grad_norm):
     assert opt.step(max_grad_norm) == pytest.approx(4.0) and not torch.equal(w.detach(), torch.ones_like(w))
 
 
+def test_a_master_adamw_clips_to_its_norm_and_refuses_a_norm_it_cannot_mean():
+    """``max_grad_norm``: 0 or None is no clipping, a positive norm scales the gradient down to it (an independent
+    computation: AdamW's first step moves each weight by lr * sign(grad), so the clip shows in a second one-step run
+    through the norm it returns and the master gradient it leaves). A negative norm made clip_grad_norm_'s coefficient
+    negative (every gradient's sign flipped, the step went uphill); NaN and bools are refused too."""
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    for norm, kept in ((0, 5.0), (None, 5.0), (1.0, 1.0), (10.0, 5.0)):
+        w = torch.nn.Parameter(torch.zeros(2))
+        opt = MasterAdamW([w], lr=0.1)
+        (w * torch.tensor([3.0, 4.0])).sum().backward()  # gradient (3, 4): norm 5
+        assert opt.step(norm) == pytest.approx(5.0)
+        assert float(torch.linalg.vector_norm(opt.master[0].grad)) == pytest.approx(kept, rel=1e-5)
+        assert torch.all(w.detach() < 0)  # downhill
+        opt.release()
+    w = torch.nn.Parameter(torch.zeros(2))
+    opt = MasterAdamW([w], lr=0.1)
+    (w * torch.tensor([3.0, 4.0])).sum().backward()
+    for bad in (-1.0, float("nan"), float("inf"), True):
+        with pytest.raises(ValueError, match=rf"max_grad_norm={bad!r}: valid are None or 0"):
+            opt.step(bad)
+    assert torch.equal(w.detach(), torch.zeros(2))  # nothing stepped
+
+
 def test_a_second_master_adamw_over_a_parameter_is_refused_until_the_first_is_released():
     """Two optimizers' gradient hooks on one parameter: the second would find the gradient already moved to the
     first's master copy (and freed). Building it is refused by name; after ``release`` it owns the parameter."""
