@@ -109,3 +109,29 @@ def test_a_missing_profile_file_is_an_error_line_not_a_traceback(tmp_path, capsy
     assert plan.main(["--hf-config", str(Q35), "--layer-policy", "budget=20000", "--mismatch-profile",
                       str(missing)]) == 2
     assert "nope.json" in capsys.readouterr().err
+
+
+def test_per_rank_lines_show_each_ranks_json_numbers(capsys):
+    argv = ["--hf-config", str(Q35), "--layer-policy", "all", "--modes", "compact", "--trajectories", "16",
+            "--steps-in-flight", "2", "--dp-ranks", "4", "--bandwidth-gbytes", "ib=50",
+            "--bandwidth-gbytes", "nvlink=400"]
+    assert plan.main([*argv, "--json"]) == 0
+    (p,) = json.loads(capsys.readouterr().out)["rows"][0]["per_rank"]
+    assert plan.main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    h = {k: plan.human(p[f"{k}_bytes_per_rank"]) for k in ("guidance", "routing", "cache_host", "sync_payload")}
+    assert len(set(h.values())) == 4  # the line discriminates its fields
+    s = p["sync_seconds"]
+    assert line == (f"all compact, 4 DP ranks: 4 samples, guidance {h['guidance']}, routing {h['routing']}, host cache "
+                    f"{h['cache_host']}, sync payload {h['sync_payload']}; sync {plan.seconds(s['ib'])} @ ib, "
+                    f"{plan.seconds(s['nvlink'])} @ nvlink")
+
+
+@pytest.mark.parametrize("name,mla", [("deepseek_v3", True), ("qwen3_5_35b_a3b_like", False)])
+def test_table_says_when_kv_rows_are_an_mla_latent(name, mla, capsys):
+    cfg = Q35.parent / f"{name}_config.json"
+    assert plan.main(["--hf-config", str(cfg), "--layer-policy", "none", "--modes", "compact"]) == 0
+    dims = ModelDims.from_hf_config(cfg)
+    assert dims.kv_v != mla  # (MLA caches one latent row per token: K only)
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.endswith(f"KV rows {dims.kv_heads}x{dims.head_dim}" + (" (MLA latent, K only)" if mla else ""))
