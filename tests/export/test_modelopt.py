@@ -1,5 +1,6 @@
 """ModelOpt NVFP4 export: file layout, dtypes, values against the formats reference, round trip."""
 
+import dataclasses
 import json
 import os
 import re
@@ -234,6 +235,26 @@ def test_errors_name_the_problem():
         build_modelopt_state(named, {})
     with pytest.raises(ValueError, match="quantization_config"):
         save_modelopt_checkpoint("/nonexistent", named, {"quantization_config": {}}, 1.0)
+
+
+@pytest.mark.parametrize("field,bad,match", [
+    ("block_scales", lambda q: q.block_scales.view(torch.uint8), r"block_scales must be torch.float8_e4m3fn \[16, 2\]"
+                                                                  r".*got torch.uint8 \[16, 2\]"),
+    ("block_scales", lambda q: q.block_scales.float(), "got torch.float32"),
+    ("block_scales", lambda q: q.block_scales[:, :1], r"got torch.float8_e4m3fn \[16, 1\]"),
+    ("codes", lambda q: q.codes.int(), r"codes must be torch.uint8 \[16, 16\].*got torch.int32"),
+    ("global_amax", lambda q: torch.tensor(float("inf")), "global_amax=inf must be finite and >= 0"),
+    ("global_amax", lambda q: torch.tensor(float("nan")), "global_amax=nan must be finite"),
+], ids=["scales-uint8-view", "scales-fp32", "scales-short", "codes-int32", "amax-inf", "amax-nan"])
+def test_an_fp4_weight_not_in_the_checkpoint_layout_is_refused(field, bad, match):
+    """Written as given, a uint8 view of the block scales was stored as U8 (a loader that copies it into its
+    float8_e4m3fn parameter converts numbers: scale 56 for code 0x38 = 1.0), a non-finite amax as an inf or NaN
+    weight_scale_2 (an engine's output all NaN)."""
+    q = nvfp4.quantize(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match=match):
+        modelopt_linear_tensors("x", dataclasses.replace(q, **{field: bad(q)}), 1.0)
+    zero = nvfp4.quantize(torch.zeros(16, 32))  # an all-zero weight (amax 0) is a weight
+    assert torch.equal(modelopt_linear_tensors("x", zero, 1.0)["x.weight"], zero.codes)
 
 
 def test_an_input_amax_that_is_not_one_number_is_refused_naming_the_linear():
