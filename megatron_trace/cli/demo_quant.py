@@ -4,8 +4,8 @@
 
 It quantizes a heavy-tailed bf16 activation-like tensor x (the "rollout"), then a perturbed copy
 x' (the "trainer", as if computed by another kernel), and counts how often the trainer's codes
-differ from the rollout's with plain RNE, RNE with the rollout's scales, and TRACE guided
-rounding in full and compact mode.
+differ from the rollout's with plain RNE (its own scales) and TRACE guided rounding in full and
+compact (mantissa bit) mode, and which share of those differ by one grid step.
 """
 
 from __future__ import annotations
@@ -89,13 +89,17 @@ def _noise(text: str) -> float:
     return v
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=_positive, default=256)
     p.add_argument("--k", type=_positive, default=2048)
     p.add_argument("--noise", type=_noise, default=0.01, help="trainer perturbation, relative to the tensor's std")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
     x = _activations(a.rows, a.k, a.seed)
     print(f"FP4 quantization of a bf16 tensor [{a.rows}, {a.k}] (heavy-tailed activations)\n")
     print(_table(error_rows(x)))

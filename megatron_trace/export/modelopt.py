@@ -53,6 +53,15 @@ def modelopt_linear_tensors(prefix: str, q: FP4Tensor, input_amax: float | torch
     if q.global_amax is None or q.global_amax.dim() != 0:
         raise ValueError(f"{prefix}: ModelOpt stores one weight_scale_2 per Linear: the FP4 weight needs a per-tensor "
                          f"global_amax (shape []), got {None if q.global_amax is None else tuple(q.global_amax.shape)}")
+    n, k = q.shape
+    for field, dtype, shape in (("codes", torch.uint8, (n, k // 2)),
+                                ("block_scales", torch.float8_e4m3fn, (n, k // NVFP4_BLOCK))):
+        t = getattr(q, field)  # (a uint8 view of the scales would be stored as U8, read as numbers)
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{prefix}: {field} must be {dtype} {list(shape)} for an NVFP4 weight of shape "
+                             f"{tuple(q.shape)}, got {t.dtype} {list(t.shape)}")
+    if not bool(torch.isfinite(q.global_amax)) or float(q.global_amax) < 0:
+        raise ValueError(f"{prefix}: global_amax={float(q.global_amax)} must be finite and >= 0")
     try:
         a = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
     except (TypeError, ValueError, RuntimeError) as e:  # (a per-row amax tensor, None, a string)

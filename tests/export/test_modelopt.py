@@ -1,5 +1,6 @@
 """ModelOpt NVFP4 export: file layout, dtypes, values against the formats reference, round trip."""
 
+import dataclasses
 import json
 import os
 import re
@@ -16,9 +17,11 @@ from megatron_trace.export import (
     fp4_from_modelopt,
     load_modelopt_state,
     modelopt_linear_tensors,
+    quant_config_dict,
     save_modelopt_checkpoint,
 )
-from megatron_trace.formats import nvfp4
+from megatron_trace.export.modelopt import exclude_modules_of
+from megatron_trace.formats import mxfp4, nvfp4
 
 from ._tiny import EXPERTS, FFN, HIDDEN, LAYERS, tiny_hf_config, tiny_named_weights
 
@@ -43,6 +46,11 @@ def ckpt(tmp_path_factory):
     return out, qcfg, load_file(os.path.join(out, "model.safetensors"))
 
 
+def test_without_a_trace_config_the_quant_config_has_no_trace_entry():
+    assert "trace" not in quant_config_dict(["lm_head"])
+    assert quant_config_dict([], trace_config={"format": "nvfp4"})["trace"] == {"format": "nvfp4"}
+
+
 def test_files_and_quant_config(ckpt):
     out, qcfg, _ = ckpt
     assert sorted(os.listdir(out)) == ["config.json", "hf_quant_config.json", "model.safetensors"]
@@ -54,6 +62,21 @@ def test_files_and_quant_config(ckpt):
     assert {"lm_head", "model.embed_tokens", "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.gate"} <= ex
     assert not [m for m in ex if ".experts." in m]
     assert "quantization_config" not in json.load(open(os.path.join(out, "config.json")))
+    assert on_disk["trace"] == TraceConfig().to_dict()  # the TRACE SGLang method's TraceQuantConfig reads it
+
+
+def _tiny_bf16_linears(layers: range) -> list[str]:
+    """The tiny model's BF16 Linear modules, written out (with the SGLang-fused qkv_proj of each layer)."""
+    names = ["lm_head", "model.embed_tokens"]
+    for layer in layers:
+        names += [f"model.layers.{layer}.self_attn.{p}_proj" for p in ("q", "k", "v", "o", "qkv")]
+        names.append(f"model.layers.{layer}.mlp.gate")
+    return sorted(names)
+
+
+def test_exclude_modules_are_exactly_the_bf16_linears(ckpt):
+    _, qcfg, _ = ckpt
+    assert qcfg["quantization"]["exclude_modules"] == _tiny_bf16_linears(range(LAYERS))
 
 
 def test_names_shapes_dtypes(ckpt):
@@ -172,7 +195,9 @@ def test_experts_kept_bf16_by_exclude_modules_are_exported_bf16_and_excluded(tmp
     cfg = TraceConfig(exclude_modules=("model.layers.0.mlp.experts",))
     named = list(fp4_stream(tiny_named_weights(), QUANT, bf16_layers=(0,)))
     qcfg = save_modelopt_checkpoint(tmp_path, named, tiny_hf_config(), input_amax=2.0, trace_config=cfg.to_dict())
-    assert "model.layers.0.mlp.experts" in qcfg["quantization"]["exclude_modules"]
+    # layer 0's experts and no other layer's (an engine would load layer 1's FP4 experts as BF16)
+    assert qcfg["quantization"]["exclude_modules"] == sorted([*_tiny_bf16_linears(range(LAYERS)),
+                                                              "model.layers.0.mlp.experts"])
     assert not any(".experts." in m for m in qcfg["quantization"]["exclude_modules"])  # not per expert Linear
     state = load_modelopt_state(tmp_path)
     w = dict(named)
@@ -195,14 +220,41 @@ def test_errors_name_the_problem():
         modelopt_linear_tensors("x", nvfp4.quantize(w), 0.0)
     with pytest.raises(ValueError, match="multiple of 16"):
         modelopt_linear_tensors("x", nvfp4.quantize(torch.randn(16, 24)), 1.0)
+    with pytest.raises(ValueError, match="needs fmt='nvfp4', got 'mxfp4'"):
+        modelopt_linear_tensors("x", mxfp4.quantize(w), 1.0)
+    with pytest.raises(ValueError, match=r"expected a 2-D weight \[N, K\], got shape \(2, 16, 32\)"):
+        modelopt_linear_tensors("x", nvfp4.quantize(torch.randn(2, 16, 32)), 1.0)  # a stacked [E, N, K] weight
+    for bad in (float("inf"), float("nan"), -1.0):  # an inf input_scale would be written without a word
+        with pytest.raises(ValueError, match="must be finite and > 0"):
+            modelopt_linear_tensors("x", nvfp4.quantize(w), bad)
     named = [("model.layers.0.mlp.experts.0.down_proj.weight", w)]
     with pytest.raises(TypeError, match="FP4Tensor"):
         build_modelopt_state(named, 1.0)
     named = [("model.layers.0.mlp.experts.0.down_proj.weight", nvfp4.quantize(w))]
-    with pytest.raises(KeyError, match="experts.0.down_proj"):
+    with pytest.raises(KeyError, match="no input_amax for .model.layers.0.mlp.experts.0.down_proj.: give the static"):
         build_modelopt_state(named, {})
     with pytest.raises(ValueError, match="quantization_config"):
         save_modelopt_checkpoint("/nonexistent", named, {"quantization_config": {}}, 1.0)
+
+
+@pytest.mark.parametrize("field,bad,match", [
+    ("block_scales", lambda q: q.block_scales.view(torch.uint8), r"block_scales must be torch.float8_e4m3fn \[16, 2\]"
+                                                                  r".*got torch.uint8 \[16, 2\]"),
+    ("block_scales", lambda q: q.block_scales.float(), "got torch.float32"),
+    ("block_scales", lambda q: q.block_scales[:, :1], r"got torch.float8_e4m3fn \[16, 1\]"),
+    ("codes", lambda q: q.codes.int(), r"codes must be torch.uint8 \[16, 16\].*got torch.int32"),
+    ("global_amax", lambda q: torch.tensor(float("inf")), "global_amax=inf must be finite and >= 0"),
+    ("global_amax", lambda q: torch.tensor(float("nan")), "global_amax=nan must be finite"),
+], ids=["scales-uint8-view", "scales-fp32", "scales-short", "codes-int32", "amax-inf", "amax-nan"])
+def test_an_fp4_weight_not_in_the_checkpoint_layout_is_refused(field, bad, match):
+    """Written as given, a uint8 view of the block scales was stored as U8 (a loader that copies it into its
+    float8_e4m3fn parameter converts numbers: scale 56 for code 0x38 = 1.0), a non-finite amax as an inf or NaN
+    weight_scale_2 (an engine's output all NaN)."""
+    q = nvfp4.quantize(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match=match):
+        modelopt_linear_tensors("x", dataclasses.replace(q, **{field: bad(q)}), 1.0)
+    zero = nvfp4.quantize(torch.zeros(16, 32))  # an all-zero weight (amax 0) is a weight
+    assert torch.equal(modelopt_linear_tensors("x", zero, 1.0)["x.weight"], zero.codes)
 
 
 def test_an_input_amax_that_is_not_one_number_is_refused_naming_the_linear():
@@ -251,13 +303,15 @@ def test_a_failed_export_leaves_the_earlier_checkpoint_and_a_config_object_is_ac
 def test_config_dtype_is_the_dtype_of_the_unquantized_tensors(tmp_path):
     """A float32 source config (an fp32 master checkpoint) must not say float32 over BF16 tensors: SGLang and vLLM
     serve dtype="auto" in the config's dtype, a float32 one in float16, while the trainer ran BF16."""
-    named = list(fp4_stream(tiny_named_weights(), QUANT))
+    named = [(n, v.float() if isinstance(v, torch.Tensor) else v) for n, v in fp4_stream(tiny_named_weights(), QUANT)]
     given = {**tiny_hf_config(), "torch_dtype": "float32", "dtype": "float32"}
     save_modelopt_checkpoint(tmp_path, named, given, input_amax=2.0)
     cfg = json.load(open(tmp_path / "config.json"))
     assert (cfg["dtype"], cfg["torch_dtype"]) == ("bfloat16", "bfloat16")
     assert given["dtype"] == "float32"  # the caller's dict is left alone
-    assert load_file(tmp_path / "model.safetensors")["model.embed_tokens.weight"].dtype == torch.bfloat16
+    st = load_file(tmp_path / "model.safetensors")  # the float32 tensors given are stored as the config says
+    assert {st[n].dtype for n, v in named if isinstance(v, torch.Tensor)} == {torch.bfloat16}
+    assert torch.equal(st["model.embed_tokens.weight"], dict(tiny_named_weights())["model.embed_tokens.weight"])
 
 
 def test_an_export_that_fails_midway_leaves_the_earlier_one_and_the_user_s_files(tmp_path):
@@ -298,6 +352,8 @@ def test_exclude_modules_are_the_bf16_linears_and_fused_linears_whose_shards_all
     attn = [f"model.layers.0.self_attn.{p}_proj" for p in ("q", "k", "v", "qkv")]
     assert exclude == sorted(["model.embed_tokens", *attn, "model.layers.1.self_attn.q_proj",
                               "model.layers.0.mlp.gate_proj"])
+    # names that are not a module's weight (a 2-D scale, a bias) name no module
+    assert exclude_modules_of(["model.a.weight", "model.b.scale", "model.c.bias"]) == ["model.a"]
 
 
 def test_read_back_takes_the_exact_amax_where_the_decode_scale_does_not_round_trip():
