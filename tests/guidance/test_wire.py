@@ -173,6 +173,19 @@ def test_routing_of_other_samples_than_the_guidance_keeps_its_own_table():
     assert _head(_sync().encode(samples, routing))["routing"]["table"] is None  # the same samples: one table
 
 
+def test_a_shard_of_several_chunks_gives_every_chunks_samples_and_routing_in_order():
+    samples, routing, *_ = _data()
+    shard = GuidanceShard()
+    for g, r in [(samples[:1], routing[:1]), ([], routing[1:3]), (samples[1:], routing[3:])]:  # three chunks
+        got = _decode(_sync().encode(g, r))
+        shard.parts += got.parts
+        shard.routing_parts += got.routing_parts
+    assert len(shard.routing_parts) == 3 and len(shard.parts) == 2
+    for a, b in zip(shard.samples, samples, strict=True):
+        assert_samples_equal(a, b)
+    _assert_routing_equal(shard.routing, routing)
+
+
 def test_header_grows_per_sample_once_not_per_sample_and_site():
     def header(B, layers):
         batch, _, tok, mask = make_batch(B=B, S=6, layers=layers, lengths=[6] * B)
