@@ -67,18 +67,25 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str, backend
             kw["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60), **kw)
-        try:  # validated before the collective new_group: every rank raises, nobody hangs
-            GuidanceSync(0, [world])
-            raise AssertionError("a trainer rank outside the world was accepted")
-        except ValueError as e:
-            assert "missing peer" in str(e), str(e)
-        short = {"missing_sender": 3, "abort_midway": 20, "dead_trainer": 20, "out_of_step": 20}
+        for src, dsts, want in [(0, [world], "missing peer"), (-1, [1], "missing peer"), (0, [], "need >= 1 trainer"),
+                                (0, [1, 1], "all distinct"), (1, [1], "all distinct")]:
+            try:  # validated before the collective new_group: every rank raises, nobody hangs
+                GuidanceSync(src, dsts)
+                raise AssertionError(f"GuidanceSync({src}, {dsts}) was accepted")
+            except ValueError as e:
+                assert want in str(e), str(e)
+        short = {"missing_sender": 3, "abort_midway": 20, "dead_trainer": 20, "out_of_step": 20, "bad_sizes": 10}
         timeout = timedelta(seconds=short.get(scenario, 60))
         verify = not (scenario == "unchecked_sender" and rank == 0)
         sync = GuidanceSync(0, list(range(1, world)), timeout=timeout, verify=verify)
+        try:  # each side's call on the other side's rank: refused before anything is sent or awaited
+            sync.receive_shard() if rank == 0 else sync.send([])
+            raise AssertionError(f"rank {rank} ran the other side's call")
+        except RuntimeError as e:
+            assert ("receive() runs on trainer ranks" if rank == 0 else "send() runs on the rollout rank 0") in str(e)
         samples = rollout_samples(B=5)
         if scenario == "missing_sender":
-            msg = _missing_sender(rank, sync)
+            msg = _missing_sender(rank, sync, Path(outdir))
         elif scenario in ("corrupt", "corrupt_routing", "bad_magic", "old_protocol", "unchecked_sender"):
             msg = _tampered(rank, sync, samples, scenario)
         elif scenario in ("resync", "resync_bad_header"):
@@ -93,6 +100,8 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str, backend
             msg = _out_of_step(rank, sync, samples)
         elif scenario == "long_reason":
             msg = _long_reason(rank, sync, samples)
+        elif scenario == "bad_sizes":
+            msg = _bad_sizes(rank, world, sync)
         else:
             msg = _transfer(rank, world, sync, samples, scenario)
         result.write_text(msg)
@@ -118,7 +127,16 @@ def _transfer(rank, world, sync, samples, scenario) -> str:
         if scenario == "mapping":
             mapping = {s.sample_id: (world - 1 if s.sample_id % 2 else 1) for s in samples}
         sent = sync.send(samples, mapping, chunk_bytes=chunk)
-        return f"OK sent {sorted(sent.items())}"
+        st = sync.last_stats
+        assert (st.samples, st.payload_bytes) == (len(samples), sum(sent.values())), (st, sent)
+        if scenario == "chunked":  # the peak: the largest chunk's messages (one chunk in flight), as encode builds them
+            from megatron_trace.guidance.sync import _units, chunk_units
+
+            biggest = max(sum(t.nbytes for t in sync.encode([u.guidance for u in group]))
+                          for dst in range(1, world) for group in chunk_units(_units(samples[dst - 1::2], ()), chunk))
+            # (NCCL: + a field gathered on the samples' device (the CPU) before its copy to the GPU)
+            assert st.peak_bytes == biggest if sync.device.type == "cpu" else st.peak_bytes >= biggest, (st, biggest)
+        return f"OK sent {sorted(sent.items())} in {st.chunks} chunks"
     shard = sync.receive_shard()
     got = shard.samples
     want = _expected(samples, world, scenario, rank)
@@ -129,9 +147,11 @@ def _transfer(rank, world, sync, samples, scenario) -> str:
         assert shard.stats.chunks == len(shard.parts) > 1
         # every chunk's samples counted; the received samples are views of their chunks: all of them are held at once
         assert shard.stats.samples == len(want), (shard.stats.samples, len(want))
-        assert shard.stats.peak_bytes >= shard.stats.payload_bytes, shard.stats
+        assert shard.stats.peak_bytes > shard.stats.payload_bytes, shard.stats  # and a header
+        assert sync.last_stats is shard.stats
         _check_assembly(shard, want)
-        return f"OK received {[s.sample_id for s in got]} in {shard.stats.payload_bytes} bytes"
+        st = shard.stats
+        return f"OK received {[s.sample_id for s in got]} in {st.payload_bytes} bytes, {st.chunks} chunks"
     return f"OK received {[s.sample_id for s in got]}"
 
 
@@ -155,16 +175,25 @@ def _check_assembly(shard, want) -> None:
         assert torch.equal(payload_of(o1[k].record), payload_of(o2[k].record)) and torch.equal(o1[k].valid, o2[k].valid)
 
 
-def _missing_sender(rank, sync) -> str:
+def _missing_sender(rank, sync, outdir: Path) -> str:
+    """The rollout rank stays alive but never sends (until the trainer gave up, at most 40 s): the trainer's receive
+    fails after the group's own timeout (3 s), not the default group's (60 s) or when the sender exits."""
+    done, gloo = outdir / "receiver_done", sync.backend == "gloo"  # NCCL: its watchdog enforces the timeout
     if rank == 0:
-        time.sleep(5)  # alive but never sends: the trainer must time out with a clear error
+        t0 = time.monotonic()
+        while not done.exists() and time.monotonic() - t0 < (40 if gloo else 5):
+            time.sleep(0.1)
         return "OK idle"
     t0 = time.monotonic()
     try:
         sync.receive()
     except GuidanceSyncError as e:
-        assert "rollout rank 0" in str(e) and "missing" in str(e), str(e)
-        return f"OK timed out after {time.monotonic() - t0:.1f}s"
+        secs = time.monotonic() - t0
+        assert "rollout rank 0" in str(e) and "missing" in str(e) and "timeout 0:00:03" in str(e), str(e)
+        assert secs < 20 or not gloo, f"the receive failed after {secs:.1f}s, not the group's timeout of 3 s"
+        return f"OK timed out after {secs:.1f}s"
+    finally:
+        done.touch()
     return "FAIL receive returned without a sender"
 
 
@@ -207,7 +236,8 @@ def _tampered(rank, sync, samples, scenario) -> str:
 def _resync(rank, sync, samples, scenario="resync") -> str:
     """Transfer 0 in 3 chunks whose first is corrupt (a payload byte, or a header naming a negative dimension that
     its sender wrote: checksum intact), then transfer 1: the receiver rejects transfer 0 whole (reading it to its
-    end) and gets transfer 1's samples, not transfer 0's leftover chunks."""
+    end) and gets transfer 1's samples, not transfer 0's leftover chunks. A corrupt chunk followed by the sender's
+    abort is rejected for the corruption (the first error), and the next transfer is in step."""
     from megatron_trace.guidance.sync import _units, chunk_units
 
     first, second = samples[:3], samples[3:]
@@ -228,6 +258,13 @@ def _resync(rank, sync, samples, scenario="resync") -> str:
             for t in msgs:
                 dist.send(t.to(sync.device), dst=1, group=sync.group)
         sync.send(second, chunk_bytes=1)
+        if scenario == "resync":  # transfer 2: a corrupt chunk, then the sender's abort; transfer 3: good
+            seq = sync._next_transfer(1)
+            msgs, _ = sync._encode_units(chunks[0], 1, sync.device, seq)
+            msgs[2][0] ^= 0x10
+            sync._send_chunk(msgs, 1, "a corrupt chunk")
+            assert sync._abort(1, seq, MemoryError("emulated"))
+            sync.send(second)
         return "OK sent"
     try:
         sync.receive()
@@ -239,6 +276,13 @@ def _resync(rank, sync, samples, scenario="resync") -> str:
     assert [s.sample_id for s in got] == [s.sample_id for s in second], [s.sample_id for s in got]
     for a, b in zip(got, second):
         assert_samples_equal(a, b)
+    if scenario == "resync":  # the transfer's first error is the one raised: the rejection, not the later abort
+        try:
+            sync.receive()
+            return "FAIL the corrupt, then aborted transfer was accepted"
+        except GuidanceSyncError as e:
+            assert "checksum" in str(e) and "aborted" not in str(e), str(e)
+        assert [s.sample_id for s in sync.receive()] == [s.sample_id for s in second]
     return f"OK resynced {[s.sample_id for s in got]}"
 
 
@@ -324,6 +368,7 @@ def _dead_trainer(rank, sync, samples) -> str:
                 out.append("sent")
             except GuidanceSyncError as e:
                 assert "trainer rank(s) [1] was not delivered (rank(s) [2] got theirs)" in str(e), str(e)
+                assert "aborted" not in str(e), str(e)  # a transport failure: no abort is sent on a broken link
                 out.append(f"failed for rank 1 in {time.monotonic() - t0:.0f}s"
                            + (" (broken link)" if "recreate GuidanceSync" in str(e) else ""))
         assert out[0].startswith("failed for rank 1") and out[1] == "failed for rank 1 in 0s (broken link)", out
@@ -364,12 +409,39 @@ def _out_of_step(rank, sync, samples) -> str:
     return "OK refused, then broken"
 
 
-def _long_reason(rank, sync, samples) -> str:
-    """A send refused for a reason longer than an abort carries (``MAX_REASON`` bytes): the trainer gets the reason's
-    start in its error, and the next transfer arrives in step (the abort is not taken for a bad message)."""
-    from megatron_trace.guidance.sync import MAX_REASON
+def _bad_sizes(rank, world, sync) -> str:
+    """Size messages no guidance sender writes (a header of no bytes, a negative payload or chunk count, an abort
+    with a payload, chunks to come, no reason or a reason longer than ``MAX_REASON``) are refused at once as a bad
+    size message, nothing else awaited; each breaks the link, so each goes over a new ``GuidanceSync``."""
+    from megatron_trace.guidance.sync import ABORT, MAGIC, MAX_REASON
 
-    reason = "no rank for this sample: " + "x" * (2 * MAX_REASON)
+    bad = [[MAGIC, 0, 0, 0, 0, 0], [MAGIC, 5, -1, 0, 0, 0], [MAGIC, 5, 0, -1, 0, 0], [ABORT, 5, 3, 0, 0, 0],
+           [ABORT, 5, 0, 2, 0, 0], [ABORT, 0, 0, 0, 0, 0], [ABORT, MAX_REASON + 1, 0, 0, 0, 0]]
+    out = []
+    for sizes in bad:
+        if rank == 0:
+            dist.send(torch.tensor(sizes, dtype=torch.int64), dst=1, group=sync.group)
+        else:
+            t0 = time.monotonic()
+            try:
+                sync.receive()
+                return f"FAIL {sizes} was accepted"
+            except GuidanceSyncError as e:
+                assert f"sent a bad size message {sizes}" in str(e) and time.monotonic() - t0 < 5, (str(e), sizes)
+            out.append("refused")
+        sync = GuidanceSync(0, list(range(1, world)), timeout=sync.timeout)  # collective: on every rank
+    return f"OK {out}"
+
+
+def _long_reason(rank, sync, samples) -> str:
+    """A send refused for a reason longer than an abort carries (``MAX_REASON`` bytes, cut inside a character): the
+    trainer gets the reason's start in its error, and the next transfer arrives in step (the abort is not taken for
+    a bad message). Then sends refused for their ``chunk_bytes`` (0: the abort as it is on the wire; True), an abort
+    whose reason arrived corrupt (said so in the error) and one from a sender without checksums, and a good send."""
+    from megatron_trace.guidance.sync import ABORT, MAX_REASON, NO_CRC
+
+    reason = "no rank for this sample: xx" + "é" * MAX_REASON  # 2 bytes each: the cut falls inside one
+    told = b"GuidanceSyncError: told by hand"
 
     def destination(sid):
         raise ValueError(reason)
@@ -380,15 +452,41 @@ def _long_reason(rank, sync, samples) -> str:
             return "FAIL the send was not refused"
         except ValueError as e:
             assert str(e) == reason
+        for bad in (0, True):
+            try:
+                sync.send(samples[:2], chunk_bytes=bad)
+                return f"FAIL chunk_bytes={bad!r} was accepted"
+            except ValueError as e:
+                assert f"chunk_bytes={bad!r} must be an int >= 1 or None" in str(e), str(e)
+        for crc in (zlib.crc32(told) ^ 1, NO_CRC):
+            sizes = torch.tensor([ABORT, len(told), 0, 0, sync._next_transfer(1), crc], dtype=torch.int64)
+            sync._send_chunk([sizes, torch.frombuffer(bytearray(told), dtype=torch.uint8)], 1, "an abort by hand")
         sync.send(samples[:2])
         return "OK refused, then sent"
-    try:
-        sync.receive()
-        return "FAIL the aborted transfer returned"
-    except GuidanceSyncError as e:
-        msg = str(e)
-    assert "aborted guidance transfer 0" in msg and "ValueError: no rank for this sample: xxx" in msg, msg[:300]
-    assert len(msg) < 2 * MAX_REASON, len(msg)
+    errors = []
+    for n in range(5):
+        if n == 1:  # the abort as it travels: size message [ABORT, reason bytes, 0, 0, transfer, CRC], the reason
+            sizes = torch.empty(6, dtype=torch.int64, device=sync.device)
+            dist.recv(sizes, src=0, group=sync.group)
+            raw = torch.empty(int(sizes[1]), dtype=torch.uint8, device=sync.device)
+            dist.recv(raw, src=0, group=sync.group)
+            raw = bytes(raw.tolist())
+            assert raw == b"ValueError: chunk_bytes=0 must be an int >= 1 or None", raw
+            assert sizes.tolist() == [ABORT, len(raw), 0, 0, 1, zlib.crc32(raw)], sizes.tolist()
+            sync._transfers[0] += 1  # read by hand: the next receive is transfer 2
+            continue
+        try:
+            sync.receive()
+            return f"FAIL the aborted transfer {n} returned"
+        except GuidanceSyncError as e:
+            errors.append(str(e))
+    msg = errors[0]
+    assert "aborted guidance transfer 0" in msg and "ValueError: no rank for this sample: xxéé" in msg, msg[:300]
+    assert len(msg.encode()) < MAX_REASON + 200 and msg.endswith("é\ufffd"), (len(msg), msg[-20:])  # cut, shown
+    assert "aborted guidance transfer 2" in errors[1] and "chunk_bytes=True must be" in errors[1], errors[1]
+    assert errors[2].endswith("told by hand (the reason arrived corrupt)"), errors[2]
+    assert errors[3].endswith("told by hand"), errors[3]  # no checksum: nothing to tell
+    assert not any("corrupt" in e for e in errors[:2]), errors
     got = sync.receive()
     assert [s.sample_id for s in got] == [s.sample_id for s in samples[:2]], [s.sample_id for s in got]
     return "OK aborted, then received"

@@ -2,11 +2,14 @@ import ast
 from datetime import timedelta
 
 import pytest
+import torch
 import torch.distributed as dist
 
-from megatron_trace.guidance.routing import SampleRouting
-from megatron_trace.guidance.sync import GuidanceSync, _units, assign_destinations
+from megatron_trace.guidance.records import split_batch
+from megatron_trace.guidance.routing import SampleRouting, split_routing
+from megatron_trace.guidance.sync import GuidanceSync, _units, assign_destinations, chunk_units
 
+from ._data import make_batch
 from ._dist import rollout_samples
 from ._dist import run_scenario as _run
 
@@ -34,9 +37,11 @@ def test_two_trainers_chunked_columns_assemble_like_samples(tmp_path):
     equals ``records.assemble`` of the samples (rows reordered, a missing row, mixed formats: shape fallback)."""
     out = _run(3, "chunked", tmp_path)
     ids = [s.sample_id for s in rollout_samples(5)]
-    sent = dict(ast.literal_eval(out[0].removeprefix("OK sent ")))  # payload bytes per rank, as the sender counted
-    assert out[1] == f"OK received {ids[0::2]} in {sent[1]} bytes"
-    assert out[2] == f"OK received {ids[1::2]} in {sent[2]} bytes"
+    sent, chunks = out[0].removeprefix("OK sent ").removesuffix(" chunks").split(" in ")
+    sent = dict(ast.literal_eval(sent))  # payload bytes per rank, as the sender counted
+    assert out[1].startswith(f"OK received {ids[0::2]} in {sent[1]} bytes, ")
+    assert out[2].startswith(f"OK received {ids[1::2]} in {sent[2]} bytes, ")
+    assert sum(int(out[r].split(", ")[-1].removesuffix(" chunks")) for r in (1, 2)) == int(chunks)  # as counted
 
 
 def test_missing_sender_times_out_with_a_clear_error(tmp_path):
@@ -61,6 +66,11 @@ def test_a_send_that_fails_midway_or_before_any_rank_keeps_every_rank_in_step(tm
     raises the reason at once, no timeout); the other rank gets its data; the next sends arrive whole on both."""
     out = _run(3, "abort_midway", tmp_path)
     assert out[0] == "OK failed for rank 1, sent, refused, sent, aborted midway, sent"
+
+
+def test_a_size_message_no_sender_writes_is_refused_at_once(tmp_path):
+    out = _run(2, "bad_sizes", tmp_path)
+    assert out[1] == f"OK {['refused'] * 7}"
 
 
 def test_a_lost_chunk_or_a_transfer_out_of_step_is_refused_and_breaks_the_link(tmp_path):
@@ -102,6 +112,9 @@ def test_a_sample_sent_twice_is_refused_not_dropped():
     samples = rollout_samples(2)
     routing = [SampleRouting(s.sample_id, s.version, s.token_hash, s.num_tokens, {}) for s in samples]
     assert [u.sample_id for u in _units(samples, routing)] == [s.sample_id for s in samples]
+    later = [s for s in rollout_samples(3)[::-1] if s.sample_id != samples[1].sample_id]  # not sorted
+    # units in send order: the guidance's, then the routing-only ids
+    assert [u.sample_id for u in _units(later, routing[::-1])] == [s.sample_id for s in later] + [samples[1].sample_id]
     sid = samples[1].sample_id
     with pytest.raises(ValueError, match=f"sample {sid} appears twice in the guidance to send"):
         _units([*samples, samples[1]], ())
@@ -114,3 +127,42 @@ def test_needs_initialised_distributed():
         pytest.skip("a process group is already initialised in this process")
     with pytest.raises(RuntimeError, match="init_process_group"):
         GuidanceSync(0, [1], timeout=timedelta(seconds=1))
+
+
+def _split(lengths=(9, 7, 0, 5, 8)):
+    """Guidance and routing of one batch (samples of different sizes, one of 0 tokens): views of their columns."""
+    B = len(lengths)
+    batch, _, tok, mask = make_batch(B=B, lengths=list(lengths))
+    ids = [20 + b for b in range(B)]
+    g = torch.Generator().manual_seed(3)
+    routing = split_routing({0: torch.randint(0, 8, (B, tok.shape[1], 3), generator=g)}, tok, version=1,
+                            num_experts=8, attention_mask=mask, sample_ids=ids)
+    return split_batch(batch, tok, version=1, attention_mask=mask, sample_ids=ids), routing
+
+
+def test_a_units_bytes_are_its_guidance_and_routing_also_for_a_subset_of_columns():
+    """Chunking reads a view's bytes from its columns: the bytes of *that* sample (not the column's first), routing
+    included, as the sample's own tensors count them."""
+    samples, routing = _split()
+    for part in (slice(None), slice(1, None, 2), slice(3, None)):  # a rank's share: a subset of the columns
+        units = _units(samples[part], routing[part])
+        assert [u.nbytes() for u in units] == [s.nbytes() + r.nbytes() for s, r in zip(samples[part], routing[part])]
+    assert len({s.nbytes() for s in samples}) == len(samples)  # all different: a wrong index is seen
+
+
+def test_chunks_are_consecutive_greedy_groups_of_at_most_chunk_bytes():
+    """Groups in send order, none empty, each within ``chunk_bytes`` unless it is one sample larger than it, and
+    each as full as it can be (the next group's first sample would not have fit), for limits at and beside every
+    boundary; an empty send is one empty group (its transfer still ends)."""
+    samples, routing = _split()
+    units = _units(samples, routing)
+    sizes = {u.sample_id: s.nbytes() + r.nbytes() for u, s, r in zip(units, samples, routing)}
+    ends = [sum(list(sizes.values())[: i + 1]) for i in range(len(units))]
+    for limit in sorted({1, *ends, *(e - 1 for e in ends), *(e + 1 for e in ends), 10**12} - {0}):
+        groups = chunk_units(units, limit)
+        assert [u for g in groups for u in g] == units and all(groups), limit
+        size = [sum(sizes[u.sample_id] for u in g) for g in groups]
+        assert all(n <= limit or len(g) == 1 for n, g in zip(size, groups)), (limit, size)
+        assert all(size[i] + sizes[groups[i + 1][0].sample_id] > limit for i in range(len(groups) - 1)), (limit, size)
+    assert [len(g) for g in chunk_units(units, ends[1])] == [3, 2]  # exactly the first two's bytes, + one of 0 bytes
+    assert chunk_units(units, None) == [units] and chunk_units([], 5) == [[]] and chunk_units([], None) == [[]]

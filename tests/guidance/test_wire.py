@@ -159,6 +159,33 @@ def test_routing_only_and_guidance_only_chunks():
     assert _decode(_sync().encode([])).samples == []
 
 
+def test_routing_of_other_samples_than_the_guidance_keeps_its_own_table():
+    """A chunk whose routing covers other samples than its guidance (a sample with routing only, one with guidance
+    only): each section's rows reach their own sample ids; only identical tables are sent once."""
+    samples, routing, *_ = _data()
+    for g, r in [(samples[:3], routing[1:]), (samples[1:], routing[:2]), (samples[::2], routing[1::2])]:
+        shard = _decode(_sync().encode(g, r))
+        for a, b in zip(shard.samples, g, strict=True):
+            assert_samples_equal(a, b)
+        by_id = {x.sample_id: x for x in r}  # in the chunk's sample order: the guidance's ids first
+        _assert_routing_equal(shard.routing, [by_id[x.sample_id] for x in shard.routing])
+        assert sorted(by_id) == sorted(x.sample_id for x in shard.routing)
+    assert _head(_sync().encode(samples, routing))["routing"]["table"] is None  # the same samples: one table
+
+
+def test_a_shard_of_several_chunks_gives_every_chunks_samples_and_routing_in_order():
+    samples, routing, *_ = _data()
+    shard = GuidanceShard()
+    for g, r in [(samples[:1], routing[:1]), ([], routing[1:3]), (samples[1:], routing[3:])]:  # three chunks
+        got = _decode(_sync().encode(g, r))
+        shard.parts += got.parts
+        shard.routing_parts += got.routing_parts
+    assert len(shard.routing_parts) == 3 and len(shard.parts) == 2
+    for a, b in zip(shard.samples, samples, strict=True):
+        assert_samples_equal(a, b)
+    _assert_routing_equal(shard.routing, routing)
+
+
 def test_header_grows_per_sample_once_not_per_sample_and_site():
     def header(B, layers):
         batch, _, tok, mask = make_batch(B=B, S=6, layers=layers, lengths=[6] * B)
@@ -237,6 +264,10 @@ def test_a_header_changed_on_the_way_is_rejected_with_verify():
     assert int(unchecked[0][5]) == -1
     with pytest.raises(GuidanceSyncError, match="the header has no checksum: the sender runs verify=False"):
         _decode(unchecked)
+    both = _decode(unchecked, verify=False)  # verify=False on both sides: the fields carry no checksum either
+    for a, b in zip(both.samples, samples, strict=True):
+        assert_samples_equal(a, b)
+    _assert_routing_equal(both.routing, routing)
 
 
 @pytest.mark.parametrize("head,match", [([PROTOCOL], "a JSON list, not an object"),
@@ -343,6 +374,21 @@ def test_assemble_routing_from_columns_equals_and_raises_on_mismatch():
     t[2, 0] += 1
     with pytest.raises(RoutingMismatchError, match="batch row 2: .*token_hash"):
         shard.assemble_routing(ids, t, versions=3, attention_mask=mask)
+
+
+def test_assembly_from_columns_takes_lengths_as_records_assemble_does():
+    """Right-padded rows described by ``lengths`` (no mask): the same batch, counts and routing on both paths."""
+    lengths = [9, 7, 3, 5]
+    samples, routing, tok, _, _ = _data(lengths=tuple(lengths))
+    shard = _decode(_sync().encode(samples, routing))
+    ids = [s.sample_id for s in samples]
+    c1, c2 = FallbackCounter(), FallbackCounter()
+    o1 = assemble(samples, tok, versions=3, counter=c1, lengths=lengths)
+    _assert_same_batch(o1, shard.assemble(ids, tok, versions=3, counter=c2, lengths=lengths))
+    assert (c1.used, c1.fallback) == (c2.used, c2.fallback) and c2.coverage == 1.0, (c1, c2)
+    want = assemble_routing(routing, tok, versions=3, lengths=lengths)
+    got = shard.assemble_routing(ids, tok, versions=3, lengths=lengths)
+    assert list(want) == list(got) and all(torch.equal(want[k], got[k]) for k in want)
 
 
 @pytest.mark.parametrize("dtype,shape", [(torch.float32, None), (torch.bool, None), (torch.int8, None),
