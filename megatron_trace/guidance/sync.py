@@ -419,9 +419,8 @@ class GuidanceSync:
                     f"the rollout rank {self.src} aborted guidance transfer {seq} to this rank, nothing applied: "
                     f"{reason}")
             left = sizes[3]
-            header = self._recv(torch.empty(sizes[1], dtype=torch.uint8, device=self.device), "the header")
-            payload = (host_buffer(sizes[2]) if self.device.type == "cpu"
-                       else torch.empty(sizes[2], dtype=torch.uint8, device=self.device))
+            header, payload = self._buffers(sizes)
+            header = self._recv(header, "the header")
             if sizes[2]:
                 payload = self._recv(payload, "the payload")
             if error is None:
@@ -444,6 +443,19 @@ class GuidanceSync:
             shard.stats.payload_bytes += sizes[2]
             if sizes[3] == 0:
                 return shard, None
+
+    def _buffers(self, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The header's and the payload's buffers, both made before either is awaited: sizes no guidance sender
+        writes (a corrupt size message asking for more memory than there is) break the link, not the process."""
+        try:
+            header = torch.empty(sizes[1], dtype=torch.uint8, device=self.device)
+            payload = (host_buffer(sizes[2]) if self.device.type == "cpu"
+                       else torch.empty(sizes[2], dtype=torch.uint8, device=self.device))
+        except (RuntimeError, MemoryError, OSError, OverflowError) as e:  # (CUDA's out of memory is a RuntimeError)
+            self._lost(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?): a header of "
+                       f"{sizes[1]} and a payload of {sizes[2]} bytes cannot be allocated here ({type(e).__name__}: "
+                       f"{str(e)[:200]})")
+        return header, payload
 
     def _lost(self, message: str) -> None:
         """Raise: the stream from the sender is at an unknown place (its link is marked broken)."""

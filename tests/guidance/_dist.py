@@ -411,12 +411,15 @@ def _out_of_step(rank, sync, samples) -> str:
 
 def _bad_sizes(rank, world, sync) -> str:
     """Size messages no guidance sender writes (a header of no bytes, a negative payload or chunk count, an abort
-    with a payload, chunks to come, no reason or a reason longer than ``MAX_REASON``) are refused at once as a bad
-    size message, nothing else awaited; each breaks the link, so each goes over a new ``GuidanceSync``."""
+    with a payload, chunks to come, no reason or a reason longer than ``MAX_REASON``, a header or payload larger
+    than any machine's memory) are refused at once as a bad size message, nothing else awaited; each breaks the
+    link, so each goes over a new ``GuidanceSync``. (The unallocatable ones escaped as a MemoryError / RuntimeError
+    that left the link looking whole.)"""
     from megatron_trace.guidance.sync import ABORT, MAGIC, MAX_REASON
 
     bad = [[MAGIC, 0, 0, 0, 0, 0], [MAGIC, 5, -1, 0, 0, 0], [MAGIC, 5, 0, -1, 0, 0], [ABORT, 5, 3, 0, 0, 0],
-           [ABORT, 5, 0, 2, 0, 0], [ABORT, 0, 0, 0, 0, 0], [ABORT, MAX_REASON + 1, 0, 0, 0, 0]]
+           [ABORT, 5, 0, 2, 0, 0], [ABORT, 0, 0, 0, 0, 0], [ABORT, MAX_REASON + 1, 0, 0, 0, 0],
+           [MAGIC, 2**62, 0, 0, 0, 0], [MAGIC, 5, 2**62, 0, 0, 0]]
     out = []
     for sizes in bad:
         if rank == 0:

@@ -70,7 +70,7 @@ def test_a_send_that_fails_midway_or_before_any_rank_keeps_every_rank_in_step(tm
 
 def test_a_size_message_no_sender_writes_is_refused_at_once(tmp_path):
     out = _run(2, "bad_sizes", tmp_path)
-    assert out[1] == f"OK {['refused'] * 7}"
+    assert out[1] == f"OK {['refused'] * 9}"
 
 
 def test_a_lost_chunk_or_a_transfer_out_of_step_is_refused_and_breaks_the_link(tmp_path):
