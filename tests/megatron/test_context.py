@@ -193,3 +193,46 @@ def test_fallback_fail_raises_in_the_forward_of_the_layer():
             model(tokens, pos, mask)
     hook.remove()
     assert not ran  # raised in layer 1
+
+
+@pytest.mark.usefixtures("world1")
+def test_the_configs_min_coverage_holds_where_no_step_gives_one():
+    """``TraceConfig.min_coverage`` is the step's floor unless a ``StepGuidance`` overrides it: half the guided
+    layers' records missing fails a config asking for 0.9, and passes where the step asks for 0.5."""
+    from megatron_trace.megatron import GuidanceCoverageError, trace_guidance
+
+    from .harness import batch
+
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all", min_coverage=0.9)))
+    tokens, pos, mask, _ = batch()
+    with trace_guidance(model, StepGuidance(min_coverage=0.0), record=True) as h, torch.no_grad():
+        model(tokens, pos, mask)  # (the recording step has no records: coverage 0)
+    rec = h.recorded()
+    sites = {k: v for k, v in rec.sites.items() if k[0] >= 2}
+    with pytest.raises(GuidanceCoverageError, match="coverage 0.5000 at guided sites is below min_coverage=0.9"):
+        with trace_guidance(model, StepGuidance(sites=sites, routing=rec.routing)), torch.no_grad():
+            model(tokens, pos, mask)
+    with trace_guidance(model, StepGuidance(sites=sites, routing=rec.routing, min_coverage=0.5)), torch.no_grad():
+        model(tokens, pos, mask)
+
+
+@pytest.mark.usefixtures("world1")
+def test_rows_read_inside_the_context_are_the_forwards_so_far():
+    """``h.stats()`` and ``h.counter`` read before the context exits hold the rows of the forward that ran (its
+    deferred device counts resolved then), the same as after the exit."""
+    from megatron_trace.megatron import trace_guidance, trace_record
+
+    from .harness import batch
+
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="last_k", guided_last_k=2)))
+    tokens, pos, mask, _ = batch()
+    with trace_record(model) as h, torch.no_grad():
+        model(tokens, pos, mask)
+    rec = h.recorded()
+    for first in ("stats", "counter"):  # (either read resolves the step's pending counts)
+        with trace_guidance(model, StepGuidance(sites=rec.sites, routing=rec.routing)) as h, torch.no_grad():
+            model(tokens, pos, mask)
+            early = h.stats() if first == "stats" else h.counter.used
+        assert h.counter.used > 0 and early == (h.stats() if first == "stats" else h.counter.used), first

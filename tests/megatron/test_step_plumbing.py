@@ -274,3 +274,20 @@ def test_check_site_rejects_records_that_cannot_serve_the_site(caplog):
     ok = check_site(SiteGuidance(nv.guidance(compact=False), valid), site="expert_fc1_in", layer=0, rows=(64,),
                     config=TraceConfig(cache_mode="compact"), compact=True, fail=True)
     assert ok.sg is not None and ok.sg.compact  # full -> compact is derived
+
+
+def test_deferred_checks_raise_at_the_read_after_the_counts_are_applied():
+    """A deferred device check that came out True raises at the step's one read (all failed messages, in order),
+    and the counts pending with it are applied first; one that came out False does not."""
+    from megatron_trace.megatron.step import resolve_states
+
+    a, b = _state(), _state()
+    a.defer_check(torch.tensor(False), "never")
+    a.count(0, "kv_k", torch.tensor(4), {})
+    b.defer_check(torch.tensor(True), "rows per expert did not match")
+    b.defer_check(torch.tensor(True), "second")
+    with pytest.raises(RuntimeError, match="^rows per expert did not match; second$"):
+        resolve_states([a, b])
+    assert a.counter.used == 4 and not a.pending and not b.deferred
+    a.defer_check(torch.tensor(False), "never")
+    assert a.resolve() == []
