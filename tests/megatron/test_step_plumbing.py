@@ -198,6 +198,8 @@ def test_guidance_to_moves_every_tensor_and_keeps_the_counter():
     part = guidance_to(step, "meta", layers=[1])  # a pipeline stage moves its own layers only
     assert all(sg.valid.is_meta == (key[0] == 1) for key, sg in part.sites.items())
     assert all(r.is_meta == (layer == 1) for layer, r in part.routing.items())
+    kept = guidance_to(step, "meta", records=False)  # several micro-batches: each layer moves its own records
+    assert all(sg.valid.is_meta and not sg.record.block_scales.is_meta for sg in kept.sites.values())
 
 
 @pytest.mark.usefixtures("world1")
@@ -240,3 +242,52 @@ def test_padding_that_repeats_an_expert_is_replayed_without_nonzero():
     assert grads["masked"].keys() == grads["unmasked"].keys()
     assert all(torch.equal(g, grads["unmasked"][n]) for n, g in grads["masked"].items())
     assert all(torch.equal(routing[k], given[k]) for k in routing)  # the caller's routing is not modified
+
+
+def test_check_site_rejects_records_that_cannot_serve_the_site(caplog):
+    """Each rejected as a whole (``shape``, the trainer's own rounding), or raised with ``fail``: compact records for
+    ``cache_mode='full'`` (no codes to round to), an MXFP4 record carrying a global amax (not the format's
+    scaling), FC2 records without the experts they were computed for."""
+    import logging
+
+    from megatron_trace.formats import Quantizer
+    from megatron_trace.guidance.site import SiteGuidance
+    from megatron_trace.megatron.step import SHAPE, GuidanceFallbackError, check_site
+
+    x = torch.randn(2, 5, 64).bfloat16()
+    valid = torch.ones(2, 5, dtype=torch.bool)
+    nv = Quantizer("nvfp4", per_row=True).quantize(x)
+    mx = Quantizer("mxfp4").quantize(x).guidance(compact=False)
+    cases = [
+        (SiteGuidance(nv.guidance(compact=True), valid), "expert_fc1_in", (64,), TraceConfig(), "cannot serve"),
+        (SiteGuidance(dataclasses.replace(mx, global_amax=torch.ones(2, 5, 1)), valid), "expert_fc1_in", (64,),
+         TraceConfig(format="mxfp4"), "must not carry a global_amax"),
+        (SiteGuidance(nv.guidance(compact=False), valid), "expert_fc2_in", (64,), TraceConfig(), "needs expert_ids"),
+    ]
+    for sg, site, rows, cfg, problem in cases:
+        kw = dict(site=site, layer=0, rows=rows, config=cfg, compact=False)
+        with caplog.at_level(logging.WARNING):
+            c = check_site(sg, fail=False, **kw)
+        assert c.sg is None and c.reason == SHAPE and problem in caplog.text, problem
+        with pytest.raises(GuidanceFallbackError, match=problem):
+            check_site(sg, fail=True, **kw)
+    ok = check_site(SiteGuidance(nv.guidance(compact=False), valid), site="expert_fc1_in", layer=0, rows=(64,),
+                    config=TraceConfig(cache_mode="compact"), compact=True, fail=True)
+    assert ok.sg is not None and ok.sg.compact  # full -> compact is derived
+
+
+def test_deferred_checks_raise_at_the_read_after_the_counts_are_applied():
+    """A deferred device check that came out True raises at the step's one read (all failed messages, in order),
+    and the counts pending with it are applied first; one that came out False does not."""
+    from megatron_trace.megatron.step import resolve_states
+
+    a, b = _state(), _state()
+    a.defer_check(torch.tensor(False), "never")
+    a.count(0, "kv_k", torch.tensor(4), {})
+    b.defer_check(torch.tensor(True), "rows per expert did not match")
+    b.defer_check(torch.tensor(True), "second")
+    with pytest.raises(RuntimeError, match="^rows per expert did not match; second$"):
+        resolve_states([a, b])
+    assert a.counter.used == 4 and not a.pending and not b.deferred
+    a.defer_check(torch.tensor(False), "never")
+    assert a.resolve() == []
