@@ -62,6 +62,11 @@ from .step import GuidanceCoverageError, StepState, check_site, guidance_map, re
 logger = logging.getLogger(__name__)
 
 
+def _layer_id(x) -> bool:
+    """An int >= 0, not a bool (``True`` would bind as layer 1)."""
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
 @dataclass
 class StepGuidance:
     """Guidance for one trainer micro-batch (batch-major [B, S, ...], see ``guidance/site.py``).
@@ -84,11 +89,13 @@ class StepGuidance:
 
     def __post_init__(self):
         for key in self.sites:
-            if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], int) and key[0] >= 0):
+            if not (isinstance(key, tuple) and len(key) == 2 and _layer_id(key[0])):
                 raise ValueError(f"guidance key {key!r} must be (layer id >= 0, site)")
             if key[1] not in ACTIVATION_SITES:
                 raise ValueError(f"guidance key {key!r}: site must be one of {ACTIVATION_SITES}")
         for layer, idx in self.routing.items():
+            if not _layer_id(layer):
+                raise ValueError(f"routing key {layer!r} must be a layer id >= 0 (an int)")
             if idx.dtype != torch.int64 or idx.dim() != 3:
                 raise ValueError(f"routing[{layer}] must be int64 [B, S, topk], got {idx.dtype} {tuple(idx.shape)}")
         if self.fallback is not None and self.fallback not in FALLBACKS:

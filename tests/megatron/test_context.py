@@ -13,9 +13,15 @@ from .harness import SEQ, TOPK, build_model, stock_spec, tiny_config
 
 def test_step_guidance_refuses_what_no_layer_could_take():
     """Each would be taken silently otherwise: a negative layer id is neither a layer of this rank nor "outside"
-    (no warning), [B, S] routing has no topk axis, an int token mask is no bool mask."""
+    (no warning), nor is a bool one (True was layer 1), [B, S] routing has no topk axis, an int token mask is no bool
+    mask."""
     with pytest.raises(ValueError, match=r"guidance key \(-1, 'kv_k'\) must be \(layer id >= 0, site\)"):
         StepGuidance(sites={(-1, "kv_k"): None})
+    with pytest.raises(ValueError, match=r"guidance key \(True, 'kv_k'\) must be \(layer id >= 0, site\)"):
+        StepGuidance(sites={(True, "kv_k"): None})  # (bound as layer 1 before)
+    for layer in (True, -1, "0"):
+        with pytest.raises(ValueError, match=rf"routing key {layer!r} must be a layer id >= 0"):
+            StepGuidance(routing={layer: torch.zeros(2, SEQ, TOPK, dtype=torch.int64)})
     with pytest.raises(ValueError, match=r"routing\[0\] must be int64 \[B, S, topk\], got torch.int64 \(2, 16\)"):
         StepGuidance(routing={0: torch.zeros(2, SEQ, dtype=torch.int64)})
     with pytest.raises(ValueError, match="token_mask must be bool"):
