@@ -68,21 +68,34 @@ def test_fp4_kv_engine_accepts_a_trainer_in_sglangs_kv_format(caplog):
         be.update_weights([], recipe=trainer_recipe(sg))  # every sync is checked, as before
 
 
-@pytest.mark.parametrize("cfg", [TraceConfig(enabled=False), FC1_ONLY], ids=["disabled", "no_kv_sites"])
-def test_an_fp4_kv_engine_reports_its_kv_caches_whatever_the_config(cfg):
-    """kv_cache_dtype=fp4_e2m1 named by hand: the engine stores FP4 K/V even where the TraceConfig has no KV site
-    (or is disabled). The audit and recipe say so, and a trainer computing BF16 K/V is refused, not accepted (a
-    disabled config's audit used to report nothing quantized)."""
-    modules = quantized_module_names(cfg, moe_layers=LAYERS, attention_layers=LAYERS)
-    bf16_trainer = QuantRecipe.from_config(cfg, guided_layers=(), weight_version=0, quantized_modules=modules)
-    be = SGLangRolloutBackend(None, cfg, HF, native=False, kv_cache_dtype="fp4_e2m1")
+def test_an_fp4_kv_engine_reports_its_kv_caches_whatever_the_config():
+    """kv_cache_dtype=fp4_e2m1 named by hand: the engine stores FP4 K/V even where the TraceConfig has no KV site.
+    The audit and recipe say so, and a trainer computing BF16 K/V is refused, not accepted."""
+    modules = quantized_module_names(FC1_ONLY, moe_layers=LAYERS, attention_layers=LAYERS)
+    bf16_kv_trainer = QuantRecipe.from_config(FC1_ONLY, guided_layers=(), weight_version=0, quantized_modules=modules)
+    be = SGLangRolloutBackend(None, FC1_ONLY, HF, native=False, kv_cache_dtype="fp4_e2m1")
     assert {kv_cache_name(i) for i in LAYERS} <= set(be.module_audit().quantized)
     assert be.recipe().kv_format == sglang_kvfp4.NAME
     with pytest.raises(RecipeMismatchError, match="kv_format: trainer='none' sglang rollout='sglang_kvfp4'.*"
                                                   "quantized_modules: trainer=.*self_attn.kv_cache"):
-        be.check_recipe(bf16_trainer)
-    auto = SGLangRolloutBackend(None, cfg, HF, native=False, kv_cache_dtype="auto")
+        be.check_recipe(bf16_kv_trainer)
+    auto = SGLangRolloutBackend(None, FC1_ONLY, HF, native=False, kv_cache_dtype="auto")
     assert not any(m.endswith(".kv_cache") for m in auto.module_audit().quantized) and auto.recipe().kv_format == "none"
+
+
+@pytest.mark.parametrize("cfg", [TraceConfig(enabled=False), TraceConfig(sites=("kv_k", "kv_v"), guided_sites=()),
+                                 FC1_ONLY.replace(sites=("expert_fc1_in", "expert_fc2_in"))],
+                         ids=["disabled", "kv_only", "no_weights"])
+def test_a_config_that_does_not_quantize_weights_is_refused_by_a_trace_engine(cfg):
+    """A TRACE engine serves the NVFP4 checkpoint's expert weights in FP4 whatever the config says. Each of these
+    was accepted, its audit and recipe saying BF16 expert weights (a disabled config: nothing quantized), so a
+    trainer computing BF16 experts passed the recipe check against FP4 ones."""
+    from megatron_trace.rollout.sglang.launch import trace_server_args
+
+    with pytest.raises(ValueError, match=r"does not quantize 'weights', but a TRACE engine .* serves the NVFP4"):
+        SGLangRolloutBackend(None, cfg, HF, native=False)
+    with pytest.raises(ValueError, match=r"does not quantize 'weights'.*stock SGLang engine"):
+        trace_server_args("/ckpt", cfg, HF, native=False)
 
 
 @pytest.mark.parametrize("kv", ["fp4_e2m1", "auto"])

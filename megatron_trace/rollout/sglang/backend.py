@@ -36,7 +36,7 @@ from ..base import (
     weight_pairs,
 )
 from .capture import INFO_KEY, READOUT_PREFIX
-from .launch import KV_FP4, WEIGHT_LOADER, check_kv_cache_dtype, guidance_specs
+from .launch import KV_FP4, WEIGHT_LOADER, check_kv_cache_dtype, check_serves_fp4_weights, guidance_specs
 from .launch import kv_cache_dtype as default_kv_cache_dtype
 from .native import native_fp4_available
 from .records import assemble
@@ -110,6 +110,7 @@ class SGLangRolloutBackend:
                  weights_group: WeightsUpdateGroup | None = None, exclude_modules: list[str] | None = None,
                  recipe: QuantRecipe | None = None, kv_cache_dtype: str | None = None,
                  accept_kv_format_mismatch: bool = False, native: bool | None = None):
+        check_serves_fp4_weights(trace_config)
         self.engine, self.config, self.hf_config = engine, trace_config, hf_config
         self.exclude_modules = None if exclude_modules is None else list(exclude_modules)
         self.num_layers = int(hf_config["num_hidden_layers"])
@@ -153,7 +154,7 @@ class SGLangRolloutBackend:
         base = sglang_module_audit(self._served_config(), self.hf_config, self.exclude_modules)
         moved = {experts_name(i) for i in self.bf16_expert_layers}
         quantized = set(base.quantized) - moved
-        if self.kv_fp4:  # the engine stores FP4 K/V whatever the TraceConfig says (a disabled one too)
+        if self.kv_fp4:  # the engine stores FP4 K/V whatever the TraceConfig says (one without KV sites too)
             quantized |= {kv_cache_name(i) for i in range(self.num_layers)}
         bf16 = set(base.bf16) | (moved & set(base.quantized))
         return ModuleAudit(quantized=tuple(sorted(quantized)), bf16=tuple(sorted(bf16)))
@@ -175,7 +176,7 @@ class SGLangRolloutBackend:
         v = self.policy_version if weight_version is None else weight_version
         r = backend_recipe(self._served_config(), guided_layers=guided_layers(self.config, self.num_layers),
                            audit=self.module_audit(), weight_version=v, dtype=self._served_dtype())
-        if self.kv_fp4:  # the engine's FP4 KV cache is SGLang's format, whatever the config says (a disabled one too)
+        if self.kv_fp4:  # the engine's FP4 KV cache is SGLang's format, whatever the config says
             r = dataclasses.replace(r, kv_format=sglang_kvfp4.NAME)
         return dataclasses.replace(r, activation_amax=NATIVE_ACTIVATION_AMAX) if self.native else r
 

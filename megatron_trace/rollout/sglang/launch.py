@@ -91,6 +91,17 @@ def check_emulated_runner(backend: str) -> None:
                          f"got {backend!r}: SGLang's FusedMoE loads the expert weights in that runner's layout")
 
 
+def check_serves_fp4_weights(trace_config: TraceConfig) -> None:
+    """A TRACE engine (``quantization="trace_nvfp4"``) serves the NVFP4 checkpoint's expert weights in FP4 whatever
+    the config says: a config that does not quantize ``weights`` (a disabled one, a KV-only one) would have the
+    trainer compute BF16 expert weights against them, a mismatch no record or recipe field shows."""
+    if not trace_config.quantizes("weights"):
+        raise ValueError(f"TraceConfig(enabled={trace_config.enabled}, sites={trace_config.sites}) does not quantize "
+                         "'weights', but a TRACE engine (quantization='trace_nvfp4') serves the NVFP4 checkpoint's "
+                         "expert weights in FP4 whatever the config says: enable the config with 'weights' in its "
+                         "sites, or serve the BF16 checkpoint with a stock SGLang engine (no trace_nvfp4)")
+
+
 def check_emulated_moe_tp(trace_config: TraceConfig, moe_tp_size: int) -> None:
     """With MoE tensor parallelism each rank holds an F/tp shard of every expert: the emulated MoE would quantize
     expert_fc2_in rows with an amax over the shard, not over the full row as the trainer and the hf backend do."""
@@ -178,6 +189,7 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
     heads). KV sites in the config -> ``kv_cache_dtype=fp4_e2m1`` (SGLang's format, not
     ``TraceConfig.format``: see ``SGLangRolloutBackend.check_recipe``).
     """
+    check_serves_fp4_weights(trace_config)
     native = native_fp4_available() if native is None else native
     kv_dtype = overrides.get("kv_cache_dtype", kv_cache_dtype(trace_config))
     check_kv_cache_dtype(kv_dtype)

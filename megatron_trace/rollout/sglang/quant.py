@@ -42,7 +42,7 @@ from ...manifest import experts_name, module_excluded
 from ..fp4_moe import PackedExperts, silu_and_mul, w4a4_experts_forward
 from . import native as native_path
 from .capture import active_capture
-from .launch import check_emulated_moe_tp, check_emulated_runner
+from .launch import check_emulated_moe_tp, check_emulated_runner, check_serves_fp4_weights
 from .native import native_fp4_available
 
 logger = logging.getLogger(__name__)
@@ -90,6 +90,7 @@ class TraceQuantConfig(ModelOptFp4Config):
         self.trace = trace or _RUNTIME_CONFIG or TraceConfig()
         if self.trace.format != "nvfp4":
             raise ValueError(f"trace_nvfp4 serves NVFP4 checkpoints; TraceConfig.format={self.trace.format!r}")
+        check_serves_fp4_weights(self.trace)
         if group_size != 16:
             raise ValueError(f"NVFP4 group_size must be 16, the checkpoint says {group_size}")
         self.native = native_fp4_available() if native is None else native
