@@ -11,6 +11,19 @@ from megatron_trace.megatron import StepGuidance, find_trace_layers, trace_spec
 from .harness import SEQ, TOPK, build_model, stock_spec, tiny_config
 
 
+def _recorded(config: TraceConfig, **cfg_kw):
+    """A TRACE model of the tiny config, a batch, and the records and routing of one recorded forward of it."""
+    from megatron_trace.megatron import trace_record
+
+    from .harness import batch
+
+    cfg = tiny_config(**cfg_kw)
+    model = build_model(cfg, trace_spec(stock_spec(cfg), config))
+    tokens, pos, mask, _ = batch()
+    with trace_record(model) as h, torch.no_grad():
+        out = model(tokens, pos, mask)
+    return model, (tokens, pos, mask), h.recorded(), out
+
 def test_step_guidance_refuses_what_no_layer_could_take():
     """Each would be taken silently otherwise: a negative layer id is neither a layer of this rank nor "outside"
     (no warning), nor is a bool one (True was layer 1), [B, S] routing has no topk axis, an int token mask is no bool
@@ -86,15 +99,9 @@ def test_a_key_at_layer_num_layers_is_outside_the_model(caplog):
     never guides) match no rank's module and are said to, as a producer/consumer mismatch."""
     import logging
 
-    from megatron_trace.megatron import trace_guidance, trace_record
+    from megatron_trace.megatron import trace_guidance
 
-    from .harness import batch
-
-    cfg = tiny_config()
-    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all")))
-    with trace_record(model) as h, torch.no_grad():
-        model(*batch()[:3])
-    rec = h.recorded()
+    model, _, rec, _ = _recorded(TraceConfig(guided_layers="all"))
     with caplog.at_level(logging.WARNING, logger="megatron_trace.megatron.context"):
         with trace_guidance(model, StepGuidance(sites={(4, "kv_k"): rec.sites[(3, "kv_k")]}, routing=rec.routing)):
             pass
@@ -139,16 +146,9 @@ def _routing(layers, seed=0):
 def test_records_that_do_not_fit_a_layer_outside_the_policy_do_not_fail_the_step():
     """``fallback='fail'`` fails on guided sites only: records at layer 0 (outside ``last_k=2``) that fit neither
     its experts nor its KV heads are set aside, as its rows are not guided; the guided layers use theirs."""
-    from megatron_trace.megatron import trace_guidance, trace_record
+    from megatron_trace.megatron import trace_guidance
 
-    from .harness import batch
-
-    cfg = tiny_config()
-    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="last_k", guided_last_k=2)))
-    tokens, pos, mask, _ = batch()
-    with trace_record(model) as h, torch.no_grad():
-        model(tokens, pos, mask)
-    rec = h.recorded()
+    model, (tokens, pos, mask), rec, _ = _recorded(TraceConfig(guided_layers="last_k", guided_last_k=2))
     sites = {**rec.sites, (0, "expert_fc1_in"): rec.sites[(0, "kv_k")], (0, "kv_k"): rec.sites[(0, "expert_fc1_in")]}
     with trace_guidance(model, StepGuidance(sites=sites, routing=rec.routing, fallback="fail")) as h, torch.no_grad():
         model(tokens, pos, mask)
@@ -159,16 +159,9 @@ def test_records_that_do_not_fit_a_layer_outside_the_policy_do_not_fail_the_step
 def test_expert_records_are_checked_against_the_experts_dims():
     """FC1 rows are hidden_size wide, FC2 rows topk x moe_ffn_hidden_size: with the two different, the recorded
     step's records fit and guide every row (either dim taken for the other would reject them all)."""
-    from megatron_trace.megatron import trace_guidance, trace_record
+    from megatron_trace.megatron import trace_guidance
 
-    from .harness import batch
-
-    cfg = tiny_config(moe_ffn_hidden_size=32)
-    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all")))
-    tokens, pos, mask, _ = batch()
-    with trace_record(model) as h, torch.no_grad():
-        want = model(tokens, pos, mask)
-    rec = h.recorded()
+    model, (tokens, pos, mask), rec, want = _recorded(TraceConfig(guided_layers="all"), moe_ffn_hidden_size=32)
     assert rec.sites[(0, "expert_fc2_in")].record.shape[2:] == (TOPK, 32)
     with trace_guidance(model, StepGuidance(sites=rec.sites, routing=rec.routing)) as h, torch.no_grad():
         got = model(tokens, pos, mask)
@@ -181,16 +174,9 @@ def test_expert_records_are_checked_against_the_experts_dims():
 def test_fallback_fail_raises_in_the_forward_of_the_layer():
     """``fallback='fail'``: the layer whose rows have no guidance raises as it runs (its forward, before the
     later layers and any backward), not at the context's exit."""
-    from megatron_trace.megatron import GuidanceFallbackError, trace_guidance, trace_record
+    from megatron_trace.megatron import GuidanceFallbackError, trace_guidance
 
-    from .harness import batch
-
-    cfg = tiny_config()
-    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all")))
-    tokens, pos, mask, _ = batch()
-    with trace_record(model) as h, torch.no_grad():
-        model(tokens, pos, mask)
-    rec = h.recorded()
+    model, (tokens, pos, mask), rec, _ = _recorded(TraceConfig(guided_layers="all"))
     ran = []
     hook = model.decoder.layers[2].register_forward_pre_hook(lambda m, a: ran.append(2))
     sites = {k: v for k, v in rec.sites.items() if k != (1, "expert_fc1_in")}
@@ -227,16 +213,9 @@ def test_the_configs_min_coverage_holds_where_no_step_gives_one():
 def test_rows_read_inside_the_context_are_the_forwards_so_far():
     """``h.stats()`` and ``h.counter`` read before the context exits hold the rows of the forward that ran (its
     deferred device counts resolved then), the same as after the exit."""
-    from megatron_trace.megatron import trace_guidance, trace_record
+    from megatron_trace.megatron import trace_guidance
 
-    from .harness import batch
-
-    cfg = tiny_config()
-    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(guided_layers="last_k", guided_last_k=2)))
-    tokens, pos, mask, _ = batch()
-    with trace_record(model) as h, torch.no_grad():
-        model(tokens, pos, mask)
-    rec = h.recorded()
+    model, (tokens, pos, mask), rec, _ = _recorded(TraceConfig(guided_layers="last_k", guided_last_k=2))
     for first in ("stats", "counter"):  # (either read resolves the step's pending counts)
         with trace_guidance(model, StepGuidance(sites=rec.sites, routing=rec.routing)) as h, torch.no_grad():
             model(tokens, pos, mask)
