@@ -445,16 +445,14 @@ class GuidanceSync:
                 return shard, None
 
     def _buffers(self, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The header's and the payload's buffers, both made before either is awaited: sizes no guidance sender
-        writes (a corrupt size message asking for more memory than there is) break the link, not the process."""
+        """Header and payload buffers, made before either is awaited: a size too large to allocate breaks the link."""
         try:
             header = torch.empty(sizes[1], dtype=torch.uint8, device=self.device)
             payload = (host_buffer(sizes[2]) if self.device.type == "cpu"
                        else torch.empty(sizes[2], dtype=torch.uint8, device=self.device))
-        except (RuntimeError, MemoryError, OSError, OverflowError) as e:  # (CUDA's out of memory is a RuntimeError)
-            self._lost(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?): a header of "
-                       f"{sizes[1]} and a payload of {sizes[2]} bytes cannot be allocated here ({type(e).__name__}: "
-                       f"{str(e)[:200]})")
+        except (RuntimeError, MemoryError, OSError, OverflowError) as e:  # (CUDA's OOM is a RuntimeError)
+            self._lost(f"rank {self.src} sent a bad size message {sizes} (not a guidance sender?): cannot "
+                       f"allocate it here ({type(e).__name__})")
         return header, payload
 
     def _lost(self, message: str) -> None:
@@ -482,8 +480,7 @@ class GuidanceSync:
         except GuidanceSyncError:
             raise
         except (ValueError, KeyError, TypeError, IndexError, AttributeError, RuntimeError) as e:
-            # any failure to decode (a torch view of a malformed header raises RuntimeError) rejects the chunk:
-            # the receiver then reads its transfer to the end, so the next one starts in step
+            # any failure to decode rejects the chunk: the transfer is read to its end, the next one starts in step
             raise GuidanceSyncError(f"guidance from rank {self.src} rejected, nothing applied: {e}") from e
 
     def _recv(self, t: torch.Tensor, what: str) -> torch.Tensor:
