@@ -18,6 +18,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from ..config import KV_SITES, TraceConfig
 from ..formats import FP4Tensor, Quantizer
 from ..manifest import kv_cache_name, module_excluded
+from .microbatch import check_replayed
 from .rows import RowGuidance, map_record
 from .sites import finite_checks, quantize_rows, quantize_rows_recorded
 from .step import (
@@ -142,7 +143,9 @@ class TraceKVCore:
         if not self.trace_quantizes(site):
             return x
         step = self._trace_step
-        if step is not None and x.dim() != 4:
+        if step is None:
+            check_replayed(self)
+        elif x.dim() != 4:
             raise ValueError(f"the KV site under trace_guidance needs K/V as [S, B, heads, head_dim], got "
                              f"{tuple(x.shape)} (packed sequences are not supported)")
         rows = step.rows(site, x) if step is not None else None

@@ -27,7 +27,7 @@ Guidance is keyed by layer id (Megatron ``layer_number - 1``, pipeline offset in
 bound to the live modules found by walking the model; MTP layers are skipped. Every rank of an
 expert-parallel group must enter the context for the same step (guided layers move guidance
 rows with collectives). Wrap the backward too when activations are recomputed: the recomputed
-forward then reuses the same records and routing.
+forward then reuses the same records and routing (a recompute pass outside the context of its forward raises).
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
             q = MicroBatchQueue(layer, [
                 _moe_step(_layer_state(st, moe.experts, (FC1, FC2, "weights"), checkpointed), s, layer, moe)
                 for st, s in zip(states, steps)
-            ], bind=lambda ms, e=moe.experts: setattr(e, "_trace_step", ms), device=gpu, checkpointed=checkpointed)
+            ], moe.experts, device=gpu, checkpointed=checkpointed)
             queues.append(q)
             hooks.append(moe.router.register_forward_pre_hook(
                 lambda router, args, q=q: q.select().router_pre_hook(router, args)))
@@ -280,7 +280,7 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
         for layer, attn in layers.kv.items():
             q = MicroBatchQueue(layer, [
                 _kv_step(_layer_state(st, attn, KV_SITES), s, layer, attn) for st, s in zip(states, steps)
-            ], bind=lambda ks, a=attn: setattr(a, "_trace_step", ks), device=gpu)
+            ], attn, device=gpu)
             queues.append(q)
             hooks.append(attn.register_forward_pre_hook(q.pre_hook))
         step_facts([st for q in queues for st in q.steps])
@@ -296,7 +296,7 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
         for h in hooks:
             h.remove()
         for q in queues:
-            q.unbind()
+            q.close()
         for moe in layers.moe.values():
             rr = moe.router.router_replay
             if rr is not None:

@@ -29,6 +29,7 @@ from ..kernels import fake_quantize
 from ..manifest import experts_name, module_excluded
 from . import expert_weights
 from .gemm import grouped_linear
+from .microbatch import check_replayed
 from .moe_step import FC1, FC2, ExpertRows
 from .sites import finite_checks, quantize_rows, quantize_rows_recorded, relabel
 from .weight_reuse import reuse_or_make, weights_key
@@ -179,6 +180,8 @@ class TraceExpertsCore:
     def _trace_forward(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor):
         """x [N, H] rows sorted by local expert, probs [N] -> (y [N, H], None)."""
         step = self._trace_step
+        if step is None:
+            check_replayed(self)
         if step is None and self._trace_pg.ep.size() > 1 and self._act_q.fmt == "nvfp4" and \
                 self.trace_config.activation_amax == "per_tensor" and self.trace_quantizes(FC1):
             raise ValueError(

@@ -8,6 +8,11 @@ gradient-free pass) is queued, and the recompute passes in the backward take the
 micro-batches run without checkpointing (``num_microbatches_with_partial_activation_checkpoints``) are skipped
 correctly. The recompute pass is not counted as a forward.
 
+A recompute pass replays a forward of its own context: one with no checkpointed forward left (its forward ran
+outside the context, or in another one) raises, whatever the number of micro-batches. A context that ends with
+checkpointed forwards not yet recomputed (gradients enabled) marks their modules, and a recompute pass outside any
+context is then refused too (``check_replayed``): it would round and route on its own, not as its forward did.
+
 So with activation recompute the backwards must run in the order of their forwards, as Megatron's schedules
 run them. One backward through several checkpointed micro-batches (their losses summed) recomputes them in
 reverse, and nothing here can tell: each would round toward another micro-batch's records. Enter one context per
@@ -23,21 +28,23 @@ forward-only run through activation checkpoints (whose recompute never comes) ho
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+
+import torch
+from megatron.core.tensor_parallel.random import _unset_checkpointing, is_checkpointing
 
 from .step import in_checkpoint_first_pass, in_recompute
 
 
 class MicroBatchQueue:
     """The per-micro-batch steps (``MoEStep`` or ``KVStep``) of one layer; ``select`` picks the current one and
-    hands it to ``bind`` (the module that reads it)."""
+    binds it to ``module`` (the module that reads it, as ``module._trace_step``)."""
 
-    def __init__(self, layer: int, steps: Sequence, bind: Callable[[object], None], device=None,
-                 checkpointed: bool = False):
+    def __init__(self, layer: int, steps: Sequence, module, device=None, checkpointed: bool = False):
         """``checkpointed``: the module runs inside an activation checkpoint of its own (``step.in_recompute``)."""
         if not steps:
             raise ValueError("a micro-batch queue needs at least one step")
-        self.layer, self.steps, self._bind, self.device = layer, list(steps), bind, device
+        self.layer, self.steps, self.module, self.device = layer, list(steps), module, device
         self.checkpointed = checkpointed
         self.forwards = 0  # forwards begun (recompute passes aside)
         self._checkpointed: deque[int] = deque()  # micro-batches whose forward the backward will recompute
@@ -46,19 +53,21 @@ class MicroBatchQueue:
         if len(self.steps) > 1 and device is not None:
             for s in self.steps:  # (after the steps' checks, which may convert a record: full -> compact)
                 s.pin()
-        bind(self.current)
+        self._bind(self.current)
+
+    def _bind(self, step) -> None:
+        self.module._trace_step = step
 
     def select(self):
         """The step of the forward (or recompute pass) that begins now."""
         n = len(self.steps)
         if in_recompute(self.checkpointed):
-            if self._checkpointed:
-                i = self._checkpointed.popleft()
-            elif n == 1:
-                i = 0
-            else:
-                raise RuntimeError(f"layer {self.layer}: a recompute pass with no checkpointed forward left to "
-                                   f"replay (of {n} micro-batches); was the forward run outside this context?")
+            if not self._checkpointed:
+                raise RuntimeError(
+                    f"layer {self.layer}: a recompute pass with no checkpointed forward of this trace_guidance "
+                    f"context left to replay ({n} micro-batch(es)): its forward ran outside the context or in "
+                    "another one, so its guidance is unknown; run each forward and its backward in one context")
+            i = self._checkpointed.popleft()
         else:
             i = self.forwards
             if i >= n:
@@ -80,8 +89,29 @@ class MicroBatchQueue:
         """Forward pre-hook of the module that reads the steps (the KV site's core attention)."""
         self.select()
 
-    def unbind(self) -> None:
+    def close(self) -> None:
+        """Unbind the step as the context ends. Checkpointed forwards of a run with gradients whose recompute has
+        not come mark the module (``check_replayed``)."""
         self._bind(None)
+        if self._checkpointed and torch.is_grad_enabled():
+            self.module._trace_unreplayed = (self.layer, self.checkpointed)
+
+
+def check_replayed(module) -> None:
+    """For a module outside any trace_guidance context: refuse the recompute pass of a forward that ran inside one
+    (``MicroBatchQueue.close``); any other forward clears the mark."""
+    mark = module.__dict__.get("_trace_unreplayed")
+    if mark is None:
+        return
+    layer, checkpointed = mark
+    if in_recompute(checkpointed):
+        if is_checkpointing():  # (Megatron's flag, set for the recompute, would make the next forwards pass for one)
+            _unset_checkpointing()
+        raise RuntimeError(
+            f"layer {layer}: the backward recomputes a forward that ran inside trace_guidance, outside the context: "
+            "the recompute would round and route on its own, not as that forward did (wrong gradients); run the "
+            "backward inside the context")
+    del module._trace_unreplayed
 
 
 def _too_many(layer: int, n: int) -> str:

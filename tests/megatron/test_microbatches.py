@@ -211,7 +211,7 @@ def test_the_queue_replays_the_recomputed_microbatch_and_holds_only_those_it_nee
 
     steps = [_Step() for _ in range(N)]
     seen = []
-    q = MicroBatchQueue(0, steps, bind=lambda s: None)
+    q = MicroBatchQueue(0, steps, torch.nn.Module())
 
     def layer(x):
         seen.append(steps.index(q.select()))
@@ -234,6 +234,48 @@ def test_the_queue_replays_the_recomputed_microbatch_and_holds_only_those_it_nee
                   (backward, 2), (backward, 3)]:
         op(i)
     assert q.forwards == N and seen[:2] == [0, 1]
+
+
+@pytest.mark.parametrize("kind", ["selective_moe", "full"])
+def test_a_recompute_away_from_its_forwards_context_raises(rollout, kind):
+    """A recompute pass replays the forward of its own context. Run outside it, it would route and round on its
+    own (83 of 87 gradients differed from the context's); in another context, even of one micro-batch, it would
+    round toward that context's guidance. Both raise; a forward outside any context clears the mark."""
+    micro, guidance = rollout
+    tokens, pos, mask, labels = micro[0]
+    model = _model(**RECOMPUTE[kind])
+    step = _steps(guidance[:1], FallbackCounter())[0]
+    for backward_in in (None, step, _steps(guidance[1:2], FallbackCounter())[0]):
+        with trace_guidance(model, step):
+            loss = model(tokens, pos, mask, labels=labels).float().mean()
+        with pytest.raises(RuntimeError, match="outside the context" if backward_in is None else
+                           r"no checkpointed forward of this trace_guidance context left to replay \(1 micro"):
+            if backward_in is None:
+                loss.backward()
+            else:
+                with trace_guidance(model, backward_in):
+                    loss.backward()
+        model.zero_grad(set_to_none=True)
+    model(tokens, pos, mask, labels=labels).float().mean().backward()  # (no context: clears the mark)
+    g_plain = _grads(model)
+    model.zero_grad(set_to_none=True)
+    with trace_guidance(model, None):
+        model(tokens, pos, mask, labels=labels).float().mean().backward()
+    assert all(torch.equal(g_plain[n], v) for n, v in _grads(model).items())
+
+
+def test_a_forward_only_context_leaves_no_mark(rollout):
+    """A forward-only run through checkpoints under no_grad (its recompute never comes) does not make the next
+    unguided training step's recompute raise."""
+    micro, guidance = rollout
+    tokens, pos, mask, labels = micro[0]
+    model = _model(**RECOMPUTE["selective_moe"])
+    with torch.no_grad(), trace_guidance(model, _steps(guidance[:1], FallbackCounter())[0]):
+        model(tokens, pos, mask)
+    with trace_guidance(model, _steps(guidance[:1], FallbackCounter())[0]):
+        loss = model(tokens, pos, mask, labels=labels).float().mean()
+        loss.backward()
+    assert not any("_trace_unreplayed" in vars(m) for m in model.modules())
 
 
 def test_guidance_refuses_the_expert_parallel_overlap_schedule(rollout):
