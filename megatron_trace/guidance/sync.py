@@ -115,7 +115,8 @@ class GuidanceShard:
 
     @property
     def routing(self) -> list[SampleRouting]:
-        """Per-sample views of the received routing, in send order (built on first use)."""
+        """Per-sample views of the received routing, in send order: the guidance's samples first, then routing-only
+        ids (built on first use)."""
         if self._routing is None:
             self._routing = [r for p in self.routing_parts for r in p.to_samples()]
         return self._routing
