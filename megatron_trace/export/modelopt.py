@@ -209,7 +209,7 @@ def save_modelopt_checkpoint(
     input_amax: Mapping[str, float] | float,
     *,
     trace_extras: bool = False,
-    trace_config: dict | None = None,
+    trace_config: TraceConfig | dict | None = None,
     max_shard_bytes: int = 4 << 30,
 ) -> dict:
     """Write ``config.json``, ``hf_quant_config.json`` and safetensors shard(s); returns the quant config.
@@ -221,7 +221,10 @@ def save_modelopt_checkpoint(
     generator (``fp4_stream`` of the bridge's export) host memory holds about one shard of ``max_shard_bytes``, not
     the model. The directory is replaced as a whole (``StagedCheckpointDir``): written into a temporary sibling and
     renamed into place once complete and fsynced, so an export that fails midway (a refused weight, an I/O error)
-    leaves ``out_dir``'s earlier checkpoint as it was; its files that are not checkpoint files are kept."""
+    leaves ``out_dir``'s earlier checkpoint as it was; its files that are not checkpoint files are kept.
+
+    ``trace_config`` (a ``TraceConfig`` or its dict) is written into ``hf_quant_config.json`` for the TRACE SGLang
+    method; its ``exclude_modules`` experts must come as BF16 tensors (``fp4_stream(..., bf16_layers=...)``)."""
     hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)  # (a transformers config)
     if "quantization_config" in hf_config:
         raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")
@@ -230,7 +233,12 @@ def save_modelopt_checkpoint(
     if "torch_dtype" in hf_config:  # (transformers < 4.56's name)
         hf_config["torch_dtype"] = dtype
     config_text = json.dumps(hf_config, indent=2, sort_keys=True)  # (checked before anything is written)
-    cfg = TraceConfig.from_dict(trace_config) if trace_config is not None else None
+    if isinstance(trace_config, TraceConfig):
+        cfg, trace_config = trace_config, trace_config.to_dict()
+    elif trace_config is None or isinstance(trace_config, Mapping):
+        cfg = TraceConfig.from_dict(trace_config) if trace_config is not None else None
+    else:
+        raise TypeError(f"trace_config must be a TraceConfig, its dict or None, got {type(trace_config).__name__}")
     exclude: list[str] = []
     tensors = _modelopt_tensors(named, input_amax, trace_extras, BF16_DTYPE, cfg, exclude)
     with StagedCheckpointDir(out_dir) as staged:

@@ -210,6 +210,11 @@ def test_experts_kept_bf16_by_exclude_modules_are_exported_bf16_and_excluded(tmp
                                  input_amax=2.0, trace_config=cfg.to_dict())
     with pytest.raises(TypeError, match="BF16 experts only for layers"):  # BF16 experts without the exclusion
         save_modelopt_checkpoint(tmp_path, named, tiny_hf_config(), input_amax=2.0)
+    # the TraceConfig itself, as build_modelopt_state takes it: the same checkpoint
+    assert save_modelopt_checkpoint(tmp_path / "c", named, tiny_hf_config(), input_amax=2.0, trace_config=cfg) == qcfg
+    assert all((tmp_path / "c" / f.name).read_bytes() == f.read_bytes() for f in tmp_path.iterdir() if f.is_file())
+    with pytest.raises(TypeError, match="trace_config must be a TraceConfig, its dict or None, got str"):
+        save_modelopt_checkpoint(tmp_path / "d", named, tiny_hf_config(), input_amax=2.0, trace_config="nvfp4")
 
 
 def test_errors_name_the_problem():
