@@ -200,6 +200,10 @@ def test_emulated_moe_refuses_moe_tensor_parallel_shards_when_quantizing_fc2(reg
     layer.moe_runner_config = types.SimpleNamespace(activation="silu", is_gated=True)
     with pytest.raises(ValueError, match="needs MoE tensor parallel size 1 .*got 2.*F/2 shard"):
         registered.TraceModelOptNvFp4MoEMethod(cfg).create_weights(layer, E, H, F // 2, torch.bfloat16)
+    layer.moe_ep_size, layer.moe_tp_size = 2, 1  # (the same check as the launch's)
+    with pytest.raises(ValueError, match=r"supports expert parallel size 1 \(ep_size=1\), got 2"):
+        registered.TraceModelOptNvFp4MoEMethod(cfg).create_weights(layer, E // 2, H, F, torch.bfloat16)
+    layer.moe_ep_size, layer.moe_tp_size = 1, 2
     hf = {"num_hidden_layers": 2, "hidden_size": H, "moe_intermediate_size": F, "num_experts_per_tok": K_TOP,
           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": E}
     fc1_guided = CFG.replace(guided_sites=("expert_fc1_in",), sites=("expert_fc1_in", "expert_fc2_in", "weights"))

@@ -44,13 +44,17 @@ def test_dense_layers_get_no_expert_specs():
     assert specs == {(1, s) for s in CFG.guided_sites} | {(2, "kv_k"), (2, "kv_v")}
 
 
-def test_expert_parallel_ranks_hold_whole_experts_for_the_emulation():
-    """SGLang's MoE TP size is tp_size // ep_size (``parallel_state``): tp 2 x ep 2 gives whole experts per rank,
-    which the emulated MoE quantizes as the trainer does; tp 2 alone shards them and is refused."""
+def test_the_emulations_moe_parallel_sizes_are_checked_at_launch_as_its_layers_check_them():
+    """SGLang's MoE TP size is tp_size // ep_size // moe_dp_size (``parallel_state``): tp 2 x moe_dp 2 gives whole
+    experts per rank, which the emulated MoE quantizes as the trainer does; tp 2 alone shards them and is refused.
+    The emulated MoE runs every expert on each rank: ep 2 is refused at launch, not at the engine's model load."""
     fc1 = CFG.replace(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=("expert_fc1_in",))
-    assert trace_server_args("/ckpt", fc1, HF, native=False, tp_size=2, ep_size=2)["ep_size"] == 2
-    with pytest.raises(ValueError, match="MoE tensor parallel size 1"):
+    assert trace_server_args("/ckpt", fc1, HF, native=False, tp_size=2, moe_dp_size=2)["moe_dp_size"] == 2
+    with pytest.raises(ValueError, match=r"MoE tensor parallel size 1 \(tp_size // moe_dp_size = 1\), got 2"):
         trace_server_args("/ckpt", fc1, HF, native=False, tp_size=2)
+    with pytest.raises(ValueError, match=r"supports expert parallel size 1 \(ep_size=1\), got 2"):
+        trace_server_args("/ckpt", fc1, HF, native=False, tp_size=2, ep_size=2)
+    assert trace_server_args("/ckpt", fc1, HF, native=True, tp_size=2, ep_size=2)["ep_size"] == 2
 
 
 def test_engine_tensors_are_the_exported_checkpoint_s():

@@ -102,13 +102,19 @@ def check_serves_fp4_weights(trace_config: TraceConfig) -> None:
                          "sites, or serve the BF16 checkpoint with a stock SGLang engine (no trace_nvfp4)")
 
 
-def check_emulated_moe_tp(trace_config: TraceConfig, moe_tp_size: int) -> None:
-    """With MoE tensor parallelism each rank holds an F/tp shard of every expert: the emulated MoE would quantize
-    expert_fc2_in rows with an amax over the shard, not over the full row as the trainer and the hf backend do."""
+def check_emulated_moe_parallel(trace_config: TraceConfig, moe_tp_size: int, moe_ep_size: int = 1) -> None:
+    """The emulated MoE runs every expert on each rank (expert parallel size 1), and with MoE tensor parallelism
+    each rank would hold an F/tp shard of every expert: it would quantize expert_fc2_in rows with an amax over the
+    shard, not over the full row as the trainer and the hf backend do. SGLang's MoE TP size is
+    ``tp_size // ep_size // moe_dp_size``."""
+    if int(moe_ep_size) != 1:
+        raise ValueError(f"the emulated TRACE MoE (capability < 10) supports expert parallel size 1 (ep_size=1), got "
+                         f"{moe_ep_size}")
     if int(moe_tp_size) != 1 and trace_config.quantizes("expert_fc2_in"):
         raise ValueError(f"the emulated TRACE MoE (capability < 10) quantizes expert_fc2_in rows whole: it needs MoE "
-                         f"tensor parallel size 1 (tp_size=1), got {moe_tp_size}: each rank would quantize its "
-                         f"F/{moe_tp_size} shard of a row with the shard's amax, not the full row's (as the trainer)")
+                         f"tensor parallel size 1 (tp_size // moe_dp_size = 1), got {moe_tp_size}: each rank would "
+                         f"quantize its F/{moe_tp_size} shard of a row with the shard's amax, not the full row's (as "
+                         "the trainer)")
 
 
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", KV_FP4)
@@ -213,7 +219,8 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
                          "with the host (routing bounds, per-expert counts, finiteness checks)")
     if not native:
         check_emulated_runner(kw.get("moe_runner_backend") or "auto")
-        check_emulated_moe_tp(trace_config, int(kw.get("tp_size", 1)) // int(kw.get("ep_size", 1)))
+        ep = int(kw.get("ep_size", 1))
+        check_emulated_moe_parallel(trace_config, int(kw.get("tp_size", 1)) // ep // int(kw.get("moe_dp_size", 1)), ep)
     if specs:
         for key, (want, why) in REQUIRED.items():
             if kw.get(key) != want:

@@ -42,7 +42,7 @@ from ...manifest import experts_name, module_excluded
 from ..fp4_moe import PackedExperts, silu_and_mul, w4a4_experts_forward
 from . import native as native_path
 from .capture import active_capture
-from .launch import check_emulated_moe_tp, check_emulated_runner, check_serves_fp4_weights
+from .launch import check_emulated_moe_parallel, check_emulated_runner, check_serves_fp4_weights
 from .native import native_fp4_available
 
 logger = logging.getLogger(__name__)
@@ -199,11 +199,10 @@ class TraceModelOptNvFp4MoEMethod(ModelOptNvFp4FusedMoEMethod):
 
     def create_weights(self, layer, num_experts: int, hidden_size: int, intermediate_size_per_partition: int,
                        params_dtype: torch.dtype, **extra_weight_attrs):
-        if getattr(layer, "moe_ep_size", 1) != 1 and not self.native:
-            raise ValueError(f"the emulated TRACE MoE supports expert parallel size 1, got {layer.moe_ep_size}")
         if not self.native:
+            check_emulated_moe_parallel(self.quant_config.trace, getattr(layer, "moe_tp_size", 1),
+                                        getattr(layer, "moe_ep_size", 1))
             check_emulated_runner(get_moe_runner_backend().value)
-            check_emulated_moe_tp(self.quant_config.trace, getattr(layer, "moe_tp_size", 1))
         if self.native:
             super().create_weights(layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
                                    **extra_weight_attrs)
