@@ -68,13 +68,13 @@ def test_recompute_reuses_guidance_and_routing_and_counts_once(rollout, kind):
         assert torch.equal(r1.sites[key].record.codes, sg.record.codes), key
 
 
-def test_backward_outside_the_context_loses_the_guidance(rollout):
-    """Why the context must wrap the backward: the recompute then runs the trainer's own rounding and routing,
-    and the gradients differ from the step's forward (the check above would fire)."""
+@pytest.mark.parametrize("kind", list(RECOMPUTE))
+def test_backward_outside_the_context_raises(rollout, kind):
+    """Why the context must wrap the backward: outside it the recompute would run the trainer's own rounding and
+    routing, and the gradients would differ from the step's forward. It raises (it used to be silent)."""
     data, roll = rollout
-    *_, g0, _, _ = _train_step(_model(), data, roll)
-    *_, g1, _, _ = _train_step(_model(**RECOMPUTE["full"]), data, roll, backward_inside=False)
-    assert any(not torch.equal(g1[n], g0[n]) for n in g0)
+    with pytest.raises(RuntimeError, match="recomputes a forward that ran inside trace_guidance, outside the context"):
+        _train_step(_model(**RECOMPUTE[kind]), data, roll, backward_inside=False)
 
 
 @pytest.mark.parametrize("kind", list(RECOMPUTE))
