@@ -32,6 +32,7 @@ CONFIGS = [
     TraceConfig(kv_format="sglang_kvfp4"),
     TraceConfig(activation_amax="per_tensor", guided_layers="all"),
     TraceConfig(exclude_modules=("model.layers.0.mlp.experts", "model.layers.*.self_attn.kv_cache")),
+    TraceConfig(finite_check="sync", guided_fraction=0.25),
 ]
 
 
@@ -206,6 +207,8 @@ def test_invalid_combinations_name_the_value(argv, match):
     ["--trace-guided-sites", "expert_fc1_in, expert_fc1_in"],
     ["--trace-guided-layers", "1,2,1"],
     ["--trace-guided-layers", "explicit"],  # (the policy of a layer list: given as the list itself)
+    ["--trace-guided-layers", ","],  # (no layer id: not an empty list)
+    ["--trace-activation-amax", "per_block"],
 ])
 def test_unknown_values_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit):
@@ -274,9 +277,13 @@ MEGATRON = dict(num_layers=2, num_experts=4, moe_layer_freq=1, moe_enable_routin
     (["--trace-guided-sites", ""], {}),  # no guidance, the default policy aside
     # K/V sites only: Megatron's own experts, whose dispatcher TRACE does not guide
     (["--trace-sites", "kv_k,kv_v"], {"moe_token_dispatcher_type": "flex"}),
+    ([], {"num_experts": None, "moe_enable_routing_replay": False}),  # (no router: nothing to replay)
+    (["--trace-sites", "kv_k"], {"num_experts": None}),  # one KV site quantizes
+    (["--trace-sites", "weights"], {}),  # weight-only QAT of the experts
 ], ids=["moe", "reuse_weight_quant", "dense_kv_only", "exclude_with_moe_layer_freq", "allgather",
         "distributed_optimizer", "overlap_param_gather_stock_experts", "overlap_param_gather", "guided_moe_layer",
-        "guided_dense_layer_kv_sites", "guided_policy_some_dense", "no_guided_sites", "kv_only_stock_expert_options"])
+        "guided_dense_layer_kv_sites", "guided_policy_some_dense", "no_guided_sites", "kv_only_stock_expert_options",
+    "dense_without_routing_replay", "dense_one_kv_site", "moe_weights_only"])
 def test_megatron_flags_trace_supports(argv, model):
     assert trace_config_from_args(parse(["--trace-fp4", *argv], **{**MEGATRON, **model})).enabled
 
@@ -312,10 +319,17 @@ def test_megatron_flags_trace_supports(argv, model):
      {"moe_layer_freq": [1, 0]}, ValueError, r"'last_k' picks layer\(s\) \[1\], which have no guided site"),
     (["--trace-guided-layers", "0,1", "--trace-guided-sites", ""], {}, ValueError,
      r"--trace-guided-layers 0,1 would do nothing: there is no guided site \(--trace-guided-sites is empty\)"),
+    (["--trace-sites", ""], {}, ValueError,
+     r"--trace-fp4 would quantize nothing: .*the routed experts are not quantized"),
+    (["--trace-guided-sites", "expert_fc1_in", "--trace-guided-layers", "0"], {"num_experts": None}, ValueError,
+     r"layer\(s\) \[0\] have no guided site: .*in no layer: the model has no MoE layers"),
+    (["--trace-exclude-modules", "model.layers.0.mlp.experts"], {"num_experts": None}, ModulePatternError,
+     r"--trace-exclude-modules: .*'model.layers.0.mlp.experts' matches none"),
 ], ids=["legacy_models", "modelopt", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "dense_expert_sites_only",
         "reuse_ste_clip", "reuse_dense", "reuse_no_weight_site", "reuse_te_grouped", "exclude_dense_layer",
         "exclude_megatron_name", "guided_list_names_a_dense_layer", "guided_list_with_int_moe_layer_freq",
-        "guided_policy_picks_only_dense_layers", "guided_list_without_guided_sites"])
+        "guided_policy_picks_only_dense_layers", "guided_list_without_guided_sites", "moe_no_site",
+        "dense_guided_expert_site", "exclude_dense_model"])
 def test_megatron_flags_trace_refuses_before_the_build(argv, model, error, match):
     """What the patched gpt_builder meets first (before Megatron's config, spec or modules)."""
     with pytest.raises(error, match=match):
@@ -365,3 +379,57 @@ def test_a_dropping_moe_with_guided_expert_sites_is_warned_at_launch(model, warn
             "--moe-router-padding-for-quantization"
         assert lines[0].startswith(f"{flag}: TRACE guidance of the expert sites ['expert_fc1_in', 'expert_fc2_in']")
         assert "dropless" in lines[0]
+
+
+def test_every_config_field_round_trips_through_a_flag():
+    """Each TraceConfig field (its version aside) differs from its default in some config of CONFIGS: a field whose
+    flag were lost would come back at its default there, and test_flags_round_trip would fail."""
+    import dataclasses
+
+    default = TraceConfig()
+    changed = {f.name for cfg in CONFIGS for f in dataclasses.fields(cfg)
+               if getattr(cfg, f.name) != getattr(default, f.name)}
+    assert changed == {f.name for f in dataclasses.fields(TraceConfig)} - {"version"}
+
+
+def test_flags_without_trace_fp4_are_all_named_as_ignored(tmp_path, caplog):
+    """Every --trace-* flag given without --trace-fp4 is named in the warning (a launch script's typo'd TRACE run)."""
+    path = tmp_path / "trace.json"
+    path.write_text("{}")
+    parser = add_trace_args(argparse.ArgumentParser())
+    values = {"--trace-config": str(path), "--trace-format": "mxfp4", "--trace-kv-format": "sglang_kvfp4",
+              "--trace-mxfp4-scale-rule": "ceil", "--trace-sites": "kv_k,kv_v", "--trace-activation-amax": "per_tensor",
+              "--trace-guided-sites": "kv_k", "--trace-guided-layers": "last_k", "--trace-guided-last-k": "1",
+              "--trace-guided-fraction": "0.25", "--trace-budget-bytes-per-token": "10", "--trace-cache-mode": "full",
+              "--trace-cache-budget-mb": "1", "--trace-cache-dir": "/tmp/c", "--trace-rounding": "stochastic",
+              "--trace-ste-clip": None, "--trace-fallback": "fail", "--trace-min-coverage": "0.5",
+              "--trace-routing-replay": None, "--trace-kernel": "reference", "--trace-finite-check": "sync",
+              "--trace-reuse-weight-quant": None, "--trace-exclude-modules": "model.layers.0.mlp.experts"}
+    flags = {"--" + a.dest.replace("_", "-") for a in parser._actions if a.dest.startswith("trace_")} - {"--trace-fp4"}
+    assert set(values) == flags  # (a new flag: give it a value here)
+    argv = [x for flag, v in values.items() for x in ((flag,) if v is None else (flag, v))]
+    with caplog.at_level(logging.WARNING, logger="megatron_trace"):
+        assert not trace_config_from_args(parser.parse_args(argv)).enabled
+    named = caplog.messages[0].removeprefix("TRACE is off (no --trace-fp4): ignoring ").split()
+    assert sorted(named) == sorted(flags)
+
+
+def test_kv_format_with_one_kv_site_is_used():
+    for site in ("kv_k", "kv_v"):
+        cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-kv-format", "sglang_kvfp4", "--trace-sites",
+                                            f"{site},weights"], **MEGATRON))
+        assert cfg.kv_format == "sglang_kvfp4" and cfg.sites == (site, "weights") and cfg.guided_sites == (site,)
+
+
+def test_exclude_module_patterns_are_stripped():
+    args = parse(["--trace-exclude-modules", "model.layers.0.mlp.experts, model.layers.1.*"])
+    assert args.trace_exclude_modules == ("model.layers.0.mlp.experts", "model.layers.1.*")
+
+
+def test_sites_narrow_the_guided_sites_of_a_config_file_without_them(tmp_path):
+    """A hand-written file without guided_sites: --trace-sites narrows their default as without a file."""
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"format": "mxfp4"}))
+    cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path), "--trace-sites",
+                                        "expert_fc1_in,weights"]))
+    assert (cfg.format, cfg.sites, cfg.guided_sites) == ("mxfp4", ("expert_fc1_in", "weights"), ("expert_fc1_in",))

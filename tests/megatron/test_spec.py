@@ -118,6 +118,91 @@ def test_provider_as_a_backend_of_megatrons_own_spec_helper_builds_trace_experts
     assert isinstance(moe.experts, TraceSequentialMLP) and moe.experts.trace_config is tc
 
 
+class _Marked(LocalSpecProvider):
+    """Megatron's local provider with answers of its own (as TE's differ from the local ones), and the grouped-GEMM
+    flags it was asked with."""
+
+    class QKNorm(torch.nn.Module):
+        pass
+
+    class Activation(torch.nn.Module):
+        pass
+
+    class NormLinear(torch.nn.Module):
+        pass
+
+    def __init__(self):
+        self.asked = []
+
+    def layer_norm(self, rms_norm=False, for_qk=False):
+        return self.QKNorm if for_qk else super().layer_norm(rms_norm=rms_norm)
+
+    def activation_func(self):
+        return self.Activation
+
+    def column_parallel_layer_norm_linear(self):
+        return self.NormLinear
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm, moe_use_legacy_grouped_gemm):
+        self.asked.append((moe_use_grouped_gemm, moe_use_legacy_grouped_gemm))
+        return super().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+
+
+def test_provider_passes_every_question_to_its_fallback():
+    fallback = _Marked()
+    p = TraceSpecProvider(TraceConfig(), fallback)
+    assert p.layer_norm(rms_norm=True, for_qk=True) is _Marked.QKNorm
+    assert p.layer_norm(rms_norm=True) is fallback.layer_norm(rms_norm=True)
+    assert p.activation_func() is _Marked.Activation
+    assert p.column_parallel_layer_norm_linear() is _Marked.NormLinear
+    p.moe_module_spec(num_experts=EXPERTS, moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True)
+    assert fallback.asked == [(True, True)]
+
+
+def test_a_disabled_provider_gives_megatrons_modules():
+    """As a backend of Megatron's own spec helpers with TRACE off: Megatron's experts and core attention."""
+    p, local = TraceSpecProvider(TraceConfig(enabled=False)), LocalSpecProvider()
+    assert p.core_attention() is local.core_attention()
+    assert p.grouped_mlp_modules(False, False)[0] is SequentialMLP
+    assert p.moe_module_spec(num_experts=EXPERTS).submodules.experts.module is SequentialMLP
+
+
+def test_conversion_keeps_the_stock_specs_params_and_submodules():
+    """A stock spec's own params and linear classes (TE's, in Megatron's TE spec) survive the conversion."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    class Fc1(ColumnParallelLinear):
+        pass
+
+    class Fc2(RowParallelLinear):
+        pass
+
+    tc = TraceConfig()
+    p = TraceSpecProvider(tc)
+    sub = MLPSubmodules(linear_fc1=Fc1, linear_fc2=Fc2)
+    experts = p.experts_spec(ModuleSpec(module=SequentialMLP, params={"extra": 1}, submodules=sub))
+    assert experts.module is TraceSequentialMLP and experts.submodules is sub
+    assert experts.params == {"extra": 1, "trace_config": tc}
+    attention = p.core_attention_spec(ModuleSpec(module=DotProductAttention, params={"softmax_scale": 0.5}))
+    assert attention.module is TraceDotProductAttention
+    assert attention.params == {"softmax_scale": 0.5, "trace_config": tc}
+
+
+@pytest.mark.parametrize("pp_rank,vp_stage", [(0, 0), (1, 0), (0, 1), (1, 1)])
+def test_decoder_block_spec_is_megatrons_stage_converted(pp_rank, vp_stage):
+    """The pipeline stage's slice (pp_rank, vp_stage) and the q/k norm of Megatron's block spec, converted."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    cfg = tiny_config()
+    cfg.num_layers, cfg.moe_layer_freq, cfg.qk_layernorm = 8, [1, 0, 0, 1, 1, 1, 0, 0], True
+    cfg.pipeline_model_parallel_size, cfg.virtual_pipeline_model_parallel_size = 2, 2
+    tc, kw = TraceConfig(), dict(normalization="RMSNorm", qk_l2_norm=True, pp_rank=pp_rank, vp_stage=vp_stage)
+    want = trace_spec(get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, **kw), tc)
+    got = get_trace_decoder_block_spec(tc, cfg, **kw)
+    assert got.layer_specs == want.layer_specs and len(got.layer_specs) == 2
+
+
 def _mla_block_spec():
     """Megatron's local decoder block spec of a small MLA MoE model (DeepSeek-V3's attention)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
