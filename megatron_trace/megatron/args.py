@@ -69,11 +69,18 @@ _USED_WHEN = {
     "trace_guided_fraction": ("--trace-guided-layers fraction", lambda c: c.guided_layers == "fraction"),
     "trace_budget_bytes_per_token": ("--trace-guided-layers budget", lambda c: c.guided_layers == "budget"),
     "trace_mxfp4_scale_rule": ("--trace-format mxfp4", lambda c: c.format == "mxfp4"),
-    "trace_activation_amax": ("--trace-format nvfp4 (MXFP4 blocks have E8M0 scales, no amax)",
-                              lambda c: c.format == "nvfp4"),
+    "trace_activation_amax": ("--trace-format nvfp4 (MXFP4 blocks have E8M0 scales, no amax) and an activation site "
+                              "in it (expert_fc1_in, expert_fc2_in, or kv_k / kv_v without --trace-kv-format)",
+                              lambda c: c.format == "nvfp4" and bool(_amax_sites(c))),
     "trace_kv_format": ("a KV site (kv_k, kv_v) in --trace-sites", lambda c: any(s in c.sites for s in KV_SITES)),
 }
 _OTHER_FLAGS = ("trace_config", "trace_sites", "trace_guided_sites", "trace_guided_layers", "trace_exclude_modules")
+
+
+def _amax_sites(cfg: TraceConfig) -> list[str]:
+    """The sites that quantize with ``activation_quantizer()``, whose amax granularity ``activation_amax`` sets."""
+    kv = () if cfg.kv_format else KV_SITES
+    return [s for s in cfg.sites if s in ("expert_fc1_in", "expert_fc2_in", *kv)]
 
 
 def _site_list(valid: tuple[str, ...]):
@@ -244,6 +251,8 @@ def _check_used(cfg: TraceConfig, args) -> None:
 
 
 def _what_decides(cfg: TraceConfig, flag: str) -> str:
+    if flag == "trace_activation_amax" and cfg.format == "nvfp4":
+        return f"sites={','.join(cfg.sites)}" + (f" with kv_format={cfg.kv_format!r}" if cfg.kv_format else "")
     if flag in ("trace_mxfp4_scale_rule", "trace_activation_amax"):
         return f"format={cfg.format!r}"
     if flag == "trace_kv_format":

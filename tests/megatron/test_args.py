@@ -90,8 +90,12 @@ def test_flags_without_trace_fp4_are_logged_as_ignored(caplog):
      r"--trace-activation-amax per_tensor would do nothing: .*format='mxfp4'"),
     (["--trace-kv-format", "sglang_kvfp4", "--trace-sites", "expert_fc1_in,weights"],
      r"--trace-kv-format sglang_kvfp4 would do nothing: .*sites=expert_fc1_in,weights"),
+    (["--trace-sites", "weights", "--trace-activation-amax", "per_tensor"],
+     r"--trace-activation-amax per_tensor would do nothing: .*and the config has sites=weights$"),
+    (["--trace-sites", "kv_k,kv_v", "--trace-kv-format", "sglang_kvfp4", "--trace-activation-amax", "per_tensor"],
+     r"would do nothing: .*kv_k / kv_v without --trace-kv-format.*sites=kv_k,kv_v with kv_format='sglang_kvfp4'"),
 ], ids=["last_k_under_fraction", "fraction_under_a_list", "budget_bytes_under_all", "mxfp4_scale_rule_with_nvfp4",
-        "amax_with_mxfp4", "kv_format_without_kv_sites"])
+        "amax_with_mxfp4", "kv_format_without_kv_sites", "amax_without_activation_sites", "amax_with_sglang_kv_only"])
 def test_a_flag_that_would_do_nothing_is_refused(argv, match):
     with pytest.raises(ValueError, match=match):
         trace_config_from_args(parse(["--trace-fp4", *argv], num_layers=4))
@@ -107,6 +111,10 @@ def test_unused_flags_at_their_default_value_are_accepted(tmp_path):
     cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path), "--trace-guided-last-k", "2"],
                                        num_layers=4))
     assert (cfg.guided_layers, cfg.guided_last_k) == ("last_k", 2)
+    for sites in ("expert_fc2_in", "kv_v", "weights,kv_k"):  # an activation site the amax acts on: accepted
+        cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-sites", sites, "--trace-activation-amax",
+                                            "per_tensor"], num_layers=4))
+        assert cfg.activation_amax == "per_tensor" and cfg.sites == tuple(sites.split(","))
 
 
 @pytest.mark.parametrize("content,match", [
