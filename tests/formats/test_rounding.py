@@ -43,6 +43,21 @@ def test_stochastic_deterministic_with_seed_and_exact_on_grid():
     assert torch.equal(e2m1.decode(rounding.stochastic(on_grid)), on_grid)
 
 
+def test_stochastic_rounds_up_exactly_where_the_uniform_draw_is_below_p_hi():
+    # P(hi) = (z - lo) / (hi - lo) with u ~ U[0, 1) the generator's float32 draws, one per element in order;
+    # the bracket by exhaustive search over the 15 signed grid values
+    z = torch.cat([torch.linspace(-7, 7, 4001), torch.randn(4000, generator=torch.Generator().manual_seed(2)) * 3])
+    grid = torch.tensor(e2m1.SIGNED_GRID, dtype=torch.float64)
+    zc = z.double().clamp(-6, 6)
+    lo = torch.where(grid <= zc[:, None], grid, -torch.inf).amax(-1)
+    hi = torch.where(grid >= zc[:, None], grid, torch.inf).amin(-1)
+    u = torch.rand(z.shape, generator=torch.Generator().manual_seed(3)).double()
+    p_hi = torch.where(hi > lo, (zc - lo) / (hi - lo).clamp(min=0.5), 0.0)
+    want = torch.where(u < p_hi, hi, lo)
+    got = e2m1.decode(rounding.stochastic(z, torch.Generator().manual_seed(3))).double()
+    assert torch.equal(got, want)
+
+
 def test_stochastic_through_nvfp4():
     x = _data(0, 4)
     q1 = nvfp4.quantize(x, per_row=True, rounding="stochastic", generator=torch.Generator().manual_seed(1))
