@@ -115,3 +115,30 @@ def test_matches_torch_float4_cast_on_cuda():  # pragma: no cover - GPU only
     except (RuntimeError, NotImplementedError) as e:
         pytest.skip(f"this torch build cannot cast to float4: {e}")
     assert torch.equal(ref.view(torch.uint8).cpu(), e2m1.pack(e2m1.encode_rne(x).cpu()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_decode_returns_the_asked_dtype(dtype):
+    codes = torch.arange(16, dtype=torch.uint8)
+    got = e2m1.decode(codes, dtype)
+    assert got.dtype == dtype  # every E2M1 value is exact in each of them
+    assert torch.equal(got.float(), e2m1.decode(codes)) and torch.equal(torch.signbit(got), codes >= 8)
+
+
+def test_encode_value_takes_only_a_zero_sign_from_sign_like():
+    values = torch.tensor([-1.0, 0.0, 2.0, 0.0, -6.0, -0.0])
+    like = torch.tensor([1.0, -3.0, -1.0, 2.0, 5.0, 1.0])  # opposite signs on the non-zero values: ignored
+    assert e2m1.encode_value(values, sign_like=like).tolist() == [10, 8, 4, 0, 15, 0]
+    assert e2m1.encode_value(values).tolist() == [10, 0, 4, 0, 15, 8]
+
+
+def test_pack_uses_only_the_low_nibble_of_each_code():
+    # check_codes does not read values: a stray high bit must not leak into the neighbouring element's nibble
+    codes = torch.tensor([[0xF3, 0x21, 0x10, 0xAB]], dtype=torch.uint8)
+    assert e2m1.pack(codes).tolist() == [[0x13, 0xB0]]
+    assert torch.equal(e2m1.unpack(e2m1.pack(codes)), codes & 0xF)
+
+
+def test_float4_x2_view_refuses_other_dtypes():
+    with pytest.raises(TypeError, match="uint8, got torch.int8"):
+        e2m1.to_float4_x2(torch.zeros(4, dtype=torch.int8))

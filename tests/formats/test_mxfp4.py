@@ -1,3 +1,5 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -93,3 +95,35 @@ def test_guidance_format_mismatch():
     g = nvfp4.quantize(x, per_row=True).guidance(compact=True)
     with pytest.raises(GuidanceMismatchError, match="format 'nvfp4' != quantizer format 'mxfp4'"):
         mxfp4.guided_quantize(x, g)
+
+
+def test_largest_finite_amax_gets_the_largest_reachable_exponents():
+    # FLT_MAX = (2 - 2**-23) * 2**127: floor rule e = 127 - 2 (z ~ 8 saturates to 6); ceil rule
+    # e = ceil(log2(FLT_MAX / 6)) = 126 (z ~ 4): the clamp at 127 is never reached by a finite input
+    big = torch.finfo(torch.float32).max
+    for rule, e, values in (("floor", 125, [6.0, -4.0]), ("ceil", 126, [4.0, -2.0])):
+        q = mxfp4.quantize(_one_block(big), scale_rule=rule)
+        assert mxfp4.scale_exponents(q.block_scales).item() == e, rule
+        assert q.values()[0, :2].tolist() == values, rule
+    assert q.dequantize()[0, 1].item() == -(2.0**127)  # (and 4 * 2**126 = 2**128 is beyond float32: inf)
+
+
+def test_padding_does_not_move_the_scale_of_a_zero_tail_block():
+    # K = 40: block 1 holds 8 real zeros and 24 padding elements; its scale is the all-zero block's (byte 0)
+    x = torch.zeros(2, 40)
+    x[:, :32] = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    for rule in ("floor", "ceil"):
+        q = mxfp4.quantize(x, scale_rule=rule)
+        assert q.block_scales.view(torch.uint8)[:, 1].tolist() == [0, 0] and q.unpacked_codes()[:, 32:].eq(0).all()
+        assert q.padded_k == 64 and q.values().shape == (2, 40)
+
+
+def test_a_record_with_a_global_amax_or_e4m3_scales_is_refused():
+    x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0))
+    rec = mxfp4.quantize(x).guidance(compact=False)
+    with pytest.raises(GuidanceMismatchError, match="must not carry a global_amax"):
+        mxfp4.guided_quantize(x, dataclasses.replace(rec, global_amax=torch.tensor(1.0)))
+    # the same bytes read as E4M3 mean other scales: refused, not reinterpreted
+    e4m3 = rec.block_scales.view(torch.uint8).view(torch.float8_e4m3fn)
+    with pytest.raises(GuidanceMismatchError, match="block_scales dtype torch.float8_e4m3fn != torch.float8_e8m0fnu"):
+        mxfp4.guided_quantize(x, dataclasses.replace(rec, block_scales=e4m3))

@@ -1,8 +1,10 @@
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from megatron_trace.formats import FP4Tensor, NonFiniteError, Quantizer, e2m1, nvfp4
+from megatron_trace.formats import FP4Tensor, GuidanceMismatchError, NonFiniteError, Quantizer, e2m1, nvfp4
 
 from ._independent import E4M3, e4m3_rn_sat
 from ._independent import nvfp4 as nvfp4_independent
@@ -55,11 +57,12 @@ def test_matches_independent_per_row():
     assert np.array_equal(q.block_scales.float().numpy(), sf)
 
 
+@pytest.mark.parametrize("per_row", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_input_dtypes_agree_with_fp32_of_same_values(dtype):
+def test_input_dtypes_agree_with_fp32_of_same_values(dtype, per_row):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(8, 48, generator=g) * 5).to(dtype)
-    a, b = nvfp4.quantize(x, per_row=True), nvfp4.quantize(x.float(), per_row=True)
+    a, b = nvfp4.quantize(x, per_row=per_row), nvfp4.quantize(x.float(), per_row=per_row)
     assert torch.equal(a.codes, b.codes)
     assert torch.equal(a.block_scales.view(torch.uint8), b.block_scales.view(torch.uint8))
     assert a.dequantize(dtype).dtype == dtype
@@ -249,3 +252,101 @@ def test_decode_scale_where_the_encode_scale_saturates_is_one_over_flt_max():
     modelopt = q.values() * q.block_scales.float().repeat_interleave(16, -1) * nvfp4.decode_scale_from_amax(
         q.global_amax)
     assert torch.allclose(modelopt, q.dequantize(), rtol=1e-6, atol=0) and q.dequantize().abs().max() > 0
+
+
+def _nudge(v: np.ndarray, ulps: np.ndarray) -> np.ndarray:
+    """float32 ``v`` moved by ``ulps`` (signed ints) representable steps."""
+    v = v.astype(np.float32)
+    for _ in range(int(np.abs(ulps).max())):
+        up, down = np.nextafter(v, np.float32(np.inf)), np.nextafter(v, np.float32(0))
+        v = np.where(ulps > 0, up, np.where(ulps < 0, down, v))
+        ulps = ulps - np.sign(ulps)
+    return v.astype(np.float32)
+
+
+def test_bin_edges_match_independent():
+    """Block amaxes within a few ulps of e4m3 rounding midpoints and elements within a few ulps of E2M1 ties:
+    where the order of the fp32 operations (S_enc * amax / 6, x * S_enc / sf) decides the bits."""
+    rng = np.random.default_rng(0)
+    rows = 1024
+    g = rng.uniform(0.5, 1000, rows).astype(np.float32)  # the row's amax: element 0 of block 1
+    s = np.float32(2688.0) / g
+    mids = (E4M3[1:] + E4M3[:-1]) / 2
+    mids = mids[(mids > 0.05) & (mids < 440)]
+    a = _nudge((rng.choice(mids, rows) * 6 / s).astype(np.float32), rng.integers(-3, 4, rows))
+    a = np.minimum(a, g)
+    sf = e4m3_rn_sat((s * a / np.float32(6.0)).astype(np.float32))  # block 0's scale (checked below too)
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+    t = rng.choice(ties, (rows, 15)) * rng.choice([-1.0, 1.0], (rows, 15)).astype(np.float32)
+    elems = _nudge((t * sf[:, None] / s[:, None]).astype(np.float32), rng.integers(-2, 3, (rows, 15)))
+    elems = np.clip(elems, -a[:, None], a[:, None])
+    x = np.zeros((rows, 32), dtype=np.float32)
+    x[:, 0], x[:, 1:16], x[:, 16] = a, elems, g
+    x[:, 17:] = _nudge((rng.choice(ties, (rows, 15)) * g[:, None] / 6).astype(np.float32),
+                       rng.integers(-2, 3, (rows, 15)))
+    q = nvfp4.quantize(torch.from_numpy(x), per_row=True)
+    codes, sf_ind = nvfp4_independent(x, q.global_amax.numpy())
+    assert np.array_equal(q.global_amax.numpy()[:, 0], g)
+    assert np.array_equal(q.block_scales.float().numpy(), sf_ind)
+    assert np.array_equal(q.unpacked_codes().numpy(), codes)
+    # the edges are hit exactly: block scales at e4m3 midpoints before rounding, scaled elements at E2M1 ties
+    assert np.isin((s * a) / np.float32(6.0), mids).sum() > 50
+    z = (x[:, 1:16] * s[:, None]) / sf[:, None]
+    assert np.isin(np.abs(z), ties).sum() > 1000
+
+
+def test_encode_and_decode_scale_of_a_zero_amax():
+    # S_enc = 1 (not saturated: an all-zero tensor is not a tiny one); ModelOpt's decode scale is then 0 / 2688 = 0
+    zero = torch.zeros(3)
+    assert torch.equal(nvfp4.encode_scale(zero), torch.ones(3))
+    assert torch.equal(nvfp4.decode_scale_from_amax(zero), zero)
+
+
+def test_decode_scale_is_one_ieee_division():
+    g = torch.Generator().manual_seed(10)
+    amax = torch.rand(100000, generator=g) * 1000 + 1e-3
+    assert np.array_equal(nvfp4.decode_scale_from_amax(amax).numpy(), amax.numpy() / np.float32(2688.0))
+
+
+def test_global_amax_is_the_largest_magnitude():
+    x = torch.zeros(2, 40)
+    x[0, :2], x[1, :2], x[1, 37] = torch.tensor([1.0, -5.0]), torch.tensor([-0.5, 0.25]), -0.75
+    assert nvfp4.quantize(x).global_amax.item() == 5.0
+    assert nvfp4.quantize(x, per_row=True).global_amax[:, 0].tolist() == [5.0, 0.75]
+    # a tensor without elements has amax 0 (an EP rank without tokens)
+    assert nvfp4.quantize(torch.zeros(0, 16)).global_amax.item() == 0.0
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0])
+def test_a_given_global_amax_must_be_finite_and_positive(bad):
+    with pytest.raises(ValueError, match=rf"finite and > 0, got \[1.0, {bad}\]"):
+        nvfp4.quantize(torch.ones(2, 16), global_amax=torch.tensor([[1.0], [bad]]))
+
+
+def test_a_one_dim_global_amax_is_refused():
+    # [rows] (not [rows, 1]) would broadcast along the blocks of a row, not along the rows
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(GuidanceMismatchError, match=r"global_amax shape \(4,\) must be \[\] \(per tensor\) or"):
+        nvfp4.quantize(x, global_amax=torch.ones(4))
+
+
+def test_an_nvfp4_record_without_global_amax_is_refused():
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    rec = dataclasses.replace(nvfp4.quantize(x).guidance(compact=True), global_amax=None)
+    with pytest.raises(GuidanceMismatchError, match="needs a float32 global_amax tensor, got NoneType"):
+        nvfp4.guided_quantize(x, rec)
+
+
+def test_an_empty_last_dim_is_refused():
+    with pytest.raises(ValueError, match=r"non-empty last dim, got shape \(2, 0\)"):
+        nvfp4.quantize(torch.zeros(2, 0))
+
+
+def test_padding_does_not_move_the_scale_of_a_zero_tail_block():
+    # K = 21: block 1 holds 5 real zeros and 11 padding elements; its scale is that of an all-zero block
+    x = torch.zeros(2, 21)
+    x[:, :16] = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    q = nvfp4.quantize(x, per_row=True)
+    assert q.block_scales.float()[:, 1].tolist() == [0.0, 0.0] and q.unpacked_codes()[:, 16:].eq(0).all()
+    assert q.padded_k == 32 and q.values().shape == (2, 21)
+    assert torch.equal(q.values(), e2m1.decode(q.unpacked_codes())[:, :21])

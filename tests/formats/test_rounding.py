@@ -43,6 +43,21 @@ def test_stochastic_deterministic_with_seed_and_exact_on_grid():
     assert torch.equal(e2m1.decode(rounding.stochastic(on_grid)), on_grid)
 
 
+def test_stochastic_rounds_up_exactly_where_the_uniform_draw_is_below_p_hi():
+    # P(hi) = (z - lo) / (hi - lo) with u ~ U[0, 1) the generator's float32 draws, one per element in order;
+    # the bracket by exhaustive search over the 15 signed grid values
+    z = torch.cat([torch.linspace(-7, 7, 4001), torch.randn(4000, generator=torch.Generator().manual_seed(2)) * 3])
+    grid = torch.tensor(e2m1.SIGNED_GRID, dtype=torch.float64)
+    zc = z.double().clamp(-6, 6)
+    lo = torch.where(grid <= zc[:, None], grid, -torch.inf).amax(-1)
+    hi = torch.where(grid >= zc[:, None], grid, torch.inf).amin(-1)
+    u = torch.rand(z.shape, generator=torch.Generator().manual_seed(3)).double()
+    p_hi = torch.where(hi > lo, (zc - lo) / (hi - lo).clamp(min=0.5), 0.0)
+    want = torch.where(u < p_hi, hi, lo)
+    got = e2m1.decode(rounding.stochastic(z, torch.Generator().manual_seed(3))).double()
+    assert torch.equal(got, want)
+
+
 def test_stochastic_through_nvfp4():
     x = _data(0, 4)
     q1 = nvfp4.quantize(x, per_row=True, rounding="stochastic", generator=torch.Generator().manual_seed(1))
@@ -195,3 +210,51 @@ def test_full_to_compact_equals_direct_compact():
     q = nvfp4.quantize(_data(4, 3), per_row=True)
     a, b = q.guidance(compact=False).to_compact(), q.guidance(compact=True)
     assert torch.equal(a.mantissa_bits, b.mantissa_bits) and a.shape == b.shape
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_stochastic_rounding_by_name_draws_from_the_generator(fmt):
+    from megatron_trace.formats import Quantizer
+
+    x = _data(5, 4)
+    own = FORMATS[fmt](x)
+    z = _z(fmt, x, own)  # the own scales (stochastic rounding does not change them)
+    want = rounding.stochastic(z, torch.Generator().manual_seed(11))
+    assert not torch.equal(want, rounding.rne(z))
+    quant = {"nvfp4": nvfp4.quantize, "mxfp4": mxfp4.quantize}[fmt]
+    kw = {"per_row": True} if fmt == "nvfp4" else {}
+    q = quant(x, rounding="stochastic", generator=torch.Generator().manual_seed(11), **kw)
+    assert torch.equal(q.unpacked_codes(), want)
+    qz = Quantizer(fmt, per_row=fmt == "nvfp4", rounding="stochastic")
+    assert torch.equal(qz.quantize(x, generator=torch.Generator().manual_seed(11)).unpacked_codes(), want)
+
+
+def test_guided_full_zero_of_its_own_carries_the_sign_of_z():
+    # the rollout's +1 is outside the bracket (-0.5, 0) of z = -0.1: the nearest point 0 is emitted as -0 (like RNE)
+    z = torch.tensor([-0.1, 0.1, -0.3])
+    roll = torch.tensor([2, 10, 2], dtype=torch.uint8)  # +1, -1, +1
+    assert rounding.guided_full(z, roll).tolist() == [8, 0, 8]
+    with pytest.raises(ValueError, match=r"rollout codes shape \(1, 3\) != values shape \(2, 3\)"):
+        rounding.guided_full(torch.zeros(2, 3), torch.zeros(1, 3, dtype=torch.uint8))  # (would broadcast)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_record_with_other_block_scales_or_payload_dtype_is_refused(fmt):
+    x = _data(6, 4)
+    rec = FORMATS[fmt](x).guidance(compact=False)
+    one, nb = rec.block_scales[:, :1], rec.block_scales.shape[-1]  # [4, 1] broadcasts over a row's blocks
+    with pytest.raises(GuidanceMismatchError, match=rf"block_scales shape \(4, 1\) != \(4, {nb}\)"):
+        GUIDED[fmt](x, dataclasses.replace(rec, block_scales=one))
+    with pytest.raises(GuidanceMismatchError, match=r"payload torch.int8 \(4, 32\) != torch.uint8 \(4, 32\)"):
+        GUIDED[fmt](x, dataclasses.replace(rec, codes=rec.codes.view(torch.int8)))
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_to_compact_keeps_every_field(fmt):
+    q = FORMATS[fmt](_data(4, 3, k=40))
+    a, b = q.guidance(compact=False).to_compact(), q.guidance(compact=True)
+    assert torch.equal(a.mantissa_bits, b.mantissa_bits) and torch.equal(a.block_scales.view(torch.uint8),
+                                                                         b.block_scales.view(torch.uint8))
+    assert a.shape == b.shape == (3, 40) and a.fmt == b.fmt == fmt
+    assert (a.global_amax is None) == (fmt == "mxfp4") and (fmt == "mxfp4" or torch.equal(a.global_amax, b.global_amax))
+    assert torch.equal(GUIDED[fmt](_data(4, 3, k=40), a).codes, q.codes)

@@ -3,11 +3,13 @@
 Bit-exactness against SGLang's own ``KVFP4QuantizeUtil`` is in tests/sglang/test_kvfp4_sglang.py.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-from megatron_trace.formats import FullGuidance, NonFiniteError, e2m1
+from megatron_trace.formats import FullGuidance, GuidanceMismatchError, NonFiniteError, e2m1, mxfp4
 from megatron_trace.formats import sglang_kvfp4 as kv
 
 GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float64)
@@ -145,3 +147,33 @@ def test_the_exponent_follows_the_float32_division_amax_over_6():
     q = kv.quantize(x, compute_dtype=torch.float32)
     assert q.block_scales.view(torch.uint8).item() == 127 + 4
     assert e2m1.unpack(q.codes)[0, :3].tolist() == [7, 8, 5]  # 6.000002 -> 6, -0.1875 -> -0, 2.5 -> 3 (away)
+
+
+def test_sglang_layout_is_the_flattened_row():
+    # SGLang quantizes a token's [kv_heads * head_dim] row: scales[t, j] belongs to elements 16j .. 16j + 15 of it
+    x = _random(n=20, seed=5)  # [20, 2, 32]
+    packed, scales = kv.to_sglang(kv.quantize(x))
+    flat = kv.quantize(x.reshape(20, 64))
+    assert torch.equal(scales, flat.block_scales.view(torch.uint8))
+    assert torch.equal(packed.reshape(20, 32), flat.codes)
+    assert torch.equal(kv.dequantize(kv.from_sglang(packed, scales), torch.float32).reshape(20, 64),
+                       kv.dequantize(flat, torch.float32))
+
+
+def test_sglang_layout_refuses_what_does_not_fit():
+    packed, scales = kv.to_sglang(kv.quantize(_random(n=12)))
+    with pytest.raises(ValueError, match=r"got torch.uint8 \(12, 2, 16\) and torch.int32 \(12, 4\)"):
+        kv.from_sglang(packed, scales.int())
+    with pytest.raises(ValueError, match="head_dim 24 must be a multiple of 16"):
+        kv.from_sglang(torch.zeros(3, 2, 12, dtype=torch.uint8), torch.zeros(3, 3, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"tensor \[T, heads, head_dim\], got sglang_kvfp4 \(3, 64\)"):
+        kv.to_sglang(kv.quantize(torch.randn(3, 64)))
+    with pytest.raises(ValueError, match="expected a sglang_kvfp4 tensor, got fmt='mxfp4'"):
+        kv.dequantize(mxfp4.quantize(torch.randn(3, 64)))
+
+
+def test_a_record_with_a_global_amax_is_refused():
+    x = _random(n=12)
+    rec = dataclasses.replace(kv.quantize(x).guidance(compact=True), global_amax=torch.tensor(1.0))
+    with pytest.raises(GuidanceMismatchError, match="a sglang_kvfp4 record must not carry a global_amax"):
+        kv.guided_quantize(x, rec)
