@@ -3,7 +3,9 @@
 Scale exponent rules (both supported, by name):
   "floor": e = floor(log2(amax_block)) - 2          (the OCP spec; values up to 8x saturate to 6)
   "ceil":  e = ceil(log2(fp32(amax_block / 6)))     (triton_kernels, ModelOpt, FlashInfer)
-e is clamped to [-127, 127]; an all-zero block gets e = -127 (biased 0) and zero codes.
+e is clamped to [-127, 127]; an all-zero block gets e = -127 (biased 0) and zero codes. At the top of float32's range
+the ceil rule's scale 2**126 (block amax >= 7 * 2**125, about 2.98e38) gives codes whose values 4 and 6 dequantize
+past float32's largest value, to inf (the codes are kept as the rule gives them); the floor rule stays finite there.
 Scales are stored as ``torch.float8_e8m0fnu`` (biased exponent e + 127). There is no global amax.
 """
 
