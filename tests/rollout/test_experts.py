@@ -2,6 +2,8 @@
 (each of fc1 / fc2 on its own, none in a layer ``exclude_modules`` keeps in BF16), equal to ``w4a4_experts_forward``
 with those flags; and ``ExpertWeightStore.stacked`` stacks experts 0..E-1 only."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -86,3 +88,19 @@ def test_an_infinite_amax_is_refused_and_the_bytes_count_codes_scales_and_amax()
                     shape=q.shape, fmt=q.fmt)
     with pytest.raises(NonFiniteError, match="layer 0 expert 1 fc2: its global amax hold NaN/Inf"):
         store.set(m, 0, 1, "fc2", bad)
+
+
+def test_a_weight_whose_codes_or_scales_have_another_dtype_is_refused():
+    """Block scales as raw bytes (uint8) or codes as int8 (a sender's or a wire layout's slip) would dequantize to
+    other values in the parameter: refused by name, nothing changed."""
+    m, *_ = _experts()
+    store = ExpertWeightStore(CFG.weight_quantizer())
+    q = CFG.weight_quantizer().quantize(m.down_proj[0].detach())
+    before = m.down_proj.detach().clone()
+    for bad in (dataclasses.replace(q, block_scales=q.block_scales.view(torch.uint8)),
+                dataclasses.replace(q, codes=q.codes.view(torch.int8))):
+        with pytest.raises(ValueError, match="expert 0 fc2 has codes .* needs torch.uint8 and torch.float8_e4m3fn"):
+            store.set(m, 0, 0, "fc2", bad)
+    assert len(store) == 0 and torch.equal(m.down_proj, before)
+    store.set(m, 0, 0, "fc2", q)
+    assert torch.equal(m.down_proj[0], q.dequantize(m.down_proj.dtype))
