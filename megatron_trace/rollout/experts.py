@@ -196,13 +196,17 @@ class ExpertWeightStore:
         self.set(experts, layer, expert, which, q)
 
     def check(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
-        """What ``set`` checks, without changing anything: shape, format, finite scales and amax."""
+        """What ``set`` checks, without changing anything: shape, format, dtypes, finite scales and amax."""
         param = self._param_slice(experts, expert, which)
         if tuple(q.shape) != tuple(param.shape):
             raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which} has shape {q.shape}, "
                              f"the model expects {tuple(param.shape)}")
         if q.fmt != self.quantizer.fmt:
             raise ValueError(f"FP4 weight format {q.fmt!r} != the rollout's weight format {self.quantizer.fmt!r}")
+        scale_dtype = self.quantizer.format.scale_dtype  # (other dtypes would dequantize to other values, silently)
+        if q.codes.dtype != torch.uint8 or q.block_scales.dtype != scale_dtype:
+            raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which} has codes {q.codes.dtype} and "
+                             f"block scales {q.block_scales.dtype}; {q.fmt} needs torch.uint8 and {scale_dtype}")
         for name, t in (("block scales", q.block_scales), ("global amax", q.global_amax)):
             if t is not None and not bool(torch.isfinite(t.float()).all()):
                 raise NonFiniteError(f"FP4 weight for layer {layer} expert {expert} {which}: its {name} hold NaN/Inf")

@@ -50,6 +50,8 @@ class PackedExperts:
     block_scales  [E, N, Kp/B]           float8_e4m3fn (nvfp4) / float8_e8m0fnu (mxfp4)
     global_amax   float32 [E] (one per expert matrix) or [E, N] (one per output row); None for mxfp4
     k             the unpadded K (input features)
+
+    Dtypes, shapes and the amax's presence are checked here (a wrong one raises naming it).
     """
 
     codes: torch.Tensor
@@ -63,15 +65,25 @@ class PackedExperts:
             raise ValueError(f"PackedExperts.codes must be uint8 [E, N, K/2], got {self.codes.dtype} "
                              f"{tuple(self.codes.shape)}")
         e, n = self.codes.shape[:2]
-        block = get_format(self.fmt).block_size
+        fmt = get_format(self.fmt)
+        block = fmt.block_size
+        if self.block_scales.dtype != fmt.scale_dtype:  # (raw scale bytes would decode as integers)
+            raise ValueError(f"PackedExperts.block_scales dtype {self.block_scales.dtype} is not {fmt.scale_dtype}, "
+                             f"the scale dtype of fmt={self.fmt!r}")
         nb = -(-self.k // block)  # blocks of the unpadded k
         if tuple(self.block_scales.shape) != (e, n, nb) or self.codes.shape[2] * 2 != nb * block:
             raise ValueError(f"PackedExperts.block_scales shape {tuple(self.block_scales.shape)} and codes shape "
                              f"{tuple(self.codes.shape)} do not fit (E, N) = {(e, n)} and k={self.k} ({nb} blocks of "
                              f"{block} for fmt={self.fmt!r})")
         g = self.global_amax
+        if self.fmt == "nvfp4" and g is None:
+            raise ValueError("PackedExperts.global_amax is None: fmt='nvfp4' needs a float32 [E] or [E, N] amax")
+        if self.fmt != "nvfp4" and g is not None:
+            raise ValueError(f"PackedExperts.global_amax must be None for fmt={self.fmt!r} (it has no global amax)")
         if g is not None and tuple(g.shape) not in ((e,), (e, n)):
             raise ValueError(f"PackedExperts.global_amax shape {tuple(g.shape)} must be ({e},) or ({e}, {n})")
+        if g is not None and g.dtype != torch.float32:
+            raise ValueError(f"PackedExperts.global_amax dtype {g.dtype} is not torch.float32")
 
     @property
     def num_experts(self) -> int:

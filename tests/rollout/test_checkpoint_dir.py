@@ -121,7 +121,7 @@ def test_the_leftovers_of_killed_saves_are_named_in_one_warning_and_kept(tmp_pat
     target = tmp_path / "ckpt"
     _old_checkpoint(target)
     leftovers = [f".ckpt.tmp-{i:08x}" for i in range(6)] + [".ckpt.old-0000abcd"]
-    for name in leftovers + [".other.tmp-0000abcd", ".ckpt2.old-0000abcd", ".ckpt.tmp-x"]:
+    for name in leftovers + [".other.tmp-0000abcd", ".ckpt2.old-0000abcd", ".ckpt.tmp-x", ".ckpt.tmp-0000abcd.mine"]:
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text("{}")
     caplog.set_level(logging.WARNING)
@@ -130,7 +130,7 @@ def test_the_leftovers_of_killed_saves_are_named_in_one_warning_and_kept(tmp_pat
     [msg] = _leftover_warnings(caplog)
     assert "7 leftover(s)" in msg and "once no other save to" in msg and ".ckpt.old-0000abcd" in msg, msg
     assert ".ckpt.tmp-00000000" in msg and ".ckpt.tmp-00000005" not in msg, msg  # a few of them, not all
-    assert not any(n in msg for n in (".other.", ".ckpt2.", ".ckpt.tmp-x", staged.path.name)), msg
+    assert not any(n in msg for n in (".other.", ".ckpt2.", ".ckpt.tmp-x", ".mine", staged.path.name)), msg
     assert "does not exist" not in msg  # the target is there: the .old- is a stale copy, not the only one
     assert all((tmp_path / n / "config.json").exists() for n in leftovers)  # not removed
     assert _tree(target)["config.json"] == b"{1}"
@@ -158,3 +158,74 @@ def test_a_missing_target_whose_earlier_checkpoint_an_interrupted_save_moved_asi
     assert "interrupted save" in msg and ".ckpt.old-1234abcd" in msg and "move it back" in msg, msg
     assert ".ckpt.tmp-1234abcd holds the new checkpoint" in msg, msg
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.old-1234abcd", ".ckpt.tmp-1234abcd"]
+
+
+def test_a_new_file_of_a_user_file_s_name_and_symlinks_are_carried_as_they_are(tmp_path):
+    """A new checkpoint that writes a file the target already had (here ``tokenizer.json``) keeps the new one (the
+    old one is not linked or copied over it); symlinks at the top and inside a carried subdirectory stay symlinks
+    (a link to a directory is not copied as that directory's tree, a link inside one is not followed)."""
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    (target / "extra_link").symlink_to("extra")
+    (target / "extra" / "notes_link").symlink_to("notes.txt")
+    (target / "extra" / "sub").mkdir()
+    (target / "extra" / "sub" / "f").write_bytes(b"f")
+    (target / "extra" / "sub_link").symlink_to("sub")
+    with StagedCheckpointDir(target) as staged:
+        (staged.path / "tokenizer.json").write_bytes(b"new tok")
+        (staged.path / "config.json").write_bytes(b"new config")
+    tree = _tree(target)
+    assert tree["tokenizer.json"] == b"new tok"
+    assert tree["extra_link"] == "-> extra" and tree["extra/notes_link"] == "-> notes.txt"
+    assert tree["extra/sub_link"] == "-> sub" and tree["extra/sub/f"] == b"f" and "extra/sub_link/f" not in tree
+    assert (target / "extra_link").is_symlink() and not (target / "extra_link" / "notes.txt").is_symlink()
+
+
+def _failing_swap(monkeypatch, staged, fail_put_back: bool):
+    """``os.rename`` of the staged directory into place fails (and, ``fail_put_back``, so does the rename of the old
+    checkpoint back), as on a full or read-only filesystem: the swap's own failure path, not the caller's."""
+    import megatron_trace.rollout.checkpoint_dir as cd
+
+    real = os.rename
+
+    def rename(src, dst):
+        if os.fspath(src) == os.fspath(staged.path) or (fail_put_back and os.fspath(src) == os.fspath(staged._backup)):
+            raise OSError(30, "read-only file system")
+        return real(src, dst)
+
+    monkeypatch.setattr(cd.os, "rename", rename)
+
+
+def test_a_swap_that_fails_puts_the_earlier_checkpoint_back(tmp_path, monkeypatch):
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    before = _tree(target)
+    with pytest.raises(OSError, match="read-only") as e:
+        with StagedCheckpointDir(target) as staged:
+            (staged.path / "config.json").write_bytes(b"new config")
+            _failing_swap(monkeypatch, staged, fail_put_back=False)
+    assert any("was left as it was" in n for n in e.value.__notes__)
+    assert _tree(target) == before and sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_swap_that_cannot_put_the_earlier_checkpoint_back_keeps_both_and_says_where(tmp_path, monkeypatch):
+    """Both renames failed: the earlier checkpoint is in ``.ckpt.old-*``, the new one in ``.ckpt.tmp-*``; neither is
+    removed, not by the ``with`` block's exit nor by an ``abort`` after it, and a second ``commit`` is refused."""
+    target = tmp_path / "ckpt"
+    _old_checkpoint(target)
+    before = _tree(target)
+    staged = StagedCheckpointDir(target)
+    (staged.path / "config.json").write_bytes(b"new config")
+    _failing_swap(monkeypatch, staged, fail_put_back=True)
+    with pytest.raises(OSError, match=r"nor its earlier checkpoint put back: it is in .*\.ckpt\.old-"):
+        with staged:
+            pass
+    staged.abort()
+    assert _tree(staged._backup) == before and _tree(staged.path)["config.json"] == b"new config"
+    with pytest.raises(RuntimeError, match="already committed or aborted"):
+        staged.commit()
+    monkeypatch.undo()
+    done = StagedCheckpointDir(tmp_path / "other")
+    done.commit()
+    with pytest.raises(RuntimeError, match="already committed or aborted"):
+        done.commit()

@@ -96,3 +96,30 @@ def test_grouped_path_routing_helpers():
     out[order] = y
     want = (out.view(tokens, k, h) * w.unsqueeze(-1)).sum(1)
     assert torch.equal(fp4_moe._combine(y, inv, w, torch.float32), want)
+
+
+def test_routing_of_more_experts_than_an_int16_holds_and_a_bf16_combine_rounds_each_product():
+    """``_routing_torch`` sorts 2-byte keys up to 2**15 experts only: ids past 32767 (here 40000 experts) keep their
+    order (int64 keys). ``_combine_torch`` in bf16: each slot's router weight x output rounded to bf16, the slots
+    summed in fp32, rounded once (the Triton combine's bits: ``tests/gpu/test_moe_combine_gpu.py``)."""
+    import torch
+
+    from megatron_trace.rollout import fp4_moe
+
+    g = torch.Generator().manual_seed(1)
+    e = 40000
+    idx = torch.randint(0, e, (64, 4), generator=g)
+    idx[:8] = torch.tensor([32767, 32768, 39999, 0])
+    order, offs, inv = fp4_moe._routing_torch(idx, e)
+    flat = idx.reshape(-1)
+    assert torch.equal(order, torch.argsort(flat, stable=True))
+    assert torch.equal(offs, torch.bincount(flat, minlength=e).cumsum(0).to(torch.int32))
+    tokens, k, h = 6, 3, 64
+    y = torch.randn(tokens * k, h, generator=g).bfloat16()
+    w = torch.rand(tokens, k, generator=g)
+    inv = torch.randperm(tokens * k, generator=g)
+    want = torch.zeros(tokens, h)
+    for t in range(tokens):
+        for j in range(k):
+            want[t] += (y[inv[t * k + j]] * w[t, j].bfloat16()).float()  # a bf16 product, an fp32 sum
+    assert torch.equal(fp4_moe._combine_torch(y, inv, w, torch.bfloat16), want.bfloat16())

@@ -110,3 +110,21 @@ def test_a_generate_that_fails_before_its_read_leaves_no_counts_to_the_next_one(
         h.remove()
     out = be.generate(PROMPTS, SAMPLING)
     assert out.guidance and be.check_finite() is None
+
+
+def test_sites_are_ordered_by_layer_number_and_an_unnamed_reference_error_stays_as_it_is():
+    """Layer 10 after layer 2 (numbers, not strings); with no counter (``naming(None)``: an unchecked call) the
+    reference quantizer's ``NonFiniteError`` is raised as it is, naming no site."""
+    from megatron_trace.rollout.finite import RolloutFiniteChecks, naming
+
+    checks = RolloutFiniteChecks()
+    for layer in (10, 2):
+        checks.counter(layer, "kv_k").tensor("cpu").add_(1)
+    with pytest.raises(NonFiniteError, match="layer 2 kv_k: 1; layer 10 kv_k: 1"):
+        checks.read()
+    x = torch.ones(2, 16)
+    x[1, 3] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"^x holds 1 NaN/Inf") as e:
+        with naming(None):
+            CONFIG.activation_quantizer().quantize(x)
+    assert "rollout FP4 quantize input" not in str(e.value)

@@ -279,3 +279,90 @@ def test_a_cache_that_outgrows_its_buffers_keeps_every_row(quantize):
     assert torch.equal(keys, want) and torch.equal(values, -want)
     if quantize:
         assert torch.equal(layer.fp4_history("kv_k").codes, q.quantize(k).codes)
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_a_fork_of_batch_rows_keeps_each_rows_k_and_v(quantize):
+    """``batch_select_indices`` (``generate``'s prefix reuse: repeats fork a row) selects every stored part of K and
+    V (codes, scales, per-row amax; or the plain rows): the history after it is the old history's rows, forked; a
+    decode step after it appends to each forked row."""
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(1, q, quantize_k=quantize, quantize_v=quantize, kernel="reference")
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(3, 2, 5, 32, generator=g) * torch.tensor([1.0, 10.0, 100.0])[:, None, None, None]
+    keys, values = cache.update(k, -2 * k, 0)
+    index = torch.tensor([2, 0, 0, 1])
+    cache.layers[0].batch_select_indices(index)
+    step = torch.randn(4, 2, 1, 32, generator=g)
+    keys2, values2 = cache.update(step, step, 0)
+    want_step = q.fake_quantize(step) if quantize else step
+    assert torch.equal(keys2, torch.cat([keys[index], want_step], 2))
+    assert torch.equal(values2, torch.cat([values[index], want_step], 2))
+
+
+@pytest.mark.parametrize("quantize", [True, False])
+def test_a_prefill_that_fills_a_static_cache_keeps_its_rows_and_advance_moves_k_and_v(quantize):
+    """A prefill of exactly ``static_rows`` tokens fits, and every buffer keeps ``static_rows`` rows (not grown: the
+    decode attention's masks are [B, 1, 1, static_rows]); ``advance`` moves the K and the V lengths together."""
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(1, q, quantize_k=quantize, quantize_v=quantize, static_rows=16, kernel="reference")
+    x = torch.randn(2, 1, 16, 32, generator=torch.Generator().manual_seed(7))
+    keys, values = cache.update(x, -x, 0)
+    layer = cache.layers[0]
+    assert keys.shape[2] == 16 and layer.readable_rows() == 16
+    assert all(b.shape[2] == 16 for rows in layer._rows.values() for b in rows.store.bufs.values())
+    cache = FP4KVCache(1, q, quantize_k=quantize, quantize_v=quantize, static_rows=16, kernel="reference")
+    cache.update(x[:, :, :5], -x[:, :, :5], 0)
+    cache.decode_position().fill_(5)
+    cache.layers[0].update(x[:, :, 5:6], -x[:, :, 5:6])  # a decode write at row 5; the lengths stay
+    cache.advance(3)
+    assert [rows.store.length for rows in cache.layers[0]._rows.values()] == [8, 8]
+    assert cache.layers[0].nbytes() == 2 * cache.layers[0]._rows["kv_k"].nbytes()
+
+
+def test_static_caches_refuse_zero_rows_and_sglang_kv_on_either_side():
+    q = TraceConfig().activation_quantizer()
+    with pytest.raises(ValueError, match="static_rows=0 must be a positive multiple of 16"):
+        FP4KVCache(1, q, static_rows=0)
+    sglang = TraceConfig(kv_format="sglang_kvfp4").kv_quantizer()
+    for k_side, v_side in ((True, False), (False, True)):
+        with pytest.raises(ValueError, match="static_rows needs"):
+            FP4KVCache(1, sglang, quantize_k=k_side, quantize_v=v_side, static_rows=16)
+    FP4KVCache(1, sglang, quantize_k=False, quantize_v=False, static_rows=16)  # nothing in SGLang's format: fine
+
+
+def test_a_head_dim_that_is_not_a_block_multiple_keeps_its_width():
+    """head_dim 24 (padded to 32 in the codes): the history and the stored FP4 tensor keep 24 columns."""
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(1, q, kernel="reference")
+    k = torch.randn(1, 2, 3, 24, generator=torch.Generator().manual_seed(8))
+    cache.update(k, k, 0)
+    keys, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)
+    assert keys.shape == (1, 2, 4, 24) and cache.layers[0].fp4_history("kv_v").shape == (1, 2, 4, 24)
+    assert torch.equal(keys, q.fake_quantize(torch.cat([k, k[:, :, :1]], 2)))
+
+
+def test_only_a_layer_with_k_and_v_in_fp4_defers_its_decode_step():
+    """``fused_decode``: the fused attention reads packed FP4 K and V; a layer with one side unquantized returns the
+    whole dequantized history instead (no deferred step it could not read)."""
+    q = TraceConfig().activation_quantizer()
+    k = torch.randn(1, 2, 4, 32, generator=torch.Generator().manual_seed(9))
+    for quantize_k, quantize_v in ((True, False), (False, True), (False, False)):
+        cache = FP4KVCache(1, q, quantize_k=quantize_k, quantize_v=quantize_v, fused_decode=True, kernel="reference")
+        cache.update(k, k, 0)
+        keys, values = cache.update(k[:, :, :1], -k[:, :, :1], 0)
+        assert keys.shape[2] == values.shape[2] == 5 and not hasattr(keys, "_trace_fp4_kv_layer")
+
+
+def test_a_nonfinite_static_decode_token_is_named_by_layer_and_site():
+    from megatron_trace.formats import NonFiniteError
+    from megatron_trace.rollout.finite import RolloutFiniteChecks
+
+    q = TraceConfig().activation_quantizer()
+    cache = FP4KVCache(2, q, static_rows=16, kernel="reference", finite=RolloutFiniteChecks())
+    k = torch.randn(1, 2, 4, 32, generator=torch.Generator().manual_seed(10))
+    cache.update(k, k, 1)
+    bad = k[:, :, :1].clone()
+    bad[0, 1, 0, 3] = float("inf")
+    with pytest.raises(NonFiniteError, match="rollout FP4 quantize input at layer 1 kv_v: x holds 1 NaN/Inf"):
+        cache.update(k[:, :, :1], bad, 1)

@@ -5,7 +5,7 @@ import torch
 
 from megatron_trace.rollout.fp4_moe import PackedExperts, w4a4_experts_forward
 
-from ._common import CFG, tiny_experts, tiny_inputs
+from ._common import CFG, E, tiny_experts, tiny_inputs
 
 
 def _packed(w):
@@ -111,3 +111,45 @@ def test_packed_experts_with_a_per_row_amax_give_each_experts_matrix(n):
     assert tuple(packed.global_amax.shape) == (3, n)
     for e, q in enumerate(qs):
         assert torch.equal(packed.expert(e).dequantize(torch.float32), q.dequantize(torch.float32))
+
+
+def test_packed_experts_reject_dtypes_amax_and_widths_that_do_not_fit_the_format():
+    """Codes that are not uint8, block scales of another dtype (raw bytes, the other format's), an NVFP4 payload
+    without its global amax (or an MXFP4 one with one), an amax that is not float32 or of another shape, codes wider
+    than k: each refused by name, where it would otherwise dequantize to other values (a uint8 scale byte read as
+    its integer value) or fail far away; and ``stack`` refuses experts of two formats."""
+    from megatron_trace.formats import mxfp4
+
+    p = _packed(tiny_experts()[0])
+    fields = dict(codes=p.codes, block_scales=p.block_scales, global_amax=p.global_amax, k=p.k)
+    for change, match in [
+        (dict(codes=p.codes.view(torch.int8)), r"codes must be uint8 \[E, N, K/2\], got torch.int8"),
+        (dict(codes=torch.cat([p.codes, p.codes[..., :8]], -1)), r"codes shape \(4, 32, 24\) do not fit"),
+        (dict(block_scales=p.block_scales.view(torch.uint8)), r"scales dtype torch.uint8 is not torch.float8_e4m3fn"),
+        (dict(block_scales=p.block_scales.view(torch.float8_e8m0fnu)), r"block_scales dtype torch.float8_e8m0fnu"),
+        (dict(global_amax=None), r"global_amax is None: fmt='nvfp4' needs a float32"),
+        (dict(global_amax=p.global_amax.bfloat16()), r"global_amax dtype torch.bfloat16 is not torch.float32"),
+        (dict(global_amax=p.global_amax[:1]), r"global_amax shape \(1,\) must be \(4,\) or \(4, 32\)"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            PackedExperts(**{**fields, **change})
+    mx = PackedExperts.stack([mxfp4.quantize(w) for w in tiny_experts()[0]])
+    assert mx.global_amax is None and mx.fmt == "mxfp4"
+    with pytest.raises(ValueError, match=r"global_amax must be None for fmt='mxfp4'"):
+        PackedExperts(codes=mx.codes, block_scales=mx.block_scales, global_amax=p.global_amax, k=mx.k, fmt="mxfp4")
+    w = tiny_experts()[0]
+    with pytest.raises(ValueError, match=r"experts \[1\] differ in shape/format"):
+        PackedExperts.stack([CFG.weight_quantizer().quantize(w[0]), mxfp4.quantize(w[1])])
+
+
+def test_expert_ids_and_quantizer_are_checked_and_dense_weights_give_an_empty_output_too():
+    fc1, fc2 = tiny_experts()
+    hidden, ids, w = tiny_inputs()
+    aq = CFG.activation_quantizer()
+    for bad in (E, -1):
+        with pytest.raises(ValueError, match=rf"expert ids outside \[0, {E}\)"):
+            w4a4_experts_forward(hidden, ids.clone().fill_(bad), w, fc1, fc2, activation_quantizer=aq)
+    with pytest.raises(ValueError, match="quantize_fc1/quantize_fc2 need an activation_quantizer"):
+        w4a4_experts_forward(hidden, ids, w, fc1, fc2, activation_quantizer=None, quantize_fc1=False)
+    res = w4a4_experts_forward(hidden[:0], ids[:0], w[:0], fc1, fc2, activation_quantizer=aq)
+    assert res.out.shape == (0, hidden.shape[1])
