@@ -107,6 +107,10 @@ class PackedExperts:
         bad = [i for i, t in enumerate(tensors) if t.shape != first.shape or t.fmt != first.fmt]
         if bad:
             raise ValueError(f"experts {bad} differ in shape/format from expert 0 {first.shape} {first.fmt}")
+        shapes = {None if t.global_amax is None else tuple(t.global_amax.shape) for t in tensors}
+        if len(shapes) > 1:
+            raise ValueError(f"experts' global amaxes have shapes {sorted(map(str, shapes))}: stack experts whose "
+                             "amaxes are all per-tensor or all per-row")
         amax = None
         if first.global_amax is not None:
             amax = torch.stack([t.global_amax.reshape(-1) if t.global_amax.dim() else t.global_amax

@@ -140,6 +140,10 @@ def test_packed_experts_reject_dtypes_amax_and_widths_that_do_not_fit_the_format
     w = tiny_experts()[0]
     with pytest.raises(ValueError, match=r"experts \[1\] differ in shape/format"):
         PackedExperts.stack([CFG.weight_quantizer().quantize(w[0]), mxfp4.quantize(w[1])])
+    from megatron_trace.formats import nvfp4
+
+    with pytest.raises(ValueError, match=r"amaxes have shapes \['\(\)', '\(32, 1\)'\]: .*all per-tensor or all"):
+        PackedExperts.stack([nvfp4.quantize(w[0]), nvfp4.quantize(w[1], per_row=True)])
 
 
 def test_expert_ids_and_quantizer_are_checked_and_dense_weights_give_an_empty_output_too():
