@@ -20,7 +20,7 @@ from megatron_trace.export import (
     quant_config_dict,
     save_modelopt_checkpoint,
 )
-from megatron_trace.export.modelopt import exclude_modules_of
+from megatron_trace.export.modelopt import QUANT_CONFIG_FILE, exclude_modules_of
 from megatron_trace.formats import mxfp4, nvfp4
 
 from ._tiny import EXPERTS, FFN, HIDDEN, LAYERS, tiny_hf_config, tiny_named_weights
@@ -212,7 +212,11 @@ def test_experts_kept_bf16_by_exclude_modules_are_exported_bf16_and_excluded(tmp
         save_modelopt_checkpoint(tmp_path, named, tiny_hf_config(), input_amax=2.0)
     # the TraceConfig itself, as build_modelopt_state takes it: the same checkpoint
     assert save_modelopt_checkpoint(tmp_path / "c", named, tiny_hf_config(), input_amax=2.0, trace_config=cfg) == qcfg
-    assert all((tmp_path / "c" / f.name).read_bytes() == f.read_bytes() for f in tmp_path.iterdir() if f.is_file())
+    assert all((tmp_path / "c" / f).read_bytes() == (tmp_path / f).read_bytes() for f in ("config.json",
+                                                                                          QUANT_CONFIG_FILE))
+    got = load_modelopt_state(tmp_path / "c")  # (not the shard's bytes: safetensors orders its metadata at random)
+    raw = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731
+    assert got.keys() == state.keys() and all(torch.equal(raw(got[k]), raw(state[k])) for k in state)
     with pytest.raises(TypeError, match="trace_config must be a TraceConfig, its dict or None, got str"):
         save_modelopt_checkpoint(tmp_path / "d", named, tiny_hf_config(), input_amax=2.0, trace_config="nvfp4")
 
