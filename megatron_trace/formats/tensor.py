@@ -88,6 +88,10 @@ class FP4Tensor(_Blocked):
         from .registry import get_format
 
         fmt = get_format(self.fmt)
+        # (a uint8 view of the scales would decode as integers: 1.0 in E4M3 as 56.0)
+        if self.codes.dtype != torch.uint8 or self.block_scales.dtype != fmt.scale_dtype:
+            raise ValueError(f"FP4Tensor codes {self.codes.dtype} and block scales {self.block_scales.dtype}: "
+                             f"fmt={self.fmt!r} needs torch.uint8 and {fmt.scale_dtype}")
         q = e2m1.decode(self.unpacked_codes()).unflatten(-1, (-1, fmt.block_size))
         out = fmt.unscale(q, self.block_scales, self.global_amax).flatten(-2)
         return out[..., : self.shape[-1]].to(dtype)
