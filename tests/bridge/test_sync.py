@@ -205,3 +205,29 @@ def test_non_float_tensors_are_sent_as_they_are():
     for stream in (bf16_stream([("model.buf", big)]), fp4_stream([("model.buf", big)], WQ)):
         (name, got), = list(stream)
         assert got.dtype == torch.int64 and torch.equal(got, big)
+
+
+def test_bf16_layers_keep_the_experts_of_those_layers_only():
+    """``bf16_layers`` names layers (not expert ids): every expert of layer 1 comes as the cast tensor, every expert
+    of the other layers as FP4, through ``make_stream`` as ``sync_weights`` calls it."""
+    from megatron_trace.bridge.sync import make_stream
+    from megatron_trace.rollout.hf_weights import parse_expert_name
+
+    w = _trainer_weights()
+    out = dict(make_stream(w, "fp4", WQ, bf16_layers=(1,)))
+    assert len(out) == len(w)
+    for name, value in w:
+        parsed = parse_expert_name(name)
+        if parsed is not None and parsed[0] != 1:
+            assert isinstance(out[name], FP4Tensor), name
+        else:
+            assert isinstance(out[name], torch.Tensor) and torch.equal(out[name], value), name
+
+
+def test_byte_counts_of_an_fp32_sync():
+    """``sync_byte_counts(..., dtype)`` counts the tensors as sent in ``dtype``: fp32 is 4 bytes an element."""
+    w = list(checkpoint_tensors(tiny_model(seed=1, dtype=torch.float32)))
+    c32, c16 = sync_byte_counts(w, WQ, torch.float32), sync_byte_counts(w, WQ)
+    assert c32["bf16"].bytes_experts == 4 * E_NUMEL == 2 * c16["bf16"].bytes_experts
+    assert c32["bf16"].bytes_other == c32["fp4"].bytes_other == 2 * c16["fp4"].bytes_other
+    assert c32["fp4"].bytes_experts == c16["fp4"].bytes_experts

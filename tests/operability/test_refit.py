@@ -198,3 +198,27 @@ def test_a_nan_sentinel_fails_the_threshold():
     check = SentinelCheck(prompts=((5, 6, 7),), max_new_tokens=2, max_abs_diff=1e-3)
     with pytest.raises(SentinelError, match="logprob_abs_diff=nan"):
         check.run(rollout, lambda batch: torch.full_like(batch.logprobs, float("nan")))
+
+
+def test_not_applied_and_derived_state_see_each_part_of_a_stored_expert():
+    """A stored expert whose block scales alone differ from the update is not applied; ``derived_state`` holds each
+    stored matrix's codes, scales and amax (a stale amax is stale state); tensor dicts with other keys differ."""
+    from megatron_trace.rollout.refit import _tensor_differences, derived_state
+
+    be = _fresh_a()
+    weights = _weights(1)
+    key = (1, 2, "fc2")
+    q = be.weight_store._w[key]
+    scales = q.block_scales.view(torch.uint8).clone()
+    scales.view(-1)[0] += 1
+    be.weight_store._w[key] = dataclasses.replace(q, block_scales=scales.view(q.block_scales.dtype))
+    assert not_applied(be, weights) == ["model.layers.1.mlp.experts.2.down_proj.weight"]
+    gate = "model.layers.0.mlp.experts.1.gate_proj.weight"  # half an fc1 matrix: nothing to compare it with
+    assert not_applied(be, [(gate, dict(weights)[gate] * 2)]) == []
+    state = derived_state(be)
+    assert len(state) == 3 * len(be.weight_store._w)
+    assert torch.equal(state["weight_store.1.2.fc2.global_amax"], q.global_amax)
+    t = torch.zeros(2)
+    assert _tensor_differences({"a": t}, {"a": t, "b": t}, "x") == ["x: keys differ (['b'])"]
+    assert _tensor_differences({"a": t, "b": t}, {"a": t}, "x") == ["x: keys differ (['b'])"]
+    assert _tensor_differences({"a": t}, {"a": t + 1}, "x") == ["x a"]

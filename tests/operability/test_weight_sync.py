@@ -154,3 +154,55 @@ def test_sync_errors_are_importable_beside_sync_weights():
     assert {"WeightSyncError", "WeightSyncTimeoutError"} <= set(bridge.__all__)
     megatron = pytest.importorskip("megatron_trace.megatron", reason="megatron-core")
     assert megatron.NonFiniteError is NonFiniteError and "NonFiniteError" in megatron.__all__
+
+
+def test_a_sync_that_takes_exactly_timeout_s_applies_and_the_knobs_are_checked_first():
+    """``timeout_s`` bounds the time (a sync of exactly ``timeout_s`` seconds applies); a ``timeout_s`` that is not > 0
+    or a ``bucket_bytes`` that is not an int >= 1 is refused by name before the stream is read."""
+    be = _rollout()
+    n = len(_new_weights())
+    clock = Clock()
+    stats = sync_weights(be, clock.arriving(_new_weights()), fmt="bf16", dtype=torch.float32, timeout_s=n,
+                         clock=clock)
+    assert stats.seconds == n and be.policy_version == 1
+    read = []
+
+    def stream():
+        for item in _new_weights():
+            read.append(item)
+            yield item
+
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match=rf"timeout_s={bad!r} must be > 0"):
+            sync_weights(be, stream(), timeout_s=bad)
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match=rf"bucket_bytes={bad!r} must be an int >= 1"):
+            sync_weights(be, stream(), bucket_bytes=bad)
+    assert read == [] and be.policy_version == 1
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+def test_sync_weights_hands_the_recipe_to_the_rollout(fmt):
+    """``recipe`` reaches ``update_weights``: a recipe of another version is refused with nothing applied, the right
+    one becomes the rollout's recipe."""
+    from megatron_trace.manifest import RecipeMismatchError
+
+    from .test_recipe_check import CFG, _backend, trainer_recipe
+
+    be = _backend(recipe=trainer_recipe())
+    snap = _snapshot(be)
+    kw = dict(fmt=fmt, quantizer=CFG.weight_quantizer(), dtype=torch.float32, version=1)
+    with pytest.raises(RecipeMismatchError, match="weight_version: trainer=5 hf rollout=1"):
+        sync_weights(be, _new_weights(), recipe=trainer_recipe(version=5), **kw)
+    _assert_unchanged(be, snap)
+    sync_weights(be, _new_weights(), recipe=trainer_recipe(version=1), **kw)
+    assert be.policy_version == 1 and be.recipe() == trainer_recipe(version=1)
+
+
+def test_buckets_fill_up_to_exactly_bucket_bytes():
+    """A bucket takes tensors while their wire bytes stay <= ``bucket_bytes`` (one that fills it exactly included); a
+    tensor larger than a bucket travels alone; order and count are kept."""
+    t = [(f"t{i}", torch.zeros(n, dtype=torch.uint8)) for i, n in enumerate((4, 4, 4, 9, 1, 3))]
+    got = [[n for n, _ in b] for b in iter_buckets(t, 8)]
+    assert got == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
+    assert [[n for n, _ in b] for b in iter_buckets(t, 1 << 20)] == [[n for n, _ in t]]

@@ -56,3 +56,28 @@ def test_refusals_and_an_interrupted_write_leaves_no_partial_files(tmp_path):
                         w.add("t5", t)
                     raise RuntimeError("export failed")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_shard_fills_up_to_exactly_max_shard_bytes_and_an_empty_writer_writes_one_file(tmp_path):
+    """Tensors that fill ``max_shard_bytes`` exactly share one shard (transformers: <= the limit); a writer given no
+    tensor still writes ``model.safetensors`` (an empty checkpoint, not a directory without weights)."""
+    (tmp_path / "a").mkdir()
+    with ShardedSafetensorsWriter(tmp_path / "a", max_shard_bytes=128) as w:
+        for i in range(3):
+            w.add(f"t{i}", torch.zeros(16))  # 64 bytes each: two fill a shard
+    assert w.files == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert sorted(json.loads((tmp_path / "a" / INDEX_FILE).read_text())["weight_map"].items()) == [
+        ("t0", w.files[0]), ("t1", w.files[0]), ("t2", w.files[1])]
+    with ShardedSafetensorsWriter(tmp_path) as empty:
+        pass
+    assert empty.files == ["model.safetensors"] and load_file(tmp_path / "model.safetensors") == {}
+
+
+def test_only_exact_expert_weight_names_are_parsed():
+    """A suffixed name (a ModelOpt scale, a bias) is not the expert's weight: it must not be routed as one."""
+    from megatron_trace.rollout.hf_weights import parse_expert_name
+
+    assert parse_expert_name("model.layers.2.mlp.experts.7.up_proj.weight") == (2, 7, "up_proj")
+    for name in ("model.layers.2.mlp.experts.7.up_proj.weight_scale", "model.layers.2.mlp.experts.7.up_proj.weight2",
+                 "xmodel.layers.2.mlp.experts.7.up_proj.weight", "model.layers.2.mlp.experts.gate_up_proj"):
+        assert parse_expert_name(name) is None, name

@@ -46,9 +46,29 @@ def test_fc1_split_join_round_trip():
     assert torch.equal(join_fc1(gate, up).dequantize(), q.dequantize())
 
 
+def test_split_join_refuse_what_is_not_one_fc1_matrix():
+    """``join_fc1`` refuses halves of another K, format or global amax (one fc1 matrix has one), ``split_fc1`` a
+    per-row amax or an odd row count, each by name (not a shape error of a later cat, nor a silent mix)."""
+    wq = TraceConfig().weight_quantizer()
+    q = wq.quantize(torch.randn(64, 48))
+    gate, up = split_fc1(q)
+    for other in (split_fc1(wq.quantize(torch.randn(64, 32)))[1],
+                  split_fc1(TraceConfig(format="mxfp4").weight_quantizer().quantize(torch.randn(64, 48)))[1]):
+        with pytest.raises(ValueError, match="do not form one fc1 matrix"):
+            join_fc1(gate, other)
+    for amax in (up.global_amax * 2, None):
+        with pytest.raises(ValueError, match="share one global amax"):
+            join_fc1(gate, dataclasses.replace(up, global_amax=amax))
+    with pytest.raises(ValueError, match="per-row global_amax"):
+        split_fc1(dataclasses.replace(q, global_amax=torch.ones(64, 1)))
+    with pytest.raises(ValueError, match="even number of rows"):
+        split_fc1(wq.quantize(torch.randn(3, 48)))
+
+
 @pytest.mark.parametrize("case, err, match", [
     ("unknown", KeyError, "not a weight"),
     ("shape", ValueError, "shape"),
+    ("shape_same_numel", ValueError, r"q_proj.weight': shape \(32, 128\) != the model's \(64, 64\)"),
     ("fp4_dense", ValueError, "routed experts only"),
     ("half_fc1", ValueError, "gate_proj and up_proj together"),
     ("bad_expert", KeyError, "no routed expert 8"),
@@ -82,6 +102,7 @@ def test_update_weights_rejects_bad_input_before_copying(case, err, match):
     bad = {
         "unknown": ("model.layers.0.mlp.shared_expert.weight", torch.zeros(1)),
         "shape": ("model.norm.weight", torch.zeros(63)),
+        "shape_same_numel": ("model.layers.1.self_attn.q_proj.weight", torch.zeros(32, 128)),
         "fp4_dense": ("model.norm.weight", q),
         "half_fc1": ("model.layers.0.mlp.experts.1.up_proj.weight", torch.zeros(32, 64)),
         "bad_expert": ("model.layers.0.mlp.experts.8.up_proj.weight", torch.zeros(32, 64)),
