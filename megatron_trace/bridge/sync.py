@@ -28,6 +28,7 @@ own timeout (e.g. the NCCL group's). A ``version`` at or below the rollout's ``p
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -330,8 +331,9 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
     is read; ``reset=True`` sets any version on purpose (a run's first sync, a resume or rollback to a
     checkpoint: see ``rollout.base.next_policy_version``) and is passed to ``update_weights``.
     """
-    if timeout_s is not None and not timeout_s > 0:
-        raise ValueError(f"timeout_s={timeout_s!r} must be > 0 or None")
+    if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
+                                  or not timeout_s > 0):
+        raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0 or None")
     stats, t0 = SyncStats(fmt), clock()
     device = getattr(backend, "device", "cpu")
     staged: list[WeightBucket] = []

@@ -172,8 +172,8 @@ def test_a_sync_that_takes_exactly_timeout_s_applies_and_the_knobs_are_checked_f
             read.append(item)
             yield item
 
-    for bad in (0, -1.0, float("nan")):
-        with pytest.raises(ValueError, match=rf"timeout_s={bad!r} must be > 0"):
+    for bad in (0, -1.0, float("nan"), True, "5"):  # (True would be 1 s; a string failed with a bare TypeError)
+        with pytest.raises(ValueError, match=rf"timeout_s={bad!r} must be a number of seconds > 0"):
             sync_weights(be, stream(), timeout_s=bad)
     for bad in (0, True, 1.5):
         with pytest.raises(ValueError, match=rf"bucket_bytes={bad!r} must be an int >= 1"):
