@@ -138,6 +138,9 @@ def test_a_steps_responses_come_in_contiguous_groups_of_one_prompt(megatron_cpu,
     assert all(problems[i] is problems[i - i % g] for i in range(len(problems)))
     assert len({id(p) for p in problems}) == cfg.prompts_per_step
     assert all(ids[i] == r.tok.encode(p.prompt, bos=True) for i, p in enumerate(problems))
+    # each step draws its own prompts and sampling seed (a seed without the step trained one batch over and over)
+    assert [p.prompt for p in r._prompts(1)[0]] != [p.prompt for p in problems]
+    assert r._sampling(1, 1.0).seed != r._sampling(0, 1.0).seed
 
 def test_a_compact_arm_reports_the_bytes_per_token_of_full_records_too(megatron_cpu, ckpt, tmp_path):
     """METRICS.md's ``cache/bytes_per_token`` comes with "the same for full mode": the demo logged only the arm's own
