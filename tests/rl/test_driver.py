@@ -138,6 +138,9 @@ def test_a_steps_responses_come_in_contiguous_groups_of_one_prompt(megatron_cpu,
     assert all(problems[i] is problems[i - i % g] for i in range(len(problems)))
     assert len({id(p) for p in problems}) == cfg.prompts_per_step
     assert all(ids[i] == r.tok.encode(p.prompt, bos=True) for i, p in enumerate(problems))
+    # each step draws its own prompts and sampling seed (a seed without the step trained one batch over and over)
+    assert [p.prompt for p in r._prompts(1)[0]] != [p.prompt for p in problems]
+    assert r._sampling(1, 1.0).seed != r._sampling(0, 1.0).seed
 
 def test_a_compact_arm_reports_the_bytes_per_token_of_full_records_too(megatron_cpu, ckpt, tmp_path):
     """METRICS.md's ``cache/bytes_per_token`` comes with "the same for full mode": the demo logged only the arm's own
@@ -926,3 +929,35 @@ def test_a_step_raises_the_advantage_weighted_likelihood_of_its_responses(megatr
     assert m["reward"] == sum(rewards) / len(rewards) and m["grad_norm"] > 0
     after = objective()
     assert after > before, (before, after)
+
+
+def test_a_steps_metrics_are_over_its_response_tokens_and_name_the_served_version(megatron_cpu, ckpt, tmp_path):
+    """The step's row recomputed independently from the batch it trains on: the reward is the mean over all rows, the
+    loss is -sum(A * min(exp(lp - lp_rollout), cap)) over the response tokens (ratio 1 before the update), the
+    mismatch is over the same tokens, and policy_version is the version the rollout serves after the sync."""
+    r, task = _credit_run(ckpt, tmp_path)
+    g = RL.group_size
+    for step in range(2):
+        problems, ids = r._prompts(step)
+        batch = r.rollout.generate(ids, r._sampling(step, r.cfg.temperature))
+        with torch.no_grad():
+            lp = r.policy.logprobs(batch.tokens, r.cfg.temperature).double()
+        rewards = [task.reward(p, r.tok.decode(x, strict=True)) for p, x in zip(problems, batch.responses())]
+        adv = []
+        for k in range(0, len(rewards), g):
+            grp = rewards[k:k + g]
+            mean = sum(grp) / g
+            std = math.sqrt(sum((x - mean) ** 2 for x in grp) / g)
+            adv += [0.0 if std == 0 else (x - mean) / (std + 1e-6) for x in grp]
+        assert any(adv), rewards
+        sel = batch.response_mask
+        # (policy.logprobs is not the training forward bit for bit: the mismatch is checked to its order only)
+        d = (lp - batch.logprobs.double())[sel]
+        w = torch.exp(d).clamp(max=r.cfg.tis_cap)
+        a = torch.tensor(adv, dtype=torch.float64)[:, None].expand(sel.shape)[sel]
+        m = r.step()
+        assert m["reward"] == pytest.approx(sum(rewards) / len(rewards), abs=1e-6)
+        assert m["loss"] == pytest.approx(float(-(a * w).sum() / sel.sum()), abs=1e-4)  # (sums to ~0)
+        assert m["mismatch/logprob_abs_diff_token_mean"] == pytest.approx(float(d.abs().mean()), rel=0.5)
+        assert m["rl/ratio_mean"] == pytest.approx(1.0) and m["rl/clip_frac"] == 0.0
+        assert m["policy_version"] == step + 1 == r.rollout.policy_version == r.state.version

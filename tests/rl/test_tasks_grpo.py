@@ -206,6 +206,33 @@ def test_policy_loss_shares_of_micro_batches_add_up_to_the_batch_loss():
         policy_loss(logp, logp, roll, adv, mask, num_tokens=-1)
 
 
+def test_policy_loss_tis_weights_below_one_are_kept_and_the_gradient_is_the_hand_one():
+    """TIS is min(exp(old - rollout), cap): a rollout likelier than the trainer gives a weight below 1, taken as is
+    (no floor), and the weight and logp_old are constants: with logp_old = logp (the on-policy step, the driver's
+    call) d loss / d logp is -adv * w / n per masked token, 0 elsewhere."""
+    logp = torch.log(torch.tensor([[0.5, 0.25, 0.125], [0.5, 0.5, 0.5]])).requires_grad_()
+    roll = logp.detach() + torch.tensor([[3.0, 0.5, -4.0], [0.0, 0.0, 0.0]])
+    adv, mask = torch.tensor([2.0, -1.0]), torch.tensor([[True, True, True], [True, False, False]])
+    loss, stats = policy_loss(logp, logp, roll, adv, mask, clip_eps=0.2, tis_cap=5.0)
+    w = torch.tensor([[math.exp(-3.0), math.exp(-0.5), 5.0], [1.0, 0.0, 0.0]])
+    want = -(adv[:, None] * w).double().sum() / 4
+    assert loss.item() == pytest.approx(float(want), rel=1e-6)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, -adv[:, None] * w / 4)
+    assert stats == {"rl/clip_frac": 0.0, "rl/ratio_mean": 1.0}
+
+
+def test_policy_loss_stats_are_over_the_masked_tokens():
+    """clip_frac and ratio_mean are shares of the response tokens (the mask's), not of every position."""
+    old = torch.zeros(2, 4)
+    logp = torch.tensor([[0.5, 0.0, 0.0, 0.0], [-0.5, 0.1, 0.0, 0.0]])  # ratios e^0.5, 1, 1, 1 / e^-0.5, e^0.1, ...
+    mask = torch.tensor([[True, True, False, False], [True, True, True, False]])
+    _, stats = policy_loss(logp, old, old, torch.ones(2), mask, clip_eps=0.2)
+    assert stats["rl/clip_frac"] == pytest.approx(2 / 5)
+    ratios = [math.exp(0.5), 1.0, math.exp(-0.5), math.exp(0.1), 1.0]
+    assert stats["rl/ratio_mean"] == pytest.approx(sum(ratios) / 5, rel=1e-6)
+
+
 def test_master_adamw_sums_the_backwards_gradients_in_fp32():
     """Two backward passes (two micro-batches) of a bf16 parameter: the master gradient is the fp32 sum of the two
     bf16 gradients, not their bf16 sum; the parameter holds no gradient of its own."""
