@@ -50,6 +50,10 @@ def test_fc2_rows_are_counted_by_their_own_tokens_mask():
     valid[1, 9, 0] = False  # real: counted invalid (its batch-major row 25 is the padding token (s=12, b=1))
     valid[1, 13, 1] = False  # padding: not counted
     sites[key] = SiteGuidance(sg.record, valid, sg.expert_ids)
+    fc1 = sites[(2, "expert_fc1_in")]
+    valid1 = fc1.valid.clone()
+    valid1[0, 2] = False  # real: counted invalid; the padding's valid rows are not used rows
+    sites[(2, "expert_fc1_in")] = SiteGuidance(fc1.record, valid1)
     with trace_guidance(model, StepGuidance(sites=sites, routing=roll.routing, token_mask=mask)) as h, \
             torch.no_grad():
         model(*data[:3])
@@ -58,7 +62,29 @@ def test_fc2_rows_are_counted_by_their_own_tokens_mask():
     assert stats[(2, "expert_fc2_in", "invalid_row")] == 1
     assert stats[(2, "expert_fc2_in", "used")] == real * TOPK - 1
     assert stats[(1, "expert_fc2_in", "used")] == real * TOPK
-    assert dict(h.counter.fallback) == {"invalid_row": 1}
+    assert stats[(2, "expert_fc1_in", "invalid_row")] == 1
+    assert stats[(2, "expert_fc1_in", "used")] == real - 1
+    assert dict(h.counter.fallback) == {"invalid_row": 2}
+
+
+def test_layers_outside_the_policy_count_only_real_tokens_as_not_guided():
+    """Last 2 layers guided, with a ``token_mask``: the FC1 and FC2 rows of layers 0-1 are counted as not guided,
+    one per real token (FC1) and per real (token, expert) row (FC2); padding is not counted."""
+    model = _model(TraceConfig(guided_layers="last_k", guided_last_k=2))
+    data = batch()
+    with trace_record(model) as h, torch.no_grad():
+        model(*data[:3])
+    roll = h.recorded()
+    mask = torch.ones(data[0].shape, dtype=torch.bool)
+    mask[0, 10:] = False
+    with trace_guidance(model, StepGuidance(sites=roll.sites, routing=roll.routing, token_mask=mask)) as h, \
+            torch.no_grad():
+        model(*data[:3])
+    stats, real = h.stats(), int(mask.sum())
+    for layer in (0, 1):
+        assert stats[(layer, "expert_fc1_in", "not_guided_layer")] == real
+        assert stats[(layer, "expert_fc2_in", "not_guided_layer")] == real * TOPK
+    assert stats[(3, "expert_fc2_in", "used")] == real * TOPK
 
 
 def test_mxfp4_ignores_the_per_tensor_amax_setting():
@@ -76,3 +102,29 @@ def test_mxfp4_ignores_the_per_tensor_amax_setting():
         assert torch.equal(payload_of(sg.record), payload_of(other.record)), key
         assert torch.equal(sg.record.block_scales.view(torch.uint8), other.record.block_scales.view(torch.uint8))
         assert other.record.global_amax is None
+
+
+def test_without_replay_each_fc2_row_falls_back_for_one_reason():
+    """Routing of its own (no replay) over records of another model: each FC2 row is used, or counted once as of
+    another expert or as invalid (an invalid record of another expert is a mismatch, not both)."""
+    tc = TraceConfig(guided_layers="all", routing_replay=False)
+    data = batch()
+    cfg = tiny_config()
+    rollout = build_model(cfg, trace_spec(stock_spec(cfg), tc), seed=7)  # another model: other experts
+    with trace_record(rollout) as h, torch.no_grad():
+        rollout(*data[:3])
+    roll = h.recorded()
+    sites = dict(roll.sites)
+    sg = sites[(0, "expert_fc2_in")]
+    sites[(0, "expert_fc2_in")] = SiteGuidance(sg.record, torch.zeros_like(sg.valid), sg.expert_ids)
+    trainer = _model(tc)
+    with trace_guidance(trainer, StepGuidance(sites=sites, routing=roll.routing)) as h, torch.no_grad():
+        trainer(*data[:3])
+    stats = h.stats()
+    rows = data[0].numel() * TOPK
+    for layer in range(4):
+        got = {r: v for (lay, site, r), v in stats.items() if lay == layer and site == "expert_fc2_in" and v}
+        assert sum(got.values()) == rows, (layer, got)
+        assert got.get("expert_mismatch", 0) > 0, layer
+    assert set({r for (lay, site, r), v in stats.items() if lay == 0 and site == "expert_fc2_in" and v}) == {
+        "expert_mismatch", "invalid_row"}
