@@ -8,7 +8,7 @@ from megatron_trace.config import TraceConfig
 from megatron_trace.guidance.site import SiteGuidance
 from megatron_trace.megatron import StepGuidance, trace_guidance, trace_record, trace_spec
 from megatron_trace.megatron.moe_step import _virtual_experts, _virtual_token_ids
-from megatron_trace.megatron.rows import payload_of
+from megatron_trace.megatron.rows import map_record, payload_of
 
 from .harness import TOPK, batch, build_model, stock_spec, tiny_config
 
@@ -128,3 +128,25 @@ def test_without_replay_each_fc2_row_falls_back_for_one_reason():
         assert got.get("expert_mismatch", 0) > 0, layer
     assert set({r for (lay, site, r), v in stats.items() if lay == 0 and site == "expert_fc2_in" and v}) == {
         "expert_mismatch", "invalid_row"}
+
+
+@pytest.mark.parametrize("site", ["expert_fc1_in", "expert_fc2_in"])
+def test_records_of_a_longer_sequence_fall_back_by_shape(site):
+    """Records of [B, S + 4] for a [B, S] batch: batch-major rows b * S + s would be another token's for b > 0,
+    so the layer falls back (counted ``shape``), not guided by them."""
+    model = _model(TraceConfig(guided_layers="all"))
+    data = batch()
+    with trace_record(model) as h, torch.no_grad():
+        model(*data[:3])
+    roll = h.recorded()
+    sg = roll.sites[(1, site)]
+    longer = lambda x: torch.cat([x, x[:, :4]], 1)  # noqa: E731
+    r = sg.record
+    rec = map_record(r, longer, (r.shape[0], r.shape[1] + 4, *r.shape[2:]))
+    ids = None if sg.expert_ids is None else longer(sg.expert_ids)
+    sites = {**roll.sites, (1, site): SiteGuidance(rec, longer(sg.valid), ids)}
+    with trace_guidance(model, StepGuidance(sites=sites, routing=roll.routing)) as h, torch.no_grad():
+        model(*data[:3])
+    rows = data[0].numel() * (TOPK if site == "expert_fc2_in" else 1)
+    assert h.stats()[(1, site, "shape")] == rows
+    assert dict(h.counter.fallback) == {"shape": rows}
