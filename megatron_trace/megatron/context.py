@@ -41,7 +41,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core.tensor_parallel.random import _unset_checkpointing, is_checkpointing
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
@@ -57,7 +56,7 @@ from .gemm import to_device_async
 from .microbatch import MicroBatchQueue, check_all_ran
 from .moe_step import FC1, FC2, MoEStep
 from .recording import Recorder
-from .step import GuidanceCoverageError, StepState, check_site, guidance_map, resolve_states
+from .step import GuidanceCoverageError, StepState, check_site, clear_checkpointing_flag, guidance_map, resolve_states
 
 logger = logging.getLogger(__name__)
 
@@ -289,8 +288,7 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
         check_all_ran(queues)
     except BaseException:
         read_and_reset(_finite_counters(layers))  # this step's NaN/Inf counts must not fail the next step
-        if is_checkpointing():  # an error inside a checkpoint's first pass leaves Megatron's flag set: the next
-            _unset_checkpointing()  # step's forwards would then pass for recompute passes
+        clear_checkpointing_flag()  # (an error inside a checkpoint's first pass leaves it set)
         raise
     finally:
         for h in hooks:

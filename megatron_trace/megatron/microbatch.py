@@ -31,9 +31,8 @@ from collections import deque
 from collections.abc import Sequence
 
 import torch
-from megatron.core.tensor_parallel.random import _unset_checkpointing, is_checkpointing
 
-from .step import in_checkpoint_first_pass, in_recompute
+from .step import clear_checkpointing_flag, in_checkpoint_first_pass, in_recompute
 
 
 class MicroBatchQueue:
@@ -105,8 +104,7 @@ def check_replayed(module) -> None:
         return
     layer, checkpointed = mark
     if in_recompute(checkpointed):
-        if is_checkpointing():  # (Megatron's flag, set for the recompute, would make the next forwards pass for one)
-            _unset_checkpointing()
+        clear_checkpointing_flag()  # (set for this recompute pass, which ends here)
         raise RuntimeError(
             f"layer {layer}: the backward recomputes a forward that ran inside trace_guidance, outside the context: "
             "the recompute would round and route on its own, not as that forward did (wrong gradients); run the "

@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core.tensor_parallel.random import is_checkpointing
+from megatron.core.tensor_parallel.random import _unset_checkpointing, is_checkpointing
 
 from ..config import TraceConfig
 from ..formats import CompactGuidance, FullGuidance, e2m1
@@ -62,6 +62,13 @@ def in_checkpoint_first_pass(checkpointed: bool = False) -> bool:
     """True inside an activation checkpoint's first (gradient-free) pass; ``checkpointed`` as in ``in_recompute``.
     A forward-only run through checkpoints passes for one too (its recompute never comes)."""
     return not torch.is_grad_enabled() and (checkpointed or is_checkpointing())
+
+
+def clear_checkpointing_flag() -> None:
+    """Clear Megatron's checkpointing flag where an error inside a checkpoint's pass left it set: the next step's
+    forwards would otherwise pass for recompute passes."""
+    if is_checkpointing():
+        _unset_checkpointing()
 
 
 class GuidanceFallbackError(ValueError):
