@@ -901,6 +901,17 @@ def test_groups_whose_rewards_are_equal_carry_no_gradient(megatron_cpu, ckpt, tm
     assert m["loss"] == 0.0 and m["grad_norm"] == 0.0, m
 
 
+def _z_scores(rewards: list[float], g: int) -> list[float]:
+    """Each reward's z-score within its group of ``g`` (independently of ``group_advantages``)."""
+    adv = []
+    for k in range(0, len(rewards), g):
+        grp = rewards[k:k + g]
+        mean = sum(grp) / g
+        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / g)
+        adv += [0.0 if std == 0 else (x - mean) / (std + 1e-6) for x in grp]
+    return adv
+
+
 def test_a_step_raises_the_advantage_weighted_likelihood_of_its_responses(megatron_cpu, ckpt, tmp_path):
     """The policy-gradient direction through ``step()``: with partial credit the responses of one prompt earn
     different rewards, and one small step raises sum_i A_i log pi(response_i), A_i the reward's z-score within the
@@ -909,13 +920,7 @@ def test_a_step_raises_the_advantage_weighted_likelihood_of_its_responses(megatr
     problems, ids = r._prompts(0)
     batch = r.rollout.generate(ids, r._sampling(0, r.cfg.temperature))  # what step 0 samples (seeded by step)
     rewards = [task.reward(p, r.tok.decode(x, strict=True)) for p, x in zip(problems, batch.responses())]
-    g = RL.group_size
-    adv = []
-    for k in range(0, len(rewards), g):
-        grp = rewards[k:k + g]
-        mean = sum(grp) / g
-        std = math.sqrt(sum((x - mean) ** 2 for x in grp) / g)
-        adv += [0.0 if std == 0 else (x - mean) / (std + 1e-6) for x in grp]
+    adv = _z_scores(rewards, RL.group_size)
     assert any(adv), rewards  # a signal at step 0
 
     def objective() -> float:
@@ -943,12 +948,7 @@ def test_a_steps_metrics_are_over_its_response_tokens_and_name_the_served_versio
         with torch.no_grad():
             lp = r.policy.logprobs(batch.tokens, r.cfg.temperature).double()
         rewards = [task.reward(p, r.tok.decode(x, strict=True)) for p, x in zip(problems, batch.responses())]
-        adv = []
-        for k in range(0, len(rewards), g):
-            grp = rewards[k:k + g]
-            mean = sum(grp) / g
-            std = math.sqrt(sum((x - mean) ** 2 for x in grp) / g)
-            adv += [0.0 if std == 0 else (x - mean) / (std + 1e-6) for x in grp]
+        adv = _z_scores(rewards, g)
         assert any(adv), rewards
         sel = batch.response_mask
         # (policy.logprobs is not the training forward bit for bit: the mismatch is checked to its order only)
