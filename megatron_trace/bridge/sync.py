@@ -117,11 +117,16 @@ def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
     ``TraceConfig.kernel`` (``auto``: the bit-exact Triton quantizer for CUDA tensors).
     The experts of one layer are quantized together, up to ``batch_bytes`` of input per call (see
     ``ExpertBatch``): the same bits as one call per expert, without the per-tensor launches and syncs.
-    Non-expert tensors may therefore come out ahead of the experts that preceded them.
+    Non-expert tensors may therefore come out ahead of the experts that preceded them. A name given twice raises
+    ``ValueError`` when it comes again (which copy is meant is unknown).
     """
     batch = ExpertBatch(quantizer, kernel, batch_bytes)
     bf16_layers = frozenset(bf16_layers)
+    seen: set[str] = set()
     for name, value in named:
+        if name in seen:
+            raise ValueError(f"fp4_stream: {name!r} was given twice: send each weight once")
+        seen.add(name)
         parsed = parse_expert_name(name)
         if parsed is None or parsed[0] in bf16_layers:
             yield name, _cast(value, dtype)

@@ -242,7 +242,9 @@ def save_modelopt_checkpoint(
     exclude: list[str] = []
     tensors = _modelopt_tensors(named, input_amax, trace_extras, BF16_DTYPE, cfg, exclude)
     with StagedCheckpointDir(out_dir) as staged:
-        with ShardedSafetensorsWriter(staged.path, max_shard_bytes, metadata={"producer": "megatron_trace"}) as writer:
+        # (metadata "format" only: safetensors writes its keys in a random order, so a second key would make the
+        # shards' bytes differ from one export of the same weights to the next)
+        with ShardedSafetensorsWriter(staged.path, max_shard_bytes) as writer:
             for name, t in tensors:
                 writer.add(name, t)
         qcfg = quant_config_dict(exclude, trace_config=trace_config)

@@ -214,7 +214,8 @@ class RolloutBackend(Protocol):
 
 def weight_pairs(weights: Iterable[tuple[str, WeightValue]]) -> list[tuple[str, WeightValue]]:
     """``update_weights``' ``weights`` as a list of ``(name, value)`` pairs; ``TypeError`` naming the first item that
-    is not one (a state dict passed itself, not its ``.items()``, iterates over its names)."""
+    is not one (a state dict passed itself, not its ``.items()``, iterates over its names), ``ValueError`` naming the
+    names given more than once (which copy is meant is unknown: neither is dropped silently)."""
     if isinstance(weights, Mapping):
         raise TypeError(f"weights must be (name, tensor) pairs, got a {type(weights).__name__}: pass weights.items()")
     out = list(weights)
@@ -222,6 +223,11 @@ def weight_pairs(weights: Iterable[tuple[str, WeightValue]]) -> list[tuple[str, 
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
             shown = repr(item) if isinstance(item, str | tuple | list) else type(item).__name__
             raise TypeError(f"weights[{i}] must be a (name, tensor) pair with an HF checkpoint name, got {shown[:120]}")
+    seen: set[str] = set()
+    twice = sorted({name for name, _ in out if name in seen or seen.add(name)})
+    if twice:
+        raise ValueError(f"update_weights: {len(twice)} weight name(s) given more than once, e.g. {twice[:3]}: send "
+                         "each weight once; nothing was updated")
     return out
 
 

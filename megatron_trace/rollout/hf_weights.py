@@ -104,7 +104,9 @@ class ShardedSafetensorsWriter:
     written out and dropped before the next one fills). Shards are written as ``model-00001.safetensors.partial``
     and renamed by ``close()``, when their count is known. Write into an empty directory (the ``path`` of a
     ``checkpoint_dir.StagedCheckpointDir``: a stale index or shard of an earlier checkpoint would be read with the
-    new ones); leaving a ``with`` block by an exception deletes the partial files written so far.
+    new ones); leaving a ``with`` block by an exception deletes the partial files written so far. ``metadata`` beyond
+    ``"format"`` makes the shards' bytes vary between writes of the same tensors (safetensors writes its metadata keys
+    in a random order).
     """
 
     def __init__(self, directory, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,

@@ -71,6 +71,21 @@ def test_fp4_stream_quantizes_fc1_as_one_matrix():
         sync_weights(_rollout(), [], fmt="fp4")
 
 
+@pytest.mark.parametrize("name", ["model.norm.weight", "model.layers.1.mlp.experts.2.down_proj.weight",
+                                  "model.layers.1.mlp.experts.2.up_proj.weight"])
+def test_a_name_given_twice_is_refused_by_the_stream_and_by_the_sync(name):
+    """A weight sent twice (the later copy used to win with no error): ``fp4_stream`` refuses it when it comes again,
+    and a BF16 sync is refused by the rollout before anything is copied (its version unchanged)."""
+    w = dict(_trainer_weights())
+    twice = [*w.items(), (name, w[name])]
+    with pytest.raises(ValueError, match=f"fp4_stream: {name!r} was given twice"):
+        list(fp4_stream(twice, WQ))
+    rollout = _rollout()
+    with pytest.raises(ValueError, match="given more than once"):
+        sync_weights(rollout, twice, fmt="bf16", version=3)
+    assert rollout.policy_version == 0
+
+
 def test_fp4_stream_of_fp32_weights_quantizes_what_a_bf16_trainer_does():
     """An fp32 stream (e.g. an fp32 HF directory): the experts are rounded to ``dtype`` before quantizing, so the
     codes equal the bf16 sync path's (the rollout quantizes the bf16 tensor) and a bf16 trainer's fake-quant."""

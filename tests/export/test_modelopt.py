@@ -173,6 +173,20 @@ def test_sharded_round_trip(tmp_path):
                for k in state)
 
 
+def test_exports_of_the_same_weights_are_the_same_bytes(tmp_path):
+    """A checkpoint's files hash alike across exports of the same weights (content-addressed stores, "did the
+    export change?"): the shards' safetensors metadata held two keys, written in a random order."""
+    named = list(fp4_stream(tiny_named_weights(), QUANT))
+    runs = [tmp_path / str(i) for i in range(4)]
+    for out in runs:
+        save_modelopt_checkpoint(out, named, tiny_hf_config(), input_amax=2.0, max_shard_bytes=4096)
+    files = sorted(os.listdir(runs[0]))
+    assert len([f for f in files if f.endswith(".safetensors")]) > 1
+    for out in runs[1:]:
+        assert sorted(os.listdir(out)) == files
+        assert all((out / f).read_bytes() == (runs[0] / f).read_bytes() for f in files), out
+
+
 def test_a_new_export_replaces_an_earlier_sharded_one(tmp_path):
     """An earlier sharded checkpoint in the directory: its index and shards are removed, so loaders read the new
     single file (a stale index would point them at the old shards)."""

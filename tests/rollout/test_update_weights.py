@@ -101,9 +101,9 @@ def test_update_weights_rejects_bad_input_before_copying(case, err, match):
     }
     bad = {
         "unknown": ("model.layers.0.mlp.shared_expert.weight", torch.zeros(1)),
-        "shape": ("model.norm.weight", torch.zeros(63)),
+        "shape": ("model.layers.0.input_layernorm.weight", torch.zeros(63)),
         "shape_same_numel": ("model.layers.1.self_attn.q_proj.weight", torch.zeros(32, 128)),
-        "fp4_dense": ("model.norm.weight", q),
+        "fp4_dense": ("model.layers.0.input_layernorm.weight", q),
         "half_fc1": ("model.layers.0.mlp.experts.1.up_proj.weight", torch.zeros(32, 64)),
         "bad_expert": ("model.layers.0.mlp.experts.8.up_proj.weight", torch.zeros(32, 64)),
         "fp4_in_bf16_mode": ("model.layers.0.mlp.experts.1.down_proj.weight", q),
@@ -241,6 +241,32 @@ def test_weights_that_are_not_name_value_pairs_are_named(weights, match):
         with pytest.raises(TypeError, match=match):
             be.update_weights(weights)
         assert be.policy_version == 0
+
+
+def test_a_weight_name_given_twice_is_refused_before_anything_is_copied():
+    """Which of two copies of one name is meant is unknown: both backends refuse the update by name (the later copy
+    used to win silently), leaving the version and the weights as they were."""
+    from megatron_trace.rollout.sglang.backend import SGLangRolloutBackend
+
+    from ..sglang.test_backend_contract import CFG, HF, _Engine
+
+    new = dict(checkpoint_tensors(tiny_model(seed=1)))
+    p = "model.layers.1.mlp.experts.0."
+    twice = [*new.items(), ("model.norm.weight", new["model.norm.weight"] + 1),
+             (p + "down_proj.weight", new[p + "down_proj.weight"])]
+    be = _backend()
+    before = {k: v.clone() for k, v in checkpoint_tensors(be.model)}
+    with pytest.raises(ValueError, match=r"2 weight name\(s\) given more than once.*"
+                                         r"'model.layers.1.mlp.experts.0.down_proj.weight', 'model.norm.weight'"):
+        be.update_weights(twice)
+    assert be.policy_version == 0
+    assert all(torch.equal(v, before[k]) for k, v in checkpoint_tensors(be.model))
+    eng = _Engine()
+    sg = SGLangRolloutBackend(eng, CFG.replace(kv_format="sglang_kvfp4"), HF, native=False)
+    with pytest.raises(ValueError, match="given more than once"):
+        sg.update_weights([("model.norm.weight", torch.ones(64)), ("model.norm.weight", torch.zeros(64))])
+    assert sg.policy_version == 0 and eng.updates == []
+
 
 
 def test_bf16_updates_of_excluded_experts_are_used_as_they_come():
