@@ -165,3 +165,39 @@ def test_weights_of_adjacent_separate_storages_fall_back_to_the_stack():
     assert torch.equal(expert_weights.stacked(weights), base)
     want = _grads(weights, torch.stack)
     assert [torch.equal(a, b) for a, b in zip(_grads(weights, expert_weights.stacked), want)] == [True] * 3
+
+
+def test_of_with_pre_hooks_runs_the_hooks_of_an_expert_whose_first_neighbour_has_none():
+    """Only expert 2's linear has a pre-hook (e.g. it alone in a bucket of its own): it still runs."""
+    experts = torch.nn.ModuleList(_Expert(False) for _ in range(3))
+    calls = []
+    experts[2].linear_fc1.register_forward_pre_hook(lambda m, args: calls.append(m))
+    expert_weights.of(experts, "linear_fc1", pre_hooks=True)
+    assert calls == [experts[2].linear_fc1]
+
+
+def test_pack_rejects_mixed_dtypes_instead_of_converting_the_values():
+    weights = _params(2) + [torch.nn.Parameter(torch.randn(6, 8, dtype=torch.float64))]
+    with pytest.raises(ValueError, match=r"one shape, dtype and device.*float32.*float64"):
+        expert_weights.pack(weights)
+
+
+def test_evenly_spaced_weights_with_gaps_between_them_stack_their_own_values():
+    """Weights [6, 8] every 60 elements of one buffer (12 unused between two): the view steps 60, not 48."""
+    buf = torch.randn(4, 60)
+    weights = [torch.nn.Parameter(torch.empty(0).set_(buf.untyped_storage(), 60 * i, (6, 8))) for i in range(4)]
+    want = torch.stack([w.detach().clone() for w in weights])
+    got = expert_weights.stacked(weights)
+    assert got.data_ptr() == weights[0].data_ptr()  # one view, no copy
+    assert torch.equal(got, want)
+    assert [torch.equal(a, b) for a, b in zip(_grads(weights, expert_weights.stacked), _grads(weights, torch.stack))] \
+        == [True] * 4
+
+
+def test_a_weight_of_the_same_shape_at_its_packed_address_but_column_major_falls_back_to_the_stack():
+    weights = _params()
+    expert_weights.pack(weights)
+    w = weights[2]
+    w.data = torch.as_strided(w.data, (6, 8), (1, 6))  # same address, shape and dtype; not contiguous
+    assert expert_weights._storage_view(weights) is None
+    assert torch.equal(expert_weights.stacked(weights), torch.stack([p.detach() for p in weights]))

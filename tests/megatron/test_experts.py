@@ -253,3 +253,21 @@ def test_a_router_that_would_raise_name_error_without_te_is_said_at_build_time(m
     fix_router_without_te()
     check_expert_config(tiny_config(), TraceConfig())
     assert moe_utils.te_general_gemm is None
+
+
+@pytest.mark.parametrize("option, value, said", [
+    ("moe_apply_probs_on_input", True, "moe_apply_probs_on_input=True"),
+    ("expert_tensor_parallel_size", 2, "expert_tensor_parallel_size=2 (supported: 1)"),
+    ("fp8", "hybrid", "fp8/fp4 recipes"),
+    ("fp4", "nvfp4", "fp8/fp4 recipes"),
+    ("moe_token_dispatcher_type", "flex", "moe_token_dispatcher_type='flex' (supported: allgather, alltoall)"),
+])
+def test_each_unimplemented_expert_option_is_refused_on_its_own(option, value, said):
+    """Each option alone (set after the config's own checks, which tie some of them to other options)."""
+    from megatron_trace.megatron.experts import check_expert_config
+
+    cfg = tiny_config()
+    setattr(cfg, option, value)
+    with pytest.raises(ValueError, match=r"TRACE experts do not support .*" + said.replace("(", r"\(").replace(
+            ")", r"\)").replace(".", r"\.")):
+        check_expert_config(cfg, TraceConfig())

@@ -98,11 +98,13 @@ def _guided_run(routing_edit):
 
 
 @pytest.mark.usefixtures("world1")
-def test_out_of_range_routing_names_its_layer():
+@pytest.mark.parametrize("index", ["num_experts", -1])
+def test_out_of_range_routing_names_its_layer(index):
+    """Past the last expert, or negative (which indexing would take as the last expert)."""
     from .harness import EXPERTS
 
     def edit(routing):
-        routing[1][0, 3, 0] = EXPERTS
+        routing[1][0, 3, 0] = EXPERTS if index == "num_experts" else index
 
     with pytest.raises(ValueError, match=r"routing indices for layer 1 must be in") as e:
         _guided_run(edit)
