@@ -102,3 +102,56 @@ def test_kv_heads_are_the_heads_of_the_rank_s_query_heads(groups, tp):
         trace.tp_group = _Group(r, tp)
         first_query = r * heads // tp
         assert trace.kv_heads() == (groups, first_query * groups // heads), (r, tp, groups)
+
+
+@pytest.mark.parametrize("fallback", ["rne", "fail"])
+def test_kv_records_of_another_batch_shape_fall_back_or_raise_with_fail(fallback):
+    """Records [B, S - 1] for a [S, B] K: counted ``shape`` and left to the trainer's own rounding, or raised under
+    ``fallback='fail'`` (naming both shapes)."""
+    from megatron_trace.megatron.step import GuidanceFallbackError
+
+    tc = TraceConfig(guided_layers="all")
+    g = torch.Generator().manual_seed(4)
+    rec = Quantizer("nvfp4", per_row=True).quantize(torch.randn(B, S - 1, GROUPS, HD, generator=g)).guidance(
+        compact=True)
+    state = StepState(config=tc, counter=FallbackCounter(), fallback=fallback, guided_layers=frozenset({0}))
+    step = KVStep(state, 0, {"kv_k": CheckedSite(SiteGuidance(rec, torch.ones(B, S - 1, dtype=torch.bool)), None)},
+                  first_head=0)
+    k = torch.randn(S, B, GROUPS, HD, generator=g)
+    if fallback == "fail":
+        with pytest.raises(GuidanceFallbackError, match=rf"layer 0 kv_k: guidance rows \({B}, {S - 1}\) != "
+                                                         rf"\[B, S\]=\({B}, {S}\)"):
+            step.rows("kv_k", k)
+        return
+    assert step.rows("kv_k", k) is None
+    state.resolve()
+    assert state.counter.used == 0 and dict(state.counter.fallback) == {"shape": S * B}
+
+
+def test_packed_kv_under_guidance_is_refused_naming_its_shape():
+    """K of packed sequences ([T, heads, head_dim], no batch dimension) under trace_guidance: refused, not read as
+    [S=T, B=heads, g=head_dim] rows and counted as a fallback."""
+    tc = TraceConfig(guided_layers="all")
+    _, trace = _pair(tc)
+    state = StepState(config=tc, counter=FallbackCounter(), fallback="rne", guided_layers=frozenset({1}))
+    trace._trace_step = KVStep(state, 1, {"kv_k": CheckedSite(None, "missing")}, first_head=0)
+    k = torch.randn(S * B, GROUPS, HD).bfloat16()
+    with pytest.raises(ValueError, match=r"\[S, B, heads, head_dim\], got \(16, 2, 32\) \(packed sequences"):
+        trace.quantize_kv("kv_k", k)
+
+
+def test_a_step_held_twice_releases_back_to_its_host_records():
+    """``hold`` of a step already held keeps it (a recompute's second hold): ``release`` then gives the host records
+    back, not the device copies of the first hold."""
+    tc = TraceConfig(guided_layers="all")
+    rec = Quantizer("nvfp4", per_row=True).quantize(torch.randn(B, S, GROUPS, HD)).guidance(compact=True)
+    host = {"kv_k": CheckedSite(SiteGuidance(rec, torch.ones(B, S, dtype=torch.bool)), None)}
+    step = KVStep(StepState(config=tc, counter=FallbackCounter(), fallback="rne", guided_layers=frozenset({0})), 0,
+                  host, first_head=0)
+    step.hold("meta")
+    held = step.sites
+    assert held["kv_k"].sg.valid.is_meta
+    step.hold("meta")
+    assert step.sites is held
+    step.release()
+    assert step.sites is host

@@ -293,3 +293,44 @@ def test_deferred_checks_raise_at_the_read_after_the_counts_are_applied():
     assert a.counter.used == 4 and not a.pending and not b.deferred
     a.defer_check(torch.tensor(False), "never")
     assert a.resolve() == []
+
+
+@pytest.mark.usefixtures("world1")
+def test_a_real_token_that_repeats_an_expert_is_laid_out_with_nonzero_whatever_the_padding():
+    """Padding positions whose replayed experts are distinct, and a real token that repeats one: the rows are not
+    distinct on the real tokens (where it matters), so the masked step routes exactly as the unmasked one."""
+    from megatron_trace.megatron import StepGuidance, trace_guidance
+
+    model, (tokens, pos, mask, _), roll = _recorded()
+    real = torch.ones(tokens.shape, dtype=torch.bool)
+    real[0, -3:] = False  # padding, with the rollout's own (distinct) experts
+    routing = {k: r.clone() for k, r in roll.routing.items()}
+    for r in routing.values():
+        r[1, 5, 1] = r[1, 5, 0]  # a real token routed to one expert twice
+    logits, stats = {}, {}
+    for key, token_mask in (("masked", real), ("unmasked", None)):
+        with trace_guidance(model, StepGuidance(sites=roll.sites, routing=routing, token_mask=token_mask)) as h, \
+                torch.no_grad():
+            logits[key] = model(tokens, pos, mask)
+        stats[key] = h.stats()
+    assert torch.equal(logits["masked"][real], logits["unmasked"][real])
+    for layer in routing:  # one FC2 row fewer: token (1, 5) has one row for its two slots
+        st = stats["masked"]
+        assert st[(layer, "expert_fc2_in", "used")] + st.get((layer, "expert_fc2_in", "expert_mismatch"), 0) == \
+            2 * (tokens.numel() - 3) - 1
+
+
+@pytest.mark.usefixtures("world1")
+def test_fc2_records_of_another_expert_than_the_replayed_one_are_not_used():
+    """Every FC2 record is valid, but token (0, 3)'s first slot is replayed to another expert than its record's:
+    that row falls back (counted ``expert_mismatch``), as it must (the record's codes are another expert's row)."""
+    from .harness import EXPERTS, TOPK
+
+    def edit(routing):
+        r = routing[2][0, 3]
+        r[0] = next(e for e in range(EXPERTS) if e not in r.tolist())
+
+    stats = _guided_run(edit).stats()
+    assert stats[(2, "expert_fc2_in", "expert_mismatch")] == 1
+    assert stats[(2, "expert_fc2_in", "used")] == 2 * 16 * TOPK - 1
+    assert stats[(1, "expert_fc2_in", "used")] == 2 * 16 * TOPK
