@@ -271,3 +271,18 @@ def test_each_unimplemented_expert_option_is_refused_on_its_own(option, value, s
     with pytest.raises(ValueError, match=r"TRACE experts do not support .*" + said.replace("(", r"\(").replace(
             ")", r"\)").replace(".", r"\.")):
         check_expert_config(cfg, TraceConfig())
+
+
+def test_quantize_weight_is_quantize_weights_per_expert_and_leaves_an_excluded_layer_alone():
+    from megatron_trace.megatron import find_trace_layers
+    from megatron_trace.megatron.expert_weights import of, stacked
+
+    model = _model(TraceConfig(exclude_modules=("model.layers.1.mlp.experts",)))
+    find_trace_layers(model)
+    for layer, excluded in ((0, False), (1, True)):
+        experts = model.decoder.layers[layer].mlp.experts
+        weights = of(experts.local_experts, "linear_fc2")
+        with torch.no_grad():
+            each = torch.stack([experts.quantize_weight(w) for w in weights])
+            assert torch.equal(each, experts.quantize_weights(stacked(weights)))
+            assert torch.equal(each, stacked(weights)) == excluded, layer
