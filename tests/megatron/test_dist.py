@@ -43,12 +43,13 @@ def ep1(tmp_path_factory):
         data = batch(seed=rank)
         roll = _record(rollout, data)["recorded"]
         guided = {"sites": roll.sites, "routing": roll.routing}
-        # rank 1's rows of layer 3 partly invalid (both sites, or FC1 only), or its FC1 rows of layer 3 all valid but
-        # one position short of the batch (not used: shape); rank 0's all valid: its experts must not take rank 1's
-        # rows as valid
+        # rank 1's rows of layer 3 partly invalid (both sites, FC1 only or FC2 only), or its FC1 rows of layer 3 all
+        # valid but one position short of the batch (not used: shape); rank 0's all valid: its experts must not take
+        # rank 1's rows as valid
         for mode, g in (("rne", None), ("guided", guided),
                         ("invalid", _invalid_rows(guided, 3) if rank == 1 else guided),
                         ("fc1_invalid", _invalid_rows(guided, 3, ("expert_fc1_in",)) if rank == 1 else guided),
+                        ("fc2_invalid", _invalid_rows(guided, 3, ("expert_fc2_in",)) if rank == 1 else guided),
                         ("fc1_short", _short_rows(guided, 3, "expert_fc1_in") if rank == 1 else guided),
                         ("no_replay", {"sites": roll.sites, "routing": {}})):  # the trainer routes itself
             modes.setdefault(mode, []).append(g)
@@ -132,6 +133,7 @@ def test_ep2_equals_ep1(ep1, dispatcher):
         assert not torch.equal(got["guided"]["logits"], got["rne"]["logits"])  # guidance changed the forward
         if rank == 1:  # its layer 3 rows: some not used (invalid), or none (shape)
             assert got["fc1_invalid"]["counter"].fallback["invalid_row"] > 0
+            assert got["fc2_invalid"]["counter"].fallback["invalid_row"] > 0
             assert got["fc1_short"]["counter"].fallback["shape"] > 0
         # per-tensor FC1 amax: EP 1's numbers in the context; outside it refused (it would be the received rows')
         assert torch.equal(got["per_tensor_fc1"], want["per_tensor_fc1"]), rank
