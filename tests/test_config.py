@@ -155,3 +155,36 @@ def test_hydra_structured_config_and_overrides():
 def test_a_zero_fraction_is_refused_only_where_the_fraction_chooses_the_layers():
     for layers in ("none", "all"):
         assert TraceConfig(guided_layers=layers, guided_fraction=0.0).guided_fraction == 0.0
+
+
+def test_defaults_are_the_readme_tables():
+    """Every field's default as README's field table states it (an independent statement of the defaults: a flipped
+    default, e.g. ``routing_replay`` or ``mxfp4_scale_rule``, changes what every run does without an error)."""
+    import dataclasses
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    rows = text.split("| field | default | meaning |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    prose = {"true": True, "false": False, '""': "", "()": (), "all five": SITES,
+             "the four activation sites": ACTIVATION_SITES}
+    stated = {}
+    for row in rows:
+        names, defaults = (c.strip() for c in row.strip("|").split("|")[:2])
+        names = [n.strip(" `") for n in names.split("/")]
+        values = [v.strip() for v in defaults.split("/")] if len(names) > 1 else [defaults]
+        for n, v in zip(names, values, strict=True):
+            stated[n] = prose[v] if v in prose else (float(v) if v[0].isdigit() else v)
+    c, fields = TraceConfig(), {f.name for f in dataclasses.fields(TraceConfig)}
+    assert set(stated) == fields - {"guided_last_k", "guided_fraction", "guided_layer_list",
+                                    "budget_bytes_per_token", "version"}
+    for name, want in stated.items():
+        assert getattr(c, name) == want, name
+    assert c.guided_fraction == 0.5 and c.guided_last_k == 0 and c.guided_layer_list == () and c.version == 1
+
+
+def test_a_negative_explicit_layer_is_refused():
+    """A negative id would index from the end where a layer list is used (``-1``: the last layer), silently."""
+    with pytest.raises(ValueError, match=r"guided_layer_list=\(2, -1\) has a negative layer"):
+        TraceConfig(guided_layers="explicit", guided_layer_list=(2, -1))
+    with pytest.raises(ValueError, match=r"guided_last_k=-1 must be >= 0"):
+        TraceConfig(guided_last_k=-1)  # (under any policy: a config is valid whatever policy it is switched to)
