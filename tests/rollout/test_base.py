@@ -114,3 +114,87 @@ def test_sampling_params_take_numpy_and_tensor_values_as_python_numbers():
     assert SamplingParams(stop_token_ids=torch.tensor(5)).stop_token_ids == (5,)
     with pytest.raises(ValueError, match=r"stop_token_ids has invalid id\(s\) \[2\.5\]"):
         SamplingParams(stop_token_ids=torch.tensor([2.5]))
+
+
+def test_sampling_params_bounds_are_exact():
+    """The edges of each range: an infinite temperature or a bool is refused, the smallest temperature and the
+    largest seed are taken, ``greedy`` is temperature 0 only."""
+    import math
+
+    from megatron_trace.rollout.base import MIN_TEMPERATURE
+
+    for kw, field in ((dict(temperature=math.inf), r"temperature=inf must be 0"), (dict(temperature=True), "temper"),
+                      (dict(top_p=True), r"top_p=True must be in \(0, 1\]"), (dict(seed=2**63), r"2\*\*63\)"),
+                      (dict(max_new_tokens=True), "max_new_tokens=True")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+    p = SamplingParams(temperature=MIN_TEMPERATURE, top_p=1.0, seed=2**63 - 1, max_new_tokens=1)
+    assert not p.greedy and p.seed == 2**63 - 1 and SamplingParams(temperature=0.0).greedy
+    SamplingParams(stop_token_ids=(0,)).check_vocab(1)
+
+
+def test_responses_are_the_tokens_after_each_prompt():
+    tokens = torch.tensor([[1, 2, 3, 4, 5], [6, 7, 8, 0, 0]])
+    b = RolloutBatch(tokens=tokens, prompt_lens=torch.tensor([2, 1]), response_lens=torch.tensor([3, 2]),
+                     response_mask=torch.zeros(2, 5, dtype=torch.bool), logprobs=torch.zeros(2, 5))
+    assert b.responses() == [[3, 4, 5], [7, 8]] and b.batch_size == 2
+    with pytest.raises(ValueError, match=r"routing\[3\] shape \(2, 4, 2\) is not \[2, 5, topk\]"):
+        RolloutBatch(tokens=tokens, prompt_lens=torch.tensor([2, 1]), response_lens=torch.tensor([3, 2]),
+                     response_mask=torch.zeros(2, 5, dtype=torch.bool), logprobs=torch.zeros(2, 5),
+                     routing={3: torch.zeros(2, 4, 2, dtype=torch.long)})
+
+
+def test_weight_pairs_refuse_what_is_not_a_name_tensor_pair():
+    from megatron_trace.rollout.base import weight_pairs
+
+    w = torch.zeros(2)
+    assert weight_pairs(iter([("a", w), ["b", w]])) == [("a", w), ["b", w]]
+    with pytest.raises(TypeError, match=r"got a dict: pass weights.items\(\)"):
+        weight_pairs({"a": w})
+    with pytest.raises(TypeError, match=r"weights\[1\] must be a \(name, tensor\) pair"):
+        weight_pairs([("a", w), ("b", w, w)])
+    with pytest.raises(TypeError, match=r"weights\[0\] must be a \(name, tensor\) pair .* got Tensor"):
+        weight_pairs([w])
+
+
+def test_nonfinite_names_check_each_tensor_in_the_dtype_it_loads_as():
+    """An Inf (not only a NaN) is named, and so is a finite value that overflows the target dtype; int tensors and
+    finite ones are not."""
+    from megatron_trace.rollout.base import nonfinite_names
+
+    items = [("ok", torch.ones(3), None), ("inf", torch.tensor([1.0, -float("inf")]), None),
+             ("nan", torch.tensor([float("nan")]), torch.bfloat16), ("big", torch.tensor([7e4]), torch.float16),
+             ("fits", torch.tensor([7e4]), torch.bfloat16), ("ids", torch.arange(3), None),
+             ("f8", torch.tensor([1.0]).to(torch.float8_e4m3fn), None)]
+    assert nonfinite_names(items) == ["inf", "nan", "big"]
+
+
+def test_policy_versions_only_grow_unless_reset():
+    from megatron_trace.rollout.base import next_policy_version
+
+    assert next_policy_version(3, None) == 4 and next_policy_version(3, 7) == 7
+    assert next_policy_version(3, 0, reset=True) == 0 and next_policy_version(3, 3, reset=True) == 3
+    for version, match in ((3, "version=3 is not newer than the rollout's policy_version=3"),
+                           (2, "version=2 is not newer"), (-1, r"version=-1 must be None or an int >= 0"),
+                           (True, "version=True must be None")):
+        with pytest.raises(ValueError, match=match):
+            next_policy_version(3, version)
+    with pytest.raises(ValueError, match="reset=1 must be a bool"):
+        next_policy_version(3, 5, reset=1)
+    with pytest.raises(ValueError, match="reset=True needs the version"):
+        next_policy_version(3, None, reset=True)
+
+
+def test_a_failed_update_keeps_the_trainer_recipe():
+    from types import SimpleNamespace
+
+    from megatron_trace.rollout.base import recipe_kept_on_failure
+
+    be = SimpleNamespace(trainer_recipe="old")
+    with pytest.raises(RuntimeError, match="refused"), recipe_kept_on_failure(be):
+        be.trainer_recipe = "new"
+        raise RuntimeError("refused")
+    assert be.trainer_recipe == "old"
+    with recipe_kept_on_failure(be):
+        be.trainer_recipe = "new"
+    assert be.trainer_recipe == "new"
