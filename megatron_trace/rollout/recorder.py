@@ -136,6 +136,9 @@ class GuidanceRecorder:
     def add_heads_major(self, layer: int, site: str, q: FP4Tensor, record: CompactGuidance | None = None) -> None:
         """Quantized K or V rows [B, heads, t, head_dim], recorded batch-major [B, t, heads, head_dim]."""
         if self.wants(layer, site):
+            if (layer, site) in self._histories:  # (``finish`` would take the history and drop these records)
+                raise ValueError(f"site {(layer, site)} is recorded from its stored history; it cannot also have "
+                                 "per-step records")
             if self._static is not None:
                 raise ValueError("per-step K/V records (SGLang's KV format) cannot be kept in static steps")
             b, h, t, d = q.shape
