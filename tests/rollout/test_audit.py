@@ -1,0 +1,28 @@
+"""``rollout.audit``'s SGLang 0.5.10 matching rules, function by function (the audits built from them:
+``tests/operability/test_module_audit.py``)."""
+
+from megatron_trace.rollout.audit import SGLANG_PACKED, sglang_layer_excluded, sglang_layer_skipped
+
+EXPERTS = "model.layers.0.mlp.experts"
+
+
+def test_is_layer_excluded_tries_the_prefix_without_language_model_and_mla_tails_as_substrings():
+    assert sglang_layer_excluded(f"language_model.{EXPERTS}", [EXPERTS])
+    assert not sglang_layer_excluded(f"vision.{EXPERTS}", [EXPERTS])
+    assert sglang_layer_excluded("model.layers.0.mlp", ["mlp"]) and sglang_layer_excluded(EXPERTS, ["model.*"])
+    assert not sglang_layer_excluded(EXPERTS, ["layers.0.mlp"])  # neither the whole prefix nor one part of it
+    fused = "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa"  # an MLA tail is a substring of the last part
+    assert sglang_layer_excluded(fused, ["model.layers.0.self_attn.kv_a_proj_with_mqa"])
+    assert not sglang_layer_excluded("model.layers.0.self_attn.qkv_proj", ["model.layers.0.self_attn.q_proj"])
+
+
+def test_is_layer_skipped_needs_both_halves_of_an_unpacked_gate_up_proj():
+    gate_up, packed = "model.layers.0.mlp.gate_up_proj", {}
+    assert not sglang_layer_skipped(gate_up, ["model.layers.0.mlp.gate_proj"], packed)
+    assert not sglang_layer_skipped(gate_up, ["model.layers.0.mlp.up_proj"], packed)
+    assert sglang_layer_skipped(gate_up, ["model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj"], packed)
+    assert sglang_layer_skipped(gate_up, ["layers.0.mlp"], SGLANG_PACKED)  # packed: a substring of each shard
+    assert sglang_layer_skipped("model.layers.0.self_attn.o_proj", ["self_attn"], packed)
+    # an experts module is skipped by an entry that holds its whole prefix (a per-expert entry)
+    assert sglang_layer_skipped(EXPERTS, [f"{EXPERTS}.3.gate_proj"], packed)
+    assert not sglang_layer_skipped(EXPERTS, ["model.layers.1.mlp.experts.3.gate_proj"], packed)
