@@ -50,12 +50,20 @@ def _assert_record(rec, whole, compact: bool):
     assert torch.equal(rec.global_amax, amax)
 
 
-@pytest.mark.parametrize("compact", [True, False])
-def test_records_and_routing_are_the_whole_sequences_at_the_output_positions(compact):
+@pytest.mark.parametrize("compact, static", [(True, False), (False, False), (True, True)])
+def test_records_and_routing_are_the_whole_sequences_at_the_output_positions(compact, static):
+    """``static``: the decode steps go to the fixed buffers of ``begin_static``, and the fork comes after the first
+    of them (the buffers' rows are forked with the rest)."""
     gen = torch.Generator().manual_seed(0)
     rec = GuidanceRecorder(2, {FC1, FC2}, compact=compact, kernel="reference")
     xs1, xs2, ids, routing0 = [], [], [], []
+    step_index = None
     for i, valid in enumerate(STEP_VALID):
+        if static and i == 1:
+            valid = torch.ones(2, 1, dtype=torch.bool)  # (before the fork)
+            step_index = rec.begin_static(2, torch.device("cpu"))
+        if step_index is not None:
+            step_index.fill_(i - 1)
         b, t = valid.shape
         x1, x2 = torch.randn(b, t, H, generator=gen), torch.randn(b, t, TOPK, H, generator=gen)
         k1, k0 = torch.randint(0, 8, (b, t, TOPK), generator=gen), torch.randint(0, 8, (b, t, TOPK), generator=gen)
@@ -66,7 +74,7 @@ def test_records_and_routing_are_the_whole_sequences_at_the_output_positions(com
         rec.add_rows(0, "expert_fc1_in", PER_ROW.quantize(x1.reshape(b * t, H)))  # not a recorded site: ignored
         rec.end_step(valid)
         xs1.append(x1), xs2.append(x2), ids.append(k1), routing0.append(k0)
-        if i == 0:
+        if i == (1 if static else 0):
             rec.select_rows(FORK)
             xs1, xs2, ids, routing0 = ([t[FORK] for t in ts] for ts in (xs1, xs2, ids, routing0))
     assert rec.recorded_positions == 5 and rec.batch_size == 3
