@@ -149,3 +149,20 @@ def test_kv_history_errors_name_what_disagrees():
     rec.begin_static(2, torch.device("cpu"))
     with pytest.raises(ValueError, match="cannot be kept in static steps"):
         rec.add_heads_major(*key, PER_ROW.quantize(torch.randn(2, HEADS, 1, D)))
+
+
+def test_a_recorder_of_static_steps_only_returns_their_routing_and_records():
+    gen = torch.Generator().manual_seed(2)
+    rec = GuidanceRecorder(2, {FC1}, compact=True, kernel="reference")
+    step = rec.begin_static(2, torch.device("cpu"))
+    xs = [torch.randn(2, 1, H, generator=gen) for _ in range(2)]
+    ids = [torch.randint(0, 8, (2, 1, TOPK), generator=gen) for _ in range(2)]
+    for i in range(2):
+        step.fill_(i)
+        rec.add_routing(1, ids[i].reshape(2, TOPK))
+        rec.add_rows(*FC1, PER_ROW.quantize(xs[i].reshape(2, H)))
+        rec.end_step(torch.ones(2, 1, dtype=torch.bool))
+    routing, guidance = rec.finish(torch.tensor([[0, 1], [0, 1]]), torch.ones(2, 2, dtype=torch.bool))
+    assert set(routing) == {1} and torch.equal(routing[1], torch.cat(ids, 1))
+    want = PER_ROW.quantize(torch.cat(xs, 1).reshape(4, H)).guidance(compact=True)
+    assert torch.equal(guidance[FC1].record.mantissa_bits, want.mantissa_bits.reshape(2, 2, -1))
