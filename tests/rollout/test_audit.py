@@ -11,6 +11,8 @@ def test_is_layer_excluded_tries_the_prefix_without_language_model_and_mla_tails
     assert not sglang_layer_excluded(f"vision.{EXPERTS}", [EXPERTS])
     assert sglang_layer_excluded("model.layers.0.mlp", ["mlp"]) and sglang_layer_excluded(EXPERTS, ["model.*"])
     assert not sglang_layer_excluded(EXPERTS, ["layers.0.mlp"])  # neither the whole prefix nor one part of it
+    assert not sglang_layer_excluded(EXPERTS, ["model.layers.0.mlp.expert."])  # '.' is a literal dot there
+    assert sglang_layer_excluded(EXPERTS, ["model.layers.0.mlp.expert*"])
     fused = "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa"  # an MLA tail is a substring of the last part
     assert sglang_layer_excluded(fused, ["model.layers.0.self_attn.kv_a_proj_with_mqa"])
     assert not sglang_layer_excluded("model.layers.0.self_attn.qkv_proj", ["model.layers.0.self_attn.q_proj"])
