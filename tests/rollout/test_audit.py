@@ -28,3 +28,18 @@ def test_is_layer_skipped_needs_both_halves_of_an_unpacked_gate_up_proj():
     # an experts module is skipped by an entry that holds its whole prefix (a per-expert entry)
     assert sglang_layer_skipped(EXPERTS, [f"{EXPERTS}.3.gate_proj"], packed)
     assert not sglang_layer_skipped(EXPERTS, ["model.layers.1.mlp.experts.3.gate_proj"], packed)
+
+
+def test_sglang_excluded_names_the_modules_sglang_never_quantizes_and_a_bf16_run_quantizes_nothing():
+    from megatron_trace.config import TraceConfig
+    from megatron_trace.rollout.audit import sglang_excluded, sglang_module_audit, without_kv
+
+    hf = dict(model_type="qwen3_moe", num_hidden_layers=2, num_experts=4)
+    excluded, quantizable = sglang_excluded(hf, ["self_attn"])
+    never = {"model.embed_tokens", "lm_head", "model.layers.0.mlp.gate", "model.layers.1.mlp.gate"}
+    assert never <= excluded and not never & quantizable  # routers, embeddings, lm_head: BF16 whatever the list
+    assert "model.layers.0.self_attn.q_proj" in excluded and "model.layers.0.mlp.experts" not in excluded
+    cfg = without_kv(TraceConfig())
+    assert sglang_module_audit(cfg, hf, None).quantized == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+    off = sglang_module_audit(cfg.replace(enabled=False), hf, None)
+    assert off.quantized == () and "model.layers.0.mlp.experts" in off.bf16
