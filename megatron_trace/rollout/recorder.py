@@ -202,20 +202,24 @@ class GuidanceRecorder:
 
     def finish(self, index: torch.Tensor, valid: torch.Tensor
                ) -> tuple[dict[int, torch.Tensor], dict[SiteKey, SiteGuidance]]:
-        """Re-index to the output layout: ``index`` [B, S] internal positions, ``valid`` [B, S]."""
+        """Re-index to the output layout: ``index`` [B, S] internal positions, ``valid`` [B, S]. Every routing layer
+        and site must hold one record per position that ``end_step`` counted (a record of a step without its
+        ``end_step``, or a step without a layer's record, would be gathered at other positions: refused)."""
         n = self.recorded_positions
         ok = valid & (index < n) & take_positions(torch.cat(self._valid, 1), index.clamp(max=n - 1), valid)
         idx = index.clamp(max=n - 1)
         static = self._static.keys() if self._static is not None else ()
         layers = sorted(set(self._routing) | {k[1] for k in static if k[0] == "routing"})
-        routing = {layer: take_positions(torch.cat(self._routing.get(layer, []) + self._static_chunks(
-            ("routing", layer)), 1), idx, ok) for layer in layers}
+        routing = {}
+        for layer in layers:
+            ids = torch.cat(self._routing.get(layer, []) + self._static_chunks(("routing", layer)), 1)
+            routing[layer] = take_positions(_positions(f"layer {layer}'s routing", ids, n), idx, ok)
         guidance = {}
         for layer, site in self._records:
             chunks = self.site_records((layer, site))
             if not chunks:
                 continue
-            rec = cat_records(chunks, 1)
+            rec = _positions(f"site {(layer, site)}", cat_records(chunks, 1), n)
             out_shape = (*idx.shape, *rec.shape[2:])
             rec = map_record(rec, lambda t: take_positions(t, idx, ok), out_shape)
             if site == "expert_fc2_in":
@@ -224,3 +228,11 @@ class GuidanceRecorder:
             else:
                 guidance[(layer, site)] = SiteGuidance(rec, ok.clone())
         return routing, guidance
+
+
+def _positions(what: str, t, n: int):
+    """``t`` (a tensor or record, batch-major [B, positions, ...]) when it holds ``n`` positions."""
+    if t.shape[1] != n:
+        raise ValueError(f"{what} has {t.shape[1]} recorded positions but end_step counted {n}: each forward call "
+                         "must record every layer and site once, then call end_step once")
+    return t

@@ -166,3 +166,30 @@ def test_a_recorder_of_static_steps_only_returns_their_routing_and_records():
     assert set(routing) == {1} and torch.equal(routing[1], torch.cat(ids, 1))
     want = PER_ROW.quantize(torch.cat(xs, 1).reshape(4, H)).guidance(compact=True)
     assert torch.equal(guidance[FC1].record.mantissa_bits, want.mantissa_bits.reshape(2, 2, -1))
+
+
+@pytest.mark.parametrize("extra", ["routing", "rows", "missing"])
+def test_records_of_more_or_fewer_steps_than_end_step_counted_are_refused(extra):
+    """A layer's routing or a site's rows recorded on a step that had no ``end_step`` (or missing from a step) were
+    gathered at other positions with no error, as long as there were at least as many."""
+    gen = torch.Generator().manual_seed(2)
+    rec = GuidanceRecorder(2, {FC1}, compact=True, kernel="reference")
+    for valid in STEP_VALID[:2] if extra != "missing" else STEP_VALID[:1]:  # 3 + 1 positions of 2 rows
+        valid = valid[:2]
+        rows = valid.numel()
+        rec.add_routing(1, torch.randint(0, 8, (rows, TOPK), generator=gen))
+        rec.add_rows(*FC1, PER_ROW.quantize(torch.randn(rows, H, generator=gen)))
+        rec.end_step(valid)
+    if extra == "routing":
+        rec.add_routing(1, torch.randint(0, 8, (2, TOPK), generator=gen))
+        what = r"layer 1's routing has 5 recorded positions but end_step counted 4"
+    elif extra == "rows":
+        rec.add_rows(*FC1, PER_ROW.quantize(torch.randn(2, H, generator=gen)))
+        what = r"site \(1, 'expert_fc1_in'\) has 5 recorded positions but end_step counted 4"
+    else:
+        rec.end_step(torch.ones(2, 1, dtype=torch.bool))  # a step that recorded nothing
+        what = r"layer 1's routing has 3 recorded positions but end_step counted 4"
+    index = torch.arange(4).expand(2, 4)
+    with pytest.raises(ValueError, match=what):
+        rec.finish(index, torch.ones(2, 4, dtype=torch.bool))
+
