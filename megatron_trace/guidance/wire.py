@@ -247,7 +247,8 @@ def _members_and_starts(c: dict, table: SampleTable, shared: dict) -> tuple[list
         raise RecordFormatError(f"column {c['key']}: members {members[:8]}... not increasing indices below {n}")
     rows = [table.tokens[i] for i in members] if c["rows"] is None else _ints(c["rows"], "rows")
     if len(rows) != len(members) or any(r < 0 for r in rows):
-        raise RecordFormatError(f"column {c['key']}: {len(rows)} row counts for {len(members)} members")
+        raise RecordFormatError(f"column {c['key']}: {len(rows)} row counts for {len(members)} members (each >= 0): "
+                                f"rows {rows[:8]}")
     out = members, [0, *accumulate(rows)]
     if c["members"] is None and c["rows"] is None:
         shared["all"] = out

@@ -598,3 +598,32 @@ def test_coverage_without_guided_rows_is_full():
     assert c.coverage == 1.0 and c.as_dict()["guidance/coverage"] == 1.0
     c.add(3, {"not_recorded": 1})
     assert c.coverage == 0.75
+
+
+# ---- audit (session 56): boundaries and checks a mutation run found untested ------------------------------
+def test_token_mask_bounds_lengths_and_checks_the_mask_it_is_given():
+    """``lengths`` of exactly 0 and S are tokens counts; -1 and S + 1 are refused (S + 1 would silently read as
+    S). An attention mask of another shape, or a mask given with lengths, is refused by name."""
+    from megatron_trace.guidance.records import token_mask
+
+    tok = torch.arange(1, 13).view(3, 4)
+    assert token_mask(tok, lengths=[0, 4, 2]).sum(1).tolist() == [0, 4, 2]
+    for bad in ([5, 4, 2], [-1, 4, 2]):
+        with pytest.raises(ValueError, match=re.escape(f"lengths must be [B=3] with values in 0..4, got {bad}")):
+            token_mask(tok, lengths=bad)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=re.escape("attention_mask shape (3, 3) != token_ids shape (3, 4)")):
+        token_mask(tok, attention_mask=mask[:, :3])
+    with pytest.raises(ValueError, match="give attention_mask or lengths, not both"):
+        token_mask(tok, attention_mask=mask, lengths=[4, 4, 4])
+
+
+def test_versions_of_another_length_than_the_batch_are_refused():
+    """Four versions for three rows would silently leave the last one unused (and misalign a caller's rows)."""
+    batch, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc1_in",))
+    samples = split_batch(batch, tok, version=5, attention_mask=mask)
+    for versions in ([5, 5], [5, 5, 5, 5]):
+        with pytest.raises(ValueError, match=f"versions has {len(versions)} entries for a batch of 3"):
+            assemble(samples, tok, versions=versions, counter=FallbackCounter(), attention_mask=mask)
+        with pytest.raises(ValueError, match=f"version has {len(versions)} entries for a batch of 3"):
+            split_batch(batch, tok, version=versions, attention_mask=mask)

@@ -228,6 +228,12 @@ def test_every_corrupted_field_is_rejected_and_names_its_column():
     (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(1, "complex64"), "complex64"),
     (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("fmt", "fp8"), "fp8"),
     (lambda h: h["guidance"]["table"].__setitem__("ids", [1, 1, 2, 3]), "duplicate"),
+    # (audit, session 56) the bounds of the sample table and of a column's members and rows
+    (lambda h: h["guidance"]["table"].__setitem__("ids", [True, 101, 102, 103]), "ids must be a list of ints"),
+    (lambda h: h["guidance"]["table"].__setitem__("tokens", [9, 7, -1, 5]), "negative token counts"),
+    (lambda h: h["guidance"]["columns"][0].__setitem__("members", [0, 1, 2, 4]), "members"),
+    (lambda h: h["guidance"]["columns"][0].__setitem__("rows", [9, 7, 5]), "3 row counts for 4 members"),
+    (lambda h: h["guidance"]["columns"][0].__setitem__("rows", [9, 7, -1, 6]), r"rows \[9, 7, -1, 6\]"),
     (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("shape", [64]), r"payload rows \(6,\) != \(8,\)"),
     (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("mode", "full"), r"payload rows \(6,\) != \(24,\)"),
     (lambda h: h["routing"].__setitem__("table", None) or h.__setitem__("guidance", None), "without a sample table"),
@@ -496,3 +502,51 @@ def test_a_tie_between_layouts_goes_to_the_earliest_row_on_both_assembly_paths()
     assert c.fallback == {"shape": 9} and c.used == 9
     out = shard.assemble(rows, tok[rows], versions=0, counter=FallbackCounter(), attention_mask=mask[rows])[key]
     assert not out.compact and out.valid[0].all() and not out.valid[1].any()
+
+
+# ---- audit (session 56): what a mutation run of the record formats found untested -------------------------
+def _one_site(width: int, ids=(0, 1, 2), expert_ids: bool = False, seed: int = 0):
+    """Three 5-token samples at one key, NVFP4 compact rows of ``width`` elements (per-row amax); ``expert_ids``:
+    one int64 id per row as well."""
+    key = (0, "expert_fc1_in")
+    tok = torch.arange(1, 16).view(3, 5)
+    x = torch.randn(3, 5, width, generator=torch.Generator().manual_seed(seed))
+    e = torch.arange(15).view(3, 5) % 4 if expert_ids else None
+    sg = SiteGuidance(nvfp4.quantize(x, per_row=True).guidance(True), torch.ones(3, 5, dtype=torch.bool), e)
+    return split_batch({key: sg}, tok, version=0, sample_ids=list(ids)), tok, key
+
+
+@pytest.mark.parametrize("odd", ["wider_rows", "expert_ids"])
+def test_a_record_whose_rows_differ_only_in_shape_or_expert_ids_is_a_layout_mismatch(odd):
+    """Rows of 40 and of 48 elements both pack into three 16-element blocks (equal payload and scales widths), and
+    a record with expert ids per row has the valid mask of one without: only the row shape / the ids tell them
+    apart. The odd sample is counted ``shape`` on both assembly paths, not assembled into the majority's rows."""
+    base, tok, key = _one_site(40)
+    other = _one_site(48, seed=1)[0] if odd == "wider_rows" else _one_site(40, expert_ids=True, seed=1)[0]
+    sent = [base[0], other[1], base[2]]
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    c = _both(sent, _decode(_sync().encode(sent)), [0, 1, 2], tok, mask, 0)
+    assert c.fallback == {"shape": 5} and c.used == 10
+    out = assemble(sent, tok, versions=0, counter=FallbackCounter())[key]
+    assert out.record.shape == (3, 5, 40) and out.expert_ids is None and not out.valid[1].any()
+
+
+@pytest.mark.parametrize("pick", [slice(1, 3), slice(None)], ids=["a_run", "all"])
+def test_per_tensor_amaxes_of_a_consecutive_run_of_received_columns_travel_with_their_samples(pick):
+    """Consecutive members are sent as slices of the columns (amax: one value per member), not gathers."""
+    samples, key = _per_tensor_amax_samples()
+    received = _decode(_sync().encode(samples)).samples
+    assert source_of(received[pick]) is not None
+    for got, want in zip(_decode(_sync().encode(received[pick])).samples, samples[pick], strict=True):
+        assert_samples_equal(got, want)
+        assert float(got.sites[key].record.global_amax) == float(want.sites[key].record.global_amax)
+
+
+def test_the_sender_refuses_routing_ids_of_another_dtype_put_in_after_construction():
+    """``SampleRouting.experts`` is a mutable dict: float ids put in after the constructor's check are refused by the
+    sender, by name (not sent as float32 for the receiver to refuse, nor cast)."""
+    r = _data()[1][1]
+    r.experts[0] = r.experts[0].float()
+    with pytest.raises(ValueError, match=re.escape(f"routing of sample {r.sample_id} at 0: field experts is "
+                                                   "torch.float32, routing carries torch.uint8")):
+        _sync().encode([], [r])
