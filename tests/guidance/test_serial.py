@@ -1,5 +1,6 @@
 """Flat form of guidance (``guidance.serial``): one-pass writes, huge-page host buffers, CRC-32 checksums."""
 
+import re
 import zlib
 
 import pytest
@@ -138,4 +139,42 @@ def test_a_sample_whose_meta_does_not_fit_its_tensors_is_rejected(edit, match):
     else:
         site["mode"] = "compct"
     with pytest.raises(RecordFormatError, match=match):
+        unflatten(metas, buf)
+
+
+# ---- audit (session 56): table bounds a mutation run found untested ------------------------------------------
+def test_unflatten_one_refuses_a_span_of_another_size_than_its_header_says():
+    metas, buf = flatten(_samples())
+    m = metas[1]
+    span = buf[m["offset"] : m["offset"] + m["nbytes"]]
+    for bad in (span[:-16], buf[m["offset"] : m["offset"] + m["nbytes"] + 16]):
+        with pytest.raises(RecordFormatError, match=f"sample {m['sample_id']}: {bad.numel()} bytes, header says "
+                                                    f"{m['nbytes']}"):
+            unflatten_one(m, bad)
+
+
+def test_a_tensor_table_entry_off_the_alignment_or_a_span_off_the_buffer_is_refused():
+    """A payload entry moved one byte (a damaged meta: the checksum covers the span, not the table) would read every
+    row shifted by a byte; a negative sample offset would slice from the buffer's end."""
+    metas, buf = flatten(_samples())
+    m = metas[0]
+    name, _, shape, rel = m["tensors"][0]
+    m["tensors"][0][3] = rel + 1
+    with pytest.raises(RecordFormatError, match=re.escape(f"tensor {name} at {rel + 1}+")):
+        unflatten(metas, buf)
+    m["tensors"][0][3] = rel
+    m["offset"] = -16
+    with pytest.raises(RecordFormatError, match=re.escape(f"sample {m['sample_id']} spans -16+{m['nbytes']}")):
+        unflatten(metas, buf)
+    m["offset"] = 0
+    with pytest.raises(RecordFormatError, match=re.escape(f"spans {metas[-1]['offset']}+{metas[-1]['nbytes']}, "
+                                                          f"buffer has {buf.numel() - 1} bytes")):
+        unflatten(metas, buf[:-1], verify=True)  # (before any checksum is read)
+
+
+def test_a_site_meta_with_an_empty_row_shape_is_a_format_error():
+    """(Not an IndexError out of the width computation.)"""
+    metas, buf = flatten(_samples()[:1])
+    next(s for s in metas[0]["sites"] if s["site"] == "expert_fc1_in")["shape"] = []
+    with pytest.raises(RecordFormatError, match=r"site \(0, 'expert_fc1_in'\): empty row shape"):
         unflatten(metas, buf)

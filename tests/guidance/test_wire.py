@@ -11,7 +11,7 @@ import torch
 
 from megatron_trace.formats import nvfp4
 from megatron_trace.guidance.packed import source_of
-from megatron_trace.guidance.records import SampleGuidance, assemble, payload_of, split_batch
+from megatron_trace.guidance.records import SampleGuidance, SiteRecord, assemble, payload_of, split_batch
 from megatron_trace.guidance.routing import RoutingMismatchError, assemble_routing, split_routing
 from megatron_trace.guidance.site import FallbackCounter, SiteGuidance
 from megatron_trace.guidance.sync import PROTOCOL, GuidanceShard, GuidanceSync, GuidanceSyncError
@@ -220,6 +220,13 @@ def test_every_corrupted_field_is_rejected_and_names_its_column():
 @pytest.mark.parametrize("edit,match", [
     (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(3, 8), "does not fit"),  # misaligned
     (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(3, 1 << 40), "does not fit"),
+    (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(3, -16), "does not fit"),  # (audit, s56)
+    (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(4, None), r"1 field\(s\) without a checksum"),
+    (lambda h: h["guidance"]["table"].__setitem__("versions", [3, 3, 3]), "sample table columns differ in length"),
+    (lambda h: next(f for f in h["guidance"]["columns"][0]["fields"] if f[0] == "valid").__setitem__(1, "uint8"),
+     "field valid is torch.uint8, guidance carries torch.bool"),
+    (lambda h: next(f for f in h["guidance"]["columns"][0]["fields"] if f[0] == "valid")[2].append(1),
+     r"valid must be bool of shape \(9,\), got torch.bool \(9, 1\)"),  # same bytes, rows the record has not
     (lambda h: h["guidance"]["columns"][0].__setitem__("members", [0, 0, 1, 2]), "members"),
     (lambda h: h["guidance"]["columns"][0].__setitem__("members", [0, 1, 2, 9]), "members"),
     (lambda h: h["guidance"]["columns"][0].__setitem__("rows", [9, 7, 0, 6]), "does not fit"),
@@ -516,13 +523,18 @@ def _one_site(width: int, ids=(0, 1, 2), expert_ids: bool = False, seed: int = 0
     return split_batch({key: sg}, tok, version=0, sample_ids=list(ids)), tok, key
 
 
-@pytest.mark.parametrize("odd", ["wider_rows", "expert_ids"])
+@pytest.mark.parametrize("odd", ["wider_rows", "expert_ids", "no_amax"])
 def test_a_record_whose_rows_differ_only_in_shape_or_expert_ids_is_a_layout_mismatch(odd):
     """Rows of 40 and of 48 elements both pack into three 16-element blocks (equal payload and scales widths), and
-    a record with expert ids per row has the valid mask of one without: only the row shape / the ids tell them
-    apart. The odd sample is counted ``shape`` on both assembly paths, not assembled into the majority's rows."""
+    a record with expert ids per row has the valid mask of one without, an NVFP4 record without its amax the
+    payload and scales of one with: only the row shape / the ids / the amax tell them apart. The odd sample is
+    counted ``shape`` on both assembly paths, not assembled into the majority's rows."""
     base, tok, key = _one_site(40)
-    other = _one_site(48, seed=1)[0] if odd == "wider_rows" else _one_site(40, expert_ids=True, seed=1)[0]
+    other = _one_site(48 if odd == "wider_rows" else 40, expert_ids=odd == "expert_ids", seed=1)[0]
+    if odd == "no_amax":  # an NVFP4 record without its amax: assembled, its rows would be read with amax 0
+        r = other[1].sites[key]
+        other[1] = dataclasses.replace(other[1], sites={key: SiteRecord(dataclasses.replace(r.record, global_amax=None),
+                                                                        r.valid)}, source=None)
     sent = [base[0], other[1], base[2]]
     mask = torch.ones(3, 5, dtype=torch.bool)
     c = _both(sent, _decode(_sync().encode(sent)), [0, 1, 2], tok, mask, 0)
@@ -550,3 +562,81 @@ def test_the_sender_refuses_routing_ids_of_another_dtype_put_in_after_constructi
     with pytest.raises(ValueError, match=re.escape(f"routing of sample {r.sample_id} at 0: field experts is "
                                                    "torch.float32, routing carries torch.uint8")):
         _sync().encode([], [r])
+
+
+def test_a_chunk_whose_samples_hold_different_sites_round_trips():
+    """Columns of all samples at their token counts share one (members, row starts) pair on decode; a column of
+    fewer members (a sample whose site was deleted after the split) has its own, whatever came before it."""
+    samples, _, tok, mask, _ = _data()
+    key = sorted(samples[1].sites)[-1]
+    del samples[1].sites[key]  # in place: ``source`` still points at the split's columns, which hold the site
+    sent = samples
+    assert source_of(sent) is None
+    msgs = _sync().encode(sent)
+    cols = _head(msgs)["guidance"]["columns"]
+    assert cols[0]["members"] is None and cols[-1]["members"] == [0, 2, 3] and cols[-1]["key"] == list(key)
+    shard = _decode(msgs)
+    for got, want in zip(shard.samples, sent, strict=True):
+        assert_samples_equal(got, want)
+    c = _both(sent, shard, [s.sample_id for s in sent], tok, mask, 3)  # its tokens count missing at that key
+    assert c.fallback == {"missing": samples[1].num_tokens} and key[1] == "kv_v"
+
+
+def test_the_byte_counts_of_received_columns_equal_the_samples_own():
+    """``sample_nbytes`` / ``guidance_nbytes`` (what the cache accounts) from the column shapes, per-tensor amaxes
+    (one float32 per member) included, equal the per-sample sums."""
+    for samples in (_per_tensor_amax_samples()[0], _data()[0]):
+        part = _decode(_sync().encode(samples)).parts[0]
+        assert part.sample_nbytes == [s.nbytes() for s in samples]
+        assert part.guidance_nbytes() == sum(s.guidance_nbytes() for s in samples)
+
+
+def test_split_columns_and_chunks_do_not_depend_on_the_order_the_recorder_met_the_sites_in():
+    from megatron_trace.guidance.records import pack_guidance
+
+    batch, _, tok, mask = make_batch(B=3, lengths=[9, 7, 5])
+    packs = [pack_guidance(b, tok, version=0, attention_mask=mask) for b in (batch, dict(reversed(batch.items())))]
+    assert [c.key for c in packs[0].columns] == [c.key for c in packs[1].columns] == sorted(batch)
+    a, b = (_sync().encode(p.to_samples()) for p in packs)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+
+
+def test_routing_from_columns_of_a_sample_without_a_layer_the_others_have_raises():
+    """Its rows at that layer would replay expert 0 (the zero fill) for every token."""
+    samples, routing, tok, mask, _ = _data(lengths=(9, 7, 3, 5))
+    del routing[1].experts[2]
+    shard = _decode(_sync().encode(samples, routing))
+    ids = [r.sample_id for r in routing]
+    with pytest.raises(RoutingMismatchError, match=re.escape("routing for batch row 1: layers [0] != [0, 2] of the "
+                                                             "other samples")):
+        shard.assemble_routing(ids, tok, versions=3, attention_mask=mask)
+
+
+def test_routing_from_columns_with_rows_other_than_tokens_or_another_top_k_raises_by_name():
+    samples, routing, tok, mask, _ = _data(lengths=(9, 7, 3, 5))
+    ids = [r.sample_id for r in routing]
+    msgs = _sync().encode([], routing)
+    head = _head(msgs)
+    head["routing"]["columns"][0]["rows"] = [8, 8, 3, 5]  # the same total: the chunk decodes
+    with pytest.raises(RoutingMismatchError, match=re.escape("routing for batch row 0: layer 0 has 8 rows for 9 "
+                                                             "tokens")):
+        _decode(_with_header(msgs, head)).assemble_routing(ids, tok, versions=3, attention_mask=mask)
+    top2 = split_routing({layer: torch.randint(0, 8, (4, tok.shape[1], 2)) for layer in (0, 2)}, tok, version=3,
+                         num_experts=8, attention_mask=mask, sample_ids=ids)
+    shard = GuidanceShard()
+    for part in (routing[:2], top2[2:]):
+        shard.routing_parts += _decode(_sync().encode([], part)).routing_parts
+    with pytest.raises(RoutingMismatchError, match=re.escape("routing layer 0: top-k 2 != 3")):
+        shard.assemble_routing(ids, tok, versions=3, attention_mask=mask)
+
+
+def test_assembly_from_columns_refuses_a_sample_id_list_of_another_length_than_the_batch():
+    from megatron_trace.guidance.packed_assemble import assemble_packed, assemble_routing_packed
+
+    samples, routing, tok, mask, _ = _data(lengths=(9, 7, 3, 5))
+    shard = _decode(_sync().encode(samples, routing))
+    for ids in ([100, 101, 102], [100, 101, 102, 103, None]):
+        with pytest.raises(ValueError, match=f"{len(ids)} sample ids for a batch of 4 rows"):
+            assemble_packed(shard.parts, ids, tok, versions=3, counter=FallbackCounter(), attention_mask=mask)
+        with pytest.raises(ValueError, match=f"{len(ids)} routing sample ids for a batch of 4 rows"):
+            assemble_routing_packed(shard.routing_parts, ids, tok, versions=3, attention_mask=mask)
