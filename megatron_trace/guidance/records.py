@@ -150,14 +150,25 @@ def token_mask(token_ids: torch.Tensor, *, attention_mask=None, lengths=None) ->
     return torch.ones(B, S, dtype=torch.bool, device=token_ids.device)
 
 
+def _is_int(v) -> bool:
+    """An integer: Python or NumPy (not bool), or a 0-d tensor of an integer dtype."""
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _per_row(value, B: int, what: str) -> list[int]:
-    """One int per batch row from an integer (Python, NumPy or a 0-d tensor: every row's) or B of them."""
-    if isinstance(value, numbers.Integral) or (isinstance(value, torch.Tensor) and value.dim() == 0):
+    """One int per batch row from an integer (Python, NumPy or a 0-d tensor: every row's) or B of them; a float
+    (3.5, or 3.0) is refused, not truncated."""
+    if _is_int(value):
         return [int(value)] * B
     try:
-        vals = [int(v) for v in value]
-    except (TypeError, ValueError) as e:
+        vals = list(value)
+    except TypeError as e:
         raise ValueError(f"{what}={value!r}: give an int or {B} ints") from e
+    if not all(map(_is_int, vals)):
+        raise ValueError(f"{what}={value!r}: give an int or {B} ints")
+    vals = [int(v) for v in vals]
     if len(vals) != B:
         raise ValueError(f"{what} has {len(vals)} entries for a batch of {B}")
     return vals

@@ -627,3 +627,21 @@ def test_versions_of_another_length_than_the_batch_are_refused():
             assemble(samples, tok, versions=versions, counter=FallbackCounter(), attention_mask=mask)
         with pytest.raises(ValueError, match=f"version has {len(versions)} entries for a batch of 3"):
             split_batch(batch, tok, version=versions, attention_mask=mask)
+
+
+def test_versions_that_are_not_integers_are_refused_not_truncated():
+    """A version of 3.5 (or a float tensor of versions) was truncated to 3: a float where the policy version belongs
+    is a caller's bug, and truncating it could accept guidance of another policy version."""
+    import numpy as np
+
+    batch, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc1_in",))
+    samples = split_batch(batch, tok, version=3, attention_mask=mask)
+    for bad in ([3.5, 3, 3], torch.tensor(3.0), torch.tensor([3.0, 3.0, 3.0]), [3, True, 3], np.float64(3.0)):
+        with pytest.raises(ValueError, match=re.escape(f"versions={bad!r}: give an int or 3 ints")):
+            assemble(samples, tok, versions=bad, counter=FallbackCounter(), attention_mask=mask)
+        with pytest.raises(ValueError, match=re.escape(f"version={bad!r}: give an int or 3 ints")):
+            split_batch(batch, tok, version=bad, attention_mask=mask)
+    for good in ([3, np.int64(3), torch.tensor(3)], torch.tensor([3, 3, 3]), np.array([3, 3, 3])):
+        c = FallbackCounter()
+        assemble(samples, tok, versions=good, counter=c, attention_mask=mask)
+        assert c.fallback == {} and c.used == int(mask.sum())
