@@ -174,6 +174,17 @@ def _per_row(value, B: int, what: str) -> list[int]:
     return vals
 
 
+def _sample_ids(sample_ids, B: int) -> list[int]:
+    """``sample_ids`` as ints; a float (3.5, or 3.0) is refused, not truncated to another sample's id."""
+    try:
+        ids = list(sample_ids)
+    except TypeError as e:
+        raise ValueError(f"sample_ids={sample_ids!r}: give {B} distinct int ids") from e
+    if not all(map(_is_int, ids)):
+        raise ValueError(f"sample_ids={sample_ids!r}: give {B} distinct int ids")
+    return [int(i) for i in ids]
+
+
 def split_batch(
     batch: Mapping[SiteKey, SiteGuidance],
     token_ids: torch.Tensor,
@@ -212,7 +223,7 @@ def pack_guidance(
         if tuple(sg.record.shape[:2]) != (B, S):
             raise ValueError(f"guidance {key} has rows {tuple(sg.record.shape[:2])}, token_ids {(B, S)}")
     versions = _per_row(version, B, "version")
-    ids = list(range(B)) if sample_ids is None else [int(i) for i in sample_ids]
+    ids = list(range(B)) if sample_ids is None else _sample_ids(sample_ids, B)
     if len(ids) != B or len(set(ids)) != B:
         raise ValueError(f"sample_ids must be {B} distinct ids, got {ids}")
     return pack_batch(batch, token_ids, mask, versions, ids)

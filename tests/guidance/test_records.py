@@ -645,3 +645,21 @@ def test_versions_that_are_not_integers_are_refused_not_truncated():
         c = FallbackCounter()
         assemble(samples, tok, versions=good, counter=c, attention_mask=mask)
         assert c.fallback == {} and c.used == int(mask.sum())
+
+
+def test_sample_ids_that_are_not_integers_are_refused_not_truncated():
+    """A sample id of 3.5 was truncated to 3 (``int(i)``): that record would then be served as sample 3's guidance.
+    Integer ids of any kind (NumPy, 0-d tensors, an int tensor) are kept as Python ints."""
+    import numpy as np
+
+    from megatron_trace.guidance.records import pack_guidance
+
+    batch, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc1_in",))
+    for bad in ([0, 1, 3.5], [0.0, 1.0, 2.0], torch.tensor([0.0, 1.0, 2.0]), [0, True, 2], [0, 1, np.float64(2)], 7):
+        with pytest.raises(ValueError, match=re.escape(f"sample_ids={bad!r}: give 3 distinct int ids")):
+            split_batch(batch, tok, version=0, attention_mask=mask, sample_ids=bad)
+        with pytest.raises(ValueError, match=re.escape(f"sample_ids={bad!r}: give 3 distinct int ids")):
+            pack_guidance(batch, tok, version=0, attention_mask=mask, sample_ids=bad)
+    for good in ([5, np.int64(3), torch.tensor(4)], torch.tensor([5, 3, 4]), np.array([5, 3, 4])):
+        got = split_batch(batch, tok, version=0, attention_mask=mask, sample_ids=good)
+        assert [s.sample_id for s in got] == [5, 3, 4] and all(type(s.sample_id) is int for s in got)
