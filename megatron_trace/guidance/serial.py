@@ -18,6 +18,7 @@ it can be viewed back without a copy. Round trips are bit-exact. The buffer is w
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import zlib
@@ -28,12 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import CompactGuidance, FullGuidance, get_format
-from .records import SampleGuidance, SiteRecord, payload_of
+from .records import SampleGuidance, SiteRecord, _is_int, payload_of
 
 ALIGN = 16
 CHECKSUM = "crc32"
 DTYPES = {"uint8": torch.uint8, "bool": torch.bool, "int64": torch.int64, "float32": torch.float32}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+FIELD_DTYPES = {"payload": torch.uint8, "scales": torch.uint8, "amax": torch.float32, "valid": torch.bool,
+                "expert_ids": torch.int64}
+"""The dtype of each field of a site (a table naming another would reinterpret the bytes)."""
 
 
 _HUGE_PAGE = 1 << 21
@@ -86,10 +90,12 @@ def sample_to_tensors(s: SampleGuidance) -> tuple[dict[str, torch.Tensor], dict]
 def sample_from_tensors(meta: dict, tensors: dict[str, torch.Tensor]) -> SampleGuidance:
     """Rebuild a sample from ``sample_to_tensors`` output (tensors are used as given, no copy)."""
     try:
-        sites = {}
+        sites, used = {}, set()
         for m in meta["sites"]:
-            layer, site = int(m["layer"]), str(m["site"])
-            t = {f: tensors.get(f"{layer}/{site}/{f}") for f in ("payload", "scales", "amax", "valid", "expert_ids")}
+            layer, site = _int(m["layer"], "layer"), str(m["site"])
+            names = {f: f"{layer}/{site}/{f}" for f in FIELD_DTYPES}
+            used.update(names.values())
+            t = {f: tensors.get(name) for f, name in names.items()}
             _check_site(layer, site, m, t)
             scales = t["scales"].view(get_format(m["fmt"]).scale_dtype)
             common = dict(block_scales=scales, global_amax=t["amax"], shape=tuple(m["shape"]), fmt=m["fmt"])
@@ -98,11 +104,21 @@ def sample_from_tensors(meta: dict, tensors: dict[str, torch.Tensor]) -> SampleG
             else:
                 rec = FullGuidance(codes=t["payload"], **common)
             sites[(layer, site)] = SiteRecord(rec, t["valid"], t["expert_ids"])
+        if tensors.keys() - used:  # e.g. a site's amax under another name: the record would lose it
+            raise RecordFormatError(f"tensors {sorted(tensors.keys() - used)} belong to no site field of the meta")
         return SampleGuidance(
-            int(meta["sample_id"]), int(meta["version"]), str(meta["token_hash"]), int(meta["num_tokens"]), sites
+            _int(meta["sample_id"], "sample_id"), _int(meta["version"], "version"), str(meta["token_hash"]),
+            _int(meta["num_tokens"], "num_tokens"), sites
         )
     except (KeyError, AttributeError, TypeError, ValueError) as e:
         raise RecordFormatError(f"cannot decode guidance sample {meta.get('sample_id')!r}: {e}") from e
+
+
+def _int(v, what: str) -> int:
+    """``v`` as an int; a float (1.5, or 1.0) or a bool is a ``RecordFormatError``, not truncated."""
+    if not _is_int(v):
+        raise RecordFormatError(f"{what}={v!r} is not an int")
+    return int(v)
 
 
 def record_widths(where: str, meta: dict) -> dict[str, tuple[int, ...]]:
@@ -131,6 +147,9 @@ def _check_site(layer: int, site: str, m: dict, t: dict[str, torch.Tensor | None
     missing = [f for f in ("payload", "scales", "valid") if t[f] is None]
     if missing:
         raise RecordFormatError(f"site ({layer}, {site!r}) has no tensor(s) {missing}")
+    wrong = {f: x.dtype for f, x in t.items() if x is not None and x.dtype != FIELD_DTYPES[f]}
+    if wrong:
+        raise RecordFormatError(f"site ({layer}, {site!r}): field dtypes {wrong}, want {FIELD_DTYPES}")
     check_widths(f"site ({layer}, {site!r})", m, {n: tuple(t[n].shape) for n in ("payload", "scales")})
 
 
@@ -280,7 +299,10 @@ def unflatten_one(meta: dict, span: torch.Tensor, *, verify: bool = False) -> Sa
     try:
         for name, dt, shape, rel in meta["tensors"]:
             dtype = DTYPES[dt]
-            n = int(torch.Size(shape).numel()) * dtype.itemsize
+            if not (_is_int(rel) and rel >= 0 and isinstance(shape, (list, tuple))
+                    and all(_is_int(d) and d >= 0 for d in shape)):  # (a negative offset would slice from the end)
+                raise RecordFormatError(f"tensor {name}: offset {rel!r} and shape {shape!r} must be ints >= 0")
+            n = math.prod(shape) * dtype.itemsize  # (Python ints: a huge shape cannot overflow)
             if rel % ALIGN or rel + n > span.numel():
                 raise RecordFormatError(f"tensor {name} at {rel}+{n} outside {span.numel()} bytes")
             tensors[name] = span[rel : rel + n].view(dtype).view(shape)

@@ -178,3 +178,45 @@ def test_a_site_meta_with_an_empty_row_shape_is_a_format_error():
     next(s for s in metas[0]["sites"] if s["site"] == "expert_fc1_in")["shape"] = []
     with pytest.raises(RecordFormatError, match=r"site \(0, 'expert_fc1_in'\): empty row shape"):
         unflatten(metas, buf)
+
+
+@pytest.mark.parametrize("edit, match", [
+    ("rel=-16", r"tensor 0/expert_fc1_in/payload: offset -16 and shape \[9, 6\] must be ints >= 0"),
+    ("valid rel=-32", r"tensor 0/expert_fc1_in/valid: offset -32 and shape \[9\] must be ints >= 0"),
+    ("shape=huge", r"tensor 0/expert_fc1_in/payload: offset 0 and shape \[4611686018427387904, 4611686018427387904\]"
+                   r"|tensor 0/expert_fc1_in/payload at 0\+\d+ outside"),
+    ("valid as uint8", r"site \(0, 'expert_fc1_in'\): field dtypes \{'valid': torch.uint8\}"),
+    ("amax renamed", r"tensors \['0/expert_fc1_in/amx'\] belong to no site field"),
+    ("sample_id=1.5", r"sample_id=1.5 is not an int"),
+    ("layer=0.0", r"layer=0.0 is not an int"),
+], ids=["negative_offset", "negative_valid_offset", "huge_shape", "valid_uint8", "amax_renamed", "float_sample_id",
+        "float_layer"])
+def test_a_damaged_tensor_table_on_the_cache_path_is_a_format_error_naming_the_sample(edit, match):
+    """``GuidanceCache.get`` decodes its samples with ``unflatten_one``: a damaged meta must raise the module's
+    ``RecordFormatError`` naming the sample, not a raw torch error (a negative offset with the row shape of the
+    site: ``RuntimeError`` from ``view``; a huge shape: ``numel`` overflow) and never a different record: a negative
+    offset of the valid mask read bytes from the span's end, a dtype of ``uint8`` for ``valid`` reinterpreted the
+    mask, a renamed amax dropped it and a float sample id or layer was truncated."""
+    samples = _samples()
+    metas, buf = flatten(samples[:1])
+    m = metas[0]
+    span = buf[m["offset"] : m["offset"] + m["nbytes"]]
+    assert_samples_equal(unflatten_one(m, span), samples[0])
+    entry = {t[0]: t for t in m["tensors"]}
+    if edit == "rel=-16":
+        entry["0/expert_fc1_in/payload"][3] = -16
+    elif edit == "valid rel=-32":
+        entry["0/expert_fc1_in/valid"][3] = -32
+    elif edit == "shape=huge":
+        entry["0/expert_fc1_in/payload"][2] = [2**62, 2**62]
+    elif edit == "valid as uint8":
+        entry["0/expert_fc1_in/valid"][1] = "uint8"
+    elif edit == "amax renamed":
+        entry["0/expert_fc1_in/amax"][0] = "0/expert_fc1_in/amx"
+    elif edit == "sample_id=1.5":
+        m["sample_id"] = 1.5
+    else:
+        m["sites"][0]["layer"] = 0.0
+    with pytest.raises(RecordFormatError, match=match) as e:
+        unflatten_one(m, span)
+    assert f"sample {m['sample_id']!r}" in str(e.value) or f"sample {m['sample_id']}" in str(e.value)
