@@ -3,6 +3,7 @@ rates read from rows the demo's own writer (``metrics.quant_metrics`` -> ``rl.re
 
 import json
 import math
+import re
 
 import pytest
 
@@ -146,3 +147,64 @@ def test_last_means_the_latest_steps_whatever_the_row_order():
     rows = [{"arm": "fp4_qat", "step": s, **quant_metrics(_counts(_uniform(r)))} for s, r in enumerate(per_step)]
     assert profile_from_metrics(rows[::-1], DIMS, ACTIVATION_SITES, last=1) == pytest.approx([0.5, 0.4, 0.0])
     assert profile_from_metrics(rows[::-1], DIMS, ACTIVATION_SITES, last=2) == pytest.approx([0.4, 0.3, 0.05])
+
+
+# ---- audit (session 56): reading rules a mutation run found untested ---------------------------------------
+def _rows(per_step, arm="fp4_qat", drop=()):
+    """Rows of ``arm`` with uniform per-layer rates, the (layer, site) pairs in ``drop`` not measured."""
+    return [{"arm": arm, "step": s, **quant_metrics(_counts({k: v for k, v in _uniform(r).items() if k not in drop}))}
+            for s, r in enumerate(per_step)]
+
+
+def test_a_layer_without_a_site_is_weighted_without_it_and_reads_0_without_any():
+    """A dense layer (no experts) has no expert rates: its rate is its K/V sites' alone, and 0 when none of the
+    planned sites is there (guiding it guides nothing), not an error for the expert sites it lacks."""
+    dims = ModelDims.from_hf_config({**HF, "mlp_only_layers": [0]})
+    assert not dims.has_site(0, "expert_fc1_in") and dims.has_site(0, "kv_k") and dims.has_site(1, "expert_fc2_in")
+    rows = _rows([[0.3, 0.2, 0.1]], drop={(0, "expert_fc1_in"), (0, "expert_fc2_in")})
+    for r in rows:
+        r["quant/kv_v/layer_0/code_mismatch_rate"] = 0.5  # layer 0: K 0.3, V 0.5 (32 elements each) -> 0.4
+    assert profile_from_metrics(rows, dims, ACTIVATION_SITES) == pytest.approx([0.4, 0.2, 0.1])
+    assert profile_from_metrics(rows, dims, ["expert_fc1_in", "expert_fc2_in"]) == pytest.approx([0.0, 0.2, 0.1])
+
+
+def test_only_finite_numbers_are_rates():
+    """A step whose value is Inf, a bool or a string (a damaged or foreign row) is skipped like a NaN one: the
+    latest finite values are averaged."""
+    for bad in (math.inf, -math.inf, True, "0.9"):
+        rows = _rows([[0.1, 0.1, 0.1], [0.3, 0.3, 0.3]])
+        rows.append({**rows[-1], "step": 2, "quant/kv_k/layer_2/code_mismatch_rate": bad})
+        # layers 0 and 1: steps 1 and 2 (0.3 each); layer 2: its finite steps 0 and 1
+        assert profile_from_metrics(rows, DIMS, ["kv_k"], last=2) == pytest.approx([0.3, 0.3, 0.2]), bad
+
+
+def test_only_per_layer_rate_keys_of_the_prefix_count():
+    """A key of another prefix, a per-layer key with a suffix, or a 'sublayer_' key is no per-layer rate: it names
+    no arm, adds no layer (here: past the model's 3) and is not averaged."""
+    rows = _rows([[0.1, 0.2, 0.3]])
+    rows.append({"arm": "other", "step": 0, "guidance/kv_k/layer_0/code_mismatch_rate": 0.5,
+                 "quant/kv_k/layer_0/code_mismatch_rate_std": 0.5})
+    rows[0].update({"quant/kv_k/layer_7/code_mismatch_rate_std": 0.5, "quant/kv_k/sublayer_9/code_mismatch_rate": 0.5})
+    assert profile_from_metrics(rows, DIMS, ACTIVATION_SITES) == pytest.approx([0.1, 0.2, 0.3])  # 'other' has none
+
+
+def test_read_errors_are_named():
+    """No arm with rates; ``last`` a bool; a line that is not JSON (blank lines are skipped); every missing pair
+    listed (up to six)."""
+    with pytest.raises(ValueError, match=r"for arms \[\]: name one"):
+        profile_from_metrics([{"arm": "bf16", "step": 0, "reward": 1.0}], DIMS, ACTIVATION_SITES)
+    with pytest.raises(ValueError, match="last=True must be an int >= 1"):
+        profile_from_metrics(_rows([[0.1] * 3]), DIMS, ACTIVATION_SITES, last=True)
+    deeper = ModelDims.from_hf_config({**HF, "num_hidden_layers": 4})
+    with pytest.raises(ValueError, match=re.escape("4 guided (layer, site) pair(s), e.g. [(3, 'expert_fc1_in'), "
+                                                   "(3, 'expert_fc2_in'), (3, 'kv_k'), (3, 'kv_v')]")):
+        profile_from_metrics(_rows([[0.1] * 3]), deeper, ACTIVATION_SITES)
+
+
+def test_a_metrics_file_with_blank_lines_reads_and_a_non_json_line_is_named(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in _rows([[0.1, 0.2, 0.3]])) + "\n\n  \n")
+    assert profile_from_metrics(path, DIMS, ACTIVATION_SITES) == pytest.approx([0.1, 0.2, 0.3])
+    path.write_text(path.read_text() + "{nope\n")
+    with pytest.raises(ValueError, match=r"metrics.jsonl:4 is not a JSON line \(.*\); a metrics.jsonl has one object"):
+        profile_from_metrics(path, DIMS, ACTIVATION_SITES)

@@ -1,0 +1,31 @@
+"""``rl.arms``: the demo's five arms as TraceConfig variants of one base config (what each side runs)."""
+
+import pytest
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.rl.arms import ARMS, Arm, make_arm
+
+BASE = TraceConfig(guided_layers="last_k", guided_last_k=2, cache_mode="compact", fallback="fail")
+
+# arm: (rollout mode, trainer FP4 QAT, guided, its TraceConfig)
+WANT = {
+    "bf16": ("bf16", False, False, BASE.replace(guided_layers="none")),
+    "fp4_naive": ("fp4", False, False, BASE.replace(guided_layers="none")),
+    "fp4_qat": ("fp4", True, False, BASE.replace(guided_layers="none")),
+    "trace": ("fp4", True, True, BASE),
+    "trace_full": ("fp4", True, True, BASE.replace(guided_layers="all", cache_mode="full")),
+}
+
+
+@pytest.mark.parametrize("name", ARMS)
+def test_each_arm_runs_what_the_readme_says_and_keeps_the_rest_of_the_base(name):
+    """Only an FP4 trainer with guided layers is guided; arms without guidance drop the base's layer policy (its
+    other settings, e.g. ``fallback``, stay); trace_full guides every layer with full codes."""
+    arm = make_arm(name, BASE)
+    assert (arm.name, arm.rollout_mode, arm.trainer_fp4, arm.guided, arm.trace) == (name, *WANT[name])
+
+
+def test_guided_needs_an_fp4_trainer_and_guided_layers():
+    assert not Arm("x", "fp4", False, BASE).guided  # a BF16 trainer has nothing to guide
+    assert not Arm("x", "fp4", True, BASE.replace(guided_layers="none")).guided
+    assert Arm("x", "fp4", True, BASE).guided
