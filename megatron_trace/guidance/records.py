@@ -150,7 +150,7 @@ def token_mask(token_ids: torch.Tensor, *, attention_mask=None, lengths=None) ->
     return torch.ones(B, S, dtype=torch.bool, device=token_ids.device)
 
 
-def _is_int(v) -> bool:
+def is_integer(v) -> bool:
     """An integer: Python or NumPy (not bool), or a 0-d tensor of an integer dtype."""
     if isinstance(v, torch.Tensor):
         return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
@@ -160,13 +160,13 @@ def _is_int(v) -> bool:
 def _per_row(value, B: int, what: str) -> list[int]:
     """One int per batch row from an integer (Python, NumPy or a 0-d tensor: every row's) or B of them; a float
     (3.5, or 3.0) is refused, not truncated."""
-    if _is_int(value):
+    if is_integer(value):
         return [int(value)] * B
     try:
         vals = list(value)
     except TypeError as e:
         raise ValueError(f"{what}={value!r}: give an int or {B} ints") from e
-    if not all(map(_is_int, vals)):
+    if not all(map(is_integer, vals)):
         raise ValueError(f"{what}={value!r}: give an int or {B} ints")
     vals = [int(v) for v in vals]
     if len(vals) != B:
@@ -180,7 +180,7 @@ def _sample_ids(sample_ids, B: int) -> list[int]:
         ids = list(sample_ids)
     except TypeError as e:
         raise ValueError(f"sample_ids={sample_ids!r}: give {B} distinct int ids") from e
-    if not all(map(_is_int, ids)):
+    if not all(map(is_integer, ids)):
         raise ValueError(f"sample_ids={sample_ids!r}: give {B} distinct int ids")
     return [int(i) for i in ids]
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats import CompactGuidance, FullGuidance, get_format
-from .records import SampleGuidance, SiteRecord, _is_int, payload_of
+from .records import SampleGuidance, SiteRecord, is_integer, payload_of
 
 ALIGN = 16
 CHECKSUM = "crc32"
@@ -116,7 +116,7 @@ def sample_from_tensors(meta: dict, tensors: dict[str, torch.Tensor]) -> SampleG
 
 def _int(v, what: str) -> int:
     """``v`` as an int; a float (1.5, or 1.0) or a bool is a ``RecordFormatError``, not truncated."""
-    if not _is_int(v):
+    if not is_integer(v):
         raise RecordFormatError(f"{what}={v!r} is not an int")
     return int(v)
 
@@ -299,8 +299,8 @@ def unflatten_one(meta: dict, span: torch.Tensor, *, verify: bool = False) -> Sa
     try:
         for name, dt, shape, rel in meta["tensors"]:
             dtype = DTYPES[dt]
-            if not (_is_int(rel) and rel >= 0 and isinstance(shape, (list, tuple))
-                    and all(_is_int(d) and d >= 0 for d in shape)):  # (a negative offset would slice from the end)
+            if not (is_integer(rel) and rel >= 0 and isinstance(shape, (list, tuple))
+                    and all(is_integer(d) and d >= 0 for d in shape)):  # (a negative offset would slice from the end)
                 raise RecordFormatError(f"tensor {name}: offset {rel!r} and shape {shape!r} must be ints >= 0")
             n = math.prod(shape) * dtype.itemsize  # (Python ints: a huge shape cannot overflow)
             if rel % ALIGN or rel + n > span.numel():
