@@ -295,7 +295,7 @@ def unflatten_one(meta: dict, span: torch.Tensor, *, verify: bool = False) -> Sa
     if verify and "checksum" in meta and checksum(span) != meta["checksum"]:
         raise RecordFormatError(f"sample {meta['sample_id']}: checksum mismatch (corrupt or partial transfer): "
                                 f"got {checksum(span)}, header says {meta['checksum']}")
-    tensors = {}
+    tensors, end = {}, 0  # (``plan_flat``'s layout: tensors in order, each after the one before)
     try:
         for name, dt, shape, rel in meta["tensors"]:
             dtype = DTYPES[dt]
@@ -303,9 +303,11 @@ def unflatten_one(meta: dict, span: torch.Tensor, *, verify: bool = False) -> Sa
                     and all(is_integer(d) and d >= 0 for d in shape)):  # (a negative offset would slice from the end)
                 raise RecordFormatError(f"tensor {name}: offset {rel!r} and shape {shape!r} must be ints >= 0")
             n = math.prod(shape) * dtype.itemsize  # (Python ints: a huge shape cannot overflow)
-            if rel % ALIGN or rel + n > span.numel():
-                raise RecordFormatError(f"tensor {name} at {rel}+{n} outside {span.numel()} bytes")
+            if rel % ALIGN or rel < end or rel + n > span.numel():  # (an entry moved onto its neighbour's bytes)
+                raise RecordFormatError(f"tensor {name} at {rel}+{n} outside {span.numel()} bytes, off the "
+                                        f"{ALIGN}-byte alignment or over the tensor before it (which ends at {end})")
             tensors[name] = span[rel : rel + n].view(dtype).view(shape)
+            end = rel + n
     except (KeyError, TypeError, ValueError) as e:
         raise RecordFormatError(f"sample {meta.get('sample_id')}: bad tensor table: {e}") from e
     return sample_from_tensors(meta, tensors)

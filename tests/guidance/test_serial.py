@@ -180,6 +180,24 @@ def test_a_site_meta_with_an_empty_row_shape_is_a_format_error():
         unflatten(metas, buf)
 
 
+def test_a_table_entry_moved_onto_another_tensor_s_bytes_is_refused():
+    """An offset moved by a multiple of the alignment (a damaged meta: the checksum covers the span, not the table)
+    read another tensor's bytes as this one's: a different record, accepted."""
+    samples = _samples()
+    metas, buf = flatten(samples[:1])
+    m = metas[0]
+    span = buf[m["offset"] : m["offset"] + m["nbytes"]]
+    for i in range(1, len(m["tensors"])):
+        for delta in (-16, 16):
+            edited = {**m, "tensors": [list(t) for t in m["tensors"]]}
+            edited["tensors"][i][3] += delta
+            with pytest.raises(RecordFormatError, match=rf"sample {m['sample_id']}: bad tensor table: tensor \S+ "
+                                                        r"at \d+\+\d+ outside \d+ bytes, off the 16-byte alignment or "
+                                                        r"over the tensor before it"):  # (it, or the one after it)
+                unflatten_one(edited, span)
+    assert_samples_equal(unflatten_one(m, span), samples[0])
+
+
 @pytest.mark.parametrize("edit, match", [
     ("rel=-16", r"tensor 0/expert_fc1_in/payload: offset -16 and shape \[9, 6\] must be ints >= 0"),
     ("valid rel=-32", r"tensor 0/expert_fc1_in/valid: offset -32 and shape \[9\] must be ints >= 0"),
