@@ -286,3 +286,29 @@ def test_quantize_weight_is_quantize_weights_per_expert_and_leaves_an_excluded_l
             each = torch.stack([experts.quantize_weight(w) for w in weights])
             assert torch.equal(each, experts.quantize_weights(stacked(weights)))
             assert torch.equal(each, stacked(weights)) == excluded, layer
+
+
+def test_grouped_linear_square_experts_equal_each_rows_own_expert():
+    """Square experts (M == K: a transposed weight still fits) and an empty group: row r of expert e is
+    x[r] @ w[e].T on both paths; counts for fewer experts than w holds are refused, not run on the first ones."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(12, 16, generator=g).bfloat16()
+    w = torch.randn(3, 16, 16, generator=g).bfloat16()
+    counts = [5, 0, 7]
+    owner = [0] * 5 + [2] * 7
+    want = torch.stack([x[r].float() @ w[owner[r]].float().T for r in range(12)])
+    impls = ["loop"] + (["grouped_mm"] if hasattr(torch, "_grouped_mm") else [])
+    for impl in impls:
+        try:
+            got = grouped_linear(x, w, counts, impl=impl)
+        except NotImplementedError:  # torch._grouped_mm without a CPU kernel in this build
+            continue
+        assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2), impl
+        got_t = grouped_linear(x, w, torch.tensor(counts), impl=impl)  # counts as a tensor on x's device
+        assert torch.equal(got_t, got), impl
+    with pytest.raises(ValueError, match="does not fit"):
+        grouped_linear(x, w, [5, 7], impl="loop")
+    with pytest.raises(ValueError, match="2 counts for 3 experts"):
+        grouped_linear(x, w, torch.tensor([5, 7]), impl="grouped_mm")
+    with pytest.raises(ValueError, match=r"impl='cutlass' is not one of \('auto', 'loop', 'grouped_mm'\)"):
+        grouped_linear(x, w, counts, impl="cutlass")

@@ -95,3 +95,29 @@ def test_a_kv_site_is_recorded_per_step_or_from_its_store_never_both():
     rec.add_kv_history(2, "kv_k", lambda: q)  # a site not recorded: nothing kept
     rec.end_step(torch.ones(2, 3, dtype=torch.bool))  # the 3 positions' forward
     assert rec.site_records((1, "kv_k"))[0].shape == (2, 3, 1, 16) and (2, "kv_k") not in rec._histories
+
+
+def test_steps_of_several_rows_land_at_their_step_times_the_rows():
+    """Values of n = 2 rows per step (a prefill-sized or multi-token step), written out of step order: step i holds
+    rows 2i, 2i + 1 in their order, and a view holds the ``count`` steps so far, no more."""
+    gen = torch.Generator().manual_seed(2)
+    steps = [torch.randint(0, 100, (2, 2, 3), generator=gen) for _ in range(3)]
+    recs = [_step_record(2, gen) for _ in range(3)]
+    recs = [cat_records([r, _step_record(2, gen)], 1) for r in recs]  # [2, 2, 32]: two rows per step
+    store = StaticSteps(3, torch.device("cpu"))
+    for i in (2, 0, 1):
+        store.index.fill_(i)
+        store.put("routing", steps[i])
+        store.put("site", recs[i])
+        store.put("one", steps[i][:, :1])  # another key of one row per step
+    store.count = 2
+    assert torch.equal(store.view("routing"), torch.cat(steps[:2], 1))
+    store.count = 3
+    assert torch.equal(store.view("routing"), torch.cat(steps, 1))
+    assert torch.equal(store.view("one"), torch.cat([s[:, :1] for s in steps], 1))
+    got, want = store.view("site"), cat_records(recs, 1)
+    assert got.shape == want.shape == (2, 6, 32)
+    assert torch.equal(got.mantissa_bits, want.mantissa_bits) and torch.equal(got.global_amax, want.global_amax)
+    assert torch.equal(got.block_scales.view(torch.uint8), want.block_scales.view(torch.uint8))
+    with pytest.raises(ValueError, match=r"routing: a step of \[3, 2, ...\] rows, the buffer holds \[2, 2 per step"):
+        store.put("routing", torch.zeros(3, 2, 3, dtype=torch.long))
