@@ -40,7 +40,7 @@ def test_fused_decode_equals_sdpa_over_the_history_for_each_mask_form():
             got, _ = rollout_attention_forward(None, q, key, value, mask.clone(), scaling=0.3)
             assert got.shape == (B, 1, HQ, D)
             assert torch.allclose(got, want, atol=1e-5), (interval_masks, mask.dtype, mask.shape)
-        other = attend.clone()
-        other[0, :2] = False  # another mask tensor of the same shape: its own rows, not the last one's
+        # another mask tensor of the same shape and version: its own rows, not the last one's
+        other = torch.stack([attend[0] & (torch.arange(T) >= 2), attend[1]])
         got, _ = rollout_attention_forward(None, q, key, value, other[:, None, None, :], scaling=0.3)
         assert torch.allclose(got, _reference(q, hk, hv, other, 0.3), atol=1e-5), interval_masks
