@@ -123,3 +123,18 @@ def test_a_payload_past_the_batch_length_keeps_its_rows_at_their_positions():
     want = nvfp4.quantize(x[:2], per_row=True).guidance(compact=True)
     assert torch.equal(g.record.mantissa_bits[0, 1:], want.mantissa_bits)
     assert torch.equal(g.record.global_amax[0, 1:], want.global_amax)
+
+
+@pytest.mark.parametrize("layer", [0, 1, 4])
+def test_a_kv_layer_outside_the_pools_stage_is_refused_not_read_from_another_layer(layer):
+    """A pool of a pipeline stage holding layers 2..3 (``start_layer=2``): layer 0 or 1 gave a negative index into
+    its per-layer buffers, which Python reads from the end, silently returning layer 2's or 3's K/V as layer 0's."""
+    u8 = lambda *s: torch.randint(0, 256, s, dtype=torch.uint8)  # noqa: E731
+    codes, scales = [u8(8, 2, 16), u8(8, 2, 16)], [u8(8, 4), u8(8, 4)]
+    pool = SimpleNamespace(k_buffer=codes, v_buffer=codes, k_scale_buffer=scales, v_scale_buffer=scales,
+                           start_layer=2)
+    spec = SiteSpec(layer, "kv_k", (2, 32), fmt=sglang_kvfp4.NAME)
+    with pytest.raises(RuntimeError, match=rf"\({layer}, 'kv_k'\): layer {layer} is not in this KV pool \(layers 2 "
+                                           r"\.\. 3"):
+        kv_rows(pool, spec, torch.tensor([1, 2]))
+    assert kv_rows(pool, SiteSpec(3, "kv_k", (2, 32), fmt=sglang_kvfp4.NAME), torch.tensor([1])).shape[0] == 1

@@ -119,7 +119,11 @@ def kv_rows(kv_pool, spec: SiteSpec, slots: torch.Tensor) -> torch.Tensor:
     if kv_pool is None or not hasattr(kv_pool, "k_scale_buffer"):
         raise RuntimeError(f"{spec.key}: KV guidance needs SGLang's FP4 KV pool (--kv-cache-dtype fp4_e2m1), got "
                            f"{type(kv_pool).__name__}")
-    i = spec.layer - getattr(kv_pool, "start_layer", 0)
+    start = getattr(kv_pool, "start_layer", 0)
+    i = spec.layer - start
+    if not 0 <= i < len(kv_pool.k_buffer):  # (a negative index would read another layer from the end)
+        raise RuntimeError(f"{spec.key}: layer {spec.layer} is not in this KV pool (layers {start} .. "
+                           f"{start + len(kv_pool.k_buffer) - 1}): a pipeline stage reads out its own layers only")
     codes, scales = (kv_pool.k_buffer, kv_pool.k_scale_buffer) if spec.site == "kv_k" else \
         (kv_pool.v_buffer, kv_pool.v_scale_buffer)
     q = sglang_kvfp4.from_sglang(codes[i].index_select(0, slots).view(torch.uint8),
