@@ -138,3 +138,19 @@ def test_a_kv_layer_outside_the_pools_stage_is_refused_not_read_from_another_lay
                                            r"\.\. 3"):
         kv_rows(pool, spec, torch.tensor([1, 2]))
     assert kv_rows(pool, SiteSpec(3, "kv_k", (2, 32), fmt=sglang_kvfp4.NAME), torch.tensor([1])).shape[0] == 1
+
+
+def test_guidance_capture_refuses_pipeline_parallel_serving():
+    """Only the last pipeline stage runs ``logits_processor`` (the read-out) and its slot buffers hold its own
+    layers' rows: an earlier stage's guided layers would be read out as valid all-zero rows."""
+    from megatron_trace.config import TraceConfig
+    from megatron_trace.rollout.sglang.launch import trace_server_args
+
+    from ..rollout._tiny import tiny_config
+
+    hf, cfg = {**tiny_config().to_dict(), "dtype": "bfloat16"}, TraceConfig(guided_layers="last_k", guided_last_k=2)
+    assert trace_server_args("/ckpt", cfg, hf, native=False)["pp_size"] == 1
+    with pytest.raises(ValueError, match="guidance capture needs pp_size=1, got 2: only the last pipeline stage"):
+        trace_server_args("/ckpt", cfg, hf, native=False, pp_size=2)
+    off = cfg.replace(guided_layers="none")  # nothing captured: nothing to refuse
+    assert trace_server_args("/ckpt", off, hf, native=False, pp_size=2)["pp_size"] == 2

@@ -178,6 +178,8 @@ REQUIRED = {
     "enable_torch_compile": (False, "the capture hooks and slot writes are not traced by torch.compile"),
     "enable_dp_attention": (False, "the MoE sees other DP ranks' tokens: rows do not match this rank's slots"),
     "speculative_algorithm": (None, "draft/verify forwards are not supported by the capture"),
+    "pp_size": (1, "only the last pipeline stage runs the read-out (logits_processor), and its slot buffers hold "
+                   "the rows of its own layers only: an earlier stage's layers would be read out as zero rows"),
     "enable_hierarchical_cache": (False, "HiCache loads a host-tier prefix back into new KV slots without its "
                                          "guidance rows: the read-out would return other tokens' rows as valid"),
 }
