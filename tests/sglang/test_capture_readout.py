@@ -2,6 +2,7 @@
 is refused by name, a hook config's defaults, a read-out mixed into a batch of ordinary requests, bytes that do not
 fill the rows they claim."""
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -92,7 +93,8 @@ def test_a_batch_without_read_outs_reads_nothing():
 def test_bytes_that_do_not_fill_the_rows_a_payload_claims_are_refused(raw_rows):
     """A payload of n=2 rows must carry 2 rows of bytes: none (or another count) is an error, not 2 invalid rows."""
     rows = encode_rows(nvfp4.quantize(torch.randn(raw_rows, 32), per_row=True), FC1).numpy().tobytes()
-    with pytest.raises((ValueError, RuntimeError), match="buffer length|shape"):
+    want = f"has {len(rows)} bytes for n=2 rows of {FC1.nbytes} bytes (want {2 * FC1.nbytes})"
+    with pytest.raises(ValueError, match=re.escape(f"request 0: {FC1.key}'s payload at position 0 {want}")):
         assemble([[{"start": 0, "n": 2, "sites": {FC1.wire_key: rows}}]], [FC1], seq_len=4)
 
 

@@ -132,6 +132,9 @@ def assemble(per_request: list[list[dict]], specs: list[SiteSpec], seq_len: int,
                 start, n = int(step["start"]), int(step["n"])
                 if n == 0 and not raw:  # (a read-out whose prefix left the radix cache; frombuffer refuses b"")
                     continue
+                if n < 0 or len(raw) != n * spec.nbytes:
+                    raise ValueError(f"request {i}: {spec.key}'s payload at position {start} has {len(raw)} bytes for "
+                                     f"n={n} rows of {spec.nbytes} bytes (want {max(n, 0) * spec.nbytes})")
                 rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(n, spec.nbytes)
                 stop = min(start + n, seq_len)
                 if stop > start:
