@@ -71,6 +71,22 @@ def test_contexts_do_not_nest_on_a_dense_model():
                 pass
 
 
+
+@pytest.mark.usefixtures("world1")
+def test_contexts_do_not_nest_on_a_moe_model_without_kv_sites():
+    """Without the KV sites (no attention module to find bound) the experts' binding is what tells an open context:
+    a nested one would rebind them to its own guidance."""
+    from megatron_trace.megatron import trace_guidance
+
+    cfg = tiny_config()
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TraceConfig(sites=("expert_fc1_in", "weights"),
+                                                                      guided_sites=("expert_fc1_in",))))
+    assert not find_trace_layers(model).kv and find_trace_layers(model).moe
+    with trace_guidance(model):
+        with pytest.raises(RuntimeError, match="do not nest"):
+            with trace_guidance(model):
+                pass
+
 @pytest.mark.usefixtures("world1")
 def test_a_forward_after_a_replaying_context_routes_itself():
     """The context leaves Megatron's router replay as it found it: a forward after it (plain QAT, an evaluation)

@@ -382,3 +382,52 @@ def test_a_microbatch_given_no_routing_routes_itself(rollout):
     assert not torch.equal(mixed[0], own[0])  # replayed: the rollout model routes some tokens elsewhere
     for i in range(1, N):
         assert torch.equal(mixed[i], own[i]), i
+
+
+@pytest.mark.parametrize("recompute, train", [
+    (RECOMPUTE["selective_core_attn"], True),  # (only the KV sites' core attention is recomputed)
+    (dict(RECOMPUTE["selective_moe"], recompute_modules=["moe", "shared_experts"],
+          moe_shared_expert_intermediate_size=64), True),
+    (RECOMPUTE["selective_moe"], False),  # (the MoE layer's checkpoint runs in eval mode too)
+], ids=["core_attn", "moe_shared_experts", "moe_eval"])
+def test_a_recompute_outside_the_context_raises_at_its_last_layer_and_leaves_the_flag_clear(rollout, recompute,
+                                                                                            train):
+    """The out-of-context check covers the KV site's recompute pass (no MoE layer recomputed), a MoE layer whose
+    nested shared-experts checkpoint cleared Megatron's flag before the experts run, and a model in eval mode; it
+    names the last layer (the backward's first recompute) and leaves the flag clear: the next step's gradients
+    equal a fresh model's."""
+    from megatron.core.tensor_parallel.random import is_checkpointing
+
+    micro, guidance = rollout
+    tokens, pos, mask, labels = micro[0]
+    model, want = _model(**recompute).train(train), _model(**recompute).train(train)
+    with trace_guidance(model, _steps(guidance[:1], FallbackCounter())[0]):
+        loss = model(tokens, pos, mask, labels=labels).float().mean()
+    with pytest.raises(RuntimeError, match="^layer 3: the backward recomputes a forward that ran inside trace_guid"):
+        loss.backward()
+    assert not is_checkpointing()
+    model.zero_grad(set_to_none=True)
+    for m in (model, want):
+        with trace_guidance(m, _steps(guidance[:1], FallbackCounter())[0]):
+            m(tokens, pos, mask, labels=labels).float().mean().backward()
+    g0, g1 = _grads(want), _grads(model)
+    assert g1.keys() == g0.keys() and all(torch.equal(g1[n], g0[n]) for n in g0)
+
+
+def test_only_forwards_left_unrecomputed_mark_their_modules(rollout):
+    """A context whose checkpointed forwards were all recomputed leaves no mark: the recompute of a forward that
+    ran before it, outside any context, is not refused and gives the plain gradients."""
+    micro, guidance = rollout
+    tokens, pos, mask, labels = micro[0]
+    model = _model(**RECOMPUTE["selective_moe"])
+    model(tokens, pos, mask, labels=labels).float().mean().backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, pos, mask, labels=labels).float().mean()  # (no context; its recompute comes later)
+    with trace_guidance(model, _steps(guidance[1:2], FallbackCounter())[0]):
+        model(*micro[1][:3], labels=micro[1][3]).float().mean().backward()
+    assert not any("_trace_unreplayed" in vars(m) for m in model.modules())
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    got = _grads(model)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)
