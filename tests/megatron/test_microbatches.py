@@ -236,6 +236,17 @@ def test_the_queue_replays_the_recomputed_microbatch_and_holds_only_those_it_nee
     assert q.forwards == N and seen[:2] == [0, 1]
 
 
+
+def test_two_microbatches_hold_each_in_turn():
+    """The smallest queue that moves records: with two micro-batches each forward holds its own step's records (on
+    the GPU) and releases the other's."""
+    from megatron_trace.megatron.microbatch import MicroBatchQueue
+
+    steps = [_Step(), _Step()]
+    q = MicroBatchQueue(0, steps, torch.nn.Module())
+    for i in range(2):
+        assert q.select() is steps[i] and [s.held for s in steps] == [j == i for j in range(2)]
+
 @pytest.mark.parametrize("kind", ["selective_moe", "full"])
 def test_a_recompute_away_from_its_forwards_context_raises(rollout, kind):
     """A recompute pass replays the forward of its own context. Run outside it, it would route and round on its
