@@ -162,13 +162,7 @@ def _per_row(value, B: int, what: str) -> list[int]:
     (3.5, or 3.0) is refused, not truncated."""
     if is_integer(value):
         return [int(value)] * B
-    try:
-        vals = list(value)
-    except TypeError as e:
-        raise ValueError(f"{what}={value!r}: give an int or {B} ints") from e
-    if not all(map(is_integer, vals)):
-        raise ValueError(f"{what}={value!r}: give an int or {B} ints")
-    vals = [int(v) for v in vals]
+    vals = _ints(value, lambda: f"{what}={value!r}: give an int or {B} ints")
     if len(vals) != B:
         raise ValueError(f"{what} has {len(vals)} entries for a batch of {B}")
     return vals
@@ -176,13 +170,18 @@ def _per_row(value, B: int, what: str) -> list[int]:
 
 def _sample_ids(sample_ids, B: int) -> list[int]:
     """``sample_ids`` as ints; a float (3.5, or 3.0) is refused, not truncated to another sample's id."""
+    return _ints(sample_ids, lambda: f"sample_ids={sample_ids!r}: give {B} distinct int ids")
+
+
+def _ints(values, message) -> list[int]:
+    """``values`` as a list of ints; ``ValueError(message())`` when it is not iterable or holds a non-integer."""
     try:
-        ids = list(sample_ids)
+        vals = list(values)
     except TypeError as e:
-        raise ValueError(f"sample_ids={sample_ids!r}: give {B} distinct int ids") from e
-    if not all(map(is_integer, ids)):
-        raise ValueError(f"sample_ids={sample_ids!r}: give {B} distinct int ids")
-    return [int(i) for i in ids]
+        raise ValueError(message()) from e
+    if not all(map(is_integer, vals)):
+        raise ValueError(message())
+    return [int(v) for v in vals]
 
 
 def split_batch(
