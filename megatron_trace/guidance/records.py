@@ -168,11 +168,6 @@ def _per_row(value, B: int, what: str) -> list[int]:
     return vals
 
 
-def _sample_ids(sample_ids, B: int) -> list[int]:
-    """``sample_ids`` as ints; a float (3.5, or 3.0) is refused, not truncated to another sample's id."""
-    return _ints(sample_ids, lambda: f"sample_ids={sample_ids!r}: give {B} distinct int ids")
-
-
 def _ints(values, message) -> list[int]:
     """``values`` as a list of ints; ``ValueError(message())`` when it is not iterable or holds a non-integer."""
     try:
@@ -222,7 +217,8 @@ def pack_guidance(
         if tuple(sg.record.shape[:2]) != (B, S):
             raise ValueError(f"guidance {key} has rows {tuple(sg.record.shape[:2])}, token_ids {(B, S)}")
     versions = _per_row(version, B, "version")
-    ids = list(range(B)) if sample_ids is None else _sample_ids(sample_ids, B)
+    ids = list(range(B)) if sample_ids is None else \
+        _ints(sample_ids, lambda: f"sample_ids={sample_ids!r}: give {B} distinct int ids")  # (3.5: not sample 3)
     if len(ids) != B or len(set(ids)) != B:
         raise ValueError(f"sample_ids must be {B} distinct ids, got {ids}")
     return pack_batch(batch, token_ids, mask, versions, ids)

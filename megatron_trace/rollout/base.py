@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -223,8 +224,7 @@ def weight_pairs(weights: Iterable[tuple[str, WeightValue]]) -> list[tuple[str, 
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
             shown = repr(item) if isinstance(item, str | tuple | list) else type(item).__name__
             raise TypeError(f"weights[{i}] must be a (name, tensor) pair with an HF checkpoint name, got {shown[:120]}")
-    seen: set[str] = set()
-    twice = sorted({name for name, _ in out if name in seen or seen.add(name)})
+    twice = sorted(name for name, n in Counter(name for name, _ in out).items() if n > 1)
     if twice:
         raise ValueError(f"update_weights: {len(twice)} weight name(s) given more than once, e.g. {twice[:3]}: send "
                          "each weight once; nothing was updated")
