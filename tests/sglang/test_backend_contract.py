@@ -224,7 +224,7 @@ class _Engine:
         outs = []
         for i, p in enumerate(input_ids):
             reason = self.finish.get(i, {"type": "length", "length": 2})
-            out = [] if reason["type"] == "abort" else [5, 6]
+            out = [] if (reason["type"] if isinstance(reason, dict) else reason) == "abort" else [5, 6]
             lps = self.logprobs.get(i, [-0.5] * len(out))
             meta = {"finish_reason": reason, "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, out)]}
             if return_routed_experts and self.routed:

@@ -17,6 +17,17 @@ def test_each_request_keeps_its_own_finish_reason():
     assert b.finish_reasons == ("length", "stop", "length", "length")
 
 
+def test_a_bare_string_finish_reason_is_read_as_its_type():
+    """A bare string passes the abort check and is assembled as that type (it failed in assembly, after the check)."""
+    eng = _Engine(finish={0: "stop", 2: "length"})
+    b = SGLangRolloutBackend(eng, FC1_ONLY, HF, kv_cache_dtype="auto").generate([[1, 2]] * 3,
+                                                                                  SamplingParams(max_new_tokens=2))
+    assert b.finish_reasons == ("stop", "length", "length")
+    with pytest.raises(RuntimeError, match="request 1 finished with finish_reason='abort'"):
+        SGLangRolloutBackend(_Engine(finish={1: "abort"}), FC1_ONLY, HF, kv_cache_dtype="auto").generate(
+            [[1, 2]] * 2, SamplingParams(max_new_tokens=2))
+
+
 def _excluding_backend():
     cfg = CFG.replace(exclude_modules=("model.layers.0.mlp.experts",))
     eng = _Engine()

@@ -66,6 +66,12 @@ def decode_routing(b64: str, seq_len: int, num_layers: int) -> torch.Tensor:
     return torch.from_numpy(a.copy()).long().reshape(seq_len - 1, num_layers, -1)
 
 
+def _finish_type(reason) -> str | None:
+    """meta_info["finish_reason"] -> its type ("stop", "length", "abort", ...): SGLang sends a dict with a "type"
+    (``BaseFinishReason.to_json``); a bare string is read as the type itself."""
+    return reason.get("type") if isinstance(reason, dict) else reason
+
+
 _SERVER_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
                   "float32": torch.float32, "float": torch.float32}
 
@@ -230,8 +236,7 @@ class SGLangRolloutBackend:
         """Refuse aborted requests and missing routing (neither may pass as a sample of the policy)."""
         for i, o in enumerate(outs):
             reason = o["meta_info"]["finish_reason"]
-            kind = reason.get("type") if isinstance(reason, dict) else reason
-            if kind not in ("stop", "length"):
+            if _finish_type(reason) not in ("stop", "length"):
                 raise RuntimeError(f"SGLang request {i} finished with finish_reason={reason!r} (expected 'stop' or "
                                    f"'length'): it is not a complete sample; regenerate the batch")
             n = len(o["output_ids"])
@@ -281,7 +286,7 @@ class SGLangRolloutBackend:
         guidance = {}
         if self.specs:
             guidance = assemble(payloads or [[] for _ in outs], self.specs, s, routing)
-        finish = tuple("stop" if o["meta_info"]["finish_reason"]["type"] == "stop" else "length" for o in outs)
+        finish = tuple(_finish_type(o["meta_info"]["finish_reason"]) for o in outs)  # (checked: "stop" or "length")
         return RolloutBatch(tokens=tokens, prompt_lens=plens, response_lens=rlens, response_mask=mask,
                             logprobs=logprobs, routing=routing, guidance=guidance,
                             policy_version=self.policy_version, pad_token_id=self.pad_token_id,
