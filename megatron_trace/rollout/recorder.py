@@ -126,6 +126,7 @@ class GuidanceRecorder:
         record when the quantize pass already wrote it (used only in compact mode)."""
         if not self.wants(layer, site):
             return
+        self._check_no_history((layer, site))
         shape = (self.batch_size, q.shape[0] // self.batch_size, *q.shape[1:])
         rec = map_record(self._record(q, record), self._rows_to_batch, shape)
         if self._static is not None:
@@ -136,14 +137,16 @@ class GuidanceRecorder:
     def add_heads_major(self, layer: int, site: str, q: FP4Tensor, record: CompactGuidance | None = None) -> None:
         """Quantized K or V rows [B, heads, t, head_dim], recorded batch-major [B, t, heads, head_dim]."""
         if self.wants(layer, site):
-            if (layer, site) in self._histories:  # (``finish`` would take the history and drop these records)
-                raise ValueError(f"site {(layer, site)} is recorded from its stored history; it cannot also have "
-                                 "per-step records")
+            self._check_no_history((layer, site))
             if self._static is not None:
                 raise ValueError("per-step K/V records (SGLang's KV format) cannot be kept in static steps")
             b, h, t, d = q.shape
             self._records[(layer, site)].append(
                 map_record(self._record(q, record), lambda x: x.transpose(1, 2).contiguous(), (b, t, h, d)))
+
+    def _check_no_history(self, key: SiteKey) -> None:
+        if key in self._histories:  # (``finish`` would take the history and drop per-step records)
+            raise ValueError(f"site {key} is recorded from its stored history; it cannot also have per-step records")
 
     def add_kv_history(self, layer: int, site: str, history: Callable[[], FP4Tensor]) -> None:
         """Record K or V site ``(layer, site)`` from its store: ``history()`` gives the stored rows

@@ -143,6 +143,8 @@ def test_kv_history_errors_name_what_disagrees():
     with pytest.raises(ValueError, match=r"site \(0, 'kv_v'\) is recorded from its stored history; it cannot also "
                                          "have per-step records"):  # (the other order: its records would be dropped)
         rec.add_heads_major(*key, PER_ROW.quantize(torch.randn(3, HEADS, 1, D)))
+    with pytest.raises(ValueError, match=r"site \(0, 'kv_v'\) is recorded from its stored history"):
+        rec.add_rows(*key, PER_ROW.quantize(torch.randn(3, HEADS * D)))  # (token-major rows: dropped the same way)
     with pytest.raises(ValueError, match=r"history of \(0, 'kv_v'\) has 4 positions but 5 were recorded"):
         rec.finish(INDEX, VALID)
     rec = GuidanceRecorder(2, {key}, compact=True)
