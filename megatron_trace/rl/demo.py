@@ -65,8 +65,8 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     if device not in DEVICES:
         raise ValueError(f"device={device!r} must be one of {DEVICES}")
     arm_specs = {name: make_arm(name, trace) for name in arms}  # every arm name checked before any work
-    if init_from and not (Path(init_from) / "config.json").is_file():
-        raise FileNotFoundError(f"init_from={str(init_from)!r} is not a HF checkpoint directory (no config.json)")
+    if init_from:
+        check_init_from(init_from)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_run_record(out_dir, task=task_name, arms=list(arms), trace=trace.to_dict(), rl=dataclasses.asdict(rl),
                      model=dataclasses.asdict(model), sft=dataclasses.asdict(sft), init_from=init_from, device=device,
@@ -107,6 +107,24 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
 
 
 DEVICES = ("cpu", "cuda")
+
+
+def check_init_from(init_from: str | Path) -> None:
+    """``init_from`` must be a HF checkpoint directory over the demo's character vocabulary: the tasks, rewards and
+    sentinel prompts are the demo's own token ids, which mean nothing to another vocabulary (a larger one failed only
+    at the first reward, with a bare IndexError from the tokenizer's decode, after the trainer was built)."""
+    from .tasks import CharTokenizer
+
+    path = Path(init_from) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"init_from={str(init_from)!r} is not a HF checkpoint directory (no config.json)")
+    vocab, want = json.loads(path.read_text()).get("vocab_size"), CharTokenizer().vocab_size
+    if vocab != want:
+        raise ValueError(f"init_from={str(init_from)!r} has vocab_size={vocab!r}, not the demo's character "
+                         f"vocabulary of {want} tokens (CharTokenizer: its tasks and rewards are the demo's own): "
+                         "start from the demo's SFT checkpoint (outputs/sft_cache/<task>/: an arms=[] run prepares it)")
+
+
 RUN_RECORD_PACKAGES = ("torch", "megatron-core", "transformers", "triton", "mbridge")
 
 

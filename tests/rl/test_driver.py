@@ -13,7 +13,7 @@ import torch.distributed as dist
 from megatron_trace.config import TraceConfig
 from megatron_trace.rl import report
 from megatron_trace.rl.arms import ARMS, make_arm
-from megatron_trace.rl.demo import run
+from megatron_trace.rl.demo import check_init_from, run
 from megatron_trace.rl.driver import GRPORun, RLConfig, keep_for_arm
 from megatron_trace.rl.sft import SFTConfig, TinyMoEConfig, sft_checkpoint
 from megatron_trace.rl.tasks import AdditionTask, get_task
@@ -570,6 +570,29 @@ def test_bad_demo_arguments_fail_before_any_work(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a HF checkpoint directory"):
         run(arms=["bf16"], init_from=str(tmp_path / "nowhere"), **kw)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_init_from_another_vocabulary_fails_before_any_work(tmp_path, ckpt):
+    """The demo's tasks, rewards and sentinel prompts are its character tokenizer's ids: a checkpoint over another
+    vocabulary was accepted and failed only at the first reward (a bare IndexError, after the trainer was built)."""
+    from pathlib import Path
+
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((Path(ckpt) / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**cfg, "vocab_size": 200}))
+    out = tmp_path / "out"
+    kw = dict(out_dir=out, task_name="add", trace=TraceConfig(), rl=RL, model=MODEL, sft=SFTConfig(steps=5),
+              progress=False)
+    with pytest.raises(ValueError, match=r"init_from=.*other' has vocab_size=200, not the demo's character "
+                                         r"vocabulary of 16 tokens"):
+        run(arms=["bf16"], init_from=str(other), **kw)
+    assert not out.exists()
+    del cfg["vocab_size"]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="has vocab_size=None"):
+        run(arms=["bf16"], init_from=str(other), **kw)
+    check_init_from(ckpt)  # the demo's own SFT checkpoint passes
 
 
 def test_resume_invalidates_guidance_of_the_interrupted_step(megatron_cpu, ckpt, tmp_path):
