@@ -984,3 +984,33 @@ def test_a_steps_metrics_are_over_its_response_tokens_and_name_the_served_versio
         assert m["mismatch/logprob_abs_diff_token_mean"] == pytest.approx(float(d.abs().mean()), rel=0.5)
         assert m["rl/ratio_mean"] == pytest.approx(1.0) and m["rl/clip_frac"] == 0.0
         assert m["policy_version"] == step + 1 == r.rollout.policy_version == r.state.version
+
+
+def test_the_rollouts_records_given_directly_guide_as_the_cache_does(megatron_cpu, ckpt, tmp_path):
+    """README: ``StepGuidance(sites=batch.guidance, routing=batch.routing, token_mask=batch.attention_mask)`` straight
+    from ``generate`` (no cache, the colocated loop) guides the trainer as the shipped path does (records packed, put in
+    the ``GuidanceCache`` and assembled): every guided row used, the same log-probs bit for bit, and the trainer's
+    codes at the guided sites equal to the rollout's (independently: its full records)."""
+    from megatron_trace.megatron import StepGuidance, trace_guidance
+    from megatron_trace.metrics import quant_counts
+
+    r = GRPORun(make_arm("trace", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    _, ids = r._prompts(0)
+    batch = r.rollout.generate(ids, r._sampling(0, 1.0))
+    keep = keep_for_arm(batch.guidance, r.arm, MODEL.num_layers)
+    assert keep and all(sg.compact for sg in keep.values())  # the arm's compact records of its guided layers
+    direct = StepGuidance(sites=keep, routing=batch.routing, token_mask=batch.attention_mask)
+    with torch.no_grad(), trace_guidance(r.policy.model, direct, record=True, compact=False) as h:
+        lp_direct = r.policy.logprobs(batch.tokens)
+    assert h.coverage() == 1.0 and h.counter.used > 0
+    with torch.no_grad():
+        (shipped,), counter, _ = r._guidance(1, batch, batch.guidance)
+        with trace_guidance(r.policy.model, shipped):
+            lp_cache = r.policy.logprobs(batch.tokens)
+    assert counter.as_dict("a")["a/coverage"] == 1.0
+    assert torch.equal(lp_direct, lp_cache)
+    recorded = h.recorded().sites
+    for key in keep:
+        full = batch.guidance[key]
+        c = quant_counts(recorded[key].record, full.record, rows=full.valid & recorded[key].valid)
+        assert c.elements > 0 and c.mismatched == 0, (key, c)
