@@ -423,6 +423,32 @@ def test_an_update_at_or_below_the_engines_version_reaches_no_engine(path):
     assert engine.updates == [] or path == "tensor"
 
 
+@pytest.mark.parametrize("path", ["tensor", "group"])
+def test_every_weight_update_flushes_the_engines_radix_cache(path):
+    """USER_NEEDS §8 (RLinf#96, pytorch/rl#4016): a prefix cached under the old weights would keep serving their KV,
+    and the guidance read-out (a radix-cache hit) their rows, after an update. The tensor path asks SGLang to flush;
+    the group path leaves ``WeightsUpdateGroup.send``'s default, which flushes (test_weight_sync.py)."""
+    flushes = []
+
+    class Engine(_Engine):
+        def update_weights_from_tensor(self, named_tensors, load_format=None, **kw):
+            flushes.append(kw.get("flush_cache", "default"))
+            return super().update_weights_from_tensor(named_tensors, load_format)
+
+    class Group(_Group):
+        def send(self, named, **kw):
+            flushes.append(kw.get("flush_cache", "default"))
+            super().send(named)
+
+    cfg = CFG.replace(kv_format="sglang_kvfp4")
+    be = SGLangRolloutBackend(Engine(), cfg, HF, native=False, weights_group=Group() if path == "group" else None,
+                              recipe=trainer_recipe(cfg))
+    norm = [("model.norm.weight", torch.ones(64))]
+    be.update_weights(norm, recipe=trainer_recipe(cfg, version=1))
+    be.update_weights(norm, version=0, reset=True, recipe=trainer_recipe(cfg, version=0))
+    assert flushes == ([True, True] if path == "tensor" else ["default", "default"])
+
+
 class _FailingEngine(_Engine):
     """An engine whose next ``update_weights_from_tensor`` fails as SGLang reports it: ``(False, message)``, or by
     raising (the scheduler died mid-load)."""

@@ -105,6 +105,8 @@ def test_the_trainer_joins_as_rank_0_and_announces_names_dtypes_and_shapes_as_sg
     assert kw["dtypes"] == ["uint8", "float32", "bfloat16", "int64"]
     assert all(isinstance(getattr(torch, d), torch.dtype) for d in kw["dtypes"])
     assert kw["group_name"] == f"trace_weights_test_{port}" and kw["flush_cache"] is False
+    g.send(named)  # the backend's call: SGLang flushes its radix cache (the old weights' KV and guidance rows)
+    assert eng.calls[2][0] == "update" and eng.calls[2][1]["flush_cache"] is True
     torch.distributed.destroy_process_group(g.group)
 
 
