@@ -25,7 +25,13 @@ class Arm:
 
 def make_arm(name: str, base: TraceConfig) -> Arm:
     """bf16: BF16 both sides. fp4_naive: FP4 rollout, BF16 trainer. fp4_qat: FP4 QAT, own RNE.
-    trace: guided QAT with ``base``'s policy (default: compact, deepest half). trace_full: all layers, full codes."""
+    trace: guided QAT with ``base``'s policy (default: compact, deepest half). trace_full: all layers, full codes.
+    Every arm but bf16 needs a ``base`` that quantizes something (TRACE enabled, sites given)."""
+    if name in ARMS and name != "bf16" and not (base.enabled and base.sites):
+        # (the rollout served BF16 under the arm's name: fp4_naive measured the BF16 floor, silently)
+        raise ValueError(f"arm={name!r} runs an FP4 rollout, but the TraceConfig quantizes nothing (enabled="
+                         f"{base.enabled}, sites={base.sites}): enable TRACE (trace.enabled=true) and give its sites, "
+                         "or run arms=[bf16]")
     if name == "bf16":
         return Arm(name, "bf16", False, base.replace(guided_layers="none"))
     if name == "fp4_naive":

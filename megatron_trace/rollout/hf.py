@@ -106,7 +106,7 @@ class HFRolloutBackend:
 
     model: HF checkpoint directory, ``Qwen3MoeConfig`` (random init) or a loaded model (the
         backend takes it over: FP4 mode overwrites expert weights with their decoded values).
-    mode: "bf16" (no quantization) or "fp4" (the sites of ``trace_config``).
+    mode: "bf16" (no quantization) or "fp4" (the sites of ``trace_config``; one that quantizes nothing is refused).
     guided_layer_ids: layers that record guidance (default: ``guided_layers(trace_config, L)``).
     recipe: the trainer's ``QuantRecipe``, checked now and required on every ``update_weights``.
     ``trace_config.exclude_modules``: those routed experts (FP4 weights, both activation sites) and KV
@@ -174,6 +174,9 @@ class HFRolloutBackend:
             raise ValueError(f"dtype={dtype} must be torch.bfloat16, torch.float16 or torch.float32")
         self.mode = mode
         self.config = trace_config if trace_config is not None else TraceConfig()
+        if mode == "fp4" and not (self.config.enabled and self.config.sites):  # (it served BF16 as 'fp4')
+            raise ValueError(f"mode='fp4' with a TraceConfig that quantizes nothing (enabled={self.config.enabled}, "
+                             f"sites={self.config.sites}): use mode='bf16' for an unquantized rollout")
         self.device = torch.device(device)
         self.model = _load_model(model, dtype, self.device, attn_implementation).eval()
         self.model.set_experts_implementation(EXPERTS_IMPLEMENTATION)

@@ -29,3 +29,15 @@ def test_guided_needs_an_fp4_trainer_and_guided_layers():
     assert not Arm("x", "fp4", False, BASE).guided  # a BF16 trainer has nothing to guide
     assert not Arm("x", "fp4", True, BASE.replace(guided_layers="none")).guided
     assert Arm("x", "fp4", True, BASE).guided
+
+
+@pytest.mark.parametrize("base", [BASE.replace(enabled=False), BASE.replace(sites=(), guided_sites=())],
+                         ids=["disabled", "no-sites"])
+def test_an_fp4_arm_of_a_config_that_quantizes_nothing_is_refused(base):
+    """trace.enabled=false ran fp4_naive's rollout in BF16 under its name (its mismatch was the bf16 arm's, 1x the
+    floor, in the summary); the other FP4 arms failed only when their trainer or sync was built, after the SFT warm-up
+    and the arms before them. The demo calls make_arm for every arm before any work."""
+    for name in ARMS[1:]:
+        with pytest.raises(ValueError, match=rf"arm='{name}' runs an FP4 rollout, but the TraceConfig quantizes no"):
+            make_arm(name, base)
+    assert make_arm("bf16", base).rollout_mode == "bf16"  # (the floor: nothing quantized anyway)

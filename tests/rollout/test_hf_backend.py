@@ -172,6 +172,18 @@ def test_explicit_guided_layers_without_a_guided_module_are_refused():
     assert be.guided_sites == set()
 
 
+@pytest.mark.parametrize("config", [TraceConfig(enabled=False), TraceConfig(sites=(), guided_sites=())],
+                         ids=["disabled", "no-sites"])
+def test_an_fp4_rollout_of_a_config_that_quantizes_nothing_is_refused(config):
+    """mode='fp4' with such a config served the model dtype under the FP4 name (no module quantized, no record): the
+    demo's fp4_naive arm with trace.enabled=false measured the BF16 floor and reported it as FP4's mismatch."""
+    with pytest.raises(ValueError, match=r"mode='fp4' with a TraceConfig that quantizes nothing \(enabled="):
+        backend(config=config)
+    be = backend(mode="bf16", config=config)  # (BF16 mode ignores the sites)
+    out = be.generate(PROMPTS, SamplingParams(max_new_tokens=2, seed=0))
+    assert be.module_audit().quantized == () and out.guidance == {}
+
+
 @pytest.mark.parametrize("mode", ["bf16", "fp4"])
 def test_runs_in_bfloat16(mode):
     be = backend(mode=mode, dtype=torch.bfloat16)
