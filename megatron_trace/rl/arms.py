@@ -38,6 +38,11 @@ def make_arm(name: str, base: TraceConfig) -> Arm:
         return Arm(name, "fp4", False, base.replace(guided_layers="none"))
     if name == "fp4_qat":
         return Arm(name, "fp4", True, base.replace(guided_layers="none"))
+    if name in ("trace", "trace_full") and (not base.guided_sites or name == "trace" and base.guided_layers == "none"):
+        # (it ran as fp4_qat under the guided arm's name: the summary showed "TRACE" at plain QAT's mismatch)
+        raise ValueError(f"arm={name!r} guides nothing with guided_layers={base.guided_layers!r} and guided_sites="
+                         f"{base.guided_sites}: that is arm fp4_qat (plain FP4 QAT); give the guided arms guided sites "
+                         "and layers")
     if name == "trace":
         return Arm(name, "fp4", True, base)
     if name == "trace_full":

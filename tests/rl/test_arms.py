@@ -41,3 +41,18 @@ def test_an_fp4_arm_of_a_config_that_quantizes_nothing_is_refused(base):
         with pytest.raises(ValueError, match=rf"arm='{name}' runs an FP4 rollout, but the TraceConfig quantizes no"):
             make_arm(name, base)
     assert make_arm("bf16", base).rollout_mode == "bf16"  # (the floor: nothing quantized anyway)
+
+
+@pytest.mark.parametrize("base", [BASE.replace(guided_layers="none"), BASE.replace(guided_sites=())],
+                         ids=["no-layers", "no-sites"])
+def test_a_guided_arm_that_guides_nothing_is_refused(base):
+    """trace.guided_layers=none (or no guided sites) ran the trace arm as plain FP4 QAT under its name (trace_full
+    with no guided sites too): the summary showed "trace" at fp4_qat's mismatch. The unguided arms take it, and
+    trace_full guides every layer whatever the base's layer policy."""
+    names = ("trace", "trace_full") if not base.guided_sites else ("trace",)
+    for name in names:
+        with pytest.raises(ValueError, match=rf"arm='{name}' guides nothing .*: that is arm fp4_qat"):
+            make_arm(name, base)
+    assert not make_arm("fp4_qat", base).guided and make_arm("bf16", base).rollout_mode == "bf16"
+    if base.guided_sites:
+        assert make_arm("trace_full", base).guided
