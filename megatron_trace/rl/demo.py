@@ -67,6 +67,8 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     arm_specs = {name: make_arm(name, trace) for name in arms}  # every arm name checked before any work
     if init_from:
         check_init_from(init_from)
+    if resume:
+        check_resume_steps(out_dir, arms, rl.steps)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_run_record(out_dir, task=task_name, arms=list(arms), trace=trace.to_dict(), rl=dataclasses.asdict(rl),
                      model=dataclasses.asdict(model), sft=dataclasses.asdict(sft), init_from=init_from, device=device,
@@ -123,6 +125,18 @@ def check_init_from(init_from: str | Path) -> None:
         raise ValueError(f"init_from={str(init_from)!r} has vocab_size={vocab!r}, not the demo's character "
                          f"vocabulary of {want} tokens (CharTokenizer: its tasks and rewards are the demo's own): "
                          "start from the demo's SFT checkpoint (outputs/sft_cache/<task>/: an arms=[] run prepares it)")
+
+
+def check_resume_steps(out_dir: Path, arms: list[str], steps: int) -> None:
+    """A resumed arm's checkpoint must not be past ``rl.steps`` (its loop ran nothing, silently: the summary then
+    said ``steps`` RL steps of an arm trained for more)."""
+    for name in arms:
+        ckpt = out_dir / name / "ckpt.pt"
+        if ckpt.exists():
+            done = torch.load(ckpt, map_location="cpu", weights_only=False)["state"]["step"]
+            if done > steps:
+                raise ValueError(f"resume=true: arm {name!r}'s checkpoint {ckpt} is at step {done}, past rl.steps="
+                                 f"{steps}: set rl.steps >= {done}, or start over with resume=false")
 
 
 RUN_RECORD_PACKAGES = ("torch", "megatron-core", "transformers", "triton", "mbridge")

@@ -339,6 +339,8 @@ def test_a_resumed_demo_redoes_the_steps_after_its_checkpoint_once(megatron_cpu,
     assert torch.load(tmp_path / "trace" / "ckpt.pt", weights_only=False)["state"]["step"] == 2  # (of steps 1-3)
     resumed = run(out_dir=tmp_path, rl=cfg, resume=True, **kw)["trace"]
     assert [r["step"] for r in resumed] == [0, 1, 2]
+    with pytest.raises(ValueError, match=r"arm 'trace'.s checkpoint .*ckpt.pt is at step 2, past rl.steps=1"):
+        run(out_dir=tmp_path, rl=dataclasses.replace(cfg, steps=1), resume=True, **kw)  # (it ran nothing, silently)
     # the accuracy before training with the first row, the final one with the last
     assert ["eval/accuracy_start" in r for r in straight] == [True, False, False]
     assert ["eval/accuracy" in r for r in straight] == [False, False, True]
