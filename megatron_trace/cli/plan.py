@@ -107,8 +107,11 @@ def parse_bandwidths(items) -> dict[str, float]:
     out = {}
     for item in items or ():
         name, sep, val = item.rpartition("=")
+        key = name if sep else f"{val} GB/s"
+        if key in out:  # (the later value replaced the earlier one)
+            raise ValueError(f"--bandwidth-gbytes names {key!r} twice: give each bandwidth once")
         try:
-            out[name if sep else f"{val} GB/s"] = float(val)
+            out[key] = float(val)
         except ValueError as e:
             raise ValueError(f"--bandwidth-gbytes {item!r}: want NAME=GB/s, e.g. measured=20.5 ({e})") from e
     return out
@@ -207,10 +210,15 @@ def main(argv=None) -> int:
         if args.bandwidth_gbytes and not args.dp_ranks:
             raise ValueError(f"--bandwidth-gbytes {' '.join(args.bandwidth_gbytes)} times a trainer rank's share: add "
                              "--dp-ranks N (the table's sync time is at --bandwidth-gbps)")
+        modes = [m for m in args.modes.split(",") if m]
+        for flag, values in (("--modes", modes), ("--layer-policy", args.policies or []),
+                             ("--dp-ranks", args.dp_ranks)):
+            if len(set(values)) < len(values):  # (the table repeated their rows)
+                raise ValueError(f"{flag} {values} gives a value more than once: give each once")
         sites = [s for s in args.sites.split(",") if s]
         profile = read_profile(args, dims, sites)
         rows = build_rows(
-            dims, rl, policies=args.policies or DEFAULT_POLICIES, modes=[m for m in args.modes.split(",") if m],
+            dims, rl, policies=args.policies or DEFAULT_POLICIES, modes=modes,
             fmt=args.format, amax=args.amax, sites=sites, profile=profile, profile_unit=args.mismatch_unit,
             dp_ranks=args.dp_ranks, bandwidths=parse_bandwidths(args.bandwidth_gbytes),
         )

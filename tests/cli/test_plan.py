@@ -2,6 +2,7 @@
 
 import inspect
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,6 +46,18 @@ def test_defaults_are_the_libraries():
 def test_bandwidths_are_named_by_the_text_before_the_last_equals_sign():
     assert plan.parse_bandwidths(["20", "nvlink=100", "ib=hdr=12.5"]) == {"20 GB/s": 20.0, "nvlink": 100.0,
                                                                          "ib=hdr": 12.5}
+
+
+@pytest.mark.parametrize("extra,err", [
+    (["--modes", "compact,compact"], r"--modes \['compact', 'compact'\] gives a value more than once"),
+    (["--layer-policy", "all", "--layer-policy", "all"], r"--layer-policy \['all', 'all'\] gives a value"),
+    (["--dp-ranks", "2", "--dp-ranks", "2"], r"--dp-ranks \[2, 2\] gives a value more than once"),
+    (["--dp-ranks", "2", "--bandwidth-gbytes", "ib=10", "--bandwidth-gbytes", "ib=20"], "names 'ib' twice"),
+])
+def test_a_value_given_twice_is_refused(extra, err, capsys):
+    """Repeated modes, policies or ranks repeated their rows; a repeated bandwidth name kept the later value only."""
+    assert plan.main(["--hf-config", str(Q35), *extra]) == 2
+    assert re.search(err, capsys.readouterr().err)
 
 
 @pytest.mark.parametrize("n,want", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536 * 2**20, "1.5 GiB"),
