@@ -32,6 +32,9 @@ FINITE_CHECKS = ("deferred", "sync")
 """``TraceConfig.finite_check``: when the trainer's NaN/Inf check of quantized inputs raises: "deferred" =
 at the end of the step (``trace_guidance`` exit or ``megatron.check_finite``: one host sync per step; the
 values stay NaN/Inf until then), "sync" = in the quantize call itself (one host sync per call)."""
+ROLLOUT_ROUNDING = "rne"
+"""The rollout's rounding at every site (the recipe's ``rollout_rounding``): ``TraceConfig.rounding`` is the trainer's
+own where unguided; a stochastic rollout would record codes no RNE recipe describes."""
 KV_FORMATS = ("", sglang_kvfp4.NAME)
 """``TraceConfig.kv_format``: "" = K/V in ``format``; "sglang_kvfp4" = SGLang's FP4 KV cache (``fp4_e2m1``)."""
 _PATTERN = re.compile(r"[A-Za-z0-9_.*-]+")
@@ -171,12 +174,13 @@ class TraceConfig:
         """Weights: per-tensor global amax, RNE (deterministic, identical on both sides)."""
         return Quantizer(fmt=self.format, scale_rule=self.mxfp4_scale_rule, ste_clip=self.ste_clip)
 
-    def activation_quantizer(self) -> Quantizer:
-        """Activations and KV: per-row (or per-tensor) amax, the trainer's own rounding where unguided."""
+    def activation_quantizer(self, *, rollout: bool = False) -> Quantizer:
+        """Activations and KV: per-row (or per-tensor) amax, the trainer's own rounding where unguided;
+        ``rollout=True``: the rollout's, which rounds ``ROLLOUT_ROUNDING`` whatever ``rounding`` says."""
         per_row = self.format == "nvfp4" and self.activation_amax == "per_row"
         return Quantizer(
             fmt=self.format, per_row=per_row, scale_rule=self.mxfp4_scale_rule,
-            rounding=self.rounding, ste_clip=self.ste_clip,
+            rounding=ROLLOUT_ROUNDING if rollout else self.rounding, ste_clip=self.ste_clip,
         )
 
     @property
@@ -184,11 +188,12 @@ class TraceConfig:
         """The format of K/V at the KV sites (quantized, recorded and accepted as guidance)."""
         return self.kv_format or self.format
 
-    def kv_quantizer(self) -> Quantizer | SGLangKVQuantizer:
-        """The KV sites' quantizer: ``activation_quantizer()``, or SGLang's format for ``kv_format="sglang_kvfp4"``."""
+    def kv_quantizer(self, *, rollout: bool = False) -> Quantizer | SGLangKVQuantizer:
+        """The KV sites' quantizer: ``activation_quantizer(rollout=rollout)``, or SGLang's format for
+        ``kv_format="sglang_kvfp4"``."""
         if self.kv_format == sglang_kvfp4.NAME:
             return SGLangKVQuantizer(ste_clip=self.ste_clip)
-        return self.activation_quantizer()
+        return self.activation_quantizer(rollout=rollout)
 
     def quantizes(self, site: str) -> bool:
         _choice("site", site, SITES)

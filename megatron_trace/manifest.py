@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import KV_SITES, TraceConfig
+from .config import KV_SITES, ROLLOUT_ROUNDING, TraceConfig
 from .formats import E2M1_MAX, E4M3_MAX, get_format
 from .guidance.selection import guided_layers
 
@@ -95,7 +95,7 @@ class QuantRecipe:
             e4m3_max=E4M3_MAX,
             weight_amax="per_tensor" if nv else "none",
             activation_amax=config.activation_amax if nv else "none",
-            rollout_rounding="rne",
+            rollout_rounding=ROLLOUT_ROUNDING,
             trainer_rounding=config.rounding,
             sites=tuple(config.sites) if config.enabled else (),
             guided_sites=tuple(config.guided_sites) if guided_layers else (),

@@ -2,11 +2,11 @@
 
 Modes: ``"bf16"`` (no quantization: the model in its dtype) and ``"fp4"`` (TRACE rollout
 numerics: routed experts W4A4 with ``TraceConfig.weight_quantizer()`` /
-``activation_quantizer()`` at ``expert_fc1_in`` and ``expert_fc2_in``, and an FP4 KV cache
-(``kv_quantizer()``: ``TraceConfig.format``, or SGLang's format with ``kv_format="sglang_kvfp4"``);
-each as enabled by ``TraceConfig.sites``). In FP4 mode the backend records guidance at the
-selected (layer, site) pairs for prompt and response positions; in both modes it records
-every MoE layer's expert choices. Log-probs come from the same forward that sampled.
+``activation_quantizer(rollout=True)`` at ``expert_fc1_in`` and ``expert_fc2_in``, and an FP4 KV cache
+(``kv_quantizer(rollout=True)``: ``TraceConfig.format``, or SGLang's format with ``kv_format="sglang_kvfp4"``);
+each as enabled by ``TraceConfig.sites``; RNE whatever the trainer's ``TraceConfig.rounding``). In FP4 mode the
+backend records guidance at the selected (layer, site) pairs for prompt and response positions; in both modes it
+records every MoE layer's expert choices. Log-probs come from the same forward that sampled.
 
 Prefix reuse (``prefix_reuse=True``, GRPO's G samples per prompt): identical prompts of a batch are
 prefilled once; their KV cache rows, routing and guidance records are then copied to every sample
@@ -292,7 +292,7 @@ class HFRolloutBackend:
         q = self._quantizes
         return RolloutNumerics(
             layer_of=self._layer_of,
-            activation_quantizer=self.config.activation_quantizer(),
+            activation_quantizer=self.config.activation_quantizer(rollout=True),
             quantize_fc1=q("expert_fc1_in"), quantize_fc2=q("expert_fc2_in"), recorder=recorder,
             bf16_layers=self.bf16_expert_layers, kernel=self.config.kernel, weight_store=self.weight_store,
             compiled=bool(self.compiled_modules), finite=self.finite_checks,
@@ -307,7 +307,7 @@ class HFRolloutBackend:
         qk, qv = self._quantizes("kv_k"), self._quantizes("kv_v")
         if not (qk or qv or self.layers_compiled or static_rows is not None):
             return DynamicCache(config=self.hf_config)
-        return FP4KVCache(self.num_layers, self.config.kv_quantizer(), quantize_k=qk, quantize_v=qv,
+        return FP4KVCache(self.num_layers, self.config.kv_quantizer(rollout=True), quantize_k=qk, quantize_v=qv,
                           recorder=recorder, bf16_layers=self.bf16_kv_layers, kernel=self.config.kernel,
                           fused_decode=self.fused_kv_attention, fast_attention=self.fast_kv_attention,
                           interval_masks=interval_masks, static_rows=static_rows, finite=self.finite_checks)

@@ -764,6 +764,36 @@ def test_sglang_kv_format_records_guide_the_trainer_exactly(megatron_cpu, ckpt, 
     assert m["guidance/trainer/coverage"] == 1.0 and "guidance/trainer/fallback/format" not in m
 
 
+@pytest.mark.parametrize("trace", [dict(rounding="stochastic"), dict(format="mxfp4", rounding="stochastic")],
+                         ids=["stochastic", "mxfp4-stochastic"])
+def test_a_guided_arm_keeps_the_promise_across_accepted_configs(megatron_cpu, ckpt, tmp_path, trace):
+    """trace_full on configs the TraceConfig accepts: the rollout rounds RNE (its records equal an RNE rollout's, bit
+    for bit), every guided row is used, the guided sites alone are counted, no scale differs.
+    Without the fixes: ``rounding`` (the trainer's own where unguided) made the hf rollout round stochastically too
+    (59-87% of its recorded codes differed from RNE's, its recipe said rollout_rounding='rne')."""
+    from megatron_trace.rollout.hf import HFRolloutBackend
+
+    cfg = TraceConfig(**trace)
+    rl = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, checkpoint_every=0, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace_full", cfg), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    rne = HFRolloutBackend(ckpt, mode="fp4", trace_config=r.arm.trace.replace(rounding="rne"))
+    _, ids = r._prompts(0)
+    got, want = (be.generate(ids, r._sampling(0, 1.0)) for be in (r.rollout, rne))
+    assert torch.equal(got.tokens, want.tokens) and set(got.guidance) == set(want.guidance)
+    for key, sg in got.guidance.items():
+        assert torch.equal(sg.record.codes, want.guidance[key].record.codes), key
+        assert torch.equal(sg.record.block_scales.view(torch.uint8), want.guidance[key].record.block_scales.view(
+            torch.uint8)), key
+    m = r.step()
+    guided = set(cfg.guided_sites)
+    assert {k.rsplit("/", 1)[1] for k in m if k.startswith("guidance/trainer/coverage/")} == guided
+    assert all(m[f"guidance/trainer/coverage/{s}"] == 1.0 and m[f"quant/{s}/scale_mismatch_rate"] == 0.0
+               for s in guided)
+    assert m["guidance/trainer/coverage"] == 1.0 == m["guidance/assembly/coverage"]
+    assert not [k for k in m if "/fallback/" in k] and m["guidance/trainer/rows_used"] > 0
+    assert m["quant/guided/code_mismatch_rate"] < 1e-3 and math.isfinite(m["loss"])
+
+
 def test_the_trainer_scores_at_the_sampling_temperature(megatron_cpu, ckpt, tmp_path):
     """The rollout's log-probs are log_softmax(logits / T): at T=0.7 the BF16 arm's mismatch stays at the BF16
     noise level (without /T in the trainer it was ~100x larger)."""

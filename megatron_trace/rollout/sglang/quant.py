@@ -169,7 +169,7 @@ class TraceNvFp4LinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.native is not None:
             return self.native.apply(layer, x, bias)
-        xq = self.quant_config.trace.activation_quantizer().quantize(x).dequantize(x.dtype)
+        xq = self.quant_config.trace.activation_quantizer(rollout=True).quantize(x).dequantize(x.dtype)
         return F.linear(xq, self.weight_fp4(layer).dequantize(x.dtype), bias)
 
 
@@ -244,8 +244,9 @@ class TraceModelOptNvFp4MoEMethod(ModelOptNvFp4FusedMoEMethod):
         trace = self.quant_config.trace
         res = w4a4_experts_forward(
             hidden, topk_ids.long(), topk_weights, moe_packed(layer, "w13"), moe_packed(layer, "w2"),
-            activation_quantizer=trace.activation_quantizer(), quantize_fc1=trace.quantizes("expert_fc1_in"),
-            quantize_fc2=trace.quantizes("expert_fc2_in"), apply_gate=silu_and_mul,
+            activation_quantizer=trace.activation_quantizer(rollout=True),
+            quantize_fc1=trace.quantizes("expert_fc1_in"), quantize_fc2=trace.quantizes("expert_fc2_in"),
+            apply_gate=silu_and_mul,
         )
         cap = active_capture()
         if cap is not None:
