@@ -63,7 +63,7 @@ class RLConfig:
     kl_coef: float = 0.0
     temperature: float = 1.0
     routing_replay: bool = True  # R3 in every arm (off when this or TraceConfig.routing_replay is off)
-    weight_sync: str = "auto"  # auto (fp4 for FP4 rollouts) | bf16 | fp4
+    weight_sync: str = "auto"  # auto (fp4 for FP4 rollouts with the "weights" site) | bf16 | fp4
     eval_problems: int = 500
     quant_metrics_every: int = 1
     checkpoint_every: int = 0
@@ -178,8 +178,14 @@ class GRPORun:
             prompts = [self.tok.encode(task.sample(g).prompt, bos=True) for _ in range(cfg.sentinel_prompts)]
             self.sentinel = SentinelCheck(prompts, max_new_tokens=task.answer_len + 1,
                                           max_abs_diff=cfg.sentinel_max_abs_diff)
-        auto = "fp4" if arm.rollout_mode == "fp4" else "bf16"
-        self.sync_fmt = auto if cfg.weight_sync == "auto" else cfg.weight_sync
+        # FP4 experts' weights travel packed; a rollout that keeps them BF16 (sites without "weights", e.g. an FP4
+        # KV cache alone) takes BF16 weights (fp4 raised a misleading "FP4 weights need mode='fp4'" at startup)
+        fp4_weights = arm.rollout_mode == "fp4" and arm.trace.quantizes("weights")
+        if cfg.weight_sync == "fp4" and not fp4_weights:
+            raise ValueError(f"RLConfig.weight_sync='fp4' sends packed FP4 expert weights, but arm {arm.name!r} "
+                             f"(rollout {arm.rollout_mode}, TraceConfig.sites={arm.trace.sites}) keeps them BF16: use "
+                             "weight_sync='auto' or 'bf16'")
+        self.sync_fmt = ("fp4" if fp4_weights else "bf16") if cfg.weight_sync == "auto" else cfg.weight_sync
         self.recipe = None
         if arm.trainer_fp4:  # both sides run FP4: the quant-recipe manifest must agree, now and on every sync
             from ..manifest import trainer_recipe

@@ -764,13 +764,18 @@ def test_sglang_kv_format_records_guide_the_trainer_exactly(megatron_cpu, ckpt, 
     assert m["guidance/trainer/coverage"] == 1.0 and "guidance/trainer/fallback/format" not in m
 
 
-@pytest.mark.parametrize("trace", [dict(rounding="stochastic"), dict(format="mxfp4", rounding="stochastic")],
-                         ids=["stochastic", "mxfp4-stochastic"])
+KV_ONLY = dict(sites=("kv_k", "kv_v"), guided_sites=("kv_k", "kv_v"))
+
+
+@pytest.mark.parametrize("trace", [dict(rounding="stochastic"), dict(format="mxfp4", rounding="stochastic"), KV_ONLY,
+                                   dict(sites=("expert_fc1_in", "expert_fc2_in"), guided_sites=("expert_fc1_in",))],
+                         ids=["stochastic", "mxfp4-stochastic", "kv-only", "expert-inputs-only"])
 def test_a_guided_arm_keeps_the_promise_across_accepted_configs(megatron_cpu, ckpt, tmp_path, trace):
     """trace_full on configs the TraceConfig accepts: the rollout rounds RNE (its records equal an RNE rollout's, bit
     for bit), every guided row is used, the guided sites alone are counted, no scale differs.
     Without the fixes: ``rounding`` (the trainer's own where unguided) made the hf rollout round stochastically too
-    (59-87% of its recorded codes differed from RNE's, its recipe said rollout_rounding='rne')."""
+    (59-87% of its recorded codes differed from RNE's, its recipe said rollout_rounding='rne'); sites without
+    "weights" (an FP4 KV cache alone) raised at startup: weight_sync='auto' sent FP4 weights to BF16 experts."""
     from megatron_trace.rollout.hf import HFRolloutBackend
 
     cfg = TraceConfig(**trace)
