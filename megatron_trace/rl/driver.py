@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import ACTIVATION_SITES
 from ..guidance.records import pack_guidance, payload_of, with_tensors
 from ..guidance.site import FallbackCounter, SiteGuidance
 from ..metrics import cache_metrics, guidance_step_metrics, quant_counts, quant_metrics
@@ -155,7 +156,10 @@ class GRPORun:
 
         self.arm, self.cfg, self.task, self.tok = arm, cfg, task, CharTokenizer()
         self.out_dir = Path(out_dir)
-        record_cfg = arm.trace.replace(guided_layers="all", cache_mode="full")  # the metrics' superset
+        # the metrics' superset: full records of every quantized activation site at every layer (keep_for_arm ships
+        # the arm's own; the quant/* metrics of its unguided sites compare the trainer's codes with these)
+        record_cfg = arm.trace.replace(guided_layers="all", cache_mode="full",
+                                       guided_sites=tuple(s for s in ACTIVATION_SITES if s in arm.trace.sites))
         self.rollout = HFRolloutBackend(hf_dir, mode=arm.rollout_mode, trace_config=record_cfg, device=device,
                                         fast_kv_attention=cfg.fast_kv_attention, compile=cfg.compile_rollout,
                                         static_decode=cfg.static_decode)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_trace.config import TraceConfig
+from megatron_trace.config import ACTIVATION_SITES, TraceConfig
 from megatron_trace.rl import report
 from megatron_trace.rl.arms import ARMS, make_arm
 from megatron_trace.rl.demo import check_init_from, run
@@ -81,7 +81,6 @@ def test_a_runs_metrics_give_the_budget_planner_its_per_layer_rates(megatron_cpu
     from pathlib import Path
 
     from megatron_trace.cli import plan
-    from megatron_trace.config import ACTIVATION_SITES
     from megatron_trace.guidance.accounting import bytes_per_layer
     from megatron_trace.guidance.model_dims import ModelDims
 
@@ -775,13 +774,14 @@ def test_a_guided_arm_keeps_the_promise_across_accepted_configs(megatron_cpu, ck
     for bit), every guided row is used, the guided sites alone are counted, no scale differs.
     Without the fixes: ``rounding`` (the trainer's own where unguided) made the hf rollout round stochastically too
     (59-87% of its recorded codes differed from RNE's, its recipe said rollout_rounding='rne'); sites without
-    "weights" (an FP4 KV cache alone) raised at startup: weight_sync='auto' sent FP4 weights to BF16 experts."""
+    "weights" (an FP4 KV cache alone) raised at startup: weight_sync='auto' sent FP4 weights to BF16 experts; a
+    quantized site outside guided_sites had no quant/* metrics (the rollout recorded the guided sites alone)."""
     from megatron_trace.rollout.hf import HFRolloutBackend
 
     cfg = TraceConfig(**trace)
     rl = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, checkpoint_every=0, sentinel_prompts=0)
     r = GRPORun(make_arm("trace_full", cfg), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
-    rne = HFRolloutBackend(ckpt, mode="fp4", trace_config=r.arm.trace.replace(rounding="rne"))
+    rne = HFRolloutBackend(ckpt, mode="fp4", trace_config=r.rollout.config.replace(rounding="rne"))
     _, ids = r._prompts(0)
     got, want = (be.generate(ids, r._sampling(0, 1.0)) for be in (r.rollout, rne))
     assert torch.equal(got.tokens, want.tokens) and set(got.guidance) == set(want.guidance)
@@ -791,12 +791,19 @@ def test_a_guided_arm_keeps_the_promise_across_accepted_configs(megatron_cpu, ck
             torch.uint8)), key
     m = r.step()
     guided = set(cfg.guided_sites)
+    quantized = {s for s in ACTIVATION_SITES if s in cfg.sites}  # every one compared with the rollout, guided or not
+    assert {k.split("/")[1] for k in m if k.startswith("quant/") and k.count("/") == 2
+            and k.endswith("/code_mismatch_rate")} == quantized | {"guided"}
     assert {k.rsplit("/", 1)[1] for k in m if k.startswith("guidance/trainer/coverage/")} == guided
     assert all(m[f"guidance/trainer/coverage/{s}"] == 1.0 and m[f"quant/{s}/scale_mismatch_rate"] == 0.0
                for s in guided)
     assert m["guidance/trainer/coverage"] == 1.0 == m["guidance/assembly/coverage"]
     assert not [k for k in m if "/fallback/" in k] and m["guidance/trainer/rows_used"] > 0
     assert m["quant/guided/code_mismatch_rate"] < 1e-3 and math.isfinite(m["loss"])
+    if "weights" not in cfg.sites:  # packed FP4 weights for the rollout's BF16 experts: refused by name
+        with pytest.raises(ValueError, match="weight_sync='fp4' sends packed FP4 expert weights"):
+            GRPORun(r.arm, dataclasses.replace(rl, weight_sync="fp4"), get_task("add"), ckpt, out_dir=tmp_path / "b",
+                    cache_dir=tmp_path / "cb")
 
 
 def test_the_trainer_scores_at_the_sampling_temperature(megatron_cpu, ckpt, tmp_path):
