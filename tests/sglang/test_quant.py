@@ -294,6 +294,36 @@ def test_emulated_linear_apply_matches_reference(registered):
     assert torch.equal(out, ref)
 
 
+def test_emulated_paths_round_rne_whatever_the_trainers_rounding(registered):
+    """A quant config whose TraceConfig says rounding='stochastic' (the trainer's own, where unguided): the emulated
+    linear and experts still round RNE, as the recipe's rollout_rounding says (they rounded stochastically)."""
+    state, qcfg = _ckpt_state()
+    qcfg = {**qcfg, "trace": {**qcfg["trace"], "rounding": "stochastic"}}
+    method, layer = _moe_layer(registered, qcfg)
+    assert method.quant_config.trace.rounding == "stochastic"
+    _load_like_fused_moe(registered, layer, state)
+    hidden, ids, w = tiny_inputs()
+    got = method.emulated_forward(layer, hidden, ids.to(torch.int32), w)
+    q = CFG.weight_quantizer()
+    fc1, fc2 = tiny_experts()
+    ref = w4a4_experts_forward(hidden, ids, w, PackedExperts.stack([q.quantize(x) for x in fc1]),
+                               PackedExperts.stack([q.quantize(x) for x in fc2]),
+                               activation_quantizer=CFG.activation_quantizer())
+    assert torch.equal(got.out, ref.out) and torch.equal(got.fc1_in.codes, ref.fc1_in.codes)
+    lin = registered.TraceNvFp4LinearMethod(registered.TraceQuantConfig.from_config(qcfg))
+    layer2 = torch.nn.Module()
+    lin.create_weights(layer2, F, [H], F, H, torch.bfloat16, weight_loader=None)
+    p = "model.layers.0.mlp.experts.1.down_proj"
+    with torch.no_grad():
+        for name in ("weight", "weight_scale", "weight_global_amax"):
+            getattr(layer2, name).copy_(state[f"{p}.{name}"])
+        layer2.weight_scale_2.fill_(state[f"{p}.weight_scale_2"])
+    x = torch.randn(5, F).to(torch.bfloat16)
+    want = torch.nn.functional.linear(CFG.activation_quantizer().fake_quantize(x),
+                                      CFG.weight_quantizer().fake_quantize(tiny_experts()[1][1]))
+    assert torch.equal(lin.apply(layer2, x), want)
+
+
 def test_server_args_keys_exist(registered):
     import dataclasses
 
