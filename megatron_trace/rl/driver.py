@@ -291,7 +291,10 @@ class GRPORun:
             for key, sg in rec.sites.items():
                 if key in full and not sg.compact:
                     want = batch_rows(full[key], sl)
-                    c = quant_counts(sg.record, want.record, rows=want.valid & sg.valid)
+                    rows = want.valid & sg.valid
+                    if sg.expert_ids is not None and want.expert_ids is not None:  # FC2: a slot of another expert
+                        rows &= sg.expert_ids == want.expert_ids  # (routing replay off) holds other rows
+                    c = quant_counts(sg.record, want.record, rows=rows)
                     counts[key] = c if key not in counts else counts[key] + c
                     if key in guided_keys:
                         guided = c if guided is None else guided + c

@@ -912,6 +912,31 @@ def test_trace_routing_replay_off_turns_replay_off_in_every_arm(megatron_cpu, ck
     assert sg.routing == {}
 
 
+def test_fc2_quant_metrics_compare_slots_of_the_same_expert(megatron_cpu, ckpt, tmp_path):
+    """Routing replay off: a trainer's FC2 slot may hold another expert's row than the rollout's slot. Such slots
+    were compared all the same (the matrix audit saw FC2 scale mismatch up to 8% where every slot of the same
+    expert followed its record). Here slot (0, 1, 1) holds another expert, with other values, on the trainer side."""
+    from megatron_trace.guidance.site import SiteGuidance
+    from megatron_trace.megatron import StepGuidance
+
+    r = GRPORun(make_arm("trace_full", TraceConfig(routing_replay=False)), RL, get_task("add"), ckpt,
+                out_dir=tmp_path, cache_dir=tmp_path / "c")
+    q, gen = TraceConfig().activation_quantizer(), torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 2, 32, generator=gen)
+    ids = torch.randint(0, 4, (2, 3, 2), generator=gen)
+    other_x, other_ids = x.clone(), ids.clone()
+    other_x[0, 1, 1] = torch.randn(32, generator=gen)
+    other_ids[0, 1, 1] += 4
+    valid = torch.ones(2, 3, 2, dtype=torch.bool)
+    key = (1, "expert_fc2_in")
+    rollout = {key: SiteGuidance(q.quantize(x).guidance(compact=False), valid, ids)}
+    trainer = StepGuidance(sites={key: SiteGuidance(q.quantize(other_x).guidance(compact=False), valid, other_ids)})
+    m = r._quant_metrics([trainer], rollout, 2)
+    assert m["quant/expert_fc2_in/scale_mismatch_rate"] == 0.0 and m["quant/expert_fc2_in/code_mismatch_rate"] == 0
+    same = StepGuidance(sites={key: SiteGuidance(q.quantize(other_x).guidance(compact=False), valid, ids)})
+    assert r._quant_metrics([same], rollout, 2)["quant/expert_fc2_in/scale_mismatch_rate"] > 0  # (compared)
+
+
 def test_micro_batches_that_do_not_split_the_batch_are_named(megatron_cpu, ckpt, tmp_path):
     r = GRPORun(make_arm("trace", TraceConfig()), RL, get_task("add"), ckpt, out_dir=tmp_path,
                 cache_dir=tmp_path / "c")
