@@ -48,13 +48,18 @@ def test_lengths_mask_each_sequence_tail():
 
 @pytest.mark.parametrize("bad,match", [("hq", "multiple of Hkv"), ("d", "does not fit"), ("len", "lengths"),
                                        ("kernel", "kernel='triton' cannot run"),
-                                       ("mask", r"kv_mask must be bool or uint8 \(.*got torch.float32")])
+                                       ("mask", r"kv_mask must be bool or uint8 \(.*got torch.float32"),
+                                       ("narrow_mask", r"kv_mask must be \[B=3, >= T=21\], got \(3, 1\)"),
+                                       ("block", "head_dim=16 must be a multiple of the mxfp4 block 32")])
 def test_bad_arguments_are_named(bad, match):
     """A float kv_mask (an additive mask's 0 / -inf) was taken as non-zero: attended by the reference (its -inf rows
-    attended, its 0 rows not) and cast to bytes by the Triton path (0.5 -> 0: not attended)."""
-    q, k, v = _case(2)
+    attended, its 0 rows not) and cast to bytes by the Triton path (0.5 -> 0: not attended). A [B, 1] mask would
+    broadcast over T in the reference; a head_dim below the block has no whole block for the kernels."""
+    q, k, v = _case(2, fmt="mxfp4", d=16) if bad == "block" else _case(2)
     lengths, kernel, mask = None, "auto", None
-    if bad == "mask":
+    if bad == "narrow_mask":
+        mask = torch.ones(3, 1, dtype=torch.bool)
+    elif bad == "mask":
         mask = torch.zeros(3, 21)
         mask[:, :5] = float("-inf")
     elif bad == "hq":
@@ -63,7 +68,7 @@ def test_bad_arguments_are_named(bad, match):
         q = q[..., :16]
     elif bad == "len":
         lengths = torch.tensor([1, 2])
-    else:
+    elif bad == "kernel":
         kernel = "triton"
     with pytest.raises(ValueError, match=match):
         fp4kv_decode_attention(q, k, v, lengths=lengths, kv_mask=mask, kernel=kernel)
@@ -158,6 +163,44 @@ def test_fast_path_matches_reference(name, b, hq, hkv, t, d, block_t, splits):
         return
     got = kv_attention_triton.decode_attention(q, k, v, scale=d**-0.5, exact=False, block_t=block_t, splits=splits)
     _check(got, q, k, v)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_exact_path_dequantization_is_the_reference_bf16(name):
+    """The exact kernel's in-register K/V rows (``_deq_rows``) are ``FP4Tensor.dequantize(torch.bfloat16)``, bit for
+    bit, in each format (NVFP4 per row or per tensor: the S_enc division; MXFP4: the E8M0 exponents)."""
+    fmt, per_row = QUANTIZERS[name]
+    x = random_rows((37, 64), torch.float32, torch.Generator().manual_seed(3), spread=3.0)
+    t = Quantizer(fmt, per_row=per_row).quantize(x.to(DEVICE))
+    got = kv_attention_debug.dequantize_rows(t, block_t=16)
+    assert torch.equal(got.cpu().view(torch.int16), t.dequantize(torch.bfloat16).cpu().view(torch.int16))
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_exact_path_matches_reference(name):
+    """The exact kernel in each format (the other exact-path tests take NVFP4 per row), G = 4, one split of two
+    tiles, the second partial."""
+    q, k, v = _kv_case(name, 2, 8, 2, 45, 32, seed=4)
+    got = kv_attention_triton.decode_attention(q, k, v, scale=32**-0.5, exact=True, block_t=32, splits=1)
+    _check(got, q, k, v, exact=True)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter's fp32 dots (the GPU's MMAs round the weights to bf16)")
+@pytest.mark.parametrize("name", list(QUANTIZERS))
+def test_fast_path_in_fp32_is_the_fp32_reference(name):
+    """Under the interpreter the fast path's dots are fp32 and its K/V the exact FP4 values: with q of bf16 values
+    given in fp32 (the kernel loads q as bf16) the fp32 result equals the fp32-K/V reference within fp32 rounding,
+    far below ``TIGHT`` (the bf16 output's rounding, which hides errors of 1e-4). Lengths, starts and a kv_mask with
+    a hole, G = 4, two splits of two tiles each (the second split's last tile partial)."""
+    q, k, v = _kv_case(name, 3, 8, 2, 61, 64, seed=11)
+    q = q.float()
+    kw = dict(lengths=torch.tensor([61, 40, 9]), starts=torch.tensor([0, 7, 3]),
+              kv_mask=(torch.arange(61) % 11 != 4).expand(3, 61))
+    got = kv_attention_triton.decode_attention(q, k, v, scale=0.125, exact=False, block_t=16, splits=2, **kw)
+    assert got.dtype == torch.float32
+    assert _rel(got, reference_attention(q, k, v, scale=0.125, kv_dtype=torch.float32, **kw)) < 1e-5
 
 
 @needs_triton
@@ -285,14 +328,15 @@ def test_reference_starts_are_the_left_padding_mask():
 
 
 @needs_triton
-@pytest.mark.parametrize("t_len", [40, 41])
+@pytest.mark.parametrize("t_len,splits", [(40, 3), (41, 2)])
 @pytest.mark.parametrize("exact", [False, True])
-def test_intervals_give_the_masks_result_bit_for_bit(exact, t_len):
+def test_intervals_give_the_masks_result_bit_for_bit(exact, t_len, splits):
     """starts / lengths (no mask loads, the tiles before a row's start not run) == the same rows as a kv_mask:
-    the tiles that run see the same tokens (boundaries stay multiples of BT), skipped ones attend nothing."""
+    the tiles that run see the same tokens (boundaries stay multiples of BT), skipped ones attend nothing. Splits
+    of one tile (T = 40) and of two (41: tiles starting at a row's start instead would regroup the online softmax)."""
     q, k, v = _kv_case("nvfp4_row", 5, 8, 2, t_len, 64, seed=7)
     starts, ends, mask = _interval_rows(t_len, DEVICE)
-    kw = dict(scale=64**-0.5, exact=exact, block_t=16, splits=3)
+    kw = dict(scale=64**-0.5, exact=exact, block_t=16, splits=splits)
     got = kv_attention_triton.decode_attention(q, k, v, starts=starts, lengths=ends, **kw)
     assert torch.equal(got, kv_attention_triton.decode_attention(q, k, v, kv_mask=mask, **kw))
     _check(got, q, k, v, exact, kv_mask=mask)
@@ -313,6 +357,7 @@ def test_mask_intervals_kernel_is_the_reference(t):
     m[1] = False  # attends nothing: (T, 0)
     if t > 2:
         m[2], m[2, 0], m[2, t - 1] = False, True, True  # two runs: a hole
+    m[[0, 1, 2], t:] = True  # columns past T attend: ignored (row 1 still attends nothing)
     four_d = torch.zeros(b, 1, 2, t + 3, dtype=torch.bool)
     four_d[:, 0, -1] = m
     view = four_d.to(DEVICE)[:, 0, -1, :]  # row stride 2 * (t + 3)
@@ -429,6 +474,28 @@ def test_combine_kernel_is_the_torch_combine(splits, per_step, monkeypatch):
     torch.testing.assert_close(bf[ok].float(), want[ok], rtol=8e-3, atol=1e-5)
 
 
+@needs_triton
+@pytest.mark.parametrize("shift", [-300.0, 300.0])
+def test_combine_kernel_takes_split_maxima_far_from_zero(shift):
+    """Split maxima near -300 or 300 (units of e; exp of either over- or underflows fp32): each split weighs
+    exp(m - the row's max), so a shift common to a row's maxima changes nothing, bit for bit (maxima multiples of
+    2**-10: exact when shifted). One split empty (-inf), one row all empty (NaN, as torch gives)."""
+    g = torch.Generator().manual_seed(3)
+    acc = torch.randn(2, 3, 5, 64, generator=g)
+    m = torch.round(torch.randn(2, 3, 5, generator=g) * 3 * 1024) / 1024
+    ml = torch.stack([m, torch.rand(2, 3, 5, generator=g) + 0.5], -1)
+    ml[0, 1, 2, 0] = float("-inf")
+    ml[1, 2, :, 0] = float("-inf")
+    want = kv_attention_combine.combine_splits(acc.to(DEVICE), ml.to(DEVICE), torch.float32).cpu()
+    shifted = ml.clone()
+    shifted[..., 0] += shift
+    got = kv_attention_combine.combine_splits(acc.to(DEVICE), shifted.to(DEVICE), torch.float32).cpu()
+    assert torch.isfinite(want[:1]).all() and torch.isfinite(want[1, :2]).all() and torch.isnan(got[1, 2]).all()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert torch.equal(kv_attention_combine.combine(acc, shifted).view(torch.int32),
+                       kv_attention_combine.combine(acc, ml).view(torch.int32))
+
+
 @pytest.mark.parametrize("case", ["viewed", "narrow", "odd_stride", "odd_offset", "uint8", "int64", "t_mult4"])
 def test_mask_arg_words_hold_the_masks_first_t_bytes(case):
     """kv_mask [B, >= T] -> int32 words [B, ceil(T / 4)] whose first T bytes are the mask's (non-zero: attended):
@@ -476,3 +543,53 @@ def test_scale_word_loads_only_whole_rows_at_aligned_addresses():
     assert scale_word(False, "mxfp4", 128, 32, buf, buf.flatten()[1:121].view(2, 3, 5, 4)) == 1  # odd base
     assert scale_word(False, "nvfp4", 128, 16, buf) == 1  # NVFP4 word loads: only with the GPU's inline PTX
     assert scale_word(True, "nvfp4", 128, 16, buf) == 4
+
+
+if DEVICE is not None:
+    import triton
+    import triton.language as tl
+
+    from megatron_trace.kernels.kv_attention_loop import _program
+
+    @triton.jit
+    def _program_kernel(len_ptr, first_ptr, out_ptr, T, R, chunk, n_tiles, HKV: tl.constexpr, BT: tl.constexpr,
+                        HAS_LEN: tl.constexpr, HAS_FIRST: tl.constexpr, LOAD_R: tl.constexpr):
+        """out[program] = ``_program``'s (b, h, split, start, load_end, end, first, tiles), for checking them."""
+        got = _program(len_ptr, first_ptr, T, R, chunk, n_tiles, HKV, BT, HAS_LEN, HAS_FIRST, LOAD_R)
+        out = out_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * 8
+        for j in tl.static_range(8):
+            tl.store(out + j, got[j] + tl.zeros([], tl.int64))
+
+
+@needs_triton
+@pytest.mark.parametrize("has_len,has_first,load_r", [(False, False, False), (True, False, False),
+                                                       (False, True, False), (True, True, False), (True, True, True)])
+def test_program_runs_exactly_the_tiles_that_attend_something(has_len, has_first, load_r):
+    """Each program's tiles (the trip count the compiled kernels loop over; the interpreter runs all ``chunk / BT``
+    tiles of a split, so only this launch sees it): with lengths or starts, exactly the split's tiles (boundaries
+    multiples of BT) that hold an attended row of [first, min(length, T)), a partial last tile included; without,
+    all of the split's tiles. The loads end at the attend end, or with readable rows at the split's end or R."""
+    t_len, rows, bt, chunk, splits, hkv = 75, 80, 16, 32, 3, 2
+    lengths = torch.tensor([75, 40, 17, 1, 90, 0, 64, 33], dtype=torch.int32)  # a partial tile, a length past T
+    firsts = torch.tensor([0, 5, 16, 0, 47, 75, 63, 33], dtype=torch.int32)  # inside a tile, on a boundary, (T, 0)
+    bsz = lengths.numel()
+    out = torch.full((bsz * hkv, splits, 8), -7, dtype=torch.int64, device=DEVICE)
+    _program_kernel[(bsz * hkv, splits)](lengths.to(DEVICE), firsts.to(DEVICE), out, t_len, rows, chunk, chunk // bt,
+                                         HKV=hkv, BT=bt, HAS_LEN=has_len, HAS_FIRST=has_first, LOAD_R=load_r)
+    out = out.cpu()
+    for pid in range(bsz * hkv):
+        b = pid // hkv
+        n = min(int(lengths[b]), t_len) if has_len else t_len
+        first = int(firsts[b]) if has_first else 0
+        for split in range(splits):
+            got_b, got_h, got_split, start, load_end, end, got_first, tiles = out[pid, split].tolist()
+            lo = split * chunk
+            assert (got_b, got_h, got_split, end, got_first) == (b, pid % hkv, split, min(lo + chunk, n), first)
+            assert load_end == (min(lo + chunk, rows) if load_r else end)
+            run = [start + i * bt for i in range(max(tiles, 0))]
+            tiles_of_split = range(lo, lo + chunk, bt)
+            if has_len or has_first:  # the tiles holding a row of [first, end), in order
+                want = [s for s in tiles_of_split if s < end and s + bt > first]
+            else:
+                want = list(tiles_of_split)
+            assert run == want, (b, split, run, want)

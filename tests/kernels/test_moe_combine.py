@@ -106,6 +106,7 @@ def test_no_tokens_gives_an_empty_result():
     (dict(order="tree"), "order='tree' is not one of"),
     (dict(inv=torch.arange(5)), r"inv \[T\*k\]"),
     (dict(weights=torch.ones(2, 2)), r"weights \[T, k\]"),
+    (dict(y=torch.zeros(5, 8, dtype=torch.bfloat16)), r"got y \(5, 8\), inv \(6,\)"),  # (the kernel: read past y)
 ])
 def test_bad_arguments_are_named(bad, match):
     args = dict(y=torch.zeros(6, 8, dtype=torch.bfloat16), inv=torch.arange(6), weights=torch.ones(2, 3),
