@@ -181,8 +181,11 @@ def test_exact_path_dequantization_is_the_reference_bf16(name):
 @pytest.mark.parametrize("name", list(QUANTIZERS))
 def test_exact_path_matches_reference(name):
     """The exact kernel in each format (the other exact-path tests take NVFP4 per row), G = 4, one split of two
-    tiles, the second partial."""
+    tiles, the second partial; K's codes and block scales as views with a strided last dim (copied for the kernel)."""
     q, k, v = _kv_case(name, 2, 8, 2, 45, 32, seed=4)
+    k = dataclasses.replace(k, **{f: getattr(k, f).transpose(-1, -2).contiguous().transpose(-1, -2)
+                                  for f in ("codes", "block_scales")})
+    assert k.codes.stride(-1) == 45  # (and the scales but for MXFP4's single block)
     got = kv_attention_triton.decode_attention(q, k, v, scale=32**-0.5, exact=True, block_t=32, splits=1)
     _check(got, q, k, v, exact=True)
 
@@ -192,12 +195,14 @@ def test_exact_path_matches_reference(name):
 def test_fast_path_in_fp32_is_the_fp32_reference(name):
     """Under the interpreter the fast path's dots are fp32 and its K/V the exact FP4 values: with q of bf16 values
     given in fp32 (the kernel loads q as bf16) the fp32 result equals the fp32-K/V reference within fp32 rounding,
-    far below ``TIGHT`` (the bf16 output's rounding, which hides errors of 1e-4). Lengths, starts and a kv_mask with
-    a hole, G = 4, two splits of two tiles each (the second split's last tile partial)."""
+    far below ``TIGHT`` (the bf16 output's rounding, which hides errors of 1e-4). Lengths, starts and a uint8 kv_mask
+    (2: attended) with a hole, G = 4, two splits of two tiles each (the second split's last tile partial); q a view
+    with a strided last dim (copied for the kernel)."""
     q, k, v = _kv_case(name, 3, 8, 2, 61, 64, seed=11)
-    q = q.float()
+    q = torch.stack([q.float(), torch.full_like(q.float(), float("nan"))], -1)[..., 0]  # q.stride(-1) == 2
+    assert q.stride(-1) == 2
     kw = dict(lengths=torch.tensor([61, 40, 9]), starts=torch.tensor([0, 7, 3]),
-              kv_mask=(torch.arange(61) % 11 != 4).expand(3, 61))
+              kv_mask=((torch.arange(61) % 11 != 4) * 2).to(torch.uint8).expand(3, 61))
     got = kv_attention_triton.decode_attention(q, k, v, scale=0.125, exact=False, block_t=16, splits=2, **kw)
     assert got.dtype == torch.float32
     assert _rel(got, reference_attention(q, k, v, scale=0.125, kv_dtype=torch.float32, **kw)) < 1e-5

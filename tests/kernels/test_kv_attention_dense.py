@@ -58,12 +58,13 @@ def test_bad_arguments_are_named(bad, match):
                                                            (100, 16, 4, False)])
 def test_kernel_matches_the_reference(t, block_t, splits, intervals):
     """Left padding, finished tails and a hole (mask) or intervals (starts / lengths), split along T; readable rows
-    past T (zeros) change nothing, and the rows past them (NaN) are not read. Equal within bf16 rounding of the
-    softmax weights (fp32 under the interpreter)."""
+    past T (zeros) change nothing, and the rows past them (NaN) are not read; q a strided view. Equal within bf16
+    rounding of the softmax weights (fp32 under the interpreter)."""
     from megatron_trace.kernels import kv_attention_dense_triton as dense
 
     dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
     q, k, v = _case(2, t=t, dtype=dtype, device=DEVICE)
+    q = torch.stack([q, torch.full_like(q, float("nan"))], -1)[..., 0]  # a view with q.stride(-1) == 2 (copied)
     rows = -(-t // 16) * 16
     k, v = (torch.cat([x, x.new_zeros(*x.shape[:2], rows - t, x.shape[3]),  # spare zero rows, then unreadable NaN
                        x.new_full((*x.shape[:2], 16, x.shape[3]), float("nan"))], 2) for x in (k, v))
