@@ -70,6 +70,9 @@ def _check_layout(q: torch.Tensor, k_shape: tuple, v_shape: tuple, lengths, kv_m
     for name, rows in (("lengths", lengths), ("starts", starts)):
         if rows is not None and tuple(rows.shape) != (b,):
             raise ValueError(f"{name} must be [B={b}], got {tuple(rows.shape)}")
+        if rows is not None and (rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool):
+            # (a float length 4.5 attends 5 rows in the reference, 4 in the kernels: their int32 cast)
+            raise ValueError(f"{name} must be an integer tensor, got {rows.dtype}")
     if kv_mask is not None and (kv_mask.dim() != 2 or kv_mask.shape[0] != b or kv_mask.shape[1] < t):
         raise ValueError(f"kv_mask must be [B={b}, >= T={t}], got {tuple(kv_mask.shape)}")
     if kv_mask is not None and kv_mask.dtype not in (torch.bool, torch.uint8):  # (an additive float mask: 0 attends)

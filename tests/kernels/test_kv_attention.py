@@ -50,11 +50,13 @@ def test_lengths_mask_each_sequence_tail():
                                        ("kernel", "kernel='triton' cannot run"),
                                        ("mask", r"kv_mask must be bool or uint8 \(.*got torch.float32"),
                                        ("narrow_mask", r"kv_mask must be \[B=3, >= T=21\], got \(3, 1\)"),
-                                       ("block", "head_dim=16 must be a multiple of the mxfp4 block 32")])
+                                       ("block", "head_dim=16 must be a multiple of the mxfp4 block 32"),
+                                       ("float_len", "lengths must be an integer tensor, got torch.float32")])
 def test_bad_arguments_are_named(bad, match):
     """A float kv_mask (an additive mask's 0 / -inf) was taken as non-zero: attended by the reference (its -inf rows
     attended, its 0 rows not) and cast to bytes by the Triton path (0.5 -> 0: not attended). A [B, 1] mask would
-    broadcast over T in the reference; a head_dim below the block has no whole block for the kernels."""
+    broadcast over T in the reference; a head_dim below the block has no whole block for the kernels. Float
+    lengths were taken: 4.5 attended 5 rows in the reference and 4 in the Triton path (its int32 cast)."""
     q, k, v = _case(2, fmt="mxfp4", d=16) if bad == "block" else _case(2)
     lengths, kernel, mask = None, "auto", None
     if bad == "narrow_mask":
@@ -68,6 +70,8 @@ def test_bad_arguments_are_named(bad, match):
         q = q[..., :16]
     elif bad == "len":
         lengths = torch.tensor([1, 2])
+    elif bad == "float_len":
+        lengths = torch.tensor([21.0, 4.5, 1.0])
     elif bad == "kernel":
         kernel = "triton"
     with pytest.raises(ValueError, match=match):
