@@ -565,8 +565,9 @@ def test_dequantize_by_block_consts_every_code_and_scale(out, amax, nan_scale, m
 def _block_scale_rows(g_scale: float) -> torch.Tensor:
     """fp32 rows [9, 1024] of 64 blocks: block 0 holds the row amax g = 2688 * g_scale, every other block's amax
     a = 6 v / g_scale for v on each E4M3 value, each midpoint between neighbours (ties) and one fp32 ulp either
-    side of it, and past 448: the block scales' rounding and clamp at every boundary (for g_scale = 1, S_enc = 1
-    and v = a / 6 exactly)."""
+    side of it, and past 448 (which raise their row's amax, so that v stays <= 448 there: the clamp is
+    ``test_block_scales_past_448_are_clamped_with_a_given_amax``'s): the block scales' rounding at every boundary
+    (for g_scale = 1, S_enc = 1 and v = a / 6 exactly)."""
     e4 = torch.arange(256, dtype=torch.int64).to(torch.uint8).view(torch.float8_e4m3fn).float()
     vals = torch.unique(e4[torch.isfinite(e4) & (e4 >= 0)])  # 0, 2**-9 ... 448
     mids = (vals[1:] + vals[:-1]) / 2
@@ -594,6 +595,60 @@ def test_block_scales_at_every_e4m3_rounding_boundary(g_scale):
     t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
     assert_same_fp4(t, ref)
     assert_same_fp4(rec, ref.guidance(compact=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_mxfp4_ceil_exponent_at_the_subnormal_quotient_boundary(dtype):
+    """MXFP4 ceil: block amaxes whose amax / 6 is a subnormal just below, at and above 2**-127 (amax = 3 * 2**-126:
+    ceil(log2) = -127, not -126; scale byte 0), and the normal neighbours 6 * 2**-126: every block's scale byte and
+    codes equal the reference's."""
+    q = POLICIES["mxfp4-ceil"]
+    a = torch.tensor([3 * 2.0**-126, 6 * 2.0**-126, 3 * 2.0**-125, 2.0**-125, 5 * 2.0**-126])
+    a = torch.cat([a, torch.nextafter(a, torch.zeros(())), torch.nextafter(a, torch.ones(()))]).to(dtype).float()
+    frac = torch.linspace(-1, 1, 31)  # the rest of each block below its amax, both signs, through 0
+    x = torch.cat([a[:, None], a[:, None] * frac], dim=1)  # [15, 32]: one block a row
+    if INTERPRET and dtype != torch.float32:  # the interpreter flushes half subnormals (see edge_rows): none here
+        x = torch.where(x.abs() < torch.finfo(dtype).smallest_normal, 0.0, x)
+    x = x.to(dtype)
+    ref = q.quantize(x)
+    assert (ref.block_scales.view(torch.uint8)[0] == 0).all()  # 2**-127: the boundary case itself
+    t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
+    assert_same_fp4(t, ref)
+    assert_same_fp4(rec, ref.guidance(compact=True))
+
+
+@pytest.mark.parametrize("amax", ["scalar", "per-row"])
+def test_block_scales_past_448_are_clamped_with_a_given_amax(amax):
+    """A given global amax below a block's amax puts S_enc * amax_b / 6 past 448 (the computed amaxes never do):
+    just above 448, on the tie 464 between 448 and 480, past it and far past it, the block scale is 448 (0x7E), not
+    the E4M3 rounding of the unclamped value (480, then 512's exponent overflowing into the sign bit)."""
+    v = torch.tensor([447.0, 448.0, 449.0, 463.0, 464.0, 465.0, 480.0, 500.0, 512.0, 1e4, 1e30])
+    x = (v[:, None] * 6 * torch.linspace(1, -1, 16)).reshape(1, -1).repeat(2, 1)  # S_enc = 1: v = block amax / 6
+    g = 2688.0 if amax == "scalar" else torch.full((2, 1), 2688.0)
+    q = Quantizer("nvfp4")
+    ref = q.quantize(x, global_amax=g)
+    assert (ref.block_scales.view(torch.uint8)[:, 1:] == 0x7E).all()
+    gd = g.to(DEVICE) if isinstance(g, torch.Tensor) else g
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        t, _, out = fused.quantize(xd.to(DEVICE), q, global_amax=gd, deq_dtype=dtype, check_finite=False)
+        assert_same_fp4(t, q.quantize(xd, global_amax=g))
+        assert same_bits(out["deq"], q.quantize(xd, global_amax=g).dequantize(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_partial_last_tile_reads_nothing_past_the_row(dtype):
+    """Per-row NVFP4 of rows of 3 blocks (48 elements: a tile of 4 blocks, the last one past the row): the padding
+    reads no element of the next row, or of a wider tensor around a column slice, into the row amax, where values
+    10**6 (10**30) times larger sit."""
+    q = POLICIES["nvfp4-row"]
+    x = _inputs((4, 48), dtype, 28) * torch.tensor([1.0, 1e6, 1.0, 1e6])[:, None].to(dtype)
+    wide = torch.cat([_inputs((4, 48), dtype, 29), torch.full((4, 32), 1e30, dtype=dtype)], 1)
+    for rows in (x, wide[:, :48]):
+        ref = q.quantize(rows.contiguous())
+        t, rec, _ = fused.quantize(rows.to(DEVICE), q, record=True)
+        assert_same_fp4(t, ref)
+        assert_same_fp4(rec, ref.guidance(compact=True))
 
 
 def _views(dtype):
