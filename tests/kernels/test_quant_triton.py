@@ -7,7 +7,7 @@ then compares codes, scales, global amax, mantissa bits and dequantized values b
 import pytest
 import torch
 
-from megatron_trace.formats import CompactGuidance, FP4Tensor, NonFiniteError, Quantizer
+from megatron_trace.formats import CompactGuidance, FP4Tensor, FullGuidance, NonFiniteError, Quantizer
 from megatron_trace.formats import block as ref_block
 
 from ._gpu import DEVICE, INTERPRET, assert_same_fp4, bits, edge_rows, needs_triton, random_rows, same_bits
@@ -356,6 +356,54 @@ def test_guided_every_record_code_on_ties_and_zeros(compact):
     t, out = fused.guided(x.to(DEVICE), _to(record, DEVICE), deq_dtype=torch.float32)
     assert_same_fp4(t, ref)
     assert same_bits(out["deq"], ref.dequantize(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("compact", [False, True], ids=["full", "compact"])
+def test_guided_nvfp4_every_record_code_on_ties_and_zeros(compact, dtype, monkeypatch):
+    """``test_guided_every_record_code_on_ties_and_zeros`` for NVFP4 (the tiles by magnitudes for bf16 / fp32, the
+    E2M1-index tile for fp16): a per-row record with S_enc = 1 (global amax 2688) and block scale 1 (E4M3 0x38),
+    so z == x, on grid points, midpoints and signed zeros, toward every rollout code (full) or both mantissa bits
+    (compact), in every position of a block; a block of scale 0 (z = +0) in the last row. Codes, dequantized values
+    and STE mask, by magnitudes and by E2M1 indices."""
+    x = torch.tensor(_Z).repeat(16, 1).to(dtype)  # [16, 32]: two blocks a row
+    sb = torch.full((16, 2), 0x38, dtype=torch.uint8)
+    sb[15, 1] = 0  # a zero block scale
+    kw = dict(block_scales=sb.view(torch.float8_e4m3fn), global_amax=torch.full((16, 1), 2688.0), shape=(16, 32),
+              fmt="nvfp4")
+    if compact:  # random bytes, each row's complement in the next: every element meets both bits
+        b = torch.randint(0, 256, (8, 1, 4), generator=torch.Generator().manual_seed(30), dtype=torch.uint8)
+        record = CompactGuidance(mantissa_bits=torch.cat([b, 255 - b], 1).reshape(16, 4), **kw)
+    else:  # element j of row r: code (r + j) % 16, so every element meets every code
+        codes = ((torch.arange(16)[:, None] + torch.arange(32)) % 16).to(torch.uint8)
+        record = FullGuidance(codes=codes[:, 0::2] | (codes[:, 1::2] << 4), **kw)
+    q = Quantizer("nvfp4", per_row=True)
+    ref = q.guided_quantize(x, record)
+    inside = (x.float().abs() <= 6.0).to(torch.uint8)
+    inside[15, 16:] = 1  # z = 0
+    for by_mag in (True, False):
+        monkeypatch.setattr(quant_triton, "GUIDED_BY_MAGNITUDE", by_mag)
+        t, out = fused.guided(x.to(DEVICE), _to(record, DEVICE), deq_dtype=dtype, want_mask=True)
+        assert_same_fp4(t, ref)
+        assert same_bits(out["deq"], ref.dequantize(dtype)), by_mag
+        assert torch.equal(out["mask"].cpu(), inside), by_mag
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("policy", ["mxfp4-floor", "mxfp4-ceil"])
+def test_mxfp4_block_amax_near_the_largest_float(policy, dtype):
+    """MXFP4 blocks of amax 1.49 * 2**126 .. the dtype's largest value: the ceil rule's largest finite-input
+    exponents 125 and 126 (z = x * 2**-126; values 4 and 6 then dequantize to Inf, as the reference's), the floor
+    rule's 124 and 125: codes, scales, record, dequantized and fake-quantized values."""
+    q = POLICIES[policy]
+    big = torch.tensor([3.0e38, 2.6e38, 2.0**127, 1.5 * 2.0**126, 1.49 * 2.0**126, torch.finfo(dtype).max])
+    x = (big.to(dtype).float()[:, None] * torch.linspace(1, -1, 32)).to(dtype)  # [6, 32]: one block a row
+    ref = q.quantize(x)
+    t, rec, _ = fused.quantize(x.to(DEVICE), q, record=True)
+    assert_same_fp4(t, ref)
+    assert_same_fp4(rec, ref.guidance(compact=True))
+    assert same_bits(dequant_triton.dequantize(t, dtype), ref.dequantize(dtype))
+    assert same_bits(fused.fake_quantize(x.to(DEVICE), q).cpu(), q.fake_quantize(x))
 
 
 @pytest.mark.parametrize("compact", [False, True], ids=["full", "compact"])
