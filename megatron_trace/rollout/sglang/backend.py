@@ -36,7 +36,16 @@ from ..base import (
     weight_pairs,
 )
 from .capture import INFO_KEY, READOUT_PREFIX
-from .launch import KV_FP4, WEIGHT_LOADER, check_kv_cache_dtype, check_serves_fp4_weights, guidance_specs
+from .launch import (
+    KV_FP4,
+    WEIGHT_LOADER,
+    check_kv_cache_dtype,
+    check_kv_sites,
+    check_serves_format,
+    check_serves_fp4_weights,
+    guidance_specs,
+    needs_routing,
+)
 from .launch import kv_cache_dtype as default_kv_cache_dtype
 from .native import native_fp4_available
 from .records import assemble
@@ -117,12 +126,14 @@ class SGLangRolloutBackend:
                  recipe: QuantRecipe | None = None, kv_cache_dtype: str | None = None,
                  accept_kv_format_mismatch: bool = False, native: bool | None = None):
         check_serves_fp4_weights(trace_config)
+        check_serves_format(trace_config)
         self.engine, self.config, self.hf_config = engine, trace_config, hf_config
         self.exclude_modules = None if exclude_modules is None else list(exclude_modules)
         self.num_layers = int(hf_config["num_hidden_layers"])
         self.vocab_size = int(hf_config["vocab_size"])
         self.kv_cache_dtype = default_kv_cache_dtype(trace_config) if kv_cache_dtype is None else kv_cache_dtype
         check_kv_cache_dtype(self.kv_cache_dtype)
+        check_kv_sites(trace_config, self.kv_cache_dtype)
         served = getattr(getattr(engine, "server_args", None), "kv_cache_dtype", None)
         if isinstance(served, str) and served.startswith("fp8"):  # an engine launched otherwise than told here
             check_kv_cache_dtype(served)
@@ -140,6 +151,7 @@ class SGLangRolloutBackend:
             raise ValueError(f"TraceConfig.exclude_modules keeps {bf16_kv[:3]} in BF16, but SGLang's FP4 KV cache "
                              "(kv_cache_dtype=fp4_e2m1) quantizes every layer: drop those patterns or use a BF16 KV")
         self.specs = guidance_specs(trace_config, hf_config, kv_dtype=self.kv_cache_dtype)
+        self.return_routing = needs_routing(trace_config, self.specs)  # (as trace_server_args launches the engine)
         self.pad_token_id = pad_token_id
         self.weights_group = weights_group
         self.policy_version = 0
@@ -222,7 +234,7 @@ class SGLangRolloutBackend:
                            "with enable_deterministic_inference=True", sampling.seed)
         outs = self.engine.generate(input_ids=prompts, sampling_params=[sampling_dict(sampling, i)
                                                                         for i in range(len(prompts))],
-                                    return_logprob=True, return_routed_experts=self.config.routing_replay)
+                                    return_logprob=True, return_routed_experts=self.return_routing)
         self._check_outputs(outs)
         payloads = self._read_out(prompts, outs) if self.specs else None
         return self._assemble(prompts, outs, payloads)
@@ -240,10 +252,10 @@ class SGLangRolloutBackend:
                 raise RuntimeError(f"SGLang request {i} finished with finish_reason={reason!r} (expected 'stop' or "
                                    f"'length'): it is not a complete sample; regenerate the batch")
             n = len(o["output_ids"])
-            if self.config.routing_replay and n and not o["meta_info"].get("routed_experts"):
-                raise RuntimeError(f"SGLang request {i} returned no routed_experts but TraceConfig.routing_replay="
-                                   "True: launch the engine with enable_return_routed_experts=True "
-                                   "(trace_server_args sets it)")
+            if self.return_routing and n and not o["meta_info"].get("routed_experts"):
+                raise RuntimeError(f"SGLang request {i} returned no routed_experts, which TraceConfig.routing_replay="
+                                   f"{self.config.routing_replay} or expert_fc2_in guidance needs: launch the engine "
+                                   "with enable_return_routed_experts=True (trace_server_args sets it)")
 
     def _read_out(self, prompts: list[list[int]], outs: list[dict]) -> list[list[dict]]:
         """The records of the finished sequences, from their KV slots: prompt + response sent again as

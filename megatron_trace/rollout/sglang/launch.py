@@ -15,7 +15,14 @@ from ...config import TraceConfig
 from ...formats import sglang_kvfp4
 from ...guidance.model_dims import ModelDims
 from ...guidance.selection import guided_layers
-from ...manifest import KV_SITES, check_guided_layers, experts_name, kv_cache_name, module_excluded
+from ...manifest import (
+    KV_SITES,
+    check_guided_layers,
+    excluded_modules,
+    experts_name,
+    kv_cache_name,
+    module_excluded,
+)
 from ..audit import qwen3_moe_modules
 from .capture import ATTENTION_TARGET, LOGITS_TARGET
 from .native import native_fp4_available
@@ -100,6 +107,34 @@ def check_serves_fp4_weights(trace_config: TraceConfig) -> None:
                          "'weights', but a TRACE engine (quantization='trace_nvfp4') serves the NVFP4 checkpoint's "
                          "expert weights in FP4 whatever the config says: enable the config with 'weights' in its "
                          "sites, or serve the BF16 checkpoint with a stock SGLang engine (no trace_nvfp4)")
+
+
+def check_serves_format(trace_config: TraceConfig) -> None:
+    """A TRACE engine quantizes in NVFP4 only (``TraceQuantConfig`` refuses another format, but in the engine's
+    scheduler process, once the engine is starting): refuse it before."""
+    if trace_config.format != "nvfp4":
+        raise ValueError(f"TraceConfig.format={trace_config.format!r}: a TRACE engine (quantization='trace_nvfp4') "
+                         "serves NVFP4 checkpoints only (valid: 'nvfp4'); roll out another format with the hf backend")
+
+
+def check_kv_sites(trace_config: TraceConfig, kv_dtype: str) -> None:
+    """SGLang's FP4 KV cache stores K and V both in FP4: a config that quantizes one of ``kv_k`` / ``kv_v`` would have
+    the trainer compute the other in BF16 against the engine's FP4 values, while both recipes list the same sites."""
+    if kv_dtype != KV_FP4:
+        return
+    kv = [s for s in KV_SITES if trace_config.quantizes(s)]
+    if len(kv) == 1:
+        other = next(s for s in KV_SITES if s != kv[0])
+        raise ValueError(f"TraceConfig.sites={trace_config.sites} quantizes {kv[0]!r} but not {other!r}, while "
+                         f"SGLang's FP4 KV cache (kv_cache_dtype={KV_FP4!r}) stores K and V both in FP4: the trainer "
+                         f"would compute {other} in BF16 against the engine's FP4 values; quantize both "
+                         f"{list(KV_SITES)} or neither")
+
+
+def needs_routing(trace_config: TraceConfig, specs: list[SiteSpec]) -> bool:
+    """Whether the engine must return the routed experts: routing replay, or expert_fc2_in records (their rows are
+    per (token, selected expert): the trainer matches them by expert id, replay or not, as from the hf backend)."""
+    return trace_config.routing_replay or any(s.site == "expert_fc2_in" for s in specs)
 
 
 def check_emulated_moe_parallel(trace_config: TraceConfig, moe_tp_size: int, moe_ep_size: int = 1) -> None:
@@ -195,15 +230,22 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
     ``disable_cuda_graph=True``, whatever the capture does. With guidance: ``REQUIRED`` settings, and
     ``tp_size == 1`` for ``expert_fc2_in``/KV sites (a TP rank holds a shard of the FFN and of the KV
     heads). KV sites in the config -> ``kv_cache_dtype=fp4_e2m1`` (SGLang's format, not
-    ``TraceConfig.format``: see ``SGLangRolloutBackend.check_recipe``).
+    ``TraceConfig.format``: see ``SGLangRolloutBackend.check_recipe``; one KV site alone is refused, as SGLang's
+    FP4 KV cache stores K and V both). ``enable_return_routed_experts`` with routing replay or expert_fc2_in
+    records (``needs_routing``).
     """
     check_serves_fp4_weights(trace_config)
+    check_serves_format(trace_config)
     native = native_fp4_available() if native is None else native
     kv_dtype = overrides.get("kv_cache_dtype", kv_cache_dtype(trace_config))
     check_kv_cache_dtype(kv_dtype)
+    check_kv_sites(trace_config, kv_dtype)
+    # (an exclude pattern matching none of the config's modules raises here, as in the backend, not after the start)
+    excluded_modules(trace_config, moe_layers=qwen3_moe_modules(hf_config)[0],
+                     attention_layers=range(int(hf_config["num_hidden_layers"])))
     specs = guidance_specs(trace_config, hf_config, kv_dtype=kv_dtype)
     kw = dict(model_path=model_path, quantization="trace_nvfp4", custom_weight_loader=[WEIGHT_LOADER],
-              enable_return_routed_experts=trace_config.routing_replay, kv_cache_dtype=kv_dtype)
+              enable_return_routed_experts=needs_routing(trace_config, specs), kv_cache_dtype=kv_dtype)
     if not native:
         kw["disable_cuda_graph"] = True
     if kv_dtype == KV_FP4:
