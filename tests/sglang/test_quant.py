@@ -483,8 +483,12 @@ def test_emulated_moe_quantizes_only_the_configured_activation_sites(registered)
 
     state, qcfg = _ckpt_state()
     fc2_only = CFG.replace(sites=("expert_fc2_in", "weights"), guided_sites=("expert_fc2_in",))
-    method, layer = _moe_layer(registered, quant_config_dict(qcfg["quantization"]["exclude_modules"],
-                                                                    trace_config=fc2_only.to_dict()))
+    registered.set_runtime_config(fc2_only)  # (an engine started with another config refuses this checkpoint)
+    try:
+        method, layer = _moe_layer(registered, quant_config_dict(qcfg["quantization"]["exclude_modules"],
+                                                                 trace_config=fc2_only.to_dict()))
+    finally:
+        registered.set_runtime_config(CFG)
     _load_like_fused_moe(registered, layer, state)
     hidden, ids, w = tiny_inputs()
     got = method.emulated_forward(layer, hidden, ids, w)

@@ -115,8 +115,9 @@ class TraceQuantConfig(ModelOptFp4Config):
     def from_config(cls, config: dict[str, Any]) -> TraceQuantConfig:
         base = ModelOptFp4Config.from_config(config)
         trace = config.get("trace")
-        return cls(TraceConfig.from_dict(trace) if trace else None, base.exclude_modules, base.group_size,
-                   config.get("packed_modules_mapping"))
+        trace = TraceConfig.from_dict(trace) if trace else None
+        check_engine_fields(trace, _RUNTIME_CONFIG)
+        return cls(trace, base.exclude_modules, base.group_size, config.get("packed_modules_mapping"))
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str):
         if isinstance(layer, LinearBase):
@@ -128,6 +129,24 @@ class TraceQuantConfig(ModelOptFp4Config):
         if isinstance(layer, FusedMoE) and not (self.is_layer_excluded(prefix) or trace_excludes(self.trace, prefix)):
             return TraceModelOptNvFp4MoEMethod(self)
         return None  # FusedMoE falls back to UnquantizedFusedMoEMethod (BF16)
+
+
+ENGINE_FIELDS = ("enabled", "format", "mxfp4_scale_rule", "sites", "activation_amax", "exclude_modules")
+"""The TraceConfig fields that decide what the engine quantizes and how (its rounding is RNE whatever ``rounding``)."""
+
+
+def check_engine_fields(checkpoint: TraceConfig | None, runtime: TraceConfig | None) -> None:
+    """The checkpoint's ``trace`` entry is what the engine serves, ``register``'s config (``make_engine``'s) what the
+    backend and the trainer's recipe say: refuse a difference in ``ENGINE_FIELDS`` (it would pass the recipe check)."""
+    if checkpoint is None or runtime is None:
+        return
+    diffs = [f"{k}: checkpoint={getattr(checkpoint, k)!r} engine={getattr(runtime, k)!r}" for k in ENGINE_FIELDS
+             if getattr(checkpoint, k) != getattr(runtime, k)]
+    if diffs:
+        raise ValueError("the checkpoint's hf_quant_config.json 'trace' entry and the TraceConfig the engine was "
+                         "started with (make_engine / register) differ in what the engine quantizes: "
+                         + "; ".join(diffs) + ": the engine would serve the checkpoint's, the backend's recipe "
+                         "says the other; start the engine with the checkpoint's TraceConfig, or export with this one")
 
 
 def _skipped(prefix: str, cfg: TraceQuantConfig) -> bool:
