@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+from ..formats import FP4Tensor
 from ..kernels import abs_max
 from .gemm import to_device_async
 from .rows import (
@@ -123,8 +124,11 @@ class MoEStep:
         self.guide_fc2 = state.is_guided(layer, FC2)
         self.per_tensor_fc1 = cfg.quantizes(FC1) and cfg.format == "nvfp4" and cfg.activation_amax == "per_tensor"
         self.recording_fc2 = state.recorder is not None and cfg.quantizes(FC2)
+        # recording a stochastic trainer: the experts take the FC1 rows recorded per token (one draw per token), not
+        # a draw of their own per (token, expert) copy, which the per-token record would not describe
+        self.recorded_fc1 = state.recorder is not None and cfg.quantizes(FC1) and cfg.rounding == "stochastic"
         self.codecs = {}  # payload columns, identical on every rank (they depend on the config only)
-        if self.guide_fc1:
+        if self.guide_fc1 or self.recorded_fc1:
             self.codecs[FC1] = RowCodec(cfg.format, mcfg.hidden_size, state.compact)
         if self.guide_fc2:
             self.codecs[FC2] = RowCodec(cfg.format, mcfg.moe_ffn_hidden_size, state.compact)
@@ -203,14 +207,16 @@ class MoEStep:
             self.state.count(self.layer, FC2, 0, {NOT_GUIDED: counted_sum(routing_map, None if count is None
                                                                            else count[:, None])})
         self._fwd = None
+        rec = self.state.recorder
+        if rec is not None and self.state.config.quantizes(FC1):
+            q1 = self._record_fc1(hidden.reshape(S * B, -1), None if fc1 is None else take(fc1, token), B)
+            if self.recorded_fc1:  # (Megatron's token order: the virtual tokens' ``t`` index it)
+                fc1 = RowGuidance(q1.guidance(self.state.compact), self.state.all_valid_flags(S * B, hidden.device))
         if self.needs_dispatch:
             self._fwd = self._virtual_tokens(router, hidden, routing_map, fc1, token, (B, full_s, seq), count)
-        rec = self.state.recorder
         if rec is not None:
             slots = self._fwd.slots if self._fwd is not None else self._slots(router, routing_map)
             rec.add_routing(self.layer, slots, B)
-            if self.state.config.quantizes(FC1):
-                self._record_fc1(hidden.reshape(S * B, -1), None if fc1 is None else take(fc1, token), B)
 
     def _virtual_tokens(self, router, hidden, routing_map, fc1, token, layout, count) -> _Forward:
         """One virtual token per (token, chosen expert) with its guidance rows (see the module docstring)."""
@@ -227,7 +233,9 @@ class MoEStep:
             bt = token.index_select(0, t)
         n = t.shape[0]  # bt: the batch-major row of each virtual token's token
         gathers = {}
-        if FC1 in self.codecs:
+        if self.recorded_fc1:
+            gathers[FC1] = _Gather(fc1.record, t, self.state.all_valid_flags(n, dev), all_valid=True)
+        elif FC1 in self.codecs:
             gathers[FC1] = None if fc1 is None else self._fc1_gather(fc1, bt)
         if FC2 in self.codecs:
             gathers[FC2] = self._fc2_rows(batch, full_s, t, e, bt, count, dev)
@@ -356,6 +364,7 @@ class MoEStep:
                 rows = f.gathers[site]
             checked = self.fc1 if site == FC1 else self.fc2
             all_valid = checked.all_valid if self._own_rows(experts) else self.received_all_valid.get(site, False)
+            all_valid = all_valid or (site == FC1 and self.recorded_fc1)  # (every rank sends its recorded rows)
             setattr(out, "fc1" if site == FC1 else "fc2", dataclasses.replace(rows, all_valid=all_valid))
         if self.per_tensor_fc1:
             out.fc1_amax = decode_amax(data[:, col : col + 4])
@@ -366,13 +375,15 @@ class MoEStep:
         """The experts compute this rank's rows only (no tensor/expert parallelism): its own flags hold for them."""
         return experts._trace_pg.tp_ep.size() == 1
 
-    def _record_fc1(self, x, fc1: RowGuidance | None, batch: int) -> None:
+    def _record_fc1(self, x, fc1: RowGuidance | None, batch: int) -> FP4Tensor:
+        """Quantize (guided where ``fc1`` is valid) and record the FC1 rows ``x`` [T, H] in token order."""
         q = self.state.config.activation_quantizer()
         amax = None
         if self.per_tensor_fc1:
             amax = abs_max(x).reshape(1, 1).expand(x.shape[0], 1)
         _, rec = quantize_rows_recorded(q, x, fc1, global_amax=amax)
         self.state.recorder.add_rows(self.layer, FC1, rec, batch)
+        return rec
 
     def record_fc2(self, experts, q2) -> None:
         """Send the FC2 rows an experts module quantized back to their tokens' slots and record them."""

@@ -321,6 +321,48 @@ def test_a_recording_step_has_the_gradient_of_a_plain_step(rollout, ste_clip):
                    if p.grad is not None)
 
 
+@pytest.mark.parametrize("case", [
+    dict(),
+    dict(cache_mode="compact"),
+    dict(format="mxfp4"),
+    dict(activation_amax="per_tensor", mcfg=dict(moe_token_dispatcher_type="alltoall")),
+    dict(mcfg=dict(recompute_granularity="selective", recompute_modules=["moe"])),
+], ids=["full", "compact", "mxfp4", "per_tensor-alltoall", "moe-recompute"])
+def test_a_stochastic_steps_records_replay_it_bit_for_bit(case):
+    """``rounding="stochastic"``, every site guided: a step's records (``record=True``) fed back as the guidance of
+    the same inputs reproduce its logits, gradients and records bit for bit. Without the fix the FC1 record was a
+    draw of its own per token while each expert copy of the token drew again, so the codes recorded were not the ones
+    the experts used: the replay differed from layer 0's FC2 input on (32% of its codes there)."""
+    case = dict(case)
+    cfg = tiny_config(**case.pop("mcfg", {}))
+    tc = TraceConfig(guided_layers="all", rounding="stochastic", **case)
+    model = build_model(cfg, trace_spec(stock_spec(cfg), tc))
+    tokens, pos, mask, _ = batch()
+    runs = []
+    for step in (StepGuidance(), None):
+        if step is None:
+            step = StepGuidance(sites=runs[0][2].sites, routing=runs[0][2].routing, fallback="fail")
+        model.zero_grad(set_to_none=True)
+        with trace_guidance(model, step, record=True) as h:
+            out = model(tokens, pos, mask)
+            out.float().pow(2).mean().backward()
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        runs.append((out.detach(), grads, h.recorded(), h.coverage()))
+    (out0, g0, r0, _), (out1, g1, r1, cov) = runs
+    assert cov == 1.0 and torch.equal(out1, out0)
+    assert g1.keys() == g0.keys() and all(torch.equal(g1[n], g0[n]) for n in g0)
+    assert r1.sites.keys() == r0.sites.keys() and len(r0.sites) == 16
+    for key, sg in r0.sites.items():
+        for name in ("codes", "mantissa_bits", "block_scales", "global_amax"):
+            a, b = getattr(sg.record, name, None), getattr(r1.sites[key].record, name, None)
+            assert (a is None) == (b is None) and (a is None or torch.equal(_bits(a), _bits(b))), (key, name)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """One-byte tensors (codes, FP8 scales) as their bytes: compared bit for bit."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
 def test_routing_replay_uses_the_rollouts_choices():
     tc = TraceConfig(guided_layers="none")
     data = batch()
