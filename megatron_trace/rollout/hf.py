@@ -116,7 +116,8 @@ class HFRolloutBackend:
     fused_kv_attention: decode steps read the FP4 KV cache with the fused dequant+attention kernel
         (``rollout.attention``) instead of dequantizing the history for SDPA. None (default): on where the
         Triton kernels run (CUDA, ``TraceConfig.kernel`` auto/triton) with a bf16/fp16 model and SDPA attention;
-        always off with ``TraceConfig.kv_format="sglang_kvfp4"``.
+        always off with ``TraceConfig.kv_format="sglang_kvfp4"``, and where the kernels cannot read the K/V rows (a
+        head_dim not a power of two, or not a multiple of the FP4 block: True raises then).
     fast_kv_attention: the fused decode attention's fast kernel (default; K/V as exact FP4 values, ~6x faster at
         long context) instead of the one that reads the trainer's bf16 K/V values (``kernels.kv_attention``);
         the RL mismatch is the same within seed noise (BENCHMARKS.md, session 5).
@@ -206,6 +207,11 @@ class HFRolloutBackend:
         self.fast_kv_attention = fast_kv_attention
         self.fused_kv_attention = self._fused_default(attn_implementation) if fused_kv_attention is None \
             else bool(fused_kv_attention) and attn_implementation == "sdpa" and not self.config.kv_format
+        unfit = self._fused_unfit(static_decode) if self.fused_kv_attention else ""
+        if unfit and fused_kv_attention:
+            raise ValueError(f"fused_kv_attention=True: {unfit} (fused_kv_attention=False or None dequantizes the "
+                             "history for SDPA)")
+        self.fused_kv_attention = self.fused_kv_attention and not unfit
         if static_decode in ("eager", "graph") and self.config.kv_format and (
                 self._quantizes("kv_k") or self._quantizes("kv_v")):
             raise ValueError(f"static_decode={static_decode!r} needs the activation quantizer's KV format: "
@@ -236,6 +242,20 @@ class HFRolloutBackend:
         if self.config.kv_format:  # SGLang's KV format: dequantize + SDPA (the fused kernel reads NVFP4/MXFP4)
             return False
         return select_kernel(self.config.kernel, self.device) is Kernel.TRITON
+
+    def _fused_unfit(self, static_decode: str) -> str:
+        """Why the decode attention kernels cannot read this model's K/V rows ("" if they can; every generate
+        raised): layers with K and V both FP4 need a power-of-two head_dim that is a multiple of the KV block (the
+        cache pads a shorter row to one block), a static cache's unquantized layers a power-of-two head_dim."""
+        c = self.hf_config
+        d = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        both = self._quantizes("kv_k") and self._quantizes("kv_v")
+        if d & (d - 1) and (both or static_decode in ("eager", "graph")):
+            return f"head_dim={d} is not a power of two"
+        block = self.config.kv_quantizer(rollout=True).block_size
+        if both and d % block:
+            return f"head_dim={d} is not a multiple of the {self.config.format} KV block {block}"
+        return ""
 
     def _bf16_site(self, layer: int, site: str) -> bool:
         """Whether ``TraceConfig.exclude_modules`` keeps this (layer, site) in the model dtype."""

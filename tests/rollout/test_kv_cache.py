@@ -8,7 +8,7 @@ from megatron_trace.rollout import HFRolloutBackend, SamplingParams
 from megatron_trace.rollout.kv_cache import FP4KVCache
 from megatron_trace.rollout.recorder import GuidanceRecorder
 
-from ._tiny import tiny_model
+from ._tiny import tiny_config, tiny_model
 
 PROMPTS = [[3, 4, 5, 6], [7, 8]]
 
@@ -137,6 +137,22 @@ def test_hf_backend_never_fuses_sglang_kv_attention():
     be = HFRolloutBackend(tiny_model(seed=4), mode="fp4", trace_config=cfg, dtype=torch.float32,
                           fused_kv_attention=True)
     assert not be.fused_kv_attention and not be.new_cache().layers[0].fused_decode
+
+
+@pytest.mark.parametrize("fmt, head_dim", [("mxfp4", 16), ("nvfp4", 8)])
+def test_fused_kv_attention_needs_head_dim_a_multiple_of_the_kv_block(fmt, head_dim):
+    """A head_dim below the KV block (the cache pads each row to one block, which the fused decode attention does not
+    read): fused_kv_attention=True was accepted and every generate raised in its first decode step, as did the CUDA
+    default (None); now True is refused by name, None leaves it off and runs the rollout of fused=False."""
+    cfg = TraceConfig(format=fmt)
+    with pytest.raises(ValueError, match=rf"fused_kv_attention=True: head_dim={head_dim} is not a multiple of the "
+                                         rf"{fmt} KV block"):
+        HFRolloutBackend(tiny_model(tiny_config(head_dim=head_dim), seed=4), mode="fp4", trace_config=cfg,
+                         dtype=torch.float32, fused_kv_attention=True)
+    outs = [HFRolloutBackend(tiny_model(tiny_config(head_dim=head_dim), seed=4), mode="fp4", trace_config=cfg,
+                             dtype=torch.float32, fused_kv_attention=fused).generate(PROMPTS, SamplingParams(
+                                 max_new_tokens=3, seed=0)) for fused in (None, False)]
+    assert torch.equal(outs[0].tokens, outs[1].tokens) and torch.equal(outs[0].logprobs, outs[1].logprobs)
 
 
 def test_generate_reads_each_rows_interval_as_its_mask_would():
