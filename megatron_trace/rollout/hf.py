@@ -20,7 +20,6 @@ Quant-recipe manifest: ``recipe()`` is what this backend serves; ``check_recipe(
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import os
@@ -28,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from contextlib import contextmanager, nullcontext
 
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import PreTrainedModel, Qwen3MoeConfig
 from transformers.cache_utils import Cache, DynamicCache
 
 from ..config import TraceConfig
@@ -62,7 +61,15 @@ from .base import (
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .finite import RolloutFiniteChecks
-from .hf_weights import FUSED_EXPERTS, check_dense_updates, join_fc1, parse_expert_name
+from .hf_weights import (
+    FUSED_EXPERTS,
+    check_dense_updates,
+    check_fc1_pairs,
+    checked_fp4_updates,
+    load_model,
+    parse_expert_name,
+    routed_experts,
+)
 from .kv_cache import FP4KVCache
 from .recorder import GuidanceRecorder
 
@@ -71,34 +78,6 @@ logger = logging.getLogger(__name__)
 MODES = ("bf16", "fp4")
 STATIC_DECODE = ("auto", "off", "eager", "graph")
 COMPILE_CHOICES = (False, True, "modules", "layers")
-
-
-def _load_model(source, dtype, device, attn_implementation) -> PreTrainedModel:
-    if isinstance(source, PreTrainedModel):
-        return source.to(device=device, dtype=dtype)
-    if isinstance(source, Qwen3MoeConfig):
-        model = Qwen3MoeForCausalLM(copy.deepcopy(source))
-        model.set_attn_implementation(attn_implementation)
-        return model.to(device=device, dtype=dtype)
-    if isinstance(source, str | os.PathLike):
-        return AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation, experts_implementation=EXPERTS_IMPLEMENTATION
-        ).to(device)
-    raise TypeError(f"model must be a checkpoint dir, a Qwen3MoeConfig or a PreTrainedModel, "
-                    f"got {type(source).__name__}")
-
-
-def _routed_experts(model: PreTrainedModel) -> dict[int, torch.nn.Module]:
-    """Layer id -> fused experts module (``gate_up_proj`` [E, 2F, H], ``down_proj`` [E, H, F])."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if layers is None:
-        raise TypeError(f"{type(model).__name__} is not a decoder-only causal LM with model.layers")
-    experts = {i: layer.mlp.experts for i, layer in enumerate(layers) if hasattr(layer.mlp, "experts")}
-    bad = [i for i, m in experts.items() if not (hasattr(m, "gate_up_proj") and hasattr(m, "down_proj"))]
-    if not experts or bad:
-        raise TypeError(f"{type(model).__name__}: the hf backend needs Qwen3-MoE style fused routed experts "
-                        f"(gate_up_proj, down_proj) in its MoE layers")
-    return experts
 
 
 class HFRolloutBackend:
@@ -179,7 +158,7 @@ class HFRolloutBackend:
             raise ValueError(f"mode='fp4' with a TraceConfig that quantizes nothing (enabled={self.config.enabled}, "
                              f"sites={self.config.sites}): use mode='bf16' for an unquantized rollout")
         self.device = torch.device(device)
-        self.model = _load_model(model, dtype, self.device, attn_implementation).eval()
+        self.model = load_model(model, dtype, self.device, attn_implementation).eval()
         self.model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
         if attn_implementation == "sdpa":  # SDPA, except decode steps over a deferred FP4 KV history
             self.model.set_attn_implementation(ROLLOUT_ATTENTION)
@@ -190,7 +169,7 @@ class HFRolloutBackend:
         self.pad_token_id = int(pad) if pad is not None and 0 <= pad < self.vocab_size else 0
         self.policy_version = 0
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
-        self._experts = _routed_experts(self.model)
+        self._experts = routed_experts(self.model)
         self._layer_of = {id(m): i for i, m in self._experts.items()}
         excluded = excluded_modules(self.config, moe_layers=self._experts, attention_layers=range(self.num_layers))
         self.bf16_expert_layers = frozenset(i for i in self._experts if experts_name(i) in excluded)
@@ -428,8 +407,8 @@ class HFRolloutBackend:
                 if layer not in self.bf16_expert_layers:  # excluded experts are used as they come
                     halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
             check_dense_updates(dense)
-            requant = self._check_pairs(halves, fp4)
-            packed = self._check_fp4(fp4)
+            requant = set() if self.weight_store is None else check_fc1_pairs(halves, fp4)
+            packed = checked_fp4_updates(self.weight_store, self._experts, fp4)
             with torch.no_grad():
                 for target, value, _ in dense:
                     target.copy_(value.to(target.device))
@@ -439,28 +418,4 @@ class HFRolloutBackend:
                         self.weight_store.set(self._experts[layer], layer, e, which, q)
         self.policy_version = new_version
         logger.debug("update_weights: %d tensors, version %d", len(weights), self.policy_version)
-
-    def _check_fp4(self, fp4) -> list[tuple[int, int, str, FP4Tensor]]:
-        """(layer, expert, FC1 | FC2, value) of every FP4 update, each checked as ``ExpertWeightStore.set`` will."""
-        out = []
-        for (layer, e), parts in fp4.items():
-            if "gate_proj" in parts:
-                out.append((layer, e, FC1, join_fc1(parts["gate_proj"], parts["up_proj"])))
-            if "down_proj" in parts:
-                out.append((layer, e, FC2, parts["down_proj"]))
-        for layer, e, which, q in out:
-            self.weight_store.check(self._experts[layer], layer, e, which, q)
-        return out
-
-    def _check_pairs(self, halves, fp4) -> set[tuple[int, int, str]]:
-        if self.weight_store is None:
-            return set()
-        for (layer, e, which), got in halves.items():
-            if which == FC1 and got != {"gate_proj", "up_proj"}:
-                raise ValueError(f"layer {layer} expert {e}: FP4 mode needs gate_proj and up_proj together "
-                                 f"(one quantized fc1 matrix), got only {sorted(got)}")
-        for (layer, e), parts in fp4.items():
-            if ("gate_proj" in parts) != ("up_proj" in parts):
-                raise ValueError(f"layer {layer} expert {e}: FP4 fc1 needs gate_proj and up_proj together")
-        return set(halves)
 
