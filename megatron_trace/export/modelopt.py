@@ -128,8 +128,24 @@ def build_modelopt_state(
     amax the rollout recorded). The whole state in memory: ``save_modelopt_checkpoint`` streams it instead.
     """
     exclude: list[str] = []
+    _check_exported_config(trace_config)
     state = dict(_modelopt_tensors(named, input_amax, trace_extras, dtype, trace_config, exclude))
     return state, exclude
+
+
+def _check_exported_config(trace_config: TraceConfig | None) -> None:
+    """The trainer's config must fake-quantize its routed experts' weights as this export stores them: NVFP4 (an MXFP4
+    trainer computed with other values), with the ``weights`` site on (a trainer without it computed with BF16
+    weights). Stock ModelOpt loaders ignore the checkpoint's ``trace`` entry and would serve those NVFP4 weights."""
+    if trace_config is None:
+        return
+    if trace_config.format != "nvfp4":
+        raise ValueError(f"TraceConfig.format={trace_config.format!r}: the ModelOpt export stores NVFP4 expert weights "
+                         "(valid: 'nvfp4'); an engine would serve other weights than this trainer fake-quantizes")
+    if not trace_config.quantizes("weights"):
+        raise ValueError(f"TraceConfig(enabled={trace_config.enabled}, sites={trace_config.sites}) does not quantize "
+                         "'weights': the trainer computes with BF16 expert weights, the ModelOpt export stores them in "
+                         "NVFP4 (quantize 'weights', or serve the BF16 checkpoint)")
 
 
 def _modelopt_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], input_amax: Mapping[str, float] | float,
@@ -239,6 +255,7 @@ def save_modelopt_checkpoint(
         cfg = TraceConfig.from_dict(trace_config) if trace_config is not None else None
     else:
         raise TypeError(f"trace_config must be a TraceConfig, its dict or None, got {type(trace_config).__name__}")
+    _check_exported_config(cfg)
     exclude: list[str] = []
     tensors = _modelopt_tensors(named, input_amax, trace_extras, BF16_DTYPE, cfg, exclude)
     with StagedCheckpointDir(out_dir) as staged:

@@ -391,3 +391,23 @@ def test_read_back_takes_the_exact_amax_where_the_decode_scale_does_not_round_tr
         pytest.fail("no amax in the sweep whose decode scale does not round-trip")
     assert torch.equal(fp4_from_modelopt(t, "x").global_amax, q.global_amax.float())
     assert torch.equal(fp4_from_modelopt(t, "x").dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("cfg, match", [
+    (TraceConfig(format="mxfp4"), r"TraceConfig.format='mxfp4': the ModelOpt export stores NVFP4 .*valid: 'nvfp4'"),
+    (TraceConfig(sites=("expert_fc1_in", "expert_fc2_in"), guided_sites=("expert_fc1_in", "expert_fc2_in")),
+     r"sites=\('expert_fc1_in', 'expert_fc2_in'\)\) does not quantize 'weights'"),
+    (TraceConfig(enabled=False), r"TraceConfig\(enabled=False, .* does not quantize 'weights'"),
+], ids=["mxfp4", "no-weights-site", "disabled"])
+def test_a_config_whose_trainer_computes_other_expert_weights_is_refused_by_name(tmp_path, cfg, match):
+    """The NVFP4 weights an export stores are what the trainer computes with only under an NVFP4 config that quantizes
+    'weights'. Under an MXFP4 one, or one without the 'weights' site, the export was written (its trace entry said
+    so, but stock ModelOpt loaders ignore it and served the NVFP4 weights against the trainer's MXFP4 / BF16 ones);
+    now refused by name before anything is written."""
+    named = list(fp4_stream(tiny_named_weights(), QUANT))
+    with pytest.raises(ValueError, match=match):
+        build_modelopt_state(named, 2.0, trace_config=cfg)
+    with pytest.raises(ValueError, match=match):
+        save_modelopt_checkpoint(tmp_path / "out", named, tiny_hf_config(), 2.0, trace_config=cfg.to_dict())
+    assert not (tmp_path / "out").exists()
+    save_modelopt_checkpoint(tmp_path / "ok", named, tiny_hf_config(), 2.0, trace_config=TraceConfig(ste_clip=True))
