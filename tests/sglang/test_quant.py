@@ -505,3 +505,51 @@ def test_experts_layer_reads_only_a_fused_moe_prefix(registered):
     assert registered.experts_layer("layers.3.mlp.experts") == 3
     for other in ("model.layers.3.mlp.experts.0.gate_proj", "model.mtp_layers.3.mlp.experts"):
         assert registered.experts_layer(other) is None, other
+
+
+def _extreme_experts(kind: str):
+    fc1, fc2 = tiny_experts()
+    for w in (fc1, fc2):  # [E, N, K] bf16
+        if kind == "zeros":
+            w[1] = 0.0
+        elif kind == "subnormal":
+            w[2] = (torch.randn(w[2].shape, generator=torch.Generator().manual_seed(3)) * 1e-39).to(w.dtype)
+        elif kind == "saturating":  # amax below 2688 / FLT_MAX: the encode scale saturates (weight_scale_2 = 2**-128)
+            w[3] = (w[3].float() * 1e-37).to(w.dtype)
+        elif kind == "outliers":
+            for e in range(E):
+                w[e, e, 2 * e] = (-1) ** e * 3e4 * (e + 1)
+        elif kind == "bf16-max":
+            w[0, 1, 1], w[2, 0, 5] = torch.finfo(torch.bfloat16).max, -torch.finfo(torch.bfloat16).max
+    return fc1, fc2
+
+
+@pytest.mark.parametrize("source", ["export", "sync"])
+@pytest.mark.parametrize("kind", ["zeros", "subnormal", "saturating", "outliers", "bf16-max"])
+def test_loaded_expert_weights_are_the_trainers_fake_quant_at_extreme_magnitudes(registered, kind, source):
+    """The experts as SGLang's FusedMoE loads them from the ModelOpt export (``trace_extras``) or from a live sync
+    (``engine_tensors``) decode to the trainer's weights bit for bit (``kernels.fake_quantize(..., stacked=True)``, what
+    ``TraceExpertsCore.quantize_weights`` runs): an all-zero expert, subnormals, an amax whose encode scale
+    saturates, huge outliers, +-bf16 max."""
+    from megatron_trace.kernels import fake_quantize
+    from megatron_trace.rollout.fp4_moe import expert_matrix
+    from megatron_trace.rollout.sglang.weights import engine_tensors
+
+    fc1, fc2 = _extreme_experts(kind)
+    named = []
+    for e in range(E):
+        p = f"model.layers.0.mlp.experts.{e}"
+        named += [(f"{p}.gate_proj.weight", fc1[e, :F]), (f"{p}.up_proj.weight", fc1[e, F:]),
+                  (f"{p}.down_proj.weight", fc2[e])]
+    stream = fp4_stream(named, CFG.weight_quantizer())
+    if source == "export":
+        state, exclude = build_modelopt_state(stream, 4.0, trace_extras=True)
+    else:
+        state, exclude = dict(engine_tensors(stream)), []
+    _, layer = _moe_layer(registered, quant_config_dict(exclude, trace_config=CFG.to_dict()))
+    _load_like_fused_moe(registered, layer, state)
+    for which, trainer in (("w13", fc1), ("w2", fc2)):
+        want = fake_quantize(trainer, CFG.weight_quantizer(), stacked=True)
+        packed = registered.moe_packed(layer, which)
+        got = torch.stack([expert_matrix(packed, e, torch.bfloat16) for e in range(E)])
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), which
