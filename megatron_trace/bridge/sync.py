@@ -331,7 +331,8 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
 
     All-or-nothing: buckets are staged on the backend's device and applied by one ``update_weights``
     after the stream completed within ``timeout_s`` seconds (None: no limit). ``recipe``: the
-    trainer's ``QuantRecipe`` for this version, passed to ``update_weights`` (checked there).
+    trainer's ``QuantRecipe`` for this version, passed to ``update_weights`` (checked there); ``dtype`` must then be
+    the recipe's ``dtype`` (an fp32 trainer's weights rounded to bf16 on the wire differ from what it computes with).
     ``version``: strictly greater than the backend's ``policy_version`` (None: +1), checked before the stream
     is read; ``reset=True`` sets any version on purpose (a run's first sync, a resume or rollback to a
     checkpoint: see ``rollout.base.next_policy_version``) and is passed to ``update_weights``.
@@ -339,6 +340,11 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
                                   or not timeout_s > 0):
         raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0 or None")
+    if recipe is not None and str(dtype).removeprefix("torch.") != recipe.dtype:
+        raise ValueError(f"dtype={dtype}: the trainer's recipe says it quantizes its weights from {recipe.dtype} (the "
+                         "rollout's recipe check compares that with its own model dtype); sent in another dtype the "
+                         "weights, and the FP4 codes of them, are not what the trainer computes with: pass "
+                         f"dtype=torch.{recipe.dtype}")
     stats, t0 = SyncStats(fmt), clock()
     device = getattr(backend, "device", "cpu")
     staged: list[WeightBucket] = []

@@ -184,6 +184,35 @@ def test_bf16_max_weights_agree_whatever_they_quantize_to(tmp_path, name, monkey
     assert bool(torch.isinf(trainer[(0, "fc1")]).any()) == (name == "mxfp4-ceil")
 
 
+
+@pytest.mark.usefixtures("megatron_world1")
+@pytest.mark.parametrize("wire", ["bf16", "fp4"])
+def test_an_fp32_trainers_sync_in_another_dtype_is_refused(ckpt, wire, monkeypatch):
+    """An fp32 trainer and an fp32 rollout: the recipes agree (both quantize from float32), but the sync's default
+    dtype rounded the weights to bf16 on the wire, so the rollout computed with other weights (and FP4 codes) than
+    the trainer's forward (most fc1 elements differed in a probe). Refused now, naming the dtype to pass;
+    with it the weights agree."""
+    from megatron_trace.bridge.sync import sync_weights
+    from megatron_trace.manifest import trainer_recipe
+    from megatron_trace.megatron import find_trace_layers
+    from megatron_trace.rl.trainer import MegatronPolicy
+    from megatron_trace.rollout import HFRolloutBackend
+
+    cfg = TraceConfig()
+    policy = MegatronPolicy(ckpt, cfg, quantized=True, lr=1e-2, dtype=torch.float32)
+    recipe = trainer_recipe(find_trace_layers(policy.model))
+    rollout = HFRolloutBackend(ckpt, mode="fp4", trace_config=cfg, dtype=torch.float32, recipe=recipe)
+    before = rollout_weights(rollout)
+    kw = dict(fmt=wire, quantizer=cfg.weight_quantizer(), version=1, recipe=recipe.with_weight_version(1))
+    with pytest.raises(ValueError, match=r"dtype=torch.bfloat16: the trainer's recipe says it quantizes its weights "
+                                         r"from float32 .* pass dtype=torch.float32"):
+        sync_weights(rollout, policy.export_hf_weights(), **kw)
+    assert rollout.policy_version == 0 and all(torch.equal(v, rollout_weights(rollout)[k]) for k, v in before.items())
+    sync_weights(rollout, policy.export_hf_weights(), dtype=torch.float32, **kw)
+    with forward_weights(policy.model, monkeypatch) as seen, torch.no_grad():
+        policy.logprobs(TOKENS)
+    assert_agree(seen, rollout_weights(rollout))
+
 # ---- expert parallelism: two CPU ranks (gloo) ------------------------------------------------------------------
 EP = 2
 
