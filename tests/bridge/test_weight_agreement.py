@@ -83,11 +83,16 @@ def forward_weights(model, monkeypatch):
 
 
 def rollout_weights(rollout) -> dict:
-    """{(layer, "fc1" | "fc2"): the [E, N, K] weights the rollout's experts compute with}."""
+    """{(layer, "fc1" | "fc2"): the [E, N, K] weights the rollout's experts compute with}: the model's parameters
+    (the reference path), which for FP4 experts must decode the FP4 store the GPU's grouped GEMMs read."""
     out = {}
     for layer in range(CONFIG.num_hidden_layers):
         ex = rollout.model.model.layers[layer].mlp.experts
         out[(layer, "fc1")], out[(layer, "fc2")] = ex.gate_up_proj.detach().clone(), ex.down_proj.detach().clone()
+        if rollout.weight_store is not None and layer not in rollout.bf16_expert_layers:
+            for which in ("fc1", "fc2"):
+                stored = rollout.weight_store.stacked(layer, which).dequantize(out[(layer, which)].dtype)
+                assert torch.equal(_bits(stored), _bits(out[(layer, which)])), (layer, which)
     return out
 
 
