@@ -331,8 +331,9 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
 
     All-or-nothing: buckets are staged on the backend's device and applied by one ``update_weights``
     after the stream completed within ``timeout_s`` seconds (None: no limit). ``recipe``: the
-    trainer's ``QuantRecipe`` for this version, passed to ``update_weights`` (checked there); ``dtype`` must then be
-    the recipe's ``dtype`` (an fp32 trainer's weights rounded to bf16 on the wire differ from what it computes with).
+    trainer's ``QuantRecipe`` for this version, passed to ``update_weights`` (checked there); ``dtype`` and the FP4
+    ``quantizer`` must then be the recipe's (an fp32 trainer's weights rounded to bf16 on the wire, or MXFP4 codes of
+    another scale rule, differ from what it computes with).
     ``version``: strictly greater than the backend's ``policy_version`` (None: +1), checked before the stream
     is read; ``reset=True`` sets any version on purpose (a run's first sync, a resume or rollback to a
     checkpoint: see ``rollout.base.next_policy_version``) and is passed to ``update_weights``.
@@ -340,11 +341,8 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
     if timeout_s is not None and (isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real)
                                   or not timeout_s > 0):
         raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0 or None")
-    if recipe is not None and str(dtype).removeprefix("torch.") != recipe.dtype:
-        raise ValueError(f"dtype={dtype}: the trainer's recipe says it quantizes its weights from {recipe.dtype} (the "
-                         "rollout's recipe check compares that with its own model dtype); sent in another dtype the "
-                         "weights, and the FP4 codes of them, are not what the trainer computes with: pass "
-                         f"dtype=torch.{recipe.dtype}")
+    if recipe is not None:
+        _check_recipe_args(recipe, fmt, quantizer, dtype)
     stats, t0 = SyncStats(fmt), clock()
     device = getattr(backend, "device", "cpu")
     staged: list[WeightBucket] = []
@@ -384,6 +382,24 @@ def sync_weights(backend: RolloutBackend, named: Iterable[tuple[str, torch.Tenso
                 fmt, stats.tensors, stats.bytes_total / 1e6, stats.bytes_experts / 1e6, stats.buckets, stats.seconds,
                 getattr(backend, "policy_version", None))
     return stats
+
+
+def _check_recipe_args(recipe, fmt: str, quantizer: Quantizer | None, dtype: torch.dtype) -> None:
+    """The sync's ``dtype`` and FP4 ``quantizer`` are the trainer recipe's: the rollout's recipe check compares the
+    recipe with its own config and model dtype, but uses the FP4 codes it is sent as they are and the BF16 values as
+    they arrive, so weights cast or quantized otherwise would not be what the trainer computes with."""
+    from ..manifest import NVFP4_SCALE_RULE
+
+    if str(dtype).removeprefix("torch.") != recipe.dtype:
+        raise ValueError(f"dtype={dtype}: the trainer's recipe says it quantizes its weights from {recipe.dtype}; "
+                         "sent in another dtype the weights, and the FP4 codes of them, are not what the trainer "
+                         f"computes with: pass dtype=torch.{recipe.dtype}")
+    if fmt == "fp4" and quantizer is not None:
+        rule = NVFP4_SCALE_RULE if quantizer.fmt == "nvfp4" else f"e8m0_{quantizer.scale_rule}"
+        if (quantizer.fmt, rule, quantizer.per_row) != (recipe.format, recipe.scale_rule, False):
+            raise ValueError(f"quantizer={quantizer} is not the trainer recipe's weight quantizer (format="
+                             f"{recipe.format!r}, scale_rule={recipe.scale_rule!r}, per-tensor amax): its FP4 codes "
+                             "would not be the trainer's fake-quant codes; pass TraceConfig.weight_quantizer()")
 
 
 def sync_byte_counts(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,

@@ -246,3 +246,25 @@ def test_byte_counts_of_an_fp32_sync():
     assert c32["bf16"].bytes_experts == 4 * E_NUMEL == 2 * c16["bf16"].bytes_experts
     assert c32["bf16"].bytes_other == c32["fp4"].bytes_other == 2 * c16["fp4"].bytes_other
     assert c32["fp4"].bytes_experts == c16["fp4"].bytes_experts
+
+
+@pytest.mark.parametrize("trainer_rule, sent_rule", [("floor", "ceil"), ("ceil", "floor")])
+def test_fp4_codes_of_another_scale_rule_than_the_trainer_recipes_are_refused(trainer_rule, sent_rule):
+    """The rollout takes FP4 codes as they come (an MXFP4 payload does not say its scale rule), so codes quantized
+    with another rule than the trainer's were applied although the recipe was checked (2316 of 16384 down_proj
+    elements differed from the trainer's fake-quant in a probe). With the recipe, ``sync_weights`` refuses them
+    before the stream is read; the recipe's own quantizer gives the trainer's weights."""
+    cfg = TraceConfig(format="mxfp4", mxfp4_scale_rule=trainer_rule)
+    rollout = HFRolloutBackend(tiny_model(seed=0), mode="fp4", trace_config=cfg, dtype=torch.bfloat16)
+    recipe = rollout.recipe().with_weight_version(1)  # what a trainer of this config sends (its check passes)
+    rollout.check_recipe(recipe, weight_version=1)
+    weights = _trainer_weights()
+    sent = TraceConfig(format="mxfp4", mxfp4_scale_rule=sent_rule).weight_quantizer()
+    with pytest.raises(ValueError, match=f"scale_rule='{sent_rule}'.* is not the trainer recipe's weight quantizer "
+                                         f"\\(format='mxfp4', scale_rule='e8m0_{trainer_rule}'"):
+        sync_weights(rollout, weights, fmt="fp4", quantizer=sent, version=1, recipe=recipe)
+    assert rollout.policy_version == 0
+    sync_weights(rollout, weights, fmt="fp4", quantizer=cfg.weight_quantizer(), version=1, recipe=recipe)
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+    want = cfg.weight_quantizer().fake_quantize(dict(weights)[name])
+    assert torch.equal(rollout.model.model.layers[1].mlp.experts.down_proj[2], want)

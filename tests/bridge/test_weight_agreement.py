@@ -210,7 +210,7 @@ def test_an_fp32_trainers_sync_in_another_dtype_is_refused(ckpt, wire, monkeypat
     before = rollout_weights(rollout)
     kw = dict(fmt=wire, quantizer=cfg.weight_quantizer(), version=1, recipe=recipe.with_weight_version(1))
     with pytest.raises(ValueError, match=r"dtype=torch.bfloat16: the trainer's recipe says it quantizes its weights "
-                                         r"from float32 .* pass dtype=torch.float32"):
+                                         r"from float32; .* pass dtype=torch.float32"):
         sync_weights(rollout, policy.export_hf_weights(), **kw)
     assert rollout.policy_version == 0 and all(torch.equal(v, rollout_weights(rollout)[k]) for k, v in before.items())
     sync_weights(rollout, policy.export_hf_weights(), dtype=torch.float32, **kw)
