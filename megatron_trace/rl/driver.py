@@ -145,7 +145,8 @@ class GRPORun:
         from ..bridge import sync_weights
 
         v = self.state.version
-        stats = sync_weights(self.rollout, self.policy.export_hf_weights(), fmt=self.sync_fmt,
+        dtype = torch.bfloat16 if self.recipe is None else getattr(torch, self.recipe.dtype)  # (the trainer's own)
+        stats = sync_weights(self.rollout, self.policy.export_hf_weights(), fmt=self.sync_fmt, dtype=dtype,
                              quantizer=self.arm.trace.weight_quantizer(), version=v, reset=reset,
                              bf16_layers=getattr(self.rollout, "bf16_expert_layers", ()), kernel=self.arm.trace.kernel,
                              recipe=None if self.recipe is None else self.recipe.with_weight_version(v))
