@@ -216,17 +216,22 @@ def test_emulated_moe_refuses_moe_tensor_parallel_shards_when_quantizing_fc2(reg
     assert layer.w2_weight.shape == (E, H, F // 4)
 
 
+def _reference_experts(hidden, ids, w):
+    """The tiny experts' W4A4 forward with the trainer's quantizers (RNE activations)."""
+    q = CFG.weight_quantizer()
+    fc1, fc2 = tiny_experts()
+    return w4a4_experts_forward(hidden, ids, w, PackedExperts.stack([q.quantize(x) for x in fc1]),
+                                PackedExperts.stack([q.quantize(x) for x in fc2]),
+                                activation_quantizer=CFG.activation_quantizer())
+
+
 def test_emulated_moe_apply_bit_identical_to_reference(registered):
     state, qcfg = _ckpt_state()
     method, layer = _moe_layer(registered, qcfg)
     _load_like_fused_moe(registered, layer, state)
     hidden, ids, w = tiny_inputs()
     got = method.emulated_forward(layer, hidden, ids.to(torch.int32), w)
-    q = CFG.weight_quantizer()
-    fc1, fc2 = tiny_experts()
-    ref = w4a4_experts_forward(hidden, ids, w, PackedExperts.stack([q.quantize(x) for x in fc1]),
-                               PackedExperts.stack([q.quantize(x) for x in fc2]),
-                               activation_quantizer=CFG.activation_quantizer())
+    ref = _reference_experts(hidden, ids, w)
     assert torch.equal(got.out, ref.out)
     assert torch.equal(got.fc2_in.codes, ref.fc2_in.codes) and got.fc2_in.shape == (hidden.shape[0], K_TOP, F)
     # without the exact amax (stock ModelOpt checkpoint) weights come from weight_scale_2: codes equal, values close
@@ -304,11 +309,7 @@ def test_emulated_paths_round_rne_whatever_the_trainers_rounding(registered):
     _load_like_fused_moe(registered, layer, state)
     hidden, ids, w = tiny_inputs()
     got = method.emulated_forward(layer, hidden, ids.to(torch.int32), w)
-    q = CFG.weight_quantizer()
-    fc1, fc2 = tiny_experts()
-    ref = w4a4_experts_forward(hidden, ids, w, PackedExperts.stack([q.quantize(x) for x in fc1]),
-                               PackedExperts.stack([q.quantize(x) for x in fc2]),
-                               activation_quantizer=CFG.activation_quantizer())
+    ref = _reference_experts(hidden, ids, w)
     assert torch.equal(got.out, ref.out) and torch.equal(got.fc1_in.codes, ref.fc1_in.codes)
     lin = registered.TraceNvFp4LinearMethod(registered.TraceQuantConfig.from_config(qcfg))
     layer2 = torch.nn.Module()
