@@ -61,15 +61,8 @@ from .base import (
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .finite import RolloutFiniteChecks
-from .hf_weights import (
-    FUSED_EXPERTS,
-    check_dense_updates,
-    check_fc1_pairs,
-    checked_fp4_updates,
-    load_model,
-    parse_expert_name,
-    routed_experts,
-)
+from .hf_model import check_fc1_pairs, checked_fp4_updates, load_model, routed_experts
+from .hf_weights import FUSED_EXPERTS, check_dense_updates, parse_expert_name
 from .kv_cache import FP4KVCache
 from .recorder import GuidanceRecorder
 
