@@ -50,6 +50,11 @@ class ModulePatternError(ValueError):
     """A module include/exclude pattern matches no module (a silent no-op otherwise)."""
 
 
+def scale_rule_name(fmt: str, mxfp4_scale_rule: str) -> str:
+    """A recipe's ``scale_rule`` for format ``fmt`` (NVFP4's one rule, or MXFP4's E8M0 ``mxfp4_scale_rule``)."""
+    return NVFP4_SCALE_RULE if fmt == "nvfp4" else f"e8m0_{mxfp4_scale_rule}"
+
+
 @dataclass(frozen=True, kw_only=True)
 class QuantRecipe:
     format: str
@@ -90,7 +95,7 @@ class QuantRecipe:
             kv_format=config.kv_record_format if kv else "none",
             block_size=fmt.block_size,
             scale_dtype=str(fmt.scale_dtype).removeprefix("torch."),
-            scale_rule=NVFP4_SCALE_RULE if nv else f"e8m0_{config.mxfp4_scale_rule}",
+            scale_rule=scale_rule_name(config.format, config.mxfp4_scale_rule),
             e2m1_max=E2M1_MAX,
             e4m3_max=E4M3_MAX,
             weight_amax="per_tensor" if nv else "none",

@@ -388,14 +388,14 @@ def _check_recipe_args(recipe, fmt: str, quantizer: Quantizer | None, dtype: tor
     """The sync's ``dtype`` and FP4 ``quantizer`` are the trainer recipe's: the rollout's recipe check compares the
     recipe with its own config and model dtype, but uses the FP4 codes it is sent as they are and the BF16 values as
     they arrive, so weights cast or quantized otherwise would not be what the trainer computes with."""
-    from ..manifest import NVFP4_SCALE_RULE
+    from ..manifest import scale_rule_name
 
     if str(dtype).removeprefix("torch.") != recipe.dtype:
         raise ValueError(f"dtype={dtype}: the trainer's recipe says it quantizes its weights from {recipe.dtype}; "
                          "sent in another dtype the weights, and the FP4 codes of them, are not what the trainer "
                          f"computes with: pass dtype=torch.{recipe.dtype}")
     if fmt == "fp4" and quantizer is not None:
-        rule = NVFP4_SCALE_RULE if quantizer.fmt == "nvfp4" else f"e8m0_{quantizer.scale_rule}"
+        rule = scale_rule_name(quantizer.fmt, quantizer.scale_rule)
         if (quantizer.fmt, rule, quantizer.per_row) != (recipe.format, recipe.scale_rule, False):
             raise ValueError(f"quantizer={quantizer} is not the trainer recipe's weight quantizer (format="
                              f"{recipe.format!r}, scale_rule={recipe.scale_rule!r}, per-tensor amax): its FP4 codes "
