@@ -79,3 +79,13 @@ def test_engine_tensors_refuse_a_per_row_amax():
     q = nvfp4.quantize(torch.randn(64, 32), per_row=True)
     with pytest.raises(ValueError, match=r"per-tensor global amax, got nvfp4 amax shape \(64, 1\)"):
         engine_tensors([("model.layers.1.mlp.experts.3.down_proj.weight", q)])
+
+
+@pytest.mark.parametrize("cfg, kv_dtype", [(CFG, "auto"), (CFG, "bfloat16"), (FC1_ONLY, "fp4_e2m1")],
+                         ids=["kv_sites_bf16_auto", "kv_sites_bf16", "no_kv_sites_fp4"])
+def test_a_kv_cache_dtype_override_against_the_configs_kv_sites_is_refused_at_launch(cfg, kv_dtype):
+    """Such an engine served other K/V than a trainer with the same config computes; only the backend's recipe check
+    refused it, once the engine had started. Without the override the config's own KV cache is taken."""
+    with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv_dtype}' stores .* K/V, but TraceConfig.sites="):
+        trace_server_args("/ckpt", cfg, HF, native=False, kv_cache_dtype=kv_dtype)
+    assert trace_server_args("/ckpt", cfg, HF, native=False)["kv_cache_dtype"] == kv_cache_dtype(cfg) != kv_dtype

@@ -131,6 +131,17 @@ def check_kv_sites(trace_config: TraceConfig, kv_dtype: str) -> None:
                          f"{list(KV_SITES)} or neither")
 
 
+def check_kv_override(trace_config: TraceConfig, kv_dtype: str) -> None:
+    """A ``kv_cache_dtype`` override must serve the K/V the config computes: FP4 K/V where it quantizes KV sites,
+    BF16 where it does not (the backend's recipe check refused either only once the engine had started)."""
+    if (kv_dtype == KV_FP4) != (kv_cache_dtype(trace_config) == KV_FP4):
+        kv = [s for s in KV_SITES if trace_config.quantizes(s)]
+        raise ValueError(f"kv_cache_dtype={kv_dtype!r} stores {'FP4' if kv_dtype == KV_FP4 else 'BF16'} K/V, but "
+                         f"TraceConfig.sites={trace_config.sites} quantizes {kv or 'no KV site'}: a trainer with this "
+                         f"config would compute other K/V than the engine; drop the override (this config takes "
+                         f"kv_cache_dtype={kv_cache_dtype(trace_config)!r}) or change the config's KV sites")
+
+
 def needs_routing(trace_config: TraceConfig, specs: list[SiteSpec]) -> bool:
     """Whether the engine must return the routed experts: routing replay, or expert_fc2_in records (their rows are
     per (token, selected expert): the trainer matches them by expert id, replay or not, as from the hf backend)."""
@@ -240,6 +251,7 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
     kv_dtype = overrides.get("kv_cache_dtype", kv_cache_dtype(trace_config))
     check_kv_cache_dtype(kv_dtype)
     check_kv_sites(trace_config, kv_dtype)
+    check_kv_override(trace_config, kv_dtype)
     # (an exclude pattern matching none of the config's modules raises here, as in the backend, not after the start)
     excluded_modules(trace_config, moe_layers=qwen3_moe_modules(hf_config)[0],
                      attention_layers=range(int(hf_config["num_hidden_layers"])))
