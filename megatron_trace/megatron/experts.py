@@ -143,16 +143,10 @@ class TraceExpertsCore:
         return not self._excluded and self.trace_config.quantizes(site)
 
     # ---- numerics -----------------------------------------------------------------------------
-    def quantize_weight(self, w: torch.Tensor) -> torch.Tensor:
-        """One expert weight [M, K]: fake-quantized along K (or unchanged if 'weights' is not a site)."""
-        if self._weight_q is None or not self.trace_quantizes("weights"):
-            return w
-        return fake_quantize(w, self._weight_q, kernel=self._kernel, check_finite=self._finite["weights"])
-
     def quantize_weights(self, w: torch.Tensor) -> torch.Tensor:
         """Stacked expert weights [E, M, K], each with its own per-tensor amax (one quantizer call).
 
-        Bit-identical to ``quantize_weight`` per expert: every row of expert e gets e's amax.
+        Bit-identical to quantizing each expert alone: every row of expert e gets e's amax.
         """
         if self._weight_q is None or not self.trace_quantizes("weights"):
             return w

@@ -274,7 +274,7 @@ def test_each_unimplemented_expert_option_is_refused_on_its_own(option, value, s
         check_expert_config(cfg, TraceConfig())
 
 
-def test_quantize_weight_is_quantize_weights_per_expert_and_leaves_an_excluded_layer_alone():
+def test_quantize_weights_is_each_expert_alone_and_leaves_an_excluded_layer_alone():
     from megatron_trace.megatron import find_trace_layers
     from megatron_trace.megatron.expert_weights import of, stacked
 
@@ -284,7 +284,7 @@ def test_quantize_weight_is_quantize_weights_per_expert_and_leaves_an_excluded_l
         experts = model.decoder.layers[layer].mlp.experts
         weights = of(experts.local_experts, "linear_fc2")
         with torch.no_grad():
-            each = torch.stack([experts.quantize_weight(w) for w in weights])
+            each = torch.cat([experts.quantize_weights(w[None]) for w in weights])
             assert torch.equal(each, experts.quantize_weights(stacked(weights)))
             assert torch.equal(each, stacked(weights)) == excluded, layer
 
