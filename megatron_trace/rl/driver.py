@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ACTIVATION_SITES
+from ..config import ACTIVATION_SITES, KV_SITES
 from ..guidance.records import pack_guidance, payload_of, with_tensors
 from ..guidance.site import FallbackCounter, SiteGuidance
 from ..metrics import cache_metrics, guidance_step_metrics, quant_counts, quant_metrics
@@ -317,7 +317,8 @@ class GRPORun:
         t_train = time.perf_counter()
         metrics = {"reward": float(rewards.mean()), "loss": float(loss), "grad_norm": grad_norm, **stats,
                    "trainer/micro_batches": float(len(steps))}
-        kv_fp4 = self.arm.rollout_mode == "fp4" and self.arm.trace.quantizes("kv_k")
+        # an FP4 KV cache holds K, V or both (sites=("kv_v",) alone is accepted): either splits prefill from decode
+        kv_fp4 = self.arm.rollout_mode == "fp4" and any(self.arm.trace.quantizes(s) for s in KV_SITES)
         metrics.update(step_mismatch_metrics(logp, batch.logprobs, batch.response_mask, kv_quantized=kv_fp4,
                                              topology=None))
         metrics.update(self.trend.update(metrics, step))

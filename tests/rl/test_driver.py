@@ -1083,3 +1083,22 @@ def test_the_rollouts_records_given_directly_guide_as_the_cache_does(megatron_cp
         assert torch.equal(a.record.codes, b.record.codes) and torch.equal(a.valid, b.valid), key
         c = quant_counts(a.record, full.record, rows=full.valid & a.valid)
         assert c.elements > 0 and c.mismatched <= 0.01 * c.elements, (key, c)
+
+
+@pytest.mark.parametrize("kv", [("kv_k",), ("kv_v",), ("kv_k", "kv_v")], ids=["k", "v", "kv"])
+def test_an_fp4_kv_cache_splits_the_mismatch_by_phase_whichever_of_k_v_it_holds(megatron_cpu, ckpt, tmp_path, kv):
+    """README: the mismatch is split into prefill and decode positions when the KV cache is FP4. An FP4 cache of V
+    alone (``sites=("kv_v",)``, accepted) logged no split: the driver asked whether K was quantized. The split counts
+    each response's first token as prefill, the rest as decode, and its token-weighted mean is the step's."""
+    rl = RLConfig(steps=1, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("fp4_qat", TraceConfig(sites=kv, guided_sites=kv)), rl, get_task("add"), ckpt,
+                out_dir=tmp_path, cache_dir=tmp_path / "c")
+    _, ids = r._prompts(0)
+    mask = r.rollout.generate(ids, r._sampling(0, r.cfg.temperature)).response_mask  # what step 0 samples
+    m = r.step()
+    n, rows = int(mask.sum()), mask.shape[0]
+    assert (m["mismatch/prefill/tokens"], m["mismatch/decode/tokens"]) == (rows, n - rows)
+    split = sum(m[f"mismatch/{p}/tokens"] * m[f"mismatch/{p}/logprob_abs_diff_token_mean"]
+                for p in ("prefill", "decode")) / n
+    assert split == pytest.approx(m["mismatch/logprob_abs_diff_token_mean"], rel=1e-9)
+    assert m["mismatch/first_token_abs_diff"] == pytest.approx(m["mismatch/prefill/logprob_abs_diff_token_mean"])
