@@ -64,6 +64,11 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     seq_sum = d_in.sum(1)[has]
     first = mask.long().argmax(1)[has]  # first response position of each sequence
     first_d = d_all[has].gather(1, first.unsqueeze(1)).squeeze(1).abs()
+    nan = d.isnan().any()  # a NaN log-prob: a token share is NaN too, like every mean (a comparison counted it as out)
+
+    def share(tokens: torch.Tensor) -> float:
+        return float(torch.where(nan, float("nan"), tokens.double().mean()))
+
     p = f"{prefix}/"
     return {
         p + "logprob_abs_diff": float(seq_abs.mean()),
@@ -74,12 +79,12 @@ def mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
         p + "is_ratio_min": float(r.min()),
         p + "is_ratio_mean": float(r.mean()),
         p + "is_ratio_max": float(r.max()),
-        p + "is_frac_outside_0.5_2": float(((r > 2) | (r < 0.5)).double().mean()),
+        p + "is_frac_outside_0.5_2": share((r > 2) | (r < 0.5)),
         p + "ess": float(1.0 / ((w / w.mean()) ** 2).mean()),
         p + "seq_logratio_abs_mean": float(seq_sum.abs().mean()),
         p + "prob_pearson": _pearson(lt[mask].exp(), lr[mask].exp()),
         p + "token_mult_prob_error": float(d.abs().exp().mean()),
-        p + "frac_abs_diff_gt_ln2": float((d.abs() > math.log(2)).double().mean()),
+        p + "frac_abs_diff_gt_ln2": share(d.abs() > math.log(2)),
         p + "first_token_abs_diff": float(first_d.mean()),
     }
 

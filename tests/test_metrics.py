@@ -82,6 +82,22 @@ def test_mismatch_metrics_ignore_what_lies_outside_the_mask():
     assert mismatch_metrics(lt, lr, MASK) == mismatch_metrics(_lt(), LR, MASK)
 
 
+@pytest.mark.parametrize("side", ["trainer", "rollout"])
+@pytest.mark.parametrize("at", [(0, 2), (1, 2)], ids=["decode", "first"])
+def test_a_nan_log_prob_in_the_mask_makes_every_token_statistic_nan(side, at):
+    """A NaN log-prob of a response token: the token shares (``is_frac_outside_0.5_2``, ``frac_abs_diff_gt_ln2``) read
+    the other tokens' share, e.g. 2/5 (a NaN compares False: counted as inside the bounds), while every mean, extreme
+    and ratio was NaN; they are NaN too now. Only ``first_token_abs_diff`` keeps its value when the NaN is not at a
+    first response token."""
+    lt, lr = _lt(), LR.clone()
+    (lt if side == "trainer" else lr)[at] = float("nan")
+    m = mismatch_metrics(lt, lr, MASK)
+    finite = {"mismatch/first_token_abs_diff"} if at == (0, 2) else set()
+    assert {k for k, v in m.items() if not math.isnan(v)} == finite, m
+    if finite:
+        assert m["mismatch/first_token_abs_diff"] == pytest.approx((0.1 + 0.8) / 2)
+
+
 def test_ess_clamps_ratios_at_5():
     lr = torch.zeros(1, 2)
     lt = torch.tensor([[3.0, 0.0]])  # r = e^3 ~ 20 -> clamped to 5
