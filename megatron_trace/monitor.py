@@ -54,7 +54,7 @@ def check_mismatch_gate(metrics: dict[str, float], max_abs_diff: float | None, *
     """Raise ``MismatchGateError`` if ``metrics[key] > max_abs_diff`` (``None``: the gate is off)."""
     if max_abs_diff is None:
         return
-    if not isinstance(max_abs_diff, int | float) or isinstance(max_abs_diff, bool) or max_abs_diff < 0:
+    if not isinstance(max_abs_diff, int | float) or isinstance(max_abs_diff, bool) or not max_abs_diff >= 0:  # NaN
         raise ValueError(f"max_abs_diff={max_abs_diff!r} must be a number >= 0 or None (off)")
     if key not in metrics:
         raise KeyError(f"the mismatch gate needs {key!r}; got {sorted(metrics)[:6]}...")

@@ -39,8 +39,9 @@ def test_gate_is_off_by_default_and_fires_above_the_bound():
         check_mismatch_gate(m, 0.1)
     with pytest.raises(MismatchGateError):
         check_mismatch_gate({"mismatch/logprob_abs_diff": math.nan}, 0.1)
-    with pytest.raises(ValueError, match="max_abs_diff=-1"):
-        check_mismatch_gate(m, -1)
+    for bad in (-1, math.nan):  # (a NaN bound failed every step as a MismatchGateError blaming the model)
+        with pytest.raises(ValueError, match=f"max_abs_diff={bad} must be a number >= 0 or None"):
+            check_mismatch_gate(m, bad)
     check_mismatch_gate(step_mismatch_metrics(LR, LR, MASK, kv_quantized=False), 0.0)  # a bit-exact gate
     with pytest.raises(MismatchGateError):
         check_mismatch_gate(m, 0.0)
