@@ -34,7 +34,7 @@ import torch
 from ..config import TraceConfig
 from .packed import Column, PackedGuidance, source_of
 from .packed_assemble import assemble_packed
-from .records import SampleGuidance, assemble
+from .records import SampleGuidance, assemble, sample_id_list
 from .serial import FlatPlan, host_buffer, plan_flat, unflatten_one, write_flat
 from .shards import (
     SHARD_PREFIX,
@@ -234,6 +234,7 @@ class GuidanceCache:
         st = self._steps.get(int(step))
         if st is None:
             raise KeyError(f"guidance cache has no step {step} (steps held: {self.steps})")
+        sample_ids = sample_id_list(sample_ids)
         if st.packed and not st.views:
             st.views = {s.sample_id: s for p, _ in st.packed for s in p.to_samples()}
         found: dict[int, SampleGuidance] = {sid: st.views[sid] for sid in sample_ids if sid in st.views}
@@ -259,6 +260,7 @@ class GuidanceCache:
         st = self._steps.get(int(step))
         if st is None:
             raise KeyError(f"guidance cache has no step {step} (steps held: {self.steps})")
+        sample_ids = sample_id_list(sample_ids, rows=True)  # (one lookup rule on every storage path)
         if st.packed and not st.chunks and not st.shards:
             return assemble_packed([p for p, _ in st.packed], sample_ids, token_ids, versions=versions,
                                    counter=counter, attention_mask=attention_mask)

@@ -24,6 +24,7 @@ from .records import (
     missing_rows_per_token,
     reject_bad_scales,
     row_hashes,
+    sample_id_list,
     token_mask,
 )
 from .routing import RoutingMismatchError
@@ -40,7 +41,7 @@ def _locate(parts: Sequence[_Packed], sample_ids: Sequence[int | None]) -> list[
             if sid in where:
                 raise ValueError(f"sample {sid} appears in two received chunks")
             where[sid] = (p, i)
-    return [None if sid is None else where.get(int(sid)) for sid in sample_ids]
+    return [None if sid is None else where.get(sid) for sid in sample_id_list(sample_ids, rows=True)]
 
 
 def _rows_by_column(parts: Sequence[_Packed], loc) -> list[tuple[Column, torch.Tensor, torch.Tensor]]:

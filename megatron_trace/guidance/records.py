@@ -179,6 +179,23 @@ def _ints(values, message) -> list[int]:
     return [int(v) for v in vals]
 
 
+def sample_id_list(sample_ids, *, rows: bool = False) -> list[int | None]:
+    """``sample_ids`` (ids to look up) as Python ints: each a Python or NumPy int or a 0-d integer tensor (an integer
+    tensor gives its elements); with ``rows`` (a trainer batch's row b trains ``sample_ids[b]``) None is a row without
+    a sample. Anything else is refused, naming it: looked up as given, a 0-d tensor (hashed by identity), a string or
+    3.5 matched no sample of a spilled step (every row counted ``missing``), while a step held as columns took
+    ``int()`` of it (3.5: sample 3)."""
+    try:
+        vals = list(sample_ids)
+    except TypeError as e:
+        raise ValueError(f"sample_ids={sample_ids!r} is not a sequence of int sample ids") from e
+    for i, v in enumerate(vals):
+        if not (is_integer(v) or (rows and v is None)):
+            raise ValueError(f"sample_ids[{i}]={v!r} is not an int sample id"
+                             + (" or None (a row without a sample)" if rows else ""))
+    return [None if v is None else int(v) for v in vals]
+
+
 def split_batch(
     batch: Mapping[SiteKey, SiteGuidance],
     token_ids: torch.Tensor,

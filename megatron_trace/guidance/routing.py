@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .records import _per_row, token_hash, token_mask
+from .records import _ints, _per_row, token_hash, token_mask
 
 ALIGN = 16
 _DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
@@ -81,7 +81,8 @@ def split_routing(routing: Mapping[int, torch.Tensor], token_ids: torch.Tensor, 
             raise ValueError(f"routing[{layer}] holds expert id {int(kept[bad][0])} at a token position: expert ids "
                              f"are 0..{num_experts - 1}")
     versions = _per_row(version, B, "version")
-    ids = list(range(B)) if sample_ids is None else [int(i) for i in sample_ids]
+    ids = list(range(B)) if sample_ids is None else \
+        _ints(sample_ids, lambda: f"sample_ids={sample_ids!r}: give {B} distinct int ids")  # (3.5: not sample 3)
     if len(versions) != B or len(ids) != B or len(set(ids)) != B:
         raise ValueError(f"need {B} versions and {B} distinct sample_ids, got {versions} and {ids}")
     return pack_routing(routing, token_ids, mask, versions, ids, dtype).to_samples()

@@ -95,6 +95,45 @@ def test_assemble_equals_records_assemble_on_every_storage_path(tmp_path, path):
         cache.assemble(3, ids, tok, versions=5, counter=None, attention_mask=mask)
 
 
+@pytest.mark.parametrize("path", ["columns", "per_sample", "spilled"])
+def test_sample_ids_of_any_integer_type_find_their_samples_on_every_storage_path_and_others_are_refused(tmp_path,
+                                                                                                        path):
+    """A trainer's row ids as a tensor (0-d elements, hashed by identity) found every sample of a step held as columns
+    but none of one spilled or kept per sample (every row counted ``missing``, coverage 0); 10.5 or "10" was served
+    sample 10 from columns (``int()``) and nothing from a shard. Every path takes integer ids of any type and refuses
+    the rest, naming the value."""
+    import re
+
+    import numpy as np
+
+    from megatron_trace.guidance.site import FallbackCounter
+
+    from .test_wire import _assert_same_batch
+
+    batch, _, tok, mask = make_batch(B=4, seed=3, lengths=[9, 7, 4, 8])
+    ids = [10, 11, 12, 13]
+    samples = split_batch(batch, tok, version=5, attention_mask=mask, sample_ids=ids)
+    cache = GuidanceCache(budget_bytes=0 if path == "spilled" else 10**9, cache_dir=tmp_path)
+    if path == "per_sample":
+        cache.put(2, samples[:2])
+        cache.put(2, samples[2:])
+    else:
+        cache.put(2, samples)
+    want = _assemble_both(cache, 2, samples, ids, tok, mask, 5)
+    ref = cache.assemble(2, ids, tok, versions=5, counter=FallbackCounter(), attention_mask=mask)
+    assert want.coverage == 1.0
+    for good in (torch.tensor(ids), np.array(ids), [np.int64(10), torch.tensor(11), 12, 13]):
+        assert [s.sample_id for s in cache.get(2, good)] == ids
+        c = FallbackCounter()
+        _assert_same_batch(ref, cache.assemble(2, good, tok, versions=5, counter=c, attention_mask=mask))
+        assert (c.used, c.fallback) == (want.used, want.fallback)
+    for bad in (10.5, 10.0, "10", True, torch.tensor(10.0)):
+        with pytest.raises(ValueError, match=re.escape(f"sample_ids[1]={bad!r} is not an int sample id")):
+            cache.get(2, [11, bad])
+        with pytest.raises(ValueError, match=re.escape(f"sample_ids[1]={bad!r} is not an int sample id or None")):
+            cache.assemble(2, [11, bad, 12, 13], tok, versions=5, counter=FallbackCounter(), attention_mask=mask)
+
+
 @pytest.mark.parametrize("path", ["columns", "spilled"])
 def test_records_of_an_older_or_newer_version_than_the_trainer_expects_are_rejected_and_counted(tmp_path, path):
     """A record is used only under the exact version the trainer recorded for its sample: one from an older policy

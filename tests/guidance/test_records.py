@@ -653,13 +653,19 @@ def test_sample_ids_that_are_not_integers_are_refused_not_truncated():
     import numpy as np
 
     from megatron_trace.guidance.records import pack_guidance
+    from megatron_trace.guidance.routing import split_routing
 
     batch, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc1_in",))
+    routing = {0: torch.zeros(3, 9, 2, dtype=torch.int64)}  # the routing of the same batch takes the same ids
     for bad in ([0, 1, 3.5], [0.0, 1.0, 2.0], torch.tensor([0.0, 1.0, 2.0]), [0, True, 2], [0, 1, np.float64(2)], 7):
         with pytest.raises(ValueError, match=re.escape(f"sample_ids={bad!r}: give 3 distinct int ids")):
             split_batch(batch, tok, version=0, attention_mask=mask, sample_ids=bad)
         with pytest.raises(ValueError, match=re.escape(f"sample_ids={bad!r}: give 3 distinct int ids")):
             pack_guidance(batch, tok, version=0, attention_mask=mask, sample_ids=bad)
+        with pytest.raises(ValueError, match=re.escape(f"sample_ids={bad!r}: give 3 distinct int ids")):
+            split_routing(routing, tok, version=0, num_experts=8, attention_mask=mask, sample_ids=bad)
     for good in ([5, np.int64(3), torch.tensor(4)], torch.tensor([5, 3, 4]), np.array([5, 3, 4])):
         got = split_batch(batch, tok, version=0, attention_mask=mask, sample_ids=good)
+        assert [s.sample_id for s in got] == [5, 3, 4] and all(type(s.sample_id) is int for s in got)
+        got = split_routing(routing, tok, version=0, num_experts=8, attention_mask=mask, sample_ids=good)
         assert [s.sample_id for s in got] == [5, 3, 4] and all(type(s.sample_id) is int for s in got)
