@@ -34,7 +34,7 @@ import torch
 from ..config import TraceConfig
 from .packed import Column, PackedGuidance, source_of
 from .packed_assemble import assemble_packed
-from .records import SampleGuidance, assemble, sample_id_list
+from .records import SampleGuidance, assemble, is_integer, sample_id_list
 from .serial import FlatPlan, host_buffer, plan_flat, unflatten_one, write_flat
 from .shards import (
     SHARD_PREFIX,
@@ -113,12 +113,20 @@ class _HostStager:
         return host, event
 
 
+def _step(step) -> int:
+    """An RL step number (any int: the driver's sentinel step is negative) as a Python int; a float (1.5 was kept as
+    step 1 in memory, refused by a spill's shard name), string or bool is refused, naming it."""
+    if not is_integer(step):
+        raise ValueError(f"step={step!r} is not an int (the RL step the guidance belongs to)")
+    return int(step)
+
+
 class GuidanceCache:
     """Host cache of ``SampleGuidance`` per RL step under a byte budget, spilling to ``cache_dir``."""
 
     def __init__(self, budget_bytes: int, cache_dir: str | Path | None = None):
-        if budget_bytes < 0:
-            raise ValueError(f"budget_bytes={budget_bytes} must be >= 0")
+        if not is_integer(budget_bytes) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes={budget_bytes!r} must be an int >= 0 (bytes of host memory)")
         self.budget_bytes = int(budget_bytes)
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.owner = owner_tag()  # in its shards' names: other caches on cache_dir (ranks, runs) keep theirs
@@ -156,13 +164,14 @@ class GuidanceCache:
     def put(self, step: int, samples: Sequence[SampleGuidance] | PackedGuidance) -> None:
         """Store one rollout batch of ``step`` (samples, or a whole batch's columns from ``records.pack_guidance``);
         may be called several times per step. A put that raises (e.g. its spill fails) keeps none of its samples."""
+        step = _step(step)
         whole = samples if isinstance(samples, PackedGuidance) else None
         ids = list(whole.table.ids) if whole is not None else [s.sample_id for s in samples]
-        held = self._steps[int(step)].sample_ids if int(step) in self._steps else set()
+        held = self._steps[step].sample_ids if step in self._steps else set()
         dup = sorted((set(ids) & held) | {i for i, n in Counter(ids).items() if n > 1})  # (Counter: not quadratic)
         if dup:  # checked before the step is made: a refused put leaves no empty step behind
             raise ValueError(f"step {step} already has sample id(s) {dup}")
-        st = self._steps.setdefault(int(step), _Step())
+        st = self._steps.setdefault(step, _Step())
         if whole is None:
             src = source_of(samples)
             if src is not None and src[1] == list(range(len(src[0].table))):  # a whole split batch
@@ -181,7 +190,7 @@ class GuidanceCache:
         n_mem = self._fit_in_memory(plan)
         if n_mem < len(samples) and self.cache_dir is None:  # fail before anything of this put is kept
             if not st.sample_ids:
-                del self._steps[int(step)]
+                del self._steps[step]
             raise RuntimeError(
                 f"guidance for step {step} exceeds the host budget of {self.budget_bytes} bytes "
                 f"({self.host_bytes} held, this put needs {plan.total}) and no cache_dir is set: "
@@ -202,7 +211,7 @@ class GuidanceCache:
                 st.chunks = [c for c in st.chunks if c is not chunk]
                 self.host_bytes -= chunk.buf.numel()
             if not (st.sample_ids or st.chunks or st.shards or st.packed):
-                del self._steps[int(step)]
+                del self._steps[step]
             raise
         st.sample_ids.update(ids)
 
@@ -231,7 +240,7 @@ class GuidanceCache:
     # ---- trainer side -----------------------------------------------------------------------
     def get(self, step: int, sample_ids: Sequence[int]) -> list[SampleGuidance | None]:
         """The samples ``sample_ids`` of ``step`` (None where absent). Unknown step: KeyError."""
-        st = self._steps.get(int(step))
+        st = self._steps.get(_step(step))
         if st is None:
             raise KeyError(f"guidance cache has no step {step} (steps held: {self.steps})")
         sample_ids = sample_id_list(sample_ids)
@@ -257,7 +266,7 @@ class GuidanceCache:
         """``records.assemble`` of the samples ``sample_ids`` (row b trains ``sample_ids[b]``; None: no sample):
         batch-major guidance, mismatching or absent rows invalid and counted in ``counter``. Unknown step: KeyError.
         From the step's columns when all of it was kept as columns, else sample by sample."""
-        st = self._steps.get(int(step))
+        st = self._steps.get(_step(step))
         if st is None:
             raise KeyError(f"guidance cache has no step {step} (steps held: {self.steps})")
         sample_ids = sample_id_list(sample_ids, rows=True)  # (one lookup rule on every storage path)
@@ -271,7 +280,7 @@ class GuidanceCache:
 
     def drop(self, step: int) -> None:
         """Free everything held for ``step`` (memory and shards). Unknown steps are ignored."""
-        st = self._steps.pop(int(step), None)
+        st = self._steps.pop(_step(step), None)
         if st is None:
             return
         for chunk in st.chunks:
@@ -288,6 +297,6 @@ class GuidanceCache:
 
     def invalidate(self, step: int) -> None:
         """Discard an interrupted step's partial data; a later ``put`` can redo it."""
-        if int(step) in self._steps:
+        if _step(step) in self._steps:
             logger.warning("guidance step %d invalidated: its records are discarded", step)
         self.drop(step)

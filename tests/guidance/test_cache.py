@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -102,8 +103,6 @@ def test_sample_ids_of_any_integer_type_find_their_samples_on_every_storage_path
     but none of one spilled or kept per sample (every row counted ``missing``, coverage 0); 10.5 or "10" was served
     sample 10 from columns (``int()``) and nothing from a shard. Every path takes integer ids of any type and refuses
     the rest, naming the value."""
-    import re
-
     import numpy as np
 
     from megatron_trace.guidance.site import FallbackCounter
@@ -273,6 +272,33 @@ def test_unknown_step_and_invalidate(tmp_path):
         cache.get(3, [300])
     cache.put(3, _step_samples(3))  # the step can be redone
     assert cache.get(3, [300])[0] is not None
+
+
+@pytest.mark.parametrize("budget", [10**9, 0])
+@pytest.mark.parametrize("step", [1.5, 1.0, "1", True, None])
+def test_a_step_that_is_not_an_int_is_refused_by_every_call(tmp_path, budget, step):
+    """Step 1.5 (or "1", True) was kept in memory as step 1 (``int(step)``: a later get(1) served it) and refused with
+    a format-code error when the put spilled; every call now names it."""
+    samples = _step_samples(1, B=2)
+    cache = GuidanceCache(budget_bytes=budget, cache_dir=tmp_path)
+    want = re.escape(f"step={step!r} is not an int")
+    for call in (lambda: cache.put(step, samples), lambda: cache.get(step, [100]), lambda: cache.drop(step),
+                 lambda: cache.invalidate(step),
+                 lambda: cache.assemble(step, [100], torch.zeros(1, 1, dtype=torch.long), versions=1, counter=None)):
+        with pytest.raises(ValueError, match=want):
+            call()
+    assert cache.steps == [] and cache.host_bytes == cache.disk_bytes == 0 and not list(tmp_path.iterdir())
+    import numpy as np
+
+    cache.put(np.int64(1), samples)  # integer types of any kind are the step
+    assert cache.steps == [1] and type(cache.steps[0]) is int
+    assert [g.sample_id for g in cache.get(torch.tensor(1), [101, 100])] == [101, 100]
+
+
+@pytest.mark.parametrize("budget", [1.5, float("nan"), True, "10", -1])
+def test_a_budget_that_is_not_an_int_of_bytes_is_refused(budget):
+    with pytest.raises(ValueError, match=re.escape(f"budget_bytes={budget!r} must be an int >= 0")):
+        GuidanceCache(budget_bytes=budget)
 
 
 def test_from_config(tmp_path):
