@@ -86,6 +86,32 @@ def _refuse_model_overrides(model: dict, overrides: dict) -> None:
                          "recompute, load balancing, dropout, fusions)")
 
 
+def check_checkpoint_config(hf_config, saved, where: str) -> None:
+    """Raise unless ``hf_config`` (the model being loaded) computes what ``saved`` (the checkpoint's own config.json,
+    the one every rollout engine reads) says. Shapes are checked on the tensors; this is for the fields no tensor
+    has: top-k, router normalisation, RoPE theta, norm epsilon (a top-k of another config loaded silently and trained
+    another model than the one the rollout serves: slime#1059)."""
+    if getattr(saved, "model_type", None) != getattr(hf_config, "model_type", None):
+        raise ValueError(f"{where} is model_type={getattr(saved, 'model_type', None)!r}, the config loading it "
+                         f"{getattr(hf_config, 'model_type', None)!r}")
+    mine, theirs = (_computed_fields(c) for c in (hf_config, saved))
+    bad = [f"{k}={mine[k]!r} (config.json: {theirs[k]!r})" for k in mine if mine[k] != theirs[k]]
+    if bad:
+        a, b = hf_config.to_dict(), saved.to_dict()  # (the HF names of the Megatron fields above)
+        hf = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in _CONFIG_META)
+        raise ValueError(f"the config loading {where} does not compute what its config.json says: {', '.join(bad)} "
+                         f"(config.json fields that differ: {hf}); load with that config.json "
+                         "(AutoConfig.from_pretrained) or save the checkpoint with yours")
+
+
+_CONFIG_META = ("_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version")
+
+
+def _computed_fields(c) -> dict:
+    """What a Qwen3-MoE config makes the model compute (TransformerConfig and GPTModel fields)."""
+    return {**_model_fields(c), **gpt_model_kwargs(c)}
+
+
 def rope_theta(hf_config) -> float:
     rope = getattr(hf_config, "rope_parameters", None) or {}
     if "rope_theta" in rope:  # transformers >= 5

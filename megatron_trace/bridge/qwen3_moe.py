@@ -34,7 +34,7 @@ from safetensors import safe_open
 
 from ..rollout.hf_weights import parse_expert_name
 from .agree import agree, agreed
-from .config import gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
+from .config import check_checkpoint_config, gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,7 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
                 raise refused
             self._check_all_consumed({n for _, _, hf, _ in plan for n in hf})
             self._check_shapes(plan, params, split_dims)
+            self._check_config(where)
             return {} if memory_efficient else self.safetensor_io.load_some_hf_weight([n for hf in readers for n in hf])
 
         split = self.mpu.ep_size > 1 or any(size > 1 for *_, (_, size, _) in plan)  # every rank loads its part
@@ -310,6 +311,14 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
                     expected = f"{want} whole ({expected} on each of {size} ranks)"
                 raise ValueError(f"{hf_names} -> {local}: the checkpoint's shape {shapes} gives {found}, the "
                                  f"model's is {expected}; does config.json match the checkpoint?")
+
+    def _check_config(self, where: str) -> None:
+        """The bridge's ``hf_config`` computes what the checkpoint's config.json says (``check_checkpoint_config``:
+        the fields the shape checks cannot see, e.g. top-k)."""
+        from transformers import AutoConfig
+
+        hf_dir = self.safetensor_io.hf_dir
+        check_checkpoint_config(self.hf_config, AutoConfig.from_pretrained(hf_dir), hf_dir)
 
     def _check_all_consumed(self, wanted: set[str]) -> None:
         """Every checkpoint tensor is one this rank reads, another EP rank's expert, or a tied ``lm_head``: a tensor

@@ -1,5 +1,7 @@
 """Megatron GPTModel <-> HF Qwen3-MoE (world size 1; EP=2 in test_expert_parallel.py)."""
 
+import re
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -606,6 +608,31 @@ def test_a_config_with_fewer_experts_than_the_checkpoint_is_refused_by_name(tmp_
     with pytest.raises(ValueError, match=r"36 checkpoint tensor\(s\) map to no parameter of this model, e\.g\. "
                                          r"\['model\.layers\.0\.mlp\.experts\.4\."):
         load_hf_checkpoint(bridge.build_model(), path, bridge)
+
+
+@pytest.mark.parametrize("override, field, hf_field", [
+    (dict(num_experts_per_tok=3), "moe_router_topk=3 (config.json: 2)", "num_experts_per_tok"),
+    (dict(norm_topk_prob=False), "moe_router_pre_softmax=True (config.json: False)", "norm_topk_prob"),
+    (dict(rms_norm_eps=1e-5), "layernorm_epsilon=1e-05 (config.json: 1e-06)", "rms_norm_eps"),
+    (dict(rope_theta=1e6), "rotary_base=1000000.0 (config.json: 10000.0)", "rope"),
+], ids=["top_k", "norm_topk_prob", "rms_norm_eps", "rope_theta"])
+def test_a_config_that_computes_another_model_than_the_checkpoint_is_refused_by_name(tmp_path, override, field,
+                                                                                      hf_field):
+    """Fields no tensor has a shape for (top-k, router normalisation, norm epsilon, RoPE theta): a config differing
+    from the checkpoint's config.json (which the rollout engines read) in one of them loaded silently (slime#1059),
+    and the trainer computed another model than the one the rollout served. Nothing is loaded."""
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
+
+    path = save_tiny_checkpoint(tmp_path / "hf", tiny_config(), seed=3)
+    bridge = Qwen3MoeBridge(tiny_config(), dtype=torch.float32)
+    load_hf_checkpoint(bridge.build_model(), path, bridge)  # the config it was saved with
+    other = Qwen3MoeBridge(tiny_config(**override), dtype=torch.float32)
+    model = other.build_model()
+    before = {k: v.clone() for k, v in model.state_dict().items() if "_extra_state" not in k}
+    with pytest.raises(ValueError, match=rf"does not compute what its config\.json says: {re.escape(field)} \(config"
+                                         rf"\.json fields that differ: \[.*'{hf_field}"):
+        load_hf_checkpoint(model, path, other)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
 def test_a_router_expert_bias_is_not_dropped_from_the_export():
