@@ -87,21 +87,21 @@ def _refuse_model_overrides(model: dict, overrides: dict) -> None:
 
 
 def check_checkpoint_config(hf_config, saved, where: str) -> None:
-    """Raise unless ``hf_config`` (the model being loaded) computes what ``saved`` (the checkpoint's own config.json,
-    the one every rollout engine reads) says. Shapes are checked on the tensors; this is for the fields no tensor
-    has: top-k, router normalisation, RoPE theta, norm epsilon (a top-k of another config loaded silently and trained
-    another model than the one the rollout serves: slime#1059)."""
+    """Raise unless ``hf_config`` (the model loading ``where``) computes what ``saved`` (the config ``where`` was saved
+    with: a HF checkpoint's config.json, the one every rollout engine reads) says. Shapes are checked on the tensors;
+    this is for the fields no tensor has: top-k, router normalisation, RoPE theta, norm epsilon (a top-k of another
+    config loaded silently and trained another model than the one the rollout serves: slime#1059)."""
     if getattr(saved, "model_type", None) != getattr(hf_config, "model_type", None):
-        raise ValueError(f"{where} is model_type={getattr(saved, 'model_type', None)!r}, the config loading it "
+        raise ValueError(f"{where} is of model_type={getattr(saved, 'model_type', None)!r}, the config loading it "
                          f"{getattr(hf_config, 'model_type', None)!r}")
     mine, theirs = (_computed_fields(c) for c in (hf_config, saved))
-    bad = [f"{k}={mine[k]!r} (config.json: {theirs[k]!r})" for k in mine if mine[k] != theirs[k]]
+    bad = [f"{k}={mine[k]!r} (saved: {theirs[k]!r})" for k in mine if mine[k] != theirs[k]]
     if bad:
         a, b = hf_config.to_dict(), saved.to_dict()  # (the HF names of the Megatron fields above)
         hf = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k) and k not in _CONFIG_META)
-        raise ValueError(f"the config loading {where} does not compute what its config.json says: {', '.join(bad)} "
-                         f"(config.json fields that differ: {hf}); load with that config.json "
-                         "(AutoConfig.from_pretrained) or save the checkpoint with yours")
+        raise ValueError(f"the config loading {where} computes another model than the one saved there: "
+                         f"{', '.join(bad)} (HF config fields that differ: {hf}); load it with the config it was saved "
+                         "with (a HF checkpoint's config.json: AutoConfig.from_pretrained)")
 
 
 _CONFIG_META = ("_name_or_path", "architectures", "dtype", "torch_dtype", "transformers_version")

@@ -380,7 +380,7 @@ class GRPORun:
         diff = [f"{k}: checkpoint={saved[k]!r} now={now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
         if diff:  # another run's data stream (or an optimizer whose loaded lr overrides the configured one)
             raise ValueError(f"checkpoint {path} is of another run: " + "; ".join(diff))
-        self.policy.load_state_dict(ck["policy"])
+        self.policy.load_state_dict(ck["policy"], where=f"checkpoint {path}")
         self.state = ArmState(**ck["state"])
         if self.state.history:
             self.trend.load_state_dict(self.state.history)

@@ -87,7 +87,7 @@ class MasterAdamW:
         return {"opt": self.opt.state_dict(), "master": [m.detach().clone() for m in self.master]}
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, where: str = "the checkpoint") -> None:
         for m, s in zip(self.master, sd["master"]):
             m.copy_(s)
         self.opt.load_state_dict(sd["opt"])
@@ -171,11 +171,14 @@ class MegatronPolicy:
 
     def state_dict(self) -> dict:
         return {"model": {k: v.detach().clone() for k, v in self.model.state_dict().items() if v is not None},
-                "optimizer": self.optimizer.state_dict()}
+                "optimizer": self.optimizer.state_dict(), "hf_config": self.hf_config.to_dict()}
 
-    def load_state_dict(self, sd: dict) -> None:
-        """Every weight and master copy of ``state_dict``'s model, checked (names, shapes) before any is copied: a
-        checkpoint of another model must not leave part of this one loaded."""
+    def load_state_dict(self, sd: dict, where: str = "the checkpoint") -> None:
+        """Every weight and master copy of ``state_dict``'s model, checked (names, shapes; the model config, where the
+        checkpoint has it: a top-k or RoPE theta of another config has no shape) before any is copied: a checkpoint of
+        another model must not leave part of this one loaded."""
+        from ..bridge.config import check_checkpoint_config
+
         want = {k: tuple(v.shape) for k, v in self.model.state_dict().items() if v is not None}
         got = {k: tuple(v.shape) for k, v in sd["model"].items() if v is not None}
         master = [tuple(m.shape) for m in sd["optimizer"]["master"]]
@@ -184,6 +187,8 @@ class MegatronPolicy:
             first = bad[0] if bad else "the optimizer's master weights"
             raise ValueError(f"checkpoint of another model: {len(bad)} weight(s) missing, extra or of another shape, "
                              f"e.g. {first} (checkpoint {got.get(first)}, model {want.get(first)}); nothing was loaded")
+        if "hf_config" in sd:  # (older checkpoints have none)
+            check_checkpoint_config(self.hf_config, type(self.hf_config).from_dict(sd["hf_config"]), where)
         self.model.load_state_dict(sd["model"], strict=True)
         self.optimizer.load_state_dict(sd["optimizer"])
 

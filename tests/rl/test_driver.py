@@ -675,18 +675,26 @@ def test_guidance_of_a_rollout_left_on_an_older_version_is_rejected(megatron_cpu
     assert r.step()["guidance/assembly/coverage"] == 1.0  # in step again
 
 
-def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(megatron_cpu, ckpt, tmp_path):
+@pytest.mark.parametrize("change, match", [
+    (dict(num_layers=3), r"checkpoint of another model: .* decoder\.layers\.2\..*nothing was loaded"),
+    (dict(top_k=3), r"checkpoint .*ck\.pt computes another model .*: moe_router_topk=3 \(saved: 2\) \(HF config fields "
+                    r"that differ: \['num_experts_per_tok'\]\)"),
+], ids=["deeper", "top_k"])
+def test_a_checkpoint_of_another_model_is_refused_before_anything_is_loaded(megatron_cpu, ckpt, tmp_path, change,
+                                                                            match):
     """The trainer loaded a checkpoint with ``strict=False``: a 2-layer run's checkpoint went into a 3-layer run's
-    layers 0-1, then the optimizer's master copies failed on a shape (a bare size error), the model half loaded."""
+    layers 0-1, then the optimizer's master copies failed on a shape (a bare size error), the model half loaded. A
+    model of the same shapes but another top-k (an ``init_from`` of another config.json) resumed silently: the weights
+    trained under top-2 then routed to three experts."""
     rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
     arm, task = make_arm("trace", TraceConfig()), get_task("add")
     r = GRPORun(arm, rl, task, ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
     r.step()
     r.save(tmp_path / "ck.pt")
-    deeper = sft_checkpoint(tmp_path / "sft3", task, dataclasses.replace(MODEL, num_layers=3), SFTConfig(steps=1))
-    other = GRPORun(arm, rl, task, str(deeper), out_dir=tmp_path, cache_dir=tmp_path / "c3")
+    changed = sft_checkpoint(tmp_path / "sft3", task, dataclasses.replace(MODEL, **change), SFTConfig(steps=1))
+    other = GRPORun(arm, rl, task, str(changed), out_dir=tmp_path, cache_dir=tmp_path / "c3")
     before = {k: v.clone() for k, v in other.policy.model.state_dict().items() if v is not None}
-    with pytest.raises(ValueError, match=r"checkpoint of another model: .* decoder\.layers\.2\..*nothing was loaded"):
+    with pytest.raises(ValueError, match=match):
         other.load(tmp_path / "ck.pt")
     after = other.policy.model.state_dict()
     assert all(torch.equal(after[k], v) for k, v in before.items()) and other.state.step == 0
