@@ -374,12 +374,16 @@ class GRPORun:
     def load(self, path: Path) -> None:
         """Resume: weights, optimizer, step and version; the rollout is re-synced, no cached guidance reused."""
         ck = torch.load(path, weights_only=False)
-        if ck["arm"] != self.arm.name or ck["trace"] != self.arm.trace.to_dict():
-            raise ValueError(f"checkpoint {path} is for arm {ck['arm']!r} with another TraceConfig")
+        trace, now = ck["trace"], self.arm.trace.to_dict()
+        if ck["arm"] != self.arm.name or trace != now:  # (the fields that differ, named: there are two dozen)
+            diff = _differences(trace, now, sorted(trace.keys() | now.keys()))
+            other = "" if ck["arm"] == self.arm.name else f" (this run's arm is {self.arm.name!r})"
+            raise ValueError(f"checkpoint {path} is for arm {ck['arm']!r}{other}" + (
+                f" with another TraceConfig: {diff}" if diff else ""))
         saved, now = ck.get("run", {}), self._run_identity()  # (older checkpoints have none)
-        diff = [f"{k}: checkpoint={saved[k]!r} now={now[k]!r}" for k in now if k in saved and saved[k] != now[k]]
+        diff = _differences(saved, now, [k for k in now if k in saved])
         if diff:  # another run's data stream (or an optimizer whose loaded lr overrides the configured one)
-            raise ValueError(f"checkpoint {path} is of another run: " + "; ".join(diff))
+            raise ValueError(f"checkpoint {path} is of another run: {diff}")
         self.policy.load_state_dict(ck["policy"], where=f"checkpoint {path}")
         self.state = ArmState(**ck["state"])
         if self.state.history:
@@ -387,6 +391,11 @@ class GRPORun:
         for step in self.cache.steps:
             self.cache.invalidate(step)
         self._reset_sync()  # the checkpoint's version, also below what this rollout served
+
+
+def _differences(saved: dict, now: dict, keys) -> str:
+    """"k: checkpoint=.. now=.." for each of ``keys`` whose values differ (a missing one is None), "; "-joined."""
+    return "; ".join(f"{k}: checkpoint={saved.get(k)!r} now={now.get(k)!r}" for k in keys if saved.get(k) != now.get(k))
 
 
 RUN_FIELDS = ("seed", "prompts_per_step", "group_size", "lr", "clip_eps", "tis_cap", "kl_coef", "temperature",

@@ -175,9 +175,14 @@ def test_resume_reproduces_the_next_step(megatron_cpu, ckpt, tmp_path):
     again = resumed.step()
     for key in ("reward", "loss", "mismatch/logprob_abs_diff", "mismatch/kl_k3", "guidance/trainer/coverage"):
         assert again[key] == ref[2][key], key
-    with pytest.raises(ValueError, match="for arm 'trace'"):
+    with pytest.raises(ValueError, match="for arm 'trace' \\(this run's arm is 'fp4_qat'\\)"):
         GRPORun(make_arm("fp4_qat", TraceConfig()), RL, task, ckpt, out_dir=tmp_path,
                 cache_dir=tmp_path / "c2").load(tmp_path / "ck.pt")
+    # the TraceConfig field that differs is named (it said "with another TraceConfig": which of two dozen?)
+    with pytest.raises(ValueError, match=r"for arm 'trace' with another TraceConfig: rounding: checkpoint='rne' "
+                                         r"now='stochastic'$"):
+        GRPORun(make_arm("trace", TraceConfig(rounding="stochastic")), RL, task, ckpt, out_dir=tmp_path,
+                cache_dir=tmp_path / "c4").load(tmp_path / "ck.pt")
     torch.testing.assert_close(torch.tensor(again["policy_version"]), torch.tensor(3.0))
     # another task, seed or lr resumed silently: other prompts, and the checkpoint's lr overrode the configured one
     other = GRPORun(arm, dataclasses.replace(RL, seed=7, lr=1e-3, steps=9), get_task("reverse"), ckpt,
