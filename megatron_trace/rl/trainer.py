@@ -87,7 +87,7 @@ class MasterAdamW:
         return {"opt": self.opt.state_dict(), "master": [m.detach().clone() for m in self.master]}
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict, where: str = "the checkpoint") -> None:
+    def load_state_dict(self, sd: dict) -> None:
         for m, s in zip(self.master, sd["master"]):
             m.copy_(s)
         self.opt.load_state_dict(sd["opt"])
