@@ -7,6 +7,7 @@ engine's; it corrects for the train-rollout mismatch that TRACE shrinks (paper: 
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -63,6 +64,7 @@ def policy_loss(
         # (they would broadcast: advantages [B, 1] or [B, T] against [B, T] made a [B, B, T] loss, silently wrong)
         raise ValueError(f"policy_loss takes logp [B, T] = {tuple(logp.shape)}, the same shape for {sorted(shapes)}"
                          f" (got {bad}) and advantages [B] (got {tuple(advantages.shape)}): one per sequence")
+    _check_loss_settings(clip_eps, tis_cap, kl_coef)
     if kl_coef and logp_ref is None:  # (the KL term was dropped without a word)
         raise ValueError(f"kl_coef={kl_coef!r} needs logp_ref (the reference policy's log-probs [B, T]); "
                          "kl_coef=0 for no KL term")
@@ -90,3 +92,20 @@ def policy_loss(
         out = {"rl/clip_frac": float(torch.where(sel, clipped, 0.0).sum() / n),
                "rl/ratio_mean": float(torch.where(sel, ratio, 0.0).sum() / n)}
     return loss, out
+
+
+def _check_loss_settings(clip_eps, tis_cap, kl_coef) -> None:
+    """Refuse what ``policy_loss`` cannot mean: a negative or NaN ``clip_eps`` clamped every ratio to 1 + eps (torch's
+    clamp with min > max), a ``tis_cap`` <= 0 weighted every token 0 or flipped its sign, a negative ``kl_coef``
+    rewarded drifting from the reference; NaN made the loss NaN and a bool was taken as 0 / 1, all without a word."""
+    def real(v) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+    if not (real(clip_eps) and 0 <= clip_eps < math.inf):
+        raise ValueError(f"clip_eps={clip_eps!r} must be a finite number >= 0 (the PPO clip range: ratios outside "
+                         "[1 - clip_eps, 1 + clip_eps] are clipped)")
+    if tis_cap is not None and not (real(tis_cap) and tis_cap > 0):
+        raise ValueError(f"tis_cap={tis_cap!r} must be None (no TIS weight) or a number > 0 (the cap of the "
+                         "truncated IS weight)")
+    if not (real(kl_coef) and 0 <= kl_coef < math.inf):
+        raise ValueError(f"kl_coef={kl_coef!r} must be a finite number >= 0 (0: no KL term)")

@@ -360,6 +360,23 @@ def test_policy_loss_refuses_a_kl_coef_without_the_reference_log_probs():
         policy_loss(logp, old, old, adv, mask, kl_coef=0.5)
 
 
+@pytest.mark.parametrize("name, bad", [
+    ("clip_eps", -0.2), ("clip_eps", float("nan")), ("clip_eps", float("inf")), ("clip_eps", True),
+    ("tis_cap", 0.0), ("tis_cap", -5.0), ("tis_cap", float("nan")), ("tis_cap", True),
+    ("kl_coef", -0.1), ("kl_coef", float("nan")), ("kl_coef", float("inf")), ("kl_coef", True)])
+def test_policy_loss_refuses_settings_it_cannot_mean(name, bad):
+    """Each was a silent loss: clip_eps=-0.2 clamped every ratio to 0.8 (torch.clamp with min > max), tis_cap=0 made
+    the loss 0 and -5 flipped its sign, kl_coef=-0.1 rewarded drifting from the reference, NaN gave a NaN loss and a
+    bool counted as 0 / 1. The edges that mean something are kept: clip_eps 0, tis_cap inf (the IS weight uncapped)."""
+    g = torch.Generator().manual_seed(6)
+    logp, old = -torch.rand(2, 4, generator=g), -torch.rand(2, 4, generator=g)
+    adv, mask, ref = torch.tensor([1.0, -0.5]), torch.ones(2, 4, dtype=torch.bool), logp - 0.3
+    with pytest.raises(ValueError, match=re.escape(f"{name}={bad!r} must be")):
+        policy_loss(logp, old, old - 1.0, adv, mask, logp_ref=ref, **{name: bad})
+    inf_cap = policy_loss(logp, old, old - 1.0, adv, mask, clip_eps=0.0, tis_cap=math.inf)[0]
+    torch.testing.assert_close(inf_cap, policy_loss(logp, old, old - 1.0, adv, mask, clip_eps=0.0, tis_cap=1e9)[0])
+
+
 def test_noisy_labels_are_the_documented_wrong_answers():
     """add: the carry-dropping sum (its leading digit 0, as no carry leaves the last column); reverse: the answer with
     one adjacent pair swapped, every one of the 4 pairs in turn."""
