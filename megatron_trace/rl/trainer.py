@@ -15,6 +15,7 @@ import numbers
 import torch
 
 from ..config import TraceConfig
+from ..rollout.base import check_temperature
 
 logger = logging.getLogger(__name__)
 _OWNER = "_megatron_trace_master_adamw"  # set on a parameter while a MasterAdamW's hook accumulates its gradient
@@ -211,9 +212,11 @@ def model_inputs(tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log_softmax(logits / T) of each next token (``MegatronPolicy.logprobs``): float32 [B, S], 0 at t = 0."""
+    """log_softmax(logits / T) of each next token (``MegatronPolicy.logprobs``): float32 [B, S], 0 at t = 0.
+    ``temperature``: the rollout's (``SamplingParams.temperature``: 0, greedy, scores at T = 1)."""
+    temperature = check_temperature(temperature)  # (a negative or NaN one scored at T = 1, an infinite one uniform)
     tokens = tokens.to(logits.device)
-    scaled = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+    scaled = logits[:, :-1].float() / (temperature or 1.0)
     lp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
     return torch.nn.functional.pad(lp, (1, 0))
 

@@ -62,10 +62,7 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(ids))
         except TypeError as e:
             raise ValueError(f"SamplingParams.stop_token_ids={ids!r} must be token ids (ints >= 0)") from e
-        t = self.temperature
-        if not is_real(t) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
-            raise ValueError(f"SamplingParams.temperature={t!r} must be 0 (greedy) or a finite number >= "
-                             f"{MIN_TEMPERATURE} (smaller ones overflow the scaled logits)")
+        t = check_temperature(self.temperature, "SamplingParams.temperature")
         p = self.top_p
         if not is_real(p) or not 0.0 < p <= 1.0:
             raise ValueError(f"SamplingParams.top_p={p!r} must be in (0, 1]")
@@ -94,6 +91,15 @@ class SamplingParams:
         bad = [s for s in self.stop_token_ids if s >= vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+
+
+def check_temperature(t, name: str = "temperature") -> float:
+    """``t`` as a float: 0 (greedy) or a finite number >= ``MIN_TEMPERATURE``; anything else raises, naming ``name``
+    (the rollout samples and the trainer scores at the same temperature: both check it here)."""
+    if not is_real(t) or not (t == 0 or MIN_TEMPERATURE <= t < math.inf):
+        raise ValueError(f"{name}={t!r} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE} (smaller ones "
+                         "overflow the scaled logits)")
+    return float(t)
 
 
 def is_int(x) -> bool:

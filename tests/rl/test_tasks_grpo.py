@@ -7,6 +7,7 @@ import torch
 from megatron_trace.rl.grpo import group_advantages, policy_loss
 from megatron_trace.rl.tasks import CharTokenizer, get_task, sft_batch
 from megatron_trace.rl.trainer import batch_slices, token_logprobs
+from megatron_trace.rollout.base import SamplingParams
 
 
 def test_tokenizer_round_trip_and_errors():
@@ -417,6 +418,17 @@ def test_token_logprobs_at_temperature_0_are_the_unscaled_ones():
     logits, tokens = torch.randn(2, 4, 6, generator=g), torch.randint(0, 6, (2, 4), generator=g)
     got = token_logprobs(logits, tokens, 0.0)
     assert torch.isfinite(got).all() and torch.equal(got, token_logprobs(logits, tokens, 1.0))
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf"), 1e-7, True])
+def test_token_logprobs_refuse_a_temperature_the_rollout_refuses(bad):
+    """The trainer scores at the rollout's temperature under SamplingParams' rule: -1 and NaN scored at T = 1 and inf
+    gave every token log(1 / V), without a word."""
+    logits, tokens = torch.randn(1, 3, 5), torch.tensor([[0, 1, 2]])
+    with pytest.raises(ValueError, match=re.escape(f"temperature={bad!r} must be 0 (greedy) or a finite number >=")):
+        token_logprobs(logits, tokens, bad)
+    with pytest.raises(ValueError, match=re.escape(f"SamplingParams.temperature={bad!r} must be 0 (greedy)")):
+        SamplingParams(temperature=bad)
 
 
 def test_master_adamw_is_adamw_on_the_fp32_master_copies():
