@@ -67,7 +67,10 @@ class Task:
         raise NotImplementedError
 
     def reward(self, p: Problem, response: str) -> float:
-        """1.0 for an exact answer, else 0.0."""
+        """1.0 for an exact answer, else 0.0. ``response``: the decoded text (token ids: ``response_rewards``)."""
+        if not isinstance(response, str):  # (token ids never equal the answer: every reward was 0)
+            raise TypeError(f"Task.reward takes the decoded response text, got {type(response).__name__} "
+                            f"{response!r:.60}: score token ids with response_rewards")
         return float(response == p.answer)
 
 
@@ -120,6 +123,10 @@ def get_task(name: str) -> Task:
 def response_rewards(task: Task, tok: CharTokenizer, problems, responses) -> list[float]:
     """Each response's reward; a special token other than the closing EOS (a sampled BOS or PAD, which a lax decode
     drops) makes it wrong."""
+    problems, responses = list(problems), list(responses)
+    if len(problems) != len(responses):  # (zip dropped the extra ones: fewer rewards than responses, no word)
+        raise ValueError(f"{len(problems)} problems for {len(responses)} responses: one problem per response (a "
+                         "group's problem repeated group_size times)")
     return [task.reward(p, tok.decode(r, strict=True)) for p, r in zip(problems, responses)]
 
 

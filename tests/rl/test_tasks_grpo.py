@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_trace.rl.grpo import group_advantages, policy_loss
-from megatron_trace.rl.tasks import CharTokenizer, get_task, sft_batch
+from megatron_trace.rl.tasks import CharTokenizer, get_task, response_rewards, sft_batch
 from megatron_trace.rl.trainer import batch_slices, token_logprobs
 from megatron_trace.rollout.base import SamplingParams
 
@@ -410,6 +410,27 @@ def test_the_reward_is_an_exact_match_and_operands_use_every_digit():
     prompts = [task.sample(g).prompt for _ in range(100)]
     for pos in (0, 1, 2, 4, 5, 6):  # each digit of each operand takes every value 0-9
         assert {p[pos] for p in prompts} == set("0123456789"), pos
+
+
+@pytest.mark.parametrize("problems, responses", [(3, 4), (4, 3), (0, 1)], ids=["fewer-problems", "fewer-responses",
+                                                                          "no-problems"])
+def test_rewards_need_one_problem_per_response(problems, responses):
+    """zip dropped the extra ones: 3 problems for a group of 4 responses gave 3 rewards without a word."""
+    tok, task = CharTokenizer(), get_task("add")
+    p = task.sample(torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=f"{problems} problems for {responses} responses"):
+        response_rewards(task, tok, [p] * problems, [tok.encode(p.answer, eos=True)] * responses)
+
+
+def test_a_reward_of_token_ids_instead_of_text_is_refused():
+    """Token ids never equal the answer text: Task.reward(p, ids) was 0.0 for the right answer too (a run learning
+    nothing, silently); the text's reward and response_rewards' (which decodes) are 1."""
+    tok, task = CharTokenizer(), get_task("reverse")
+    p = task.sample(torch.Generator().manual_seed(0))
+    ids = tok.encode(p.answer, eos=True)
+    with pytest.raises(TypeError, match=r"Task.reward takes the decoded response text, got list \["):
+        task.reward(p, ids)
+    assert task.reward(p, p.answer) == 1.0 and response_rewards(task, tok, [p], [ids]) == [1.0]
 
 
 def test_token_logprobs_at_temperature_0_are_the_unscaled_ones():
