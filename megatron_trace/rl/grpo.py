@@ -30,7 +30,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     r = rewards.double().reshape(-1, int(group_size))
     if not r.numel():  # no groups (std over none warns)
         return torch.zeros(0, dtype=torch.float32, device=rewards.device)
-    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps)
+    # a group beyond 1 scaled down by a power of two to |r| < 1 (eps with it): the same advantages bit for bit, but no
+    # overflow in the sum or the squares (float64 rewards beyond ~1e154 made the std inf, the group's advantages 0)
+    exponent = torch.frexp(r.abs().amax(1, keepdim=True)).exponent.clamp(min=0)
+    scale = torch.ldexp(torch.ones_like(r[:, :1]), -exponent)
+    r = r * scale
+    adv = (r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True, unbiased=False) + eps * scale)
     constant = (r == r[:, :1]).all(1, keepdim=True)
     return torch.where(constant, 0.0, adv).float().view(-1)
 

@@ -109,6 +109,16 @@ def test_group_advantages_of_a_constant_group_are_zero(value, group_size):
     assert float(a[group_size:].double().std(unbiased=False)) == pytest.approx(std / (std + 1e-6), abs=1e-6)
 
 
+@pytest.mark.parametrize("big", [1e200, 1.5e308, 3e38], ids=["1e200", "near-float64-max", "near-float32-max"])
+def test_group_advantages_of_huge_rewards_are_not_zero(big):
+    """float64 rewards beyond ~1e154 overflowed the std's squares (inf): a group of rewards (big, -big) got advantages
+    (0, 0), no signal, without a word; by the definition they are (1, -1) (std = big, eps negligible). A group of
+    ordinary rewards beside it keeps its own."""
+    r = torch.tensor([big, -big, big / 2, big, 0.0, 1.0], dtype=torch.float64)
+    a = group_advantages(r, 2)
+    assert a.tolist() == [1.0, -1.0, -1.0, 1.0, pytest.approx(-1.0, abs=1e-5), pytest.approx(1.0, abs=1e-5)]
+
+
 def test_policy_loss_ppo_clip_and_tis():
     logp_old = torch.log(torch.tensor([[0.5, 0.5]]))
     logp = (logp_old + torch.tensor([[0.5, 0.0]])).requires_grad_()
