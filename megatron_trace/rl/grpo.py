@@ -78,11 +78,13 @@ def policy_loss(
     # NaN / inf there reach neither the loss nor, through 0 * inf, the gradient
     logp_old = torch.where(sel, logp_old, logp).detach()
     ratio = torch.exp(logp - logp_old)
-    adv = advantages.unsqueeze(1)
+    adv = advantages.detach().unsqueeze(1)  # (constants of the objective, as the TIS weight: no gradient reaches them)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
     per_tok = -surrogate
     if tis_cap is not None:
-        per_tok = per_tok * torch.exp(logp_old - torch.where(sel, logp_rollout, logp_old)).clamp(max=tis_cap)
+        # detached: a logp_rollout that carries a gradient (the trainer's logp passed as the rollout's) cancelled the
+        # ratio, and the loss's gradient was 0
+        per_tok = per_tok * torch.exp(logp_old - torch.where(sel, logp_rollout, logp_old).detach()).clamp(max=tis_cap)
     if kl_coef and logp_ref is not None:
         d = torch.where(sel, logp_ref, logp).detach() - logp
         per_tok = per_tok + kl_coef * (torch.exp(d) - d - 1)  # k3 estimator

@@ -137,6 +137,53 @@ def test_policy_loss_ppo_clip_and_tis():
 
 
 
+def reference_policy_loss(logp, old, roll, adv, mask, clip_eps, tis_cap, ref, kl_coef):
+    """The loss and d loss / d logp by the definitions, token by token in float64: -w * min(r A, clip(r) A) + kl * k3,
+    w = min(exp(old - roll), cap) and A constants, averaged over the mask's tokens; the surrogate's gradient is r A
+    where the unclipped term is the min or the ratio lies inside the clip band, else 0; k3's is 1 - exp(ref - logp)."""
+    loss, grad, n = 0.0, torch.zeros(logp.shape, dtype=torch.float64), max(int(mask.sum()), 1)
+    for b, t in mask.nonzero().tolist():
+        lp, o, a = float(logp[b, t]), float(old[b, t]), float(adv[b])
+        r = math.exp(lp - o)
+        w = 1.0 if tis_cap is None else min(math.exp(o - float(roll[b, t])), tis_cap)
+        unclipped, clipped = r * a, min(max(r, 1 - clip_eps), 1 + clip_eps) * a
+        loss -= w * min(unclipped, clipped)
+        if unclipped <= clipped or 1 - clip_eps <= r <= 1 + clip_eps:
+            grad[b, t] -= w * r * a
+        if kl_coef:
+            d = float(ref[b, t]) - lp
+            loss += kl_coef * (math.exp(d) - d - 1)
+            grad[b, t] += kl_coef * (1 - math.exp(d))
+    return loss / n, grad / n
+
+
+@pytest.mark.parametrize("clip_eps, tis_cap, kl_coef", [(0.2, 5.0, 0.0), (0.0, None, 0.0), (10.0, 1.0, 0.0),
+                                                        (0.2, 1e6, 0.3), (0.2, None, 0.3)])
+@pytest.mark.parametrize("pad", ["right", "left"])
+@pytest.mark.parametrize("lengths", [[0, 1, 6, 3], [6, 6, 6, 6]], ids=["0-1-max-3", "all-max"])
+def test_policy_loss_and_its_gradient_are_the_definitions(clip_eps, tis_cap, kl_coef, pad, lengths):
+    """Off-policy ratios on both sides of the clip band, rollout log-probs above and below the trainer's (TIS weights
+    below 1, at the cap), responses of length 0 / 1 / max padded left or right: loss and d loss / d logp equal the
+    token-by-token definition. The rollout's log-probs and the advantages carry a gradient here (the trainer's logp
+    passed as the rollout's): the TIS weight is a constant all the same (it cancelled the ratio: gradient 0)."""
+    g = torch.Generator().manual_seed(sum(lengths) + (pad == "left"))
+    base = -torch.rand(4, 6, generator=g) * 3 - 0.01
+    logp = base.clone().requires_grad_()
+    old = base + 0.3 * torch.randn(4, 6, generator=g)
+    roll = logp + 0.6 * torch.randn(4, 6, generator=g)  # (a gradient through logp)
+    adv = torch.randn(4, generator=g).requires_grad_()
+    pos, n = torch.arange(6), torch.tensor(lengths)[:, None]
+    mask = pos < n if pad == "right" else pos >= 6 - n
+    ref = base - 0.2 * torch.rand(4, 6, generator=g)
+    loss, _ = policy_loss(logp, old, roll, adv, mask, clip_eps=clip_eps, tis_cap=tis_cap, logp_ref=ref,
+                          kl_coef=kl_coef)
+    (grad,) = torch.autograd.grad(loss, logp)
+    want, want_grad = reference_policy_loss(base, old, roll.detach(), adv.detach(), mask, clip_eps, tis_cap, ref,
+                                            kl_coef)
+    assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad.double(), want_grad, rtol=1e-5, atol=1e-7)
+
+
 def test_policy_loss_clips_a_ratio_below_one_minus_eps():
     """The lower clip bound (1 - eps) by hand: a negative advantage with ratio e^-0.5 < 0.8 takes the clipped 0.8 (no
     gradient); a positive one keeps the unclipped ratio (gradient -r / 2). A clip at 1 + eps on both sides gave 1.2."""
