@@ -43,6 +43,8 @@ class CharTokenizer:
         out = []
         for i in ids:
             i = int(i)
+            if not 0 <= i < len(self.itos):  # (a negative id decoded as a character from the end: -1 as ">")
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {len(self.itos)}) of {self.itos}")
             if i == self.eos_id:
                 break
             if i >= len(self.SPECIALS) or strict:

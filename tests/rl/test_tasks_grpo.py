@@ -479,6 +479,15 @@ def test_rewards_need_one_problem_per_response(problems, responses):
         response_rewards(task, tok, [p] * problems, [tok.encode(p.answer, eos=True)] * responses)
 
 
+@pytest.mark.parametrize("bad", [-1, -16, 16, 99])
+@pytest.mark.parametrize("strict", [True, False])
+def test_decode_refuses_an_id_outside_the_vocabulary(bad, strict):
+    """-1 decoded as ">" (Python's index from the end) and -16 as "<pad>"; 16 and up were a bare IndexError."""
+    tok = CharTokenizer()
+    with pytest.raises(ValueError, match=re.escape(f"token id {bad} is outside the vocabulary [0, 16)")):
+        tok.decode(tok.encode("0959") + [bad], strict=strict)
+
+
 def test_a_reward_of_token_ids_instead_of_text_is_refused():
     """Token ids never equal the answer text: Task.reward(p, ids) was 0.0 for the right answer too (a run learning
     nothing, silently); the text's reward and response_rewards' (which decodes) are 1."""
