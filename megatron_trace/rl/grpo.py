@@ -18,9 +18,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
 
     A group whose rewards are all equal carries no signal and gets advantage 0 exactly (the float mean of equal
     values is not always that value, and ``(r - mean) / (std + eps)`` would then be a same-sign ~±1). ``group_size``
-    is an int >= 1; a NaN or infinite reward is refused (it made its whole group's advantages, and the loss, NaN)."""
+    is an int >= 1, ``eps`` a finite number >= 0; a NaN or infinite reward is refused (it made its whole group's
+    advantages, and the loss, NaN)."""
     if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+        # (a negative eps below a group's std flipped the sign of its advantages: the worse response was reinforced)
+        raise ValueError(f"eps={eps!r} must be a finite number >= 0 (added to each group's std)")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()=} is not a multiple of {group_size=}")
     bad = (~torch.isfinite(rewards.reshape(-1))).nonzero().flatten().tolist()

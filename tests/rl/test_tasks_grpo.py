@@ -81,6 +81,16 @@ def test_group_advantages_name_a_bad_group_size(group_size):
         group_advantages(torch.tensor([1.0, 0.0]), group_size)
 
 
+@pytest.mark.parametrize("eps", [-1e-6, float("nan"), float("inf"), True])
+def test_group_advantages_name_a_bad_eps(eps):
+    """eps=-1e-6 under a group's std of 5e-7 flipped its advantages' signs (the worse response got +0.91), NaN made
+    them NaN; eps=0 is the plain z-score (a constant group still 0)."""
+    r = torch.tensor([1.0, 1.0 + 2**-20, 0.5, 0.5])
+    with pytest.raises(ValueError, match=re.escape(f"eps={eps!r} must be a finite number >= 0")):
+        group_advantages(r, 2, eps=eps)
+    assert group_advantages(r, 2, eps=0).tolist() == [-1.0, 1.0, 0.0, 0.0]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_group_advantages_refuse_a_non_finite_reward(bad):
     """A NaN or infinite reward made its whole group's advantages NaN (and so the step's loss), without a word."""
