@@ -48,6 +48,14 @@ from .trainer import batch_slices
 logger = logging.getLogger(__name__)
 
 SENTINEL_STEP = -1  # the guidance cache's step id of the sentinel's own records (dropped after use)
+PROMPT_SALT, SAMPLE_SALT, TRAINER_SALT = 100003, 7919, 104729  # a step's prompts, its rollout's and trainer's draws
+
+
+def step_seed(seed: int, step: int, salt: int) -> int:
+    """The seed of one of a step's random streams (``salt``): ``seed * salt + step`` modulo 2**63, the range of torch's
+    generators and ``SamplingParams.seed`` (a large RLConfig.seed, e.g. 2**50, overflowed them at the first step, after
+    the whole setup: 'Overflow when unpacking long long'); the same as without the modulo below ~8e13."""
+    return (seed * salt + step) % 2**63
 
 
 @dataclass
@@ -153,14 +161,14 @@ class GRPORun:
         return stats.as_dict()
 
     def _prompts(self, step: int):
-        g = torch.Generator().manual_seed(self.cfg.seed * 100003 + step)
+        g = torch.Generator().manual_seed(step_seed(self.cfg.seed, step, PROMPT_SALT))
         problems = [self.task.sample(g) for _ in range(self.cfg.prompts_per_step)]
         problems = [p for p in problems for _ in range(self.cfg.group_size)]
         return problems, [self.tok.encode(p.prompt, bos=True) for p in problems]
 
     def _sampling(self, step: int, temperature: float) -> SamplingParams:
         return SamplingParams(temperature=temperature, max_new_tokens=self.task.answer_len + 1,
-                              stop_token_ids=(self.tok.eos_id,), seed=self.cfg.seed * 7919 + step)
+                              stop_token_ids=(self.tok.eos_id,), seed=step_seed(self.cfg.seed, step, SAMPLE_SALT))
 
     def evaluate(self) -> float:
         """Held-out greedy accuracy with the rollout's numerics (fixed problems, seed 123456)."""
@@ -297,7 +305,7 @@ class GRPORun:
         step, cfg, t0 = self.state.step, self.cfg, time.perf_counter()
         # the trainer's own random draws (TraceConfig.rounding="stochastic") are a function of (seed, step): a resumed
         # run redoes the step exactly
-        torch.manual_seed(cfg.seed * 104729 + step)
+        torch.manual_seed(step_seed(cfg.seed, step, TRAINER_SALT))
         problems, prompt_ids = self._prompts(step)
         batch = self.rollout.generate(prompt_ids, self._sampling(step, cfg.temperature))
         t_roll = time.perf_counter()

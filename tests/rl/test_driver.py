@@ -1115,3 +1115,23 @@ def test_an_fp4_kv_cache_splits_the_mismatch_by_phase_whichever_of_k_v_it_holds(
                 for p in ("prefill", "decode")) / n
     assert split == pytest.approx(m["mismatch/logprob_abs_diff_token_mean"], rel=1e-9)
     assert m["mismatch/first_token_abs_diff"] == pytest.approx(m["mismatch/prefill/logprob_abs_diff_token_mean"])
+
+
+@pytest.mark.parametrize("seed", [0, 7, 2**50, 2**62], ids=["0", "7", "2^50", "2^62"])
+def test_a_steps_prompts_and_sampling_seeds_take_any_seed(seed):
+    """RLConfig takes any int seed >= 0, but seed * 100003 + step overflowed torch's generator at the first step (after
+    the whole setup) from seed 2**50 ('Overflow when unpacking long long'). A step's seeds stay in [0, 2**63) (the same
+    as before for small seeds), the same step reproduces its prompts, and the next step draws other ones."""
+    from types import SimpleNamespace
+
+    from megatron_trace.rl.tasks import CharTokenizer
+
+    run_ = SimpleNamespace(cfg=RLConfig(seed=seed, prompts_per_step=4, group_size=3), task=get_task("add"),
+                           tok=CharTokenizer())
+    problems, ids = GRPORun._prompts(run_, 5)
+    assert len(ids) == 12 and all(problems[i] == problems[i - i % 3] for i in range(12))  # groups contiguous
+    assert GRPORun._prompts(run_, 5) == (problems, ids) and GRPORun._prompts(run_, 6)[0] != problems
+    sampling = GRPORun._sampling(run_, 5, 1.0)
+    assert 0 <= sampling.seed < 2**63 and sampling.seed != GRPORun._sampling(run_, 6, 1.0).seed
+    if seed < 2**40:
+        assert sampling.seed == seed * 7919 + 5
