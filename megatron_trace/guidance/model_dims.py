@@ -30,10 +30,11 @@ from ..config import ACTIVATION_SITES, KV_SITES
 _EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in")
 _CLASS_DEFAULTS = {
     "qwen3_moe": {"num_key_value_heads": 4},  # (head_dim: hidden_size // num_attention_heads, as its attention)
-    "qwen3_5_moe_text": {"num_key_value_heads": 2, "head_dim": 256},
-    "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256},
+    "qwen3_5_moe_text": {"num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4},
+    "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4},
 }
-"""transformers' (5.24) class defaults of the attention fields a config.json may leave out, by ``model_type``."""
+"""transformers' (5.24) class defaults of the attention fields a config.json may leave out, by ``model_type``
+(hybrid models without ``layer_types`` derive it from ``full_attention_interval``, default 4)."""
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,9 @@ def _need(cfg: Mapping, *names: str) -> int:
 
 
 def _opt(cfg: Mapping, name: str, default: int) -> int:
-    """``cfg[name]`` as an int where it is set (not None, 0 or missing), else ``default``."""
-    return _int(cfg, name) if cfg.get(name) else default
+    """``cfg[name]`` as an int where it is set (not None or missing), else ``default``. (A 0 is refused by
+    ``ModelDims``: it used to be taken as unset, 0 K/V heads planned as one per attention head.)"""
+    return default if cfg.get(name) is None else _int(cfg, name)
 
 
 def _kv_heads(cfg: Mapping, heads: int, defaults: Mapping) -> int:
@@ -130,26 +132,34 @@ def _kv_heads(cfg: Mapping, heads: int, defaults: Mapping) -> int:
     return default
 
 
+def _rule(cfg: Mapping, name: str, default: int, low: int) -> int:
+    """A layer-rule field (a step, frequency or count) where the config sets it (not None), else ``default``: an
+    int >= ``low``, else a ValueError naming it (0 used to be taken as unset, where transformers divides by it; 2.5
+    was truncated to 2, where transformers compares with 2.5)."""
+    v = default if cfg.get(name) is None else _int(cfg, name)
+    if v < low:
+        raise ValueError(f"HF config {name}={v} must be an integer >= {low}")
+    return v
+
+
 def _moe_layers(cfg: Mapping, num_layers: int) -> tuple[int, ...]:
     if "first_k_dense_replace" in cfg or "n_routed_experts" in cfg:  # DeepSeek rule
-        first = int(cfg.get("first_k_dense_replace", 0) or 0)
-        freq = int(cfg.get("moe_layer_freq", 1) or 1)
+        first = _rule(cfg, "first_k_dense_replace", 0, 0)
+        freq = _rule(cfg, "moe_layer_freq", 1, 1)
         return tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
     dense = set(cfg.get("mlp_only_layers") or ())  # Qwen3-MoE rule
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    step = _rule(cfg, "decoder_sparse_step", 1, 1)
     return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
 
-def _kv_layers(cfg: Mapping, num_layers: int) -> tuple[int, ...]:
+def _kv_layers(cfg: Mapping, num_layers: int, defaults: Mapping) -> tuple[int, ...]:
     types = cfg.get("layer_types")
     if types:
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
         return tuple(i for i, t in enumerate(types) if t != "linear_attention")
-    interval = cfg.get("full_attention_interval")
-    if interval:
-        return tuple(i for i in range(num_layers) if (i + 1) % int(interval) == 0)
-    return tuple(range(num_layers))
+    interval = _rule(cfg, "full_attention_interval", defaults.get("full_attention_interval", 1), 1)
+    return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
 
 
 def _dims_from_mapping(cfg: Mapping) -> ModelDims:
@@ -158,14 +168,18 @@ def _dims_from_mapping(cfg: Mapping) -> ModelDims:
     num_experts = _need(cfg, "num_experts", "n_routed_experts", "num_local_experts")  # transformers 5 saves the last
     if num_experts < 1:
         raise ValueError(f"HF config num_experts={num_experts}: a model without routed experts has no guidance sites")
+    defaults = _CLASS_DEFAULTS.get(cfg.get("model_type"), {})
     if cfg.get("kv_lora_rank"):  # MLA: one latent row per token (see module docstring)
         kv_heads, head_dim, kv_v = 1, _int(cfg, "kv_lora_rank") + _need(cfg, "qk_rope_head_dim"), False
     else:
         heads = _need(cfg, "num_attention_heads")
-        defaults = _CLASS_DEFAULTS.get(cfg.get("model_type"), {})
         kv_heads = _kv_heads(cfg, heads, defaults)
         head_dim = _opt(cfg, "head_dim", defaults.get("head_dim") or (hidden // heads if heads > 0 else 0))
         kv_v = True
+    moe_layers = _moe_layers(cfg, num_layers)
+    if not moe_layers:  # (every expert site sized 0 bytes, the routing none)
+        raise ValueError(f"HF config has no layer with routed experts of its {num_layers} (first_k_dense_replace, "
+                         "mlp_only_layers, decoder_sparse_step or moe_layer_freq leave none): no guidance sites")
     return ModelDims(
         num_layers=num_layers,
         hidden=hidden,
@@ -173,8 +187,8 @@ def _dims_from_mapping(cfg: Mapping) -> ModelDims:
         topk=_need(cfg, "num_experts_per_tok"),
         kv_heads=kv_heads,
         head_dim=head_dim,
-        moe_layers=_moe_layers(cfg, num_layers),
-        kv_layers=_kv_layers(cfg, num_layers),
+        moe_layers=moe_layers,
+        kv_layers=_kv_layers(cfg, num_layers, defaults),
         kv_v=kv_v,
         num_experts=num_experts,
         name=str(cfg.get("_name_or_path") or cfg.get("model_type") or ""),

@@ -129,6 +129,44 @@ def test_hf_config_bad_values_are_named(key, value, match):
     assert ModelDims.from_hf_config({**cfg, "hidden_size": 2048.0}).hidden == 2048  # an integral float is fine
 
 
+@pytest.mark.parametrize("name,key,value,match", [
+    ("qwen3_30b_a3b", "num_key_value_heads", 0, r"ModelDims.kv_heads=0 must be an int >= 1"),
+    ("qwen3_30b_a3b", "head_dim", 0, r"ModelDims.head_dim=0 must be an int >= 1"),
+    ("qwen3_30b_a3b", "decoder_sparse_step", 0, r"HF config decoder_sparse_step=0 must be an integer >= 1"),
+    ("qwen3_30b_a3b", "decoder_sparse_step", 2.5, r"HF config decoder_sparse_step=2.5 must be an integer"),
+    ("qwen3_30b_a3b", "mlp_only_layers", list(range(48)), r"no layer with routed experts of its 48"),
+    ("qwen3_5_35b_a3b_like", "full_attention_interval", 0, r"full_attention_interval=0 must be an integer >= 1"),
+    ("deepseek_v3", "first_k_dense_replace", 2.5, r"HF config first_k_dense_replace=2.5 must be an integer"),
+    ("deepseek_v3", "first_k_dense_replace", -1, r"HF config first_k_dense_replace=-1 must be an integer >= 0"),
+    ("deepseek_v3", "first_k_dense_replace", 61, r"no layer with routed experts of its 61"),
+    ("deepseek_v3", "moe_layer_freq", 0, r"HF config moe_layer_freq=0 must be an integer >= 1"),
+], ids=["kv-heads-0", "head-dim-0", "sparse-step-0", "sparse-step-2.5", "all-dense", "interval-0", "first-dense-2.5",
+        "first-dense-negative", "first-dense-all", "moe-freq-0"])
+def test_hf_config_bad_layer_rules_and_zero_sizes_are_named(name, key, value, match):
+    """Each was accepted and planned: 0 K/V heads or head_dim as one per attention head / hidden // heads, a step,
+    frequency or interval of 0 (transformers divides by it) as 1, 2.5 truncated to 2 (transformers compares with
+    2.5), a model whose every layer is dense with 0 expert bytes (a config without experts is refused)."""
+    import json
+
+    cfg = json.loads((DATA / f"{name}_config.json").read_text())
+    with pytest.raises(ValueError, match=match):
+        ModelDims.from_hf_config({**cfg, key: value})
+
+
+@pytest.mark.parametrize("cls", ["Qwen3_5MoeTextConfig", "Qwen3NextConfig"])
+def test_a_hybrid_config_without_layer_types_has_its_classs_kv_layers(cls):
+    """A Qwen3.5-MoE / Qwen3-Next config.json with neither ``layer_types`` nor ``full_attention_interval``: transformers
+    builds every 4th layer with full attention (its class default interval), the others linear attention without a
+    KV cache. Every layer used to be counted with a KV cache (4x the K/V bytes)."""
+    import transformers
+
+    config = getattr(transformers, cls)(num_hidden_layers=10)
+    d = {k: v for k, v in config.to_dict().items() if k not in ("layer_types", "full_attention_interval")}
+    want = tuple(i for i, t in enumerate(config.layer_types) if t == "full_attention")
+    assert want == (3, 7)
+    assert ModelDims.from_hf_config(d).kv_layers == want
+
+
 @pytest.mark.parametrize("kw,match", [
     (dict(hidden=float("nan")), r"ModelDims.hidden=nan must be an int >= 1"),
     (dict(topk=2.5), r"ModelDims.topk=2.5 must be an int >= 1"),
