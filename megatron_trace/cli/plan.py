@@ -32,7 +32,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..config import ACTIVATION_SITES, CACHE_MODES, TraceConfig
+from ..config import ACTIVATION_SITES, CACHE_MODES, KV_FORMATS, TraceConfig
 from ..formats import FORMATS
 from ..guidance.accounting import AMAX_MODES
 from ..guidance.mismatch_profile import profile_from_metrics
@@ -64,12 +64,12 @@ def policy_kwargs(policy: str) -> dict:
 
 
 def build_rows(dims: ModelDims, rl: RLSettings, *, policies, modes, fmt, amax, sites, profile=None,
-               profile_unit="rate", dp_ranks=(), bandwidths=None) -> list[dict]:
+               profile_unit="rate", dp_ranks=(), bandwidths=None, kv_format="") -> list[dict]:
     rows = []
     for policy in policies:
         for mode in modes:
-            cfg = TraceConfig(format=fmt, activation_amax=amax, guided_sites=tuple(sites), cache_mode=mode,
-                              **policy_kwargs(policy))
+            cfg = TraceConfig(format=fmt, kv_format=kv_format, activation_amax=amax, guided_sites=tuple(sites),
+                              cache_mode=mode, **policy_kwargs(policy))
             kw = {"mismatch_profile": profile, "profile_unit": profile_unit} if cfg.guided_layers == "budget" else {}
             row = plan_row(dims, cfg, rl, policy, **kw)
             if dp_ranks:
@@ -181,6 +181,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--bandwidth-gbps", type=float, default=400.0, help="rollout->trainer link, gigabits/s")
     p.add_argument("--steps-in-flight", type=int, default=1, help="steps held on the host at once (async RL)")
     p.add_argument("--format", choices=FORMATS, default="nvfp4")
+    p.add_argument("--kv-format", choices=KV_FORMATS, default="",
+                   help="the K/V sites' format (TraceConfig.kv_format): '' = --format; sglang_kvfp4 = SGLang's FP4 KV "
+                   "cache (no per-row amax)")
     p.add_argument("--amax", choices=AMAX_MODES, default="per_row",
                    help="NVFP4 activation global amax (the sizes do not change: the recorders store it per row)")
     p.add_argument("--sites", default=",".join(ACTIVATION_SITES), help="comma list of guided sites")
@@ -216,11 +219,14 @@ def main(argv=None) -> int:
             if len(set(values)) < len(values):  # (the table repeated their rows)
                 raise ValueError(f"{flag} {values} gives a value more than once: give each once")
         sites = [s for s in args.sites.split(",") if s]
+        for flag, values, valid in (("--modes", modes, CACHE_MODES), ("--sites", sites, ACTIVATION_SITES)):
+            if not values:  # (no row was printed, or every row sized 0 bytes)
+                raise ValueError(f"{flag} {getattr(args, flag[2:])!r} names none of {valid}: give a comma list")
         profile = read_profile(args, dims, sites)
         rows = build_rows(
             dims, rl, policies=args.policies or DEFAULT_POLICIES, modes=modes,
             fmt=args.format, amax=args.amax, sites=sites, profile=profile, profile_unit=args.mismatch_unit,
-            dp_ranks=args.dp_ranks, bandwidths=parse_bandwidths(args.bandwidth_gbytes),
+            dp_ranks=args.dp_ranks, bandwidths=parse_bandwidths(args.bandwidth_gbytes), kv_format=args.kv_format,
         )
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

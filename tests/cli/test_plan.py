@@ -60,6 +60,34 @@ def test_a_value_given_twice_is_refused(extra, err, capsys):
     assert re.search(err, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("extra,err", [
+    (["--modes", ""], r"--modes '' names none of \('compact', 'full'\)"),
+    (["--modes", ","], r"--modes ',' names none of"),
+    (["--sites", ""], r"--sites '' names none of \('expert_fc1_in', 'expert_fc2_in', 'kv_k', 'kv_v'\)"),
+], ids=["modes-empty", "modes-comma", "sites-empty"])
+def test_an_empty_list_is_refused(extra, err, capsys):
+    """An empty ``--modes`` printed a table without rows, an empty ``--sites`` rows of 0 bytes, exit 0."""
+    assert plan.main(["--hf-config", str(Q35), *extra]) == 2
+    assert re.search(err, capsys.readouterr().err)
+
+
+def test_the_kv_format_flag_sizes_sglangs_kv_records(capsys):
+    """``--kv-format sglang_kvfp4`` sizes the K/V records in SGLang's format (no 4-byte amax per row) and the expert
+    sites in ``--format``: the library's row for that TraceConfig (checked against a rollout's records in
+    tests/guidance/test_planner_shards.py). Without the flag a planned SGLang run was sized with NVFP4 K/V rows."""
+    argv = ["--hf-config", str(Q35), "--json", "--layer-policy", "all", "--modes", "compact", "--trajectories", "2",
+            "--dp-ranks", "2"]
+    assert plan.main([*argv, "--kv-format", "sglang_kvfp4"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    dims, rl = ModelDims.from_hf_config(Q35), RLSettings(trajectories=2)
+    cfg = TraceConfig(kv_format="sglang_kvfp4", guided_layers="all", cache_mode="compact")
+    assert row == {**plan_row(dims, cfg, rl, "all"), "per_rank": [rank_projection(dims, cfg, rl, dp_ranks=2)]}
+    assert plan.main(argv) == 0
+    (nv,) = json.loads(capsys.readouterr().out)["rows"]
+    kv_rows = len(dims.kv_layers) * 2 * dims.kv_heads  # K and V rows per token: each 4 amax bytes fewer
+    assert nv["bytes_per_token"] - row["bytes_per_token"] == 4 * kv_rows
+
+
 @pytest.mark.parametrize("n,want", [(0, "0 B"), (1023, "1023 B"), (1024, "1.0 KiB"), (1536 * 2**20, "1.5 GiB"),
                                     (2**50 * 3, "3.0 PiB"), (2**60, "1024.0 PiB")])
 def test_human(n, want):
