@@ -36,6 +36,11 @@ _CLASS_DEFAULTS = {
 """transformers' (5.24) class defaults of the attention fields a config.json may leave out, by ``model_type``
 (hybrid models without ``layer_types`` derive it from ``full_attention_interval``, default 4)."""
 
+_KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+_NO_KV_LAYER_TYPES = ("linear_attention", "mamba")
+"""``layer_types`` entries with and without a KV cache (transformers' names; ``attention`` and ``mamba``: its legacy
+names of ``full_attention`` and ``linear_attention``)."""
+
 
 @dataclass(frozen=True)
 class ModelDims:
@@ -157,7 +162,11 @@ def _kv_layers(cfg: Mapping, num_layers: int, defaults: Mapping) -> tuple[int, .
     if types:
         if len(types) != num_layers:
             raise ValueError(f"layer_types has {len(types)} entries, num_hidden_layers={num_layers}")
-        return tuple(i for i, t in enumerate(types) if t != "linear_attention")
+        unknown = sorted({t for t in types if t not in _KV_LAYER_TYPES and t not in _NO_KV_LAYER_TYPES}, key=str)
+        if unknown:  # (a typo was counted as a layer with a KV cache)
+            raise ValueError(f"HF config layer_types has {unknown}: known are {_KV_LAYER_TYPES} (a KV cache) and "
+                             f"{_NO_KV_LAYER_TYPES} (none)")
+        return tuple(i for i, t in enumerate(types) if t in _KV_LAYER_TYPES)
     interval = _rule(cfg, "full_attention_interval", defaults.get("full_attention_interval", 1), 1)
     return tuple(i for i in range(num_layers) if (i + 1) % interval == 0)
 

@@ -221,6 +221,22 @@ def test_qwen3_5_moe_kv_layers_match_the_transformers_model():
     assert ModelDims.from_hf_config({"text_config": d}).kv_layers == with_attn  # a multimodal wrapper's text config
 
 
+@pytest.mark.parametrize("types,want", [
+    (["linear_attention", "full_attention", "mamba", "attention"], (1, 3)),  # legacy names: transformers remaps them
+    (["full_atention", "full_attention", "linear_attention", "full_attention"], "'full_atention'"),
+], ids=["legacy-names", "typo"])
+def test_layer_types_have_a_kv_cache_by_name(types, want):
+    """Any entry but ``linear_attention`` used to count as a layer with a KV cache: a typo, and transformers' legacy
+    ``mamba`` (its linear attention)."""
+    base = {"num_hidden_layers": 4, "hidden_size": 8, "moe_intermediate_size": 4, "num_experts": 4,
+            "num_experts_per_tok": 2, "num_attention_heads": 2, "num_key_value_heads": 2, "layer_types": types}
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=f"layer_types has \\[{want}\\]: known are"):
+            ModelDims.from_hf_config(base)
+    else:
+        assert ModelDims.from_hf_config(base).kv_layers == want
+
+
 def test_deepseek_dense_layers_and_moe_layer_freq():
     """DeepSeek: the first ``first_k_dense_replace`` layers are dense (transformers' DeepseekV3 model); with
     ``moe_layer_freq`` the MoE layers are also every freq-th layer id (``layer_idx % moe_layer_freq == 0``: the
