@@ -326,12 +326,13 @@ def rank_projection(dims: ModelDims, config: TraceConfig, rl: RLSettings, *, dp_
     samples of ``prompt_len + response_len`` tokens): guidance, host cache (x steps in flight) and sync payload
     bytes per step, and the sync seconds at each given bandwidth (name -> GB/s, e.g. measured points).
     ``layers``: the guided layers (default: the config's policy; pass them for the budget policy)."""
-    if dp_ranks < 1:
-        raise ValueError(f"dp_ranks={dp_ranks} must be >= 1")
+    if isinstance(dp_ranks, bool) or not isinstance(dp_ranks, numbers.Integral) or dp_ranks < 1:
+        raise ValueError(f"dp_ranks={dp_ranks!r} must be an int >= 1")  # (2.5 sized ceil(T / 2.5) samples, True 1)
     samples = -(-rl.trajectories // dp_ranks)
     sb = shard_bytes(dims, config, [rl.prompt_len + rl.response_len] * samples, layers=layers)
     bw = dict(bandwidths_gbytes or {})
-    bad = {k: v for k, v in bw.items() if not (isinstance(v, int | float) and math.isfinite(v) and v > 0)}
+    bad = {k: v for k, v in bw.items()
+           if isinstance(v, bool) or not (isinstance(v, numbers.Real) and math.isfinite(v) and v > 0)}  # (True: 1)
     if bad:
         raise ValueError(f"bandwidths must be finite GB/s > 0, got {bad}")
     return {

@@ -95,10 +95,12 @@ def test_rank_projection_scales_with_ranks_and_bandwidth():
     assert one["sync_payload_bytes_per_rank"] == 4 * four["sync_payload_bytes_per_rank"]
     assert four["guidance_bytes_per_rank"] == shard_bytes(DIMS, cfg, [8] * 16)["guidance"]
     assert four["sync_seconds"]["link"] == four["sync_payload_bytes_per_rank"] / 2e9
-    with pytest.raises(ValueError, match="dp_ranks=0"):
-        rank_projection(DIMS, cfg, rl, dp_ranks=0)
-    with pytest.raises(ValueError, match="GB/s"):
-        rank_projection(DIMS, cfg, rl, dp_ranks=2, bandwidths_gbytes={"link": 0.0})
+    for bad in (0, 2.5, True):  # (2.5 used to size ceil(64 / 2.5) = 26 samples a rank, True one rank)
+        with pytest.raises(ValueError, match=f"dp_ranks={bad!r} must be an int >= 1"):
+            rank_projection(DIMS, cfg, rl, dp_ranks=bad)
+    for bad in (0.0, True):  # (True used to be 1 GB/s)
+        with pytest.raises(ValueError, match=f"GB/s > 0, got {{'link': {bad!r}}}"):
+            rank_projection(DIMS, cfg, rl, dp_ranks=2, bandwidths_gbytes={"link": bad})
     with pytest.raises(ValueError, match="num_experts"):
         sample_bytes(ModelDims(1, 8, 8, 1, 1, 8, (0,), (0,)), cfg, 4)
 
