@@ -163,12 +163,13 @@ def format_table(dims: ModelDims, rl: RLSettings, rows: list[dict]) -> str:
         lines.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if j == 0:
             lines.append("  ".join("-" * w for w in widths))
-    chosen = {(r["policy"], r["mode"], r["format"], tuple(r["layers"])) for r in rows
+    chosen = {(r["policy"], r["mode"], r["format"], r["kv_format"], tuple(r["layers"])) for r in rows
               if r["policy"].startswith("budget")}
-    for policy, mode, fmt, layers in sorted(chosen):  # the launch flags each choice was sized for
+    for policy, mode, fmt, kv_fmt, layers in sorted(chosen):  # the launch flags each choice was sized for
         ids = ",".join(map(str, layers))
-        lines.append(f"{policy} {mode} guides layers {ids or '(none)'}: --trace-format {fmt} --trace-cache-mode {mode} "
-                     f"--trace-guided-layers {ids or 'none'}")
+        kv = f" --trace-kv-format {kv_fmt}" if kv_fmt else ""
+        lines.append(f"{policy} {mode} guides layers {ids or '(none)'}: --trace-format {fmt}{kv} --trace-cache-mode "
+                     f"{mode} --trace-guided-layers {ids or 'none'}")
     return "\n".join(lines)
 
 

@@ -297,6 +297,8 @@ def test_cli_budget_layers_name_their_cache_mode(tmp_path, capsys):
         ids = ",".join(map(str, layers))
         assert f"budget=20000 {mode} guides layers {ids}: --trace-format nvfp4 --trace-cache-mode {mode} " \
                f"--trace-guided-layers {ids}" in out
+    assert plan.main([*argv, "--kv-format", "sglang_kvfp4", "--modes", "compact"]) == 0  # sized for SGLang's K/V
+    assert ": --trace-format nvfp4 --trace-kv-format sglang_kvfp4 --trace-cache-mode compact" in capsys.readouterr().out
 
 
 def test_cli_errors(capsys):
