@@ -72,20 +72,26 @@ def check_guidance(fmt, x: torch.Tensor, guidance) -> None:
         raise GuidanceMismatchError(f"guidance format {guidance.fmt!r} != quantizer format {fmt.name!r}")
     if tuple(guidance.shape) != tuple(x.shape):
         raise GuidanceMismatchError(f"guidance is for shape {tuple(guidance.shape)}, tensor has shape {tuple(x.shape)}")
+    full = isinstance(guidance, FullGuidance)
+    check_layout(fmt, x, guidance.codes if full else guidance.mantissa_bits, 2 if full else 8, guidance)
+
+
+def check_layout(fmt, x: torch.Tensor, payload: torch.Tensor, per_byte: int, blocked, what: str = "guidance") -> None:
+    """Raise ``GuidanceMismatchError`` unless ``blocked``'s (an ``FP4Tensor`` or a guidance record) block scales,
+    ``payload`` (``per_byte`` elements a uint8) and global amax have the shapes and dtypes ``fmt`` gives a tensor of
+    ``x``'s shape (a smaller one would broadcast when decoded)."""
     nb = -(-x.shape[-1] // fmt.block_size)
     want = (*x.shape[:-1], nb)
-    if tuple(guidance.block_scales.shape) != want:
-        raise GuidanceMismatchError(f"guidance block_scales shape {tuple(guidance.block_scales.shape)} != {want}")
-    if guidance.block_scales.dtype != fmt.scale_dtype:
-        raise GuidanceMismatchError(f"guidance block_scales dtype {guidance.block_scales.dtype} != {fmt.scale_dtype}")
-    payload = guidance.codes if isinstance(guidance, FullGuidance) else guidance.mantissa_bits
-    per_byte = 2 if isinstance(guidance, FullGuidance) else 8
+    if tuple(blocked.block_scales.shape) != want:
+        raise GuidanceMismatchError(f"{what} block_scales shape {tuple(blocked.block_scales.shape)} != {want}")
+    if blocked.block_scales.dtype != fmt.scale_dtype:
+        raise GuidanceMismatchError(f"{what} block_scales dtype {blocked.block_scales.dtype} != {fmt.scale_dtype}")
     want_payload = (*x.shape[:-1], nb * fmt.block_size // per_byte)
     if payload.dtype != torch.uint8 or tuple(payload.shape) != want_payload:
         raise GuidanceMismatchError(
-            f"guidance payload {payload.dtype} {tuple(payload.shape)} != torch.uint8 {want_payload}"
+            f"{what} payload {payload.dtype} {tuple(payload.shape)} != torch.uint8 {want_payload}"
         )
-    fmt.check_global_amax(guidance.global_amax, x)
+    fmt.check_global_amax(blocked.global_amax, x)
 
 
 def guided_quantize_with_z(fmt, x, guidance):

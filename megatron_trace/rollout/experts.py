@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 from transformers.integrations.moe import ExpertsInterface
 
-from ..formats import FP4Tensor, NonFiniteError, Quantizer
+from ..formats import FP4Tensor, GuidanceMismatchError, NonFiniteError, Quantizer
+from ..formats.block import check_layout
 from ..kernels import Kernel, moe_mma, moe_wgmma, parse_kernel, select_kernel
 from .finite import RolloutFiniteChecks
 from .fp4_moe import grouped_experts_forward, w4a4_experts_forward
@@ -196,7 +197,8 @@ class ExpertWeightStore:
         self.set(experts, layer, expert, which, q)
 
     def check(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
-        """What ``set`` checks, without changing anything: shape, format, dtypes, finite scales and amax."""
+        """What ``set`` checks, without changing anything: shape, format, dtypes, the shapes of codes, scales and amax,
+        finite scales and amax."""
         param = self._param_slice(experts, expert, which)
         if tuple(q.shape) != tuple(param.shape):
             raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which} has shape {q.shape}, "
@@ -207,6 +209,10 @@ class ExpertWeightStore:
         if q.codes.dtype != torch.uint8 or q.block_scales.dtype != scale_dtype:
             raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which} has codes {q.codes.dtype} and "
                              f"block scales {q.block_scales.dtype}; {q.fmt} needs torch.uint8 and {scale_dtype}")
+        try:  # codes, scales and amax of other shapes would broadcast into the parameter, silently
+            check_layout(self.quantizer.format, param, q.codes, 2, q, what="its")
+        except GuidanceMismatchError as err:
+            raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which}: {err}") from err
         for name, t in (("block scales", q.block_scales), ("global amax", q.global_amax)):
             if t is not None and not bool(torch.isfinite(t.float()).all()):
                 raise NonFiniteError(f"FP4 weight for layer {layer} expert {expert} {which}: its {name} hold NaN/Inf")

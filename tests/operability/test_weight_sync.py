@@ -206,3 +206,30 @@ def test_buckets_fill_up_to_exactly_bucket_bytes():
     got = [[n for n, _ in b] for b in iter_buckets(t, 8)]
     assert got == [["t0", "t1"], ["t2"], ["t3"], ["t4", "t5"]]
     assert [[n for n, _ in b] for b in iter_buckets(t, 1 << 20)] == [[n for n, _ in t]]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda q: dict(codes=q.codes[:1]), r"its payload torch.uint8 \(1, 16\) != torch.uint8 \(64, 16\)"),
+    (lambda q: dict(codes=q.codes[:, :-1]), r"its payload torch.uint8 \(64, 15\) != torch.uint8 \(64, 16\)"),
+    (lambda q: dict(block_scales=q.block_scales[:1]), r"its block_scales shape \(1, 2\) != \(64, 2\)"),
+    (lambda q: dict(global_amax=q.global_amax.reshape(1).repeat(2)), r"global_amax shape \(2,\) must be \[\]"),
+    (lambda q: dict(global_amax=None), "NVFP4 needs a float32 global_amax tensor, got NoneType"),
+], ids=["codes-one-row", "codes-short-k", "scales-one-row", "amax-two", "amax-none"])
+def test_fp4_values_whose_codes_scales_or_amax_do_not_fit_their_shape_are_refused_before_any_copy(edit, match):
+    """An FP4 expert weight whose declared ``shape`` is right but whose codes / block scales / amax are not of it: a
+    single row of codes or scales broadcast over every row of the parameter and was stored (silently other weights),
+    an NVFP4 value without its amax failed while applying, after the other tensors were copied. Refused by name, with
+    nothing changed; the same update with the right value then applies."""
+    import dataclasses
+
+    be = _rollout()
+    snap = _snapshot(be)
+    good = list(make_stream(_new_weights(), "fp4", WQ, torch.float32))
+    name = "model.layers.2.mlp.experts.7.down_proj.weight"  # the last expert: every other tensor checked before it
+    bad = [(n, dataclasses.replace(v, **edit(v)) if n == name else v) for n, v in good]
+    with pytest.raises(ValueError, match=rf"FP4 weight for layer 2 expert 7 fc2: .*{match}"):
+        be.update_weights(bad, version=1)
+    _assert_unchanged(be, snap)
+    be.update_weights(good, version=1)
+    q, want = be.weight_store._w[(2, 7, "fc2")], dict(good)[name]
+    assert torch.equal(q.codes, want.codes) and torch.equal(q.global_amax, want.global_amax)
