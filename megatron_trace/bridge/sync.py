@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..formats import FP4Tensor, NonFiniteError, Quantizer
+from ..formats.block import FLOAT_DTYPES
 from ..kernels import ops
 from ..rollout.base import RolloutBackend, WeightValue, next_policy_version
 from ..rollout.experts import fp4_nbytes
@@ -94,7 +95,16 @@ class SyncStats:
                 f"{p}/buckets": float(self.buckets), f"{p}/seconds": self.seconds}
 
 
+def _check_dtype(dtype) -> None:
+    """The floating-point tensors of a sync are sent in ``dtype``: one the FP4 quantizer takes (or None: as given).
+    Another (an integer dtype, bool) would truncate every weight, which the rollout then copied in as it came."""
+    if dtype is not None and dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {FLOAT_DTYPES} or None (as given): the weights are sent "
+                         "in it (pass the trainer's own dtype)")
+
+
 def _cast(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    _check_dtype(dtype)
     return value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value.detach()
 
 
@@ -233,6 +243,7 @@ def make_stream(named, fmt: str, quantizer: Quantizer | None = None, dtype: torc
                 bf16_layers: Collection[int] = (), kernel: str = "auto"):
     if fmt not in SYNC_FORMATS:
         raise ValueError(f"fmt={fmt!r} is not one of {SYNC_FORMATS}")
+    _check_dtype(dtype)  # (here, before the stream is read)
     if fmt == "fp4":
         if quantizer is None:
             raise ValueError("fmt='fp4' needs the weight quantizer (TraceConfig.weight_quantizer())")

@@ -268,3 +268,24 @@ def test_fp4_codes_of_another_scale_rule_than_the_trainer_recipes_are_refused(tr
     name = "model.layers.1.mlp.experts.2.down_proj.weight"
     want = cfg.weight_quantizer().fake_quantize(dict(weights)[name])
     assert torch.equal(rollout.model.model.layers[1].mlp.experts.down_proj[2], want)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp4"])
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.float64, torch.float8_e4m3fn, "bfloat16"])
+def test_a_sync_dtype_the_quantizer_does_not_take_is_refused_before_the_stream_is_read(fmt, dtype):
+    """``dtype=torch.int8`` (or bool) truncated every weight on a BF16 sync and the rollout copied the integers in (85
+    of 85 tensors changed, with no error); on an FP4 sync the quantizer failed after part of the stream was read.
+    Refused by name before any tensor is read, nothing changed; the streams themselves refuse it too."""
+    rollout, read = _rollout(), []
+
+    def stream():
+        for item in _trainer_weights():
+            read.append(item[0])
+            yield item
+
+    with pytest.raises(ValueError, match=rf"dtype={dtype!r} is not one of \(torch.float32, torch.bfloat16, "
+                                         r"torch.float16\) or None"):
+        sync_weights(rollout, stream(), fmt=fmt, quantizer=WQ, dtype=dtype, version=1)
+    assert read == [] and rollout.policy_version == 0
+    with pytest.raises(ValueError, match=rf"dtype={dtype!r} is not one of"):
+        list(bf16_stream(_trainer_weights(), dtype) if fmt == "bf16" else fp4_stream(_trainer_weights(), WQ, dtype))
