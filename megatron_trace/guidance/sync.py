@@ -289,7 +289,6 @@ class GuidanceSync:
             except Exception as e:  # its share cannot be sent: the rank gets an abort and stays in step
                 told = "its receive raises it" if self._abort(dst, seq, e) else "the abort failed too"
                 failed[dst] = (f"transfer {seq} aborted ({told}): {type(e).__name__}: {e}", e)
-        stats.payload_bytes = sum(sent.values())
         self.last_stats = stats
         if failed:
             causes = "; ".join(f"rank {d}: {why}" for d, (why, _) in failed.items())
@@ -320,10 +319,12 @@ class GuidanceSync:
             msgs, staged = self._encode_units(chunk, len(chunks) - 1 - i, self.device, seq)
             held = staged + sum(t.numel() * t.element_size() for t in msgs)
             stats.peak_bytes = max(stats.peak_bytes, held)
-            sent += int(msgs[0][2])
+            n = int(msgs[0][2])
             self._send_chunk(msgs, dst, what)
             del msgs  # one chunk in flight: its buffers are freed before the next is built
+            sent += n
             stats.chunks += 1
+            stats.payload_bytes += n  # (as sent: also the chunks of a transfer aborted after them)
         return sent
 
     def _abort(self, dst: int, seq: int, cause: BaseException) -> bool:

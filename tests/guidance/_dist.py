@@ -102,6 +102,8 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str, backend
             msg = _long_reason(rank, sync, samples)
         elif scenario == "bad_sizes":
             msg = _bad_sizes(rank, world, sync)
+        elif scenario == "stats_midway":
+            msg = _stats_midway(rank, sync, samples)
         else:
             msg = _transfer(rank, world, sync, samples, scenario)
         result.write_text(msg)
@@ -434,6 +436,37 @@ def _bad_sizes(rank, world, sync) -> str:
             out.append("refused")
         sync = GuidanceSync(0, list(range(1, world)), timeout=sync.timeout)  # collective: on every rank
     return f"OK {out}"
+
+
+def _stats_midway(rank, sync, samples) -> str:
+    """A send that fails at its third chunk (a sample whose routing ids were made float after construction): the
+    sender's ``last_stats`` count the two chunks that went out and their payload bytes (as ``encode`` builds those
+    chunks), not 2 chunks of 0 bytes; the next send's bytes are the same on both sides."""
+    def routing():
+        return [SampleRouting(s.sample_id, s.version, s.token_hash, s.num_tokens,
+                              {0: torch.arange(2 * s.num_tokens, dtype=torch.int16).view(-1, 2)}) for s in samples]
+
+    if rank == 0:
+        bad, routing = routing(), routing()
+        bad[2].experts[0] = bad[2].experts[0].float()  # (a mutable dict: checked where it is sent)
+        try:
+            sync.send(samples, routing=bad, chunk_bytes=1)  # one sample per chunk
+            return "FAIL the send with float routing ids went through"
+        except GuidanceSyncError as e:
+            assert "transfer 0 aborted" in str(e) and "field experts is torch.float32" in str(e), str(e)
+        want = sum(sync.encode([s], [r])[2].numel() for s, r in zip(samples[:2], routing))
+        got = sync.last_stats
+        assert (got.chunks, got.payload_bytes) == (2, want), (got, want)
+        sent = sync.send(samples, routing=routing, chunk_bytes=1)
+        assert sync.last_stats.payload_bytes == sent[1], (sync.last_stats, sent)
+        return f"OK {got.payload_bytes} bytes in 2 chunks, then {sent[1]}"
+    try:
+        sync.receive()
+        return "FAIL the aborted transfer was received"
+    except GuidanceSyncError as e:
+        assert "aborted guidance transfer 0" in str(e), str(e)
+    sync.receive()
+    return f"OK aborted, then {sync.last_stats.payload_bytes}"
 
 
 def _long_reason(rank, sync, samples) -> str:

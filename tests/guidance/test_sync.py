@@ -78,6 +78,11 @@ def test_a_lost_chunk_or_a_transfer_out_of_step_is_refused_and_breaks_the_link(t
     assert out[1] == out[2] == "OK refused, then broken"
 
 
+def test_a_send_that_fails_midway_reports_the_bytes_it_sent(tmp_path):
+    out = _run(2, "stats_midway", tmp_path)
+    assert out[0].split(", then ")[1] == out[1].split(", then ")[1]  # the next send: as many bytes on both sides
+
+
 def test_an_abort_with_a_long_reason_keeps_the_ranks_in_step(tmp_path):
     out = _run(2, "long_reason", tmp_path)
     assert out[0] == "OK refused, then sent" and out[1] == "OK aborted, then received"
