@@ -238,6 +238,11 @@ class GuidanceSync:
         bad = [r for r in ranks if not 0 <= r < world]
         if bad:
             raise ValueError(f"rank(s) {bad} do not exist in a world of {world} processes (missing peer?)")
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):  # (gloo: a store error or an abort)
+            raise ValueError(f"timeout={timeout!r} must be a datetime.timedelta > 0 (how long a transfer may wait "
+                             "for its peer)")
+        if not isinstance(verify, bool):  # (a truthy "no" turned the checks on)
+            raise ValueError(f"verify={verify!r} must be a bool (True: CRC-32 of the header and every field)")
         if backend is None:
             backend = "nccl" if "nccl" in str(dist.get_backend()) else "gloo"
         self.src, self.dsts, self.timeout, self.verify = int(src), dsts, timeout, verify

@@ -67,11 +67,17 @@ def worker(rank: int, world: int, port: int, scenario: str, outdir: str, backend
             kw["device_id"] = torch.device("cuda", rank)
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60), **kw)
-        for src, dsts, want in [(0, [world], "missing peer"), (-1, [1], "missing peer"), (0, [], "need >= 1 trainer"),
-                                (0, [1, 1], "all distinct"), (1, [1], "all distinct")]:
+        for src, dsts, kw, want in [
+            (0, [world], {}, "missing peer"), (-1, [1], {}, "missing peer"), (0, [], {}, "need >= 1 trainer"),
+            (0, [1, 1], {}, "all distinct"), (1, [1], {}, "all distinct"),
+            # (a zero timeout failed in the store, a negative one aborted in gloo, a truthy "no" turned verify on)
+            (0, [1], {"timeout": timedelta(0)}, "timeout=datetime.timedelta(0) must be a datetime.timedelta > 0"),
+            (0, [1], {"timeout": timedelta(seconds=-1)}, "must be a datetime.timedelta > 0"),
+            (0, [1], {"timeout": 5}, "timeout=5 must be a datetime.timedelta > 0"),
+            (0, [1], {"verify": "no"}, "verify='no' must be a bool")]:
             try:  # validated before the collective new_group: every rank raises, nobody hangs
-                GuidanceSync(src, dsts)
-                raise AssertionError(f"GuidanceSync({src}, {dsts}) was accepted")
+                GuidanceSync(src, dsts, **kw)
+                raise AssertionError(f"GuidanceSync({src}, {dsts}, {kw}) was accepted")
             except ValueError as e:
                 assert want in str(e), str(e)
         short = {"missing_sender": 3, "abort_midway": 20, "dead_trainer": 20, "out_of_step": 20, "bad_sizes": 10}
