@@ -38,7 +38,7 @@ import torch
 from ..formats import FP4Tensor, NonFiniteError, Quantizer
 from ..formats.block import FLOAT_DTYPES
 from ..kernels import ops
-from ..rollout.base import RolloutBackend, WeightValue, next_policy_version
+from ..rollout.base import RolloutBackend, WeightValue, is_int, next_policy_version
 from ..rollout.experts import fp4_nbytes
 from ..rollout.hf_weights import expert_name, parse_expert_name, split_fc1
 
@@ -103,6 +103,16 @@ def _check_dtype(dtype) -> None:
                          "in it (pass the trainer's own dtype)")
 
 
+def _layer_set(bf16_layers) -> frozenset[int]:
+    """``bf16_layers`` as a set of layer numbers; a string, a bare int or a non-integer layer is refused by name (a
+    string's characters matched no layer: every expert went as FP4)."""
+    if isinstance(bf16_layers, str | bytes) or not isinstance(bf16_layers, Iterable) \
+            or not all(is_int(x) and x >= 0 for x in bf16_layers):
+        raise ValueError(f"bf16_layers={bf16_layers!r} must be a collection of layer numbers (ints >= 0): the layers "
+                         "whose routed experts stay BF16 (the rollout's bf16_expert_layers)")
+    return frozenset(int(x) for x in bf16_layers)
+
+
 def _cast(value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     _check_dtype(dtype)
     return value.detach().to(dtype) if dtype is not None and value.is_floating_point() else value.detach()
@@ -131,7 +141,7 @@ def fp4_stream(named: Iterable[tuple[str, torch.Tensor]], quantizer: Quantizer,
     ``ValueError`` when it comes again (which copy is meant is unknown).
     """
     batch = ExpertBatch(quantizer, kernel, batch_bytes)
-    bf16_layers = frozenset(bf16_layers)
+    bf16_layers = _layer_set(bf16_layers)
     seen: set[str] = set()
     for name, value in named:
         if name in seen:
@@ -244,6 +254,7 @@ def make_stream(named, fmt: str, quantizer: Quantizer | None = None, dtype: torc
     if fmt not in SYNC_FORMATS:
         raise ValueError(f"fmt={fmt!r} is not one of {SYNC_FORMATS}")
     _check_dtype(dtype)  # (here, before the stream is read)
+    bf16_layers = _layer_set(bf16_layers)  # (a one-shot iterator read once)
     if fmt == "fp4":
         if quantizer is None:
             raise ValueError("fmt='fp4' needs the weight quantizer (TraceConfig.weight_quantizer())")

@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -289,3 +291,23 @@ def test_a_sync_dtype_the_quantizer_does_not_take_is_refused_before_the_stream_i
     assert read == [] and rollout.policy_version == 0
     with pytest.raises(ValueError, match=rf"dtype={dtype!r} is not one of"):
         list(bf16_stream(_trainer_weights(), dtype) if fmt == "bf16" else fp4_stream(_trainer_weights(), WQ, dtype))
+
+
+@pytest.mark.parametrize("layers", ["1", 1, (1.5,), (-1,), (None,)])
+def test_bf16_layers_that_are_not_layer_numbers_are_refused_by_name(layers):
+    """``bf16_layers="1"`` matched no layer (its characters are not layer numbers): every expert went as FP4 with no
+    error; a bare int failed as "'int' object is not iterable" after the sync had started. Refused by name, before the
+    stream is read, by the sync and by ``fp4_stream``."""
+    rollout, read = _rollout(), []
+
+    def stream():
+        for item in _trainer_weights():
+            read.append(item[0])
+            yield item
+
+    with pytest.raises(ValueError, match=rf"bf16_layers={re.escape(repr(layers))} must be a collection of layer "
+                                         r"numbers \(ints >= 0\)"):
+        sync_weights(rollout, stream(), fmt="fp4", quantizer=WQ, bf16_layers=layers, version=1)
+    assert read == [] and rollout.policy_version == 0
+    with pytest.raises(ValueError, match="must be a collection of layer numbers"):
+        list(fp4_stream(_trainer_weights(), WQ, bf16_layers=layers))
