@@ -195,6 +195,13 @@ class TraceConfig:
             return SGLangKVQuantizer(ste_clip=self.ste_clip)
         return self.activation_quantizer(rollout=rollout)
 
+    def activation_sites(self) -> tuple[str, ...]:
+        """The sites of ``sites`` that quantize with ``activation_quantizer()``, the ones ``activation_amax`` and
+        ``rounding`` act on: the expert activations, and K/V unless ``kv_format`` stores them in SGLang's format
+        (weights are per-tensor RNE)."""
+        kv = () if self.kv_format else KV_SITES
+        return tuple(s for s in self.sites if s in ("expert_fc1_in", "expert_fc2_in", *kv))
+
     def quantizes(self, site: str) -> bool:
         _choice("site", site, SITES)
         return self.enabled and site in self.sites

@@ -65,9 +65,9 @@ class QuantRecipe:
     e2m1_max: float
     e4m3_max: float
     weight_amax: str
-    activation_amax: str
+    activation_amax: str  # "none" where no quantized site uses it (MXFP4; ``TraceConfig.activation_sites`` empty)
     rollout_rounding: str
-    trainer_rounding: str
+    trainer_rounding: str  # "none" where no quantized site uses it (weights are RNE, SGLang's K/V ties away)
     sites: tuple[str, ...]
     guided_sites: tuple[str, ...]
     guided_layers: tuple[int, ...]
@@ -90,6 +90,7 @@ class QuantRecipe:
         fmt = get_format(config.format, config.mxfp4_scale_rule)
         nv = config.format == "nvfp4"
         kv = config.enabled and any(s in config.sites for s in KV_SITES)
+        act = config.enabled and bool(config.activation_sites())  # (else activation_amax and rounding act nowhere)
         return cls(
             format=config.format,
             kv_format=config.kv_record_format if kv else "none",
@@ -99,9 +100,9 @@ class QuantRecipe:
             e2m1_max=E2M1_MAX,
             e4m3_max=E4M3_MAX,
             weight_amax="per_tensor" if nv else "none",
-            activation_amax=config.activation_amax if nv else "none",
+            activation_amax=config.activation_amax if nv and act else "none",
             rollout_rounding=ROLLOUT_ROUNDING,
-            trainer_rounding=config.rounding,
+            trainer_rounding=config.rounding if act else "none",
             sites=tuple(config.sites) if config.enabled else (),
             guided_sites=tuple(config.guided_sites) if guided_layers else (),
             guided_layers=tuple(guided_layers),

@@ -71,16 +71,10 @@ _USED_WHEN = {
     "trace_mxfp4_scale_rule": ("--trace-format mxfp4", lambda c: c.format == "mxfp4"),
     "trace_activation_amax": ("--trace-format nvfp4 (MXFP4 blocks have E8M0 scales, no amax) and an activation site "
                               "in it (expert_fc1_in, expert_fc2_in, or kv_k / kv_v without --trace-kv-format)",
-                              lambda c: c.format == "nvfp4" and bool(_amax_sites(c))),
+                              lambda c: c.format == "nvfp4" and bool(c.activation_sites())),
     "trace_kv_format": ("a KV site (kv_k, kv_v) in --trace-sites", lambda c: any(s in c.sites for s in KV_SITES)),
 }
 _OTHER_FLAGS = ("trace_config", "trace_sites", "trace_guided_sites", "trace_guided_layers", "trace_exclude_modules")
-
-
-def _amax_sites(cfg: TraceConfig) -> list[str]:
-    """The sites that quantize with ``activation_quantizer()``, whose amax granularity ``activation_amax`` sets."""
-    kv = () if cfg.kv_format else KV_SITES
-    return [s for s in cfg.sites if s in ("expert_fc1_in", "expert_fc2_in", *kv)]
 
 
 def _site_list(valid: tuple[str, ...]):
