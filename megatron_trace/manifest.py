@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import KV_SITES, ROLLOUT_ROUNDING, TraceConfig
+from .config import ACTIVATION_SITES, KV_SITES, ROLLOUT_ROUNDING, SITES, TraceConfig
 from .formats import E2M1_MAX, E4M3_MAX, get_format
 from .guidance.selection import guided_layers
 
@@ -103,8 +103,9 @@ class QuantRecipe:
             activation_amax=config.activation_amax if nv and act else "none",
             rollout_rounding=ROLLOUT_ROUNDING,
             trainer_rounding=config.rounding if act else "none",
-            sites=tuple(config.sites) if config.enabled else (),
-            guided_sites=tuple(config.guided_sites) if guided_layers else (),
+            # (in one order: a config names a set of sites, and two orders of it quantize the same)
+            sites=tuple(s for s in SITES if s in config.sites) if config.enabled else (),
+            guided_sites=tuple(s for s in ACTIVATION_SITES if s in config.guided_sites) if guided_layers else (),
             guided_layers=tuple(guided_layers),
             cache_mode=config.cache_mode,
             quantized_modules=tuple(sorted(quantized_modules)),

@@ -152,6 +152,22 @@ def test_amax_and_rounding_that_no_quantized_site_uses_are_no_mismatch(sites, kv
                                                   modules=MOE + modules if kv_format else MOE, guided=()))
 
 
+def test_sites_named_in_another_order_are_the_same_recipe():
+    """A trainer launched with ``--trace-sites weights,expert_fc1_in,...`` quantizes the sites of a default rollout
+    config, named in another order (bit-equal logits); the recipes listed them as given and the check refused."""
+    rev = CFG.replace(sites=CFG.sites[::-1], guided_sites=CFG.guided_sites[::-1])
+    logits = []
+    for cfg in (CFG, rev):
+        be = _backend(cfg)
+        with be.forward_context() as model:
+            logits.append(model(torch.tensor([[3, 4, 5, 6]]), **be.cache_kwargs(be.new_cache())).logits)
+    assert torch.equal(*logits)
+    assert trainer_recipe(rev) == trainer_recipe()
+    _backend(CFG).check_recipe(trainer_recipe(rev))
+    with pytest.raises(RecipeMismatchError, match=r"sites: trainer=\('expert_fc1_in', 'expert_fc2_in', 'weights'\)"):
+        _backend(CFG).check_recipe(trainer_recipe(without_kv(rev), modules=MOE))  # (another set still fires)
+
+
 # ---- no numeric setting from the environment -------------------------------------------------------
 ALLOWED = {("testing/megatron_cpu.py", "TORCHDYNAMO_DISABLE")}
 
