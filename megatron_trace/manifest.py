@@ -57,7 +57,7 @@ def scale_rule_name(fmt: str, mxfp4_scale_rule: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class QuantRecipe:
-    format: str
+    format: str  # format, block_size, scale_dtype, scale_rule: "none" (0) where no quantized site is in the format
     kv_format: str  # the KV sites' format ("nvfp4" | "mxfp4" | "sglang_kvfp4"), "none" when K/V are not quantized
     block_size: int
     scale_dtype: str
@@ -90,16 +90,20 @@ class QuantRecipe:
         fmt = get_format(config.format, config.mxfp4_scale_rule)
         nv = config.format == "nvfp4"
         kv = config.enabled and any(s in config.sites for s in KV_SITES)
-        act = config.enabled and bool(config.activation_sites())  # (else activation_amax and rounding act nowhere)
+        # fields of what acts nowhere are "none" (two sides differing only there compute the same): the format where
+        # no quantized site is in it (K/V alone in kv_format), the activation amax and rounding without an activation
+        # site quantized with activation_quantizer()
+        in_fmt = config.enabled and any(s not in KV_SITES or not config.kv_format for s in config.sites)
+        act = config.enabled and bool(config.activation_sites())
         return cls(
-            format=config.format,
+            format=config.format if in_fmt else "none",
             kv_format=config.kv_record_format if kv else "none",
-            block_size=fmt.block_size,
-            scale_dtype=str(fmt.scale_dtype).removeprefix("torch."),
-            scale_rule=scale_rule_name(config.format, config.mxfp4_scale_rule),
+            block_size=fmt.block_size if in_fmt else 0,
+            scale_dtype=str(fmt.scale_dtype).removeprefix("torch.") if in_fmt else "none",
+            scale_rule=scale_rule_name(config.format, config.mxfp4_scale_rule) if in_fmt else "none",
             e2m1_max=E2M1_MAX,
             e4m3_max=E4M3_MAX,
-            weight_amax="per_tensor" if nv else "none",
+            weight_amax="per_tensor" if nv and in_fmt else "none",
             activation_amax=config.activation_amax if nv and act else "none",
             rollout_rounding=ROLLOUT_ROUNDING,
             trainer_rounding=config.rounding if act else "none",

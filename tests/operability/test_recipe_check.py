@@ -129,14 +129,18 @@ def test_a_refused_recipe_check_leaves_no_ignore_behind():
     assert be.policy_version == 1
 
 
-@pytest.mark.parametrize("sites, kv_format, modules, quantizer", [
-    (("weights",), "", MOE, "weight_quantizer"), (("kv_k", "kv_v"), "sglang_kvfp4", KV, "kv_quantizer")])
-def test_amax_and_rounding_that_no_quantized_site_uses_are_no_mismatch(sites, kv_format, modules, quantizer):
-    """Weights alone (per-tensor, RNE) or K/V alone in SGLang's format (E8M0, ties away): neither uses
-    ``activation_amax`` nor ``rounding``, so configs differing only there compute the same; the recipes named both
-    and the check refused the agreeing sides."""
+UNUSED = dict(activation_amax="per_tensor", rounding="stochastic")
+
+
+@pytest.mark.parametrize("sites, kv_format, modules, quantizer, changes", [
+    (("weights",), "", MOE, "weight_quantizer", UNUSED),
+    (("kv_k", "kv_v"), "sglang_kvfp4", KV, "kv_quantizer", dict(UNUSED, format="mxfp4", mxfp4_scale_rule="ceil"))])
+def test_settings_that_no_quantized_site_uses_are_no_mismatch(sites, kv_format, modules, quantizer, changes):
+    """Weights alone (per-tensor, RNE) or K/V alone in SGLang's format (E8M0 ceil, ties away, whatever ``format``):
+    ``activation_amax``, ``rounding`` (and there ``format``) act nowhere, so configs differing only there compute
+    the same; the recipes named them and the check refused the agreeing sides."""
     base = TraceConfig(sites=sites, guided_sites=(), guided_layers="none", kv_format=kv_format)
-    other = base.replace(activation_amax="per_tensor", rounding="stochastic")
+    other = base.replace(**changes)
     assert getattr(base, quantizer)() == getattr(other, quantizer)()  # (the one quantizer of these sites)
     logits = []
     for cfg in (base, other):
@@ -145,11 +149,12 @@ def test_amax_and_rounding_that_no_quantized_site_uses_are_no_mismatch(sites, kv
             logits.append(model(torch.tensor([[3, 4, 5, 6]]), **be.cache_kwargs(be.new_cache())).logits)
     assert torch.equal(*logits)
     be.check_recipe(trainer_recipe(base, modules=modules, guided=()))
-    # with an activation site in the format, both count again
+    # with an expert activation site, each counts again
     act = base.replace(sites=(*sites, "expert_fc1_in"))
-    with pytest.raises(RecipeMismatchError, match="activation_amax: trainer='per_tensor'.*trainer_rounding"):
-        _backend(act).check_recipe(trainer_recipe(act.replace(activation_amax="per_tensor", rounding="stochastic"),
-                                                  modules=MOE + modules if kv_format else MOE, guided=()))
+    fields = "format: .*" * ("format" in changes) + "activation_amax: trainer=.*trainer_rounding: trainer='stochastic'"
+    with pytest.raises(RecipeMismatchError, match=fields):
+        _backend(act).check_recipe(trainer_recipe(act.replace(**changes), guided=(),
+                                                  modules=MOE + modules if kv_format else MOE))
 
 
 def test_sites_named_in_another_order_are_the_same_recipe():
