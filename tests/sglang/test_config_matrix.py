@@ -4,7 +4,7 @@ every guided (layer, site) pair. Runs in the main venv too, except the case that
 
 import pytest
 
-from megatron_trace.config import KV_SITES, TraceConfig
+from megatron_trace.config import KV_SITES, SITES, TraceConfig
 from megatron_trace.guidance.selection import guided_layers
 from megatron_trace.manifest import QuantRecipe, quantized_module_names
 from megatron_trace.rollout import SamplingParams
@@ -88,3 +88,26 @@ def test_sglang_quantizes_and_records_what_the_trainer_does_or_refuses_by_name(c
         fmt = cfg.kv_record_format if site in KV_SITES else cfg.format  # what the trainer's check_site accepts
         assert g.record.fmt == fmt and (g.expert_ids is not None) == (site == "expert_fc2_in"), (layer, site)
         assert type(g.record).__name__ == ("CompactGuidance" if cfg.cache_mode == "compact" else "FullGuidance")
+
+
+@needs_sglang
+def test_a_checkpoint_naming_the_engines_sites_in_another_order_is_served():
+    """The checkpoint's 'trace' entry written from launch flags (``--trace-sites weights,...``) names the engine's
+    sites and exclude patterns in another order: the engine quantizes the same, and it was refused as differing."""
+    from megatron_trace.export import quant_config_dict
+    from megatron_trace.rollout.sglang import quant
+    from megatron_trace.rollout.sglang.launch import register
+
+    cfg = SG.replace(exclude_modules=("model.layers.0.mlp.experts", "model.layers.2.mlp.experts"))
+    checkpoint = cfg.replace(sites=cfg.sites[::-1], exclude_modules=cfg.exclude_modules[::-1])
+    assert {s for s in SITES if checkpoint.quantizes(s)} == {s for s in SITES if cfg.quantizes(s)}
+    prev = quant._RUNTIME_CONFIG
+    register(cfg)
+    try:
+        served = quant.TraceQuantConfig.from_config(quant_config_dict([], trace_config=checkpoint.to_dict())).trace
+        assert served == checkpoint
+        with pytest.raises(ValueError, match=r"sites: checkpoint=.*engine="):  # another set of sites still differs
+            quant.TraceQuantConfig.from_config(quant_config_dict([], trace_config=checkpoint.replace(
+                sites=checkpoint.sites[1:]).to_dict()))
+    finally:
+        quant.set_runtime_config(prev)

@@ -141,12 +141,18 @@ def check_engine_fields(checkpoint: TraceConfig | None, runtime: TraceConfig | N
     if checkpoint is None or runtime is None:
         return
     diffs = [f"{k}: checkpoint={getattr(checkpoint, k)!r} engine={getattr(runtime, k)!r}" for k in ENGINE_FIELDS
-             if getattr(checkpoint, k) != getattr(runtime, k)]
+             if _engine_value(checkpoint, k) != _engine_value(runtime, k)]
     if diffs:
         raise ValueError("the checkpoint's hf_quant_config.json 'trace' entry and the TraceConfig the engine was "
                          "started with (make_engine / register) differ in what the engine quantizes: "
                          + "; ".join(diffs) + ": the engine would serve the checkpoint's, the backend's recipe "
                          "says the other; start the engine with the checkpoint's TraceConfig, or export with this one")
+
+
+def _engine_value(config: TraceConfig, field: str):
+    """``config.field`` as the engine uses it: sites and exclude patterns are sets (named in any order, the same)."""
+    v = getattr(config, field)
+    return frozenset(v) if field in ("sites", "exclude_modules") else v
 
 
 def _skipped(prefix: str, cfg: TraceQuantConfig) -> bool:
