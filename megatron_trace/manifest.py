@@ -32,8 +32,10 @@ from .config import ACTIVATION_SITES, KV_SITES, ROLLOUT_ROUNDING, SITES, TraceCo
 from .formats import E2M1_MAX, E4M3_MAX, get_format
 from .guidance.selection import guided_layers
 
-MANIFEST_VERSION = 3
-"""2: ``kv_format`` (the KV sites' format) added. 3: ``dtype`` (the dtype each side quantizes from) added."""
+MANIFEST_VERSION = 4
+"""2: ``kv_format`` (the KV sites' format) added. 3: ``dtype`` (the dtype each side quantizes from) added. 4: fields
+no quantized site uses are ``"none"`` (``activation_amax``, ``trainer_rounding``; the format's fields with K/V alone in
+``sglang_kvfp4``), sites in one order."""
 NVFP4_SCALE_RULE = "e4m3_rn_sat(min(448*6/amax_global,FLT_MAX)*amax_block/6)"
 """NVFP4 block scale rule as the recipe names it (S_enc saturates at FLT_MAX: ``formats.nvfp4.encode_scale``)."""
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_trace.config import TraceConfig
-from megatron_trace.manifest import QuantRecipe, RecipeMismatchError, check_module_sets
+from megatron_trace.manifest import MANIFEST_VERSION, QuantRecipe, RecipeMismatchError, check_module_sets
 
 MODS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 
@@ -42,7 +42,7 @@ def test_kv_format_is_the_kv_sites_format():
     r = _recipe(kv_format="sglang_kvfp4")
     assert QuantRecipe.from_json(r.to_json()) == r
     with pytest.raises(RecipeMismatchError, match="manifest_version=1"):
-        QuantRecipe.from_json(r.to_json().replace('"manifest_version": 3', '"manifest_version": 1'))
+        QuantRecipe.from_json(r.to_json().replace(f'"manifest_version": {MANIFEST_VERSION}', '"manifest_version": 1'))
     d = json.loads(r.to_json())
     with pytest.raises(RecipeMismatchError, match=r"unknown field\(s\) \['kv_layout'\] and lacks required field\(s\) "
                                                   r"\['block_size'\]; its fields are \['activation_amax'"):
