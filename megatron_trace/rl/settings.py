@@ -8,7 +8,7 @@ import numbers
 from dataclasses import dataclass
 
 from ..monitor import check_trend_settings
-from ..rollout.base import MIN_TEMPERATURE
+from ..rollout.base import COMPILE_CHOICES, MIN_TEMPERATURE, STATIC_DECODE, is_compile_choice
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,11 @@ class RLConfig:
         check_trend_settings(mode=self.trend_mode, max_slope=self.trend_max_slope, max_growth=self.trend_max_growth,
                              min_level=self.trend_min_level, prefix="RLConfig.trend_")
         need(self.weight_sync in WEIGHT_SYNCS, "weight_sync", f"one of {WEIGHT_SYNCS}")
+        for name in ("routing_replay", "fast_kv_attention"):  # (a Hydra override 'off' is the string 'off': truthy)
+            need(isinstance(getattr(self, name), bool), name, "a bool (true / false)")
+        need(is_compile_choice(self.compile_rollout), "compile_rollout", f"one of {COMPILE_CHOICES}")
+        need(isinstance(self.static_decode, str) and self.static_decode in STATIC_DECODE, "static_decode",
+             f"one of {STATIC_DECODE}")
         for name in ("max_logprob_abs_diff", "sentinel_max_abs_diff"):
             need(getattr(self, name) is None or getattr(self, name) >= 0, name, "None (off) or >= 0")
         need(self.kl_coef == 0, "kl_coef", "0: this driver keeps no reference policy (the paper's GRPO + "

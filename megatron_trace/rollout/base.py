@@ -36,6 +36,15 @@ from ..guidance.site import SiteGuidance, SiteKey
 
 MIN_TEMPERATURE = 1e-5
 """The smallest temperature above 0 (vLLM's and SGLang's greedy threshold)."""
+STATIC_DECODE = ("auto", "off", "eager", "graph")
+"""``HFRolloutBackend(static_decode=...)`` (``RLConfig.static_decode``): the decode loop."""
+COMPILE_CHOICES = (False, True, "modules", "layers")
+"""``HFRolloutBackend(compile=...)`` (``RLConfig.compile_rollout``): what ``torch.compile`` compiles."""
+
+
+def is_compile_choice(value) -> bool:
+    """One of ``COMPILE_CHOICES``, a bool being a bool (``1 in COMPILE_CHOICES`` holds: 1 == True)."""
+    return isinstance(value, bool) or (isinstance(value, str) and value in COMPILE_CHOICES)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -50,9 +50,12 @@ from . import hf_generate
 from .attention import ROLLOUT_ATTENTION
 from .audit import backend_recipe, effective_config, hf_module_audit
 from .base import (
+    COMPILE_CHOICES,
+    STATIC_DECODE,
     RolloutBatch,
     SamplingParams,
     WeightValue,
+    is_compile_choice,
     is_int,
     next_policy_version,
     recipe_kept_on_failure,
@@ -69,8 +72,6 @@ from .recorder import GuidanceRecorder
 logger = logging.getLogger(__name__)
 
 MODES = ("bf16", "fp4")
-STATIC_DECODE = ("auto", "off", "eager", "graph")
-COMPILE_CHOICES = (False, True, "modules", "layers")
 
 
 class HFRolloutBackend:
@@ -193,7 +194,7 @@ class HFRolloutBackend:
             kernels = self.fused_kv_attention and self._quantizes("kv_k") == self._quantizes("kv_v")
             static_decode = "graph" if self.device.type == "cuda" and kernels else "off"
         self.static_decode = static_decode
-        if compile not in COMPILE_CHOICES:
+        if not is_compile_choice(compile):
             raise ValueError(f"compile={compile!r} must be one of {COMPILE_CHOICES}")
         compile_mode = {False: None, True: "modules"}.get(compile, compile)
         compiler = {"modules": compile_small_modules, "layers": compile_layers}.get(compile_mode)

@@ -523,6 +523,16 @@ def test_the_sentinel_is_guided_like_the_step(megatron_cpu, ckpt, tmp_path):
     (dict(lr=float("inf")), "RLConfig.lr=inf must be a finite number"),
     (dict(lr="5e-5"), "RLConfig.lr='5e-5' must be a finite number"),
     (dict(clip_eps=None), "RLConfig.clip_eps=None must be a finite number"),
+    # were accepted: a Hydra override rl.routing_replay=off is the string 'off' (truthy: R3 stayed on), None or 0
+    # turned it off; compile_rollout / static_decode typos were refused only by the rollout, after the warm-up
+    (dict(routing_replay="off"), r"RLConfig.routing_replay='off' must be a bool \(true / false\)"),
+    (dict(routing_replay=None), "RLConfig.routing_replay=None must be a bool"),
+    (dict(fast_kv_attention="false"), "RLConfig.fast_kv_attention='false' must be a bool"),
+    (dict(fast_kv_attention=0), "RLConfig.fast_kv_attention=0 must be a bool"),
+    (dict(compile_rollout="moduels"), r"RLConfig.compile_rollout='moduels' must be one of \(False, True, 'modules'"),
+    (dict(compile_rollout=1), "RLConfig.compile_rollout=1 must be one of"),
+    (dict(static_decode="on"), r"RLConfig.static_decode='on' must be one of \('auto', 'off', 'eager', 'graph'\)"),
+    (dict(static_decode=True), "RLConfig.static_decode=True must be one of"),
 ])
 def test_bad_rl_settings_are_named(kw, match):
     with pytest.raises(ValueError, match=match):
