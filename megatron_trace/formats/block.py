@@ -21,6 +21,8 @@ def check_input(x: torch.Tensor, *, what: str = "x") -> None:
         raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{what}.dtype={x.dtype} is not one of {FLOAT_DTYPES}")
+    if x.is_meta:  # (isfinite's bool() below: "Tensor.item() cannot be called on meta tensors")
+        raise ValueError(f"{what} is a meta tensor (shape {tuple(x.shape)}, no values): materialize it first")
     if x.dim() == 0 or x.shape[-1] == 0:
         raise ValueError(f"{what} needs at least one dim with a non-empty last dim, got shape {tuple(x.shape)}")
     finite = torch.isfinite(x)

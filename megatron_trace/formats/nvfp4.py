@@ -17,6 +17,8 @@ inf, every code saturates, an all-zero block's scale is NaN and the dequantized 
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from . import block
@@ -62,7 +64,12 @@ class NVFP4Format:
                     check_values: bool = True) -> torch.Tensor:
         """The amax the encode scale uses: ``global_amax`` checked (shape; values finite and > 0 unless
         ``check_values=False``, for a caller that checks them on the device), or x's per tensor / per row."""
+        if not isinstance(per_row, bool):  # ("no" is truthy: one amax per row)
+            raise ValueError(f"per_row={per_row!r} must be a bool")
         if global_amax is not None:
+            if isinstance(global_amax, bool) or not isinstance(global_amax, numbers.Real | torch.Tensor):
+                raise TypeError(f"global_amax={global_amax!r} must be a number or a float32 tensor ([] or "
+                                f"{(*x.shape[:-1], 1)}), got {type(global_amax).__name__}")
             if per_row:
                 raise ValueError("give either global_amax (static) or per_row=True, not both")
             g = torch.as_tensor(global_amax, dtype=torch.float32, device=x.device)

@@ -33,6 +33,9 @@ class Quantizer:
     ste_clip: bool = False
 
     def __post_init__(self):
+        for name in ("per_row", "ste_clip"):  # (ste_clip="no" is truthy: it clipped the gradient)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a bool")
         if self.fmt not in FORMATS:  # record-only formats (registry.RECORD_FORMATS) are not quantized with
             raise ValueError(f"fmt={self.fmt!r} is not one of {FORMATS}")
         if self.scale_rule not in SCALE_RULES:  # (MXFP4's; checked for every format: a typo must not pass silently)

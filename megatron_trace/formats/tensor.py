@@ -87,6 +87,8 @@ class FP4Tensor(_Blocked):
         """Decoded values in ``dtype``, original shape. Computed in fp32 then cast once."""
         from .registry import get_format
 
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # (int32 truncated 1.5 to 1)
+            raise TypeError(f"dtype={dtype!r} must be a floating-point torch.dtype (e.g. torch.float32)")
         fmt = get_format(self.fmt)
         # (a uint8 view of the scales would decode as integers: 1.0 in E4M3 as 56.0)
         if self.codes.dtype != torch.uint8 or self.block_scales.dtype != fmt.scale_dtype:

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_trace.formats import FP4Tensor, GuidanceMismatchError, NonFiniteError, Quantizer, e2m1, nvfp4
+from megatron_trace.formats import FP4Tensor, GuidanceMismatchError, NonFiniteError, Quantizer, e2m1, mxfp4, nvfp4
 
 from ._independent import E4M3, e4m3_rn_sat
 from ._independent import nvfp4 as nvfp4_independent
@@ -321,6 +321,24 @@ def test_global_amax_is_the_largest_magnitude():
 def test_a_given_global_amax_must_be_finite_and_positive(bad):
     with pytest.raises(ValueError, match=rf"finite and > 0, got \[1.0, {bad}\]"):
         nvfp4.quantize(torch.ones(2, 16), global_amax=torch.tensor([[1.0], [bad]]))
+
+
+@pytest.mark.parametrize("kw,err,match", [
+    # were: per_row="no" accepted (truthy: one amax per row); True taken as amax 1.0; a string a bare torch error
+    (dict(per_row="no"), ValueError, "per_row='no' must be a bool"),
+    (dict(global_amax=True), TypeError, "global_amax=True must be a number or a float32 tensor"),
+    (dict(global_amax="2.0"), TypeError,
+     r"global_amax='2.0' must be a number or a float32 tensor \(\[\] or \(2, 1\)\)"),
+])
+def test_bad_quantize_arguments_are_named(kw, err, match):
+    with pytest.raises(err, match=match):
+        nvfp4.quantize(torch.ones(2, 16), **kw)
+
+
+@pytest.mark.parametrize("quantize", [nvfp4.quantize, mxfp4.quantize], ids=["nvfp4", "mxfp4"])
+def test_a_meta_tensor_is_refused_by_name(quantize):
+    with pytest.raises(ValueError, match=r"x is a meta tensor \(shape \(2, 32\), no values\)"):  # (was: Tensor.item())
+        quantize(torch.empty(2, 32, device="meta"))
 
 
 def test_a_one_dim_global_amax_is_refused():

@@ -16,6 +16,9 @@ def _x(k=40, seed=0, dtype=torch.float32):
     ({"fmt": "mxfp4", "per_row": True}, "per_row applies to nvfp4 only, got fmt='mxfp4'"),
     ({"rounding": "up"}, r"rounding='up' is not one of \('rne', 'stochastic'\)"),
     ({"fmt": "sglang_kvfp4"}, r"fmt='sglang_kvfp4' is not one of \('nvfp4', 'mxfp4'\)"),  # record-only format
+    # were accepted: "no" is truthy (ste_clip="no" clipped the gradient, per_row="no" gave one amax per row)
+    ({"ste_clip": "no"}, "ste_clip='no' must be a bool"), ({"ste_clip": None}, "ste_clip=None must be a bool"),
+    ({"per_row": "no"}, "per_row='no' must be a bool"), ({"per_row": 1}, "per_row=1 must be a bool"),
 ])
 def test_a_bad_policy_is_refused_when_built(kw, match):
     with pytest.raises(ValueError, match=match):

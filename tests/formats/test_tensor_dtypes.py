@@ -23,3 +23,12 @@ def test_dequantize_refuses_other_dtypes(quantize):
         dataclasses.replace(q, codes=q.codes.view(torch.int8)).dequantize()
     assert torch.equal(dataclasses.replace(raw, block_scales=raw.block_scales.view(q.block_scales.dtype))
                        .dequantize(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8])
+def test_dequantize_refuses_a_non_float_output_dtype(dtype):
+    """(int32 truncated 1.5 to 1 and bool made every nonzero value True, silently.)"""
+    q = nvfp4.quantize(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(TypeError, match=rf"dtype={dtype} must be a floating-point torch.dtype"):
+        q.dequantize(dtype)
+    assert torch.equal(q.dequantize(torch.float64), q.dequantize().double())  # (exact: fp32 values widened)
