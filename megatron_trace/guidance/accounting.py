@@ -14,6 +14,7 @@ plus the per-row amax. Only the guidance itself is counted: the ``valid`` mask a
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Iterable
 
 from ..config import ACTIVATION_SITES, KV_SITES, TraceConfig
@@ -26,8 +27,10 @@ AMAX_MODES = ("per_row", "per_tensor")
 
 def row_bytes(k: int, *, fmt: str = "nvfp4", compact: bool = True, amax: str = "per_row") -> int:
     """Bytes one guidance row of ``k`` elements occupies."""
-    if k < 1:
-        raise ValueError(f"row length k={k} must be >= 1")
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1:  # (2.5 gave 7.0 bytes, NaN nan)
+        raise ValueError(f"row length k={k!r} must be an int >= 1")
+    if not isinstance(compact, bool):  # ("no" is truthy: compact)
+        raise ValueError(f"compact={compact!r} must be a bool")
     if amax not in AMAX_MODES:
         raise ValueError(f"amax={amax!r} is not one of {AMAX_MODES}")
     block = get_format(fmt).block_size
@@ -52,6 +55,8 @@ def breakdown(dims: ModelDims, sites: Iterable[str], layers: Iterable[int], **fm
     """Bytes per token for every (layer, site) that exists. ``fmt_kw``: fmt, compact, amax."""
     out: dict[SiteKey, int] = {}
     for layer in layers:
+        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):  # (1.5 is no layer: 0 bytes)
+            raise ValueError(f"layer={layer!r} must be an int layer id in 0..{dims.num_layers - 1}")
         if not 0 <= layer < dims.num_layers:
             raise ValueError(f"layer={layer} outside 0..{dims.num_layers - 1}")
         for site in sites:

@@ -63,10 +63,12 @@ class ModelDims:
             v, low = getattr(self, f), 0 if f == "num_experts" else 1  # num_experts 0: unknown
             if not _is_int(v) or v < low:  # a NaN or 2.5 passes every comparison: check the type first
                 raise ValueError(f"ModelDims.{f}={v!r} must be an int >= {low}")
+        if not isinstance(self.kv_v, bool):
+            raise ValueError(f"ModelDims.kv_v={self.kv_v!r} must be a bool")
         if self.num_experts and self.topk > self.num_experts:
             raise ValueError(f"ModelDims.topk={self.topk} exceeds num_experts={self.num_experts}")
-        for f in ("moe_layers", "kv_layers"):
-            bad = [i for i in getattr(self, f) if not 0 <= i < self.num_layers]
+        for f in ("moe_layers", "kv_layers"):  # (a layer 1.5 passed the range check and matched no layer)
+            bad = [i for i in getattr(self, f) if not _is_int(i) or not 0 <= i < self.num_layers]
             if bad:
                 raise ValueError(f"ModelDims.{f} has layer(s) {bad} outside 0..{self.num_layers - 1}")
 

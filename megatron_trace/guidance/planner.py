@@ -27,7 +27,7 @@ from ..formats import get_format
 from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw, elements_per_layer, side_bytes
 from .model_dims import ModelDims
 from .routing import id_dtype
-from .selection import guided_layers
+from .selection import check_num_layers, guided_layers
 from .sync import PROTOCOL, SIZES
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ def budget_layers(
     7168-element FC1 row the same 4 bytes: 16% apart in compact mode); without it elements are taken as
     proportional to bytes and layers rank by rate.
     """
+    check_num_layers(num_layers)  # (0 or -1 chose no layer, silently)
     budget = float(config.budget_bytes_per_token)
     if budget <= 0:
         raise ValueError(f"budget_bytes_per_token={budget} must be > 0 for the budget policy")

@@ -127,6 +127,11 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 def token_hash(token_ids: torch.Tensor) -> str:
     """blake2b-128 (hex) over the int64 little-endian bytes of a 1-D token id sequence."""
+    if not isinstance(token_ids, torch.Tensor) or token_ids.dim() != 1 or token_ids.is_floating_point() \
+            or token_ids.is_complex() or token_ids.dtype == torch.bool:  # (1.7 hashed as token 1; [B, S] as one row)
+        got = f"{token_ids.dtype} {tuple(token_ids.shape)}" if isinstance(token_ids, torch.Tensor) else \
+            type(token_ids).__name__
+        raise ValueError(f"token_hash needs a 1-D integer tensor of token ids, got {got}")
     return hashlib.blake2b(tensor_bytes(token_ids.to(torch.int64)), digest_size=16).hexdigest()
 
 
@@ -431,7 +436,10 @@ def _fill(buf: dict, b: int, pos: torch.Tensor, rec: SiteRecord) -> None:
 
 def staleness_stats(trainer_version: int, sample_versions: Sequence[int], prefix: str = "guidance") -> dict:
     """Distribution of ``trainer_version - sample_version`` over the samples of a step."""
-    st = [int(trainer_version) - int(v) for v in sample_versions]
+    if not is_integer(trainer_version):  # (3.5 and "3" were truncated or parsed, as a version 3.7 was)
+        raise ValueError(f"trainer_version={trainer_version!r} must be an int")
+    versions = _ints(sample_versions, lambda: f"sample_versions={sample_versions!r} must be ints")
+    st = [int(trainer_version) - v for v in versions]
     if any(s < 0 for s in st):
         raise ValueError(f"sample versions {list(sample_versions)} newer than trainer version {trainer_version}")
     if not st:

@@ -8,9 +8,16 @@ budget (see ``budget_layers``).
 from __future__ import annotations
 
 import math
+import numbers
 from fractions import Fraction
 
 from ..config import TraceConfig
+
+
+def check_num_layers(num_layers) -> None:
+    """An int >= 1 (2.5 and "4" were bare TypeErrors, True one layer)."""
+    if isinstance(num_layers, bool) or not isinstance(num_layers, numbers.Integral) or num_layers < 1:
+        raise ValueError(f"num_layers={num_layers!r} must be an int >= 1")
 
 
 def guided_layers(config: TraceConfig, num_layers: int, **budget_kw) -> tuple[int, ...]:
@@ -18,8 +25,7 @@ def guided_layers(config: TraceConfig, num_layers: int, **budget_kw) -> tuple[in
 
     ``budget_kw`` is passed to the budget policy (per-layer mismatch profile and bytes).
     """
-    if num_layers < 1:
-        raise ValueError(f"num_layers={num_layers} must be >= 1")
+    check_num_layers(num_layers)
     if not config.enabled:
         return ()
     policy = config.guided_layers

@@ -16,6 +16,7 @@ plugin) map these rows onto their own layout (e.g. Megatron's [S, B] token order
 
 from __future__ import annotations
 
+import numbers
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -54,6 +55,13 @@ def check_rows(record, valid: torch.Tensor, expert_ids: torch.Tensor | None, lea
                          "(one per row)")
 
 
+def _count(v) -> bool:
+    """An int >= 0: Python or NumPy (not bool), or a 0-d integer tensor (one host read, as ``int()`` does)."""
+    if isinstance(v, torch.Tensor):
+        return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) and v >= 0
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+
+
 @dataclass(frozen=True)
 class SiteGuidance:
     record: FullGuidance | CompactGuidance
@@ -79,6 +87,10 @@ class FallbackCounter:
     fallback: Counter = field(default_factory=Counter)
 
     def add(self, used: int, reason_counts: dict[str, int] | None = None) -> None:
+        counts = {"used": used, **(reason_counts or {})}
+        bad = {k: v for k, v in counts.items() if not _count(v)}
+        if bad:  # (-3 rows made a coverage of -0.5, 2.5 was truncated, "3" parsed)
+            raise ValueError(f"FallbackCounter.add needs row counts that are ints >= 0, got {bad}")
         self.used += int(used)
         for k, v in (reason_counts or {}).items():
             if v:

@@ -175,7 +175,12 @@ def test_a_hybrid_config_without_layer_types_has_its_classs_kv_layers(cls):
     (dict(topk=3, num_experts=2), r"ModelDims.topk=3 exceeds num_experts=2"),
     (dict(moe_layers=(-1, 0)), r"ModelDims.moe_layers has layer\(s\) \[-1\] outside 0..3"),
     (dict(kv_layers=(4,)), r"ModelDims.kv_layers has layer\(s\) \[4\] outside 0..3"),
-], ids=["nan", "float", "bool", "negative-experts", "topk-above-experts", "negative-layer", "layer-beyond"])
+    # were accepted: a layer 1.5 matched no layer (no site there), kv_v="no" is truthy
+    (dict(moe_layers=(0, 1.5)), r"ModelDims.moe_layers has layer\(s\) \[1.5\] outside 0..3"),
+    (dict(kv_layers=(True,)), r"ModelDims.kv_layers has layer\(s\) \[True\] outside 0..3"),
+    (dict(kv_v="no"), r"ModelDims.kv_v='no' must be a bool"),
+], ids=["nan", "float", "bool", "negative-experts", "topk-above-experts", "negative-layer", "layer-beyond",
+        "float-layer", "bool-layer", "kv_v-string"])
 def test_model_dims_reject_nan_and_non_int(kw, match):
     args = dict(num_layers=4, hidden=64, moe_ffn=32, topk=2, kv_heads=2, head_dim=16, moe_layers=(0,), kv_layers=(0,))
     with pytest.raises(ValueError, match=match):
@@ -256,6 +261,24 @@ def test_deepseek_dense_layers_and_moe_layer_freq():
     assert every_2nd.moe_layers == (2, 4)
     no_dense = {k: v for k, v in cfg.to_dict().items() if k != "first_k_dense_replace"} | {"moe_layer_freq": 2}
     assert ModelDims.from_hf_config(no_dense).moe_layers == (0, 2, 4)  # (a DeepSeek config: its rule, 0 dense)
+
+
+@pytest.mark.parametrize("call,match", [
+    # were accepted: k=2.5 gave 7.0 bytes, NaN nan, True one element; compact="no" (truthy) the compact size;
+    # a layer 1.5 had no site (0 bytes), True was layer 1
+    (lambda d: row_bytes(2.5), r"row length k=2.5 must be an int >= 1"),
+    (lambda d: row_bytes(float("nan")), r"row length k=nan must be an int >= 1"),
+    (lambda d: row_bytes(True), r"row length k=True must be an int >= 1"),
+    (lambda d: row_bytes("16"), r"row length k='16' must be an int >= 1"),
+    (lambda d: row_bytes(32, compact="no"), r"compact='no' must be a bool"),
+    (lambda d: breakdown(d, ["expert_fc1_in"], [1.5]), r"layer=1.5 must be an int layer id in 0..2"),
+    (lambda d: breakdown(d, ["expert_fc1_in"], [True]), r"layer=True must be an int layer id in 0..2"),
+], ids=["k-float", "k-nan", "k-bool", "k-str", "compact-str", "layer-float", "layer-bool"])
+def test_bad_row_lengths_flags_and_layers_are_named(call, match):
+    dims = ModelDims.from_hf_config(tiny_config().to_dict())
+    with pytest.raises(ValueError, match=match):
+        call(dims)
+    assert row_bytes(32) == 4 + 2 + 4 and breakdown(dims, ["expert_fc1_in"], [1])  # (the valid twins)
 
 
 def test_breakdown_names_a_layer_outside_the_model():

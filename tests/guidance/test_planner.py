@@ -54,8 +54,22 @@ def test_layer_policy_bounds_take_the_whole_model_and_name_what_is_beyond_it():
     assert guided_layers(TraceConfig(guided_layers="explicit", guided_layer_list=(0, 7)), 8) == (0, 7)
     with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[8\] beyond num_layers=8 \(valid 0..7\)"):
         guided_layers(TraceConfig(guided_layers="explicit", guided_layer_list=(0, 8)), 8)
-    with pytest.raises(ValueError, match="num_layers=0 must be >= 1"):
+    with pytest.raises(ValueError, match="num_layers=0 must be an int >= 1"):
         guided_layers(TraceConfig(), 0)
+
+
+BUDGET = TraceConfig(guided_layers="budget", budget_bytes_per_token=100.0)
+
+
+@pytest.mark.parametrize("num_layers", [0, -1, 2.5, "4", True, None], ids=repr)
+@pytest.mark.parametrize("policy", ["guided_layers", "budget_layers"])
+def test_a_bad_layer_count_is_named_by_both_policies(policy, num_layers):
+    """(were: budget_layers(0 or -1) chose no layer, silently; 2.5 / "4" / None a bare TypeError; True one layer)"""
+    call = (lambda n: guided_layers(TraceConfig(), n)) if policy == "guided_layers" else \
+        (lambda n: budget_layers(BUDGET, n, mismatch_profile=0.1, bytes_per_layer=10))
+    with pytest.raises(ValueError, match=rf"num_layers={re.escape(repr(num_layers))} must be an int >= 1"):
+        call(num_layers)
+    assert call(4) == (0, 1, 2, 3) if policy == "budget_layers" else call(4) == (2, 3)
 
 
 # ---- budget policy -----------------------------------------------------------------------------

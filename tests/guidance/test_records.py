@@ -262,6 +262,40 @@ def test_token_hash_is_content_hash():
     assert token_hash(a) != token_hash(torch.tensor([1, 2, 3, 0]))
 
 
+@pytest.mark.parametrize("tokens,got", [
+    (torch.tensor([1.7, 2.2]), r"torch.float32 \(2,\)"),  # (was: hashed as tokens [1, 2])
+    (torch.tensor([[1, 2], [3, 4]]), r"torch.int64 \(2, 2\)"),  # (was: hashed as one row)
+    (torch.tensor([True]), r"torch.bool \(1,\)"), ([1, 2], "list"),
+], ids=["float", "2-D", "bool", "list"])
+def test_token_hash_refuses_what_is_not_one_sequence_of_token_ids(tokens, got):
+    with pytest.raises(ValueError, match=rf"token_hash needs a 1-D integer tensor of token ids, got {got}"):
+        token_hash(tokens)
+
+
+@pytest.mark.parametrize("trainer,samples,match", [
+    (3.5, [1], r"trainer_version=3.5 must be an int"), ("3", [1], r"trainer_version='3' must be an int"),
+    (3, [1.7], r"sample_versions=\[1.7\] must be ints"), (3, 1, r"sample_versions=1 must be ints"),
+], ids=["trainer-float", "trainer-str", "sample-float", "not-a-list"])
+def test_staleness_stats_refuses_versions_that_are_not_ints(trainer, samples, match):
+    """(were: 3.5 and 1.7 truncated to a staleness of 2, "3" parsed)"""
+    with pytest.raises(ValueError, match=match):
+        staleness_stats(trainer, samples)
+
+
+@pytest.mark.parametrize("used,reasons,match", [
+    (-1, None, r"\{'used': -1\}"), (2.5, None, r"\{'used': 2.5\}"), ("3", None, r"\{'used': '3'\}"),
+    (1, {"missing": -3}, r"\{'missing': -3\}"), (0, {"missing": torch.tensor(2.0)}, r"\{'missing': tensor\(2.\)\}"),
+], ids=["negative", "float", "str", "negative-reason", "float-tensor"])
+def test_fallback_counter_refuses_counts_that_are_not_ints_ge_0(used, reasons, match):
+    """(were: -3 fallback rows made a coverage of -0.5, 2.5 was truncated, "3" parsed)"""
+    c = FallbackCounter()
+    with pytest.raises(ValueError, match=rf"FallbackCounter.add needs row counts that are ints >= 0, got {match}"):
+        c.add(used, reasons)
+    assert c.used == 0 and not c.fallback
+    c.add(torch.tensor(3), {"missing": 1, "version": 0})
+    assert (c.used, dict(c.fallback), c.coverage) == (3, {"missing": 1}, 0.75)
+
+
 def test_staleness_stats():
     d = staleness_stats(7, [7, 6, 6, 4])
     assert d["guidance/staleness_max"] == 3 and d["guidance/staleness_mean"] == 1.25
