@@ -11,23 +11,46 @@ import torch
 from ..formats import block, e2m1
 from ..formats.quantizer import Quantizer
 from ..formats.registry import FORMATS, get_format
+from ..formats.sglang_kvfp4 import SGLangKVQuantizer
 from ..formats.tensor import CompactGuidance, FP4Tensor, FullGuidance
 from .dispatch import Kernel, select_kernel
 
 _STOCHASTIC = "stochastic rounding has no Triton path (it draws torch random numbers)"
 
 
+_KIND_NAMES = {Quantizer: "formats.Quantizer", SGLangKVQuantizer: "formats.sglang_kvfp4.SGLangKVQuantizer"}
+
+
+def check_quantizer(quantizer, x, kinds=(Quantizer, SGLangKVQuantizer)) -> None:
+    """``x`` a tensor and ``quantizer`` one of ``kinds`` (else a bare AttributeError on ``.device`` / ``.rounding``)."""
+    if not isinstance(quantizer, kinds):
+        names = " or ".join(_KIND_NAMES[k] for k in kinds)
+        raise TypeError(f"quantizer must be a {names}, got {type(quantizer).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+
+
 def _own(quantizer: Quantizer, x: torch.Tensor, kernel) -> Kernel:
-    if not isinstance(quantizer, Quantizer):
-        raise TypeError(f"quantizer must be a formats.Quantizer, got {type(quantizer).__name__}")
+    check_quantizer(quantizer, x, (Quantizer,))
     return select_kernel(kernel, x.device, unsupported=_STOCHASTIC if quantizer.rounding != "rne" else None)
 
 
 def abs_max(x: torch.Tensor, start_dim: int = 0) -> torch.Tensor:
     """max|x| (float32) over the dims from ``start_dim`` on, shape ``x.shape[:start_dim]``: one read of x
     (``aminmax``), where ``x.float().abs().amax(...)`` writes and reads two full-size copies. Same value
-    (negation and max are exact); a NaN in x gives NaN."""
-    lo, hi = torch.aminmax(x.detach().reshape(*x.shape[:start_dim], -1), dim=-1)
+    (negation and max are exact); a NaN in x gives NaN; no element gives 0 (as ``NVFP4Format.global_amax``: an EP
+    rank without tokens)."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():  # (int8's -(-128) is -128: amax 1 of [-128, 1])
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"abs_max needs a floating-point tensor, got {got}")
+    if isinstance(start_dim, bool) or not isinstance(start_dim, int) or not -x.dim() <= start_dim <= x.dim():
+        raise ValueError(f"start_dim={start_dim!r} must be an int in {-x.dim()}..{x.dim()} (x has shape "
+                         f"{tuple(x.shape)})")
+    # (not reshape(*x.shape[:start_dim], -1): ambiguous for no element, [0, -1])
+    rows = x.detach().unsqueeze(-1) if start_dim == x.dim() else x.detach().flatten(start_dim)
+    if rows.shape[-1] == 0:  # (aminmax: "Expected reduction dim 0 to have non-zero size")
+        return torch.zeros(rows.shape[:-1], dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(rows, dim=-1)
     return torch.maximum(-lo, hi).float()
 
 
@@ -79,6 +102,7 @@ def fake_quantize(x: torch.Tensor, quantizer: Quantizer, *, guidance=None, globa
     ``quantizer.fake_quantize(x[j])`` would: with its own per-tensor amax (NVFP4; MXFP4 has none). The Triton
     path takes three launches for all S (the amaxes, their rows, the fake-quant).
     """
+    check_quantizer(quantizer, x)
     if stacked and quantizer.fmt == "nvfp4":
         if global_amax is not None or guidance is not None or quantizer.per_row or x.dim() < 2:
             raise ValueError("stacked needs x [S, ..., K] (dim >= 2), a per-tensor quantizer and no global_amax or "

@@ -5,7 +5,7 @@ import torch
 
 from megatron_trace import kernels
 from megatron_trace.config import TraceConfig
-from megatron_trace.formats import Quantizer
+from megatron_trace.formats import Quantizer, nvfp4
 from megatron_trace.kernels import Kernel, abs_max, select_kernel
 
 
@@ -76,6 +76,31 @@ def test_abs_max_equals_the_reference_reduction():
         assert torch.equal(abs_max(w), w.float().abs().amax())
     w[1, 2, 3] = float("nan")
     assert abs_max(w, start_dim=1).isnan().tolist() == [False, True, False, False, False]
+
+
+@pytest.mark.parametrize("shape,start_dim", [((0, 16), 0), ((3, 0, 16), 1), ((0, 4, 16), 1)])
+def test_abs_max_of_no_element_is_zero_as_the_reference(shape, start_dim):
+    """(was: aminmax's "Expected reduction dim 0 to have non-zero size", where NVFP4's own per-tensor amax of an
+    empty tensor, an EP rank without tokens, is 0)"""
+    x = torch.zeros(shape)
+    got = abs_max(x, start_dim=start_dim)
+    assert got.dtype == torch.float32 and got.shape == shape[:start_dim] and not got.any()
+    assert torch.equal(abs_max(x, start_dim=start_dim - len(shape)), got)  # (a negative start_dim counts back)
+    if start_dim == 0:
+        assert torch.equal(got, nvfp4.FORMAT.global_amax(x))
+
+
+@pytest.mark.parametrize("x,start_dim,err,match", [
+    (torch.tensor([-128, 1], dtype=torch.int8), 0, TypeError, "abs_max needs a floating-point tensor, got torch.int8"),
+    (torch.ones(2, dtype=torch.bool), 0, TypeError, "got torch.bool"),
+    ([1.0, -2.0], 0, TypeError, "got list"),
+    (torch.ones(4, 32), 3, ValueError, r"start_dim=3 must be an int in -2..2 \(x has shape \(4, 32\)\)"),
+    (torch.ones(4, 32), -3, ValueError, "start_dim=-3 must be an int in -2..2"),
+], ids=["int8", "bool", "list", "past-the-dims", "negative"])
+def test_abs_max_names_what_it_cannot_reduce(x, start_dim, err, match):
+    """(were: int8 [-128, 1] gave 1.0, its negation overflowing; start_dim=3 of a 2-D x gave |x| per element)"""
+    with pytest.raises(err, match=match):
+        abs_max(x, start_dim=start_dim)
 
 
 def test_host_cdiv_and_next_pow2_equal_tritons():
@@ -186,3 +211,10 @@ def test_ops_name_an_argument_of_the_wrong_type():
     record = Quantizer("nvfp4").quantize(x).guidance(compact=True)
     with pytest.raises(TypeError, match="record must be an FP4Tensor or FullGuidance, got CompactGuidance"):
         kernels.compact_guidance(record, kernel="reference")
+    # (were: a bare AttributeError, 'str' / 'list' object has no attribute 'rounding' / 'device')
+    with pytest.raises(TypeError, match=r"quantizer must be a formats.Quantizer or formats.sglang_kvfp4.SGLangKVQuant"
+                                        r"izer, got str"):
+        kernels.fake_quantize(x, "nvfp4", kernel="reference")
+    for op in (kernels.quantize, kernels.fake_quantize):
+        with pytest.raises(TypeError, match="x must be a torch.Tensor, got list"):
+            op(x.tolist(), Quantizer("nvfp4"), kernel="reference")
