@@ -139,6 +139,14 @@ class HFRolloutBackend:
     ):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r} is not one of {MODES}")
+        if trace_config is not None and not isinstance(trace_config, TraceConfig):  # (a dict: AttributeError)
+            raise TypeError(f"trace_config must be a TraceConfig (TraceConfig.from_dict for a dict), got "
+                            f"{type(trace_config).__name__}")
+        flags = {"prefix_reuse": prefix_reuse, "fast_kv_attention": fast_kv_attention, "fused_kv_attention":
+                 fused_kv_attention if fused_kv_attention is not None else False}
+        bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
+        if bad:  # ("no" is truthy: it turned the option on)
+            raise ValueError(f"{bad} must be bools (fused_kv_attention: or None, the default)")
         if static_decode not in STATIC_DECODE:
             raise ValueError(f"static_decode={static_decode!r} must be one of {STATIC_DECODE}")
         if static_decode == "graph" and torch.device(device).type != "cuda":

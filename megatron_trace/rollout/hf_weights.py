@@ -191,6 +191,11 @@ def check_dense_updates(dense) -> None:
             raise TypeError(f"{name!r}: expected a torch.Tensor or FP4Tensor, got {type(value).__name__}")
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{name!r}: shape {tuple(value.shape)} != the model's {tuple(target.shape)}")
+        if value.is_meta:  # (was: "Cannot copy out of meta tensor; no data!")
+            raise ValueError(f"{name!r}: a meta tensor holds no values")
+        if target.is_floating_point() and not value.is_floating_point():  # (int codes were cast to float values)
+            raise TypeError(f"{name!r}: {value.dtype} values for the model's {target.dtype} weight: give float values "
+                            "(packed FP4 codes and scales as an FP4Tensor)")
     bad = nonfinite_names((name, value, target.dtype if target.is_floating_point() else None)
                           for target, value, name in dense)
     if bad:

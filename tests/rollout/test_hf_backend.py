@@ -172,6 +172,21 @@ def test_explicit_guided_layers_without_a_guided_module_are_refused():
     assert be.guided_sites == set()
 
 
+@pytest.mark.parametrize("kw,err,match", [
+    # were: "no" is truthy (prefix_reuse / fused_kv_attention turned on, fast_kv_attention kept as "no"); a dict
+    # config a bare AttributeError ('dict' object has no attribute 'enabled')
+    (dict(prefix_reuse="no"), ValueError, r"\{'prefix_reuse': 'no'\} must be bools"),
+    (dict(fast_kv_attention="no"), ValueError, r"\{'fast_kv_attention': 'no'\} must be bools"),
+    (dict(fused_kv_attention=0), ValueError, r"\{'fused_kv_attention': 0\} must be bools \(fused_kv_attention: or "
+                                             r"None, the default\)"),
+    (dict(config={"format": "nvfp4"}), TypeError, r"trace_config must be a TraceConfig \(TraceConfig.from_dict for "
+                                                  r"a dict\), got dict"),
+], ids=["prefix_reuse", "fast_kv_attention", "fused_kv_attention", "dict-config"])
+def test_flags_and_a_config_of_the_wrong_type_are_named(kw, err, match):
+    with pytest.raises(err, match=match):
+        backend(**kw)
+
+
 @pytest.mark.parametrize("config", [TraceConfig(enabled=False), TraceConfig(sites=(), guided_sites=())],
                          ids=["disabled", "no-sites"])
 def test_an_fp4_rollout_of_a_config_that_quantizes_nothing_is_refused(config):

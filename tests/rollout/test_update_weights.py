@@ -79,6 +79,11 @@ def test_split_join_refuse_what_is_not_one_fc1_matrix():
     ("fp4_nan_scale", ValueError, "expert 1 fc2: its block scales hold NaN/Inf"),
     ("nan_expert", ValueError, r"hold NaN/Inf, e.g. \['model.layers.0.mlp.experts.1.gate_proj.weight'\]"),
     ("nan_dense", ValueError, r"\['model.layers.1.self_attn.q_proj.weight'\]; nothing was updated"),
+    # were: int values cast into the float weight (FP4 codes sent as a dense tensor loaded as integers), a meta
+    # tensor a bare "Cannot copy out of meta tensor"
+    ("int_dense", TypeError, r"q_proj.weight': torch.uint8 values for the model's torch.float32 weight: give float"),
+    ("bool_dense", TypeError, r"input_layernorm.weight': torch.bool values for the model's torch.float32 weight"),
+    ("meta_dense", ValueError, r"q_proj.weight': a meta tensor holds no values"),
 ])
 def test_update_weights_rejects_bad_input_before_copying(case, err, match):
     be = _backend(mode="bf16" if case == "fp4_in_bf16_mode" else "fp4")
@@ -110,6 +115,9 @@ def test_update_weights_rejects_bad_input_before_copying(case, err, match):
         "fp4_shape": (e1 + "down_proj.weight", wq.quantize(torch.randn(64, 40))),
         "fp4_nan_scale": (e1 + "down_proj.weight", nan_scale),
         "nan_dense": ("model.layers.1.self_attn.q_proj.weight", torch.full((64, 64), float("inf"))),
+        "int_dense": ("model.layers.1.self_attn.q_proj.weight", torch.ones(64, 64, dtype=torch.uint8)),
+        "bool_dense": ("model.layers.0.input_layernorm.weight", torch.ones(64, dtype=torch.bool)),
+        "meta_dense": ("model.layers.1.self_attn.q_proj.weight", torch.empty(64, 64, device="meta")),
     }.get(case)
     with pytest.raises(err, match=match):
         be.update_weights([good, *pairs.get(case, [bad])])  # everything is checked before anything is copied
