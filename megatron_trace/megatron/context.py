@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import weakref
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
@@ -92,15 +93,23 @@ class StepGuidance:
                 raise ValueError(f"guidance key {key!r} must be (layer id >= 0, site)")
             if key[1] not in ACTIVATION_SITES:
                 raise ValueError(f"guidance key {key!r}: site must be one of {ACTIVATION_SITES}")
+            if self.sites[key] is not None and not isinstance(self.sites[key], SiteGuidance):  # (an AttributeError
+                raise TypeError(f"guidance {key!r} must be a SiteGuidance (or None: missing), got "  # in the forward)
+                                f"{type(self.sites[key]).__name__}")
         for layer, idx in self.routing.items():
             if not _layer_id(layer):
                 raise ValueError(f"routing key {layer!r} must be a layer id >= 0 (an int)")
+            if not isinstance(idx, torch.Tensor):
+                raise TypeError(f"routing[{layer}] must be an int64 tensor [B, S, topk], got {type(idx).__name__}")
             if idx.dtype != torch.int64 or idx.dim() != 3:
                 raise ValueError(f"routing[{layer}] must be int64 [B, S, topk], got {idx.dtype} {tuple(idx.shape)}")
         if self.fallback is not None and self.fallback not in FALLBACKS:
             raise ValueError(f"fallback={self.fallback!r} is not one of {FALLBACKS}")
-        if self.min_coverage is not None and not 0.0 <= self.min_coverage <= 1.0:
-            raise ValueError(f"min_coverage={self.min_coverage} must be in [0, 1]")
+        if not isinstance(self.counter, FallbackCounter):
+            raise TypeError(f"counter must be a FallbackCounter, got {type(self.counter).__name__}")
+        mc = self.min_coverage  # (True was a coverage of 1.0, "0.5" a bare TypeError)
+        if mc is not None and (isinstance(mc, bool) or not isinstance(mc, numbers.Real) or not 0.0 <= mc <= 1.0):
+            raise ValueError(f"min_coverage={mc!r} must be None or a number in [0, 1]")
         if self.token_mask is not None and self.token_mask.dtype != torch.bool:
             raise ValueError(f"token_mask must be bool [B, S], got {self.token_mask.dtype}")
 

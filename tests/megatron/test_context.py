@@ -43,6 +43,21 @@ def test_step_guidance_refuses_what_no_layer_could_take():
                  token_mask=torch.ones(2, SEQ, dtype=torch.bool), min_coverage=1.0)  # the edges are accepted
 
 
+@pytest.mark.parametrize("kw,err,match", [
+    # were: True a min_coverage of 1.0; "0.5", a list of routing indices, a dict counter or a record that is no
+    # SiteGuidance a bare TypeError / AttributeError (the last ones in the forward)
+    (dict(min_coverage=True), ValueError, r"min_coverage=True must be None or a number in \[0, 1\]"),
+    (dict(min_coverage="0.5"), ValueError, r"min_coverage='0.5' must be None or a number in \[0, 1\]"),
+    (dict(routing={0: [[[0, 1]]]}), TypeError, r"routing\[0\] must be an int64 tensor \[B, S, topk\], got list"),
+    (dict(counter={}), TypeError, "counter must be a FallbackCounter, got dict"),
+    (dict(sites={(0, "kv_k"): "record"}), TypeError, r"guidance \(0, 'kv_k'\) must be a SiteGuidance \(or None: "
+                                                     r"missing\), got str"),
+], ids=["coverage-bool", "coverage-str", "routing-list", "counter-dict", "site-str"])
+def test_step_guidance_names_arguments_of_the_wrong_type(kw, err, match):
+    with pytest.raises(err, match=match):
+        StepGuidance(**kw)
+
+
 @pytest.mark.usefixtures("world1")
 def test_the_cached_walk_is_not_taken_for_more_chunks():
     """A list of chunks that starts with a walked model is walked again (its other chunks' modules are found): here
