@@ -63,6 +63,8 @@ def modelopt_linear_tensors(prefix: str, q: FP4Tensor, input_amax: float | torch
     if not bool(torch.isfinite(q.global_amax)) or float(q.global_amax) < 0:
         raise ValueError(f"{prefix}: global_amax={float(q.global_amax)} must be finite and >= 0")
     try:
+        if isinstance(input_amax, bool):  # (True was an amax of 1.0)
+            raise TypeError("a bool")
         a = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
     except (TypeError, ValueError, RuntimeError) as e:  # (a per-row amax tensor, None, a string)
         got = f"shape {tuple(input_amax.shape)}" if isinstance(input_amax, torch.Tensor) else repr(input_amax)[:80]
@@ -87,8 +89,13 @@ def fp4_from_modelopt(tensors: Mapping[str, torch.Tensor], prefix: str, k: int |
     amax = tensors.get(f"{prefix}.weight_global_amax")
     if amax is None:
         amax = tensors[f"{prefix}.weight_scale_2"].float() * (6.0 * 448.0)
-    return FP4Tensor(codes=codes, block_scales=tensors[f"{prefix}.weight_scale"], global_amax=amax.float().reshape(()),
-                     shape=(codes.shape[0], k if k is not None else codes.shape[1] * 2), fmt="nvfp4")
+    t = FP4Tensor(codes=codes, block_scales=tensors[f"{prefix}.weight_scale"], global_amax=amax.float().reshape(()),
+                  shape=(codes.shape[0], k if k is not None else codes.shape[1] * 2), fmt="nvfp4")
+    try:  # (k=200 over 64 coded columns, or scales of other rows, dequantized as the coded ones)
+        t.check_layout()
+    except ValueError as e:
+        raise ValueError(f"{prefix}: {e}") from None
+    return t
 
 
 def _expert_prefix(name: str) -> str:
@@ -210,8 +217,11 @@ def _check_fc1_pair(layer: int, expert: int, h: dict[str, FP4Tensor]) -> None:
 def quant_config_dict(exclude_modules: list[str], *, kv_cache_quant_algo: str | None = None,
                       trace_config: dict | None = None) -> dict:
     """The ``hf_quant_config.json`` content (ModelOpt's nested format)."""
+    mods = None if isinstance(exclude_modules, str | bytes) else list(exclude_modules)
+    if mods is None or not all(isinstance(m, str) for m in mods):  # (one string was written as its characters)
+        raise ValueError(f"exclude_modules={exclude_modules!r} must be a list of module-name patterns (strings)")
     q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": kv_cache_quant_algo, "group_size": NVFP4_BLOCK,
-         "exclude_modules": list(exclude_modules)}
+         "exclude_modules": mods}
     d = {"producer": dict(PRODUCER), "quantization": q}
     if trace_config is not None:
         d["trace"] = dict(trace_config)  # read by the TRACE SGLang method; ignored by ModelOpt loaders

@@ -85,18 +85,35 @@ class FP4Tensor(_Blocked):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decoded values in ``dtype``, original shape. Computed in fp32 then cast once."""
-        from .registry import get_format
-
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # (int32 truncated 1.5 to 1)
             raise TypeError(f"dtype={dtype!r} must be a floating-point torch.dtype (e.g. torch.float32)")
-        fmt = get_format(self.fmt)
-        # (a uint8 view of the scales would decode as integers: 1.0 in E4M3 as 56.0)
-        if self.codes.dtype != torch.uint8 or self.block_scales.dtype != fmt.scale_dtype:
-            raise ValueError(f"FP4Tensor codes {self.codes.dtype} and block scales {self.block_scales.dtype}: "
-                             f"fmt={self.fmt!r} needs torch.uint8 and {fmt.scale_dtype}")
+        fmt = self.check_layout()
         q = e2m1.decode(self.unpacked_codes()).unflatten(-1, (-1, fmt.block_size))
         out = fmt.unscale(q, self.block_scales, self.global_amax).flatten(-2)
         return out[..., : self.shape[-1]].to(dtype)
+
+    def check_layout(self):
+        """Raise ``ValueError`` unless the codes and block scales are of the format's dtypes and hold ``shape`` (the
+        module docstring's layout); returns the format object. (A uint8 view of the scales would decode as integers,
+        1.0 in E4M3 as 56.0; a shape of K=200 over 64 coded elements, or of other rows, decoded as the coded ones.)"""
+        from .registry import get_format
+
+        fmt = get_format(self.fmt)
+        if self.codes.dtype != torch.uint8 or self.block_scales.dtype != fmt.scale_dtype:
+            raise ValueError(f"FP4Tensor codes {self.codes.dtype} and block scales {self.block_scales.dtype}: "
+                             f"fmt={self.fmt!r} needs torch.uint8 and {fmt.scale_dtype}")
+        block = fmt.block_size
+        shape = tuple(self.shape)
+        if not shape or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise ValueError(f"FP4Tensor.shape={shape} must be ints >= 0, at least one")
+        nb = -(-shape[-1] // block)
+        want = {"codes": (*shape[:-1], nb * block // 2), "block_scales": (*shape[:-1], nb)}
+        got = {"codes": tuple(self.codes.shape), "block_scales": tuple(self.block_scales.shape)}
+        if got != want:
+            raise ValueError(f"FP4Tensor of shape {shape} (fmt={self.fmt!r}, blocks of {block}) needs codes "
+                             f"{want['codes']} and block scales {want['block_scales']}, got {got['codes']} and "
+                             f"{got['block_scales']}")
+        return fmt
 
     def guidance(self, compact: bool) -> FullGuidance | CompactGuidance:
         """The record a rollout keeps: mantissa bits (compact) or codes (full), plus scales."""

@@ -293,6 +293,27 @@ def test_an_input_amax_that_is_not_one_number_is_refused_naming_the_linear():
     assert state[prefix + ".input_scale"].shape == ()
 
 
+@pytest.mark.parametrize("call,match", [
+    # were accepted: True as an input amax of 1.0; one string's characters as the excluded modules; read back with a
+    # K past the coded columns (or not an int) an FP4Tensor that dequantized to the coded K, silently
+    (lambda t, q: modelopt_linear_tensors("l", q, True), r"l: input_amax must be one number .*got True"),
+    (lambda t, q: quant_config_dict("model.layers.0.mlp"), r"exclude_modules='model.layers.0.mlp' must be a list of"),
+    (lambda t, q: quant_config_dict([1]), r"exclude_modules=\[1\] must be a list of module-name patterns"),
+    (lambda t, q: fp4_from_modelopt(t, "l", k=200), r"l: FP4Tensor of shape \(32, 200\) \(fmt='nvfp4', blocks of 16\) "
+                                                    r"needs codes \(32, 104\) and block scales \(32, 13\), got "
+                                                    r"\(32, 32\) and \(32, 4\)"),
+    (lambda t, q: fp4_from_modelopt(t, "l", k=2.5), r"l: FP4Tensor.shape=\(32, 2.5\) must be ints >= 0"),
+    (lambda t, q: fp4_from_modelopt({**t, "l.weight_scale": t["l.weight_scale"][:16]}, "l"),
+     r"needs codes \(32, 32\) and block scales \(32, 4\), got \(32, 32\) and \(16, 4\)"),
+], ids=["amax-bool", "exclude-str", "exclude-int", "k-past-codes", "k-float", "scales-of-other-rows"])
+def test_bad_export_arguments_and_read_backs_are_named(call, match):
+    q = nvfp4.quantize(torch.randn(32, 64, generator=torch.Generator().manual_seed(0)))
+    t = modelopt_linear_tensors("l", q, 1.0, trace_extras=True)
+    with pytest.raises(ValueError, match=match):
+        call(t, q)
+    assert torch.equal(fp4_from_modelopt(t, "l", k=64).dequantize(), q.dequantize())  # (the valid twin)
+
+
 def test_gate_and_up_quantized_apart_or_alone_are_refused():
     """An engine fuses gate and up into one w13 with one weight_scale_2: halves of different global amax (each HF
     tensor quantized on its own), or one half alone, would be decoded with the wrong scale."""

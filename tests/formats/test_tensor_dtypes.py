@@ -32,3 +32,14 @@ def test_dequantize_refuses_a_non_float_output_dtype(dtype):
     with pytest.raises(TypeError, match=rf"dtype={dtype} must be a floating-point torch.dtype"):
         q.dequantize(dtype)
     assert torch.equal(q.dequantize(torch.float64), q.dequantize().double())  # (exact: fp32 values widened)
+
+
+@pytest.mark.parametrize("quantize", [nvfp4.quantize, mxfp4.quantize, sglang_kvfp4.quantize],
+                         ids=["nvfp4", "mxfp4", "sglang_kvfp4"])
+@pytest.mark.parametrize("shape", [(4, 200), (2, 64), (4, 32), (4, 2.5)], ids=str)
+def test_dequantize_refuses_a_shape_its_codes_do_not_hold(quantize, shape):
+    """(was: a shape of K=200, or of 2 rows, over codes of [4, 64] dequantized as [4, 64], silently)"""
+    q = quantize(torch.randn(4, 64, generator=torch.Generator().manual_seed(0)))
+    with pytest.raises(ValueError, match=r"FP4Tensor of shape .* needs codes|FP4Tensor.shape=\(4, 2.5\) must be ints"):
+        dataclasses.replace(q, shape=shape).dequantize()
+    assert torch.equal(dataclasses.replace(q, shape=torch.Size((4, 64))).dequantize(), q.dequantize())
