@@ -23,6 +23,12 @@ IS_CLAMP = 5.0
 
 
 def _masked(lt: torch.Tensor, lr: torch.Tensor, mask: torch.Tensor):
+    for what, t in (("trainer", lt), ("rollout", lr)):  # (int log-probs were truncated, complex lost their imaginary
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():  # part: both with no error)
+            got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{what} log-probs must be a floating-point tensor [B, S], got {got}")
+    if not isinstance(mask, torch.Tensor):
+        raise ValueError(f"mask must be a bool tensor [B, S], got {type(mask).__name__}")
     if lt.shape != lr.shape or lt.shape != mask.shape:
         raise ValueError(f"trainer {tuple(lt.shape)}, rollout {tuple(lr.shape)} and mask {tuple(mask.shape)} "
                          "log-prob shapes must be equal [B, S]")
@@ -137,7 +143,10 @@ def quant_counts(trainer: FP4Tensor, rollout: FP4Tensor | FullGuidance | Compact
         raise ValueError(f"trainer {trainer.fmt} {tuple(trainer.shape)} and rollout {rollout.fmt} "
                          f"{tuple(rollout.shape)} are not the same rows")
     lead = tuple(trainer.shape[:-1])
-    rows = torch.ones(lead, dtype=torch.bool, device=trainer.codes.device) if rows is None else rows.bool()
+    if rows is not None and (not isinstance(rows, torch.Tensor) or rows.dtype != torch.bool):  # (.bool() took
+        got = rows.dtype if isinstance(rows, torch.Tensor) else type(rows).__name__  # row ids [0, 2] as a mask)
+        raise ValueError(f"rows must be a bool mask over the leading dims {lead}, got {got}")
+    rows = torch.ones(lead, dtype=torch.bool, device=trainer.codes.device) if rows is None else rows
     if tuple(rows.shape) != lead[: rows.dim()]:
         raise ValueError(f"rows mask shape {tuple(rows.shape)} is not a prefix of the leading dims {lead}")
     rows = rows.reshape(*rows.shape, *([1] * (len(lead) - rows.dim()))).expand(lead)

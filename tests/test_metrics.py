@@ -130,6 +130,18 @@ def test_mismatch_metrics_reject_bad_input(bad):
         mismatch_metrics(lt, lr, mask)
 
 
+@pytest.mark.parametrize("args,match", [
+    # were accepted: int log-probs truncated (a diff of 0 where the values differ), complex ones cast to their real part
+    (lambda: (_lt().long(), LR.long(), MASK), "trainer log-probs must be a floating-point tensor .*got torch.int64"),
+    (lambda: (_lt(), LR.to(torch.complex64), MASK), "rollout log-probs must be a floating-point .*got torch.complex64"),
+    (lambda: (_lt().tolist(), LR, MASK), "trainer log-probs must be a floating-point tensor .*got list"),
+    (lambda: (_lt(), LR, MASK.tolist()), "mask must be a bool tensor .*got list"),
+], ids=["int", "complex", "list", "mask-list"])
+def test_mismatch_metrics_name_log_probs_of_the_wrong_type(args, match):
+    with pytest.raises(ValueError, match=match):
+        mismatch_metrics(*args())
+
+
 def _fp4(codes_rows, scale_values, amax=2688.0):
     """FP4Tensor [rows, 16] from unpacked code rows, one E4M3 scale per row, per-tensor amax
     (2688 = 448 * 6 makes the encode scale 1: effective scale == block scale)."""
@@ -183,6 +195,14 @@ def test_quant_counts_row_selection_and_compact():
     assert (c.elements, c.blocks, c.scale_mismatched) == (0, 2, 1)
     with pytest.raises(ValueError, match="same rows"):
         quant_counts(trainer, _fp4([[2] * 16], [1.0]))
+
+
+@pytest.mark.parametrize("rows", [torch.tensor([1, 0]), torch.tensor([0.5, 0.0]), [False, True]], ids=str)
+def test_quant_counts_rows_must_be_a_bool_mask(rows):
+    """(was: ``rows.bool()``: row ids [1, 0] (or weights) taken as the mask [True, False], silently)"""
+    trainer, rollout = _pair()
+    with pytest.raises(ValueError, match=r"rows must be a bool mask over the leading dims \(2,\), got"):
+        quant_counts(trainer, rollout, rows=rows)
 
 
 def test_quant_metrics_names_and_weighting():
