@@ -64,6 +64,12 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     out_dir = Path(out_dir)
     if device not in DEVICES:
         raise ValueError(f"device={device!r} must be one of {DEVICES}")
+    flags = {"resume": resume, "progress": progress}  # (a Hydra override resume=no is the string 'no': truthy)
+    bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"{bad} must be bools (true / false)")
+    if isinstance(arms, str) or len(set(arms)) < len(arms):  # (an arm given twice ran once, the summary counted two)
+        raise ValueError(f"arms={arms!r} must be a list of distinct arm names")
     arm_specs = {name: make_arm(name, trace) for name in arms}  # every arm name checked before any work
     if init_from:
         check_init_from(init_from)

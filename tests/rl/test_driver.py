@@ -551,6 +551,22 @@ def test_an_old_trend_setting_still_selects_the_absolute_alarm():
     assert mode(RLConfig(trend_mode="absolute", trend_max_slope=0.01)) == "absolute"
 
 
+@pytest.mark.parametrize("kw,match", [
+    # were taken: a Hydra override resume=no is the string 'no' (truthy: a resumed run), an arm given twice ran once
+    # while the summary counted two, one arm name as a string was read as its letters
+    (dict(resume="no"), r"\{'resume': 'no'\} must be bools \(true / false\)"),
+    (dict(progress="off"), r"\{'progress': 'off'\} must be bools"),
+    (dict(arms=["bf16", "bf16"]), r"arms=\['bf16', 'bf16'\] must be a list of distinct arm names"),
+    (dict(arms="bf16"), r"arms='bf16' must be a list of distinct arm names"),
+], ids=["resume-str", "progress-str", "arm-twice", "arms-str"])
+def test_bad_demo_arguments_are_refused_before_any_work(tmp_path, kw, match):
+    args = dict(out_dir=tmp_path / "demo", task_name="add", arms=["bf16"], trace=TraceConfig(), rl=RL, model=MODEL,
+                sft=SFTConfig(steps=1), progress=False)
+    with pytest.raises(ValueError, match=match):
+        run(**{**args, **kw})
+    assert not (tmp_path / "demo").exists()
+
+
 @pytest.mark.parametrize("cls,kw,match", [
     # were: ZeroDivisionError; an embedding dtype error; 'selected index k out of range' (both after the model
     # was built); a TypeError about fused experts after the whole warm-up; label_noise=1.5 silently accepted
