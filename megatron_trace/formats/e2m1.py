@@ -103,7 +103,7 @@ def value_mantissa_bit(values: torch.Tensor) -> torch.Tensor:
 def pack(codes: torch.Tensor) -> torch.Tensor:
     """Unpacked codes [..., K] (K even) -> packed bytes [..., K/2]; element 2i in the low nibble."""
     check_codes(codes)
-    if codes.shape[-1] % 2:
+    if codes.dim() == 0 or codes.shape[-1] % 2:  # (0-d: a bare IndexError)
         raise ValueError(f"pack needs an even last dim, got shape {tuple(codes.shape)}")
     c = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return (c[..., 0] & 0xF) | ((c[..., 1] & 0xF) << 4)
@@ -118,7 +118,9 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:
     """0/1 uint8 [..., K] (K % 8 == 0) -> bytes [..., K/8]; element 8i+j is bit j of byte i."""
-    if bits.shape[-1] % 8:
+    if bits.dtype not in (torch.uint8, torch.bool):  # (float 0.7 packed as 0; values are not read: a host sync)
+        raise TypeError(f"pack_bits needs 0/1 torch.uint8 (or bool) bits, got {bits.dtype}")
+    if bits.dim() == 0 or bits.shape[-1] % 8:
         raise ValueError(f"pack_bits needs a last dim divisible by 8, got shape {tuple(bits.shape)}")
     b = bits.to(torch.uint8).reshape(*bits.shape[:-1], bits.shape[-1] // 8, 8)
     shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)  # made on the device: no host copy, no sync

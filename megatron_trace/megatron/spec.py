@@ -192,6 +192,9 @@ def _refuse_latent_kv(attention: type, trace_config: TraceConfig) -> None:
 
 def trace_spec(spec, trace_config: TraceConfig, fallback: BackendSpecProvider | None = None):
     """Convert a stock layer spec (``ModuleSpec``) or block spec (``TransformerBlockSubmodules``)."""
+    if not isinstance(trace_config, TraceConfig):  # (a dict: "'dict' object has no attribute 'enabled'")
+        raise TypeError(f"trace_config must be a TraceConfig (TraceConfig.from_dict for a dict), got "
+                        f"{type(trace_config).__name__}")
     if not trace_config.enabled:
         return spec
     provider = TraceSpecProvider(trace_config, fallback)

@@ -87,6 +87,19 @@ def test_pack_rejects_odd_and_wrong_dtype():
         e2m1.pack_bits(torch.zeros(7, dtype=torch.uint8))
 
 
+@pytest.mark.parametrize("call,err,match", [
+    # were: float bits packed as their truncation (0.7 as 0), a 0-d tensor a bare IndexError
+    (lambda: e2m1.pack_bits(torch.full((8,), 0.7)), TypeError, "pack_bits needs 0/1 torch.uint8 .*got torch.float32"),
+    (lambda: e2m1.pack_bits(torch.ones(8, dtype=torch.int64)), TypeError, "got torch.int64"),
+    (lambda: e2m1.pack_bits(torch.tensor(1, dtype=torch.uint8)), ValueError, r"divisible by 8, got shape \(\)"),
+    (lambda: e2m1.pack(torch.tensor(1, dtype=torch.uint8)), ValueError, r"even last dim, got shape \(\)"),
+], ids=["float-bits", "int64-bits", "0-d-bits", "0-d-codes"])
+def test_packers_name_bits_or_codes_they_cannot_pack(call, err, match):
+    with pytest.raises(err, match=match):
+        call()
+    assert e2m1.pack_bits(torch.ones(8, dtype=torch.bool)).item() == 255  # (bool bits: a mask)
+
+
 def test_adjacent_grid_points_differ_in_mantissa_bit():
     g = torch.tensor(e2m1.SIGNED_GRID)
     bits = e2m1.value_mantissa_bit(g)

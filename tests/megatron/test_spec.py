@@ -101,6 +101,9 @@ def test_layer_spec_helper_and_block_spec_share_converted_layers():
 def test_bad_spec_type_is_rejected():
     with pytest.raises(TypeError, match="ModuleSpec or TransformerBlockSubmodules"):
         trace_spec(object(), TraceConfig())
+    with pytest.raises(TypeError, match=r"trace_config must be a TraceConfig \(TraceConfig.from_dict for a dict\), "
+                                        "got dict"):  # (was: 'dict' object has no attribute 'enabled')
+        trace_spec(object(), {"format": "nvfp4"})
 
 
 @pytest.mark.usefixtures("world1")
