@@ -50,9 +50,10 @@ def check_against_model(cfg: TraceConfig, args) -> None:
     known = hasattr(args, "num_experts")  # (Megatron-LM's args hold it, None for a dense model)
     moe = bool(getattr(args, "num_experts", None))
     experts = moe and any(map(cfg.quantizes, EXPERT_SITES))
-    if known and not experts and not any(map(cfg.quantizes, KV_SITES)):
+    # (no site at all quantizes nothing whatever the model: a parser of its own around add_trace_args too)
+    if (known or not cfg.sites) and not experts and not any(map(cfg.quantizes, KV_SITES)):
         raise ValueError(f"--trace-fp4 would quantize nothing: --trace-sites {','.join(cfg.sites)} has no KV site "
-                         f"(kv_k, kv_v) and {_no_experts(moe)}")
+                         f"(kv_k, kv_v) and {_no_experts(moe or not known)}")
     if num_layers and known:
         _check_guided_layers_have_sites(cfg, args, int(num_layers))
     if cfg.routing_replay and moe and getattr(args, "moe_enable_routing_replay", None) is False:

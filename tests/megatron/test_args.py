@@ -359,6 +359,10 @@ def test_bare_parsers_skip_the_megatron_checks():
     """A driver's own parser around add_trace_args has no Megatron flags: nothing is assumed about the model."""
     cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-sites", "weights", "--trace-reuse-weight-quant"]))
     assert cfg.sites == ("weights",)
+    # but no site at all quantizes nothing whatever the model (it trained BF16 under --trace-fp4)
+    with pytest.raises(ValueError, match=r"--trace-fp4 would quantize nothing: --trace-sites  has no KV site .*the "
+                                         r"routed experts are not quantized"):
+        trace_config_from_args(parse(["--trace-fp4", "--trace-sites", ""]))
 
 
 def test_the_dispatchers_checked_are_the_experts_ones():
