@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -48,6 +49,11 @@ class SentinelError(RuntimeError):
     def __init__(self, message: str, metrics: dict[str, float] | None = None):
         super().__init__(message)
         self.metrics = dict(metrics or {})
+
+
+def _is_number(v) -> bool:
+    """A real number: a Python or NumPy int or float, not a bool (``True >= 0``: taken as 1)."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
 def check_mismatch_gate(metrics: dict[str, float], max_abs_diff: float | None, *, key: str = ABS_DIFF) -> None:
@@ -159,6 +165,10 @@ class TrendAlarm:
                  raise_on_alarm: bool = False):
         if isinstance(window, bool) or not isinstance(window, int) or window < 2:
             raise ValueError(f"window={window!r} must be an int >= 2")
+        if not isinstance(raise_on_alarm, bool):  # (a config's "no" is truthy: the alarm raised, stopping the run)
+            raise ValueError(f"raise_on_alarm={raise_on_alarm!r} must be a bool")
+        if not isinstance(key, str):
+            raise ValueError(f"key={key!r} must be a metric name (a str, e.g. {ABS_DIFF!r})")
         self.mode = check_trend_settings(mode=mode, max_slope=max_slope, max_growth=max_growth, min_level=min_level)
         self.max_growth = None if self.mode == "absolute" else float(1.0 if max_growth is None else max_growth)
         self.max_slope = None if max_slope is None else float(max_slope)
@@ -178,6 +188,8 @@ class TrendAlarm:
         if self.key not in metrics:  # (checked before the step counts)
             raise KeyError(f"the trend alarm watches {self.key!r}, which this step's metrics lack (they have "
                            f"{sorted(metrics)[:6]}{'...' if len(metrics) > 6 else ''})")
+        if step is not None and not (_is_number(step) and math.isfinite(step)):  # ("3", True were taken as steps)
+            raise ValueError(f"step={step!r} must be a finite number (the RL step) or None (the update count)")
         at = float(self._count if step is None else step)
         self._count += 1
         value = float(metrics[self.key])
@@ -272,6 +284,8 @@ def step_mismatch_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torc
                           topology: dict[str, int] | None = None) -> dict[str, float]:
     """``mismatch_metrics`` (first token included) + the prefill/decode split when the KV cache is
     quantized, tagged with ``topology`` (``{"tp": .., "ep": .., "dp": .., "pp": ..}``) if given."""
+    if not isinstance(kv_quantized, bool):  # ("no" is truthy: the split was added to a BF16 KV cache's metrics)
+        raise ValueError(f"kv_quantized={kv_quantized!r} must be a bool")
     m = mismatch_metrics(trainer_logprobs, rollout_logprobs, mask)
     if kv_quantized:
         m.update(phase_metrics(trainer_logprobs, rollout_logprobs, mask, prefill_mask))
@@ -290,11 +304,30 @@ class SentinelCheck:
     prefix: str = "sentinel"
 
     def __post_init__(self):
-        object.__setattr__(self, "prompts", tuple(tuple(int(t) for t in p) for p in self.prompts))
-        if not self.prompts or any(not p for p in self.prompts):
-            raise ValueError("SentinelCheck.prompts must be a non-empty list of non-empty token-id lists")
-        if self.max_abs_diff is not None and not self.max_abs_diff >= 0:
-            raise ValueError(f"SentinelCheck.max_abs_diff={self.max_abs_diff!r} must be >= 0 or None")
+        from .rollout.base import SamplingParams, is_int
+
+        # (int(t) took 3.9 as token 3, True as 1 and the string "12" as the tokens 1, 2: another prompt, silently)
+        raw = self.prompts.tolist() if hasattr(self.prompts, "tolist") else self.prompts  # (a 2-D tensor or array)
+        prompts = [p.tolist() if hasattr(p, "tolist") else p for p in raw] if isinstance(raw, Sequence) else []
+        if isinstance(raw, str | bytes) or not prompts or any(
+                isinstance(p, str | bytes) or not isinstance(p, Sequence) or not p for p in prompts):
+            raise ValueError(f"SentinelCheck.prompts={self.prompts!r:.80} must be a non-empty list of non-empty "
+                             "token-id lists")
+        bad = [t for p in prompts for t in p if not is_int(t) or t < 0]
+        if bad:
+            raise ValueError(f"SentinelCheck.prompts holds {bad[0]!r} ({type(bad[0]).__name__}): token ids are ints "
+                             ">= 0")
+        object.__setattr__(self, "prompts", tuple(tuple(int(t) for t in p) for p in prompts))
+        d = self.max_abs_diff
+        if d is not None and not (_is_number(d) and d >= 0):  # (True was a bound of 1; "0.5" a bare TypeError)
+            raise ValueError(f"SentinelCheck.max_abs_diff={d!r} must be a number >= 0 or None")
+        if not isinstance(self.prefix, str):
+            raise ValueError(f"SentinelCheck.prefix={self.prefix!r} must be a str (its metrics' key prefix)")
+        # (checked now, not at the first sync's run: max_new_tokens=0 or 2.5 was taken until then)
+        try:
+            SamplingParams(temperature=0.0, max_new_tokens=self.max_new_tokens)
+        except ValueError as e:
+            raise ValueError(f"SentinelCheck.max_new_tokens={self.max_new_tokens!r}: {e}") from e
 
     def run(self, backend: RolloutBackend, trainer_logprobs: Callable[[RolloutBatch], torch.Tensor]) -> dict:
         from .rollout.base import SamplingParams

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from megatron_trace.monitor import (
+    ABS_DIFF,
     MismatchGateError,
+    SentinelCheck,
     TrendAlarm,
     check_mismatch_gate,
     first_response_mask,
@@ -332,3 +334,44 @@ def test_a_resumed_alarm_counts_on_from_the_checkpoints_step():
 def test_growth_equal_to_the_threshold_does_not_fire():
     """The alarm fires *above* max_growth: a flat window (growth 0) under max_growth=0 stays silent."""
     assert _fired(_watch([0.1] * 12, max_growth=0.0)) == []
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(prompts=[[3.9, 4]]), r"prompts holds 3.9 \(float\): token ids are ints >= 0"),
+    (dict(prompts=[[True, 4]]), r"prompts holds True \(bool\)"),
+    (dict(prompts=[[-1]]), r"prompts holds -1 \(int\)"),
+    (dict(prompts=["12"]), r"prompts=\['12'\] must be a non-empty list of non-empty token-id lists"),
+    (dict(prompts=[[1]], max_abs_diff=True), r"max_abs_diff=True must be a number >= 0 or None"),
+    (dict(prompts=[[1]], max_abs_diff="0.5"), r"max_abs_diff='0.5' must be a number >= 0 or None"),
+    (dict(prompts=[[1]], max_new_tokens=0), r"SentinelCheck.max_new_tokens=0: .*must be an int >= 1"),
+    (dict(prompts=[[1]], max_new_tokens=2.5), r"SentinelCheck.max_new_tokens=2.5: .*must be an int >= 1"),
+    (dict(prompts=[[1]], prefix=None), r"prefix=None must be a str"),
+])
+def test_sentinel_check_refuses_bad_settings_by_name(kw, match):
+    """3.9 was token 3, True token 1, "12" the tokens 1, 2; True a bound of 1; max_new_tokens=0 was taken until the
+    first sync's run."""
+    with pytest.raises(ValueError, match=match):
+        SentinelCheck(**kw)
+
+
+def test_sentinel_check_keeps_numpy_token_ids_as_ints():
+    import numpy as np
+
+    assert SentinelCheck(prompts=[np.array([3, 4])]).prompts == ((3, 4),)
+    assert SentinelCheck(prompts=[[np.int64(3), 4]], max_abs_diff=np.float32(0.5)).prompts == ((3, 4),)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: TrendAlarm(raise_on_alarm="no"), r"raise_on_alarm='no' must be a bool"),
+    (lambda: TrendAlarm(key=None), r"key=None must be a metric name"),
+    (lambda: TrendAlarm().update({ABS_DIFF: 0.1}, step="3"), r"step='3' must be a finite number"),
+    (lambda: TrendAlarm().update({ABS_DIFF: 0.1}, step=True), r"step=True must be a finite number"),
+    (lambda: TrendAlarm().update({ABS_DIFF: 0.1}, step=float("nan")), r"step=nan must be a finite number"),
+    (lambda: step_mismatch_metrics(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool),
+                                   kv_quantized="no"), r"kv_quantized='no' must be a bool"),
+])
+def test_monitor_flags_and_steps_are_checked_by_name(call, match):
+    """raise_on_alarm="no" (truthy) raised on an alarm the config said to log; kv_quantized="no" added the
+    prefill/decode split to a BF16 KV cache's metrics."""
+    with pytest.raises(ValueError, match=match):
+        call()
