@@ -10,6 +10,8 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
+from ..rollout.base import is_int
+
 logger = logging.getLogger(__name__)
 
 SUMMARY_KEYS = (
@@ -30,6 +32,9 @@ class MetricsWriter:
 
     def __init__(self, out_dir: Path, *, fresh: bool = False):
         """``fresh``: start over (an earlier run's metrics.jsonl and TensorBoard events removed)."""
+        if not isinstance(fresh, bool):  # (a config's "no" is truthy: the earlier run's metrics were deleted)
+            raise ValueError(f"fresh={fresh!r} must be a bool (True: remove the earlier run's metrics.jsonl and "
+                             "TensorBoard events)")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
@@ -43,6 +48,7 @@ class MetricsWriter:
         unfinished last row (no line end: the run died writing it; its step came after the last checkpoint, so it is
         redone too). The file is replaced whole: a run killed meanwhile keeps the old one. TensorBoard keeps its
         events: a redone step appears there twice."""
+        _check_row_key(arm, step)
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines(keepends=True)
@@ -60,6 +66,7 @@ class MetricsWriter:
             os.replace(tmp, self.path)
 
     def write(self, arm: str, step: int, metrics: dict) -> None:
+        _check_row_key(arm, step)
         row = {"arm": arm, "step": step, **{k: _clean(v) for k, v in metrics.items()}}
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
@@ -83,6 +90,15 @@ class MetricsWriter:
         for w in self._tb.values():
             if w is not None:
                 w.close()
+
+
+def _check_row_key(arm, step) -> None:
+    """A row's arm is a str and its step an int (a step "3" or 2.5 was written as such, and the resume's
+    ``truncate`` compared it with an int: a TypeError, or a redone step kept twice)."""
+    if not isinstance(arm, str):
+        raise ValueError(f"arm={arm!r} must be the arm's name (a str)")
+    if not is_int(step):
+        raise ValueError(f"step={step!r} must be an int (the RL step)")
 
 
 def _clean(v):

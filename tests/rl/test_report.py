@@ -1,5 +1,7 @@
 """The demo's summary table (``rl.report``): the headline ratio of each arm's mismatch to the BF16 floor."""
 
+import pytest
+
 from megatron_trace.rl import report
 
 
@@ -119,3 +121,32 @@ def test_summary_means_over_fewer_steps_than_the_window_and_a_zero_floor():
     assert cells["bf16"]["logprob_abs_diff / bf16 floor"] == cells["trace"]["logprob_abs_diff / bf16 floor"] == "-"
     lines = report.markdown_table(rows).splitlines()
     assert len(lines) == 1 + len(rows) and len({ln.count("|") for ln in lines}) == 1
+
+
+def test_a_fresh_flag_that_is_no_bool_is_refused_and_removes_nothing(tmp_path):
+    """fresh="no" (truthy) deleted the earlier run's metrics.jsonl."""
+    from megatron_trace.rl.report import MetricsWriter, load
+
+    MetricsWriter(tmp_path, fresh=True).write("trace", 0, {"reward": 0.5})
+    for bad in ("no", 0, None):
+        with pytest.raises(ValueError, match=f"fresh={bad!r} must be a bool"):
+            MetricsWriter(tmp_path, fresh=bad)
+    assert load(tmp_path / "metrics.jsonl")["trace"][0]["reward"] == 0.5
+
+
+@pytest.mark.parametrize("arm,step,match", [
+    ("trace", "3", r"step='3' must be an int"),
+    ("trace", 2.5, r"step=2.5 must be an int"),
+    ("trace", True, r"step=True must be an int"),
+    (None, 1, r"arm=None must be the arm's name"),
+])
+def test_rows_of_a_step_that_is_no_int_are_refused(tmp_path, arm, step, match):
+    """A step "3" was written as a string, and the resume's truncate compared it with an int (a TypeError)."""
+    from megatron_trace.rl.report import MetricsWriter
+
+    w = MetricsWriter(tmp_path, fresh=True)
+    with pytest.raises(ValueError, match=match):
+        w.write(arm, step, {"reward": 1.0})
+    with pytest.raises(ValueError, match=match):
+        w.truncate(arm, step)
+    assert not (tmp_path / "metrics.jsonl").exists()
