@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rollout.base import is_int, is_real
+
 
 class CharTokenizer:
     """Characters ``0-9 + = >`` plus PAD (0), BOS, EOS."""
@@ -40,8 +42,14 @@ class CharTokenizer:
     def decode(self, ids, *, strict: bool = False) -> str:
         """The text up to the first EOS; other special tokens are dropped, or with ``strict`` kept as their names
         (``<bos>``), so that a response holding one never equals an answer: the reward's decode."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()  # (an integer tensor's ids as ints; a float tensor's as floats, refused below)
+        if isinstance(ids, str | bytes):  # (each character was taken as an id: "345" decoded as "012")
+            raise ValueError(f"ids={ids!r} must be token ids (ints), not text")
         out = []
         for i in ids:
+            if not is_int(i):  # (int() took 3.9 as the id 3 and True as BOS, silently)
+                raise ValueError(f"token id {i!r} ({type(i).__name__}) is not an int")
             i = int(i)
             if not 0 <= i < len(self.itos):  # (a negative id decoded as a character from the end: -1 as ">")
                 raise ValueError(f"token id {i} is outside the vocabulary [0, {len(self.itos)}) of {self.itos}")
@@ -84,6 +92,8 @@ class AdditionTask(Task):
     """``digits``-digit addition, operands and sum zero padded (sum: ``digits + 1`` characters)."""
 
     def __init__(self, digits: int = 3):
+        if not is_int(digits) or digits < 1:  # (0 and 2.0 failed deep in sample: int(''), randint's arguments)
+            raise ValueError(f"digits={digits!r} must be an int >= 1")
         self.digits, self.answer_len = digits, digits + 1
         self.name = "add" if digits == 3 else f"add{digits}"
 
@@ -134,6 +144,10 @@ def response_rewards(task: Task, tok: CharTokenizer, problems, responses) -> lis
 
 def sft_batch(task: Task, tok: CharTokenizer, n: int, g: torch.Generator, noise: float):
     """Token ids [n, L] (BOS prompt answer EOS) and a loss mask over the answer + EOS positions."""
+    if not is_int(n) or n < 1:  # (0 and -3 gave an empty batch [0])
+        raise ValueError(f"n={n!r} must be an int >= 1 (sequences in the batch)")
+    if not is_real(noise) or not 0 <= noise <= 1:  # (NaN drew no wrong label, 2 only wrong ones)
+        raise ValueError(f"noise={noise!r} must be a number in [0, 1] (the share of wrong labels)")
     seqs, masks = [], []
     for _ in range(n):
         p = task.sample(g)

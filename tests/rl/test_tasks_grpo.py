@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megatron_trace.rl.grpo import group_advantages, policy_loss
-from megatron_trace.rl.tasks import CharTokenizer, get_task, response_rewards, sft_batch
+from megatron_trace.rl.tasks import AdditionTask, CharTokenizer, get_task, response_rewards, sft_batch
 from megatron_trace.rl.trainer import batch_slices, token_logprobs
 from megatron_trace.rollout.base import SamplingParams
 
@@ -585,3 +585,43 @@ def test_a_loaded_master_adamw_continues_with_the_checkpoints_fp32_masters():
     for k in (2.0, -1.0):
         step(w, opt, k), step(w2, opt2, k)
         assert torch.equal(opt2.master[0], opt.master[0]) and torch.equal(w2, w)
+
+
+@pytest.mark.parametrize("ids,match", [
+    ([3.9, 4.2], r"token id 3.9 \(float\) is not an int"),
+    (torch.tensor([3.9, 2.5]), r"token id 3.9\d* \(float\) is not an int"),
+    ([True, 3], r"token id True \(bool\) is not an int"),
+    ("345", r"ids='345' must be token ids \(ints\), not text"),
+])
+def test_decode_refuses_ids_that_are_no_ints(ids, match):
+    """int() took 3.9 as "0" (id 3), True as BOS and the text "345" as the ids 3, 4, 5 ("012"): a reward of another
+    response, silently."""
+    with pytest.raises(ValueError, match=match):
+        CharTokenizer().decode(ids, strict=True)
+
+
+def test_decode_takes_integer_tensors_and_numpy_ids():
+    import numpy as np
+
+    tok = CharTokenizer()
+    ids = tok.encode("0959", eos=True)
+    for given in (torch.tensor(ids), torch.tensor(ids, dtype=torch.int32), np.array(ids), [np.int64(i) for i in ids]):
+        assert tok.decode(given) == "0959"
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: AdditionTask(0), r"digits=0 must be an int >= 1"),
+    (lambda: AdditionTask(2.0), r"digits=2.0 must be an int >= 1"),
+    (lambda: AdditionTask(True), r"digits=True must be an int >= 1"),
+    (lambda: sft_batch(get_task("add"), CharTokenizer(), 0, torch.Generator(), 0.1), r"n=0 must be an int >= 1"),
+    (lambda: sft_batch(get_task("add"), CharTokenizer(), -3, torch.Generator(), 0.1), r"n=-3 must be an int >= 1"),
+    (lambda: sft_batch(get_task("add"), CharTokenizer(), 2, torch.Generator(), math.nan), r"noise=nan must be a "
+     r"number in \[0, 1\]"),
+    (lambda: sft_batch(get_task("add"), CharTokenizer(), 2, torch.Generator(), 2.0), r"noise=2.0 must be"),
+    (lambda: sft_batch(get_task("add"), CharTokenizer(), 2, torch.Generator(), "0.5"), r"noise='0.5' must be"),
+])
+def test_task_and_sft_batch_settings_are_checked_by_name(call, match):
+    """An empty batch for n=0, no wrong label for noise=NaN and only wrong ones for 2; digits=0 failed deep in
+    sample (int(''))."""
+    with pytest.raises(ValueError, match=match):
+        call()
