@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .records import _ints, _per_row, token_hash, token_mask
+from .records import _ints, _per_row, is_integer, token_hash, token_mask
 
 ALIGN = 16
 _DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
@@ -31,8 +31,8 @@ class RoutingMismatchError(ValueError):
 
 def id_dtype(num_experts: int) -> torch.dtype:
     """The smallest integer dtype holding expert ids 0..num_experts-1."""
-    if num_experts < 1:
-        raise ValueError(f"num_experts={num_experts} must be >= 1")
+    if not is_integer(num_experts) or not 1 <= num_experts <= 2**31:  # (1.5 and True were taken; 2**40 as int32)
+        raise ValueError(f"num_experts={num_experts!r} must be an int in [1, 2**31]")
     return torch.uint8 if num_experts <= 256 else torch.int16 if num_experts <= 32768 else torch.int32
 
 
@@ -73,6 +73,12 @@ def split_routing(routing: Mapping[int, torch.Tensor], token_ids: torch.Tensor, 
     B, S = mask.shape
     dtype = id_dtype(num_experts)
     for layer, r in routing.items():
+        if not is_integer(layer):  # (a layer "0" was carried, never replayed by layer 0)
+            raise ValueError(f"routing has layer {layer!r}: layers are int layer ids")
+        if not isinstance(r, torch.Tensor) or r.is_floating_point() or r.is_complex() or r.dtype == torch.bool:
+            # (float ids were cast to the id dtype: 2.7 replayed as expert 2, silently)
+            raise ValueError(f"routing[{layer}] must be an integer tensor of expert ids, got "
+                             f"{r.dtype if isinstance(r, torch.Tensor) else type(r).__name__}")
         if r.dim() != 3 or tuple(r.shape[:2]) != (B, S):
             raise ValueError(f"routing[{layer}] has shape {tuple(r.shape)}, token_ids {(B, S)}: need [B, S, topk]")
         kept = r[mask.to(r.device)]  # padding positions are dropped: any value there is fine

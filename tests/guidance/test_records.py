@@ -703,3 +703,30 @@ def test_sample_ids_that_are_not_integers_are_refused_not_truncated():
         assert [s.sample_id for s in got] == [5, 3, 4] and all(type(s.sample_id) is int for s in got)
         got = split_routing(routing, tok, version=0, num_experts=8, attention_mask=mask, sample_ids=good)
         assert [s.sample_id for s in got] == [5, 3, 4] and all(type(s.sample_id) is int for s in got)
+
+
+@pytest.mark.parametrize("routing,match", [
+    ({0: torch.full((3, 9, 2), 2.7)}, r"routing\[0\] must be an integer tensor of expert ids, got torch.float32"),
+    ({0: torch.ones(3, 9, 2, dtype=torch.bool)}, r"routing\[0\] must be an integer tensor .*, got torch.bool"),
+    ({0: [[[1, 2]]]}, r"routing\[0\] must be an integer tensor of expert ids, got list"),
+    ({"0": torch.zeros(3, 9, 2, dtype=torch.int64)}, r"routing has layer '0': layers are int layer ids"),
+    ({True: torch.zeros(3, 9, 2, dtype=torch.int64)}, r"routing has layer True: layers are int layer ids"),
+])
+def test_routing_that_is_no_integer_expert_ids_by_int_layer_is_refused(routing, match):
+    """Float ids were cast to the id dtype (2.7 replayed as expert 2), a layer "0" was carried but never replayed by
+    layer 0."""
+    from megatron_trace.guidance.routing import split_routing
+
+    _, _, tok, mask = make_batch(B=3, S=9, layers=(0,), sites=("expert_fc1_in",))
+    with pytest.raises(ValueError, match=match):
+        split_routing(routing, tok, version=0, num_experts=8, attention_mask=mask)
+
+
+@pytest.mark.parametrize("bad", [1.5, True, "8", 0, 2**40])
+def test_id_dtype_refuses_a_number_of_experts_that_is_no_int_it_can_hold(bad):
+    """1.5 and True were taken; 2**40 experts got int32 ids, which overflow."""
+    from megatron_trace.guidance.routing import id_dtype
+
+    with pytest.raises(ValueError, match=re.escape(f"num_experts={bad!r} must be an int in [1, 2**31]")):
+        id_dtype(bad)
+    assert id_dtype(256) == torch.uint8 and id_dtype(257) == torch.int16 and id_dtype(2**31) == torch.int32
