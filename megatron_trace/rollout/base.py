@@ -121,6 +121,21 @@ def is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def check_bools(what: str, **flags) -> None:
+    """Raise naming each of ``flags`` that is not a bool (a config's "no" is truthy: it turned the option on)."""
+    bad = {k: v for k, v in flags.items() if not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"{what}: {', '.join(f'{k}={v!r}' for k, v in bad.items())} must be "
+                         f"{'a bool' if len(bad) == 1 else 'bools'}")
+
+
+def check_count(what: str, value, least: int = 1) -> int:
+    """``value`` as a Python int when it is an int >= ``least`` (a NumPy int too; not a bool, not 2.0)."""
+    if not is_int(value) or value < least:
+        raise ValueError(f"{what}={value!r} must be an int >= {least}")
+    return int(value)
+
+
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *, max_positions: int | None = None,
                   max_new_tokens: int = 0) -> list[list[int]]:
     """``prompts`` as lists of Python ints; a clear error unless it is a non-empty list of non-empty token-id

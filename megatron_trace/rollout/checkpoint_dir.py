@@ -48,7 +48,10 @@ class StagedCheckpointDir:
 
     def __init__(self, target: str | os.PathLike, replaced: tuple[str, ...] = CHECKPOINT_FILES):
         self.target = Path(os.path.realpath(os.fspath(target)))
-        self.replaced = replaced
+        if isinstance(replaced, str | bytes) or not all(isinstance(g, str) for g in replaced):
+            # (a str was its characters: no glob matched, and the earlier checkpoint's shards were carried over)
+            raise ValueError(f"replaced={replaced!r} must be a tuple of file-name globs (e.g. {CHECKPOINT_FILES[:2]})")
+        self.replaced = tuple(replaced)
         if self.target.exists() and not self.target.is_dir():
             raise NotADirectoryError(f"{os.fspath(target)!r} exists and is not a directory: a checkpoint is a "
                                      "directory")

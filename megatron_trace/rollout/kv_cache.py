@@ -36,6 +36,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..formats import FP4Tensor, Quantizer
 from ..formats.sglang_kvfp4 import SGLangKVQuantizer
 from ..kernels.checks import FiniteCounter, read_and_reset
+from ..kernels.dispatch import parse_kernel
+from .base import check_bools, check_count
 from .finite import RolloutFiniteChecks, naming
 from .kv_rows import FP4Rows, PlainRows, StaticPosition
 from .recorder import GuidanceRecorder
@@ -217,6 +219,11 @@ class FP4KVCache(Cache):
         rows, the attention mask [B, 1, 1, static_rows] saying which; the lengths advance only by ``advance`` (so a
         captured decode step replays: ``rollout.static_decode``). ``finite``: the NaN/Inf counters of the K/V
         quantize calls (see the module docstring)."""
+        # ("no" turned quantize_k on, kernel="tritonn" and num_layers=0 were taken; checked once for all layers)
+        check_count("FP4KVCache.num_layers", num_layers)
+        check_bools("FP4KVCache", quantize_k=quantize_k, quantize_v=quantize_v, fused_decode=fused_decode,
+                    fast_attention=fast_attention, interval_masks=interval_masks)
+        parse_kernel(kernel)
         self.static = None if static_rows is None else StaticPosition(static_rows)
         layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k and i not in bf16_layers,
                              quantize_v=quantize_v and i not in bf16_layers, recorder=recorder, kernel=kernel,

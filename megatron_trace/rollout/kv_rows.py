@@ -18,6 +18,7 @@ from ..kernels import dequantize as kernel_dequantize
 from ..kernels import quantize as kernel_quantize
 from ..kernels.checks import FiniteCounter
 from ..kernels.kv_attention import ROW_ALIGN  # capacities in multiples of it: the attention's aligned loads
+from .base import is_int
 from .finite import naming
 
 MIN_GROWTH = 256
@@ -88,8 +89,8 @@ class StaticPosition:
     them); ``rows`` is the capacity every buffer is allocated with at the prefill."""
 
     def __init__(self, rows: int):
-        if rows < 1 or rows % ROW_ALIGN:
-            raise ValueError(f"static_rows={rows} must be a positive multiple of {ROW_ALIGN} (the buffers' rows, "
+        if not is_int(rows) or rows < 1 or rows % ROW_ALIGN:  # (64.0 was taken; "64" a bare TypeError)
+            raise ValueError(f"static_rows={rows!r} must be a positive multiple of {ROW_ALIGN} (the buffers' rows, "
                              "which the decode attention reads in aligned tiles): prompt plus new tokens, rounded up")
         self.rows = rows
         self._pos: torch.Tensor | None = None

@@ -17,9 +17,12 @@ from collections.abc import Callable
 
 import torch
 
+from ..config import ACTIVATION_SITES
 from ..formats import CompactGuidance, FP4Tensor, FullGuidance
 from ..guidance.site import SiteGuidance, SiteKey
 from ..kernels import compact_guidance
+from ..kernels.dispatch import parse_kernel
+from .base import check_bools, check_count, is_int
 from .recorder_static import StaticSteps
 
 Record = FullGuidance | CompactGuidance
@@ -80,7 +83,16 @@ class GuidanceRecorder:
     per record and step, with no host sync (a sync per record stalled every decode step)."""
 
     def __init__(self, batch_size: int, sites: set[SiteKey], compact: bool, kernel: str = "auto"):
-        self.batch_size = batch_size
+        # (compact="no" recorded compact records; a batch of 2.0 rows or a site (layer "0", ...) that no forward
+        # asks for was taken, and the site's records were missing from the batch)
+        self.batch_size = check_count("GuidanceRecorder.batch_size", batch_size)
+        check_bools("GuidanceRecorder", compact=compact)
+        parse_kernel(kernel)
+        bad = [k for k in sites if not (isinstance(k, tuple) and len(k) == 2 and is_int(k[0]) and k[0] >= 0
+                                        and k[1] in ACTIVATION_SITES)]
+        if bad:
+            raise ValueError(f"GuidanceRecorder.sites has {bad[0]!r}: a site is (layer >= 0, one of "
+                             f"{ACTIVATION_SITES})")
         self.sites = set(sites)
         self.compact = compact
         self.kernel = kernel

@@ -13,6 +13,7 @@ import dataclasses
 import torch
 
 from ..formats import CompactGuidance, FullGuidance
+from .base import check_count
 
 Record = FullGuidance | CompactGuidance
 Value = Record | torch.Tensor
@@ -47,9 +48,7 @@ class StaticSteps:
     caller before each step); ``count`` (host) is how many steps hold values."""
 
     def __init__(self, steps: int, device: torch.device):
-        if steps < 1:
-            raise ValueError(f"steps={steps} must be >= 1")
-        self.steps = steps
+        self.steps = check_count("steps", steps)  # (2.5 was taken)
         self.index = torch.zeros(1, dtype=torch.long, device=device)
         self.count = 0
         self._bufs: dict[object, tuple[Value, int]] = {}

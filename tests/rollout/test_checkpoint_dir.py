@@ -229,3 +229,16 @@ def test_a_swap_that_cannot_put_the_earlier_checkpoint_back_keeps_both_and_says_
     done.commit()
     with pytest.raises(RuntimeError, match="already committed or aborted"):
         done.commit()
+
+
+@pytest.mark.parametrize("bad", ["model*.safetensors", ("config.json", 3)])
+def test_replaced_globs_that_are_no_tuple_of_strs_are_refused(tmp_path, bad):
+    """A str was taken as its characters: no glob matched, so the earlier checkpoint's shards were carried into the
+    new one beside its own (a stale model-00002 shard in a one-shard checkpoint)."""
+    target = tmp_path / "ckpt"
+    target.mkdir()
+    (target / "model-00002-of-00002.safetensors").write_bytes(b"old")
+    with pytest.raises(ValueError, match=r"replaced=.* must be a tuple of file-name globs"):
+        StagedCheckpointDir(target, replaced=bad)
+    assert _tree(target) == {"model-00002-of-00002.safetensors": b"old"}
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # (no staging directory left behind)

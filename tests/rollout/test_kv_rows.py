@@ -46,3 +46,23 @@ def test_a_token_in_another_format_is_refused_by_a_static_rows_write():
     assert torch.equal(after[:, :, 5:6], nv.quantize(x).dequantize(torch.float32))
     keep = [r for r in range(after.shape[2]) if r != 5]
     assert torch.equal(after[:, :, keep], before[:, :, keep])
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(num_layers=2.0), r"FP4KVCache.num_layers=2.0 must be an int >= 1"),
+    (dict(num_layers=0), r"FP4KVCache.num_layers=0 must be an int >= 1"),
+    (dict(quantize_k="no"), r"FP4KVCache: quantize_k='no' must be a bool"),
+    (dict(fused_decode=1, interval_masks=None), r"fused_decode=1, interval_masks=None must be bools"),
+    (dict(kernel="tritonn"), r"kernel='tritonn' is not one of"),
+    (dict(static_rows=64.0), r"static_rows=64.0 must be a positive multiple of 16"),
+    (dict(static_rows="64"), r"static_rows='64' must be a positive multiple of 16"),
+])
+def test_fp4_kv_cache_settings_are_checked_by_name(kw, match):
+    """quantize_k="no" (truthy) quantized K, kernel="tritonn" and num_layers=0 were taken, static_rows=64.0 failed
+    deep in the first allocation and "64" with a bare TypeError."""
+    from megatron_trace.formats import Quantizer
+    from megatron_trace.rollout.kv_cache import FP4KVCache
+
+    args = dict(num_layers=2, quantizer=Quantizer("nvfp4")) | kw
+    with pytest.raises(ValueError, match=match):
+        FP4KVCache(**args)

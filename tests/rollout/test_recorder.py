@@ -195,3 +195,20 @@ def test_records_of_more_or_fewer_steps_than_end_step_counted_are_refused(extra)
     with pytest.raises(ValueError, match=what):
         rec.finish(index, torch.ones(2, 4, dtype=torch.bool))
 
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(batch_size=2.0), r"GuidanceRecorder.batch_size=2.0 must be an int >= 1"),
+    (dict(batch_size=0), r"GuidanceRecorder.batch_size=0 must be an int >= 1"),
+    (dict(compact="no"), r"GuidanceRecorder: compact='no' must be a bool"),
+    (dict(kernel="cuda"), r"kernel='cuda' is not one of \('auto', 'reference', 'triton'\)"),
+    (dict(sites={("1", "expert_fc1_in")}), r"sites has \('1', 'expert_fc1_in'\): a site is \(layer >= 0, one of"),
+    (dict(sites={(1, "fc1")}), r"sites has \(1, 'fc1'\)"),
+    (dict(sites={"expert_fc1_in"}), r"sites has 'expert_fc1_in'"),
+])
+def test_recorder_settings_are_checked_by_name(kw, match):
+    """compact="no" (truthy) recorded compact records; a site keyed ("1", ...) or (1, "fc1") was never asked for by a
+    forward, and its records were missing from the batch without a word."""
+    args = dict(batch_size=2, sites={FC1}, compact=False, kernel="reference") | kw
+    with pytest.raises(ValueError, match=match):
+        GuidanceRecorder(**args)

@@ -53,7 +53,7 @@ def test_static_store_errors_name_what_does_not_fit():
     store.put("routing", torch.zeros(2, 1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"a step of \[2, 3, ...\] rows, the buffer holds \[2, 1 per step"):
         store.put("routing", torch.zeros(2, 3, 2, dtype=torch.long))
-    with pytest.raises(ValueError, match="steps=0 must be >= 1"):
+    with pytest.raises(ValueError, match="steps=0 must be an int >= 1"):
         StaticSteps(0, torch.device("cpu"))
     rec = GuidanceRecorder(2, set(), compact=True)
     rec.begin_static(1, torch.device("cpu"))
