@@ -89,6 +89,12 @@ class MasterAdamW:
 
     @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
+        got, want = [tuple(m.shape) for m in sd["master"]], [tuple(m.shape) for m in self.master]
+        if got != want:  # (zip dropped the extra ones or left ours unloaded; copy_ broadcast a [4] into a [4, 4])
+            bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            raise ValueError(f"the optimizer state has {len(got)} master weights, this optimizer {len(want)}; the "
+                             f"first that differs is #{bad} (state {got[bad] if bad < len(got) else None}, optimizer "
+                             f"{want[bad] if bad < len(want) else None}): a state of other parameters; nothing loaded")
         for m, s in zip(self.master, sd["master"]):
             m.copy_(s)
         self.opt.load_state_dict(sd["opt"])
@@ -215,6 +221,11 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     """log_softmax(logits / T) of each next token (``MegatronPolicy.logprobs``): float32 [B, S], 0 at t = 0.
     ``temperature``: the rollout's (``SamplingParams.temperature``: 0, greedy, scores at T = 1)."""
     temperature = check_temperature(temperature)  # (a negative or NaN one scored at T = 1, an infinite one uniform)
+    if logits.dim() != 3 or tokens.dim() != 2 or tuple(tokens.shape) != tuple(logits.shape[:2]) or \
+            tokens.is_floating_point() or tokens.dtype == torch.bool:
+        # (gather took tokens of fewer rows or positions than the logits: log-probs of other positions, silently)
+        raise ValueError(f"tokens must be integer ids [B, S] of the logits' {tuple(logits.shape[:2])} (logits "
+                         f"[B, S, V] {tuple(logits.shape)}), got {tokens.dtype} {tuple(tokens.shape)}")
     tokens = tokens.to(logits.device)
     scaled = logits[:, :-1].float() / (temperature or 1.0)
     lp = torch.log_softmax(scaled, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)

@@ -625,3 +625,26 @@ def test_task_and_sft_batch_settings_are_checked_by_name(call, match):
     sample (int(''))."""
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("tokens", [torch.zeros(2, 4, dtype=torch.long), torch.zeros(1, 5, dtype=torch.long),
+                                    torch.zeros(2, 5), torch.zeros(10, dtype=torch.long)])
+def test_token_logprobs_refuse_tokens_that_are_not_the_logits_ids(tokens):
+    """gather took tokens of fewer positions or rows than the logits: the log-probs of other positions, silently."""
+    with pytest.raises(ValueError, match=r"tokens must be integer ids \[B, S\] of the logits' \(2, 5\)"):
+        token_logprobs(torch.randn(2, 5, 7), tokens)
+
+
+@pytest.mark.parametrize("shapes", [[(4,)], [(4,), (3,)], [(4, 4), (3,), (1,)]])
+def test_a_master_adamw_state_of_other_parameters_is_refused_and_nothing_loaded(shapes):
+    """zip dropped the extra master weights or left ours unloaded, and copy_ broadcast a [4] into a [4, 4]."""
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    params = [torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(3))]
+    opt = MasterAdamW(params, lr=1e-3)
+    other = MasterAdamW([torch.nn.Parameter(torch.full(s, 7.0)) for s in shapes], lr=1e-3)
+    with pytest.raises(ValueError, match=r"a state of other parameters; nothing loaded"):
+        opt.load_state_dict(other.state_dict())
+    assert all(torch.equal(m, torch.ones_like(m)) for m in opt.master)
+    opt.release()
+    other.release()
