@@ -256,6 +256,10 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
     rounding (and records, with ``record=True``). ``compact`` chooses the recorded kind (default: the config's
     cache_mode).
     """
+    if not isinstance(record, bool) or not (compact is None or isinstance(compact, bool)):
+        # ("no" is truthy: record="no" recorded, compact="no" recorded compact records)
+        raise ValueError(f"trace_guidance: record={record!r} must be a bool and compact={compact!r} a bool or None "
+                         "(the config's cache_mode)")
     layers = find_trace_layers(model)
     steps = _micro_batches(step)
     steps = [_on_model_device(s, layers, records=len(steps) == 1) for s in steps]

@@ -6,6 +6,8 @@ the reference; ``grouped_mm`` is the fast path and is tested against it where to
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 import torch.nn.functional as F
 
@@ -22,9 +24,12 @@ def to_device_async(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def _counts(tokens_per_expert) -> list[int]:
-    if torch.is_tensor(tokens_per_expert):
-        return [int(c) for c in tokens_per_expert.tolist()]
-    return [int(c) for c in tokens_per_expert]
+    """Host row counts; ints >= 0 only (int() took 1.5 as 1 and True as 1: the rows split among other experts)."""
+    counts = tokens_per_expert.tolist() if torch.is_tensor(tokens_per_expert) else list(tokens_per_expert)
+    bad = [c for c in counts if isinstance(c, bool) or not isinstance(c, numbers.Integral) or c < 0]
+    if bad:
+        raise ValueError(f"tokens_per_expert={counts} holds {bad[0]!r}: row counts are ints >= 0")
+    return [int(c) for c in counts]
 
 
 def grouped_linear_loop(x: torch.Tensor, w: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -24,6 +24,8 @@ class Recorder:
     """Collects per-layer records during a ``trace_guidance(..., record=True)`` context."""
 
     def __init__(self, compact: bool):
+        if not isinstance(compact, bool):  # ("no" is truthy: compact records were recorded)
+            raise ValueError(f"Recorder: compact={compact!r} must be a bool")
         self.compact = compact
         self.sites: dict[tuple[int, str], SiteGuidance] = {}
         self.routing: dict[int, torch.Tensor] = {}

@@ -129,6 +129,14 @@ def test_grouped_linear_checks_counts():
         grouped_linear(torch.zeros(5, 16), torch.zeros(2, 8, 16), [2, 2])
 
 
+@pytest.mark.parametrize("counts", [[1.5, 1.5], torch.tensor([1.6, 1.6]), [True, 2], [-1, 4], ["1", "2"]])
+def test_grouped_linear_refuses_counts_that_are_no_ints_ge_0(counts):
+    """int() took 1.5 as 1 and True as 1 (rows split among other experts; [True, 2] ran), -1 failed in
+    torch.split; the error showed the truncated counts."""
+    with pytest.raises(ValueError, match=r"tokens_per_expert=.* holds .*: row counts are ints >= 0"):
+        grouped_linear(torch.zeros(3, 16), torch.zeros(2, 8, 16), counts, impl="loop")
+
+
 def test_gradients_are_straight_through():
     """d/dW of the experts equals d/d(fake-quantized W) of the same graph built from detached FP4 values."""
     experts = _model().decoder.layers[0].mlp.experts

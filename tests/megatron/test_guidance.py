@@ -513,3 +513,21 @@ def test_context_parallel_guidance_is_refused(rollout):
             pass
     with trace_guidance(model):  # the trainer's own rounding alone is fine
         pass
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(record="no"), r"record='no' must be a bool"),
+    (dict(record=1), r"record=1 must be a bool"),
+    (dict(record=True, compact="no"), r"compact='no' a bool or None"),
+])
+def test_trace_guidance_flags_that_are_no_bools_are_refused_by_name(kw, match):
+    """record="no" (truthy) recorded, compact="no" recorded compact records; refused before the model is read."""
+    with pytest.raises(ValueError, match=match), trace_guidance(None, **kw):
+        pass
+
+
+def test_the_megatron_recorder_refuses_a_compact_flag_that_is_no_bool():
+    from megatron_trace.megatron.recording import Recorder
+
+    with pytest.raises(ValueError, match=r"Recorder: compact='full' must be a bool"):
+        Recorder("full")
