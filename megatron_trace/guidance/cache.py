@@ -129,6 +129,9 @@ class GuidanceCache:
             raise ValueError(f"budget_bytes={budget_bytes!r} must be an int >= 0 (bytes of host memory)")
         self.budget_bytes = int(budget_bytes)
         self.cache_dir = Path(cache_dir) if cache_dir else None
+        if self.cache_dir is not None and self.cache_dir.exists() and not self.cache_dir.is_dir():
+            raise NotADirectoryError(f"cache_dir={str(self.cache_dir)!r} is a file: give a directory to spill "
+                                     "guidance shards into (made if missing)")
         self.owner = owner_tag()  # in its shards' names: other caches on cache_dir (ranks, runs) keep theirs
         if self.cache_dir is not None:
             self.cache_dir.mkdir(parents=True, exist_ok=True)

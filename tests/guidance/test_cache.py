@@ -670,3 +670,11 @@ def test_dropping_a_step_whose_shard_is_already_gone_uncounts_its_bytes(tmp_path
     assert cache.disk_bytes == step2 and sorted(tmp_path.glob("*.safetensors")) == shards[2:]
     cache.drop(2)
     assert cache.disk_bytes == 0 and not list(tmp_path.iterdir())
+
+
+def test_a_cache_dir_that_is_a_file_is_named(tmp_path):
+    """It was mkdir's bare "[Errno 17] File exists"."""
+    f = tmp_path / "shards"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError, match=re.escape(f"cache_dir={str(f)!r} is a file: give a directory")):
+        GuidanceCache(10, f)
