@@ -36,6 +36,9 @@ class MetricsWriter:
             raise ValueError(f"fresh={fresh!r} must be a bool (True: remove the earlier run's metrics.jsonl and "
                              "TensorBoard events)")
         self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and not self.out_dir.is_dir():  # (mkdir's bare "File exists")
+            raise NotADirectoryError(f"out_dir={os.fspath(out_dir)!r} is a file: give the run's output directory "
+                                     "(made if missing)")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
         self._tb = {}

@@ -150,3 +150,13 @@ def test_rows_of_a_step_that_is_no_int_are_refused(tmp_path, arm, step, match):
     with pytest.raises(ValueError, match=match):
         w.truncate(arm, step)
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_an_out_dir_that_is_a_file_is_named(tmp_path):
+    """It was mkdir's bare "[Errno 17] File exists"."""
+    from megatron_trace.rl.report import MetricsWriter
+
+    f = tmp_path / "run"
+    f.write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"out_dir=.* is a file: give the run's output directory"):
+        MetricsWriter(f)
