@@ -85,6 +85,10 @@ class SFTConfig:
 
 
 def _settings(task: Task, model_cfg: TinyMoEConfig, sft: SFTConfig, device: str) -> dict:
+    for name, v, cls, hint in (("task", task, Task, " (get_task(name) for a task)"),
+                               ("model_cfg", model_cfg, TinyMoEConfig, ""), ("sft", sft, SFTConfig, "")):
+        if not isinstance(v, cls):  # (a task name or a dict: AttributeError / asdict's TypeError)
+            raise TypeError(f"{name} must be a {cls.__name__}{hint}, got {type(v).__name__} {v!r:.60}")
     # version 2 added the device type: warm-ups trained on cpu and cuda differ numerically (a version-1 stamp has
     # no device, so its checkpoint is retrained once)
     return {"task": task.name, "model": asdict(model_cfg), "sft": asdict(sft), "device": _device_type(device),
@@ -117,6 +121,10 @@ def sft_checkpoint(out_dir: str | Path, task: Task, model_cfg: TinyMoEConfig, sf
 
     out = Path(out_dir)
     key, stamp = _settings(task, model_cfg, sft, device), out / "sft_settings.json"
+    if out.exists() and not out.is_dir():  # (refused by mkdir after the whole warm-up had trained)
+        raise NotADirectoryError(f"out_dir={str(out)!r} is a file: give the checkpoint's directory (made if missing)")
+    if progress is not None and not callable(progress):  # (failed at the first step's report)
+        raise TypeError(f"progress={progress!r} must be None or a callable(step, loss)")
     if sft_reusable(out, task, model_cfg, sft, device):
         logger.info("reusing the SFT checkpoint in %s", out)
         return out

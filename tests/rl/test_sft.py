@@ -98,3 +98,23 @@ def test_bad_warm_up_settings_are_named(cls, kw, match):
 def test_edge_warm_up_settings_are_accepted():
     SFTConfig(label_noise=0.0), SFTConfig(label_noise=1), SFTConfig(seed=0, lr=1)
     TinyMoEConfig(num_experts=2, top_k=2)
+
+
+@pytest.mark.parametrize("bad,error,match", [
+    (dict(task="add"), TypeError, r"task must be a Task \(get_task\(name\) for a task\), got str 'add'"),
+    (dict(model_cfg={"num_layers": 1}), TypeError, r"model_cfg must be a TinyMoEConfig, got dict"),
+    (dict(sft=None), TypeError, r"sft must be a SFTConfig, got NoneType"),
+    (dict(progress="tqdm"), TypeError, r"progress='tqdm' must be None or a callable\(step, loss\)"),
+    (dict(out_dir="file"), NotADirectoryError, r"out_dir=.* is a file: give the checkpoint's directory"),
+])
+def test_sft_checkpoint_refuses_bad_arguments_before_training(tmp_path, bad, error, match):
+    """A task name or a dict failed with an AttributeError / TypeError; an out_dir that is a file was refused by mkdir
+    and a progress that is no callable at the first step, both after training had begun."""
+    (tmp_path / "file").write_text("x")
+    args = dict(out_dir=tmp_path / "ckpt", task=get_task("add"), model_cfg=TinyMoEConfig(num_layers=1),
+                sft=SFTConfig(steps=1, batch_size=2), progress=None) | bad
+    if bad.get("out_dir"):
+        args["out_dir"] = tmp_path / bad["out_dir"]
+    with pytest.raises(error, match=match):
+        sft_checkpoint(**args)
+    assert not (tmp_path / "ckpt").exists()
