@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from ..config import ACTIVATION_SITES
 from .model_dims import ModelDims
 
 RATE = "code_mismatch_rate"
@@ -67,6 +68,10 @@ def profile_from_metrics(metrics: str | Path | Iterable[dict], dims: ModelDims, 
     """
     if isinstance(last, bool) or not isinstance(last, int) or last < 1:
         raise ValueError(f"last={last!r} must be an int >= 1 (steps averaged)")
+    if isinstance(sites, str) or not isinstance(sites, Sequence) or not sites or \
+            any(s not in ACTIVATION_SITES for s in sites):
+        # (no site read every layer as 0: a flat profile, silently; a str was its characters)
+        raise ValueError(f"sites={sites!r} must be a non-empty list of sites from {ACTIVATION_SITES}")
     rows = read_metrics(metrics) if isinstance(metrics, str | Path) else list(metrics)
     arm = _pick_arm(rows, arm, prefix)
     mine = sorted((r for r in rows if str(r.get("arm")) == arm), key=lambda r: r.get("step", 0))  # (as _pick_arm)

@@ -208,3 +208,11 @@ def test_a_metrics_file_with_blank_lines_reads_and_a_non_json_line_is_named(tmp_
     path.write_text(path.read_text() + "{nope\n")
     with pytest.raises(ValueError, match=r"metrics.jsonl:4 is not a JSON line \(.*\); a metrics.jsonl has one object"):
         profile_from_metrics(path, DIMS, ACTIVATION_SITES)
+
+
+@pytest.mark.parametrize("sites", [(), [], "kv_k", ["kv_k", "fc1"], None])
+def test_profile_sites_that_are_no_list_of_activation_sites_are_named(tmp_path, sites):
+    """No site read every layer as 0 (a flat profile, silently); a str was iterated as its characters ('k')."""
+    _write(tmp_path, "fp4_qat", [_uniform([0.01, 0.02, 0.03])])
+    with pytest.raises(ValueError, match=r"sites=.* must be a non-empty list of sites from \('expert_fc1_in'"):
+        profile_from_metrics(tmp_path / "metrics.jsonl", DIMS, sites, arm="fp4_qat")
