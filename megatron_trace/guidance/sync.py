@@ -65,7 +65,7 @@ import torch.distributed as dist
 from . import wire
 from .packed import PackedGuidance, PackedRouting, source_of
 from .packed_assemble import assemble_packed, assemble_routing_packed
-from .records import SampleGuidance, tensor_bytes
+from .records import SampleGuidance, is_integer, tensor_bytes
 from .routing import SampleRouting
 from .serial import RecordFormatError, host_buffer
 from .site import FallbackCounter, SiteGuidance, SiteKey
@@ -228,6 +228,10 @@ class GuidanceSync:
         timeout: timedelta = timedelta(minutes=5),
         verify: bool = True,
     ):
+        # (checked before the process group: int() took a rank 1.5 as 1 and True as 1, a peer that was not named)
+        if not is_integer(src) or isinstance(dsts, str | bytes) or not isinstance(dsts, Sequence) or \
+                not all(is_integer(d) for d in dsts):
+            raise ValueError(f"src={src!r} must be an int rank and dsts={dsts!r} a list of int ranks")
         if not dist.is_initialized():
             raise RuntimeError("GuidanceSync needs torch.distributed initialised (init_process_group) first")
         world = dist.get_world_size()

@@ -1,4 +1,5 @@
 import ast
+import re
 from datetime import timedelta
 
 import pytest
@@ -171,3 +172,11 @@ def test_chunks_are_consecutive_greedy_groups_of_at_most_chunk_bytes():
         assert all(size[i] + sizes[groups[i + 1][0].sample_id] > limit for i in range(len(groups) - 1)), (limit, size)
     assert [len(g) for g in chunk_units(units, ends[1])] == [3, 2]  # exactly the first two's bytes, + one of 0 bytes
     assert chunk_units(units, None) == [units] and chunk_units([], 5) == [[]] and chunk_units([], None) == [[]]
+
+
+@pytest.mark.parametrize("src,dsts", [(0, [1.5]), (0, [True]), (0.0, [1]), (0, 1), (0, "1"), ("0", [1])])
+def test_ranks_that_are_no_ints_are_named_before_the_process_group(src, dsts):
+    """int() took a rank 1.5 (or True) as 1: a peer that was not named; dsts=1 was a bare TypeError."""
+    with pytest.raises(ValueError, match=re.escape(f"src={src!r} must be an int rank and dsts={dsts!r} a list of int "
+                                                   "ranks")):
+        GuidanceSync(src, dsts, timeout=timedelta(seconds=1))
