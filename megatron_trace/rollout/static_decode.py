@@ -82,6 +82,11 @@ class StaticDecode:
     def step(self, tokens: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` [B, 1] at the next row; ``attend`` bool [B]: which rows' new tokens later steps attend
         (False: a finished row). Returns logits [B, V]."""
+        b = self.tokens.shape[0]  # (host shapes only; copy_ broadcast tokens [1, 1] to every row, attend a float)
+        if tuple(tokens.shape) != (b, 1) or tokens.is_floating_point() or tuple(attend.shape) != (b,) or \
+                attend.dtype != torch.bool:
+            raise ValueError(f"step needs tokens int [{b}, 1] and attend bool [{b}], got tokens {tokens.dtype} "
+                             f"{tuple(tokens.shape)} and attend {attend.dtype} {tuple(attend.shape)}")
         if self.row >= self.cache.static.rows:
             raise ValueError(f"row {self.row} is past static_rows={self.cache.static.rows}: the cache needs room for "
                              "the prompt plus every new token")

@@ -130,6 +130,11 @@ def test_static_cache_errors_name_what_does_not_fit():
         with pytest.raises(ValueError, match="capture needs the backend on CUDA"):
             runner.capture()
         tok, attend = logits.argmax(-1, keepdim=True), torch.ones(2, dtype=torch.bool)
+        # (copy_ broadcast one token [1, 1] to every row, and an attend of floats or of one value to all)
+        for bad_tok, bad_attend in ((tok[:1], attend), (tok[:, 0], attend), (tok.float(), attend),
+                                    (tok, attend.float()), (tok, attend[:1])):
+            with pytest.raises(ValueError, match=r"step needs tokens int \[2, 1\] and attend bool \[2\]"):
+                runner.step(bad_tok, bad_attend)
         for _ in range(16 - 5):
             runner.step(tok, attend)
         with pytest.raises(ValueError, match="row 16 is past static_rows=16"):
