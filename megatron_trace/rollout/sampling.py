@@ -32,6 +32,14 @@ def sample_tokens(
     host sync, and such rows sample from a uniform distribution instead of failing inside ``multinomial`` (a
     device-side assert on CUDA); their log-probs stay non-finite. The caller checks the flags once per batch.
     """
+    if not isinstance(params, SamplingParams):  # (a dict: AttributeError 'greedy')
+        raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+    # (host shapes only: 1-D logits sampled one scalar token, a nonfinite flag of other rows failed deep in torch)
+    if logits.dim() != 2 or nonfinite is not None and (nonfinite.dtype != torch.bool
+                                                        or tuple(nonfinite.shape) != (logits.shape[0],)):
+        raise ValueError(f"sample_tokens needs logits [B, V] and nonfinite None or bool [B], got logits "
+                         f"{tuple(logits.shape)}" + ("" if nonfinite is None else
+                                                     f", nonfinite {nonfinite.dtype} {tuple(nonfinite.shape)}"))
     logits = logits.float()
     if nonfinite is not None:
         nonfinite |= ~torch.isfinite(logits).all(dim=-1)

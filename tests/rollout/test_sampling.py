@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from megatron_trace.rollout.base import SamplingParams
@@ -60,3 +61,18 @@ def test_top_p_truncates_the_temperature_scaled_distribution():
     p = torch.softmax(logits[0] / 4.0, -1)
     assert freq[2:].eq(0).all()
     assert torch.allclose(freq[:2], p[:2] / p[:2].sum(), atol=0.04)
+
+
+@pytest.mark.parametrize("logits,nonfinite", [
+    (torch.randn(5), None), (torch.randn(2, 3, 5), None), (torch.randn(2, 5), torch.zeros(3, dtype=torch.bool)),
+    (torch.randn(2, 5), torch.zeros(2, dtype=torch.long)), (torch.randn(2, 5), torch.zeros(1, dtype=torch.bool)),
+])
+def test_sample_tokens_refuses_logits_and_flags_of_other_shapes(logits, nonfinite):
+    """1-D logits sampled one scalar token for a batch; flags of other rows or dtype failed deep in torch."""
+    with pytest.raises(ValueError, match=r"sample_tokens needs logits \[B, V\] and nonfinite None or bool \[B\]"):
+        sample_tokens(logits, SamplingParams(), nonfinite=nonfinite)
+
+
+def test_sample_tokens_refuses_params_that_are_no_sampling_params():
+    with pytest.raises(TypeError, match="params must be SamplingParams, got dict"):
+        sample_tokens(torch.randn(2, 5), {"temperature": 1.0})
