@@ -119,6 +119,25 @@ def rope_theta(hf_config) -> float:
     return float(hf_config.rope_theta)
 
 
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+LOAD_BALANCING = ("none", "aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn")
+"""Megatron's ``moe_router_load_balancing_type`` values (another string balanced nothing, with the aux-loss coefficient
+of the HF config set, silently)."""
+
+
+def _check_build_settings(dtype, tensor_parallel, expert_parallel, load_balancing) -> None:
+    """Raise naming a dtype, parallel size or load balancing the config would take but not mean ("bf16" and
+    torch.int8 were taken as params_dtype, a tensor_parallel of 0 was a ZeroDivisionError, True an expert_parallel of
+    1)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} must be one of {DTYPES}")
+    for name, v in (("tensor_parallel", tensor_parallel), ("expert_parallel", expert_parallel)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name}={v!r} must be an int >= 1")
+    if load_balancing not in LOAD_BALANCING:
+        raise ValueError(f"load_balancing={load_balancing!r} must be one of {LOAD_BALANCING}")
+
+
 def transformer_config_from_hf(
     hf_config,
     *,
@@ -133,6 +152,7 @@ def transformer_config_from_hf(
     from megatron.core.transformer import TransformerConfig
 
     check_supported(hf_config)
+    _check_build_settings(dtype, tensor_parallel, expert_parallel, load_balancing)
     model = _model_fields(hf_config)
     _refuse_model_overrides(model, overrides)
     c = hf_config

@@ -665,3 +665,17 @@ def test_a_write_that_fails_once_in_a_drained_save_still_raises_at_the_end(tmp_p
             _write_all(writer, (drained.append(n) or (n, t) for n, t in weights), drain=True)
     assert drained == ["w0", "w1", "w2", "w3"]  # drained to the end
     assert list(tmp_path.iterdir()) == []  # and nothing left
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dtype="bf16"), r"dtype='bf16' must be one of \(torch.bfloat16, torch.float16, torch.float32\)"),
+    (dict(dtype=torch.int8), r"dtype=torch.int8 must be one of"),
+    (dict(tensor_parallel=0), r"tensor_parallel=0 must be an int >= 1"),
+    (dict(expert_parallel=True), r"expert_parallel=True must be an int >= 1"),
+    (dict(load_balancing="bogus"), r"load_balancing='bogus' must be one of \('none', 'aux_loss'"),
+])
+def test_transformer_config_build_settings_are_checked_by_name(kw, match):
+    """"bf16" and torch.int8 were taken as params_dtype, tensor_parallel=0 was a ZeroDivisionError, True an
+    expert_parallel of 1, and an unknown load balancing balanced nothing under the HF config's aux-loss coefficient."""
+    with pytest.raises(ValueError, match=match):
+        transformer_config_from_hf(tiny_config(), **kw)
