@@ -8,9 +8,10 @@ engine's; it corrects for the train-rollout mismatch that TRACE shrinks (paper: 
 from __future__ import annotations
 
 import math
-import numbers
 
 import torch
+
+from ..rollout.base import is_int, is_real
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
@@ -20,9 +21,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) 
     values is not always that value, and ``(r - mean) / (std + eps)`` would then be a same-sign ~±1). ``group_size``
     is an int >= 1, ``eps`` a finite number >= 0; a NaN or infinite reward is refused (it made its whole group's
     advantages, and the loss, NaN)."""
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < 1:
+    if not is_int(group_size) or group_size < 1:
         raise ValueError(f"group_size={group_size!r} must be an int >= 1 (responses per prompt)")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+    if not is_real(eps) or not 0 <= eps < math.inf:
         # (a negative eps below a group's std flipped the sign of its advantages: the worse response was reinforced)
         raise ValueError(f"eps={eps!r} must be a finite number >= 0 (added to each group's std)")
     if rewards.numel() % group_size:
@@ -109,14 +110,11 @@ def _check_loss_settings(clip_eps, tis_cap, kl_coef) -> None:
     """Refuse what ``policy_loss`` cannot mean: a negative or NaN ``clip_eps`` clamped every ratio to 1 + eps (torch's
     clamp with min > max), a ``tis_cap`` <= 0 weighted every token 0 or flipped its sign, a negative ``kl_coef``
     rewarded drifting from the reference; NaN made the loss NaN and a bool was taken as 0 / 1, all without a word."""
-    def real(v) -> bool:
-        return isinstance(v, numbers.Real) and not isinstance(v, bool)
-
-    if not (real(clip_eps) and 0 <= clip_eps < math.inf):
+    if not (is_real(clip_eps) and 0 <= clip_eps < math.inf):
         raise ValueError(f"clip_eps={clip_eps!r} must be a finite number >= 0 (the PPO clip range: ratios outside "
                          "[1 - clip_eps, 1 + clip_eps] are clipped)")
-    if tis_cap is not None and not (real(tis_cap) and tis_cap > 0):
+    if tis_cap is not None and not (is_real(tis_cap) and tis_cap > 0):
         raise ValueError(f"tis_cap={tis_cap!r} must be None (no TIS weight) or a number > 0 (the cap of the "
                          "truncated IS weight)")
-    if not (real(kl_coef) and 0 <= kl_coef < math.inf):
+    if not (is_real(kl_coef) and 0 <= kl_coef < math.inf):
         raise ValueError(f"kl_coef={kl_coef!r} must be a finite number >= 0 (0: no KL term)")
