@@ -228,9 +228,12 @@ class TrendAlarm:
         self._count = int(state["count"])
 
 
+TOPOLOGY_KEYS = ("tp", "ep", "dp", "pp", "cp")
+
+
 def topology_prefix(*, tp: int = 1, ep: int = 1, dp: int = 1, pp: int = 1, cp: int = 1) -> str:
     """``"tp2_ep4_dp1_pp1"`` (``_cp{n}`` appended when context parallel > 1)."""
-    for name, v in (("tp", tp), ("ep", ep), ("dp", dp), ("pp", pp), ("cp", cp)):
+    for name, v in zip(TOPOLOGY_KEYS, (tp, ep, dp, pp, cp)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name}={v!r} must be an int >= 1")
     tag = f"tp{tp}_ep{ep}_dp{dp}_pp{pp}"
@@ -239,6 +242,9 @@ def topology_prefix(*, tp: int = 1, ep: int = 1, dp: int = 1, pp: int = 1, cp: i
 
 def tag_topology(metrics: dict[str, float], topology: dict[str, int]) -> dict[str, float]:
     """Every key prefixed with the topology (``tp1_ep2_dp1_pp1/mismatch/...``) plus ``topology/*`` values."""
+    unknown = sorted(set(topology) - set(TOPOLOGY_KEYS))
+    if unknown:  # (a bare TypeError of topology_prefix's keywords, not naming the valid ones)
+        raise ValueError(f"topology keys {unknown} are not among {TOPOLOGY_KEYS} (expert TP is not tagged)")
     tag = topology_prefix(**topology)
     out = {f"{tag}/{k}": v for k, v in metrics.items()}
     out.update({f"topology/{k}": float(v) for k, v in topology.items()})

@@ -253,7 +253,9 @@ class GuidanceSync:
         self.backend = backend
         self.rank = dist.get_rank()
         self.group = dist.new_group(ranks=sorted(ranks), timeout=timeout, backend=backend)
-        self.last_stats: TransferStats | None = None  # of the last send / receive on this rank
+        # of the last send / receive on this rank; None after a receive that raised or a send refused before sending
+        # (the previous transfer's numbers were left, logged as this one's)
+        self.last_stats: TransferStats | None = None
         self._transfers: dict[int, int] = {}  # transfers started per peer (sender: per trainer rank)
         self._broken: dict[int, str] = {}  # peer -> why the link to it is unusable (see the module docstring)
         self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
@@ -277,6 +279,7 @@ class GuidanceSync:
         """
         if self.rank != self.src:
             raise RuntimeError(f"send() runs on the rollout rank {self.src}, this is rank {self.rank}")
+        self.last_stats = None
         try:
             if chunk_bytes is not None and (isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int)
                                             or chunk_bytes < 1):
@@ -397,6 +400,7 @@ class GuidanceSync:
         (every later call raises at once)."""
         if self.rank not in self.dsts:
             raise RuntimeError(f"receive() runs on trainer ranks {self.dsts}, this is rank {self.rank}")
+        self.last_stats = None
         seq = self._next_transfer(self.src)
         self._check_link(self.src)
         shard, error = self._receive_transfer(seq)  # a transport failure / lost step marks the link broken

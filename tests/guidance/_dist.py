@@ -447,7 +447,8 @@ def _bad_sizes(rank, world, sync) -> str:
 def _stats_midway(rank, sync, samples) -> str:
     """A send that fails at its third chunk (a sample whose routing ids were made float after construction): the
     sender's ``last_stats`` count the two chunks that went out and their payload bytes (as ``encode`` builds those
-    chunks), not 2 chunks of 0 bytes; the next send's bytes are the same on both sides."""
+    chunks), not 2 chunks of 0 bytes; the next send's bytes are the same on both sides; after a send refused before
+    sending, and a receive that raised, ``last_stats`` is None (it held the previous transfer's)."""
     def routing():
         return [SampleRouting(s.sample_id, s.version, s.token_hash, s.num_tokens,
                               {0: torch.arange(2 * s.num_tokens, dtype=torch.int16).view(-1, 2)}) for s in samples]
@@ -465,6 +466,11 @@ def _stats_midway(rank, sync, samples) -> str:
         assert (got.chunks, got.payload_bytes) == (2, want), (got, want)
         sent = sync.send(samples, routing=routing, chunk_bytes=1)
         assert sync.last_stats.payload_bytes == sent[1], (sync.last_stats, sent)
+        try:  # refused before sending: no stats, not the previous send's
+            sync.send(samples, routing=routing, chunk_bytes=0)
+            return "FAIL chunk_bytes=0 was sent"
+        except ValueError:
+            assert sync.last_stats is None, sync.last_stats
         return f"OK {got.payload_bytes} bytes in 2 chunks, then {sent[1]}"
     try:
         sync.receive()
@@ -472,7 +478,13 @@ def _stats_midway(rank, sync, samples) -> str:
     except GuidanceSyncError as e:
         assert "aborted guidance transfer 0" in str(e), str(e)
     sync.receive()
-    return f"OK aborted, then {sync.last_stats.payload_bytes}"
+    received = sync.last_stats.payload_bytes
+    try:  # a receive that raised: no stats, not the previous transfer's
+        sync.receive()
+        return "FAIL the refused transfer was received"
+    except GuidanceSyncError:
+        assert sync.last_stats is None, sync.last_stats
+    return f"OK aborted, then {received}"
 
 
 def _long_reason(rank, sync, samples) -> str:

@@ -294,6 +294,8 @@ def test_metrics_are_tagged_with_the_topology():
     assert topology_prefix(tp=1, ep=1, dp=2, pp=1, cp=2) == "tp1_ep1_dp2_pp1_cp2"
     with pytest.raises(ValueError, match="ep=0"):
         topology_prefix(ep=0)
+    with pytest.raises(ValueError, match=r"topology keys \['etp'\] are not among \('tp', 'ep', 'dp', 'pp', 'cp'\)"):
+        step_mismatch_metrics(_lt(0.2, 0.2), LR, MASK, kv_quantized=False, topology=dict(tp=2, etp=2))
 
 
 @pytest.mark.parametrize("bad", ["long", "float", "row"])
