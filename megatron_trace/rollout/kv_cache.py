@@ -224,6 +224,9 @@ class FP4KVCache(Cache):
         check_bools("FP4KVCache", quantize_k=quantize_k, quantize_v=quantize_v, fused_decode=fused_decode,
                     fast_attention=fast_attention, interval_masks=interval_masks)
         parse_kernel(kernel)
+        if not set(bf16_layers) <= set(range(num_layers)):  # (such a layer was kept in FP4, silently)
+            raise ValueError(f"FP4KVCache.bf16_layers={sorted(bf16_layers, key=repr)} must be layer ids in "
+                             f"[0, {num_layers})")
         self.static = None if static_rows is None else StaticPosition(static_rows)
         layers = [FP4KVLayer(i, quantizer, quantize_k=quantize_k and i not in bf16_layers,
                              quantize_v=quantize_v and i not in bf16_layers, recorder=recorder, kernel=kernel,

@@ -56,9 +56,12 @@ def test_a_token_in_another_format_is_refused_by_a_static_rows_write():
     (dict(kernel="tritonn"), r"kernel='tritonn' is not one of"),
     (dict(static_rows=64.0), r"static_rows=64.0 must be a positive multiple of 16"),
     (dict(static_rows="64"), r"static_rows='64' must be a positive multiple of 16"),
+    (dict(bf16_layers={5}), r"FP4KVCache.bf16_layers=\[5\] must be layer ids in \[0, 2\)"),
+    (dict(bf16_layers={"1"}), r"FP4KVCache.bf16_layers=\['1'\] must be layer ids in \[0, 2\)"),
 ])
 def test_fp4_kv_cache_settings_are_checked_by_name(kw, match):
-    """quantize_k="no" (truthy) quantized K, kernel="tritonn" and num_layers=0 were taken, static_rows=64.0 failed
+    """quantize_k="no" (truthy) quantized K, kernel="tritonn", num_layers=0 and bf16_layers outside the model (the
+    layer meant kept in FP4) were taken, static_rows=64.0 failed
     deep in the first allocation and "64" with a bare TypeError."""
     from megatron_trace.formats import Quantizer
     from megatron_trace.rollout.kv_cache import FP4KVCache
