@@ -61,8 +61,8 @@ def test_a_token_in_another_format_is_refused_by_a_static_rows_write():
 ])
 def test_fp4_kv_cache_settings_are_checked_by_name(kw, match):
     """quantize_k="no" (truthy) quantized K, kernel="tritonn", num_layers=0 and bf16_layers outside the model (the
-    layer meant kept in FP4) were taken, static_rows=64.0 failed
-    deep in the first allocation and "64" with a bare TypeError."""
+    layer meant kept in FP4) were taken, static_rows=64.0 failed deep in the first allocation and "64" with a bare
+    TypeError."""
     from megatron_trace.formats import Quantizer
     from megatron_trace.rollout.kv_cache import FP4KVCache
 
