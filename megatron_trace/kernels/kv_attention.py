@@ -24,6 +24,9 @@ was within seed noise of the exact kernel's over 3 seeds (BENCHMARKS.md, session
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from ..formats.tensor import FP4Tensor
@@ -57,22 +60,40 @@ def check_args(q: torch.Tensor, k: FP4Tensor, v: FP4Tensor, lengths, kv_mask=Non
         raise ValueError(f"head_dim={d} must be a multiple of the {k.fmt} block {k.block_size}")
 
 
+def softmax_scale(scale, d: int) -> float:
+    """The scores' scale: ``scale``, or ``d ** -0.5`` where None; refused unless a finite real > 0 (not a bool: True
+    was taken as 1.0; NaN / Inf made every output NaN, 0 or less attended uniformly or the least similar rows)."""
+    if scale is None:
+        return d**-0.5
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not (0 < scale < math.inf):
+        raise ValueError(f"scale={scale!r} must be a finite real > 0 (the scores' softmax scale), or None for "
+                         f"head_dim ** -0.5 = {d**-0.5:.6g}")
+    return float(scale)
+
+
 def _check_layout(q: torch.Tensor, k_shape: tuple, v_shape: tuple, lengths, kv_mask, starts) -> None:
+    if not isinstance(q, torch.Tensor) or not q.dtype.is_floating_point:  # (an int q: an int result, truncated)
+        raise TypeError(f"q must be a floating-point tensor, got {getattr(q, 'dtype', type(q).__name__)}")
     if q.dim() != 3 or len(k_shape) != 4 or k_shape != v_shape:
         raise ValueError(f"q must be [B, Hq, D] and k, v [B, Hkv, T, D] alike; got q {tuple(q.shape)}, "
                          f"k {k_shape}, v {v_shape}")
     b, hq, d = q.shape
     kb, hkv, t, kd = k_shape
-    if kb != b or kd != d or hq % hkv:
+    if kb != b or kd != d or hkv < 1 or hq % hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit k {k_shape}: same B and D, Hq a multiple of Hkv")
-    if d & (d - 1):
+    if d < 1 or d & (d - 1):
         raise ValueError(f"head_dim={d} must be a power of two")
     for name, rows in (("lengths", lengths), ("starts", starts)):
+        if rows is not None and not isinstance(rows, torch.Tensor):
+            raise TypeError(f"{name} must be an integer tensor [B={b}] or None, got {type(rows).__name__}")
         if rows is not None and tuple(rows.shape) != (b,):
             raise ValueError(f"{name} must be [B={b}], got {tuple(rows.shape)}")
         if rows is not None and (rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool):
             # (a float length 4.5 attends 5 rows in the reference, 4 in the kernels: their int32 cast)
             raise ValueError(f"{name} must be an integer tensor, got {rows.dtype}")
+    if kv_mask is not None and not isinstance(kv_mask, torch.Tensor):
+        raise TypeError(f"kv_mask must be a bool or uint8 tensor [B={b}, >= T={t}] or None, got "
+                        f"{type(kv_mask).__name__}")
     if kv_mask is not None and (kv_mask.dim() != 2 or kv_mask.shape[0] != b or kv_mask.shape[1] < t):
         raise ValueError(f"kv_mask must be [B={b}, >= T={t}], got {tuple(kv_mask.shape)}")
     if kv_mask is not None and kv_mask.dtype not in (torch.bool, torch.uint8):  # (an additive float mask: 0 attends)
@@ -90,7 +111,7 @@ def _softmax_attention(q, k: torch.Tensor, v: torch.Tensor, scale, lengths, kv_m
     """fp32 softmax attention of q [B, Hq, D] over dense k, v [B, Hkv, T, D], masked; [B, Hq, D] in q.dtype."""
     hq, d = q.shape[1:]
     hkv, t = k.shape[1], k.shape[2]
-    scale = d**-0.5 if scale is None else scale
+    scale = softmax_scale(scale, d)
     kd = k.float().repeat_interleave(hq // hkv, 1)  # [B, Hq, T, D]
     vd = v.float().repeat_interleave(hq // hkv, 1)
     s = torch.einsum("bhd,bhtd->bht", q.float(), kd) * scale
@@ -114,15 +135,17 @@ def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None
     ``kv_dtype``: the reference's dequantized K/V dtype. ``exact``: the Triton path's kernel (see above).
     ``readable_rows``: K/V rows [0, R >= T) that the Triton path may read, finite (see
     ``kv_attention_triton.decode_attention``); the result does not depend on it."""
+    if not isinstance(exact, bool):  # ("no" is truthy: the exact kernel)
+        raise ValueError(f"exact={exact!r} must be a bool")
     if select_kernel(kernel, k.codes.device) is Kernel.REFERENCE:
         return reference_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, kv_dtype=kv_dtype,
                                    starts=starts)
     check_args(q, k, v, lengths, kv_mask, starts)
+    scale = softmax_scale(scale, q.shape[-1])
     if k.shape[2] == 0:  # no history: the reference's (empty) weighted sum
         return torch.zeros_like(q)
     from . import kv_attention_triton
 
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return kv_attention_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, starts=starts,
                                                 kv_mask=kv_mask, readable_rows=readable_rows, exact=exact)
 
@@ -146,10 +169,10 @@ def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     check_dense_args(q, k, v, lengths, kv_mask, starts)
     if select_kernel(kernel, k.device) is Kernel.REFERENCE:
         return _softmax_attention(q, k, v, scale, lengths, kv_mask, starts)
+    scale = softmax_scale(scale, q.shape[-1])
     if k.shape[2] == 0:  # no history: the reference's (empty) weighted sum
         return torch.zeros_like(q)
     from . import kv_attention_dense_triton
 
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
     return kv_attention_dense_triton.decode_attention(q, k, v, scale=scale, lengths=lengths, starts=starts,
                                                       kv_mask=kv_mask, readable_rows=readable_rows)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels.kv_attention import fp4kv_decode_attention, reference_attention
+from megatron_trace.kernels.kv_attention import dense_decode_attention, fp4kv_decode_attention, reference_attention
 
 from ._gpu import DEVICE, HAS_TRITON, INTERPRET, needs_cuda, needs_triton, random_rows, rows_view
 
@@ -77,6 +77,43 @@ def test_bad_arguments_are_named(bad, match):
     with pytest.raises(ValueError, match=match):
         fp4kv_decode_attention(q, k, v, lengths=lengths, kv_mask=mask, kernel=kernel)
 
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["fp4", "dense"])
+@pytest.mark.parametrize("arg,value,match", [
+    ("scale", True, "scale=True must be a finite real > 0"), ("scale", float("nan"), "scale=nan must be"),
+    ("scale", float("inf"), "scale=inf must be"), ("scale", 0.0, "scale=0.0 must be"),
+    ("scale", -0.5, "scale=-0.5 must be"), ("scale", "0.1", "scale='0.1' must be"),
+    ("q", torch.int64, "q must be a floating-point tensor, got torch.int64"),
+    ("lengths", [21, 4, 1], "lengths must be an integer tensor \\[B=3\\] or None, got list"),
+    ("kv_mask", [[True] * 21] * 3, "kv_mask must be a bool or uint8 tensor"),
+    ("head_dim", 0, "head_dim=0 must be a power of two")])
+def test_bad_scalars_and_types_are_named(dense, arg, value, match):
+    """Before: scale=True attended with scale 1.0, NaN / Inf gave NaN outputs, 0 or less a uniform (or inverted)
+    softmax, all silently; an int q gave an int (truncated) result; a list of lengths or a kv_mask list raised
+    AttributeError, head_dim 0 ZeroDivisionError."""
+    if arg == "head_dim" and not dense:
+        pytest.skip("an FP4 K/V of head_dim 0 has no block")
+    q, k, v = _case(3)
+    if dense:
+        k, v = k.dequantize(torch.float32), v.dequantize(torch.float32)
+    if arg == "head_dim":
+        q, k, v = q[..., :0], k[..., :0], v[..., :0]
+    kw = {}
+    if arg == "q":
+        q, k, v = (q.to(value), k.to(value), v.to(value)) if dense else (q.to(value), k, v)
+    elif arg != "head_dim":
+        kw[arg] = value
+    attend = dense_decode_attention if dense else fp4kv_decode_attention
+    with pytest.raises((ValueError, TypeError), match=match):
+        attend(q, k, v, **kw)
+
+
+def test_exact_must_be_a_bool():
+    """exact="no" is truthy: the Triton path ran its exact kernel."""
+    q, k, v = _case(3)
+    with pytest.raises(ValueError, match="exact='no' must be a bool"):
+        fp4kv_decode_attention(q, k, v, exact="no")
 
 # --- the Triton kernels (CUDA, or Triton's CPU interpreter with TRITON_INTERPRET=1: small shapes) -------------
 
