@@ -17,6 +17,14 @@ import torch
 from . import e2m1
 
 
+def check_float_dtype(dtype, what: str = "dtype") -> torch.dtype:
+    """``dtype`` when it is a floating-point ``torch.dtype``; else a TypeError naming it (an int or bool dtype
+    truncated the values silently, a string such as "bf16" failed deep in ``Tensor.to``)."""
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"{what}={dtype!r} must be a floating-point torch.dtype (e.g. torch.float32)")
+    return dtype
+
+
 class GuidanceMismatchError(ValueError):
     """A guidance record does not fit the tensor it is applied to (shape, format, dtype)."""
 
@@ -85,8 +93,7 @@ class FP4Tensor(_Blocked):
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Decoded values in ``dtype``, original shape. Computed in fp32 then cast once."""
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # (int32 truncated 1.5 to 1)
-            raise TypeError(f"dtype={dtype!r} must be a floating-point torch.dtype (e.g. torch.float32)")
+        check_float_dtype(dtype)  # (int32 truncated 1.5 to 1)
         fmt = self.check_layout()
         q = e2m1.decode(self.unpacked_codes()).unflatten(-1, (-1, fmt.block_size))
         out = fmt.unscale(q, self.block_scales, self.global_amax).flatten(-2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..formats.tensor import FP4Tensor
+from ..formats.tensor import FP4Tensor, check_float_dtype
 from .dispatch import Kernel, select_kernel
 from .layout import check_fp4
 
@@ -25,6 +25,9 @@ def check_grouped_args(x, weight: FP4Tensor, offs: torch.Tensor) -> tuple[int, i
     if isinstance(weight, FP4Tensor):
         check_fp4(weight, "weight")  # (the Triton kernel reads codes and scales with the sizes of weight.shape)
     e, n, k = weight.shape
+    if not isinstance(offs, torch.Tensor):
+        raise TypeError(f"offs must be an int32/int64 tensor [{e}] (cumulative tokens per expert), got "
+                        f"{type(offs).__name__}")
     xk = x.shape[-1]
     if x.dim() != 2 or xk != k:
         raise ValueError(f"x.shape={tuple(x.shape)} must be [tokens, {k}] for weight.shape={tuple(weight.shape)}")
@@ -37,6 +40,18 @@ def check_grouped_args(x, weight: FP4Tensor, offs: torch.Tensor) -> tuple[int, i
         raise ValueError(f"offs must be int32/int64 of shape [{e}] (cumulative tokens per expert), got "
                          f"{offs.dtype} {tuple(offs.shape)}")
     return e, n, k
+
+
+def result_dtype(x, out_dtype) -> torch.dtype:
+    """The grouped GEMM's output dtype: ``out_dtype`` (a float dtype: an int one truncated the products), else bf16
+    for FP4 activations and x's dtype otherwise; x must be an FP4Tensor or a float tensor (an int x gave an int
+    result, truncated)."""
+    if not isinstance(x, FP4Tensor) and not (isinstance(x, torch.Tensor) and x.dtype.is_floating_point):
+        raise TypeError(f"x must be a float tensor [tokens, K] or an FP4Tensor, got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if out_dtype is not None:
+        return check_float_dtype(out_dtype, "out_dtype")
+    return torch.bfloat16 if isinstance(x, FP4Tensor) else x.dtype
 
 
 def _dense_x(x) -> torch.Tensor:
@@ -62,9 +77,9 @@ def grouped_mm_reference(x, weight: FP4Tensor, offs: torch.Tensor, *, out_dtype:
     ``x``: [T, K] float tensor (W4A16) or an FP4Tensor of shape [T, K] (W4A4 emulation).
     ``out_dtype`` defaults to bf16 for FP4 activations and to x.dtype otherwise.
     """
+    out_dtype = result_dtype(x, out_dtype)
     xd = _dense_x(x)
     e, n, k = check_grouped_args(xd, weight, offs)
-    out_dtype = out_dtype or (torch.bfloat16 if isinstance(x, FP4Tensor) else x.dtype)
     w = weight.dequantize(torch.float32)  # [E, N, K]
     y = torch.zeros(xd.shape[0], n, dtype=torch.float32, device=xd.device)
     start = 0
@@ -100,13 +115,17 @@ def fp4_grouped_mm(x, weight, offs: torch.Tensor, *, out_dtype: torch.dtype | No
 
     if isinstance(weight, moe_mma.PackedWeight):
         packed, weight = weight, None
+    elif not isinstance(weight, FP4Tensor):  # (was: AttributeError 'codes')
+        raise TypeError(f"weight must be an FP4Tensor of shape [E, N, K] (or moe_mma.PackedWeight), got "
+                        f"{type(weight).__name__}")
+    result_dtype(x, out_dtype)
     if gemm == "wgmma" and (packed is None or packed.layout != "wgmma"):
         raise ValueError("gemm='wgmma' needs the weights in moe_wgmma.pack's layout (weight= or packed=)")
     dev = (packed if weight is None else weight).codes.device
     if select_kernel(kernel, dev) is Kernel.REFERENCE:
         return grouped_mm_reference(x, moe_mma.unpack(packed) if weight is None else weight, offs, out_dtype=out_dtype)
     y = _gpu_grouped_mm(x, weight, offs, out_dtype, gemm, packed)
-    want = out_dtype or (torch.bfloat16 if isinstance(x, FP4Tensor) else x.dtype)  # the reference's dtype
+    want = result_dtype(x, out_dtype)  # the reference's dtype
     return y if y.dtype == want else y.to(want)  # (the GPU kernels write bf16 unless asked otherwise)
 
 

@@ -87,6 +87,34 @@ def test_more_bad_arguments_are_named(bad, match):
         grouped_mm_reference(x, wq, offs)
 
 
+
+@pytest.mark.parametrize("entry", [grouped_mm_reference, fp4_grouped_mm], ids=["reference", "dispatch"])
+@pytest.mark.parametrize("bad,match", [
+    ("out_int", r"out_dtype=torch.int32 must be a floating-point torch.dtype"),
+    ("out_str", r"out_dtype='bf16' must be a floating-point torch.dtype"),
+    ("x_int", r"x must be a float tensor \[tokens, K\] or an FP4Tensor, got torch.int64"),
+    ("x_list", r"x must be a float tensor .* got list"),
+    ("offs_list", r"offs must be an int32/int64 tensor \[2\] .* got list"),
+    ("weight_dense", r"weight must be an FP4Tensor .* got Tensor"),
+])
+def test_bad_types_are_named(entry, bad, match):
+    """An int out_dtype (or an int x, whose dtype the result takes) truncated the products silently; a dtype name
+    failed in Tensor.to ("Invalid device string"), a list of x or offs and a dense weight raised AttributeError."""
+    wq = Quantizer("nvfp4").quantize(torch.randn(2, 8, 32))
+    x, offs, kw = torch.randn(4, 32), torch.tensor([1, 4]), {}
+    if bad.startswith("out"):
+        kw["out_dtype"] = torch.int32 if bad == "out_int" else "bf16"
+    elif bad == "x_int":
+        x = (x * 4).long()
+    elif bad == "x_list":
+        x = x.tolist()
+    elif bad == "offs_list":
+        offs = [1, 4]
+    else:
+        wq = wq.dequantize(torch.float32)
+    with pytest.raises(TypeError, match=match):
+        entry(x, wq, offs, **kw)
+
 def test_an_expert_without_tokens_and_the_default_dtypes():
     """An expert with no rows (offs repeats) and a batch of no tokens; the result's dtype is x's (bf16 for FP4
     activations) unless out_dtype says otherwise."""
