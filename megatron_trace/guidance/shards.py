@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .records import SampleGuidance
+from .records import SampleGuidance, is_integer, sample_id_list
 from .serial import host_bytes, sample_from_tensors, sample_to_tensors
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,13 @@ def tensors_checksum(tensors: dict[str, torch.Tensor], meta: dict | None = None)
 
 
 def write_shard(path: Path, samples: Sequence[SampleGuidance], *, step: int) -> int:
-    """Write ``samples`` to ``path`` atomically; returns the file size in bytes."""
+    """Write ``samples`` (distinct sample ids) to ``path`` atomically; returns the file size in bytes."""
+    if not is_integer(step):  # (was written as its str: "True", "1.5")
+        raise ValueError(f"step={step!r} must be an int (the training step of the samples)")
+    ids = [s.sample_id for s in samples]
+    if len(set(ids)) != len(ids):  # (a repeated id's tensors overwrote the earlier sample's: one sample was lost)
+        raise ValueError(f"write_shard: sample ids {sorted({i for i in ids if ids.count(i) > 1})} are given twice; "
+                         "a shard holds one sample per id")
     st = _safetensors()
     path = Path(path)
     tensors, metas = {}, []
@@ -163,7 +169,7 @@ def load_samples(
     """Load only ``sample_ids`` from a shard (others are not read), each checked against its checksum."""
     path = Path(path)
     index = shard_index(path) if index is None else index
-    sample_ids = list(sample_ids)
+    sample_ids = sample_id_list(sample_ids)  # (0.0 or True found sample 0's entry, then "failed its checksum")
     absent = [i for i in sample_ids if i not in index]
     if absent:
         raise KeyError(f"guidance shard {path} has no sample(s) {absent}")

@@ -315,6 +315,28 @@ def _shard(tmp_path):
     return path, samples
 
 
+@pytest.mark.parametrize("bad,match", [
+    ("dup_ids", r"write_shard: sample ids \[200\] are given twice"), ("step_bool", "step=True must be an int"),
+    ("step_float", "step=1.5 must be an int"), ("load_float", r"sample_ids\[0\]=200.0 is not an int sample id"),
+    ("load_bool", r"sample_ids\[0\]=True is not an int sample id"),
+    ("load_int", "sample_ids=200 is not a sequence of int sample ids")])
+def test_bad_shard_arguments_are_named(tmp_path, bad, match):
+    """A repeated sample id's tensors overwrote the earlier sample's (one sample silently lost: the shard read back
+    held one of them); a step True / 1.5 was written as its str; a float id (200.0 == 200 in the index) was read as
+    a sample that "fails its checksum (corrupt data)", a bare int was a TypeError."""
+    path, samples = _shard(tmp_path)
+    if bad == "dup_ids":
+        samples = [samples[0], dataclasses.replace(samples[1], sample_id=samples[0].sample_id)]
+    write = bad.startswith(("dup", "step"))
+    step = {"step_bool": True, "step_float": 1.5}.get(bad, 2)
+    ids = {"load_float": [200.0], "load_bool": [True], "load_int": 200}.get(bad)
+    with pytest.raises(ValueError, match=match):
+        if write:
+            write_shard(tmp_path / "new.safetensors", samples, step=step)
+        else:
+            load_samples(path, ids)
+    assert not (tmp_path / "new.safetensors").exists()
+
 @pytest.mark.parametrize("keep", [0, 5, 100, -1], ids=["empty", "in-length", "in-header", "last-byte"])
 def test_truncated_shard_is_rejected(tmp_path, keep):
     path, samples = _shard(tmp_path)
