@@ -31,6 +31,7 @@ from ..manifest import (
     module_excluded,
     quantized_module_names,
 )
+from .base import check_count, is_int
 
 BF16_MODE = "bf16"
 
@@ -56,17 +57,27 @@ def _get(cfg, key: str, default=None):
     return cfg.get(key, default) if isinstance(cfg, Mapping) else getattr(cfg, key, default)
 
 
+def _config_count(hf_config, key: str, default: int | None, least: int) -> int:
+    """``hf_config[key]`` (``default`` where absent or None) as an int >= ``least``, else an error naming it (int()
+    took 2.5 layers as 2, True as 1, "2" as 2; a decoder_sparse_step 0 was taken as 1, transformers divides by it)."""
+    value = _get(hf_config, key, None)
+    return check_count(f"hf_config {key}", default if value is None else value, least)
+
+
 def qwen3_moe_modules(hf_config) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(MoE layer ids, names of the other 2-D-weight modules) of a Qwen3-MoE / Qwen2-MoE config.
 
     ``hf_config``: a dict (config.json) or a transformers config. Dense layers are those in
     ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid, as transformers builds them.
     """
-    n = int(_get(hf_config, "num_hidden_layers"))
-    step = int(_get(hf_config, "decoder_sparse_step", 1) or 1)
-    dense = set(_get(hf_config, "mlp_only_layers", None) or ())
-    shared = int(_get(hf_config, "shared_expert_intermediate_size", 0) or 0)
-    experts = int(_get(hf_config, "num_experts", None) or _get(hf_config, "num_local_experts", 0) or 0)
+    n = _config_count(hf_config, "num_hidden_layers", None, 1)
+    step = _config_count(hf_config, "decoder_sparse_step", 1, 1)
+    dense = _get(hf_config, "mlp_only_layers", None) or ()
+    if isinstance(dense, str | bytes) or not all(is_int(i) for i in dense):  # (["0"] matched no layer id)
+        raise ValueError(f"hf_config mlp_only_layers={dense!r} must be a list of int layer ids")
+    dense = set(dense)
+    shared = _config_count(hf_config, "shared_expert_intermediate_size", 0, 0)
+    experts = _config_count(hf_config, "num_experts", 0, 0) or _config_count(hf_config, "num_local_experts", 0, 0)
     moe = tuple(i for i in range(n) if i not in dense and experts > 0 and (i + 1) % step == 0)
     names = ["model.embed_tokens", "lm_head"]
     for i in range(n):
@@ -147,9 +158,9 @@ def sglang_layer_skipped(prefix: str, patterns: Sequence[str], packed: Mapping[s
 
 def _sglang_linears(hf_config, moe: Sequence[int]) -> dict[str, tuple[str, ...]]:
     """The Linears SGLang builds with the quant config: SGLang prefix -> the canonical names it serves."""
-    shared = int(_get(hf_config, "shared_expert_intermediate_size", 0) or 0)
+    shared = _config_count(hf_config, "shared_expert_intermediate_size", 0, 0)
     out: dict[str, tuple[str, ...]] = {}
-    for i in range(int(_get(hf_config, "num_hidden_layers"))):
+    for i in range(_config_count(hf_config, "num_hidden_layers", None, 1)):
         p = f"model.layers.{i}"
         out[f"{p}.self_attn.qkv_proj"] = tuple(f"{p}.self_attn.{x}_proj" for x in "qkv")
         out[f"{p}.self_attn.o_proj"] = (f"{p}.self_attn.o_proj",)
@@ -159,6 +170,24 @@ def _sglang_linears(hf_config, moe: Sequence[int]) -> dict[str, tuple[str, ...]]
     return out
 
 
+def exclude_list(exclude_modules) -> list[str] | None:
+    """A checkpoint's ``exclude_modules`` as a list of pattern strings (None stays None: every non-expert module);
+    one string is refused, not read as its characters (each a substring of nearly every module name: every Linear
+    excluded), and so is an entry that is no string."""
+    if exclude_modules is None:
+        return None
+    if isinstance(exclude_modules, str | bytes):
+        raise ModulePatternError(f"exclude_modules={exclude_modules!r} must be a list of patterns, not one string")
+    try:
+        patterns = list(exclude_modules)
+    except TypeError as e:
+        raise ModulePatternError(f"exclude_modules={exclude_modules!r} must be a list of patterns") from e
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:
+        raise ModulePatternError(f"exclude_modules holds {bad!r}: each pattern must be a string")
+    return patterns
+
+
 def sglang_excluded(hf_config, exclude_modules: Sequence[str]) -> tuple[set[str], set[str]]:
     """(canonical names SGLang 0.5.10 serves unquantized for this exclude list, names it may quantize at all).
 
@@ -166,6 +195,7 @@ def sglang_excluded(hf_config, exclude_modules: Sequence[str]) -> tuple[set[str]
     ``gate_up_proj``), a routed-experts FusedMoE by ``is_layer_excluded`` only (``ModelOptFp4Config`` and the TRACE
     method's ``get_quant_method``). A pattern that matches no module of the model under those rules (e.g. a
     per-expert ``model.layers.0.mlp.experts.3.gate_proj``, which SGLang ignores) raises ``ModulePatternError``."""
+    exclude_modules = exclude_list(exclude_modules)
     moe, others = qwen3_moe_modules(hf_config)
     packed = sglang_packed_modules(hf_config)
     linears = _sglang_linears(hf_config, moe)
@@ -197,7 +227,7 @@ def sglang_module_audit(config: TraceConfig, hf_config, exclude_modules: Sequenc
     """
     moe, others = qwen3_moe_modules(hf_config)
     experts = {experts_name(i) for i in moe}
-    if exclude_modules is None:
+    if exclude_list(exclude_modules) is None:
         excluded, quantizable = set(others), experts | set(others)
     else:
         excluded, quantizable = sglang_excluded(hf_config, exclude_modules)

@@ -24,7 +24,7 @@ from ...manifest import (
     experts_name,
     kv_cache_name,
 )
-from ..audit import backend_recipe, qwen3_moe_modules, sglang_module_audit, without_kv
+from ..audit import backend_recipe, exclude_list, qwen3_moe_modules, sglang_module_audit, without_kv
 from ..base import (
     RolloutBatch,
     SamplingParams,
@@ -128,7 +128,7 @@ class SGLangRolloutBackend:
         check_serves_fp4_weights(trace_config)
         check_serves_format(trace_config)
         self.engine, self.config, self.hf_config = engine, trace_config, hf_config
-        self.exclude_modules = None if exclude_modules is None else list(exclude_modules)
+        self.exclude_modules = exclude_list(exclude_modules)
         self.num_layers = int(hf_config["num_hidden_layers"])
         self.vocab_size = int(hf_config["vocab_size"])
         self.kv_cache_dtype = default_kv_cache_dtype(trace_config) if kv_cache_dtype is None else kv_cache_dtype
