@@ -23,6 +23,11 @@ def load_model(source, dtype, device, attn_implementation: str) -> PreTrainedMod
         model.set_attn_implementation(attn_implementation)
         return model.to(device=device, dtype=dtype)
     if isinstance(source, str | os.PathLike):
+        path = os.path.expanduser(os.fspath(source))
+        local = isinstance(source, os.PathLike) or os.path.isabs(path) or path.startswith(("./", "../", "~"))
+        if (local or os.path.exists(path)) and not os.path.isdir(path):  # (a missing path: "Repo id must be ...")
+            raise NotADirectoryError(f"model={os.fspath(source)!r} must be a checkpoint directory; it "
+                                     f"{'is a file' if os.path.exists(path) else 'does not exist'}")
         return AutoModelForCausalLM.from_pretrained(
             source, dtype=dtype, attn_implementation=attn_implementation, experts_implementation=EXPERTS_IMPLEMENTATION
         ).to(device)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from ..formats import FP4Tensor, NonFiniteError
-from .base import nonfinite_names
+from .base import check_count, nonfinite_names
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -111,10 +111,11 @@ class ShardedSafetensorsWriter:
 
     def __init__(self, directory, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
                  metadata: dict[str, str] | None = None):
-        if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
-            raise ValueError(f"{max_shard_bytes=} must be a positive int (bytes per safetensors shard)")
+        self.max_shard_bytes = check_count("max_shard_bytes", max_shard_bytes)
         self.directory = Path(directory)
-        self.max_shard_bytes = max_shard_bytes
+        if not self.directory.is_dir():  # (was: a SafetensorError at the first full shard, its data held till then)
+            raise NotADirectoryError(f"safetensors shards go into an existing directory; {self.directory} "
+                                     f"{'is a file' if self.directory.exists() else 'does not exist'}")
         self.metadata = {"format": "pt", **(metadata or {})}
         self.files: list[str] = []  # the final file names, after close()
         self.tensors = 0
@@ -126,6 +127,9 @@ class ShardedSafetensorsWriter:
         self._names: set[str] = set()
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):  # (a bad name failed at the flush)
+            raise TypeError(f"add(name, tensor) takes a str name and a torch.Tensor, got {name!r} and "
+                            f"{type(tensor).__name__}")
         if name in self._names:
             raise ValueError(f"tensor {name!r} was already written to {self.directory}: names must be unique")
         self._names.add(name)

@@ -81,3 +81,28 @@ def test_only_exact_expert_weight_names_are_parsed():
     for name in ("model.layers.2.mlp.experts.7.up_proj.weight_scale", "model.layers.2.mlp.experts.7.up_proj.weight2",
                  "xmodel.layers.2.mlp.experts.7.up_proj.weight", "model.layers.2.mlp.experts.gate_up_proj"):
         assert parse_expert_name(name) is None, name
+
+
+@pytest.mark.parametrize("where", ["missing", "file"])
+def test_a_directory_that_is_missing_or_a_file_is_named_before_anything_is_held(tmp_path, where):
+    """Was: a SafetensorError ("I/O error ... .tmpXXXX") at the first full shard or close(), the data held till then;
+    loading a checkpoint from a missing local path was transformers' "Repo id must be in the form ..."."""
+    from megatron_trace.rollout.hf_model import load_model
+
+    path = tmp_path / "ckpt"
+    if where == "file":
+        path.write_text("{}")
+    state = "is a file" if where == "file" else "does not exist"
+    with pytest.raises(NotADirectoryError, match=f"{path} {state}"):
+        ShardedSafetensorsWriter(path)
+    with pytest.raises(NotADirectoryError, match=f"must be a checkpoint directory; it {state}"):
+        load_model(str(path), torch.float32, "cpu", "eager")
+
+
+@pytest.mark.parametrize("name,tensor", [("a", [1.0, 2.0]), (3, torch.ones(2))], ids=["list", "int_name"])
+def test_add_names_a_value_that_is_no_tensor_or_a_name_that_is_no_str(tmp_path, name, tensor):
+    """Was: AttributeError 'detach', or a safetensors TypeError at the flush (the whole shard lost)."""
+    with pytest.raises(TypeError, match="add\\(name, tensor\\) takes a str name and a torch.Tensor"):
+        with ShardedSafetensorsWriter(tmp_path) as w:
+            w.add(name, tensor)
+    assert list(tmp_path.iterdir()) == []
