@@ -54,6 +54,8 @@ def compile_enabled() -> bool:
 def _compile_all(modules: list[tuple[str, torch.nn.Module]], what: str, dynamic: bool | None) -> list[str]:
     """``nn.Module.compile`` each of ``modules`` (name, module) with ``INDUCTOR_OPTIONS``; their names, or [] with a
     warning where torch.compile is disabled in this process (nothing is compiled then, and nothing claims to be)."""
+    if dynamic is not None and not isinstance(dynamic, bool):  # ("no" is truthy: dynamic shapes from the start)
+        raise ValueError(f"dynamic={dynamic!r} must be None (torch.compile's default), True or False")
     if not compile_enabled():
         logger.warning("compile=%r, but torch.compile is disabled in this process (TORCHDYNAMO_DISABLE=1): the model "
                        "runs eager", what)

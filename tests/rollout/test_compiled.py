@@ -69,6 +69,15 @@ def test_compile_rejects_an_unknown_mode():
         HFRolloutBackend(tiny_model(), mode="bf16", compile="graphs")
 
 
+@pytest.mark.parametrize("compile_fn", ["compile_small_modules", "compile_layers"])
+@pytest.mark.parametrize("dynamic", ["no", 0, 1.0])
+def test_compile_names_a_dynamic_that_is_no_bool_or_none(compile_fn, dynamic):
+    """Was passed on to torch.compile ("no" truthy: dynamic shapes), or silently dropped where compile is off."""
+    from megatron_trace.rollout import compiled
+
+    with pytest.raises(ValueError, match=f"dynamic={dynamic!r} must be None"):
+        getattr(compiled, compile_fn)(tiny_model(), dynamic=dynamic)
+
 def test_grouped_path_routing_helpers():
     """``fp4_moe``'s routing and row plumbing (eager; ``compiled=True`` runs the same functions through Inductor)
     against a direct computation: stable expert order, cumulative counts, inverse permutation, combine."""
