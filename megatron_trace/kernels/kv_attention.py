@@ -43,6 +43,8 @@ def aligned_rows(t_len: int, readable_rows: int | None) -> int:
     """The K/V rows the loads may cover: T rounded up to ``ROW_ALIGN`` if within ``readable_rows``, else T."""
     if readable_rows is None:
         return t_len
+    if isinstance(readable_rows, bool) or not isinstance(readable_rows, numbers.Integral):  # (17.5 bounded the loads)
+        raise ValueError(f"readable_rows={readable_rows!r} must be an int >= the K/V length T={t_len}, or None")
     if readable_rows < t_len:
         raise ValueError(f"readable_rows={readable_rows} must be >= the K/V length T={t_len}")
     up = -(-t_len // ROW_ALIGN) * ROW_ALIGN
@@ -137,6 +139,7 @@ def fp4kv_decode_attention(q, k: FP4Tensor, v: FP4Tensor, *, scale: float | None
     ``kv_attention_triton.decode_attention``); the result does not depend on it."""
     if not isinstance(exact, bool):  # ("no" is truthy: the exact kernel)
         raise ValueError(f"exact={exact!r} must be a bool")
+    aligned_rows(k.shape[2], readable_rows)  # (checked on every path: the reference ignores it)
     if select_kernel(kernel, k.codes.device) is Kernel.REFERENCE:
         return reference_attention(q, k, v, scale=scale, lengths=lengths, kv_mask=kv_mask, kv_dtype=kv_dtype,
                                    starts=starts)
@@ -167,6 +170,7 @@ def dense_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     ``fp4kv_decode_attention``. The reference: fp32 softmax attention; the Triton path
     (``kv_attention_dense_triton``, CUDA) equals it within bf16 rounding of the softmax weights."""
     check_dense_args(q, k, v, lengths, kv_mask, starts)
+    aligned_rows(k.shape[2], readable_rows)  # (checked on every path: the reference ignores it)
     if select_kernel(kernel, k.device) is Kernel.REFERENCE:
         return _softmax_attention(q, k, v, scale, lengths, kv_mask, starts)
     scale = softmax_scale(scale, q.shape[-1])

@@ -84,14 +84,18 @@ def test_bad_arguments_are_named(bad, match):
     ("scale", True, "scale=True must be a finite real > 0"), ("scale", float("nan"), "scale=nan must be"),
     ("scale", float("inf"), "scale=inf must be"), ("scale", 0.0, "scale=0.0 must be"),
     ("scale", -0.5, "scale=-0.5 must be"), ("scale", "0.1", "scale='0.1' must be"),
+    ("readable_rows", 5, "readable_rows=5 must be >= the K/V length T=21"),
+    ("readable_rows", 32.5, "readable_rows=32.5 must be an int >= the K/V length T=21"),
+    ("readable_rows", True, "readable_rows=True must be an int"),
     ("q", torch.int64, "q must be a floating-point tensor, got torch.int64"),
     ("lengths", [21, 4, 1], "lengths must be an integer tensor \\[B=3\\] or None, got list"),
     ("kv_mask", [[True] * 21] * 3, "kv_mask must be a bool or uint8 tensor"),
     ("head_dim", 0, "head_dim=0 must be a power of two")])
 def test_bad_scalars_and_types_are_named(dense, arg, value, match):
     """Before: scale=True attended with scale 1.0, NaN / Inf gave NaN outputs, 0 or less a uniform (or inverted)
-    softmax, all silently; an int q gave an int (truncated) result; a list of lengths or a kv_mask list raised
-    AttributeError, head_dim 0 ZeroDivisionError."""
+    softmax, readable_rows below T or not an int went unchecked on the reference path, all silently; an int q gave
+    an int (truncated) result; a list of lengths or a kv_mask list raised AttributeError, head_dim 0
+    ZeroDivisionError."""
     if arg == "head_dim" and not dense:
         pytest.skip("an FP4 K/V of head_dim 0 has no block")
     q, k, v = _case(3)
