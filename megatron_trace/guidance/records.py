@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..formats import CompactGuidance, FullGuidance
-from .site import FallbackCounter, SiteGuidance, SiteKey, check_rows
+from .site import FallbackCounter, SiteGuidance, SiteKey, check_rows, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +153,6 @@ def token_mask(token_ids: torch.Tensor, *, attention_mask=None, lengths=None) ->
             raise ValueError(f"lengths must be [B={B}] with values in 0..{S}, got {lengths.tolist()}")
         return torch.arange(S, device=token_ids.device)[None, :] < lengths[:, None]
     return torch.ones(B, S, dtype=torch.bool, device=token_ids.device)
-
-
-def is_integer(v) -> bool:
-    """An integer: Python or NumPy (not bool), or a 0-d tensor of an integer dtype."""
-    if isinstance(v, torch.Tensor):
-        return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def _per_row(value, B: int, what: str) -> list[int]:

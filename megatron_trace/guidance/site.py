@@ -55,11 +55,16 @@ def check_rows(record, valid: torch.Tensor, expert_ids: torch.Tensor | None, lea
                          "(one per row)")
 
 
-def _count(v) -> bool:
-    """An int >= 0: Python or NumPy (not bool), or a 0-d integer tensor (one host read, as ``int()`` does)."""
+def is_integer(v) -> bool:
+    """An integer: Python or NumPy (not bool), or a 0-d tensor of an integer dtype."""
     if isinstance(v, torch.Tensor):
-        return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool) and v >= 0
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0
+        return v.dim() == 0 and not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool)
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _count(v) -> bool:
+    """An int >= 0 (``is_integer``; a 0-d tensor: one host read, as ``int()`` does)."""
+    return is_integer(v) and v >= 0
 
 
 @dataclass(frozen=True)
