@@ -37,6 +37,9 @@ ROLLOUT_ROUNDING = "rne"
 own where unguided; a stochastic rollout would record codes no RNE recipe describes."""
 KV_FORMATS = ("", sglang_kvfp4.NAME)
 """``TraceConfig.kv_format``: "" = K/V in ``format``; "sglang_kvfp4" = SGLang's FP4 KV cache (``fp4_e2m1``)."""
+OPERATIONAL_FIELDS = ("cache_budget_mb", "cache_dir", "kernel", "finite_check")
+"""``TraceConfig`` fields that change how, not what, is computed (the host cache's budget and spill directory, the
+kernels, which are bit-exact twins, and when a NaN/Inf check raises): a resumed run may change them."""
 _PATTERN = re.compile(r"[A-Za-z0-9_.*-]+")
 """Module patterns: canonical HF module names with ``*`` wildcards (ModelOpt semantics, full match)."""
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import ACTIVATION_SITES, KV_SITES
+from ..config import ACTIVATION_SITES, KV_SITES, OPERATIONAL_FIELDS
 from ..guidance.records import pack_guidance, payload_of, with_tensors
 from ..guidance.site import FallbackCounter, SiteGuidance
 from ..metrics import cache_metrics, guidance_step_metrics, quant_counts, quant_metrics
@@ -383,11 +383,14 @@ class GRPORun:
         """Resume: weights, optimizer, step and version; the rollout is re-synced, no cached guidance reused."""
         ck = torch.load(path, weights_only=False)
         trace, now = ck["trace"], self.arm.trace.to_dict()
-        if ck["arm"] != self.arm.name or trace != now:  # (the fields that differ, named: there are two dozen)
-            diff = _differences(trace, now, sorted(trace.keys() | now.keys()))
+        numeric = sorted((trace.keys() | now.keys()) - set(OPERATIONAL_FIELDS))
+        diff = _differences(trace, now, numeric)  # (the fields that differ, named: there are two dozen)
+        if ck["arm"] != self.arm.name or diff:
             other = "" if ck["arm"] == self.arm.name else f" (this run's arm is {self.arm.name!r})"
             raise ValueError(f"checkpoint {path} is for arm {ck['arm']!r}{other}" + (
                 f" with another TraceConfig: {diff}" if diff else ""))
+        if changed := _differences(trace, now, OPERATIONAL_FIELDS):
+            logger.info("resuming %s with other operational TraceConfig fields: %s", path, changed)
         saved, now = ck.get("run", {}), self._run_identity()  # (older checkpoints have none)
         diff = _differences(saved, now, [k for k in now if k in saved])
         if diff:  # another run's data stream (or an optimizer whose loaded lr overrides the configured one)
