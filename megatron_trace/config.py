@@ -205,6 +205,17 @@ class TraceConfig:
         kv = () if self.kv_format else KV_SITES
         return tuple(s for s in self.sites if s in ("expert_fc1_in", "expert_fc2_in", *kv))
 
+    def batch_amax_sites(self) -> tuple[str, ...]:
+        """The quantized activation sites whose own rounding (rows without a usable record) takes one NVFP4 amax over
+        all the rows of a forward (``activation_amax="per_tensor"``): the trainer's over its micro-batch, padding and
+        the other samples included; the rollout's over each of its forwards (a prefill of its batch of prompts, a
+        decode step of its batch). The two never take it over the same rows, so there the trainer's own codes and
+        scales differ from the rollout's by recipe (``manifest.batch_amax_note`` says where). () with the per-row
+        amax (batch-invariant: the own rounding is the rollout's bit for bit) or MXFP4 (no global amax)."""
+        if self.format != "nvfp4" or self.activation_amax != "per_tensor":
+            return ()
+        return tuple(s for s in self.activation_sites() if self.quantizes(s))
+
     def quantizes(self, site: str) -> bool:
         _choice("site", site, SITES)
         return self.enabled and site in self.sites

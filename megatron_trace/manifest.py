@@ -265,6 +265,31 @@ def check_guided_layers(config: TraceConfig, layers: Iterable[int], *, moe_layer
                      f"modules are quantized, or narrow exclude_modules")
 
 
+def batch_amax_note(config: TraceConfig, layers: Iterable[int] | None, num_layers: int) -> str | None:
+    """What a trainer with ``config`` (``layers``: the layer policy's guided layers of ``num_layers``; None where the
+    budget policy picks them later) rounds differently from the rollout by recipe, by name, or None: the rows of
+    ``config.batch_amax_sites()`` without guidance (layers outside the policy, sites outside ``guided_sites``, rows
+    whose record is missing or rejected) take the trainer's own per-tensor amax over its micro-batch."""
+    sites = config.batch_amax_sites()
+    if not sites:
+        return None
+    rows = []
+    if layers is None:
+        rows.append("layers outside the budget policy's")
+    elif outside := sorted(set(range(num_layers)) - set(layers)):
+        rows.append(f"layers {outside}")
+    if unguided := [s for s in sites if s not in config.guided_sites]:
+        rows.append(f"sites {unguided} outside guided_sites")
+    rows.append("rows whose record is missing or rejected")
+    return (f"activation_amax='per_tensor' (NVFP4): at {list(sites)} the trainer's own rounding ({', '.join(rows)}) "
+            "takes one amax over its micro-batch, padding and the other samples included; the rollout took one per "
+            "forward (a prefill of its batch of prompts, a decode step of its batch). There the trainer's block "
+            "scales and codes differ from the rollout's by recipe and change with the padding and the batch (the RL "
+            "driver's quant/<site>/scale_mismatch_rate measures them; guidance/fallback/* counts the rows at guided "
+            "sites); activation_amax='per_row' (the default, batch-invariant) rounds those rows as the rollout does, "
+            "bit for bit")
+
+
 def module_excluded(config: TraceConfig, name: str) -> bool:
     """Whether a canonical module name is fully matched by one of ``config.exclude_modules``."""
     return any(_glob(p).fullmatch(name) for p in config.exclude_modules)

@@ -48,7 +48,7 @@ from ..config import ACTIVATION_SITES, FALLBACKS, KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..guidance.site import FallbackCounter, SiteGuidance, SiteKey
 from ..kernels.checks import FiniteCounter, count_ready, count_tensors, raise_if_bad, read_and_reset
-from ..manifest import check_guided_layers, excluded_modules
+from ..manifest import batch_amax_note, check_guided_layers, excluded_modules
 from .args_checks import moe_layer_ids
 from .attention import KVStep, TraceKVCore
 from .experts import TraceExpertsCore
@@ -174,8 +174,11 @@ def _apply_exclusions(layers: TraceLayers) -> None:
     cfg, mcfg = layers.config, next(iter([*layers.moe.values(), *layers.kv.values()])).config
     moe_layers = moe_layer_ids(mcfg.num_moe_experts, mcfg.moe_layer_freq, mcfg.num_layers)
     excluded_modules(cfg, moe_layers=moe_layers, attention_layers=range(layers.num_layers))
-    if cfg.guided_layers != "budget":  # (resolved with a mismatch profile: ``guidance.planner``)
-        check_guided_layers(cfg, guided_layers(cfg, layers.num_layers), moe_layers=moe_layers)
+    policy = guided_layers(cfg, layers.num_layers) if cfg.guided_layers != "budget" else None  # (budget: planner)
+    if policy is not None:
+        check_guided_layers(cfg, policy, moe_layers=moe_layers)
+    if note := batch_amax_note(cfg, policy, layers.num_layers):  # (once per model: find_trace_layers caches)
+        logger.warning(note)
     for layer, m in layers.moe.items():
         m.experts.bind_trace_layer(layer)
 

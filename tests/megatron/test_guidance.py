@@ -2,6 +2,7 @@
 guided sites; fallbacks are counted by reason; routing replay uses Megatron's RouterReplay."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -451,6 +452,75 @@ def test_per_tensor_fc1_equals_quantizing_before_dispatch():
     q = Quantizer("nvfp4").quantize(x)  # one amax over all tokens
     want = e2m1.decode(q.unpacked_codes()).reshape(16, 2, -1).transpose(0, 1)
     assert torch.equal(_values(rec), want)  # (test_experts checks the experts use these values)
+
+
+def _sample_in(pad: int, others: int):
+    """A 6-token sample (row 0) right-padded by ``pad`` positions (token 0), behind ``others`` other samples of the
+    whole length: (tokens, positions, causal mask, labels) as ``harness.batch``."""
+    s = 6 + pad
+    tokens = batch(1 + others, s, seed=3)[0]
+    tokens[0, 6:] = 0
+    mask = torch.tril(torch.ones(1, 1, s, s, dtype=torch.bool)).logical_not()
+    return tokens, torch.arange(s).expand(1 + others, s), mask, tokens
+
+
+def _sample_rows(sg):
+    """The FP4 rows of sample 0's six tokens: codes, scale bytes, global amax (None: MXFP4)."""
+    r = sg.record
+    amax = None if r.global_amax is None else r.global_amax[0, :6]
+    return r.codes[0, :6], r.block_scales[0, :6].view(torch.uint8), amax
+
+
+@pytest.mark.parametrize("fmt,amax", [("nvfp4", "per_row"), ("mxfp4", "per_tensor"), ("nvfp4", "per_tensor")])
+def test_a_samples_own_rounding_depends_on_its_batch_only_where_the_config_names_it(fmt, amax):
+    """Every site of every layer rounded on its own (layers 0-1 outside the policy, layers 2-3 without records): a
+    sample alone and unpadded is a batch-of-1 rollout forward of its tokens (the rollout's quantizer on its FC1 / K /
+    V rows gives the same bits), and padded by 10 behind two other samples its rows keep those bits, codes, scales
+    and amax, with a per-row amax and with MXFP4. With a per-tensor amax over the micro-batch they do not: the
+    recipe difference ``TraceConfig.batch_amax_sites`` (and the trainer's warning) names."""
+    tc = TraceConfig(format=fmt, activation_amax=amax, guided_layers="last_k", guided_last_k=2)
+    model = _model(tc)
+    seen, hooks = _site_inputs(model)
+    alone = _run(model, _sample_in(0, 0)).recorded().sites
+    for hook in hooks:
+        hook.remove()
+    rollout_q = tc.activation_quantizer(rollout=True)
+    for key, x in seen.items():
+        q = rollout_q.quantize(x[0])
+        g = q.global_amax
+        want = (q.codes, q.block_scales.view(torch.uint8), g if g is None or g.dim() else g.expand(*x.shape[1:-1], 1))
+        assert all(map(_same, want, _sample_rows(alone[key]))), key
+    batched = _run(model, _sample_in(10, 2)).recorded().sites
+    differ = [k for k in sorted(alone) if not all(map(_same, _sample_rows(alone[k]), _sample_rows(batched[k])))]
+    assert len(alone) == 16
+    assert set(tc.batch_amax_sites()) == {k[1] for k in differ}
+
+
+def _same(a, b) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
+@pytest.mark.parametrize("kw,named", [
+    ({"activation_amax": "per_tensor", "guided_layers": "last_k", "guided_last_k": 2},
+     "['expert_fc1_in', 'expert_fc2_in', 'kv_k', 'kv_v'] the trainer's own rounding (layers [0, 1], rows whose"),
+    ({"activation_amax": "per_tensor", "guided_layers": "all", "guided_sites": ("kv_k",)},
+     "own rounding (sites ['expert_fc1_in', 'expert_fc2_in', 'kv_v'] outside guided_sites, rows whose record"),
+    ({"activation_amax": "per_tensor", "kv_format": "sglang_kvfp4", "guided_layers": "all"},
+     "at ['expert_fc1_in', 'expert_fc2_in'] the trainer's own rounding (rows whose record is missing or rejected)"),
+    ({"activation_amax": "per_row"}, None),
+    ({"format": "mxfp4", "activation_amax": "per_tensor"}, None),
+], ids=["shallow_unguided", "unguided_sites", "rejected_rows_only", "per_row", "mxfp4"])
+def test_a_per_tensor_amax_is_named_where_the_own_rounding_differs_from_the_rollouts(kw, named, caplog):
+    """The trainer's per-tensor amax at rows without guidance is over its micro-batch, the rollout's over each of its
+    forwards: never the same rows. Once per model (``find_trace_layers``) the trainer says where, by name."""
+    model = _model(TraceConfig(**kw))
+    with caplog.at_level(logging.WARNING, logger="megatron_trace.megatron.context"):
+        find_trace_layers(model)
+        find_trace_layers(model)  # (cached: said once)
+    lines = [r.getMessage() for r in caplog.records if "activation_amax" in r.getMessage()]
+    assert len(lines) == (named is not None), lines
+    if named:
+        assert named in lines[0] and "padding and the other samples included" in lines[0], lines[0]
 
 
 def test_contexts_do_not_nest_and_unbind_on_exit(rollout):
