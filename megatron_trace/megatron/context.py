@@ -24,10 +24,11 @@ the forwards, as Megatron's schedules run them: not one backward of several chec
 losses (use a context per micro-batch there).
 
 Guidance is keyed by layer id (Megatron ``layer_number - 1``, pipeline offset included) and
-bound to the live modules found by walking the model; MTP layers are skipped. Every rank of an
-expert-parallel group must enter the context for the same step (guided layers move guidance
-rows with collectives). Wrap the backward too when activations are recomputed: the recomputed
-forward then reuses the same records and routing (a recompute pass outside the context of its forward raises).
+bound to the live modules found by walking the model; MTP layers keep the stock spec (a TRACE module there is
+refused by ``find_trace_layers``). Every rank of an expert-parallel group must enter the context for the same step
+(guided layers move guidance rows with collectives). Wrap the backward too when activations are recomputed: the
+recomputed forward then reuses the same records and routing (a recompute pass outside the context of its forward
+raises).
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class TraceLayers:
 def find_trace_layers(model) -> TraceLayers:
     """Walk ``model`` (a module or a list of virtual-pipeline chunks) for TRACE experts and attentions.
 
+    Multi-token-prediction layers (``model.mtp``) keep the stock spec: a TRACE module there raises, naming it.
     Also binds each experts module to its layer id, which applies ``TraceConfig.exclude_modules``
     (Megatron never tells experts their layer), hooks the torch experts' ``prepare_weights`` to the start of their
     MoE layer, and raises ``ModulePatternError`` for a pattern that matches none of the model's routed experts /
@@ -140,9 +142,9 @@ def find_trace_layers(model) -> TraceLayers:
     for chunk in chunks:
         for name, m in chunk.named_modules():
             if "mtp" in name.split("."):
-                if isinstance(m, MoELayer) and isinstance(m.experts, TraceExpertsCore):
-                    mtp.append(m)  # not guided, but told its layer id (exclude_modules), as MTP attention is
-                continue  # multi-token-prediction layers reuse decoder layer numbers
+                if isinstance(m, (TraceExpertsCore, TraceKVCore)):
+                    mtp.append(name)
+                continue  # multi-token-prediction layers keep the stock spec
             if isinstance(m, MoELayer) and isinstance(m.experts, TraceExpertsCore):
                 _claim(moe, m.layer_number - 1, m, name)
                 cfgs.add(m.experts.trace_config)
@@ -153,20 +155,28 @@ def find_trace_layers(model) -> TraceLayers:
                 num_layers = m.config.num_layers
             elif isinstance(getattr(m, "core_attention", None), TraceKVCore):  # its config has the real KV heads
                 m.core_attention.trace_kv_groups = m.config.num_query_groups
+    if mtp:
+        raise ValueError(_MTP_REFUSED.format(names=mtp[:4], n=len(mtp)))
     if not cfgs:
         raise ValueError("the model has no TRACE modules: build it with megatron_trace.megatron's spec")
     if len(cfgs) > 1:
         raise ValueError(f"the model's TRACE modules disagree on their TraceConfig ({len(cfgs)} different)")
     layers = TraceLayers(moe, kv, cfgs.pop(), num_layers)
     _apply_exclusions(layers)
-    for m in mtp:  # (layer ids after the decoder's, as HF names MTP layers; unbound, its experts refused to run)
-        m.experts.bind_trace_layer(m.layer_number - 1)
     for m in moe.values():
         m.experts.hook_moe_layer(m)  # the experts' weights quantized as their layer starts (prepare_weights)
     # not a submodule (no state_dict entry); the chunks by weak reference: chunk 0 holding itself would be a reference
     # cycle, and a dropped model (all its GPU memory) would then wait for Python's cyclic GC
     chunks[0].__dict__["_trace_layers"] = (tuple(weakref.ref(c) for c in chunks), layers)
     return layers
+
+
+_MTP_REFUSED = (
+    "TRACE modules in multi-token-prediction layers: {names} ({n}). MTP layers keep Megatron's stock spec, as the "
+    "Megatron-LM patch builds them: no rollout engine computes them, and the module audit, exclude_modules, guidance "
+    "and the NaN/Inf checks cover the decoder's layers only (these would be quantized unreported and unguided). Build "
+    "mtp_block_spec from the stock layer spec, e.g. get_gpt_mtp_block_spec(config, "
+    "get_gpt_decoder_layer_specs(config, ...)[-1]), not from trace_spec's")
 
 
 def _apply_exclusions(layers: TraceLayers) -> None:

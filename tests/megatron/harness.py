@@ -111,7 +111,17 @@ def stock_spec(config):
     return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
 
 
-def build_model(config, spec, seed: int = 0):
+def mtp_spec(config, layer_spec=None):
+    """The MTP block spec for ``config.mtp_num_layers``: of ``layer_spec``, else of the stock decoder's last layer
+    spec, as the Megatron-LM patch's ``gpt_builder`` builds it (MTP layers keep the stock spec)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_layer_specs, get_gpt_mtp_block_spec
+
+    if layer_spec is None:
+        layer_spec = get_gpt_decoder_layer_specs(config, use_transformer_engine=False, normalization="RMSNorm")[-1]
+    return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
+
+
+def build_model(config, spec, seed: int = 0, mtp_block_spec=None):
     """A GPTModel on CPU with deterministic weights (same seed -> same weights for any spec)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -119,7 +129,7 @@ def build_model(config, spec, seed: int = 0):
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope")
+                    position_embedding_type="rope", mtp_block_spec=mtp_block_spec)
 
 
 def batch(b: int = 2, s: int = SEQ, seed: int = 0):

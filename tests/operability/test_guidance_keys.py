@@ -93,26 +93,20 @@ def test_a_dense_layer_skips_an_id_without_shifting_the_others():
     assert h.stats()[(0, "kv_k", "used")] == 0 and (0, "expert_fc1_in", "used") not in h.stats()
 
 
-def test_mtp_layers_are_skipped_and_take_no_guidance():
-    """A multi-token-prediction layer built from the TRACE spec (its transformer layer is layer id 4 of a 4-layer
-    model) is not a guided layer: it binds no records or routing, counts no rows, and routes itself, so a guided
-    step with the decoder's records and routing reproduces the recorded step (USER_NEEDS.md §6)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+def test_mtp_layers_keep_the_stock_spec_and_take_no_guidance():
+    """A multi-token-prediction layer built as the Megatron-LM patch builds it (the stock spec; its transformer layer
+    is layer id 4 of a 4-layer model) is not a guided layer: it binds no records or routing, counts no rows, and
+    routes itself, so a guided step with the decoder's records and routing reproduces the recorded step (USER_NEEDS.md
+    §6)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from ..megatron.harness import SEQ, VOCAB
+    from ..megatron.harness import mtp_spec
 
     cfg = tiny_config(mtp_num_layers=1)
     spec = trace_spec(stock_spec(cfg), TraceConfig(guided_layers="all"))
-    torch.manual_seed(0)
-    model_parallel_cuda_manual_seed(0)
-    model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                     position_embedding_type="rope",
-                     mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False))
+    model = build_model(cfg, spec, mtp_block_spec=mtp_spec(cfg))
     mtp_layer = model.mtp.layers[0].transformer_layer
-    assert mtp_layer.layer_number - 1 == 4
-    assert type(mtp_layer.mlp.experts) is type(model.decoder.layers[0].mlp.experts)  # TRACE experts there too
+    assert mtp_layer.layer_number - 1 == 4 and type(mtp_layer.mlp.experts) is SequentialMLP  # the stock experts
     layers = find_trace_layers(model)
     assert sorted(layers.moe) == sorted(layers.kv) == [0, 1, 2, 3]
     tokens, pos, mask, labels = batch()

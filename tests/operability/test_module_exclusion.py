@@ -5,20 +5,25 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_trace.config import TraceConfig
+from megatron_trace.config import KV_SITES, TraceConfig
 from megatron_trace.manifest import (
+    EXPERT_SITES,
     ModulePatternError,
     RecipeMismatchError,
     check_module_sets,
     check_recipe,
+    experts_name,
+    kv_cache_name,
     trainer_quantized_modules,
     trainer_recipe,
 )
-from megatron_trace.megatron import find_trace_layers, trace_guidance, trace_record, trace_spec
+from megatron_trace.megatron import StepGuidance, find_trace_layers, trace_guidance, trace_record, trace_spec
 from megatron_trace.megatron.args import add_trace_args, trace_args_from_config, trace_config_from_args
+from megatron_trace.megatron.attention import TraceKVCore
+from megatron_trace.megatron.experts import TraceExpertsCore
 from megatron_trace.rollout import HFRolloutBackend, SamplingParams
 
-from ..megatron.harness import LAYERS, batch, build_model, stock_spec
+from ..megatron.harness import LAYERS, batch, build_model, mtp_spec, stock_spec
 from ..megatron.harness import tiny_config as megatron_config
 from ..rollout._tiny import tiny_config, tiny_model
 
@@ -250,29 +255,62 @@ def test_fp4_sync_sends_excluded_layers_in_bf16():
     assert all(isinstance(v, FP4Tensor) for k, v in out.items() if ".layers.1." in k)
 
 
+def _quantizing_modules(model) -> tuple[str, ...]:
+    """What the model's modules quantize, by walking all of them (MTP layers included): the canonical name of every
+    TRACE experts / attention module that quantizes a site, by its layer id."""
+    names = set()
+    for m in model.modules():
+        if isinstance(m, TraceExpertsCore) and any(map(m.trace_quantizes, EXPERT_SITES)):
+            names.add(experts_name(m.trace_layer))
+        elif isinstance(m, TraceKVCore) and any(map(m.trace_quantizes, KV_SITES)):
+            names.add(kv_cache_name(m.layer_number - 1))
+    return tuple(sorted(names))
+
+
+def _mtp_model(mtp: int, config: TraceConfig, *, trace_mtp: bool):
+    """A model with ``mtp`` MTP layers: of the stock spec (as the Megatron-LM patch builds them), or of trace_spec's."""
+    cfg = megatron_config(mtp_num_layers=mtp)
+    spec = trace_spec(stock_spec(cfg), config)
+    return build_model(cfg, spec, mtp_block_spec=mtp_spec(cfg, spec.layer_specs[-1] if trace_mtp else None))
+
+
+SITE_SETS = {"experts": EXPERT_ONLY, "kv": CFG.replace(sites=KV_SITES, guided_sites=KV_SITES), "both": CFG}
+
+
 @pytest.mark.usefixtures("world1")
-def test_a_model_with_mtp_layers_runs_with_exclude_modules():
-    """MTP layers built from the TRACE spec: ``find_trace_layers`` skipped their experts, which, never told their layer,
-    refused every forward with exclude_modules ("call find_trace_layers", already called). They are bound to their
-    layer id (after the decoder's, as HF numbers MTP layers) like MTP attention, and not guided."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+@pytest.mark.parametrize("mtp", [1, 2])
+@pytest.mark.parametrize("sites", SITE_SETS)
+def test_trace_modules_in_mtp_layers_are_refused_by_name(mtp, sites):
+    """MTP layers built from trace_spec's layer spec fake-quantized their experts and K/V in FP4 with no trace in the
+    module audit (``trainer_quantized_modules``: the decoder's only), no name ``exclude_modules`` accepted (their layer
+    ids are past the decoder's), no guidance and NaN/Inf counters nobody read. MTP layers keep the stock spec (the
+    Megatron-LM patch's): a TRACE module there is refused, naming it, by every entry point."""
+    model = _mtp_model(mtp, SITE_SETS[sites], trace_mtp=True)
+    n = mtp * (sites == "both") + mtp
+    msg = (rf"TRACE modules in multi-token-prediction layers: \[.*'mtp\.layers\.{mtp - 1}\.transformer_layer\..*"
+           rf"\({n}\)\. MTP layers keep Megatron's stock spec")
+    with pytest.raises(ValueError, match=msg):
+        find_trace_layers(model)
+    with pytest.raises(ValueError, match=msg), trace_guidance(model, StepGuidance()):
+        pass
 
-    from megatron_trace.megatron import StepGuidance
 
-    from ..megatron.harness import SEQ, VOCAB
-
-    cfg = megatron_config(mtp_num_layers=1)
-    for config, mtp_quantized in ((NO_EXPERTS0, True), (CFG.replace(exclude_modules=("model.layers.*.mlp.experts",)),
-                                                       False)):
-        spec = trace_spec(stock_spec(cfg), config)
-        model = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                         position_embedding_type="rope",
-                         mtp_block_spec=get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False))
+@pytest.mark.usefixtures("world1")
+@pytest.mark.parametrize("mtp", [1, 2])
+@pytest.mark.parametrize("sites", SITE_SETS)
+def test_with_stock_mtp_layers_the_audit_is_what_the_model_quantizes(mtp, sites):
+    """With MTP layers of the stock spec, the audit lists exactly what the model's modules quantize (a walk of all of
+    them), with or without a decoder layer excluded; an MTP layer's id (4) names nothing to exclude; the model runs
+    (with its experts' layer ids bound: exclude_modules needs them)."""
+    for exclude in ((), ("model.layers.0.*",)):
+        model = _mtp_model(mtp, SITE_SETS[sites].replace(exclude_modules=exclude), trace_mtp=False)
         layers = find_trace_layers(model)
-        assert sorted(layers.moe) == [0, 1, 2, 3]
-        mtp_experts = model.mtp.layers[0].transformer_layer.mlp.experts
-        assert mtp_experts.trace_layer == 4 and mtp_experts.trace_quantizes("weights") is mtp_quantized
-        tokens, pos, mask, labels = batch()
-        with trace_guidance(model, StepGuidance()), torch.no_grad():
-            assert torch.isfinite(model(tokens, pos, mask, labels=labels)).all()
+        assert trainer_quantized_modules(layers) == _quantizing_modules(model)
+        assert len(_quantizing_modules(model)) == (LAYERS - bool(exclude)) * (1 + (sites == "both"))
+    model.eval()  # (Megatron's MTP loss tracker is sized by the first model of the process)
+    tokens, pos, mask, labels = batch(b=1, s=8)
+    with trace_guidance(model, StepGuidance()), torch.no_grad():
+        assert torch.isfinite(model(tokens, pos, mask, labels=labels)).all()
+    with pytest.raises(ModulePatternError, match=r"pattern 'model.layers.4.\*' matches none"):
+        find_trace_layers(_mtp_model(mtp, SITE_SETS[sites].replace(exclude_modules=("model.layers.4.*",)),
+                                     trace_mtp=False))
