@@ -72,6 +72,9 @@ def _model_fields(c) -> dict:
         moe_router_num_groups=None,
         moe_router_group_topk=None,
         moe_shared_expert_intermediate_size=None,
+        # Qwen3-MoE has no multi-token-prediction layers (nor tensors for them): the bridge builds no MTP block, and
+        # GPTModel with mtp_num_layers but no block splits the decoder's sequence in halves as if they were MTP states
+        mtp_num_layers=None,
     )
 
 
