@@ -13,7 +13,9 @@ Numerics per row, matching the rollout (SGLang / ``rollout.experts``):
 
 ``Qw`` fake-quantizes each expert's weight with ``TraceConfig.weight_quantizer()`` (NVFP4 1x16
 blocks along K, per-tensor amax, RNE, straight-through gradient): the rollout's codes exactly.
-Megatron's own experts multiply the routing weight before FC2; without quantization both are equal.
+Megatron's own experts multiply the routing weight before FC2; without quantization both are equal in exact arithmetic,
+not bit for bit in BF16: experts ``exclude_modules`` keeps unquantized compute the rollout's BF16 order (weight after
+FC2), not Megatron's stock SequentialMLP's.
 """
 
 from __future__ import annotations
