@@ -26,10 +26,11 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 
 from ..config import TraceConfig
-from ..formats import NVFP4_BLOCK, FP4Tensor
+from ..formats import NVFP4_BLOCK, FP4Tensor, NonFiniteError
 from ..formats.nvfp4 import decode_scale_from_amax
 from ..manifest import experts_name, module_excluded
 from ..rollout.audit import SGLANG_PACKED
+from ..rollout.base import nonfinite_names
 from ..rollout.checkpoint_dir import StagedCheckpointDir
 from ..rollout.hf_weights import INDEX_FILE, WEIGHTS_FILE, ShardedSafetensorsWriter, join_fc1, parse_expert_name
 
@@ -60,6 +61,11 @@ def modelopt_linear_tensors(prefix: str, q: FP4Tensor, input_amax: float | torch
         if t.dtype != dtype or tuple(t.shape) != shape:
             raise ValueError(f"{prefix}: {field} must be {dtype} {list(shape)} for an NVFP4 weight of shape "
                              f"{tuple(q.shape)}, got {t.dtype} {list(t.shape)}")
+    sf = q.block_scales.float()  # (e4m3fn has NaN, no Inf; a sign bit decodes as a negative scale)
+    if not bool((torch.isfinite(sf) & (sf >= 0)).all()):
+        bad = sf[~(torch.isfinite(sf) & (sf >= 0))]
+        raise ValueError(f"{prefix}: block_scales must be finite and >= 0 (an engine decodes codes * scale as they "
+                         f"are), got {bad.numel()} other(s), e.g. {bad[:4].tolist()}")
     if not bool(torch.isfinite(q.global_amax)) or float(q.global_amax) < 0:
         raise ValueError(f"{prefix}: global_amax={float(q.global_amax)} must be finite and >= 0")
     try:
@@ -173,7 +179,11 @@ def _modelopt_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], inp
                     else "only routed-expert weights are exported as NVFP4"
                 raise ValueError(f"{name!r}: {what} (got an FP4Tensor)")
             t = value.detach()
-            yield name, t.to(dtype) if t.is_floating_point() else t
+            t = t.to(dtype) if t.is_floating_point() else t
+            if nonfinite_names([(name, t, None)]):  # (as stored: a float32 value past bf16's range is Inf there)
+                raise NonFiniteError(f"{name!r} holds NaN/Inf as stored ({t.dtype}): an engine would load it as is; "
+                                     "export finite weights (the routed experts' FP4 values are checked likewise)")
+            yield name, t
             if bf16_expert:
                 bf16_experts.add(parsed[0])
             elif t.dim() == 2:

@@ -260,6 +260,13 @@ def test_errors_name_the_problem():
         save_modelopt_checkpoint("/nonexistent", named, {"quantization_config": {}}, 1.0)
 
 
+def _scale_bytes(q, byte: int) -> torch.Tensor:
+    """``q``'s block scales with the first one's e4m3 bits set to ``byte``."""
+    raw = q.block_scales.view(torch.uint8).clone()
+    raw[0, 0] = byte
+    return raw.view(torch.float8_e4m3fn)
+
+
 @pytest.mark.parametrize("field,bad,match", [
     ("block_scales", lambda q: q.block_scales.view(torch.uint8), r"block_scales must be torch.float8_e4m3fn \[16, 2\]"
                                                                   r".*got torch.uint8 \[16, 2\]"),
@@ -268,11 +275,16 @@ def test_errors_name_the_problem():
     ("codes", lambda q: q.codes.int(), r"codes must be torch.uint8 \[16, 16\].*got torch.int32"),
     ("global_amax", lambda q: torch.tensor(float("inf")), "global_amax=inf must be finite and >= 0"),
     ("global_amax", lambda q: torch.tensor(float("nan")), "global_amax=nan must be finite"),
-], ids=["scales-uint8-view", "scales-fp32", "scales-short", "codes-int32", "amax-inf", "amax-nan"])
+    ("block_scales", lambda q: _scale_bytes(q, 0x7F), r"x: block_scales must be finite and >= 0 .*got 1 other\(s\), "
+                                                      r"e.g. \[nan\]"),
+    ("block_scales", lambda q: _scale_bytes(q, 0xB8), r"block_scales must be finite and >= 0 .*e.g. \[-1.0\]"),
+], ids=["scales-uint8-view", "scales-fp32", "scales-short", "codes-int32", "amax-inf", "amax-nan", "scale-nan",
+        "scale-negative"])
 def test_an_fp4_weight_not_in_the_checkpoint_layout_is_refused(field, bad, match):
     """Written as given, a uint8 view of the block scales was stored as U8 (a loader that copies it into its
     float8_e4m3fn parameter converts numbers: scale 56 for code 0x38 = 1.0), a non-finite amax as an inf or NaN
-    weight_scale_2 (an engine's output all NaN)."""
+    weight_scale_2 (an engine's output all NaN), a NaN (0x7F) or negative (0xB8 = -1.0) block scale as it was (NaN or
+    sign-flipped weights in an engine; the quantizers never make one)."""
     q = nvfp4.quantize(torch.randn(16, 32, generator=torch.Generator().manual_seed(0)))
     with pytest.raises(ValueError, match=match):
         modelopt_linear_tensors("x", dataclasses.replace(q, **{field: bad(q)}), 1.0)
@@ -432,3 +444,28 @@ def test_a_config_whose_trainer_computes_other_expert_weights_is_refused_by_name
         save_modelopt_checkpoint(tmp_path / "out", named, tiny_hf_config(), 2.0, trace_config=cfg.to_dict())
     assert not (tmp_path / "out").exists()
     save_modelopt_checkpoint(tmp_path / "ok", named, tiny_hf_config(), 2.0, trace_config=TraceConfig(ste_clip=True))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 3.4e38], ids=["nan", "inf", "past-bf16-max"])
+@pytest.mark.parametrize("name", ["model.layers.1.self_attn.o_proj.weight",
+                                  "model.layers.0.mlp.experts.1.up_proj.weight"], ids=["bf16-linear", "bf16-expert"])
+def test_a_bf16_weight_non_finite_as_stored_is_refused_by_name(tmp_path, name, value):
+    """The BF16 tensors (every non-expert weight; the experts ``TraceConfig.exclude_modules`` keeps) were written
+    with their NaN/Inf, and a float32 value past bf16's largest (3.4e38 > 3.39e38) as the Inf it is once stored, while
+    an FP4 expert's NaN/Inf was refused: an engine loaded them (its output all NaN). Now refused naming the weight,
+    before anything is written; the same finite weight is stored bit-equal."""
+    from megatron_trace.formats import NonFiniteError
+
+    cfg = TraceConfig(exclude_modules=("model.layers.0.mlp.experts",))
+    weights = [(n, w.float()) for n, w in tiny_named_weights()]
+    bad = [(n, w.clone().index_put_((torch.tensor([0]), torch.tensor([3])), torch.tensor(value)) if n == name else w)
+           for n, w in weights]
+    with pytest.raises(NonFiniteError, match=re.escape(f"{name!r} holds NaN/Inf as stored (torch.bfloat16)")):
+        build_modelopt_state(fp4_stream(bad, QUANT, dtype=None, bf16_layers=(0,)), 2.0, trace_config=cfg)
+    with pytest.raises(NonFiniteError, match=re.escape(name)):
+        save_modelopt_checkpoint(tmp_path / "out", fp4_stream(bad, QUANT, dtype=None, bf16_layers=(0,)),
+                                 tiny_hf_config(), 2.0, trace_config=cfg)
+    assert not (tmp_path / "out").exists()
+    state, exclude = build_modelopt_state(fp4_stream(weights, QUANT, bf16_layers=(0,)), 2.0, trace_config=cfg)
+    assert name.removesuffix(".weight") in exclude or "model.layers.0.mlp.experts" in exclude
+    assert torch.equal(state[name].view(torch.int16), dict(weights)[name].bfloat16().view(torch.int16))
