@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 
 import torch
@@ -28,7 +29,7 @@ import torch
 from ..config import TraceConfig
 from ..formats import NVFP4_BLOCK, FP4Tensor, NonFiniteError
 from ..formats.nvfp4 import decode_scale_from_amax
-from ..manifest import experts_name, module_excluded
+from ..manifest import excluded_modules, experts_name, module_excluded
 from ..rollout.audit import SGLANG_PACKED
 from ..rollout.base import nonfinite_names
 from ..rollout.checkpoint_dir import StagedCheckpointDir
@@ -40,6 +41,7 @@ QUANT_CONFIG_FILE = "hf_quant_config.json"
 PRODUCER = {"name": "megatron_trace", "version": "0.1.0"}
 BF16_DTYPE = torch.bfloat16
 """The dtype of the unquantized tensors of a ``save_modelopt_checkpoint`` (and its config.json's ``dtype``)."""
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def modelopt_linear_tensors(prefix: str, q: FP4Tensor, input_amax: float | torch.Tensor,
@@ -169,8 +171,14 @@ def _modelopt_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], inp
     bf16_2d: list[str] = []
     bf16_experts: set[int] = set()
     fc1_halves: dict[tuple[int, int], dict[str, FP4Tensor]] = {}
+    moe_layers: set[int] = set()
+    layers: set[int] = set()
     for name, value in named:
         parsed = parse_expert_name(name)
+        if (m := _LAYER.match(name)) is not None:
+            layers.add(int(m.group(1)))
+        if parsed is not None:
+            moe_layers.add(parsed[0])
         bf16_expert = parsed is not None and trace_config is not None and module_excluded(
             trace_config, experts_name(parsed[0]))
         if parsed is None or bf16_expert:
@@ -209,6 +217,8 @@ def _modelopt_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], inp
         yield from modelopt_linear_tensors(prefix, value, a, trace_extras=trace_extras).items()
     for (layer, expert), h in sorted(fc1_halves.items()):
         _check_fc1_pair(layer, expert, h)
+    if trace_config is not None:  # (a pattern matching none of the model's modules: refused as trainer and engine do)
+        excluded_modules(trace_config, moe_layers=moe_layers, attention_layers=layers)
     exclude[:] = sorted([*exclude_modules_of(bf16_2d), *(experts_name(i) for i in bf16_experts)])
 
 
@@ -260,7 +270,9 @@ def save_modelopt_checkpoint(
     leaves ``out_dir``'s earlier checkpoint as it was; its files that are not checkpoint files are kept.
 
     ``trace_config`` (a ``TraceConfig`` or its dict) is written into ``hf_quant_config.json`` for the TRACE SGLang
-    method; its ``exclude_modules`` experts must come as BF16 tensors (``fp4_stream(..., bf16_layers=...)``)."""
+    method; its ``exclude_modules`` experts must come as BF16 tensors (``fp4_stream(..., bf16_layers=...)``), and each
+    of its patterns must match a module of the model (``manifest.excluded_modules``, as the trainer and engine check).
+    Weights holding NaN/Inf (as stored) are refused by name."""
     hf_config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)  # (a transformers config)
     if "quantization_config" in hf_config:
         raise ValueError("hf_config already has a quantization_config: pass the BF16 model's config.json dict")

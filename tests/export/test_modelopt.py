@@ -469,3 +469,34 @@ def test_a_bf16_weight_non_finite_as_stored_is_refused_by_name(tmp_path, name, v
     state, exclude = build_modelopt_state(fp4_stream(weights, QUANT, bf16_layers=(0,)), 2.0, trace_config=cfg)
     assert name.removesuffix(".weight") in exclude or "model.layers.0.mlp.experts" in exclude
     assert torch.equal(state[name].view(torch.int16), dict(weights)[name].bfloat16().view(torch.int16))
+
+
+@pytest.mark.parametrize("pattern, bf16_layers", [
+    ("model.layers.7.mlp.experts", None), ("layers.0.mlp.experts", None), ("model.layers.0.mlp.expert", None),
+    ("model.layers.*.mlp.experts", range(LAYERS)), ("model.layers.1.mlp.*", (1,)), ("*.experts", range(LAYERS)),
+], ids=["past-the-layers", "no-model-prefix", "typo", "all-layers-glob", "layer-1-glob", "suffix-glob"])
+def test_an_exclude_pattern_is_refused_where_it_matches_no_module_and_kept_in_bf16_where_it_does(tmp_path, pattern,
+                                                                                                  bf16_layers):
+    """A ``TraceConfig.exclude_modules`` pattern that matches none of the model's modules (a typo, a layer past the
+    model, no ``model.`` prefix) was written into the checkpoint's ``trace`` entry without a word, every expert in
+    FP4, while the trainer and the engine refuse that config (``manifest.excluded_modules``): the trainer of the
+    intended config kept a layer BF16 that this export serves in FP4. A glob that matches exports exactly the layers
+    it matches in BF16, each listed in ``exclude_modules`` (read by SGLang's full-match ``is_layer_excluded``)."""
+    from megatron_trace.manifest import ModulePatternError
+
+    cfg = TraceConfig(exclude_modules=(pattern,))
+    if bf16_layers is None:
+        with pytest.raises(ModulePatternError, match=re.escape(f"TraceConfig.exclude_modules pattern {pattern!r} "
+                                                               "matches none of the")):
+            build_modelopt_state(fp4_stream(tiny_named_weights(), QUANT), 2.0, trace_config=cfg)
+        with pytest.raises(ModulePatternError, match=re.escape(repr(pattern))):
+            save_modelopt_checkpoint(tmp_path / "out", fp4_stream(tiny_named_weights(), QUANT), tiny_hf_config(), 2.0,
+                                     trace_config=cfg)
+        assert not (tmp_path / "out").exists()
+        return
+    state, exclude = build_modelopt_state(fp4_stream(tiny_named_weights(), QUANT, bf16_layers=bf16_layers), 2.0,
+                                          trace_config=cfg)
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+    assert [m for m in exclude if m in experts] == [experts[i] for i in bf16_layers]
+    for i in range(LAYERS):
+        assert state[f"{experts[i]}.0.down_proj.weight"].dtype == (torch.bfloat16 if i in bf16_layers else torch.uint8)
