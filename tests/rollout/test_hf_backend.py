@@ -172,6 +172,20 @@ def test_explicit_guided_layers_without_a_guided_module_are_refused():
     assert be.guided_sites == set()
 
 
+@pytest.mark.parametrize("mode, config", [("bf16", FULL_ALL), ("fp4", TraceConfig(guided_sites=()))],
+                         ids=["bf16-mode", "no-guided-sites"])
+def test_explicit_guided_layers_where_no_site_records_are_refused(mode, config):
+    """BF16 mode took ``guided_layer_ids=[1]``: no site recorded, yet its recipe named layer 1 as guided (at every
+    guided site). The policy (None: its own rule) and [] (no layer) stay accepted."""
+    with pytest.raises(ValueError, match=rf"set_guided_layers\(\[1\]\): mode='{mode}' with guided_sites=.* "
+                                         "quantizes no guided site"):
+        backend(mode=mode, config=config, guided_layer_ids=[1])
+    be = backend(mode=mode, config=config, guided_layer_ids=[])
+    assert be.guided_sites == set() and be.recipe().guided_layers == ()
+    be.set_guided_layers(None)
+    assert be.guided_sites == set()
+
+
 @pytest.mark.parametrize("kw,err,match", [
     # were: "no" is truthy (prefix_reuse / fused_kv_attention turned on, fast_kv_attention kept as "no"); a dict
     # config a bare AttributeError ('dict' object has no attribute 'enabled')
