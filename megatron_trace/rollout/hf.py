@@ -258,10 +258,9 @@ class HFRolloutBackend:
         if bad:
             raise ValueError(f"guided layer id(s) {bad} outside 0..{self.num_layers - 1}")
         sites = [s for s in self.config.guided_sites if self._quantizes(s)]
-        if explicit and layer_ids and not sites:  # (BF16 mode took them: its recipe named layers nothing recorded)
+        if explicit and layer_ids and not sites:  # (BF16 mode's recipe named them, nothing recorded)
             raise ValueError(f"set_guided_layers({layer_ids}): mode={self.mode!r} with guided_sites="
-                             f"{self.config.guided_sites} quantizes no guided site, so no layer records guidance; "
-                             "pass [] or None (the policy), or mode='fp4' with guided sites it quantizes")
+                             f"{self.config.guided_sites} quantizes no guided site; pass [] or None")
         empty = unguided_layers(self.config, layer_ids, moe_layers=self._experts, explicit=True) if sites else []
         if explicit and empty:  # (a policy's layers were checked above, by its own rule)
             raise ValueError(f"set_guided_layers: layer(s) {empty} would guide nothing: their guided sites {sites} are "

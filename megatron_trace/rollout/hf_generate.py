@@ -7,6 +7,17 @@ right-padded ``RolloutBatch`` with the recorder's routing and guidance (``Guidan
 one host read takes the quantize sites' NaN/Inf counts and the NaN-logit flag (``rollout.finite``): a batch with
 either raises ``NonFiniteError`` and returns nothing. A call that fails before that read reads the counts on its way
 out (a note on its error names them), so they do not fail the next call.
+
+Batch invariance: with ``TraceConfig.activation_amax="per_row"`` (the default; MXFP4 has no global amax) every
+quantize site and the routing act per row, so a greedy sample's tokens, routing and guidance (codes, scales, valid
+rows, expert ids) are the same bit for bit alone or in any batch, at any position, with prefix reuse or not, beside
+rows that stop early; its log-probs and NVFP4 per-row amax values agree within the rounding of torch's kernels (on
+CPU an fp32 GEMM of one or two rows and SDPA with or without a padding mask round differently, ~1e-6), which can
+move a token where two logits tie. Not batch-invariant, by design: ``activation_amax="per_tensor"`` (one amax per
+forward over all its rows, left padding and finished rows included: a sample's codes, routing and tokens depend on
+its batch; the recipe's ``activation_amax`` names it), sampling at T > 0 (one generator per batch:
+``SamplingParams.seed``), and ``static_decode`` against the growing cache (equal within float rounding: its attention
+spans the static rows; in bf16 that rounding can move a token).
 """
 
 from __future__ import annotations

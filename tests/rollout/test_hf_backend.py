@@ -178,7 +178,7 @@ def test_explicit_guided_layers_where_no_site_records_are_refused(mode, config):
     """BF16 mode took ``guided_layer_ids=[1]``: no site recorded, yet its recipe named layer 1 as guided (at every
     guided site). The policy (None: its own rule) and [] (no layer) stay accepted."""
     with pytest.raises(ValueError, match=rf"set_guided_layers\(\[1\]\): mode='{mode}' with guided_sites=.* "
-                                         "quantizes no guided site"):
+                                         "quantizes no guided site; pass \\[\\] or None"):
         backend(mode=mode, config=config, guided_layer_ids=[1])
     be = backend(mode=mode, config=config, guided_layer_ids=[])
     assert be.guided_sites == set() and be.recipe().guided_layers == ()
@@ -301,3 +301,46 @@ def test_recorded_bytes_equal_the_planners(amax, mode):
     dims = ModelDims.from_hf_config(tiny_config().to_dict())
     for s, n in zip(samples, out.attention_mask.sum(1).tolist(), strict=True):
         assert s.guidance_nbytes() == sample_bytes(dims, cfg, n)["guidance"]
+
+
+@pytest.mark.parametrize("fmt, reuse", [("nvfp4", True), ("mxfp4", False)],
+                         ids=["nvfp4-prefix-reuse", "mxfp4-no-reuse"])
+def test_a_greedy_sample_is_the_same_in_any_batch(fmt, reuse):
+    """Batch invariance (per-row amax, the default): a greedy sample alone and in a batch of shorter and longer
+    prompts, at two positions (its prompt then forked under prefix reuse), beside a row that stops at its first token,
+    has the same tokens, routing and guidance bit for bit (codes, scales, valid rows, expert ids: per sample as the
+    trainer receives them, token hash and version included); log-probs within float rounding (torch's CPU kernels
+    round batches of 1-2 rows and padding masks differently)."""
+    from megatron_trace.guidance.records import pack_guidance, token_hash
+
+    be = backend(config=TraceConfig(format=fmt, guided_layers="all", cache_mode="full"), prefix_reuse=reuse)
+    p, early = [5, 6, 7, 8], [8, 9, 10, 11, 12, 13]
+    stop = be.generate([early], SamplingParams(max_new_tokens=1, temperature=0)).responses()[0][0]
+    sampling = SamplingParams(max_new_tokens=5, temperature=0, stop_token_ids=(stop,))
+    prompts = [early, p, [40], p]
+    out = be.generate(prompts, sampling)
+    assert out.finish_reasons[0] == "stop" and out.response_lens[0] == 1 and out.response_lens[1] > 1
+
+    def samples(batch):
+        packed = pack_guidance(batch.guidance, batch.tokens, version=batch.policy_version,
+                               attention_mask=batch.attention_mask).to_samples()
+        for b, s in enumerate(packed):
+            assert s.token_hash == token_hash(batch.tokens[b, : s.num_tokens]) and s.version == be.policy_version
+        return packed
+
+    got = samples(out)
+    single = {tuple(q): be.generate([q], sampling) for q in prompts}
+    for row in range(len(prompts)):
+        alone = single[tuple(prompts[row])]
+        want = samples(alone)[0]
+        n = want.num_tokens
+        assert got[row].token_hash == want.token_hash and out.responses()[row] == alone.responses()[0]
+        assert torch.allclose(out.logprobs[row, :n], alone.logprobs[0, :n], atol=1e-5)
+        for layer, r in alone.routing.items():
+            assert torch.equal(out.routing[layer][row, :n], r[0, :n]), (row, layer)
+        assert set(got[row].sites) == set(want.sites) == set(out.guidance)
+        for key, w in want.sites.items():
+            g = got[row].sites[key]
+            assert torch.equal(g.valid, w.valid) and (w.expert_ids is None or torch.equal(g.expert_ids, w.expert_ids))
+            assert torch.equal(g.record.codes, w.record.codes), (row, key)
+            assert torch.equal(g.record.block_scales.view(torch.uint8), w.record.block_scales.view(torch.uint8))
