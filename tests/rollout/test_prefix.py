@@ -44,5 +44,8 @@ def test_a_forked_batch_is_the_batch_without_the_fork(mode):
     for layer, r in hit.routing.items():
         assert torch.equal(r, cold.routing[layer]), layer
     assert set(hit.guidance) == set(cold.guidance)
-    for key, site in hit.guidance.items():
-        assert torch.equal(site.valid, cold.guidance[key].valid), key
+    for key, site in hit.guidance.items():  # (the records themselves too: only their valid rows were compared)
+        want = cold.guidance[key]
+        assert torch.equal(site.valid, want.valid), key
+        assert torch.equal(site.record.codes, want.record.codes), key
+        assert torch.equal(site.record.block_scales.view(torch.uint8), want.record.block_scales.view(torch.uint8)), key
