@@ -139,13 +139,13 @@ def check_count(what: str, value, least: int = 1) -> int:
 def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, *, max_positions: int | None = None,
                   max_new_tokens: int = 0) -> list[list[int]]:
     """``prompts`` as lists of Python ints; a clear error unless it is a non-empty list of non-empty token-id
-    lists (ints, NumPy ints or 1-D tensors) in ``[0, vocab_size)`` whose prompt + ``max_new_tokens`` fit
+    lists (ints, NumPy ints, 1-D arrays or tensors) in ``[0, vocab_size)`` whose prompt + ``max_new_tokens`` fit
     ``max_positions`` (the model's ``max_position_embeddings``: RoPE beyond it is outside what it was trained on)."""
     if not isinstance(prompts, Sequence) or isinstance(prompts, str | bytes) or len(prompts) == 0:
         raise ValueError(f"prompts must be a non-empty list of token-id lists, got {type(prompts).__name__}")
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor):
+        if isinstance(p, torch.Tensor) or (not isinstance(p, Sequence) and hasattr(p, "tolist")):  # (NumPy arrays)
             p = p.tolist()
         if not isinstance(p, Sequence) or isinstance(p, str | bytes) or len(p) == 0:
             raise ValueError(f"prompts[{i}] must be a non-empty list of token ids, got {p!r}")

@@ -250,6 +250,8 @@ class HFRolloutBackend:
         if layer_ids is None:
             layer_ids = guided_layers(self.config, self.num_layers) if self.mode == "fp4" else ()
             check_guided_layers(self.config, layer_ids, moe_layers=self._experts)  # (the policy guiding nothing)
+        if isinstance(layer_ids, str | bytes) or not isinstance(layer_ids, Iterable):  # (2 was "not iterable")
+            raise TypeError(f"guided layer ids {layer_ids!r} must be a list of ints, or None (the TraceConfig policy)")
         kinds = [i for i in layer_ids if not is_int(i)]
         if kinds:
             raise TypeError(f"guided layer id {kinds[0]!r} ({type(kinds[0]).__name__}) must be an int")

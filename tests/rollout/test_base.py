@@ -62,8 +62,11 @@ def test_check_prompts_names_the_bad_ids_among_many(bad, msg):
 def test_check_prompts_gives_python_ints_of_numpy_ids_and_tensors_and_checks_the_positions():
     import numpy as np
 
-    got = check_prompts([np.array([5, 6]).tolist(), list(np.array([5, 6])), torch.tensor([7])], vocab_size=8)
-    assert got == [[5, 6], [5, 6], [7]] and all(type(t) is int for p in got for t in p)
+    got = check_prompts([np.array([5, 6]).tolist(), list(np.array([5, 6])), torch.tensor([7]), np.array([4, 3])],
+                        vocab_size=8)  # (a NumPy array itself was refused as no list)
+    assert got == [[5, 6], [5, 6], [7], [4, 3]] and all(type(t) is int for p in got for t in p)
+    with pytest.raises(ValueError, match=r"prompts\[0\] holds \[1, 2\] \(list\), not an int token id"):
+        check_prompts([np.array([[1, 2]])], vocab_size=8)  # (2-D: one prompt of lists)
     assert check_prompts([[1] * 10], vocab_size=8, max_positions=16, max_new_tokens=6) == [[1] * 10]
     with pytest.raises(ValueError, match=r"prompts\[1\] has 10 tokens: with max_new_tokens=7 that is 17 positions, "
                                          r"beyond max_position_embeddings=16"):

@@ -186,6 +186,13 @@ def test_explicit_guided_layers_where_no_site_records_are_refused(mode, config):
     assert be.guided_sites == set()
 
 
+@pytest.mark.parametrize("ids", [2, "1"])
+def test_guided_layer_ids_that_are_no_list_are_named(ids):
+    """2 was a bare "'int' object is not iterable"; "1" (a string) is no list of layer ids either."""
+    with pytest.raises(TypeError, match=rf"guided layer ids {ids!r} must be a list of ints, or None"):
+        backend(mode="fp4", config=FULL_ALL, guided_layer_ids=ids)
+
+
 @pytest.mark.parametrize("kw,err,match", [
     # were: "no" is truthy (prefix_reuse / fused_kv_attention turned on, fast_kv_attention kept as "no"); a dict
     # config a bare AttributeError ('dict' object has no attribute 'enabled')
