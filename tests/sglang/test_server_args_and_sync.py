@@ -57,6 +57,19 @@ def test_the_emulations_moe_parallel_sizes_are_checked_at_launch_as_its_layers_c
     assert trace_server_args("/ckpt", fc1, HF, native=True, tp_size=2, ep_size=2)["ep_size"] == 2
 
 
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("size", [{"ep_size": 0}, {"tp_size": 0}, {"tp_size": -1}, {"moe_dp_size": 0},
+                                  {"pp_size": 0}, {"dp_size": -2}, {"tp_size": 2.0}, {"ep_size": True}])
+def test_a_parallel_size_below_one_is_refused_by_name(size, native):
+    """ep_size=0 divided by zero (a bare ZeroDivisionError) and tp_size 0 / -1 went to SGLang as given, on the native
+    path and with no guided layer (nothing compared tp_size with 1 there); every parallel size read is named."""
+    cfg = CFG.replace(guided_layers="none")
+    assert trace_server_args("/ckpt", cfg, HF, native=native)["kv_cache_dtype"] == "fp4_e2m1"  # (accepted at 1)
+    (key, value), = size.items()
+    with pytest.raises(ValueError, match=rf"parallel size\(s\) \{{'{key}': {value!r}\}} must be ints >= 1"):
+        trace_server_args("/ckpt", cfg, HF, native=native, **size)
+
+
 def test_engine_tensors_are_the_exported_checkpoint_s():
     """An FP4 expert weight goes to the engine as the tensors ``export.modelopt`` writes for it (ModelOpt's
     ``weight_scale_2`` = amax / 2688, TRACE's exact amax), bit for bit; other tensors in BF16, ints unchanged."""

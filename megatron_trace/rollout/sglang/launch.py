@@ -231,6 +231,19 @@ REQUIRED = {
 }
 
 
+PARALLEL_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size", "moe_dp_size")
+"""ServerArgs parallel sizes ``trace_server_args`` reads (1 when not given)."""
+
+
+def check_parallel_sizes(kw: dict) -> None:
+    """Each of ``PARALLEL_SIZES`` given is an int >= 1 (``ep_size=0`` divided by zero in the MoE TP size; a
+    ``tp_size`` of 0 or -1 passed every check here and went to SGLang as given)."""
+    bad = {k: kw[k] for k in PARALLEL_SIZES
+           if k in kw and (isinstance(kw[k], bool) or not isinstance(kw[k], int) or kw[k] < 1)}
+    if bad:
+        raise ValueError(f"parallel size(s) {bad} must be ints >= 1 (valid: 1, 2, ...; 1 when not given)")
+
+
 def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dict, *, native: bool | None = None,
                       **overrides) -> dict:
     """ServerArgs kwargs for a TRACE engine on a ModelOpt/TRACE NVFP4 checkpoint (see ``export.modelopt``).
@@ -270,19 +283,20 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
     if specs:
         kw.update({k: v for k, (v, _) in REQUIRED.items()}, forward_hooks=hook_specs(specs))
     kw.update(overrides)
+    check_parallel_sizes(kw)
     if not native and not kw.get("disable_cuda_graph"):
         raise ValueError("the emulated TRACE MoE (capability < 10) needs disable_cuda_graph=True: it synchronizes "
                          "with the host (routing bounds, per-expert counts, finiteness checks)")
     if not native:
         check_emulated_runner(kw.get("moe_runner_backend") or "auto")
-        ep = int(kw.get("ep_size", 1))
-        check_emulated_moe_parallel(trace_config, int(kw.get("tp_size", 1)) // ep // int(kw.get("moe_dp_size", 1)), ep)
+        ep = kw.get("ep_size", 1)
+        check_emulated_moe_parallel(trace_config, kw.get("tp_size", 1) // ep // kw.get("moe_dp_size", 1), ep)
     if specs:
         for key, (want, why) in REQUIRED.items():
             if kw.get(key) != want:
                 raise ValueError(f"guidance capture needs {key}={want!r}, got {kw.get(key)!r}: {why}")
         sharded = sorted({s.site for s in specs if s.site != "expert_fc1_in"})
-        if sharded and int(kw.get("tp_size", 1)) != 1:
+        if sharded and kw.get("tp_size", 1) != 1:
             raise ValueError(f"guidance for {sharded} needs tp_size=1 (got {kw['tp_size']}): each TP rank holds a "
                              "shard of the FFN / KV heads and only rank 0's rows are returned")
     return kw
