@@ -102,6 +102,25 @@ def read_profile(args: argparse.Namespace, dims: ModelDims, sites) -> list | dic
     return profile
 
 
+def check_profile_flags(args: argparse.Namespace) -> None:
+    """Refuse a ``--mismatch-*`` flag that would do nothing (as ``--bandwidth-gbytes`` without ``--dp-ranks``): the
+    profile is read for a ``budget=`` policy only, ``--mismatch-arm`` / ``--mismatch-last`` pick rows of a
+    metrics.jsonl profile only, ``--mismatch-unit`` reads a profile. Flags at their default value are accepted."""
+    path, policies = args.mismatch_profile, args.policies or DEFAULT_POLICIES
+    if path is not None and not any(p.partition("=")[0] == "budget" for p in policies):
+        raise ValueError(f"--mismatch-profile {path} would do nothing: only a --layer-policy budget=BYTES reads it, "
+                         f"and the policies are {list(policies)}; add --layer-policy budget=BYTES")
+    jsonl = path is not None and path.suffix == ".jsonl"
+    defaults = parse_args(["--hf-config", "-"])
+    for flag, name in (("--mismatch-arm", "mismatch_arm"), ("--mismatch-last", "mismatch_last")):
+        value = getattr(args, name)
+        if value != getattr(defaults, name) and not jsonl:
+            raise ValueError(f"{flag} {value} would do nothing: it picks the rows of a run's metrics.jsonl "
+                             f"--mismatch-profile, and the profile is {str(path) if path else 'not given'}")
+    if args.mismatch_unit != defaults.mismatch_unit and path is None:
+        raise ValueError(f"--mismatch-unit {args.mismatch_unit} would do nothing without a JSON --mismatch-profile")
+
+
 def parse_bandwidths(items) -> dict[str, float]:
     """``NAME=GBPS`` strings -> {name: GB/s}."""
     out = {}
@@ -223,6 +242,7 @@ def main(argv=None) -> int:
         for flag, values, valid in (("--modes", modes, CACHE_MODES), ("--sites", sites, ACTIVATION_SITES)):
             if not values:  # (no row was printed, or every row sized 0 bytes)
                 raise ValueError(f"{flag} {getattr(args, flag[2:])!r} names none of {valid}: give a comma list")
+        check_profile_flags(args)
         profile = read_profile(args, dims, sites)
         rows = build_rows(
             dims, rl, policies=args.policies or DEFAULT_POLICIES, modes=modes,

@@ -145,6 +145,31 @@ def test_budget_rows_size_each_rank_for_the_layers_the_budget_chose(tmp_path, ca
                                for n in (4, 8)]
 
 
+@pytest.mark.parametrize("extra,err", [
+    (["--mismatch-profile", "{json}"], r"--mismatch-profile \S+profile.json would do nothing: only a --layer-policy "
+                                       r"budget=BYTES reads it, and the policies are \['all', 'fraction=0.5'"),
+    (["--layer-policy", "all", "--mismatch-profile", "{json}"], r"would do nothing: .* the policies are \['all'\]"),
+    (["--mismatch-arm", "fp4_qat"], r"--mismatch-arm fp4_qat would do nothing: .* the profile is not given"),
+    (["--layer-policy", "budget=20000", "--mismatch-profile", "{json}", "--mismatch-arm", "fp4_qat"],
+     r"--mismatch-arm fp4_qat would do nothing: it picks the rows of a run's metrics.jsonl"),
+    (["--mismatch-last", "5"], r"--mismatch-last 5 would do nothing"),
+    (["--mismatch-unit", "mass"], r"--mismatch-unit mass would do nothing without a JSON --mismatch-profile"),
+], ids=["profile-default-policies", "profile-all", "arm-alone", "arm-json-profile", "last-alone", "unit-alone"])
+def test_a_mismatch_flag_that_would_do_nothing_is_refused(extra, err, tmp_path, capsys):
+    """A profile without a budget policy, or ``--mismatch-arm`` / ``--mismatch-last`` without a metrics.jsonl profile
+    printed the table they would have printed without it, exit 0 (as ``--bandwidth-gbytes`` without ``--dp-ranks``
+    is refused); at its default value such a flag is accepted, and with the budget policy the profile is read."""
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps([0.01 * (i % 5 + 1) for i in range(40)]))
+    argv = ["--hf-config", str(Q35), "--modes", "compact", "--json"]
+    assert plan.main([*argv, *(str(prof) if a == "{json}" else a for a in extra)]) == 2
+    assert re.search(err, capsys.readouterr().err)
+    assert plan.main([*argv, "--mismatch-last", "3", "--mismatch-unit", "rate"]) == 0  # (the defaults)
+    capsys.readouterr()
+    assert plan.main([*argv, "--layer-policy", "budget=20000", "--mismatch-profile", str(prof)]) == 0
+    assert json.loads(capsys.readouterr().out)["mismatch_profile"]["values"][:2] == [0.01, 0.02]
+
+
 def test_a_missing_profile_file_is_an_error_line_not_a_traceback(tmp_path, capsys):
     missing = tmp_path / "nope.json"
     assert plan.main(["--hf-config", str(Q35), "--layer-policy", "budget=20000", "--mismatch-profile",
