@@ -445,3 +445,41 @@ def test_sites_narrow_the_guided_sites_of_a_config_file_without_them(tmp_path):
     cfg = trace_config_from_args(parse(["--trace-fp4", "--trace-config", str(path), "--trace-sites",
                                         "expert_fc1_in,weights"]))
     assert (cfg.format, cfg.sites, cfg.guided_sites) == ("mxfp4", ("expert_fc1_in", "weights"), ("expert_fc1_in",))
+
+
+def _documented_text() -> str:
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    docs = [root / "README.md", root / "patches" / "README.md", *sorted((root / "examples").rglob("*"))]
+    return "\n".join(p.read_text() for p in docs if p.is_file() and p.suffix in (".md", ".sh", ".py", ".yaml"))
+
+
+def test_the_flags_the_docs_name_are_the_parsers():
+    """Every ``--trace-*`` flag the README, patches/README and examples name is one ``add_trace_args`` has, each
+    ``--trace-X {a,b}`` list the README gives is that flag's valid values, and every flag the parser has is named in
+    the docs or is a README field-table field's name with dashes, as the README says (``enabled`` is --trace-fp4,
+    ``guided_layer_list`` and ``version`` have none)."""
+    import dataclasses
+    import re
+
+    from megatron_trace.config import LAYER_POLICIES
+
+    text = _documented_text()
+    actions = {o: a for a in add_trace_args(argparse.ArgumentParser())._actions for o in a.option_strings}
+    flags = {o for o in actions if "trace" in o}
+    named = set(re.findall(r"--(?:no-)?trace-[a-z0-9-]+", text))
+    assert named - flags == set(), "the docs name flags the parser does not have"
+    lists = re.findall(r"(--trace-[a-z-]+) \{([^}]*)\}", text)
+    assert len(lists) >= 5
+    for flag, values in lists:
+        listed = tuple(v.strip() for v in values.split("|")[0].split(",") if v.strip())
+        valid = actions[flag].choices or tuple(p for p in LAYER_POLICIES if p not in ("explicit", "budget"))
+        assert listed == tuple(valid), flag
+        for v in listed:  # (each parses, and the policies that need their own flag say so by name)
+            parse([flag, v])
+    fields = {f.name for f in dataclasses.fields(TraceConfig)} - {"enabled", "guided_layer_list", "version"}
+    by_field = {f"--trace-{f.replace('_', '-')}" for f in fields}
+    assert by_field <= flags
+    negated = {"--no-" + f.removeprefix("--") for f in by_field}
+    assert flags - named - by_field - negated == set(), "flags the docs do not name"
