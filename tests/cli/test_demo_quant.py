@@ -80,3 +80,25 @@ def test_defaults_are_the_documented_ones():
 def test_zero_noise_is_accepted():
     """``--noise`` must be a finite number >= 0: 0 (the trainer computes what the rollout did) is allowed."""
     main(["--rows", "2", "--k", "32", "--noise", "0"])
+
+
+def test_setup_pys_console_scripts_resolve_and_the_readme_names_them():
+    """Each ``console_scripts`` entry of setup.py names a callable ``main`` taking argv (the installed script calls it
+    without arguments), and the README names the script (``trace-demo-quant`` was installed, never mentioned)."""
+    import ast
+    import importlib
+    import inspect
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    call = next(n for n in ast.walk(ast.parse((root / "setup.py").read_text()))
+                if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "setup")
+    entry_points = ast.literal_eval(next(k.value for k in call.keywords if k.arg == "entry_points"))
+    scripts = dict(s.replace(" ", "").split("=") for s in entry_points["console_scripts"])
+    assert scripts, "setup.py installs no console script"
+    readme = (root / "README.md").read_text()
+    for name, target in scripts.items():
+        module, func = target.split(":")
+        fn = getattr(importlib.import_module(module), func)
+        assert next(iter(inspect.signature(fn).parameters.values())).default is None, target  # main(argv=None)
+        assert f"`{name}`" in readme, name
