@@ -71,6 +71,8 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     if isinstance(arms, str) or len(set(arms)) < len(arms):  # (an arm given twice ran once, the summary counted two)
         raise ValueError(f"arms={arms!r} must be a list of distinct arm names")
     arm_specs = {name: make_arm(name, trace) for name in arms}  # every arm name checked before any work
+    check_arms_fit_model(arm_specs, model)
+    task = get_task(task_name)
     if init_from:
         check_init_from(init_from)
     if resume:
@@ -80,7 +82,6 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
                      model=dataclasses.asdict(model), sft=dataclasses.asdict(sft), init_from=init_from, device=device,
                      resume=resume)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    task = get_task(task_name)
     t0 = time.perf_counter()
     if init_from:
         hf_dir = str(init_from)
@@ -115,6 +116,21 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
 
 
 DEVICES = ("cpu", "cuda")
+
+
+def check_arms_fit_model(arm_specs: dict, model: TinyMoEConfig) -> None:
+    """Each arm's TraceConfig against the demo model, before any work, as the arm's rollout and trainer check it once
+    built (they did: after the SFT warm-up and every arm before it ran): ``exclude_modules`` patterns (every arm's
+    rollout audits them) and a guided arm's layer policy (layers within the model; ``budget`` needs a measured
+    profile, which the demo does not have)."""
+    from ..guidance.selection import guided_layers
+    from ..manifest import check_guided_layers, excluded_modules
+
+    layers = range(model.num_layers)  # (every layer of the demo's Qwen3-MoE has routed experts and a KV cache)
+    for arm in arm_specs.values():
+        excluded_modules(arm.trace, moe_layers=layers, attention_layers=layers)
+        if arm.guided:
+            check_guided_layers(arm.trace, guided_layers(arm.trace, model.num_layers), moe_layers=layers)
 
 
 def check_init_from(init_from: str | Path) -> None:

@@ -561,7 +561,18 @@ def test_an_old_trend_setting_still_selects_the_absolute_alarm():
     (dict(progress="off"), r"\{'progress': 'off'\} must be bools"),
     (dict(arms=["bf16", "bf16"]), r"arms=\['bf16', 'bf16'\] must be a list of distinct arm names"),
     (dict(arms="bf16"), r"arms='bf16' must be a list of distinct arm names"),
-], ids=["resume-str", "progress-str", "arm-twice", "arms-str"])
+    # were refused once the arm's rollout or trainer was built: after the SFT warm-up (minutes with the demo's
+    # settings) and every arm before it ran; a bad task after the output directory and its run.json were written
+    (dict(arms=["bf16", "trace"], trace=TraceConfig(guided_layers="last_k", guided_last_k=5)),
+     "guided_last_k=5 exceeds num_layers=2"),
+    (dict(arms=["trace"], trace=TraceConfig(guided_layers="explicit", guided_layer_list=(7,))),
+     r"guided_layer_list has layer\(s\) \[7\] beyond num_layers=2"),
+    (dict(arms=["trace"], trace=TraceConfig(guided_layers="budget", budget_bytes_per_token=100.0)),
+     "the budget layer policy needs mismatch_profile"),
+    (dict(trace=TraceConfig(exclude_modules=("model.layers.9.*",))), r"pattern 'model.layers.9.\*' matches none"),
+    (dict(task_name="add7"), r"task='add7' is not one of \['add', 'add5', 'reverse'\]"),
+], ids=["resume-str", "progress-str", "arm-twice", "arms-str", "last-k-past-model", "layer-past-model", "budget",
+        "exclude-nothing", "task"])
 def test_bad_demo_arguments_are_refused_before_any_work(tmp_path, kw, match):
     args = dict(out_dir=tmp_path / "demo", task_name="add", arms=["bf16"], trace=TraceConfig(), rl=RL, model=MODEL,
                 sft=SFTConfig(steps=1), progress=False)
