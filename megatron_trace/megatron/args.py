@@ -24,6 +24,7 @@ import logging
 
 from ..config import (
     ACTIVATION_SITES,
+    AMAX_GRANULARITIES,
     CACHE_MODES,
     FALLBACKS,
     FINITE_CHECKS,
@@ -129,7 +130,7 @@ def add_trace_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--trace-mxfp4-scale-rule", choices=SCALE_RULES, default=None, help="With --trace-format mxfp4.")
     g.add_argument("--trace-sites", type=_site_list(SITES), default=None,
                    help=f"Comma list of quantized sites ({', '.join(SITES)}).")
-    g.add_argument("--trace-activation-amax", choices=("per_row", "per_tensor"), default=None,
+    g.add_argument("--trace-activation-amax", choices=AMAX_GRANULARITIES, default=None,
                    help="With --trace-format nvfp4 (the default).")
     g.add_argument("--trace-guided-sites", type=_site_list(ACTIVATION_SITES), default=None)
     g.add_argument("--trace-guided-layers", type=_layers, default=None,
