@@ -21,8 +21,9 @@ Megatron-LM: ``add_trace_args`` (extra_args_provider) + ``trace_config_from_args
 from ..formats import NonFiniteError
 from .args import add_trace_args, trace_args_from_config, trace_config_from_args, trace_spec_from_args
 from .attention import TraceDotProductAttention, TraceKVCore
-from .context import StepGuidance, TraceStep, check_finite, find_trace_layers, trace_guidance, trace_record
+from .context import StepGuidance, TraceStep, check_finite, trace_guidance, trace_record
 from .experts import TraceExpertsCore, TraceSequentialMLP
+from .layers import find_trace_layers
 from .spec import TraceSpecProvider, get_trace_decoder_block_spec, get_trace_gpt_layer_spec, trace_spec
 from .step import GuidanceCoverageError, GuidanceFallbackError
 from .te import TE_EXTRA_HINT, TraceTEGroupedMLP, TraceWeightFetch

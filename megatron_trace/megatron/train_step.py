@@ -15,8 +15,9 @@ from ..config import KV_SITES
 from ..kernels.checks import named
 from .args import trace_config_from_args
 from .args_checks import check_not_modelopt
-from .context import check_finite, find_trace_layers, read_finite
+from .context import check_finite, read_finite
 from .experts import TraceSequentialMLP
+from .layers import find_trace_layers
 
 logger = logging.getLogger(__name__)
 

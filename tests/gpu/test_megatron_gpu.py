@@ -357,7 +357,7 @@ def test_several_microbatches_keep_their_host_records_pinned(weights):
     import dataclasses
 
     from megatron_trace.formats import CompactGuidance
-    from megatron_trace.megatron.context import find_trace_layers
+    from megatron_trace.megatron.layers import find_trace_layers
 
     rolls = [move_step(_run(_model(weights), [t.to(DEVICE) for t in batch(seed=s)])[2].recorded(), "cpu")
              for s in range(2)]
