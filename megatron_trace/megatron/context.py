@@ -121,8 +121,11 @@ class TraceStep:
 
     def microbatch(self, i: int) -> TraceStep:
         """The same, for micro-batch ``i`` (the i-th ``StepGuidance`` given) alone."""
-        if not -len(self.states) <= i < len(self.states):
-            raise IndexError(f"micro-batch {i} of {len(self.states)}")
+        n = len(self.states)
+        if isinstance(i, bool) or not isinstance(i, numbers.Integral):  # (True was micro-batch 1)
+            raise TypeError(f"micro-batch index {i!r} must be an int in [-{n}, {n})")
+        if not -n <= i < n:
+            raise IndexError(f"micro-batch {i} of {n}: the index must be in [-{n}, {n})")
         return TraceStep([self.states[i]], self.layers, whole=len(self.states) == 1)
 
     @property

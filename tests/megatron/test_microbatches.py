@@ -2,6 +2,9 @@
 micro-batch: the same gradients, records and counts, bit for bit, as one context per micro-batch, with and without
 activation recomputation (pipeline parallelism: test_pipeline.py)."""
 
+import re
+
+import numpy as np
 import pytest
 import torch
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -182,8 +185,12 @@ def test_bad_step_lists_are_refused(rollout):
             model(tokens, pos, mask)
     with pytest.raises(ValueError, match=r"h.microbatch\(i\).recorded\(\)"):
         h.recorded()
-    with pytest.raises(IndexError, match="micro-batch 2 of 2"):
+    with pytest.raises(IndexError, match=r"micro-batch 2 of 2: the index must be in \[-2, 2\)"):
         h.microbatch(2)
+    assert h.microbatch(-1).states[0] is h.states[1] and h.microbatch(np.int64(0)).states[0] is h.states[0]
+    for bad in (True, False, 1.0, "0", None):  # (True was micro-batch 1, the others a bare TypeError)
+        with pytest.raises(TypeError, match=rf"micro-batch index {re.escape(repr(bad))} must be an int in \[-2, 2\)"):
+            h.microbatch(bad)
 
 
 class _Step:
