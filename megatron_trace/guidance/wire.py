@@ -11,8 +11,9 @@ Header (JSON), per section ``guidance`` and ``routing`` (absent when the chunk h
 Payload: every column field is one contiguous tensor (its members' rows back to back) at a 16-byte aligned
 offset; gaps are zero. The sender fills a field with one ``index_select`` from the columns its samples are
 views of (``split_batch``/``split_routing`` output), else one ``torch.cat`` of the samples' own tensors; the
-receiver turns fields into views of the payload (no per-sample work) and checks every size, offset and, with
-``verify``, every field's CRC-32 before anything is returned.
+receiver turns fields into views of the payload (no per-sample work) and checks every size, offset (each field
+where the layout puts it, the payload ending with the last field), the header's keys and, with ``verify``, every
+field's CRC-32 before anything is returned.
 """
 
 from __future__ import annotations
@@ -223,6 +224,19 @@ def add_field_checksums(sections: Sequence[SectionPlan | None], payload: torch.T
 
 
 # ---- receiver ---------------------------------------------------------------------------------------------
+_KEYS = {"head": {"protocol", "guidance", "routing"}, "section": {"table", "columns"},
+         "table": {"ids", "versions", "hashes", "tokens"}, "column": {"key", "meta", "members", "rows", "fields"}}
+_META_KEYS = {"guidance": {"mode", "fmt", "shape", "amax"}, "routing": set()}
+
+
+def _keys(d, want: set, what: str) -> dict:
+    """``d`` when it is a dict of exactly the keys ``want`` (a misspelt section was read as absent: samples lost)."""
+    if not isinstance(d, dict) or d.keys() != want:
+        got = sorted(map(str, d)) if isinstance(d, dict) else f"a JSON {type(d).__name__}"
+        raise RecordFormatError(f"{what} has keys {got}, the protocol has {sorted(want)}")
+    return d
+
+
 def _ints(x, what: str) -> list[int]:
     if not isinstance(x, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in x):
         raise RecordFormatError(f"{what} must be a list of ints, got {str(x)[:80]}")
@@ -230,6 +244,7 @@ def _ints(x, what: str) -> list[int]:
 
 
 def _decode_table(d: dict) -> SampleTable:
+    _keys(d, _KEYS["table"], "the sample table")
     t = SampleTable(_ints(d["ids"], "ids"), _ints(d["versions"], "versions"), list(map(str, d["hashes"])),
                     _ints(d["tokens"], "tokens"))
     if len(set(t.ids)) != len(t.ids) or any(n < 0 for n in t.tokens):
@@ -256,12 +271,18 @@ def _members_and_starts(c: dict, table: SampleTable, shared: dict) -> tuple[list
 
 
 def _decode_column(c: dict, kind: str, table: SampleTable, payload: torch.Tensor, checks: list,
-                   shared: dict) -> Column:
+                   shared: dict, end: list[int]) -> Column:
+    """``end``: [where the field before ends]; each field must sit where ``layout`` puts it, right after it."""
+    _keys(c, _KEYS["column"], f"a {kind} column ({c.get('key') if isinstance(c, dict) else c!r})")
     members, starts = _members_and_starts(c, table, shared)
-    meta = dict(c["meta"])
-    fields = {}
+    meta = dict(_keys(c["meta"], _META_KEYS[kind], f"the meta of column {c['key']}"))
+    fields, spans = {}, []
     for name, dt, shape, off, crc in c["fields"]:
-        dtype, shape = DTYPES[dt], tuple(_ints(shape, "shape"))
+        if name in fields:
+            raise RecordFormatError(f"column {c['key']}: field {name} given twice")
+        dtype, shape = DTYPES.get(dt) if isinstance(dt, str) else None, tuple(_ints(shape, "shape"))
+        if dtype is None:
+            raise RecordFormatError(f"column {c['key']} field {name}: dtype {dt!r} is not one of {sorted(DTYPES)}")
         _check_dtype(kind, name, dtype, f"column {c['key']}", RecordFormatError)
         if any(n < 0 for n in shape):
             raise RecordFormatError(f"column {c['key']} field {name}: shape {shape} has a negative dimension")
@@ -271,9 +292,16 @@ def _decode_column(c: dict, kind: str, table: SampleTable, payload: torch.Tensor
             raise RecordFormatError(f"column {c['key']} field {name}: shape {shape} at {off} does not fit "
                                     f"{lead} rows in a payload of {payload.numel()} bytes")
         checks.append((f"{kind} checksum mismatch in column {c['key']} field {name}", off, nbytes, crc))
+        spans.append((name, off, nbytes))
         fields[name] = payload[off : off + nbytes].view(dtype).view(shape)
     if not _REQUIRED[kind] <= fields.keys():
         raise RecordFormatError(f"column {c['key']}: fields {sorted(fields)} lack {sorted(_REQUIRED[kind])}")
+    for name, off, n in spans:
+        want = -(-end[0] // ALIGN) * ALIGN
+        if off != want:  # (an offset moved onto another field's bytes read them as this field's)
+            raise RecordFormatError(f"column {c['key']} field {name}: offset {off}, the layout puts it at {want} (the "
+                                    f"first {ALIGN}-byte boundary after the field before it, which ends at {end[0]})")
+        end[0] = off + n
     key = (int(c["key"][0]), str(c["key"][1])) if kind == "guidance" else int(c["key"])
     col = Column(key, members, starts, fields, meta)
     if kind == "guidance":
@@ -283,25 +311,48 @@ def _decode_column(c: dict, kind: str, table: SampleTable, payload: torch.Tensor
             raise RecordFormatError(f"column {c['key']}: amax {meta.get('amax')!r} but fields {sorted(fields)}")
         if meta["mode"] not in ("compact", "full") or fields["valid"].dtype != torch.bool:
             raise RecordFormatError(f"column {c['key']}: mode {meta['mode']!r} / valid {fields['valid'].dtype}")
-        PackedGuidance(table, [col]).site_record(0, 0) if members else None  # shape checks of SiteRecord
+        try:
+            PackedGuidance(table, [col]).site_record(0, 0) if members else None  # shape checks of SiteRecord
+        except ValueError as e:
+            raise RecordFormatError(f"column {c['key']}: {e}") from e
     return col
+
+
+def _check_keys_once(kind: str, columns: list[Column]) -> None:
+    """No sample has two columns of one key (the later one's rows replaced the earlier's)."""
+    count: dict = {}
+    for col in columns:
+        count[col.key] = count.get(col.key, 0) + 1
+    for key in (k for k, n in count.items() if n > 1):  # (several layouts of one site: disjoint samples)
+        seen: set[int] = set()
+        for col in (x for x in columns if x.key == key):
+            twice = seen.intersection(col.members)
+            if twice:
+                raise RecordFormatError(f"{kind} column {key} holds sample index(es) {sorted(twice)[:8]} twice")
+            seen.update(col.members)
 
 
 def decode(head: dict, payload: torch.Tensor, *, verify: bool) -> tuple[PackedGuidance | None, PackedRouting | None]:
     """The chunk's columns as views of ``payload``; every size, offset (and checksum with ``verify``) checked
     first. Raises ``RecordFormatError`` (or KeyError / TypeError / ValueError on a malformed header)."""
-    out, checks, tables = {}, [], {}
+    out, checks, tables, end = {}, [], {}, [0]
+    _keys(head, _KEYS["head"], "the header")
     for kind, cls in (("guidance", PackedGuidance), ("routing", PackedRouting)):
-        sec = head.get(kind)
+        sec = head[kind]
         if sec is None:
             out[kind] = None
             continue
-        table = _decode_table(sec["table"]) if sec.get("table") is not None else tables.get("guidance")
+        _keys(sec, _KEYS["section"], f"the {kind} section")
+        table = _decode_table(sec["table"]) if sec["table"] is not None else tables.get("guidance")
         if table is None:
             raise RecordFormatError(f"{kind} section without a sample table")
         tables[kind] = table
         shared: dict = {}
-        out[kind] = cls(table, [_decode_column(c, kind, table, payload, checks, shared) for c in sec["columns"]])
+        cols = [_decode_column(c, kind, table, payload, checks, shared, end) for c in sec["columns"]]
+        _check_keys_once(kind, cols)
+        out[kind] = cls(table, cols)
+    if end[0] != payload.numel():
+        raise RecordFormatError(f"payload of {payload.numel()} bytes, its fields end at byte {end[0]}")
     if verify:  # every field before any sample is returned: all or nothing
         unchecked = [c[0] for c in checks if c[3] is None]
         if unchecked:

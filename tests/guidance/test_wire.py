@@ -253,6 +253,21 @@ def test_every_corrupted_field_is_rejected_and_names_its_column():
     # a negative dimension escaped as torch's RuntimeError: the receiver then did not read the transfer to its end
     (lambda h: h["guidance"]["columns"][0]["fields"][0][2].__setitem__(1, -6),
      r"field payload: shape \(\d+, -6\) has a negative dimension"),
+    # (audit, session 59) a misspelt or missing section was read as absent: its samples' guidance or routing lost
+    (lambda h: h.__setitem__("guidancf", h.pop("guidance")),
+     r"the header has keys \['guidancf', 'protocol', 'routing'\], the protocol has \['guidance', 'protocol', "),
+    (lambda h: h.pop("routing"), r"the header has keys \['guidance', 'protocol'\]"),
+    (lambda h: h["routing"].__setitem__("tabel", h["routing"].pop("table")), r"the routing section has keys"),
+    (lambda h: h["guidance"]["columns"][0].__setitem__("rowz", h["guidance"]["columns"][0].pop("rows")),
+     r"a guidance column \(\[0, 'expert_fc1_in'\]\) has keys \['fields', 'key', 'members', 'meta', 'rowz'\]"),
+    # a second column of a key holding the same samples replaced the first one's records (offsets intact)
+    (lambda h: h["guidance"]["columns"][1].__setitem__("key", h["guidance"]["columns"][0]["key"]),
+     r"guidance column \(0, 'expert_fc1_in'\) holds sample index\(es\) \[0, 1, 2, 3\] twice"),
+    # a dtype name the protocol has not was a bare KeyError ("'Int64'"); the record's own checks name the column
+    (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(1, "Uint8"),
+     r"column \[0, 'expert_fc1_in'\] field payload: dtype 'Uint8' is not one of \['bool', 'float32'"),
+    (lambda h: next(f for f in h["guidance"]["columns"][1]["fields"] if f[0] == "expert_ids")[2].__setitem__(1, 2),
+     r"column \[0, 'expert_fc2_in'\]: expert_ids must be integer of shape \(9, 3\)"),
 ])
 def test_bad_headers_are_rejected_whole(edit, match):
     samples, routing, *_ = _data()
@@ -261,6 +276,33 @@ def test_bad_headers_are_rejected_whole(edit, match):
     edit(head)
     with pytest.raises(GuidanceSyncError, match=f"nothing applied: .*{match}"):
         _decode(_with_header(msgs, head))
+
+
+@pytest.mark.parametrize("n", [1, 3])
+@pytest.mark.parametrize("fmt,compact", FORMATS, ids=IDS)
+def test_a_field_offset_moved_onto_other_bytes_or_a_longer_payload_is_refused_without_verify(fmt, compact, n):
+    """(Audit, session 59.) Offsets follow from the shapes (``wire.layout``): a field moved by a multiple of the
+    alignment (a bit flipped in transit; ``verify=False`` has no header checksum) was in bounds and read another
+    field's or its own neighbours' bytes as its rows, accepted. Every moved offset is refused, naming the field and
+    where the layout puts it; so is a payload longer than its fields."""
+    samples, routing, *_ = _data(fmt, compact, B=n, lengths=(9, 7, 5)[:n])
+    msgs = _sync(verify=False).encode(samples, routing)
+    head = _head(msgs)
+    fields = [f for sec in ("guidance", "routing") for c in head[sec]["columns"] for f in c["fields"]]
+    size = msgs[2].numel()
+    for i, f in enumerate(fields):
+        moved = {f[3] + d for d in (-32, -16, 16, 32)} | {f[3] ^ (1 << b) for b in range(4, size.bit_length())}
+        for off in sorted(o for o in moved if 0 <= o < size):
+            edited = _head(msgs)
+            [g for sec in ("guidance", "routing") for c in edited[sec]["columns"] for g in c["fields"]][i][3] = off
+            with pytest.raises(GuidanceSyncError, match=rf"field {f[0]}: offset {off}, the layout puts it at {f[3]} "
+                                                        r"|field \w+: shape .* does not fit"):
+                _decode(_with_header(msgs, edited, crc=False), verify=False)
+    longer = torch.cat([msgs[2], torch.zeros(16, dtype=torch.uint8)])
+    with pytest.raises(GuidanceSyncError, match=rf"payload of {size + 16} bytes, its fields end at byte {size}"):
+        _decode([msgs[0], msgs[1], longer], verify=False)
+    for a, b in zip(_decode(msgs, verify=False).samples, samples, strict=True):
+        assert_samples_equal(a, b)
 
 
 def test_a_header_changed_on_the_way_is_rejected_with_verify():
