@@ -138,20 +138,32 @@ def _read_header(path: Path) -> tuple[dict, dict, int]:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise ShardError(f"guidance shard {path} has a corrupt header: {e}") from e
-    meta = header.pop("__metadata__", None) or {}
+    meta = (header.pop("__metadata__", None) or {}) if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        raise ShardError(f"{path} is not a guidance shard: its header is not a JSON object with a metadata object")
     if meta.get("format") != MAGIC:
         raise ShardError(f"{path} is not a guidance shard (metadata format={meta.get('format')!r}, want {MAGIC!r})")
     if meta.get("shard_version") != SHARD_VERSION:
         raise ShardError(f"guidance shard {path} has shard_version={meta.get('shard_version')!r}, this version reads "
                          f"{SHARD_VERSION!r}: written by another megatron_trace version; re-generate this step")
-    data_end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    data_end = max((_header_int(path, f"tensor {k}'s data end", lambda v=v: v["data_offsets"][1])
+                    for k, v in header.items()), default=0)
     want = 8 + n + data_end
-    if size != want or int(meta.get("data_nbytes", -1)) != data_end:
+    if size != want or _header_int(path, "metadata data_nbytes", lambda: meta.get("data_nbytes", -1)) != data_end:
         raise ShardError(
             f"guidance shard {path} is truncated or half-written: {size} bytes on disk, header says {want} "
             f"(data {data_end} bytes, metadata data_nbytes={meta.get('data_nbytes')}); re-generate this step"
         )
     return header, meta, 8 + n
+
+
+def _header_int(path: Path, what: str, get) -> int:
+    """``int(get())``; a damaged header entry (a bare IndexError / KeyError / ValueError before) as ``ShardError``."""
+    try:
+        return int(get())
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise ShardError(f"guidance shard {path}: {what} is not an int ({type(e).__name__}: {e}); re-generate this "
+                         "step") from e
 
 
 def shard_index(path: Path) -> dict[int, dict]:

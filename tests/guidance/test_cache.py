@@ -361,6 +361,24 @@ def test_a_shard_whose_header_disagrees_with_its_own_data_length_is_rejected(tmp
     with pytest.raises(ShardError, match=f"metadata data_nbytes={int(wrong)}"):
         read_header(path)
 
+@pytest.mark.parametrize("old,new,match", [
+    (rb'"data_offsets":\[', b'"data_offsetS":[', r"tensor \S+'s data end is not an int \(KeyError: 'data_offsets'\)"),
+    (rb'"data_offsets":\[0,', b'"data_offsets":[0.', r"tensor \S+'s data end is not an int \(IndexError"),
+    (rb'"data_nbytes":"\d', b'"data_nbytes":";', r"metadata data_nbytes is not an int \(ValueError"),
+], ids=["key", "one_offset", "nbytes"])
+def test_a_damaged_header_entry_is_a_shard_error_naming_it(tmp_path, old, new, match):
+    """(Audit, session 59.) One bit flipped in a shard's header (``,`` -> ``.`` merged an entry's offsets into one
+    float, a letter of a key or a digit changed; same length) escaped as a bare IndexError / KeyError / ValueError
+    from the length check, not the ``ShardError`` naming the file that ``GuidanceCache`` callers handle."""
+    path, _ = _shard(tmp_path)
+    data = path.read_bytes()
+    damaged = re.sub(old, new, data, count=1)
+    assert damaged != data and len(damaged) == len(data)
+    path.write_bytes(damaged)
+    with pytest.raises(ShardError, match=f"guidance shard {re.escape(str(path))}: {match}"):
+        shard_index(path)
+
+
 def test_shard_truncated_after_put_is_rejected_by_get(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
     samples = _step_samples(5)
