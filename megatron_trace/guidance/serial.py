@@ -298,6 +298,8 @@ def unflatten_one(meta: dict, span: torch.Tensor, *, verify: bool = False) -> Sa
     tensors, end = {}, 0  # (``plan_flat``'s layout: tensors in order, each after the one before)
     try:
         for name, dt, shape, rel in meta["tensors"]:
+            if name in tensors:  # (the later entry replaced the earlier one: a site lost its tensor or took another's)
+                raise RecordFormatError(f"tensor {name} is in the table twice")
             dtype = DTYPES[dt]
             if not (is_integer(rel) and rel >= 0 and isinstance(shape, (list, tuple))
                     and all(is_integer(d) and d >= 0 for d in shape)):  # (a negative offset would slice from the end)
@@ -316,7 +318,8 @@ def unflatten_one(meta: dict, span: torch.Tensor, *, verify: bool = False) -> Sa
 def unflatten(metas: Sequence[dict], buf: torch.Tensor, *, verify: bool = False) -> list[SampleGuidance]:
     """Inverse of ``flatten``: samples whose tensors are views into ``buf``."""
     for m in metas:
-        off, n = int(m["offset"]), int(m["nbytes"])
+        where = f"sample {m.get('sample_id')!r}"
+        off, n = _int(m.get("offset"), f"{where}: offset"), _int(m.get("nbytes"), f"{where}: nbytes")
         if off < 0 or off + n > buf.numel():
             raise RecordFormatError(f"sample {m.get('sample_id')} spans {off}+{n}, buffer has {buf.numel()} bytes")
     if verify:  # every checksum before any sample is built: all or nothing

@@ -166,6 +166,9 @@ def test_a_tensor_table_entry_off_the_alignment_or_a_span_off_the_buffer_is_refu
     m["offset"] = -16
     with pytest.raises(RecordFormatError, match=re.escape(f"sample {m['sample_id']} spans -16+{m['nbytes']}")):
         unflatten(metas, buf)
+    m["offset"] = None  # (audit, session 59: a bare KeyError / TypeError)
+    with pytest.raises(RecordFormatError, match=re.escape(f"sample {m['sample_id']}: offset=None is not an int")):
+        unflatten(metas, buf)
     m["offset"] = 0
     with pytest.raises(RecordFormatError, match=re.escape(f"spans {metas[-1]['offset']}+{metas[-1]['nbytes']}, "
                                                           f"buffer has {buf.numel() - 1} bytes")):
@@ -207,8 +210,9 @@ def test_a_table_entry_moved_onto_another_tensor_s_bytes_is_refused():
     ("amax renamed", r"tensors \['0/expert_fc1_in/amx'\] belong to no site field"),
     ("sample_id=1.5", r"sample_id=1.5 is not an int"),
     ("layer=0.0", r"layer=0.0 is not an int"),
+    ("amax onto layer 2's", r"bad tensor table: tensor 2/expert_fc1_in/amax is in the table twice"),
 ], ids=["negative_offset", "negative_valid_offset", "huge_shape", "valid_uint8", "amax_renamed", "float_sample_id",
-        "float_layer"])
+        "float_layer", "amax_renamed_onto_another_sites"])
 def test_a_damaged_tensor_table_on_the_cache_path_is_a_format_error_naming_the_sample(edit, match):
     """``GuidanceCache.get`` decodes its samples with ``unflatten_one``: a damaged meta must raise the module's
     ``RecordFormatError`` naming the sample, not a raw torch error (a negative offset with the row shape of the
@@ -231,6 +235,8 @@ def test_a_damaged_tensor_table_on_the_cache_path_is_a_format_error_naming_the_s
         entry["0/expert_fc1_in/valid"][1] = "uint8"
     elif edit == "amax renamed":
         entry["0/expert_fc1_in/amax"][0] = "0/expert_fc1_in/amx"
+    elif edit == "amax onto layer 2's":  # (audit, session 59) layer 2 took layer 0's amax and layer 0 had none
+        entry["0/expert_fc1_in/amax"][0] = "2/expert_fc1_in/amax"
     elif edit == "sample_id=1.5":
         m["sample_id"] = 1.5
     else:
