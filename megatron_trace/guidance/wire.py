@@ -276,6 +276,8 @@ def _decode_column(c: dict, kind: str, table: SampleTable, payload: torch.Tensor
     _keys(c, _KEYS["column"], f"a {kind} column ({c.get('key') if isinstance(c, dict) else c!r})")
     members, starts = _members_and_starts(c, table, shared)
     meta = dict(_keys(c["meta"], _META_KEYS[kind], f"the meta of column {c['key']}"))
+    if kind == "guidance" and meta["amax"] not in (None, "row", "sample"):  # (any other string was read as "row")
+        raise RecordFormatError(f"column {c['key']}: amax {meta['amax']!r} is not None, 'row' or 'sample'")
     fields, spans = {}, []
     for name, dt, shape, off, crc in c["fields"]:
         if name in fields:

@@ -266,6 +266,8 @@ def test_every_corrupted_field_is_rejected_and_names_its_column():
     # a dtype name the protocol has not was a bare KeyError ("'Int64'"); the record's own checks name the column
     (lambda h: h["guidance"]["columns"][0]["fields"][0].__setitem__(1, "Uint8"),
      r"column \[0, 'expert_fc1_in'\] field payload: dtype 'Uint8' is not one of \['bool', 'float32'"),
+    (lambda h: h["guidance"]["columns"][0]["meta"].__setitem__("amax", "rov"),
+     r"column \[0, 'expert_fc1_in'\]: amax 'rov' is not None, 'row' or 'sample'"),
     (lambda h: next(f for f in h["guidance"]["columns"][1]["fields"] if f[0] == "expert_ids")[2].__setitem__(1, 2),
      r"column \[0, 'expert_fc2_in'\]: expert_ids must be integer of shape \(9, 3\)"),
 ])
