@@ -320,8 +320,9 @@ def unflatten(metas: Sequence[dict], buf: torch.Tensor, *, verify: bool = False)
     for m in metas:
         where = f"sample {m.get('sample_id')!r}"
         off, n = _int(m.get("offset"), f"{where}: offset"), _int(m.get("nbytes"), f"{where}: nbytes")
-        if off < 0 or off + n > buf.numel():
-            raise RecordFormatError(f"sample {m.get('sample_id')} spans {off}+{n}, buffer has {buf.numel()} bytes")
+        if off < 0 or off % ALIGN or off + n > buf.numel():  # (off the alignment: a raw RuntimeError from view)
+            raise RecordFormatError(f"sample {m.get('sample_id')} spans {off}+{n}, buffer has {buf.numel()} bytes "
+                                    f"(samples start at {ALIGN}-byte aligned offsets)")
     if verify:  # every checksum before any sample is built: all or nothing
         checked = [m for m in metas if "checksum" in m]
         host = buf if buf.device.type == "cpu" else buf.cpu()  # one read-back for all samples

@@ -166,6 +166,10 @@ def test_a_tensor_table_entry_off_the_alignment_or_a_span_off_the_buffer_is_refu
     m["offset"] = -16
     with pytest.raises(RecordFormatError, match=re.escape(f"sample {m['sample_id']} spans -16+{m['nbytes']}")):
         unflatten(metas, buf)
+    m["offset"] = 1  # (audit, session 59: a raw RuntimeError from viewing the amax bytes as float32)
+    with pytest.raises(RecordFormatError, match=re.escape(f"sample {m['sample_id']} spans 1+{m['nbytes']}, buffer has "
+                                                          f"{buf.numel()} bytes (samples start at 16-byte aligned")):
+        unflatten(metas, buf)
     m["offset"] = None  # (audit, session 59: a bare KeyError / TypeError)
     with pytest.raises(RecordFormatError, match=re.escape(f"sample {m['sample_id']}: offset=None is not an int")):
         unflatten(metas, buf)
