@@ -24,6 +24,7 @@ from ...manifest import (
     module_excluded,
 )
 from ..audit import qwen3_moe_modules
+from ..base import is_int
 from .capture import ATTENTION_TARGET, LOGITS_TARGET
 from .native import native_fp4_available
 from .records import SiteSpec
@@ -238,8 +239,7 @@ PARALLEL_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size", "moe_dp_size")
 def check_parallel_sizes(kw: dict) -> None:
     """Each of ``PARALLEL_SIZES`` given is an int >= 1 (``ep_size=0`` divided by zero in the MoE TP size; a
     ``tp_size`` of 0 or -1 passed every check here and went to SGLang as given)."""
-    bad = {k: kw[k] for k in PARALLEL_SIZES
-           if k in kw and (isinstance(kw[k], bool) or not isinstance(kw[k], int) or kw[k] < 1)}
+    bad = {k: kw[k] for k in PARALLEL_SIZES if k in kw and not (is_int(kw[k]) and kw[k] >= 1)}
     if bad:
         raise ValueError(f"parallel size(s) {bad} must be ints >= 1 (valid: 1, 2, ...; 1 when not given)")
 
