@@ -119,8 +119,14 @@ def load(path: Path) -> dict[str, list[dict]]:
 
 
 def _mean_last(rows: list[dict], key: str, n: int = 1) -> float | None:
-    vals = [r[key] for r in rows if isinstance(r.get(key), float)]
-    return sum(vals[-n:]) / len(vals[-n:]) if vals else None
+    """Mean of ``key`` over the last ``n`` rows that have it (None: no row has it). A value that is no number (a
+    JSON null) is NaN in the mean: it was dropped, and the cell showed the mean of other steps as these."""
+    vals = [_number(r[key]) for r in rows if key in r][-n:]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _number(v) -> float:
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else math.nan
 
 
 FLOOR_ARM = "bf16"
@@ -204,7 +210,9 @@ def plot(by_arm: dict[str, list[dict]], out_dir: Path) -> list[Path]:
     arms = [a for a in ("trace", "trace_full") if a in by_arm]
     if arms:
         fig, ax = plt.subplots(figsize=(5, 4))
-        ax.bar(arms, [by_arm[a][-1].get("cache/bytes_per_token", 0.0) for a in arms], color=["C3", "C4"][: len(arms)])
+        # the summary's cell: the last row that has it (a row without it, e.g. a resumed run's, drew a bar of 0)
+        vals = [_mean_last(by_arm[a], "cache/bytes_per_token") for a in arms]
+        ax.bar(arms, [math.nan if v is None else v for v in vals], color=["C3", "C4"][: len(arms)])
         ax.set(ylabel="bytes / token", title="Guidance cache per token")
         paths.append(_save(fig, out_dir / "cache_bytes.png"))
     return paths

@@ -1,5 +1,7 @@
 """The demo's summary table (``rl.report``): the headline ratio of each arm's mismatch to the BF16 floor."""
 
+import math
+
 import pytest
 
 from megatron_trace.rl import report
@@ -160,3 +162,49 @@ def test_an_out_dir_that_is_a_file_is_named(tmp_path):
     f.write_text("x")
     with pytest.raises(NotADirectoryError, match=r"out_dir=.* is a file: give the run's output directory"):
         MetricsWriter(f)
+
+
+@pytest.mark.parametrize("key,label,n", [("reward", "final reward (last 3 steps)", 3),
+                                         ("mismatch/logprob_abs_diff", "logprob_abs_diff", 5),
+                                         ("cache/bytes_per_token", "guidance bytes/token", 1)])
+def test_a_null_value_in_the_window_is_nan_not_a_mean_of_other_steps(tmp_path, key, label, n):
+    """A metric written as None (JSON null) on the last step was dropped: the cell showed the mean of earlier steps as
+    if they were the window. It reads NaN; a window without the null is the mean of its own steps."""
+    from megatron_trace.rl.report import MetricsWriter, load
+
+    w = MetricsWriter(tmp_path, fresh=True)
+    for step in range(5):
+        w.write("trace", step, {key: None if step == 4 else float(step + 1)})
+        w.write("bf16", step, {key: float(step + 1)})
+    w.close()
+    rows = report.summary_rows(load(w.path))
+    cells = {r[0]: r[rows[0].index(label)] for r in rows[1:]}
+    assert cells["trace"] == "nan"
+    assert float(cells["bf16"]) == sum(range(6 - n, 6)) / n
+
+
+def test_the_cache_bar_is_the_last_row_that_has_it(tmp_path):
+    """The bar read the arm's last row, a row without cache/bytes_per_token drawing 0 (the summary said the last
+    value); an arm that never had it draws no bar (NaN), not 0."""
+    import matplotlib.axes
+
+    from megatron_trace.rl.report import MetricsWriter, load
+
+    w = MetricsWriter(tmp_path, fresh=True)
+    for step in range(3):
+        w.write("trace", step, {"reward": 0.5, **({"cache/bytes_per_token": 60.0 + step} if step < 2 else {})})
+        w.write("trace_full", step, {"reward": 0.5})
+    w.close()
+    bars, orig = [], matplotlib.axes.Axes.bar
+
+    def bar(ax, x, h, *a, **k):  # (the heights drawn; matplotlib's own bar draws them)
+        bars.append((list(x), list(h)))
+        return orig(ax, x, h, *a, **k)
+
+    try:
+        matplotlib.axes.Axes.bar = bar
+        report.plot(load(w.path), tmp_path)
+    finally:
+        matplotlib.axes.Axes.bar = orig
+    (x, h), = [b for b in bars if b[0] == ["trace", "trace_full"]]
+    assert h[0] == 61.0 and math.isnan(h[1])
