@@ -41,7 +41,7 @@ class MetricsWriter:
                                      "(made if missing)")
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.out_dir / "metrics.jsonl"
-        self._tb = {}
+        self._tb, self._purge = {}, {}
         if fresh:
             self.path.unlink(missing_ok=True)
             shutil.rmtree(self.out_dir / "tb", ignore_errors=True)
@@ -49,9 +49,13 @@ class MetricsWriter:
     def truncate(self, arm: str, step: int) -> None:
         """Drop ``arm``'s rows of steps >= ``step`` (a resumed run redoes them; they are not counted twice), and an
         unfinished last row (no line end: the run died writing it; its step came after the last checkpoint, so it is
-        redone too). The file is replaced whole: a run killed meanwhile keeps the old one. TensorBoard keeps its
-        events: a redone step appears there twice."""
+        redone too). The file is replaced whole: a run killed meanwhile keeps the old one. The arm's TensorBoard
+        events of steps >= ``step`` are purged too (its next events file starts with ``purge_step``: a redone step
+        appeared there twice)."""
         _check_row_key(arm, step)
+        self._purge[arm] = step
+        if self._tb.get(arm) is not None:  # (a writer opened before: the next one purges)
+            self._tb.pop(arm).close()
         if not self.path.exists():
             return
         lines = self.path.read_text().splitlines(keepends=True)
@@ -76,7 +80,7 @@ class MetricsWriter:
         tb = self._writer(arm)
         if tb is not None:
             for k, v in row.items():
-                if isinstance(v, float) and math.isfinite(v):
+                if isinstance(v, float):  # (NaN / Inf too: TensorBoard marks them; they were left out, silently)
                     tb.add_scalar(k, v, step)
 
     def _writer(self, arm: str):
@@ -84,7 +88,7 @@ class MetricsWriter:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self._tb[arm] = SummaryWriter(str(self.out_dir / "tb" / arm))
+                self._tb[arm] = SummaryWriter(str(self.out_dir / "tb" / arm), purge_step=self._purge.get(arm))
             except ImportError:  # tensorboard is in the examples extra
                 self._tb[arm] = None
         return self._tb[arm]

@@ -208,3 +208,26 @@ def test_the_cache_bar_is_the_last_row_that_has_it(tmp_path):
         matplotlib.axes.Axes.bar = orig
     (x, h), = [b for b in bars if b[0] == ["trace", "trace_full"]]
     assert h[0] == 61.0 and math.isnan(h[1])
+
+
+def test_tensorboard_has_each_step_once_after_a_resume_and_its_nan_and_inf(tmp_path):
+    """A resumed run's redone steps appeared in TensorBoard twice (the old run's value beside the new), and NaN / Inf
+    values were left out of it, silently: the redone steps are purged and non-finite values written as such."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_trace.rl.report import MetricsWriter
+
+    w = MetricsWriter(tmp_path, fresh=True)
+    for step in range(3):
+        w.write("trace", step, {"reward": float(step), "x": math.nan if step == 1 else 1.0})
+    w.close()
+    w = MetricsWriter(tmp_path)
+    w.truncate("trace", 1)
+    for step in (1, 2):
+        w.write("trace", step, {"reward": 10.0 + step, "x": math.inf})
+    w.close()
+    ea = EventAccumulator(str(tmp_path / "tb" / "trace"))
+    ea.Reload()
+    assert [(e.step, e.value) for e in ea.Scalars("reward")] == [(0, 0.0), (1, 11.0), (2, 12.0)]
+    assert [(e.step, e.value) for e in ea.Scalars("x")] == [(0, 1.0), (1, math.inf), (2, math.inf)]
