@@ -10,7 +10,7 @@ import shutil
 from collections import defaultdict
 from pathlib import Path
 
-from ..rollout.base import is_int
+from ..rollout.base import is_int, is_real
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def _mean_last(rows: list[dict], key: str, n: int = 1) -> float | None:
 
 
 def _number(v) -> float:
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else math.nan
+    return float(v) if is_real(v) else math.nan
 
 
 FLOOR_ARM = "bf16"
