@@ -41,7 +41,7 @@ def rollout_batch(B: int):
     return out, rows
 
 
-def run_scenario(world: int, scenario: str, tmp_path, timeout: float = 120, backend: str = "gloo") -> dict[int, str]:
+def run_scenario(world: int, scenario: str, tmp_path, timeout: float = 300, backend: str = "gloo") -> dict[int, str]:
     """Each rank's result line of ``scenario`` in ``world`` spawned processes (gloo on the CPU, or NCCL with one GPU
     per rank); asserts that every rank reported OK."""
     if backend not in BACKENDS:

@@ -4,6 +4,8 @@ import dataclasses
 import json
 import logging
 import math
+import pathlib
+import re
 import time
 
 import pytest
@@ -71,6 +73,32 @@ def test_all_arms_run_and_trace_removes_mismatch(megatron_cpu, ckpt, tmp_path):
     for name in ("summary.md", "metrics.jsonl", "reward.png", "mismatch.png", "code_mismatch_per_layer.png"):
         assert (tmp_path / name).exists()
     assert len(report.summary_rows(by_arm)) == 1 + len(ARMS)
+    keys = {k for rows in by_arm.values() for r in rows for k in r}
+    missing = [name for name in readme_metric_names() if not any(_metric_re(name).fullmatch(k) for k in keys)]
+    assert not missing, f"README's metric table names metrics the demo never writes: {missing}"
+
+
+def readme_metric_names() -> list[str]:
+    """The metric names in the first column of README's "Reading the metrics" table; a bare name (``kl_k3``,
+    ``{prefill,decode}/*``) takes the prefix of the cell's first name (``mismatch/``), ``sync/*`` is a name."""
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    table = text.split("## Reading the metrics", 1)[1].split("\n\n")[2]
+    names = []
+    for line in table.splitlines()[2:]:
+        cell = re.findall(r"`([^`]+)`", line.split(" | ")[0])
+        prefix = cell[0].split("/", 1)[0] + "/"
+        names += [prefix + n if "/" not in n or n.startswith("{") else n for n in cell]
+    assert len(names) >= 12, names  # (the table was found)
+    return names
+
+
+def _metric_re(name: str) -> re.Pattern:
+    """``<site>`` one path part, ``*`` the rest, ``{a,b}`` either; the demo's guidance counters sit under
+    ``guidance/trainer/`` or ``guidance/assembly/`` (as the table says)."""
+    pat = re.escape(name).replace(r"\*", ".+")
+    pat = re.sub(r"<[^>]+>", "[^/]+", pat)
+    pat = re.sub(r"\\\{([^}]*)\\\}", lambda m: "(" + m.group(1).replace(",", "|") + ")", pat)
+    return re.compile(pat.replace("guidance/", "guidance/(trainer/|assembly/)?", 1))
 
 
 def test_a_runs_metrics_give_the_budget_planner_its_per_layer_rates(megatron_cpu, ckpt, tmp_path, capsys):
