@@ -326,19 +326,19 @@ def test_nonfinite_log_probs_are_an_error_naming_the_requests(value):
     assert torch.equal(b.logprobs[0, 2:], torch.tensor([-1e30, -0.0]))  # very unlikely, still finite
 
 
-def test_guidance_capture_refuses_hierarchical_cache():
-    """HiCache (sglang#26975) loads a host-tier prefix back into new KV slots; the slot buffers of the expert rows
-    do not follow it, so the read-out would return the rows of whatever token held those slots before, as valid
-    rows. The capture needs it off; without guidance the engine may use it."""
+@pytest.mark.parametrize("key, why", [("enable_hierarchical_cache", "HiCache"), ("enable_lmcache", "LMCache")])
+def test_guidance_capture_refuses_a_cache_that_loads_prefixes_into_new_slots(key, why):
+    """HiCache (sglang#26975) and LMCache (``LMCRadixCache.match_prefix``) load a stored prefix back into new KV
+    slots; the slot buffers of the expert rows do not follow it, so the read-out would return the rows of whatever
+    token held those slots before, as valid rows. The capture needs both off; without guidance the engine may use
+    them."""
     from megatron_trace.rollout.sglang.launch import REQUIRED, trace_server_args
 
-    assert trace_server_args("/ckpt", CFG, HF, native=False)["enable_hierarchical_cache"] is False
-    assert "enable_hierarchical_cache" in REQUIRED
-    with pytest.raises(ValueError, match="enable_hierarchical_cache=False, got True: HiCache"):
-        trace_server_args("/ckpt", CFG, HF, native=False, enable_hierarchical_cache=True)
+    assert trace_server_args("/ckpt", CFG, HF, native=False)[key] is False and key in REQUIRED
+    with pytest.raises(ValueError, match=f"{key}=False, got True: {why}"):
+        trace_server_args("/ckpt", CFG, HF, native=False, **{key: True})
     off = CFG.replace(guided_layers="none")  # nothing captured: nothing to refuse
-    assert trace_server_args("/ckpt", off, HF, native=False, enable_hierarchical_cache=True)[
-        "enable_hierarchical_cache"] is True
+    assert trace_server_args("/ckpt", off, HF, native=False, **{key: True})[key] is True
 
 
 def test_server_args_ask_for_routing_and_a_kv4_attention_backend():
