@@ -341,6 +341,22 @@ def test_guidance_capture_refuses_a_cache_that_loads_prefixes_into_new_slots(key
     assert trace_server_args("/ckpt", off, HF, native=False, **{key: True})[key] is True
 
 
+@pytest.mark.parametrize("key, value", [("disable_radix_cache", True), ("page_size", 64), ("enable_lmcache", True)])
+def test_an_engine_resolved_otherwise_than_the_capture_needs_is_refused_by_name(key, value):
+    """SGLang's ``ServerArgs.__post_init__`` overrides what ``trace_server_args`` asked: ``disable_radix_cache=True``
+    for ``disaggregation_mode="decode"`` or deterministic inference on a backend without radix support, ``page_size=64``
+    for the trtllm_mha attention backend (Blackwell's default). The backend checks ``REQUIRED`` on the engine's
+    resolved ``server_args``, not only on the kwargs; without guidance it has nothing to check."""
+    eng = _Engine()
+    setattr(eng.server_args, key, value)
+    want = dict(disable_radix_cache=False, page_size=1, enable_lmcache=False)[key]
+    with pytest.raises(ValueError, match=rf"guidance capture needs {key}={want!r}, got {value!r}: "):
+        SGLangRolloutBackend(eng, CFG, HF, native=False)
+    SGLangRolloutBackend(eng, CFG.replace(guided_layers="none"), HF, native=False)
+    setattr(eng.server_args, key, want)
+    SGLangRolloutBackend(eng, CFG, HF, native=False)
+
+
 def test_server_args_ask_for_routing_and_a_kv4_attention_backend():
     """Routing replay needs the engine to return routed experts, and SGLang's FP4 KV cache one of its KV4 MHA
     backends; the backend checks the former only after a generate, the latter nowhere."""

@@ -39,6 +39,7 @@ from .capture import INFO_KEY, READOUT_PREFIX
 from .launch import (
     KV_FP4,
     WEIGHT_LOADER,
+    check_capture_settings,
     check_kv_cache_dtype,
     check_kv_sites,
     check_serves_format,
@@ -151,6 +152,8 @@ class SGLangRolloutBackend:
             raise ValueError(f"TraceConfig.exclude_modules keeps {bf16_kv[:3]} in BF16, but SGLang's FP4 KV cache "
                              "(kv_cache_dtype=fp4_e2m1) quantizes every layer: drop those patterns or use a BF16 KV")
         self.specs = guidance_specs(trace_config, hf_config, kv_dtype=self.kv_cache_dtype)
+        if self.specs and getattr(engine, "server_args", None) is not None:  # (as SGLang resolved them)
+            check_capture_settings(engine.server_args)
         self.return_routing = needs_routing(trace_config, self.specs)  # (as trace_server_args launches the engine)
         self.pad_token_id = pad_token_id
         self.weights_group = weights_group

@@ -235,6 +235,19 @@ REQUIRED = {
 }
 
 
+def check_capture_settings(server_args) -> None:
+    """``REQUIRED`` on ServerArgs kwargs (a dict) or on an engine's resolved ``server_args``: SGLang's
+    ``__post_init__`` may override what was asked, e.g. ``disable_radix_cache=True`` for
+    ``disaggregation_mode="decode"`` or for deterministic inference on an attention backend without radix support,
+    and an engine launched otherwise than by ``trace_server_args`` may differ anyway. A key absent is not checked."""
+    get = server_args.get if isinstance(server_args, dict) else lambda k, d: getattr(server_args, k, d)
+    missing = object()
+    for key, (want, why) in REQUIRED.items():
+        got = get(key, missing)
+        if got is not missing and got != want:
+            raise ValueError(f"guidance capture needs {key}={want!r}, got {got!r}: {why}")
+
+
 PARALLEL_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size", "moe_dp_size")
 """ServerArgs parallel sizes ``trace_server_args`` reads (1 when not given)."""
 
@@ -295,9 +308,7 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
         ep = kw.get("ep_size", 1)
         check_emulated_moe_parallel(trace_config, kw.get("tp_size", 1) // ep // kw.get("moe_dp_size", 1), ep)
     if specs:
-        for key, (want, why) in REQUIRED.items():
-            if kw.get(key) != want:
-                raise ValueError(f"guidance capture needs {key}={want!r}, got {kw.get(key)!r}: {why}")
+        check_capture_settings(kw)
         sharded = sorted({s.site for s in specs if s.site != "expert_fc1_in"})
         if sharded and kw.get("tp_size", 1) != 1:
             raise ValueError(f"guidance for {sharded} needs tp_size=1 (got {kw['tp_size']}): each TP rank holds a "
