@@ -1,6 +1,7 @@
 """Slot capture end to end on CPU: the real hooks, the real TRACE MoE method and SGLang's own KV quantizer,
 with SGLang's scheduler bookkeeping (slot allocator, req_to_token, radix prefix match, FP4 KV pool) simulated
-by ``MiniEngine`` on real tensors (SGLang's pool classes import sgl_kernel and do not load on CPU).
+by ``MiniEngine`` on real tensors (SGLang's radix cache imports sgl_kernel through ``memory_pool_host``;
+test_capture_sglang_pools.py drives SGLang's own pools, radix cache and Req with it stood in for).
 
 Issue 11 item 6: a radix-cache prefix hit gives the same records as a cold run, bit for bit."""
 
