@@ -355,6 +355,11 @@ def test_an_engine_resolved_otherwise_than_the_capture_needs_is_refused_by_name(
     SGLangRolloutBackend(eng, CFG.replace(guided_layers="none"), HF, native=False)
     setattr(eng.server_args, key, want)
     SGLangRolloutBackend(eng, CFG, HF, native=False)
+    if key == "page_size":  # the override's cause, and the way out, are named
+        eng.server_args.page_size, eng.server_args.attention_backend = 64, "trtllm_mha"
+        with pytest.raises(ValueError, match="trtllm_mha attention backend, its default on Blackwell.*"
+                                             "pass attention_backend='flashinfer' or 'triton'"):
+            SGLangRolloutBackend(eng, CFG, HF, native=False)
 
 
 def test_server_args_ask_for_routing_and_a_kv4_attention_backend():

@@ -235,6 +235,9 @@ REQUIRED = {
 }
 
 
+ATTENTION_BACKEND_KEYS = ("attention_backend", "prefill_attention_backend", "decode_attention_backend")
+
+
 def check_capture_settings(server_args) -> None:
     """``REQUIRED`` on ServerArgs kwargs (a dict) or on an engine's resolved ``server_args``: SGLang's
     ``__post_init__`` may override what was asked, e.g. ``disable_radix_cache=True`` for
@@ -245,7 +248,11 @@ def check_capture_settings(server_args) -> None:
     for key, (want, why) in REQUIRED.items():
         got = get(key, missing)
         if got is not missing and got != want:
-            raise ValueError(f"guidance capture needs {key}={want!r}, got {got!r}: {why}")
+            hint = ""
+            if key == "page_size" and "trtllm_mha" in {get(k, None) for k in ATTENTION_BACKEND_KEYS}:
+                hint = (" (SGLang's trtllm_mha attention backend, its default on Blackwell, takes pages of 16-64 "
+                        "tokens: pass attention_backend='flashinfer' or 'triton' to trace_server_args)")
+            raise ValueError(f"guidance capture needs {key}={want!r}, got {got!r}: {why}{hint}")
 
 
 PARALLEL_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size", "moe_dp_size")
