@@ -138,16 +138,26 @@ class TraceKVCore:
         heads = self.trace_kv_groups or self.config.num_query_groups or self.config.num_attention_heads
         return heads, group.rank() * heads // group.size()
 
-    def quantize_kv(self, site: str, x: torch.Tensor) -> torch.Tensor:
-        """x [S, B, g, hd] -> fake-quantized, one row per (token, KV head)."""
+    def quantize_kv(self, site: str, x: torch.Tensor, packed_seq_params=None) -> torch.Tensor:
+        """x [S, B, g, hd] -> fake-quantized, one row per (token, KV head). Packed sequences
+        (``packed_seq_params.qkv_format == "thd"``: Megatron hands TE's attention K/V as [T, g, hd]) are taken as
+        [T, 1, g, hd], the layout ``packing.pack_step`` gives the guidance."""
         if not self.trace_quantizes(site):
             return x
         step = self._trace_step
         if step is None:
             check_replayed(self)
+        elif x.dim() == 3 and getattr(packed_seq_params, "qkv_format", None) == "thd":
+            cp = self.config.context_parallel_size or 1
+            if cp > 1:  # (each rank holds 2 * cp chunks of every sample: no contiguous [1, T] rows)
+                raise ValueError(f"packed sequences (qkv_format='thd') with context_parallel_size={cp} under "
+                                 "trace_guidance are not supported (context parallelism 1 only)")
+            return self.quantize_kv(site, x.unsqueeze(1)).view(x.shape)
         elif x.dim() != 4:
-            raise ValueError(f"the KV site under trace_guidance needs K/V as [S, B, heads, head_dim], got "
-                             f"{tuple(x.shape)} (packed sequences are not supported)")
+            fmt = getattr(packed_seq_params, "qkv_format", None)
+            raise ValueError(f"the KV site under trace_guidance needs K/V as [S, B, heads, head_dim], or [T, heads, "
+                             f"head_dim] with packed_seq_params.qkv_format='thd', got {tuple(x.shape)} with "
+                             f"qkv_format={fmt!r}")
         rows = step.rows(site, x) if step is not None else None
         flat = x.reshape(-1, x.shape[-1])
         if step is not None and step.state.recorder is not None:
@@ -175,8 +185,8 @@ class TraceDotProductAttention(TraceKVCore, DotProductAttention):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        key = self.quantize_kv("kv_k", key)
-        value = self.quantize_kv("kv_v", value)
+        key = self.quantize_kv("kv_k", key, packed_seq_params)
+        value = self.quantize_kv("kv_v", value, packed_seq_params)
         return DotProductAttention.forward(
             self, query, key, value, attention_mask, attn_mask_type=attn_mask_type, attention_bias=attention_bias,
             packed_seq_params=packed_seq_params,

@@ -103,8 +103,10 @@ def _te_attention() -> type:
             self._init_trace(trace_config)
 
         def forward(self, query, key, value, *args, **kwargs):
-            key = self.quantize_kv("kv_k", key)
-            value = self.quantize_kv("kv_v", value)
+            # (attention_mask, attn_mask_type, attention_bias, packed_seq_params: Megatron passes the last by name)
+            packed = kwargs.get("packed_seq_params", args[3] if len(args) > 3 else None)
+            key = self.quantize_kv("kv_k", key, packed)
+            value = self.quantize_kv("kv_v", value, packed)
             return TEDotProductAttention.forward(self, query, key, value, *args, **kwargs)
 
     return TraceTEDotProductAttention
