@@ -20,6 +20,7 @@ from megatron_trace.testing.megatron_cpu import (  # noqa: E402,F401  (re-export
 )
 
 VOCAB, SEQ, HIDDEN, FFN, LAYERS, EXPERTS, TOPK, HEADS, GROUPS = 128, 16, 64, 64, 4, 8, 2, 4, 2
+MROPE_SECTION = [4, 2, 2]  # the 8 rotary frequencies of head_dim 16 (``build_model(..., "mrope")``)
 
 
 def init_parallel(ep: int = 1, tp: int = 1, seed: int = 1234) -> None:
@@ -121,15 +122,17 @@ def mtp_spec(config, layer_spec=None):
     return get_gpt_mtp_block_spec(config, layer_spec, use_transformer_engine=False)
 
 
-def build_model(config, spec, seed: int = 0, mtp_block_spec=None):
-    """A GPTModel on CPU with deterministic weights (same seed -> same weights for any spec)."""
+def build_model(config, spec, seed: int = 0, mtp_block_spec=None, position_embedding_type: str = "rope"):
+    """A GPTModel on CPU with deterministic weights (same seed -> same weights for any spec). ``"mrope"`` (with
+    ``tiny_config(mrope_section=MROPE_SECTION)``): RoPE at the positions the forward's ``position_ids`` [3, B, S]
+    give (the same three rows: plain RoPE), e.g. restarting per sample of a packed row."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=VOCAB, max_sequence_length=SEQ,
-                    position_embedding_type="rope", mtp_block_spec=mtp_block_spec)
+                    position_embedding_type=position_embedding_type, mtp_block_spec=mtp_block_spec)
 
 
 def batch(b: int = 2, s: int = SEQ, seed: int = 0):

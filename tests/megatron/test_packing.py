@@ -1,0 +1,247 @@
+"""Packed sequences (THD, ``megatron/packing.py``): guidance recorded by a padded batch-major forward, laid out by
+``pack_step`` for a packed row, guides the packed forward of the same samples row for row.
+
+Megatron's local attention takes no ``packed_seq_params`` on the CPU, so the packed forward is emulated exactly: one
+row [1, T] holding the samples (each in its segment, then tail padding), a block-diagonal causal mask, and RoPE
+positions restarting per sample (the ``mrope`` position embedding, which takes ``position_ids``)."""
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+from megatron_trace.config import TraceConfig
+from megatron_trace.guidance.site import FallbackCounter
+from megatron_trace.megatron import StepGuidance, TraceDotProductAttention, trace_guidance, trace_spec
+from megatron_trace.megatron.packing import pack_step
+from megatron_trace.megatron.rows import map_record, payload_of
+
+from .harness import LAYERS, MROPE_SECTION, SEQ, TOPK, VOCAB, build_model, stock_spec, tiny_config
+
+pytestmark = pytest.mark.usefixtures("world1")
+
+LENGTHS = (5, 9, 16)  # tokens of the three samples (one fills its row)
+LAYOUTS = {  # name: (positions after each sample in its segment, tail padding of the packed row)
+    "exact": ((0, 0, 0), 0),
+    "segment_padding": ((3, 1, 0), 0),  # cu_seqlens_padded: samples padded in their segments
+    "tail_padding": ((0, 0, 0), 4),
+    "both": ((2, 0, 3), 5),
+}
+
+
+class ThdCoreAttention(TraceDotProductAttention):
+    """The KV site fed as Transformer Engine's attention is under ``qkv_format="thd"`` (Megatron's SelfAttention
+    squeezes a packed row's batch axis: K/V [T, heads, head_dim]); Megatron's local attention, which takes no
+    ``packed_seq_params``, then runs on the quantized K/V."""
+
+    qkv_format = "thd"
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        thd = None if self.qkv_format is None else PackedSeqParams(qkv_format=self.qkv_format)
+        key = self.quantize_kv("kv_k", key.squeeze(1), thd).unsqueeze(1)
+        value = self.quantize_kv("kv_v", value.squeeze(1), thd).unsqueeze(1)
+        return DotProductAttention.forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                           attention_bias=attention_bias)
+
+
+def _model(tc: TraceConfig, core: type | None = None, **cfg_kw):
+    """The tiny model with RoPE at the forward's ``position_ids``; ``core``: its core attention class."""
+    cfg = tiny_config(mrope_section=MROPE_SECTION, **cfg_kw)
+    spec = trace_spec(stock_spec(cfg), tc)
+    for layer in spec.layer_specs if core is not None else ():
+        layer.submodules.self_attention.submodules.core_attention.module = core
+    return build_model(cfg, spec, position_embedding_type="mrope")
+
+
+def _padded(left: bool, lengths=LENGTHS, seed: int = 0):
+    """(tokens, token_mask, position_ids [3, B, S], attention_mask): samples left- or right-padded to SEQ, each
+    attending to its own tokens only, positions from 0 at its first token."""
+    B, S = len(lengths), SEQ
+    tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+    at, n = torch.arange(S)[None], torch.tensor(lengths)[:, None]
+    tm = at >= S - n if left else at < n
+    pos = (tm.long().cumsum(1) - 1).clamp(min=0)
+    mask = ~(torch.ones(S, S, dtype=torch.bool).tril()[None] & tm[:, None, :]).unsqueeze(1)
+    return tokens, tm, pos.expand(3, B, S), mask
+
+
+def _packed(tokens, tm, cu: list[int], total: int):
+    """The packed forward's (tokens [1, T], position_ids [3, 1, T], block-diagonal causal mask [1, 1, T, T]):
+    sample b's tokens at cu[b]..., its segment's positions restarting at 0; the tail padding a segment of its own."""
+    B = tokens.shape[0]
+    row, pos, seg = torch.zeros(1, total, dtype=tokens.dtype), torch.zeros(1, total, dtype=torch.long), torch.zeros(
+        total, dtype=torch.long)
+    for b, (start, end) in enumerate(zip([*cu, total], [*cu[1:], total])):
+        pos[0, start:end] = torch.arange(end - start)
+        seg[start:end] = b
+        if b < B:
+            t = tokens[b, tm[b]]
+            row[0, start:start + t.numel()] = t
+    mask = ~((seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool).tril())
+    return row, pos.expand(3, 1, total), mask[None, None]
+
+
+def _boundaries(layout: str) -> tuple[list[int], int]:
+    extra, tail = LAYOUTS[layout]
+    cu = [0]
+    for n, e in zip(LENGTHS, extra):
+        cu.append(cu[-1] + n + e)
+    return cu, cu[-1] + tail
+
+
+def _forward(model, data, step=None):
+    tokens, pos, mask = data
+    with trace_guidance(model, step, record=True) as h, torch.no_grad():
+        model(tokens, pos, mask)
+    return h
+
+
+def _rows(sg, index: torch.Tensor, lead: int):
+    """The record's rows ``index`` of its ``lead`` leading dims flattened: (payload, block scales, amax), valid,
+    expert ids."""
+    r = sg.record
+    rec = map_record(r, lambda t: t.reshape(-1, *t.shape[lead:])[index], (index.numel(), *r.shape[lead:]))
+    take = lambda t: None if t is None else t.reshape(-1, *t.shape[lead:])[index]  # noqa: E731
+    return payload_of(rec), rec.block_scales.view(torch.uint8), rec.global_amax, take(sg.valid), take(sg.expert_ids)
+
+
+def _same_rows(a, ia, b, ib, lead: int) -> bool:
+    return all(x is y or torch.equal(x, y) for x, y in zip(_rows(a, ia, lead), _rows(b, ib, lead)))
+
+
+@pytest.fixture(scope="module", params=["right", "left"])
+def unpacked(request):
+    """A model (every layer guided), a padded batch and its recorded guidance (full NVFP4 records)."""
+    tc = TraceConfig(guided_layers="all", cache_mode="full")
+    model = _model(tc)
+    tokens, tm, pos, mask = _padded(request.param == "left")
+    rec = _forward(model, (tokens, pos, mask)).recorded()
+    return tc, model, tokens, tm, rec
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_packed_forward_reproduces_the_unpacked_records(unpacked, layout):
+    """Guided by ``pack_step``'s layout of the unpacked run's records: coverage 1.0 over exactly the samples' rows
+    (segment and tail padding not counted), nothing rejected, and the packed run's own records and routing equal the
+    unpacked run's token for token (codes, scales, amax, valid flags, expert ids)."""
+    _, model, tokens, tm, rec = unpacked
+    cu, total = _boundaries(layout)
+    counter = FallbackCounter()
+    step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm, counter=counter, min_coverage=1.0,
+                        fallback="fail")
+    packed = pack_step(step, torch.tensor(cu, dtype=torch.int32), total=total)
+    h = _forward(model, _packed(tokens, tm, cu, total), packed)
+    n = sum(LENGTHS)
+    assert h.counter is counter and not counter.fallback and h.coverage() == 1.0
+    assert counter.used == LAYERS * (n + n * TOPK + n + n)  # fc1, fc2 per (token, expert), kv_k, kv_v
+    b, s = tm.nonzero().unbind(1)
+    src = b * SEQ + s  # batch-major token rows, sample by sample
+    dst = torch.cat([torch.arange(c, c + k) for c, k in zip(cu, LENGTHS)])
+    out = h.recorded()
+    assert set(out.sites) == set(rec.sites)
+    for key, sg in rec.sites.items():
+        assert tuple(out.sites[key].record.shape[:2]) == (1, total), key
+        assert _same_rows(sg, src, out.sites[key], dst, 2), key
+    for layer, r in rec.routing.items():
+        assert torch.equal(out.routing[layer][0, dst], r.reshape(-1, TOPK)[src]), layer
+
+
+def test_pack_step_layout_matches_an_independent_placement(unpacked):
+    """Each counted token's rows at cu_seqlens[b] + its index in the sample, zeros and invalid elsewhere (segment
+    and tail padding), the token mask True exactly there; counter, fallback and min_coverage carried over."""
+    _, _, _, tm, rec = unpacked
+    cu, total = _boundaries("both")
+    step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm, fallback="rne", min_coverage=0.5)
+    packed = pack_step(step, cu, total=total)
+    place = {}  # packed position -> batch-major token row, by loops
+    for b in range(len(LENGTHS)):
+        positions = [s for s in range(SEQ) if tm[b, s]]
+        place.update({cu[b] + i: b * SEQ + s for i, s in enumerate(positions)})
+    assert packed.token_mask.tolist() == [[t in place for t in range(total)]]
+    assert packed.counter is step.counter and (packed.fallback, packed.min_coverage) == ("rne", 0.5)
+    dst, src = torch.tensor(sorted(place)), torch.tensor([place[t] for t in sorted(place)])
+    pad = torch.tensor([t for t in range(total) if t not in place])
+    for key, sg in rec.sites.items():
+        p = packed.sites[key]
+        assert _same_rows(sg, src, p, dst, 2), key
+        payload, scales, amax, valid, ids = _rows(p, pad, 2)
+        assert not valid.any() and not payload.any() and not scales.any() and not amax.any(), key
+        assert ids is None or not ids.any(), key
+    for layer, r in rec.routing.items():
+        assert torch.equal(packed.routing[layer][0, dst], r.reshape(-1, TOPK)[src])
+        assert not packed.routing[layer][0, pad].any()  # expert 0 at padding, as assemble_routing fills it
+
+
+def test_thd_key_value_give_the_rows_of_the_four_dim_call(unpacked):
+    """K/V as TE's attention takes them under qkv_format "thd" ([T, heads, head_dim]) are quantized as the
+    [T, 1, heads, head_dim] call: the same records (guided rows included) and counts, bit for bit."""
+    tc, model, tokens, tm, rec = unpacked
+    cu, total = _boundaries("both")
+    data = _packed(tokens, tm, cu, total)
+    step = lambda: pack_step(StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm), cu, total=total)  # noqa: E731
+    four = _forward(model, data, step())
+    thd_model = _model(tc, core=ThdCoreAttention)
+    assert isinstance(thd_model.decoder.layers[0].self_attention.core_attention, ThdCoreAttention)
+    thd = _forward(thd_model, data, step())
+    assert thd.stats() == four.stats() and thd.coverage() == 1.0
+    a, b = four.recorded(), thd.recorded()
+    rows = torch.arange(total)
+    for key in a.sites:
+        assert _same_rows(a.sites[key], rows, b.sites[key], rows, 2), key
+
+
+@pytest.mark.parametrize("qkv_format", [None, "sbhd"])
+def test_kv_site_refuses_three_dim_key_value_unless_packed(unpacked, qkv_format):
+    """Without ``qkv_format="thd"`` a 3-dim K/V has no token layout: refused, naming the shape and the format."""
+    tc, _, tokens, tm, _ = unpacked
+    cu, total = _boundaries("exact")
+    model = _model(tc, core=type("Squeezed", (ThdCoreAttention,), {"qkv_format": qkv_format}))
+    with pytest.raises(ValueError, match=r"needs K/V as \[S, B, heads, head_dim\], or \[T, heads, head_dim\] with "
+                                         rf"packed_seq_params.qkv_format='thd', got \(30, 2, 16\) with "
+                                         rf"qkv_format={qkv_format!r}"):
+        _forward(model, _packed(tokens, tm, cu, total))
+
+
+def test_thd_key_value_with_context_parallelism_are_refused(unpacked):
+    """Context parallelism hands each rank 2 * cp chunks of every packed sample (no [1, T] rows to take): refused
+    by name at the KV site, also where the step carries no guidance (``trace_guidance`` refuses that earlier)."""
+    tc, _, tokens, tm, _ = unpacked
+    cu, total = _boundaries("exact")
+    model = _model(tc, core=ThdCoreAttention)
+    model.config.context_parallel_size = 2  # (Megatron's local attention refuses to be built with it)
+    data = _packed(tokens, tm, cu, total)
+    with pytest.raises(ValueError, match=r"packed sequences \(qkv_format='thd'\) with context_parallel_size=2 "):
+        _forward(model, data)
+    model.config.context_parallel_size = 1
+    _forward(model, data)
+
+
+@pytest.mark.parametrize("cu,kw,match", [
+    (torch.tensor([0.0, 5, 14, 30]), {}, r"cu_seqlens must be integer .* got torch.float32"),
+    (torch.tensor([False, True, True, True]), {}, r"cu_seqlens must be integer .* got torch.bool"),
+    (torch.tensor([[0, 5, 14, 30]]), {}, r"cu_seqlens must be 1-D \[B \+ 1\], got shape \(1, 4\)"),
+    ([0, 5.0, 14, 30], {}, r"cu_seqlens must be 1-D integers, got 5.0"),
+    ("0,5,14,30", {}, r"cu_seqlens must be an integer tensor or a list of ints \[B \+ 1\], got str"),
+    ([0, 5, 14], {}, r"cu_seqlens has 3 entries, the micro-batch has B=3 samples: need B \+ 1 = 4"),
+    ([0, 5, 14, 30, 32], {}, r"cu_seqlens has 5 entries, the micro-batch has B=3 samples: need B \+ 1 = 4"),
+    ([1, 6, 15, 31], {}, r"cu_seqlens must start at 0, got 1"),
+    ([0, 14, 5, 30], {}, r"cu_seqlens must not decrease: cu_seqlens\[2\]=5 < cu_seqlens\[1\]=14"),
+    ([0, 5, 13, 29], {}, r"sample 1 has 9 tokens, longer than its segment cu_seqlens\[1:3\]=\[5, 13\] \(8 positions\)"),
+    ([0, 5, 14, 30], dict(total=29), r"total=29 must be an int >= cu_seqlens\[-1\]=30"),
+    ([0, 5, 14, 30], dict(total=30.0), r"total=30.0 must be an int >= cu_seqlens\[-1\]=30"),
+    ([0, 5, 14, 30], dict(total=True), r"total=True must be an int >= cu_seqlens\[-1\]=30"),
+], ids=["float", "bool", "2d", "float-in-list", "str", "short", "long", "start", "decreasing", "sample-too-long",
+        "total-short", "total-float", "total-bool"])
+def test_pack_step_refuses_boundaries_that_place_no_sample(cu, kw, match):
+    tm = torch.arange(SEQ)[None] < torch.tensor(LENGTHS)[:, None]
+    with pytest.raises(ValueError, match=match):
+        pack_step(StepGuidance(token_mask=tm), cu, **kw)
+
+
+def test_pack_step_needs_the_batch_shape():
+    with pytest.raises(ValueError, match=r"pack_step needs the micro-batch's \[B, S\]: give the StepGuidance a "
+                                         "token_mask"):
+        pack_step(StepGuidance(), [0, 4])
+    with pytest.raises(TypeError, match="pack_step takes a StepGuidance, got dict"):
+        pack_step({}, [0, 4])
