@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
@@ -128,16 +129,20 @@ def test_kv_records_of_another_batch_shape_fall_back_or_raise_with_fail(fallback
     assert state.counter.used == 0 and dict(state.counter.fallback) == {"shape": S * B}
 
 
-def test_packed_kv_under_guidance_is_refused_naming_its_shape():
-    """K of packed sequences ([T, heads, head_dim], no batch dimension) under trace_guidance: refused, not read as
-    [S=T, B=heads, g=head_dim] rows and counted as a fallback."""
+@pytest.mark.parametrize("qkv_format", [None, "sbhd"])
+def test_packed_kv_under_guidance_is_refused_naming_its_shape(qkv_format):
+    """K of packed sequences ([T, heads, head_dim], no batch dimension) under trace_guidance without
+    ``packed_seq_params.qkv_format="thd"`` (then taken as [T, 1, heads, head_dim]: test_packing.py): refused, not
+    read as [S=T, B=heads, g=head_dim] rows and counted as a fallback."""
     tc = TraceConfig(guided_layers="all")
     _, trace = _pair(tc)
     state = StepState(config=tc, counter=FallbackCounter(), fallback="rne", guided_layers=frozenset({1}))
     trace._trace_step = KVStep(state, 1, {"kv_k": CheckedSite(None, "missing")}, first_head=0)
     k = torch.randn(S * B, GROUPS, HD).bfloat16()
-    with pytest.raises(ValueError, match=r"\[S, B, heads, head_dim\], got \(16, 2, 32\) \(packed sequences"):
-        trace.quantize_kv("kv_k", k)
+    params = None if qkv_format is None else PackedSeqParams(qkv_format=qkv_format)
+    with pytest.raises(ValueError, match=r"\[S, B, heads, head_dim\], or \[T, heads, head_dim\] with packed_seq_params"
+                                         rf".qkv_format='thd', got \(16, 2, 32\) with qkv_format={qkv_format!r}"):
+        trace.quantize_kv("kv_k", k, params)
 
 
 def test_a_step_held_twice_releases_back_to_its_host_records():

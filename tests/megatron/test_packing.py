@@ -34,11 +34,9 @@ class ThdCoreAttention(TraceDotProductAttention):
     squeezes a packed row's batch axis: K/V [T, heads, head_dim]); Megatron's local attention, which takes no
     ``packed_seq_params``, then runs on the quantized K/V."""
 
-    qkv_format = "thd"
-
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        thd = None if self.qkv_format is None else PackedSeqParams(qkv_format=self.qkv_format)
+        thd = PackedSeqParams(qkv_format="thd")
         key = self.quantize_kv("kv_k", key.squeeze(1), thd).unsqueeze(1)
         value = self.quantize_kv("kv_v", value.squeeze(1), thd).unsqueeze(1)
         return DotProductAttention.forward(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
@@ -189,18 +187,6 @@ def test_thd_key_value_give_the_rows_of_the_four_dim_call(unpacked):
     rows = torch.arange(total)
     for key in a.sites:
         assert _same_rows(a.sites[key], rows, b.sites[key], rows, 2), key
-
-
-@pytest.mark.parametrize("qkv_format", [None, "sbhd"])
-def test_kv_site_refuses_three_dim_key_value_unless_packed(unpacked, qkv_format):
-    """Without ``qkv_format="thd"`` a 3-dim K/V has no token layout: refused, naming the shape and the format."""
-    tc, _, tokens, tm, _ = unpacked
-    cu, total = _boundaries("exact")
-    model = _model(tc, core=type("Squeezed", (ThdCoreAttention,), {"qkv_format": qkv_format}))
-    with pytest.raises(ValueError, match=r"needs K/V as \[S, B, heads, head_dim\], or \[T, heads, head_dim\] with "
-                                         rf"packed_seq_params.qkv_format='thd', got \(30, 2, 16\) with "
-                                         rf"qkv_format={qkv_format!r}"):
-        _forward(model, _packed(tokens, tm, cu, total))
 
 
 def test_thd_key_value_with_context_parallelism_are_refused(unpacked):
