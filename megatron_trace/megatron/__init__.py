@@ -15,6 +15,9 @@ or, around Megatron's ``forward_backward_func`` (pipeline schedules included), o
     with trace_guidance(model_chunks, [StepGuidance(...) for mb in micro_batches]) as h:
         forward_backward_func(..., num_microbatches=len(micro_batches))
 
+Packed sequences (THD, one row per micro-batch): ``pack_step(step, cu_seqlens)`` lays a batch-major StepGuidance out
+for the packed row.
+
 Megatron-LM: ``add_trace_args`` (extra_args_provider) + ``trace_config_from_args``; see patches/.
 """
 
@@ -24,6 +27,7 @@ from .attention import TraceDotProductAttention, TraceKVCore
 from .context import StepGuidance, TraceStep, check_finite, trace_guidance, trace_record
 from .experts import TraceExpertsCore, TraceSequentialMLP
 from .layers import find_trace_layers
+from .packing import pack_step
 from .spec import TraceSpecProvider, get_trace_decoder_block_spec, get_trace_gpt_layer_spec, trace_spec
 from .step import GuidanceCoverageError, GuidanceFallbackError
 from .te import TE_EXTRA_HINT, TraceTEGroupedMLP, TraceWeightFetch
@@ -34,7 +38,7 @@ __all__ = [
     "StepGuidance", "TE_EXTRA_HINT", "TraceDotProductAttention",
     "TraceExpertsCore", "TraceKVCore", "TraceSequentialMLP", "TraceSpecProvider", "TraceStep", "TraceTEGroupedMLP",
     "TraceWeightFetch", "add_trace_args", "check_finite", "find_trace_layers", "get_trace_decoder_block_spec",
-    "get_trace_gpt_layer_spec", "reuse_weight_quant", "trace_args_from_config", "trace_config_from_args",
+    "get_trace_gpt_layer_spec", "pack_step", "reuse_weight_quant", "trace_args_from_config", "trace_config_from_args",
     "trace_eval_done", "trace_eval_start", "trace_guidance", "trace_train_step",
     "trace_record", "trace_spec", "trace_spec_from_args",
 ]
