@@ -5,6 +5,8 @@ Megatron's local attention takes no ``packed_seq_params`` on the CPU, so the pac
 row [1, T] holding the samples (each in its segment, then tail padding), a block-diagonal causal mask, and RoPE
 positions restarting per sample (the ``mrope`` position embedding, which takes ``position_ids``)."""
 
+import dataclasses
+
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -110,12 +112,13 @@ def _same_rows(a, ia, b, ib, lead: int) -> bool:
 
 @pytest.fixture(scope="module", params=["right", "left"])
 def unpacked(request):
-    """A model (every layer guided), a padded batch and its recorded guidance (full NVFP4 records)."""
+    """(config, model (every layer guided), tokens, token mask, recorded guidance (full NVFP4 records), the
+    padded forward's inputs)."""
     tc = TraceConfig(guided_layers="all", cache_mode="full")
     model = _model(tc)
     tokens, tm, pos, mask = _padded(request.param == "left")
     rec = _forward(model, (tokens, pos, mask)).recorded()
-    return tc, model, tokens, tm, rec
+    return tc, model, tokens, tm, rec, (tokens, pos, mask)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -123,7 +126,7 @@ def test_packed_forward_reproduces_the_unpacked_records(unpacked, layout):
     """Guided by ``pack_step``'s layout of the unpacked run's records: coverage 1.0 over exactly the samples' rows
     (segment and tail padding not counted), nothing rejected, and the packed run's own records and routing equal the
     unpacked run's token for token (codes, scales, amax, valid flags, expert ids)."""
-    _, model, tokens, tm, rec = unpacked
+    _, model, tokens, tm, rec, _ = unpacked
     cu, total = _boundaries(layout)
     counter = FallbackCounter()
     step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm, counter=counter, min_coverage=1.0,
@@ -145,10 +148,29 @@ def test_packed_forward_reproduces_the_unpacked_records(unpacked, layout):
         assert torch.equal(out.routing[layer][0, dst], r.reshape(-1, TOPK)[src]), layer
 
 
+def test_invalid_rows_are_counted_as_in_the_unpacked_forward(unpacked):
+    """Records with rows marked invalid (here 30%, at random): the packed forward counts exactly the unpacked
+    forward's rows by (layer, site, reason), and records the same rows (its own rounding where invalid)."""
+    _, model, tokens, tm, rec, padded = unpacked
+    g = torch.Generator().manual_seed(1)
+    sites = {k: dataclasses.replace(sg, valid=sg.valid & (torch.rand(sg.valid.shape, generator=g) > 0.3))
+             for k, sg in rec.sites.items()}
+    step = lambda: StepGuidance(sites=sites, routing=rec.routing, token_mask=tm)  # noqa: E731
+    un = _forward(model, padded, step())
+    cu, total = _boundaries("both")
+    packed = _forward(model, _packed(tokens, tm, cu, total), pack_step(step(), cu, total=total))
+    assert packed.stats() == un.stats() and 0.6 < packed.coverage() < 0.8
+    b, s = tm.nonzero().unbind(1)
+    dst = torch.cat([torch.arange(c, c + k) for c, k in zip(cu, LENGTHS)])
+    a, p = un.recorded(), packed.recorded()
+    for key in a.sites:
+        assert _same_rows(a.sites[key], b * SEQ + s, p.sites[key], dst, 2), key
+
+
 def test_pack_step_layout_matches_an_independent_placement(unpacked):
     """Each counted token's rows at cu_seqlens[b] + its index in the sample, zeros and invalid elsewhere (segment
     and tail padding), the token mask True exactly there; counter, fallback and min_coverage carried over."""
-    _, _, _, tm, rec = unpacked
+    _, _, _, tm, rec, _ = unpacked
     cu, total = _boundaries("both")
     step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm, fallback="rne", min_coverage=0.5)
     packed = pack_step(step, cu, total=total)
@@ -174,7 +196,7 @@ def test_pack_step_layout_matches_an_independent_placement(unpacked):
 def test_thd_key_value_give_the_rows_of_the_four_dim_call(unpacked):
     """K/V as TE's attention takes them under qkv_format "thd" ([T, heads, head_dim]) are quantized as the
     [T, 1, heads, head_dim] call: the same records (guided rows included) and counts, bit for bit."""
-    tc, model, tokens, tm, rec = unpacked
+    tc, model, tokens, tm, rec, _ = unpacked
     cu, total = _boundaries("both")
     data = _packed(tokens, tm, cu, total)
     step = lambda: pack_step(StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm), cu, total=total)  # noqa: E731
@@ -192,7 +214,7 @@ def test_thd_key_value_give_the_rows_of_the_four_dim_call(unpacked):
 def test_thd_key_value_with_context_parallelism_are_refused(unpacked):
     """Context parallelism hands each rank 2 * cp chunks of every packed sample (no [1, T] rows to take): refused
     by name at the KV site, also where the step carries no guidance (``trace_guidance`` refuses that earlier)."""
-    tc, _, tokens, tm, _ = unpacked
+    tc, _, tokens, tm, _, _ = unpacked
     cu, total = _boundaries("exact")
     model = _model(tc, core=ThdCoreAttention)
     model.config.context_parallel_size = 2  # (Megatron's local attention refuses to be built with it)
