@@ -63,6 +63,48 @@ def _run(rank, world, port, dispatcher, workdir):
     dist.destroy_process_group()
 
 
+def packed_ep_worker(rank: int, world: int, port: int, workdir: str) -> None:
+    """EP=world, packed (THD) micro-batches: the EP=1 weights of the ``mrope`` model, the packed forward of rank's
+    row guided by its packed step (alltoall dispatcher); logits, records and counter saved."""
+    with record_errors(workdir, rank):
+        _run_packed(rank, world, port, workdir)
+
+
+def _run_packed(rank, world, port, workdir):
+    import torch.distributed as dist
+
+    from megatron_trace.megatron import trace_guidance, trace_spec
+
+    from .harness import (
+        MROPE_SECTION,
+        apply_cpu_shims,
+        build_model,
+        destroy_parallel,
+        ep_state_dict,
+        init_parallel,
+        stock_spec,
+        tiny_config,
+    )
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_parallel(ep=world)
+    shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
+    cfg = tiny_config(moe_token_dispatcher_type="alltoall", expert_model_parallel_size=world,
+                      mrope_section=MROPE_SECTION)
+    model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]), position_embedding_type="mrope")
+    model.load_state_dict(ep_state_dict(shared["state_dict"], rank, world), strict=True)
+    with trace_guidance(model, shared["steps"][rank], record=True) as h, torch.no_grad():
+        logits = model(*shared["data"][rank])
+    torch.save({"logits": logits, "recorded": h.recorded(), "counter": h.counter},
+               os.path.join(workdir, f"rank{rank}.pt"))
+    destroy_parallel()
+    dist.destroy_process_group()
+
+
 def tp_worker(rank: int, world: int, port: int, workdir: str) -> None:
     """TP=world with sequence parallelism (EP=1): guided forward on batch 0, logits saved."""
     with record_errors(workdir, rank):

@@ -144,6 +144,35 @@ def batch(b: int = 2, s: int = SEQ, seed: int = 0):
     return tokens, pos, mask, torch.roll(tokens, -1, 1)
 
 
+def padded_batch(lengths, left: bool, seed: int = 0):
+    """(tokens, token_mask, position_ids [3, B, S], attention_mask) of samples of ``lengths`` tokens left- or
+    right-padded to SEQ, each attending to its own tokens only, positions from 0 at its first token (the ``mrope``
+    model of ``build_model``)."""
+    B, S = len(lengths), SEQ
+    tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
+    at, n = torch.arange(S)[None], torch.tensor(lengths)[:, None]
+    tm = at >= S - n if left else at < n
+    pos = (tm.long().cumsum(1) - 1).clamp(min=0)
+    mask = ~(torch.ones(S, S, dtype=torch.bool).tril()[None] & tm[:, None, :]).unsqueeze(1)
+    return tokens, tm, pos.expand(3, B, S), mask
+
+
+def packed_batch(tokens, tm, cu: list[int], total: int):
+    """The packed forward's (tokens [1, T], position_ids [3, 1, T], block-diagonal causal mask [1, 1, T, T]):
+    sample b's tokens at cu[b]..., its segment's positions restarting at 0; the tail padding a segment of its own."""
+    B = tokens.shape[0]
+    row, pos, seg = torch.zeros(1, total, dtype=tokens.dtype), torch.zeros(1, total, dtype=torch.long), torch.zeros(
+        total, dtype=torch.long)
+    for b, (start, end) in enumerate(zip(cu, [*cu[1:], total])):  # the B samples' segments, then the tail
+        pos[0, start:end] = torch.arange(end - start)
+        seg[start:end] = b
+        if b < B:
+            t = tokens[b, tm[b]]
+            row[0, start:start + t.numel()] = t
+    mask = ~((seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool).tril())
+    return row, pos.expand(3, 1, total), mask[None, None]
+
+
 def logits(model, data) -> torch.Tensor:
     tokens, pos, mask, _ = data
     with torch.no_grad():

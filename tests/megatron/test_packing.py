@@ -18,7 +18,19 @@ from megatron_trace.megatron import StepGuidance, TraceDotProductAttention, trac
 from megatron_trace.megatron.packing import pack_step
 from megatron_trace.megatron.rows import map_record, payload_of
 
-from .harness import LAYERS, MROPE_SECTION, SEQ, TOPK, VOCAB, build_model, stock_spec, tiny_config
+from ._dist import packed_ep_worker
+from .harness import (
+    LAYERS,
+    MROPE_SECTION,
+    SEQ,
+    TOPK,
+    build_model,
+    packed_batch,
+    padded_batch,
+    stock_spec,
+    tiny_config,
+)
+from .test_dist import WORLD, _same_records, _spawn
 
 pytestmark = pytest.mark.usefixtures("world1")
 
@@ -52,34 +64,6 @@ def _model(tc: TraceConfig, core: type | None = None, **cfg_kw):
     for layer in spec.layer_specs if core is not None else ():
         layer.submodules.self_attention.submodules.core_attention.module = core
     return build_model(cfg, spec, position_embedding_type="mrope")
-
-
-def _padded(left: bool, lengths=LENGTHS, seed: int = 0):
-    """(tokens, token_mask, position_ids [3, B, S], attention_mask): samples left- or right-padded to SEQ, each
-    attending to its own tokens only, positions from 0 at its first token."""
-    B, S = len(lengths), SEQ
-    tokens = torch.randint(0, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed))
-    at, n = torch.arange(S)[None], torch.tensor(lengths)[:, None]
-    tm = at >= S - n if left else at < n
-    pos = (tm.long().cumsum(1) - 1).clamp(min=0)
-    mask = ~(torch.ones(S, S, dtype=torch.bool).tril()[None] & tm[:, None, :]).unsqueeze(1)
-    return tokens, tm, pos.expand(3, B, S), mask
-
-
-def _packed(tokens, tm, cu: list[int], total: int):
-    """The packed forward's (tokens [1, T], position_ids [3, 1, T], block-diagonal causal mask [1, 1, T, T]):
-    sample b's tokens at cu[b]..., its segment's positions restarting at 0; the tail padding a segment of its own."""
-    B = tokens.shape[0]
-    row, pos, seg = torch.zeros(1, total, dtype=tokens.dtype), torch.zeros(1, total, dtype=torch.long), torch.zeros(
-        total, dtype=torch.long)
-    for b, (start, end) in enumerate(zip([*cu, total], [*cu[1:], total])):
-        pos[0, start:end] = torch.arange(end - start)
-        seg[start:end] = b
-        if b < B:
-            t = tokens[b, tm[b]]
-            row[0, start:start + t.numel()] = t
-    mask = ~((seg[:, None] == seg[None, :]) & torch.ones(total, total, dtype=torch.bool).tril())
-    return row, pos.expand(3, 1, total), mask[None, None]
 
 
 def _boundaries(layout: str) -> tuple[list[int], int]:
@@ -116,7 +100,7 @@ def unpacked(request):
     padded forward's inputs)."""
     tc = TraceConfig(guided_layers="all", cache_mode="full")
     model = _model(tc)
-    tokens, tm, pos, mask = _padded(request.param == "left")
+    tokens, tm, pos, mask = padded_batch(LENGTHS, request.param == "left")
     rec = _forward(model, (tokens, pos, mask)).recorded()
     return tc, model, tokens, tm, rec, (tokens, pos, mask)
 
@@ -132,7 +116,7 @@ def test_packed_forward_reproduces_the_unpacked_records(unpacked, layout):
     step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm, counter=counter, min_coverage=1.0,
                         fallback="fail")
     packed = pack_step(step, torch.tensor(cu, dtype=torch.int32), total=total)
-    h = _forward(model, _packed(tokens, tm, cu, total), packed)
+    h = _forward(model, packed_batch(tokens, tm, cu, total), packed)
     n = sum(LENGTHS)
     assert h.counter is counter and not counter.fallback and h.coverage() == 1.0
     assert counter.used == LAYERS * (n + n * TOPK + n + n)  # fc1, fc2 per (token, expert), kv_k, kv_v
@@ -158,13 +142,39 @@ def test_invalid_rows_are_counted_as_in_the_unpacked_forward(unpacked):
     step = lambda: StepGuidance(sites=sites, routing=rec.routing, token_mask=tm)  # noqa: E731
     un = _forward(model, padded, step())
     cu, total = _boundaries("both")
-    packed = _forward(model, _packed(tokens, tm, cu, total), pack_step(step(), cu, total=total))
+    packed = _forward(model, packed_batch(tokens, tm, cu, total), pack_step(step(), cu, total=total))
     assert packed.stats() == un.stats() and 0.6 < packed.coverage() < 0.8
     b, s = tm.nonzero().unbind(1)
     dst = torch.cat([torch.arange(c, c + k) for c, k in zip(cu, LENGTHS)])
     a, p = un.recorded(), packed.recorded()
     for key in a.sites:
         assert _same_rows(a.sites[key], b * SEQ + s, p.sites[key], dst, 2), key
+
+
+@pytest.mark.slow
+def test_expert_parallel_packed_forward_equals_ep1(tmp_path):
+    """EP=2 (alltoall, 2 gloo ranks), each rank a packed row of its own samples (left- / right-padded, segment and
+    tail padding): the FC2 rows reach the experts' ranks and come back as at EP=1, logits, records and counts
+    equal bit for bit, every row used."""
+    tc = TraceConfig(guided_layers="all", cache_mode="full")
+    model = _model(tc)
+    steps, data = [], []
+    for rank in range(WORLD):
+        tokens, tm, pos, mask = padded_batch(LENGTHS, left=bool(rank), seed=rank)
+        rec = _forward(model, (tokens, pos, mask)).recorded()
+        cu, total = _boundaries(("both", "segment_padding")[rank])
+        step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm, fallback="fail")
+        steps.append(pack_step(step, cu, total=total))
+        data.append(packed_batch(tokens, tm, cu, total))
+    torch.save({"trace_config": tc, "state_dict": model.state_dict(), "steps": steps, "data": data},
+               tmp_path / "shared.pt")
+    results = _spawn(packed_ep_worker, tmp_path)
+    for rank, got in enumerate(results):
+        with trace_guidance(model, steps[rank], record=True) as h, torch.no_grad():
+            logits = model(*data[rank])
+        assert torch.equal(got["logits"], logits), rank
+        _same_records(got["recorded"], h.recorded())
+        assert got["counter"] == h.counter and h.coverage() == 1.0, rank
 
 
 def test_pack_step_layout_matches_an_independent_placement(unpacked):
@@ -198,7 +208,7 @@ def test_thd_key_value_give_the_rows_of_the_four_dim_call(unpacked):
     [T, 1, heads, head_dim] call: the same records (guided rows included) and counts, bit for bit."""
     tc, model, tokens, tm, rec, _ = unpacked
     cu, total = _boundaries("both")
-    data = _packed(tokens, tm, cu, total)
+    data = packed_batch(tokens, tm, cu, total)
     step = lambda: pack_step(StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm), cu, total=total)  # noqa: E731
     four = _forward(model, data, step())
     thd_model = _model(tc, core=ThdCoreAttention)
@@ -218,7 +228,7 @@ def test_thd_key_value_with_context_parallelism_are_refused(unpacked):
     cu, total = _boundaries("exact")
     model = _model(tc, core=ThdCoreAttention)
     model.config.context_parallel_size = 2  # (Megatron's local attention refuses to be built with it)
-    data = _packed(tokens, tm, cu, total)
+    data = packed_batch(tokens, tm, cu, total)
     with pytest.raises(ValueError, match=r"packed sequences \(qkv_format='thd'\) with context_parallel_size=2 "):
         _forward(model, data)
     model.config.context_parallel_size = 1
