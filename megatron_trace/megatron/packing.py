@@ -5,16 +5,19 @@ Megatron RL trainers (slime, verl's Megatron backend) concatenate a micro-batch'
 ``PackedSeqParams(qkv_format="thd", cu_seqlens_q/kv, cu_seqlens_q/kv_padded)``. TRACE's guidance contract is
 batch-major [B, S, ...] (``guidance/site.py``); ``pack_step`` moves it to [1, T]::
 
-    packed = pack_step(step, packed_seq_params.cu_seqlens_q_padded)   # or cu_seqlens_q where samples are unpadded
+    packed = pack_step(step, packed_seq_params, total=tokens.shape[1])
     with trace_guidance(model, packed) as h:
         model(tokens, position_ids, None, packed_seq_params=packed_seq_params)
 
 ``cu_seqlens`` are the boundaries of the samples' segments in the packed row (int [B + 1], from 0,
-non-decreasing): sample b's tokens (its ``token_mask`` row, in order: left- or right-padded rows alike; every
-position of the row without a mask) go to positions ``cu_seqlens[b], cu_seqlens[b] + 1, ...``. Positions of a
-segment beyond its sample's tokens (a sample padded to a multiple, ``cu_seqlens_padded``) and positions from
-``cu_seqlens[-1]`` to ``total`` (the row's tail padding) are not counted: ``token_mask`` False, records zero and
-invalid, routing expert 0 (as ``guidance.routing.assemble_routing`` fills padding).
+non-decreasing; from a ``PackedSeqParams``: its ``cu_seqlens_q_padded`` where set, else ``cu_seqlens_q``, as
+Megatron's attention takes them): sample b's tokens (its ``token_mask`` row, in order: left- or right-padded rows
+alike; every position of the row without a mask) go to positions ``cu_seqlens[b], cu_seqlens[b] + 1, ...``.
+Positions of a segment beyond its sample's tokens (a sample padded to a multiple, ``cu_seqlens_padded``) and
+positions from ``cu_seqlens[-1]`` to ``total`` (the row's tail padding) are not counted: ``token_mask`` False,
+records zero and invalid, routing expert 0 (as ``guidance.routing.assemble_routing`` fills padding). Unpadded
+``cu_seqlens_q`` given for a row laid out by padded segments would misplace every sample after the first padded
+one, which nothing here can tell: give the boundaries the row was built with (the ``PackedSeqParams`` itself).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import dataclasses
 import logging
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from ..guidance.site import SiteGuidance, is_integer
 from .context import StepGuidance
@@ -32,10 +36,11 @@ logger = logging.getLogger(__name__)
 
 
 def pack_step(step: StepGuidance, cu_seqlens, *, total: int | None = None) -> StepGuidance:
-    """``step`` (batch-major [B, S, ...]) in the packed layout [1, T] of ``cu_seqlens`` (see the module docstring);
-    ``total``: the packed row's length T when it ends in tail padding (default ``cu_seqlens[-1]``). Sites, routing,
-    token mask are moved; counter (the same object), fallback and min_coverage are carried over. A site whose
-    record is not [B, S] is kept as it is (the packed forward rejects it as a whole, counted ``shape``)."""
+    """``step`` (batch-major [B, S, ...]) in the packed layout [1, T] of ``cu_seqlens`` (int [B + 1], or the
+    forward's ``PackedSeqParams``: see the module docstring); ``total``: the packed row's length T when it ends in
+    tail padding (default ``cu_seqlens[-1]``). Sites, routing, token mask are moved; counter (the same object),
+    fallback and min_coverage are carried over. A site whose record is not [B, S] is kept as it is (the packed
+    forward rejects it as a whole, counted ``shape``)."""
     if not isinstance(step, StepGuidance):
         raise TypeError(f"pack_step takes a StepGuidance, got {type(step).__name__}")
     B, S = _batch_shape(step)
@@ -101,7 +106,14 @@ def _batch_shape(step: StepGuidance) -> tuple[int, int]:
 
 
 def _boundaries(cu_seqlens, batch: int) -> list[int]:
-    """``cu_seqlens`` as B + 1 ints from 0, non-decreasing (one host read of a tensor)."""
+    """``cu_seqlens`` (or a ``PackedSeqParams``'s) as B + 1 ints from 0, non-decreasing (one host read of a
+    tensor)."""
+    if isinstance(cu_seqlens, PackedSeqParams):
+        if cu_seqlens.qkv_format != "thd":
+            raise ValueError(f"PackedSeqParams.qkv_format={cu_seqlens.qkv_format!r}: pack_step lays guidance out "
+                             "for packed rows, qkv_format='thd'")
+        padded = cu_seqlens.cu_seqlens_q_padded
+        cu_seqlens = padded if padded is not None else cu_seqlens.cu_seqlens_q
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
             raise ValueError(f"cu_seqlens must be integer (int32 as PackedSeqParams holds it), got {cu_seqlens.dtype}")
@@ -114,8 +126,8 @@ def _boundaries(cu_seqlens, batch: int) -> list[int]:
             raise ValueError(f"cu_seqlens must be 1-D integers, got {bad[0]!r} in {list(cu_seqlens)}")
         cu = [int(v) for v in cu_seqlens]
     else:
-        raise ValueError(f"cu_seqlens must be an integer tensor or a list of ints [B + 1], got "
-                         f"{type(cu_seqlens).__name__}")
+        raise ValueError(f"cu_seqlens must be an integer tensor or a list of ints [B + 1] (or a PackedSeqParams), "
+                         f"got {type(cu_seqlens).__name__}")
     if len(cu) != batch + 1:
         raise ValueError(f"cu_seqlens has {len(cu)} entries, the micro-batch has B={batch} samples: need B + 1 = "
                          f"{batch + 1} (a trailing padding segment is given as total=, not as a sample)")

@@ -201,6 +201,15 @@ def test_pack_step_layout_matches_an_independent_placement(unpacked):
     for layer, r in rec.routing.items():
         assert torch.equal(packed.routing[layer][0, dst], r.reshape(-1, TOPK)[src])
         assert not packed.routing[layer][0, pad].any()  # expert 0 at padding, as assemble_routing fills it
+    # the forward's PackedSeqParams: its padded boundaries where set (where the samples are), else cu_seqlens_q
+    true = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    for params, want in ((PackedSeqParams(qkv_format="thd", cu_seqlens_q=true, cu_seqlens_q_padded=torch.tensor(cu)),
+                          packed),
+                         (PackedSeqParams(qkv_format="thd", cu_seqlens_q=true), pack_step(step, true, total=total))):
+        got = pack_step(step, params, total=total)
+        assert torch.equal(got.token_mask, want.token_mask)
+        assert all(_same_rows(got.sites[k], torch.arange(total), want.sites[k], torch.arange(total), 2)
+                   for k in rec.sites)
 
 
 def test_thd_key_value_give_the_rows_of_the_four_dim_call(unpacked):
@@ -240,7 +249,10 @@ def test_thd_key_value_with_context_parallelism_are_refused(unpacked):
     (torch.tensor([False, True, True, True]), {}, r"cu_seqlens must be integer .* got torch.bool"),
     (torch.tensor([[0, 5, 14, 30]]), {}, r"cu_seqlens must be 1-D \[B \+ 1\], got shape \(1, 4\)"),
     ([0, 5.0, 14, 30], {}, r"cu_seqlens must be 1-D integers, got 5.0"),
-    ("0,5,14,30", {}, r"cu_seqlens must be an integer tensor or a list of ints \[B \+ 1\], got str"),
+    ("0,5,14,30", {}, r"cu_seqlens must be an integer tensor or a list of ints \[B \+ 1\] \(or a PackedSeqParams\), "
+                      "got str"),
+    (PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=torch.tensor([0, 5, 14, 30])), {},
+     r"PackedSeqParams.qkv_format='sbhd': pack_step lays guidance out for packed rows, qkv_format='thd'"),
     ([0, 5, 14], {}, r"cu_seqlens has 3 entries, the micro-batch has B=3 samples: need B \+ 1 = 4"),
     ([0, 5, 14, 30, 32], {}, r"cu_seqlens has 5 entries, the micro-batch has B=3 samples: need B \+ 1 = 4"),
     ([1, 6, 15, 31], {}, r"cu_seqlens must start at 0, got 1"),
@@ -249,8 +261,8 @@ def test_thd_key_value_with_context_parallelism_are_refused(unpacked):
     ([0, 5, 14, 30], dict(total=29), r"total=29 must be an int >= cu_seqlens\[-1\]=30"),
     ([0, 5, 14, 30], dict(total=30.0), r"total=30.0 must be an int >= cu_seqlens\[-1\]=30"),
     ([0, 5, 14, 30], dict(total=True), r"total=True must be an int >= cu_seqlens\[-1\]=30"),
-], ids=["float", "bool", "2d", "float-in-list", "str", "short", "long", "start", "decreasing", "sample-too-long",
-        "total-short", "total-float", "total-bool"])
+], ids=["float", "bool", "2d", "float-in-list", "str", "sbhd-params", "short", "long", "start", "decreasing",
+        "sample-too-long", "total-short", "total-float", "total-bool"])
 def test_pack_step_refuses_boundaries_that_place_no_sample(cu, kw, match):
     tm = torch.arange(SEQ)[None] < torch.tensor(LENGTHS)[:, None]
     with pytest.raises(ValueError, match=match):
