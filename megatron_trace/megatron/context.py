@@ -200,7 +200,7 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
     ) for s in steps]
     _check_keys(steps, layers)
     for s in steps:
-        _check_context_parallel(s, layers)
+        _check_context_parallel(s, layers, record)
     if any(m.experts._trace_step is not None for m in layers.moe.values()) or any(
         m._trace_step is not None for m in layers.kv.values()
     ):
@@ -270,14 +270,16 @@ def _micro_batches(step) -> list[StepGuidance]:
     return steps
 
 
-def _check_context_parallel(step: StepGuidance, layers: TraceLayers) -> None:
-    """Guidance and routing rows are taken as contiguous sequence shards: context parallelism (its load-balanced
-    chunks are not contiguous) is refused when the step carries any."""
+def _check_context_parallel(step: StepGuidance, layers: TraceLayers, record: bool) -> None:
+    """Guidance, routing, recorded and masked rows are taken as contiguous sequence shards: context parallelism (its
+    load-balanced chunks are not contiguous) is refused when the step carries any or records (the records would be
+    laid out at the wrong positions)."""
     modules = [*layers.moe.values(), *layers.kv.values()]
     cp = max((getattr(m.config, "context_parallel_size", 1) or 1 for m in modules), default=1)
-    if cp > 1 and (step.sites or step.routing):
-        raise ValueError(f"context_parallel_size={cp}: guidance and routing replay take each rank's tokens as one "
-                         "contiguous shard, which context parallelism's chunks are not (not supported yet)")
+    if cp > 1 and (step.sites or step.routing or record or step.token_mask is not None):
+        raise ValueError(f"context_parallel_size={cp}: guidance, routing replay, recording and token masks take each "
+                         "rank's tokens as one contiguous shard, which context parallelism's chunks are not (not "
+                         "supported yet; the trainer's own rounding alone is)")
 
 
 def guidance_to(step: StepGuidance, device, layers=None, records: bool = True) -> StepGuidance:

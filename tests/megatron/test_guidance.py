@@ -571,16 +571,20 @@ def test_a_failed_step_does_not_leave_its_nan_count_to_the_next(rollout):
 
 
 def test_context_parallel_guidance_is_refused(rollout):
-    """CP's load-balanced sequence chunks are not the contiguous shards guidance rows are cut into. (CP needs TE
+    """CP's load-balanced sequence chunks are not the contiguous shards guidance, routing, recorded and masked rows are
+    cut into. (CP needs TE
     attention, not buildable here: the built model's config is told CP=2 afterwards.)"""
     tc, data, roll = rollout
     model = _model(tc)
     for m in model.modules():
         if hasattr(m, "config"):
             m.config.context_parallel_size = 2
-    with pytest.raises(ValueError, match="context_parallel_size=2"):
-        with trace_guidance(model, StepGuidance(routing=roll.routing)):
-            pass
+    B, S = roll.routing[next(iter(roll.routing))].shape[:2]
+    for step, record in [(StepGuidance(routing=roll.routing), False), (None, True),  # (records laid out wrongly)
+                         (StepGuidance(token_mask=torch.ones(B, S, dtype=torch.bool)), False)]:
+        with pytest.raises(ValueError, match="context_parallel_size=2"):
+            with trace_guidance(model, step, record=record):
+                pass
     with trace_guidance(model):  # the trainer's own rounding alone is fine
         pass
 
