@@ -341,7 +341,19 @@ def test_guidance_capture_refuses_a_cache_that_loads_prefixes_into_new_slots(key
     assert trace_server_args("/ckpt", off, HF, native=False, **{key: True})[key] is True
 
 
-@pytest.mark.parametrize("key, value", [("disable_radix_cache", True), ("page_size", 64), ("enable_lmcache", True)])
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_guidance_capture_refuses_a_disaggregated_engine(mode):
+    """A prefill engine decodes nothing (its read-out has no response rows) and a decode engine runs without the radix
+    cache the read-out hits (SGLang sets ``disable_radix_cache``): prefill-decode disaggregation is refused by name."""
+    from megatron_trace.rollout.sglang.launch import trace_server_args
+
+    assert trace_server_args("/ckpt", CFG, HF, native=False)["disaggregation_mode"] == "null"
+    with pytest.raises(ValueError, match=f"disaggregation_mode='null', got '{mode}': a prefill engine"):
+        trace_server_args("/ckpt", CFG, HF, native=False, disaggregation_mode=mode)
+
+
+@pytest.mark.parametrize("key, value", [("disable_radix_cache", True), ("page_size", 64), ("enable_lmcache", True),
+                                        ("disaggregation_mode", "prefill"), ("disaggregation_mode", "decode")])
 def test_an_engine_resolved_otherwise_than_the_capture_needs_is_refused_by_name(key, value):
     """SGLang's ``ServerArgs.__post_init__`` overrides what ``trace_server_args`` asked: ``disable_radix_cache=True``
     for ``disaggregation_mode="decode"`` or deterministic inference on a backend without radix support, ``page_size=64``
@@ -349,7 +361,7 @@ def test_an_engine_resolved_otherwise_than_the_capture_needs_is_refused_by_name(
     resolved ``server_args``, not only on the kwargs; without guidance it has nothing to check."""
     eng = _Engine()
     setattr(eng.server_args, key, value)
-    want = dict(disable_radix_cache=False, page_size=1, enable_lmcache=False)[key]
+    want = dict(disable_radix_cache=False, page_size=1, enable_lmcache=False, disaggregation_mode="null")[key]
     with pytest.raises(ValueError, match=rf"guidance capture needs {key}={want!r}, got {value!r}: "):
         SGLangRolloutBackend(eng, CFG, HF, native=False)
     SGLangRolloutBackend(eng, CFG.replace(guided_layers="none"), HF, native=False)

@@ -229,6 +229,8 @@ REQUIRED = {
                    "the rows of its own layers only: an earlier stage's layers would be read out as zero rows"),
     "enable_hierarchical_cache": (False, "HiCache loads a host-tier prefix back into new KV slots without its "
                                          "guidance rows: the read-out would return other tokens' rows as valid"),
+    "disaggregation_mode": ("null", "a prefill engine's read-out holds no decoded token's rows, and the decode engine "
+                                    "runs without the radix cache the read-out hits"),
     "enable_lmcache": (False, "LMCache loads a stored prefix's K/V back into new KV slots without its guidance rows "
                               "(the read-out would return other tokens' rows as valid), and keeps it across the radix "
                               "flush of a weight update"),
