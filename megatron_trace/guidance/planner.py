@@ -330,6 +330,9 @@ def rank_projection(dims: ModelDims, config: TraceConfig, rl: RLSettings, *, dp_
     ``layers``: the guided layers (default: the config's policy; pass them for the budget policy)."""
     if isinstance(dp_ranks, bool) or not isinstance(dp_ranks, numbers.Integral) or dp_ranks < 1:
         raise ValueError(f"dp_ranks={dp_ranks!r} must be an int >= 1")  # (2.5 sized ceil(T / 2.5) samples, True 1)
+    if dp_ranks > rl.trajectories:
+        logger.warning("dp_ranks=%d > trajectories=%d: %d ranks would train no sample each step (the projection is "
+                       "the busiest rank's: one sample)", dp_ranks, rl.trajectories, dp_ranks - rl.trajectories)
     samples = -(-rl.trajectories // dp_ranks)
     sb = shard_bytes(dims, config, [rl.prompt_len + rl.response_len] * samples, layers=layers)
     bw = dict(bandwidths_gbytes or {})

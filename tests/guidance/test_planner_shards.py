@@ -87,7 +87,7 @@ def test_sync_payload_equals_what_guidance_sync_sends(gen):
     assert payload.numel() == shard_bytes(DIMS, cfg, [S] * B)["sync_payload"]
 
 
-def test_rank_projection_scales_with_ranks_and_bandwidth():
+def test_rank_projection_scales_with_ranks_and_bandwidth(caplog):
     cfg = TraceConfig()
     rl = RLSettings(trajectories=64, prompt_len=3, response_len=5)
     one = rank_projection(DIMS, cfg, rl, dp_ranks=1, bandwidths_gbytes={"link": 2.0})
@@ -103,6 +103,12 @@ def test_rank_projection_scales_with_ranks_and_bandwidth():
             rank_projection(DIMS, cfg, rl, dp_ranks=2, bandwidths_gbytes={"link": bad})
     with pytest.raises(ValueError, match="num_experts"):
         sample_bytes(ModelDims(1, 8, 8, 1, 1, 8, (0,), (0,)), cfg, 4)
+    with caplog.at_level("WARNING", logger="megatron_trace.guidance.planner"):
+        assert rank_projection(DIMS, cfg, rl, dp_ranks=64)["samples_per_rank"] == 1
+        assert not caplog.records  # (as many ranks as samples: each trains one)
+        many = rank_projection(DIMS, cfg, rl, dp_ranks=80)
+    assert many["samples_per_rank"] == 1 and "dp_ranks=80 > trajectories=64: 16 ranks would train no sample" in (
+        caplog.text)
 
 
 def test_cli_per_rank_projection(capsys):
