@@ -139,8 +139,9 @@ def build_modelopt_state(
     amax), except those of layers ``trace_config.exclude_modules`` keeps in BF16 (``fp4_stream(...,
     bf16_layers=...)``), which are tensors and listed as excluded (``model.layers.L.mlp.experts``); everything
     else a tensor (stored in ``dtype`` if floating). ``input_amax``: the static activation amax per expert
-    Linear prefix (``model.layers.L.mlp.experts.E.gate_proj``) or one float for all (e.g. the largest per-row
-    amax the rollout recorded). The whole state in memory: ``save_modelopt_checkpoint`` streams it instead.
+    Linear prefix (``model.layers.L.mlp.experts.E.gate_proj``; a key that names no exported FP4 Linear is refused)
+    or one float for all (e.g. the largest per-row amax the rollout recorded). The whole state in memory:
+    ``save_modelopt_checkpoint`` streams it instead.
     """
     exclude: list[str] = []
     _check_exported_config(trace_config)
@@ -173,6 +174,7 @@ def _modelopt_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], inp
     fc1_halves: dict[tuple[int, int], dict[str, FP4Tensor]] = {}
     moe_layers: set[int] = set()
     layers: set[int] = set()
+    used: set[str] = set()
     for name, value in named:
         parsed = parse_expert_name(name)
         if (m := _LAYER.match(name)) is not None:
@@ -212,11 +214,17 @@ def _modelopt_tensors(named: Iterable[tuple[str, torch.Tensor | FP4Tensor]], inp
                 raise KeyError(f"no input_amax for {prefix!r}: give the static activation amax of every expert "
                                f"Linear (or one float for all)")
             a = input_amax[prefix]
+            used.add(prefix)
         else:
             a = input_amax
         yield from modelopt_linear_tensors(prefix, value, a, trace_extras=trace_extras).items()
     for (layer, expert), h in sorted(fc1_halves.items()):
         _check_fc1_pair(layer, expert, h)
+    unused = sorted(set(input_amax) - used) if isinstance(input_amax, Mapping) else []
+    if unused:  # (a misspelt name, or an expert kept in BF16: its calibrated amax would be dropped without a word)
+        raise ValueError(f"input_amax has {len(unused)} entries for no exported FP4 expert Linear, e.g. "
+                         f"{unused[:3]}: keys are the Linears' prefixes ('model.layers.L.mlp.experts.E.down_proj'); "
+                         "experts that exclude_modules keeps in BF16 take none")
     if trace_config is not None:  # (a pattern matching none of the model's modules: refused as trainer and engine do)
         excluded_modules(trace_config, moe_layers=moe_layers, attention_layers=layers)
     exclude[:] = sorted([*exclude_modules_of(bf16_2d), *(experts_name(i) for i in bf16_experts)])

@@ -256,6 +256,11 @@ def test_errors_name_the_problem():
     named = [("model.layers.0.mlp.experts.0.down_proj.weight", nvfp4.quantize(w))]
     with pytest.raises(KeyError, match="no input_amax for .model.layers.0.mlp.experts.0.down_proj.: give the static"):
         build_modelopt_state(named, {})
+    prefix = "model.layers.0.mlp.experts.0.down_proj"
+    assert build_modelopt_state(named, {prefix: 1.0})[0].keys() == build_modelopt_state(named, 1.0)[0].keys()
+    with pytest.raises(ValueError, match=r"input_amax has 1 entries for no exported FP4 expert Linear, e\.g\. "
+                                         r"\['model\.layers\.0\.mlp\.experts\.1\.down_proj'\]"):
+        build_modelopt_state(named, {prefix: 1.0, "model.layers.0.mlp.experts.1.down_proj": 1.0})  # (was ignored)
     with pytest.raises(ValueError, match="quantization_config"):
         save_modelopt_checkpoint("/nonexistent", named, {"quantization_config": {}}, 1.0)
 
