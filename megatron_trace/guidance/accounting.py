@@ -51,14 +51,26 @@ def site_bytes_per_token(dims: ModelDims, layer: int, site: str, *, kv_fmt: str 
     return rows * row_bytes(k, **fmt_kw)
 
 
+def _sites(sites: Iterable[str]) -> tuple[str, ...]:
+    """``sites`` as a tuple of activation sites, each named once (``TraceConfig.guided_sites``' rule): a site given
+    twice was counted twice per layer by ``bytes_per_layer`` and ``elements_per_layer`` (and once by ``breakdown``)."""
+    if isinstance(sites, str):  # (its characters were taken as site names)
+        raise ValueError(f"sites={sites!r} must be a list of sites from {ACTIVATION_SITES}, not one string")
+    sites = tuple(sites)
+    bad = [s for s in sites if s not in ACTIVATION_SITES]
+    if bad:
+        raise ValueError(f"sites {bad} are not among {ACTIVATION_SITES}")
+    twice = sorted({s for s in sites if sites.count(s) > 1}, key=sites.index)
+    if twice:
+        raise ValueError(f"sites={list(sites)} holds {twice} more than once: name each once")
+    return sites
+
+
 def breakdown(dims: ModelDims, sites: Iterable[str], layers: Iterable[int], **fmt_kw) -> dict[SiteKey, int]:
     """Bytes per token for every (layer, site) that exists. ``fmt_kw``: fmt, compact, amax."""
-    out: dict[SiteKey, int] = {}
+    sites, out = _sites(sites), {}
     for layer in layers:
-        if isinstance(layer, bool) or not isinstance(layer, numbers.Integral):  # (1.5 is no layer: 0 bytes)
-            raise ValueError(f"layer={layer!r} must be an int layer id in 0..{dims.num_layers - 1}")
-        if not 0 <= layer < dims.num_layers:
-            raise ValueError(f"layer={layer} outside 0..{dims.num_layers - 1}")
+        dims.check_layer(layer)
         for site in sites:
             n = site_bytes_per_token(dims, layer, site, **fmt_kw)
             if n:
@@ -68,11 +80,13 @@ def breakdown(dims: ModelDims, sites: Iterable[str], layers: Iterable[int], **fm
 
 def bytes_per_token(dims: ModelDims, sites: Iterable[str], layers: Iterable[int], **fmt_kw) -> int:
     """Total guidance bytes per token over the selected sites and layers."""
-    return sum(breakdown(dims, tuple(sites), layers, **fmt_kw).values())
+    return sum(breakdown(dims, sites, layers, **fmt_kw).values())
 
 
 def totals(per_key: dict[SiteKey, int], tokens: int = 1) -> dict[str, dict]:
-    """Sums of a ``breakdown`` by site and by layer, times ``tokens``."""
+    """Sums of a ``breakdown`` by site and by layer, times ``tokens`` (an int >= 0)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, numbers.Integral) or tokens < 0:
+        raise ValueError(f"tokens={tokens!r} must be an int >= 0 (a token count)")  # (2.5 gave 75.0 bytes, -3 < 0)
     by_site: dict[str, int] = {}
     by_layer: dict[int, int] = {}
     for (layer, site), n in per_key.items():
@@ -83,14 +97,14 @@ def totals(per_key: dict[SiteKey, int], tokens: int = 1) -> dict[str, dict]:
 
 def bytes_per_layer(dims: ModelDims, sites: Iterable[str], **fmt_kw) -> dict[int, int]:
     """Bytes per token each layer would cost if guided (input of the budget policy)."""
-    sites = tuple(sites)
+    sites = _sites(sites)
     return {i: sum(site_bytes_per_token(dims, i, s, **fmt_kw) for s in sites) for i in range(dims.num_layers)}
 
 
 def elements_per_layer(dims: ModelDims, sites: Iterable[str]) -> dict[int, int]:
     """Elements per token each layer would guide (rows x row length summed over its ``sites``): what a per-layer
     code-mismatch rate is a fraction of (the budget policy's weight)."""
-    sites = tuple(sites)
+    sites = _sites(sites)
     out = {}
     for i in range(dims.num_layers):
         shapes = [dims.site_rows(s) for s in sites if dims.has_site(i, s)]
@@ -110,6 +124,8 @@ def side_bytes(dims: ModelDims, layer: int, site: str, *, expert_id_bytes: int =
     """Per-token side data of a site record: ``valid`` (1 byte/row) and FC2 expert ids."""
     if site not in ACTIVATION_SITES:
         raise ValueError(f"site={site!r} is not one of {ACTIVATION_SITES}")
+    if isinstance(expert_id_bytes, bool) or not isinstance(expert_id_bytes, numbers.Integral) or expert_id_bytes < 1:
+        raise ValueError(f"expert_id_bytes={expert_id_bytes!r} must be an int >= 1")  # (2.5 gave 7.0 bytes, True 1)
     if not dims.has_site(layer, site):
         return 0
     rows, _ = dims.site_rows(site)

@@ -72,6 +72,13 @@ class ModelDims:
             if bad:
                 raise ValueError(f"ModelDims.{f} has layer(s) {bad} outside 0..{self.num_layers - 1}")
 
+    def check_layer(self, layer) -> None:
+        """A ValueError unless ``layer`` is an int layer id of this model (1.5, True, -1, 99 had no site: 0 bytes)."""
+        if not _is_int(layer):
+            raise ValueError(f"layer={layer!r} must be an int layer id in 0..{self.num_layers - 1}")
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer={layer} outside 0..{self.num_layers - 1}")
+
     def site_rows(self, site: str) -> tuple[int, int]:
         """(rows per token, elements per row) of ``site`` at a layer that has it."""
         if site == "expert_fc1_in":
@@ -85,6 +92,7 @@ class ModelDims:
         raise ValueError(f"site={site!r} is not one of {ACTIVATION_SITES}")
 
     def has_site(self, layer: int, site: str) -> bool:
+        self.check_layer(layer)
         if site in _EXPERT_SITES:
             return layer in self.moe_layers
         if site in KV_SITES:

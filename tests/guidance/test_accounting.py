@@ -6,6 +6,7 @@ from megatron_trace.guidance.accounting import (
     breakdown,
     bytes_per_layer,
     bytes_per_token,
+    elements_per_layer,
     row_bytes,
     side_bytes,
     site_bytes_per_token,
@@ -273,12 +274,29 @@ def test_deepseek_dense_layers_and_moe_layer_freq():
     (lambda d: row_bytes(32, compact="no"), r"compact='no' must be a bool"),
     (lambda d: breakdown(d, ["expert_fc1_in"], [1.5]), r"layer=1.5 must be an int layer id in 0..2"),
     (lambda d: breakdown(d, ["expert_fc1_in"], [True]), r"layer=True must be an int layer id in 0..2"),
-], ids=["k-float", "k-nan", "k-bool", "k-str", "compact-str", "layer-float", "layer-bool"])
+    # were accepted: a site given twice counted twice per layer (once by breakdown), tokens=2.5 gave float bytes,
+    # True one token, -3 negative bytes; a layer off the model or 1.5 had no site (0 bytes); id bytes 2.5 7.0 bytes
+    (lambda d: bytes_per_layer(d, ["kv_k", "expert_fc1_in", "kv_k"]), r"holds \['kv_k'\] more than once"),
+    (lambda d: elements_per_layer(d, ["kv_v", "kv_v"]), r"sites=\['kv_v', 'kv_v'\] holds \['kv_v'\] more than once"),
+    (lambda d: breakdown(d, ["kv_k", "kv_k"], [0]), r"holds \['kv_k'\] more than once"),
+    (lambda d: bytes_per_layer(d, "kv_k"), r"sites='kv_k' must be a list of sites from"),
+    (lambda d: totals(breakdown(d, ["kv_k"], [0]), tokens=2.5), r"tokens=2.5 must be an int >= 0"),
+    (lambda d: totals(breakdown(d, ["kv_k"], [0]), tokens=True), r"tokens=True must be an int >= 0"),
+    (lambda d: totals(breakdown(d, ["kv_k"], [0]), tokens=-3), r"tokens=-3 must be an int >= 0"),
+    (lambda d: site_bytes_per_token(d, 3, "kv_k"), r"layer=3 outside 0..2"),
+    (lambda d: site_bytes_per_token(d, 1.5, "kv_k"), r"layer=1.5 must be an int layer id in 0..2"),
+    (lambda d: side_bytes(d, -1, "kv_k"), r"layer=-1 outside 0..2"),
+    (lambda d: side_bytes(d, 0, "expert_fc2_in", expert_id_bytes=2.5), r"expert_id_bytes=2.5 must be an int >= 1"),
+], ids=["k-float", "k-nan", "k-bool", "k-str", "compact-str", "layer-float", "layer-bool", "site-twice-per-layer",
+        "site-twice-elements", "site-twice-breakdown", "sites-str", "tokens-float", "tokens-bool", "tokens-negative",
+        "site-layer-beyond", "site-layer-float", "side-layer-negative", "id-bytes-float"])
 def test_bad_row_lengths_flags_and_layers_are_named(call, match):
     dims = ModelDims.from_hf_config(tiny_config().to_dict())
     with pytest.raises(ValueError, match=match):
         call(dims)
     assert row_bytes(32) == 4 + 2 + 4 and breakdown(dims, ["expert_fc1_in"], [1])  # (the valid twins)
+    sites = ["kv_k", "expert_fc1_in"]
+    assert bytes_per_layer(dims, sites)[2] == totals(breakdown(dims, sites, [2]), tokens=1)["by_layer"][2] > 0
 
 
 def test_breakdown_names_a_layer_outside_the_model():
