@@ -11,15 +11,20 @@ Layers without routed experts (DeepSeek's ``first_k_dense_replace``, Qwen3-MoE's
 hybrid models (Qwen3.5 / Qwen3-Next ``layer_types`` or ``full_attention_interval``) have no KV
 site. Multi-token-prediction layers (``num_nextn_predict_layers``) are not counted.
 
-MLA (DeepSeek-V3, ``kv_lora_rank`` present): the KV cache holds one compressed row per token,
+MLA (DeepSeek-V3, or ``kv_lora_rank`` present): the KV cache holds one compressed row per token,
 the latent ``c_kv`` (``kv_lora_rank``) concatenated with the shared RoPE key
-(``qk_rope_head_dim``), as SGLang/FlashMLA store it. We count it as ``kv_k`` with 1 row of
-``kv_lora_rank + qk_rope_head_dim`` elements; ``kv_v`` has no rows (V is decoded from the latent).
+(``qk_rope_head_dim``), as SGLang/FlashMLA (and transformers, as two one-head tensors) store it. We count it as
+``kv_k`` with 1 row of ``kv_lora_rank + qk_rope_head_dim`` elements; ``kv_v`` has no rows (V is decoded from the
+latent).
+
+Which fields decide the layers is the model type's (``model_type``, as transformers builds it): a field its model
+ignores is ignored here too, with a warning (``_UNUSED_FIELDS``); without a known ``model_type`` every field counts.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -27,14 +32,31 @@ from pathlib import Path
 
 from ..config import ACTIVATION_SITES, KV_SITES
 
+logger = logging.getLogger(__name__)
+
 _EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in")
 _CLASS_DEFAULTS = {
     "qwen3_moe": {"num_key_value_heads": 4},  # (head_dim: hidden_size // num_attention_heads, as its attention)
     "qwen3_5_moe_text": {"num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4},
     "qwen3_next": {"num_key_value_heads": 2, "head_dim": 256, "full_attention_interval": 4},
+    "deepseek_v3": {"first_k_dense_replace": 3, "kv_lora_rank": 512, "qk_rope_head_dim": 64},
 }
-"""transformers' (5.24) class defaults of the attention fields a config.json may leave out, by ``model_type``
-(hybrid models without ``layer_types`` derive it from ``full_attention_interval``, default 4)."""
+"""transformers' (5.24) class defaults of the attention and layer-rule fields a config.json may leave out, by
+``model_type`` (hybrid models without ``layer_types`` derive it from ``full_attention_interval``, default 4;
+DeepSeek-V3 is always MLA, its first 3 layers dense)."""
+
+_QWEN_MOE_RULE = ("mlp_only_layers", "decoder_sparse_step")
+_HYBRID_RULE = ("layer_types", "full_attention_interval")
+_UNUSED_FIELDS = {
+    "qwen3_moe": _HYBRID_RULE,  # every layer is attention with a KV cache
+    "qwen3_5_moe_text": _QWEN_MOE_RULE,  # every layer has routed experts
+    "deepseek_v3": _QWEN_MOE_RULE + _HYBRID_RULE,  # first_k_dense_replace decides; every layer has a KV cache
+}
+"""Layer-rule fields transformers' model of a ``model_type`` does not read (a stray ``full_attention_interval`` in a
+Qwen3-MoE config made 3 of 4 layers count without a KV cache, ``decoder_sparse_step`` in a Qwen3.5-MoE config
+dropped experts it builds)."""
+_NO_EFFECT = {"mlp_only_layers": [], "decoder_sparse_step": 1, "full_attention_interval": 1}
+"""Values of those fields that change no layer (not warned about)."""
 
 _KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 _NO_KV_LAYER_TYPES = ("linear_attention", "mamba")
@@ -141,8 +163,9 @@ def _kv_heads(cfg: Mapping, heads: int, defaults: Mapping) -> int:
         return _opt(cfg, "num_key_value_heads", heads)
     default = defaults.get("num_key_value_heads")
     if default is None:
+        known = sorted(t for t, d in _CLASS_DEFAULTS.items() if "num_key_value_heads" in d)
         raise ValueError(f"HF config (model_type={cfg.get('model_type')!r}) has no num_key_value_heads, and that "
-                         f"type's default is not known here (known: {sorted(_CLASS_DEFAULTS)}); write it into "
+                         f"type's default is not known here (known: {known}); write it into "
                          "config.json")
     return default
 
@@ -157,12 +180,15 @@ def _rule(cfg: Mapping, name: str, default: int, low: int) -> int:
     return v
 
 
-def _moe_layers(cfg: Mapping, num_layers: int) -> tuple[int, ...]:
-    if "first_k_dense_replace" in cfg or "n_routed_experts" in cfg:  # DeepSeek rule
-        first = _rule(cfg, "first_k_dense_replace", 0, 0)
+def _moe_layers(cfg: Mapping, num_layers: int, defaults: Mapping) -> tuple[int, ...]:
+    if "first_k_dense_replace" in cfg or "n_routed_experts" in cfg or "first_k_dense_replace" in defaults:  # DeepSeek
+        first = _rule(cfg, "first_k_dense_replace", defaults.get("first_k_dense_replace", 0), 0)
         freq = _rule(cfg, "moe_layer_freq", 1, 1)
         return tuple(i for i in range(num_layers) if i >= first and i % freq == 0)
-    dense = set(cfg.get("mlp_only_layers") or ())  # Qwen3-MoE rule
+    dense = cfg.get("mlp_only_layers") or ()  # Qwen3-MoE rule
+    if isinstance(dense, str | bytes | Mapping) or not all(_is_int(i) for i in dense):  # (["1"] matched no layer)
+        raise ValueError(f"HF config mlp_only_layers={dense!r} must be a list of int layer ids")
+    dense = set(dense)
     step = _rule(cfg, "decoder_sparse_step", 1, 1)
     return tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
 
@@ -187,15 +213,24 @@ def _dims_from_mapping(cfg: Mapping) -> ModelDims:
     num_experts = _need(cfg, "num_experts", "n_routed_experts", "num_local_experts")  # transformers 5 saves the last
     if num_experts < 1:
         raise ValueError(f"HF config num_experts={num_experts}: a model without routed experts has no guidance sites")
-    defaults = _CLASS_DEFAULTS.get(cfg.get("model_type"), {})
-    if cfg.get("kv_lora_rank"):  # MLA: one latent row per token (see module docstring)
-        kv_heads, head_dim, kv_v = 1, _int(cfg, "kv_lora_rank") + _need(cfg, "qk_rope_head_dim"), False
+    model_type = cfg.get("model_type")
+    defaults = _CLASS_DEFAULTS.get(model_type, {})
+    unused = [f for f in _UNUSED_FIELDS.get(model_type, ()) if f in cfg]
+    if any(cfg[f] not in (None, _NO_EFFECT.get(f)) for f in unused):
+        logger.warning("HF config (model_type=%r) sets %s, which its transformers model ignores: ignored", model_type,
+                       unused)
+    cfg = {k: v for k, v in cfg.items() if k not in unused}
+    if cfg.get("kv_lora_rank") is not None or "kv_lora_rank" in defaults:  # MLA: one latent row (module docstring)
+        rank = _rule(cfg, "kv_lora_rank", defaults.get("kv_lora_rank", 0), 1)
+        rope = _need(cfg, "qk_rope_head_dim") if "qk_rope_head_dim" not in defaults else \
+            _opt(cfg, "qk_rope_head_dim", defaults["qk_rope_head_dim"])
+        kv_heads, head_dim, kv_v = 1, rank + rope, False
     else:
         heads = _need(cfg, "num_attention_heads")
         kv_heads = _kv_heads(cfg, heads, defaults)
         head_dim = _opt(cfg, "head_dim", defaults.get("head_dim") or (hidden // heads if heads > 0 else 0))
         kv_v = True
-    moe_layers = _moe_layers(cfg, num_layers)
+    moe_layers = _moe_layers(cfg, num_layers, defaults)
     if not moe_layers:  # (every expert site sized 0 bytes, the routing none)
         raise ValueError(f"HF config has no layer with routed experts of its {num_layers} (first_k_dense_replace, "
                          "mlp_only_layers, decoder_sparse_step or moe_layer_freq leave none): no guidance sites")

@@ -141,12 +141,15 @@ def test_hf_config_bad_values_are_named(key, value, match):
     ("deepseek_v3", "first_k_dense_replace", -1, r"HF config first_k_dense_replace=-1 must be an integer >= 0"),
     ("deepseek_v3", "first_k_dense_replace", 61, r"no layer with routed experts of its 61"),
     ("deepseek_v3", "moe_layer_freq", 0, r"HF config moe_layer_freq=0 must be an integer >= 1"),
+    ("deepseek_v3", "kv_lora_rank", 0, r"HF config kv_lora_rank=0 must be an integer >= 1"),
+    ("qwen3_30b_a3b", "mlp_only_layers", ["1"], r"HF config mlp_only_layers=\['1'\] must be a list of int layer ids"),
 ], ids=["kv-heads-0", "head-dim-0", "sparse-step-0", "sparse-step-2.5", "all-dense", "interval-0", "first-dense-2.5",
-        "first-dense-negative", "first-dense-all", "moe-freq-0"])
+        "first-dense-negative", "first-dense-all", "moe-freq-0", "mla-rank-0", "dense-layer-str"])
 def test_hf_config_bad_layer_rules_and_zero_sizes_are_named(name, key, value, match):
     """Each was accepted and planned: 0 K/V heads or head_dim as one per attention head / hidden // heads, a step,
     frequency or interval of 0 (transformers divides by it) as 1, 2.5 truncated to 2 (transformers compares with
-    2.5), a model whose every layer is dense with 0 expert bytes (a config without experts is refused)."""
+    2.5), a model whose every layer is dense with 0 expert bytes (a config without experts is refused), an MLA rank of
+    0 as no MLA (every head's K/V), a dense layer id "1" as no layer."""
     import json
 
     cfg = json.loads((DATA / f"{name}_config.json").read_text())
@@ -261,7 +264,44 @@ def test_deepseek_dense_layers_and_moe_layer_freq():
     every_2nd = ModelDims.from_hf_config({**cfg.to_dict(), "first_k_dense_replace": 1, "moe_layer_freq": 2})
     assert every_2nd.moe_layers == (2, 4)
     no_dense = {k: v for k, v in cfg.to_dict().items() if k != "first_k_dense_replace"} | {"moe_layer_freq": 2}
-    assert ModelDims.from_hf_config(no_dense).moe_layers == (0, 2, 4)  # (a DeepSeek config: its rule, 0 dense)
+    assert ModelDims.from_hf_config(no_dense).moe_layers == (4,)  # (DeepSeek-V3's class default: 3 dense layers)
+
+
+_HYBRID = dict(vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+               head_dim=16, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+               num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+               linear_value_head_dim=8, full_attention_interval=3)
+_DEEPSEEK = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=5,
+                 num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                 topk_group=1, q_lora_rank=16, qk_nope_head_dim=8, v_head_dim=8)
+
+
+@pytest.mark.parametrize("model_type,config,ignored", [
+    ("qwen3_moe", tiny_config(num_hidden_layers=4).to_dict() | {"full_attention_interval": 2},
+     ["full_attention_interval"]),
+    ("qwen3_5_moe_text", _HYBRID | {"mlp_only_layers": [1], "decoder_sparse_step": 2},
+     ["mlp_only_layers", "decoder_sparse_step"]),
+    ("qwen3_next", _HYBRID | {"mlp_only_layers": [5], "decoder_sparse_step": 2, "intermediate_size": 32}, []),
+    ("deepseek_v3", _DEEPSEEK | {"decoder_sparse_step": 2}, ["decoder_sparse_step"]),
+    ("deepseek_v3", _DEEPSEEK | {"first_k_dense_replace": 1, "kv_lora_rank": 16, "qk_rope_head_dim": 8}, []),
+], ids=["qwen3-moe-stray-interval", "qwen3.5-stray-dense-rules", "qwen3-next", "deepseek-v3-defaults",
+        "deepseek-v3-given"])
+def test_layers_and_kv_rows_are_what_transformers_builds_for_the_model_type(model_type, config, ignored, caplog):
+    """A field the model type's transformers model does not read used to count (a stray ``full_attention_interval`` in
+    a Qwen3-MoE config: 1 of 2 layers with a KV cache; ``mlp_only_layers`` / ``decoder_sparse_step`` in a Qwen3.5-MoE
+    one: dense layers it builds with experts), now ignored with a warning; DeepSeek-V3's class defaults were not
+    taken (no ``first_k_dense_replace``: 0 dense layers for its 3; no ``kv_lora_rank``: no MLA, every head's K/V)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {k: v for k, v in config.items() if k != "model_type"}  # (as a config.json: model_type and its fields)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config))
+    dims = ModelDims.from_hf_config({"model_type": model_type, **config})
+    assert dims.moe_layers == _layers_of(model, lambda m: hasattr(m.mlp, "experts"))
+    assert dims.kv_layers == _layers_of(model, lambda m: hasattr(m, "self_attn"))
+    attn = model.model.layers[dims.kv_layers[0]].self_attn
+    rows, k = dims.site_rows("kv_k")  # K/V per token: every K/V head's row, or MLA's one latent + RoPE key row
+    assert rows * k == (attn.k_proj if dims.kv_v else attn.kv_a_proj_with_mqa).out_features
+    assert all(f in caplog.text for f in ignored) and ("ignores" in caplog.text) == bool(ignored)
 
 
 @pytest.mark.parametrize("call,match", [
