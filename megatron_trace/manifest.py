@@ -220,48 +220,57 @@ def excluded_modules(config: TraceConfig, *, moe_layers: Iterable[int],
     return tuple(sorted(match_modules(sorted(names), config.exclude_modules, what="TraceConfig.exclude_modules")))
 
 
-def guided_modules(config: TraceConfig, layer: int, *, moe_layers, exclusions: bool = True) -> tuple[str, ...]:
+def guided_modules(config: TraceConfig, layer: int, *, moe_layers, exclusions: bool = True,
+                   kv_layers=None) -> tuple[str, ...]:
     """The modules layer ``layer`` guides: a quantized guided site's module (that ``exclude_modules`` keeps in FP4,
-    unless not ``exclusions``)."""
+    unless not ``exclusions``). ``kv_layers``: the layers with a KV cache (default: every layer; a hybrid model's
+    linear-attention layers have none)."""
     names = set()
     for s in config.guided_sites:
         if not config.quantizes(s):
             continue
         if s in KV_SITES:
-            names.add(kv_cache_name(layer))
+            if kv_layers is None or layer in kv_layers:
+                names.add(kv_cache_name(layer))
         elif layer in moe_layers:
             names.add(experts_name(layer))
     return tuple(sorted(n for n in names if not (exclusions and module_excluded(config, n))))
 
 
 def unguided_layers(config: TraceConfig, layers: list[int], *, moe_layers, exclusions: bool = True,
-                    explicit: bool = False) -> list[int]:
+                    explicit: bool = False, kv_layers=None) -> list[int]:
     """The layers of the policy's ``layers`` without a guided module where that guides nothing silently: any such
     layer of an explicit list (``explicit``: ``layers`` is one whatever the policy); for another policy, all of them
     when none of its layers has one (else [])."""
-    empty = [i for i in layers if not guided_modules(config, i, moe_layers=moe_layers, exclusions=exclusions)]
+    empty = [i for i in layers
+             if not guided_modules(config, i, moe_layers=moe_layers, exclusions=exclusions, kv_layers=kv_layers)]
     return [] if not explicit and config.guided_layers != "explicit" and len(empty) < len(layers) else empty
 
 
-def check_guided_layers(config: TraceConfig, layers: Iterable[int], *, moe_layers: Iterable[int]) -> None:
+def check_guided_layers(config: TraceConfig, layers: Iterable[int], *, moe_layers: Iterable[int],
+                        kv_layers: Iterable[int] | None = None) -> None:
     """Raise ``ValueError`` where the layer policy's ``layers`` would guide nothing, silently: an explicit layer, or
     every layer another policy picks, without a guided module (a dense layer under expert sites only, or modules
-    ``exclude_modules`` keeps in BF16). Nothing is checked without a quantized guided site."""
+    ``exclude_modules`` keeps in BF16, a layer without a KV cache (not in ``kv_layers``, default: every layer) under
+    KV sites only). Nothing is checked without a quantized guided site."""
     layers, moe_layers = list(layers), set(moe_layers)
+    kv_layers = None if kv_layers is None else set(kv_layers)
     sites = [s for s in config.guided_sites if config.quantizes(s)]
     if not layers or not sites:
         return
-    empty = unguided_layers(config, layers, moe_layers=moe_layers)
+    empty = unguided_layers(config, layers, moe_layers=moe_layers, kv_layers=kv_layers)
     if not empty:
         return
     what = (f"guided_layer_list has layer(s) {empty}" if config.guided_layers == "explicit" else
             f"guided_layers={config.guided_layers!r} picks layer(s) {layers}")
-    excluded = [n for i in empty for n in _candidates(config, moe_layers & {i}, (i,), quantizes=config.quantizes)
+    attn = set(empty) if kv_layers is None else set(empty) & kv_layers
+    excluded = [n for i in empty for n in _candidates(config, moe_layers & {i}, attn & {i}, quantizes=config.quantizes)
                 if module_excluded(config, n)]
     why = f"exclude_modules {list(config.exclude_modules)} keeps {excluded[:4]} in BF16" if excluded else \
         "they have none"
     raise ValueError(f"TraceConfig.{what}, which would guide nothing: their guided sites {sites} are in no module of "
-                     f"theirs that is quantized ({why}; MoE layers: {sorted(moe_layers)}); guide layers whose "
+                     f"theirs that is quantized ({why}; MoE layers: {sorted(moe_layers)}"
+                     f"{'' if kv_layers is None else f', KV-cache layers: {sorted(kv_layers)}'}); guide layers whose "
                      f"modules are quantized, or narrow exclude_modules")
 
 

@@ -44,6 +44,31 @@ def test_dense_layers_get_no_expert_specs():
     assert specs == {(1, s) for s in CFG.guided_sites} | {(2, "kv_k"), (2, "kv_v")}
 
 
+_HYBRID = dict(model_type="qwen3_5_moe_text", vocab_size=64, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+               full_attention_interval=2)
+
+
+@pytest.mark.parametrize("hf", [tiny_config(num_hidden_layers=4, decoder_sparse_step=2).to_dict(), _HYBRID,
+                                _HYBRID | {"decoder_sparse_step": 2}],
+                         ids=["qwen3-moe-step2", "qwen3.5", "qwen3.5-step"])
+@pytest.mark.parametrize("mode", ["compact", "full"])
+def test_specs_are_the_sites_and_bytes_accounting_plans(hf, mode):
+    """The engine records, per (layer, site) and token, what ``accounting`` sizes from the same config: a hybrid
+    model's linear-attention layers (no KV cache) used to get K/V specs, and a Qwen3.5-MoE config's layers with
+    experts were picked by Qwen3-MoE's ``decoder_sparse_step`` rule (its transformers model ignores it)."""
+    from megatron_trace.guidance.accounting import breakdown, config_fmt_kw
+    from megatron_trace.guidance.model_dims import ModelDims
+
+    cfg = TraceConfig(guided_layers="all", cache_mode=mode, kv_format="sglang_kvfp4")
+    specs = {s.key: s.nbytes for s in guidance_specs(cfg, hf, kv_dtype="fp4_e2m1")}
+    assert specs == breakdown(ModelDims.from_hf_config(hf), cfg.guided_sites, range(4), **config_fmt_kw(cfg))
+    kv_only = cfg.replace(guided_layers="explicit", guided_layer_list=(0, 1), guided_sites=("kv_k", "kv_v"))
+    if hf["model_type"] == "qwen3_5_moe_text":  # (layer 0 has no KV cache: it recorded nothing, silently)
+        with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[0\], .*KV-cache layers: \[1, 3\]"):
+            guidance_specs(kv_only, hf, kv_dtype="fp4_e2m1")
+
+
 def test_the_emulations_moe_parallel_sizes_are_checked_at_launch_as_its_layers_check_them():
     """SGLang's MoE TP size is tp_size // ep_size // moe_dp_size (``parallel_state``): tp 2 x moe_dp 2 gives whole
     experts per rank, which the emulated MoE quantizes as the trainer does; tp 2 alone shards them and is refused.

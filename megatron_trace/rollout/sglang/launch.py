@@ -189,19 +189,22 @@ def guidance_specs(trace_config: TraceConfig, hf_config: dict, *, kv_dtype: str 
     Expert sites: ``TraceConfig.format`` rows as the TRACE MoE method quantizes them. KV sites:
     SGLang's FP4 KV pool rows (``sglang_kvfp4``, only with ``kv_dtype == "fp4_e2m1"``)."""
     kv_dtype = kv_cache_dtype(trace_config) if kv_dtype is None else kv_dtype
-    dims = ModelDims.from_hf_config(hf_config)  # (the KV heads as transformers builds the model)
-    moe, _ = qwen3_moe_modules(hf_config)
+    # (the layers and KV heads as transformers builds the model: Qwen3-MoE's rule for the MoE layers of a Qwen3.5-MoE
+    # config dropped layers with experts, and a hybrid model's linear-attention layers, without a KV cache, got K/V
+    # specs: ``accounting`` sized neither)
+    dims = ModelDims.from_hf_config(hf_config)
     compact = trace_config.cache_mode == "compact"
     specs, layers = [], guided_layers(trace_config, dims.num_layers)
-    check_guided_layers(trace_config, layers, moe_layers=moe)  # (the policy guiding nothing: no spec, silently)
+    check_guided_layers(trace_config, layers, moe_layers=dims.moe_layers,  # (guiding nothing: no spec, silently)
+                        kv_layers=dims.kv_layers)
     for layer in layers:
         for site in trace_config.guided_sites:
-            if not trace_config.quantizes(site):
+            if not trace_config.quantizes(site) or not dims.has_site(layer, site):
                 continue
             if site in KV_SITES:
                 if kv_dtype == KV_FP4 and not module_excluded(trace_config, kv_cache_name(layer)):
                     specs.append(SiteSpec(layer, site, dims.site_rows(site), sglang_kvfp4.NAME, compact))
-            elif layer in moe and not module_excluded(trace_config, experts_name(layer)):
+            elif not module_excluded(trace_config, experts_name(layer)):
                 shape = (dims.hidden,) if site == "expert_fc1_in" else (dims.topk, dims.moe_ffn)
                 specs.append(SiteSpec(layer, site, shape, trace_config.format, compact))
     return specs
