@@ -28,6 +28,7 @@ from .accounting import bytes_per_layer, bytes_per_token, config_fmt_kw, element
 from .model_dims import ModelDims
 from .routing import id_dtype
 from .selection import check_num_layers, guided_layers
+from .site import is_integer
 from .sync import PROTOCOL, SIZES
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,17 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _token_counts(sample_tokens) -> list[int]:
+    """Each sample's token count, an int >= 0 (2.5 was truncated to 2, "3" parsed, True taken as 1)."""
+    if isinstance(sample_tokens, str | bytes):
+        raise ValueError(f"sample_tokens={sample_tokens!r} must be a list of token counts (ints >= 0)")
+    counts = list(sample_tokens)
+    bad = [n for n in counts if not (is_integer(n) and n >= 0)]
+    if bad:
+        raise ValueError(f"sample_tokens holds {bad[:5]}: each must be a token count, an int >= 0")
+    return [int(n) for n in counts]
+
+
 def _site_fields(dims: ModelDims, site: str, tokens: int, config: TraceConfig) -> tuple[dict, list[tuple]]:
     """(column meta, [(field, dtype name, shape)]) of one (layer, site) record of ``tokens`` token rows, in the
     order ``serial._site_tensors`` and ``packed.pack_batch`` lay the fields out."""
@@ -239,8 +251,8 @@ def sample_bytes(dims: ModelDims, config: TraceConfig, num_tokens: int, *, layer
     16-byte alignment (host cache bytes, ``serial.plan_flat``); ``routing``: the expert ids of every MoE layer
     in the smallest integer type (``routing.plan_routing``). ``layers``: guided layers (default: the config's).
     """
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+    if not is_integer(num_tokens) or num_tokens < 0:  # (2.5 gave float bytes, True one token)
+        raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
     if dims.num_experts < 1:
         raise ValueError("ModelDims.num_experts must be >= 1 to size the routing (read it from the HF config)")
     layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
@@ -277,7 +289,7 @@ def shard_bytes(dims: ModelDims, config: TraceConfig, sample_tokens, *, layers=N
     field 16-byte aligned, the last one unpadded). The planner lays the columns out in (layer, site) order, the
     wire in the records' order: with routing replay the last field is the last routing column either way, without it
     the last guidance field's padding (< 16 bytes) may differ."""
-    sample_tokens = [int(n) for n in sample_tokens]
+    sample_tokens = _token_counts(sample_tokens)
     layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
     tot = {"guidance": 0, "flat": 0, "routing": 0}
     for n, times in Counter(sample_tokens).items():
@@ -299,7 +311,7 @@ def sync_header_bound(dims: ModelDims, config: TraceConfig, sample_tokens, *, la
     with the widest values it can hold: sample ids and versions of 20 characters (any int64), every field offset as
     wide as ``payload`` (the payload bytes; default ``shard_bytes``' ``sync_payload``) and a CRC-32 on every field
     (``verify=True``). Token hashes, token counts, keys, metas and shapes are exact; the rest varies per message."""
-    sample_tokens = [int(n) for n in sample_tokens]
+    sample_tokens = _token_counts(sample_tokens)
     layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
     if payload is None:
         payload = shard_bytes(dims, config, sample_tokens, layers=layers)["sync_payload"]

@@ -111,6 +111,24 @@ def test_rank_projection_scales_with_ranks_and_bandwidth(caplog):
         caplog.text)
 
 
+@pytest.mark.parametrize("call,match", [
+    (lambda c: sample_bytes(DIMS, c, 2.5), r"num_tokens=2.5 must be an int >= 0"),
+    (lambda c: sample_bytes(DIMS, c, True), r"num_tokens=True must be an int >= 0"),
+    (lambda c: shard_bytes(DIMS, c, [8, 2.5]), r"sample_tokens holds \[2.5\]: each must be a token count"),
+    (lambda c: shard_bytes(DIMS, c, ["3"]), r"sample_tokens holds \['3'\]: each must be a token count"),
+    (lambda c: shard_bytes(DIMS, c, "33"), r"sample_tokens='33' must be a list of token counts"),
+    (lambda c: sync_header_bound(DIMS, c, [True]), r"sample_tokens holds \[True\]: each must be a token count"),
+    (lambda c: sample_bytes(DIMS, c, 4, layers=[3]), r"layer=3 outside 0..2"),
+    (lambda c: shard_bytes(DIMS, c, [4], layers=[1.5]), r"layer=1.5 must be an int layer id in 0..2"),
+], ids=["tokens-float", "tokens-bool", "sample-float", "sample-str", "samples-str", "header-bool", "layer-beyond",
+        "layer-float"])
+def test_token_counts_and_layers_are_named(call, match):
+    """Were accepted: 2.5 tokens gave float bytes in ``sample_bytes`` and were truncated to 2 by ``shard_bytes`` and
+    ``sync_header_bound``, "3" was parsed, True one token; a layer off the model or 1.5 had no site (0 bytes)."""
+    with pytest.raises(ValueError, match=match):
+        call(TraceConfig(guided_layers="all"))
+
+
 def test_cli_per_rank_projection(capsys):
     import json
     from pathlib import Path
