@@ -90,9 +90,13 @@ class ModelDims:
         if self.num_experts and self.topk > self.num_experts:
             raise ValueError(f"ModelDims.topk={self.topk} exceeds num_experts={self.num_experts}")
         for f in ("moe_layers", "kv_layers"):  # (a layer 1.5 passed the range check and matched no layer)
-            bad = [i for i in getattr(self, f) if not _is_int(i) or not 0 <= i < self.num_layers]
+            ids = tuple(getattr(self, f))
+            bad = [i for i in ids if not _is_int(i) or not 0 <= i < self.num_layers]
             if bad:
                 raise ValueError(f"ModelDims.{f} has layer(s) {bad} outside 0..{self.num_layers - 1}")
+            twice = sorted({i for i in ids if ids.count(i) > 1})
+            if twice:  # (a MoE layer given twice was sized twice in the routing bytes)
+                raise ValueError(f"ModelDims.{f}={ids} holds layer(s) {twice} more than once: name each once")
 
     def check_layer(self, layer) -> None:
         """A ValueError unless ``layer`` is an int layer id of this model (1.5, True, -1, 99 had no site: 0 bytes)."""

@@ -183,8 +183,10 @@ def test_a_hybrid_config_without_layer_types_has_its_classs_kv_layers(cls):
     (dict(moe_layers=(0, 1.5)), r"ModelDims.moe_layers has layer\(s\) \[1.5\] outside 0..3"),
     (dict(kv_layers=(True,)), r"ModelDims.kv_layers has layer\(s\) \[True\] outside 0..3"),
     (dict(kv_v="no"), r"ModelDims.kv_v='no' must be a bool"),
+    # was accepted: planner.sample_bytes sized the routing of MoE layer 1 twice
+    (dict(moe_layers=(0, 1, 1)), r"ModelDims.moe_layers=\(0, 1, 1\) holds layer\(s\) \[1\] more than once"),
 ], ids=["nan", "float", "bool", "negative-experts", "topk-above-experts", "negative-layer", "layer-beyond",
-        "float-layer", "bool-layer", "kv_v-string"])
+        "float-layer", "bool-layer", "kv_v-string", "layer-twice"])
 def test_model_dims_reject_nan_and_non_int(kw, match):
     args = dict(num_layers=4, hidden=64, moe_ffn=32, topk=2, kv_heads=2, head_dim=16, moe_layers=(0,), kv_layers=(0,))
     with pytest.raises(ValueError, match=match):
