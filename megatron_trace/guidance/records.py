@@ -362,20 +362,28 @@ def _assemble_site(key, recs, status, mask, tokens, counter, topk=None) -> SiteG
 
 
 def scales_ok(sg: SiteGuidance) -> torch.Tensor:
-    """bool, ``sg.valid``'s shape: the row's block scales and global amax are finite and >= 0 (no host sync).
+    """bool, ``sg.valid``'s shape: the row's block scales and global amax are finite and >= 0 and of a kind some
+    quantizer writes (no host sync).
+
+    No quantizer writes an E8M0 scale of 2**127 (byte 254: the largest exponent is the ceil rule's 126, at float32's
+    top) or an NVFP4 amax of 0 beside a nonzero block scale (an amax of 0 is an all-zero row's, whose scales are all
+    0; it encodes with S_enc = 1, so such a row, e.g. a lost amax, would decode 2688 / amax times off).
 
     Few ops (a trainer fed records that were not assembled runs this for every site at each step's start, when
-    the GPU waits for the host): NaN fails ``>= 0`` and propagates through ``amin`` / ``minimum``, -0 passes."""
+    the GPU waits for the host): NaN fails ``>= 0`` and propagates through ``aminmax`` / ``minimum``, -0 passes."""
     r = sg.record
     if r.block_scales.dtype == torch.float8_e4m3fn:  # NaN is 0x7F / 0xFF, no Inf; negative: sign bit, but not -0
-        low = r.block_scales.float().amin(-1)  # [B, S, ...rows]
-    else:  # E8M0: 0xFF is NaN, there is no sign; 254.5 - the largest byte is < 0 exactly where one is 0xFF
-        low = 254.5 - r.block_scales.view(torch.uint8).amax(-1).float()
+        low, high = r.block_scales.float().aminmax(dim=-1)  # [B, S, ...rows]
+    else:  # E8M0: 0xFF is NaN, 0xFE (2**127) no quantizer's; 253.5 - the largest byte is < 0 where one is either
+        high = None
+        low = 253.5 - r.block_scales.view(torch.uint8).amax(-1).float()
     if r.global_amax is not None:
         g = r.global_amax.float()
-        g = g.squeeze(-1) if g.dim() else g
+        g = (g.squeeze(-1) if g.dim() else g).to(low.device)
         # min(g, FLT_MAX - g) < 0 exactly where g is negative or +Inf; NaN stays NaN
-        low = torch.minimum(low, torch.minimum(g, torch.finfo(torch.float32).max - g).to(low.device))
+        low = torch.minimum(low, torch.minimum(g, torch.finfo(torch.float32).max - g))
+        if high is not None:  # an amax of (-)0: every block scale 0 (-high >= 0)
+            low = torch.where(g > 0, low, torch.minimum(low, -high))
     ok = low >= 0
     if ok.dim() > sg.valid.dim():  # a KV token's heads share one valid flag
         ok = ok.flatten(sg.valid.dim()).all(-1)
@@ -383,13 +391,15 @@ def scales_ok(sg: SiteGuidance) -> torch.Tensor:
 
 
 def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) -> SiteGuidance:
-    """``sg`` with its valid rows whose block scales or global amax are NaN, Inf or negative made invalid (a
-    corrupt record, or an engine that quantized a non-finite row): counted as used before, now ``bad_scale``."""
+    """``sg`` with its valid rows whose block scales or global amax are NaN, Inf, negative or of no quantizer's kind
+    (``scales_ok``) made invalid (a corrupt record, or an engine that quantized a non-finite row): counted as used
+    before, now ``bad_scale``."""
     ok = scales_ok(sg)
     bad = int((sg.valid & ~ok).sum())
     if not bad:
         return replace(sg, scales_checked=True)
-    logger.warning("guidance %s: %d valid rows have a NaN, Inf or negative scale or amax: rejected", key, bad)
+    logger.warning("guidance %s: %d valid rows have a NaN, Inf, negative or impossible scale or amax (scales_ok): "
+                   "rejected", key, bad)
     counter.used -= bad
     counter.add(0, {"bad_scale": bad})
     return replace(sg, valid=sg.valid & ok, scales_checked=True)

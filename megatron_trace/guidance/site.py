@@ -72,7 +72,7 @@ class SiteGuidance:
     record: FullGuidance | CompactGuidance
     valid: torch.Tensor
     expert_ids: torch.Tensor | None = None
-    # rows of a NaN / Inf / negative scale or amax already made invalid (``records.reject_bad_scales``: every
+    # rows of a NaN / Inf / negative / impossible scale or amax made invalid (``records.reject_bad_scales``: every
     # assembly from the cache or a sync does it): the trainer's step does not look again
     scales_checked: bool = field(default=False, compare=False, repr=False)
 

@@ -291,7 +291,7 @@ def check_site(sg: SiteGuidance | None, *, site: str, layer: int, rows: tuple[in
             raise GuidanceFallbackError(msg)
         logger.warning(msg)
         return CheckedSite(None, SHAPE)
-    valid = sg.valid  # rows of a NaN / Inf / negative scale or amax: invalid (unless the assembly did it)
+    valid = sg.valid  # rows of a NaN / Inf / negative / impossible scale or amax: invalid (unless assembled)
     if not sg.scales_checked:
         valid = valid & scales_ok(SiteGuidance(mode, valid, sg.expert_ids)).to(valid.device)
     return CheckedSite(SiteGuidance(mode, valid, sg.expert_ids, scales_checked=True), None)

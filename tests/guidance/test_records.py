@@ -334,7 +334,8 @@ def test_zero_length_sample_round_trips():
 
 def _corrupt(sg, fmt):
     """``sg`` with row (0, 1) of a NaN amax (NVFP4) or NaN scale byte (MXFP4), row (0, 2) an Inf amax / a
-    negative scale (NVFP4) and row (1, 0) a NaN scale byte."""
+    negative scale (NVFP4), row (1, 0) a NaN scale byte and row (1, 1) a scale no quantizer writes: an amax of 0
+    beside its nonzero block scales (NVFP4: a lost amax) or an E8M0 scale of 2**127 (MXFP4)."""
     import dataclasses
 
     from megatron_trace.guidance.site import SiteGuidance
@@ -347,8 +348,11 @@ def _corrupt(sg, fmt):
         amax[0, 1] = float("nan")
         amax[0, 2] = float("inf")
         scales[0, 3, ..., 1] = 0xB8  # E4M3 -1.0
+        assert bool((scales[1, 1] != 0).any())
+        amax[1, 1] = 0.0
     else:
         scales[0, 1, ..., 0] = scales[0, 2, ..., 1] = 0xFF
+        scales[1, 1, ..., 1] = 0xFE
     return SiteGuidance(dataclasses.replace(r, block_scales=scales.view(r.block_scales.dtype), global_amax=amax),
                         sg.valid, sg.expert_ids)
 
@@ -361,7 +365,7 @@ def test_rows_with_a_nan_inf_or_negative_scale_are_rejected_and_counted(fmt, pat
                                         sites=("expert_fc1_in", "kv_k"))
     key = (0, "expert_fc1_in")
     batch[key] = _corrupt(batch[key], fmt)
-    bad = {(0, 1), (0, 2), (1, 0)} | ({(0, 3)} if fmt == "nvfp4" else set())
+    bad = {(0, 1), (0, 2), (1, 0), (1, 1)} | ({(0, 3)} if fmt == "nvfp4" else set())
     counter = FallbackCounter()
     out = _assemble_on(path, batch, tok, mask, counter)
     want = torch.ones(2, 6, dtype=torch.bool)
@@ -555,7 +559,8 @@ def _e4m3_ok(byte: int) -> bool:
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_scales_ok_on_every_scale_byte_and_amax_value(fmt, device):
     """``scales_ok`` against a by-hand decode of all 256 scale bytes (in the second block of a row whose first
-    block is 1.0) and against Python's floats for NVFP4's global amax (per row, per tensor, KV heads)."""
+    block is 1.0; E8M0's 2**127 is no quantizer's: MXFP4's and SGLang's largest exponent is 126) and against Python's
+    floats for NVFP4's global amax (per row, per tensor, KV heads): an amax of 0 only beside all-zero scales."""
     from megatron_trace.formats import CompactGuidance
     from megatron_trace.guidance.records import scales_ok
     from megatron_trace.guidance.site import SiteGuidance
@@ -574,18 +579,20 @@ def test_scales_ok_on_every_scale_byte_and_amax_value(fmt, device):
     second = torch.arange(256, dtype=torch.uint8).view(1, 256)
     scales = torch.stack([torch.full_like(second, one), second], -1)  # [1, 256, 2]
     amax = torch.ones(1, 256, 1, device=device) if nvfp4_ else None
-    want = torch.tensor([[_e4m3_ok(b) if nvfp4_ else b != 0xFF for b in range(256)]])
+    want = torch.tensor([[_e4m3_ok(b) if nvfp4_ else b < 0xFE for b in range(256)]])
     assert torch.equal(scales_ok(sg(scales, amax, (1, 256))).cpu(), want)
     if not nvfp4_:
         return
     values = [0.0, -0.0, 1.0, 3.4028234663852886e38, 1e-45, -1e-30, -1.0, float("inf"), float("-inf"), float("nan")]
     good = torch.full((1, len(values), 2), one, dtype=torch.uint8)
     per_row = torch.tensor(values, device=device).view(1, -1, 1)
-    want = torch.tensor([[v == v and v != float("inf") and (v >= 0) for v in values]])
-    assert torch.equal(scales_ok(sg(good, per_row, (1, len(values)))).cpu(), want)
-    for v in values:  # one amax for the whole tensor
-        ok = scales_ok(sg(good, torch.tensor(v, device=device), (1, len(values)))).cpu()
-        assert torch.equal(ok, torch.full_like(want, v == v and v != float("inf") and v >= 0)), v
+    zero = torch.tensor([0x00, 0x80], dtype=torch.uint8).expand(1, len(values), 2)  # 0 and -0: an all-zero row's
+    for scales, amax_ok in ((good, lambda v: v > 0), (zero, lambda v: v >= 0)):
+        want = torch.tensor([[v == v and v != float("inf") and amax_ok(v) for v in values]])
+        assert torch.equal(scales_ok(sg(scales, per_row, (1, len(values)))).cpu(), want)
+        for v in values:  # one amax for the whole tensor
+            ok = scales_ok(sg(scales, torch.tensor(v, device=device), (1, len(values)))).cpu()
+            assert torch.equal(ok, torch.full_like(want, v == v and v != float("inf") and amax_ok(v))), v
     kv = good.view(1, len(values), 1, 2).repeat(1, 1, 4, 1)  # [B, S, heads, blocks]: one bad head fails the token
     kv[0, 3, 2, 1] = 0xFF
     kv_amax = torch.ones(1, len(values), 4, 1, device=device)
