@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..formats import CompactGuidance, FullGuidance
+from ..formats.tensor import scales_usable
 from .site import FallbackCounter, SiteGuidance, SiteKey, check_rows, is_integer
 
 logger = logging.getLogger(__name__)
@@ -362,29 +363,10 @@ def _assemble_site(key, recs, status, mask, tokens, counter, topk=None) -> SiteG
 
 
 def scales_ok(sg: SiteGuidance) -> torch.Tensor:
-    """bool, ``sg.valid``'s shape: the row's block scales and global amax are finite and >= 0 and of a kind some
-    quantizer writes (no host sync).
-
-    No quantizer writes an E8M0 scale of 2**127 (byte 254: the largest exponent is the ceil rule's 126, at float32's
-    top) or an NVFP4 amax of 0 beside a nonzero block scale (an amax of 0 is an all-zero row's, whose scales are all
-    0; it encodes with S_enc = 1, so such a row, e.g. a lost amax, would decode 2688 / amax times off).
-
-    Few ops (a trainer fed records that were not assembled runs this for every site at each step's start, when
-    the GPU waits for the host): NaN fails ``>= 0`` and propagates through ``aminmax`` / ``minimum``, -0 passes."""
-    r = sg.record
-    if r.block_scales.dtype == torch.float8_e4m3fn:  # NaN is 0x7F / 0xFF, no Inf; negative: sign bit, but not -0
-        low, high = r.block_scales.float().aminmax(dim=-1)  # [B, S, ...rows]
-    else:  # E8M0: 0xFF is NaN, 0xFE (2**127) no quantizer's; 253.5 - the largest byte is < 0 where one is either
-        high = None
-        low = 253.5 - r.block_scales.view(torch.uint8).amax(-1).float()
-    if r.global_amax is not None:
-        g = r.global_amax.float()
-        g = (g.squeeze(-1) if g.dim() else g).to(low.device)
-        # min(g, FLT_MAX - g) < 0 exactly where g is negative or +Inf; NaN stays NaN
-        low = torch.minimum(low, torch.minimum(g, torch.finfo(torch.float32).max - g))
-        if high is not None:  # an amax of (-)0: every block scale 0 (-high >= 0)
-            low = torch.where(g > 0, low, torch.minimum(low, -high))
-    ok = low >= 0
+    """bool, ``sg.valid``'s shape: the row's block scales and global amax are finite, >= 0 and of a kind some
+    quantizer writes (``formats.tensor.scales_usable``; no host sync). Few ops: a trainer fed records that were not
+    assembled runs this for every site at each step's start, when the GPU waits for the host."""
+    ok = scales_usable(sg.record.block_scales, sg.record.global_amax)
     if ok.dim() > sg.valid.dim():  # a KV token's heads share one valid flag
         ok = ok.flatten(sg.valid.dim()).all(-1)
     return ok

@@ -24,6 +24,7 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..formats import FP4Tensor, GuidanceMismatchError, NonFiniteError, Quantizer
 from ..formats.block import check_layout
+from ..formats.tensor import scales_usable
 from ..kernels import Kernel, moe_mma, moe_wgmma, parse_kernel, select_kernel
 from .finite import RolloutFiniteChecks
 from .fp4_moe import grouped_experts_forward, w4a4_experts_forward
@@ -198,7 +199,7 @@ class ExpertWeightStore:
 
     def check(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
         """What ``set`` checks, without changing anything: shape, format, dtypes, the shapes of codes, scales and amax,
-        finite scales and amax."""
+        finite scales and amax of a kind some quantizer writes (``formats.tensor.scales_usable``)."""
         param = self._param_slice(experts, expert, which)
         if tuple(q.shape) != tuple(param.shape):
             raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which} has shape {q.shape}, "
@@ -216,6 +217,12 @@ class ExpertWeightStore:
         for name, t in (("block scales", q.block_scales), ("global amax", q.global_amax)):
             if t is not None and not bool(torch.isfinite(t.float()).all()):
                 raise NonFiniteError(f"FP4 weight for layer {layer} expert {expert} {which}: its {name} hold NaN/Inf")
+        bad = ~scales_usable(q.block_scales, q.global_amax)  # (a negative scale flipped the rows' signs, silently)
+        if bool(bad.any()):
+            rows = bad.nonzero().flatten()[:4].tolist()
+            raise ValueError(f"FP4 weight for layer {layer} expert {expert} {which}: rows {rows} have a negative "
+                             "block scale or amax, or scales no quantizer writes (an amax of 0 beside a nonzero block "
+                             "scale, an E8M0 scale of 2**127)")
 
     def set(self, experts, layer: int, expert: int, which: str, q: FP4Tensor) -> None:
         self.check(experts, layer, expert, which, q)

@@ -77,6 +77,10 @@ def test_split_join_refuse_what_is_not_one_fc1_matrix():
     ("fc1_amax", ValueError, "share one global amax"),
     ("fp4_half_fc1", ValueError, "layer 0 expert 1: FP4 fc1 needs gate_proj and up_proj together"),
     ("fp4_nan_scale", ValueError, "expert 1 fc2: its block scales hold NaN/Inf"),
+    # were accepted: a negative E4M3 scale flipped the block's signs, an amax of 0 (S_enc = 1) beside nonzero scales
+    # decoded the weight 2688 / amax times too large
+    ("fp4_negative_scale", ValueError, r"expert 1 fc2: rows \[0, 1, 2, 3\] have a negative block scale or amax"),
+    ("fp4_zero_amax", ValueError, r"expert 1 fc2: rows \[0, 1, 2, 3\] have .*an amax of 0 beside a nonzero"),
     ("nan_expert", ValueError, r"hold NaN/Inf, e.g. \['model.layers.0.mlp.experts.1.gate_proj.weight'\]"),
     ("nan_dense", ValueError, r"\['model.layers.1.self_attn.q_proj.weight'\]; nothing was updated"),
     # were: int values cast into the float weight (FP4 codes sent as a dense tensor loaded as integers), a meta
@@ -93,9 +97,11 @@ def test_update_weights_rejects_bad_input_before_copying(case, err, match):
     stored = be.expert_weight_fp4(0, 1, "fc2") if be.mode == "fp4" else None
     wq = TraceConfig().weight_quantizer()
     gate, up = wq.quantize(torch.randn(32, 64)), wq.quantize(torch.randn(32, 64))
-    nan_scale = wq.quantize(torch.randn(64, 32))
-    nan_scale = dataclasses.replace(nan_scale, block_scales=nan_scale.block_scales.view(torch.uint8).index_fill(
-        1, torch.tensor([0]), 0x7F).view(nan_scale.block_scales.dtype))  # E4M3 NaN
+    fc2 = wq.quantize(torch.randn(64, 32))
+    first_scales = lambda byte: dataclasses.replace(fc2, block_scales=fc2.block_scales.view(  # noqa: E731
+        torch.uint8).index_fill(1, torch.tensor([0]), byte).view(fc2.block_scales.dtype))  # every row's first block
+    nan_scale, neg_scale = first_scales(0x7F), first_scales(0xB8)  # E4M3 NaN, -1.0
+    zero_amax = dataclasses.replace(fc2, global_amax=torch.zeros_like(fc2.global_amax))
     nan_w = torch.zeros(32, 64)
     nan_w[3, 5] = float("nan")
     e1 = "model.layers.0.mlp.experts.1."
@@ -114,6 +120,8 @@ def test_update_weights_rejects_bad_input_before_copying(case, err, match):
         "fp4_in_bf16_mode": ("model.layers.0.mlp.experts.1.down_proj.weight", q),
         "fp4_shape": (e1 + "down_proj.weight", wq.quantize(torch.randn(64, 40))),
         "fp4_nan_scale": (e1 + "down_proj.weight", nan_scale),
+        "fp4_negative_scale": (e1 + "down_proj.weight", neg_scale),
+        "fp4_zero_amax": (e1 + "down_proj.weight", zero_amax),
         "nan_dense": ("model.layers.1.self_attn.q_proj.weight", torch.full((64, 64), float("inf"))),
         "int_dense": ("model.layers.1.self_attn.q_proj.weight", torch.ones(64, 64, dtype=torch.uint8)),
         "bool_dense": ("model.layers.0.input_layernorm.weight", torch.ones(64, dtype=torch.bool)),
