@@ -6,6 +6,9 @@ Scale exponent rules (both supported, by name):
 e is clamped to [-127, 127]; an all-zero block gets e = -127 (biased 0) and zero codes. At the top of float32's range
 the ceil rule's scale 2**126 (block amax >= 7 * 2**125, about 2.98e38) gives codes whose values 4 and 6 dequantize
 past float32's largest value, to inf (the codes are kept as the rule gives them); the floor rule stays finite there.
+Likewise at the top of a narrower output dtype: in fp16, a block with amax > 49152 has scale 2**14 under the ceil rule,
+and its elements >= 57344 round to 4 * 2**14 = 65536, inf in fp16 (bf16: the float32 case). Engines dequantize the
+same codes the same way, so this is kept, not clamped (a later NaN/Inf check reports it).
 Scales are stored as ``torch.float8_e8m0fnu`` (biased exponent e + 127). There is no global amax.
 """
 
