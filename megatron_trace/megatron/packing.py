@@ -18,6 +18,9 @@ positions from ``cu_seqlens[-1]`` to ``total`` (the row's tail padding) are not 
 records zero and invalid, routing expert 0 (as ``guidance.routing.assemble_routing`` fills padding). Unpadded
 ``cu_seqlens_q`` given for a row laid out by padded segments would misplace every sample after the first padded
 one, which nothing here can tell: give the boundaries the row was built with (the ``PackedSeqParams`` itself).
+A ``PackedSeqParams`` whose ``cu_seqlens_q`` differs from its ``cu_seqlens_q_padded`` gives the samples' lengths too
+(Transformer Engine attends to that many tokens of each segment): each ``token_mask`` row must hold exactly its
+sample's length, else refused (a token of the row beyond the mask's would take no guidance and not be counted).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def pack_step(step: StepGuidance, cu_seqlens, *, total: int | None = None) -> St
     if not isinstance(step, StepGuidance):
         raise TypeError(f"pack_step takes a StepGuidance, got {type(step).__name__}")
     B, S = _batch_shape(step)
-    cu = _boundaries(cu_seqlens, B)
+    cu, actual = _boundaries(cu_seqlens, B)
     if total is None:
         total = cu[-1]
     elif not is_integer(total) or int(total) < cu[-1]:
@@ -54,6 +57,11 @@ def pack_step(step: StepGuidance, cu_seqlens, *, total: int | None = None) -> St
     if mask is None:
         mask = torch.ones(B, S, dtype=torch.bool)
     lengths = mask.sum(1).tolist()  # (one host read)
+    if actual is not None and lengths != actual:
+        b = next(i for i, (n, a) in enumerate(zip(lengths, actual)) if n != a)
+        raise ValueError(f"sample {b} has {lengths[b]} tokens in its token_mask row, but the PackedSeqParams holds "
+                         f"{actual[b]} (cu_seqlens_q, the samples' lengths: {actual}); the token_mask must mark "
+                         "exactly the tokens the packed row holds (the rest would be unguided and not counted)")
     segments = [b - a for a, b in zip(cu, cu[1:])]
     long = [(b, n, seg) for b, (n, seg) in enumerate(zip(lengths, segments)) if n > seg]
     if long:
@@ -105,15 +113,21 @@ def _batch_shape(step: StepGuidance) -> tuple[int, int]:
     return tuple(shapes[0])
 
 
-def _boundaries(cu_seqlens, batch: int) -> list[int]:
-    """``cu_seqlens`` (or a ``PackedSeqParams``'s) as B + 1 ints from 0, non-decreasing (one host read of a
-    tensor)."""
+def _boundaries(cu_seqlens, batch: int) -> tuple[list[int], list[int] | None]:
+    """(``cu_seqlens`` (or a ``PackedSeqParams``'s) as B + 1 ints from 0, non-decreasing (one host read of a
+    tensor); the samples' lengths where they are known apart from the segments: a ``PackedSeqParams`` whose
+    ``cu_seqlens_q`` differs from its ``cu_seqlens_q_padded`` (Transformer Engine then attends to the first
+    ``cu_seqlens_q`` lengths of each padded segment), else None)."""
     if isinstance(cu_seqlens, PackedSeqParams):
         if cu_seqlens.qkv_format != "thd":
             raise ValueError(f"PackedSeqParams.qkv_format={cu_seqlens.qkv_format!r}: pack_step lays guidance out "
                              "for packed rows, qkv_format='thd'")
-        padded = cu_seqlens.cu_seqlens_q_padded
-        cu_seqlens = padded if padded is not None else cu_seqlens.cu_seqlens_q
+        padded, real = cu_seqlens.cu_seqlens_q_padded, cu_seqlens.cu_seqlens_q
+        if padded is not None and real is not None:
+            real = _boundaries(real, batch)[0]
+            cu = _boundaries(padded, batch)[0]
+            return cu, None if real == cu else [b - a for a, b in zip(real, real[1:])]
+        cu_seqlens = padded if padded is not None else real
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
             raise ValueError(f"cu_seqlens must be integer (int32 as PackedSeqParams holds it), got {cu_seqlens.dtype}")
@@ -138,7 +152,7 @@ def _boundaries(cu_seqlens, batch: int) -> list[int]:
         i = down[0]
         raise ValueError(f"cu_seqlens must not decrease: cu_seqlens[{i + 1}]={cu[i + 1]} < cu_seqlens[{i}]={cu[i]} "
                          f"(in {cu})")
-    return cu
+    return cu, None
 
 
 def _token_rows(mask: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -261,8 +261,17 @@ def test_thd_key_value_with_context_parallelism_are_refused(unpacked):
     ([0, 5, 14, 30], dict(total=29), r"total=29 must be an int >= cu_seqlens\[-1\]=30"),
     ([0, 5, 14, 30], dict(total=30.0), r"total=30.0 must be an int >= cu_seqlens\[-1\]=30"),
     ([0, 5, 14, 30], dict(total=True), r"total=True must be an int >= cu_seqlens\[-1\]=30"),
+    # the samples' lengths (cu_seqlens_q, set apart from the padded segments) are not the token mask's: a sample's
+    # last token in the packed row (or a padding position) would take no guidance, uncounted
+    (PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 15, 31]),
+                     cu_seqlens_q_padded=torch.tensor([0, 8, 18, 34])), {},
+     r"sample 1 has 9 tokens in its token_mask row, but the PackedSeqParams holds 10 \(cu_seqlens_q, the samples' "
+     r"lengths: \[5, 10, 16\]\)"),
+    (PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 4, 13, 29]),
+                     cu_seqlens_q_padded=torch.tensor([0, 8, 18, 34])), {},
+     r"sample 0 has 5 tokens in its token_mask row, but the PackedSeqParams holds 4 "),
 ], ids=["float", "bool", "2d", "float-in-list", "str", "sbhd-params", "short", "long", "start", "decreasing",
-        "sample-too-long", "total-short", "total-float", "total-bool"])
+        "sample-too-long", "total-short", "total-float", "total-bool", "params-sample-longer", "params-sample-shorter"])
 def test_pack_step_refuses_boundaries_that_place_no_sample(cu, kw, match):
     tm = torch.arange(SEQ)[None] < torch.tensor(LENGTHS)[:, None]
     with pytest.raises(ValueError, match=match):
