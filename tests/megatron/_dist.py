@@ -63,20 +63,24 @@ def _run(rank, world, port, dispatcher, workdir):
     dist.destroy_process_group()
 
 
-def packed_ep_worker(rank: int, world: int, port: int, workdir: str) -> None:
-    """EP=world, packed (THD) micro-batches: the EP=1 weights of the ``mrope`` model, the packed forward of rank's
-    row guided by its packed step (alltoall dispatcher); logits, records and counter saved."""
+def packed_worker(rank: int, world: int, port: int, parallel: str, workdir: str) -> None:
+    """Packed (THD) micro-batches of the ``mrope`` model: ``parallel`` "alltoall" / "allgather" (EP=world with that
+    dispatcher, the EP=1 weights, each rank its own samples: the packed forward of its row guided by its packed
+    step; logits, records and counter saved) or "tp" (TP=world with sequence parallelism, the same samples on every
+    rank: the padded and the packed forward, each guided by its step; this rank's logits at the samples' tokens and
+    its counter saved for each)."""
     with record_errors(workdir, rank):
-        _run_packed(rank, world, port, workdir)
+        _run_packed(rank, world, port, parallel, workdir)
 
 
-def _run_packed(rank, world, port, workdir):
+def _run_packed(rank, world, port, parallel, workdir):
     import torch.distributed as dist
 
     from megatron_trace.megatron import trace_guidance, trace_spec
 
     from .harness import (
         MROPE_SECTION,
+        allow_torch_norm_with_sequence_parallel,
         apply_cpu_shims,
         build_model,
         destroy_parallel,
@@ -91,16 +95,29 @@ def _run_packed(rank, world, port, workdir):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    init_parallel(ep=world)
     shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
-    cfg = tiny_config(moe_token_dispatcher_type="alltoall", expert_model_parallel_size=world,
-                      mrope_section=MROPE_SECTION)
+    if parallel == "tp":
+        allow_torch_norm_with_sequence_parallel()
+        init_parallel(tp=world)
+        cfg = tiny_config(tensor_model_parallel_size=world, sequence_parallel=True, expert_tensor_parallel_size=1,
+                          mrope_section=MROPE_SECTION)
+    else:
+        init_parallel(ep=world)
+        cfg = tiny_config(moe_token_dispatcher_type=parallel, expert_model_parallel_size=world,
+                          mrope_section=MROPE_SECTION)
     model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]), position_embedding_type="mrope")
-    model.load_state_dict(ep_state_dict(shared["state_dict"], rank, world), strict=True)
-    with trace_guidance(model, shared["steps"][rank], record=True) as h, torch.no_grad():
-        logits = model(*shared["data"][rank])
-    torch.save({"logits": logits, "recorded": h.recorded(), "counter": h.counter},
-               os.path.join(workdir, f"rank{rank}.pt"))
+    out = {}
+    if parallel == "tp":  # (CPU init: TP=1's weights)
+        for name, (step, data, rows) in shared["runs"].items():
+            with trace_guidance(model, step) as h, torch.no_grad():
+                logits = model(*data)
+            out[name] = {"logits": logits.reshape(-1, logits.shape[-1])[rows], "counter": h.counter}
+    else:
+        model.load_state_dict(ep_state_dict(shared["state_dict"], rank, world), strict=True)
+        with trace_guidance(model, shared["steps"][rank], record=True) as h, torch.no_grad():
+            logits = model(*shared["data"][rank])
+        out = {"logits": logits, "recorded": h.recorded(), "counter": h.counter}
+    torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
     destroy_parallel()
     dist.destroy_process_group()
 

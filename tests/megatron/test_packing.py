@@ -18,7 +18,7 @@ from megatron_trace.megatron import StepGuidance, TraceDotProductAttention, trac
 from megatron_trace.megatron.packing import pack_step
 from megatron_trace.megatron.rows import map_record, payload_of
 
-from ._dist import packed_ep_worker
+from ._dist import packed_worker
 from .harness import (
     LAYERS,
     MROPE_SECTION,
@@ -152,10 +152,11 @@ def test_invalid_rows_are_counted_as_in_the_unpacked_forward(unpacked):
 
 
 @pytest.mark.slow
-def test_expert_parallel_packed_forward_equals_ep1(tmp_path):
-    """EP=2 (alltoall, 2 gloo ranks), each rank a packed row of its own samples (left- / right-padded, segment and
-    tail padding): the FC2 rows reach the experts' ranks and come back as at EP=1, logits, records and counts
-    equal bit for bit, every row used."""
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_expert_parallel_packed_forward_equals_ep1(tmp_path, dispatcher):
+    """EP=2 (2 gloo ranks), each rank a packed row of its own samples (left- / right-padded, segment and tail
+    padding): the FC2 rows reach the experts' ranks and come back as at EP=1, logits, records and counts equal bit
+    for bit, every row used. (The rows are of one length: Megatron's allgather dispatcher gathers equal shards.)"""
     tc = TraceConfig(guided_layers="all", cache_mode="full")
     model = _model(tc)
     steps, data = [], []
@@ -163,18 +164,43 @@ def test_expert_parallel_packed_forward_equals_ep1(tmp_path):
         tokens, tm, pos, mask = padded_batch(LENGTHS, left=bool(rank), seed=rank)
         rec = _forward(model, (tokens, pos, mask)).recorded()
         cu, total = _boundaries(("both", "segment_padding")[rank])
+        total = _boundaries("both")[1]  # (rank 1: tail padding to rank 0's length)
         step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm, fallback="fail")
         steps.append(pack_step(step, cu, total=total))
         data.append(packed_batch(tokens, tm, cu, total))
     torch.save({"trace_config": tc, "state_dict": model.state_dict(), "steps": steps, "data": data},
                tmp_path / "shared.pt")
-    results = _spawn(packed_ep_worker, tmp_path)
+    results = _spawn(packed_worker, tmp_path, dispatcher)
     for rank, got in enumerate(results):
         with trace_guidance(model, steps[rank], record=True) as h, torch.no_grad():
             logits = model(*data[rank])
         assert torch.equal(got["logits"], logits), rank
         _same_records(got["recorded"], h.recorded())
         assert got["counter"] == h.counter and h.coverage() == 1.0, rank
+
+
+@pytest.mark.slow
+def test_tensor_and_sequence_parallel_packed_forward_equals_the_padded_one(unpacked, tmp_path):
+    """TP=2 with sequence parallelism (2 gloo ranks, the same samples on both): the packed forward guided by
+    ``pack_step``'s layout and the padded forward guided by the batch-major step give each rank the same logits at
+    the samples' tokens, bit for bit, and every row used: MoE rows counted on the rank holding the token's sequence
+    shard (a padded and a packed row shard the tokens differently: equal over the ranks), KV rows on every rank."""
+    tc, _, tokens, tm, rec, padded = unpacked
+    cu, total = _boundaries("both")  # (total even: a sequence shard per rank)
+    step = StepGuidance(sites=rec.sites, routing=rec.routing, token_mask=tm, fallback="fail")
+    b, s = tm.nonzero().unbind(1)
+    dst = torch.cat([torch.arange(c, c + k) for c, k in zip(cu, LENGTHS)])
+    runs = {"padded": (dataclasses.replace(step, counter=FallbackCounter()), padded, b * SEQ + s),  # (a counter each)
+            "packed": (pack_step(step, cu, total=total), packed_batch(tokens, tm, cu, total), dst)}
+    torch.save({"trace_config": tc, "runs": runs}, tmp_path / "shared.pt")
+    results = _spawn(packed_worker, tmp_path, "tp")
+    n = sum(LENGTHS)
+    for rank, got in enumerate(results):
+        assert torch.equal(got["packed"]["logits"], got["padded"]["logits"]), rank
+        assert not got["packed"]["counter"].fallback and not got["padded"]["counter"].fallback, rank
+    for run in runs:
+        used = sum(got[run]["counter"].used for got in results)
+        assert used == LAYERS * (n * (1 + TOPK) + WORLD * 2 * n), run  # MoE rows once, KV rows on every rank
 
 
 def test_pack_step_layout_matches_an_independent_placement(unpacked):
