@@ -14,7 +14,13 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 
 from megatron_trace.config import TraceConfig
 from megatron_trace.guidance.site import FallbackCounter
-from megatron_trace.megatron import StepGuidance, TraceDotProductAttention, trace_guidance, trace_spec
+from megatron_trace.megatron import (
+    StepGuidance,
+    TraceDotProductAttention,
+    reuse_weight_quant,
+    trace_guidance,
+    trace_spec,
+)
 from megatron_trace.megatron.packing import pack_step
 from megatron_trace.megatron.rows import map_record, payload_of
 
@@ -24,6 +30,7 @@ from .harness import (
     MROPE_SECTION,
     SEQ,
     TOPK,
+    VOCAB,
     build_model,
     packed_batch,
     padded_batch,
@@ -31,6 +38,7 @@ from .harness import (
     tiny_config,
 )
 from .test_dist import WORLD, _same_records, _spawn
+from .test_microbatches import RECOMPUTE
 
 pytestmark = pytest.mark.usefixtures("world1")
 
@@ -149,6 +157,56 @@ def test_invalid_rows_are_counted_as_in_the_unpacked_forward(unpacked):
     a, p = un.recorded(), packed.recorded()
     for key in a.sites:
         assert _same_rows(a.sites[key], b * SEQ + s, p.sites[key], dst, 2), key
+
+
+@pytest.fixture(scope="module")
+def microbatches():
+    """Two micro-batches (padded inputs, packed inputs, rollout records of a slightly different model, token mask,
+    boundaries, the samples' rows in each layout, loss weights): right-padded in padded segments with tail padding,
+    and left-padded with a sample of 0 tokens."""
+    roll = _model(TraceConfig(guided_layers="all"), init_method_std=0.051)
+    out = []
+    for seed, (lengths, left, extra, tail) in enumerate((((5, 9, 16), False, (2, 0, 3), 5),
+                                                          ((12, 0, 7), True, (0, 1, 1), 3))):
+        tokens, tm, pos, mask = padded_batch(lengths, left, seed=seed)
+        cu = [0, *torch.tensor(lengths).add(torch.tensor(extra)).cumsum(0).tolist()]
+        b, s = tm.nonzero().unbind(1)
+        out.append(dict(padded=(tokens, pos, mask), packed=packed_batch(tokens, tm, cu, cu[-1] + tail),
+                        rec=_forward(roll, (tokens, pos, mask)).recorded(), tm=tm, cu=cu, total=cu[-1] + tail,
+                        rows={"padded": b * SEQ + s,
+                              "packed": torch.cat([torch.arange(c, c + k) for c, k in zip(cu, lengths)])},
+                        w=torch.randn(len(b), VOCAB, generator=torch.Generator().manual_seed(seed))))
+    return out
+
+
+@pytest.mark.parametrize("kind", list(RECOMPUTE))
+def test_packed_microbatches_give_the_padded_ones_expert_gradients(microbatches, kind):
+    """One context over two micro-batches (``trace_guidance(model, [packed0, packed1])``), the expert weights
+    quantized once (``reuse_weight_quant``), activations recomputed as ``kind`` says, a loss over the samples' tokens:
+    the packed micro-batches count the padded ones' rows by (layer, site, reason) and give the expert weights the
+    same gradients, bit for bit. (The other weights' gradients differ in the last bits: attention and the
+    embedding sum over rows laid out differently.)"""
+    tc = TraceConfig(guided_layers="last_k", guided_last_k=2)
+    grads, stats = {}, {}
+    for layout in ("padded", "packed"):
+        model = _model(tc, **RECOMPUTE[kind])
+        steps = [StepGuidance(sites=m["rec"].sites, routing=m["rec"].routing, token_mask=m["tm"]) for m in microbatches]
+        if layout == "packed":
+            steps = [pack_step(st, m["cu"], total=m["total"]) for st, m in zip(steps, microbatches)]
+        with reuse_weight_quant(model), trace_guidance(model, steps) as h:
+            for m in microbatches:
+                logits = model(*m[layout])
+                (logits.reshape(-1, VOCAB)[m["rows"][layout]].float() * m["w"]).sum().backward()
+        grads[layout] = {n: p.grad for n, p in model.named_parameters() if ".experts." in n}
+        stats[layout] = h.stats()
+    assert stats["packed"] == stats["padded"]
+    assert _rows_used(stats["packed"]) == 2 * (n := sum(LENGTHS) + 19) * (1 + TOPK + 2) and n == 49
+    assert grads["packed"].keys() == grads["padded"].keys() and grads["padded"]
+    assert all(torch.equal(grads["packed"][k], g) for k, g in grads["padded"].items())
+
+
+def _rows_used(stats: dict) -> int:
+    return sum(v for (_, _, reason), v in stats.items() if reason == "used")
 
 
 @pytest.mark.slow
