@@ -184,8 +184,10 @@ def test_packed_microbatches_give_the_padded_ones_expert_gradients(microbatches,
     """One context over two micro-batches (``trace_guidance(model, [packed0, packed1])``), the expert weights
     quantized once (``reuse_weight_quant``), activations recomputed as ``kind`` says, a loss over the samples' tokens:
     the packed micro-batches count the padded ones' rows by (layer, site, reason) and give the expert weights the
-    same gradients, bit for bit. (The other weights' gradients differ in the last bits: attention and the
-    embedding sum over rows laid out differently.)"""
+    same gradients, bit for bit. The experts take the tokens in another order (sample by sample, not position by
+    position): bit-equal here, where each weight gradient sums a few bf16 products exactly in fp32; with many more
+    tokens per expert (EP=2 with both ranks' tokens: 1 bf16 ulp) the order shows, as in Megatron's own reductions.
+    (The other weights' gradients differ in the last bits: attention and the embedding sum over other rows.)"""
     tc = TraceConfig(guided_layers="last_k", guided_last_k=2)
     grads, stats = {}, {}
     for layout in ("padded", "packed"):
