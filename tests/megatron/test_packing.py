@@ -23,6 +23,7 @@ from megatron_trace.megatron import (
 )
 from megatron_trace.megatron.packing import pack_step
 from megatron_trace.megatron.rows import map_record, payload_of
+from megatron_trace.megatron.step import GuidanceFallbackError
 
 from ._dist import packed_worker
 from .harness import (
@@ -209,6 +210,42 @@ def test_packed_microbatches_give_the_padded_ones_expert_gradients(microbatches,
 
 def _rows_used(stats: dict) -> int:
     return sum(v for (_, _, reason), v in stats.items() if reason == "used")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["samples", "columns"])
+def test_cache_assembled_guidance_with_a_sample_missing_counts_as_unpacked(unpacked, packed):
+    """Guidance through the cache's assembly (``records.assemble`` from samples, ``assemble_packed`` from columns),
+    sample 1 missing (its rows zero and invalid): the packed forward counts the padded one's rows by (layer, site,
+    reason), and with ``fallback="fail"`` both refuse with the same error."""
+    from megatron_trace.guidance.packed_assemble import assemble_packed
+    from megatron_trace.guidance.records import assemble, pack_guidance, split_batch
+
+    _, model, tokens, tm, rec, padded = unpacked
+    ids, counter = [0, None, 2], FallbackCounter()
+    if packed:
+        sites = assemble_packed([pack_guidance(rec.sites, tokens, version=0, attention_mask=tm)], ids, tokens,
+                                versions=0, counter=counter, attention_mask=tm)
+    else:
+        samples = split_batch(rec.sites, tokens, version=0, attention_mask=tm)
+        sites = assemble([None if i is None else samples[i] for i in ids], tokens, versions=0, counter=counter,
+                         attention_mask=tm)
+    assert counter.fallback["missing"] > 0
+    cu, total = _boundaries("both")
+    stats, errors = [], []
+    for fallback in ("rne", "fail"):
+        for layout in ("padded", "packed"):
+            step = StepGuidance(sites=sites, routing=rec.routing, token_mask=tm, fallback=fallback)
+            data = padded
+            if layout == "packed":
+                step, data = pack_step(step, cu, total=total), packed_batch(tokens, tm, cu, total)
+            if fallback == "rne":
+                stats.append(_forward(model, data, step).stats())
+                continue
+            with pytest.raises(GuidanceFallbackError) as e:
+                _forward(model, data, step)
+            errors.append(str(e.value))
+    assert stats[0] == stats[1] and _rows_used(stats[0]) == LAYERS * (n := sum(LENGTHS) - 9) * (1 + TOPK + 2), n
+    assert errors[0] == errors[1] and "{'invalid_row': 9}" in errors[0]
 
 
 @pytest.mark.slow
