@@ -172,7 +172,7 @@ def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, 
         fmt_kw = config_fmt_kw(config)
         budget_kw.setdefault("bytes_per_layer", bytes_per_layer(dims, config.guided_sites, **fmt_kw))
         budget_kw.setdefault("elements_per_layer", elements_per_layer(dims, config.guided_sites))
-    layers = guided_layers(config, dims.num_layers, **budget_kw)
+    layers = _guided(dims, config, None, **budget_kw)
     bpt = bytes_per_token(dims, config.guided_sites, layers, **config_fmt_kw(config))
     side = sum(side_bytes(dims, layer, site) for layer in layers for site in config.guided_sites)
     lengths = [rl.prompt_len + rl.response_len] * rl.trajectories
@@ -191,6 +191,19 @@ def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, 
         "sync_bytes": sync,
         "sync_seconds": sync * 8 / (rl.bandwidth_gbps * 1e9),
     }
+
+
+def _guided(dims: ModelDims, config: TraceConfig, layers, **budget_kw) -> tuple[int, ...]:
+    """``layers`` (None: ``config``'s layer policy over ``dims``), refused by name where they would guide nothing
+    (``manifest.check_guided_layers`` on ``dims``' MoE and KV-cache layers): an explicit layer without a KV cache
+    under KV sites only, or without routed experts under expert sites only, was planned at 0 bytes, silently."""
+    from ..manifest import check_guided_layers  # (manifest imports guidance.selection: not at module level)
+
+    layers = tuple(guided_layers(config, dims.num_layers, **budget_kw) if layers is None else layers)
+    for layer in layers:  # (a layer off the model or 1.5 is named as such first)
+        dims.check_layer(layer)
+    check_guided_layers(config, layers, moe_layers=dims.moe_layers, kv_layers=dims.kv_layers)
+    return layers
 
 
 # ---- per-rank shard sizes: what the guidance code stores and sends, byte for byte -------------------
@@ -255,7 +268,7 @@ def sample_bytes(dims: ModelDims, config: TraceConfig, num_tokens: int, *, layer
         raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
     if dims.num_experts < 1:
         raise ValueError("ModelDims.num_experts must be >= 1 to size the routing (read it from the HF config)")
-    layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
+    layers = _guided(dims, config, layers)
     guidance = flat = 0
     for layer in layers:
         for site in config.guided_sites:
@@ -290,7 +303,7 @@ def shard_bytes(dims: ModelDims, config: TraceConfig, sample_tokens, *, layers=N
     wire in the records' order: with routing replay the last field is the last routing column either way, without it
     the last guidance field's padding (< 16 bytes) may differ."""
     sample_tokens = _token_counts(sample_tokens)
-    layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
+    layers = _guided(dims, config, layers)
     tot = {"guidance": 0, "flat": 0, "routing": 0}
     for n, times in Counter(sample_tokens).items():
         for key, v in sample_bytes(dims, config, n, layers=layers).items():
@@ -312,7 +325,7 @@ def sync_header_bound(dims: ModelDims, config: TraceConfig, sample_tokens, *, la
     wide as ``payload`` (the payload bytes; default ``shard_bytes``' ``sync_payload``) and a CRC-32 on every field
     (``verify=True``). Token hashes, token counts, keys, metas and shapes are exact; the rest varies per message."""
     sample_tokens = _token_counts(sample_tokens)
-    layers = guided_layers(config, dims.num_layers) if layers is None else tuple(layers)
+    layers = _guided(dims, config, layers)
     if payload is None:
         payload = shard_bytes(dims, config, sample_tokens, layers=layers)["sync_payload"]
     n, tokens, wide = len(sample_tokens), sum(sample_tokens), -(2**63)  # the widest id or version: 20 characters

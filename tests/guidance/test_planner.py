@@ -10,7 +10,7 @@ from megatron_trace.cli import plan
 from megatron_trace.config import ACTIVATION_SITES, TraceConfig
 from megatron_trace.guidance.accounting import bytes_per_layer, bytes_per_token, elements_per_layer, side_bytes
 from megatron_trace.guidance.model_dims import ModelDims
-from megatron_trace.guidance.planner import RLSettings, budget_layers, plan_row
+from megatron_trace.guidance.planner import RLSettings, budget_layers, plan_row, shard_bytes
 from megatron_trace.guidance.selection import guided_layers
 
 DATA = Path(__file__).parent.parent / "data"
@@ -194,6 +194,32 @@ def test_uniform_rates_on_deepseek_v3_guide_the_deepest_moe_layers_not_the_dense
     cfg = cfg.replace(budget_bytes_per_token=10 * cost[3] + 3 * cost[0])
     assert plan_row(dims, cfg, RLSettings(), "budget", mismatch_profile=[0.02] * 61)["layers"] == [
         0, 1, 2, *range(51, 61)]
+
+
+@pytest.mark.parametrize("name,sites,empty,kept", [
+    ("qwen3_5_35b_a3b_like", ("kv_k", "kv_v"), (0, 1), 3),  # linear-attention layers 0, 1: no KV cache
+    ("deepseek_v3", ("expert_fc1_in", "expert_fc2_in"), (0, 2), 3),  # first_k_dense_replace 3: no routed experts
+], ids=["qwen3.5-kv-on-linear-attention", "deepseek-experts-on-dense"])
+@pytest.mark.parametrize("path", ["plan_row", "shard_bytes", "cli"])
+def test_explicit_layers_without_the_guided_sites_are_refused_by_name(name, sites, empty, kept, path, capsys):
+    """An explicit layer list naming layers that have none of the guided sites was planned at 0 bytes for them, the
+    row still saying it guided them (plan_row, the sizes under it, ``plan --layer-policy explicit=...``)."""
+    dims = ModelDims.from_hf_config(DATA / f"{name}_config.json")
+    assert not any(dims.has_site(i, s) for i in empty for s in sites) and all(dims.has_site(kept, s) for s in sites)
+    cfg = TraceConfig(guided_sites=sites, guided_layers="explicit", guided_layer_list=(*empty, kept))
+    want = rf"guided_layer_list has layer\(s\) \[{empty[0]}, {empty[1]}\], which would guide nothing"
+    if path == "cli":
+        policy = "explicit=" + ",".join(map(str, cfg.guided_layer_list))
+        assert plan.main(["--hf-config", str(DATA / f"{name}_config.json"), "--sites", ",".join(sites),
+                          "--layer-policy", policy, "--modes", "compact"]) == 2
+        assert re.search(want, capsys.readouterr().err)
+        return
+    call = {"plan_row": lambda c: plan_row(dims, c, RLSettings(), "explicit"),
+            "shard_bytes": lambda c: shard_bytes(dims, c, [8])}[path]
+    with pytest.raises(ValueError, match=want):
+        call(cfg)
+    row = plan_row(dims, cfg.replace(guided_layer_list=(kept,)), RLSettings(), "explicit")  # what it does guide
+    assert row["layers"] == [kept] and row["bytes_per_token"] == bytes_per_token(dims, sites, [kept], compact=True)
 
 
 def test_plan_row_weighs_uniform_rates_by_each_layers_elements_per_byte():
