@@ -64,12 +64,51 @@ def _config_count(hf_config, key: str, default: int | None, least: int) -> int:
     return check_count(f"hf_config {key}", default if value is None else value, least)
 
 
+SGLANG_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+"""The ``model_type``s (and SGLang model classes, picked by ``architectures``) whose SGLang 0.5.10 module tree the
+SGLang path names: attention at ``model.layers.L.self_attn`` (its ``RadixAttention`` at ``.attn``, the capture's hook
+target, in every layer) and routed experts at ``model.layers.L.mlp.experts`` on the ``mlp_only_layers`` /
+``decoder_sparse_step`` rule."""
+_OTHER_TREE_FIELDS = ("layer_types", "full_attention_interval", "kv_lora_rank", "first_k_dense_replace",
+                      "n_routed_experts", "text_config")
+"""Fields of configs whose models SGLang builds otherwise (hybrid linear attention, MLA, dense first layers, a
+multimodal wrapper): a config without ``model_type`` that has one is refused too."""
+_HYBRID_TREE = ("linear-attention layers (model.layers.L.linear_attn, no KV cache) and full attention at "
+                "model.layers.L.attn")
+_MLA_TREE = ("MLA attention (model.layers.L.self_attn.attn_mqa / attn_mha, one latent KV row) and dense first layers "
+             "(first_k_dense_replace)")
+_OTHER_TREES = {"qwen3_next": _HYBRID_TREE, "qwen3_5_moe_text": _HYBRID_TREE,
+                "qwen3_5_moe": f"a multimodal wrapper (text_config) with {_HYBRID_TREE}",
+                "deepseek_v2": _MLA_TREE, "deepseek_v3": _MLA_TREE}
+
+
+def check_sglang_model_type(hf_config) -> None:
+    """Refuse a config whose SGLang model is not one of ``SGLANG_MODEL_TYPES``' module tree, naming its ``model_type``
+    (and ``architectures``): the capture hook (``model.layers.*.self_attn.attn``) matched no module of Qwen3-Next /
+    Qwen3.5-MoE / DeepSeek-V3 (the engine started, then failed at its first forward), the audit named a K/V cache in
+    each linear-attention layer and Qwen3-MoE's Linears, and no expert layer was read from a DeepSeek config."""
+    model_type = _get(hf_config, "model_type", None)
+    archs = _get(hf_config, "architectures", None) or []
+    fields = [f for f in _OTHER_TREE_FIELDS if _get(hf_config, f, None) is not None]
+    other_archs = [a for a in archs if a not in SGLANG_MODEL_TYPES.values()]
+    if not other_archs and (model_type in SGLANG_MODEL_TYPES or (model_type is None and not fields)):
+        return  # (transformers' and SGLang's Qwen3-MoE / Qwen2-MoE ignore a stray layer_types: ModelDims warns)
+    what = _OTHER_TREES.get(model_type) or (f"fields {fields} of another module tree" if fields else
+                                            "another module tree")
+    raise ValueError(f"hf_config model_type={model_type!r} (architectures={list(archs)}): the SGLang path (capture "
+                     f"hooks, module audit, weight sync) supports model_type in {list(SGLANG_MODEL_TYPES)} "
+                     f"(architectures {list(SGLANG_MODEL_TYPES.values())}) only; SGLang 0.5.10 builds this model "
+                     f"with {what}")
+
+
 def qwen3_moe_modules(hf_config) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """(MoE layer ids, names of the other 2-D-weight modules) of a Qwen3-MoE / Qwen2-MoE config.
 
     ``hf_config``: a dict (config.json) or a transformers config. Dense layers are those in
-    ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid, as transformers builds them.
+    ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid, as transformers builds them. Another architecture
+    is refused by name (``check_sglang_model_type``).
     """
+    check_sglang_model_type(hf_config)
     n = _config_count(hf_config, "num_hidden_layers", None, 1)
     step = _config_count(hf_config, "decoder_sparse_step", 1, 1)
     dense = _get(hf_config, "mlp_only_layers", None) or ()

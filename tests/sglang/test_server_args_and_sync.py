@@ -2,6 +2,9 @@
 
 Runs in the main venv too (no sglang needed)."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -67,6 +70,44 @@ def test_specs_are_the_sites_and_bytes_accounting_plans(hf, mode):
     if hf["model_type"] == "qwen3_5_moe_text":  # (layer 0 has no KV cache: it recorded nothing, silently)
         with pytest.raises(ValueError, match=r"guided_layer_list has layer\(s\) \[0\], .*KV-cache layers: \[1, 3\]"):
             guidance_specs(kv_only, hf, kv_dtype="fp4_e2m1")
+
+
+_DATA = Path(__file__).parent.parent / "data"
+_OTHER_TREES = {
+    "qwen3.5-text": _HYBRID,
+    "qwen3.5-wrapped": {"model_type": "qwen3_5_moe", "text_config": _HYBRID},
+    "qwen3-next": _HYBRID | {"model_type": "qwen3_next", "layer_types": ["linear_attention", "full_attention"] * 2},
+    "qwen3.5-35b-like": json.loads((_DATA / "qwen3_5_35b_a3b_like_config.json").read_text()),
+    "deepseek-v3": json.loads((_DATA / "deepseek_v3_config.json").read_text()),
+    "qwen3-moe-type-next-class": tiny_config().to_dict() | {"architectures": ["Qwen3NextForCausalLM"]},
+    "no-type-mla": {k: v for k, v in tiny_config().to_dict().items() if k != "model_type"} | {"kv_lora_rank": 32},
+}
+
+
+@pytest.mark.parametrize("hf", _OTHER_TREES.values(), ids=_OTHER_TREES.keys())
+@pytest.mark.parametrize("path", ["trace_server_args", "backend", "module_audit"])
+def test_the_sglang_path_refuses_a_model_it_does_not_build_as_qwen3_moe_by_name(hf, path):
+    """The SGLang path names Qwen3-MoE's module tree: its capture binds KV slots on ``model.layers.*.self_attn.attn``,
+    which SGLang 0.5.10's Qwen3-Next / Qwen3.5-MoE (full attention at ``model.layers.L.attn``, linear attention at
+    ``model.layers.L.linear_attn.attn``) and DeepSeek-V3 (``self_attn.attn_mqa`` / ``attn_mha``) do not have: the
+    engine started and failed at its first forward; the audit listed a K/V cache in every linear-attention layer and
+    no expert layer of DeepSeek-V3 (weight sync sent no FP4 expert). Each is refused by its model_type at launch."""
+    from megatron_trace.rollout.audit import sglang_module_audit
+
+    mt = hf.get("model_type")
+    call = {"trace_server_args": lambda: trace_server_args("/m", CFG, hf, native=False),
+            "backend": lambda: SGLangRolloutBackend(None, CFG, hf),
+            "module_audit": lambda: sglang_module_audit(CFG, hf, None)}[path]
+    with pytest.raises(ValueError, match=rf"model_type={mt!r} .*supports model_type in \['qwen3_moe', 'qwen2_moe'\]"):
+        call()
+
+
+def test_a_qwen3_moe_config_with_a_stray_hybrid_field_is_served_as_qwen3_moe():
+    """transformers' and SGLang's Qwen3-MoE ignore ``full_attention_interval``: every layer keeps its K/V specs."""
+    stray = tiny_config(num_hidden_layers=4).to_dict() | {"full_attention_interval": 2}
+    assert [s.layer for s in guidance_specs(CFG, stray) if s.site == "kv_k"] == [2, 3]  # (CFG: the deepest half)
+    assert trace_server_args("/m", CFG, stray, native=False)["forward_hooks"][0]["target_modules"] == [
+        "model.layers.*.self_attn.attn"]
 
 
 def test_the_emulations_moe_parallel_sizes_are_checked_at_launch_as_its_layers_check_them():

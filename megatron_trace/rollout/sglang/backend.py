@@ -129,6 +129,7 @@ class SGLangRolloutBackend:
         check_serves_fp4_weights(trace_config)
         check_serves_format(trace_config)
         self.engine, self.config, self.hf_config = engine, trace_config, hf_config
+        self.moe_layers, _ = qwen3_moe_modules(hf_config)  # (refuses another architecture by name, first)
         self.exclude_modules = exclude_list(exclude_modules)
         self.num_layers = int(hf_config["num_hidden_layers"])
         self.vocab_size = int(hf_config["vocab_size"])
@@ -144,7 +145,6 @@ class SGLangRolloutBackend:
             raise ValueError("the native NVFP4 MoE derives tensors from its weights at load, and SGLang's "
                              "update_weights_from_distributed does not re-derive them: sync in-process "
                              "(weights_group=None: update_weights_from_tensor with the TRACE loader)")
-        self.moe_layers, _ = qwen3_moe_modules(hf_config)
         excluded = excluded_modules(trace_config, moe_layers=self.moe_layers, attention_layers=range(self.num_layers))
         self.bf16_expert_layers = frozenset(i for i in self.moe_layers if experts_name(i) in excluded)
         bf16_kv = [n for n in excluded if n.endswith(".kv_cache")]
