@@ -132,6 +132,25 @@ def qwen3_moe_modules(hf_config) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return moe, tuple(names)
 
 
+def sglang_moe_layers(hf_config) -> tuple[int, ...]:
+    """The MoE layers of a config the SGLang engine serves (``qwen3_moe_modules``'): every layer, else a ValueError.
+
+    SGLang 0.5.10's Qwen3-MoE and Qwen2-MoE build every decoder layer with routed experts (``is_layer_sparse = True``
+    in ``srt/models/qwen3_moe.py`` / ``qwen2_moe.py``; neither reads ``mlp_only_layers`` or ``decoder_sparse_step``),
+    and their ``load_weights`` skip a dense layer's ``mlp.gate_proj`` / ``up_proj`` / ``down_proj`` without a word: the
+    engine served such a layer with uninitialized experts while the trainer ran its dense MLP."""
+    moe, _ = qwen3_moe_modules(hf_config)
+    dense = sorted(set(range(_config_count(hf_config, "num_hidden_layers", None, 1))) - set(moe))
+    if dense:
+        rule = {k: _get(hf_config, k, None) for k in ("mlp_only_layers", "decoder_sparse_step", "num_experts")}
+        model_type = _get(hf_config, "model_type", None)
+        raise ValueError(f"hf_config {rule} makes layer(s) {dense} dense as transformers builds them, but SGLang "
+                         f"0.5.10's {model_type!r} model builds every layer with routed experts and skips a dense "
+                         "layer's MLP weights at load, silently: the SGLang path serves configs whose every layer has "
+                         "routed experts only (mlp_only_layers=[], decoder_sparse_step=1)")
+    return moe
+
+
 def without_kv(config: TraceConfig) -> TraceConfig:
     """``config`` minus the KV sites (an engine whose KV cache stays BF16, e.g. the SGLang backend)."""
     return config.replace(sites=tuple(s for s in config.sites if s not in KV_SITES),

@@ -2,7 +2,9 @@
 
 Runs in the main venv too (no sglang needed)."""
 
+import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,31 @@ def test_the_sglang_path_refuses_a_model_it_does_not_build_as_qwen3_moe_by_name(
             "module_audit": lambda: sglang_module_audit(CFG, hf, None)}[path]
     with pytest.raises(ValueError, match=rf"model_type={mt!r} .*supports model_type in \['qwen3_moe', 'qwen2_moe'\]"):
         call()
+
+
+@pytest.mark.parametrize("rule,dense", [({"mlp_only_layers": [2]}, [2]), ({"decoder_sparse_step": 2}, [0, 2])],
+                         ids=["mlp-only", "sparse-step"])
+@pytest.mark.parametrize("path", ["trace_server_args", "backend"])
+def test_the_sglang_path_refuses_dense_layers_that_sglang_builds_with_experts(rule, dense, path):
+    """SGLang 0.5.10's Qwen3-MoE / Qwen2-MoE build every layer with routed experts and skip a dense layer's MLP weights
+    at load: such a layer was served with uninitialized experts while the trainer ran its dense MLP."""
+    hf = tiny_config(num_hidden_layers=4).to_dict() | rule
+    call = {"trace_server_args": lambda: trace_server_args("/m", FC1_ONLY, hf, native=False),
+            "backend": lambda: SGLangRolloutBackend(None, FC1_ONLY, hf, kv_cache_dtype="auto")}[path]
+    with pytest.raises(ValueError, match=rf"makes layer\(s\) {re.escape(str(dense))} dense .* every layer with routed"):
+        call()
+
+
+def test_sglangs_qwen_moe_models_build_every_layer_with_routed_experts():
+    """The premise of the refusal above, read from SGLang's source (no import): neither model reads the dense-layer
+    fields, both set ``is_layer_sparse = True`` in their decoder layer."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
+        pytest.skip("sglang is not installed in this venv")
+    for arch in ("qwen3_moe", "qwen2_moe"):
+        src = (Path(spec.origin).parent / "srt" / "models" / f"{arch}.py").read_text()
+        assert "mlp_only_layers" not in src and "decoder_sparse_step" not in src, arch
+        assert "self.is_layer_sparse = True" in src, arch
 
 
 def test_a_qwen3_moe_config_with_a_stray_hybrid_field_is_served_as_qwen3_moe():

@@ -24,7 +24,7 @@ from ...manifest import (
     experts_name,
     kv_cache_name,
 )
-from ..audit import backend_recipe, exclude_list, qwen3_moe_modules, sglang_module_audit, without_kv
+from ..audit import backend_recipe, exclude_list, sglang_module_audit, sglang_moe_layers, without_kv
 from ..base import (
     RolloutBatch,
     SamplingParams,
@@ -129,7 +129,7 @@ class SGLangRolloutBackend:
         check_serves_fp4_weights(trace_config)
         check_serves_format(trace_config)
         self.engine, self.config, self.hf_config = engine, trace_config, hf_config
-        self.moe_layers, _ = qwen3_moe_modules(hf_config)  # (refuses another architecture by name, first)
+        self.moe_layers = sglang_moe_layers(hf_config)  # (refuses another architecture or a dense layer, first)
         self.exclude_modules = exclude_list(exclude_modules)
         self.num_layers = int(hf_config["num_hidden_layers"])
         self.vocab_size = int(hf_config["vocab_size"])

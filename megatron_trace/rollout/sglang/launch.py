@@ -23,7 +23,7 @@ from ...manifest import (
     kv_cache_name,
     module_excluded,
 )
-from ..audit import qwen3_moe_modules
+from ..audit import sglang_moe_layers
 from ..base import is_int
 from .capture import ATTENTION_TARGET, LOGITS_TARGET
 from .native import native_fp4_available
@@ -294,7 +294,7 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
     check_kv_sites(trace_config, kv_dtype)
     check_kv_override(trace_config, kv_dtype)
     # (an exclude pattern matching none of the config's modules raises here, as in the backend, not after the start)
-    excluded_modules(trace_config, moe_layers=qwen3_moe_modules(hf_config)[0],
+    excluded_modules(trace_config, moe_layers=sglang_moe_layers(hf_config),
                      attention_layers=range(int(hf_config["num_hidden_layers"])))
     specs = guidance_specs(trace_config, hf_config, kv_dtype=kv_dtype)
     kw = dict(model_path=model_path, quantization="trace_nvfp4", custom_weight_loader=[WEIGHT_LOADER],
