@@ -196,9 +196,12 @@ def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, 
 def _guided(dims: ModelDims, config: TraceConfig, layers, **budget_kw) -> tuple[int, ...]:
     """``layers`` (None: ``config``'s layer policy over ``dims``), refused by name where they would guide nothing
     (``manifest.check_guided_layers`` on ``dims``' MoE and KV-cache layers): an explicit layer without a KV cache
-    under KV sites only, or without routed experts under expert sites only, was planned at 0 bytes, silently."""
-    from ..manifest import check_guided_layers  # (manifest imports guidance.selection: not at module level)
+    under KV sites only, or without routed experts under expert sites only, was planned at 0 bytes, silently. An
+    ``exclude_modules`` pattern that names none of the model's modules (the K/V cache of a linear-attention layer, a
+    dense layer's experts) is refused too (``manifest.excluded_modules``)."""
+    from ..manifest import check_guided_layers, excluded_modules  # (manifest imports guidance.selection)
 
+    excluded_modules(config, moe_layers=dims.moe_layers, attention_layers=dims.kv_layers)
     layers = tuple(guided_layers(config, dims.num_layers, **budget_kw) if layers is None else layers)
     for layer in layers:  # (a layer off the model or 1.5 is named as such first)
         dims.check_layer(layer)

@@ -222,6 +222,20 @@ def test_explicit_layers_without_the_guided_sites_are_refused_by_name(name, site
     assert row["layers"] == [kept] and row["bytes_per_token"] == bytes_per_token(dims, sites, [kept], compact=True)
 
 
+@pytest.mark.parametrize("name,pattern", [("qwen3_5_35b_a3b_like", "model.layers.0.self_attn.kv_cache"),
+                                          ("deepseek_v3", "model.layers.2.mlp.experts")],
+                         ids=["qwen3.5-linear-attention-kv", "deepseek-dense-experts"])
+def test_an_exclude_pattern_naming_a_module_the_model_lacks_is_refused_by_name(name, pattern):
+    """Layer 0 of Qwen3.5 has no KV cache, layer 2 of DeepSeek-V3 no routed experts: the pattern excluded nothing, and
+    the plan went on as if it did (the rollout and trainer refuse it)."""
+    dims = ModelDims.from_hf_config(DATA / f"{name}_config.json")
+    with pytest.raises(ValueError, match=rf"exclude_modules pattern '{re.escape(pattern)}' matches none"):
+        plan_row(dims, TraceConfig(guided_layers="all", exclude_modules=(pattern,)), RLSettings(), "all")
+    layer = pattern.split(".")[2]
+    real = pattern.replace(f".{layer}.", ".3.")  # layer 3 has both
+    assert plan_row(dims, TraceConfig(guided_layers="all", exclude_modules=(real,)), RLSettings(), "all")["layers"]
+
+
 def test_plan_row_weighs_uniform_rates_by_each_layers_elements_per_byte():
     """Qwen3.5 at one rate everywhere, 3600 bytes/token (compact): a full-attention layer's K/V rows carry fewer
     elements per byte (256-element rows, each with its 4-byte amax) than its FC1/FC2 rows, so three MoE-only layers
