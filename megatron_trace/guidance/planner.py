@@ -14,6 +14,7 @@ it removes nothing).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -168,13 +169,14 @@ def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, 
     per message and is bounded (``sync_header_bound``). Each further chunk or trainer rank adds a size message and
     a header; ``rank_projection`` gives each rank's payload.
     """
+    rec = _recorded(dims, config)  # (the modules exclude_modules keeps in BF16 record nothing)
     if config.guided_layers == "budget":
         fmt_kw = config_fmt_kw(config)
-        budget_kw.setdefault("bytes_per_layer", bytes_per_layer(dims, config.guided_sites, **fmt_kw))
-        budget_kw.setdefault("elements_per_layer", elements_per_layer(dims, config.guided_sites))
+        budget_kw.setdefault("bytes_per_layer", bytes_per_layer(rec, config.guided_sites, **fmt_kw))
+        budget_kw.setdefault("elements_per_layer", elements_per_layer(rec, config.guided_sites))
     layers = _guided(dims, config, None, **budget_kw)
-    bpt = bytes_per_token(dims, config.guided_sites, layers, **config_fmt_kw(config))
-    side = sum(side_bytes(dims, layer, site) for layer in layers for site in config.guided_sites)
+    bpt = bytes_per_token(rec, config.guided_sites, layers, **config_fmt_kw(config))
+    side = sum(side_bytes(rec, layer, site) for layer in layers for site in config.guided_sites)
     lengths = [rl.prompt_len + rl.response_len] * rl.trajectories
     payload = _align(shard_bytes(dims, config, lengths, layers=layers)["sync_payload"])
     sync = payload + SIZE_MESSAGE_BYTES + sync_header_bound(dims, config, lengths, layers=layers, payload=payload)
@@ -191,6 +193,17 @@ def plan_row(dims: ModelDims, config: TraceConfig, rl: RLSettings, policy: str, 
         "sync_bytes": sync,
         "sync_seconds": sync * 8 / (rl.bandwidth_gbps * 1e9),
     }
+
+
+def _recorded(dims: ModelDims, config: TraceConfig) -> ModelDims:
+    """``dims`` whose MoE / KV-cache layers are those with a module ``config.exclude_modules`` keeps in FP4: the sites
+    that are recorded (an excluded module's were sized as guided). Routing is sized from ``dims``: every MoE layer's
+    router runs and is replayed, its experts quantized or not."""
+    from ..manifest import experts_name, kv_cache_name, module_excluded  # (manifest imports guidance.selection)
+
+    return dataclasses.replace(
+        dims, moe_layers=tuple(i for i in dims.moe_layers if not module_excluded(config, experts_name(i))),
+        kv_layers=tuple(i for i in dims.kv_layers if not module_excluded(config, kv_cache_name(i))))
 
 
 def _guided(dims: ModelDims, config: TraceConfig, layers, **budget_kw) -> tuple[int, ...]:
@@ -271,11 +284,11 @@ def sample_bytes(dims: ModelDims, config: TraceConfig, num_tokens: int, *, layer
         raise ValueError(f"num_tokens={num_tokens!r} must be an int >= 0")
     if dims.num_experts < 1:
         raise ValueError("ModelDims.num_experts must be >= 1 to size the routing (read it from the HF config)")
-    layers = _guided(dims, config, layers)
+    layers, rec = _guided(dims, config, layers), _recorded(dims, config)
     guidance = flat = 0
     for layer in layers:
         for site in config.guided_sites:
-            if not dims.has_site(layer, site):
+            if not rec.has_site(layer, site):
                 continue
             parts = _site_tensor_bytes(dims, site, num_tokens, config)
             guidance += parts["payload"] + parts["scales"] + parts.get("amax", 0)
@@ -289,10 +302,10 @@ def _wire_fields(dims: ModelDims, config: TraceConfig, sample_tokens: list[int],
     """Bytes of every payload field of a one-chunk ``GuidanceSync`` send (``guidance.wire``, protocol 6), in
     payload order: per guided (layer, site) column its fields over all the samples' rows, then per MoE layer the
     routing column."""
-    tokens, fields = sum(sample_tokens), []
+    tokens, fields, rec = sum(sample_tokens), [], _recorded(dims, config)
     for layer in sorted(layers):
         for site in sorted(config.guided_sites):
-            if dims.has_site(layer, site):
+            if rec.has_site(layer, site):
                 fields += list(_site_tensor_bytes(dims, site, tokens, config).values())
     if config.routing_replay:
         fields += [tokens * dims.topk * _ITEMSIZE[_routing_dtype(dims)]] * len(dims.moe_layers)
@@ -328,7 +341,7 @@ def sync_header_bound(dims: ModelDims, config: TraceConfig, sample_tokens, *, la
     wide as ``payload`` (the payload bytes; default ``shard_bytes``' ``sync_payload``) and a CRC-32 on every field
     (``verify=True``). Token hashes, token counts, keys, metas and shapes are exact; the rest varies per message."""
     sample_tokens = _token_counts(sample_tokens)
-    layers = _guided(dims, config, layers)
+    layers, rec = _guided(dims, config, layers), _recorded(dims, config)
     if payload is None:
         payload = shard_bytes(dims, config, sample_tokens, layers=layers)["sync_payload"]
     n, tokens, wide = len(sample_tokens), sum(sample_tokens), -(2**63)  # the widest id or version: 20 characters
@@ -342,7 +355,7 @@ def sync_header_bound(dims: ModelDims, config: TraceConfig, sample_tokens, *, la
         table = {"ids": [wide] * n, "versions": [wide] * n, "hashes": ["0" * 32] * n, "tokens": sample_tokens}
         guidance = {"columns": [column([layer, site], *_site_fields(dims, site, tokens, config))
                                 for layer in sorted(layers) for site in sorted(config.guided_sites)
-                                if dims.has_site(layer, site)], "table": table}
+                                if rec.has_site(layer, site)], "table": table}
         if config.routing_replay:  # the same samples: the routing section's table is null
             routing = {"columns": [column(layer, {}, [("experts", _routing_dtype(dims), [tokens, dims.topk])])
                                    for layer in dims.moe_layers], "table": None}

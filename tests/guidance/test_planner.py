@@ -236,6 +236,19 @@ def test_an_exclude_pattern_naming_a_module_the_model_lacks_is_refused_by_name(n
     assert plan_row(dims, TraceConfig(guided_layers="all", exclude_modules=(real,)), RLSettings(), "all")["layers"]
 
 
+@pytest.mark.parametrize("mode", ["compact", "full"])
+def test_modules_kept_in_bf16_are_planned_as_the_sites_they_leave(mode):
+    """Experts ``exclude_modules`` keeps in BF16 record nothing (the rollouts skip their sites), but were sized as
+    guided: with every expert excluded the row is the KV-only row, routing (every router still runs) included."""
+    dims = ModelDims.from_hf_config(Q35)
+    rl = RLSettings(trajectories=3, prompt_len=5, response_len=7)
+    cfg = TraceConfig(guided_layers="all", cache_mode=mode, exclude_modules=("model.layers.*.mlp.experts",))
+    kv_only = TraceConfig(guided_layers="all", cache_mode=mode, guided_sites=("kv_k", "kv_v"))
+    assert plan_row(dims, cfg, rl, "all") == plan_row(dims, kv_only, rl, "all")
+    assert plan_row(dims, cfg, rl, "all")["bytes_per_token"] < plan_row(dims, cfg.replace(exclude_modules=()), rl,
+                                                                        "all")["bytes_per_token"]
+
+
 def test_plan_row_weighs_uniform_rates_by_each_layers_elements_per_byte():
     """Qwen3.5 at one rate everywhere, 3600 bytes/token (compact): a full-attention layer's K/V rows carry fewer
     elements per byte (256-element rows, each with its 4-byte amax) than its FC1/FC2 rows, so three MoE-only layers
