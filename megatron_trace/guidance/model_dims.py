@@ -11,8 +11,8 @@ Layers without routed experts (DeepSeek's ``first_k_dense_replace``, Qwen3-MoE's
 hybrid models (Qwen3.5 / Qwen3-Next ``layer_types`` or ``full_attention_interval``) have no KV
 site. Multi-token-prediction layers (``num_nextn_predict_layers``) are not counted.
 
-MLA (DeepSeek-V3, or ``kv_lora_rank`` present): the KV cache holds one compressed row per token,
-the latent ``c_kv`` (``kv_lora_rank``) concatenated with the shared RoPE key
+MLA (DeepSeek-V3, or ``kv_lora_rank`` present where the model type reads it): the KV cache holds one compressed
+row per token, the latent ``c_kv`` (``kv_lora_rank``) concatenated with the shared RoPE key
 (``qk_rope_head_dim``), as SGLang/FlashMLA (and transformers, as two one-head tensors) store it. We count it as
 ``kv_k`` with 1 row of ``kv_lora_rank + qk_rope_head_dim`` elements; ``kv_v`` has no rows (V is decoded from the
 latent).
@@ -47,15 +47,19 @@ DeepSeek-V3 is always MLA, its first 3 layers dense)."""
 
 _QWEN_MOE_RULE = ("mlp_only_layers", "decoder_sparse_step")
 _HYBRID_RULE = ("layer_types", "full_attention_interval")
+_DEEPSEEK_RULE = ("first_k_dense_replace", "moe_layer_freq", "n_routed_experts", "kv_lora_rank")
 _UNUSED_FIELDS = {
-    "qwen3_moe": _HYBRID_RULE,  # every layer is attention with a KV cache
-    "qwen3_5_moe_text": _QWEN_MOE_RULE,  # every layer has routed experts
+    "qwen3_moe": _HYBRID_RULE + _DEEPSEEK_RULE,  # every layer is GQA attention with a KV cache
+    "qwen3_5_moe_text": _QWEN_MOE_RULE + _DEEPSEEK_RULE,  # every layer has routed experts
+    "qwen3_next": _DEEPSEEK_RULE,  # GQA attention; the Qwen3-MoE and hybrid rules decide
     "deepseek_v3": _QWEN_MOE_RULE + _HYBRID_RULE,  # first_k_dense_replace decides; every layer has a KV cache
 }
-"""Layer-rule fields transformers' model of a ``model_type`` does not read (a stray ``full_attention_interval`` in a
-Qwen3-MoE config made 3 of 4 layers count without a KV cache, ``decoder_sparse_step`` in a Qwen3.5-MoE config
-dropped experts it builds)."""
-_NO_EFFECT = {"mlp_only_layers": [], "decoder_sparse_step": 1, "full_attention_interval": 1}
+"""Layer-rule and attention fields transformers' model of a ``model_type`` does not read (a stray
+``full_attention_interval`` in a Qwen3-MoE config made 3 of 4 layers count without a KV cache, ``decoder_sparse_step``
+in a Qwen3.5-MoE one dropped experts it builds; a stray ``kv_lora_rank`` in a Qwen one counted one MLA row per layer
+for its per-head K/V, ``first_k_dense_replace`` dropped its first layers' experts)."""
+_NO_EFFECT = {"mlp_only_layers": [], "decoder_sparse_step": 1, "full_attention_interval": 1,
+              "first_k_dense_replace": 0, "moe_layer_freq": 1}
 """Values of those fields that change no layer (not warned about)."""
 
 _KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")

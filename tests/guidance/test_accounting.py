@@ -286,8 +286,14 @@ _DEEPSEEK = dict(vocab_size=64, hidden_size=32, intermediate_size=64, moe_interm
     ("qwen3_next", _HYBRID | {"mlp_only_layers": [5], "decoder_sparse_step": 2, "intermediate_size": 32}, []),
     ("deepseek_v3", _DEEPSEEK | {"decoder_sparse_step": 2}, ["decoder_sparse_step"]),
     ("deepseek_v3", _DEEPSEEK | {"first_k_dense_replace": 1, "kv_lora_rank": 16, "qk_rope_head_dim": 8}, []),
+    ("qwen3_moe", tiny_config(num_hidden_layers=4).to_dict() | {"kv_lora_rank": 16, "qk_rope_head_dim": 8,
+                                                                "first_k_dense_replace": 2},
+     ["first_k_dense_replace", "kv_lora_rank"]),
+    ("qwen3_5_moe_text", _HYBRID | {"kv_lora_rank": 16, "qk_rope_head_dim": 8}, ["kv_lora_rank"]),
+    ("qwen3_next", _HYBRID | {"intermediate_size": 32, "first_k_dense_replace": 2, "moe_layer_freq": 2},
+     ["first_k_dense_replace", "moe_layer_freq"]),
 ], ids=["qwen3-moe-stray-interval", "qwen3.5-stray-dense-rules", "qwen3-next", "deepseek-v3-defaults",
-        "deepseek-v3-given"])
+        "deepseek-v3-given", "qwen3-moe-stray-deepseek", "qwen3.5-stray-mla", "qwen3-next-stray-deepseek"])
 def test_layers_and_kv_rows_are_what_transformers_builds_for_the_model_type(model_type, config, ignored, caplog):
     """A field the model type's transformers model does not read used to count (a stray ``full_attention_interval`` in
     a Qwen3-MoE config: 1 of 2 layers with a KV cache; ``mlp_only_layers`` / ``decoder_sparse_step`` in a Qwen3.5-MoE
