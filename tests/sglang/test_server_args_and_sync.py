@@ -137,6 +137,16 @@ def test_a_qwen3_moe_config_with_a_stray_hybrid_field_is_served_as_qwen3_moe():
         "model.layers.*.self_attn.attn"]
 
 
+@pytest.mark.parametrize("hf,pattern", [(_HYBRID, "model.layers.0.self_attn.kv_cache"),
+                                        (tiny_config(num_hidden_layers=4, decoder_sparse_step=2).to_dict(),
+                                         "model.layers.0.mlp.experts")], ids=["linear-attention-kv", "dense-experts"])
+def test_specs_refuse_an_exclude_pattern_naming_a_module_the_model_lacks(hf, pattern):
+    """Layer 0 has no KV cache (hybrid) / no routed experts (decoder_sparse_step 2): the pattern excluded nothing."""
+    cfg = TraceConfig(guided_layers="all", kv_format="sglang_kvfp4", exclude_modules=(pattern,))
+    with pytest.raises(ValueError, match=rf"exclude_modules pattern '{re.escape(pattern)}' matches none"):
+        guidance_specs(cfg, hf, kv_dtype="fp4_e2m1")
+
+
 def test_the_emulations_moe_parallel_sizes_are_checked_at_launch_as_its_layers_check_them():
     """SGLang's MoE TP size is tp_size // ep_size // moe_dp_size (``parallel_state``): tp 2 x moe_dp 2 gives whole
     experts per rank, which the emulated MoE quantizes as the trainer does; tp 2 alone shards them and is refused.

@@ -197,6 +197,8 @@ def guidance_specs(trace_config: TraceConfig, hf_config: dict, *, kv_dtype: str 
     specs, layers = [], guided_layers(trace_config, dims.num_layers)
     check_guided_layers(trace_config, layers, moe_layers=dims.moe_layers,  # (guiding nothing: no spec, silently)
                         kv_layers=dims.kv_layers)
+    # (a pattern naming a module the model lacks, e.g. a linear-attention layer's K/V cache, left every spec as it was)
+    excluded_modules(trace_config, moe_layers=dims.moe_layers, attention_layers=dims.kv_layers)
     for layer in layers:
         for site in trace_config.guided_sites:
             if not trace_config.quantizes(site) or not dims.has_site(layer, site):
