@@ -73,8 +73,8 @@ _OTHER_TREE_FIELDS = ("layer_types", "full_attention_interval", "kv_lora_rank", 
                       "n_routed_experts", "text_config")
 """Fields of configs whose models SGLang builds otherwise (hybrid linear attention, MLA, dense first layers, a
 multimodal wrapper): a config without ``model_type`` that has one is refused too."""
-_HYBRID_TREE = ("linear-attention layers (model.layers.L.linear_attn, no KV cache) and full attention at "
-                "model.layers.L.attn")
+_HYBRID_TREE = ("linear-attention layers (layers.L.linear_attn, no KV cache) and full attention at layers.L.attn (no "
+                "self_attn module)")
 _MLA_TREE = ("MLA attention (model.layers.L.self_attn.attn_mqa / attn_mha, one latent KV row) and dense first layers "
              "(first_k_dense_replace)")
 _OTHER_TREES = {"qwen3_next": _HYBRID_TREE, "qwen3_5_moe_text": _HYBRID_TREE,

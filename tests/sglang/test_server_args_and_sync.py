@@ -90,8 +90,8 @@ _OTHER_TREES = {
 @pytest.mark.parametrize("path", ["trace_server_args", "backend", "module_audit"])
 def test_the_sglang_path_refuses_a_model_it_does_not_build_as_qwen3_moe_by_name(hf, path):
     """The SGLang path names Qwen3-MoE's module tree: its capture binds KV slots on ``model.layers.*.self_attn.attn``,
-    which SGLang 0.5.10's Qwen3-Next / Qwen3.5-MoE (full attention at ``model.layers.L.attn``, linear attention at
-    ``model.layers.L.linear_attn.attn``) and DeepSeek-V3 (``self_attn.attn_mqa`` / ``attn_mha``) do not have: the
+    which SGLang 0.5.10's Qwen3-Next / Qwen3.5-MoE (full attention at ``layers.L.attn``, linear attention at
+    ``layers.L.linear_attn.attn``) and DeepSeek-V3 (``self_attn.attn_mqa`` / ``attn_mha``) do not have: the
     engine started and failed at its first forward; the audit listed a K/V cache in every linear-attention layer and
     no expert layer of DeepSeek-V3 (weight sync sent no FP4 expert). Each is refused by its model_type at launch."""
     from megatron_trace.rollout.audit import sglang_module_audit
