@@ -22,3 +22,13 @@ def peak_growth(fn) -> int:
     before = rss_status()["VmRSS"]
     fn()
     return rss_status()["VmHWM"] - before
+
+
+def read_chars() -> int:
+    """Bytes this process has read so far (``rchar`` of /proc/self/io: every read call, page cache hits included)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key == "rchar":
+                return int(value)
+    raise RuntimeError("/proc/self/io has no rchar")

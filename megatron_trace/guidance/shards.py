@@ -7,10 +7,11 @@ data length. Writing goes to a temp file in the same directory, is fsynced, then
 ``os.replace``d into place, so a crash leaves either the old state or a complete shard (plus a
 stray ``*.tmp*`` file that ``remove_stale_tmp`` deletes). On load the file length is checked
 against its own header and each loaded sample against its checksum: a truncated or half-written
-shard raises ``ShardError`` naming the file, never returns partial data. Loading reads the requested samples'
-byte ranges itself (the header is parsed here anyway): safetensors' ``safe_open(...).get_tensor`` keeps ~64 bytes
-of process memory per call for good (safetensors 0.8), which a run that reloads spilled guidance every step would
-accumulate without bound.
+shard raises ``ShardError`` naming the file, never returns partial data. The header is parsed once per version of
+the file (``_tensor_table``), not once per load: a step is read back one micro-batch at a time. Loading reads the
+requested samples' byte ranges itself (the header is parsed here anyway): safetensors' ``safe_open(...).get_tensor``
+keeps ~64 bytes of process memory per call for good (safetensors 0.8), which a run that reloads spilled guidance every
+step would accumulate without bound.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import os
 import re
 import socket
 import struct
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -185,10 +187,7 @@ def load_samples(
     absent = [i for i in sample_ids if i not in index]
     if absent:
         raise KeyError(f"guidance shard {path} has no sample(s) {absent}")
-    header, _, data_start = _checked_header(path)  # the file may have changed since the index was taken
-    by_sample: dict[str, list[str]] = {}
-    for k in header:
-        by_sample.setdefault(k.split("/", 1)[0], []).append(k)
+    header, data_start, by_sample = _tensor_table(path)  # the file may have changed since the index was taken
     out = {}
     try:
         with open(path, "rb") as f:
@@ -205,6 +204,37 @@ def load_samples(
     except (OSError, KeyError, TypeError, ValueError, RuntimeError) as e:  # a damaged header entry or file
         raise ShardError(f"guidance shard {path} cannot be read: {type(e).__name__}: {e}") from e
     return out
+
+
+_TABLES: OrderedDict[tuple, tuple[dict, int, dict[str, list[str]]]] = OrderedDict()
+_TABLES_KEPT = 4
+"""The tensor tables of the last shards loaded from, by file version (path, inode, size, mtime, ctime)."""
+
+
+def _tensor_table(path: Path) -> tuple[dict, int, dict[str, list[str]]]:
+    """(header, data start, tensor names per sample id) of a shard, checked (``read_header``) once per version of the
+    file: a spilled step is read one micro-batch at a time, and parsing the whole header (every sample's tensors) on
+    each load made reading a step back quadratic in its samples. A file rewritten, truncated or replaced since is
+    read and checked again; each loaded sample is still checked against its checksum."""
+    try:
+        st = path.stat()
+        key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    except OSError:  # (``_checked_header`` raises the ShardError naming the file)
+        key = None
+    hit = _TABLES.get(key)
+    if hit is None:
+        header, _, data_start = _checked_header(path)
+        by_sample: dict[str, list[str]] = {}
+        for k in header:
+            by_sample.setdefault(k.split("/", 1)[0], []).append(k)
+        hit = header, data_start, by_sample
+        if key is not None:
+            _TABLES[key] = hit
+            while len(_TABLES) > _TABLES_KEPT:
+                _TABLES.popitem(last=False)
+    else:
+        _TABLES.move_to_end(key)
+    return hit
 
 
 _DTYPES = {"U8": torch.uint8, "BOOL": torch.bool, "I64": torch.int64, "F32": torch.float32}
