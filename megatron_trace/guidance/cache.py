@@ -38,6 +38,7 @@ from .records import SampleGuidance, assemble, is_integer, sample_id_list
 from .serial import FlatPlan, host_buffer, plan_flat, unflatten_one, write_flat
 from .shards import (
     SHARD_PREFIX,
+    forget_tables,
     is_stale,
     load_samples,
     owner_tag,
@@ -292,6 +293,7 @@ class GuidanceCache:
         self.disk_bytes -= st.shard_bytes  # as counted when written: a shard already gone is uncounted too
         for path, _ in st.shards:
             path.unlink(missing_ok=True)
+            forget_tables(path)
 
     def close(self) -> None:
         """Drop every step held (their shards deleted): the end of a run."""

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from megatron_trace.config import TraceConfig
+from megatron_trace.guidance import shards
 from megatron_trace.guidance.cache import GuidanceCache
 from megatron_trace.guidance.records import pack_guidance, split_batch
 from megatron_trace.guidance.serial import plan_flat
@@ -483,6 +484,8 @@ def test_a_spilled_step_read_back_by_micro_batch_parses_its_shard_header_once(tm
         assert_samples_equal(got, s)
     sample_bytes = max(_size([s]) for s in samples)
     assert header_bytes > 20 * sample_bytes and max(read) < 4 * sample_bytes, (read, sample_bytes, header_bytes)
+    cache.drop(3)  # the kept table goes with its shard
+    assert str(path) not in {key[0] for key in shards._TABLES}
 
 
 def test_not_a_guidance_shard(tmp_path):
