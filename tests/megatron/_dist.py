@@ -9,6 +9,19 @@ import torch
 from megatron_trace.testing.megatron_cpu import record_errors
 
 
+def _join(rank: int, world: int, port: int) -> None:
+    """One thread, Megatron's CPU shims, and this rank in a gloo group of ``world`` on ``port``."""
+    import torch.distributed as dist
+
+    from megatron_trace.testing.megatron_cpu import apply_cpu_shims
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def ep_worker(rank: int, world: int, port: int, dispatcher: str, workdir: str) -> None:
     """EP=world: load the EP=1 weights, run RNE+record and guided+record on batch ``rank``, save results."""
     with record_errors(workdir, rank):
@@ -21,7 +34,6 @@ def _run(rank, world, port, dispatcher, workdir):
     from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
 
     from .harness import (
-        apply_cpu_shims,
         batch,
         build_model,
         destroy_parallel,
@@ -31,11 +43,7 @@ def _run(rank, world, port, dispatcher, workdir):
         tiny_config,
     )
 
-    torch.set_num_threads(1)
-    apply_cpu_shims()
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join(rank, world, port)
     init_parallel(ep=world)
     shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
     cfg = tiny_config(moe_token_dispatcher_type=dispatcher, expert_model_parallel_size=world)
@@ -81,7 +89,6 @@ def _run_packed(rank, world, port, parallel, workdir):
     from .harness import (
         MROPE_SECTION,
         allow_torch_norm_with_sequence_parallel,
-        apply_cpu_shims,
         build_model,
         destroy_parallel,
         ep_state_dict,
@@ -90,11 +97,7 @@ def _run_packed(rank, world, port, parallel, workdir):
         tiny_config,
     )
 
-    torch.set_num_threads(1)
-    apply_cpu_shims()
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    _join(rank, world, port)
     shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
     if parallel == "tp":
         allow_torch_norm_with_sequence_parallel()
