@@ -32,21 +32,24 @@ def scales_usable(block_scales: torch.Tensor, global_amax: torch.Tensor | None) 
     Finite and >= 0 (-0 passes; E4M3 has no Inf, NaN is 0x7F / 0xFF; E8M0 has no sign, 0xFF is NaN), no E8M0 scale of
     2**127 (byte 254: the largest exponent any rule gives is 126, the ceil rule's at float32's top), and an NVFP4 amax
     of 0 only beside all-zero block scales (it is an all-zero row's; it encodes with S_enc = 1, so a nonzero scale
-    beside it, e.g. a lost amax, would decode 2688 / amax_true times off). NaN fails ``>= 0`` and propagates through
-    ``aminmax`` / ``minimum``."""
+    beside it, e.g. a lost amax, would decode 2688 / amax_true times off). The scales are read as bytes (two byte
+    maxima per row, no float conversion): an E4M3 byte above 0x80 is negative and nonzero (or 0xFF), a magnitude
+    byte (low 7 bits) of 0x7F is NaN, and one of 0 is +-0."""
+    b = block_scales.view(torch.uint8)
+    zero = None
     if block_scales.dtype == torch.float8_e4m3fn:
-        low, high = block_scales.float().aminmax(dim=-1)
-    else:  # E8M0: 253.5 - the largest byte is < 0 exactly where one is 254 or 255
-        high = None
-        low = 253.5 - block_scales.view(torch.uint8).amax(-1).float()
+        mag = (b & 0x7F).amax(-1)
+        ok = (b.amax(-1) <= 0x80) & (mag != 0x7F)
+        zero = mag == 0
+    else:  # E8M0: bytes 254 (2**127) and 255 (NaN) are refused
+        ok = b.amax(-1) < 254
     if global_amax is not None:
         g = global_amax.float()
-        g = (g.squeeze(-1) if g.dim() else g).to(low.device)
-        # min(g, FLT_MAX - g) < 0 exactly where g is negative or +Inf; NaN stays NaN
-        low = torch.minimum(low, torch.minimum(g, torch.finfo(torch.float32).max - g))
-        if high is not None:  # an amax of (-)0: every block scale 0 (-high >= 0)
-            low = torch.where(g > 0, low, torch.minimum(low, -high))
-    return low >= 0
+        g = (g.squeeze(-1) if g.dim() else g).to(ok.device)
+        ok = ok & (g >= 0) & (g < float("inf"))  # NaN fails both
+        if zero is not None:  # an amax of (-)0: every block scale +-0
+            ok = ok & ((g > 0) | zero)
+    return ok
 
 
 class GuidanceMismatchError(ValueError):

@@ -602,6 +602,26 @@ def test_scales_ok_on_every_scale_byte_and_amax_value(fmt, device):
     assert torch.equal(scales_ok(sg(kv, kv_amax, (1, len(values)))).cpu(), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e8m0fnu])
+def test_scales_usable_on_every_pair_of_scale_bytes(dtype):
+    """``scales_usable`` reads the scales as bytes: every row of two scale bytes (65,536 rows) against the by-hand
+    decode, for the NVFP4 amax kinds (0: only beside +-0 scales; per row and per tensor) and MXFP4 (no amax)."""
+    from megatron_trace.formats.tensor import scales_usable
+
+    pairs = torch.cartesian_prod(torch.arange(256), torch.arange(256))  # [65536, 2] int64
+    if dtype == torch.float8_e8m0fnu:
+        want = torch.tensor([a < 0xFE and b < 0xFE for a, b in pairs.tolist()])
+        assert torch.equal(scales_usable(pairs.to(torch.uint8).view(dtype), None), want)
+        return
+    ok = torch.tensor([_e4m3_ok(v) for v in range(256)])
+    zero = torch.tensor([v in (0x00, 0x80) for v in range(256)])
+    scales = pairs.to(torch.uint8).view(dtype)
+    for amax in (1.0, 0.0, -0.0):
+        want = ok[pairs].all(1) & (zero[pairs].all(1) if amax == 0 else True)
+        assert torch.equal(scales_usable(scales, torch.full((65536, 1), amax)), want), amax
+        assert torch.equal(scales_usable(scales, torch.tensor(amax)), want), amax
+
+
 @pytest.mark.parametrize("num_experts,nbytes", [(256, 1), (257, 2), (32768, 2), (32769, 4)])
 def test_routing_ids_take_the_fewest_bytes_that_hold_every_expert(num_experts, nbytes):
     """DeepSeek-V3's 256 experts (ids 0..255) fit one byte a (token, slot): 257 need two, 32769 four. The ids come
