@@ -2,6 +2,7 @@
 
 from .accounting import bytes_per_layer, bytes_per_token, row_bytes
 from .cache import GuidanceCache
+from .layout import PackedLayout
 from .model_dims import ModelDims
 from .planner import budget_layers
 from .records import SampleGuidance, SiteRecord, assemble, split_batch, staleness_stats, token_hash
@@ -11,7 +12,7 @@ from .site import FallbackCounter, SiteGuidance, SiteKey
 from .sync import GuidanceSync, GuidanceSyncError
 
 __all__ = [
-    "FallbackCounter", "GuidanceCache", "GuidanceSync", "GuidanceSyncError", "ModelDims", "SampleGuidance",
-    "ShardError", "SiteGuidance", "SiteKey", "SiteRecord", "assemble", "budget_layers", "bytes_per_layer",
-    "bytes_per_token", "guided_layers", "row_bytes", "split_batch", "staleness_stats", "token_hash",
+    "FallbackCounter", "GuidanceCache", "GuidanceSync", "GuidanceSyncError", "ModelDims", "PackedLayout",
+    "SampleGuidance", "ShardError", "SiteGuidance", "SiteKey", "SiteRecord", "assemble", "budget_layers",
+    "bytes_per_layer", "bytes_per_token", "guided_layers", "row_bytes", "split_batch", "staleness_stats", "token_hash",
 ]

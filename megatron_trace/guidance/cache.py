@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..config import TraceConfig
+from .layout import PackedLayout
 from .packed import Column, PackedGuidance, source_of
 from .packed_assemble import assemble_packed
 from .records import SampleGuidance, assemble, is_integer, sample_id_list
@@ -266,21 +267,22 @@ class GuidanceCache:
         return [found.get(sid) for sid in sample_ids]
 
     def assemble(self, step: int, sample_ids: Sequence[int | None], token_ids: torch.Tensor, *, versions,
-                 counter, attention_mask: torch.Tensor | None = None) -> dict:
+                 counter, attention_mask: torch.Tensor | None = None, layout: PackedLayout | None = None) -> dict:
         """``records.assemble`` of the samples ``sample_ids`` (row b trains ``sample_ids[b]``; None: no sample):
-        batch-major guidance, mismatching or absent rows invalid and counted in ``counter``. Unknown step: KeyError.
-        From the step's columns when all of it was kept as columns, else sample by sample."""
+        batch-major guidance (with ``layout``, a ``guidance.layout.PackedLayout``: the packed row's [1, T, ...]),
+        mismatching or absent rows invalid and counted in ``counter``. Unknown step: KeyError. From the step's
+        columns when all of it was kept as columns, else sample by sample."""
         st = self._steps.get(_step(step))
         if st is None:
             raise KeyError(f"guidance cache has no step {step} (steps held: {self.steps})")
         sample_ids = sample_id_list(sample_ids, rows=True)  # (one lookup rule on every storage path)
         if st.packed and not st.chunks and not st.shards:
             return assemble_packed([p for p, _ in st.packed], sample_ids, token_ids, versions=versions,
-                                   counter=counter, attention_mask=attention_mask)
+                                   counter=counter, attention_mask=attention_mask, layout=layout)
         ids = [sid for sid in sample_ids if sid is not None]
         got = dict(zip(ids, self.get(step, ids)))
         return assemble([None if sid is None else got[sid] for sid in sample_ids], token_ids,
-                        versions=versions, counter=counter, attention_mask=attention_mask)
+                        versions=versions, counter=counter, attention_mask=attention_mask, layout=layout)
 
     def drop(self, step: int) -> None:
         """Free everything held for ``step`` (memory and shards). Unknown steps are ignored."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from ..formats import CompactGuidance, FullGuidance, get_format
+from .layout import PackedLayout
 from .packed import Column, PackedGuidance, PackedRouting, _Packed, ranges
 from .records import (
     FC2,
@@ -68,11 +69,16 @@ def _rows_by_column(parts: Sequence[_Packed], loc) -> list[tuple[Column, torch.T
 
 
 class _Scatter:
-    """Token positions of a [B, S] mask: writes member rows of a column into batch rows."""
+    """Token positions of a [B, S] mask: writes member rows of a column into batch rows (``shape`` [B, S]), or with
+    a ``PackedLayout`` into the packed row (``shape`` [1, T])."""
 
-    def __init__(self, mask: torch.Tensor):
-        self.B, self.S = mask.shape
-        self.flat = mask.reshape(-1).nonzero().squeeze(1)  # [T] positions b * S + s, row-major
+    def __init__(self, mask: torch.Tensor, layout: PackedLayout | None = None):
+        if layout is None:
+            self.shape = tuple(mask.shape)
+            self.flat = mask.reshape(-1).nonzero().squeeze(1)  # [T] positions b * S + s, row-major
+        else:
+            self.shape = (1, layout.total)
+            self.flat = layout.positions(mask)[1]  # [T] packed positions, row-major
         self.counts = mask.sum(1).cpu()  # [B]
         self.tokens = self.counts.tolist()
         self.first = (torch.cumsum(self.counts, 0) - self.counts).to(self.flat.device)  # [B] first token of each row
@@ -90,7 +96,7 @@ class _Scatter:
         return hit[:3]
 
     def put(self, out: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor) -> None:
-        out.view(self.B * self.S, *out.shape[2:]).index_copy_(0, dst, rows.to(out.device))
+        out.view(self.shape[0] * self.shape[1], *out.shape[2:]).index_copy_(0, dst, rows.to(out.device))
 
 
 def _member_rows(c: Column, js: torch.Tensor) -> torch.Tensor:
@@ -132,19 +138,22 @@ def assemble_packed(
     lengths=None,
     keys: Sequence[SiteKey] | None = None,
     topk: int | None = None,
+    layout: PackedLayout | None = None,
 ) -> dict[SiteKey, SiteGuidance]:
-    """``records.assemble`` from columns: batch-major guidance, mismatching rows zero/invalid and counted (a key
-    no sample has: ``topk`` rows per token at FC2, see ``records.missing_rows_per_token``)."""
+    """``records.assemble`` from columns: batch-major guidance (with ``layout``: the packed row's [1, T, ...]),
+    mismatching rows zero/invalid and counted (a key no sample has: ``topk`` rows per token at FC2, see
+    ``records.missing_rows_per_token``)."""
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
     if len(sample_ids) != B:
         raise ValueError(f"{len(sample_ids)} sample ids for a batch of {B} rows")
+    scatter = _Scatter(mask, layout)  # (a layout that does not fit refuses before anything is counted)
     loc = _locate(parts, sample_ids)
     status = _status(parts, loc, token_ids, mask, _per_row(versions, B, "versions"))
     by_key: dict = {}
     for c, bs, js in _rows_by_column(parts, loc):
         by_key.setdefault(c.key, []).append((c, bs, js))
-    scatter, out = _Scatter(mask), {}
+    out = {}
     if keys is None and not by_key:
         count_all_missing(scatter.tokens, counter)
     check_topk(topk)
@@ -187,24 +196,24 @@ def _assemble_key(key, groups, status, mask, scatter: _Scatter, counter: Fallbac
             todo.append((c, bs[fits], js[fits]))
     per_token = math.prod(t.fields["valid"].shape[1:])
     counter.add(0, {r: int(scatter.counts[state == k].sum()) * per_token for k, r in enumerate(_REASONS)})
-    buf = _zeros(t, mask)
+    buf = _zeros(t, scatter.shape, mask.device)
     for c, bs, js in todo:
         _fill(buf, c, bs, js, scatter, counter)
     fmt = get_format(t.meta["fmt"])
     common = dict(block_scales=buf["scales"].view(fmt.scale_dtype), global_amax=buf.get("amax"),
-                  shape=(*mask.shape, *t.meta["shape"]), fmt=t.meta["fmt"])
+                  shape=(*scatter.shape, *t.meta["shape"]), fmt=t.meta["fmt"])
     rec = (CompactGuidance(mantissa_bits=buf["payload"], **common) if t.meta["mode"] == "compact"
            else FullGuidance(codes=buf["payload"], **common))
     return reject_bad_scales(key, SiteGuidance(rec, buf["valid"], buf.get("expert_ids")), counter)
 
 
-def _zeros(t: Column, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Zero [B, S, ...] tensors per field of template column ``t`` (amax per row: [B, S, ..., 1] float32)."""
-    B, S = mask.shape
-    out = {n: torch.zeros((B, S, *f.shape[1:]), dtype=f.dtype, device=mask.device)
+def _zeros(t: Column, lead: tuple[int, int], device) -> dict[str, torch.Tensor]:
+    """Zero [*lead, ...] tensors ([B, S] or [1, T]) per field of template column ``t`` (amax per row: [*lead, ...,
+    1] float32)."""
+    out = {n: torch.zeros((*lead, *f.shape[1:]), dtype=f.dtype, device=device)
            for n, f in t.fields.items() if n != "amax"}
     if "amax" in t.fields:
-        out["amax"] = torch.zeros((B, S, *t.fields["scales"].shape[1:-1], 1), dtype=torch.float32, device=mask.device)
+        out["amax"] = torch.zeros((*lead, *t.fields["scales"].shape[1:-1], 1), dtype=torch.float32, device=device)
     return out
 
 
@@ -227,12 +236,15 @@ def _fill(buf: dict, c: Column, bs: torch.Tensor, js: torch.Tensor, scatter: _Sc
 
 def assemble_routing_packed(parts: Sequence[PackedRouting], sample_ids: Sequence[int | None],
                             token_ids: torch.Tensor, *, versions: int | Sequence[int],
-                            attention_mask: torch.Tensor | None = None, lengths=None) -> dict[int, torch.Tensor]:
-    """``routing.assemble_routing`` from columns: ``{layer: int64 [B, S, topk]}``; any mismatch raises."""
+                            attention_mask: torch.Tensor | None = None, lengths=None,
+                            layout: PackedLayout | None = None) -> dict[int, torch.Tensor]:
+    """``routing.assemble_routing`` from columns: ``{layer: int64 [B, S, topk]}`` (with ``layout``: [1, T, topk]);
+    any mismatch raises."""
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)
-    B, S = mask.shape
+    B = mask.shape[0]
     if len(sample_ids) != B:
         raise ValueError(f"{len(sample_ids)} routing sample ids for a batch of {B} rows")
+    scatter = _Scatter(mask, layout)
     loc = _locate(parts, sample_ids)
     vers = _per_row(versions, B, "versions")
     status = _status(parts, loc, token_ids, mask, vers)
@@ -256,7 +268,7 @@ def assemble_routing_packed(parts: Sequence[PackedRouting], sample_ids: Sequence
             problem = f"layers {mine} != {first} of the other samples"
         if problem is not None:
             raise RoutingMismatchError(f"routing for batch row {b}: {problem}; routing replay needs every sample")
-    scatter, out = _Scatter(mask), {}
+    out = {}
     for c, bs, js in groups:
         experts = c.fields["experts"]
         bad = (_member_rows(c, js) != scatter.counts[bs]).nonzero()
@@ -264,7 +276,8 @@ def assemble_routing_packed(parts: Sequence[PackedRouting], sample_ids: Sequence
             b = int(bs[bad[0, 0]])
             raise RoutingMismatchError(f"routing for batch row {b}: layer {c.key} has "
                                        f"{int(_member_rows(c, js)[bad[0, 0]])} rows for {scatter.tokens[b]} tokens")
-        t = out.setdefault(c.key, torch.zeros(B, S, experts.shape[-1], dtype=torch.int64, device=mask.device))
+        t = out.setdefault(c.key, torch.zeros(*scatter.shape, experts.shape[-1], dtype=torch.int64,
+                                              device=mask.device))
         if t.shape[-1] != experts.shape[-1]:
             raise RoutingMismatchError(f"routing layer {c.key}: top-k {experts.shape[-1]} != {t.shape[-1]}")
         dst, src, _ = scatter.index(c, bs, js, experts.device)

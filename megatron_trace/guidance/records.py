@@ -28,6 +28,7 @@ import torch
 
 from ..formats import CompactGuidance, FullGuidance
 from ..formats.tensor import scales_usable
+from .layout import PackedLayout
 from .site import FallbackCounter, SiteGuidance, SiteKey, check_rows, is_integer
 
 logger = logging.getLogger(__name__)
@@ -275,8 +276,10 @@ def assemble(
     lengths=None,
     keys: Sequence[SiteKey] | None = None,
     topk: int | None = None,
+    layout: PackedLayout | None = None,
 ) -> dict[SiteKey, SiteGuidance]:
-    """Batch-major guidance for a trainer micro-batch: ``samples[b]`` belongs to row ``b``.
+    """Batch-major guidance for a trainer micro-batch: ``samples[b]`` belongs to row ``b``; with ``layout`` (a
+    ``guidance.layout.PackedLayout``), the packed row's [1, T, ...] instead, each sample's tokens at its segment.
 
     ``versions[b]`` is the policy version that generated the sample of row ``b`` (as the trainer
     recorded it). Records that don't match are zero rows with ``valid=False``, counted in
@@ -288,6 +291,7 @@ def assemble(
     B = mask.shape[0]
     if len(samples) != B:
         raise ValueError(f"{len(samples)} samples for a batch of {B} rows")
+    dest = destinations(mask, layout)  # (a layout that does not fit refuses before anything is counted)
     status = _row_status(samples, token_ids, mask, _per_row(versions, B, "versions"))
     tokens = mask.sum(1).tolist()
     if keys is None:
@@ -301,7 +305,7 @@ def assemble(
     out = {}
     for key in keys:
         recs = [s.sites.get(key) if s is not None else None for s in samples]
-        sg = _assemble_site(key, recs, status, mask, tokens, counter, topk)
+        sg = _assemble_site(key, recs, status, dest, tokens, counter, topk)
         if sg is not None:
             out[key] = sg
     bad = Counter(s for s in status if s != "ok")
@@ -335,7 +339,18 @@ def check_topk(topk) -> None:
         raise ValueError(f"topk={topk!r} must be an int >= 1 (the router's top-k) or None")
 
 
-def _assemble_site(key, recs, status, mask, tokens, counter, topk=None) -> SiteGuidance | None:
+def destinations(mask: torch.Tensor, layout: PackedLayout | None) -> tuple[tuple[int, int], list, torch.device]:
+    """(the assembled tensors' leading shape, per batch row b: (its row there, its tokens' positions in that row),
+    their device): [B, S] and ``mask``'s positions, or with ``layout`` [1, T] and each sample's segment."""
+    if layout is None:
+        return tuple(mask.shape), [(b, row.nonzero().squeeze(1)) for b, row in enumerate(mask)], mask.device
+    layout.check(mask)
+    starts, counts = layout.cu_seqlens, mask.sum(1).tolist()
+    rows = [(0, torch.arange(n, device=mask.device) + starts[b]) for b, n in enumerate(counts)]
+    return (1, layout.total), rows, mask.device
+
+
+def _assemble_site(key, recs, status, dest, tokens, counter, topk=None) -> SiteGuidance | None:
     layouts = Counter(r.layout() for r in recs if r is not None)
     if not layouts:
         n = sum(tokens)
@@ -344,7 +359,7 @@ def _assemble_site(key, recs, status, mask, tokens, counter, topk=None) -> SiteG
     layout = layouts.most_common(1)[0][0]
     t = next(r for r in recs if r is not None and r.layout() == layout)
     rows_per_token = int(torch.tensor(t.valid.shape[1:]).prod().item())
-    buf = _empty_like_batch(t, mask)
+    buf = _empty_like_batch(t, dest[0], dest[2])
     for b, rec in enumerate(recs):
         reason = status[b] if status[b] != "ok" else ("missing" if rec is None else None)
         if reason is None and (rec.layout() != layout or rec.num_tokens != tokens[b]):
@@ -352,12 +367,12 @@ def _assemble_site(key, recs, status, mask, tokens, counter, topk=None) -> SiteG
         if reason is not None:
             counter.add(0, {reason: tokens[b] * rows_per_token})
             continue
-        _fill(buf, b, mask[b].nonzero().squeeze(1), rec)
+        _fill(buf, *dest[1][b], rec)
         used = int(rec.valid.sum())
         counter.add(used, {"not_recorded": rec.valid.numel() - used})
     record = with_tensors(
         t.record, buf["payload"], buf["scales"].view(t.record.block_scales.dtype), buf["amax"],
-        (*mask.shape, *t.record.shape[1:]),
+        (*dest[0], *t.record.shape[1:]),
     )
     return reject_bad_scales(key, SiteGuidance(record, buf["valid"], buf["ids"]), counter)
 
@@ -387,10 +402,9 @@ def reject_bad_scales(key: SiteKey, sg: SiteGuidance, counter: FallbackCounter) 
     return replace(sg, valid=sg.valid & ok, scales_checked=True)
 
 
-def _empty_like_batch(t: SiteRecord, mask: torch.Tensor) -> dict:
-    """Zero tensors [B, S, ...] shaped like template record ``t``'s rows."""
-    B, S = mask.shape
-    dev = mask.device
+def _empty_like_batch(t: SiteRecord, lead: tuple[int, int], dev) -> dict:
+    """Zero tensors [*lead, ...] ([B, S] or a packed row's [1, T]) shaped like template record ``t``'s rows."""
+    B, S = lead
     r = t.record
 
     def z(x, dtype=None):

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .records import _ints, _per_row, is_integer, token_hash, token_mask
+from .layout import PackedLayout
+from .records import _ints, _per_row, destinations, is_integer, token_hash, token_mask
 
 ALIGN = 16
 _DTYPES = {"uint8": torch.uint8, "int16": torch.int16, "int32": torch.int32, "int64": torch.int64}
@@ -96,12 +97,14 @@ def split_routing(routing: Mapping[int, torch.Tensor], token_ids: torch.Tensor, 
 
 def assemble_routing(samples: Sequence[SampleRouting | None], token_ids: torch.Tensor, *,
                      versions: int | Sequence[int], attention_mask: torch.Tensor | None = None,
-                     lengths=None) -> dict[int, torch.Tensor]:
-    """``{layer: int64 [B, S, topk]}`` for a trainer micro-batch (``samples[b]`` is row b; zeros on padding)."""
+                     lengths=None, layout: PackedLayout | None = None) -> dict[int, torch.Tensor]:
+    """``{layer: int64 [B, S, topk]}`` for a trainer micro-batch (``samples[b]`` is row b; zeros on padding); with
+    ``layout`` (a ``guidance.layout.PackedLayout``) the packed row's [1, T, topk]."""
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)
-    B, S = mask.shape
+    B = mask.shape[0]
     if len(samples) != B:
         raise ValueError(f"{len(samples)} routing samples for a batch of {B} rows")
+    lead, dest, _ = destinations(mask, layout)
     vers = _per_row(versions, B, "versions")
     layers, topk = None, {}
     for b, s in enumerate(samples):
@@ -120,9 +123,9 @@ def assemble_routing(samples: Sequence[SampleRouting | None], token_ids: torch.T
     out = {}
     for layer in sorted(layers or ()):
         topk = samples[0].experts[layer].shape[-1]
-        t = torch.zeros(B, S, topk, dtype=torch.int64, device=mask.device)
-        for b, s in enumerate(samples):
-            t[b].index_copy_(0, mask[b].nonzero().squeeze(1), s.experts[layer].to(mask.device, torch.int64))
+        t = torch.zeros(*lead, topk, dtype=torch.int64, device=mask.device)
+        for (row, pos), s in zip(dest, samples):
+            t[row].index_copy_(0, pos, s.experts[layer].to(mask.device, torch.int64))
         out[layer] = t
     return out
 

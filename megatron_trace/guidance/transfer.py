@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import wire
+from .layout import PackedLayout
 from .packed import PackedGuidance, PackedRouting, source_of
 from .packed_assemble import assemble_packed, assemble_routing_packed
 from .records import SampleGuidance
@@ -59,19 +60,22 @@ class GuidanceShard:
 
     def assemble(self, sample_ids: Sequence[int | None], token_ids: torch.Tensor, *, versions: int | Sequence[int],
                  counter: FallbackCounter, attention_mask: torch.Tensor | None = None, lengths=None,
-                 keys: Sequence[SiteKey] | None = None, topk: int | None = None) -> dict[SiteKey, SiteGuidance]:
+                 keys: Sequence[SiteKey] | None = None, topk: int | None = None,
+                 layout: PackedLayout | None = None) -> dict[SiteKey, SiteGuidance]:
         """``records.assemble`` for a micro-batch whose row b trains sample ``sample_ids[b]`` (None: none), straight
         from the columns (same checks, counts and result, no per-sample work). ``keys``: the trainer's guided
-        keys, ``topk``: its router top-k (the rows of an FC2 key no sample has)."""
+        keys, ``topk``: its router top-k (the rows of an FC2 key no sample has); ``layout``: a packed row's
+        ``guidance.layout.PackedLayout`` (the guidance then comes as [1, T, ...])."""
         return assemble_packed(self.parts, sample_ids, token_ids, versions=versions, counter=counter,
-                               attention_mask=attention_mask, lengths=lengths, keys=keys, topk=topk)
+                               attention_mask=attention_mask, lengths=lengths, keys=keys, topk=topk, layout=layout)
 
     def assemble_routing(self, sample_ids: Sequence[int | None], token_ids: torch.Tensor, *,
                          versions: int | Sequence[int], attention_mask: torch.Tensor | None = None,
-                         lengths=None) -> dict[int, torch.Tensor]:
-        """``routing.assemble_routing`` for row b = sample ``sample_ids[b]``, straight from the columns."""
+                         lengths=None, layout: PackedLayout | None = None) -> dict[int, torch.Tensor]:
+        """``routing.assemble_routing`` for row b = sample ``sample_ids[b]``, straight from the columns (with
+        ``layout``: [1, T, topk])."""
         return assemble_routing_packed(self.routing_parts, sample_ids, token_ids, versions=versions,
-                                       attention_mask=attention_mask, lengths=lengths)
+                                       attention_mask=attention_mask, lengths=lengths, layout=layout)
 
 
 @dataclass

@@ -16,7 +16,8 @@ or, around Megatron's ``forward_backward_func`` (pipeline schedules included), o
         forward_backward_func(..., num_microbatches=len(micro_batches))
 
 Packed sequences (THD, one row per micro-batch): ``pack_step(step, cu_seqlens)`` lays a batch-major StepGuidance out
-for the packed row.
+for the packed row; ``packed_layout(packed_seq_params)`` given to the assembly (``GuidanceCache.assemble(...,
+layout=)``) builds the packed row's guidance directly.
 
 Megatron-LM: ``add_trace_args`` (extra_args_provider) + ``trace_config_from_args``; see patches/.
 """
@@ -27,7 +28,7 @@ from .attention import TraceDotProductAttention, TraceKVCore
 from .context import StepGuidance, TraceStep, check_finite, trace_guidance, trace_record
 from .experts import TraceExpertsCore, TraceSequentialMLP
 from .layers import find_trace_layers
-from .packing import pack_step
+from .packing import pack_step, packed_layout
 from .spec import TraceSpecProvider, get_trace_decoder_block_spec, get_trace_gpt_layer_spec, trace_spec
 from .step import GuidanceCoverageError, GuidanceFallbackError
 from .te import TE_EXTRA_HINT, TraceTEGroupedMLP, TraceWeightFetch
@@ -38,7 +39,7 @@ __all__ = [
     "StepGuidance", "TE_EXTRA_HINT", "TraceDotProductAttention",
     "TraceExpertsCore", "TraceKVCore", "TraceSequentialMLP", "TraceSpecProvider", "TraceStep", "TraceTEGroupedMLP",
     "TraceWeightFetch", "add_trace_args", "check_finite", "find_trace_layers", "get_trace_decoder_block_spec",
-    "get_trace_gpt_layer_spec", "pack_step", "reuse_weight_quant", "trace_args_from_config", "trace_config_from_args",
-    "trace_eval_done", "trace_eval_start", "trace_guidance", "trace_train_step",
+    "get_trace_gpt_layer_spec", "pack_step", "packed_layout", "reuse_weight_quant", "trace_args_from_config",
+    "trace_config_from_args", "trace_eval_done", "trace_eval_start", "trace_guidance", "trace_train_step",
     "trace_record", "trace_spec", "trace_spec_from_args",
 ]

@@ -31,7 +31,8 @@ import logging
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
-from ..guidance.site import SiteGuidance, is_integer
+from ..guidance.layout import PackedLayout
+from ..guidance.site import SiteGuidance
 from .context import StepGuidance
 from .rows import map_record
 
@@ -43,32 +44,17 @@ def pack_step(step: StepGuidance, cu_seqlens, *, total: int | None = None) -> St
     forward's ``PackedSeqParams``: see the module docstring); ``total``: the packed row's length T when it ends in
     tail padding (default ``cu_seqlens[-1]``). Sites, routing, token mask are moved; counter (the same object),
     fallback and min_coverage are carried over. A site whose record is not [B, S] is kept as it is (the packed
-    forward rejects it as a whole, counted ``shape``)."""
+    forward rejects it as a whole, counted ``shape``). To assemble guidance straight into the packed layout
+    (without the [B, S] copy), give ``packed_layout(...)`` to the assembly as ``layout=``."""
     if not isinstance(step, StepGuidance):
         raise TypeError(f"pack_step takes a StepGuidance, got {type(step).__name__}")
     B, S = _batch_shape(step)
-    cu, actual = _boundaries(cu_seqlens, B)
-    if total is None:
-        total = cu[-1]
-    elif not is_integer(total) or int(total) < cu[-1]:
-        raise ValueError(f"total={total!r} must be an int >= cu_seqlens[-1]={cu[-1]} (the packed row's length)")
-    total = int(total)
+    layout = packed_layout(cu_seqlens, total=total)
     mask = step.token_mask
     if mask is None:
         mask = torch.ones(B, S, dtype=torch.bool)
-    lengths = mask.sum(1).tolist()  # (one host read)
-    if actual is not None and lengths != actual:
-        b = next(i for i, (n, a) in enumerate(zip(lengths, actual)) if n != a)
-        raise ValueError(f"sample {b} has {lengths[b]} tokens in its token_mask row, but the PackedSeqParams holds "
-                         f"{actual[b]} (cu_seqlens_q, the samples' lengths: {actual}); the token_mask must mark "
-                         "exactly the tokens the packed row holds (the rest would be unguided and not counted)")
-    segments = [b - a for a, b in zip(cu, cu[1:])]
-    long = [(b, n, seg) for b, (n, seg) in enumerate(zip(lengths, segments)) if n > seg]
-    if long:
-        b, n, seg = long[0]
-        raise ValueError(f"sample {b} has {n} tokens, longer than its segment cu_seqlens[{b}:{b + 2}]={cu[b:b + 2]} "
-                         f"({seg} positions); cu_seqlens must give each sample at least its token_mask row's tokens")
-    src, dst = _token_rows(mask, cu)
+    src, dst = layout.positions(mask)
+    total = layout.total
 
     def move(t: torch.Tensor) -> torch.Tensor:
         """[B, S, ...] -> [1, total, ...]: the counted tokens' rows to their packed positions, zeros elsewhere."""
@@ -95,7 +81,7 @@ def pack_step(step: StepGuidance, cu_seqlens, *, total: int | None = None) -> St
             raise ValueError(f"routing[{layer}] has shape {tuple(r.shape)}; the micro-batch is [B, S]={(B, S)}")
         routing[layer] = move(r)
     packed_mask = torch.zeros(1, total, dtype=torch.bool, device=mask.device)
-    packed_mask[0, dst.to(mask.device)] = True
+    packed_mask[0, dst] = True
     return dataclasses.replace(step, sites=sites, routing=routing, token_mask=packed_mask)
 
 
@@ -113,51 +99,26 @@ def _batch_shape(step: StepGuidance) -> tuple[int, int]:
     return tuple(shapes[0])
 
 
-def _boundaries(cu_seqlens, batch: int) -> tuple[list[int], list[int] | None]:
-    """(``cu_seqlens`` (or a ``PackedSeqParams``'s) as B + 1 ints from 0, non-decreasing (one host read of a
-    tensor); the samples' lengths where they are known apart from the segments: a ``PackedSeqParams`` whose
-    ``cu_seqlens_q`` differs from its ``cu_seqlens_q_padded`` (Transformer Engine then attends to the first
-    ``cu_seqlens_q`` lengths of each padded segment), else None)."""
+def packed_layout(cu_seqlens, *, total: int | None = None) -> PackedLayout:
+    """The ``guidance.layout.PackedLayout`` of a packed row: ``cu_seqlens`` as ``pack_step`` takes it (int [B + 1],
+    or the forward's ``PackedSeqParams``: its ``cu_seqlens_q_padded`` where set, else ``cu_seqlens_q``; where both
+    are set and differ, ``cu_seqlens_q`` gives the samples' lengths, which the token mask must match); ``total``: the
+    row's length (default ``cu_seqlens[-1]``). Give it to ``GuidanceCache.assemble`` / ``records.assemble`` /
+    ``GuidanceShard.assemble`` (and their routing twins) as ``layout=`` to assemble straight into [1, T, ...]."""
+    lengths = None
     if isinstance(cu_seqlens, PackedSeqParams):
         if cu_seqlens.qkv_format != "thd":
             raise ValueError(f"PackedSeqParams.qkv_format={cu_seqlens.qkv_format!r}: pack_step lays guidance out "
                              "for packed rows, qkv_format='thd'")
         padded, real = cu_seqlens.cu_seqlens_q_padded, cu_seqlens.cu_seqlens_q
         if padded is not None and real is not None:
-            real = _boundaries(real, batch)[0]
-            cu = _boundaries(padded, batch)[0]
-            return cu, None if real == cu else [b - a for a, b in zip(real, real[1:])]
+            real = PackedLayout.of(real).cu_seqlens
+            lay = PackedLayout.of(padded, total=total)
+            if real != lay.cu_seqlens:
+                lengths = [b - a for a, b in zip(real, real[1:])]
+                if len(lengths) != lay.batch:
+                    raise ValueError(f"PackedSeqParams: cu_seqlens_q has {len(real)} entries, cu_seqlens_q_padded "
+                                     f"{len(lay.cu_seqlens)}")
+            return PackedLayout.of(lay.cu_seqlens, total=total, lengths=lengths)
         cu_seqlens = padded if padded is not None else real
-    if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:
-            raise ValueError(f"cu_seqlens must be integer (int32 as PackedSeqParams holds it), got {cu_seqlens.dtype}")
-        if cu_seqlens.dim() != 1:
-            raise ValueError(f"cu_seqlens must be 1-D [B + 1], got shape {tuple(cu_seqlens.shape)}")
-        cu = cu_seqlens.tolist()
-    elif isinstance(cu_seqlens, (list, tuple)):
-        bad = [v for v in cu_seqlens if not is_integer(v)]
-        if bad:  # (1.5 would place a sample between positions; [[0, 3]] is no 1-D list)
-            raise ValueError(f"cu_seqlens must be 1-D integers, got {bad[0]!r} in {list(cu_seqlens)}")
-        cu = [int(v) for v in cu_seqlens]
-    else:
-        raise ValueError(f"cu_seqlens must be an integer tensor or a list of ints [B + 1] (or a PackedSeqParams), "
-                         f"got {type(cu_seqlens).__name__}")
-    if len(cu) != batch + 1:
-        raise ValueError(f"cu_seqlens has {len(cu)} entries, the micro-batch has B={batch} samples: need B + 1 = "
-                         f"{batch + 1} (a trailing padding segment is given as total=, not as a sample)")
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens must start at 0, got {cu[0]} (in {cu})")
-    down = [i for i in range(batch) if cu[i + 1] < cu[i]]
-    if down:
-        i = down[0]
-        raise ValueError(f"cu_seqlens must not decrease: cu_seqlens[{i + 1}]={cu[i + 1]} < cu_seqlens[{i}]={cu[i]} "
-                         f"(in {cu})")
-    return cu, None
-
-
-def _token_rows(mask: torch.Tensor, cu: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 (src, dst): each counted token's batch-major row (``b * S + s``) and its packed position."""
-    b, s = mask.nonzero().unbind(1)  # row-major: sample by sample, positions in order
-    rank = (mask.long().cumsum(1) - 1)[b, s]  # the token's index among its sample's tokens
-    start = torch.tensor(cu[:-1], dtype=torch.int64, device=mask.device)
-    return b * mask.shape[1] + s, start[b] + rank
+    return PackedLayout.of(cu_seqlens, total=total)
