@@ -35,7 +35,7 @@ from ..config import TraceConfig
 from .layout import PackedLayout
 from .packed import Column, PackedGuidance, source_of
 from .packed_assemble import assemble_packed
-from .records import SampleGuidance, assemble, is_integer, sample_id_list
+from .records import FC2, SampleGuidance, assemble, is_integer, sample_id_list
 from .serial import FlatPlan, host_buffer, plan_flat, unflatten_one, write_flat
 from .shards import (
     SHARD_PREFIX,
@@ -69,6 +69,18 @@ class _Step:
     sample_ids: set[int] = field(default_factory=set)
     packed: list[tuple[PackedGuidance, int]] = field(default_factory=list)  # (host columns, bytes)
     views: dict[int, SampleGuidance] = field(default_factory=dict)  # sample id -> view of ``packed``
+    keys: set = field(default_factory=set)  # every (layer, site) a put of this step recorded
+    topk: int | None = None  # the FC2 records' top-k (rows per token at expert_fc2_in)
+
+    def add_keys(self, whole: PackedGuidance | None, samples: Sequence[SampleGuidance]) -> None:
+        """Note the keys (and FC2 top-k) of a put: ``assemble`` counts a micro-batch's rows at all of the step's."""
+        if whole is not None:
+            found = [(c.key, c.fields["valid"].shape[-1]) for c in whole.columns]
+        else:
+            found = [(k, r.valid.shape[-1]) for s in samples for k, r in s.sites.items()]
+        self.keys.update(k for k, _ in found)
+        if self.topk is None:
+            self.topk = next((int(n) for k, n in found if k[1] == FC2), None)
 
 
 def _columns_nbytes(p: PackedGuidance) -> int:
@@ -188,6 +200,7 @@ class GuidanceCache:
                 st.views = {}  # rebuilt by the next get, with this part's samples
                 self._account(nbytes)
                 st.sample_ids.update(ids)
+                st.add_keys(whole, ())
                 return
             if isinstance(samples, PackedGuidance):
                 samples = samples.to_samples()
@@ -219,6 +232,7 @@ class GuidanceCache:
                 del self._steps[step]
             raise
         st.sample_ids.update(ids)
+        st.add_keys(None, samples)
 
     def _fit_in_memory(self, plan: FlatPlan) -> int:
         """How many leading samples of ``plan`` fit under the budget."""
@@ -270,7 +284,8 @@ class GuidanceCache:
                  counter, attention_mask: torch.Tensor | None = None, layout: PackedLayout | None = None) -> dict:
         """``records.assemble`` of the samples ``sample_ids`` (row b trains ``sample_ids[b]``; None: no sample):
         batch-major guidance (with ``layout``, a ``guidance.layout.PackedLayout``: the packed row's [1, T, ...]),
-        mismatching or absent rows invalid and counted in ``counter``. Unknown step: KeyError. From the step's
+        mismatching or absent rows invalid and counted in ``counter``, at every key the step holds (a micro-batch of
+        absent samples alone counts the rows it counts beside present ones). Unknown step: KeyError. From the step's
         columns when all of it was kept as columns, else sample by sample."""
         st = self._steps.get(_step(step))
         if st is None:
@@ -282,7 +297,8 @@ class GuidanceCache:
         ids = [sid for sid in sample_ids if sid is not None]
         got = dict(zip(ids, self.get(step, ids)))
         return assemble([None if sid is None else got[sid] for sid in sample_ids], token_ids,
-                        versions=versions, counter=counter, attention_mask=attention_mask, layout=layout)
+                        versions=versions, counter=counter, attention_mask=attention_mask,
+                        keys=sorted(st.keys) or None, topk=st.topk, layout=layout)
 
     def drop(self, step: int) -> None:
         """Free everything held for ``step`` (memory and shards). Unknown steps are ignored."""

@@ -1,6 +1,8 @@
 """Trainer micro-batches straight from columns (``packed``): ``records.assemble`` and ``routing.assemble_routing``
 without per-sample objects. Same acceptance rules (token hash, version, layout, row count), the same fallback
-counts by reason and the same tensors; the work is a few index operations per (layer, site), not per sample.
+counts by reason and the same tensors as ``records.assemble`` given the keys of all the parts (``keys`` None here
+means those, there the micro-batch's samples'); the work is a few index operations per (layer, site), not per
+sample.
 
 Row ``b`` of the micro-batch trains the sample with id ``sample_ids[b]`` (None: no sample, counted ``missing``).
 """
@@ -142,7 +144,10 @@ def assemble_packed(
 ) -> dict[SiteKey, SiteGuidance]:
     """``records.assemble`` from columns: batch-major guidance (with ``layout``: the packed row's [1, T, ...]),
     mismatching rows zero/invalid and counted (a key no sample has: ``topk`` rows per token at FC2, see
-    ``records.missing_rows_per_token``)."""
+    ``records.missing_rows_per_token``). ``keys`` None: every key of ``parts`` (the step's or the received shard's,
+    ``part_keys``), so that a row without a sample or record is counted at each of them whatever else its
+    micro-batch holds (``parts`` without any column: once per token).
+    """
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
     if len(sample_ids) != B:
@@ -154,12 +159,14 @@ def assemble_packed(
     for c, bs, js in _rows_by_column(parts, loc):
         by_key.setdefault(c.key, []).append((c, bs, js))
     out = {}
-    if keys is None and not by_key:
-        count_all_missing(scatter.tokens, counter)
+    if keys is None:  # every key of ``parts``, not only this micro-batch's: its rows count alike in any micro-batch
+        keys = part_keys(parts)
+        if not keys:
+            count_all_missing(scatter.tokens, counter)
     check_topk(topk)
     if topk is None:
         topk = next((c.fields["valid"].shape[-1] for p in parts for c in p.columns if c.key[1] == FC2), None)
-    for key in sorted(by_key) if keys is None else keys:
+    for key in keys:
         sg = _assemble_key(key, by_key.get(key, []), status, mask, scatter, counter, topk)
         if sg is not None:
             out[key] = sg
@@ -167,6 +174,11 @@ def assemble_packed(
     if bad:
         logger.info("guidance rejected for %d of %d samples: %s", sum(bad.values()), B, dict(bad))
     return out
+
+
+def part_keys(parts: Sequence[PackedGuidance]) -> list[SiteKey]:
+    """The (layer, site) keys of every column of ``parts``, sorted."""
+    return sorted({c.key for p in parts for c in p.columns})
 
 
 _REASONS = ("missing", "token_hash", "version", "shape")  # row states 0..3; 4: used

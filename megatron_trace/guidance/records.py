@@ -285,7 +285,10 @@ def assemble(
     recorded it). Records that don't match are zero rows with ``valid=False``, counted in
     ``counter`` by reason. A key no sample has is left out (the trainer falls back there) and its rows
     are counted ``missing``: one per token, ``topk`` per token at ``expert_fc2_in`` (the trainer's router
-    top-k; None: the top-k of the batch's FC2 records, see ``missing_rows_per_token``).
+    top-k; None: the top-k of the batch's FC2 records, see ``missing_rows_per_token``). ``keys`` None: the keys
+    of ``samples``; a micro-batch none of whose samples has a record then counts each token once (the sites are
+    unknown, ``count_all_missing``), fewer rows than it counts beside a sample with records: give the step's keys
+    (``GuidanceCache.assemble`` does) for counts that add up alike over any split of a step into micro-batches.
     """
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
