@@ -316,8 +316,8 @@ def test_a_greedy_sample_is_the_same_in_any_batch(fmt, reuse):
     """Batch invariance (per-row amax, the default): a greedy sample alone and in a batch of shorter and longer
     prompts, at two positions (its prompt then forked under prefix reuse), beside a row that stops at its first token,
     has the same tokens, routing and guidance bit for bit (codes, scales, valid rows, expert ids: per sample as the
-    trainer receives them, token hash and version included); log-probs within float rounding (torch's CPU kernels
-    round batches of 1-2 rows and padding masks differently)."""
+    trainer receives them, token hash and version included); log-probs and NVFP4 per-row amax values within float
+    rounding (torch's CPU kernels round batches of 1-2 rows and padding masks differently)."""
     from megatron_trace.guidance.records import pack_guidance, token_hash
 
     be = backend(config=TraceConfig(format=fmt, guided_layers="all", cache_mode="full"), prefix_reuse=reuse)
@@ -351,3 +351,7 @@ def test_a_greedy_sample_is_the_same_in_any_batch(fmt, reuse):
             assert torch.equal(g.valid, w.valid) and (w.expert_ids is None or torch.equal(g.expert_ids, w.expert_ids))
             assert torch.equal(g.record.codes, w.record.codes), (row, key)
             assert torch.equal(g.record.block_scales.view(torch.uint8), w.record.block_scales.view(torch.uint8))
+            if fmt == "nvfp4":  # each row's own amax: the rows agree within float rounding of their inputs
+                assert torch.allclose(g.record.global_amax, w.record.global_amax, rtol=1e-5, atol=0), (row, key)
+            else:
+                assert g.record.global_amax is None and w.record.global_amax is None
