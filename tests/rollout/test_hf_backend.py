@@ -313,7 +313,7 @@ def test_recorded_bytes_equal_the_planners(amax, mode):
 @pytest.mark.parametrize("fmt, reuse", [("nvfp4", True), ("mxfp4", False)],
                          ids=["nvfp4-prefix-reuse", "mxfp4-no-reuse"])
 def test_a_greedy_sample_is_the_same_in_any_batch(fmt, reuse):
-    """Batch invariance (per-row amax, the default): a greedy sample alone and in a batch of shorter and longer
+    """Batch invariance (per-row amax, the default; fp32): a greedy sample alone and in a batch of shorter and longer
     prompts, at two positions (its prompt then forked under prefix reuse), beside a row that stops at its first token,
     has the same tokens, routing and guidance bit for bit (codes, scales, valid rows, expert ids: per sample as the
     trainer receives them, token hash and version included); log-probs and NVFP4 per-row amax values within float
