@@ -64,8 +64,9 @@ class GuidanceShard:
                  layout: PackedLayout | None = None) -> dict[SiteKey, SiteGuidance]:
         """``records.assemble`` for a micro-batch whose row b trains sample ``sample_ids[b]`` (None: none), straight
         from the columns (same checks, counts and result, no per-sample work). ``keys``: the trainer's guided
-        keys, ``topk``: its router top-k (the rows of an FC2 key no sample has); ``layout``: a packed row's
-        ``guidance.layout.PackedLayout`` (the guidance then comes as [1, T, ...])."""
+        keys (None: every key of the received parts, ``packed_assemble.assemble_packed``), ``topk``: its router
+        top-k (the rows of an FC2 key no sample has); ``layout``: a packed row's ``guidance.layout.PackedLayout``
+        (the guidance then comes as [1, T, ...])."""
         return assemble_packed(self.parts, sample_ids, token_ids, versions=versions, counter=counter,
                                attention_mask=attention_mask, lengths=lengths, keys=keys, topk=topk, layout=layout)
 
