@@ -344,6 +344,9 @@ def sync_header_bound(dims: ModelDims, config: TraceConfig, sample_tokens, *, la
     layers, rec = _guided(dims, config, layers), _recorded(dims, config)
     if payload is None:
         payload = shard_bytes(dims, config, sample_tokens, layers=layers)["sync_payload"]
+    elif isinstance(payload, bool) or not isinstance(payload, numbers.Integral) or payload < 0:
+        # (-1 or 0.5 wrote offsets narrower than any real one: a bound below the header it bounds)
+        raise ValueError(f"payload={payload!r} must be an int >= 0 (the send's payload bytes) or None")
     n, tokens, wide = len(sample_tokens), sum(sample_tokens), -(2**63)  # the widest id or version: 20 characters
 
     def column(key, meta: dict, fields: list[tuple]) -> dict:

@@ -120,8 +120,10 @@ def test_rank_projection_scales_with_ranks_and_bandwidth(caplog):
     (lambda c: sync_header_bound(DIMS, c, [True]), r"sample_tokens holds \[True\]: each must be a token count"),
     (lambda c: sample_bytes(DIMS, c, 4, layers=[3]), r"layer=3 outside 0..2"),
     (lambda c: shard_bytes(DIMS, c, [4], layers=[1.5]), r"layer=1.5 must be an int layer id in 0..2"),
+    (lambda c: sync_header_bound(DIMS, c, [4], payload=-1), r"payload=-1 must be an int >= 0"),
+    (lambda c: sync_header_bound(DIMS, c, [4], payload=1e9), r"payload=1000000000.0 must be an int >= 0"),
 ], ids=["tokens-float", "tokens-bool", "sample-float", "sample-str", "samples-str", "header-bool", "layer-beyond",
-        "layer-float"])
+        "layer-float", "header-payload-negative", "header-payload-float"])
 def test_token_counts_and_layers_are_named(call, match):
     """Were accepted: 2.5 tokens gave float bytes in ``sample_bytes`` and were truncated to 2 by ``shard_bytes`` and
     ``sync_header_bound``, "3" was parsed, True one token; a layer off the model or 1.5 had no site (0 bytes)."""
