@@ -63,6 +63,8 @@ _SIMPLE = {
     "trace_finite_check": "finite_check",
 }
 
+_GUIDED = "guided layers (--trace-guided-layers other than none) and guided sites (--trace-guided-sites not empty)"
+
 # flag -> (what makes the config use its field, whether it does): given another value than the default while unused,
 # the flag would do nothing
 _USED_WHEN = {
@@ -74,6 +76,9 @@ _USED_WHEN = {
                               "in it (expert_fc1_in, expert_fc2_in, or kv_k / kv_v without --trace-kv-format)",
                               lambda c: c.format == "nvfp4" and bool(c.activation_sites())),
     "trace_kv_format": ("a KV site (kv_k, kv_v) in --trace-sites", lambda c: any(s in c.sites for s in KV_SITES)),
+    # (no guided layer or no guided site: no row is guided, the coverage is 1 by definition and nothing falls back)
+    "trace_fallback": (_GUIDED, lambda c: c.guided_layers != "none" and bool(c.guided_sites)),
+    "trace_min_coverage": (_GUIDED, lambda c: c.guided_layers != "none" and bool(c.guided_sites)),
 }
 _OTHER_FLAGS = ("trace_config", "trace_sites", "trace_guided_sites", "trace_guided_layers", "trace_exclude_modules")
 
@@ -252,6 +257,8 @@ def _what_decides(cfg: TraceConfig, flag: str) -> str:
         return f"format={cfg.format!r}"
     if flag == "trace_kv_format":
         return f"sites={','.join(cfg.sites)}"
+    if flag in ("trace_fallback", "trace_min_coverage"):
+        return f"guided_layers={cfg.guided_layers!r} and guided_sites={','.join(cfg.guided_sites)!r}"
     return f"guided_layers={cfg.guided_layers!r}"
 
 
