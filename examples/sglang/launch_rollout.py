@@ -31,10 +31,22 @@ def export(hf_dir: str, out: str, input_amax: float) -> None:
     named = [(k, v) for f in files for k, v in load_file(os.path.join(hf_dir, f)).items()]
     save_modelopt_checkpoint(out, fp4_stream(named, cfg.weight_quantizer()), hf_config, input_amax,
                              trace_extras=True, trace_config=cfg.to_dict())
-    for f in os.listdir(hf_dir):  # tokenizer and generation files travel with the checkpoint
-        if f.endswith((".json", ".txt", ".model")) and f not in ("config.json", "model.safetensors.index.json"):
-            with open(os.path.join(hf_dir, f), "rb") as src, open(os.path.join(out, f), "wb") as dst:
-                dst.write(src.read())
+    for f in side_files(hf_dir):  # tokenizer, chat template and generation files travel with the checkpoint
+        with open(os.path.join(hf_dir, f), "rb") as src, open(os.path.join(out, f), "wb") as dst:
+            dst.write(src.read())
+
+
+CHECKPOINT_FILES = ("config.json", "hf_quant_config.json")
+"""What the export writes itself (a source's copy would overwrite the export's); weights and their indexes too."""
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def side_files(hf_dir: str) -> list[str]:
+    """The files of ``hf_dir`` that are not the checkpoint's weights or configs: tokenizer files, the chat template
+    (``chat_template.jinja``, which transformers writes beside the tokenizer), generation config, README. (Copying
+    only .json / .txt / .model files left the chat template behind, silently.)"""
+    return sorted(f for f in os.listdir(hf_dir) if os.path.isfile(os.path.join(hf_dir, f))
+                  and f not in CHECKPOINT_FILES and not f.endswith(WEIGHT_SUFFIXES))
 
 
 def serve(ckpt: str, tp: int) -> None:
