@@ -1,7 +1,7 @@
 """Per-step state shared by the TRACE modules of one model while a ``trace_guidance`` context is open.
 
 ``StepState`` holds what every layer needs (config, counter, fallback policy, recording);
-``SiteCheck`` validates a ``SiteGuidance`` once against the layer's dimensions. Counting
+``check_site`` validates a ``SiteGuidance`` once against the layer's dimensions (a ``CheckedSite``). Counting
 reasons (rows that fell back to the trainer's own rounding):
 
   not_guided_layer  the layer is outside the layer policy
@@ -9,7 +9,9 @@ reasons (rows that fell back to the trainer's own rounding):
   shape             the guidance does not fit the layer or the batch (rejected as a whole)
   format            the record's format is not the site's (``TraceConfig.kv_record_format`` at KV sites,
                     ``format`` elsewhere), e.g. SGLang's KV records for a trainer without ``kv_format``
-  invalid_row       the record marks the row invalid (not recorded, rejected at assembly)
+  invalid_row       the record marks the row invalid (not recorded, rejected at assembly), or the row's scale
+                    is one no quantizer writes (``scales_ok``: records given to the step directly; the
+                    assembly counts those ``bad_scale``)
   expert_mismatch   FC2: the trainer routed the token to an expert the rollout did not choose
 
 Rows are counted once per forward: the recompute pass of Megatron's activation recomputation
