@@ -71,10 +71,10 @@ def run(*, out_dir: Path, task_name: str, arms: list[str], trace: TraceConfig, r
     if isinstance(arms, str) or len(set(arms)) < len(arms):  # (an arm given twice ran once, the summary counted two)
         raise ValueError(f"arms={arms!r} must be a list of distinct arm names")
     arm_specs = {name: make_arm(name, trace) for name in arms}  # every arm name checked before any work
+    if init_from:  # (before the arms are checked against ``model``: it must be the checkpoint's model)
+        check_init_from(init_from, model)
     check_arms_fit_model(arm_specs, model)
     task = get_task(task_name)
-    if init_from:
-        check_init_from(init_from)
     if resume:
         check_resume_steps(out_dir, arms, rl.steps)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -133,10 +133,21 @@ def check_arms_fit_model(arm_specs: dict, model: TinyMoEConfig) -> None:
             check_guided_layers(arm.trace, guided_layers(arm.trace, model.num_layers), moe_layers=layers)
 
 
-def check_init_from(init_from: str | Path) -> None:
+INIT_FROM_FIELDS = {"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                    "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
+                    "head_dim": "head_dim", "num_experts": "num_experts", "top_k": "num_experts_per_tok",
+                    "moe_intermediate_size": "moe_intermediate_size",
+                    "max_position_embeddings": "max_position_embeddings"}
+"""``TinyMoEConfig`` field -> the HF ``config.json`` key an ``init_from`` checkpoint gives it by."""
+
+
+def check_init_from(init_from: str | Path, model: TinyMoEConfig | None = None) -> None:
     """``init_from`` must be a HF checkpoint directory over the demo's character vocabulary: the tasks, rewards and
     sentinel prompts are the demo's own token ids, which mean nothing to another vocabulary (a larger one failed only
-    at the first reward, with a bare IndexError from the tokenizer's decode, after the trainer was built)."""
+    at the first reward, with a bare IndexError from the tokenizer's decode, after the trainer was built). Given
+    ``model`` (the run's ``model.*``), the checkpoint must be that model: the arms' layer policies are checked against
+    ``model`` and run.json records it, while the run trains the checkpoint's (an 8-layer checkpoint ran as recorded
+    and checked as the 4-layer ``model.*``, silently)."""
     from .tasks import CharTokenizer
 
     path = Path(init_from) / "config.json"
@@ -147,6 +158,22 @@ def check_init_from(init_from: str | Path) -> None:
         raise ValueError(f"init_from={str(init_from)!r} has vocab_size={vocab!r}, not the demo's character "
                          f"vocabulary of {want} tokens (CharTokenizer: its tasks and rewards are the demo's own): "
                          "start from the demo's SFT checkpoint (outputs/sft_cache/<task>/: an arms=[] run prepares it)")
+    if model is not None:
+        _check_init_from_model(init_from, model)
+
+
+def _check_init_from_model(init_from: str | Path, model: TinyMoEConfig) -> None:
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(init_from))  # (as the run loads it: defaults for keys left out)
+    differ = {f: (getattr(model, f), getattr(hf, key, None)) for f, key in INIT_FROM_FIELDS.items()
+              if getattr(model, f) != getattr(hf, key, None)}
+    if differ:
+        said = ", ".join(f"model.{f}={mine} but {INIT_FROM_FIELDS[f]}={theirs!r}"
+                         for f, (mine, theirs) in differ.items())
+        fix = " ".join(f"model.{f}={theirs}" for f, (_, theirs) in differ.items())
+        raise ValueError(f"init_from={str(init_from)!r} is another model than the run's: {said}; the run trains the "
+                         f"checkpoint's model, so give its settings ({fix}) or start from a checkpoint of this model")
 
 
 def check_resume_steps(out_dir: Path, arms: list[str], steps: int) -> None:
