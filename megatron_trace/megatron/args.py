@@ -248,6 +248,15 @@ def _check_used(cfg: TraceConfig, args) -> None:
         if value is not None and value != getattr(defaults, _SIMPLE[flag]) and not used(cfg):
             raise ValueError(f"--{flag.replace('_', '-')} {value} would do nothing: it is used with {needs} only, "
                              f"and the config has {_what_decides(cfg, flag)}")
+    sites = getattr(args, "trace_guided_sites", None)  # (its default is the quantized activation sites)
+    if sites is not None and cfg.guided_layers == "none" and tuple(sites) != _default_guided_sites(cfg):
+        raise ValueError(f"--trace-guided-sites {','.join(sites)!r} would do nothing: it is used with guided layers "
+                         "(--trace-guided-layers other than none) only, and the config has guided_layers='none'")
+
+
+def _default_guided_sites(cfg: TraceConfig) -> tuple[str, ...]:
+    """The guided sites a config without ``--trace-guided-sites`` gets: its quantized activation sites."""
+    return tuple(s for s in ACTIVATION_SITES if s in cfg.sites)
 
 
 def _what_decides(cfg: TraceConfig, flag: str) -> str:
@@ -291,7 +300,9 @@ def trace_args_from_config(cfg: TraceConfig) -> list[str]:
             out.append(opt if value else opt.replace("--trace-", "--no-trace-"))
         else:
             out += [opt, str(value)]
-    out += ["--trace-sites", ",".join(cfg.sites), "--trace-guided-sites", ",".join(cfg.guided_sites)]
+    out += ["--trace-sites", ",".join(cfg.sites)]
+    if cfg.guided_layers != "none":  # (under none the flag would do nothing: refused unless at its default)
+        out += ["--trace-guided-sites", ",".join(cfg.guided_sites)]
     if cfg.guided_layers == "explicit":
         out += ["--trace-guided-layers", ",".join(str(i) for i in cfg.guided_layer_list)]
     else:

@@ -101,26 +101,31 @@ def test_flags_without_trace_fp4_are_logged_as_ignored(caplog):
      r"--trace-min-coverage 0.9 would do nothing: .*guided_layers='none'"),
     (["--trace-sites", "weights", "--trace-min-coverage", "0.9"],
      r"--trace-min-coverage 0.9 would do nothing: .*guided_layers='fraction' and guided_sites=''$"),
+    (["--trace-guided-layers", "none", "--trace-guided-sites", "kv_k"],
+     r"--trace-guided-sites 'kv_k' would do nothing: it is used with guided layers .* guided_layers='none'$"),
 ], ids=["last_k_under_fraction", "fraction_under_a_list", "budget_bytes_under_all", "mxfp4_scale_rule_with_nvfp4",
         "amax_with_mxfp4", "kv_format_without_kv_sites", "amax_without_activation_sites", "amax_with_sglang_kv_only",
-        "fallback_without_guided_layers", "min_coverage_without_guided_layers", "min_coverage_without_guided_sites"])
+        "fallback_without_guided_layers", "min_coverage_without_guided_layers", "min_coverage_without_guided_sites",
+        "guided_sites_without_guided_layers"])
 def test_a_flag_that_would_do_nothing_is_refused(argv, match):
     with pytest.raises(ValueError, match=match):
         trace_config_from_args(parse(["--trace-fp4", *argv], num_layers=4))
 
 
 def test_fallback_settings_of_a_config_that_guides_nothing_come_back_at_their_defaults():
-    """trace_args_from_config leaves out --trace-fallback / --trace-min-coverage where no row is guided (they would be
-    refused), and the coverage such a config's step reports is 1: the settings could not act."""
+    """trace_args_from_config leaves out --trace-fallback / --trace-min-coverage / --trace-guided-sites where no row
+    is guided (they would be refused), and the coverage such a config's step reports is 1: they could not act."""
     from megatron_trace.guidance.site import FallbackCounter
 
-    cfg = TraceConfig(guided_layers="none", fallback="fail", min_coverage=0.9)
+    cfg = TraceConfig(guided_layers="none", fallback="fail", min_coverage=0.9, guided_sites=("kv_k",))
     argv = trace_args_from_config(cfg)
-    assert not {"--trace-fallback", "--trace-min-coverage"} & set(argv)
-    assert trace_config_from_args(parse(argv, num_layers=4)) == cfg.replace(fallback="rne", min_coverage=0.0)
+    assert not {"--trace-fallback", "--trace-min-coverage", "--trace-guided-sites"} & set(argv)
+    assert trace_config_from_args(parse(argv, num_layers=4)) == cfg.replace(
+        fallback="rne", min_coverage=0.0, guided_sites=("expert_fc1_in", "expert_fc2_in", "kv_k", "kv_v"))
     assert FallbackCounter().coverage == 1.0
     used = trace_config_from_args(parse(["--trace-fp4", "--trace-guided-layers", "none", "--trace-fallback", "rne",
-                                         "--trace-min-coverage", "0"], num_layers=4))
+                                         "--trace-min-coverage", "0", "--trace-sites", "kv_k,kv_v,weights",
+                                         "--trace-guided-sites", "kv_k,kv_v"], num_layers=4))
     assert (used.guided_layers, used.fallback, used.min_coverage) == ("none", "rne", 0.0)  # defaults: accepted
 
 
