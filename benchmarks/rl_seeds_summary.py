@@ -47,9 +47,10 @@ def per_seed(rows: list[dict]) -> dict[str, float | None]:
         v = _vals(rows, key)
         return statistics.median(v) if v else None
 
+    first5 = _vals(rows, "reward")[:5]  # (the first 5 rewards: a row without one counted 0, no reward at all 0 +- 0)
     return {
-        "steps": float(len(rows)), "reward_first5": mean("reward", None) if len(rows) < 5 else
-        sum(_vals(rows[:5], "reward")) / 5, "reward_last5": mean("reward", 5),
+        "steps": float(len(rows)), "reward_first5": sum(first5) / len(first5) if first5 else None,
+        "reward_last5": mean("reward", 5),
         "accuracy_start": mean("eval/accuracy_start"), "accuracy_end": mean("eval/accuracy"),
         "logprob_abs_diff": mean(MISMATCH[0]), "kl_k3": mean(MISMATCH[1]),
         "fc1_code_mismatch": mean("quant/expert_fc1_in/code_mismatch_rate"),
