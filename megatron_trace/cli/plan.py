@@ -161,7 +161,9 @@ def seconds(s: float) -> str:
     return f"{s:.2f} s" if s < 120 else f"{s / 60:.1f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
-def format_table(dims: ModelDims, rl: RLSettings, rows: list[dict]) -> str:
+def format_table(dims: ModelDims, rl: RLSettings, rows: list[dict], sites=ACTIVATION_SITES) -> str:
+    """The table of ``rows``, the launch flags of each budget choice after it (``sites``: the guided sites the rows
+    were sized for, ``--sites``)."""
     kv = f"{dims.kv_heads}x{dims.head_dim}" + ("" if dims.kv_v else " (MLA latent, K only)")
     lines = [
         f"model {dims.name or '?'}: {dims.num_layers} layers ({len(dims.moe_layers)} MoE, "
@@ -187,8 +189,10 @@ def format_table(dims: ModelDims, rl: RLSettings, rows: list[dict]) -> str:
     for policy, mode, fmt, kv_fmt, layers in sorted(chosen):  # the launch flags each choice was sized for
         ids = ",".join(map(str, layers))
         kv = f" --trace-kv-format {kv_fmt}" if kv_fmt else ""
+        # (the guided sites too: a launch without them guided all four sites on these layers, over the budget)
+        guided = "" if not ids else f" --trace-guided-sites {','.join(sites)}"
         lines.append(f"{policy} {mode} guides layers {ids or '(none)'}: --trace-format {fmt}{kv} --trace-cache-mode "
-                     f"{mode} --trace-guided-layers {ids or 'none'}")
+                     f"{mode} --trace-guided-layers {ids or 'none'}{guided}")
     return "\n".join(lines)
 
 
@@ -258,7 +262,7 @@ def main(argv=None) -> int:
             out["mismatch_profile"] = {"unit": args.mismatch_unit, "values": profile}
         print(json.dumps(out, indent=1, default=list))
     else:
-        print(format_table(dims, rl, rows) + format_ranks(rows))
+        print(format_table(dims, rl, rows, sites) + format_ranks(rows))
     return 0
 
 

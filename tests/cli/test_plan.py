@@ -201,3 +201,29 @@ def test_table_says_when_kv_rows_are_an_mla_latent(name, mla, capsys):
     assert dims.kv_v != mla  # (MLA caches one latent row per token: K only)
     head = capsys.readouterr().out.splitlines()[0]
     assert head.endswith(f"KV rows {dims.kv_heads}x{dims.head_dim}" + (" (MLA latent, K only)" if mla else ""))
+
+
+@pytest.mark.parametrize("sites", ["expert_fc1_in", "expert_fc1_in,kv_k,kv_v", "expert_fc1_in,expert_fc2_in,kv_k,kv_v"])
+def test_the_launch_flags_printed_for_a_budget_choice_launch_what_was_sized(tmp_path, capsys, sites):
+    """The printed flags left out the guided sites: a budget sized for ``--sites expert_fc1_in`` launched guiding all
+    four sites on its layers (about 3x the bytes per token the budget chose on this model)."""
+    import argparse
+
+    from megatron_trace.guidance.accounting import bytes_per_token
+    from megatron_trace.megatron.args import add_trace_args, trace_config_from_args
+
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps([0.01 * (i % 5 + 1) for i in range(40)]))
+    argv = ["--hf-config", str(Q35), "--layer-policy", "budget=6000", "--mismatch-profile", str(prof),
+            "--modes", "compact", "--sites", sites]
+    assert plan.main([*argv, "--json"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)["rows"]
+    assert plan.main(argv) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    flags = line.split(": ", 1)[1].split()
+    dims = ModelDims.from_hf_config(Q35)
+    args = add_trace_args(argparse.ArgumentParser()).parse_args(["--trace-fp4", *flags])
+    args.num_layers, args.num_experts, args.moe_enable_routing_replay = dims.num_layers, 256, True
+    launched = trace_config_from_args(args)
+    assert launched.guided_sites == tuple(sites.split(",")) and launched.guided_layer_list == tuple(row["layers"])
+    assert bytes_per_token(dims, launched.guided_sites, row["layers"]) == row["bytes_per_token"] <= 6000
