@@ -38,7 +38,7 @@ def export(hf_dir: str, out: str, input_amax: float) -> None:
 
 CHECKPOINT_FILES = ("config.json", "hf_quant_config.json")
 """What the export writes itself (a source's copy would overwrite the export's); weights and their indexes too."""
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".msgpack", ".h5", ".gguf", ".onnx", ".index.json")
 
 
 def side_files(hf_dir: str) -> list[str]:
