@@ -11,9 +11,11 @@ import torch
 from megatron_trace.testing.megatron_cpu import record_errors
 
 
-def pp_worker(rank: int, world: int, port: int, vpp: int | None, recompute: str, workdir: str) -> None:
+def pp_worker(rank: int, world: int, port: int, vpp: int | None, recompute: str, workdir: str,
+              stages: dict | None = None) -> None:
+    """``stages``: TransformerConfig fields of the stage split (``num_layers_in_first_pipeline_stage``, ...)."""
     with record_errors(workdir, rank):
-        _run(rank, world, port, vpp, recompute, workdir)
+        _run(rank, world, port, vpp, recompute, workdir, stages or {})
 
 
 def global_name(chunk, name: str) -> str:
@@ -24,7 +26,7 @@ def global_name(chunk, name: str) -> str:
     return f"decoder.layers.{chunk.decoder.layers[int(m.group(1))].layer_number - 1}.{m.group(2)}"
 
 
-def _run(rank, world, port, vpp, recompute, workdir):
+def _run(rank, world, port, vpp, recompute, workdir, stages):
     import torch.distributed as dist
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -47,7 +49,7 @@ def _run(rank, world, port, vpp, recompute, workdir):
     model_parallel_cuda_manual_seed(1234)
     shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
     cfg = tiny_config(pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vpp,
-                      batch_p2p_comm=False, **RECOMPUTE[recompute])
+                      batch_p2p_comm=False, **RECOMPUTE[recompute], **stages)
     chunks = []
     for vp in range(vpp) if vpp else [None]:
         spec = get_gpt_decoder_block_spec(cfg, use_transformer_engine=False, normalization="RMSNorm", vp_stage=vp)
@@ -66,7 +68,9 @@ def _run(rank, world, port, vpp, recompute, workdir):
             forward_step_func=forward_step, data_iterator=[iter(micro) for _ in chunks] if vpp else iter(micro),
             model=chunks, num_microbatches=len(micro), seq_length=SEQ, micro_batch_size=2, forward_only=False)
     grads = {global_name(c, n): p.grad for c in chunks for n, p in c.named_parameters() if p.grad is not None}
-    out = {"grads": grads, "recorded": [h.microbatch(i).recorded() for i in range(len(micro))], "stats": h.stats()}
+    layers = sorted(c.decoder.layers[i].layer_number - 1 for c in chunks for i in range(len(c.decoder.layers)))
+    out = {"layers": layers, "grads": grads, "recorded": [h.microbatch(i).recorded() for i in range(len(micro))],
+           "stats": h.stats()}
     torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
     destroy_parallel()
     dist.destroy_process_group()

@@ -41,11 +41,28 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("vpp,recompute", [(None, "none"), (None, "full"), (None, "selective_moe"), (2, "full")],
                          ids=["1f1b", "1f1b_full_recompute", "1f1b_moe_recompute", "interleaved_full_recompute"])
 def test_pipeline_stages_equal_the_whole_model(reference, vpp, recompute):
+    _stages_equal_the_whole_model(reference, vpp, recompute)
+
+
+@pytest.mark.parametrize("stages,held", [
+    (dict(num_layers_in_first_pipeline_stage=1), [[0], [1, 2, 3]]),
+    (dict(num_layers_in_last_pipeline_stage=1), [[0, 1, 2], [3]]),
+], ids=["first_stage_1_layer", "last_stage_1_layer"])
+def test_uneven_pipeline_stages_equal_the_whole_model(reference, stages, held):
+    """Megatron's uneven split (``num_layers_in_first/last_pipeline_stage``) offsets each stage's layer ids: the
+    guidance, routing and records keyed by global layer id land on the layer that holds them (the guided layers,
+    last_k=2, are then on one stage or split over both)."""
+    ranks = _stages_equal_the_whole_model(reference, None, "none", stages)
+    assert [r["layers"] for r in ranks] == held
+
+
+def _stages_equal_the_whole_model(reference, vpp, recompute, stages=None) -> list[dict]:
     workdir, grads, recorded, stats = reference
     for f in workdir.glob("*rank*.pt"):
         f.unlink()
     port = free_port()
-    codes = spawn_ranks(pp_worker, WORLD, lambda r: (r, WORLD, port, vpp, recompute, str(workdir)), timeout=300)
+    codes = spawn_ranks(pp_worker, WORLD, lambda r: (r, WORLD, port, vpp, recompute, str(workdir), stages),
+                        timeout=300)
     msgs = [e.read_text() for e in workdir.glob("error*.txt")]
     assert not msgs and all(c == 0 for c in codes), msgs or codes
     ranks = [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
@@ -63,3 +80,4 @@ def test_pipeline_stages_equal_the_whole_model(reference, vpp, recompute):
         for p in parts:
             _same_records(p, type(want)(sites={k: want.sites[k] for k in p.sites},
                                         routing={k: want.routing[k] for k in p.routing}))
+    return ranks
