@@ -14,6 +14,7 @@ from ..config import KV_SITES, TraceConfig
 from ..guidance.selection import guided_layers
 from ..manifest import ModulePatternError, check_guided_layers, excluded_modules, unguided_layers
 from .experts import _DISPATCHERS as _DISPATCHER_CLASSES
+from .experts import EXPERT_OFFLOAD_MODULES
 
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
 DISPATCHERS = tuple(_DISPATCHER_CLASSES)
@@ -152,6 +153,14 @@ def _check_expert_options(args) -> None:
     kind = getattr(args, "moe_token_dispatcher_type", None)
     if kind is not None and kind not in DISPATCHERS:
         problems.append(f"--moe-token-dispatcher-type {kind} (supported: {', '.join(DISPATCHERS)})")
+    if getattr(args, "recompute_granularity", None) == "selective" and "moe_act" in (
+            getattr(args, "recompute_modules", None) or ()):
+        problems.append("--recompute-modules moe_act (TRACE's experts do not checkpoint the expert activation: it "
+                        "would stay in memory; recompute moe, the whole MoE layer, instead)")
+    offload = [m for m in EXPERT_OFFLOAD_MODULES if m in (getattr(args, "offload_modules", None) or ())]
+    if getattr(args, "fine_grained_activation_offloading", False) and offload:
+        problems.append(f"--offload-modules {' '.join(offload)} (TRACE's experts do not offload their inputs to "
+                        "the CPU: they would stay in device memory; drop them from --offload-modules)")
     if problems:
         raise ValueError("TRACE experts do not support " + "; ".join(problems))
 

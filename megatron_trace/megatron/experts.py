@@ -73,12 +73,32 @@ def check_expert_config(config, trace_config: TraceConfig | None = None) -> None
                         "straight-through path)")
     if config.fp8 or config.fp4:
         problems.append("Megatron's own fp8/fp4 recipes (TRACE quantizes the experts itself)")
+    problems.extend(_memory_options(config))
     if config.moe_token_dispatcher_type not in _DISPATCHERS:
         kind = config.moe_token_dispatcher_type
         problems.append(f"moe_token_dispatcher_type={kind!r} (supported: allgather, alltoall)")
     if problems:
         raise ValueError("TRACE experts do not support " + "; ".join(problems))
     _check_router_runs()
+
+
+EXPERT_OFFLOAD_MODULES = ("expert_fc1", "moe_act")
+"""Megatron's ``offload_modules`` that its grouped experts implement inside their own forward."""
+
+
+def _memory_options(config) -> list[str]:
+    """Megatron's memory options implemented inside its grouped experts' forward (``GroupedMLP``, ``TEGroupedMLP``),
+    which the TRACE experts replace: accepted, they would keep the activations they name in memory, silently."""
+    problems = []
+    if config.recompute_granularity == "selective" and "moe_act" in (config.recompute_modules or ()):
+        problems.append("recompute_modules 'moe_act' (the TRACE experts' forward does not checkpoint the expert "
+                        "activation: it would stay in memory; recompute 'moe', the whole MoE layer, instead, or drop "
+                        "'moe_act')")
+    offload = [m for m in EXPERT_OFFLOAD_MODULES if m in (config.offload_modules or ())]
+    if config.fine_grained_activation_offloading and offload:
+        problems.append(f"offload_modules {offload} (the TRACE experts' forward does not offload their inputs to "
+                        "the CPU: they would stay in device memory; drop them from offload_modules)")
+    return problems
 
 
 def _check_router_runs() -> None:

@@ -316,10 +316,17 @@ MEGATRON = dict(num_layers=2, num_experts=4, moe_layer_freq=1, moe_enable_routin
     ([], {"num_experts": None, "moe_enable_routing_replay": False}),  # (no router: nothing to replay)
     (["--trace-sites", "kv_k"], {"num_experts": None}),  # one KV site quantizes
     (["--trace-sites", "weights"], {}),  # weight-only QAT of the experts
+    # Megatron's memory options outside the experts' forward
+    ([], {"recompute_granularity": "selective", "recompute_modules": ["moe", "core_attn"],
+          "fine_grained_activation_offloading": True, "offload_modules": ["core_attn", "mlp_norm"]}),
+    ([], {"recompute_granularity": "full", "recompute_modules": ["moe_act"]}),  # (full: Megatron ignores the modules)
+    (["--trace-sites", "kv_k,kv_v"], {"recompute_granularity": "selective", "recompute_modules": ["moe_act"],
+                                      "fine_grained_activation_offloading": True, "offload_modules": ["expert_fc1"]}),
 ], ids=["moe", "reuse_weight_quant", "dense_kv_only", "exclude_with_moe_layer_freq", "allgather",
         "distributed_optimizer", "overlap_param_gather_stock_experts", "overlap_param_gather", "guided_moe_layer",
         "guided_dense_layer_kv_sites", "guided_policy_some_dense", "no_guided_sites", "kv_only_stock_expert_options",
-    "dense_without_routing_replay", "dense_one_kv_site", "moe_weights_only"])
+    "dense_without_routing_replay", "dense_one_kv_site", "moe_weights_only", "memory_options_outside_the_experts",
+    "full_recompute_ignores_modules", "memory_options_of_stock_experts"])
 def test_megatron_flags_trace_supports(argv, model):
     assert trace_config_from_args(parse(["--trace-fp4", *argv], **{**MEGATRON, **model})).enabled
 
@@ -331,6 +338,11 @@ def test_megatron_flags_trace_supports(argv, model):
      r"TRACE experts do not support --moe-token-dispatcher-type flex \(supported: allgather, alltoall\)"),
     ([], {"fp8": "hybrid"}, ValueError, r"TRACE experts do not support --fp8-format hybrid"),
     ([], {"fp4": "e2m1"}, ValueError, r"TRACE experts do not support --fp4-format e2m1"),
+    ([], {"moe_grouped_gemm": True, "recompute_granularity": "selective",
+          "recompute_modules": ["core_attn", "moe_act"]}, ValueError,
+     r"TRACE experts do not support --recompute-modules moe_act \(TRACE's experts do not checkpoint"),
+    ([], {"fine_grained_activation_offloading": True, "offload_modules": ["core_attn", "moe_act", "expert_fc1"]},
+     ValueError, r"TRACE experts do not support --offload-modules expert_fc1 moe_act \(TRACE's experts do not offload"),
     (["--trace-sites", "expert_fc1_in,expert_fc2_in,weights"], {"num_experts": None}, ValueError,
      r"--trace-fp4 would quantize nothing: .*no KV site .*no MoE layers \(no --num-experts\)"),
     (["--trace-reuse-weight-quant", "--trace-ste-clip"], {}, ValueError, r"needs --no-trace-ste-clip"),
@@ -361,7 +373,8 @@ def test_megatron_flags_trace_supports(argv, model):
      r"layer\(s\) \[0\] have no guided site: .*in no layer: the model has no MoE layers"),
     (["--trace-exclude-modules", "model.layers.0.mlp.experts"], {"num_experts": None}, ModulePatternError,
      r"--trace-exclude-modules: .*'model.layers.0.mlp.experts' matches none"),
-], ids=["legacy_models", "modelopt", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "dense_expert_sites_only",
+], ids=["legacy_models", "modelopt", "flex_dispatcher", "fp8_recipe", "fp4_recipe", "recompute_moe_act",
+        "offload_expert_inputs", "dense_expert_sites_only",
         "reuse_ste_clip", "reuse_dense", "reuse_no_weight_site", "reuse_te_grouped", "exclude_dense_layer",
         "exclude_megatron_name", "guided_list_names_a_dense_layer", "guided_list_with_int_moe_layer_freq",
         "guided_policy_picks_only_dense_layers", "guided_list_without_guided_sites", "moe_no_site",

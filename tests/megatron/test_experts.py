@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from megatron_trace.config import TraceConfig
 from megatron_trace.formats import Quantizer, nvfp4
 from megatron_trace.megatron import StepGuidance, trace_guidance, trace_record, trace_spec
+from megatron_trace.megatron.experts import TraceSequentialMLP
 from megatron_trace.megatron.gemm import grouped_linear
 
 from .harness import EXPERTS, batch, build_model, stock_spec, tiny_config
@@ -244,6 +245,26 @@ def test_expert_options_trace_does_not_implement_are_named_at_build_time():
     deferred.delay_wgrad_compute = True  # (its own checks need EP comm overlap; set after them)
     with pytest.raises(ValueError, match="delay_wgrad_compute=True"):
         check_expert_config(deferred, TraceConfig())
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(moe_grouped_gemm=True, recompute_granularity="selective", recompute_modules=["core_attn", "moe_act"]),
+     r"recompute_modules 'moe_act' \(the TRACE experts' forward does not checkpoint"),
+    (dict(fine_grained_activation_offloading=True, offload_modules=["core_attn", "expert_fc1", "moe_act"]),
+     r"offload_modules \['expert_fc1', 'moe_act'\] \(the TRACE experts' forward does not offload"),
+], ids=["recompute_moe_act", "offload_expert_inputs"])
+def test_megatron_memory_options_inside_the_grouped_experts_are_refused_at_build_time(kw, match):
+    """Megatron's grouped experts checkpoint their activation (``recompute_modules`` "moe_act", which Megatron allows
+    with ``moe_grouped_gemm`` only: TRACE maps the legacy GroupedMLP to its torch experts) and offload their inputs
+    (``offload_modules``) inside their own forward, which TRACE's replaces: the model was built and trained with the
+    activations kept in device memory, silently. The rest of those options builds."""
+    with pytest.raises(ValueError, match=match):
+        _model(**kw)
+    kept = {k: [m for m in v if m in ("core_attn", "moe")] if isinstance(v, list) else v for k, v in kw.items()}
+    model = _model(**kept)  # the options the TRACE model honours: Megatron's, outside the experts
+    assert isinstance(model.decoder.layers[0].mlp.experts, TraceSequentialMLP)
+    stock = tiny_config(**kw)  # (Megatron's own config accepts them: only TRACE's experts refuse)
+    assert stock.recompute_modules or stock.offload_modules
 
 
 def test_a_router_that_would_raise_name_error_without_te_is_said_at_build_time(monkeypatch):
