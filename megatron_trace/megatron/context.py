@@ -199,6 +199,7 @@ def trace_guidance(model, step: StepGuidance | Sequence[StepGuidance] | None = N
         recorder=Recorder(cfg.cache_mode == "compact" if compact is None else compact) if record else None,
     ) for s in steps]
     _check_keys(steps, layers)
+    _check_cuda_graphs(layers)
     for s in steps:
         _check_context_parallel(s, layers, record)
     if any(m.experts._trace_step is not None for m in layers.moe.values()) or any(
@@ -280,6 +281,38 @@ def _check_context_parallel(step: StepGuidance, layers: TraceLayers, record: boo
         raise ValueError(f"context_parallel_size={cp}: guidance, routing replay, recording and token masks take each "
                          "rank's tokens as one contiguous shard, which context parallelism's chunks are not (not "
                          "supported yet; the trainer's own rounding alone is)")
+
+
+def _check_cuda_graphs(layers: TraceLayers) -> None:
+    """Megatron's CUDA graphs (``cuda_graph_impl`` "local"; "transformer_engine" in training mode only) replay the
+    parts of a layer their ``cuda_graph_scope`` names without running their Python forward, so the hooks that give
+    each forward its micro-batch's guidance, routing replay, records and counts (on the core attention's KV site and
+    the MoE router) would not run: the graph would replay what it captured, uncounted. Refused where the scope covers
+    them."""
+    graphed = [f"layer {i}'s KV site" for i, m in layers.kv.items() if _graphed(m, ("attn",))]
+    graphed += [f"layer {i}'s MoE router" for i, m in layers.moe.items() if _graphed(m, ("moe_router", "moe"))]
+    if not graphed:
+        return
+    cfg = next(iter([*layers.kv.values(), *layers.moe.values()])).config
+    scope = [getattr(s, "name", s) for s in cfg.cuda_graph_scope or ()] or "(the whole layer)"
+    raise ValueError(
+        f"trace_guidance needs the TRACE modules' forwards to run eagerly, but cuda_graph_impl={cfg.cuda_graph_impl!r} "
+        f"with cuda_graph_scope {scope} replays {', '.join(graphed[:4])} ({len(graphed)} in all) as captured: their "
+        "per-micro-batch guidance, routing replay, recording and counts would be skipped. Use cuda_graph_impl='none', "
+        "or a cuda_graph_scope without the attention (attn) and the MoE router (moe_router, moe) of the TRACE layers "
+        "(Megatron-LM: --cuda-graph-impl none, or --cuda-graph-scope)")
+
+
+def _graphed(module, scopes: tuple[str, ...]) -> bool:
+    """Whether Megatron's CUDA graphs replay ``module`` (of a layer part in any of ``scopes``; an empty scope list:
+    the whole layer; ``full_iteration``: everything). Transformer Engine's graphs replay training-mode forwards only
+    (``MegatronModule._should_call_te_cudagraph``): an evaluation forward runs eagerly."""
+    config = module.config
+    impl = getattr(config, "cuda_graph_impl", "none")
+    if impl == "none" or (impl == "transformer_engine" and not module.training):
+        return False
+    names = [getattr(s, "name", s) for s in config.cuda_graph_scope or ()]
+    return not names or "full_iteration" in names or any(s in names for s in scopes)
 
 
 def guidance_to(step: StepGuidance, device, layers=None, records: bool = True) -> StepGuidance:

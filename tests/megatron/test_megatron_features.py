@@ -92,3 +92,35 @@ def test_own_rounding_is_the_independent_layer_and_guided_layers_take_the_rollou
         got, want = guided.sites[key], roll.sites[key]
         differ = _values(got) != _values(want)
         assert not bool((differ & ~_outside_bracket(seen[key], want)).any()), (feature, layer)
+
+
+@pytest.mark.parametrize("scope,sites,graphed", [
+    ("attn", None, r"\['attn'\] replays layer 0's KV site, .* \(4 in all\)"),
+    ("moe_router,moe_preprocess", None, r"replays layer 0's MoE router, .* \(4 in all\)"),
+    ("full", None, r"\(the whole layer\) replays layer 0's KV site, .* \(8 in all\)"),
+    ("attn,moe_router", ("expert_fc1_in", "expert_fc2_in", "weights"),
+     r"replays layer 0's MoE router, .* \(4 in all\)"),
+], ids=["attention", "router", "whole_layer", "router_of_expert_sites"])
+def test_cuda_graphs_over_trace_modules_are_refused_by_the_context(scope, sites, graphed):
+    """Megatron's training CUDA graphs replay the scope's modules without their Python forward: the hooks that give
+    each forward its micro-batch's guidance, routing and counts would be skipped (the graph replays what it captured),
+    silently. Transformer Engine's graphs are captured by the training loop, so the model builds and runs eagerly here
+    as it would before the capture; the context refuses it by name in training mode (TE's graphs replay training
+    forwards only). A scope without TRACE modules is left alone."""
+    tc = TraceConfig() if sites is None else TraceConfig(sites=sites, guided_sites=sites[:2])
+    cfg = tiny_config(cuda_graph_impl="transformer_engine", cuda_graph_scope=scope)
+    model = build_model(cfg, trace_spec(stock_spec(cfg), tc))
+    with pytest.raises(ValueError, match=r"trace_guidance needs the TRACE modules' forwards to run eagerly, but "
+                                         r"cuda_graph_impl='transformer_engine' with cuda_graph_scope .*" + graphed):
+        with trace_guidance(model, None):
+            pass
+    model.eval()  # (TE's graphs replay training-mode forwards only: an evaluation forward, e.g. RL's log-probs, runs)
+    with trace_guidance(model, None), torch.no_grad():
+        model(*batch()[:3])
+    tc = TraceConfig(sites=("kv_k", "kv_v"), guided_sites=("kv_k", "kv_v"))  # (the router's experts are Megatron's)
+    cfg = tiny_config(cuda_graph_impl="transformer_engine", cuda_graph_scope="moe_router")
+    model = build_model(cfg, trace_spec(stock_spec(cfg), tc))
+    tokens, pos, mask, _ = batch()
+    with trace_guidance(model, None) as h, torch.no_grad():
+        model(tokens, pos, mask)
+    assert dict(h.counter.fallback) == {"not_guided_layer": 2 * 2 * T, "missing": 2 * 2 * T}  # (2 sites, 2 + 2 layers)
