@@ -23,6 +23,8 @@ N = 4  # micro-batches (a power of two: the schedule's loss / N is exact, like t
 RECOMPUTE = {
     "none": {},
     "full": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    # one checkpoint of 2 layers (its recompute pass runs both layers' forwards), the other 2 layers not recomputed
+    "full_block_2": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
     "selective_moe": dict(recompute_granularity="selective", recompute_modules=["moe"]),
     "selective_core_attn": dict(recompute_granularity="selective", recompute_modules=["core_attn"]),
 }
