@@ -47,9 +47,11 @@ def test_pipeline_stages_equal_the_whole_model(reference, vpp, recompute):
 @pytest.mark.parametrize("stages,held", [
     (dict(num_layers_in_first_pipeline_stage=1), [[0], [1, 2, 3]]),
     (dict(num_layers_in_last_pipeline_stage=1), [[0, 1, 2], [3]]),
-], ids=["first_stage_1_layer", "last_stage_1_layer"])
+    (dict(pipeline_model_parallel_layout="Et|tttL"), [[0], [1, 2, 3]]),
+], ids=["first_stage_1_layer", "last_stage_1_layer", "layout"])
 def test_uneven_pipeline_stages_equal_the_whole_model(reference, stages, held):
-    """Megatron's uneven split (``num_layers_in_first/last_pipeline_stage``) offsets each stage's layer ids: the
+    """Megatron's uneven split (``num_layers_in_first/last_pipeline_stage``, or a ``pipeline_model_parallel_layout``)
+    offsets each stage's layer ids: the
     guidance, routing and records keyed by global layer id land on the layer that holds them (the guided layers,
     last_k=2, are then on one stage or split over both)."""
     ranks = _stages_equal_the_whole_model(reference, None, "none", stages)
