@@ -182,3 +182,35 @@ def _run_tp(rank, world, port, workdir):
     torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
     destroy_parallel()
     dist.destroy_process_group()
+
+
+def features_worker(rank: int, world: int, port: int, workdir: str) -> None:
+    """EP=world, the model of ``shared["config"]`` (Megatron MoE features) with the EP=1 weights: each guidance mode's
+    forward on batch ``rank`` (guided + recorded), logits, records and counter saved."""
+    with record_errors(workdir, rank):
+        _run_features(rank, world, port, workdir)
+
+
+def _run_features(rank, world, port, workdir):
+    import torch.distributed as dist
+
+    from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
+
+    from .harness import batch, build_model, destroy_parallel, ep_state_dict, init_parallel, stock_spec, tiny_config
+
+    _join(rank, world, port)
+    init_parallel(ep=world)
+    shared = torch.load(os.path.join(workdir, "shared.pt"), weights_only=False)
+    cfg = tiny_config(expert_model_parallel_size=world, **shared["config"])
+    model = build_model(cfg, trace_spec(stock_spec(cfg), shared["trace_config"]))
+    model.load_state_dict(ep_state_dict(shared["state_dict"], rank, world), strict=True)
+    tokens, pos, mask, _ = batch(seed=rank)
+    out = {}
+    for name, per_rank in shared["modes"].items():
+        step = None if per_rank is None else StepGuidance(**per_rank[rank])
+        with trace_guidance(model, step, record=True, compact=False) as h, torch.no_grad():
+            logits = model(tokens, pos, mask)
+        out[name] = {"logits": logits, "recorded": h.recorded(), "counter": h.counter}
+    torch.save(out, os.path.join(workdir, f"rank{rank}.pt"))
+    destroy_parallel()
+    dist.destroy_process_group()

@@ -12,7 +12,7 @@ from megatron_trace.megatron import StepGuidance, trace_guidance, trace_spec
 from megatron_trace.megatron.rows import map_record
 from megatron_trace.testing.megatron_cpu import spawn_ranks
 
-from ._dist import ep_worker, tp_worker
+from ._dist import ep_worker, features_worker, tp_worker
 from .harness import TOPK, batch, build_model, free_port, perturb_non_experts, stock_spec, tiny_config
 
 pytestmark = [pytest.mark.usefixtures("world1"), pytest.mark.slow]
@@ -139,6 +139,39 @@ def test_ep2_equals_ep1(ep1, dispatcher):
         assert torch.equal(got["per_tensor_fc1"], want["per_tensor_fc1"]), rank
         assert "activation_amax='per_tensor' with expert_model_parallel_size=2 needs the trace_guidance context" \
             in got["per_tensor_fc1_error"]
+
+
+@pytest.mark.parametrize("features", [
+    dict(moe_shared_expert_intermediate_size=32, moe_shared_expert_overlap=True),
+    dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_num_groups=2,
+         moe_router_group_topk=1, moe_router_dtype="fp32", moe_router_topk_scaling_factor=2.0),
+], ids=["shared_experts_overlap", "sigmoid_bias_group_limited_fp32_router"])
+def test_ep2_with_megatron_moe_features_equals_ep1(tmp_path, features):
+    """The alltoall dispatcher overlapping the shared experts with its communication, and a router with Megatron's
+    score function, expert bias, group-limited top-k, fp32 dtype and top-k scaling: EP=2 computes, records and counts
+    what EP=1 does, without guidance and guided by a rollout's records (rows moved by TRACE's own dispatcher)."""
+    cfg_kw = {"moe_token_dispatcher_type": "alltoall", **features}
+    cfg = tiny_config(**cfg_kw)
+    model = build_model(cfg, trace_spec(stock_spec(cfg), TC))
+    rollout = build_model(cfg, trace_spec(stock_spec(cfg), TC))
+    perturb_non_experts(rollout, 0.01)
+    modes, refs = {"rne": None, "guided": []}, []
+    for rank in range(WORLD):
+        data = batch(seed=rank)
+        roll = _record(rollout, data)["recorded"]
+        modes["guided"].append({"sites": roll.sites, "routing": roll.routing})
+        refs.append({"rne": _record(model, data),
+                     "guided": _record(model, data, StepGuidance(**modes["guided"][rank]))})
+    torch.save({"config": cfg_kw, "trace_config": TC, "state_dict": model.state_dict(), "modes": modes},
+               tmp_path / "shared.pt")
+    for rank, (got, want) in enumerate(zip(_spawn(features_worker, tmp_path), refs)):
+        for mode in modes:
+            assert torch.equal(got[mode]["logits"], want[mode]["logits"]), (rank, mode)
+            _same_records(got[mode]["recorded"], want[mode]["recorded"])
+            assert got[mode]["counter"].used == want[mode]["counter"].used
+            assert got[mode]["counter"].fallback == want[mode]["counter"].fallback
+        # last_k=3 layers, every row: FC1 and the two KV sites per token, FC2 per (token, expert)
+        assert got["guided"]["counter"].used == 3 * (3 + TOPK) * data[0].numel()
 
 
 @pytest.mark.parametrize("groups", [2, 1], ids=["kv-heads-split", "kv-head-replicated"])
