@@ -60,6 +60,10 @@ def check_against_model(cfg: TraceConfig, args) -> None:
     if cfg.routing_replay and moe and getattr(args, "moe_enable_routing_replay", None) is False:
         raise ValueError("--trace-routing-replay (the default) needs Megatron's --moe-enable-routing-replay; "
                          "add it, or pass --no-trace-routing-replay")
+    if cfg.routing_replay and moe and getattr(args, "moe_router_fusion", False):
+        raise ValueError("--trace-routing-replay (the default) does not work with --moe-router-fusion: Megatron's "
+                         "fused top-k never consults its RouterReplay, so the rollout's expert choices would not be "
+                         "replayed; drop --moe-router-fusion, or pass --no-trace-routing-replay")
     if experts:
         _check_expert_options(args)
         if num_layers and guided_layers(cfg, int(num_layers)):

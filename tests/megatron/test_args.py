@@ -276,6 +276,20 @@ def test_routing_replay_needs_megatrons_flag():
     assert trace_config_from_args(ns).routing_replay is False
 
 
+def test_routing_replay_with_megatrons_fused_router_is_refused_by_the_flags():
+    """Megatron's fused top-k (``--moe-router-fusion``, TE) never consults its RouterReplay: the flags were accepted
+    at launch and only the first step given the rollout's routing refused it (``trace_guidance``)."""
+    ns = parse(["--trace-fp4"], num_experts=8, moe_enable_routing_replay=True, moe_router_fusion=True)
+    with pytest.raises(ValueError, match=r"--trace-routing-replay \(the default\) does not work with "
+                                         r"--moe-router-fusion: .*drop --moe-router-fusion, or pass "
+                                         r"--no-trace-routing-replay"):
+        trace_config_from_args(ns)
+    ns = parse(["--trace-fp4", "--no-trace-routing-replay"], num_experts=8, moe_router_fusion=True)
+    assert trace_config_from_args(ns).routing_replay is False
+    ns = parse(["--trace-fp4", "--trace-sites", "kv_k,kv_v"], num_experts=None, moe_router_fusion=True)
+    assert trace_config_from_args(ns).enabled  # (a dense model: no router)
+
+
 def test_spec_selection_follows_the_flag():
     """What the Megatron-LM patch does in gpt_builder (patches/megatron-lm-core_v0.16.1-trace.patch)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
