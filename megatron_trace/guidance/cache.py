@@ -35,7 +35,7 @@ from ..config import TraceConfig
 from .layout import PackedLayout
 from .packed import Column, PackedGuidance, source_of
 from .packed_assemble import assemble_packed
-from .records import FC2, SampleGuidance, assemble, is_integer, sample_id_list
+from .records import FC2, SampleGuidance, SiteRecord, assemble, is_integer, sample_id_list
 from .serial import FlatPlan, host_buffer, plan_flat, unflatten_one, write_flat
 from .shards import (
     SHARD_PREFIX,
@@ -135,6 +135,18 @@ def _step(step) -> int:
     return int(step)
 
 
+def _check_samples(samples: Sequence[SampleGuidance]) -> None:
+    """Each sample a ``SampleGuidance`` whose sites hold ``SiteRecord``s (a bare AttributeError from the
+    serialisation before), naming the first that is not."""
+    for i, s in enumerate(samples):
+        if not isinstance(s, SampleGuidance):
+            raise TypeError(f"put: samples[{i}] must be a SampleGuidance, got {type(s).__name__}")
+        bad = next(((k, r) for k, r in s.sites.items() if not isinstance(r, SiteRecord)), None)
+        if bad is not None:
+            raise TypeError(f"put: sample {s.sample_id} site {bad[0]!r} must be a SiteRecord, got "
+                            f"{type(bad[1]).__name__}")
+
+
 class GuidanceCache:
     """Host cache of ``SampleGuidance`` per RL step under a byte budget, spilling to ``cache_dir``."""
 
@@ -184,11 +196,12 @@ class GuidanceCache:
         step = _step(step)
         whole = samples if isinstance(samples, PackedGuidance) else None
         ids = list(whole.table.ids) if whole is not None else [s.sample_id for s in samples]
-        held = self._steps[step].sample_ids if step in self._steps else set()
-        dup = sorted((set(ids) & held) | {i for i, n in Counter(ids).items() if n > 1})  # (Counter: not quadratic)
-        if dup:  # checked before the step is made: a refused put leaves no empty step behind
+        # a new step enters ``_steps`` once it holds samples (``_keep``): a put that raises (a duplicate id, a bad
+        # sample, a failed spill) leaves no empty step behind, whose rows would all fall back as ``missing``
+        st = self._steps.get(step) or _Step()
+        dup = sorted((set(ids) & st.sample_ids) | {i for i, n in Counter(ids).items() if n > 1})  # (not quadratic)
+        if dup:
             raise ValueError(f"step {step} already has sample id(s) {dup}")
-        st = self._steps.setdefault(step, _Step())
         if whole is None:
             src = source_of(samples)
             if src is not None and src[1] == list(range(len(src[0].table))):  # a whole split batch
@@ -199,16 +212,14 @@ class GuidanceCache:
                 st.packed.append((_to_host(whole), nbytes))
                 st.views = {}  # rebuilt by the next get, with this part's samples
                 self._account(nbytes)
-                st.sample_ids.update(ids)
-                st.add_keys(whole, ())
+                self._keep(step, st, ids, whole, ())
                 return
             if isinstance(samples, PackedGuidance):
                 samples = samples.to_samples()
+        _check_samples(samples)
         plan = plan_flat(samples)
         n_mem = self._fit_in_memory(plan)
         if n_mem < len(samples) and self.cache_dir is None:  # fail before anything of this put is kept
-            if not st.sample_ids:
-                del self._steps[step]
             raise RuntimeError(
                 f"guidance for step {step} exceeds the host budget of {self.budget_bytes} bytes "
                 f"({self.host_bytes} held, this put needs {plan.total}) and no cache_dir is set: "
@@ -228,11 +239,16 @@ class GuidanceCache:
             if chunk is not None:
                 st.chunks = [c for c in st.chunks if c is not chunk]
                 self.host_bytes -= chunk.buf.numel()
-            if not (st.sample_ids or st.chunks or st.shards or st.packed):
-                del self._steps[step]
             raise
+        self._keep(step, st, ids, None, samples)
+
+    def _keep(self, step: int, st: _Step, ids: list[int], whole: PackedGuidance | None,
+              samples: Sequence[SampleGuidance]) -> None:
+        """A put of ``ids`` (the columns ``whole``, or ``samples``) into ``st`` succeeded: the step (new or not)
+        holds them, and notes their keys."""
         st.sample_ids.update(ids)
-        st.add_keys(None, samples)
+        st.add_keys(whole, samples)
+        self._steps[step] = st
 
     def _fit_in_memory(self, plan: FlatPlan) -> int:
         """How many leading samples of ``plan`` fit under the budget."""
