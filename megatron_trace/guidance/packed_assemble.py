@@ -22,6 +22,8 @@ from .packed import Column, PackedGuidance, PackedRouting, _Packed, ranges
 from .records import (
     FC2,
     _per_row,
+    add_counts,
+    check_counter,
     check_topk,
     count_all_missing,
     missing_rows_per_token,
@@ -148,6 +150,7 @@ def assemble_packed(
     ``part_keys``), so that a row without a sample or record is counted at each of them whatever else its
     micro-batch holds (``parts`` without any column: once per token).
     """
+    check_counter(counter)
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
     if len(sample_ids) != B:
@@ -158,21 +161,22 @@ def assemble_packed(
     by_key: dict = {}
     for c, bs, js in _rows_by_column(parts, loc):
         by_key.setdefault(c.key, []).append((c, bs, js))
-    out = {}
+    out, rows = {}, FallbackCounter()  # (rows: added to counter at the end, add_counts)
     if keys is None:  # every key of ``parts``, not only this micro-batch's: its rows count alike in any micro-batch
         keys = part_keys(parts)
         if not keys:
-            count_all_missing(scatter.tokens, counter)
+            count_all_missing(scatter.tokens, rows)
     check_topk(topk)
     if topk is None:
         topk = next((c.fields["valid"].shape[-1] for p in parts for c in p.columns if c.key[1] == FC2), None)
     for key in keys:
-        sg = _assemble_key(key, by_key.get(key, []), status, mask, scatter, counter, topk)
+        sg = _assemble_key(key, by_key.get(key, []), status, mask, scatter, rows, topk)
         if sg is not None:
             out[key] = sg
     bad = Counter(s for s in status if s != "ok")
     if bad:
         logger.info("guidance rejected for %d of %d samples: %s", sum(bad.values()), B, dict(bad))
+    add_counts(counter, rows)
     return out
 
 

@@ -290,6 +290,7 @@ def assemble(
     unknown, ``count_all_missing``), fewer rows than it counts beside a sample with records: give the step's keys
     (``GuidanceCache.assemble`` does) for counts that add up alike over any split of a step into micro-batches.
     """
+    check_counter(counter)
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
     if len(samples) != B:
@@ -297,10 +298,11 @@ def assemble(
     dest = destinations(mask, layout)  # (a layout that does not fit refuses before anything is counted)
     status = _row_status(samples, token_ids, mask, _per_row(versions, B, "versions"))
     tokens = mask.sum(1).tolist()
+    rows = FallbackCounter()  # this call's counts, added to ``counter`` once nothing can raise (``add_counts``)
     if keys is None:
         keys = sorted({k for s in samples if s is not None for k in s.sites})
         if not keys:
-            count_all_missing(tokens, counter)
+            count_all_missing(tokens, rows)
     check_topk(topk)
     if topk is None:
         topk = next((r.valid.shape[-1] for s in samples if s is not None for (_, site), r in s.sites.items()
@@ -308,13 +310,27 @@ def assemble(
     out = {}
     for key in keys:
         recs = [s.sites.get(key) if s is not None else None for s in samples]
-        sg = _assemble_site(key, recs, status, dest, tokens, counter, topk)
+        sg = _assemble_site(key, recs, status, dest, tokens, rows, topk)
         if sg is not None:
             out[key] = sg
     bad = Counter(s for s in status if s != "ok")
     if bad:
         logger.info("guidance rejected for %d of %d samples: %s", sum(bad.values()), B, dict(bad))
+    add_counts(counter, rows)
     return out
+
+
+def check_counter(counter) -> None:
+    """``counter`` is a ``FallbackCounter`` (checked before any work: the counts are added at the end)."""
+    if not isinstance(counter, FallbackCounter):
+        raise TypeError(f"counter must be a FallbackCounter, got {type(counter).__name__}")
+
+
+def add_counts(counter: FallbackCounter, rows: FallbackCounter) -> None:
+    """Add an assembly's own counts ``rows`` to the caller's ``counter``, as the call returns: an assembly that raised
+    half-way (a key it cannot count, e.g. an FC2 key without records and without ``topk``) had counted the keys
+    before it, and its retry counted them twice."""
+    counter.add(rows.used, dict(rows.fallback))
 
 
 def count_all_missing(tokens: Sequence[int], counter: FallbackCounter) -> None:

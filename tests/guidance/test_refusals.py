@@ -1,0 +1,72 @@
+"""Refusals leave no half-applied state: a call that raises keeps, counts and stores nothing of itself, so a retry
+computes what a first call would."""
+
+import dataclasses
+
+import pytest
+
+from megatron_trace.guidance.cache import GuidanceCache
+from megatron_trace.guidance.packed_assemble import assemble_packed
+from megatron_trace.guidance.records import SampleGuidance, assemble, pack_guidance, split_batch
+from megatron_trace.guidance.serial import plan_flat
+from megatron_trace.guidance.site import FallbackCounter
+
+from ._data import DIMS, assert_samples_equal, make_batch
+
+
+def _step_samples(step, B=4, **kw):
+    batch, _, tok, mask = make_batch(B=B, seed=step, **kw)
+    return split_batch(batch, tok, version=step, attention_mask=mask, sample_ids=[100 * step + i for i in range(B)])
+
+
+def _size(samples):
+    return plan_flat(samples).total
+
+
+def test_a_put_refused_for_a_bad_sample_leaves_no_step_and_no_bytes():
+    """A sample whose site is not a SiteRecord failed in the serialisation after the put had made its step: the step
+    stayed, empty (``steps`` [1], ``get`` gave None, so every row would fall back as ``missing``, not KeyError)."""
+    samples = _step_samples(1, B=2)
+    good = [SampleGuidance(s.sample_id, s.version, s.token_hash, s.num_tokens, dict(s.sites)) for s in samples]
+    key = next(iter(good[1].sites))
+    bad = dataclasses.replace(good[1], sites={**good[1].sites, key: "not a record"})
+    cache = GuidanceCache(budget_bytes=10**9)
+    with pytest.raises(TypeError, match=rf"sample 101 site \(0, '{key[1]}'\) must be a SiteRecord, got str"):
+        cache.put(1, [good[0], bad])
+    assert cache.steps == [] and cache.stats()["cache/host_bytes"] == 0 and cache.stats()["cache/steps"] == 0
+    with pytest.raises(KeyError, match="no step 1"):
+        cache.get(1, [100])
+    cache.put(1, good[:1])  # a refused second put of a step keeps the first one's samples as they were
+    with pytest.raises(TypeError, match="must be a SiteRecord"):
+        cache.put(1, [bad])
+    assert cache.steps == [1] and cache.host_bytes == _size(good[:1])
+    assert_samples_equal(cache.get(1, [100, 101])[0], good[0])
+    assert cache.get(1, [101]) == [None]
+    cache.put(1, good[1:])
+    assert_samples_equal(cache.get(1, [101])[0], good[1])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["samples", "columns"])
+def test_an_assembly_that_raises_half_way_counts_nothing_and_its_retry_counts_once(packed):
+    """The FC1 keys were counted into the caller's counter before an FC2 key without records (and no ``topk``)
+    raised: the retry with ``topk`` counted them twice (used 2T where one assembly counts T)."""
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 7], layers=(0,), sites=("expert_fc1_in",))
+    T, k = int(mask.sum()), DIMS["topk"]
+    keys = [(0, "expert_fc1_in"), (0, "expert_fc2_in")]
+
+    def run(counter, **kw):
+        if packed:
+            p = pack_guidance(batch, tok, version=0, attention_mask=mask)
+            return assemble_packed([p], [0, 1], tok, versions=0, counter=counter, attention_mask=mask, keys=keys, **kw)
+        samples = split_batch(batch, tok, version=0, attention_mask=mask)
+        return assemble(samples, tok, versions=0, counter=counter, attention_mask=mask, keys=keys, **kw)
+
+    shared, fresh = FallbackCounter(), FallbackCounter()
+    with pytest.raises(ValueError, match=r"guided key \(0, 'expert_fc2_in'\) .* pass topk="):
+        run(shared)
+    assert (shared.used, dict(shared.fallback)) == (0, {})
+    run(shared, topk=k)
+    run(fresh, topk=k)
+    assert (shared.used, dict(shared.fallback)) == (fresh.used, dict(fresh.fallback)) == (T, {"missing": T * k})
+    with pytest.raises(TypeError, match="counter must be a FallbackCounter, got dict"):
+        run({}, topk=k)
