@@ -132,12 +132,16 @@ class ShardedSafetensorsWriter:
                             f"{type(tensor).__name__}")
         if name in self._names:
             raise ValueError(f"tensor {name!r} was already written to {self.directory}: names must be unique")
-        self._names.add(name)
+        if tensor.is_meta:  # (torch's "Cannot copy out of meta tensor", naming no weight)
+            raise ValueError(f"tensor {name!r} is a meta tensor: it holds no values to write")
         t = tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)  # no storage shared with views
         n = t.numel() * t.element_size()
         self.peak_bytes = max(self.peak_bytes, self._shard_bytes + n)
         if self._shard and self._shard_bytes + n > self.max_shard_bytes:
             self._flush()
+        # the name is taken once the tensor is held: an add that raised (its copy, or the flush of the full shard
+        # before it) wrote nothing of it, and its retry was refused as "already written"
+        self._names.add(name)
         self._shard[name] = t
         self._shard_bytes += n
         self.tensors += 1

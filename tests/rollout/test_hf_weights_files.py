@@ -106,3 +106,16 @@ def test_add_names_a_value_that_is_no_tensor_or_a_name_that_is_no_str(tmp_path, 
         with ShardedSafetensorsWriter(tmp_path) as w:
             w.add(name, tensor)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_add_that_raised_wrote_nothing_and_its_retry_is_taken(tmp_path):
+    """The name was taken before the tensor was copied: an add that raised there (a meta tensor: torch's "Cannot copy
+    out of meta tensor", naming no weight) left it taken, and the retry with the real tensor was refused as "already
+    written" although nothing of it was."""
+    with ShardedSafetensorsWriter(tmp_path) as w:
+        w.add("a", torch.ones(2))
+        with pytest.raises(ValueError, match="tensor 'b' is a meta tensor: it holds no values"):
+            w.add("b", torch.empty(3, device="meta"))
+        w.add("b", torch.arange(3.0))
+    back = load_file(tmp_path / "model.safetensors")
+    assert sorted(back) == ["a", "b"] and torch.equal(back["b"], torch.arange(3.0)) and w.tensors == 2
