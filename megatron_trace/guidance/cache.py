@@ -325,14 +325,28 @@ class GuidanceCache:
             self.host_bytes -= chunk.buf.numel()
         self.host_bytes -= sum(n for _, n in st.packed)
         self.disk_bytes -= st.shard_bytes  # as counted when written: a shard already gone is uncounted too
-        for path, _ in st.shards:
-            path.unlink(missing_ok=True)
+        failed = []
+        for path, _ in st.shards:  # every one is tried: a shard left behind after an error is named, never forgotten
             forget_tables(path)
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as e:
+                failed.append(f"{path} ({type(e).__name__}: {e.strerror or e})")
+        if failed:
+            raise OSError(f"guidance step {step} was dropped, but {len(failed)} of its spilled shard(s) could not be "
+                          f"deleted (delete them by hand): {'; '.join(failed)}")
 
     def close(self) -> None:
-        """Drop every step held (their shards deleted): the end of a run."""
+        """Drop every step held (their shards deleted): the end of a run. A step whose shards cannot be deleted does
+        not keep the others held: each is dropped, then the errors are raised together."""
+        errors = []
         for step in self.steps:
-            self.drop(step)
+            try:
+                self.drop(step)
+            except OSError as e:
+                errors.append(str(e))
+        if errors:
+            raise OSError("GuidanceCache.close: " + " | ".join(errors))
 
     def invalidate(self, step: int) -> None:
         """Discard an interrupted step's partial data; a later ``put`` can redo it."""

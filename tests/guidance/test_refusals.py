@@ -70,3 +70,24 @@ def test_an_assembly_that_raises_half_way_counts_nothing_and_its_retry_counts_on
     assert (shared.used, dict(shared.fallback)) == (fresh.used, dict(fresh.fallback)) == (T, {"missing": T * k})
     with pytest.raises(TypeError, match="counter must be a FallbackCounter, got dict"):
         run({}, topk=k)
+
+
+def test_a_shard_that_cannot_be_deleted_is_named_and_the_others_are_still_deleted(tmp_path):
+    """drop stopped at the first shard it could not delete: the step was already forgotten, so its later shards stayed
+    on disk unnamed and uncounted, and close() stopped there too, leaving the later steps held."""
+    d = tmp_path / "c"
+    cache = GuidanceCache(budget_bytes=0, cache_dir=d)
+    for step in (0, 1):
+        samples = _step_samples(step + 1, B=2)
+        cache.put(step, samples[:1])
+        cache.put(step, samples[1:])  # two shards per step
+    assert cache.steps == [0, 1] and len(list(d.glob("*.safetensors"))) == 4
+    first = sorted(d.glob("guidance_step00000000_*_part0000.safetensors"))[0]
+    first.unlink()
+    first.mkdir()  # (an entry that unlink refuses: root ignores a read-only directory)
+    (first / "x").touch()
+    with pytest.raises(OSError, match=rf"guidance step 0 was dropped, but 1 of its spilled shard\(s\) could not be "
+                                      rf"deleted .*{first.name}"):
+        cache.close()
+    assert cache.steps == [] and cache.disk_bytes == 0 and cache.host_bytes == 0
+    assert [p.name for p in d.iterdir()] == [first.name]  # the other step-0 shard and step 1's are gone
