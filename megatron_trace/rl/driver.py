@@ -322,6 +322,13 @@ class GRPORun:
             loss, stats = policy_loss(logp, logp, batch.logprobs, adv, batch.response_mask, clip_eps=cfg.clip_eps,
                                       tis_cap=cfg.tis_cap)
         grad_norm = self.policy.optimizer.step()
+        # the step has trained: it counts from here (its metrics below may raise, e.g. an interrupt or a trend alarm
+        # with raise_on_alarm, and a sync may), so a retry of step() syncs these weights first, never training the
+        # same prompts twice on the stepped weights; its records are no longer needed
+        self.state.version += 1
+        self.state.step += 1
+        self._sync_pending = True
+        self.cache.drop(step)
         t_train = time.perf_counter()
         metrics = {"reward": float(rewards.mean()), "loss": float(loss), "grad_norm": grad_norm, **stats,
                    "trainer/micro_batches": float(len(steps))}
@@ -337,12 +344,6 @@ class GRPORun:
                 metrics.update(self._quant_metrics(recorded, full, mbs))
         metrics.update(counter.as_dict("guidance/assembly"))
         metrics.update(cache)
-        self.cache.drop(step)
-        # the step has trained: it counts from here, so a sync that raises is retried by the next step() (or a
-        # resume), never the same prompts trained twice on the stepped weights
-        self.state.version += 1
-        self.state.step += 1
-        self._sync_pending = True
         t_sync = time.perf_counter()
         metrics.update(self._sync_weights())
         self._sync_pending = False
