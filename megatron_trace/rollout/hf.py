@@ -170,6 +170,8 @@ class HFRolloutBackend:
         pad = self.hf_config.pad_token_id
         self.pad_token_id = int(pad) if pad is not None and 0 <= pad < self.vocab_size else 0
         self.policy_version = 0
+        self.failed_update: str | None = None  # why the model may hold mixed weights (generate refuses until mended)
+        self._unsent: set[str] = set()  # the names of a failed update's tensors not sent again since
         self._cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self._experts = routed_experts(self.model)
         self._layer_of = {id(m): i for i, m in self._experts.items()}
@@ -340,6 +342,12 @@ class HFRolloutBackend:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
         """Sample responses to ``prompts`` (``rollout.hf_generate``): tokens, log-probs of the sampling forward,
         routing and (FP4 mode) guidance, as a ``RolloutBatch``."""
+        if self.failed_update is not None:
+            unsent = sorted(self._unsent)
+            raise RuntimeError(f"{self.failed_update}; the model may hold part of those weights under "
+                               f"policy_version={self.policy_version}, so no sample of it is a sample of one policy: "
+                               f"send the full weights again (update_weights; {len(unsent)} tensor(s) of the failed "
+                               f"update not sent since, e.g. {unsent[:3]}) before generating")
         return hf_generate.generate(self, prompts, sampling)
 
     # ---- weights ------------------------------------------------------------------------------
@@ -348,6 +356,26 @@ class HFRolloutBackend:
         if self.weight_store is None:
             raise RuntimeError(f"no FP4 expert weights: mode={self.mode!r}, sites={self.config.sites}")
         return self.weight_store.get(layer, expert, which)
+
+    def _apply(self, dense, requant, packed, names: set[str], version: int) -> None:
+        """The checked update -> the model, in place. A failure here (a device copy out of memory, an interrupt) may
+        leave some tensors new: ``failed_update`` is set and ``generate`` refuses until updates that succeed have sent
+        all of them again (as the SGLang backend does)."""
+        try:
+            with torch.no_grad():
+                for target, value, _ in dense:
+                    target.copy_(value.to(target.device))
+                if self.weight_store is not None:
+                    self._quantize_experts(requant)
+                    for layer, e, which, q in packed:
+                        self.weight_store.set(self._experts[layer], layer, e, which, q)
+        except BaseException as e:
+            self._unsent |= names
+            self.failed_update = (f"the weight update to version {version} failed while copying into the model "
+                                  f"({type(e).__name__}: {e})")
+            logger.error("%s: generate is refused until updates that succeed have sent its tensors again",
+                         self.failed_update)
+            raise
 
     def _quantize_experts(self, keys: Iterable[tuple[int, int, str]]) -> None:
         for layer, e, which in sorted(keys):
@@ -416,13 +444,11 @@ class HFRolloutBackend:
             check_dense_updates(dense)
             requant = set() if self.weight_store is None else check_fc1_pairs(halves, fp4)
             packed = checked_fp4_updates(self.weight_store, self._experts, fp4)
-            with torch.no_grad():
-                for target, value, _ in dense:
-                    target.copy_(value.to(target.device))
-                if self.weight_store is not None:
-                    self._quantize_experts(requant)
-                    for layer, e, which, q in packed:
-                        self.weight_store.set(self._experts[layer], layer, e, which, q)
+            names = {name for name, _ in weights}
+            self._apply(dense, requant, packed, names, new_version)
         self.policy_version = new_version
+        self._unsent -= names
+        if not self._unsent:
+            self.failed_update = None
         logger.debug("update_weights: %d tensors, version %d", len(weights), self.policy_version)
 

@@ -301,3 +301,37 @@ def test_bf16_updates_of_excluded_experts_are_used_as_they_come():
             be.expert_weight_fp4(0, 1, which)
     want = TraceConfig().weight_quantizer().quantize(new[names[5]])
     assert torch.equal(be.model.model.layers[2].mlp.experts.down_proj[1], want.dequantize())
+
+
+class _CopyFails(torch.Tensor):
+    """A weight whose copy to the model's device fails (as an out-of-memory copy to a GPU would), after the update's
+    checks: a stand-in for the transport, not for the backend."""
+
+    def to(self, *args, **kwargs):
+        raise RuntimeError("out of memory copying to the device")
+
+
+def test_an_update_that_fails_while_copying_is_not_served_until_its_tensors_are_sent_again():
+    """Everything is checked before the copies, but a copy itself can fail (a device out of memory, an interrupt):
+    the tensors before it were new, the version the old one, and generate served the mix as that version."""
+    from megatron_trace.rollout import SamplingParams
+
+    be, fresh = _backend(mode="bf16"), _backend(mode="bf16")
+    new = list(checkpoint_tensors(tiny_model(seed=1)))
+    broken = [(n, torch.Tensor._make_subclass(_CopyFails, v) if i == len(new) // 2 else v)
+              for i, (n, v) in enumerate(new)]
+    with pytest.raises(RuntimeError, match="out of memory copying"):
+        be.update_weights(broken)
+    assert be.policy_version == 0
+    prompts, sampling = [[1, 2, 3]], SamplingParams(temperature=0.0, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match=rf"failed while copying into the model .*policy_version=0.*{len(new)} "
+                                           r"tensor\(s\) of the failed update not sent since"):
+        be.generate(prompts, sampling)
+    be.update_weights(new[:1])  # part of them again: still refused
+    with pytest.raises(RuntimeError, match=rf"{len(new) - 1} tensor\(s\)"):
+        be.generate(prompts, sampling)
+    be.update_weights(new)
+    fresh.update_weights(new)
+    assert be.failed_update is None and be.policy_version == 2
+    got, want = be.generate(prompts, sampling), fresh.generate(prompts, sampling)
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.logprobs, want.logprobs)
