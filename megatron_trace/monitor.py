@@ -190,9 +190,13 @@ class TrendAlarm:
                            f"{sorted(metrics)[:6]}{'...' if len(metrics) > 6 else ''})")
         if step is not None and not (_is_number(step) and math.isfinite(step)):  # ("3", True were taken as steps)
             raise ValueError(f"step={step!r} must be a finite number (the RL step) or None (the update count)")
+        try:  # (read before the update counts: a refused one moved the next update's x by one, halving its slope)
+            value = float(metrics[self.key])
+        except (TypeError, ValueError):
+            raise ValueError(f"the trend alarm's metric {self.key!r} is {metrics[self.key]!r}, not a number; this "
+                             "update is not counted") from None
         at = float(self._count if step is None else step)
         self._count += 1
-        value = float(metrics[self.key])
         if math.isfinite(value):  # a NaN/Inf fires at once and stays out of the window (its slope would be NaN)
             self._steps.append(at)
             self._values.append(value)

@@ -233,6 +233,17 @@ def test_a_step_without_the_watched_metric_is_named_and_not_counted():
     assert alarm.state_dict()["count"] == 0
 
 
+def test_a_value_that_is_not_a_number_is_named_and_not_counted():
+    """float() raised after the update had counted: the next update sat one step further on, so a rise of 1 per update
+    read as a slope of 0.5 and the alarm (above 0.75) stayed silent."""
+    alarm = TrendAlarm(window=2, mode="absolute", max_slope=0.75, key="m")
+    alarm.update({"m": 0.0})
+    with pytest.raises(ValueError, match="the trend alarm's metric 'm' is 'n/a', not a number"):
+        alarm.update({"m": "n/a"})
+    out = alarm.update({"m": 1.0})
+    assert out["m/slope"] == 1.0 and out["alarm/m_rising"] == 1.0 and alarm.state_dict()["count"] == 2
+
+
 def test_the_absolute_mode_is_kept_for_old_settings():
     """``TrendAlarm(max_slope=...)`` (the only mode before session 41) is still the absolute alarm."""
     assert TrendAlarm(max_slope=0.01).mode == "absolute" and TrendAlarm().mode == "relative"
