@@ -227,9 +227,12 @@ class TrendAlarm:
     def load_state_dict(self, state: dict) -> None:
         if len(state["steps"]) != len(state["values"]) or len(state["values"]) > self.window:
             raise ValueError(f"a trend window of {len(state['values'])} values does not fit window={self.window}")
-        self._steps = deque((float(v) for v in state["steps"]), maxlen=self.window)
-        self._values = deque((float(v) for v in state["values"]), maxlen=self.window)
-        self._count = int(state["count"])
+        # all read before any is set: a state that fails half-way (a value that is not a number, no "count") left the
+        # new steps beside the old values
+        steps = deque((float(v) for v in state["steps"]), maxlen=self.window)
+        values = deque((float(v) for v in state["values"]), maxlen=self.window)
+        count = int(state["count"])
+        self._steps, self._values, self._count = steps, values, count
 
 
 TOPOLOGY_KEYS = ("tp", "ep", "dp", "pp", "cp")

@@ -244,6 +244,18 @@ def test_a_value_that_is_not_a_number_is_named_and_not_counted():
     assert out["m/slope"] == 1.0 and out["alarm/m_rising"] == 1.0 and alarm.state_dict()["count"] == 2
 
 
+def test_a_state_that_fails_to_load_leaves_the_alarm_as_it_was():
+    """The steps were replaced before a value failed to convert: new steps beside the old values."""
+    alarm = TrendAlarm(window=3, key="m")
+    for v in (1.0, 2.0):
+        alarm.update({"m": v})
+    before = alarm.state_dict()
+    for bad in ({"steps": [5, 6], "values": [1.0, "x"], "count": 7}, {"steps": [5, 6], "values": [1.0, 2.0]}):
+        with pytest.raises((ValueError, KeyError)):
+            alarm.load_state_dict(bad)
+        assert alarm.state_dict() == before
+
+
 def test_the_absolute_mode_is_kept_for_old_settings():
     """``TrendAlarm(max_slope=...)`` (the only mode before session 41) is still the absolute alarm."""
     assert TrendAlarm(max_slope=0.01).mode == "absolute" and TrendAlarm().mode == "relative"
