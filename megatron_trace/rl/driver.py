@@ -18,6 +18,7 @@ one process, the rollout engine (hf backend) beside the Megatron trainer. Per st
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -134,7 +135,9 @@ class GRPORun:
             self.recipe = trainer_recipe(find_trace_layers(self.policy.model))
             # the demo's rollout records every layer in full mode (the metrics' superset) on purpose
             self.rollout.check_recipe(self.recipe, ignore=("guided_layers", "guided_sites", "cache_mode"))
-        self._sync_pending = False  # a step's sync raised: the next step() retries it before its rollout
+        # a sync that raised, which the next step() retries before its rollout: "step" (a step's, after it trained) or
+        # "reset" (the startup's or a resume's, which may set the version back); None: the rollout serves state.version
+        self._sync_pending: str | None = None
         # the rollout serves exactly the trainer's weights (and FP4 codes) of version 0: the checkpoint both loaded
         self._reset_sync()
 
@@ -142,8 +145,9 @@ class GRPORun:
     def _reset_sync(self) -> None:
         """Set the rollout to the trainer's weights and version (startup, resume), then run the sentinel, as after
         every sync: a bridge or recipe fault shows before the first step, not after it."""
+        self._sync_pending = "reset"
         self._sync_weights(reset=True)
-        self._sync_pending = False
+        self._sync_pending = None
         if self.sentinel is not None:
             self.sentinel.run(self.rollout, self._sentinel_logprobs)  # (logged; SentinelError above its bound)
 
@@ -297,11 +301,11 @@ class GRPORun:
 
     # ---- the step ------------------------------------------------------------------------------
     def step(self) -> dict:
-        if self._sync_pending:  # the last step trained, then its sync raised: serve its weights before rolling out
-            logger.warning("step %d: retrying the weight sync to version %d that raised after the last step",
-                           self.state.step, self.state.version)
-            self._sync_weights()
-            self._sync_pending = False
+        if self._sync_pending:  # the last step trained (or a resume loaded), then its sync raised: serve its weights
+            logger.warning("step %d: retrying the weight sync to version %d that raised (%s sync)", self.state.step,
+                           self.state.version, self._sync_pending)
+            self._sync_weights(reset=self._sync_pending == "reset")
+            self._sync_pending = None
         step, cfg, t0 = self.state.step, self.cfg, time.perf_counter()
         # the trainer's own random draws (TraceConfig.rounding="stochastic") are a function of (seed, step): a resumed
         # run redoes the step exactly
@@ -327,7 +331,7 @@ class GRPORun:
         # same prompts twice on the stepped weights; its records are no longer needed
         self.state.version += 1
         self.state.step += 1
-        self._sync_pending = True
+        self._sync_pending = "step"
         self.cache.drop(step)
         t_train = time.perf_counter()
         metrics = {"reward": float(rewards.mean()), "loss": float(loss), "grad_norm": grad_norm, **stats,
@@ -346,7 +350,7 @@ class GRPORun:
         metrics.update(cache)
         t_sync = time.perf_counter()
         metrics.update(self._sync_weights())
-        self._sync_pending = False
+        self._sync_pending = None
         t_sync = time.perf_counter() - t_sync
         t_sentinel, sentinel_error = time.perf_counter(), None
         if self.sentinel is not None:
@@ -396,10 +400,14 @@ class GRPORun:
         diff = _differences(saved, now, [k for k in now if k in saved])
         if diff:  # another run's data stream (or an optimizer whose loaded lr overrides the configured one)
             raise ValueError(f"checkpoint {path} is of another run: {diff}")
+        # everything read and checked before anything is set: a checkpoint refused half-way (a state field this
+        # version does not know, a damaged trend window) left its weights beside this run's step and version
+        state = ArmState(**ck["state"])
+        trend = copy.deepcopy(self.trend)
+        if state.history:
+            trend.load_state_dict(state.history)
         self.policy.load_state_dict(ck["policy"], where=f"checkpoint {path}")
-        self.state = ArmState(**ck["state"])
-        if self.state.history:
-            self.trend.load_state_dict(self.state.history)
+        self.state, self.trend = state, trend
         for step in self.cache.steps:
             self.cache.invalidate(step)
         self._reset_sync()  # the checkpoint's version, also below what this rollout served

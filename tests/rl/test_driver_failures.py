@@ -31,3 +31,54 @@ def test_a_step_whose_metrics_raise_after_the_optimizer_step_counts_and_is_not_t
     m = r.step()  # the sync to version 2 first, then step 2's prompts on version 2's weights
     assert m["guidance/assembly/coverage"] == 1.0 and m.get("guidance/assembly/fallback/version", 0.0) == 0.0
     assert (r.state.step, r.state.version, r.rollout.policy_version) == (3, 3, 3)
+
+
+def _weights(r) -> dict:
+    return {k: v.clone() for k, v in r.policy.model.state_dict().items() if v is not None}
+
+
+def test_a_checkpoint_refused_half_way_leaves_the_run_as_it_was(megatron_cpu, ckpt, tmp_path):
+    """The weights were loaded before the step state was read: a checkpoint whose state has a field this version does
+    not know raised there, leaving the checkpoint's weights under this run's step and version (the rollout's records
+    of its own, other weights then matched the trainer's version)."""
+    import torch
+
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace", TraceConfig()), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    r.step()
+    r.save(tmp_path / "ck.pt")
+    r.step()
+    ck = torch.load(tmp_path / "ck.pt", weights_only=False)
+    ck["state"]["a_later_field"] = 1
+    for v in ck["policy"]["model"].values():  # (weights other than the run's for sure: a step may change none)
+        if v is not None and v.is_floating_point():
+            v += 1
+    torch.save(ck, tmp_path / "newer.pt")
+    before, state = _weights(r), (r.state.step, r.state.version)
+    with pytest.raises(TypeError, match="a_later_field"):
+        r.load(tmp_path / "newer.pt")
+    after = _weights(r)
+    assert (r.state.step, r.state.version) == state == (2, 2)
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_resume_whose_sync_raised_is_synced_by_the_next_step(megatron_cpu, ckpt, tmp_path):
+    """The resume's reset sync raising left no sync pending: the next step() rolled out on the rollout's later weights
+    (version 2; the trainer back at 1: every record rejected) and its own sync to version 2 was refused as not newer."""
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace", TraceConfig()), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    r.step()
+    r.save(tmp_path / "ck.pt")
+    r.step()
+
+    def dies(*args, **kwargs):  # the transport to the rollout fails (as tests/rl/test_driver.py's failed sync)
+        raise RuntimeError("the transport died")
+
+    r.rollout.update_weights = dies
+    with pytest.raises(RuntimeError, match="the transport died"):
+        r.load(tmp_path / "ck.pt")
+    assert (r.state.step, r.state.version, r.rollout.policy_version) == (1, 1, 2)
+    del r.rollout.update_weights
+    m = r.step()  # the resume's sync (back to version 1) first, then step 1's prompts on version 1's weights
+    assert m["guidance/assembly/coverage"] == 1.0 and m.get("guidance/assembly/fallback/version", 0.0) == 0.0
+    assert (r.state.step, r.state.version, r.rollout.policy_version) == (2, 2, 2)
