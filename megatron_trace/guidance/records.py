@@ -363,10 +363,8 @@ def destinations(mask: torch.Tensor, layout: PackedLayout | None) -> tuple[tuple
     their device): [B, S] and ``mask``'s positions, or with ``layout`` [1, T] and each sample's segment."""
     if layout is None:
         return tuple(mask.shape), [(b, row.nonzero().squeeze(1)) for b, row in enumerate(mask)], mask.device
-    layout.check(mask)
-    starts, counts = layout.cu_seqlens, mask.sum(1).tolist()
-    rows = [(0, torch.arange(n, device=mask.device) + starts[b]) for b, n in enumerate(counts)]
-    return (1, layout.total), rows, mask.device
+    packed = layout.positions(mask)[1].split(mask.sum(1).tolist())  # (row-major: sample by sample)
+    return (1, layout.total), [(0, pos) for pos in packed], mask.device
 
 
 def _assemble_site(key, recs, status, dest, tokens, counter, topk=None) -> SiteGuidance | None:
