@@ -147,3 +147,43 @@ def test_packed_layout_reads_the_samples_lengths_from_packed_seq_params():
     with pytest.raises(ValueError, match=r"cu_seqlens_q has 4 entries, cu_seqlens_q_padded 5"):
         packed_layout(PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 5, 14, 21]),
                                       cu_seqlens_q_padded=torch.tensor(CU)))
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: PackedLayout((0, 8, 24, 32, 32), 31), r"total=31 must be an int >= cu_seqlens\[-1\]=32"),
+    (lambda: PackedLayout((2, 8, 24, 32, 32), TOTAL), r"cu_seqlens must start at 0, got 2"),
+    (lambda: PackedLayout((0, 24, 8, 32, 32), TOTAL), r"cu_seqlens must not decrease: cu_seqlens\[2\]=8"),
+    (lambda: PackedLayout.of(CU, lengths=[5, 9, 7.5, 0]), r"lengths must be ints >= 0 .*got 7.5"),
+    (lambda: PackedLayout.of(CU, lengths=[5, 9, -1, 0]), r"lengths must be ints >= 0 .*got -1"),
+    (lambda: PackedLayout(tuple(CU), TOTAL, (5, 9, 7)), r"3 sample lengths for 4 segments"),
+], ids=["total", "start", "decrease", "float-length", "negative-length", "lengths"])
+def test_a_layout_is_checked_however_it_is_built(build, match):
+    """``PackedLayout(...)`` itself (as the dataclass it is) checks what ``of`` checks: a row shorter than its last
+    segment was an IndexError in the middle of the assembly, a sample's segment not from 0 moved every token, a
+    length 7.5 was 7 tokens."""
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_packed_seq_params_are_read_by_packed_layout_not_of():
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(CU, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"a PackedSeqParams gives its layout through megatron.packed_layout"):
+        PackedLayout.of(psp)  # (was: "... (or a PackedSeqParams), got PackedSeqParams")
+
+
+def test_an_attention_mask_places_tokens_as_the_assembly_reads_it(tmp_path):
+    """The assembly reads an attention mask's nonzero entries as tokens (``records.token_mask``); the layout's
+    ``token_mask`` of that same mask (README's ``layout.token_mask(mb_mask)``) must mark the positions it filled.
+    A 2 in an int mask was refused (its row's sum), a 0.5 in a float one put two tokens at one position."""
+    batch, routing, tokens, mask, t_tokens, t_mask = _data(left_pad=True)
+    guid, _ = _assemblers("columns", batch, routing, tokens, mask, tmp_path)
+    layout = packed_layout(CU, total=TOTAL)
+    want = layout.token_mask(t_mask)
+    for odd in (t_mask.long() * 2, t_mask.float() * 0.5):
+        assert torch.equal(layout.token_mask(odd), want)
+        got = guid(t_tokens, odd, FallbackCounter(), layout=layout)
+        filled = got[(0, "expert_fc1_in")].valid[0]
+        assert bool(filled.any()) and not bool((filled & ~want[0]).any())
+
