@@ -117,6 +117,14 @@ class PackedLayout:
         return out
 
 
+def as_layout(layout) -> PackedLayout:
+    """``layout`` (an assembly's ``layout=``) if it is a ``PackedLayout``, else TypeError naming what to give."""
+    if not isinstance(layout, PackedLayout):
+        raise TypeError(f"layout= takes a guidance.layout.PackedLayout (megatron.packed_layout(packed_seq_params, "
+                        f"total=T), or PackedLayout.of(cu_seqlens, total=T)), got {type(layout).__name__}")
+    return layout
+
+
 def _ints(cu_seqlens) -> list[int]:
     if isinstance(cu_seqlens, torch.Tensor):
         if cu_seqlens.is_floating_point() or cu_seqlens.is_complex() or cu_seqlens.dtype == torch.bool:

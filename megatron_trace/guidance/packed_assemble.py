@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ..formats import CompactGuidance, FullGuidance, get_format
-from .layout import PackedLayout
+from .layout import PackedLayout, as_layout
 from .packed import Column, PackedGuidance, PackedRouting, _Packed, ranges
 from .records import (
     FC2,
@@ -81,8 +81,8 @@ class _Scatter:
             self.shape = tuple(mask.shape)
             self.flat = mask.reshape(-1).nonzero().squeeze(1)  # [T] positions b * S + s, row-major
         else:
+            self.flat = as_layout(layout).positions(mask)[1]  # [T] packed positions, row-major
             self.shape = (1, layout.total)
-            self.flat = layout.positions(mask)[1]  # [T] packed positions, row-major
         self.counts = mask.sum(1).cpu()  # [B]
         self.tokens = self.counts.tolist()
         self.first = (torch.cumsum(self.counts, 0) - self.counts).to(self.flat.device)  # [B] first token of each row

@@ -28,7 +28,7 @@ import torch
 
 from ..formats import CompactGuidance, FullGuidance
 from ..formats.tensor import scales_usable
-from .layout import PackedLayout
+from .layout import PackedLayout, as_layout
 from .site import FallbackCounter, SiteGuidance, SiteKey, check_rows, is_integer
 
 logger = logging.getLogger(__name__)
@@ -363,7 +363,7 @@ def destinations(mask: torch.Tensor, layout: PackedLayout | None) -> tuple[tuple
     their device): [B, S] and ``mask``'s positions, or with ``layout`` [1, T] and each sample's segment."""
     if layout is None:
         return tuple(mask.shape), [(b, row.nonzero().squeeze(1)) for b, row in enumerate(mask)], mask.device
-    packed = layout.positions(mask)[1].split(mask.sum(1).tolist())  # (row-major: sample by sample)
+    packed = as_layout(layout).positions(mask)[1].split(mask.sum(1).tolist())  # (row-major: sample by sample)
     return (1, layout.total), [(0, pos) for pos in packed], mask.device
 
 

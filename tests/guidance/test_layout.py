@@ -165,12 +165,21 @@ def test_a_layout_is_checked_however_it_is_built(build, match):
         build()
 
 
-def test_packed_seq_params_are_read_by_packed_layout_not_of():
+def test_packed_seq_params_given_where_a_layout_is_taken_are_refused_by_name(tmp_path):
     from megatron.core.packed_seq_params import PackedSeqParams
 
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor(CU, dtype=torch.int32))
     with pytest.raises(ValueError, match=r"a PackedSeqParams gives its layout through megatron.packed_layout"):
-        PackedLayout.of(psp)  # (was: "... (or a PackedSeqParams), got PackedSeqParams")
+        PackedLayout.of(psp)
+    batch, routing, tokens, mask, t_tokens, t_mask = _data(left_pad=False)
+    for path in ("columns", "samples", "shard"):
+        guid, route = _assemblers(path, batch, routing, tokens, mask, tmp_path)
+        counter = FallbackCounter()
+        with pytest.raises(TypeError, match=r"layout= takes a guidance.layout.PackedLayout .*got PackedSeqParams"):
+            guid(t_tokens, t_mask, counter, layout=psp)  # (was AttributeError: no attribute 'check' / 'total')
+        assert counter == FallbackCounter()
+        with pytest.raises(TypeError, match=r"layout= takes a guidance.layout.PackedLayout .*got list"):
+            route(tokens[ORDER], mask[ORDER], layout=CU)
 
 
 def test_an_attention_mask_places_tokens_as_the_assembly_reads_it(tmp_path):
