@@ -196,3 +196,36 @@ def test_an_attention_mask_places_tokens_as_the_assembly_reads_it(tmp_path):
         filled = got[(0, "expert_fc1_in")].valid[0]
         assert bool(filled.any()) and not bool((filled & ~want[0]).any())
 
+
+@pytest.mark.parametrize("path", ["records", "columns", "no-parts"])
+def test_a_key_that_cannot_be_counted_is_refused_before_anything_is_counted(path):
+    """A guided FC2 key without records and without ``topk`` (its rows per token unknown) is refused, and so is a
+    bad ``topk`` beside a micro-batch without guidance: the keys before it had already been counted."""
+    from megatron_trace.guidance.records import assemble
+
+    from ._data import make_batch as make
+
+    batch, _, tok, mask = make(B=2, lengths=[9, 7], layers=(0,), sites=("expert_fc1_in",))
+    keys = [(0, "expert_fc1_in"), (0, "expert_fc2_in")]
+    layout = PackedLayout.of([0, 9, 16])
+
+    def run(ids, counter, **kw):
+        if path == "records":
+            samples = split_batch(batch, tok, version=0, attention_mask=mask)
+            return assemble([None if i is None else samples[i] for i in ids], tok, versions=0, counter=counter,
+                            attention_mask=mask, layout=layout, **kw)
+        shard = GuidanceShard()
+        shard.parts = [pack_guidance(batch, tok, version=0, attention_mask=mask)] if path == "columns" else []
+        return shard.assemble(ids, tok, versions=0, counter=counter, attention_mask=mask, layout=layout, **kw)
+
+    counter = FallbackCounter()
+    if path != "no-parts":
+        with pytest.raises(ValueError, match=r"guided key \(0, 'expert_fc2_in'\) has no record .* pass topk="):
+            run([0, 1], counter, keys=keys)
+        assert counter == FallbackCounter()
+    with pytest.raises(ValueError, match=r"topk=0 must be an int >= 1"):
+        run([None, None], counter, topk=0)
+    assert counter == FallbackCounter()
+    run([0, 1], counter, keys=keys, topk=2)  # (counted once topk is given: FC1 used or missing, FC2 missing)
+    used = 0 if path == "no-parts" else 16
+    assert (counter.used, dict(counter.fallback)) == (used, {"missing": 16 - used + 16 * 2})
