@@ -27,6 +27,7 @@ from megatron_trace.megatron.step import GuidanceFallbackError
 
 from ._dist import packed_worker
 from .harness import (
+    EXPERTS,
     LAYERS,
     MROPE_SECTION,
     SEQ,
@@ -216,9 +217,12 @@ def _rows_used(stats: dict) -> int:
 def test_cache_assembled_guidance_with_a_sample_missing_counts_as_unpacked(unpacked, packed):
     """Guidance through the cache's assembly (``records.assemble`` from samples, ``assemble_packed`` from columns),
     sample 1 missing (its rows zero and invalid): the packed forward counts the padded one's rows by (layer, site,
-    reason), and with ``fallback="fail"`` both refuse with the same error."""
+    reason), and with ``fallback="fail"`` both refuse with the same error. Assembled straight into the packed row
+    (``layout=``), guidance and routing drive the packed forward to pack_step's counts, error and records."""
     from megatron_trace.guidance.packed_assemble import assemble_packed
     from megatron_trace.guidance.records import assemble, pack_guidance, split_batch
+    from megatron_trace.guidance.routing import assemble_routing, split_routing
+    from megatron_trace.megatron import packed_layout
 
     _, model, tokens, tm, rec, padded = unpacked
     ids, counter = [0, None, 2], FallbackCounter()
@@ -231,21 +235,40 @@ def test_cache_assembled_guidance_with_a_sample_missing_counts_as_unpacked(unpac
                          attention_mask=tm)
     assert counter.fallback["missing"] > 0
     cu, total = _boundaries("both")
-    stats, errors = [], []
+    # the same assembly straight into the packed row (``layout=``): the same tensors as pack_step's, bit for bit
+    layout, direct_counter = packed_layout(torch.tensor(cu, dtype=torch.int32), total=total), FallbackCounter()
+    if packed:
+        direct = assemble_packed([pack_guidance(rec.sites, tokens, version=0, attention_mask=tm)], ids, tokens,
+                                 versions=0, counter=direct_counter, attention_mask=tm, layout=layout)
+    else:
+        direct = assemble([None if i is None else samples[i] for i in ids], tokens, versions=0,
+                          counter=direct_counter, attention_mask=tm, layout=layout)
+    assert direct_counter == counter
+    routes = split_routing(rec.routing, tokens, version=0, num_experts=EXPERTS, attention_mask=tm)
+    direct_routing = assemble_routing(routes, tokens, versions=0, attention_mask=tm, layout=layout)
+    stats, errors, records = [], [], []
     for fallback in ("rne", "fail"):
-        for layout in ("padded", "packed"):
+        for how in ("padded", "packed", "direct"):
             step = StepGuidance(sites=sites, routing=rec.routing, token_mask=tm, fallback=fallback)
             data = padded
-            if layout == "packed":
+            if how == "packed":
                 step, data = pack_step(step, cu, total=total), packed_batch(tokens, tm, cu, total)
+            elif how == "direct":
+                step = StepGuidance(sites=direct, routing=direct_routing, token_mask=layout.token_mask(tm),
+                                    fallback=fallback)
+                data = packed_batch(tokens, tm, cu, total)
             if fallback == "rne":
-                stats.append(_forward(model, data, step).stats())
+                h = _forward(model, data, step)
+                stats.append(h.stats())
+                records.append(h.recorded())
                 continue
             with pytest.raises(GuidanceFallbackError) as e:
                 _forward(model, data, step)
             errors.append(str(e.value))
     assert stats[0] == stats[1] and _rows_used(stats[0]) == LAYERS * (n := sum(LENGTHS) - 9) * (1 + TOPK + 2), n
     assert errors[0] == errors[1] and "{'invalid_row': 9}" in errors[0]
+    assert stats[2] == stats[1] and errors[2] == errors[1]
+    _same_records(records[2], records[1])
 
 
 @pytest.mark.slow
