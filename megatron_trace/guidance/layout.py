@@ -47,7 +47,9 @@ class PackedLayout:
                              "length)")
         lengths = self.lengths
         if lengths is not None:
-            lengths = list(lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths)
+            lengths = lengths.tolist() if isinstance(lengths, torch.Tensor) else lengths
+            if not isinstance(lengths, (list, tuple)):
+                raise ValueError(f"lengths must be B ints (the samples' token counts), got {lengths!r}")
             bad = [n for n in lengths if not is_integer(n) or int(n) < 0]
             if bad:  # (1.5 was truncated to 1 token)
                 raise ValueError(f"lengths must be ints >= 0 (the samples' token counts), got {bad[0]!r} in "
