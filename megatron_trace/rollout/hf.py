@@ -64,8 +64,8 @@ from .base import (
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2, ExpertWeightStore, RolloutNumerics, active_numerics
 from .finite import RolloutFiniteChecks
-from .hf_model import check_fc1_pairs, checked_fp4_updates, load_model, routed_experts
-from .hf_weights import FUSED_EXPERTS, check_dense_updates, parse_expert_name
+from .hf_model import check_fc1_pairs, checked_fp4_updates, load_model, routed_experts, sort_updates
+from .hf_weights import check_dense_updates
 from .kv_cache import FP4KVCache
 from .recorder import GuidanceRecorder
 
@@ -381,13 +381,6 @@ class HFRolloutBackend:
         for layer, e, which in sorted(keys):
             self.weight_store.quantize_from_params(self._experts[layer], layer, e, which)
 
-    def _expert_slot(self, name: str, layer: int, expert: int) -> torch.nn.Module:
-        m = self._experts.get(layer)
-        if m is None or not 0 <= expert < m.num_experts:
-            raise KeyError(f"{name!r}: layer {layer} has no routed expert {expert} "
-                           f"(MoE layers {sorted(self._experts)}, experts 0..{self.hf_config.num_experts - 1})")
-        return m
-
     def update_weights(self, weights: Iterable[tuple[str, WeightValue]], *, version: int | None = None,
                        recipe: QuantRecipe | None = None, reset: bool = False) -> None:
         """Copy HF-checkpoint-named weights in place (see ``RolloutBackend.update_weights``).
@@ -408,39 +401,8 @@ class HFRolloutBackend:
                     f"update_weights to version {new_version} without the trainer's recipe: a recipe was registered, "
                     f"so every weight sync must pass recipe=trainer_recipe.with_weight_version({new_version})")
             weights = weight_pairs(weights)
-            state = self.model.state_dict(keep_vars=True)
-            dense, halves, fp4 = [], {}, {}
-            for name, value in weights:
-                parsed = parse_expert_name(name)
-                fused = FUSED_EXPERTS.match(name)
-                if fused and self.weight_store is not None and int(fused.group(1)) not in self.bf16_expert_layers:
-                    raise ValueError(f"{name!r}: FP4 experts are updated per expert (they are re-quantized from those "
-                                     "names): send hf_weights.checkpoint_tensors(model)'s names, "
-                                     "'model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight'")
-                if parsed is None:
-                    if isinstance(value, FP4Tensor):
-                        raise ValueError(f"{name!r}: FP4 weights are accepted for routed experts only")
-                    if name not in state:
-                        raise KeyError(f"{name!r} is not a weight of this model (expected HF checkpoint names, "
-                                       f"e.g. 'model.embed_tokens.weight')")
-                    dense.append((state[name], value, name))
-                    continue
-                layer, e, proj = parsed
-                m = self._expert_slot(name, layer, e)
-                ffn = m.down_proj.shape[-1]
-                if isinstance(value, FP4Tensor) and layer in self.bf16_expert_layers:
-                    raise ValueError(f"{name!r}: TraceConfig.exclude_modules keeps {experts_name(layer)!r} in BF16; "
-                                     "send its BF16 weights")
-                if isinstance(value, FP4Tensor):
-                    if self.weight_store is None:
-                        raise ValueError(f"{name!r}: FP4 weights need mode='fp4' with the 'weights' site")
-                    fp4.setdefault((layer, e), {})[proj] = value
-                    continue
-                target = m.down_proj[e] if proj == "down_proj" else m.gate_up_proj[e, :ffn] if proj == "gate_proj" \
-                    else m.gate_up_proj[e, ffn:]
-                dense.append((target, value, name))
-                if layer not in self.bf16_expert_layers:  # excluded experts are used as they come
-                    halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
+            dense, halves, fp4 = sort_updates(weights, self.model.state_dict(keep_vars=True), self._experts,
+                                              self.weight_store, self.bf16_expert_layers)
             check_dense_updates(dense)
             requant = set() if self.weight_store is None else check_fc1_pairs(halves, fp4)
             packed = checked_fp4_updates(self.weight_store, self._experts, fp4)

@@ -10,8 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from ..formats import FP4Tensor
+from ..manifest import experts_name
 from .experts import EXPERTS_IMPLEMENTATION, FC1, FC2
-from .hf_weights import join_fc1
+from .hf_weights import FUSED_EXPERTS, join_fc1, parse_expert_name
 
 
 def load_model(source, dtype, device, attn_implementation: str) -> PreTrainedModel:
@@ -73,3 +74,51 @@ def check_fc1_pairs(halves: dict, fp4: dict) -> set[tuple[int, int, str]]:
         if ("gate_proj" in parts) != ("up_proj" in parts):
             raise ValueError(f"layer {layer} expert {e}: FP4 fc1 needs gate_proj and up_proj together")
     return set(halves)
+
+
+def sort_updates(weights, state: dict, experts: dict, store, bf16_layers) -> tuple[list, dict, dict]:
+    """An update's HF-named ``weights`` sorted for the model: (dense (target tensor, value, name) copies, BF16 expert
+    halves per (layer, expert, FC1/FC2), FP4 expert values per (layer, expert)); refuses names the model does not
+    have, fused expert names where experts are FP4 (``store`` set), and FP4 values where they cannot be used."""
+    dense, halves, fp4 = [], {}, {}
+    for name, value in weights:
+        parsed = parse_expert_name(name)
+        fused = FUSED_EXPERTS.match(name)
+        if fused and store is not None and int(fused.group(1)) not in bf16_layers:
+            raise ValueError(f"{name!r}: FP4 experts are updated per expert (they are re-quantized from those "
+                             "names): send hf_weights.checkpoint_tensors(model)'s names, "
+                             "'model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight'")
+        if parsed is None:
+            if isinstance(value, FP4Tensor):
+                raise ValueError(f"{name!r}: FP4 weights are accepted for routed experts only")
+            if name not in state:
+                raise KeyError(f"{name!r} is not a weight of this model (expected HF checkpoint names, "
+                               f"e.g. 'model.embed_tokens.weight')")
+            dense.append((state[name], value, name))
+            continue
+        layer, e, proj = parsed
+        m = _expert_slot(experts, name, layer, e)
+        ffn = m.down_proj.shape[-1]
+        if isinstance(value, FP4Tensor) and layer in bf16_layers:
+            raise ValueError(f"{name!r}: TraceConfig.exclude_modules keeps {experts_name(layer)!r} in BF16; "
+                             "send its BF16 weights")
+        if isinstance(value, FP4Tensor):
+            if store is None:
+                raise ValueError(f"{name!r}: FP4 weights need mode='fp4' with the 'weights' site")
+            fp4.setdefault((layer, e), {})[proj] = value
+            continue
+        target = m.down_proj[e] if proj == "down_proj" else m.gate_up_proj[e, :ffn] if proj == "gate_proj" \
+            else m.gate_up_proj[e, ffn:]
+        dense.append((target, value, name))
+        if layer not in bf16_layers:  # excluded experts are used as they come
+            halves.setdefault((layer, e, FC2 if proj == "down_proj" else FC1), set()).add(proj)
+    return dense, halves, fp4
+
+
+def _expert_slot(experts: dict, name: str, layer: int, expert: int) -> torch.nn.Module:
+    m = experts.get(layer)
+    if m is None or not 0 <= expert < m.num_experts:
+        n = next(iter(experts.values())).num_experts if experts else 0
+        raise KeyError(f"{name!r}: layer {layer} has no routed expert {expert} "
+                       f"(MoE layers {sorted(experts)}, experts 0..{n - 1})")
+    return m
