@@ -15,6 +15,7 @@ from ..guidance.selection import guided_layers
 from ..manifest import ModulePatternError, check_guided_layers, excluded_modules, unguided_layers
 from .experts import _DISPATCHERS as _DISPATCHER_CLASSES
 from .experts import EXPERT_OFFLOAD_MODULES
+from .sharding import MEGATRON_FSDP_REFUSED
 
 EXPERT_SITES = ("expert_fc1_in", "expert_fc2_in", "weights")
 DISPATCHERS = tuple(_DISPATCHER_CLASSES)
@@ -66,6 +67,7 @@ def check_against_model(cfg: TraceConfig, args) -> None:
                          "replayed; drop --moe-router-fusion, or pass --no-trace-routing-replay")
     if experts:
         _check_expert_options(args)
+        _check_sharded_data_parallel(args)
         if num_layers and guided_layers(cfg, int(num_layers)):
             _warn_dropping(cfg, args)
     if getattr(args, "trace_reuse_weight_quant", False):
@@ -169,6 +171,21 @@ def _check_expert_options(args) -> None:
         raise ValueError("TRACE experts do not support " + "; ".join(problems))
 
 
+def _check_sharded_data_parallel(args) -> None:
+    """Sharded data parallelism TRACE's experts refuse (``sharding``): Megatron-FSDP, and torch FSDP2 with expert
+    parallelism (Megatron's ``TorchFullyShardedDataParallel`` shards the experts over the data-parallel group,
+    across the expert-parallel ranks: wrong weights, no error)."""
+    if getattr(args, "use_megatron_fsdp", False):
+        raise ValueError(f"--use-megatron-fsdp with --trace-fp4: {MEGATRON_FSDP_REFUSED}")
+    ep = getattr(args, "expert_model_parallel_size", 1) or 1
+    if getattr(args, "use_torch_fsdp2", False) and ep > 1:
+        raise ValueError(f"--use-torch-fsdp2 with --expert-model-parallel-size {ep}: Megatron's torch FSDP2 wrapper "
+                         "shards every parameter over the data-parallel group, which spans the expert-parallel ranks, "
+                         "so each rank's routed experts would be joined with another rank's in every forward (wrong "
+                         "weights, no error); use --expert-model-parallel-size 1 with it, or Megatron's DDP with "
+                         "--use-distributed-optimizer")
+
+
 def _warn_dropping(cfg: TraceConfig, args) -> None:
     """Guidance rows follow the tokens only in dropless MoE: a step under ``trace_guidance`` with guided expert
     sites refuses a capacity factor or padded routing. Plain FP4 QAT (no guidance passed) runs with them, so the launch
@@ -195,6 +212,13 @@ def _check_reuse(cfg: TraceConfig, args, moe: bool) -> None:
             f"--trace-sites {','.join(cfg.sites)} does not quantize the weights"
         raise ValueError(f"--trace-reuse-weight-quant keeps the routed experts' fake-quantized weights for a step, "
                          f"and there are none: {why}; drop --trace-reuse-weight-quant")
+    wrapper = [f for f, dest in (("--use-torch-fsdp2", "use_torch_fsdp2"), ("--use-megatron-fsdp", "use_megatron_fsdp"))
+               if getattr(args, dest, False)]
+    if wrapper:
+        raise ValueError(f"--trace-reuse-weight-quant does not work with {wrapper[0]}: the sharded data-parallel "
+                         "wrapper gathers the experts' weights anew in every forward, so the kept fake-quantized "
+                         "weights cannot be checked against them (the second micro-batch would fail as if the "
+                         f"weights had been updated); drop --trace-reuse-weight-quant or {wrapper[0]}")
     if _te_grouped(args):
         raise ValueError("--trace-reuse-weight-quant supports TRACE's torch experts: --transformer-impl "
                          "transformer_engine with --moe-grouped-gemm builds TE's grouped experts, which fetch and "

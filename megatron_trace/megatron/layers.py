@@ -16,6 +16,7 @@ from ..manifest import batch_amax_note, check_guided_layers, excluded_modules
 from .args_checks import moe_layer_ids
 from .attention import TraceKVCore
 from .experts import TraceExpertsCore
+from .sharding import check_expert_sharding
 
 logger = logging.getLogger(__name__)
 
@@ -38,10 +39,13 @@ def find_trace_layers(model) -> TraceLayers:
     (Megatron never tells experts their layer), hooks the torch experts' ``prepare_weights`` to the start of their
     MoE layer, and raises ``ModulePatternError`` for a pattern that matches none of the model's routed experts /
     KV caches. Call it once after building the model; later calls on the same model (chunks) return the same
-    result without walking it again (``trace_guidance`` and ``check_finite`` run per step)."""
+    result without walking it again (``trace_guidance`` and ``check_finite`` run per step). Every call refuses
+    experts sharded by a data-parallel wrapper TRACE does not support (``sharding``; a wrapper applied after the
+    first call changes the parameters, not the modules)."""
     chunks = model if isinstance(model, (list, tuple)) else [model]
     cached = chunks[0].__dict__.get("_trace_layers")
     if cached is not None and len(cached[0]) == len(chunks) and all(a() is b for a, b in zip(cached[0], chunks)):
+        _check_sharding(cached[1])
         return cached[1]
     moe, kv, cfgs, num_layers, mtp = {}, {}, set(), 0, []
     for chunk in chunks:
@@ -67,6 +71,7 @@ def find_trace_layers(model) -> TraceLayers:
     if len(cfgs) > 1:
         raise ValueError(f"the model's TRACE modules disagree on their TraceConfig ({len(cfgs)} different)")
     layers = TraceLayers(moe, kv, cfgs.pop(), num_layers)
+    _check_sharding(layers)
     _apply_exclusions(layers)
     for m in moe.values():
         m.experts.hook_moe_layer(m)  # the experts' weights quantized as their layer starts (prepare_weights)
@@ -82,6 +87,11 @@ _MTP_REFUSED = (
     "and the NaN/Inf checks cover the decoder's layers only (these would be quantized unreported and unguided). Build "
     "mtp_block_spec from the stock layer spec, e.g. get_gpt_mtp_block_spec(config, "
     "get_gpt_decoder_layer_specs(config, ...)[-1]), not from trace_spec's")
+
+
+def _check_sharding(layers: TraceLayers) -> None:
+    for layer, m in layers.moe.items():
+        check_expert_sharding(m.experts, f"the experts of layer {layer}")
 
 
 def _apply_exclusions(layers: TraceLayers) -> None:

@@ -18,6 +18,7 @@ from .args_checks import check_not_modelopt
 from .context import check_finite, read_finite
 from .experts import TraceSequentialMLP
 from .layers import find_trace_layers
+from .sharding import is_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,11 @@ def reuse_weight_quant(model) -> Iterator[None]:
     if any(not isinstance(e, TraceSequentialMLP) for e in experts):
         raise ValueError("reuse_weight_quant supports the torch experts (TraceSequentialMLP); TE experts fetch and "
                          "quantize their weights per call")
+    if any(is_sharded(next(e.parameters())) for e in experts):
+        raise ValueError("reuse_weight_quant keeps the experts' fake-quantized weights while their weights stay "
+                         "where they are, and a sharded data-parallel wrapper (torch FSDP2, Megatron-FSDP) "
+                         "gathers them anew in every forward: the second micro-batch would fail as if the weights "
+                         "had been updated. Drop reuse_weight_quant (--trace-reuse-weight-quant) with it")
     if any(e._weight_reuse is not None for e in experts):
         raise RuntimeError("reuse_weight_quant scopes do not nest: this model is already inside one")
     try:
