@@ -432,8 +432,8 @@ def _gather_params(model) -> None:
     ``param_gather_dispatched`` is then put back as it was: the sync sets it, and an export between the gradient
     sync and ``optimizer.step()`` would otherwise make the next forward's pre-hooks skip the all-gather of the
     step's update (that forward computed with the other ranks' shards as they were before the step). The next
-    forward's pre-hooks gather again where they would have without the export. (Megatron-FSDP's sharded parameters
-    are not handled here.)"""
+    forward's pre-hooks gather again where they would have without the export. (torch FSDP2's sharded parameters
+    are gathered as they are read, ``_whole``; Megatron-FSDP's are refused there.)"""
     from megatron.core.distributed import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel) and model.use_forward_hook:
@@ -454,10 +454,22 @@ def _whole_shape(shape: torch.Size, partition_dim: int | None, size: int) -> tup
 
 
 def _exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """named_parameters, plus the router's expert_bias (a buffer, so only in the state dict)."""
+    """named_parameters, plus the router's expert_bias (a buffer, so only in the state dict). A parameter sharded by
+    torch FSDP2 (a DTensor outside a forward) is gathered whole (every rank joins); Megatron-FSDP's are refused."""
     seen = set()
     for name, param in model.named_parameters():
         seen.add(name)
-        yield name, param
+        yield name, _whole(name, param)
     state = model.state_dict()
     yield from ((k, v) for k, v in state.items() if "expert_bias" in k and "_extra_state" not in k and k not in seen)
+
+
+def _whole(name: str, param: torch.Tensor) -> torch.Tensor:
+    """``param`` whole: a torch FSDP2 shard (DTensor) all-gathered; Megatron-FSDP's parameters (marked
+    ``__fsdp_param__``, unevenly sharded outside a forward) refused by name."""
+    from torch.distributed.tensor import DTensor
+
+    if getattr(param, "__fsdp_param__", False):
+        raise ValueError(f"export of {name}: Megatron-FSDP's parameters (--use-megatron-fsdp) are not exported: "
+                         "use Megatron's DDP (with --use-distributed-optimizer) or torch FSDP2 (--use-torch-fsdp2)")
+    return param.full_tensor() if isinstance(param, DTensor) else param

@@ -1,7 +1,8 @@
 """The export right after an optimizer step under Megatron's DDP with the distributed optimizer and
 ``overlap_param_gather`` (two gloo ranks): the step updates each rank's shard and the all-gather of the others waits
 for the next forward's pre-hooks, so the export gathers them first; it yields the weights the next forward uses, the
-same on every rank. An export between the gradient sync and the step leaves the next forward's all-gather to it."""
+same on every rank. An export between the gradient sync and the step leaves the next forward's all-gather to it.
+Under torch FSDP2 the parameters are DTensor shards outside a forward: the export gathers them whole."""
 
 import os
 
@@ -97,6 +98,66 @@ def _run_before_step(rank, port, ckpt, out):
             got[export] = ddp(tokens, pos, mask)
     torch.save(got, os.path.join(out, f"rank{rank}.pt"))
     shutdown_megatron()
+
+
+def _worker_fsdp2(rank: int, port: int, ckpt: str, out: str) -> None:
+    from megatron_trace.testing.megatron_cpu import record_errors
+
+    with record_errors(out, rank):
+        _run_fsdp2(rank, port, ckpt, out)
+
+
+def _run_fsdp2(rank, port, ckpt, out):
+    """The export of the unwrapped model; of the same model under torch FSDP2 (sharded as Megatron's wrapper does),
+    before and after an Adam step on this rank's batch; the error of an export of Megatron-FSDP's parameters."""
+    import torch.distributed as dist
+    from transformers import AutoConfig
+
+    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint
+
+    from ..megatron._fsdp import fully_shard_as_megatron
+    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+
+    torch.set_num_threads(1)
+    apply_cpu_shims()
+    init_megatron(rank, WORLD, port)
+    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
+    model = bridge.build_model()
+    load_hf_checkpoint(model, ckpt, bridge)
+    got = {"unwrapped": {n: t.clone() for n, t in export_hf_weights(model, bridge)}}
+    fully_shard_as_megatron(model, dist.group.WORLD)
+    got["sharded"] = {n: (type(t).__name__, t.clone()) for n, t in export_hf_weights(model, bridge)}
+    tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(rank))
+    pos, mask = torch.arange(SEQ).expand(2, SEQ), torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool).triu(1)
+    model(tokens, pos, mask, labels=torch.roll(tokens, -1, 1)).float().mean().backward()
+    torch.optim.Adam(model.parameters(), lr=1e-2).step()
+    got["stepped"] = {n: (type(t).__name__, t.clone()) for n, t in export_hf_weights(model, bridge)}
+    next(model.parameters()).__fsdp_param__ = True  # (what Megatron-FSDP sets on the parameters it manages)
+    try:
+        next(iter(export_hf_weights(model, bridge)))
+    except ValueError as e:
+        got["megatron_fsdp"] = str(e)
+    torch.save(got, os.path.join(out, f"rank{rank}.pt"))
+    shutdown_megatron()
+
+
+def test_export_under_torch_fsdp2_gathers_the_shards(tmp_path):
+    """The export yielded each rank's DTensor shards (with the whole tensor's shape) for the full weights."""
+    ckpt = save_tiny_checkpoint(tmp_path / "ckpt")
+    port = free_port()
+    codes = spawn_ranks(_worker_fsdp2, WORLD, lambda r: (r, port, ckpt, str(tmp_path)), timeout=240)
+    errors = [e.read_text() for e in (tmp_path / f"error{r}.txt" for r in range(WORLD)) if e.exists()]
+    assert not errors and codes == [0] * WORLD, errors or codes
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+    want = got[0]["unwrapped"]
+    for r in range(WORLD):
+        assert got[r]["sharded"].keys() == want.keys()
+        for n, (kind, t) in got[r]["sharded"].items():
+            assert kind == "Tensor" and torch.equal(t, want[n]), (r, n, kind)
+        for n, (kind, t) in got[r]["stepped"].items():  # one model on both ranks
+            assert kind == "Tensor" and torch.equal(t, got[0]["stepped"][n][1]), (r, n, kind)
+        assert "Megatron-FSDP's parameters (--use-megatron-fsdp) are not exported" in got[r]["megatron_fsdp"]
+    assert any(not torch.equal(t, want[n]) for n, (_, t) in got[0]["stepped"].items())  # (the step changed them)
 
 
 def test_export_after_an_overlapped_step_gathers_the_parameters(tmp_path):
