@@ -222,6 +222,7 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             self._load_model(unwrap_model(model), memory_efficient, weights_path, refused)
 
     def _load_model(self, model, memory_efficient: bool, where: str, refused: Exception | None = None) -> None:
+        _refuse_sharded(model)
         params = model.state_dict()  # (detached: no Megatron attributes, hence split_dims)
         split_dims = {k: p.partition_dim for k, p in model.named_parameters()
                       if getattr(p, "tensor_model_parallel", False)}
@@ -462,6 +463,20 @@ def _exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, _whole(name, param)
     state = model.state_dict()
     yield from ((k, v) for k, v in state.items() if "expert_bias" in k and "_extra_state" not in k and k not in seen)
+
+
+def _refuse_sharded(model) -> None:
+    """A model whose parameters a sharded data-parallel wrapper holds (torch FSDP2's DTensor shards, Megatron-FSDP's
+    parameters) is not loaded into: torch raised "aten.copy_.default got mixed torch.Tensor and DTensor" at the first
+    parameter. Every rank of such a model has them, so every rank raises."""
+    from torch.distributed.tensor import DTensor
+
+    name, param = next(((n, p) for n, p in model.named_parameters()
+                        if isinstance(p, DTensor) or getattr(p, "__fsdp_param__", False)), (None, None))
+    if name is not None:
+        raise ValueError(f"load_weights: the model's parameters are sharded by a data-parallel wrapper ({name} is a "
+                         f"{type(param).__name__} of shape {tuple(param.shape)}): load the HF checkpoint into the "
+                         "model before wrapping it (fully_shard, Megatron's FSDP wrappers)")
 
 
 def _whole(name: str, param: torch.Tensor) -> torch.Tensor:
