@@ -175,8 +175,9 @@ def _check_sharded_data_parallel(args) -> None:
     """Sharded data parallelism TRACE's experts refuse (``sharding``): Megatron-FSDP, and torch FSDP2 with expert
     parallelism (Megatron's ``TorchFullyShardedDataParallel`` shards the experts over the data-parallel group,
     across the expert-parallel ranks: wrong weights, no error)."""
-    if getattr(args, "use_megatron_fsdp", False):
-        raise ValueError(f"--use-megatron-fsdp with --trace-fp4: {MEGATRON_FSDP_REFUSED}")
+    for flag in ("--use-megatron-fsdp", "--use-custom-fsdp"):  # (the second: its older name, still accepted)
+        if getattr(args, flag[2:].replace("-", "_"), False):
+            raise ValueError(f"{flag} with --trace-fp4: {MEGATRON_FSDP_REFUSED}")
     ep = getattr(args, "expert_model_parallel_size", 1) or 1
     if getattr(args, "use_torch_fsdp2", False) and ep > 1:
         raise ValueError(f"--use-torch-fsdp2 with --expert-model-parallel-size {ep}: Megatron's torch FSDP2 wrapper "
@@ -212,8 +213,8 @@ def _check_reuse(cfg: TraceConfig, args, moe: bool) -> None:
             f"--trace-sites {','.join(cfg.sites)} does not quantize the weights"
         raise ValueError(f"--trace-reuse-weight-quant keeps the routed experts' fake-quantized weights for a step, "
                          f"and there are none: {why}; drop --trace-reuse-weight-quant")
-    wrapper = [f for f, dest in (("--use-torch-fsdp2", "use_torch_fsdp2"), ("--use-megatron-fsdp", "use_megatron_fsdp"))
-               if getattr(args, dest, False)]
+    wrapper = [f for f in ("--use-torch-fsdp2", "--use-megatron-fsdp", "--use-custom-fsdp")
+               if getattr(args, f[2:].replace("-", "_"), False)]
     if wrapper:
         raise ValueError(f"--trace-reuse-weight-quant does not work with {wrapper[0]}: the sharded data-parallel "
                          "wrapper gathers the experts' weights anew in every forward, so the kept fake-quantized "

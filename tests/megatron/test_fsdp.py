@@ -82,12 +82,13 @@ def test_megatron_fsdp_parameters_are_refused_by_trace_guidance_and_reuse():
 
 @pytest.mark.parametrize("flags, model, message", [
     ([], dict(use_megatron_fsdp=True), r"--use-megatron-fsdp with --trace-fp4: TRACE does not support Megatron-FSDP"),
+    ([], dict(use_custom_fsdp=True), r"--use-custom-fsdp with --trace-fp4: TRACE does not support Megatron-FSDP"),
     ([], dict(use_torch_fsdp2=True, expert_model_parallel_size=2),
      r"--use-torch-fsdp2 with --expert-model-parallel-size 2: .*use --expert-model-parallel-size 1 with it"),
     (["--trace-reuse-weight-quant"], dict(use_torch_fsdp2=True),
      r"--trace-reuse-weight-quant does not work with --use-torch-fsdp2: .*drop --trace-reuse-weight-quant or "
      r"--use-torch-fsdp2"),
-], ids=["megatron_fsdp", "fsdp2_ep2", "fsdp2_reuse"])
+], ids=["megatron_fsdp", "custom_fsdp", "fsdp2_ep2", "fsdp2_reuse"])
 def test_sharded_data_parallel_flags_trace_refuses(flags, model, message):
     ns = parse(["--trace-fp4", *flags], num_experts=8, moe_enable_routing_replay=True, **model)
     with pytest.raises(ValueError, match=message):
