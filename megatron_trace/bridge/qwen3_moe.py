@@ -35,6 +35,7 @@ from safetensors import safe_open
 from ..rollout.hf_weights import parse_expert_name
 from .agree import agree, agreed
 from .config import check_checkpoint_config, gpt_model_kwargs, local_layer_spec, transformer_config_from_hf
+from .params import exported_tensors, gather_params, refuse_sharded
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +223,7 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
             self._load_model(unwrap_model(model), memory_efficient, weights_path, refused)
 
     def _load_model(self, model, memory_efficient: bool, where: str, refused: Exception | None = None) -> None:
-        _refuse_sharded(model)
+        refuse_sharded(model)
         params = model.state_dict()  # (detached: no Megatron attributes, hence split_dims)
         split_dims = {k: p.partition_dim for k, p in model.named_parameters()
                       if getattr(p, "tensor_model_parallel", False)}
@@ -368,10 +369,10 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
     def _export_weights(self, models: list) -> Iterator[tuple[str, torch.Tensor]]:
         self._require_no_pipeline()
         for model in models:
-            _gather_params(model)
+            gather_params(model)
             model = unwrap_model(model)
             mapping = self._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
-            for local, tensor in _exported_tensors(model):
+            for local, tensor in exported_tensors(model):
                 name = mapping[local]
                 if _TE_EXPERT.match(name):
                     yield from self._export_expert(name, tensor)
@@ -423,28 +424,6 @@ class Qwen3MoeBridge(_MBridgeQwen3MoE):
                 for n in self._weight_name_mapping_mcore_to_hf(v)]
 
 
-def _gather_params(model) -> None:
-    """Make ``model``'s parameters current on this rank before they are read. Megatron's DDP with the distributed
-    optimizer and ``overlap_param_gather`` leaves them stale after ``optimizer.step()``: the step updates this
-    rank's shard of each bucket and the all-gather of the others runs in the next forward's pre-hooks, so an export
-    between the two would read the other ranks' shards as they were before the step (different on every rank).
-    All-gather them now, synchronously, as Megatron-LM does before a checkpoint save
-    (``disable_forward_pre_hook(param_sync=True)``); every rank exports, so every rank joins. Each bucket group's
-    ``param_gather_dispatched`` is then put back as it was: the sync sets it, and an export between the gradient
-    sync and ``optimizer.step()`` would otherwise make the next forward's pre-hooks skip the all-gather of the
-    step's update (that forward computed with the other ranks' shards as they were before the step). The next
-    forward's pre-hooks gather again where they would have without the export. (torch FSDP2's sharded parameters
-    are gathered as they are read, ``_whole``; Megatron-FSDP's are refused there.)"""
-    from megatron.core.distributed import DistributedDataParallel
-
-    if isinstance(model, DistributedDataParallel) and model.use_forward_hook:
-        groups = model.bucket_groups + model.expert_parallel_bucket_groups
-        dispatched = [g.param_gather_dispatched for g in groups]
-        model.start_param_sync(force_sync=True)
-        for group, was in zip(groups, dispatched):
-            group.param_gather_dispatched = was
-
-
 def _whole_shape(shape: torch.Size, partition_dim: int | None, size: int) -> tuple[int, ...]:
     """The shape of the whole weight a parameter of ``shape`` is one of ``size`` shards of (split on
     ``partition_dim``; None: not split, every rank holds it whole)."""
@@ -452,39 +431,3 @@ def _whole_shape(shape: torch.Size, partition_dim: int | None, size: int) -> tup
     if partition_dim is not None:
         whole[partition_dim] *= size
     return tuple(whole)
-
-
-def _exported_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """named_parameters, plus the router's expert_bias (a buffer, so only in the state dict). A parameter sharded by
-    torch FSDP2 (a DTensor outside a forward) is gathered whole (every rank joins); Megatron-FSDP's are refused."""
-    seen = set()
-    for name, param in model.named_parameters():
-        seen.add(name)
-        yield name, _whole(name, param)
-    state = model.state_dict()
-    yield from ((k, v) for k, v in state.items() if "expert_bias" in k and "_extra_state" not in k and k not in seen)
-
-
-def _refuse_sharded(model) -> None:
-    """A model whose parameters a sharded data-parallel wrapper holds (torch FSDP2's DTensor shards, Megatron-FSDP's
-    parameters) is not loaded into: torch raised "aten.copy_.default got mixed torch.Tensor and DTensor" at the first
-    parameter. Every rank of such a model has them, so every rank raises."""
-    from torch.distributed.tensor import DTensor
-
-    name, param = next(((n, p) for n, p in model.named_parameters()
-                        if isinstance(p, DTensor) or getattr(p, "__fsdp_param__", False)), (None, None))
-    if name is not None:
-        raise ValueError(f"load_weights: the model's parameters are sharded by a data-parallel wrapper ({name} is a "
-                         f"{type(param).__name__} of shape {tuple(param.shape)}): load the HF checkpoint into the "
-                         "model before wrapping it (fully_shard, Megatron's FSDP wrappers)")
-
-
-def _whole(name: str, param: torch.Tensor) -> torch.Tensor:
-    """``param`` whole: a torch FSDP2 shard (DTensor) all-gathered; Megatron-FSDP's parameters (marked
-    ``__fsdp_param__``, unevenly sharded outside a forward) refused by name."""
-    from torch.distributed.tensor import DTensor
-
-    if getattr(param, "__fsdp_param__", False):
-        raise ValueError(f"export of {name}: Megatron-FSDP's parameters (--use-megatron-fsdp) are not exported: "
-                         "use Megatron's DDP (with --use-distributed-optimizer) or torch FSDP2 (--use-torch-fsdp2)")
-    return param.full_tensor() if isinstance(param, DTensor) else param
