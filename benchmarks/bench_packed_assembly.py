@@ -15,7 +15,7 @@ guidance (``measured``: wall and CPU seconds, peak RSS growth):
   samples_direct  records.assemble(layout=...)
 
 ``x`` is peak / the packed row's guidance payload (``accounting`` bytes per token x the samples' tokens). The two
-paths' results are compared bit for bit (``equal``). Prints one JSON object.
+paths' results are compared bit for bit, and their counts (``equal``). Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -73,24 +73,25 @@ def run(mode: str, long: int, short: int, n: int) -> dict:
     out = {"payload": payload, "bytes_per_token": per_token, "packed_tokens": cu[-1], "padded_tokens": n * long}
     samples = [s for p in parts for s in p.to_samples()]
 
-    def padded_then_pack(fn):
+    def padded_then_pack(fn, counter):
         def go():
-            step = StepGuidance(sites=fn(), token_mask=mask)
+            step = StepGuidance(sites=fn(counter), token_mask=mask)
             return pack_step(step, cu).sites
         return go
 
-    def columns(**kw):
-        return assemble_packed(parts, ids, tok, versions=0, counter=FallbackCounter(), attention_mask=mask, **kw)
+    def columns(counter, **kw):
+        return assemble_packed(parts, ids, tok, versions=0, counter=counter, attention_mask=mask, **kw)
 
-    def per_sample(**kw):
-        return assemble(samples, tok, versions=0, counter=FallbackCounter(), attention_mask=mask, **kw)
+    def per_sample(counter, **kw):
+        return assemble(samples, tok, versions=0, counter=counter, attention_mask=mask, **kw)
 
     for name, fn in (("columns", columns), ("samples", per_sample)):
-        a, m = measured(padded_then_pack(fn))
+        ca, cb = FallbackCounter(), FallbackCounter()
+        a, m = measured(padded_then_pack(fn, ca))
         out[f"{name}_padded"] = {**m, "x": round(m["peak"] / payload, 2)}
-        b, m = measured(lambda fn=fn: fn(layout=layout))
+        b, m = measured(lambda fn=fn, cb=cb: fn(cb, layout=layout))
         out[f"{name}_direct"] = {**m, "x": round(m["peak"] / payload, 2)}
-        out[f"{name}_equal"] = same(a, b)
+        out[f"{name}_equal"] = same(a, b) and ca == cb  # tensors bit for bit, and the counts
         del a, b
     return out
 
