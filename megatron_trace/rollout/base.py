@@ -323,3 +323,15 @@ def recipe_kept_on_failure(backend):
     except BaseException:
         backend.trainer_recipe = before
         raise
+
+
+def refuse_after_failed_update(backend, holder: str) -> None:
+    """``generate`` after a weight update that failed part-way (``backend.failed_update`` says why; its tensors not
+    sent again since in ``backend._unsent``): refused, naming what to send. ``holder``: "model" or "engine"."""
+    if backend.failed_update is None:
+        return
+    unsent = sorted(backend._unsent)
+    raise RuntimeError(f"{backend.failed_update}; the {holder} may hold part of those weights under "
+                       f"policy_version={backend.policy_version}, so no sample of it is a sample of one policy: "
+                       f"send the full weights again (update_weights; {len(unsent)} tensor(s) of the failed "
+                       f"update not sent since, e.g. {unsent[:3]}) before generating")

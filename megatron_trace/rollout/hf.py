@@ -59,6 +59,7 @@ from .base import (
     is_int,
     next_policy_version,
     recipe_kept_on_failure,
+    refuse_after_failed_update,
     weight_pairs,
 )
 from .compiled import LAYER_TRACE_CONFIG, compile_layers, compile_small_modules
@@ -342,12 +343,7 @@ class HFRolloutBackend:
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
         """Sample responses to ``prompts`` (``rollout.hf_generate``): tokens, log-probs of the sampling forward,
         routing and (FP4 mode) guidance, as a ``RolloutBatch``."""
-        if self.failed_update is not None:
-            unsent = sorted(self._unsent)
-            raise RuntimeError(f"{self.failed_update}; the model may hold part of those weights under "
-                               f"policy_version={self.policy_version}, so no sample of it is a sample of one policy: "
-                               f"send the full weights again (update_weights; {len(unsent)} tensor(s) of the failed "
-                               f"update not sent since, e.g. {unsent[:3]}) before generating")
+        refuse_after_failed_update(self, "model")
         return hf_generate.generate(self, prompts, sampling)
 
     # ---- weights ------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from ..base import (
     next_policy_version,
     nonfinite_names,
     recipe_kept_on_failure,
+    refuse_after_failed_update,
     weight_pairs,
 )
 from .capture import INFO_KEY, READOUT_PREFIX
@@ -226,12 +227,7 @@ class SGLangRolloutBackend:
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: SamplingParams) -> RolloutBatch:
         prompts = check_prompts(prompts, self.vocab_size)  # (the engine checks its context length itself)
-        if self.failed_update is not None:
-            unsent = sorted(self._unsent)
-            raise RuntimeError(f"{self.failed_update}; the engine may hold part of those weights under "
-                               f"policy_version={self.policy_version}, so no sample of it is a sample of one policy: "
-                               f"send the full weights again (update_weights; {len(unsent)} tensor(s) of the failed "
-                               f"update not sent since, e.g. {unsent[:3]}) before generating")
+        refuse_after_failed_update(self, "engine")
         if sampling.seed is not None and not self._seeded_engine():
             logger.warning("SamplingParams.seed=%d is ignored: SGLang samples with sampling_seed only when launched "
                            "with enable_deterministic_inference=True", sampling.seed)
