@@ -21,6 +21,7 @@ from megatron_trace.rollout.sglang.launch import guidance_specs, kv_cache_dtype,
 from megatron_trace.rollout.sglang.weights import engine_tensors
 
 from ..rollout._tiny import tiny_config
+from ._common import needs_sglang
 from .test_backend_contract import CFG, FC1_ONLY, HF, _Engine, trainer_recipe
 
 
@@ -205,3 +206,52 @@ def test_a_kv_cache_dtype_override_against_the_configs_kv_sites_is_refused_at_la
     with pytest.raises(ValueError, match=rf"kv_cache_dtype='{kv_dtype}' stores .* K/V, but TraceConfig.sites="):
         trace_server_args("/ckpt", cfg, HF, native=False, kv_cache_dtype=kv_dtype)
     assert trace_server_args("/ckpt", cfg, HF, native=False)["kv_cache_dtype"] == kv_cache_dtype(cfg) != kv_dtype
+
+
+def _served(cfg: TraceConfig, native: bool = False, **overrides):
+    """A stand-in engine holding SGLang's own ``ServerArgs`` as ``trace_server_args`` builds them for ``cfg``
+    (``model_path="dummy"``: SGLang resolves nothing device-specific, so they are built on the CPU too)."""
+    from sglang.srt.server_args import ServerArgs
+
+    eng = _Engine()
+    eng.server_args = ServerArgs(**trace_server_args("dummy", cfg, HF, native=native, **overrides))
+    return eng
+
+
+FC1_GUIDED = FC1_ONLY.replace(guided_sites=("expert_fc1_in",))
+
+
+@needs_sglang
+def test_the_backend_reports_the_kv_cache_the_engine_serves_not_the_one_its_config_implies():
+    """An engine launched with another TraceConfig than the backend's: its FP4 K/V were reported as BF16 (the
+    backend took its own config's default, ``auto``) and a trainer without KV sites passed the recipe check; its
+    BF16 K/V got KV record specs whose read-out failed inside the engine. The engine's ``server_args`` decide."""
+    fp4 = _served(CFG)
+    assert fp4.server_args.kv_cache_dtype == "fp4_e2m1"
+    b = SGLangRolloutBackend(fp4, FC1_ONLY, HF, native=False)
+    assert b.kv_cache_dtype == "fp4_e2m1" and b.recipe().kv_format == "sglang_kvfp4"
+    assert {f"model.layers.{i}.self_attn.kv_cache" for i in range(3)} <= set(b.module_audit().quantized)
+    with pytest.raises(RecipeMismatchError, match=r"kv_format: trainer='none' sglang rollout='sglang_kvfp4'"):
+        SGLangRolloutBackend(fp4, FC1_ONLY, HF, native=False, recipe=trainer_recipe(FC1_ONLY))
+    bf16 = _served(FC1_GUIDED)
+    assert bf16.server_args.kv_cache_dtype == "auto"
+    b = SGLangRolloutBackend(bf16, CFG, HF, native=False)
+    assert b.kv_cache_dtype == "auto" and not [s for s in b.specs if s.site in ("kv_k", "kv_v")]
+    for eng, told, served in ((fp4, "auto", "fp4_e2m1"), (bf16, "fp4_e2m1", "auto")):
+        with pytest.raises(ValueError, match=rf"kv_cache_dtype='{told}' was given, but the engine serves "
+                                             rf"kv_cache_dtype='{served}'"):
+            SGLangRolloutBackend(eng, FC1_ONLY, HF, native=False, kv_cache_dtype=told)
+    assert SGLangRolloutBackend(bf16, FC1_ONLY, HF, native=False, kv_cache_dtype="bf16").kv_cache_dtype == "auto"
+
+
+@needs_sglang
+@pytest.mark.parametrize("guided", [("kv_k",), ("kv_v",), ("expert_fc2_in",)])
+def test_an_engine_serving_tensor_parallel_is_refused_for_sharded_guidance(guided):
+    """README: ``tp_size=1`` for expert_fc2_in and KV guidance is checked again on the engine's resolved server_args.
+    A TP-2 engine (launched for expert_fc1_in guidance, which TP replicates) was accepted by a backend guiding K/V or
+    FC2: its read-out of rank 0's shard failed inside the engine, or returned a shard's rows."""
+    cfg = CFG.replace(guided_sites=guided)
+    eng = _served(cfg.replace(guided_sites=("expert_fc1_in",)), native=True, tp_size=2)  # (the native MoE: any TP)
+    with pytest.raises(ValueError, match=rf"guidance for \['{guided[0]}'\] needs tp_size=1 \(got 2\)"):
+        SGLangRolloutBackend(eng, cfg, HF, native=True)
+    assert SGLangRolloutBackend(eng, cfg.replace(guided_sites=("expert_fc1_in",)), HF, native=True).specs

@@ -45,6 +45,7 @@ from .launch import (
     check_kv_sites,
     check_serves_format,
     check_serves_fp4_weights,
+    check_sharded_capture,
     guidance_specs,
     needs_routing,
 )
@@ -107,16 +108,37 @@ def sglang_model_dtype(dtype: str | None, hf_config) -> torch.dtype:
     return cfg
 
 
+def engine_kv_cache_dtype(engine, told: str | None, trace_config: TraceConfig) -> str:
+    """The KV cache dtype the engine serves: its resolved ``server_args.kv_cache_dtype`` where it has one, else
+    ``told``, else what ``trace_server_args`` sets for ``trace_config``. ``told`` against the engine's: FP4 K/V on
+    one side and BF16 on the other is refused (an engine launched otherwise than told here: its FP4 K/V were
+    reported as BF16 and a trainer without KV sites passed the recipe check, or BF16 K/V got KV records whose read-out
+    failed inside the engine)."""
+    served = getattr(getattr(engine, "server_args", None), "kv_cache_dtype", None)
+    served = served if isinstance(served, str) else None
+    for value in (served, told):
+        if value is not None:
+            check_kv_cache_dtype(value)
+    if served is not None and told is not None and (served == KV_FP4) != (told == KV_FP4):
+        raise ValueError(f"kv_cache_dtype={told!r} was given, but the engine serves kv_cache_dtype={served!r} "
+                         f"(its server_args): K/V stored in {'FP4' if served == KV_FP4 else 'BF16'}, not "
+                         f"{'FP4' if told == KV_FP4 else 'BF16'}; pass kv_cache_dtype={served!r} or None")
+    if served is not None:
+        return served
+    return default_kv_cache_dtype(trace_config) if told is None else told
+
+
 class SGLangRolloutBackend:
     """Rollout through an SGLang Engine started with ``launch.make_engine(**trace_server_args(...))``.
 
     ``exclude_modules``: the checkpoint's ModelOpt ``exclude_modules`` (None: every non-expert
     module excluded, as ``export.modelopt`` writes); ``recipe``: the trainer's ``QuantRecipe``,
     checked now and required on every ``update_weights`` (as in the hf backend).
-    ``kv_cache_dtype``: the engine's (None: ``launch.kv_cache_dtype(trace_config)``, what
-    ``trace_server_args`` sets). SGLang's FP4 KV cache is ``sglang_kvfp4`` (the recipe's ``kv_format``): a
-    trainer with ``TraceConfig.kv_format="sglang_kvfp4"`` computes the same K/V and is guided by the KV
-    records (``fmt="sglang_kvfp4"``). A trainer that quantizes KV in ``TraceConfig.format`` is rejected by
+    ``kv_cache_dtype``: the engine's (None: the engine's resolved ``server_args.kv_cache_dtype`` where it has one,
+    else ``launch.kv_cache_dtype(trace_config)``, what ``trace_server_args`` sets; one that disagrees with the
+    engine's, FP4 against BF16 K/V, is refused). SGLang's FP4 KV cache is ``sglang_kvfp4`` (the recipe's
+    ``kv_format``): a trainer with ``TraceConfig.kv_format="sglang_kvfp4"`` computes the same K/V and is guided by
+    the KV records (``fmt="sglang_kvfp4"``). A trainer that quantizes KV in ``TraceConfig.format`` is rejected by
     ``check_recipe`` unless ``accept_kv_format_mismatch``; then the KV records travel with the rest, and the
     trainer's format check rejects them (counted as ``"format"``) and rounds K/V itself.
     ``native``: whether the engine runs SGLang's native NVFP4 MoE (None: this process's device has
@@ -134,12 +156,8 @@ class SGLangRolloutBackend:
         self.exclude_modules = exclude_list(exclude_modules)
         self.num_layers = int(hf_config["num_hidden_layers"])
         self.vocab_size = int(hf_config["vocab_size"])
-        self.kv_cache_dtype = default_kv_cache_dtype(trace_config) if kv_cache_dtype is None else kv_cache_dtype
-        check_kv_cache_dtype(self.kv_cache_dtype)
+        self.kv_cache_dtype = engine_kv_cache_dtype(engine, kv_cache_dtype, trace_config)
         check_kv_sites(trace_config, self.kv_cache_dtype)
-        served = getattr(getattr(engine, "server_args", None), "kv_cache_dtype", None)
-        if isinstance(served, str) and served.startswith("fp8"):  # an engine launched otherwise than told here
-            check_kv_cache_dtype(served)
         self.accept_kv_format_mismatch = accept_kv_format_mismatch
         self.native = native_fp4_available() if native is None else native
         if self.native and weights_group is not None and trace_config.quantizes("weights"):
@@ -155,6 +173,7 @@ class SGLangRolloutBackend:
         self.specs = guidance_specs(trace_config, hf_config, kv_dtype=self.kv_cache_dtype)
         if self.specs and getattr(engine, "server_args", None) is not None:  # (as SGLang resolved them)
             check_capture_settings(engine.server_args)
+            check_sharded_capture(self.specs, getattr(engine.server_args, "tp_size", 1))
         self.return_routing = needs_routing(trace_config, self.specs)  # (as trace_server_args launches the engine)
         self.pad_token_id = pad_token_id
         self.weights_group = weights_group

@@ -262,6 +262,15 @@ def check_capture_settings(server_args) -> None:
             raise ValueError(f"guidance capture needs {key}={want!r}, got {got!r}: {why}{hint}")
 
 
+def check_sharded_capture(specs: list[SiteSpec], tp_size: int) -> None:
+    """Guidance of ``expert_fc2_in`` or a KV site needs ``tp_size`` 1: each TP rank holds a shard of the FFN / of the
+    KV heads and only rank 0's rows are returned (``expert_fc1_in`` rows are replicated over the TP ranks)."""
+    sharded = sorted({s.site for s in specs if s.site != "expert_fc1_in"})
+    if sharded and tp_size != 1:
+        raise ValueError(f"guidance for {sharded} needs tp_size=1 (got {tp_size}): each TP rank holds a shard of the "
+                         "FFN / KV heads and only rank 0's rows are returned")
+
+
 PARALLEL_SIZES = ("tp_size", "ep_size", "pp_size", "dp_size", "moe_dp_size")
 """ServerArgs parallel sizes ``trace_server_args`` reads (1 when not given)."""
 
@@ -323,10 +332,7 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
         check_emulated_moe_parallel(trace_config, kw.get("tp_size", 1) // ep // kw.get("moe_dp_size", 1), ep)
     if specs:
         check_capture_settings(kw)
-        sharded = sorted({s.site for s in specs if s.site != "expert_fc1_in"})
-        if sharded and kw.get("tp_size", 1) != 1:
-            raise ValueError(f"guidance for {sharded} needs tp_size=1 (got {kw['tp_size']}): each TP rank holds a "
-                             "shard of the FFN / KV heads and only rank 0's rows are returned")
+        check_sharded_capture(specs, kw.get("tp_size", 1))
     return kw
 
 
