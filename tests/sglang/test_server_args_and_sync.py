@@ -255,3 +255,15 @@ def test_an_engine_serving_tensor_parallel_is_refused_for_sharded_guidance(guide
     with pytest.raises(ValueError, match=rf"guidance for \['{guided[0]}'\] needs tp_size=1 \(got 2\)"):
         SGLangRolloutBackend(eng, cfg, HF, native=True)
     assert SGLangRolloutBackend(eng, cfg.replace(guided_sites=("expert_fc1_in",)), HF, native=True).specs
+
+
+@needs_sglang
+def test_an_engine_without_routed_experts_is_refused_before_sampling_when_the_config_needs_them():
+    """An engine launched for a config without routing replay or FC2 guidance returns no routed experts: a backend
+    with routing replay was accepted and raised only after each ``generate`` had sampled its batch."""
+    no_routing = FC1_GUIDED.replace(routing_replay=False)
+    eng = _served(no_routing)
+    assert eng.server_args.enable_return_routed_experts is False
+    with pytest.raises(ValueError, match=r"routing_replay=True .* enable_return_routed_experts=False \(its server_"):
+        SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)
+    assert not SGLangRolloutBackend(eng, no_routing, HF, native=False).return_routing

@@ -175,6 +175,12 @@ class SGLangRolloutBackend:
             check_capture_settings(engine.server_args)
             check_sharded_capture(self.specs, getattr(engine.server_args, "tp_size", 1))
         self.return_routing = needs_routing(trace_config, self.specs)  # (as trace_server_args launches the engine)
+        if self.return_routing and getattr(getattr(engine, "server_args", None), "enable_return_routed_experts",
+                                           None) is False:
+            raise ValueError(f"TraceConfig.routing_replay={trace_config.routing_replay} or expert_fc2_in guidance "
+                             "needs the routed experts, but the engine runs with enable_return_routed_experts=False "
+                             "(its server_args): every generate would fail after sampling; launch it with "
+                             "enable_return_routed_experts=True (trace_server_args sets it for this config)")
         self.pad_token_id = pad_token_id
         self.weights_group = weights_group
         self.policy_version = 0
