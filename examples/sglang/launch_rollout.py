@@ -56,8 +56,9 @@ def serve(ckpt: str, tp: int) -> None:
 
     cfg = TraceConfig.from_dict(json.load(open(os.path.join(ckpt, "hf_quant_config.json")))["trace"])
     hf_config = json.load(open(os.path.join(ckpt, "config.json")))
-    # CUDA graphs, chunked prefill and the radix cache stay on: guidance is stored per KV slot and read out
-    # per request (trace_server_args rejects the settings the capture cannot handle, see launch.REQUIRED)
+    # chunked prefill and the radix cache stay on: guidance is stored per KV slot and read out per request
+    # (trace_server_args rejects the settings the capture cannot handle, see launch.REQUIRED); CUDA graphs stay on
+    # with Blackwell's native MoE, the Hopper emulation runs without them (disable_cuda_graph=True)
     engine = make_engine(cfg, **trace_server_args(ckpt, cfg, hf_config, tp_size=tp))
     # SGLang's FP4 KV cache stores sglang_kvfp4; the exported TraceConfig says kv_format="sglang_kvfp4", so the
     # trainer quantizes K/V the same way and the KV records guide it (another kv_format is refused, naming it)
