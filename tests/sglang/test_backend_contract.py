@@ -194,18 +194,19 @@ def test_trainer_in_sglangs_kv_format_uses_sglang_kv_records():
 
 
 def test_sampling_params_map_to_sglangs_with_the_hf_backends_stopping_rule():
-    """Generation ends at ``stop_token_ids`` (kept) or ``max_new_tokens``, as in the hf backend: not at the
-    model's EOS unless it is listed (SGLang stops at EOS by default), so both backends give the same lengths."""
+    """Generation ends at ``stop_token_ids`` (kept) or ``max_new_tokens``, as in the hf backend (SGLang's ``ignore_eos``
+    would skip the stop tokens too: set only without them; test_backend_outputs runs SGLang's finish check)."""
     from megatron_trace.rollout import SamplingParams
     from megatron_trace.rollout.sglang.backend import sampling_dict
 
     d = sampling_dict(SamplingParams(temperature=0.7, top_p=0.9, max_new_tokens=5, stop_token_ids=(2,), seed=11))
     assert d == {"temperature": 0.7, "top_p": 0.9, "max_new_tokens": 5, "stop_token_ids": [2],
-                 "skip_special_tokens": False, "no_stop_trim": True, "ignore_eos": True, "sampling_seed": 11}
+                 "skip_special_tokens": False, "no_stop_trim": True, "ignore_eos": False, "sampling_seed": 11}
     assert sampling_dict(SamplingParams(seed=2**63 - 1), 3)["sampling_seed"] == 2  # request 3 of a batch
     sgl = pytest.importorskip("sglang.srt.sampling.sampling_params", reason="SGLang's own SamplingParams: its venv")
     p = sgl.SamplingParams(**d)  # every key is one of SGLang's
-    assert (p.ignore_eos, p.no_stop_trim, p.max_new_tokens, p.stop_token_ids) == (True, True, 5, {2})
+    assert (p.ignore_eos, p.no_stop_trim, p.max_new_tokens, p.stop_token_ids) == (False, True, 5, {2})
+    assert sampling_dict(SamplingParams(max_new_tokens=5))["ignore_eos"] is True  # no stop tokens: EOS ignored
 
 
 class _Engine:

@@ -12,9 +12,47 @@ from .test_backend_contract import CFG, FC1_ONLY, HF, _Engine, trainer_recipe
 
 def test_each_request_keeps_its_own_finish_reason():
     eng = _Engine(finish={1: {"type": "stop", "matched": 6}, 2: {"type": "length", "length": 2}})
-    b = SGLangRolloutBackend(eng, FC1_ONLY, HF, kv_cache_dtype="auto").generate([[1, 2]] * 4,
-                                                                                  SamplingParams(max_new_tokens=2))
+    b = SGLangRolloutBackend(eng, FC1_ONLY, HF, kv_cache_dtype="auto").generate(
+        [[1, 2]] * 4, SamplingParams(max_new_tokens=2, stop_token_ids=(6,)))
     assert b.finish_reasons == ("length", "stop", "length", "length")
+
+
+def _sglang_token_finish(sampling: dict, output_ids: list[int], eos_token_ids: set[int]) -> bool:
+    """SGLang 0.5.10.post1's own ``Req._check_token_based_finish`` (read from its source: ``schedule_batch`` needs
+    sgl_kernel to import) on its own ``SamplingParams`` built from ``sampling``: does the last token end the request?"""
+    import ast
+    import importlib.util
+    import os
+    import types
+
+    sgl = pytest.importorskip("sglang.srt.sampling.sampling_params", reason="SGLang's own code: its venv")
+    path = os.path.join(os.path.dirname(importlib.util.find_spec("sglang").origin), "srt", "managers",
+                        "schedule_batch.py")
+    src = open(path).read()
+    req = next(n for n in ast.parse(src).body if getattr(n, "name", None) == "Req")
+    fn = next(n for n in req.body if getattr(n, "name", None) == "_check_token_based_finish")
+    scope = {"FINISH_MATCHED_TOKEN": lambda matched: ("stop", matched), "List": list}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), path, "exec"), scope)
+    req = types.SimpleNamespace(sampling_params=sgl.SamplingParams(**sampling), eos_token_ids=eos_token_ids,
+                                tokenizer=None, output_ids=list(output_ids))
+    return scope["_check_token_based_finish"](req, output_ids[-1:])
+
+
+def test_sglang_stops_at_the_stop_tokens_and_only_ignores_eos_without_them():
+    """SGLang's ``ignore_eos`` skips ``stop_token_ids`` too: every response ran to ``max_new_tokens`` past its stop
+    token (the rollout protocol ends it after a stop token, kept). Without stop tokens EOS is still ignored."""
+    from megatron_trace.rollout.sglang.backend import sampling_dict
+
+    stop = sampling_dict(SamplingParams(max_new_tokens=8, stop_token_ids=(2, 9)))
+    assert _sglang_token_finish(stop, [5, 9], eos_token_ids={7})
+    assert not _sglang_token_finish(stop, [5, 6], eos_token_ids={7})
+    assert not _sglang_token_finish(sampling_dict(SamplingParams(max_new_tokens=8)), [5, 7], eos_token_ids={7})
+    # with stop tokens SGLang also stops at the model's EOS ids: such a response is refused, naming the token
+    assert _sglang_token_finish(stop, [5, 7], eos_token_ids={7})
+    eng = _Engine(finish={1: {"type": "stop", "matched": 7}})
+    with pytest.raises(RuntimeError, match=r"request 1 stopped at 7, not one of .*stop_token_ids=\[2, 9\]"):
+        SGLangRolloutBackend(eng, FC1_ONLY, HF, kv_cache_dtype="auto").generate(
+            [[1, 2]] * 2, SamplingParams(max_new_tokens=2, stop_token_ids=(2, 9)))
 
 
 def test_a_bare_string_finish_reason_is_read_as_its_type():

@@ -30,6 +30,7 @@ from ..base import (
     SamplingParams,
     WeightValue,
     check_prompts,
+    is_int,
     next_policy_version,
     nonfinite_names,
     recipe_kept_on_failure,
@@ -60,13 +61,16 @@ NATIVE_ACTIVATION_AMAX = "static_input_scale"
 
 def sampling_dict(s: SamplingParams, index: int = 0) -> dict:
     """Our SamplingParams as SGLang's sampling_params dict for request ``index`` of a batch (stop tokens kept in
-    the output; like the hf backend, generation ends only at ``stop_token_ids`` or ``max_new_tokens``, not at the
-    model's EOS unless listed). ``seed``: request i gets ``sampling_seed = seed + i`` (mod 2**63): SGLang's seeded
-    sampler draws from (seed, position) alone, so one seed for all would give every copy of a prompt (a GRPO
+    the output; like the hf backend, generation ends only at ``stop_token_ids`` or ``max_new_tokens``).
+    ``ignore_eos`` only without stop tokens: SGLang 0.5.10's ``ignore_eos`` skips ``stop_token_ids`` too
+    (``Req._check_token_based_finish``), so every response ran to ``max_new_tokens`` past its stop token. With
+    stop tokens the engine also stops at the model's EOS ids: ``SGLangRolloutBackend.generate`` refuses a response
+    that ended at a token not listed. ``seed``: request i gets ``sampling_seed = seed + i`` (mod 2**63): SGLang's
+    seeded sampler draws from (seed, position) alone, so one seed for all would give every copy of a prompt (a GRPO
     group) the same response."""
     d = {"temperature": float(s.temperature), "top_p": float(s.top_p), "max_new_tokens": int(s.max_new_tokens),
          "stop_token_ids": list(s.stop_token_ids), "skip_special_tokens": False, "no_stop_trim": True,
-         "ignore_eos": True}
+         "ignore_eos": not s.stop_token_ids}
     if s.seed is not None:
         d["sampling_seed"] = (int(s.seed) + int(index)) % 2**63
     return d
@@ -260,6 +264,7 @@ class SGLangRolloutBackend:
                                                                         for i in range(len(prompts))],
                                     return_logprob=True, return_routed_experts=self.return_routing)
         self._check_outputs(outs)
+        _check_stops(outs, sampling.stop_token_ids)
         payloads = self._read_out(prompts, outs) if self.specs else None
         return self._assemble(prompts, outs, payloads)
 
@@ -371,6 +376,23 @@ class SGLangRolloutBackend:
             logger.error("%s: generate is refused until updates that succeed have sent its tensors again",
                          self.failed_update)
             raise
+
+
+def _check_stops(outs: list[dict], stop_token_ids: Sequence[int]) -> None:
+    """Refuse responses that SGLang ended at a token outside ``stop_token_ids`` (its ``finish_reason`` ``matched``):
+    with stop tokens it also stops at the model's EOS ids, which the rollout protocol (and the hf backend) does not."""
+    stops = set(stop_token_ids)
+    for i, o in enumerate(outs):
+        reason = o["meta_info"]["finish_reason"]
+        matched = reason.get("matched") if isinstance(reason, dict) else None
+        if _finish_type(reason) != "stop" or matched is None:
+            continue
+        ids = matched if isinstance(matched, list) else [matched]
+        if not all(is_int(t) and t in stops for t in ids):
+            raise RuntimeError(f"SGLang request {i} stopped at {matched!r}, not one of SamplingParams.stop_token_ids="
+                               f"{sorted(stops)}: with stop tokens SGLang 0.5.10 also stops at the model's EOS ids "
+                               "(config / generation config / tokenizer); list them in stop_token_ids, or pass none "
+                               "to generate max_new_tokens")
 
 
 def _check_finite(named: list[tuple[str, torch.Tensor]]) -> None:
