@@ -267,3 +267,17 @@ def test_an_engine_without_routed_experts_is_refused_before_sampling_when_the_co
     with pytest.raises(ValueError, match=r"routing_replay=True .* enable_return_routed_experts=False \(its server_"):
         SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)
     assert not SGLangRolloutBackend(eng, no_routing, HF, native=False).return_routing
+
+
+@needs_sglang
+def test_an_engine_without_the_trace_weight_loader_is_refused_for_in_process_updates():
+    """``update_weights`` sends ``load_format=WEIGHT_LOADER``; SGLang's ``ModelRunner.update_weights_from_tensor``
+    raises NotImplementedError in the scheduler for a load format not in ``custom_weight_loader``: an engine launched
+    without it was accepted and died at the first weight update. An NCCL weights group needs no loader."""
+    from megatron_trace.rollout.sglang.launch import WEIGHT_LOADER
+
+    assert _served(FC1_GUIDED).server_args.custom_weight_loader == [WEIGHT_LOADER]
+    eng = _served(FC1_GUIDED, custom_weight_loader=[])
+    with pytest.raises(ValueError, match=r"custom_weight_loader=\[\] \(its server_args\), without 'megatron_trace"):
+        SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)
+    assert SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False, weights_group=object()).weights_group is not None

@@ -187,6 +187,12 @@ class SGLangRolloutBackend:
                              "enable_return_routed_experts=True (trace_server_args sets it for this config)")
         self.pad_token_id = pad_token_id
         self.weights_group = weights_group
+        loaders = getattr(getattr(engine, "server_args", None), "custom_weight_loader", None)
+        if weights_group is None and isinstance(loaders, list) and WEIGHT_LOADER not in loaders:
+            raise ValueError(f"the engine runs with custom_weight_loader={loaders} (its server_args), without "
+                             f"{WEIGHT_LOADER!r}: update_weights sends load_format={WEIGHT_LOADER!r}, which SGLang "
+                             "0.5.10 refuses with a NotImplementedError in the scheduler process; launch it with "
+                             "trace_server_args (which lists it), or sync over a WeightsUpdateGroup")
         self.policy_version = 0
         self.trainer_recipe: QuantRecipe | None = None
         self.failed_update: str | None = None  # why the engine may hold mixed weights (generate refuses until mended)
