@@ -281,3 +281,14 @@ def test_an_engine_without_the_trace_weight_loader_is_refused_for_in_process_upd
     with pytest.raises(ValueError, match=r"custom_weight_loader=\[\] \(its server_args\), without 'megatron_trace"):
         SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)
     assert SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False, weights_group=object()).weights_group is not None
+
+
+@needs_sglang
+@pytest.mark.parametrize("quantization", ["modelopt_fp4", None])
+def test_an_engine_serving_another_quantization_is_refused(quantization):
+    """A stock ModelOpt (static input scales) or unquantized engine was accepted: its experts round otherwise than
+    the backend's recipe says, and its capture buffers, never written by the TRACE method, were read out as rows."""
+    eng = _served(FC1_GUIDED, quantization=quantization)
+    want = "None" if quantization is None else f"'{quantization}'"
+    with pytest.raises(ValueError, match=rf"quantization={want} \(its server_args\), not 'trace_nvfp4'"):
+        SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)

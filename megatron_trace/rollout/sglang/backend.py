@@ -40,6 +40,7 @@ from ..base import (
 from .capture import INFO_KEY, READOUT_PREFIX
 from .launch import (
     KV_FP4,
+    METHOD_NAME,
     WEIGHT_LOADER,
     check_capture_settings,
     check_kv_cache_dtype,
@@ -187,6 +188,12 @@ class SGLangRolloutBackend:
                              "enable_return_routed_experts=True (trace_server_args sets it for this config)")
         self.pad_token_id = pad_token_id
         self.weights_group = weights_group
+        quantization = getattr(getattr(engine, "server_args", None), "quantization", METHOD_NAME)  # (None: auto)
+        if quantization != METHOD_NAME:
+            raise ValueError(f"the engine runs with quantization={quantization!r} (its server_args), not "
+                             f"{METHOD_NAME!r}: its experts neither round as the TRACE method nor record guidance (the "
+                             "slot buffers would be read out unwritten); launch it with make_engine(**trace_server_args"
+                             "(...))")
         loaders = getattr(getattr(engine, "server_args", None), "custom_weight_loader", None)
         if weights_group is None and isinstance(loaders, list) and WEIGHT_LOADER not in loaders:
             raise ValueError(f"the engine runs with custom_weight_loader={loaders} (its server_args), without "

@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 CAPTURE_HOOK = "megatron_trace.rollout.sglang.capture:make_logits_hook"
 ATTENTION_HOOK = "megatron_trace.rollout.sglang.capture:make_attention_hook"
 WEIGHT_LOADER = "megatron_trace.rollout.sglang.weights.load_and_postprocess"
+METHOD_NAME = "trace_nvfp4"
+"""The TRACE quantization method's name in SGLang (``--quantization trace_nvfp4``)."""
 
 
 SGLANG_EXTRA_HINT = ("SGLang is not installed: pip install 'megatron_trace[sglang]' (SGLang 0.5.10.post1; its "
@@ -60,7 +62,7 @@ def register(trace_config: TraceConfig | dict | None = None) -> None:
     from sglang.srt.layers import quantization as q
     from sglang.srt.server_args import QUANTIZATION_CHOICES, add_quantization_method_choices
 
-    from .quant import METHOD_NAME, TraceNvFp4LinearMethod, TraceQuantConfig, set_runtime_config
+    from .quant import TraceNvFp4LinearMethod, TraceQuantConfig, set_runtime_config
 
     if isinstance(trace_config, dict):
         trace_config = TraceConfig.from_dict(trace_config)
@@ -308,7 +310,7 @@ def trace_server_args(model_path: str, trace_config: TraceConfig, hf_config: dic
     excluded_modules(trace_config, moe_layers=sglang_moe_layers(hf_config),
                      attention_layers=range(int(hf_config["num_hidden_layers"])))
     specs = guidance_specs(trace_config, hf_config, kv_dtype=kv_dtype)
-    kw = dict(model_path=model_path, quantization="trace_nvfp4", custom_weight_loader=[WEIGHT_LOADER],
+    kw = dict(model_path=model_path, quantization=METHOD_NAME, custom_weight_loader=[WEIGHT_LOADER],
               enable_return_routed_experts=needs_routing(trace_config, specs), kv_cache_dtype=kv_dtype)
     if not native:
         kw["disable_cuda_graph"] = True

@@ -42,12 +42,11 @@ from ...manifest import experts_name, module_excluded
 from ..fp4_moe import PackedExperts, silu_and_mul, w4a4_experts_forward
 from . import native as native_path
 from .capture import active_capture
-from .launch import check_emulated_moe_parallel, check_emulated_runner, check_serves_fp4_weights
+from .launch import METHOD_NAME, check_emulated_moe_parallel, check_emulated_runner, check_serves_fp4_weights
 from .native import native_fp4_available
 
 logger = logging.getLogger(__name__)
 
-METHOD_NAME = "trace_nvfp4"
 _ENC = 6.0 * 448.0
 _RUNTIME_CONFIG: TraceConfig | None = None
 _EXPERTS_PREFIX = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
