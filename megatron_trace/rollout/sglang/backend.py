@@ -148,6 +148,9 @@ class SGLangRolloutBackend:
     trainer's format check rejects them (counted as ``"format"``) and rounds K/V itself.
     ``native``: whether the engine runs SGLang's native NVFP4 MoE (None: this process's device has
     capability >= 10, as ``trace_server_args`` decides).
+    The engine's resolved ``server_args`` (where it has them) are checked as ``trace_server_args`` sets them:
+    ``quantization="trace_nvfp4"``, the TRACE ``custom_weight_loader`` for in-process syncs, the capture's
+    ``REQUIRED`` settings and ``tp_size``, ``enable_return_routed_experts`` where the routing is needed.
     """
 
     def __init__(self, engine, trace_config: TraceConfig, hf_config: dict, *, pad_token_id: int = 0,
