@@ -292,3 +292,24 @@ def test_an_engine_serving_another_quantization_is_refused(quantization):
     want = "None" if quantization is None else f"'{quantization}'"
     with pytest.raises(ValueError, match=rf"quantization={want} \(its server_args\), not 'trace_nvfp4'"):
         SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)
+
+
+@needs_sglang
+def test_guidance_capture_refuses_data_parallel_replicas():
+    """With dp_size > 1 SGLang's ``DataParallelController`` round-robins every request, the read-out too (its
+    source below): a read-out reached another replica than the finished request, whose radix cache does not hold
+    it. ``dp_size`` 1 is required with guidance, at launch and on the engine's server_args."""
+    import ast
+
+    path = Path(importlib.util.find_spec("sglang").origin).parent / "srt" / "managers" / "data_parallel_controller.py"
+    cls = next(n for n in ast.parse(path.read_text()).body if getattr(n, "name", None) == "DataParallelController")
+    rr = next(n for n in cls.body if getattr(n, "name", None) == "round_robin_scheduler")
+    assert "self.workers[self.round_robin_counter].send_pyobj(req)" in ast.unparse(rr)  # (no routing by prefix)
+    assert trace_server_args("/ckpt", FC1_GUIDED, HF, native=False)["dp_size"] == 1
+    with pytest.raises(ValueError, match=r"guidance capture needs dp_size=1, got 2: SGLang's data-parallel"):
+        trace_server_args("/ckpt", FC1_GUIDED, HF, native=False, dp_size=2)
+    eng = _served(FC1_GUIDED)
+    eng.server_args.dp_size = 2  # (an engine launched otherwise than trace_server_args launches it)
+    with pytest.raises(ValueError, match=r"guidance capture needs dp_size=1, got 2"):
+        SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)
+    assert trace_server_args("/ckpt", FC1_ONLY, HF, native=False, dp_size=2)["dp_size"] == 2  # nothing captured

@@ -238,6 +238,9 @@ REQUIRED = {
                                          "guidance rows: the read-out would return other tokens' rows as valid"),
     "disaggregation_mode": ("null", "a prefill engine's read-out holds no decoded token's rows, and the decode engine "
                                     "runs without the radix cache the read-out hits"),
+    "dp_size": (1, "SGLang's data-parallel controller sends each request, the read-out too, to a replica of its "
+                   "choosing (round robin): the read-out misses the radix cache holding the finished request, or hits "
+                   "another replica's forward of the same tokens"),
     "enable_lmcache": (False, "LMCache loads a stored prefix's K/V back into new KV slots without its guidance rows "
                               "(the read-out would return other tokens' rows as valid), and keeps it across the radix "
                               "flush of a weight update"),
