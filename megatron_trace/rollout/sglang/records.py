@@ -2,9 +2,9 @@
 
 A site's rows for one token (``expert_fc1_in``: one row [hidden]; ``expert_fc2_in``: ``topk`` rows
 [topk, ffn]) are encoded as one uint8 vector ``payload | block scales | global amax`` (payload =
-packed codes in full mode, packed mantissa bits in compact mode; amax float32 per row, absent for
-MXFP4). Bytes travel from the SGLang scheduler to the backend inside the request's ``meta_info``
-(``customized_info``) and are decoded here into the ``SiteGuidance`` contract.
+packed codes in full mode, packed mantissa bits in compact mode; amax float32 per row, NVFP4 only: absent
+for MXFP4 and ``sglang_kvfp4``). Bytes travel from the SGLang scheduler to the backend inside the request's
+``meta_info`` (``customized_info``) and are decoded here into the ``SiteGuidance`` contract.
 """
 
 from __future__ import annotations
