@@ -38,9 +38,17 @@ def weight_bytes(dims: dict, batch: int) -> float:
 
 
 def bounds(rows: list[dict], copy_tb_s: float, fraction: float, fp4_mode: str) -> list[dict]:
-    dims = next(r["model"] for r in rows if r.get("bench") == "decode_setup")
+    """One bound per (batch, context) with profiled bf16 and ``fp4_mode`` rows; ValueError where there is none (or
+    no ``decode_setup`` row with the model's dims), naming the profiled (mode, batch, context) points found."""
+    dims = next((r["model"] for r in rows if r.get("bench") == "decode_setup"), None)
+    if dims is None:
+        raise ValueError("no decode_setup row (the model's dims): RESULTS.jsonl must be bench_decode.py output")
     prof = {(r["mode"], r["batch"], r["context"]): r for r in rows
             if r.get("bench") == "decode" and "profile" in r and "top_kernels" in r["profile"]}
+    pairs = [k for k in prof if k[0] == fp4_mode and ("bf16", *k[1:]) in prof]
+    if not pairs:
+        raise ValueError(f"no (batch, context) with profiled bf16 and {fp4_mode!r} rows (bench_decode.py --profile);"
+                         f" profiled (mode, batch, context): {sorted(prof) or 'none'}")
     out = []
     for (mode, b, t), fp4 in sorted(prof.items(), key=lambda kv: kv[0][1:]):
         base = prof.get(("bf16", b, t))
@@ -76,7 +84,10 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fp4-mode", default="fp4f")
     a = p.parse_args(argv)
     rows = [json.loads(line) for line in open(a.results) if line.startswith("{")]
-    out = bounds(rows, a.copy_tb_s, a.fraction, a.fp4_mode)
+    try:
+        out = bounds(rows, a.copy_tb_s, a.fraction, a.fp4_mode)
+    except ValueError as e:
+        p.error(f"{a.results}: {e}")
     for row in out:
         print(json.dumps(row))
     return out

@@ -8,8 +8,8 @@ listed ``top_kernels`` leave out is counted there too). Usage:
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 PARTS = (  # (label, kernel-name fragments), first match wins
     ("expert GEMM", ("fp4_gemm_kernel", "cutlass", "prepare_grouped_gemm")),
@@ -34,28 +34,44 @@ def split(row: dict) -> dict[str, float]:
 
 
 def bars(specs: list[str]) -> list[tuple[tuple, str, dict[str, float], int | None]]:
-    """(sort key, bar label, ms per part, kernels per step) per profiled row of the ``LABEL=PATH`` specs."""
-    out = []
+    """(sort key, bar label, ms per part, kernels per step) per profiled row of the ``LABEL=PATH`` specs. A spec
+    without ``=`` or whose file holds no profiled decode row (``bench_decode.py --profile``) is refused by name."""
+    out, empty = [], []
     for spec in specs:
+        if "=" not in spec:
+            raise ValueError(f"{spec!r}: a spec is LABEL=RESULTS.jsonl (e.g. 30B-A3B=results/s13/decode.jsonl)")
         label, path = spec.split("=", 1)
+        before = len(out)
         for line in open(path):
             row = json.loads(line)
             if row.get("bench") == "decode" and "profile" in row and "top_kernels" in row["profile"]:
                 name = f"{label}\n{row['mode']} b{row['batch']} {row['context'] // 1024}K"
                 key = (row["batch"], row["context"], row["mode"], specs.index(spec))
                 out.append((key, name, split(row), row["profile"].get("kernels_per_step")))
+        if len(out) == before:
+            empty.append(spec)
+    if empty:
+        raise ValueError(f"no profiled decode rows (bench 'decode' with profile.top_kernels: bench_decode.py "
+                         f"--profile) in {', '.join(empty)}")
     return out
 
 
 def main(argv=None) -> None:
-    args = argv or sys.argv[1:]
-    out_png, specs = args[0], args[1:]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out_png", metavar="OUT.png")
+    p.add_argument("specs", nargs="+", metavar="LABEL=RESULTS.jsonl")
+    a = p.parse_args(argv)
+    try:
+        found = bars(a.specs)
+    except ValueError as e:
+        p.error(str(e))
+    out_png = a.out_png
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    data = [b[1:] for b in sorted(bars(specs), key=lambda b: b[0])]
+    data = [b[1:] for b in sorted(found, key=lambda b: b[0])]
     fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(data)), 4.5))
     xs = range(len(data))
     bottom = [0.0] * len(data)
