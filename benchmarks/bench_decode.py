@@ -72,10 +72,20 @@ def model_config(dims: dict, max_len: int) -> Qwen3MoeConfig:
                           tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
+DECODE_MODES = ("bf16", "fp4f", "fp4", "fp4u")
+"""This script's modes (``--modes``): fp4f, fp4 and fp4u differ in the decode loop's attention only."""
+GENERATE_MODES = ("bf16", "fp4")
+"""The modes of the benchmarks that time ``generate`` itself, where nothing tells fp4f or fp4u from fp4."""
+
+
 def build_backends(cfg: Qwen3MoeConfig, modes, device, dtype, seed: int = 0, compile: bool | str = False,
-                   static_decode: str = "off") -> dict[str, HFRolloutBackend]:
+                   static_decode: str = "off", known: tuple[str, ...] = DECODE_MODES) -> dict[str, HFRolloutBackend]:
     """One backend per numerics (bf16, fp4) over the same random weights (built on the device: fast init);
-    ``fp4u`` shares the fp4 backend (only its cache differs)."""
+    ``fp4u`` shares the fp4 backend (only its cache differs). A mode not in ``known`` is refused before any model
+    is built (any other name ran the bf16 backend, or an fp4 one, under that name)."""
+    unknown = [m for m in modes if m not in known]
+    if unknown or not modes:
+        raise ValueError(f"modes {list(modes)}: {unknown or 'none given'}; each must be one of {known}")
     torch.manual_seed(seed)
     with torch.device(device):
         base = Qwen3MoeForCausalLM(cfg).to(dtype).eval()
@@ -105,7 +115,7 @@ def backends_of(a: argparse.Namespace, **kwargs) -> dict[str, HFRolloutBackend]:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + a.tokens + 64)
-    return build_backends(cfg, a.modes.split(","), device, dtype, **kwargs)
+    return build_backends(cfg, a.modes.split(","), device, dtype, known=GENERATE_MODES, **kwargs)
 
 
 def param_count(be: HFRolloutBackend) -> int:

@@ -15,7 +15,7 @@ import statistics
 import time
 
 import torch
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
+from bench_decode import GENERATE_MODES, MODEL, SMOKE_MODEL, _sync, build_backends, model_config, random_prompts
 
 from megatron_trace.rollout import SamplingParams
 
@@ -51,12 +51,16 @@ def main(argv=None) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (graph left out)")
     a = p.parse_args(argv)
+    unknown = [v for v in a.variants.split(",") if v not in VARIANTS]
+    if unknown:  # (an unknown one ran the fixed-buffer steps eagerly under its own name)
+        p.error(f"--variants {a.variants!r}: {unknown} not among {VARIANTS}")
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     variants = [v for v in a.variants.split(",") if device.type == "cuda" or v != "graph"]
     tokens = [int(t) for t in a.tokens.split(",")]
     backends = build_backends(model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + max(tokens) + 64),
-                              a.modes.split(","), device, dtype, static_decode="eager")
+                              a.modes.split(","), device, dtype, static_decode="eager",
+                              known=GENERATE_MODES)
     for n in tokens:
         for mode, be in backends.items():
             row = point(be, a.batch, a.prompt, n, a.reps, variants)

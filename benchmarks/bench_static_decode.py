@@ -18,7 +18,7 @@ import json
 import time
 
 import torch
-from bench_decode import MODEL, SHAPES, build_backends, model_config
+from bench_decode import GENERATE_MODES, MODEL, SHAPES, build_backends, model_config
 
 from megatron_trace.kernels import moe_mma, moe_triton
 from megatron_trace.rollout.static_decode import StaticDecode
@@ -77,7 +77,8 @@ def main(argv=None) -> list[dict]:
     dims = dict(SHAPES.get(a.shape, MODEL))
     prompts = [int(v) for v in a.prompts.split(",")]
     backends = build_backends(model_config(dims, max(prompts) + a.steps + 64), a.modes.split(","),
-                              torch.device("cuda"), torch.bfloat16, compile=a.compile or False)
+                              torch.device("cuda"), torch.bfloat16, compile=a.compile or False,
+                              known=GENERATE_MODES)
     rows = []
     for prompt, batch in ((p_, int(b)) for p_ in prompts for b in a.batches.split(",")):
         for mode, be in backends.items():

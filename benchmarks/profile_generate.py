@@ -13,7 +13,15 @@ import argparse
 import json
 
 import torch
-from bench_decode import MODEL, SMOKE_MODEL, build_backends, model_config, profiled_generate, random_prompts
+from bench_decode import (
+    GENERATE_MODES,
+    MODEL,
+    SMOKE_MODEL,
+    build_backends,
+    model_config,
+    profiled_generate,
+    random_prompts,
+)
 
 from megatron_trace.rollout import SamplingParams
 
@@ -45,7 +53,8 @@ def main(argv=None) -> list[dict]:
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     dims = dict(SMOKE_MODEL if a.smoke else MODEL)
-    backends = build_backends(model_config(dims, a.prompt + a.tokens + 64), a.modes.split(","), device, dtype)
+    backends = build_backends(model_config(dims, a.prompt + a.tokens + 64), a.modes.split(","), device, dtype,
+                              known=GENERATE_MODES)
     out = []
     for mode, be in backends.items():
         row = {"bench": "profile_generate", "mode": mode, "batch": a.batch, "prompt": a.prompt, "tokens": a.tokens,

@@ -19,7 +19,16 @@ import tempfile
 
 import torch
 from _gaps import idle_gaps
-from bench_decode import MODEL, SMOKE_MODEL, _sync, build_backends, generate_walls, model_config, random_prompts
+from bench_decode import (
+    GENERATE_MODES,
+    MODEL,
+    SMOKE_MODEL,
+    _sync,
+    build_backends,
+    generate_walls,
+    model_config,
+    random_prompts,
+)
 from torch.profiler import ProfilerActivity, profile
 
 from megatron_trace.rollout import SamplingParams, experts, fp4_moe
@@ -108,11 +117,14 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (no kernels to list)")
     a = p.parse_args(argv)
     variants = a.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:  # (refused before the model is built, not by a KeyError after it)
+        p.error(f"--variants {a.variants!r}: {unknown} not among {tuple(VARIANTS)}")
     modes = sorted({"bf16" if v.startswith("bf16") else "fp4" for v in variants})
     device = torch.device("cuda" if torch.cuda.is_available() and not a.smoke else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backends = build_backends(model_config(dict(SMOKE_MODEL if a.smoke else MODEL), a.prompt + a.tokens + 64), modes,
-                              device, dtype, static_decode=a.static_decode)
+                              device, dtype, static_decode=a.static_decode, known=GENERATE_MODES)
     for v in variants:
         be = backends["bf16" if v.startswith("bf16") else "fp4"]
         print(json.dumps(run(be, v, a.batch, a.prompt, a.tokens, a.top, a.reps)), flush=True)

@@ -10,7 +10,7 @@ import argparse
 import json
 
 import torch
-from bench_decode import MODEL, SHAPES, build_backends, model_config
+from bench_decode import GENERATE_MODES, MODEL, SHAPES, build_backends, model_config
 from bench_static_decode import PREFILL_TOKENS
 from torch.profiler import ProfilerActivity, profile
 
@@ -54,7 +54,7 @@ def main(argv=None) -> None:
     prompts = [int(v) for v in a.prompts.split(",")]
     dims = dict(SHAPES.get(a.shape, MODEL))
     backends = build_backends(model_config(dims, max(prompts) + 64), a.modes.split(","), torch.device("cuda"),
-                              torch.bfloat16)
+                              torch.bfloat16, known=GENERATE_MODES)
     for prompt in prompts:
         for batch in (int(b) for b in a.batches.split(",")):
             for mode, be in backends.items():
