@@ -175,7 +175,9 @@ def main(argv=None) -> dict:
     x = torch.randn(args.rows, args.k, device="cuda").to(torch.bfloat16)
     bw = copy_bandwidth()
     rows = []
-    for name, (fn, nbytes) in cases(x, args.rows, args.k).items():
+    ops = cases(x, args.rows, args.k)
+    check_ops(only, list(ops))
+    for name, (fn, nbytes) in ops.items():
         if only and not any(o in name for o in only):
             continue
         ms = median_ms(fn, reps=10 if name.startswith("reference") else 30)
@@ -193,6 +195,14 @@ def main(argv=None) -> dict:
            "machine": machine(), "results": rows}
     print(json.dumps(res))
     return res
+
+
+def check_ops(only, names) -> None:
+    """SystemExit naming each ``--ops`` substring that no op name in ``names`` contains (such a substring was
+    dropped without a word: a typo timed nothing, or only the other ops, and exited 0)."""
+    unmatched = [o for o in only if not any(o in name for name in names)]
+    if unmatched:
+        raise SystemExit(f"--ops {','.join(only)}: {unmatched} in no op name; the ops: {', '.join(names)}")
 
 
 def _set_config(item: str) -> None:
@@ -232,6 +242,7 @@ def sweep(rows: int, k: int, configs, ops_filter=()) -> dict:
             except Exception as e:  # a config the kernel cannot compile
                 print(json.dumps({"config": cfg, "error": repr(e)[:200]}))
                 continue
+            check_ops(ops_filter, [name for name in ops if not name.startswith("reference")])  # (none timed here)
             for name, (fn, nbytes) in ops.items():
                 if name.startswith("reference"):
                     continue

@@ -148,6 +148,9 @@ def main(argv=None):
     if a.fast_path:
         drop_exact_redo()
     only = [o for o in a.ops.split(",") if o]
+    unmatched = [o for o in only if not any(o in op for op in (*OPS, *DEQUANT_OPS))]
+    if unmatched:  # (dropped without a word before: a typo reported nothing and exited 0)
+        p.error(f"--ops {a.ops!r}: {unmatched} in no op name; the ops: {', '.join((*OPS, *DEQUANT_OPS))}")
     for op in (*OPS, *DEQUANT_OPS):
         if only and not any(o in op for o in only):
             continue

@@ -1,4 +1,5 @@
-"""``bench_quant.py --set``: one ``quant_triton.CONFIG`` value per flag, checked before any GPU work."""
+"""``bench_quant.py --set``: one ``quant_triton.CONFIG`` value per flag, checked before any GPU work; ``--ops`` (and
+``sass_quant.py --ops``): a substring in no op name refused."""
 
 from __future__ import annotations
 
@@ -27,3 +28,19 @@ def test_set_adds_and_removes_a_key(config):
 def test_set_rejects_bad_items_naming_what_is_valid(config, item, message):
     with pytest.raises(SystemExit, match=message):
         config._set_config(item)
+
+
+def test_ops_substring_matching_no_op_is_refused(config):
+    """``--ops``: a substring in no op name was dropped without a word (``guidde`` timed nothing, exit 0)."""
+    names = ["quantize_nvfp4_row+record", "guided_compact+dequant", "dequantize_nvfp4->bf16"]
+    config.check_ops(("guided", "dequant"), names)  # each matches
+    config.check_ops((), names)  # no filter: every op
+    with pytest.raises(SystemExit, match=r"\['guidde'\] in no op name; the ops: quantize_nvfp4_row\+record"):
+        config.check_ops(("quantize", "guidde"), names)
+
+
+def test_sass_quant_refuses_an_ops_substring_in_no_op_name(bench_module, capsys):
+    sass = bench_module("sass_quant")
+    with pytest.raises(SystemExit) as exc:  # before: nothing reported, exit 0 (refused before any compile now)
+        sass.main(["--ops", "guided_compact,guidde"])
+    assert exc.value.code == 2 and "['guidde'] in no op name" in capsys.readouterr().err
