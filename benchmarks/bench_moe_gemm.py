@@ -231,6 +231,9 @@ def main(argv=None) -> dict:
                    help="processes compiling the --sweep kernels up front (0: compile on first launch)")
     p.add_argument("--timer", choices=sorted(TIMER), default="graph")
     args = p.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:  # (before: a KeyError at that shape, after the device time of the shapes before it)
+        p.error(f"--shapes {args.shapes!r}: {unknown} not among {', '.join(SHAPES)}")
     global _time
     _time = TIMER[args.timer]
     bw = copy_bandwidth()

@@ -37,6 +37,9 @@ def main(argv=None) -> dict:
     p.add_argument("--grid", action="store_true",
                    help="also time one grid row of CTAs per expert (moe_mma.BALANCED off; key prefix grid:)")
     a = p.parse_args(argv)
+    unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
+    if unknown:  # (before: a KeyError at that shape, after the device time of the shapes before it)
+        p.error(f"--shapes {a.shapes!r}: {unknown} not among {', '.join(SHAPES)}")
     bw = copy_bandwidth()
     variants = [tuple(v for v in var.split("+") if v) for var in a.variants.split(",")]
     rows = []

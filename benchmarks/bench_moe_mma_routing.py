@@ -60,6 +60,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--fmt", default="nvfp4")
     p.add_argument("--batches", default="1,4,16,32,64,128,256")
     a = p.parse_args(argv)
+    unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
+    if unknown:  # (before: a KeyError at that shape, after the device time of the shapes before it)
+        p.error(f"--shapes {a.shapes!r}: {unknown} not among {', '.join(SHAPES)}")
     gen = torch.Generator().manual_seed(0)
     rows = []
     for name in a.shapes.split(","):

@@ -92,6 +92,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--batches", default="1,2,4,8,16,32,64,128")
     a = p.parse_args(argv)
+    unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
+    if unknown:  # (before: a KeyError at that shape, after the device time of the shapes before it)
+        p.error(f"--shapes {a.shapes!r}: {unknown} not among {', '.join(SHAPES)}")
     print(json.dumps({"bench": "moe_skew_setup", **machine()}), flush=True)
     gen = torch.Generator().manual_seed(0)
     out = []

@@ -35,6 +35,9 @@ def main(argv=None) -> dict:
     p.add_argument("--grids", default="persistent", help="persistent and/or items (one CTA per item)")
     p.add_argument("--no-triton", action="store_true")
     a = p.parse_args(argv)
+    unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
+    if unknown:  # (before: a KeyError at that shape, after the device time of the shapes before it)
+        p.error(f"--shapes {a.shapes!r}: {unknown} not among {', '.join(SHAPES)}")
     variants = [tuple(v for v in var.split("+") if v) for var in a.variants.split(",")]
     rows = []
     for name in a.shapes.split(","):
