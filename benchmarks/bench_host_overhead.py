@@ -78,12 +78,16 @@ def main(argv=None) -> dict:
         raise SystemExit("no CUDA: run with --smoke (and TRITON_INTERPRET=1) on CPU")
     calls = 3 if a.smoke else a.calls
     ops_ = cases(device, 64 if a.smoke else a.k)
+    named = [n for n in a.cprofile.split(",") if n]
+    unknown = [n for n in named if n not in ops_]
+    if unknown:  # (before: a KeyError after every op had been timed)
+        p.error(f"--cprofile {a.cprofile!r}: {unknown} not among the ops: {', '.join(ops_)}")
     res = {"bench": "host_overhead", "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
            "torch": torch.__version__, "calls": calls, "host_us_per_call": {}, "cprofile": {}}
     for name, fn in ops_.items():
         res["host_us_per_call"][name] = round(host_us(fn, calls, device, 1 if a.smoke else 20), 2)
         print(f"{name:32s} {res['host_us_per_call'][name]:8.1f} us/call", file=sys.stderr)
-    for name in (n for n in a.cprofile.split(",") if n):
+    for name in named:
         res["cprofile"][name] = profile_op(ops_[name], calls)
     print(json.dumps(res))
     return res
