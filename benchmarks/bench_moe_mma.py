@@ -40,8 +40,13 @@ def main(argv=None) -> dict:
     unknown = [s for s in a.shapes.split(",") if s not in SHAPES]
     if unknown:  # (before: a KeyError at that shape, after the device time of the shapes before it)
         p.error(f"--shapes {a.shapes!r}: {unknown} not among {', '.join(SHAPES)}")
-    bw = copy_bandwidth()
     variants = [tuple(v for v in var.split("+") if v) for var in a.variants.split(",")]
+    for var in variants:  # (refused before any GPU work; the kernel build refuses them too)
+        try:
+            moe_mma.check_defines(var, moe_mma.SOURCE.read_text())
+        except ValueError as e:
+            p.error(f"--variants {a.variants!r}: {e}")
+    bw = copy_bandwidth()
     rows = []
     for name in a.shapes.split(","):
         e, k, n = SHAPES[name]

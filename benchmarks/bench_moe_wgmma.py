@@ -22,7 +22,7 @@ from _timing import graph_ms, machine
 from bench_moe_gemm import SHAPES, bf16_baseline
 
 from megatron_trace.formats import Quantizer
-from megatron_trace.kernels import fused, grouped_mm_reference, moe_triton, moe_wgmma
+from megatron_trace.kernels import fused, grouped_mm_reference, moe_mma, moe_triton, moe_wgmma
 
 
 def main(argv=None) -> dict:
@@ -39,6 +39,11 @@ def main(argv=None) -> dict:
     if unknown:  # (before: a KeyError at that shape, after the device time of the shapes before it)
         p.error(f"--shapes {a.shapes!r}: {unknown} not among {', '.join(SHAPES)}")
     variants = [tuple(v for v in var.split("+") if v) for var in a.variants.split(",")]
+    for var in variants:  # (refused before any GPU work; the kernel build refuses them too)
+        try:
+            moe_mma.check_defines(var, moe_mma.SOURCE.read_text() + "\n" + moe_wgmma.SOURCE.read_text())
+        except ValueError as e:
+            p.error(f"--variants {a.variants!r}: {e}")
     rows = []
     for name in a.shapes.split(","):
         e, k, n = SHAPES[name]

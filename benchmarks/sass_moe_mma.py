@@ -47,6 +47,7 @@ def compile_source(mx: bool, defines: tuple[str, ...] = (), packed: bool = False
 
 def compile_named(source: str, name: str, defines: tuple[str, ...] = (), arch: str = "sm_90") -> tuple[bytes, str]:
     """(cubin, the ptxas -v lines of ``name``) of ``source`` built for ``arch`` with NVRTC."""
+    moe_mma.check_defines(defines, source)  # (a macro the source does not read: the default build)
     lib_path = nvrtc_library()
     if lib_path is None:
         raise RuntimeError("NVRTC is not installed: pip install nvidia-cuda-nvrtc==13.0.*")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 from pathlib import Path
 
 import torch
@@ -212,11 +213,22 @@ DEFINES: tuple[str, ...] = ()
 variants ``benchmarks/bench_moe_mma.py`` times; the last two give wrong numbers)."""
 
 
+def check_defines(defines: tuple[str, ...], source: str) -> None:
+    """ValueError for a ``NAME[=value]`` of ``defines`` whose NAME ``source`` does not read (``#ifndef NAME``): the
+    compiler would build the default kernel, timed and reported under that variant's name."""
+    known = re.findall(r"^#ifndef (\w+)", source, re.MULTILINE)
+    unknown = [d for d in defines if d.split("=", 1)[0] not in known]
+    if unknown:
+        raise ValueError(f"defines {unknown}: the source reads none of them; each must be NAME=value with NAME one "
+                         f"of {known}")
+
+
 @functools.cache
 def _kernel(device_index: int, mx: bool, packed: bool, balanced: bool, steps: int, defines: tuple[str, ...] = ()):
     """The kernel for one format, layout, split and K / 256 (a constant in the build: one compile per K)."""
     from torch.cuda import _compile_kernel
 
+    check_defines(defines, SOURCE.read_text())
     with torch.cuda.device(device_index):
         name = f"fp4_w4a16_mma<{int(mx)}, {int(packed)}, {int(balanced)}, {steps}>"
         opts = ["-std=c++17", *(f"-D{d}" for d in defines)]

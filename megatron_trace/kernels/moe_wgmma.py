@@ -179,9 +179,10 @@ def _kernel(device_index: int, mx: bool, bt: int, stages: int, defines: tuple[st
     """The kernel for one format, token tile and K / 64 (one compile each)."""
     from torch.cuda import _compile_kernel
 
+    src = moe_mma.SOURCE.read_text() + "\n" + SOURCE.read_text()
+    moe_mma.check_defines(defines, src)
     with torch.cuda.device(device_index):
         name = f"fp4_w4a16_wgmma<{int(mx)}, {bt}, {stages}>"
-        src = moe_mma.SOURCE.read_text() + "\n" + SOURCE.read_text()
         kern = _compile_kernel(src, name, compute_capability="90a",
                                nvcc_options=["-std=c++17", *(f"-D{d}" for d in defines)])
         kern.set_shared_memory_config(shared_memory(bt, _stages(defines)))

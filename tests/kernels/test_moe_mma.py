@@ -127,3 +127,18 @@ def test_fp4_grouped_mm_on_the_cpu_unpacks_packed_weights():
     ref = grouped_mm_reference(x, w, offs)
     assert torch.equal(fp4_grouped_mm(x, moe_mma.pack(w), offs), ref)
     assert torch.equal(fp4_grouped_mm(x, w, offs, packed=moe_mma.pack(w)), ref)
+
+
+def test_defines_must_name_a_macro_the_source_reads():
+    """``DEFINES``: a macro the source does not read (``MIN_BLOCK=1``) built the default kernel, timed and reported
+    under that variant's name; refused by the build now (CPU: the check comes before any compile)."""
+    from megatron_trace.kernels import moe_wgmma
+
+    src = moe_mma.SOURCE.read_text()
+    moe_mma.check_defines(("MIN_BLOCKS=1", "SKIP_DEQUANT=1", "PROBE_CONTIGUOUS"), src)
+    with pytest.raises(ValueError, match=r"\['MIN_BLOCK=1'\].*one of \['MIN_BLOCKS', 'SKIP_DEQUANT', 'PROBE_CONT"):
+        moe_mma.check_defines(("SKIP_DEQUANT=1", "MIN_BLOCK=1"), src)
+    with pytest.raises(ValueError, match="XS=5"):  # a wgmma macro is not the mma kernel's
+        moe_mma._kernel.__wrapped__(0, False, False, True, 8, ("XS=5",))
+    with pytest.raises(ValueError, match="STAGES=5"):
+        moe_wgmma._kernel.__wrapped__(0, False, 128, 32, ("XS=5", "STAGES=5"))
