@@ -11,8 +11,8 @@ kernel's time, speedup and error).
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 ATTN_KEYS = ("batch", "context", "timers", "error", "fused_fast_us", "fused_fast_over_bf16", "fused_fast_frac_copy",
              "fast_rel_err_fp32", "fast_config")
@@ -54,9 +54,16 @@ def wgmma(row: dict) -> str | None:
         for r in row["results"])
 
 
+FORMATS = {"attn": attn, "fast": fast, "decode": decode, "skew": skew, "wgmma": wgmma}
+
+
 def main(argv=None) -> None:
-    kind, path = (argv or sys.argv[1:])[:2]
-    fmt = {"attn": attn, "fast": fast, "decode": decode, "skew": skew, "wgmma": wgmma}[kind]
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("kind", choices=tuple(FORMATS))
+    p.add_argument("path", metavar="FILE.jsonl")
+    a = p.parse_args(argv)
+    kind, path = a.kind, a.path
+    fmt = FORMATS[kind]
     for line in open(path):
         out = fmt(json.loads(line))
         if out:

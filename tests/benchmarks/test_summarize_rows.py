@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from .conftest import BENCHMARKS
 
 
@@ -19,3 +21,13 @@ def test_wgmma_rows(bench_module, capsys):
     assert lines[0].startswith("qwen3_fc1 mxfp4 128 bf16 264.2 {'triton': (307.7, 0.859, None), 'wgmma128:default': "
                                "(211.5, 1.249, 1.06e-07)")
     assert mod.wgmma({"bench": "decode"}) is None
+
+
+def test_unknown_kind_or_missing_file_refused_by_name(bench_module, capsys):
+    """``skw FILE`` raised a KeyError and ``--help`` a ValueError of unpacking; refused naming the kinds now."""
+    mod = bench_module("summarize_rows")
+    for argv in (["skw", "x.jsonl"], ["decode"]):
+        with pytest.raises(SystemExit) as exc:
+            mod.main(argv)
+        assert exc.value.code == 2
+    assert "choose from 'attn', 'fast', 'decode', 'skew', 'wgmma'" in capsys.readouterr().err
