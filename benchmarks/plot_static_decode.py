@@ -60,7 +60,11 @@ def main(argv=None) -> None:
     p.add_argument("--extra-label", default="later run")
     p.add_argument("--title", default="decode with CUDA graphs, H200")
     a = p.parse_args(argv)
-    plot(load(a.results), load(a.extra) if a.extra else {}, a.out, a.title, a.extra_label)
+    points, extra = load(a.results), load(a.extra) if a.extra else {}
+    for path, got in ((a.results, points), (a.extra, extra)):
+        if path and not got:  # (before: a matplotlib error of 0 columns, or an --extra file drawn as nothing)
+            p.error(f"{path}: no static_decode row with graph_tok_s (bench_static_decode.py output)")
+    plot(points, extra, a.out, a.title, a.extra_label)
 
 
 if __name__ == "__main__":
