@@ -40,7 +40,8 @@ test: $(STAMP)
 	bash tests/sglang/setup_venv.sh $(SGLANG_VENV) > $(VENV)/sglang-setup.log 2>&1 & setup=$$!; \
 	TORCHDYNAMO_DISABLE=1 $(PY) -m pytest -q -p no:cacheprovider tests/benchmarks/test_sass_kv_attention.py \
 		tests/benchmarks/test_sass_moe_gemm.py tests/benchmarks/test_sass_moe_mma.py tests/benchmarks/test_sass_moe_wgmma.py \
-		tests/benchmarks/test_sass_quant.py tests/benchmarks/test_bench_quant.py tests/benchmarks/test_bench_host_overhead.py; \
+		tests/benchmarks/test_sass_quant.py tests/benchmarks/test_bench_quant.py tests/benchmarks/test_bench_host_overhead.py \
+		tests/benchmarks/test_moe_shapes.py; \
 	rc=$$?; wait $$setup || { cat $(VENV)/sglang-setup.log; echo "tests/sglang/setup_venv.sh failed"; exit 1; }; \
 	tail -1 $(VENV)/sglang-setup.log; exit $$rc
 	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/sglang
