@@ -408,9 +408,23 @@ class GRPORun:
             trend.load_state_dict(state.history)
         self.policy.load_state_dict(ck["policy"], where=f"checkpoint {path}")
         self.state, self.trend = state, trend
-        for step in self.cache.steps:
-            self.cache.invalidate(step)
+        # from here the rollout serves other weights than the trainer's until the reset sync succeeds: a resume that
+        # raises below (a spilled shard that cannot be deleted, the sync itself) leaves it to the next step()
+        self._sync_pending = "reset"
+        self._invalidate_cache()
         self._reset_sync()  # the checkpoint's version, also below what this rollout served
+
+    def _invalidate_cache(self) -> None:
+        """Discard every cached step (none is of the loaded weights): each is tried, the failures (shards that could
+        not be deleted, named) raised together once all are forgotten."""
+        errors = []
+        for step in self.cache.steps:
+            try:
+                self.cache.invalidate(step)
+            except OSError as e:
+                errors.append(str(e))
+        if errors:
+            raise OSError("resume: " + " | ".join(errors))
 
 
 def _differences(saved: dict, now: dict, keys) -> str:

@@ -82,3 +82,35 @@ def test_a_resume_whose_sync_raised_is_synced_by_the_next_step(megatron_cpu, ckp
     m = r.step()  # the resume's sync (back to version 1) first, then step 1's prompts on version 1's weights
     assert m["guidance/assembly/coverage"] == 1.0 and m.get("guidance/assembly/fallback/version", 0.0) == 0.0
     assert (r.state.step, r.state.version, r.rollout.policy_version) == (2, 2, 2)
+
+
+def test_a_resume_whose_cache_cannot_be_emptied_is_synced_by_the_next_step(megatron_cpu, ckpt, tmp_path):
+    """load set the checkpoint's weights and step state, then invalidated the cached steps before its reset sync: a
+    spilled shard it could not delete raised there with no sync pending (the next step() rolled out on the rollout's
+    later weights, every record rejected, and its own sync refused as not newer), and the steps after it stayed held.
+    """
+    from megatron_trace.guidance import split_batch
+
+    from ..guidance._data import make_batch
+
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    d = tmp_path / "c"
+    r = GRPORun(make_arm("trace", TraceConfig(cache_budget_mb=0)), rl, get_task("add"), ckpt, out_dir=tmp_path,
+                cache_dir=d)  # (budget 0: every put spills)
+    r.step()
+    r.save(tmp_path / "ck.pt")
+    r.step()
+    batch, _, tok, mask = make_batch(B=2)
+    for step in (7, 8):  # steps left held (as by steps that raised before training), one shard each
+        r.cache.put(step, split_batch(batch, tok, version=0, attention_mask=mask))
+    shard = next(d.glob("guidance_step00000007_*.safetensors"))
+    shard.unlink()
+    shard.mkdir()  # (an entry that unlink refuses: root ignores a read-only directory)
+    (shard / "x").touch()
+    with pytest.raises(OSError, match=rf"guidance step 7 was dropped, but .*{shard.name}"):
+        r.load(tmp_path / "ck.pt")
+    assert (r.state.step, r.state.version, r.rollout.policy_version, r.cache.steps) == (1, 1, 2, [])
+    assert not list(d.glob("guidance_step00000008_*"))
+    m = r.step()  # the resume's sync (back to version 1) first, then step 1's prompts on version 1's weights
+    assert m["guidance/assembly/coverage"] == 1.0 and m.get("guidance/assembly/fallback/version", 0.0) == 0.0
+    assert (r.state.step, r.state.version, r.rollout.policy_version) == (2, 2, 2)
