@@ -24,6 +24,7 @@ from .records import (
     _per_row,
     add_counts,
     check_counter,
+    check_keys,
     check_topk,
     count_all_missing,
     missing_rows_per_token,
@@ -151,6 +152,7 @@ def assemble_packed(
     micro-batch holds (``parts`` without any column: once per token).
     """
     check_counter(counter)
+    keys = check_keys(keys)
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
     if len(sample_ids) != B:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..config import ACTIVATION_SITES
 from ..formats import CompactGuidance, FullGuidance
 from ..formats.tensor import scales_usable
 from .layout import PackedLayout, as_layout
@@ -289,8 +290,10 @@ def assemble(
     of ``samples``; a micro-batch none of whose samples has a record then counts each token once (the sites are
     unknown, ``count_all_missing``), fewer rows than it counts beside a sample with records: give the step's keys
     (``GuidanceCache.assemble`` does) for counts that add up alike over any split of a step into micro-batches.
+    Each key given is a distinct (layer, site) pair (``check_keys``), refused otherwise before anything is counted.
     """
     check_counter(counter)
+    keys = check_keys(keys)
     mask = token_mask(token_ids, attention_mask=attention_mask, lengths=lengths)  # [B, S]
     B = mask.shape[0]
     if len(samples) != B:
@@ -324,6 +327,28 @@ def check_counter(counter) -> None:
     """``counter`` is a ``FallbackCounter`` (checked before any work: the counts are added at the end)."""
     if not isinstance(counter, FallbackCounter):
         raise TypeError(f"counter must be a FallbackCounter, got {type(counter).__name__}")
+
+
+def check_keys(keys: Sequence[SiteKey] | None) -> list[SiteKey] | None:
+    """``keys`` (an assembly's guided keys) as distinct (layer, site) tuples: each layer an int >= 0, each site one of
+    ``config.ACTIVATION_SITES``; None stays None. A key given twice was assembled and counted twice (coverage read
+    from doubled rows), a site no record can have (a misspelt one) counted every token ``missing``, and a [layer, site]
+    list failed as 'unhashable type'."""
+    if keys is None:
+        return None
+    if isinstance(keys, tuple) and len(keys) == 2 and isinstance(keys[1], str):
+        raise ValueError(f"keys={keys!r} is one key: give a list of (layer, site) keys")
+    out = []
+    for k in keys:
+        if not (isinstance(k, (tuple, list)) and len(k) == 2 and is_integer(k[0]) and int(k[0]) >= 0
+                and k[1] in ACTIVATION_SITES):
+            raise ValueError(f"keys: {k!r} is not a (layer, site) key: a layer int >= 0 and a site of "
+                             f"{ACTIVATION_SITES}")
+        out.append((int(k[0]), k[1]))
+    dup = sorted(k for k, n in Counter(out).items() if n > 1)
+    if dup:
+        raise ValueError(f"keys name {dup} more than once: each guided key is assembled and counted once")
+    return out
 
 
 def add_counts(counter: FallbackCounter, rows: FallbackCounter) -> None:

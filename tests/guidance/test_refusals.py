@@ -91,3 +91,31 @@ def test_a_shard_that_cannot_be_deleted_is_named_and_the_others_are_still_delete
         cache.close()
     assert cache.steps == [] and cache.disk_bytes == 0 and cache.host_bytes == 0
     assert [p.name for p in d.iterdir()] == [first.name]  # the other step-0 shard and step 1's are gone
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["samples", "columns"])
+def test_guided_keys_are_distinct_layer_site_pairs(packed):
+    """``keys`` was taken as given: a key named twice was assembled and counted twice (used 2T for T tokens), a
+    misspelt site counted every token ``missing`` (coverage 0, no error), and a [layer, site] list failed as
+    'unhashable type: list'."""
+    batch, _, tok, mask = make_batch(B=2, lengths=[9, 7], layers=(0,), sites=("expert_fc1_in",))
+    T, key = int(mask.sum()), (0, "expert_fc1_in")
+
+    def run(keys):
+        counter = FallbackCounter()
+        if packed:
+            p = pack_guidance(batch, tok, version=0, attention_mask=mask)
+            out = assemble_packed([p], [0, 1], tok, versions=0, counter=counter, attention_mask=mask, keys=keys)
+        else:
+            samples = split_batch(batch, tok, version=0, attention_mask=mask)
+            out = assemble(samples, tok, versions=0, counter=counter, attention_mask=mask, keys=keys)
+        return list(out), (counter.used, dict(counter.fallback))
+
+    assert run([key]) == run([[0, "expert_fc1_in"]]) == ([key], (T, {}))
+    for keys, match in (([key, key], r"keys name \[\(0, 'expert_fc1_in'\)\] more than once"),
+                        ([(0, "expert_fc1")], r"keys: \(0, 'expert_fc1'\) is not a \(layer, site\) key"),
+                        ([(-1, "kv_k")], r"keys: \(-1, 'kv_k'\) is not a \(layer, site\) key"),
+                        ([(0.5, "kv_k")], r"is not a \(layer, site\) key"),
+                        (key, r"is one key: give a list")):
+        with pytest.raises(ValueError, match=match):
+            run(keys)
