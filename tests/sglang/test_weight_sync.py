@@ -120,3 +120,42 @@ def test_fp4_values_of_other_than_routed_expert_weights_are_refused(name):
 
     with pytest.raises(ValueError, match=f"{name!r}: FP4 values are accepted for routed-expert weights only"):
         engine_tensors([(name, nvfp4.quantize(torch.randn(32, 32), per_row=False))])
+
+
+def _sglang_args(**kw):
+    """SGLang's own ``ServerArgs`` (``model_path="dummy"``: built on the CPU, nothing device-specific resolved)."""
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path="dummy", **kw)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(pp_size=2), r"needs the engine's pp_size=1, got 2: SGLang numbers each engine rank rank_offset \+ tp_rank"),
+    (dict(dp_size=2), r"needs the engine's dp_size=1 or enable_dp_attention=True, got dp_size=2 without DP"),
+    (dict(tp_size=2), r"tp_size=1 but the engine's server_args.tp_size is 2: the group would wait for 2 ranks"),
+], ids=["pp2", "dp2", "tp_mismatch"])
+def test_an_engine_whose_ranks_are_not_1_to_tp_is_refused_before_any_group_call(kw, match):
+    """SGLang numbers an engine rank ``rank_offset + tp_rank``: with pp_size or dp_size (no DP attention) > 1 several
+    schedulers claim each rank, and a tp_size other than the engine's counts another world size. The group was
+    made anyway and the trainer's rendezvous waited out its timeout (600 s by default)."""
+    pytest.importorskip("sglang.srt.server_args")
+    eng = _Engine()
+    eng.server_args = _sglang_args(**kw)
+    port = _free_port()
+    with pytest.raises(ValueError, match=match):
+        WeightsUpdateGroup(eng, master_address="127.0.0.1", master_port=port, backend="gloo", timeout_s=2,
+                           tp_size=1 if "tp_size" in kw else None, group_name=f"trace_weights_test_{port}")
+    assert eng.calls == []
+
+
+def test_the_group_counts_the_engines_tp_ranks_from_its_server_args():
+    """1 + tp_size ranks: the engine's TP group; with DP attention the DP ranks are those TP ranks (SGLang launches
+    tp_size schedulers, tp_rank 0..tp_size-1). An engine object without server_args needs tp_size given."""
+    pytest.importorskip("sglang.srt.server_args")
+    from megatron_trace.rollout.sglang.weights import engine_group_ranks
+
+    assert engine_group_ranks(_sglang_args()) == 1
+    assert engine_group_ranks(_sglang_args(tp_size=4), 4) == 4
+    assert engine_group_ranks(_sglang_args(tp_size=2, dp_size=2, enable_dp_attention=True)) == 2
+    with pytest.raises(ValueError, match=r"_Engine has no server_args to read the engine's tp_size from: pass tp_size"):
+        WeightsUpdateGroup(_Engine(), master_address="127.0.0.1", master_port=_free_port(), backend="gloo")

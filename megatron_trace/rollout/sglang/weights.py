@@ -87,13 +87,48 @@ def _new_group(master_address: str, master_port: int, rank: int, world_size: int
     return pg
 
 
-class WeightsUpdateGroup:
-    """Trainer-side end of the weight-update group (rank 0; the engine's TP ranks are 1..tp)."""
+def engine_group_ranks(server_args, tp_size: int | None = None) -> int:
+    """How many engine ranks join the weight-update group, from the engine's ``server_args``.
 
-    def __init__(self, engine, *, master_address: str, master_port: int, tp_size: int = 1,
+    SGLang 0.5.10 numbers a scheduler's rank in the group ``rank_offset + tp_rank`` (``ModelRunner.
+    init_weights_update_group``): the ranks of one tensor-parallel group, ``tp_size`` of them. Several pipeline stages
+    (``pp_size``), or data-parallel replicas without DP attention (``dp_size``), would each bring ranks 1..tp again
+    (SGLang's tokenizer asserts the latter, but only after the trainer waited out the rendezvous): refused here, before
+    any process group is made. With ``enable_dp_attention`` the DP ranks are the TP ranks (1..tp_size, as counted).
+    ``tp_size``, where given, must equal the engine's."""
+    pp = getattr(server_args, "pp_size", 1)
+    if pp != 1:
+        raise ValueError(f"a weight-update group needs the engine's pp_size=1, got {pp}: SGLang numbers each engine "
+                         "rank rank_offset + tp_rank, so every pipeline stage would claim ranks 1..tp_size")
+    dp = getattr(server_args, "dp_size", 1)
+    if dp != 1 and not getattr(server_args, "enable_dp_attention", False):
+        raise ValueError(f"a weight-update group needs the engine's dp_size=1 or enable_dp_attention=True, got "
+                         f"dp_size={dp} without DP attention: each replica would claim ranks 1..tp_size (SGLang's "
+                         "init_weights_update_group refuses it)")
+    engine_tp = getattr(server_args, "tp_size", 1)
+    if tp_size is not None and tp_size != engine_tp:
+        raise ValueError(f"tp_size={tp_size} but the engine's server_args.tp_size is {engine_tp}: the group would "
+                         f"wait for {1 + tp_size} ranks and {1 + engine_tp} would come (leave tp_size out to take "
+                         "the engine's)")
+    return engine_tp
+
+
+class WeightsUpdateGroup:
+    """Trainer-side end of the weight-update group (rank 0; the engine's TP ranks are 1..tp).
+
+    ``tp_size``: None takes the engine's ``server_args.tp_size`` (checked by ``engine_group_ranks``); an engine
+    object without ``server_args`` (not an ``sglang.Engine``) needs it given."""
+
+    def __init__(self, engine, *, master_address: str, master_port: int, tp_size: int | None = None,
                  group_name: str = "trace_weights", backend: str = "nccl", timeout_s: float = 600.0):
         self.engine, self.group_name = engine, group_name
         self.timeout = timedelta(seconds=timeout_s)
+        server_args = getattr(engine, "server_args", None)
+        if server_args is not None:
+            tp_size = engine_group_ranks(server_args, tp_size)
+        elif tp_size is None:
+            raise ValueError(f"{type(engine).__name__} has no server_args to read the engine's tp_size from: pass "
+                             "tp_size (the number of engine ranks joining the group)")
         world = 1 + tp_size
         t = _call_async(engine.init_weights_update_group, master_address=master_address, master_port=master_port,
                         rank_offset=1, world_size=world, group_name=group_name, backend=backend)
