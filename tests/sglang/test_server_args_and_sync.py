@@ -151,8 +151,10 @@ def test_specs_refuse_an_exclude_pattern_naming_a_module_the_model_lacks(hf, pat
 def test_the_emulations_moe_parallel_sizes_are_checked_at_launch_as_its_layers_check_them():
     """SGLang's MoE TP size is tp_size // ep_size // moe_dp_size (``parallel_state``): tp 2 x moe_dp 2 gives whole
     experts per rank, which the emulated MoE quantizes as the trainer does; tp 2 alone shards them and is refused.
-    The emulated MoE runs every expert on each rank: ep 2 is refused at launch, not at the engine's model load."""
-    fc1 = CFG.replace(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=("expert_fc1_in",))
+    The emulated MoE runs every expert on each rank: ep 2 is refused at launch, not at the engine's model load.
+    (No guided layer: guidance capture needs moe_dp_size 1, test_guidance_capture_refuses_context_and_moe_data_...)"""
+    fc1 = CFG.replace(sites=("expert_fc1_in", "expert_fc2_in", "weights"), guided_sites=("expert_fc1_in",),
+                      guided_layers="none")
     assert trace_server_args("/ckpt", fc1, HF, native=False, tp_size=2, moe_dp_size=2)["moe_dp_size"] == 2
     with pytest.raises(ValueError, match=r"MoE tensor parallel size 1 \(tp_size // moe_dp_size = 1\), got 2"):
         trace_server_args("/ckpt", fc1, HF, native=False, tp_size=2)
@@ -313,3 +315,25 @@ def test_guidance_capture_refuses_data_parallel_replicas():
     with pytest.raises(ValueError, match=r"guidance capture needs dp_size=1, got 2"):
         SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)
     assert trace_server_args("/ckpt", FC1_ONLY, HF, native=False, dp_size=2)["dp_size"] == 2  # nothing captured
+
+
+@needs_sglang
+@pytest.mark.parametrize("key", ["attn_cp_size", "moe_dp_size"])
+def test_guidance_capture_refuses_context_and_moe_data_parallelism(key):
+    """SGLang's Qwen3-MoE splits a prefill's tokens over the attention-CP ranks (``prepare_context_parallel_metadata``
+    with ``attn_cp_rank``) and asserts ``attn_cp_size == moe_dp_size``: each rank's MoE sees its share, and the
+    read-out returns rank 0's slot buffers. Accepted before; required 1 with guidance, at launch and on the engine."""
+    import ast
+
+    path = Path(importlib.util.find_spec("sglang").origin).parent / "srt" / "models" / "qwen3_moe.py"
+    src = ast.unparse(ast.parse(path.read_text()))
+    assert "prepare_context_parallel_metadata(len(input_ids), self.attn_cp_rank, self.attn_cp_size" in src
+    assert "self.attn_cp_size == self.moe_dp_size" in src
+    assert trace_server_args("/ckpt", FC1_GUIDED, HF, native=False)[key] == 1
+    with pytest.raises(ValueError, match=rf"guidance capture needs {key}=1, got 2: "):
+        trace_server_args("/ckpt", FC1_GUIDED, HF, native=True, tp_size=2, **{key: 2})
+    eng = _served(FC1_GUIDED)
+    setattr(eng.server_args, key, 2)  # (an engine launched otherwise than trace_server_args launches it)
+    with pytest.raises(ValueError, match=rf"guidance capture needs {key}=1, got 2"):
+        SGLangRolloutBackend(eng, FC1_GUIDED, HF, native=False)
+    assert trace_server_args("/ckpt", FC1_ONLY, HF, native=True, tp_size=2, **{key: 2})[key] == 2  # nothing captured

@@ -241,6 +241,11 @@ REQUIRED = {
     "dp_size": (1, "SGLang's data-parallel controller sends each request, the read-out too, to a replica of its "
                    "choosing (round robin): the read-out misses the radix cache holding the finished request, or hits "
                    "another replica's forward of the same tokens"),
+    "attn_cp_size": (1, "attention context parallelism splits each prefill's tokens over the CP ranks, and each "
+                        "rank's MoE runs on its share: rank 0's slot buffers, which the read-out returns, lack the "
+                        "other ranks' tokens"),
+    "moe_dp_size": (1, "MoE data parallelism gives each MoE-DP rank a share of the tokens (SGLang pairs it with "
+                       "attn_cp_size): rank 0's slot buffers, which the read-out returns, lack the other ranks' rows"),
     "enable_lmcache": (False, "LMCache loads a stored prefix's K/V back into new KV slots without its guidance rows "
                               "(the read-out would return other tokens' rows as valid), and keeps it across the radix "
                               "flush of a weight update"),
