@@ -87,14 +87,35 @@ class MasterAdamW:
     def state_dict(self) -> dict:
         return {"opt": self.opt.state_dict(), "master": [m.detach().clone() for m in self.master]}
 
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
+    def check_state_dict(self, sd: dict) -> None:
+        """``sd`` (a ``state_dict``) fits this optimizer: its master weights' shapes, and AdamW's state of them (one
+        parameter group of as many parameters; each moment of its master's shape: torch loads another shape as it is,
+        and the next step fails on it). Raises naming what differs; sets nothing."""
+        missing = [k for k in ("master", "opt") if k not in sd]
+        if missing:
+            raise ValueError(f"the optimizer state lacks {missing} (a MasterAdamW state has 'master' and 'opt'); "
+                             "nothing loaded")
         got, want = [tuple(m.shape) for m in sd["master"]], [tuple(m.shape) for m in self.master]
         if got != want:  # (zip dropped the extra ones or left ours unloaded; copy_ broadcast a [4] into a [4, 4])
             bad = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
             raise ValueError(f"the optimizer state has {len(got)} master weights, this optimizer {len(want)}; the "
                              f"first that differs is #{bad} (state {got[bad] if bad < len(got) else None}, optimizer "
                              f"{want[bad] if bad < len(want) else None}): a state of other parameters; nothing loaded")
+        groups = [list(g["params"]) for g in sd["opt"].get("param_groups", [])]
+        ids = [i for g in groups for i in g]
+        if len(groups) != 1 or len(ids) != len(want):
+            raise ValueError(f"the optimizer state's AdamW has {len(groups)} parameter group(s) of "
+                             f"{[len(g) for g in groups]} parameters, this optimizer 1 of [{len(want)}]; nothing "
+                             "loaded")
+        for n, i in enumerate(ids):
+            for key, value in sd["opt"].get("state", {}).get(i, {}).items():
+                if key != "step" and torch.is_tensor(value) and tuple(value.shape) != want[n]:
+                    raise ValueError(f"the optimizer state's AdamW {key!r} of master weight #{n} is "
+                                     f"{tuple(value.shape)}, its master {want[n]}; nothing loaded")
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        self.check_state_dict(sd)  # (all of it before any master is copied: AdamW's load could refuse after them)
         for m, s in zip(self.master, sd["master"]):
             m.copy_(s)
         self.opt.load_state_dict(sd["opt"])
@@ -188,12 +209,15 @@ class MegatronPolicy:
 
         want = {k: tuple(v.shape) for k, v in self.model.state_dict().items() if v is not None}
         got = {k: tuple(v.shape) for k, v in sd["model"].items() if v is not None}
-        master = [tuple(m.shape) for m in sd["optimizer"]["master"]]
         bad = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))
-        if bad or master != [tuple(m.shape) for m in self.optimizer.master]:
-            first = bad[0] if bad else "the optimizer's master weights"
+        if bad:
             raise ValueError(f"checkpoint of another model: {len(bad)} weight(s) missing, extra or of another shape, "
-                             f"e.g. {first} (checkpoint {got.get(first)}, model {want.get(first)}); nothing was loaded")
+                             f"e.g. {bad[0]} (checkpoint {got.get(bad[0])}, model {want.get(bad[0])}); nothing was "
+                             "loaded")
+        try:  # (the optimizer's state, all of it, before the model: AdamW's load refused after the weights were set)
+            self.optimizer.check_state_dict(sd["optimizer"])
+        except ValueError as e:
+            raise ValueError(f"{where}: {e} (nor the model)") from e
         if "hf_config" in sd:  # (older checkpoints have none)
             check_checkpoint_config(self.hf_config, type(self.hf_config).from_dict(sd["hf_config"]), where)
         self.model.load_state_dict(sd["model"], strict=True)

@@ -114,3 +114,70 @@ def test_a_resume_whose_cache_cannot_be_emptied_is_synced_by_the_next_step(megat
     m = r.step()  # the resume's sync (back to version 1) first, then step 1's prompts on version 1's weights
     assert m["guidance/assembly/coverage"] == 1.0 and m.get("guidance/assembly/fallback/version", 0.0) == 0.0
     assert (r.state.step, r.state.version, r.rollout.policy_version) == (2, 2, 2)
+
+
+def _split_groups(opt: dict) -> None:
+    """Another optimizer's AdamW: its parameters in two groups (torch refuses the group count on load)."""
+    g = opt["param_groups"][0]
+    opt["param_groups"] = [dict(g, params=g["params"][:1]), dict(g, params=g["params"][1:])]
+
+
+def _transposed_moment(opt: dict) -> None:
+    """A moment of another shape than its master weight (torch loads it as it is; the next step fails on it)."""
+    i, st = next((i, st) for i, st in opt["state"].items() if st["exp_avg"].dim() == 2
+                 and st["exp_avg"].shape[0] != st["exp_avg"].shape[1])
+    st["exp_avg"] = st["exp_avg"].t().contiguous()
+
+
+@pytest.mark.parametrize("damage, match", [
+    (_split_groups, r"AdamW has 2 parameter group\(s\) of \[1, \d+\] parameters, this optimizer 1 of \[\d+\]"),
+    (_transposed_moment, r"AdamW 'exp_avg' of master weight #\d+ is \(\d+, \d+\), its master \(\d+, \d+\)"),
+], ids=["groups", "moment_shape"])
+def test_a_checkpoint_whose_optimizer_state_is_refused_leaves_the_model_unloaded(megatron_cpu, ckpt, tmp_path, damage,
+                                                                                 match):
+    """``MegatronPolicy.load_state_dict`` loaded the model, then the optimizer: AdamW's own load refusing the state (a
+    group count) left the checkpoint's weights in the model beside this run's optimizer; a moment of another shape
+    loaded silently and failed the next step. The optimizer state is checked, all of it, before anything is set."""
+    import torch
+
+    rl = RLConfig(steps=3, prompts_per_step=2, group_size=2, eval_problems=4, sentinel_prompts=0)
+    r = GRPORun(make_arm("trace", TraceConfig()), rl, get_task("add"), ckpt, out_dir=tmp_path, cache_dir=tmp_path / "c")
+    r.step()
+    r.save(tmp_path / "ck.pt")
+    ck = torch.load(tmp_path / "ck.pt", weights_only=False)
+    damage(ck["policy"]["optimizer"]["opt"])
+    for v in ck["policy"]["model"].values():  # (weights other than the run's for sure)
+        if v is not None and v.is_floating_point():
+            v += 1
+    torch.save(ck, tmp_path / "bad.pt")
+    before = _weights(r)
+    masters = [m.clone() for m in r.policy.optimizer.master]
+    with pytest.raises(ValueError, match=rf"checkpoint .*bad\.pt: the optimizer state's {match}; nothing loaded"):
+        r.load(tmp_path / "bad.pt")
+    after = _weights(r)
+    assert all(torch.equal(after[k], v) for k, v in before.items()) and r.state.step == 1
+    assert all(torch.equal(m, s) for m, s in zip(r.policy.optimizer.master, masters))
+
+
+def test_a_master_adamw_state_whose_adamw_part_is_refused_leaves_the_masters_unloaded():
+    """The masters were copied before AdamW's own load refused the state (another group count): the optimizer was
+    left with the state's masters and its own moments."""
+    import torch
+
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    params = [torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.ones(3))]
+    opt = MasterAdamW(params, lr=1e-3)
+    other = MasterAdamW([torch.nn.Parameter(torch.full(p.shape, 7.0)) for p in params], lr=1e-3)
+    sd = other.state_dict()
+    g = sd["opt"]["param_groups"][0]
+    sd["opt"]["param_groups"] = [dict(g, params=g["params"][:1]), dict(g, params=g["params"][1:])]
+    with pytest.raises(ValueError, match=r"AdamW has 2 parameter group\(s\) of \[1, 1\] parameters, this optimizer 1 "
+                                         r"of \[2\]; nothing loaded"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(m, torch.ones_like(m)) for m in opt.master)
+    del sd["opt"]
+    with pytest.raises(ValueError, match=r"the optimizer state lacks \['opt'\]"):
+        opt.load_state_dict(sd)
+    opt.release()
+    other.release()
