@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +22,8 @@ import torch
 
 from ..formats import FP4Tensor, NonFiniteError
 from .base import check_count, nonfinite_names
+
+logger = logging.getLogger(__name__)
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -156,26 +159,50 @@ class ShardedSafetensorsWriter:
         self._shard, self._shard_bytes = {}, 0
 
     def close(self) -> list[str]:
-        """Write the last shard, give the shards their final names (and the index); returns the file names."""
+        """Write the last shard, give the shards their final names (and the index); returns the file names.
+
+        All or nothing: where a rename or the index fails (a file or directory in the way), the shards renamed so far
+        get their partial names back and the error is raised, the partial files left to ``abort`` (a ``with`` block
+        aborts); a failure left the first shards under their final names, with no index, beside the partial rest."""
         if self._shard or not self._written:
             self._flush()
         count = len(self._written)
         if count == 1:
-            self.files = [WEIGHTS_FILE]
+            files = [WEIGHTS_FILE]
         else:
-            self.files = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-        for (partial, _), fname in zip(self._written, self.files):
-            partial.replace(self.directory / fname)
-        if count > 1:
-            weight_map = {n: fname for (_, names), fname in zip(self._written, self.files) for n in names}
-            with open(self.directory / INDEX_FILE, "w") as f:
-                json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2,
-                          sort_keys=True)
+            files = [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        renamed: list[tuple[Path, Path]] = []
+        index = self.directory / (INDEX_FILE + _PARTIAL)
+        try:
+            for (partial, _), fname in zip(self._written, files):
+                partial.replace(self.directory / fname)
+                renamed.append((partial, self.directory / fname))
+            if count > 1:
+                weight_map = {n: fname for (_, names), fname in zip(self._written, files) for n in names}
+                with open(index, "w") as f:
+                    json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2,
+                              sort_keys=True)
+                index.replace(self.directory / INDEX_FILE)
+        except BaseException:
+            self._roll_back(renamed, index)
+            raise
+        self.files = files
         self._written = []
         return self.files
 
+    def _roll_back(self, renamed: list[tuple[Path, Path]], index: Path) -> None:
+        """Undo a failed ``close``: the renamed shards back to their partial names, the index's partial file gone."""
+        for partial, final in reversed(renamed):
+            try:
+                final.replace(partial)
+            except OSError as e:  # (abort then cannot find it: named, not dropped)
+                logger.error("safetensors writer: could not rename %s back to %s after a failed close: %s", final,
+                             partial, e)
+        if index.is_file():
+            index.unlink()
+
     def abort(self) -> None:
-        """Delete the partial shards written so far."""
+        """Delete the partial shards written so far (all of them after a failed ``close``)."""
         for partial, _ in self._written:
             partial.unlink(missing_ok=True)
         self._written, self._shard = [], {}
@@ -184,10 +211,14 @@ class ShardedSafetensorsWriter:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.close()
-        else:
+        if exc_type is not None:
             self.abort()
+            return
+        try:
+            self.close()
+        except BaseException:  # (close rolled its renames back: the partial files go too)
+            self.abort()
+            raise
 
 
 def check_dense_updates(dense) -> None:

@@ -119,3 +119,33 @@ def test_an_add_that_raised_wrote_nothing_and_its_retry_is_taken(tmp_path):
         w.add("b", torch.arange(3.0))
     back = load_file(tmp_path / "model.safetensors")
     assert sorted(back) == ["a", "b"] and torch.equal(back["b"], torch.arange(3.0)) and w.tensors == 2
+
+
+@pytest.mark.parametrize("blocked", ["model-00002-of-00003.safetensors", INDEX_FILE], ids=["shard", "index"])
+def test_a_close_that_fails_renames_nothing_and_leaves_nothing_behind(tmp_path, blocked):
+    """A rename failing half-way through ``close`` (a directory in the way) left the first shard under its final name,
+    without an index, beside the rest's partial files, which neither the ``with`` block nor ``abort`` removed: a
+    reader of the directory took one shard for the checkpoint. Now close rolls its renames back, the ``with`` block
+    deletes the partial files, and only what was there before remains; the same writer then closes."""
+    (tmp_path / blocked / "in_the_way").mkdir(parents=True)
+    tensors = {n: torch.full((100,), float(i)) for i, n in enumerate("abc")}  # 400 bytes each: a shard each
+    with pytest.raises(IsADirectoryError):
+        with ShardedSafetensorsWriter(tmp_path, max_shard_bytes=500) as w:
+            for n, t in tensors.items():
+                w.add(n, t)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [blocked] and w.files == []
+    w = ShardedSafetensorsWriter(tmp_path, max_shard_bytes=500)
+    for n, t in tensors.items():
+        w.add(n, t)
+    with pytest.raises(IsADirectoryError):
+        w.close()
+    partials = sorted(p.name for p in tmp_path.iterdir() if p.name != blocked)
+    assert partials == [f"model-{i:05d}.safetensors.partial" for i in (1, 2, 3)]
+    (tmp_path / blocked / "in_the_way").rmdir()
+    (tmp_path / blocked).rmdir()
+    assert w.close() == [f"model-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((tmp_path / INDEX_FILE).read_text())["weight_map"]
+    for f in w.files:
+        for n, t in load_file(tmp_path / f).items():
+            assert index[n] == f and torch.equal(t, tensors[n])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*w.files, INDEX_FILE])
