@@ -45,6 +45,8 @@ DEFAULT_POLICIES = ("all", "fraction=0.5", "fraction=0.25", "fraction=0.125")
 def policy_kwargs(policy: str) -> dict:
     """TraceConfig fields of a ``--layer-policy`` string."""
     name, _, arg = policy.partition("=")
+    if name == "explicit":  # (a layer given twice is refused outside the try: not a "bad argument" of int())
+        return {"guided_layers": "explicit", "guided_layer_list": _once(_ints(arg, policy), policy)}
     try:
         if name in ("none", "all") and not arg:
             return {"guided_layers": name}
@@ -52,8 +54,6 @@ def policy_kwargs(policy: str) -> dict:
             return {"guided_layers": "last_k", "guided_last_k": int(arg)}
         if name == "fraction":
             return {"guided_layers": "fraction", "guided_fraction": float(arg)}
-        if name == "explicit":
-            return {"guided_layers": "explicit", "guided_layer_list": tuple(int(i) for i in arg.split(","))}
         if name == "budget":
             return {"guided_layers": "budget", "budget_bytes_per_token": float(arg)}
     except ValueError as e:
@@ -61,6 +61,22 @@ def policy_kwargs(policy: str) -> dict:
     raise ValueError(
         f"--layer-policy {policy!r} is not one of none, all, last_k=N, fraction=F, explicit=I,J,..., budget=BYTES"
     )
+
+
+def _ints(arg: str, policy: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(i) for i in arg.split(","))
+    except ValueError as e:
+        raise ValueError(f"--layer-policy {policy!r}: bad argument ({e})") from e
+
+
+def _once(ids: tuple[int, ...], policy: str) -> tuple[int, ...]:
+    """``ids`` with no layer given twice (it was sized as the set, while ``--trace-guided-layers`` refuses it)."""
+    twice = sorted({i for i in ids if ids.count(i) > 1}, key=ids.index)
+    if twice:
+        raise ValueError(f"--layer-policy {policy!r}: layer(s) {', '.join(map(str, twice))} given twice; name each "
+                         "layer once")
+    return ids
 
 
 def build_rows(dims: ModelDims, rl: RLSettings, *, policies, modes, fmt, amax, sites, profile=None,

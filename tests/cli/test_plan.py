@@ -60,6 +60,19 @@ def test_a_value_given_twice_is_refused(extra, err, capsys):
     assert re.search(err, capsys.readouterr().err)
 
 
+@pytest.mark.parametrize("policy", ["explicit=1,1", "explicit=3,1,3,1"])
+def test_an_explicit_policy_naming_a_layer_twice_is_refused_as_the_launch_flag_refuses_it(policy, capsys):
+    """``explicit=1,1`` was sized as layer 1 alone, exit 0, while ``--trace-guided-layers 1,1`` is refused."""
+    from megatron_trace.megatron.args import add_trace_args
+
+    parser = add_trace_args(__import__("argparse").ArgumentParser(exit_on_error=False))
+    with pytest.raises(__import__("argparse").ArgumentError, match="given twice"):
+        parser.parse_args(["--trace-guided-layers", policy.partition("=")[2]])
+    assert plan.main(["--hf-config", str(Q35), "--layer-policy", policy]) == 2
+    twice = "1" if policy == "explicit=1,1" else "3, 1"
+    assert f"--layer-policy '{policy}': layer(s) {twice} given twice" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra,err", [
     (["--modes", ""], r"--modes '' names none of \('compact', 'full'\)"),
     (["--modes", ","], r"--modes ',' names none of"),
