@@ -154,7 +154,11 @@ class ShardedSafetensorsWriter:
         from safetensors.torch import save_file
 
         path = self.directory / f"model-{len(self._written) + 1:05d}.safetensors{_PARTIAL}"
-        save_file(self._shard, path, metadata=self.metadata)
+        try:
+            save_file(self._shard, path, metadata=self.metadata)
+        except BaseException:  # (safetensors < 0.8 writes in place: a failed write left a truncated file abort missed)
+            path.unlink(missing_ok=True)
+            raise
         self._written.append((path, list(self._shard)))
         self._shard, self._shard_bytes = {}, 0
 

@@ -149,3 +149,26 @@ def test_a_close_that_fails_renames_nothing_and_leaves_nothing_behind(tmp_path, 
         for n, t in load_file(tmp_path / f).items():
             assert index[n] == f and torch.equal(t, tensors[n])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*w.files, INDEX_FILE])
+
+
+def test_a_shard_write_that_fails_leaves_no_partial_file(tmp_path, monkeypatch):
+    """safetensors 0.4-0.7 (``setup.py`` takes >= 0.4) write a shard in place (``File::create``, then the bytes; 0.8
+    writes a temporary file and renames it): a write failing half-way (a full disk) left a truncated ``.partial`` file
+    that ``abort`` did not know of. Here that write, as those versions do it: the real bytes, cut off by ENOSPC."""
+    import errno
+
+    import safetensors.torch
+
+    def in_place_until_full(tensors, filename, metadata=None):
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        with open(filename, "wb") as f:
+            f.write(data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", str(filename))
+
+    with pytest.raises(OSError, match="No space left"):
+        with ShardedSafetensorsWriter(tmp_path, max_shard_bytes=500) as w:
+            w.add("a", torch.zeros(100))
+            w.add("b", torch.ones(100))  # shard 1 ("a") written as usual
+            monkeypatch.setattr(safetensors.torch, "save_file", in_place_until_full)
+            w.add("c", torch.ones(100))  # shard 2 ("b") fails half-way
+    assert list(tmp_path.iterdir()) == []
