@@ -103,3 +103,29 @@ def test_a_samples_assembly_and_counts_are_the_same_in_any_micro_batch(rollout, 
             for k, v in counts[s][1].items():
                 reasons[k] = reasons.get(k, 0) + v
         assert (c.used, dict(c.fallback)) == (used, reasons), ids
+
+
+def test_columns_assemble_at_the_keys_of_every_part():
+    """``keys`` None: the keys of all of ``parts`` (the step's shards), not of the first alone: a micro-batch's rows
+    are counted ``missing`` at a key only another part holds, as they would be in a micro-batch beside its samples."""
+    batch, _, tok, mask = make_batch(B=2, S=9, lengths=[9, 6], layers=(0, 1), sites=("expert_fc1_in",))
+    first = {k: v for k, v in batch.items() if k[0] == 0}
+    second = {k: v for k, v in batch.items() if k[0] == 1}
+    T = int(mask.sum())
+    for parts in ([pack_guidance(first, tok, version=0, attention_mask=mask, sample_ids=[0, 1]),
+                   pack_guidance(second, tok, version=0, attention_mask=mask, sample_ids=[2, 3])],
+                  [pack_guidance(second, tok, version=0, attention_mask=mask, sample_ids=[2, 3]),
+                   pack_guidance(first, tok, version=0, attention_mask=mask, sample_ids=[0, 1])]):
+        counter = FallbackCounter()
+        out = assemble_packed(parts, [0, 1], tok, versions=0, counter=counter, attention_mask=mask)
+        assert list(out) == [(0, "expert_fc1_in")]
+        assert (counter.used, dict(counter.fallback)) == (T, {"missing": T})
+
+
+def test_columns_without_any_column_count_each_token_missing_once():
+    """No part holds a column and no keys are named: every token is counted ``missing`` once (coverage 0, as
+    ``records.assemble`` counts it), not nothing (coverage read from no rows at all)."""
+    _, _, tok, mask = make_batch(B=2, S=9, lengths=[9, 6], layers=())
+    counter = FallbackCounter()
+    assert assemble_packed([], [0, 1], tok, versions=0, counter=counter, attention_mask=mask) == {}
+    assert (counter.used, dict(counter.fallback)) == (0, {"missing": int(mask.sum())})

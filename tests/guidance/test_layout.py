@@ -153,11 +153,12 @@ def test_packed_layout_reads_the_samples_lengths_from_packed_seq_params():
     (lambda: PackedLayout((0, 8, 24, 32, 32), 31), r"total=31 must be an int >= cu_seqlens\[-1\]=32"),
     (lambda: PackedLayout((2, 8, 24, 32, 32), TOTAL), r"cu_seqlens must start at 0, got 2"),
     (lambda: PackedLayout((0, 24, 8, 32, 32), TOTAL), r"cu_seqlens must not decrease: cu_seqlens\[2\]=8"),
+    (lambda: PackedLayout((0, 8, 7, 32, 32), TOTAL), r"cu_seqlens must not decrease: cu_seqlens\[2\]=7 < "),
     (lambda: PackedLayout.of(CU, lengths=[5, 9, 7.5, 0]), r"lengths must be ints >= 0 .*got 7.5"),
     (lambda: PackedLayout.of(CU, lengths=[5, 9, -1, 0]), r"lengths must be ints >= 0 .*got -1"),
     (lambda: PackedLayout(tuple(CU), TOTAL, (5, 9, 7)), r"3 sample lengths for 4 segments"),
     (lambda: PackedLayout.of(CU, lengths=7), r"lengths must be B ints .*got 7"),
-], ids=["total", "start", "decrease", "float-length", "negative-length", "lengths", "one-length"])
+], ids=["total", "start", "decrease", "decrease-by-one", "float-length", "negative-length", "lengths", "one-length"])
 def test_a_layout_is_checked_however_it_is_built(build, match):
     """``PackedLayout(...)`` itself (as the dataclass it is) checks what ``of`` checks: a row shorter than its last
     segment was an IndexError in the middle of the assembly, a sample's segment not from 0 moved every token, a

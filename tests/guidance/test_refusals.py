@@ -3,7 +3,9 @@ computes what a first call would."""
 
 import dataclasses
 
+import numpy as np
 import pytest
+import torch
 
 from megatron_trace.guidance.cache import GuidanceCache
 from megatron_trace.guidance.packed_assemble import assemble_packed
@@ -97,7 +99,8 @@ def test_a_shard_that_cannot_be_deleted_is_named_and_the_others_are_still_delete
 def test_guided_keys_are_distinct_layer_site_pairs(packed):
     """``keys`` was taken as given: a key named twice was assembled and counted twice (used 2T for T tokens), a
     misspelt site counted every token ``missing`` (coverage 0, no error), and a [layer, site] list failed as
-    'unhashable type: list'."""
+    'unhashable type: list'. A layer given as a 0-d tensor or a NumPy int is the int layer (a tensor hashes by
+    identity: kept as given, it matched no record and counted every token ``missing``)."""
     batch, _, tok, mask = make_batch(B=2, lengths=[9, 7], layers=(0,), sites=("expert_fc1_in",))
     T, key = int(mask.sum()), (0, "expert_fc1_in")
 
@@ -112,6 +115,9 @@ def test_guided_keys_are_distinct_layer_site_pairs(packed):
         return list(out), (counter.used, dict(counter.fallback))
 
     assert run([key]) == run([[0, "expert_fc1_in"]]) == ([key], (T, {}))
+    for layer in (torch.tensor(0), np.int64(0)):
+        out, counts = run([(layer, "expert_fc1_in")])
+        assert (out, counts) == ([key], (T, {})) and type(out[0][0]) is int
     for keys, match in (([key, key], r"keys name \[\(0, 'expert_fc1_in'\)\] more than once"),
                         ([(0, "expert_fc1")], r"keys: \(0, 'expert_fc1'\) is not a \(layer, site\) key"),
                         ([(-1, "kv_k")], r"keys: \(-1, 'kv_k'\) is not a \(layer, site\) key"),
