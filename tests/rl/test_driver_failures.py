@@ -181,3 +181,29 @@ def test_a_master_adamw_state_whose_adamw_part_is_refused_leaves_the_masters_unl
         opt.load_state_dict(sd)
     opt.release()
     other.release()
+
+
+def test_a_master_adamw_state_of_other_master_shapes_is_refused_before_anything_is_set():
+    """As many masters as this optimizer's, one of another shape: ``copy_`` broadcast a [4] into a [4, 4] (or failed
+    after the masters before it were set); refused naming the first that differs, nothing set."""
+    import torch
+
+    from megatron_trace.rl.trainer import MasterAdamW
+
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(4, 4))]
+    opt = MasterAdamW(params, lr=1e-3)
+    other = MasterAdamW([torch.nn.Parameter(torch.full((3,), 7.0)), torch.nn.Parameter(torch.full((4,), 7.0))],
+                        lr=1e-3)
+    with pytest.raises(ValueError, match=r"has 2 master weights, this optimizer 2; the first that differs is #1 "
+                                         r"\(state \(4,\), optimizer \(4, 4\)\): a state of other parameters"):
+        opt.load_state_dict(other.state_dict())
+    assert all(torch.equal(m, torch.ones_like(m)) for m in opt.master)
+    same = MasterAdamW([torch.nn.Parameter(torch.full(p.shape, 7.0)) for p in params], lr=1e-3)
+    sd = same.state_dict()  # one group, of fewer parameters than masters: AdamW refused it after the masters were set
+    sd["opt"]["param_groups"][0]["params"] = sd["opt"]["param_groups"][0]["params"][:1]
+    with pytest.raises(ValueError, match=r"AdamW has 1 parameter group\(s\) of \[1\] parameters, this optimizer 1 "
+                                         r"of \[2\]; nothing loaded"):
+        opt.load_state_dict(sd)
+    assert all(torch.equal(m, torch.ones_like(m)) for m in opt.master)
+    for o in (opt, other, same):
+        o.release()
