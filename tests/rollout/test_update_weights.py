@@ -303,6 +303,27 @@ def test_bf16_updates_of_excluded_experts_are_used_as_they_come():
     assert torch.equal(be.model.model.layers[2].mlp.experts.down_proj[1], want.dequantize())
 
 
+def test_excluded_experts_take_fused_bf16_names_and_refuse_fp4_values():
+    """Layer 0's experts kept in BF16 (``exclude_modules``) are updated as they come: transformers' fused
+    ``gate_up_proj`` name is copied as it is there (refused only where experts are FP4: layer 2), and an FP4 value for
+    them is refused by name (it would be stored as FP4 weights of experts the model runs in BF16)."""
+    cfg = TraceConfig(exclude_modules=("model.layers.0.mlp.experts",))
+    be = HFRolloutBackend(tiny_model(seed=0), mode="fp4", trace_config=cfg, dtype=torch.float32)
+    new = dict(tiny_model(seed=1).named_parameters())
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    be.update_weights([(fused, new[fused].detach())])
+    assert torch.equal(be.model.model.layers[0].mlp.experts.gate_up_proj, new[fused]) and be.policy_version == 1
+    with pytest.raises(ValueError, match="FP4 experts are updated per expert"):
+        be.update_weights([("model.layers.2.mlp.experts.gate_up_proj",
+                            new["model.layers.2.mlp.experts.gate_up_proj"].detach())])
+    name = "model.layers.0.mlp.experts.1.down_proj.weight"
+    q = TraceConfig().weight_quantizer().quantize(dict(checkpoint_tensors(tiny_model(seed=1)))[name])
+    before = be.model.model.layers[0].mlp.experts.down_proj[1].clone()
+    with pytest.raises(ValueError, match=r"exclude_modules keeps 'model\.layers\.0\.mlp\.experts' in BF16"):
+        be.update_weights([(name, q)])
+    assert be.policy_version == 1 and torch.equal(be.model.model.layers[0].mlp.experts.down_proj[1], before)
+
+
 class _CopyFails(torch.Tensor):
     """A weight whose copy to the model's device fails (as an out-of-memory copy to a GPU would), after the update's
     checks: a stand-in for the transport, not for the backend."""
