@@ -129,3 +129,26 @@ def test_columns_without_any_column_count_each_token_missing_once():
     counter = FallbackCounter()
     assert assemble_packed([], [0, 1], tok, versions=0, counter=counter, attention_mask=mask) == {}
     assert (counter.used, dict(counter.fallback)) == (0, {"missing": int(mask.sum())})
+
+
+@pytest.mark.parametrize("columns", [False, True], ids=["samples", "columns"])
+def test_a_step_keeps_the_fc2_top_k_of_its_first_put_that_has_one(columns):
+    """A later put of the step without FC2 records (samples whose FC2 site was not recorded) leaves the step's FC2
+    top-k as it was: a micro-batch of those samples counts ``topk`` ``missing`` rows per token at the step's FC2 key,
+    as it would beside samples that have one (it raised 'pass topk=' once the top-k was forgotten)."""
+    sites = ("expert_fc1_in", "expert_fc2_in")
+    full, _, tok, mask = make_batch(B=2, S=9, lengths=[9, 6], layers=(0,), sites=sites)
+    fc1 = {k: v for k, v in full.items() if k[1] == "expert_fc1_in"}
+    cache = GuidanceCache(budget_bytes=10**9)
+    for batch, ids in ((full, [0, 1]), (fc1, [2, 3])):
+        kw = dict(version=0, attention_mask=mask, sample_ids=ids)
+        if columns:
+            cache.put(0, pack_guidance(batch, tok, **kw))
+        else:  # one sample a put (a whole split batch is kept as its columns)
+            for sample in split_batch(batch, tok, **kw):
+                cache.put(0, [sample])
+    counter = FallbackCounter()
+    out = cache.assemble(0, [2, 3], tok, versions=0, counter=counter, attention_mask=mask)
+    T = int(mask.sum())
+    assert list(out) == [(0, "expert_fc1_in")]
+    assert (counter.used, dict(counter.fallback)) == (T, {"missing": T * DIMS["topk"]})
