@@ -53,6 +53,14 @@ def test_sglang_stops_at_the_stop_tokens_and_only_ignores_eos_without_them():
     with pytest.raises(RuntimeError, match=r"request 1 stopped at 7, not one of .*stop_token_ids=\[2, 9\]"):
         SGLangRolloutBackend(eng, FC1_ONLY, HF, kv_cache_dtype="auto").generate(
             [[1, 2]] * 2, SamplingParams(max_new_tokens=2, stop_token_ids=(2, 9)))
+    # a matched list passes only where every token of it is a stop token
+    listed = SamplingParams(max_new_tokens=2, stop_token_ids=(2, 9))
+    b = SGLangRolloutBackend(_Engine(finish={1: {"type": "stop", "matched": [2, 9]}}), FC1_ONLY, HF,
+                             kv_cache_dtype="auto").generate([[1, 2]] * 2, listed)
+    assert b.finish_reasons == ("length", "stop")
+    with pytest.raises(RuntimeError, match=r"request 1 stopped at \[2, 7\], not one of"):
+        SGLangRolloutBackend(_Engine(finish={1: {"type": "stop", "matched": [2, 7]}}), FC1_ONLY, HF,
+                             kv_cache_dtype="auto").generate([[1, 2]] * 2, listed)
 
 
 def test_a_bare_string_finish_reason_is_read_as_its_type():
