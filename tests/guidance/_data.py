@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from megatron_trace.formats import mxfp4, nvfp4
-from megatron_trace.guidance.records import SampleGuidance
-from megatron_trace.guidance.serial import sample_to_tensors
+from megatron_trace.guidance.records import SampleGuidance, split_batch
+from megatron_trace.guidance.serial import plan_flat, sample_to_tensors
 from megatron_trace.guidance.site import SiteGuidance
 
 # Small dims with K not a multiple of the block (padding exercised): hidden 40, ffn 24, head_dim 20.
@@ -67,3 +67,13 @@ def assert_samples_equal(a: SampleGuidance, b: SampleGuidance) -> None:
         assert type(a.sites[key].record) is type(b.sites[key].record)
         assert a.sites[key].record.block_scales.dtype == b.sites[key].record.block_scales.dtype
 
+
+def step_samples(step, B=4, **kw) -> list[SampleGuidance]:
+    """``B`` split samples of a ``make_batch`` seeded by ``step``: version ``step``, ids ``100 * step + i``."""
+    batch, _, tok, mask = make_batch(B=B, seed=step, **kw)
+    return split_batch(batch, tok, version=step, attention_mask=mask, sample_ids=[100 * step + i for i in range(B)])
+
+
+def flat_size(samples) -> int:
+    """The bytes ``samples`` take in a flat host buffer (``serial.plan_flat``)."""
+    return plan_flat(samples).total

@@ -22,21 +22,12 @@ from megatron_trace.guidance.shards import (
     write_shard,
 )
 
-from ._data import assert_samples_equal, make_batch
-
-
-def _step_samples(step, B=4, **kw):
-    batch, _, tok, mask = make_batch(B=B, seed=step, **kw)
-    return split_batch(batch, tok, version=step, attention_mask=mask, sample_ids=[100 * step + i for i in range(B)])
-
-
-def _size(samples):
-    return plan_flat(samples).total
+from ._data import assert_samples_equal, flat_size, make_batch, step_samples
 
 
 def test_in_memory_get_returns_identical_samples():
     cache = GuidanceCache(budget_bytes=10**9)
-    samples = _step_samples(1)
+    samples = step_samples(1)
     cache.put(1, samples)
     got = cache.get(1, [103, 101, 999])
     assert got[2] is None
@@ -153,8 +144,8 @@ def test_records_of_an_older_or_newer_version_than_the_trainer_expects_are_rejec
 
 @pytest.mark.parametrize("fmt,compact", [("nvfp4", True), ("mxfp4", False)])
 def test_spill_and_reload_under_tiny_budget_loses_nothing(tmp_path, fmt, compact):
-    steps = {s: _step_samples(s, fmt=fmt, compact=compact) for s in (1, 2, 3)}
-    one = _size(steps[1][:1])
+    steps = {s: step_samples(s, fmt=fmt, compact=compact) for s in (1, 2, 3)}
+    one = flat_size(steps[1][:1])
     cache = GuidanceCache(budget_bytes=int(2.5 * one), cache_dir=tmp_path)
     for s, samples in steps.items():
         cache.put(s, samples)
@@ -173,7 +164,7 @@ def test_spill_and_reload_under_tiny_budget_loses_nothing(tmp_path, fmt, compact
 
 def test_budget_zero_spills_everything_and_several_puts_per_step(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
-    a, b = _step_samples(7)[:2], _step_samples(7)[2:]
+    a, b = step_samples(7)[:2], step_samples(7)[2:]
     cache.put(7, a)
     cache.put(7, b)
     assert cache.peak_host_bytes == 0 and len(list(tmp_path.glob(f"guidance_step00000007_{cache.owner}_part*"))) == 2
@@ -186,17 +177,17 @@ def test_budget_zero_spills_everything_and_several_puts_per_step(tmp_path):
 def test_over_budget_without_cache_dir_is_a_clear_error():
     cache = GuidanceCache(budget_bytes=10)
     with pytest.raises(RuntimeError, match="cache_dir"):
-        cache.put(0, _step_samples(0))
+        cache.put(0, step_samples(0))
 
 
 def test_a_put_over_budget_without_cache_dir_keeps_nothing():
-    samples = _step_samples(0)
-    cache = GuidanceCache(budget_bytes=_size(samples[:2]))  # two of the four would fit
+    samples = step_samples(0)
+    cache = GuidanceCache(budget_bytes=flat_size(samples[:2]))  # two of the four would fit
     with pytest.raises(RuntimeError, match=r"host budget of \d+ bytes \(0 held, this put needs \d+\)"):
         cache.put(0, samples)
     assert cache.host_bytes == 0 and cache.steps == []
     cache.put(0, samples[:2])  # what fits can still be put, once
-    assert cache.host_bytes == _size(samples[:2])
+    assert cache.host_bytes == flat_size(samples[:2])
     with pytest.raises(ValueError, match="already has sample"):
         cache.put(0, samples[:1])
 
@@ -218,7 +209,7 @@ def test_sample_ids_given_twice_are_named():
     """Within one put and across a step's puts (the check counted each id with ``list.count``: quadratic, 3 s per
     put of 16k samples)."""
     cache = GuidanceCache(budget_bytes=10**9)
-    a, b = _step_samples(1), _step_samples(2)
+    a, b = step_samples(1), step_samples(2)
     twice = [a[0], a[1], dataclasses.replace(b[0], sample_id=a[1].sample_id), b[1]]
     with pytest.raises(ValueError, match=r"step 1 already has sample id\(s\) \[101\]"):
         cache.put(1, twice)
@@ -242,7 +233,7 @@ def test_assemble_sees_a_step_kept_partly_as_columns_partly_per_sample():
 
 
 def test_a_put_with_one_sample_id_twice_is_refused():
-    samples = _step_samples(1, B=2)
+    samples = step_samples(1, B=2)
     cache = GuidanceCache(budget_bytes=10**9)
     with pytest.raises(ValueError, match=r"step 1 already has sample id\(s\) \[100\]"):
         cache.put(1, [samples[0], samples[1], samples[0]])
@@ -251,7 +242,7 @@ def test_a_put_with_one_sample_id_twice_is_refused():
 def test_a_refused_put_leaves_no_empty_step():
     """A put refused for a duplicate id keeps nothing, not even its step: an unknown step stays a KeyError, never a
     step whose every row falls back as ``missing``."""
-    samples = _step_samples(1, B=2)
+    samples = step_samples(1, B=2)
     cache = GuidanceCache(budget_bytes=10**9)
     with pytest.raises(ValueError, match="already has sample id"):
         cache.put(1, [samples[0], samples[0]])
@@ -264,14 +255,14 @@ def test_a_refused_put_leaves_no_empty_step():
 
 def test_unknown_step_and_invalidate(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
-    cache.put(3, _step_samples(3))
+    cache.put(3, step_samples(3))
     with pytest.raises(KeyError, match=r"no step 4 \(steps held: \[3\]\)"):
         cache.get(4, [0])
     cache.invalidate(3)
     assert cache.steps == [] and not list(tmp_path.iterdir())
     with pytest.raises(KeyError):
         cache.get(3, [300])
-    cache.put(3, _step_samples(3))  # the step can be redone
+    cache.put(3, step_samples(3))  # the step can be redone
     assert cache.get(3, [300])[0] is not None
 
 
@@ -280,7 +271,7 @@ def test_unknown_step_and_invalidate(tmp_path):
 def test_a_step_that_is_not_an_int_is_refused_by_every_call(tmp_path, budget, step):
     """Step 1.5 (or "1", True) was kept in memory as step 1 (``int(step)``: a later get(1) served it) and refused with
     a format-code error when the put spilled; every call now names it."""
-    samples = _step_samples(1, B=2)
+    samples = step_samples(1, B=2)
     cache = GuidanceCache(budget_bytes=budget, cache_dir=tmp_path)
     want = re.escape(f"step={step!r} is not an int")
     for call in (lambda: cache.put(step, samples), lambda: cache.get(step, [100]), lambda: cache.drop(step),
@@ -309,7 +300,7 @@ def test_from_config(tmp_path):
 
 # ---- shards: crash safety ----------------------------------------------------------------------
 def _shard(tmp_path):
-    samples = _step_samples(2)
+    samples = step_samples(2)
     path = tmp_path / "guidance_step00000002_part0000.safetensors"
     size = write_shard(path, samples, step=2)
     assert size == path.stat().st_size and not list(tmp_path.glob("*.tmp*"))
@@ -382,7 +373,7 @@ def test_a_damaged_header_entry_is_a_shard_error_naming_it(tmp_path, old, new, m
 
 def test_shard_truncated_after_put_is_rejected_by_get(tmp_path):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
-    samples = _step_samples(5)
+    samples = step_samples(5)
     cache.put(5, samples)
     (path,) = tmp_path.glob("*.safetensors")
     with open(path, "r+b") as f:
@@ -469,7 +460,7 @@ def test_a_spilled_step_read_back_by_micro_batch_parses_its_shard_header_once(tm
     now). A get now reads about its own samples' bytes, and returns them bit-identical."""
     from tests._rss import read_chars
 
-    samples = _step_samples(3, B=32, layers=tuple(range(8)))
+    samples = step_samples(3, B=32, layers=tuple(range(8)))
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
     cache.put(3, samples)
     (path,) = tmp_path.glob("*.safetensors")
@@ -482,7 +473,7 @@ def test_a_spilled_step_read_back_by_micro_batch_parses_its_shard_header_once(tm
         (got,) = cache.get(3, [s.sample_id])
         read.append(read_chars() - before)
         assert_samples_equal(got, s)
-    sample_bytes = max(_size([s]) for s in samples)
+    sample_bytes = max(flat_size([s]) for s in samples)
     assert header_bytes > 20 * sample_bytes and max(read) < 4 * sample_bytes, (read, sample_bytes, header_bytes)
     cache.drop(3)  # the kept table goes with its shard
     assert str(path) not in {key[0] for key in shards._TABLES}
@@ -505,16 +496,16 @@ def _dead_pid() -> int:
 
 def test_close_deletes_the_spilled_shards_and_a_new_cache_warns_of_old_ones(tmp_path, caplog):
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
-    cache.put(3, _step_samples(3))
-    cache.put(4, _step_samples(4))
+    cache.put(3, step_samples(3))
+    cache.put(4, step_samples(4))
     assert len(list(tmp_path.iterdir())) == 2
     GuidanceCache(budget_bytes=0, cache_dir=tmp_path)  # another cache (a rank) of this live run: not warned of
     assert "earlier run" not in caplog.text
     host, pid, _ = cache.owner.rsplit("-", 2)
-    write_shard(tmp_path / f"guidance_step00000003_{host}-{_dead_pid()}-0_part0000.safetensors", _step_samples(3),
+    write_shard(tmp_path / f"guidance_step00000003_{host}-{_dead_pid()}-0_part0000.safetensors", step_samples(3),
                 step=3)  # a finished run's, on this host
-    write_shard(tmp_path / "guidance_step00000004_part0000.safetensors", _step_samples(4), step=4)  # no owner
-    write_shard(tmp_path / f"guidance_step00000005_otherhost-{pid}-0_part0000.safetensors", _step_samples(5),
+    write_shard(tmp_path / "guidance_step00000004_part0000.safetensors", step_samples(4), step=4)  # no owner
+    write_shard(tmp_path / f"guidance_step00000005_otherhost-{pid}-0_part0000.safetensors", step_samples(5),
                 step=5)  # another host's: it may be running
     GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
     assert "holds 2 shard(s)" in caplog.text and "of an earlier run" in caplog.text
@@ -527,7 +518,7 @@ def test_a_live_caches_shards_of_a_negative_step_are_its_own(tmp_path, caplog):
     cache starting on the same cache_dir (a rank) took the live cache's shard for an earlier run's and deleted the
     temp file it was writing."""
     live = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
-    samples = _step_samples(1)
+    samples = step_samples(1)
     live.put(-1, samples)
     (path,) = tmp_path.glob("*.safetensors")
     writing = path.with_name(f"{path.name}.tmp{os.getpid()}")
@@ -542,7 +533,7 @@ def test_caches_sharing_a_cache_dir_keep_their_own_shards(tmp_path):
     """Every rank built from one TraceConfig gets the same cache_dir: one cache's spill, drop or start must not
     overwrite, delete or clean up another's files."""
     a, b = GuidanceCache(budget_bytes=0, cache_dir=tmp_path), GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
-    sa, sb = _step_samples(1), _step_samples(2)
+    sa, sb = step_samples(1), step_samples(2)
     a.put(0, sa)
     b.put(0, [dataclasses.replace(s, sample_id=s.sample_id - 200 + 100) for s in sb])
     b.drop(0)
@@ -570,7 +561,7 @@ def test_stale_temp_files_are_removed_on_start(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (device staging + pinned host copy)")
 def test_cuda_staging_to_pinned_host():
-    samples = _step_samples(1)
+    samples = step_samples(1)
     dev = [s.to("cuda") for s in samples]
     cache = GuidanceCache(budget_bytes=10**9)
     cache.put(1, dev[:2])
@@ -674,7 +665,7 @@ def test_a_put_whose_spill_fails_keeps_nothing_and_a_retry_is_not_shadowed(tmp_p
 def test_a_whole_batch_kept_as_columns_counts_what_the_cache_already_holds():
     """Budget for one batch: the first is kept as columns, the second (a whole split batch too) must spill, not be
     kept beside it at twice the budget."""
-    b1, b2 = _step_samples(1), _step_samples(2)
+    b1, b2 = step_samples(1), step_samples(2)
     one = sum(x.nbytes() for x in b1)
     cache = GuidanceCache(budget_bytes=one + 8, cache_dir=None)
     cache.put(1, b1)
@@ -685,7 +676,7 @@ def test_a_whole_batch_kept_as_columns_counts_what_the_cache_already_holds():
 
 
 def test_a_whole_batch_over_what_is_left_spills_and_reads_back(tmp_path):
-    b1, b2 = _step_samples(1), _step_samples(2)
+    b1, b2 = step_samples(1), step_samples(2)
     cache = GuidanceCache(budget_bytes=sum(x.nbytes() for x in b1) + 8, cache_dir=tmp_path)
     cache.put(1, b1)
     cache.put(2, b2)
@@ -695,13 +686,13 @@ def test_a_whole_batch_over_what_is_left_spills_and_reads_back(tmp_path):
 
 
 def test_peak_host_bytes_is_the_high_water_mark():
-    big, small = _step_samples(1), _step_samples(2)[:1]
+    big, small = step_samples(1), step_samples(2)[:1]
     cache = GuidanceCache(budget_bytes=10**9)
     cache.put(1, big)
     high = cache.host_bytes
     cache.drop(1)
     cache.put(2, small)
-    assert cache.host_bytes == _size(small) < high == cache.peak_host_bytes
+    assert cache.host_bytes == flat_size(small) < high == cache.peak_host_bytes
 
 
 def test_steps_that_reuse_sample_ids_read_back_their_own_spilled_samples(tmp_path):
@@ -726,9 +717,9 @@ def test_dropping_a_step_whose_shard_is_already_gone_uncounts_its_bytes(tmp_path
     """A shard deleted behind the cache's back (a tmp cleaner, an operator) stayed in disk_bytes for good after its
     step was dropped: the drop subtracted the size of the files it still found."""
     cache = GuidanceCache(budget_bytes=0, cache_dir=tmp_path)
-    cache.put(1, _step_samples(1)[:2])
-    cache.put(1, _step_samples(1)[2:])
-    cache.put(2, _step_samples(2))
+    cache.put(1, step_samples(1)[:2])
+    cache.put(1, step_samples(1)[2:])
+    cache.put(2, step_samples(2))
     shards = sorted(tmp_path.glob("*.safetensors"))
     assert len(shards) == 3 and cache.disk_bytes == sum(p.stat().st_size for p in shards)
     step2 = cache.disk_bytes - shards[0].stat().st_size - shards[1].stat().st_size

@@ -10,25 +10,15 @@ import torch
 from megatron_trace.guidance.cache import GuidanceCache
 from megatron_trace.guidance.packed_assemble import assemble_packed
 from megatron_trace.guidance.records import SampleGuidance, assemble, pack_guidance, split_batch
-from megatron_trace.guidance.serial import plan_flat
 from megatron_trace.guidance.site import FallbackCounter
 
-from ._data import DIMS, assert_samples_equal, make_batch
-
-
-def _step_samples(step, B=4, **kw):
-    batch, _, tok, mask = make_batch(B=B, seed=step, **kw)
-    return split_batch(batch, tok, version=step, attention_mask=mask, sample_ids=[100 * step + i for i in range(B)])
-
-
-def _size(samples):
-    return plan_flat(samples).total
+from ._data import DIMS, assert_samples_equal, flat_size, make_batch, step_samples
 
 
 def test_a_put_refused_for_a_bad_sample_leaves_no_step_and_no_bytes():
     """A sample whose site is not a SiteRecord failed in the serialisation after the put had made its step: the step
     stayed, empty (``steps`` [1], ``get`` gave None, so every row would fall back as ``missing``, not KeyError)."""
-    samples = _step_samples(1, B=2)
+    samples = step_samples(1, B=2)
     good = [SampleGuidance(s.sample_id, s.version, s.token_hash, s.num_tokens, dict(s.sites)) for s in samples]
     key = next(iter(good[1].sites))
     bad = dataclasses.replace(good[1], sites={**good[1].sites, key: "not a record"})
@@ -41,7 +31,7 @@ def test_a_put_refused_for_a_bad_sample_leaves_no_step_and_no_bytes():
     cache.put(1, good[:1])  # a refused second put of a step keeps the first one's samples as they were
     with pytest.raises(TypeError, match="must be a SiteRecord"):
         cache.put(1, [bad])
-    assert cache.steps == [1] and cache.host_bytes == _size(good[:1])
+    assert cache.steps == [1] and cache.host_bytes == flat_size(good[:1])
     assert_samples_equal(cache.get(1, [100, 101])[0], good[0])
     assert cache.get(1, [101]) == [None]
     cache.put(1, good[1:])
@@ -80,7 +70,7 @@ def test_a_shard_that_cannot_be_deleted_is_named_and_the_others_are_still_delete
     d = tmp_path / "c"
     cache = GuidanceCache(budget_bytes=0, cache_dir=d)
     for step in (0, 1):
-        samples = _step_samples(step + 1, B=2)
+        samples = step_samples(step + 1, B=2)
         cache.put(step, samples[:1])
         cache.put(step, samples[1:])  # two shards per step
     assert cache.steps == [0, 1] and len(list(d.glob("*.safetensors"))) == 4
