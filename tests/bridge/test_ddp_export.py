@@ -26,13 +26,13 @@ def _worker(rank: int, port: int, ckpt: str, out: str) -> None:
         _run(rank, port, ckpt, out)
 
 
-def _run(rank, port, ckpt, out):
+def _loaded(rank: int, port: int, ckpt: str):
+    """(bridge, model) of this rank: Megatron initialised on ``WORLD`` gloo ranks, the tiny checkpoint loaded."""
     from transformers import AutoConfig
 
-    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint
+    from megatron_trace.bridge import Qwen3MoeBridge, load_hf_checkpoint
 
-    from ..megatron.harness import MegatronTraining
-    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+    from ._megatron_cpu import apply_cpu_shims, init_megatron
 
     torch.set_num_threads(1)
     apply_cpu_shims()
@@ -40,6 +40,16 @@ def _run(rank, port, ckpt, out):
     bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
     model = bridge.build_model()
     load_hf_checkpoint(model, ckpt, bridge)
+    return bridge, model
+
+
+def _run(rank, port, ckpt, out):
+    from megatron_trace.bridge import export_hf_weights
+
+    from ..megatron.harness import MegatronTraining
+    from ._megatron_cpu import shutdown_megatron
+
+    bridge, model = _loaded(rank, port, ckpt)
     training = MegatronTraining(model, model.config, overlap=True)
     ddp = training.ddp
     tokens = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(rank))
@@ -111,19 +121,13 @@ def _run_fsdp2(rank, port, ckpt, out):
     """The export of the unwrapped model; of the same model under torch FSDP2 (sharded as Megatron's wrapper does),
     before and after an Adam step on this rank's batch; the error of an export of Megatron-FSDP's parameters."""
     import torch.distributed as dist
-    from transformers import AutoConfig
 
-    from megatron_trace.bridge import Qwen3MoeBridge, export_hf_weights, load_hf_checkpoint
+    from megatron_trace.bridge import export_hf_weights, load_hf_checkpoint
 
     from ..megatron._fsdp import fully_shard_as_megatron
-    from ._megatron_cpu import apply_cpu_shims, init_megatron, shutdown_megatron
+    from ._megatron_cpu import shutdown_megatron
 
-    torch.set_num_threads(1)
-    apply_cpu_shims()
-    init_megatron(rank, WORLD, port)
-    bridge = Qwen3MoeBridge(AutoConfig.from_pretrained(ckpt), dtype=torch.float32)
-    model = bridge.build_model()
-    load_hf_checkpoint(model, ckpt, bridge)
+    bridge, model = _loaded(rank, port, ckpt)
     got = {"unwrapped": {n: t.clone() for n, t in export_hf_weights(model, bridge)}}
     fully_shard_as_megatron(model, dist.group.WORLD)
     got["sharded"] = {n: (type(t).__name__, t.clone()) for n, t in export_hf_weights(model, bridge)}
